@@ -1,0 +1,213 @@
+//! The encoder's configuration: serde (TOML or JSON), validated once at load.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::positional::PositionalConfig;
+
+/// Where LayerNorm sits around each sub-layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormPlacement {
+    /// `x = x + f(LN(x))`, with a final LayerNorm after the last layer.
+    #[default]
+    Pre,
+    /// `x = LN(x + f(x))`, as in the original Transformer and BERT; no final LayerNorm.
+    Post,
+}
+
+impl std::fmt::Display for NormPlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Pre => "pre",
+            Self::Post => "post",
+        })
+    }
+}
+
+fn default_dropout() -> f64 {
+    0.1
+}
+
+fn default_embed_scale() -> f64 {
+    1.0
+}
+
+fn default_layer_norm_eps() -> f64 {
+    1e-5
+}
+
+/// The shape and positional choice of an encoder.
+///
+/// ```toml
+/// vocab_size = 1000
+/// d_model = 64
+/// n_heads = 4
+/// n_layers = 2
+/// ffn_dim = 256
+/// max_len = 128
+/// norm = "pre"            # or "post"
+/// dropout = 0.1           # embeddings and both residual branches
+/// attention_dropout = 0.1 # attention weights
+/// embed_scale = 1.0       # token embeddings are multiplied by this before positions join
+///
+/// [positional]
+/// kind = "rope"
+/// base = 10000.0
+/// pairing = "half"
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    /// Width of the GELU feed-forward hidden layer.
+    pub ffn_dim: usize,
+    /// Longest sequence the learned table holds; the initial size of fixed tables, which grow
+    /// on demand (sinusoids and RoPE extrapolate to any length).
+    pub max_len: usize,
+    #[serde(default)]
+    pub norm: NormPlacement,
+    /// Dropout on the embeddings and on both residual branches.
+    #[serde(default = "default_dropout")]
+    pub dropout: f64,
+    /// Dropout on the attention weights.
+    #[serde(default = "default_dropout")]
+    pub attention_dropout: f64,
+    /// Token embeddings are multiplied by this before positions join (Vaswani et al. use
+    /// `sqrt(d_model)` with embeddings initialised at `1/sqrt(d_model)`; poslab initialises token
+    /// embeddings from N(0, 1) so 1.0 gives the same unit scale).
+    #[serde(default = "default_embed_scale")]
+    pub embed_scale: f64,
+    #[serde(default = "default_layer_norm_eps")]
+    pub layer_norm_eps: f64,
+    pub positional: PositionalConfig,
+}
+
+impl ModelConfig {
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+
+    /// Width of the token embedding table (narrower than `d_model` for concatenation).
+    pub fn token_dim(&self) -> usize {
+        self.positional.token_dim(self.d_model)
+    }
+
+    /// Checks every field; the message names the field, the value and a fix.
+    pub fn validate(&self) -> Result<()> {
+        self.check().map_err(Error::Config)
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_heads", self.n_heads),
+            ("ffn_dim", self.ffn_dim),
+            ("max_len", self.max_len),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(format!("{name} = 0, but it must be at least 1"));
+            }
+        }
+        if self.n_layers == 0 {
+            return Err("n_layers = 0: an encoder needs at least one layer".into());
+        }
+        if self.d_model % self.n_heads != 0 {
+            let divisors: Vec<String> = (1..=self.d_model.min(64))
+                .filter(|h| self.d_model % h == 0)
+                .map(|h| h.to_string())
+                .collect();
+            return Err(format!(
+                "n_heads = {} does not divide d_model = {}: every head must be equally wide; \
+                 choose n_heads from {{{}}} or change d_model",
+                self.n_heads,
+                self.d_model,
+                divisors.join(", ")
+            ));
+        }
+        for (name, p) in [
+            ("dropout", self.dropout),
+            ("attention_dropout", self.attention_dropout),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(format!(
+                    "{name} = {p} must be in [0, 1): it is the probability of zeroing a unit"
+                ));
+            }
+        }
+        if !self.embed_scale.is_finite() || self.embed_scale <= 0.0 {
+            return Err(format!(
+                "embed_scale = {} must be a finite, positive number",
+                self.embed_scale
+            ));
+        }
+        if !self.layer_norm_eps.is_finite() || self.layer_norm_eps <= 0.0 {
+            return Err(format!(
+                "layer_norm_eps = {} must be a finite, positive number (1e-5 is usual)",
+                self.layer_norm_eps
+            ));
+        }
+        self.positional.validate(self.d_model, self.head_dim())
+    }
+
+    /// Parses and validates a TOML document.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let config: Self = toml::from_str(text).map_err(|e| Error::ConfigParse {
+            path: "<toml>".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses and validates a JSON document.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let config: Self = serde_json::from_str(text).map_err(|e| Error::ConfigParse {
+            path: "<json>".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a `.toml` or `.json` file (by extension), then validates it.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let parsed = match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => Self::from_json_str(&text),
+            Some("toml") => Self::from_toml_str(&text),
+            other => {
+                return Err(Error::ConfigParse {
+                    path: path.into(),
+                    message: format!("unknown extension {other:?}: name the file *.toml or *.json"),
+                })
+            }
+        };
+        parsed.map_err(|e| match e {
+            Error::ConfigParse { message, .. } => Error::ConfigParse {
+                path: path.into(),
+                message,
+            },
+            Error::Config(message) => Error::Config(format!("{}: {message}", path.display())),
+            other => other,
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a model config always serializes")
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a model config always serializes")
+    }
+}

@@ -1,0 +1,299 @@
+//! The transformer encoder, top to bottom.
+//!
+//! ```text
+//! ids (b, t) ──tok_emb──▶ (b, t, d_tok) × embed_scale
+//!            ──InputPositions::join──▶ (b, t, d_model)      none | add | concat | learned
+//!            ──dropout──▶ N × EncoderLayer ──▶ final_norm (pre-norm only) ──▶ (b, t, d_model)
+//!
+//! EncoderLayer, pre-norm:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))
+//!               post-norm: x = LN(x + drop(attn(x)));  x = LN(x + drop(ffn(x)))
+//! attn rotates q and k with RoPE when the scheme is `rope`; padded keys get no weight.
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+use candle::{DType, Module, ModuleT, Tensor};
+use candle_nn::{Embedding, Init, VarBuilder};
+use rand::SeedableRng;
+
+use crate::config::{ModelConfig, NormPlacement};
+use crate::error::{Error, Result};
+use crate::nn::{
+    key_padding_bias, layer_norm, Dropout, FeedForward, LayerNorm, SelfAttention, SharedRng,
+};
+use crate::positional::{InputPositions, Placement, PositionalConfig, Rope, RopeAngles};
+use crate::rng;
+
+/// One layer: self-attention and a feed-forward block, each a residual branch with LayerNorm
+/// before (`pre`) or after (`post`) it.
+#[derive(Debug)]
+pub struct EncoderLayer {
+    attn_norm: LayerNorm,
+    attn: SelfAttention,
+    ffn_norm: LayerNorm,
+    ffn: FeedForward,
+    dropout: Dropout,
+    norm: NormPlacement,
+}
+
+impl EncoderLayer {
+    fn new(config: &ModelConfig, rng: &SharedRng, vb: VarBuilder) -> Result<Self> {
+        let d = config.d_model;
+        let eps = config.layer_norm_eps;
+        Ok(Self {
+            attn_norm: layer_norm(d, eps, vb.pp("attn_norm"))?,
+            attn: SelfAttention::new(
+                d,
+                config.n_heads,
+                config.positional.placement() == Placement::Attention,
+                Dropout::new(config.attention_dropout, rng.clone()),
+                vb.pp("attn"),
+            )?,
+            ffn_norm: layer_norm(d, eps, vb.pp("ffn_norm"))?,
+            ffn: FeedForward::new(d, config.ffn_dim, vb.pp("ffn"))?,
+            dropout: Dropout::new(config.dropout, rng.clone()),
+            norm: config.norm,
+        })
+    }
+
+    /// # Shapes
+    /// - `xs`: `(b, t, d_model)`, `bias`: `(b, 1, 1, t)`; returns `(b, t, d_model)`
+    fn forward_t(
+        &self,
+        xs: &Tensor,
+        bias: &Tensor,
+        rope: Option<&RopeAngles>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let attn = |x: &Tensor| -> Result<Tensor> {
+            let y = self.attn.forward_t(x, bias, rope, train)?;
+            Ok(self.dropout.forward_t(&y, train)?)
+        };
+        let ffn = |x: &Tensor| -> Result<Tensor> {
+            Ok(self.dropout.forward_t(&self.ffn.forward(x)?, train)?)
+        };
+        Ok(match self.norm {
+            NormPlacement::Pre => {
+                let xs = (xs + attn(&self.attn_norm.forward(xs)?)?)?;
+                (&xs + ffn(&self.ffn_norm.forward(&xs)?)?)?
+            }
+            NormPlacement::Post => {
+                let xs = self.attn_norm.forward(&(xs + attn(xs)?)?)?;
+                self.ffn_norm.forward(&(&xs + ffn(&xs)?)?)?
+            }
+        })
+    }
+}
+
+/// A transformer encoder with a swappable positional scheme.
+///
+/// The scheme acts in one of two places, and the fields say which: `input_positions` joins
+/// positions with the token embeddings (none, sinusoidal add or concat, learned), `rope` rotates
+/// q and k inside every attention layer. The config enum allows exactly one of them to carry
+/// positions.
+#[derive(Debug)]
+pub struct Encoder {
+    config: ModelConfig,
+    tok_emb: Embedding,
+    input_positions: InputPositions,
+    rope: Option<Rope>,
+    embed_dropout: Dropout,
+    layers: Vec<EncoderLayer>,
+    final_norm: Option<LayerNorm>,
+    dropout_rng: SharedRng,
+}
+
+impl Encoder {
+    /// Builds the encoder of `config` from `vb` (usually [`crate::ParamStore::var_builder`]).
+    /// The config is validated here; dropout masks start from seed 0 until
+    /// [`Encoder::set_dropout_seed`] is called.
+    pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate()?;
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let dropout_rng: SharedRng = Arc::new(Mutex::new(rng::Rng::seed_from_u64(0)));
+
+        let d_tok = config.token_dim();
+        let tok_weight = vb.get_with_hints(
+            (config.vocab_size, d_tok),
+            "tok_emb.weight",
+            Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            },
+        )?;
+        let tok_emb = Embedding::new(tok_weight, d_tok);
+        let input_positions = InputPositions::new(
+            &config.positional,
+            config.d_model,
+            config.max_len,
+            vb.pp("pos_emb"),
+        )?;
+        let rope = match &config.positional {
+            PositionalConfig::Rope(options) => Some(Rope::new(
+                options,
+                config.head_dim(),
+                config.max_len,
+                dtype,
+                &device,
+            )?),
+            _ => None,
+        };
+        let layers = (0..config.n_layers)
+            .map(|i| EncoderLayer::new(config, &dropout_rng, vb.pp(format!("layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = match config.norm {
+            NormPlacement::Pre => Some(layer_norm(
+                config.d_model,
+                config.layer_norm_eps,
+                vb.pp("final_norm"),
+            )?),
+            NormPlacement::Post => None,
+        };
+        Ok(Self {
+            config: config.clone(),
+            tok_emb,
+            input_positions,
+            rope,
+            embed_dropout: Dropout::new(config.dropout, dropout_rng.clone()),
+            layers,
+            final_norm,
+            dropout_rng,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.tok_emb.embeddings().dtype()
+    }
+
+    pub fn device(&self) -> &candle::Device {
+        self.tok_emb.embeddings().device()
+    }
+
+    /// The input-side positional module (`None` for `rope` and the `none` control).
+    pub fn input_positions(&self) -> &InputPositions {
+        &self.input_positions
+    }
+
+    /// The attention-side positional module, for `rope`.
+    pub fn rope(&self) -> Option<&Rope> {
+        self.rope.as_ref()
+    }
+
+    /// Restarts the dropout masks from `seed` (a trainer reseeds per step, so a resumed run draws
+    /// the same masks as one that never stopped).
+    pub fn set_dropout_seed(&self, seed: u64) {
+        *self
+            .dropout_rng
+            .lock()
+            .expect("dropout generator lock poisoned") = rng::Rng::seed_from_u64(seed);
+    }
+
+    /// The last hidden states, positions starting at 0.
+    ///
+    /// # Shapes
+    /// - `input_ids`: `(b, t)` of u8, u32 or i64 ids below `vocab_size`
+    /// - `attention_mask`: `(b, t)`, 1 for real tokens and 0 for padding; every sequence needs at
+    ///   least one real token
+    /// - returns `(b, t, d_model)`; values at padded positions are computed but carry no meaning
+    pub fn forward_t(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        train: bool,
+    ) -> Result<Tensor> {
+        self.forward_at(input_ids, attention_mask, 0, train)
+    }
+
+    /// As [`Encoder::forward_t`], with the first token at position `start` (the shift test: a
+    /// relative scheme should not care, an absolute one may).
+    pub fn forward_at(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        start: usize,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (_, t) = self.check_input(input_ids, attention_mask)?;
+
+        let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
+        let x = if self.config.embed_scale == 1.0 {
+            x
+        } else {
+            (x * self.config.embed_scale)?
+        };
+        let x = self.input_positions.join(&x, start)?; // (b, t, d_model)
+        let mut x = self.embed_dropout.forward_t(&x, train)?;
+
+        let bias = key_padding_bias(attention_mask, x.dtype())?; // (b, 1, 1, t)
+        let rope = self.rope.as_ref().map(|r| r.angles(start, t)).transpose()?;
+        for layer in &self.layers {
+            x = layer.forward_t(&x, &bias, rope.as_ref(), train)?;
+        }
+        match &self.final_norm {
+            Some(norm) => Ok(norm.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    /// Rejects inputs the model cannot take, with the reason and the fix.
+    fn check_input(&self, ids: &Tensor, mask: &Tensor) -> Result<(usize, usize)> {
+        let (b, t) = ids.dims2().map_err(|_| {
+            Error::Input(format!(
+                "input_ids must be (batch, seq_len), got shape {:?}",
+                ids.shape()
+            ))
+        })?;
+        if mask.dims() != ids.dims() {
+            return Err(Error::Input(format!(
+                "attention_mask has shape {:?} but input_ids has {:?}: they must match",
+                mask.shape(),
+                ids.shape()
+            )));
+        }
+        if b == 0 || t == 0 {
+            return Err(Error::Input(format!(
+                "empty batch: input_ids has shape {:?}",
+                ids.shape()
+            )));
+        }
+        if !matches!(ids.dtype(), DType::U8 | DType::U32 | DType::I64) {
+            return Err(Error::Input(format!(
+                "input_ids must hold integer ids (u8, u32 or i64), got {:?}",
+                ids.dtype()
+            )));
+        }
+        let vocab = self.config.vocab_size as i64;
+        let flat = ids.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
+        if let Some((i, &id)) = flat
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id >= vocab)
+        {
+            return Err(Error::Input(format!(
+                "token id {id} at (sequence {}, position {}) is outside the vocabulary of \
+                 {vocab} ids: the tokenizer and the model's vocab_size disagree",
+                i / t,
+                i % t
+            )));
+        }
+        let mask_rows = mask.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        for (i, row) in mask_rows.iter().enumerate() {
+            if let Some(v) = row.iter().find(|&&v| v != 0.0 && v != 1.0) {
+                return Err(Error::Input(format!(
+                    "attention_mask holds {v} in sequence {i}: use 1 for real tokens and 0 for padding"
+                )));
+            }
+            if row.iter().all(|&v| v == 0.0) {
+                return Err(Error::Input(format!(
+                    "sequence {i} of the batch has no real tokens (its attention_mask is all 0): \
+                     drop empty sequences before encoding"
+                )));
+            }
+        }
+        Ok((b, t))
+    }
+}

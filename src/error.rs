@@ -1,0 +1,45 @@
+//! The library's error type. Every message names the problem and, where there is one, the fix.
+
+use std::path::PathBuf;
+
+/// Errors returned by poslab's library code. The binary wraps them in `anyhow`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A model configuration that cannot describe a working encoder.
+    #[error("invalid model config: {0}")]
+    Config(String),
+
+    /// A configuration file that could not be parsed (syntax, unknown field or option, wrong type).
+    #[error("cannot parse config {path}: {message}")]
+    ConfigParse { path: PathBuf, message: String },
+
+    /// Input tensors that do not fit the model (shapes, ids, masks, lengths).
+    #[error("invalid input: {0}")]
+    Input(String),
+
+    /// A checkpoint that does not match the model or is not a readable safetensors file.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+
+    /// Filesystem failures, with the path involved (the message includes the cause).
+    #[error("{path}: {error}")]
+    Io {
+        path: PathBuf,
+        error: std::io::Error,
+    },
+
+    /// Errors raised inside candle's tensor operations.
+    #[error(transparent)]
+    Candle(#[from] candle::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            error,
+        }
+    }
+}

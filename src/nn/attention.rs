@@ -1,0 +1,98 @@
+//! Multi-head self-attention with a key-padding mask; RoPE, when chosen, acts here on q and k.
+
+use candle::{DType, Module, ModuleT, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+
+use super::{linear, linear_no_bias, softmax_last_dim, Dropout};
+use crate::positional::RopeAngles;
+
+/// The score given to a padded key before the softmax: far enough below any real score that its
+/// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
+const MASKED_SCORE: f64 = -1e9;
+
+/// The additive attention bias of a key-padding mask.
+///
+/// # Shapes
+/// - `mask`: `(b, t)`, 1 for a real token and 0 for padding (any numeric dtype)
+/// - returns `(b, 1, 1, t)` in `dtype`: 0 for real keys, a large negative score for padded keys
+pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (b, t) = mask.dims2()?;
+    let real = mask.to_dtype(dtype)?;
+    ((real - 1.0)? * -MASKED_SCORE)?.reshape((b, 1, 1, t))
+}
+
+/// Scaled dot-product attention over `n_heads` heads, projections `attn.{q,k,v,o}`.
+///
+/// The key projection has a bias only when RoPE is on. Without RoPE a key bias adds
+/// `q_i . b_k` to every score of query `i`, the same for all keys, and softmax cancels it: the
+/// bias could never change an output, and its gradient is exactly zero. RoPE rotates it by
+/// position (`q_i . R(j - i) b_k`), which makes it a real, relative-position parameter.
+#[derive(Clone, Debug)]
+pub struct SelfAttention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    n_heads: usize,
+    head_dim: usize,
+    dropout: Dropout,
+}
+
+impl SelfAttention {
+    pub fn new(
+        d_model: usize,
+        n_heads: usize,
+        key_bias: bool,
+        dropout: Dropout,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let k = if key_bias {
+            linear(d_model, d_model, vb.pp("k"))?
+        } else {
+            linear_no_bias(d_model, d_model, vb.pp("k"))?
+        };
+        Ok(Self {
+            q: linear(d_model, d_model, vb.pp("q"))?,
+            k,
+            v: linear(d_model, d_model, vb.pp("v"))?,
+            o: linear(d_model, d_model, vb.pp("o"))?,
+            n_heads,
+            head_dim: d_model / n_heads,
+            dropout,
+        })
+    }
+
+    /// # Shapes
+    /// - `xs`: `(b, t, d_model)`
+    /// - `bias`: `(b, 1, 1, t)` from [`key_padding_bias`]
+    /// - `rope`: the angles of this batch's positions, for the `rope` scheme
+    /// - returns `(b, t, d_model)`
+    pub fn forward_t(
+        &self,
+        xs: &Tensor,
+        bias: &Tensor,
+        rope: Option<&RopeAngles>,
+        train: bool,
+    ) -> crate::Result<Tensor> {
+        let (b, t, d) = xs.dims3()?;
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)? // (b, h, t, d_head)
+                .contiguous()
+        };
+        let mut q = heads(self.q.forward(xs)?)?;
+        let mut k = heads(self.k.forward(xs)?)?;
+        let v = heads(self.v.forward(xs)?)?;
+        if let Some(rope) = rope {
+            q = rope.apply(&q)?;
+            k = rope.apply(&k)?;
+        }
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?; // (b, h, t, t)
+        let weights = softmax_last_dim(&scores.broadcast_add(bias)?)?;
+        let weights = self.dropout.forward_t(&weights, train)?;
+        let out = weights.matmul(&v)?; // (b, h, t, d_head)
+        let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
+        Ok(self.o.forward(&out)?)
+    }
+}

@@ -1,0 +1,57 @@
+//! Dropout with masks from poslab's own seeded generator.
+
+use std::sync::{Arc, Mutex};
+
+use candle::{DType, Device, ModuleT, Result, Tensor};
+use rand::RngCore;
+
+use crate::rng::Rng;
+
+/// One generator shared by every dropout site of a model: masks are drawn in forward order, so
+/// the same seed and the same batches give the same masks.
+pub type SharedRng = Arc<Mutex<Rng>>;
+
+/// Inverted dropout: in training each unit is zeroed with probability `p` and the survivors are
+/// scaled by `1 / (1 - p)`; in evaluation it is the identity.
+///
+/// candle's `ops::dropout` draws from the device generator, which cannot be seeded on CPU, so
+/// masks are drawn here on the host and uploaded.
+#[derive(Clone, Debug)]
+pub struct Dropout {
+    p: f64,
+    rng: SharedRng,
+}
+
+impl Dropout {
+    pub fn new(p: f64, rng: SharedRng) -> Self {
+        Self { p, rng }
+    }
+
+    fn mask(&self, shape: &candle::Shape, dtype: DType, device: &Device) -> Result<Tensor> {
+        // Keep a unit when a uniform u32 is at or above p * 2^32: exactly probability 1 - p
+        // up to 2^-32.
+        let threshold = (self.p * 4_294_967_296.0) as u64;
+        let n = shape.elem_count();
+        let mut rng = self.rng.lock().expect("dropout generator lock poisoned");
+        let mut keep = || u64::from(rng.next_u32()) >= threshold;
+        let mask = if dtype == DType::F64 {
+            let scale = 1.0 / (1.0 - self.p);
+            let v: Vec<f64> = (0..n).map(|_| if keep() { scale } else { 0.0 }).collect();
+            Tensor::from_vec(v, shape, &Device::Cpu)?
+        } else {
+            let scale = (1.0 / (1.0 - self.p)) as f32;
+            let v: Vec<f32> = (0..n).map(|_| if keep() { scale } else { 0.0 }).collect();
+            Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?
+        };
+        mask.to_device(device)
+    }
+}
+
+impl ModuleT for Dropout {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        if !train || self.p == 0.0 {
+            return Ok(xs.clone());
+        }
+        xs.mul(&self.mask(xs.shape(), xs.dtype(), xs.device())?)
+    }
+}

@@ -1,0 +1,255 @@
+//! The model's trainable variables: created from the seeded generator, saved and loaded by name.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use candle::safetensors::Load;
+use candle::{DType, Device, Shape, Tensor, Var};
+use candle_nn::init::NormalOrUniform;
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use rand::Rng as _;
+use rand_distr::StandardNormal;
+
+use crate::error::{Error, Result};
+use crate::rng;
+
+/// Every trainable variable of a model, by name (`layers.0.attn.q.weight`, ...).
+///
+/// It is the `VarBuilder` backend models are built from: each variable is drawn from the named
+/// stream `rng::stream(seed, name)`, so the same seed gives the same weights bit for bit, and two
+/// models that share a variable's name and shape (say the attention of `sinusoidal_add` and of
+/// `rope`) start it from the same values, whatever else they hold.
+#[derive(Clone, Debug)]
+pub struct ParamStore {
+    seed: u64,
+    vars: Arc<Mutex<BTreeMap<String, Var>>>,
+}
+
+impl ParamStore {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            vars: Arc::default(),
+        }
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// A `VarBuilder` whose `get` creates (or returns) variables in this store.
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
+    }
+
+    /// All variables, sorted by name.
+    pub fn vars(&self) -> Vec<(String, Var)> {
+        self.lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// The variables alone, for an optimizer.
+    pub fn all_vars(&self) -> Vec<Var> {
+        self.lock().values().cloned().collect()
+    }
+
+    pub fn get(&self, name: &str) -> Option<Var> {
+        self.lock().get(name).cloned()
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_params(&self) -> usize {
+        self.lock().values().map(|v| v.elem_count()).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Var>> {
+        self.vars.lock().expect("parameter store lock poisoned")
+    }
+
+    /// Writes every variable to a safetensors file with `metadata`, atomically.
+    pub fn save(&self, path: impl AsRef<Path>, metadata: HashMap<String, String>) -> Result<()> {
+        let path = path.as_ref();
+        let tensors: Vec<(String, Tensor)> = self
+            .vars()
+            .into_iter()
+            .map(|(name, var)| (name, var.as_tensor().clone()))
+            .collect();
+        let bytes =
+            safetensors::serialize(tensors, Some(metadata)).map_err(|e| Error::Checkpoint {
+                path: path.into(),
+                message: format!("cannot serialize: {e}"),
+            })?;
+        crate::io::write_atomic(path, &bytes)
+    }
+
+    /// Loads a safetensors file written by [`ParamStore::save`] (or any file with the same names
+    /// and shapes) into the variables, and returns its metadata.
+    ///
+    /// Nothing is changed unless the file holds exactly the model's variables with exactly their
+    /// shapes; otherwise the error lists every missing, unexpected and mis-shaped tensor.
+    pub fn load(&self, path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let corrupt = |e: safetensors::SafeTensorError| Error::Checkpoint {
+            path: path.into(),
+            message: format!(
+                "not a readable safetensors file ({e}); it may be truncated or corrupt: \
+                 save it again or point to the right file"
+            ),
+        };
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(corrupt)?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(corrupt)?;
+        let mut tensors = HashMap::new();
+        for (name, view) in st.tensors() {
+            let tensor = view.load(&Device::Cpu).map_err(|e| Error::Checkpoint {
+                path: path.into(),
+                message: format!("tensor {name}: {e}"),
+            })?;
+            tensors.insert(name, tensor);
+        }
+        self.assign(&tensors, path)?;
+        Ok(header.metadata().clone().unwrap_or_default())
+    }
+
+    /// Sets the variables from `tensors` (converted to each variable's dtype and device), after
+    /// checking that the names and shapes match exactly. `source` names them in errors.
+    pub fn assign(&self, tensors: &HashMap<String, Tensor>, source: &Path) -> Result<()> {
+        let vars = self.lock();
+        let mut problems = Vec::new();
+        for (name, var) in vars.iter() {
+            match tensors.get(name) {
+                None => problems.push(format!(
+                    "missing tensor `{name}` (the model expects shape {:?})",
+                    var.dims()
+                )),
+                Some(t) if t.dims() != var.dims() => problems.push(format!(
+                    "tensor `{name}` has shape {:?} in the file but the model expects {:?}",
+                    t.dims(),
+                    var.dims()
+                )),
+                Some(_) => {}
+            }
+        }
+        let mut unexpected: Vec<_> = tensors
+            .iter()
+            .filter(|(name, _)| !vars.contains_key(*name))
+            .map(|(name, t)| format!("unexpected tensor `{name}` {:?}", t.dims()))
+            .collect();
+        unexpected.sort();
+        problems.extend(unexpected);
+        if !problems.is_empty() {
+            let n = problems.len();
+            let mut message = format!(
+                "does not match the model ({n} problem{}; was it saved from a model with another \
+                 config or positional scheme?):",
+                if n == 1 { "" } else { "s" }
+            );
+            for p in problems.iter().take(20) {
+                message.push_str("\n  - ");
+                message.push_str(p);
+            }
+            if n > 20 {
+                message.push_str(&format!("\n  ... and {} more", n - 20));
+            }
+            return Err(Error::Checkpoint {
+                path: source.into(),
+                message,
+            });
+        }
+        for (name, var) in vars.iter() {
+            let t = &tensors[name];
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads only the metadata of a safetensors file.
+pub fn read_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let (_, header) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::Checkpoint {
+            path: path.into(),
+            message: format!("not a readable safetensors file ({e})"),
+        })?;
+    Ok(header.metadata().clone().unwrap_or_default())
+}
+
+/// Draws `n` values of `init` for a variable of `shape` from `rng`.
+fn sample(init: Init, shape: &Shape, rng: &mut rng::Rng) -> Vec<f64> {
+    let n = shape.elem_count();
+    let normal = |rng: &mut rng::Rng, mean: f64, std: f64| -> Vec<f64> {
+        (0..n)
+            .map(|_| mean + std * rng.sample::<f64, _>(StandardNormal))
+            .collect()
+    };
+    let uniform = |rng: &mut rng::Rng, lo: f64, up: f64| -> Vec<f64> {
+        (0..n)
+            .map(|_| lo + (up - lo) * rng.random::<f64>())
+            .collect()
+    };
+    match init {
+        Init::Const(c) => vec![c; n],
+        Init::Randn { mean, stdev } => normal(rng, mean, stdev),
+        Init::Uniform { lo, up } => uniform(rng, lo, up),
+        Init::Kaiming {
+            dist,
+            fan,
+            non_linearity,
+        } => {
+            let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
+            match dist {
+                NormalOrUniform::Normal => normal(rng, 0.0, std),
+                NormalOrUniform::Uniform => {
+                    let bound = 3f64.sqrt() * std;
+                    uniform(rng, -bound, bound)
+                }
+            }
+        }
+    }
+}
+
+impl SimpleBackend for ParamStore {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle::Result<Tensor> {
+        let mut vars = self.lock();
+        if let Some(var) = vars.get(name) {
+            if var.shape() != &shape {
+                candle::bail!(
+                    "parameter `{name}` requested with shape {shape:?} but it exists as {:?}",
+                    var.shape()
+                )
+            }
+            return Ok(var.as_tensor().clone());
+        }
+        let values = sample(init, &shape, &mut rng::stream(self.seed, name));
+        let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?;
+        let var = Var::from_tensor(&tensor)?;
+        vars.insert(name.to_string(), var.clone());
+        Ok(var.as_tensor().clone())
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _device: &Device) -> candle::Result<Tensor> {
+        match self.lock().get(name) {
+            Some(var) => Ok(var.as_tensor().clone()),
+            None => candle::bail!("no parameter named `{name}` in the store"),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.lock().contains_key(name)
+    }
+}

@@ -1,0 +1,123 @@
+//! Input-side schemes: positions joined with the token embeddings before the first layer.
+
+use candle::{Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use super::{sinusoidal_table, PositionTable, PositionalConfig};
+use crate::error::{Error, Result};
+
+/// How positions join the token embeddings. `rope` acts elsewhere (inside attention), so for it
+/// and for the `none` control this is [`InputPositions::None`].
+#[derive(Debug)]
+pub enum InputPositions {
+    /// Token embeddings pass through unchanged.
+    None,
+    /// `x + PE`, the table `d_model` wide.
+    Add(PositionTable),
+    /// `[x ; PE]`, tokens `d_model - pos_dim` wide, the table `pos_dim` wide.
+    Concat(PositionTable),
+    /// `x + P`, a trained `max_len x d_model` table.
+    Learned(LearnedPositions),
+}
+
+/// A trained position table, `pos_emb.weight` of shape `(max_len, d_model)`.
+#[derive(Debug, Clone)]
+pub struct LearnedPositions {
+    weight: Tensor,
+}
+
+impl LearnedPositions {
+    pub fn new(max_len: usize, d_model: usize, init_std: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(
+            (max_len, d_model),
+            "weight",
+            Init::Randn {
+                mean: 0.0,
+                stdev: init_std,
+            },
+        )?;
+        Ok(Self { weight })
+    }
+
+    /// `(max_len, d_model)`
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.weight.dim(0).unwrap_or(0)
+    }
+
+    fn rows(&self, start: usize, len: usize) -> Result<Tensor> {
+        let max_len = self.max_len();
+        if start + len > max_len {
+            let what = if start == 0 {
+                format!("a sequence of {len} tokens")
+            } else {
+                format!("positions {start}..{}", start + len)
+            };
+            return Err(Error::Input(format!(
+                "{what} does not fit the learned position table of max_len = {max_len} rows: \
+                 shorten or truncate the input, or train a model with a larger max_len"
+            )));
+        }
+        Ok(self.weight.narrow(0, start, len)?)
+    }
+}
+
+impl InputPositions {
+    /// Builds the input side of `config`; `vb` is the `pos_emb` scope for a learned table.
+    pub fn new(
+        config: &PositionalConfig,
+        d_model: usize,
+        max_len: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let table = |width: usize, base: f64, layout| {
+            PositionTable::new(width, max_len, dtype, &device, move |n| {
+                sinusoidal_table(0, n, width, base, layout)
+            })
+        };
+        Ok(match config {
+            PositionalConfig::None(_) | PositionalConfig::Rope(_) => Self::None,
+            PositionalConfig::SinusoidalAdd(o) => Self::Add(table(d_model, o.base, o.layout)?),
+            PositionalConfig::SinusoidalConcat(o) => {
+                Self::Concat(table(o.pos_dim, o.base, o.layout)?)
+            }
+            PositionalConfig::Learned(o) => {
+                Self::Learned(LearnedPositions::new(max_len, d_model, o.init_std, vb)?)
+            }
+        })
+    }
+
+    /// The longest input this scheme can take, where there is a limit (a learned table).
+    pub fn max_positions(&self) -> Option<usize> {
+        match self {
+            Self::Learned(l) => Some(l.max_len()),
+            _ => None,
+        }
+    }
+
+    /// Joins positions `start..start + t` with the token embeddings.
+    ///
+    /// # Shapes
+    /// - `tokens`: `(b, t, d_tok)`, `d_tok = d_model - pos_dim` for concat, else `d_model`
+    /// - returns `(b, t, d_model)`
+    pub fn join(&self, tokens: &Tensor, start: usize) -> Result<Tensor> {
+        let (b, t, _) = tokens.dims3()?;
+        Ok(match self {
+            Self::None => tokens.clone(),
+            Self::Add(table) => tokens.broadcast_add(&table.rows(start, t)?)?,
+            Self::Learned(learned) => tokens.broadcast_add(&learned.rows(start, t)?)?,
+            Self::Concat(table) => {
+                let pe = table
+                    .rows(start, t)?
+                    .unsqueeze(0)?
+                    .broadcast_as((b, t, table.width()))?
+                    .contiguous()?; // (b, t, pos_dim)
+                Tensor::cat(&[tokens, &pe], D::Minus1)?
+            }
+        })
+    }
+}

@@ -1,0 +1,68 @@
+//! The sinusoidal table of Vaswani et al. (2017), computed in f64 on the host.
+//!
+//! Angles reach `p * w_0 = p` radians, thousands for long inputs; computing them in f32 would
+//! lose about `p * 6e-8` of absolute accuracy before `sin` is even taken, so the table is built
+//! in f64 and rounded once to the model's dtype.
+
+use super::TableLayout;
+
+/// `w_i = base^(-2i/dim)` for `i` in `0..dim/2`: the angular frequency of pair `i`.
+pub fn inverse_frequencies(dim: usize, base: f64) -> Vec<f64> {
+    (0..dim / 2)
+        .map(|i| base.powf(-((2 * i) as f64) / dim as f64))
+        .collect()
+}
+
+/// Rows `start..start + len` of the table, row-major `[len, dim]`.
+///
+/// Row `p` depends on `p` only, never on `len`: a table of 10 rows is the first 10 rows of a
+/// table of 10 000. `dim` must be even (configs are validated before this is called).
+pub fn sinusoidal_table(
+    start: usize,
+    len: usize,
+    dim: usize,
+    base: f64,
+    layout: TableLayout,
+) -> Vec<f64> {
+    debug_assert!(dim % 2 == 0, "sinusoidal width must be even, got {dim}");
+    let inv_freq = inverse_frequencies(dim, base);
+    let half = dim / 2;
+    let mut out = vec![0.0; len * dim];
+    for (r, row) in out.chunks_exact_mut(dim).enumerate() {
+        let p = (start + r) as f64;
+        for (i, &w) in inv_freq.iter().enumerate() {
+            let (s, c) = (p * w).sin_cos();
+            match layout {
+                TableLayout::Interleaved => {
+                    row[2 * i] = s;
+                    row[2 * i + 1] = c;
+                }
+                TableLayout::Half => {
+                    row[i] = s;
+                    row[half + i] = c;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_rows_match_closed_form() {
+        // Position 0: sin 0 = 0, cos 0 = 1 in every pair; position 1 pair 0 has angle 1 rad.
+        let t = sinusoidal_table(0, 2, 4, 10_000.0, TableLayout::Interleaved);
+        assert_eq!(&t[..4], &[0.0, 1.0, 0.0, 1.0]);
+        assert_eq!(t[4], 1f64.sin());
+        assert_eq!(t[5], 1f64.cos());
+        // Pair 1 of width 4: w_1 = 10000^(-1/2) = 0.01.
+        assert!((t[6] - 0.01f64.sin()).abs() < 1e-15);
+        let h = sinusoidal_table(0, 2, 4, 10_000.0, TableLayout::Half);
+        assert_eq!(&h[..4], &[0.0, 0.0, 1.0, 1.0]);
+        assert_eq!(h[4], 1f64.sin());
+        assert_eq!(h[6], 1f64.cos());
+    }
+}

@@ -1,0 +1,217 @@
+//! Helpers shared by the test modules: fixtures, tiny configs, comparisons.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle::{DType, Device, Tensor};
+use poslab::positional::{
+    ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions,
+};
+use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig};
+
+pub fn fixture_path(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+/// All tensors of a fixture file, on the CPU, as stored (f32 / i64).
+pub fn load_fixture(name: &str) -> HashMap<String, Tensor> {
+    candle::safetensors::load(fixture_path(name), &Device::Cpu)
+        .unwrap_or_else(|e| panic!("fixture {name}: {e}"))
+}
+
+/// The names of the ten whole-encoder fixtures (variant x norm).
+pub fn encoder_fixture_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(fixture_path(""))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("encoder_") && n.ends_with(".safetensors"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// A whole-encoder fixture: its model config, weights, inputs and expected output.
+pub struct EncoderFixture {
+    pub name: String,
+    pub config: ModelConfig,
+    pub weights: HashMap<String, Tensor>,
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub expected: Tensor,
+    /// Key biases the reference carries but poslab leaves out where they cannot act (every
+    /// scheme but rope: softmax cancels them). The reference outputs were computed with them.
+    pub dropped_key_biases: Vec<Tensor>,
+}
+
+/// Maps the reference's config (metadata `config`) onto poslab's.
+pub fn config_from_reference(meta: &serde_json::Value) -> ModelConfig {
+    let s = |k: &str| meta[k].as_str().unwrap().to_string();
+    let u = |k: &str| meta[k].as_u64().unwrap() as usize;
+    let f = |k: &str| meta[k].as_f64().unwrap();
+    let layout = serde_json::from_value(meta["layout"].clone()).unwrap();
+    let pairing = serde_json::from_value(meta["rope_pairing"].clone()).unwrap();
+    let positional = match s("positional").as_str() {
+        "none" => PositionalConfig::None(NoOptions {}),
+        "sinusoidal_add" => PositionalConfig::SinusoidalAdd(SinusoidalOptions {
+            base: f("base"),
+            layout,
+        }),
+        "sinusoidal_concat" => PositionalConfig::SinusoidalConcat(ConcatOptions {
+            pos_dim: u("pos_dim"),
+            base: f("base"),
+            layout,
+        }),
+        "learned" => PositionalConfig::Learned(LearnedOptions::default()),
+        "rope" => PositionalConfig::Rope(RopeOptions {
+            base: f("base"),
+            pairing,
+        }),
+        other => panic!("unknown positional {other}"),
+    };
+    ModelConfig {
+        vocab_size: u("vocab"),
+        d_model: u("d_model"),
+        n_heads: u("heads"),
+        n_layers: u("layers"),
+        ffn_dim: u("ffn_dim"),
+        max_len: u("max_len"),
+        norm: serde_json::from_value(meta["norm"].clone()).unwrap(),
+        dropout: 0.0,
+        attention_dropout: 0.0,
+        embed_scale: f("embed_scale"),
+        layer_norm_eps: 1e-5,
+        positional,
+    }
+}
+
+pub fn load_encoder_fixture(name: &str) -> EncoderFixture {
+    let path = fixture_path(name);
+    let meta = poslab::params::read_metadata(&path).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&meta["config"]).unwrap();
+    let mut weights = load_fixture(name);
+    let input_ids = weights.remove("input_ids").unwrap();
+    let attention_mask = weights.remove("attention_mask").unwrap();
+    let expected = weights.remove("expected_hidden").unwrap();
+    let config = config_from_reference(&meta);
+    let mut dropped_key_biases = Vec::new();
+    if config.positional.placement() != poslab::Placement::Attention {
+        for i in 0..config.n_layers {
+            dropped_key_biases.push(weights.remove(&format!("layers.{i}.attn.k.bias")).unwrap());
+        }
+    }
+    EncoderFixture {
+        name: name.to_string(),
+        config,
+        dropped_key_biases,
+        weights,
+        input_ids,
+        attention_mask,
+        expected,
+    }
+}
+
+impl EncoderFixture {
+    /// An encoder in `dtype` holding the fixture's weights (loaded by name), and its store.
+    pub fn encoder(&self, dtype: DType) -> (Encoder, ParamStore) {
+        let store = ParamStore::new(0);
+        let encoder = Encoder::new(&self.config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        store.assign(&self.weights, Path::new(&self.name)).unwrap();
+        (encoder, store)
+    }
+}
+
+/// Largest absolute difference, over all elements, as f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let a = a.to_dtype(DType::F64).unwrap();
+    let b = b.to_dtype(DType::F64).unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// Largest absolute difference at real (unpadded) positions of `(b, t, d)` tensors.
+pub fn max_abs_diff_real(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
+    let mask = mask.to_dtype(DType::F64).unwrap().unsqueeze(2).unwrap();
+    let diff = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .broadcast_mul(&mask)
+        .unwrap();
+    diff.flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// A tiny config of each of the five schemes (and both norms), for property and gradient tests.
+pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 40,
+        d_model: 16,
+        n_heads: 2,
+        n_layers: 2,
+        ffn_dim: 24,
+        max_len: 32,
+        norm,
+        dropout: 0.0,
+        attention_dropout: 0.0,
+        embed_scale: 1.0,
+        layer_norm_eps: 1e-5,
+        positional,
+    }
+}
+
+/// One config per scheme, with non-default options where a scheme has them.
+pub fn all_schemes() -> Vec<PositionalConfig> {
+    use poslab::{RopePairing, TableLayout};
+    vec![
+        PositionalConfig::None(NoOptions {}),
+        PositionalConfig::SinusoidalAdd(SinusoidalOptions::default()),
+        PositionalConfig::SinusoidalAdd(SinusoidalOptions {
+            base: 100.0,
+            layout: TableLayout::Half,
+        }),
+        PositionalConfig::SinusoidalConcat(ConcatOptions {
+            pos_dim: 6,
+            base: 10_000.0,
+            layout: TableLayout::Interleaved,
+        }),
+        PositionalConfig::Learned(LearnedOptions::default()),
+        PositionalConfig::Rope(RopeOptions::default()),
+        PositionalConfig::Rope(RopeOptions {
+            base: 500_000.0,
+            pairing: RopePairing::Half,
+        }),
+    ]
+}
+
+/// A batch of token ids `(b, t)` from a fixed pattern, and a mask with padding at the end of
+/// all but the first sequence.
+pub fn padded_batch(b: usize, t: usize, vocab: u32) -> (Tensor, Tensor) {
+    let mut ids = Vec::with_capacity(b * t);
+    let mut mask = Vec::with_capacity(b * t);
+    for i in 0..b {
+        let real = t - (i % t.min(4));
+        for j in 0..t {
+            ids.push(((i * 7 + j * 13 + 3) as u32) % vocab);
+            mask.push(u32::from(j < real));
+        }
+    }
+    (
+        Tensor::from_vec(ids, (b, t), &Device::Cpu).unwrap(),
+        Tensor::from_vec(mask, (b, t), &Device::Cpu).unwrap(),
+    )
+}

@@ -1,0 +1,333 @@
+//! Configs parse from TOML and JSON, and every bad config or input is refused with a message
+//! that names the problem and the fix, never a panic.
+
+use candle::{DType, Device, Tensor};
+use poslab::{Encoder, Error, ModelConfig, NormPlacement, ParamStore, PositionalConfig};
+
+use crate::common::*;
+
+const SHAPE: &str =
+    "vocab_size = 50\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\nmax_len = 32\n";
+
+fn parse(extra: &str, positional: &str) -> poslab::Result<ModelConfig> {
+    ModelConfig::from_toml_str(&format!("{SHAPE}{extra}\n[positional]\n{positional}\n"))
+}
+
+/// The error's message, which must contain every one of `needles`.
+fn assert_error(result: poslab::Result<ModelConfig>, needles: &[&str]) {
+    let message = match result {
+        Ok(c) => panic!("accepted a bad config: {c:?}"),
+        Err(e) => e.to_string(),
+    };
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "message {message:?} lacks {needle:?}"
+        );
+    }
+}
+
+#[test]
+fn every_scheme_parses_with_its_options_and_round_trips() {
+    let cases = [
+        ("kind = \"none\"", "none"),
+        (
+            "kind = \"sinusoidal_add\"\nbase = 100.0\nlayout = \"half\"",
+            "sinusoidal_add",
+        ),
+        (
+            "kind = \"sinusoidal_concat\"\npos_dim = 6",
+            "sinusoidal_concat",
+        ),
+        ("kind = \"learned\"\ninit_std = 0.02", "learned"),
+        (
+            "kind = \"rope\"\nbase = 500000.0\npairing = \"half\"",
+            "rope",
+        ),
+    ];
+    for (text, name) in cases {
+        let config = parse("norm = \"post\"", text).unwrap();
+        assert_eq!(config.positional.name(), name);
+        assert_eq!(config.norm, NormPlacement::Post);
+        assert_eq!(
+            ModelConfig::from_json_str(&config.to_json()).unwrap(),
+            config
+        );
+        assert_eq!(
+            ModelConfig::from_toml_str(&config.to_toml()).unwrap(),
+            config
+        );
+    }
+    // Defaults: base 1e4, interleaved, pre-norm, dropout 0.1, eps 1e-5, embed_scale 1.
+    let config = parse("", "kind = \"sinusoidal_add\"").unwrap();
+    assert_eq!(config.norm, NormPlacement::Pre);
+    assert_eq!((config.dropout, config.attention_dropout), (0.1, 0.1));
+    assert_eq!((config.layer_norm_eps, config.embed_scale), (1e-5, 1.0));
+    match config.positional {
+        PositionalConfig::SinusoidalAdd(o) => {
+            assert_eq!(o.base, 10_000.0);
+            assert_eq!(o.layout, poslab::TableLayout::Interleaved);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn bad_widths_and_shapes_are_refused_with_the_fix() {
+    // Odd width for a sinusoid added to the residual stream.
+    assert_error(
+        ModelConfig::from_toml_str(
+            "vocab_size = 50\nd_model = 15\nn_heads = 3\nn_layers = 2\nffn_dim = 32\nmax_len = 32\n\
+             [positional]\nkind = \"sinusoidal_add\"\n",
+        ),
+        &["sinusoidal_add", "even", "d_model = 15", "16"],
+    );
+    // Odd RoPE head width: 12 / 4 = 3.
+    assert_error(
+        ModelConfig::from_toml_str(
+            "vocab_size = 50\nd_model = 12\nn_heads = 4\nn_layers = 2\nffn_dim = 32\nmax_len = 32\n\
+             [positional]\nkind = \"rope\"\n",
+        ),
+        &["rope", "head width must be even", "= 3"],
+    );
+    // Heads not dividing the width: the message lists the heads that would.
+    assert_error(
+        ModelConfig::from_toml_str(
+            "vocab_size = 50\nd_model = 16\nn_heads = 3\nn_layers = 2\nffn_dim = 32\nmax_len = 32\n\
+             [positional]\nkind = \"none\"\n",
+        ),
+        &["n_heads = 3 does not divide d_model = 16", "{1, 2, 4, 8, 16}"],
+    );
+    // Concat with no room left for token embeddings, or an odd table.
+    assert_error(
+        parse("", "kind = \"sinusoidal_concat\"\npos_dim = 16"),
+        &["pos_dim = 16", "less than d_model = 16"],
+    );
+    assert_error(
+        parse("", "kind = \"sinusoidal_concat\"\npos_dim = 5"),
+        &["pos_dim = 5 is odd", "4 or 6"],
+    );
+    assert_error(
+        ModelConfig::from_toml_str(&SHAPE.replace("n_layers = 2", "n_layers = 0").replace(
+            "max_len = 32\n",
+            "max_len = 32\n[positional]\nkind = \"none\"\n",
+        )),
+        &["n_layers = 0", "at least one layer"],
+    );
+    assert_error(
+        parse("dropout = 1.0", "kind = \"none\""),
+        &["dropout = 1", "[0, 1)"],
+    );
+    assert_error(
+        parse("", "kind = \"rope\"\nbase = 1.0"),
+        &["rope", "base = 1", "greater than 1"],
+    );
+    assert_error(
+        parse("embed_scale = -2.0", "kind = \"none\""),
+        &["embed_scale = -2"],
+    );
+    assert_error(
+        parse("", "kind = \"learned\"\ninit_std = -1.0"),
+        &["learned", "init_std = -1"],
+    );
+}
+
+#[test]
+fn unknown_names_and_options_are_refused_with_the_choices() {
+    assert_error(
+        parse("", "kind = \"sinusoid\""),
+        &["unknown variant `sinusoid`", "`sinusoidal_add`", "`rope`"],
+    );
+    assert_error(
+        parse("", "kind = \"rope\"\nlayout = \"half\""),
+        &["unknown field `layout`", "`base` or `pairing`"],
+    );
+    assert_error(
+        parse("", "kind = \"none\"\nbase = 3.0"),
+        &["unknown field `base`"],
+    );
+    assert_error(
+        parse("", "kind = \"sinusoidal_add\"\nlayout = \"alternating\""),
+        &["unknown variant `alternating`", "`interleaved` or `half`"],
+    );
+    assert_error(
+        parse("", "kind = \"sinusoidal_concat\""),
+        &["missing field `pos_dim`"],
+    );
+    assert_error(parse("", "base = 3.0"), &["missing field `kind`"]);
+    assert_error(
+        parse("n_head = 2", "kind = \"none\""),
+        &["unknown field `n_head`", "`n_heads`"],
+    );
+    assert_error(
+        parse("norm = \"sandwich\"", "kind = \"none\""),
+        &["`pre` or `post`"],
+    );
+    assert_error(
+        ModelConfig::from_json_str(
+            r#"{"vocab_size":50,"d_model":16,"n_heads":2,"n_layers":2,"ffn_dim":32,
+                "max_len":32,"positional":{"kind":"rope","pos_dim":4}}"#,
+        ),
+        &["unknown field `pos_dim`", "line 2"],
+    );
+}
+
+#[test]
+fn config_files_name_their_path_in_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        format!("{SHAPE}[positional]\nkind = \"rope\"\npairing = \"diagonal\"\n"),
+    )
+    .unwrap();
+    let message = ModelConfig::load(&bad).unwrap_err().to_string();
+    assert!(
+        message.contains("bad.toml") && message.contains("diagonal"),
+        "{message}"
+    );
+
+    let invalid = dir.path().join("invalid.json");
+    std::fs::write(
+        &invalid,
+        r#"{"vocab_size":50,"d_model":16,"n_heads":5,"n_layers":2,"ffn_dim":32,"max_len":32,"positional":{"kind":"none"}}"#,
+    )
+    .unwrap();
+    let message = ModelConfig::load(&invalid).unwrap_err().to_string();
+    assert!(
+        message.contains("invalid.json") && message.contains("n_heads = 5"),
+        "{message}"
+    );
+
+    let yaml = dir.path().join("model.yaml");
+    std::fs::write(&yaml, "d_model: 16").unwrap();
+    let message = ModelConfig::load(&yaml).unwrap_err().to_string();
+    assert!(message.contains("*.toml or *.json"), "{message}");
+
+    let missing = ModelConfig::load(dir.path().join("nope.toml")).unwrap_err();
+    assert!(matches!(missing, Error::Io { .. }) && missing.to_string().contains("nope.toml"));
+}
+
+#[test]
+fn shipped_configs_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            ModelConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            n += 1;
+        }
+    }
+    assert!(n > 0, "no model configs found in configs/");
+}
+
+fn tiny(positional: PositionalConfig) -> Encoder {
+    let store = ParamStore::new(0);
+    Encoder::new(
+        &tiny_config(positional, NormPlacement::Pre),
+        store.var_builder(DType::F32, &Device::Cpu),
+    )
+    .unwrap()
+}
+
+fn input_error(encoder: &Encoder, ids: &Tensor, mask: &Tensor, start: usize, needles: &[&str]) {
+    let message = match encoder.forward_at(ids, mask, start, false) {
+        Ok(_) => panic!("accepted bad input"),
+        Err(e) => e.to_string(),
+    };
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "message {message:?} lacks {needle:?}"
+        );
+    }
+}
+
+#[test]
+fn a_sequence_longer_than_the_learned_table_is_refused_and_fixed_tables_extend() {
+    let learned = tiny(PositionalConfig::Learned(Default::default()));
+    let (ids, mask) = padded_batch(2, 33, 40); // max_len is 32
+    input_error(
+        &learned,
+        &ids,
+        &mask,
+        0,
+        &["33 tokens", "max_len = 32", "truncate"],
+    );
+    let (ids, mask) = padded_batch(2, 10, 40);
+    input_error(
+        &learned,
+        &ids,
+        &mask,
+        30,
+        &["positions 30..40", "max_len = 32"],
+    );
+    assert!(
+        learned.forward_at(&ids, &mask, 22, false).is_ok(),
+        "22 + 10 fits 32"
+    );
+
+    // Sinusoids and RoPE extrapolate: a length past max_len grows their tables.
+    for positional in [
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        PositionalConfig::Rope(Default::default()),
+    ] {
+        let encoder = tiny(positional);
+        let (ids, mask) = padded_batch(2, 100, 40);
+        let out = encoder.forward_t(&ids, &mask, false).unwrap();
+        assert_eq!(out.dims(), &[2, 100, 16]);
+    }
+}
+
+#[test]
+fn malformed_batches_are_refused() {
+    let encoder = tiny(PositionalConfig::SinusoidalAdd(Default::default()));
+    let (ids, mask) = padded_batch(2, 6, 40);
+    let dev = &Device::Cpu;
+
+    let too_big = Tensor::new(&[[1u32, 2, 40]], dev).unwrap();
+    let ones = Tensor::ones((1, 3), DType::U32, dev).unwrap();
+    input_error(
+        &encoder,
+        &too_big,
+        &ones,
+        0,
+        &["token id 40", "position 2", "vocabulary of 40"],
+    );
+
+    let short_mask = Tensor::ones((2, 5), DType::U32, dev).unwrap();
+    input_error(
+        &encoder,
+        &ids,
+        &short_mask,
+        0,
+        &["attention_mask has shape [2, 5]", "[2, 6]"],
+    );
+
+    let mut rows = mask.to_vec2::<u32>().unwrap();
+    rows[1] = vec![0; 6];
+    let empty_row = Tensor::new(rows, dev).unwrap();
+    input_error(
+        &encoder,
+        &ids,
+        &empty_row,
+        0,
+        &["sequence 1", "no real tokens"],
+    );
+
+    let twos = (mask.clone() * 2.0).unwrap();
+    input_error(
+        &encoder,
+        &ids,
+        &twos,
+        0,
+        &["attention_mask holds 2", "1 for real tokens"],
+    );
+
+    let float_ids = ids.to_dtype(DType::F32).unwrap();
+    input_error(&encoder, &float_ids, &mask, 0, &["integer ids", "F32"]);
+
+    let flat = ids.flatten_all().unwrap();
+    input_error(&encoder, &flat, &flat, 0, &["(batch, seq_len)", "[12]"]);
+}

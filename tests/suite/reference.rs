@@ -1,0 +1,224 @@
+//! Every fixture of the float64 NumPy reference (`shared/reference/reference_encoder.py`),
+//! reproduced: positional tables and RoPE to 1e-5 absolute, whole encoders to 1e-4 at real
+//! positions.
+
+use candle::{DType, Device, Tensor};
+use poslab::positional::{sinusoidal_table, PositionTable, Rope, RopeOptions};
+use poslab::{RopePairing, TableLayout};
+
+use crate::common::*;
+
+const TABLE_TOL: f64 = 1e-5;
+const ENCODER_TOL: f64 = 1e-4;
+
+fn parse_layout(s: &str) -> TableLayout {
+    serde_json::from_value(serde_json::Value::String(s.into())).unwrap()
+}
+
+/// `sinusoidal.{layout}.d{dim}.base{base}[.start{start}]`
+fn parse_sinusoidal_key(key: &str) -> (TableLayout, usize, f64, usize) {
+    let parts: Vec<&str> = key.split('.').collect();
+    let layout = parse_layout(parts[1]);
+    let dim = parts[2].strip_prefix('d').unwrap().parse().unwrap();
+    let base = parts[3].strip_prefix("base").unwrap().parse().unwrap();
+    let start = parts
+        .get(4)
+        .map(|s| s.strip_prefix("start").unwrap().parse().unwrap())
+        .unwrap_or(0);
+    (layout, dim, base, start)
+}
+
+#[test]
+fn sinusoidal_tables_match_reference() {
+    let fixture = load_fixture("positional.safetensors");
+    let mut checked = 0;
+    for (key, expected) in fixture.iter().filter(|(k, _)| k.starts_with("sinusoidal.")) {
+        let (layout, dim, base, start) = parse_sinusoidal_key(key);
+        let rows = expected.dim(0).unwrap();
+        let ours = Tensor::from_vec(
+            sinusoidal_table(start, rows, dim, base, layout),
+            (rows, dim),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let err = max_abs_diff(&ours, expected);
+        assert!(
+            err <= TABLE_TOL,
+            "{key}: max abs error {err:e} > {TABLE_TOL:e}"
+        );
+
+        // The cached model-side table, built small so that this request makes it grow, gives
+        // the same rows in the model's dtype.
+        let table = PositionTable::new(dim, 4, DType::F32, &Device::Cpu, move |n| {
+            sinusoidal_table(0, n, dim, base, layout)
+        })
+        .unwrap();
+        let cached = table.rows(start, rows).unwrap();
+        let err = max_abs_diff(&cached, expected);
+        assert!(
+            err <= TABLE_TOL,
+            "{key} (cached f32): max abs error {err:e}"
+        );
+        checked += 1;
+    }
+    // Layouts x widths at base 1e4, two other bases, one start offset.
+    assert_eq!(checked, 6 + 2 + 1, "sinusoidal fixtures checked");
+}
+
+#[test]
+fn rope_matches_reference_for_both_pairings_and_bases() {
+    let fixture = load_fixture("positional.safetensors");
+    let input = &fixture["rope.input"]; // (2, 3, 40, 16)
+    let mut checked = 0;
+    for (key, expected) in fixture
+        .iter()
+        .filter(|(k, _)| k.starts_with("rope.") && *k != "rope.input")
+    {
+        let parts: Vec<&str> = key.split('.').collect();
+        let pairing: RopePairing =
+            serde_json::from_value(serde_json::Value::String(parts[1].into())).unwrap();
+        let base: f64 = parts[2].strip_prefix("base").unwrap().parse().unwrap();
+        for dtype in [DType::F32, DType::F64] {
+            // Initial length 8 < 40 positions: the tables grow on the first call.
+            let rope =
+                Rope::new(&RopeOptions { base, pairing }, 16, 8, dtype, &Device::Cpu).unwrap();
+            let out = rope.apply(&input.to_dtype(dtype).unwrap(), 0).unwrap();
+            let err = max_abs_diff(&out, expected);
+            assert!(
+                err <= TABLE_TOL,
+                "{key} {dtype:?}: max abs error {err:e} > {TABLE_TOL:e}"
+            );
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 4, "rope fixtures checked (2 pairings x 2 bases)");
+}
+
+#[test]
+fn every_encoder_fixture_reproduces_expected_hidden_states() {
+    let names = encoder_fixture_names();
+    assert_eq!(names.len(), 10, "ten variant x norm fixtures: {names:?}");
+    for name in &names {
+        let fx = load_encoder_fixture(name);
+        for dtype in [DType::F32, DType::F64] {
+            let (encoder, _) = fx.encoder(dtype);
+            let hidden = encoder
+                .forward_t(&fx.input_ids, &fx.attention_mask, false)
+                .unwrap();
+            assert_eq!(hidden.dims(), fx.expected.dims());
+            let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
+            eprintln!("{name} {dtype:?}: max abs error at real positions {err:.2e}");
+            assert!(
+                err <= ENCODER_TOL,
+                "{name} {dtype:?}: max abs error {err:e} > {ENCODER_TOL:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn key_bias_is_inert_without_rope_and_kept_with_it() {
+    // The reference computed every fixture with non-zero key biases. Outside rope poslab has
+    // none, and `every_encoder_fixture_reproduces_expected_hidden_states` still matches: softmax
+    // cancels a per-query constant. Under rope the bias is rotated by position and matters.
+    for name in encoder_fixture_names() {
+        let fx = load_encoder_fixture(&name);
+        if fx.config.positional.placement() == poslab::Placement::Attention {
+            assert!(fx.dropped_key_biases.is_empty());
+            let (encoder, store) = fx.encoder(DType::F64);
+            let key_bias = store.get("layers.0.attn.k.bias").unwrap();
+            let before = encoder
+                .forward_t(&fx.input_ids, &fx.attention_mask, false)
+                .unwrap();
+            key_bias.set(&key_bias.zeros_like().unwrap()).unwrap();
+            let after = encoder
+                .forward_t(&fx.input_ids, &fx.attention_mask, false)
+                .unwrap();
+            let change = max_abs_diff_real(&before, &after, &fx.attention_mask);
+            assert!(
+                change > 1e-3,
+                "{name}: rope key bias had no effect ({change:e})"
+            );
+        } else {
+            assert_eq!(fx.dropped_key_biases.len(), fx.config.n_layers, "{name}");
+            for b in &fx.dropped_key_biases {
+                let norm = b
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(
+                    norm > 1e-3,
+                    "{name}: the reference key bias is zero, proving nothing"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn encoder_fixtures_cover_every_scheme_and_both_norms() {
+    let mut seen = std::collections::BTreeSet::new();
+    for name in encoder_fixture_names() {
+        let fx = load_encoder_fixture(&name);
+        seen.insert((fx.config.positional.name(), format!("{:?}", fx.config.norm)));
+    }
+    let schemes: std::collections::BTreeSet<_> = seen.iter().map(|(s, _)| *s).collect();
+    assert_eq!(
+        schemes.into_iter().collect::<Vec<_>>(),
+        [
+            "learned",
+            "none",
+            "rope",
+            "sinusoidal_add",
+            "sinusoidal_concat"
+        ]
+    );
+    assert!(seen.iter().any(|(_, n)| n == "Post"));
+}
+
+#[test]
+fn table_layouts_are_permutations_of_each_other() {
+    // Same values, different column order: half[:, i] = interleaved[:, 2i] and
+    // half[:, d/2 + i] = interleaved[:, 2i + 1].
+    let (n, d) = (50, 12);
+    let il = sinusoidal_table(0, n, d, 10_000.0, TableLayout::Interleaved);
+    let hf = sinusoidal_table(0, n, d, 10_000.0, TableLayout::Half);
+    for p in 0..n {
+        for i in 0..d / 2 {
+            assert_eq!(hf[p * d + i], il[p * d + 2 * i]);
+            assert_eq!(hf[p * d + d / 2 + i], il[p * d + 2 * i + 1]);
+        }
+    }
+}
+
+#[test]
+fn fixtures_tell_the_conventions_apart() {
+    // The tolerance must not hide a swapped convention: the wrong RoPE pairing, the wrong table
+    // layout and the wrong norm placement each miss their fixture by far more than 1e-4.
+    let mut rope = load_encoder_fixture("encoder_rope_half_pre.safetensors");
+    if let poslab::PositionalConfig::Rope(o) = &mut rope.config.positional {
+        o.pairing = RopePairing::Interleaved;
+    }
+    let mut table = load_encoder_fixture("encoder_sinusoidal_add_half_pre.safetensors");
+    if let poslab::PositionalConfig::SinusoidalAdd(o) = &mut table.config.positional {
+        o.layout = TableLayout::Interleaved;
+    }
+    let mut norm = load_encoder_fixture("encoder_rope_interleaved_pre.safetensors");
+    norm.config.norm = poslab::NormPlacement::Post;
+    norm.weights.retain(|k, _| !k.starts_with("final_norm"));
+    for fx in [rope, table, norm] {
+        let (encoder, _) = fx.encoder(DType::F64);
+        let hidden = encoder
+            .forward_t(&fx.input_ids, &fx.attention_mask, false)
+            .unwrap();
+        let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
+        assert!(
+            err > 1e-2,
+            "{}: a wrong convention still matched (error {err:e})",
+            fx.name
+        );
+    }
+}
