@@ -22,6 +22,7 @@ fn main() -> Result<()> {
             pos_dim: 32,
             base: 10_000.0,
             layout: Default::default(),
+            project: false,
         }),
         PositionalConfig::Learned(LearnedOptions::default()),
         PositionalConfig::Rope(RopeOptions::default()),

@@ -27,12 +27,84 @@ impl std::fmt::Display for NormPlacement {
     }
 }
 
+/// A scale written as a number or as a function of the width: `"sqrt_d_model"` or
+/// `"inv_sqrt_d_model"` (Vaswani et al. scale token embeddings by `sqrt(d_model)` after
+/// initialising them at `1/sqrt(d_model)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scale {
+    Value(f64),
+    SqrtDModel,
+    InvSqrtDModel,
+}
+
+impl Scale {
+    pub fn value(self, d_model: usize) -> f64 {
+        match self {
+            Self::Value(v) => v,
+            Self::SqrtDModel => (d_model as f64).sqrt(),
+            Self::InvSqrtDModel => 1.0 / (d_model as f64).sqrt(),
+        }
+    }
+}
+
+impl std::fmt::Display for Scale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Value(v) => write!(f, "{v}"),
+            Self::SqrtDModel => f.write_str("sqrt_d_model"),
+            Self::InvSqrtDModel => f.write_str("inv_sqrt_d_model"),
+        }
+    }
+}
+
+impl Serialize for Scale {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Self::Value(v) => s.serialize_f64(*v),
+            named => s.serialize_str(&named.to_string()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Scale {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Scale;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number, \"sqrt_d_model\" or \"inv_sqrt_d_model\"")
+            }
+            fn visit_f64<E>(self, v: f64) -> std::result::Result<Scale, E> {
+                Ok(Scale::Value(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> std::result::Result<Scale, E> {
+                Ok(Scale::Value(v as f64))
+            }
+            fn visit_u64<E>(self, v: u64) -> std::result::Result<Scale, E> {
+                Ok(Scale::Value(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<Scale, E> {
+                match v {
+                    "sqrt_d_model" => Ok(Scale::SqrtDModel),
+                    "inv_sqrt_d_model" => Ok(Scale::InvSqrtDModel),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
 fn default_dropout() -> f64 {
     0.1
 }
 
-fn default_embed_scale() -> f64 {
-    1.0
+fn default_embed_scale() -> Scale {
+    Scale::Value(1.0)
+}
+
+fn default_token_init_std() -> Scale {
+    Scale::Value(1.0)
 }
 
 fn default_layer_norm_eps() -> f64 {
@@ -51,7 +123,7 @@ fn default_layer_norm_eps() -> f64 {
 /// norm = "pre"            # or "post"
 /// dropout = 0.1           # embeddings and both residual branches
 /// attention_dropout = 0.1 # attention weights
-/// embed_scale = 1.0       # token embeddings are multiplied by this before positions join
+/// embed_scale = 1.0       # token embeddings are multiplied by this ("sqrt_d_model" allowed)
 ///
 /// [positional]
 /// kind = "rope"
@@ -79,11 +151,15 @@ pub struct ModelConfig {
     /// Dropout on the attention weights.
     #[serde(default = "default_dropout")]
     pub attention_dropout: f64,
-    /// Token embeddings are multiplied by this before positions join (Vaswani et al. use
-    /// `sqrt(d_model)` with embeddings initialised at `1/sqrt(d_model)`; poslab initialises token
-    /// embeddings from N(0, 1) so 1.0 gives the same unit scale).
+    /// Token embeddings are multiplied by this before positions join: a number or
+    /// `"sqrt_d_model"`.
     #[serde(default = "default_embed_scale")]
-    pub embed_scale: f64,
+    pub embed_scale: Scale,
+    /// Standard deviation of the token embeddings' normal initialisation: a number or
+    /// `"inv_sqrt_d_model"`. The default 1.0 with `embed_scale = 1` gives unit-scale entries,
+    /// like the sinusoids they join; Vaswani et al. use `inv_sqrt_d_model` with `sqrt_d_model`.
+    #[serde(default = "default_token_init_std")]
+    pub token_init_std: Scale,
     #[serde(default = "default_layer_norm_eps")]
     pub layer_norm_eps: f64,
     pub positional: PositionalConfig,
@@ -144,10 +220,18 @@ impl ModelConfig {
                 ));
             }
         }
-        if !self.embed_scale.is_finite() || self.embed_scale <= 0.0 {
+        let embed_scale = self.embed_scale.value(self.d_model);
+        if !embed_scale.is_finite() || embed_scale <= 0.0 {
             return Err(format!(
                 "embed_scale = {} must be a finite, positive number",
                 self.embed_scale
+            ));
+        }
+        let token_init_std = self.token_init_std.value(self.d_model);
+        if !token_init_std.is_finite() || token_init_std <= 0.0 {
+            return Err(format!(
+                "token_init_std = {} must be a finite, positive number",
+                self.token_init_std
             ));
         }
         if !self.layer_norm_eps.is_finite() || self.layer_norm_eps <= 0.0 {

@@ -118,7 +118,7 @@ impl Encoder {
             "tok_emb.weight",
             Init::Randn {
                 mean: 0.0,
-                stdev: 1.0,
+                stdev: config.token_init_std.value(config.d_model),
             },
         )?;
         let tok_emb = Embedding::new(tok_weight, d_tok);
@@ -126,7 +126,7 @@ impl Encoder {
             &config.positional,
             config.d_model,
             config.max_len,
-            vb.pp("pos_emb"),
+            vb.clone(),
         )?;
         let rope = match &config.positional {
             PositionalConfig::Rope(options) => Some(Rope::new(
@@ -220,11 +220,8 @@ impl Encoder {
         let (_, t) = self.check_input(input_ids, attention_mask)?;
 
         let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
-        let x = if self.config.embed_scale == 1.0 {
-            x
-        } else {
-            (x * self.config.embed_scale)?
-        };
+        let scale = self.config.embed_scale.value(self.config.d_model);
+        let x = if scale == 1.0 { x } else { (x * scale)? };
         let x = self.input_positions.join(&x, start)?; // (b, t, d_model)
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 

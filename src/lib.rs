@@ -26,7 +26,7 @@ pub mod params;
 pub mod positional;
 pub mod rng;
 
-pub use config::{ModelConfig, NormPlacement};
+pub use config::{ModelConfig, NormPlacement, Scale};
 pub use encoder::{Encoder, EncoderLayer};
 pub use error::{Error, Result};
 pub use params::ParamStore;

@@ -134,6 +134,7 @@ fn inspect(path: &PathBuf) -> Result<()> {
             pos_dim,
             base: poslab::positional::DEFAULT_BASE,
             layout: Default::default(),
+            project: false,
         }),
         PositionalConfig::Learned(LearnedOptions::default()),
         PositionalConfig::Rope(RopeOptions::default()),

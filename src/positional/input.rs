@@ -1,7 +1,7 @@
 //! Input-side schemes: positions joined with the token embeddings before the first layer.
 
-use candle::{Tensor, D};
-use candle_nn::{Init, VarBuilder};
+use candle::{Module, Tensor, D};
+use candle_nn::{Init, Linear, VarBuilder};
 
 use super::{sinusoidal_table, PositionTable, PositionalConfig};
 use crate::error::{Error, Result};
@@ -14,8 +14,12 @@ pub enum InputPositions {
     None,
     /// `x + PE`, the table `d_model` wide.
     Add(PositionTable),
-    /// `[x ; PE]`, tokens `d_model - pos_dim` wide, the table `pos_dim` wide.
-    Concat(PositionTable),
+    /// `[x ; PE]`, the table `pos_dim` wide; tokens `d_model - pos_dim` wide, or `d_model` wide
+    /// with `projection` (`pos_proj`) mapping the `d_model + pos_dim` concatenation back.
+    Concat {
+        table: PositionTable,
+        projection: Option<Linear>,
+    },
     /// `x + P`, a trained `max_len x d_model` table.
     Learned(LearnedPositions),
 }
@@ -66,7 +70,8 @@ impl LearnedPositions {
 }
 
 impl InputPositions {
-    /// Builds the input side of `config`; `vb` is the `pos_emb` scope for a learned table.
+    /// Builds the input side of `config` under `vb` (`pos_emb.weight` for a learned table,
+    /// `pos_proj.*` for a projected concatenation).
     pub fn new(
         config: &PositionalConfig,
         d_model: usize,
@@ -82,12 +87,24 @@ impl InputPositions {
         Ok(match config {
             PositionalConfig::None(_) | PositionalConfig::Rope(_) => Self::None,
             PositionalConfig::SinusoidalAdd(o) => Self::Add(table(d_model, o.base, o.layout)?),
-            PositionalConfig::SinusoidalConcat(o) => {
-                Self::Concat(table(o.pos_dim, o.base, o.layout)?)
-            }
-            PositionalConfig::Learned(o) => {
-                Self::Learned(LearnedPositions::new(max_len, d_model, o.init_std, vb)?)
-            }
+            PositionalConfig::SinusoidalConcat(o) => Self::Concat {
+                table: table(o.pos_dim, o.base, o.layout)?,
+                projection: if o.project {
+                    Some(crate::nn::linear(
+                        d_model + o.pos_dim,
+                        d_model,
+                        vb.pp("pos_proj"),
+                    )?)
+                } else {
+                    None
+                },
+            },
+            PositionalConfig::Learned(o) => Self::Learned(LearnedPositions::new(
+                max_len,
+                d_model,
+                o.init_std,
+                vb.pp("pos_emb"),
+            )?),
         })
     }
 
@@ -102,7 +119,8 @@ impl InputPositions {
     /// Joins positions `start..start + t` with the token embeddings.
     ///
     /// # Shapes
-    /// - `tokens`: `(b, t, d_tok)`, `d_tok = d_model - pos_dim` for concat, else `d_model`
+    /// - `tokens`: `(b, t, d_tok)`, `d_tok = d_model - pos_dim` for concat without projection,
+    ///   else `d_model`
     /// - returns `(b, t, d_model)`
     pub fn join(&self, tokens: &Tensor, start: usize) -> Result<Tensor> {
         let (b, t, _) = tokens.dims3()?;
@@ -110,13 +128,17 @@ impl InputPositions {
             Self::None => tokens.clone(),
             Self::Add(table) => tokens.broadcast_add(&table.rows(start, t)?)?,
             Self::Learned(learned) => tokens.broadcast_add(&learned.rows(start, t)?)?,
-            Self::Concat(table) => {
+            Self::Concat { table, projection } => {
                 let pe = table
                     .rows(start, t)?
                     .unsqueeze(0)?
                     .broadcast_as((b, t, table.width()))?
                     .contiguous()?; // (b, t, pos_dim)
-                Tensor::cat(&[tokens, &pe], D::Minus1)?
+                let joined = Tensor::cat(&[tokens, &pe], D::Minus1)?; // (b, t, d_tok + pos_dim)
+                match projection {
+                    Some(proj) => proj.forward(&joined)?, // (b, t, d_model)
+                    None => joined,
+                }
             }
         })
     }

@@ -98,8 +98,12 @@ impl Default for SinusoidalOptions {
     }
 }
 
-/// Options of `sinusoidal_concat`: token embeddings `d_model - pos_dim` wide, then a `pos_dim`
-/// wide sinusoid appended after them, so the encoder stays `d_model` wide.
+/// Options of `sinusoidal_concat`: a `pos_dim` wide sinusoid appended after the token embeddings.
+///
+/// - `project = false` (default): token embeddings `d_model - pos_dim` wide, so the concatenation
+///   is `d_model` wide with no extra parameters;
+/// - `project = true`: token embeddings `d_model` wide, the `d_model + pos_dim` concatenation
+///   mapped back to `d_model` by a trained linear layer `pos_proj`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConcatOptions {
@@ -108,6 +112,8 @@ pub struct ConcatOptions {
     pub base: f64,
     #[serde(default)]
     pub layout: TableLayout,
+    #[serde(default)]
+    pub project: bool,
 }
 
 /// Options of `learned`: a trained `max_len x d_model` table added to the token embeddings.
@@ -208,10 +214,11 @@ impl PositionalConfig {
         }
     }
 
-    /// Width of the token embedding table: narrower than the model only for concatenation.
+    /// Width of the token embedding table: narrower than the model only for concatenation
+    /// without projection.
     pub fn token_dim(&self, d_model: usize) -> usize {
         match self {
-            Self::SinusoidalConcat(o) => d_model.saturating_sub(o.pos_dim),
+            Self::SinusoidalConcat(o) if !o.project => d_model.saturating_sub(o.pos_dim),
             _ => d_model,
         }
     }
@@ -243,11 +250,12 @@ impl PositionalConfig {
             }
             Self::SinusoidalConcat(o) => {
                 check_base("sinusoidal_concat", o.base)?;
-                if o.pos_dim < 2 || o.pos_dim >= d_model {
+                if o.pos_dim < 2 || (!o.project && o.pos_dim >= d_model) {
                     return Err(format!(
-                        "sinusoidal_concat: pos_dim = {} must be at least 2 and less than \
-                         d_model = {d_model}, so the token embedding (d_model - pos_dim wide) \
-                         keeps some width",
+                        "sinusoidal_concat: pos_dim = {} must be at least 2 and, without \
+                         projection, less than d_model = {d_model}, so the token embedding (d_model - pos_dim wide) \
+                         keeps some width; or set project = true to keep tokens d_model wide \
+                         and project the concatenation back",
                         o.pos_dim
                     ));
                 }

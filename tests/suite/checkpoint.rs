@@ -110,6 +110,7 @@ fn a_checkpoint_of_another_model_is_refused_with_every_mismatch() {
             pos_dim: 6,
             base: 10_000.0,
             layout: Default::default(),
+            project: false,
         }),
         NormPlacement::Pre,
     );

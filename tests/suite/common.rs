@@ -62,6 +62,7 @@ pub fn config_from_reference(meta: &serde_json::Value) -> ModelConfig {
             pos_dim: u("pos_dim"),
             base: f("base"),
             layout,
+            project: false,
         }),
         "learned" => PositionalConfig::Learned(LearnedOptions::default()),
         "rope" => PositionalConfig::Rope(RopeOptions {
@@ -80,7 +81,8 @@ pub fn config_from_reference(meta: &serde_json::Value) -> ModelConfig {
         norm: serde_json::from_value(meta["norm"].clone()).unwrap(),
         dropout: 0.0,
         attention_dropout: 0.0,
-        embed_scale: f("embed_scale"),
+        embed_scale: poslab::Scale::Value(f("embed_scale")),
+        token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
         positional,
     }
@@ -168,7 +170,8 @@ pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelCo
         norm,
         dropout: 0.0,
         attention_dropout: 0.0,
-        embed_scale: 1.0,
+        embed_scale: poslab::Scale::Value(1.0),
+        token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
         positional,
     }
@@ -188,6 +191,13 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
             pos_dim: 6,
             base: 10_000.0,
             layout: TableLayout::Interleaved,
+            project: false,
+        }),
+        PositionalConfig::SinusoidalConcat(ConcatOptions {
+            pos_dim: 6,
+            base: 10_000.0,
+            layout: TableLayout::Half,
+            project: true,
         }),
         PositionalConfig::Learned(LearnedOptions::default()),
         PositionalConfig::Rope(RopeOptions::default()),

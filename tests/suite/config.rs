@@ -62,7 +62,22 @@ fn every_scheme_parses_with_its_options_and_round_trips() {
     let config = parse("", "kind = \"sinusoidal_add\"").unwrap();
     assert_eq!(config.norm, NormPlacement::Pre);
     assert_eq!((config.dropout, config.attention_dropout), (0.1, 0.1));
-    assert_eq!((config.layer_norm_eps, config.embed_scale), (1e-5, 1.0));
+    assert_eq!(config.layer_norm_eps, 1e-5);
+    assert_eq!(config.embed_scale, poslab::Scale::Value(1.0));
+    assert_eq!(config.token_init_std, poslab::Scale::Value(1.0));
+    // The paper's setting by name; a wrong name lists the choices.
+    let paper = parse(
+        "embed_scale = \"sqrt_d_model\"\ntoken_init_std = \"inv_sqrt_d_model\"",
+        "kind = \"sinusoidal_add\"",
+    )
+    .unwrap();
+    assert_eq!(paper.embed_scale.value(16), 4.0);
+    assert_eq!(paper.token_init_std.value(16), 0.25);
+    assert_eq!(ModelConfig::from_toml_str(&paper.to_toml()).unwrap(), paper);
+    assert_error(
+        parse("embed_scale = \"sqrt_d\"", "kind = \"none\""),
+        &["sqrt_d", "\"sqrt_d_model\""],
+    );
     match config.positional {
         PositionalConfig::SinusoidalAdd(o) => {
             assert_eq!(o.base, 10_000.0);

@@ -149,7 +149,11 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
             let expected = 1
                 + per_layer * config.n_layers
                 + usize::from(norm == NormPlacement::Pre) * 2
-                + usize::from(positional.name() == "learned");
+                + usize::from(positional.name() == "learned")
+                + 2 * usize::from(matches!(
+                    &positional,
+                    poslab::PositionalConfig::SinusoidalConcat(o) if o.project
+                ));
             assert_eq!(checked.len(), expected, "{what}: trainable variables");
         }
     }

@@ -274,6 +274,7 @@ fn same_seed_same_weights_and_shared_parts_match_across_schemes() {
         store
     };
     let schemes = all_schemes();
+    assert_eq!((schemes[5].name(), schemes[6].name()), ("learned", "rope"));
     let a = build(schemes[1].clone(), 42);
     let b = build(schemes[1].clone(), 42);
     let c = build(schemes[1].clone(), 43);
@@ -302,8 +303,8 @@ fn same_seed_same_weights_and_shared_parts_match_across_schemes() {
     );
     assert_ne!(bits(&a, "tok_emb.weight"), bits(&c, "tok_emb.weight"));
     // Shared parts: the layers of every scheme, the token table where shapes agree.
-    let rope = build(schemes[5].clone(), 42);
-    let learned = build(schemes[4].clone(), 42);
+    let rope = build(schemes[6].clone(), 42);
+    let learned = build(schemes[5].clone(), 42);
     for name in [
         "layers.0.attn.q.weight",
         "layers.1.ffn.down.bias",
