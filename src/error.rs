@@ -6,7 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A model configuration that cannot describe a working encoder.
-    #[error("invalid model config: {0}")]
+    #[error("invalid config: {0}")]
     Config(String),
 
     /// A configuration file that could not be parsed (syntax, unknown field or option, wrong type).
@@ -20,6 +20,18 @@ pub enum Error {
     /// A checkpoint that does not match the model or is not a readable safetensors file.
     #[error("checkpoint {path}: {message}")]
     Checkpoint { path: PathBuf, message: String },
+
+    /// A training run that cannot go on (a non-finite loss or gradient).
+    #[error("training stopped: {0}")]
+    Training(String),
+
+    /// A cell of an experiment failed; the source says how.
+    #[error("cell {cell}: {source}")]
+    Cell { cell: String, source: Box<Error> },
+
+    /// A plot could not be drawn.
+    #[error("plot {path}: {message}")]
+    Plot { path: PathBuf, message: String },
 
     /// Filesystem failures, with the path involved (the message includes the cause).
     #[error("{path}: {error}")]

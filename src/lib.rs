@@ -18,13 +18,21 @@
 //! ```
 
 pub mod config;
+pub mod data;
+pub mod device;
 pub mod encoder;
 pub mod error;
+pub mod experiment;
 pub mod io;
+pub mod model;
 pub mod nn;
 pub mod params;
 pub mod positional;
 pub mod rng;
+pub mod saved;
+pub mod tasks;
+pub mod text;
+pub mod train;
 
 pub use config::{ModelConfig, NormPlacement, Scale};
 pub use encoder::{Encoder, EncoderLayer};

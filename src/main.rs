@@ -1,11 +1,13 @@
 //! The `poslab` command line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use clap::{Parser, Subcommand};
+use poslab::experiment::{self, report, run, ExperimentConfig, Selection};
 use poslab::positional::{
     ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions,
 };
@@ -24,6 +26,46 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train every positional variant of an experiment on the same data, seeds and budget, and
+    /// report scores by input length, the shuffle and shift tests, parameters and speed.
+    Compare {
+        /// Experiment config (TOML). Default: configs/compare.toml, embedded in the binary.
+        config: Option<PathBuf>,
+        /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Run only this task (repeatable).
+        #[arg(long = "task", value_name = "NAME")]
+        tasks: Vec<String>,
+        /// Run only this variant (repeatable).
+        #[arg(long = "variant", value_name = "NAME")]
+        variants: Vec<String>,
+        /// Run only this seed (repeatable).
+        #[arg(long = "seed", value_name = "N")]
+        seeds: Vec<u64>,
+        /// Where run folders are made.
+        #[arg(long, default_value = "runs")]
+        runs_dir: PathBuf,
+        /// The exact run folder to write (instead of runs/<name>-<timestamp>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).
+        #[arg(long)]
+        jobs: Option<usize>,
+        /// No progress bars.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Merge the results of run folders (cells split across machines with --task, --variant,
+    /// --seed) into one report.
+    Report {
+        /// Run folders holding results.json.
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+        /// Output folder (default: runs/<experiment>-report-<timestamp>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Validate a model config and show its shape, where positions act, and the parameters of
     /// the same shape under every positional scheme.
     Inspect {
@@ -35,6 +77,30 @@ enum Command {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
+        Command::Compare {
+            config,
+            device,
+            tasks,
+            variants,
+            seeds,
+            runs_dir,
+            out,
+            jobs,
+            quiet,
+        } => compare(
+            config.as_deref(),
+            &device,
+            Selection {
+                tasks,
+                variants,
+                seeds,
+            },
+            &runs_dir,
+            out,
+            jobs,
+            quiet,
+        ),
+        Command::Report { runs, out } => merge_reports(&runs, out),
         Command::Inspect { config } => inspect(&config),
     };
     match result {
@@ -44,6 +110,103 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn compare(
+    path: Option<&Path>,
+    device: &str,
+    selection: Selection,
+    runs_dir: &Path,
+    out: Option<PathBuf>,
+    jobs: Option<usize>,
+    quiet: bool,
+) -> Result<()> {
+    let started = Instant::now();
+    let (config, source) = match path {
+        Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
+        None => (
+            ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
+                .context("the embedded configs/compare.toml")?,
+            "configs/compare.toml (embedded default)".to_string(),
+        ),
+    };
+    let (tasks, variants, seeds) = config.select(&selection)?;
+    let cells = tasks.len() * variants.len() * seeds.len();
+    let device = poslab::device::parse_device(device)?;
+    // Small models train fastest as one single-threaded job per core; a lone cell gets every
+    // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
+    // is set before any tensor work.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let jobs = match (jobs, device.is_cpu()) {
+        (Some(j), _) => j.max(1),
+        (None, true) => cores,
+        (None, false) => 1,
+    }
+    .min(cells.max(1));
+    if device.is_cpu() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", (cores / jobs).max(1).to_string());
+    }
+    let dir = match out {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            dir
+        }
+        None => experiment::new_run_dir(runs_dir, &config.name)?,
+    };
+    poslab::io::write_atomic(&dir.join("config.toml"), config.to_toml().as_bytes())?;
+    eprintln!(
+        "poslab compare: {source} on {} -> {}",
+        poslab::device::device_name(&device),
+        dir.display()
+    );
+    let output = run::run(
+        &config,
+        &run::RunOptions {
+            device,
+            dir: dir.clone(),
+            selection,
+            progress: !quiet,
+            jobs,
+        },
+        &|line| eprintln!("{line}"),
+    )?;
+    let table = report::write_report(&dir, &output.results, &output.timings, &[])?;
+    println!("{table}");
+    println!(
+        "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
+        dir.display()
+    );
+    println!("total time: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn merge_reports(runs: &[PathBuf], out: Option<PathBuf>) -> Result<()> {
+    let loaded = runs
+        .iter()
+        .map(|d| {
+            let (r, t) = report::load_run(d)?;
+            Ok((d.clone(), r, t))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (results, timings) = report::merge(loaded)?;
+    let dir = match out {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            dir
+        }
+        None => {
+            experiment::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
+        }
+    };
+    let table = report::write_report(&dir, &results, &timings, runs)?;
+    println!("{table}");
+    println!(
+        "merged {} run folders ({} cells) into {}",
+        runs.len(),
+        results.cells.len(),
+        dir.display()
+    );
+    Ok(())
 }
 
 /// Parameters by group, from the names in the store.
@@ -60,7 +223,7 @@ fn parameter_groups(config: &ModelConfig) -> Result<Vec<(&'static str, usize)>> 
     for (name, var) in store.vars() {
         let group = if name.starts_with("tok_emb") {
             0
-        } else if name.starts_with("pos_emb") {
+        } else if name.starts_with("pos_") {
             1
         } else if name.contains(".attn.") {
             2
@@ -82,6 +245,10 @@ fn describe(positional: &PositionalConfig, config: &ModelConfig) -> String {
             "input side: tokens + sinusoid ({d} wide, base {}, {} layout)",
             o.base, o.layout
         ),
+        PositionalConfig::SinusoidalConcat(o) if o.project => format!(
+            "input side: [tokens {d} ; sinusoid {}] projected back to {d} (base {}, {} layout)",
+            o.pos_dim, o.base, o.layout
+        ),
         PositionalConfig::SinusoidalConcat(o) => format!(
             "input side: [tokens {} ; sinusoid {}] = {d} (base {}, {} layout)",
             d - o.pos_dim,
@@ -102,7 +269,7 @@ fn describe(positional: &PositionalConfig, config: &ModelConfig) -> String {
     }
 }
 
-fn inspect(path: &PathBuf) -> Result<()> {
+fn inspect(path: &Path) -> Result<()> {
     let config = ModelConfig::load(path)?;
     println!("{}: valid", path.display());
     println!(
@@ -117,8 +284,8 @@ fn inspect(path: &PathBuf) -> Result<()> {
         config.max_len
     );
     println!(
-        "dropout {} (embeddings, residual branches), {} (attention weights); embed_scale {}",
-        config.dropout, config.attention_dropout, config.embed_scale
+        "dropout {} (embeddings, residual branches), {} (attention weights); embed_scale {}, token init std {}",
+        config.dropout, config.attention_dropout, config.embed_scale, config.token_init_std
     );
     println!("positional: {}", describe(&config.positional, &config));
 
@@ -136,49 +303,53 @@ fn inspect(path: &PathBuf) -> Result<()> {
             layout: Default::default(),
             project: false,
         }),
+        PositionalConfig::SinusoidalConcat(ConcatOptions {
+            pos_dim,
+            base: poslab::positional::DEFAULT_BASE,
+            layout: Default::default(),
+            project: true,
+        }),
         PositionalConfig::Learned(LearnedOptions::default()),
         PositionalConfig::Rope(RopeOptions::default()),
     ];
     println!("\nparameters of this shape under each scheme:");
     println!(
-        "  {:<30} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
+        "  {:<36} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
         "scheme", "tokens", "positions", "attention", "ffn", "norms", "total"
     );
     for positional in schemes {
-        let name = positional.name();
-        let variant = ModelConfig {
-            positional,
-            ..config.clone()
+        let label = match &positional {
+            PositionalConfig::SinusoidalConcat(o) if o.project => {
+                format!("sinusoidal_concat (pos_dim {pos_dim}, project)")
+            }
+            PositionalConfig::SinusoidalConcat(_) => {
+                format!("sinusoidal_concat (pos_dim {pos_dim})")
+            }
+            other => other.name().to_string(),
         };
-        let marker = if variant.positional.name() == config.positional.name() {
+        let marker = if positional == config.positional {
             "*"
         } else {
             " "
         };
+        let variant = ModelConfig {
+            positional,
+            ..config.clone()
+        };
         let where_ = match variant.positional.placement() {
-            Placement::Nowhere => "nowhere".to_string(),
-            Placement::Input => "input".to_string(),
-            Placement::Attention => "attention".to_string(),
+            Placement::Nowhere => "nowhere",
+            Placement::Input => "input",
+            Placement::Attention => "attention",
         };
         match variant.validate() {
-            Err(e) => println!("{marker} {name:<30} cannot be built at this shape: {e}"),
+            Err(e) => println!("{marker} {label:<36} cannot be built at this shape: {e}"),
             Ok(()) => {
-                let groups = parameter_groups(&variant)
-                    .with_context(|| format!("building the {name} variant"))?;
+                let groups =
+                    parameter_groups(&variant).with_context(|| format!("building {label}"))?;
                 let total: usize = groups.iter().map(|g| g.1).sum();
-                let note = match name {
-                    "sinusoidal_concat" => format!(" (pos_dim {pos_dim})"),
-                    _ => String::new(),
-                };
                 println!(
-                    "{marker} {:<30} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
-                    format!("{name}{note}"),
-                    groups[0].1,
-                    groups[1].1,
-                    groups[2].1,
-                    groups[3].1,
-                    groups[4].1,
-                    total
+                    "{marker} {label:<36} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
+                    groups[0].1, groups[1].1, groups[2].1, groups[3].1, groups[4].1, total
                 );
             }
         }

@@ -15,4 +15,4 @@ pub use attention::{key_padding_bias, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::FeedForward;
 pub use layer_norm::{layer_norm, LayerNorm};
-pub use ops::{gelu, linear, linear_no_bias, softmax_last_dim};
+pub use ops::{gelu, linear, linear_no_bias, log_softmax_last_dim, softmax_last_dim};

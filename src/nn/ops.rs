@@ -36,6 +36,15 @@ pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
     exp.broadcast_div(&sum)
 }
 
+/// Log-softmax over the last axis, `x - max - log(sum(exp(x - max)))`, the max detached as in
+/// [`softmax_last_dim`].
+pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
+    let max = xs.max_keepdim(D::Minus1)?.detach();
+    let shifted = xs.broadcast_sub(&max)?;
+    let log_sum = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    shifted.broadcast_sub(&log_sum)
+}
+
 /// GELU in its exact form, `x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))`.
 ///
 /// Composed from `erf` rather than candle's fused `gelu_erf`, whose backward hard-codes

@@ -225,16 +225,39 @@ fn config_files_name_their_path_in_errors() {
 
 #[test]
 fn shipped_configs_are_valid() {
+    // Experiments (with [[variants]]) and model configs; each must load and validate.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
-    let mut n = 0;
+    let (mut models, mut experiments) = (0, Vec::new());
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "toml") {
-            ModelConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            n += 1;
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let table: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
+        if table.contains_key("variants") {
+            poslab::experiment::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            experiments.push(path.file_name().unwrap().to_string_lossy().into_owned());
+        } else {
+            ModelConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            models += 1;
         }
     }
-    assert!(n > 0, "no model configs found in configs/");
+    experiments.sort();
+    assert_eq!(
+        experiments,
+        [
+            "add_vs_concat.toml",
+            "compare.toml",
+            "length_generalization.toml"
+        ]
+    );
+    assert!(models > 0, "no model configs found in configs/");
+    // The embedded default is the shipped file.
+    let shipped = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/compare.toml"),
+    )
+    .unwrap();
+    assert_eq!(poslab::experiment::DEFAULT_CONFIG, shipped);
 }
 
 fn tiny(positional: PositionalConfig) -> Encoder {

@@ -2,7 +2,9 @@
 
 mod checkpoint;
 mod common;
+mod compare;
 mod config;
 mod gradients;
 mod properties;
 mod reference;
+mod training;

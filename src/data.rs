@@ -1,0 +1,386 @@
+//! From examples to batches: tokenized samples, length buckets, padding masks, MLM masking.
+
+use candle::{Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::Rng as _;
+
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use crate::tasks::{Example, Label};
+use crate::text::TextTokenizer;
+
+/// Label value of a token that is not scored.
+pub const NOT_SCORED: i64 = -1;
+
+/// One tokenized example.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub ids: Vec<u32>,
+    pub target: Target,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Target {
+    Class(u32),
+    /// Per token, [`NOT_SCORED`] where no label applies.
+    Tags(Vec<i64>),
+    /// Targets are drawn when the batch is made.
+    Masked,
+}
+
+/// Tokenized examples.
+#[derive(Clone, Debug, Default)]
+pub struct Dataset {
+    pub samples: Vec<Sample>,
+}
+
+impl Dataset {
+    /// Tokenizes `examples`; `cls` is prepended to every sequence when given (first-token
+    /// pooling). A per-word tag goes to the word's first token; later sub-word tokens are not
+    /// scored.
+    pub fn encode(
+        examples: &[Example],
+        tokenizer: &TextTokenizer,
+        cls: Option<u32>,
+    ) -> Result<Self> {
+        let samples = examples
+            .iter()
+            .map(|example| {
+                let enc = tokenizer.encode(&example.text())?;
+                if enc.ids.is_empty() {
+                    return Err(Error::Input(format!(
+                        "{:?} produced no tokens",
+                        example.text()
+                    )));
+                }
+                let mut ids = Vec::with_capacity(enc.ids.len() + 1);
+                ids.extend(cls);
+                ids.extend(&enc.ids);
+                let target = match &example.label {
+                    Label::Class(c) => Target::Class(*c as u32),
+                    Label::Masked => Target::Masked,
+                    Label::Tags(tags) => {
+                        let mut out = Vec::with_capacity(ids.len());
+                        out.extend(cls.map(|_| NOT_SCORED));
+                        let mut previous = None;
+                        for word in &enc.word_ids {
+                            let first = word.is_some() && *word != previous;
+                            previous = *word;
+                            let tag = match word {
+                                Some(w) if first => tags
+                                    .get(*w as usize)
+                                    .ok_or_else(|| {
+                                        Error::Input(format!(
+                                            "{:?}: {} tags for more words",
+                                            example.text(),
+                                            tags.len()
+                                        ))
+                                    })?
+                                    .map_or(NOT_SCORED, |t| t as i64),
+                                _ => NOT_SCORED,
+                            };
+                            out.push(tag);
+                        }
+                        Target::Tags(out)
+                    }
+                };
+                Ok(Sample { ids, target })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { samples })
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    pub fn lengths(&self) -> Vec<usize> {
+        self.samples.iter().map(|s| s.ids.len()).collect()
+    }
+
+    /// Longest sequence in tokens.
+    pub fn max_len(&self) -> usize {
+        self.samples.iter().map(|s| s.ids.len()).max().unwrap_or(0)
+    }
+
+    /// The shuffle test's input: each sample's tokens permuted (a leading `[CLS]` stays first),
+    /// labels unchanged. Only meaningful for sentence labels.
+    pub fn with_shuffled_tokens(&self, keep_first: bool, rng: &mut Rng) -> Self {
+        let samples = self
+            .samples
+            .iter()
+            .map(|s| {
+                let mut ids = s.ids.clone();
+                let from = usize::from(keep_first);
+                ids[from..].shuffle(rng);
+                Sample {
+                    ids,
+                    target: s.target.clone(),
+                }
+            })
+            .collect();
+        Self { samples }
+    }
+}
+
+/// How MLM corrupts inputs: `mask_prob` of the real tokens are chosen (at least one per
+/// sequence); of those 80% become `[MASK]`, 10% a random regular token, 10% stay.
+#[derive(Clone, Debug)]
+pub struct MlmMasking {
+    pub mask_prob: f64,
+    pub mask_id: u32,
+    /// Ids a random replacement is drawn from (the vocabulary without special tokens).
+    pub regular_ids: Vec<u32>,
+}
+
+impl MlmMasking {
+    pub fn new(mask_prob: f64, tokenizer: &TextTokenizer) -> Result<Self> {
+        let mask_id = tokenizer.mask_id().ok_or_else(|| {
+            Error::Input("MLM needs a mask token ([MASK] or <mask>) in the tokenizer".into())
+        })?;
+        let specials = [
+            Some(tokenizer.pad_id()),
+            tokenizer.unk_id(),
+            tokenizer.cls_id(),
+            tokenizer.token_to_id(crate::text::SEP),
+            Some(mask_id),
+        ];
+        let regular_ids = (0..tokenizer.vocab_size() as u32)
+            .filter(|id| !specials.contains(&Some(*id)))
+            .collect();
+        Ok(Self {
+            mask_prob,
+            mask_id,
+            regular_ids,
+        })
+    }
+}
+
+/// A padded batch on a device.
+#[derive(Debug)]
+pub struct Batch {
+    /// `(b, t)` u32
+    pub ids: Tensor,
+    /// `(b, t)` u32, 1 for real tokens
+    pub mask: Tensor,
+    /// `(b,)` u32 for sentence labels; `(b, t)` u32 for token labels (0 where not scored)
+    pub targets: Tensor,
+    /// `(b, t)` f32, 1 where a token label is scored; `None` for sentence labels
+    pub weights: Option<Tensor>,
+    /// Real (unpadded) tokens in the batch.
+    pub real_tokens: usize,
+    /// Scored labels in the batch.
+    pub scored: usize,
+}
+
+/// Pads `samples` into a batch. MLM samples need `masking` and a generator for the masks.
+pub fn make_batch(
+    samples: &[&Sample],
+    pad_id: u32,
+    masking: Option<(&MlmMasking, &mut Rng)>,
+    device: &Device,
+) -> Result<Batch> {
+    let b = samples.len();
+    let t = samples.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+    if b == 0 || t == 0 {
+        return Err(Error::Input("cannot make an empty batch".into()));
+    }
+    let mut ids = vec![pad_id; b * t];
+    let mut mask = vec![0u32; b * t];
+    for (i, s) in samples.iter().enumerate() {
+        ids[i * t..i * t + s.ids.len()].copy_from_slice(&s.ids);
+        mask[i * t..i * t + s.ids.len()].fill(1);
+    }
+    let real_tokens = mask.iter().filter(|&&m| m == 1).count();
+    let (targets, weights, scored) = match &samples[0].target {
+        Target::Class(_) => {
+            let classes = samples
+                .iter()
+                .map(|s| match s.target {
+                    Target::Class(c) => Ok(c),
+                    _ => Err(Error::Input(
+                        "a batch mixes sentence and token labels".into(),
+                    )),
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            (Tensor::from_vec(classes, b, device)?, None, b)
+        }
+        Target::Tags(_) | Target::Masked => {
+            let mut labels = vec![NOT_SCORED; b * t];
+            match masking {
+                None => {
+                    for (i, s) in samples.iter().enumerate() {
+                        match &s.target {
+                            Target::Tags(tags) => {
+                                labels[i * t..i * t + tags.len()].copy_from_slice(tags)
+                            }
+                            _ => {
+                                return Err(Error::Input(
+                                    "masked samples need MLM masking to make a batch".into(),
+                                ))
+                            }
+                        }
+                    }
+                }
+                Some((m, rng)) => {
+                    for (i, s) in samples.iter().enumerate() {
+                        let row = i * t;
+                        let n = s.ids.len();
+                        let mut chosen: Vec<usize> =
+                            (0..n).filter(|_| rng.random_bool(m.mask_prob)).collect();
+                        if chosen.is_empty() {
+                            chosen.push(rng.random_range(0..n));
+                        }
+                        for j in chosen {
+                            labels[row + j] = i64::from(s.ids[j]);
+                            let roll: f64 = rng.random();
+                            if roll < 0.8 {
+                                ids[row + j] = m.mask_id;
+                            } else if roll < 0.9 {
+                                ids[row + j] =
+                                    m.regular_ids[rng.random_range(0..m.regular_ids.len())];
+                            }
+                        }
+                    }
+                }
+            }
+            let weights: Vec<f32> = labels
+                .iter()
+                .map(|&l| if l == NOT_SCORED { 0.0 } else { 1.0 })
+                .collect();
+            let scored = weights.iter().filter(|&&w| w > 0.0).count();
+            let targets: Vec<u32> = labels.iter().map(|&l| l.max(0) as u32).collect();
+            (
+                Tensor::from_vec(targets, (b, t), device)?,
+                Some(Tensor::from_vec(weights, (b, t), device)?),
+                scored,
+            )
+        }
+    };
+    Ok(Batch {
+        ids: Tensor::from_vec(ids, (b, t), device)?,
+        mask: Tensor::from_vec(mask, (b, t), device)?,
+        targets,
+        weights,
+        real_tokens,
+        scored,
+    })
+}
+
+/// One epoch's batches for training: samples shuffled, then sorted by length within pools of
+/// 32 batches so each batch holds similar lengths (little padding), then the batches shuffled.
+pub fn epoch_batches(lengths: &[usize], batch_size: usize, rng: &mut Rng) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.shuffle(rng);
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    for pool in order.chunks(batch_size * 32) {
+        let mut pool = pool.to_vec();
+        pool.sort_by_key(|&i| lengths[i]); // stable: ties keep the shuffled order
+        batches.extend(pool.chunks(batch_size).map(<[usize]>::to_vec));
+    }
+    batches.shuffle(rng);
+    batches
+}
+
+/// Batches for evaluation: sorted by length, in order.
+pub fn eval_batches(lengths: &[usize], batch_size: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| lengths[i]);
+    order.chunks(batch_size).map(<[usize]>::to_vec).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok() -> TextTokenizer {
+        TextTokenizer::word_level(["a", "b", "c"]).unwrap()
+    }
+
+    #[test]
+    fn batches_pad_and_mask() {
+        let ex = |w: &str, c| Example {
+            words: w.split(' ').map(String::from).collect(),
+            label: Label::Class(c),
+        };
+        let ds = Dataset::encode(&[ex("a b c", 1), ex("c", 0)], &tok(), Some(2)).unwrap();
+        assert_eq!(ds.samples[0].ids, vec![2, 5, 6, 7]);
+        let refs: Vec<&Sample> = ds.samples.iter().collect();
+        let b = make_batch(&refs, 0, None, &Device::Cpu).unwrap();
+        assert_eq!(
+            b.ids.to_vec2::<u32>().unwrap(),
+            vec![vec![2, 5, 6, 7], vec![2, 7, 0, 0]]
+        );
+        assert_eq!(
+            b.mask.to_vec2::<u32>().unwrap(),
+            vec![vec![1, 1, 1, 1], vec![1, 1, 0, 0]]
+        );
+        assert_eq!(b.targets.to_vec1::<u32>().unwrap(), vec![1, 0]);
+        assert_eq!((b.real_tokens, b.scored), (6, 2));
+    }
+
+    #[test]
+    fn tags_align_and_mlm_masks_are_seeded() {
+        let ex = Example {
+            words: vec!["a".into(), "zzz".into(), "c".into()],
+            label: Label::Tags(vec![None, Some(3), Some(1)]),
+        };
+        let ds = Dataset::encode(&[ex], &tok(), None).unwrap();
+        assert_eq!(ds.samples[0].target, Target::Tags(vec![-1, 3, 1]));
+        assert_eq!(ds.samples[0].ids[1], 1, "unknown word maps to [UNK]");
+
+        let masked = Example {
+            words: "a b c a b c a b c a".split(' ').map(String::from).collect(),
+            label: Label::Masked,
+        };
+        let ds = Dataset::encode(&[masked.clone(), masked], &tok(), None).unwrap();
+        let m = MlmMasking::new(0.3, &tok()).unwrap();
+        assert_eq!(m.regular_ids, vec![5, 6, 7]);
+        let refs: Vec<&Sample> = ds.samples.iter().collect();
+        let run = |seed| {
+            let mut rng = crate::rng::stream(seed, "mlm");
+            let b = make_batch(&refs, 0, Some((&m, &mut rng)), &Device::Cpu).unwrap();
+            (
+                b.ids.to_vec2::<u32>().unwrap(),
+                b.weights.unwrap().to_vec2::<f32>().unwrap(),
+                b.scored,
+            )
+        };
+        let (ids, weights, scored) = run(1);
+        assert_eq!(run(1).0, ids);
+        assert!(scored >= 2);
+        for (row, w) in ids.iter().zip(&weights) {
+            for (&id, &wt) in row.iter().zip(w) {
+                if wt == 0.0 {
+                    assert_ne!(id, m.mask_id, "unscored tokens are never masked");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bucketed_epochs_cover_every_sample_once_with_similar_lengths() {
+        let lengths: Vec<usize> = (0..1000).map(|i| 5 + (i * 7919) % 40).collect();
+        let mut rng = crate::rng::stream(0, "epoch");
+        let batches = epoch_batches(&lengths, 16, &mut rng);
+        let mut seen: Vec<usize> = batches.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>());
+        let spread: usize = batches
+            .iter()
+            .map(|b| {
+                b.iter().map(|&i| lengths[i]).max().unwrap()
+                    - b.iter().map(|&i| lengths[i]).min().unwrap()
+            })
+            .sum();
+        assert!(
+            spread / batches.len() <= 3,
+            "mean in-batch length spread {}",
+            spread / batches.len()
+        );
+    }
+}

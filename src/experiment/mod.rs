@@ -1,0 +1,346 @@
+//! Controlled comparisons: every variant trained on the same data, seeds and budget.
+//!
+//! An experiment config names the tasks, the shared model shape, the training recipe, the seeds
+//! and the variants (a positional choice with its options, and optionally its own width or
+//! embedding scale). [`run::run`] trains every selected cell (task x variant x seed) and
+//! [`report`] turns the records into tables, files and plots.
+
+pub mod plot;
+pub mod report;
+pub mod results;
+pub mod run;
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ModelConfig, NormPlacement, Scale};
+use crate::error::{Error, Result};
+use crate::model::Pooling;
+use crate::positional::PositionalConfig;
+use crate::tasks::TaskSpec;
+use crate::train::TrainConfig;
+
+/// The embedded default experiment, `configs/compare.toml`.
+pub const DEFAULT_CONFIG: &str = include_str!("../../configs/compare.toml");
+
+fn d_seeds() -> u64 {
+    3
+}
+fn d_dropout() -> f64 {
+    0.1
+}
+fn d_scale() -> Scale {
+    Scale::Value(1.0)
+}
+fn d_eps() -> f64 {
+    1e-5
+}
+fn d_shift() -> usize {
+    16
+}
+
+/// The model shape every variant shares, `[model]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    pub ffn_dim: usize,
+    #[serde(default)]
+    pub norm: NormPlacement,
+    #[serde(default = "d_dropout")]
+    pub dropout: f64,
+    #[serde(default = "d_dropout")]
+    pub attention_dropout: f64,
+    #[serde(default = "d_scale")]
+    pub embed_scale: Scale,
+    #[serde(default = "d_scale")]
+    pub token_init_std: Scale,
+    #[serde(default = "d_eps")]
+    pub layer_norm_eps: f64,
+    /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
+    #[serde(default)]
+    pub pooling: Pooling,
+}
+
+/// A variant, `[[variants]]`: a name, a positional choice, and where it departs from the shared
+/// shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VariantSpec {
+    pub name: String,
+    pub positional: PositionalConfig,
+    /// Encoder width, if not the shared `d_model` (a wider concatenation, say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub d_model: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embed_scale: Option<Scale>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_init_std: Option<Scale>,
+    /// Rows of a learned table; default: the longest training input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_len: Option<usize>,
+}
+
+/// `[eval]`: how trained models are tested.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalConfig {
+    /// The shift test moves every position by this many.
+    #[serde(default = "d_shift")]
+    pub shift: usize,
+    /// Evaluation batch size; default twice the training batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self {
+            shift: d_shift(),
+            batch_size: None,
+        }
+    }
+}
+
+/// An experiment, as read from TOML.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentConfig {
+    /// Names the run folder `runs/<name>-<timestamp>`.
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    /// How many seeds: `first_seed .. first_seed + seeds`.
+    #[serde(default = "d_seeds")]
+    pub seeds: u64,
+    #[serde(default)]
+    pub first_seed: u64,
+    pub model: ModelShape,
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub eval: EvalConfig,
+    pub tasks: Vec<TaskSpec>,
+    pub variants: Vec<VariantSpec>,
+}
+
+/// `YYYYMMDD-HHMMSS` in UTC.
+pub fn utc_timestamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60
+    )
+}
+
+/// A new folder `root/<name>-<timestamp>` (with `-2`, `-3`, ... if taken), created.
+pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
+    let stamp = utc_timestamp();
+    for n in 1.. {
+        let dir = if n == 1 {
+            root.join(format!("{name}-{stamp}"))
+        } else {
+            root.join(format!("{name}-{stamp}-{n}"))
+        };
+        match std::fs::create_dir_all(root).and_then(|_| std::fs::create_dir(&dir)) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io(&dir, e)),
+        }
+    }
+    unreachable!("an unbounded search ends by returning")
+}
+
+/// Which cells of an experiment to run; empty lists mean all.
+#[derive(Clone, Debug, Default)]
+pub struct Selection {
+    pub tasks: Vec<String>,
+    pub variants: Vec<String>,
+    pub seeds: Vec<u64>,
+}
+
+fn check_name(kind: &str, name: &str) -> Result<()> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    {
+        return Err(Error::Config(format!(
+            "{kind} name {name:?} must be non-empty and use only letters, digits, `_`, `-` and `.` \
+             (it names folders)"
+        )));
+    }
+    Ok(())
+}
+
+impl ExperimentConfig {
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let config: Self = toml::from_str(text).map_err(|e| Error::ConfigParse {
+            path: "<toml>".into(),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and validates an experiment file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_toml_str(&text).map_err(|e| match e {
+            Error::ConfigParse { message, .. } => Error::ConfigParse {
+                path: path.into(),
+                message,
+            },
+            Error::Config(message) => Error::Config(format!("{}: {message}", path.display())),
+            other => other,
+        })
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("an experiment config serializes")
+    }
+
+    pub fn seed_list(&self) -> Vec<u64> {
+        (self.first_seed..self.first_seed + self.seeds).collect()
+    }
+
+    /// The model config of `variant` for a task whose tokenizer has `vocab_size` ids and whose
+    /// longest training input has `train_len` tokens.
+    pub fn model_config(
+        &self,
+        variant: &VariantSpec,
+        vocab_size: usize,
+        train_len: usize,
+    ) -> ModelConfig {
+        let shape = &self.model;
+        ModelConfig {
+            vocab_size,
+            d_model: variant.d_model.unwrap_or(shape.d_model),
+            n_heads: shape.n_heads,
+            n_layers: shape.n_layers,
+            ffn_dim: shape.ffn_dim,
+            max_len: variant.max_len.unwrap_or(train_len),
+            norm: shape.norm,
+            dropout: shape.dropout,
+            attention_dropout: shape.attention_dropout,
+            embed_scale: variant.embed_scale.unwrap_or(shape.embed_scale),
+            token_init_std: variant.token_init_std.unwrap_or(shape.token_init_std),
+            layer_norm_eps: shape.layer_norm_eps,
+            positional: variant.positional.clone(),
+        }
+    }
+
+    /// Checks everything that can be checked before data exists.
+    pub fn validate(&self) -> Result<()> {
+        check_name("experiment", &self.name)?;
+        if self.seeds == 0 {
+            return Err(Error::Config("seeds = 0: run at least one seed".into()));
+        }
+        if self.tasks.is_empty() || self.variants.is_empty() {
+            return Err(Error::Config(
+                "an experiment needs at least one [[tasks]] and one [[variants]] entry".into(),
+            ));
+        }
+        self.train.validate()?;
+        if self.eval.batch_size == Some(0) {
+            return Err(Error::Config(
+                "[eval] batch_size = 0, but it must be at least 1".into(),
+            ));
+        }
+        let mut names = HashSet::new();
+        for task in &self.tasks {
+            check_name("task", &task.name)?;
+            if !names.insert(task.name.clone()) {
+                return Err(Error::Config(format!(
+                    "two tasks are named `{}`: give one a `name`",
+                    task.name
+                )));
+            }
+            task.validate()?;
+        }
+        let mut names = HashSet::new();
+        for variant in &self.variants {
+            check_name("variant", &variant.name)?;
+            if !names.insert(variant.name.clone()) {
+                return Err(Error::Config(format!(
+                    "two variants are named `{}`",
+                    variant.name
+                )));
+            }
+            // Placeholder vocabulary and length: everything else is as it will run.
+            self.model_config(variant, 8, variant.max_len.unwrap_or(1))
+                .validate()
+                .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
+        }
+        Ok(())
+    }
+
+    /// The selected tasks, variants and seeds, refusing names that do not exist.
+    pub fn select(
+        &self,
+        selection: &Selection,
+    ) -> Result<(Vec<&TaskSpec>, Vec<&VariantSpec>, Vec<u64>)> {
+        fn pick<'a, T>(
+            all: &'a [T],
+            wanted: &[String],
+            name: impl Fn(&T) -> &str,
+            what: &str,
+        ) -> Result<Vec<&'a T>> {
+            if wanted.is_empty() {
+                return Ok(all.iter().collect());
+            }
+            wanted
+                .iter()
+                .map(|w| {
+                    all.iter().find(|t| name(t) == w).ok_or_else(|| {
+                        let known: Vec<&str> = all.iter().map(&name).collect();
+                        Error::Config(format!(
+                            "no {what} named `{w}`; this experiment has: {}",
+                            known.join(", ")
+                        ))
+                    })
+                })
+                .collect()
+        }
+        let tasks = pick(&self.tasks, &selection.tasks, |t| t.name.as_str(), "task")?;
+        let variants = pick(
+            &self.variants,
+            &selection.variants,
+            |v| v.name.as_str(),
+            "variant",
+        )?;
+        let all_seeds = self.seed_list();
+        let seeds = if selection.seeds.is_empty() {
+            all_seeds
+        } else {
+            for s in &selection.seeds {
+                if !all_seeds.contains(s) {
+                    return Err(Error::Config(format!(
+                        "seed {s} is not among this experiment's seeds {all_seeds:?}"
+                    )));
+                }
+            }
+            selection.seeds.clone()
+        };
+        Ok((tasks, variants, seeds))
+    }
+}

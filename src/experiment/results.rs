@@ -1,0 +1,289 @@
+//! What a comparison records, and its aggregation over seeds.
+//!
+//! [`Results`] holds everything that is a function of the config and the seeds, so the same run
+//! twice on the same machine writes the same `results.json`, byte for byte. Wall-clock
+//! measurements live apart in [`Timing`] (`timing.json`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::positional::PositionalConfig;
+use crate::tasks::OrderBlindCeiling;
+
+/// A test set of a task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TestInfo {
+    /// Column name: `1x`, `2x`, ...
+    pub name: String,
+    pub factor: usize,
+    /// Inclusive range of lengths in words.
+    pub lengths: [usize; 2],
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskInfo {
+    pub name: String,
+    pub kind: String,
+    pub metric: String,
+    pub train_lengths: [usize; 2],
+    pub tests: Vec<TestInfo>,
+    /// The shift test's offset, `None` where it is not run.
+    pub shift: Option<usize>,
+    /// Whether the shuffle test applies (sentence labels only).
+    pub shuffle_test: bool,
+    pub order_blind_ceiling: Option<OrderBlindCeiling>,
+    pub vocab_size: usize,
+}
+
+impl TaskInfo {
+    /// Every evaluation column, in report order.
+    pub fn columns(&self) -> Vec<String> {
+        let mut cols: Vec<String> = self.tests.iter().map(|t| t.name.clone()).collect();
+        if self.shuffle_test {
+            cols.push(SHUFFLED.into());
+        }
+        if let Some(s) = self.shift {
+            cols.push(shift_column(s));
+        }
+        cols
+    }
+}
+
+pub const SHUFFLED: &str = "shuffled";
+
+pub fn shift_column(shift: usize) -> String {
+    format!("shift+{shift}")
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VariantInfo {
+    pub name: String,
+    pub positional: PositionalConfig,
+    /// `nowhere`, `input` or `attention`.
+    pub placement: String,
+    pub d_model: usize,
+    pub token_dim: usize,
+    /// How the width is made: `64`, `64 = 48+16` (concatenated), `64+16->64` (projected).
+    pub width: String,
+}
+
+/// A score, or why there is none.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Scored { accuracy: f64, loss: f64 },
+    Unavailable { reason: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Evaluation {
+    pub name: String,
+    pub outcome: Outcome,
+}
+
+/// One trained model: a task, a variant and a seed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CellResult {
+    pub task: String,
+    pub variant: String,
+    pub seed: u64,
+    pub params: usize,
+    pub d_model: usize,
+    pub max_len: usize,
+    pub steps: usize,
+    pub tokens: usize,
+    pub kept_step: usize,
+    pub stopped_early: bool,
+    pub final_train_loss: f64,
+    /// `(step, mean training loss)` over windows of steps.
+    pub loss_curve: Vec<[f64; 2]>,
+    /// `(step, validation accuracy)`.
+    pub validation: Vec<[f64; 2]>,
+    pub evaluations: Vec<Evaluation>,
+    /// The saved model, relative to the run folder.
+    pub model_dir: String,
+}
+
+impl CellResult {
+    pub fn key(&self) -> (String, String, u64) {
+        (self.task.clone(), self.variant.clone(), self.seed)
+    }
+
+    pub fn evaluation(&self, name: &str) -> Option<&Outcome> {
+        self.evaluations
+            .iter()
+            .find(|e| e.name == name)
+            .map(|e| &e.outcome)
+    }
+}
+
+/// Wall-clock measurements of one cell.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    pub task: String,
+    pub variant: String,
+    pub seed: u64,
+    pub device: String,
+    pub train_seconds: f64,
+    pub tokens_per_second: f64,
+    /// Training, evaluation and saving.
+    pub wall_seconds: f64,
+}
+
+/// Mean, sample standard deviation, min and max over seeds.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Stat {
+    pub n: usize,
+    pub mean: f64,
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Stat {
+    pub fn of(values: &[f64]) -> Option<Stat> {
+        let n = values.len();
+        if n == 0 {
+            return None;
+        }
+        let mean = values.iter().sum::<f64>() / n as f64;
+        let var = if n > 1 {
+            values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+        } else {
+            0.0
+        };
+        Some(Stat {
+            n,
+            mean,
+            std: var.sqrt(),
+            min: values.iter().copied().fold(f64::INFINITY, f64::min),
+            max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        })
+    }
+}
+
+/// An aggregated column: statistics over the seeds that could run it, and the reason the others
+/// could not.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Aggregate {
+    pub name: String,
+    pub accuracy: Option<Stat>,
+    pub loss: Option<Stat>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+}
+
+/// A task x variant row over seeds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRow {
+    pub task: String,
+    pub variant: String,
+    pub seeds: Vec<u64>,
+    pub params: usize,
+    pub d_model: usize,
+    pub final_train_loss: Stat,
+    pub columns: Vec<Aggregate>,
+}
+
+/// Everything deterministic a comparison produced.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Results {
+    pub experiment: String,
+    pub tasks: Vec<TaskInfo>,
+    pub variants: Vec<VariantInfo>,
+    pub cells: Vec<CellResult>,
+    pub summary: Vec<SummaryRow>,
+}
+
+impl Results {
+    /// Sorts cells (task order, then variant order, then seed) and recomputes the summary.
+    pub fn finish(&mut self) {
+        let task_pos: BTreeMap<&str, usize> = self
+            .tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.as_str(), i))
+            .collect();
+        let var_pos: BTreeMap<&str, usize> = self
+            .variants
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.name.as_str(), i))
+            .collect();
+        let order = |c: &CellResult| {
+            (
+                task_pos.get(c.task.as_str()).copied().unwrap_or(usize::MAX),
+                var_pos
+                    .get(c.variant.as_str())
+                    .copied()
+                    .unwrap_or(usize::MAX),
+                c.seed,
+            )
+        };
+        self.cells.sort_by_key(|c| order(c));
+        let mut summary = Vec::new();
+        for task in &self.tasks {
+            for variant in &self.variants {
+                let cells: Vec<&CellResult> = self
+                    .cells
+                    .iter()
+                    .filter(|c| c.task == task.name && c.variant == variant.name)
+                    .collect();
+                if cells.is_empty() {
+                    continue;
+                }
+                let columns = task
+                    .columns()
+                    .into_iter()
+                    .map(|name| {
+                        let (mut acc, mut loss, mut reason) = (Vec::new(), Vec::new(), None);
+                        for c in &cells {
+                            match c.evaluation(&name) {
+                                Some(Outcome::Scored { accuracy, loss: l }) => {
+                                    acc.push(*accuracy);
+                                    loss.push(*l);
+                                }
+                                Some(Outcome::Unavailable { reason: r }) => {
+                                    reason = Some(r.clone())
+                                }
+                                None => {}
+                            }
+                        }
+                        Aggregate {
+                            name,
+                            accuracy: Stat::of(&acc),
+                            loss: Stat::of(&loss),
+                            unavailable: reason,
+                        }
+                    })
+                    .collect();
+                let losses: Vec<f64> = cells.iter().map(|c| c.final_train_loss).collect();
+                summary.push(SummaryRow {
+                    task: task.name.clone(),
+                    variant: variant.name.clone(),
+                    seeds: cells.iter().map(|c| c.seed).collect(),
+                    params: cells[0].params,
+                    d_model: cells[0].d_model,
+                    final_train_loss: Stat::of(&losses).expect("at least one cell"),
+                    columns,
+                });
+            }
+        }
+        self.summary = summary;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_use_the_sample_standard_deviation() {
+        let s = Stat::of(&[1.0, 2.0, 3.0, 4.0]).unwrap();
+        assert_eq!((s.n, s.mean, s.min, s.max), (4, 2.5, 1.0, 4.0));
+        assert!((s.std - (5.0f64 / 3.0).sqrt()).abs() < 1e-15);
+        assert_eq!(Stat::of(&[7.0]).unwrap().std, 0.0);
+        assert!(Stat::of(&[]).is_none());
+    }
+}

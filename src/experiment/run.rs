@@ -1,0 +1,510 @@
+//! Training and testing every selected cell of an experiment.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use candle::{DType, Device};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use super::results::{
+    shift_column, CellResult, Evaluation, Outcome, Results, TaskInfo, TestInfo, Timing,
+    VariantInfo, SHUFFLED,
+};
+use super::{ExperimentConfig, Selection, VariantSpec};
+use crate::data::{Dataset, MlmMasking};
+use crate::device::device_name;
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, Pooling, TaskModel};
+use crate::params::ParamStore;
+use crate::positional::{Placement, PositionalConfig};
+use crate::rng::{self, derive_seed};
+use crate::saved::{self, SavedConfig};
+use crate::tasks::{Objective, TaskData, TaskSpec};
+use crate::train::{evaluate, train, TrainData};
+
+/// Where and how to run.
+pub struct RunOptions {
+    pub device: Device,
+    /// The run folder; trained models go under `models/`.
+    pub dir: PathBuf,
+    pub selection: Selection,
+    /// Draw progress bars (they stay hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+    /// Cells trained at the same time. Each cell has its own variables and generators, so the
+    /// results do not depend on this; on a CPU with small models, one single-threaded job per
+    /// core is fastest (set `RAYON_NUM_THREADS=1`, as the `poslab` binary does).
+    pub jobs: usize,
+}
+
+/// Records of a run.
+pub struct RunOutput {
+    pub results: Results,
+    pub timings: Vec<Timing>,
+}
+
+/// At most this many points per loss curve.
+const CURVE_POINTS: usize = 200;
+
+fn downsample(losses: &[f64]) -> Vec<[f64; 2]> {
+    let window = losses.len().div_ceil(CURVE_POINTS).max(1);
+    losses
+        .chunks(window)
+        .enumerate()
+        .map(|(i, w)| {
+            let step = (i * window + w.len()) as f64;
+            [step, w.iter().sum::<f64>() / w.len() as f64]
+        })
+        .collect()
+}
+
+fn placement_name(p: Placement) -> &'static str {
+    match p {
+        Placement::Nowhere => "nowhere",
+        Placement::Input => "input",
+        Placement::Attention => "attention",
+    }
+}
+
+/// A test the model can run: data, position offset, MLM mask seed.
+struct Test {
+    name: String,
+    /// Index into [`Prepared::sets`].
+    set: usize,
+    start: usize,
+    mask_seed: u64,
+}
+
+/// A task generated and tokenized once, shared by all of its cells.
+struct Prepared<'a> {
+    spec: &'a TaskSpec,
+    data: TaskData,
+    head: HeadConfig,
+    masking: Option<MlmMasking>,
+    train: Dataset,
+    valid: Dataset,
+    /// The test sets by length, then the shuffled copy of the base test set if any.
+    sets: Vec<Dataset>,
+    tests: Vec<Test>,
+    info: TaskInfo,
+}
+
+fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared<'a>> {
+    let data = spec.generate()?;
+    let tok = &data.tokenizer;
+    let (head, cls) = match &data.objective {
+        Objective::Classify { labels } => {
+            let pooling = config.model.pooling;
+            let cls = match pooling {
+                Pooling::First => Some(tok.cls_id().ok_or_else(|| {
+                    Error::Config("first-token pooling needs a [CLS] token in the tokenizer".into())
+                })?),
+                Pooling::Mean => None,
+            };
+            (
+                HeadConfig::Classify {
+                    classes: labels.len(),
+                    pooling,
+                },
+                cls,
+            )
+        }
+        Objective::Tag { labels } => (
+            HeadConfig::Tag {
+                classes: labels.len(),
+            },
+            None,
+        ),
+        Objective::Mlm { .. } => (HeadConfig::Mlm, None),
+    };
+    let masking = match &data.objective {
+        Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
+        _ => None,
+    };
+    let train = Dataset::encode(&data.train, tok, cls)?;
+    let valid = Dataset::encode(&data.valid, tok, cls)?;
+    let mut sets = data
+        .tests
+        .iter()
+        .map(|t| Dataset::encode(&t.examples, tok, cls))
+        .collect::<Result<Vec<_>>>()?;
+    let mask_seed = |factor: usize| derive_seed(spec.data_seed, "test masks", factor as u64);
+    let mut tests: Vec<Test> = data
+        .tests
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Test {
+            name: format!("{}x", t.factor),
+            set: i,
+            start: 0,
+            mask_seed: mask_seed(t.factor),
+        })
+        .collect();
+    // The order tests run on the test set at the training lengths.
+    let base = data.tests.iter().position(|t| t.factor == 1).unwrap_or(0);
+    let base_seed = mask_seed(data.tests[base].factor);
+    let shuffle_test = matches!(data.objective, Objective::Classify { .. });
+    if shuffle_test {
+        let shuffled = sets[base].with_shuffled_tokens(
+            cls.is_some(),
+            &mut rng::stream(spec.data_seed, "shuffle test"),
+        );
+        sets.push(shuffled);
+        tests.push(Test {
+            name: SHUFFLED.into(),
+            set: sets.len() - 1,
+            start: 0,
+            mask_seed: base_seed,
+        });
+    }
+    tests.push(Test {
+        name: shift_column(config.eval.shift),
+        set: base,
+        start: config.eval.shift,
+        mask_seed: base_seed,
+    });
+    let info = TaskInfo {
+        name: spec.name.clone(),
+        kind: spec.kind.name().into(),
+        metric: data.objective.metric().into(),
+        train_lengths: spec.lengths,
+        tests: data
+            .tests
+            .iter()
+            .map(|t| TestInfo {
+                name: format!("{}x", t.factor),
+                factor: t.factor,
+                lengths: t.lengths,
+            })
+            .collect(),
+        shift: Some(config.eval.shift),
+        shuffle_test,
+        order_blind_ceiling: data.order_blind_ceiling.clone(),
+        vocab_size: tok.vocab_size(),
+    };
+    Ok(Prepared {
+        spec,
+        data,
+        head,
+        masking,
+        train,
+        valid,
+        sets,
+        tests,
+        info,
+    })
+}
+
+/// Everything one cell produces.
+struct CellOutput {
+    result: CellResult,
+    timing: Timing,
+    variant: VariantInfo,
+    line: String,
+}
+
+struct Shared<'a> {
+    config: &'a ExperimentConfig,
+    options: &'a RunOptions,
+    multi: &'a MultiProgress,
+    style: ProgressStyle,
+    threads: String,
+}
+
+fn run_cell(
+    shared: &Shared,
+    task: &Prepared,
+    variant: &VariantSpec,
+    seed: u64,
+) -> Result<CellOutput> {
+    let Shared {
+        config, options, ..
+    } = shared;
+    let device = &options.device;
+    let tok = &task.data.tokenizer;
+    let started = Instant::now();
+    let model_config = config.model_config(variant, tok.vocab_size(), task.train.max_len());
+    let params = ParamStore::new(seed);
+    let model = TaskModel::new(
+        &model_config,
+        &task.head,
+        params.var_builder(DType::F32, device),
+    )?;
+    let bar = shared.multi.add(ProgressBar::new(0));
+    bar.set_style(shared.style.clone());
+    bar.set_prefix(format!("{}/{}/seed{seed}", task.spec.name, variant.name));
+    let outcome = train(
+        &model,
+        &params,
+        &TrainData {
+            train: &task.train,
+            valid: &task.valid,
+            pad_id: tok.pad_id(),
+            masking: task.masking.as_ref(),
+        },
+        &config.train,
+        seed,
+        &bar,
+    )?;
+    bar.finish_and_clear();
+    shared.multi.remove(&bar);
+
+    let eval_batch = config
+        .eval
+        .batch_size
+        .unwrap_or(2 * config.train.batch_size);
+    let table_rows = model.encoder().input_positions().max_positions();
+    let mut evaluations = Vec::new();
+    for test in &task.tests {
+        let set = &task.sets[test.set];
+        let reach = test.start + set.max_len();
+        let outcome = match table_rows {
+            Some(rows) if reach > rows => Outcome::Unavailable {
+                reason: format!(
+                    "the learned table has {rows} rows; these inputs reach position {reach}"
+                ),
+            },
+            _ => {
+                let s = evaluate(
+                    &model,
+                    set,
+                    tok.pad_id(),
+                    task.masking.as_ref(),
+                    test.mask_seed,
+                    eval_batch,
+                    test.start,
+                )?;
+                Outcome::Scored {
+                    accuracy: s.accuracy,
+                    loss: s.loss,
+                }
+            }
+        };
+        evaluations.push(Evaluation {
+            name: test.name.clone(),
+            outcome,
+        });
+    }
+
+    let model_dir = Path::new("models")
+        .join(&task.spec.name)
+        .join(&variant.name)
+        .join(format!("seed{seed}"));
+    saved::save(
+        &options.dir.join(&model_dir),
+        &params,
+        tok,
+        &SavedConfig {
+            format: saved::FORMAT.into(),
+            model: model_config.clone(),
+            head: task.head.clone(),
+            objective: task.data.objective.clone(),
+            task: task.spec.name.clone(),
+            seed,
+        },
+    )?;
+
+    let wall = started.elapsed().as_secs_f64();
+    let tokens_per_second = outcome.tokens as f64 / outcome.train_seconds.max(1e-9);
+    let scores = evaluations
+        .iter()
+        .map(|e| match &e.outcome {
+            Outcome::Scored { accuracy, .. } => format!("{} {:.1}%", e.name, 100.0 * accuracy),
+            Outcome::Unavailable { .. } => format!("{} n/a", e.name),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Ok(CellOutput {
+        line: format!(
+            "{}/{}/seed{seed}: {scores}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
+            task.spec.name,
+            variant.name,
+            outcome.final_loss()
+        ),
+        variant: VariantInfo {
+            name: variant.name.clone(),
+            positional: variant.positional.clone(),
+            placement: placement_name(variant.positional.placement()).into(),
+            d_model: model_config.d_model,
+            token_dim: model_config.token_dim(),
+            width: match &variant.positional {
+                PositionalConfig::SinusoidalConcat(o) if o.project => {
+                    format!(
+                        "{}+{}->{}",
+                        model_config.token_dim(),
+                        o.pos_dim,
+                        model_config.d_model
+                    )
+                }
+                PositionalConfig::SinusoidalConcat(o) => {
+                    format!(
+                        "{} = {}+{}",
+                        model_config.d_model,
+                        model_config.token_dim(),
+                        o.pos_dim
+                    )
+                }
+                _ => model_config.d_model.to_string(),
+            },
+        },
+        timing: Timing {
+            task: task.spec.name.clone(),
+            variant: variant.name.clone(),
+            seed,
+            device: format!("{} ({})", device_name(device), shared.threads),
+            train_seconds: outcome.train_seconds,
+            tokens_per_second,
+            wall_seconds: wall,
+        },
+        result: CellResult {
+            task: task.spec.name.clone(),
+            variant: variant.name.clone(),
+            seed,
+            params: params.num_params(),
+            d_model: model_config.d_model,
+            max_len: model_config.max_len,
+            steps: outcome.steps,
+            tokens: outcome.tokens,
+            kept_step: outcome.kept_step,
+            stopped_early: outcome.stopped_early,
+            final_train_loss: outcome.final_loss(),
+            loss_curve: downsample(&outcome.losses),
+            validation: outcome
+                .validation
+                .iter()
+                .map(|(s, v)| [*s as f64, v.accuracy])
+                .collect(),
+            evaluations,
+            model_dir: model_dir.to_string_lossy().replace('\\', "/"),
+        },
+    })
+}
+
+/// Trains and tests every selected cell, `options.jobs` at a time. `log` receives one line per
+/// finished cell when progress bars are not drawn.
+pub fn run(
+    config: &ExperimentConfig,
+    options: &RunOptions,
+    log: &(dyn Fn(&str) + Sync),
+) -> Result<RunOutput> {
+    config.validate()?;
+    let (tasks, variants, seeds) = config.select(&options.selection)?;
+    let prepared = tasks
+        .iter()
+        .map(|t| prepare(config, t))
+        .collect::<Result<Vec<_>>>()?;
+    // Cells in report order: task, seed, variant.
+    let mut cells: Vec<(usize, &VariantSpec, u64)> = Vec::new();
+    for t in 0..prepared.len() {
+        for &seed in &seeds {
+            cells.extend(variants.iter().map(|v| (t, *v, seed)));
+        }
+    }
+
+    let multi = MultiProgress::with_draw_target(if options.progress {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    });
+    let overall = multi.add(ProgressBar::new(cells.len() as u64));
+    overall.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>12} [{bar:30}] {pos}/{len} cells, {elapsed} elapsed, about {eta} left",
+        )
+        .expect("template")
+        .progress_chars("=> "),
+    );
+    overall.set_prefix("compare");
+    let jobs = options.jobs.clamp(1, cells.len().max(1));
+    let shared = Shared {
+        config,
+        options,
+        multi: &multi,
+        style: ProgressStyle::with_template("{prefix:>40} [{bar:30}] {pos}/{len} steps {msg}")
+            .expect("template")
+            .progress_chars("=> "),
+        threads: format!(
+            "{jobs} job{} x {} thread{}",
+            if jobs == 1 { "" } else { "s" },
+            candle::utils::get_num_threads(),
+            if candle::utils::get_num_threads() == 1 {
+                ""
+            } else {
+                "s"
+            }
+        ),
+    };
+
+    let next = AtomicUsize::new(0);
+    let outputs: Mutex<Vec<(usize, CellOutput)>> = Mutex::new(Vec::new());
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= cells.len() || failure.lock().expect("lock").is_some() {
+                    break;
+                }
+                let (t, variant, seed) = cells[i];
+                match run_cell(&shared, &prepared[t], variant, seed) {
+                    Ok(out) => {
+                        overall.inc(1);
+                        if multi.is_hidden() {
+                            log(&out.line);
+                        } else {
+                            let _ = multi.println(&out.line);
+                        }
+                        outputs.lock().expect("lock").push((i, out));
+                    }
+                    Err(e) => {
+                        let cell = format!("{}/{}/seed{seed}", prepared[t].spec.name, variant.name);
+                        failure.lock().expect("lock").get_or_insert(Error::Cell {
+                            cell,
+                            source: Box::new(e),
+                        });
+                    }
+                }
+            });
+        }
+    });
+    overall.finish_and_clear();
+    if let Some(e) = failure.into_inner().expect("lock") {
+        return Err(e);
+    }
+
+    let mut outputs = outputs.into_inner().expect("lock");
+    outputs.sort_by_key(|(i, _)| *i);
+    let mut results = Results {
+        experiment: config.name.clone(),
+        tasks: prepared.into_iter().map(|p| p.info).collect(),
+        variants: Vec::new(),
+        cells: Vec::new(),
+        summary: Vec::new(),
+    };
+    let mut timings = Vec::new();
+    for (_, out) in outputs {
+        if !results.variants.iter().any(|v| v.name == out.variant.name) {
+            results.variants.push(out.variant);
+        }
+        results.cells.push(out.result);
+        timings.push(out.timing);
+    }
+    results.finish();
+    Ok(RunOutput { results, timings })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curves_keep_their_mean_and_length() {
+        let losses: Vec<f64> = (0..1000).map(|i| i as f64).collect();
+        let d = downsample(&losses);
+        assert_eq!(d.len(), 200);
+        assert_eq!(d[0], [5.0, 2.0]);
+        assert_eq!(d[199], [1000.0, 997.0]);
+        assert_eq!(downsample(&[1.0, 3.0]), vec![[1.0, 1.0], [2.0, 3.0]]);
+    }
+}

@@ -1,0 +1,154 @@
+//! An encoder with a task head: what `train`, `compare` and `predict` run.
+
+use candle::{DType, IndexOp, Module, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelConfig;
+use crate::data::Batch;
+use crate::encoder::Encoder;
+use crate::error::{Error, Result};
+use crate::nn::{linear, log_softmax_last_dim};
+
+/// How a sentence label reads the hidden states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// The mean over real (unpadded) tokens.
+    #[default]
+    Mean,
+    /// The first token (a `[CLS]` token is prepended to every input).
+    First,
+}
+
+/// The head on top of the encoder, named `head.{weight,bias}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum HeadConfig {
+    /// A pooled vector to `classes` logits.
+    Classify { classes: usize, pooling: Pooling },
+    /// Every token to `classes` logits.
+    Tag { classes: usize },
+    /// Every token to logits over the vocabulary.
+    Mlm,
+}
+
+/// Encoder and head.
+#[derive(Debug)]
+pub struct TaskModel {
+    encoder: Encoder,
+    head: Linear,
+    config: HeadConfig,
+}
+
+impl TaskModel {
+    pub fn new(model: &ModelConfig, head: &HeadConfig, vb: VarBuilder) -> Result<Self> {
+        let out = match head {
+            HeadConfig::Classify { classes, .. } | HeadConfig::Tag { classes } => *classes,
+            HeadConfig::Mlm => model.vocab_size,
+        };
+        if out == 0 {
+            return Err(Error::Config("the head needs at least one class".into()));
+        }
+        Ok(Self {
+            encoder: Encoder::new(model, vb.clone())?,
+            head: linear(model.d_model, out, vb.pp("head"))?,
+            config: head.clone(),
+        })
+    }
+
+    pub fn encoder(&self) -> &Encoder {
+        &self.encoder
+    }
+
+    pub fn head_config(&self) -> &HeadConfig {
+        &self.config
+    }
+
+    /// Mean over real tokens or the first token, as configured.
+    ///
+    /// # Shapes
+    /// - `hidden`: `(b, t, d)`, `mask`: `(b, t)`; returns `(b, d)`
+    pub fn pool(&self, hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let pooling = match self.config {
+            HeadConfig::Classify { pooling, .. } => pooling,
+            _ => Pooling::Mean,
+        };
+        Ok(match pooling {
+            Pooling::First => hidden.i((.., 0))?,
+            Pooling::Mean => {
+                let m = mask.to_dtype(hidden.dtype())?.unsqueeze(2)?; // (b, t, 1)
+                hidden
+                    .broadcast_mul(&m)?
+                    .sum(1)?
+                    .broadcast_div(&m.sum(1)?)?
+            }
+        })
+    }
+
+    /// Logits: `(b, classes)` for sentence labels, `(b, t, classes)` for token labels.
+    pub fn logits(&self, ids: &Tensor, mask: &Tensor, start: usize, train: bool) -> Result<Tensor> {
+        let hidden = self.encoder.forward_at(ids, mask, start, train)?; // (b, t, d)
+        let features = match self.config {
+            HeadConfig::Classify { .. } => self.pool(&hidden, mask)?, // (b, d)
+            HeadConfig::Tag { .. } | HeadConfig::Mlm => hidden,
+        };
+        Ok(self.head.forward(&features)?)
+    }
+
+    /// Mean cross-entropy over the scored labels of `batch`, and the logits.
+    pub fn loss(&self, batch: &Batch, start: usize, train: bool) -> Result<(Tensor, Tensor)> {
+        let logits = self.logits(&batch.ids, &batch.mask, start, train)?;
+        let loss = cross_entropy(&logits, &batch.targets, batch.weights.as_ref())?;
+        Ok((loss, logits))
+    }
+}
+
+/// Mean negative log-likelihood of `targets`, over the entries with weight 1.
+///
+/// # Shapes
+/// - `logits`: `(..., c)`; `targets`: `(...)` u32; `weights`: `(...)`, or `None` for all 1
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<&Tensor>,
+) -> Result<Tensor> {
+    let c = logits.dim(D::Minus1)?;
+    let logp = log_softmax_last_dim(&logits.reshape(((), c))?)?; // (n, c)
+    let targets = targets.flatten_all()?;
+    let nll = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?; // (n,)
+    Ok(match weights {
+        None => nll.mean_all()?,
+        Some(w) => {
+            let w = w.flatten_all()?.to_dtype(nll.dtype())?;
+            let total = w.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if total == 0.0 {
+                return Err(Error::Input("a batch with no scored labels".into()));
+            }
+            ((nll * w)?.sum_all()? / total)?
+        }
+    })
+}
+
+/// Correct predictions and scored labels in `logits` against `targets`.
+pub fn count_correct(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    let predicted = logits.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?;
+    let targets = targets.flatten_all()?.to_vec1::<u32>()?;
+    let weights = match weights {
+        Some(w) => w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+        None => vec![1.0; targets.len()],
+    };
+    let mut correct = 0;
+    let mut total = 0;
+    for ((p, t), w) in predicted.iter().zip(&targets).zip(&weights) {
+        if *w > 0.0 {
+            total += 1;
+            correct += usize::from(p == t);
+        }
+    }
+    Ok((correct, total))
+}

@@ -1,0 +1,101 @@
+//! A trained model on disk: `model.safetensors`, `config.json`, `tokenizer.json` in one folder.
+//! It loads without the experiment config that made it.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle::{DType, Device};
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, TaskModel};
+use crate::params::ParamStore;
+use crate::tasks::Objective;
+use crate::text::TextTokenizer;
+
+pub const FORMAT: &str = "poslab-model/1";
+pub const WEIGHTS: &str = "model.safetensors";
+pub const CONFIG: &str = "config.json";
+pub const TOKENIZER: &str = "tokenizer.json";
+
+/// `config.json` of a saved model: everything needed to rebuild it and read its outputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavedConfig {
+    pub format: String,
+    pub model: ModelConfig,
+    pub head: HeadConfig,
+    /// What the outputs mean (label names for classification and tagging).
+    pub objective: Objective,
+    /// The task it was trained on and the training seed, for the record.
+    pub task: String,
+    pub seed: u64,
+}
+
+/// Writes the model's folder, each file atomically.
+pub fn save(
+    dir: &Path,
+    params: &ParamStore,
+    tokenizer: &TextTokenizer,
+    config: &SavedConfig,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let json = serde_json::to_string_pretty(config).expect("a saved config serializes");
+    crate::io::write_atomic(&dir.join(CONFIG), json.as_bytes())?;
+    tokenizer.save(dir.join(TOKENIZER))?;
+    let meta = HashMap::from([
+        ("format".to_string(), FORMAT.to_string()),
+        (
+            "config".to_string(),
+            serde_json::to_string(&config.model).expect("serializes"),
+        ),
+    ]);
+    params.save(dir.join(WEIGHTS), meta)
+}
+
+/// A loaded model with its variables, tokenizer and config.
+pub struct Loaded {
+    pub model: TaskModel,
+    pub params: ParamStore,
+    pub tokenizer: TextTokenizer,
+    pub config: SavedConfig,
+}
+
+/// Loads a folder written by [`save`], checking names and shapes of every tensor.
+pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Loaded> {
+    let config_path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let config: SavedConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
+        path: config_path.clone(),
+        message: e.to_string(),
+    })?;
+    if config.format != FORMAT {
+        return Err(Error::ConfigParse {
+            path: config_path,
+            message: format!("format `{}` is not `{FORMAT}`", config.format),
+        });
+    }
+    config.model.validate()?;
+    let tokenizer = TextTokenizer::from_file(dir.join(TOKENIZER))?;
+    if tokenizer.vocab_size() != config.model.vocab_size {
+        return Err(Error::Config(format!(
+            "{}: the tokenizer has {} ids but the model's vocab_size is {}",
+            dir.display(),
+            tokenizer.vocab_size(),
+            config.model.vocab_size
+        )));
+    }
+    let params = ParamStore::new(0);
+    let model = TaskModel::new(
+        &config.model,
+        &config.head,
+        params.var_builder(dtype, device),
+    )?;
+    params.load(dir.join(WEIGHTS))?;
+    Ok(Loaded {
+        model,
+        params,
+        tokenizer,
+        config,
+    })
+}

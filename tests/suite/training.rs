@@ -1,0 +1,185 @@
+//! The training loop: budgets, early stopping, divergence, and heads that learn.
+
+use candle::{DType, Device};
+use indicatif::ProgressBar;
+use poslab::data::{Dataset, MlmMasking};
+use poslab::model::{HeadConfig, Pooling, TaskModel};
+use poslab::tasks::{Objective, TaskData, TaskSpec};
+use poslab::train::{train, Budget, TrainConfig, TrainData, TrainOutcome};
+use poslab::{ModelConfig, NormPlacement, ParamStore, PositionalConfig};
+
+use crate::common::tiny_config;
+
+pub fn task(toml_table: &str) -> TaskSpec {
+    #[derive(serde::Deserialize)]
+    struct W {
+        tasks: Vec<TaskSpec>,
+    }
+    let w: W = toml::from_str(&format!("[[tasks]]\n{toml_table}")).unwrap();
+    w.tasks.into_iter().next().unwrap()
+}
+
+/// A recipe: batches of 16, validation every 10 steps, the learning rate 3e-3 unless `extra`
+/// sets one.
+fn recipe(extra: &str) -> TrainConfig {
+    let lr = if extra.contains("lr =") {
+        ""
+    } else {
+        "lr = 3e-3\n"
+    };
+    toml::from_str(&format!("batch_size = 16\neval_every = 10\n{lr}{extra}")).unwrap()
+}
+
+struct Setup {
+    data: TaskData,
+    train: Dataset,
+    valid: Dataset,
+    masking: Option<MlmMasking>,
+}
+
+fn setup(spec: &TaskSpec) -> Setup {
+    let data = spec.generate().unwrap();
+    let masking = match data.objective {
+        Objective::Mlm { mask_prob } => Some(MlmMasking::new(mask_prob, &data.tokenizer).unwrap()),
+        _ => None,
+    };
+    Setup {
+        train: Dataset::encode(&data.train, &data.tokenizer, None).unwrap(),
+        valid: Dataset::encode(&data.valid, &data.tokenizer, None).unwrap(),
+        masking,
+        data,
+    }
+}
+
+fn model_config(s: &Setup, positional: PositionalConfig) -> ModelConfig {
+    ModelConfig {
+        vocab_size: s.data.tokenizer.vocab_size(),
+        max_len: s.train.max_len(),
+        ..tiny_config(positional, NormPlacement::Pre)
+    }
+}
+
+fn head(s: &Setup) -> HeadConfig {
+    match &s.data.objective {
+        Objective::Classify { labels } => HeadConfig::Classify {
+            classes: labels.len(),
+            pooling: Pooling::Mean,
+        },
+        Objective::Tag { labels } => HeadConfig::Tag {
+            classes: labels.len(),
+        },
+        Objective::Mlm { .. } => HeadConfig::Mlm,
+    }
+}
+
+fn run(
+    s: &Setup,
+    config: &ModelConfig,
+    recipe: &TrainConfig,
+    seed: u64,
+) -> poslab::Result<(TrainOutcome, TaskModel)> {
+    let params = ParamStore::new(seed);
+    let model = TaskModel::new(
+        config,
+        &head(s),
+        params.var_builder(DType::F32, &Device::Cpu),
+    )?;
+    let data = TrainData {
+        train: &s.train,
+        valid: &s.valid,
+        pad_id: s.data.tokenizer.pad_id(),
+        masking: s.masking.as_ref(),
+    };
+    let outcome = train(&model, &params, &data, recipe, seed, &ProgressBar::hidden())?;
+    Ok((outcome, model))
+}
+
+#[test]
+fn budgets_stop_where_they_say() {
+    let s = setup(&task(
+        "kind = \"prev_token\"\nlengths = [4, 8]\ntrain_examples = 200\neval_examples = 40",
+    ));
+    let config = model_config(&s, PositionalConfig::Rope(Default::default()));
+    let (by_steps, _) = run(&s, &config, &recipe("budget = { steps = 23 }"), 0).unwrap();
+    assert_eq!((by_steps.steps, by_steps.losses.len()), (23, 23));
+    // Validation every 10 steps and at the end.
+    let at: Vec<usize> = by_steps.validation.iter().map(|v| v.0).collect();
+    assert_eq!(at, vec![10, 20, 23]);
+
+    let (by_tokens, _) = run(&s, &config, &recipe("budget = { tokens = 1500 }"), 0).unwrap();
+    assert!(by_tokens.tokens >= 1500, "{} tokens", by_tokens.tokens);
+    // The step before the last was still under budget: at most 16 sequences of 8 tokens over.
+    assert!(
+        by_tokens.tokens < 1500 + 16 * 8,
+        "{} tokens",
+        by_tokens.tokens
+    );
+}
+
+#[test]
+fn early_stopping_keeps_the_best_weights() {
+    let s = setup(&task(
+        "kind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 50",
+    ));
+    let config = model_config(&s, PositionalConfig::SinusoidalAdd(Default::default()));
+    // No later evaluation can beat the first by 2.0 (accuracy is at most 1), so the run stops
+    // after `patience` more evaluations and restores the weights of step 10.
+    let rule = "budget = { steps = 200 }\nearly_stopping = { patience = 2, min_delta = 2.0 }";
+    let (outcome, model) = run(&s, &config, &recipe(rule), 0).unwrap();
+    assert!(outcome.stopped_early);
+    assert_eq!(outcome.steps, 30);
+    assert_eq!(outcome.kept_step, 10);
+    let at = |step: usize| outcome.validation.iter().find(|v| v.0 == step).unwrap().1;
+    assert_ne!(at(10).loss, at(30).loss, "training moved the weights");
+    let pad = s.data.tokenizer.pad_id();
+    let seed = poslab::rng::derive_seed(0, "validation masks", 0);
+    let now = poslab::train::evaluate(&model, &s.valid, pad, None, seed, 32, 0).unwrap();
+    assert_eq!(now.loss, at(10).loss, "the restored weights are step 10's");
+}
+
+#[test]
+fn a_diverging_run_stops_with_a_clear_message() {
+    let s = setup(&task(
+        "kind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 100\neval_examples = 20",
+    ));
+    let config = model_config(&s, PositionalConfig::Learned(Default::default()));
+    let err = run(
+        &s,
+        &config,
+        &recipe("budget = { steps = 50 }\nlr = 1e30\nwarmup = 0.0\ngrad_clip = 0.0"),
+        0,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("training stopped"), "{err}");
+    assert!(err.contains("became") && err.contains("lower lr"), "{err}");
+}
+
+#[test]
+fn training_is_reproducible_and_heads_learn_every_objective() {
+    let cases = [
+        // Chance: 1/16 symbols, 1/4 residues, about 1/60 words.
+        ("kind = \"prev_token\"\nk = 1\nlengths = [4, 8]\ntrain_examples = 600\neval_examples = 100", 0.3),
+        ("kind = \"position_index\"\nlengths = [4, 8]\ntrain_examples = 600\neval_examples = 100", 0.6),
+        ("kind = \"mlm\"\nlengths = [5, 8]\ntrain_examples = 600\neval_examples = 100", 0.2),
+    ];
+    for (spec, floor) in cases {
+        let s = setup(&task(spec));
+        let mut config = model_config(&s, PositionalConfig::SinusoidalAdd(Default::default()));
+        config.dropout = 0.1;
+        let recipe = recipe("budget = { steps = 200 }\nlr = 1e-2");
+        let (a, _) = run(&s, &config, &recipe, 4).unwrap();
+        let (b, _) = run(&s, &config, &recipe, 4).unwrap();
+        assert_eq!(a.losses, b.losses, "{spec}: same seed, same losses");
+        assert_eq!(a.validation, b.validation);
+        let first = a.losses[..10].iter().sum::<f64>() / 10.0;
+        assert!(
+            a.final_loss() < 0.7 * first,
+            "{spec}: loss {first} -> {}",
+            a.final_loss()
+        );
+        let last = a.validation.last().unwrap().1.accuracy;
+        assert!(last > floor, "{spec}: validation accuracy {last}");
+        assert!(matches!(recipe.budget, Budget::Steps(200)));
+    }
+}
