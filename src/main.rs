@@ -314,7 +314,7 @@ fn inspect(path: &Path) -> Result<()> {
     ];
     println!("\nparameters of this shape under each scheme:");
     println!(
-        "  {:<36} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
+        "  {:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
         "scheme", "tokens", "positions", "attention", "ffn", "norms", "total"
     );
     for positional in schemes {
@@ -342,13 +342,13 @@ fn inspect(path: &Path) -> Result<()> {
             Placement::Attention => "attention",
         };
         match variant.validate() {
-            Err(e) => println!("{marker} {label:<36} cannot be built at this shape: {e}"),
+            Err(e) => println!("{marker} {label:<40} cannot be built at this shape: {e}"),
             Ok(()) => {
                 let groups =
                     parameter_groups(&variant).with_context(|| format!("building {label}"))?;
                 let total: usize = groups.iter().map(|g| g.1).sum();
                 println!(
-                    "{marker} {label:<36} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
+                    "{marker} {label:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
                     groups[0].1, groups[1].1, groups[2].1, groups[3].1, groups[4].1, total
                 );
             }

@@ -206,6 +206,14 @@ impl ExperimentConfig {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Self::from_toml_str(&text).map_err(|e| match e {
+            Error::ConfigParse { message, .. } if ModelConfig::from_toml_str(&text).is_ok() => Error::ConfigParse {
+                path: path.into(),
+                message: format!(
+                    "this is a model config (for `poslab inspect`), not an experiment: an experiment \
+                     has `name`, `[model]`, `[train]`, `[[tasks]]` and `[[variants]]` (see \
+                     configs/compare.toml)\n{message}"
+                ),
+            },
             Error::ConfigParse { message, .. } => Error::ConfigParse {
                 path: path.into(),
                 message,
