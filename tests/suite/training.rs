@@ -183,3 +183,128 @@ fn training_is_reproducible_and_heads_learn_every_objective() {
         assert!(matches!(recipe.budget, Budget::Steps(200)));
     }
 }
+
+#[test]
+fn mlm_reads_a_text_file_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("corpus.txt");
+    let lines: Vec<String> = (0..60)
+        .map(|i| {
+            format!(
+                "the cat {} on the mat number {}",
+                ["sat", "slept", "ran"][i % 3],
+                i % 7
+            )
+        })
+        .collect();
+    std::fs::write(&good, lines.join("\n") + "\n\n").unwrap();
+    let spec = task(&format!(
+        "kind = \"mlm\"\ntext_file = {:?}\nlengths = [1, 12]\ntrain_examples = 1000\neval_examples = 10",
+        good.display().to_string()
+    ));
+    let data = spec.generate().unwrap();
+    assert_eq!(
+        (
+            data.train.len(),
+            data.valid.len(),
+            data.tests[0].examples.len()
+        ),
+        (40, 10, 10)
+    );
+    // The vocabulary is the training split's words, most frequent first, after the specials.
+    assert_eq!(data.tokenizer.id_to_token(5).as_deref(), Some("the"));
+    assert!(data.tokenizer.token_to_id("slept").is_some());
+    let s = Setup {
+        train: Dataset::encode(&data.train, &data.tokenizer, None).unwrap(),
+        valid: Dataset::encode(&data.valid, &data.tokenizer, None).unwrap(),
+        masking: Some(MlmMasking::new(0.15, &data.tokenizer).unwrap()),
+        data,
+    };
+    let config = model_config(&s, PositionalConfig::Rope(Default::default()));
+    let (outcome, _) = run(&s, &config, &recipe("budget = { steps = 20 }"), 0).unwrap();
+    assert!(outcome.losses.iter().all(|l| l.is_finite()));
+
+    let bad = |name: &str, bytes: &[u8], lengths: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let spec = task(&format!(
+            "kind = \"mlm\"\ntext_file = {:?}\nlengths = {lengths}",
+            path.display().to_string()
+        ));
+        spec.generate().unwrap_err().to_string()
+    };
+    let e = bad("empty.txt", b"\n \n", "[1, 12]");
+    assert!(
+        e.contains("empty.txt") && e.contains("0 non-empty lines"),
+        "{e}"
+    );
+    let e = bad("long.txt", b"a b\na b c d e f\na\n", "[1, 4]");
+    assert!(
+        e.contains("long.txt:2") && e.contains("6 words") && e.contains("lengths[1] = 4"),
+        "{e}"
+    );
+    let e = bad("latin1.txt", b"caf\xe9 au lait\n", "[1, 4]");
+    assert!(
+        e.contains("latin1.txt") && e.contains("not valid UTF-8"),
+        "{e}"
+    );
+}
+
+#[test]
+fn first_token_pooling_reads_a_prepended_cls() {
+    let spec =
+        task("kind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 300\neval_examples = 50");
+    let data = spec.generate().unwrap();
+    let cls = data.tokenizer.cls_id().unwrap();
+    let train_set = Dataset::encode(&data.train, &data.tokenizer, Some(cls)).unwrap();
+    assert!(train_set.samples.iter().all(|s| s.ids[0] == cls));
+    assert_eq!(
+        train_set.samples[0].ids.len(),
+        data.train[0].words.len() + 1
+    );
+    let s = Setup {
+        valid: Dataset::encode(&data.valid, &data.tokenizer, Some(cls)).unwrap(),
+        train: train_set,
+        masking: None,
+        data,
+    };
+    let config = model_config(&s, PositionalConfig::SinusoidalAdd(Default::default()));
+    let params = ParamStore::new(1);
+    let head = HeadConfig::Classify {
+        classes: 8,
+        pooling: Pooling::First,
+    };
+    let model =
+        TaskModel::new(&config, &head, params.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    // The pooled vector is the [CLS] position's hidden state.
+    let ids = candle::Tensor::new(&[[cls, 7, 9, 11]], &Device::Cpu).unwrap();
+    let mask = candle::Tensor::ones((1, 4), DType::U32, &Device::Cpu).unwrap();
+    let hidden = model.encoder().forward_t(&ids, &mask, false).unwrap();
+    let pooled = model.pool(&hidden, &mask).unwrap();
+    let first = hidden.narrow(1, 0, 1).unwrap().squeeze(1).unwrap();
+    assert_eq!(
+        pooled.to_vec2::<f32>().unwrap(),
+        first.to_vec2::<f32>().unwrap()
+    );
+    let data = TrainData {
+        train: &s.train,
+        valid: &s.valid,
+        pad_id: 0,
+        masking: None,
+    };
+    let outcome = train(
+        &model,
+        &params,
+        &data,
+        &recipe("budget = { steps = 60 }"),
+        1,
+        &ProgressBar::hidden(),
+    )
+    .unwrap();
+    let first = outcome.losses[..5].iter().sum::<f64>() / 5.0;
+    assert!(
+        outcome.final_loss() < first,
+        "loss {first} -> {}",
+        outcome.final_loss()
+    );
+}
