@@ -7,6 +7,15 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::positional::PositionalConfig;
 
+/// Parses a TOML document; the error carries the line, the column and serde's message (an
+/// unknown field lists the valid ones). [`Error::in_file`] names the file.
+pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| Error::ConfigParse {
+        path: "<toml>".into(),
+        message: e.to_string(),
+    })
+}
+
 /// Where LayerNorm sits around each sub-layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -245,10 +254,7 @@ impl ModelConfig {
 
     /// Parses and validates a TOML document.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let config: Self = toml::from_str(text).map_err(|e| Error::ConfigParse {
-            path: "<toml>".into(),
-            message: e.to_string(),
-        })?;
+        let config: Self = parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }
@@ -277,14 +283,7 @@ impl ModelConfig {
                 })
             }
         };
-        parsed.map_err(|e| match e {
-            Error::ConfigParse { message, .. } => Error::ConfigParse {
-                path: path.into(),
-                message,
-            },
-            Error::Config(message) => Error::Config(format!("{}: {message}", path.display())),
-            other => other,
-        })
+        parsed.map_err(|e| e.in_file(path))
     }
 
     pub fn to_json(&self) -> String {

@@ -48,6 +48,18 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// Names the file a config error came from.
+    pub(crate) fn in_file(self, path: &std::path::Path) -> Self {
+        match self {
+            Error::ConfigParse { message, .. } => Error::ConfigParse {
+                path: path.into(),
+                message,
+            },
+            Error::Config(message) => Error::Config(format!("{}: {message}", path.display())),
+            other => other,
+        }
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

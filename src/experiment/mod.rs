@@ -193,10 +193,7 @@ fn check_name(kind: &str, name: &str) -> Result<()> {
 
 impl ExperimentConfig {
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let config: Self = toml::from_str(text).map_err(|e| Error::ConfigParse {
-            path: "<toml>".into(),
-            message: e.to_string(),
-        })?;
+        let config: Self = crate::config::parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }
@@ -214,12 +211,7 @@ impl ExperimentConfig {
                      configs/compare.toml)\n{message}"
                 ),
             },
-            Error::ConfigParse { message, .. } => Error::ConfigParse {
-                path: path.into(),
-                message,
-            },
-            Error::Config(message) => Error::Config(format!("{}: {message}", path.display())),
-            other => other,
+            other => other.in_file(path),
         })
     }
 

@@ -237,24 +237,50 @@ fn task_heading(task: &TaskInfo, rows: &[&SummaryRow]) -> String {
     h
 }
 
+/// A task's part of the report.
+struct Section<'a> {
+    task: &'a TaskInfo,
+    heading: String,
+    scores: Table,
+    tests: Table,
+    notes: Vec<String>,
+}
+
+/// The sections of every task that has results, in task order.
+fn sections<'a>(results: &'a Results, timings: &[Timing]) -> Vec<Section<'a>> {
+    results
+        .tasks
+        .iter()
+        .filter_map(|task| {
+            let rows: Vec<&SummaryRow> = results
+                .summary
+                .iter()
+                .filter(|r| r.task == task.name)
+                .collect();
+            if rows.is_empty() {
+                return None;
+            }
+            let (scores, tests, notes) = task_tables(task, &rows, results, timings);
+            Some(Section {
+                task,
+                heading: task_heading(task, &rows),
+                scores,
+                tests,
+                notes,
+            })
+        })
+        .collect()
+}
+
 /// The printed report.
 pub fn text_report(results: &Results, timings: &[Timing]) -> String {
     let mut out = String::new();
-    for task in &results.tasks {
-        let rows: Vec<&SummaryRow> = results
-            .summary
-            .iter()
-            .filter(|r| r.task == task.name)
-            .collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let (scores, tests, notes) = task_tables(task, &rows, results, timings);
-        let _ = writeln!(out, "\n== {}\n", task_heading(task, &rows));
-        out.push_str(&scores.text());
+    for s in sections(results, timings) {
+        let _ = writeln!(out, "\n== {}\n", s.heading);
+        out.push_str(&s.scores.text());
         out.push('\n');
-        out.push_str(&tests.text());
-        for n in notes {
+        out.push_str(&s.tests.text());
+        for n in s.notes {
             let _ = writeln!(out, "{n}");
         }
     }
@@ -276,29 +302,23 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
          tokens were permuted (a model that uses order drops); `shift+k` moves every position by \
          k (relative schemes hold). `s/run` is wall time per trained model, evaluation included.\n",
     );
-    for task in &results.tasks {
-        let rows: Vec<&SummaryRow> = results
-            .summary
-            .iter()
-            .filter(|r| r.task == task.name)
-            .collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let (scores, tests, notes) = task_tables(task, &rows, results, timings);
-        let heading = task_heading(task, &rows).replace('\n', "\n\n");
-        let _ = write!(md, "\n## {}\n\n", task.name);
-        let _ = writeln!(md, "{heading}\n");
-        md.push_str(&scores.markdown());
+    for s in sections(results, timings) {
+        let _ = write!(
+            md,
+            "\n## {}\n\n{}\n\n",
+            s.task.name,
+            s.heading.replace('\n', "\n\n")
+        );
+        md.push_str(&s.scores.markdown());
         md.push('\n');
-        md.push_str(&tests.markdown());
-        for n in notes {
+        md.push_str(&s.tests.markdown());
+        for n in s.notes {
             let _ = writeln!(md, "\n{n}");
         }
         let _ = write!(
             md,
             "\n![training loss](plots/loss_{0}.png)\n![score by length](plots/length_{0}.png)\n",
-            task.name
+            s.task.name
         );
     }
     md

@@ -16,7 +16,8 @@
 
 use candle::{DType, Device, Tensor, D};
 
-use super::{inverse_frequencies, PositionTable, RopeOptions, RopePairing};
+use super::sinusoidal::{angle_table, pair_slots};
+use super::{PositionTable, RopeOptions, RopePairing};
 use crate::error::{Error, Result};
 
 /// The rotary tables of one model, computed once (f64 on the host, rounded once to the model's
@@ -143,23 +144,10 @@ fn expanded_table(
     pairing: RopePairing,
     f: fn(f64) -> f64,
 ) -> Vec<f64> {
-    let inv_freq = inverse_frequencies(d, base);
-    let half = d / 2;
-    let mut out = vec![0.0; n * d];
-    for (t, row) in out.chunks_exact_mut(d).enumerate() {
-        for (i, &w) in inv_freq.iter().enumerate() {
-            let v = f(t as f64 * w);
-            match pairing {
-                RopePairing::Interleaved => {
-                    row[2 * i] = v;
-                    row[2 * i + 1] = v;
-                }
-                RopePairing::Half => {
-                    row[i] = v;
-                    row[half + i] = v;
-                }
-            }
-        }
-    }
-    out
+    let interleaved = pairing == RopePairing::Interleaved;
+    angle_table(0, n, d, base, |row, i, angle| {
+        let (a, b) = pair_slots(interleaved, i, d);
+        row[a] = f(angle);
+        row[b] = row[a];
+    })
 }

@@ -13,6 +13,37 @@ pub fn inverse_frequencies(dim: usize, base: f64) -> Vec<f64> {
         .collect()
 }
 
+/// Where pair `i` of a `dim`-wide row sits: `(2i, 2i + 1)` interleaved, `(i, i + dim/2)` in
+/// halves. The same two conventions lay out sinusoidal tables and pair RoPE's coordinates.
+pub(crate) fn pair_slots(interleaved: bool, i: usize, dim: usize) -> (usize, usize) {
+    if interleaved {
+        (2 * i, 2 * i + 1)
+    } else {
+        (i, dim / 2 + i)
+    }
+}
+
+/// A `[len, dim]` row-major table: for every position `p` in `start..start + len` and pair
+/// `i`, `place(row, i, p * w_i)` writes the pair's entries of the row. Sinusoidal tables and
+/// RoPE's cos/sin tables differ only in `place`.
+pub(crate) fn angle_table(
+    start: usize,
+    len: usize,
+    dim: usize,
+    base: f64,
+    mut place: impl FnMut(&mut [f64], usize, f64),
+) -> Vec<f64> {
+    let inv_freq = inverse_frequencies(dim, base);
+    let mut out = vec![0.0; len * dim];
+    for (r, row) in out.chunks_exact_mut(dim).enumerate() {
+        let p = (start + r) as f64;
+        for (i, &w) in inv_freq.iter().enumerate() {
+            place(row, i, p * w);
+        }
+    }
+    out
+}
+
 /// Rows `start..start + len` of the table, row-major `[len, dim]`.
 ///
 /// Row `p` depends on `p` only, never on `len`: a table of 10 rows is the first 10 rows of a
@@ -25,26 +56,11 @@ pub fn sinusoidal_table(
     layout: TableLayout,
 ) -> Vec<f64> {
     debug_assert!(dim % 2 == 0, "sinusoidal width must be even, got {dim}");
-    let inv_freq = inverse_frequencies(dim, base);
-    let half = dim / 2;
-    let mut out = vec![0.0; len * dim];
-    for (r, row) in out.chunks_exact_mut(dim).enumerate() {
-        let p = (start + r) as f64;
-        for (i, &w) in inv_freq.iter().enumerate() {
-            let (s, c) = (p * w).sin_cos();
-            match layout {
-                TableLayout::Interleaved => {
-                    row[2 * i] = s;
-                    row[2 * i + 1] = c;
-                }
-                TableLayout::Half => {
-                    row[i] = s;
-                    row[half + i] = c;
-                }
-            }
-        }
-    }
-    out
+    let interleaved = layout == TableLayout::Interleaved;
+    angle_table(start, len, dim, base, |row, i, angle| {
+        let (sin_slot, cos_slot) = pair_slots(interleaved, i, dim);
+        (row[sin_slot], row[cos_slot]) = angle.sin_cos();
+    })
 }
 
 #[cfg(test)]

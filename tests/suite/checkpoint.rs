@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use candle::{DType, Device, Tensor};
+use candle::{DType, Device};
 use poslab::{Encoder, Error, ModelConfig, NormPlacement, ParamStore, PositionalConfig};
 
 use crate::common::*;
@@ -16,16 +16,6 @@ fn build(config: &ModelConfig, seed: u64) -> (Encoder, ParamStore) {
 
 fn metadata(config: &ModelConfig) -> HashMap<String, String> {
     HashMap::from([("config".to_string(), config.to_json())])
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
 }
 
 #[test]

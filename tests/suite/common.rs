@@ -225,3 +225,32 @@ pub fn padded_batch(b: usize, t: usize, vocab: u32) -> (Tensor, Tensor) {
         Tensor::from_vec(mask, (b, t), &Device::Cpu).unwrap(),
     )
 }
+
+/// Asserts that an error's message contains every needle, and returns the message.
+pub fn assert_error_mentions<T: std::fmt::Debug, E: std::fmt::Display>(
+    result: Result<T, E>,
+    needles: &[&str],
+) -> String {
+    let message = match result {
+        Ok(v) => panic!("accepted what it should refuse: {v:?}"),
+        Err(e) => e.to_string(),
+    };
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "message {message:?} lacks {needle:?}"
+        );
+    }
+    message
+}
+
+/// The bit patterns of an f32 tensor's values.
+pub fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}

@@ -278,17 +278,7 @@ fn same_seed_same_weights_and_shared_parts_match_across_schemes() {
     let a = build(schemes[1].clone(), 42);
     let b = build(schemes[1].clone(), 42);
     let c = build(schemes[1].clone(), 43);
-    let bits = |s: &ParamStore, name: &str| -> Vec<u32> {
-        s.get(name)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f32::to_bits)
-            .collect()
-    };
+    let bits = |s: &ParamStore, name: &str| bits(&s.get(name).unwrap());
     for (name, _) in a.vars() {
         assert_eq!(
             bits(&a, &name),
