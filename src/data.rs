@@ -6,7 +6,7 @@ use rand::Rng as _;
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
-use crate::tasks::{Example, Label};
+use crate::tasks::{Example, Label, TokenLimit};
 use crate::text::TextTokenizer;
 
 /// Label value of a token that is not scored.
@@ -17,6 +17,16 @@ pub const NOT_SCORED: i64 = -1;
 pub struct Sample {
     pub ids: Vec<u32>,
     pub target: Target,
+}
+
+impl Sample {
+    /// Keeps the first `len` tokens (and their labels).
+    pub fn truncate(&mut self, len: usize) {
+        self.ids.truncate(len);
+        if let Target::Tags(tags) = &mut self.target {
+            tags.truncate(len);
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -32,21 +42,27 @@ pub enum Target {
 #[derive(Clone, Debug, Default)]
 pub struct Dataset {
     pub samples: Vec<Sample>,
+    /// How many examples were cut to `max_tokens` (with `truncate = true`).
+    pub truncated: usize,
 }
 
 impl Dataset {
     /// Tokenizes `examples`; `cls` is prepended to every sequence when given (first-token
     /// pooling). A per-word tag goes to the word's first token; later sub-word tokens are not
-    /// scored.
+    /// scored. An input longer than `limit.max_tokens` is an error naming where it came from,
+    /// or is cut to that length when `limit.truncate` (and counted in `truncated`).
     pub fn encode(
         examples: &[Example],
         tokenizer: &TextTokenizer,
         cls: Option<u32>,
+        limit: TokenLimit,
     ) -> Result<Self> {
+        let mut truncated = 0;
         let samples = examples
             .iter()
-            .map(|example| {
-                let enc = tokenizer.encode(&example.text())?;
+            .enumerate()
+            .map(|(n, example)| {
+                let enc = tokenizer.encode_words(&example.words)?;
                 if enc.ids.is_empty() {
                     return Err(Error::Input(format!(
                         "{:?} produced no tokens",
@@ -84,10 +100,28 @@ impl Dataset {
                         Target::Tags(out)
                     }
                 };
-                Ok(Sample { ids, target })
+                let mut sample = Sample { ids, target };
+                if let Some(max) = limit.max_tokens {
+                    if sample.ids.len() > max {
+                        if !limit.truncate {
+                            let at = match &example.source {
+                                Some(s) => s.to_string(),
+                                None => format!("example {}", n + 1),
+                            };
+                            return Err(Error::Input(format!(
+                                "{at}: {} tokens, more than max_tokens = {max}: set truncate = true \
+                                 to keep the first {max}, or raise max_tokens",
+                                sample.ids.len()
+                            )));
+                        }
+                        sample.truncate(max);
+                        truncated += 1;
+                    }
+                }
+                Ok(sample)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { samples })
+        Ok(Self { samples, truncated })
     }
 
     pub fn len(&self) -> usize {
@@ -123,7 +157,10 @@ impl Dataset {
                 }
             })
             .collect();
-        Self { samples }
+        Self {
+            samples,
+            truncated: self.truncated,
+        }
     }
 }
 
@@ -303,11 +340,15 @@ mod tests {
 
     #[test]
     fn batches_pad_and_mask() {
-        let ex = |w: &str, c| Example {
-            words: w.split(' ').map(String::from).collect(),
-            label: Label::Class(c),
-        };
-        let ds = Dataset::encode(&[ex("a b c", 1), ex("c", 0)], &tok(), Some(2)).unwrap();
+        let ex =
+            |w: &str, c| Example::new(w.split(' ').map(String::from).collect(), Label::Class(c));
+        let ds = Dataset::encode(
+            &[ex("a b c", 1), ex("c", 0)],
+            &tok(),
+            Some(2),
+            TokenLimit::default(),
+        )
+        .unwrap();
         assert_eq!(ds.samples[0].ids, vec![2, 5, 6, 7]);
         let refs: Vec<&Sample> = ds.samples.iter().collect();
         let b = make_batch(&refs, 0, None, &Device::Cpu).unwrap();
@@ -325,19 +366,52 @@ mod tests {
 
     #[test]
     fn tags_align_and_mlm_masks_are_seeded() {
-        let ex = Example {
-            words: vec!["a".into(), "zzz".into(), "c".into()],
-            label: Label::Tags(vec![None, Some(3), Some(1)]),
-        };
-        let ds = Dataset::encode(&[ex], &tok(), None).unwrap();
+        let ex = Example::new(
+            vec!["a".into(), "zzz".into(), "c".into()],
+            Label::Tags(vec![None, Some(3), Some(1)]),
+        );
+        let ds = Dataset::encode(&[ex.clone()], &tok(), None, TokenLimit::default()).unwrap();
         assert_eq!(ds.samples[0].target, Target::Tags(vec![-1, 3, 1]));
         assert_eq!(ds.samples[0].ids[1], 1, "unknown word maps to [UNK]");
-
-        let masked = Example {
-            words: "a b c a b c a b c a".split(' ').map(String::from).collect(),
-            label: Label::Masked,
+        // Too long: refused, or cut with its tags when asked.
+        let strict = TokenLimit {
+            max_tokens: Some(2),
+            truncate: false,
         };
-        let ds = Dataset::encode(&[masked.clone(), masked], &tok(), None).unwrap();
+        let e = Dataset::encode(&[ex.clone()], &tok(), None, strict)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("example 1: 3 tokens, more than max_tokens = 2")
+                && e.contains("truncate = true"),
+            "{e}"
+        );
+        let cut = Dataset::encode(
+            &[ex],
+            &tok(),
+            None,
+            TokenLimit {
+                truncate: true,
+                ..strict
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (cut.truncated, cut.samples[0].target.clone()),
+            (1, Target::Tags(vec![-1, 3]))
+        );
+
+        let masked = Example::new(
+            "a b c a b c a b c a".split(' ').map(String::from).collect(),
+            Label::Masked,
+        );
+        let ds = Dataset::encode(
+            &[masked.clone(), masked],
+            &tok(),
+            None,
+            TokenLimit::default(),
+        )
+        .unwrap();
         let m = MlmMasking::new(0.3, &tok()).unwrap();
         assert_eq!(m.regular_ids, vec![5, 6, 7]);
         let refs: Vec<&Sample> = ds.samples.iter().collect();

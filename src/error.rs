@@ -13,6 +13,14 @@ pub enum Error {
     #[error("cannot parse config {path}: {message}")]
     ConfigParse { path: PathBuf, message: String },
 
+    /// A data file with a problem, at a line where there is one.
+    #[error("{}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Data {
+        path: PathBuf,
+        line: Option<usize>,
+        message: String,
+    },
+
     /// Input tensors that do not fit the model (shapes, ids, masks, lengths).
     #[error("invalid input: {0}")]
     Input(String),

@@ -34,6 +34,9 @@ pub struct TaskInfo {
     pub shuffle_test: bool,
     pub order_blind_ceiling: Option<OrderBlindCeiling>,
     pub vocab_size: usize,
+    /// What was done to the data (truncation), for the report.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 impl TaskInfo {

@@ -122,13 +122,27 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
         _ => None,
     };
-    let train = Dataset::encode(&data.train, tok, cls)?;
-    let valid = Dataset::encode(&data.valid, tok, cls)?;
+    let train = Dataset::encode(&data.train, tok, cls, data.limit)?;
+    let valid = Dataset::encode(&data.valid, tok, cls, data.limit)?;
     let mut sets = data
         .tests
         .iter()
-        .map(|t| Dataset::encode(&t.examples, tok, cls))
+        .map(|t| Dataset::encode(&t.examples, tok, cls, data.limit))
         .collect::<Result<Vec<_>>>()?;
+    let mut notes = Vec::new();
+    for (what, set) in [("training", &train), ("validation", &valid)]
+        .into_iter()
+        .chain(sets.iter().map(|s| ("test", s)))
+    {
+        if set.truncated > 0 {
+            notes.push(format!(
+                "{} of {} {what} examples were cut to max_tokens = {} (truncate = true)",
+                set.truncated,
+                set.samples.len(),
+                data.limit.max_tokens.unwrap_or(0)
+            ));
+        }
+    }
     let mask_seed = |factor: usize| derive_seed(spec.data_seed, "test masks", factor as u64);
     let mut tests: Vec<Test> = data
         .tests
@@ -168,7 +182,7 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
         name: spec.name.clone(),
         kind: spec.kind.name().into(),
         metric: data.objective.metric().into(),
-        train_lengths: spec.lengths,
+        train_lengths: spec.lengths.unwrap_or_else(|| data.train_lengths()),
         tests: data
             .tests
             .iter()
@@ -182,6 +196,7 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
         shuffle_test,
         order_blind_ceiling: data.order_blind_ceiling.clone(),
         vocab_size: tok.vocab_size(),
+        notes,
     };
     Ok(Prepared {
         spec,
@@ -224,7 +239,12 @@ fn run_cell(
     let device = &options.device;
     let tok = &task.data.tokenizer;
     let started = Instant::now();
-    let model_config = config.model_config(variant, tok.vocab_size(), task.train.max_len());
+    // A learned table covers the longest training input, or max_tokens when the task sets it.
+    let rows = task
+        .train
+        .max_len()
+        .max(task.data.limit.max_tokens.unwrap_or(0));
+    let model_config = config.model_config(variant, tok.vocab_size(), rows);
     let params = ParamStore::new(seed);
     let model = TaskModel::new(
         &model_config,

@@ -1,4 +1,5 @@
-//! Built-in tasks, generated deterministically from a seed: no download, no data files.
+//! Tasks: built-in ones generated from a seed (no download, no data files), and the user's own
+//! data read from files.
 //!
 //! | task | objective | what it needs from positions |
 //! | --- | --- | --- |
@@ -7,12 +8,16 @@
 //! | `prev_token` | tag each token with the token `k` before it | relative position |
 //! | `position_index` | tag each token with its position modulo `m` | absolute position |
 //! | `mlm` | fill masked tokens of generated sentences or a text file | context order |
+//! | `classify` | sentence labels from TSV, CSV or JSONL files | the user's question |
+//! | `tag` | per-word labels from JSONL files | the user's question |
 //!
-//! Every task yields text (space-separated words) with labels per sentence or per word, so it
-//! runs through a real tokenizer like user data does.
+//! Every task yields words with labels per sentence or per word, tokenized by the task's
+//! tokenizer ([`TokenizerSpec`]) the same way whatever the source.
 
+pub mod files;
 pub mod grammar;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use rand::seq::SliceRandom;
@@ -21,17 +26,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::rng::{self, Rng};
-use crate::text::TextTokenizer;
+use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
+use files::{read_records, FileOptions, Record, RecordKind, RecordLabel, Source};
 
-fn default_train_examples() -> usize {
-    4000
-}
-fn default_eval_examples() -> usize {
-    500
-}
-fn default_eval_factors() -> Vec<usize> {
-    vec![1, 2, 4]
-}
+const DEFAULT_TRAIN_EXAMPLES: usize = 4000;
+const DEFAULT_EVAL_EXAMPLES: usize = 500;
+
 fn default_k() -> usize {
     1
 }
@@ -48,7 +48,7 @@ fn default_mask_prob() -> f64 {
     0.15
 }
 
-/// What to generate, with the options of each task.
+/// What to generate or read, with the options of each task.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum TaskKind {
@@ -82,6 +82,10 @@ pub enum TaskKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         text_file: Option<PathBuf>,
     },
+    /// Sentence labels from the user's files: TSV, CSV with a header, or JSONL.
+    Classify(FileOptions),
+    /// Per-word labels from the user's JSONL files.
+    Tag(FileOptions),
 }
 
 impl TaskKind {
@@ -92,7 +96,22 @@ impl TaskKind {
             Self::PrevToken { .. } => "prev_token",
             Self::PositionIndex { .. } => "position_index",
             Self::Mlm { .. } => "mlm",
+            Self::Classify(_) => "classify",
+            Self::Tag(_) => "tag",
         }
+    }
+
+    /// Whether the examples come from files (with their own lengths) rather than a generator.
+    pub fn from_files(&self) -> bool {
+        matches!(
+            self,
+            Self::Classify(_)
+                | Self::Tag(_)
+                | Self::Mlm {
+                    text_file: Some(_),
+                    ..
+                }
+        )
     }
 }
 
@@ -102,47 +121,71 @@ impl TaskKind {
 struct TaskCommon {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     name: Option<String>,
-    lengths: [usize; 2],
-    #[serde(default = "default_train_examples")]
-    train_examples: usize,
-    #[serde(default = "default_eval_examples")]
-    eval_examples: usize,
-    #[serde(default = "default_eval_factors")]
-    eval_factors: Vec<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lengths: Option<[usize; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    train_examples: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    eval_examples: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    eval_factors: Option<Vec<usize>>,
     #[serde(default)]
     data_seed: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokenizer: Option<TokenizerSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    truncate: bool,
 }
 
-const COMMON_FIELDS: [&str; 6] = [
+const COMMON_FIELDS: [&str; 9] = [
     "name",
     "lengths",
     "train_examples",
     "eval_examples",
     "eval_factors",
     "data_seed",
+    "tokenizer",
+    "max_tokens",
+    "truncate",
 ];
 
-/// A task of an experiment, written as one flat TOML table:
+/// A task, written as one flat TOML table:
 ///
 /// ```toml
 /// [[tasks]]
-/// kind = "prev_token"        # word_order | sorted | prev_token | position_index | mlm
+/// kind = "prev_token"        # word_order | sorted | prev_token | position_index | mlm | classify | tag
 /// k = 2                      # the kind's own options
-/// lengths = [4, 12]          # training lengths in words, inclusive
-/// train_examples = 4000
+/// lengths = [4, 12]          # generated tasks: training lengths in words, inclusive
+/// train_examples = 4000      # generated: how many; files: at most this many (default all)
 /// eval_examples = 500        # validation, and each test set
-/// eval_factors = [1, 2, 4]   # test sets at lengths [f * min, f * max]
-/// data_seed = 0              # the examples; training order comes from the run's seed
+/// eval_factors = [1, 2, 4]   # generated: test sets at lengths [f * min, f * max]
+/// data_seed = 0              # the examples and splits; training order comes from the run's seed
+/// tokenizer = { kind = "word_level" }   # or file / hub / train
+/// max_tokens = 256           # longer inputs are an error, or cut when truncate = true
+/// truncate = false
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct TaskSpec {
     pub name: String,
     pub kind: TaskKind,
-    pub lengths: [usize; 2],
-    pub train_examples: usize,
-    pub eval_examples: usize,
+    /// Generated tasks only.
+    pub lengths: Option<[usize; 2]>,
+    pub train_examples: Option<usize>,
+    pub eval_examples: Option<usize>,
     pub eval_factors: Vec<usize>,
     pub data_seed: u64,
+    pub tokenizer: TokenizerSpec,
+    pub limit: TokenLimit,
+}
+
+/// What to do with inputs longer than a model should take.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenLimit {
+    pub max_tokens: Option<usize>,
+    /// Keep the first `max_tokens` tokens instead of refusing (the run says how many were cut).
+    pub truncate: bool,
 }
 
 impl<'de> Deserialize<'de> for TaskSpec {
@@ -160,14 +203,30 @@ impl<'de> Deserialize<'de> for TaskSpec {
         })?;
         let common: TaskCommon = serde_json::from_value(common.into())
             .map_err(|e| D::Error::custom(format!("task `{}`: {e}", kind.name())))?;
+        let generated = !kind.from_files();
         Ok(TaskSpec {
             name: common.name.unwrap_or_else(|| kind.name().to_string()),
-            kind,
             lengths: common.lengths,
-            train_examples: common.train_examples,
-            eval_examples: common.eval_examples,
-            eval_factors: common.eval_factors,
+            train_examples: common
+                .train_examples
+                .or(generated.then_some(DEFAULT_TRAIN_EXAMPLES)),
+            eval_examples: common
+                .eval_examples
+                .or(generated.then_some(DEFAULT_EVAL_EXAMPLES)),
+            eval_factors: common.eval_factors.unwrap_or_else(|| {
+                if generated {
+                    vec![1, 2, 4]
+                } else {
+                    vec![1]
+                }
+            }),
             data_seed: common.data_seed,
+            tokenizer: common.tokenizer.unwrap_or_default(),
+            limit: TokenLimit {
+                max_tokens: common.max_tokens,
+                truncate: common.truncate,
+            },
+            kind,
         })
     }
 }
@@ -180,8 +239,11 @@ impl Serialize for TaskSpec {
             lengths: self.lengths,
             train_examples: self.train_examples,
             eval_examples: self.eval_examples,
-            eval_factors: self.eval_factors.clone(),
+            eval_factors: Some(self.eval_factors.clone()),
             data_seed: self.data_seed,
+            tokenizer: Some(self.tokenizer.clone()),
+            max_tokens: self.limit.max_tokens,
+            truncate: self.limit.truncate,
         };
         let mut table = match serde_json::to_value(&self.kind).map_err(S::Error::custom)? {
             serde_json::Value::Object(m) => m,
@@ -219,11 +281,13 @@ impl Objective {
     }
 }
 
-/// An example: words, and labels per sentence or per word.
+/// An example: words, labels per sentence or per word, and where it came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Example {
     pub words: Vec<String>,
     pub label: Label,
+    /// File and line, for examples read from files.
+    pub source: Option<Source>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -236,6 +300,14 @@ pub enum Label {
 }
 
 impl Example {
+    pub fn new(words: Vec<String>, label: Label) -> Self {
+        Self {
+            words,
+            label,
+            source: None,
+        }
+    }
+
     pub fn text(&self) -> String {
         self.words.join(" ")
     }
@@ -244,14 +316,14 @@ impl Example {
 /// A test set at a multiple of the training lengths.
 #[derive(Clone, Debug)]
 pub struct TestSet {
-    /// `lengths` of the training set times this.
+    /// `lengths` of the training set times this (1 for files).
     pub factor: usize,
     /// Inclusive range of lengths in words.
     pub lengths: [usize; 2],
     pub examples: Vec<Example>,
 }
 
-/// A task, generated: tokenizer, objective and every split.
+/// A task, generated or read: tokenizer, objective and every split.
 #[derive(Clone, Debug)]
 pub struct TaskData {
     pub name: String,
@@ -264,6 +336,20 @@ pub struct TaskData {
     pub tests: Vec<TestSet>,
     /// The best accuracy any order-blind model can reach, where the task makes that a number.
     pub order_blind_ceiling: Option<OrderBlindCeiling>,
+    pub limit: TokenLimit,
+}
+
+impl TaskData {
+    /// The range of training lengths in words.
+    pub fn train_lengths(&self) -> [usize; 2] {
+        length_range(
+            &self
+                .train
+                .iter()
+                .map(|e| e.words.clone())
+                .collect::<Vec<_>>(),
+        )
+    }
 }
 
 /// The accuracy a model that sees only the bag of words cannot beat, and why.
@@ -273,23 +359,62 @@ pub struct OrderBlindCeiling {
     pub reason: String,
 }
 
+fn length_range(lengths: &[Vec<String>]) -> [usize; 2] {
+    let lens = lengths.iter().map(Vec::len);
+    [lens.clone().min().unwrap_or(0), lens.max().unwrap_or(0)]
+}
+
 impl TaskSpec {
     /// Checks the spec; the message names the field and the fix.
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::Config(format!("task `{}`: {m}", self.name)));
-        let [lo, hi] = self.lengths;
-        if lo == 0 || lo > hi {
-            return err(format!(
-                "lengths = [{lo}, {hi}] must be a range [min, max] with 1 <= min <= max"
-            ));
+        self.tokenizer
+            .validate()
+            .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?;
+        if self.limit.max_tokens == Some(0) {
+            return err("max_tokens = 0, but it must be at least 1".into());
         }
-        if self.train_examples == 0 || self.eval_examples == 0 {
+        if self.limit.truncate && self.limit.max_tokens.is_none() {
+            return err("truncate = true needs max_tokens, the length to cut to".into());
+        }
+        if self.train_examples == Some(0) || self.eval_examples == Some(0) {
             return err("train_examples and eval_examples must be at least 1".into());
         }
         if self.eval_factors.is_empty() || self.eval_factors.contains(&0) {
             return err(format!(
                 "eval_factors = {:?} must list positive multiples of the training lengths, such as [1, 2, 4]",
                 self.eval_factors
+            ));
+        }
+        if self.kind.from_files() {
+            if self.lengths.is_some() {
+                return err(
+                    "`lengths` is for generated tasks; a file's examples have their own \
+                            lengths (bound them with max_tokens)"
+                        .into(),
+                );
+            }
+            if self.eval_factors != [1] {
+                return err(
+                    "eval_factors is for generated tasks: files are tested at their own lengths"
+                        .into(),
+                );
+            }
+            return match &self.kind {
+                TaskKind::Classify(o) | TaskKind::Tag(o) => o.validate().or_else(err),
+                TaskKind::Mlm { mask_prob, .. } => check_mask_prob(*mask_prob).or_else(err),
+                _ => Ok(()),
+            };
+        }
+        let Some([lo, hi]) = self.lengths else {
+            return err(
+                "missing field `lengths`: a generated task needs lengths = [min, max] in words"
+                    .into(),
+            );
+        };
+        if lo == 0 || lo > hi {
+            return err(format!(
+                "lengths = [{lo}, {hi}] must be a range [min, max] with 1 <= min <= max"
             ));
         }
         let longest = hi * self.eval_factors.iter().max().copied().unwrap_or(1);
@@ -309,55 +434,49 @@ impl TaskSpec {
             TaskKind::PositionIndex { modulus, symbols } if *modulus < 2 || *symbols < 1 => err(format!(
                 "position_index needs modulus >= 2 (got {modulus}) and at least 1 symbol"
             )),
-            TaskKind::Mlm { mask_prob, .. } if !(*mask_prob > 0.0 && *mask_prob < 1.0) => {
-                err(format!("mlm: mask_prob = {mask_prob} must be in (0, 1)"))
-            }
+            TaskKind::Mlm { mask_prob, .. } => check_mask_prob(*mask_prob).or_else(err),
             _ => Ok(()),
         }
     }
 
-    /// Generates the tokenizer and every split from `data_seed`.
+    /// Generates or reads every split and builds the tokenizer, Hub files through the
+    /// environment's cache settings.
     pub fn generate(&self) -> Result<TaskData> {
+        self.generate_with(&HubSource::from_env())
+    }
+
+    /// As [`TaskSpec::generate`], with Hub files looked up in `hub`.
+    pub fn generate_with(&self, hub: &HubSource) -> Result<TaskData> {
         self.validate()?;
-        let stream =
-            |split: &str| rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
-        let [lo, hi] = self.lengths;
-        let make = |split: &str, n: usize, lengths: [usize; 2]| -> Result<Vec<Example>> {
-            let mut rng = stream(split);
-            (0..n)
-                .map(|_| {
-                    let len = rng.random_range(lengths[0]..=lengths[1]);
-                    self.example(&mut rng, len)
-                })
-                .collect()
-        };
-        let (train, valid, tests) = match &self.kind {
+        let (train, valid, tests, objective, vocabulary) = match &self.kind {
+            TaskKind::Classify(o) => self.read_files(o, RecordKind::Class)?,
+            TaskKind::Tag(o) => self.read_files(o, RecordKind::Tags)?,
             TaskKind::Mlm {
                 text_file: Some(path),
-                ..
-            } => self.split_text_file(path)?,
-            _ => {
-                let tests = self
-                    .eval_factors
-                    .iter()
-                    .map(|&f| {
-                        let lengths = [lo * f, hi * f];
-                        Ok(TestSet {
-                            factor: f,
-                            lengths,
-                            examples: make(&format!("test{f}x"), self.eval_examples, lengths)?,
-                        })
-                    })
-                    .collect::<Result<Vec<_>>>()?;
+                mask_prob,
+            } => {
+                let (train, valid, tests) = self.split_text_file(path)?;
                 (
-                    make("train", self.train_examples, self.lengths)?,
-                    make("valid", self.eval_examples, self.lengths)?,
+                    train,
+                    valid,
                     tests,
+                    Objective::Mlm {
+                        mask_prob: *mask_prob,
+                    },
+                    None,
                 )
             }
+            _ => self.generated()?,
         };
-        let (objective, vocabulary) = self.objective_and_vocabulary(&train)?;
-        let tokenizer = TextTokenizer::word_level(vocabulary)?;
+        let texts: Vec<Vec<String>> = train.iter().map(|e| e.words.clone()).collect();
+        let vocabulary = match self.tokenizer {
+            TokenizerSpec::WordLevel { .. } => vocabulary,
+            _ => None,
+        };
+        let tokenizer = self
+            .tokenizer
+            .build(vocabulary.as_deref(), &texts, hub)
+            .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?;
         let order_blind_ceiling = match self.kind {
             TaskKind::WordOrder {} => Some(OrderBlindCeiling {
                 accuracy: 0.5,
@@ -382,11 +501,53 @@ impl TaskSpec {
             valid,
             tests,
             order_blind_ceiling,
+            limit: self.limit,
         })
     }
 
-    fn objective_and_vocabulary(&self, train: &[Example]) -> Result<(Objective, Vec<String>)> {
-        Ok(match &self.kind {
+    /// The splits of a generated task, its objective and its own vocabulary.
+    #[allow(clippy::type_complexity)]
+    fn generated(
+        &self,
+    ) -> Result<(
+        Vec<Example>,
+        Vec<Example>,
+        Vec<TestSet>,
+        Objective,
+        Option<Vec<String>>,
+    )> {
+        let [lo, hi] = self
+            .lengths
+            .expect("validated: generated tasks have lengths");
+        let make = |split: &str, n: usize, lengths: [usize; 2]| -> Vec<Example> {
+            let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
+            (0..n)
+                .map(|_| {
+                    let len = rng.random_range(lengths[0]..=lengths[1]);
+                    self.example(&mut rng, len)
+                })
+                .collect()
+        };
+        let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
+        let tests = self
+            .eval_factors
+            .iter()
+            .map(|&f| {
+                let lengths = [lo * f, hi * f];
+                TestSet {
+                    factor: f,
+                    lengths,
+                    examples: make(&format!("test{f}x"), n_eval, lengths),
+                }
+            })
+            .collect();
+        let train = make(
+            "train",
+            self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES),
+            [lo, hi],
+        );
+        let valid = make("valid", n_eval, [lo, hi]);
+        let (objective, vocabulary) = match &self.kind {
             TaskKind::WordOrder {} => (
                 Objective::Classify {
                     labels: grammar::ENTITIES.iter().map(|s| s.to_string()).collect(),
@@ -411,46 +572,26 @@ impl TaskSpec {
                 },
                 symbol_words(*symbols),
             ),
-            TaskKind::Mlm {
-                mask_prob,
-                text_file,
-            } => {
-                let vocabulary = match text_file {
-                    None => grammar::vocabulary(),
-                    Some(_) => {
-                        // Words of the training split, most frequent first, ties by first use.
-                        let mut counts: Vec<(String, usize)> = Vec::new();
-                        let mut index = std::collections::HashMap::new();
-                        for w in train.iter().flat_map(|e| &e.words) {
-                            let i = *index.entry(w.clone()).or_insert_with(|| {
-                                counts.push((w.clone(), 0));
-                                counts.len() - 1
-                            });
-                            counts[i].1 += 1;
-                        }
-                        counts.sort_by_key(|c| std::cmp::Reverse(c.1));
-                        counts.into_iter().map(|(w, _)| w).collect()
-                    }
-                };
-                (
-                    Objective::Mlm {
-                        mask_prob: *mask_prob,
-                    },
-                    vocabulary,
-                )
-            }
-        })
+            TaskKind::Mlm { mask_prob, .. } => (
+                Objective::Mlm {
+                    mask_prob: *mask_prob,
+                },
+                grammar::vocabulary(),
+            ),
+            TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
+        };
+        Ok((train, valid, tests, objective, Some(vocabulary)))
     }
 
-    /// One example of `len` words.
-    fn example(&self, rng: &mut Rng, len: usize) -> Result<Example> {
-        Ok(match &self.kind {
+    /// One generated example of `len` words.
+    fn example(&self, rng: &mut Rng, len: usize) -> Example {
+        match &self.kind {
             TaskKind::WordOrder {} => {
                 let (words, agent) = grammar::sentence(rng, len);
-                Example {
-                    words: words.into_iter().map(String::from).collect(),
-                    label: Label::Class(agent),
-                }
+                Example::new(
+                    words.into_iter().map(String::from).collect(),
+                    Label::Class(agent),
+                )
             }
             TaskKind::Sorted { max_number } => {
                 let mut numbers: Vec<usize> =
@@ -468,90 +609,203 @@ impl TaskSpec {
                         }
                     }
                 }
-                Example {
-                    words: numbers.into_iter().map(number_word).collect(),
-                    label: Label::Class(usize::from(ascending)),
-                }
+                Example::new(
+                    numbers.into_iter().map(number_word).collect(),
+                    Label::Class(usize::from(ascending)),
+                )
             }
             TaskKind::PrevToken { k, symbols } => {
                 let ids: Vec<usize> = (0..len).map(|_| rng.random_range(0..*symbols)).collect();
                 let tags = (0..len)
                     .map(|i| i.checked_sub(*k).map(|j| ids[j]))
                     .collect();
-                Example {
-                    words: ids.iter().map(|&i| symbol_word(i)).collect(),
-                    label: Label::Tags(tags),
-                }
+                Example::new(
+                    ids.iter().map(|&i| symbol_word(i)).collect(),
+                    Label::Tags(tags),
+                )
             }
-            TaskKind::PositionIndex { modulus, symbols } => Example {
-                words: (0..len)
+            TaskKind::PositionIndex { modulus, symbols } => Example::new(
+                (0..len)
                     .map(|_| symbol_word(rng.random_range(0..*symbols)))
                     .collect(),
-                label: Label::Tags((0..len).map(|i| Some(i % modulus)).collect()),
-            },
+                Label::Tags((0..len).map(|i| Some(i % modulus)).collect()),
+            ),
             TaskKind::Mlm { .. } => {
                 let (words, _) = grammar::sentence(rng, len.max(grammar::SHORTEST));
-                Example {
-                    words: words.into_iter().map(String::from).collect(),
-                    label: Label::Masked,
+                Example::new(words.into_iter().map(String::from).collect(), Label::Masked)
+            }
+            TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
+        }
+    }
+
+    /// Records of a file split into train / valid / test: given files stand, the rest are held
+    /// out of train by the fractions, shuffled by `data_seed`.
+    #[allow(clippy::type_complexity)]
+    fn read_files(
+        &self,
+        o: &FileOptions,
+        kind: RecordKind,
+    ) -> Result<(
+        Vec<Example>,
+        Vec<Example>,
+        Vec<TestSet>,
+        Objective,
+        Option<Vec<String>>,
+    )> {
+        let (text_field, label_field) = o.fields(kind);
+        let read = |p: &PathBuf| read_records(p, o.format, kind, &text_field, &label_field);
+        let mut train = read(&o.train)?;
+        train.shuffle(&mut rng::stream(self.data_seed, "task/files/split"));
+        let mut hold_out = |fraction: f64,
+                            file: &Option<PathBuf>,
+                            what: &str|
+         -> Result<Vec<Record>> {
+            match file {
+                Some(p) => read(p),
+                None => {
+                    let n = ((train.len() as f64 * fraction).round() as usize).max(1);
+                    if n >= train.len() {
+                        return Err(Error::Data {
+                            path: o.train.clone(),
+                            line: None,
+                            message: format!(
+                                "{} examples are too few to hold out a {what} split: give a {what} file",
+                                train.len()
+                            ),
+                        });
+                    }
+                    Ok(train.split_off(train.len() - n))
                 }
             }
-        })
+        };
+        let test = hold_out(o.test_fraction, &o.test, "test")?;
+        let valid = hold_out(o.valid_fraction, &o.valid, "valid")?;
+        if let Some(n) = self.train_examples {
+            train.truncate(n);
+        }
+        // Labels: the training data's, sorted; valid and test may not bring new ones.
+        let mut names = std::collections::BTreeSet::new();
+        for r in &train {
+            match &r.label {
+                RecordLabel::Class(c) => {
+                    names.insert(c.clone());
+                }
+                RecordLabel::Tags(t) => names.extend(t.iter().cloned()),
+                RecordLabel::Unlabelled => {}
+            }
+        }
+        let labels: Vec<String> = names.into_iter().collect();
+        let index: BTreeMap<&str, usize> = labels
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.as_str(), i))
+            .collect();
+        let convert = |records: Vec<Record>| -> Result<Vec<Example>> {
+            records
+                .into_iter()
+                .map(|r| {
+                    let id = |l: &str| {
+                        index.get(l).copied().ok_or_else(|| {
+                            r.source.error(format!(
+                                "label `{l}` does not occur in the training data (which has {}): \
+                                 a model cannot learn it",
+                                labels.len()
+                            ))
+                        })
+                    };
+                    let label = match &r.label {
+                        RecordLabel::Class(c) => Label::Class(id(c)?),
+                        RecordLabel::Tags(t) => {
+                            Label::Tags(t.iter().map(|l| id(l).map(Some)).collect::<Result<_>>()?)
+                        }
+                        RecordLabel::Unlabelled => Label::Masked,
+                    };
+                    Ok(Example {
+                        words: r.words,
+                        label,
+                        source: Some(r.source),
+                    })
+                })
+                .collect()
+        };
+        let (train, valid, test) = (convert(train)?, convert(valid)?, convert(test)?);
+        let lengths = length_range(&test.iter().map(|e| e.words.clone()).collect::<Vec<_>>());
+        let objective = match kind {
+            RecordKind::Class => Objective::Classify { labels },
+            _ => Objective::Tag { labels },
+        };
+        Ok((
+            train,
+            valid,
+            vec![TestSet {
+                factor: 1,
+                lengths,
+                examples: test,
+            }],
+            objective,
+            None,
+        ))
     }
 
     /// A user's text file for MLM: lines shuffled by `data_seed`, then split train / valid /
-    /// test. Its own lengths stand; `lengths` only bounds them (longer lines are an error).
+    /// test (`eval_examples` each, at most a fifth of the lines).
     fn split_text_file(
         &self,
         path: &PathBuf,
     ) -> Result<(Vec<Example>, Vec<Example>, Vec<TestSet>)> {
-        let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let text = String::from_utf8(text)
-            .map_err(|e| Error::Input(format!("{}: not valid UTF-8 ({e})", path.display())))?;
-        let mut lines = Vec::new();
-        for (n, line) in text.lines().enumerate() {
-            let words: Vec<String> = line.split_whitespace().map(String::from).collect();
-            if words.is_empty() {
-                continue;
-            }
-            if words.len() > self.lengths[1] {
-                return Err(Error::Input(format!(
-                    "{}:{}: {} words, longer than lengths[1] = {}: raise lengths[1] or split the line",
-                    path.display(),
-                    n + 1,
-                    words.len(),
-                    self.lengths[1]
-                )));
-            }
-            lines.push(Example {
-                words,
-                label: Label::Masked,
+        let mut lines: Vec<Example> = read_records(
+            path,
+            files::DataFormat::Text,
+            RecordKind::Text,
+            "text",
+            "label",
+        )?
+        .into_iter()
+        .map(|r| Example {
+            words: r.words,
+            label: Label::Masked,
+            source: Some(r.source),
+        })
+        .collect();
+        if lines.len() < 3 {
+            return Err(Error::Data {
+                path: path.clone(),
+                line: None,
+                message: format!(
+                    "{} non-empty lines; an MLM split needs at least 3",
+                    lines.len()
+                ),
             });
         }
-        let needed = 3; // one line each for train, valid and test
-        if lines.len() < needed {
-            return Err(Error::Input(format!(
-                "{}: {} non-empty lines; an MLM split needs at least {needed}",
-                path.display(),
-                lines.len()
-            )));
-        }
         lines.shuffle(&mut rng::stream(self.data_seed, "task/text_file/shuffle"));
-        let n_eval = self.eval_examples.min(lines.len() / 5).max(1);
+        let n_eval = self
+            .eval_examples
+            .unwrap_or(DEFAULT_EVAL_EXAMPLES)
+            .min(lines.len() / 5)
+            .max(1);
         let test = lines.split_off(lines.len() - n_eval);
         let valid = lines.split_off(lines.len() - n_eval);
-        let longest = test.iter().map(|e| e.words.len()).max().unwrap_or(1);
-        let shortest = test.iter().map(|e| e.words.len()).min().unwrap_or(1);
-        lines.truncate(self.train_examples);
+        if let Some(n) = self.train_examples {
+            lines.truncate(n);
+        }
+        let lengths = length_range(&test.iter().map(|e| e.words.clone()).collect::<Vec<_>>());
         Ok((
             lines,
             valid,
             vec![TestSet {
                 factor: 1,
-                lengths: [shortest, longest],
+                lengths,
                 examples: test,
             }],
         ))
+    }
+}
+
+fn check_mask_prob(mask_prob: f64) -> std::result::Result<(), String> {
+    if mask_prob > 0.0 && mask_prob < 1.0 {
+        Ok(())
+    } else {
+        Err(format!("mlm: mask_prob = {mask_prob} must be in (0, 1)"))
     }
 }
 

@@ -6,6 +6,7 @@ pub mod optim;
 use std::time::Instant;
 
 use candle::{DType, Var};
+
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
@@ -232,99 +233,164 @@ pub fn evaluate(
     })
 }
 
-/// Trains `model` (whose variables are `params`) on `data` under `config`. `seed` fixes the
-/// batch order, dropout masks and MLM masks; each comes from a stream derived from the step, so
-/// a run can be resumed exactly.
-pub fn train(
-    model: &TaskModel,
-    params: &ParamStore,
-    data: &TrainData,
-    config: &TrainConfig,
+/// Everything besides the weights and the optimizer's moments that a run needs to continue
+/// exactly where it stopped.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub steps: usize,
+    pub tokens: usize,
+    pub train_seconds: f64,
+    pub losses: Vec<f64>,
+    pub validation: Vec<(usize, Score)>,
+    /// Position in the batch order: the epoch and the next batch in it.
+    pub epoch: u64,
+    pub cursor: usize,
+    /// Early stopping: the best validation accuracy and its step, evaluations since.
+    pub best: Option<(f64, usize)>,
+    pub since_best: usize,
+    pub stopped_early: bool,
+}
+
+/// A resumable snapshot of a run: its state, the optimizer's moments and step, and the weights
+/// early stopping would restore. The model's own weights are saved beside it.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    pub state: TrainState,
+    pub optimizer: std::collections::HashMap<String, candle::Tensor>,
+    pub optimizer_step: u64,
+    pub best_weights: Option<std::collections::HashMap<String, candle::Tensor>>,
+}
+
+/// A training run that advances one step at a time and can be checkpointed and restored.
+///
+/// `seed` fixes the batch order (per epoch), the dropout masks and the MLM masks (per step),
+/// so a run restored from a [`Checkpoint`] (with the weights saved beside it) continues bit for
+/// bit as if it had never stopped.
+pub struct Trainer<'a> {
+    model: &'a TaskModel,
+    data: &'a TrainData<'a>,
+    config: &'a TrainConfig,
     seed: u64,
-    progress: &ProgressBar,
-) -> Result<TrainOutcome> {
-    config.validate()?;
-    if data.train.is_empty() || data.valid.is_empty() {
-        return Err(Error::Input(
-            "training needs non-empty train and validation sets".into(),
-        ));
-    }
-    let device = model.encoder().device().clone();
-    let lengths = data.train.lengths();
-    let mean_len = lengths.iter().sum::<usize>() as f64 / lengths.len() as f64;
-    let planned = match config.budget {
-        Budget::Steps(n) => n,
-        Budget::Tokens(n) => (n as f64 / (mean_len * config.batch_size as f64)).ceil() as usize,
-    };
-    progress.set_length(planned as u64);
-    let vars: Vec<Var> = params.all_vars();
-    let [beta1, beta2] = config.betas;
-    let mut optimizer = AdamW::new(
-        params.vars(),
-        AdamWConfig {
-            beta1,
-            beta2,
-            eps: config.adam_eps,
-            weight_decay: config.weight_decay,
-        },
-    )?;
+    vars: Vec<(String, Var)>,
+    optimizer: AdamW,
+    planned: usize,
+    lengths: Vec<usize>,
+    batches: Vec<Vec<usize>>,
+    state: TrainState,
+    best_weights: Option<Vec<candle::Tensor>>,
+}
 
-    let mut outcome = TrainOutcome {
-        steps: 0,
-        tokens: 0,
-        train_seconds: 0.0,
-        losses: Vec::with_capacity(planned),
-        validation: Vec::new(),
-        kept_step: 0,
-        stopped_early: false,
-    };
-    let eval_batch = config.batch_size * 2;
-    let mask_seed = derive_seed(seed, "validation masks", 0);
-    let mut best: Option<(f64, usize, Vec<candle::Tensor>)> = None;
-    let mut since_best = 0;
-    let (mut epoch, mut cursor) = (0u64, 0usize);
-    let mut batches = epoch_batches(
-        &lengths,
-        config.batch_size,
-        &mut rng::stream(derive_seed(seed, "batches", epoch), "epoch"),
-    );
-
-    loop {
-        let done = match config.budget {
-            Budget::Steps(n) => outcome.steps >= n,
-            Budget::Tokens(n) => outcome.tokens >= n,
-        };
-        if done {
-            break;
+impl<'a> Trainer<'a> {
+    /// A run of `model`, whose trainable variables are `params`.
+    pub fn new(
+        model: &'a TaskModel,
+        params: &ParamStore,
+        data: &'a TrainData<'a>,
+        config: &'a TrainConfig,
+        seed: u64,
+    ) -> Result<Self> {
+        config.validate()?;
+        if data.train.is_empty() || data.valid.is_empty() {
+            return Err(Error::Input(
+                "training needs non-empty train and validation sets".into(),
+            ));
         }
-        if cursor == batches.len() {
-            epoch += 1;
-            cursor = 0;
-            batches = epoch_batches(
-                &lengths,
-                config.batch_size,
-                &mut rng::stream(derive_seed(seed, "batches", epoch), "epoch"),
+        let lengths = data.train.lengths();
+        let mean_len = lengths.iter().sum::<usize>() as f64 / lengths.len() as f64;
+        let planned = match config.budget {
+            Budget::Steps(n) => n,
+            Budget::Tokens(n) => (n as f64 / (mean_len * config.batch_size as f64)).ceil() as usize,
+        };
+        let [beta1, beta2] = config.betas;
+        let optimizer = AdamW::new(
+            params.vars(),
+            AdamWConfig {
+                beta1,
+                beta2,
+                eps: config.adam_eps,
+                weight_decay: config.weight_decay,
+            },
+        )?;
+        let batches = epoch_batches(&lengths, config.batch_size, &mut Self::epoch_rng(seed, 0));
+        Ok(Self {
+            model,
+            data,
+            config,
+            seed,
+            vars: params.vars(),
+            optimizer,
+            planned,
+            lengths,
+            batches,
+            state: TrainState {
+                steps: 0,
+                tokens: 0,
+                train_seconds: 0.0,
+                losses: Vec::with_capacity(planned),
+                validation: Vec::new(),
+                epoch: 0,
+                cursor: 0,
+                best: None,
+                since_best: 0,
+                stopped_early: false,
+            },
+            best_weights: None,
+        })
+    }
+
+    fn epoch_rng(seed: u64, epoch: u64) -> rng::Rng {
+        rng::stream(derive_seed(seed, "batches", epoch), "epoch")
+    }
+
+    pub fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    /// Steps the schedule is planned for.
+    pub fn planned_steps(&self) -> usize {
+        self.planned
+    }
+
+    /// Whether the budget is spent or early stopping ended the run.
+    pub fn finished(&self) -> bool {
+        self.state.stopped_early
+            || match self.config.budget {
+                Budget::Steps(n) => self.state.steps >= n,
+                Budget::Tokens(n) => self.state.tokens >= n,
+            }
+    }
+
+    /// One optimizer step, and a validation evaluation when one is due.
+    pub fn step(&mut self, progress: &ProgressBar) -> Result<()> {
+        let device = self.model.encoder().device().clone();
+        if self.state.cursor == self.batches.len() {
+            self.state.epoch += 1;
+            self.state.cursor = 0;
+            self.batches = epoch_batches(
+                &self.lengths,
+                self.config.batch_size,
+                &mut Self::epoch_rng(self.seed, self.state.epoch),
             );
         }
-        let step = outcome.steps;
+        let step = self.state.steps;
         let started = Instant::now();
-        let samples: Vec<&Sample> = batches[cursor]
+        let samples: Vec<&Sample> = self.batches[self.state.cursor]
             .iter()
-            .map(|&i| &data.train.samples[i])
+            .map(|&i| &self.data.train.samples[i])
             .collect();
-        cursor += 1;
-        let mut mask_rng = rng::stream(derive_seed(seed, "mlm masks", step as u64), "step");
+        self.state.cursor += 1;
+        let mut mask_rng = rng::stream(derive_seed(self.seed, "mlm masks", step as u64), "step");
         let batch = make_batch(
             &samples,
-            data.pad_id,
-            data.masking.map(|m| (m, &mut mask_rng)),
+            self.data.pad_id,
+            self.data.masking.map(|m| (m, &mut mask_rng)),
             &device,
         )?;
-        model
+        self.model
             .encoder()
-            .set_dropout_seed(derive_seed(seed, "dropout", step as u64));
-        let lr = config.lr_at(step, planned);
-        let (loss, _) = model.loss(&batch, 0, true)?;
+            .set_dropout_seed(derive_seed(self.seed, "dropout", step as u64));
+        let lr = self.config.lr_at(step, self.planned);
+        let (loss, _) = self.model.loss(&batch, 0, true)?;
         let loss_value = scalar(&loss)?;
         if !loss_value.is_finite() {
             return Err(Error::Training(format!(
@@ -333,6 +399,7 @@ pub fn train(
             )));
         }
         let grads = loss.backward()?;
+        let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
         let norm = global_grad_norm(&grads, &vars)?;
         if !norm.is_finite() {
             return Err(Error::Training(format!(
@@ -340,66 +407,144 @@ pub fn train(
                  rate {lr:.3e}): lower lr or keep grad_clip on"
             )));
         }
-        let scale = if config.grad_clip > 0.0 && norm > config.grad_clip {
-            config.grad_clip / norm
+        let scale = if self.config.grad_clip > 0.0 && norm > self.config.grad_clip {
+            self.config.grad_clip / norm
         } else {
             1.0
         };
-        optimizer.step(&grads, lr, scale)?;
-        outcome.train_seconds += started.elapsed().as_secs_f64();
-        outcome.steps += 1;
-        outcome.tokens += batch.real_tokens;
-        outcome.losses.push(loss_value);
-        outcome.kept_step = outcome.steps;
+        self.optimizer.step(&grads, lr, scale)?;
+        self.state.train_seconds += started.elapsed().as_secs_f64();
+        self.state.steps += 1;
+        self.state.tokens += batch.real_tokens;
+        self.state.losses.push(loss_value);
         progress.inc(1);
 
-        let finished = match config.budget {
-            Budget::Steps(n) => outcome.steps >= n,
-            Budget::Tokens(n) => outcome.tokens >= n,
-        };
-        if outcome.steps % config.eval_every == 0 || finished {
-            let score = evaluate(
-                model,
-                data.valid,
-                data.pad_id,
-                data.masking,
-                mask_seed,
-                eval_batch,
-                0,
-            )?;
-            progress.set_message(format!(
-                "loss {loss_value:.3} valid {:.1}%",
-                100.0 * score.accuracy
-            ));
-            outcome.validation.push((outcome.steps, score));
-            if let Some(rule) = config.early_stopping {
-                let improved = best
-                    .as_ref()
-                    .is_none_or(|(acc, _, _)| score.accuracy > acc + rule.min_delta);
-                if improved {
-                    let snapshot = vars
-                        .iter()
-                        .map(|v| v.as_detached_tensor().copy())
-                        .collect::<candle::Result<Vec<_>>>()?;
-                    best = Some((score.accuracy, outcome.steps, snapshot));
-                    since_best = 0;
-                } else {
-                    since_best += 1;
-                    if since_best >= rule.patience {
-                        outcome.stopped_early = true;
-                        break;
-                    }
-                }
+        if self.state.steps % self.config.eval_every == 0 || self.finished() {
+            self.validate(loss_value, progress)?;
+        }
+        Ok(())
+    }
+
+    fn validate(&mut self, loss_value: f64, progress: &ProgressBar) -> Result<()> {
+        let mask_seed = derive_seed(self.seed, "validation masks", 0);
+        let score = evaluate(
+            self.model,
+            self.data.valid,
+            self.data.pad_id,
+            self.data.masking,
+            mask_seed,
+            self.config.batch_size * 2,
+            0,
+        )?;
+        progress.set_message(format!(
+            "loss {loss_value:.3} valid {:.1}%",
+            100.0 * score.accuracy
+        ));
+        self.state.validation.push((self.state.steps, score));
+        if let Some(rule) = self.config.early_stopping {
+            let improved = self
+                .state
+                .best
+                .is_none_or(|(acc, _)| score.accuracy > acc + rule.min_delta);
+            if improved {
+                let snapshot = self
+                    .vars
+                    .iter()
+                    .map(|(_, v)| v.as_detached_tensor().copy())
+                    .collect::<candle::Result<Vec<_>>>()?;
+                self.best_weights = Some(snapshot);
+                self.state.best = Some((score.accuracy, self.state.steps));
+                self.state.since_best = 0;
+            } else {
+                self.state.since_best += 1;
+                self.state.stopped_early = self.state.since_best >= rule.patience;
             }
         }
+        Ok(())
     }
-    if let Some((_, step, snapshot)) = best {
-        for (var, value) in vars.iter().zip(snapshot) {
-            var.set(&value)?;
+
+    /// A snapshot to save beside the weights.
+    pub fn checkpoint(&self) -> Checkpoint {
+        let (optimizer, optimizer_step) = self.optimizer.state();
+        Checkpoint {
+            state: self.state.clone(),
+            optimizer,
+            optimizer_step,
+            best_weights: self.best_weights.as_ref().map(|w| {
+                self.vars
+                    .iter()
+                    .map(|(n, _)| n.clone())
+                    .zip(w.iter().cloned())
+                    .collect()
+            }),
         }
-        outcome.kept_step = step;
     }
-    Ok(outcome)
+
+    /// Continues from `checkpoint`; the model's weights must already hold the weights saved
+    /// with it.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        self.optimizer
+            .load_state(&checkpoint.optimizer, checkpoint.optimizer_step)?;
+        self.best_weights = match &checkpoint.best_weights {
+            None => None,
+            Some(map) => Some(
+                self.vars
+                    .iter()
+                    .map(|(name, var)| {
+                        let t = map.get(name).ok_or_else(|| {
+                            Error::Input(format!("the checkpoint's best weights lack `{name}`"))
+                        })?;
+                        Ok(t.to_dtype(var.dtype())?.to_device(var.device())?)
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+        };
+        self.state = checkpoint.state.clone();
+        self.batches = epoch_batches(
+            &self.lengths,
+            self.config.batch_size,
+            &mut Self::epoch_rng(self.seed, self.state.epoch),
+        );
+        Ok(())
+    }
+
+    /// Ends the run: under early stopping the best weights are put back.
+    pub fn finish(self) -> Result<TrainOutcome> {
+        let mut kept_step = self.state.steps;
+        if let (Some(weights), Some((_, step))) = (self.best_weights, self.state.best) {
+            for ((_, var), value) in self.vars.iter().zip(weights) {
+                var.set(&value)?;
+            }
+            kept_step = step;
+        }
+        let state = self.state;
+        Ok(TrainOutcome {
+            steps: state.steps,
+            tokens: state.tokens,
+            train_seconds: state.train_seconds,
+            losses: state.losses,
+            validation: state.validation,
+            kept_step,
+            stopped_early: state.stopped_early,
+        })
+    }
+}
+
+/// Trains `model` (whose variables are `params`) on `data` under `config` from start to end.
+pub fn train(
+    model: &TaskModel,
+    params: &ParamStore,
+    data: &TrainData,
+    config: &TrainConfig,
+    seed: u64,
+    progress: &ProgressBar,
+) -> Result<TrainOutcome> {
+    let mut trainer = Trainer::new(model, params, data, config, seed)?;
+    progress.set_length(trainer.planned_steps() as u64);
+    while !trainer.finished() {
+        trainer.step(progress)?;
+    }
+    trainer.finish()
 }
 
 #[cfg(test)]

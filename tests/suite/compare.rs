@@ -171,7 +171,13 @@ fn saved_models_reload_and_score_what_the_report_says() {
         poslab::saved::load(&dir.path().join(&cell.model_dir), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(loaded.config.task, "word_order");
     let data = config.tasks[0].generate().unwrap();
-    let test = Dataset::encode(&data.tests[0].examples, &loaded.tokenizer, None).unwrap();
+    let test = Dataset::encode(
+        &data.tests[0].examples,
+        &loaded.tokenizer,
+        None,
+        Default::default(),
+    )
+    .unwrap();
     let score = evaluate(
         &loaded.model,
         &test,

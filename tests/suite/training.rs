@@ -44,8 +44,8 @@ fn setup(spec: &TaskSpec) -> Setup {
         _ => None,
     };
     Setup {
-        train: Dataset::encode(&data.train, &data.tokenizer, None).unwrap(),
-        valid: Dataset::encode(&data.valid, &data.tokenizer, None).unwrap(),
+        train: Dataset::encode(&data.train, &data.tokenizer, None, Default::default()).unwrap(),
+        valid: Dataset::encode(&data.valid, &data.tokenizer, None, Default::default()).unwrap(),
         masking,
         data,
     }
@@ -199,7 +199,7 @@ fn mlm_reads_a_text_file_and_refuses_bad_ones() {
         .collect();
     std::fs::write(&good, lines.join("\n") + "\n\n").unwrap();
     let spec = task(&format!(
-        "kind = \"mlm\"\ntext_file = {:?}\nlengths = [1, 12]\ntrain_examples = 1000\neval_examples = 10",
+        "kind = \"mlm\"\ntext_file = {:?}\ntrain_examples = 1000\neval_examples = 10",
         good.display().to_string()
     ));
     let data = spec.generate().unwrap();
@@ -215,8 +215,8 @@ fn mlm_reads_a_text_file_and_refuses_bad_ones() {
     assert_eq!(data.tokenizer.id_to_token(5).as_deref(), Some("the"));
     assert!(data.tokenizer.token_to_id("slept").is_some());
     let s = Setup {
-        train: Dataset::encode(&data.train, &data.tokenizer, None).unwrap(),
-        valid: Dataset::encode(&data.valid, &data.tokenizer, None).unwrap(),
+        train: Dataset::encode(&data.train, &data.tokenizer, None, Default::default()).unwrap(),
+        valid: Dataset::encode(&data.valid, &data.tokenizer, None, Default::default()).unwrap(),
         masking: Some(MlmMasking::new(0.15, &data.tokenizer).unwrap()),
         data,
     };
@@ -224,30 +224,62 @@ fn mlm_reads_a_text_file_and_refuses_bad_ones() {
     let (outcome, _) = run(&s, &config, &recipe("budget = { steps = 20 }"), 0).unwrap();
     assert!(outcome.losses.iter().all(|l| l.is_finite()));
 
-    let bad = |name: &str, bytes: &[u8], lengths: &str| {
+    let spec_for = |name: &str, bytes: &[u8], extra: &str| {
         let path = dir.path().join(name);
         std::fs::write(&path, bytes).unwrap();
-        let spec = task(&format!(
-            "kind = \"mlm\"\ntext_file = {:?}\nlengths = {lengths}",
+        task(&format!(
+            "kind = \"mlm\"\ntext_file = {:?}\n{extra}",
             path.display().to_string()
-        ));
-        spec.generate().unwrap_err().to_string()
+        ))
     };
-    let e = bad("empty.txt", b"\n \n", "[1, 12]");
+    let e = spec_for("empty.txt", b"\n \n", "")
+        .generate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("empty.txt") && e.contains("no examples"), "{e}");
+    let e = spec_for("latin1.txt", b"caf\xe9 au lait\n", "")
+        .generate()
+        .unwrap_err()
+        .to_string();
     assert!(
-        e.contains("empty.txt") && e.contains("0 non-empty lines"),
+        e.contains("latin1.txt:1") && e.contains("invalid UTF-8"),
         "{e}"
     );
-    let e = bad("long.txt", b"a b\na b c d e f\na\n", "[1, 4]");
+    // A line longer than max_tokens: refused with its file and line, or cut when asked.
+    let long = b"a b\nc d\ne f\ng h\ni j\nk l\nm n\na b c d e f\n";
+    let everything = |data: &poslab::tasks::TaskData| -> Vec<poslab::tasks::Example> {
+        data.train
+            .iter()
+            .chain(&data.valid)
+            .chain(&data.tests[0].examples)
+            .cloned()
+            .collect()
+    };
+    let data = spec_for("long.txt", long, "max_tokens = 4\neval_examples = 1")
+        .generate()
+        .unwrap();
+    let e = Dataset::encode(&everything(&data), &data.tokenizer, None, data.limit)
+        .unwrap_err()
+        .to_string();
     assert!(
-        e.contains("long.txt:2") && e.contains("6 words") && e.contains("lengths[1] = 4"),
+        e.contains("long.txt:8: 6 tokens, more than max_tokens = 4")
+            && e.contains("truncate = true"),
         "{e}"
     );
-    let e = bad("latin1.txt", b"caf\xe9 au lait\n", "[1, 4]");
-    assert!(
-        e.contains("latin1.txt") && e.contains("not valid UTF-8"),
-        "{e}"
-    );
+    let data = spec_for(
+        "long2.txt",
+        long,
+        "max_tokens = 4\ntruncate = true\neval_examples = 1",
+    )
+    .generate()
+    .unwrap();
+    let cut = Dataset::encode(&everything(&data), &data.tokenizer, None, data.limit).unwrap();
+    assert_eq!((cut.truncated, cut.max_len()), (1, 4));
+    let e = spec_for("bad.txt", b"x\n", "lengths = [1, 4]")
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`lengths` is for generated tasks"), "{e}");
 }
 
 #[test]
@@ -256,14 +288,16 @@ fn first_token_pooling_reads_a_prepended_cls() {
         task("kind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 300\neval_examples = 50");
     let data = spec.generate().unwrap();
     let cls = data.tokenizer.cls_id().unwrap();
-    let train_set = Dataset::encode(&data.train, &data.tokenizer, Some(cls)).unwrap();
+    let train_set =
+        Dataset::encode(&data.train, &data.tokenizer, Some(cls), Default::default()).unwrap();
     assert!(train_set.samples.iter().all(|s| s.ids[0] == cls));
     assert_eq!(
         train_set.samples[0].ids.len(),
         data.train[0].words.len() + 1
     );
     let s = Setup {
-        valid: Dataset::encode(&data.valid, &data.tokenizer, Some(cls)).unwrap(),
+        valid: Dataset::encode(&data.valid, &data.tokenizer, Some(cls), Default::default())
+            .unwrap(),
         train: train_set,
         masking: None,
         data,

@@ -1,0 +1,448 @@
+//! Text in: a Hugging Face `tokenizers` tokenizer and the special tokens poslab needs from it.
+//!
+//! A tokenizer comes from a [`TokenizerSpec`]: a word-level vocabulary built from the data, a
+//! `tokenizer.json` on disk, one from the Hugging Face Hub ([`hub`]), or WordPiece / BPE trained
+//! on the training texts. Text is split on whitespace into words first and encoded as
+//! pre-tokenized input, so per-word labels align with tokens whatever the tokenizer does inside
+//! a word.
+
+pub mod hub;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tokenizers::models::bpe::{BpeTrainer, BPE};
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
+use tokenizers::models::{ModelWrapper, TrainerWrapper};
+use tokenizers::normalizers::{BertNormalizer, Lowercase};
+use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::error::{Error, Result};
+pub use hub::{HubSource, RepoRef};
+
+/// Special tokens of the built-in word-level tokenizers, in id order.
+pub const PAD: &str = "[PAD]";
+pub const UNK: &str = "[UNK]";
+pub const CLS: &str = "[CLS]";
+pub const SEP: &str = "[SEP]";
+pub const MASK: &str = "[MASK]";
+
+/// A tokenizer and the ids of its special tokens, looked up by name in the tokenizer itself
+/// (BERT's `[PAD]`, RoBERTa's `<pad>`, ...), never hard-coded.
+#[derive(Clone, Debug)]
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    pad: u32,
+    unk: Option<u32>,
+    cls: Option<u32>,
+    mask: Option<u32>,
+}
+
+/// A text's token ids and, for each token, the index of the whitespace-separated word it came
+/// from (`None` for tokens no word produced).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    pub word_ids: Vec<Option<u32>>,
+}
+
+fn first_present(tok: &Tokenizer, names: &[&str]) -> Option<u32> {
+    names.iter().find_map(|n| tok.token_to_id(n))
+}
+
+fn default_min_frequency() -> usize {
+    1
+}
+fn default_subword_min_frequency() -> u64 {
+    2
+}
+fn default_true() -> bool {
+    true
+}
+
+/// Which subword model to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SubwordModel {
+    /// BERT's WordPiece, with BERT's normalizer and pre-tokenizer.
+    Wordpiece,
+    /// Byte-pair encoding over whitespace- and punctuation-split words.
+    Bpe,
+}
+
+/// Where a task's tokenizer comes from, `tokenizer = { kind = ..., ... }` in a task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum TokenizerSpec {
+    /// One id per whitespace-separated word: a built-in task's own vocabulary, or the training
+    /// texts' words seen at least `min_frequency` times, most frequent first, at most
+    /// `max_vocab` of them (the rest map to `[UNK]`).
+    WordLevel {
+        #[serde(default = "default_min_frequency")]
+        min_frequency: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_vocab: Option<usize>,
+        #[serde(default)]
+        lowercase: bool,
+    },
+    /// A `tokenizer.json` file.
+    File { path: PathBuf },
+    /// `tokenizer.json` of a Hub model: `org/name` or `org/name@revision`.
+    Hub { repo: String },
+    /// A subword tokenizer trained on the training texts (saved with every run).
+    Train {
+        model: SubwordModel,
+        vocab_size: usize,
+        #[serde(default = "default_subword_min_frequency")]
+        min_frequency: u64,
+        #[serde(default = "default_true")]
+        lowercase: bool,
+    },
+}
+
+impl Default for TokenizerSpec {
+    fn default() -> Self {
+        Self::WordLevel {
+            min_frequency: 1,
+            max_vocab: None,
+            lowercase: false,
+        }
+    }
+}
+
+impl TokenizerSpec {
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Self::WordLevel {
+                min_frequency: 0, ..
+            } => Err(Error::Config(
+                "tokenizer: min_frequency must be at least 1".into(),
+            )),
+            Self::WordLevel {
+                max_vocab: Some(0), ..
+            } => Err(Error::Config(
+                "tokenizer: max_vocab must be at least 1".into(),
+            )),
+            Self::Hub { repo } => RepoRef::parse(repo).map(|_| ()),
+            Self::Train { vocab_size, .. } if *vocab_size < 16 => Err(Error::Config(format!(
+                "tokenizer: vocab_size = {vocab_size} is too small to train a subword tokenizer \
+                 (use at least 16; a few thousand is usual)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Builds the tokenizer. `vocabulary` is a built-in task's own word list (used by
+    /// `word_level` instead of counting); `texts` are the training texts as words.
+    pub fn build(
+        &self,
+        vocabulary: Option<&[String]>,
+        texts: &[Vec<String>],
+        hub: &HubSource,
+    ) -> Result<TextTokenizer> {
+        self.validate()?;
+        match self {
+            Self::WordLevel {
+                min_frequency,
+                max_vocab,
+                lowercase,
+            } => {
+                let words = match vocabulary {
+                    Some(v) => v.to_vec(),
+                    None => count_words(texts, *lowercase, *min_frequency, *max_vocab),
+                };
+                TextTokenizer::word_level_with(words, *lowercase)
+            }
+            Self::File { path } => TextTokenizer::from_file(path),
+            Self::Hub { repo } => {
+                let repo = RepoRef::parse(repo)?;
+                TextTokenizer::from_file(hub.fetch(&repo, "tokenizer.json")?)
+            }
+            Self::Train {
+                model,
+                vocab_size,
+                min_frequency,
+                lowercase,
+            } => TextTokenizer::train(*model, *vocab_size, *min_frequency, *lowercase, texts),
+        }
+    }
+}
+
+/// Words of `texts` seen at least `min_frequency` times, most frequent first (ties in order of
+/// first use), at most `max_vocab`.
+fn count_words(
+    texts: &[Vec<String>],
+    lowercase: bool,
+    min_frequency: usize,
+    max_vocab: Option<usize>,
+) -> Vec<String> {
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    for word in texts.iter().flatten() {
+        let word = if lowercase {
+            word.to_lowercase()
+        } else {
+            word.clone()
+        };
+        let i = *index.entry(word.clone()).or_insert_with(|| {
+            counts.push((word, 0));
+            counts.len() - 1
+        });
+        counts[i].1 += 1;
+    }
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1)); // stable: ties keep first use
+    counts
+        .into_iter()
+        .filter(|c| c.1 >= min_frequency)
+        .take(max_vocab.unwrap_or(usize::MAX))
+        .map(|c| c.0)
+        .collect()
+}
+
+impl TextTokenizer {
+    /// Wraps a tokenizer; it must have a padding token. Truncation and padding configured in the
+    /// tokenizer are turned off: poslab pads its own batches and never cuts text silently.
+    pub fn new(mut inner: Tokenizer) -> Result<Self> {
+        inner.with_truncation(None).map_err(|e| {
+            Error::Input(format!("cannot turn off the tokenizer's truncation: {e}"))
+        })?;
+        inner.with_padding(None);
+        let pad = first_present(&inner, &[PAD, "<pad>", "<|pad|>", "[pad]"]).ok_or_else(|| {
+            Error::Input(
+                "the tokenizer has no padding token ([PAD] or <pad>): add one to its \
+                 special tokens"
+                    .into(),
+            )
+        })?;
+        Ok(Self {
+            unk: first_present(&inner, &[UNK, "<unk>"]),
+            cls: first_present(&inner, &[CLS, "<s>", "<cls>"]),
+            mask: first_present(&inner, &[MASK, "<mask>"]),
+            pad,
+            inner,
+        })
+    }
+
+    /// A word-level tokenizer over `words` (split on whitespace), with the special tokens
+    /// `[PAD] [UNK] [CLS] [SEP] [MASK]` as ids 0..5 and the words after them in the given order.
+    pub fn word_level<S: AsRef<str>>(words: impl IntoIterator<Item = S>) -> Result<Self> {
+        Self::word_level_with(words, false)
+    }
+
+    /// As [`TextTokenizer::word_level`], lowercasing text first when asked.
+    pub fn word_level_with<S: AsRef<str>>(
+        words: impl IntoIterator<Item = S>,
+        lowercase: bool,
+    ) -> Result<Self> {
+        let specials = [PAD, UNK, CLS, SEP, MASK];
+        let mut vocab = ahash::AHashMap::new();
+        for (i, s) in specials.iter().enumerate() {
+            vocab.insert(s.to_string(), i as u32);
+        }
+        for word in words {
+            let word = word.as_ref();
+            if word.is_empty() || word.chars().any(char::is_whitespace) {
+                return Err(Error::Input(format!(
+                    "vocabulary entry {word:?} is empty or contains whitespace"
+                )));
+            }
+            let next = vocab.len() as u32;
+            vocab.entry(word.to_string()).or_insert(next);
+        }
+        let model = WordLevel::builder()
+            .vocab(vocab)
+            .unk_token(UNK.into())
+            .build()
+            .map_err(|e| Error::Input(format!("cannot build a word-level tokenizer: {e}")))?;
+        let mut tok = Tokenizer::new(model);
+        tok.with_pre_tokenizer(Some(WhitespaceSplit));
+        if lowercase {
+            tok.with_normalizer(Some(Lowercase))
+                .map_err(|e| Error::Input(format!("cannot set the normalizer: {e}")))?;
+        }
+        tok.add_special_tokens(specials.iter().map(|s| AddedToken::from(*s, true)))
+            .map_err(|e| Error::Input(format!("cannot add special tokens: {e}")))?;
+        Self::new(tok)
+    }
+
+    /// WordPiece or BPE trained on `texts`, with the special tokens `[PAD] [UNK] [CLS] [SEP]
+    /// [MASK]` first. Training is deterministic for the same texts.
+    pub fn train(
+        model: SubwordModel,
+        vocab_size: usize,
+        min_frequency: u64,
+        lowercase: bool,
+        texts: &[Vec<String>],
+    ) -> Result<Self> {
+        let specials: Vec<AddedToken> = [PAD, UNK, CLS, SEP, MASK]
+            .iter()
+            .map(|s| AddedToken::from(*s, true))
+            .collect();
+        let fail = |e: tokenizers::Error| Error::Input(format!("cannot train the tokenizer: {e}"));
+        let (model_w, mut trainer): (ModelWrapper, TrainerWrapper) = match model {
+            SubwordModel::Wordpiece => (
+                WordPiece::builder()
+                    .unk_token(UNK.into())
+                    .build()
+                    .map_err(fail)?
+                    .into(),
+                WordPieceTrainer::builder()
+                    .vocab_size(vocab_size)
+                    .min_frequency(min_frequency)
+                    .special_tokens(specials)
+                    .show_progress(false)
+                    .build()
+                    .into(),
+            ),
+            SubwordModel::Bpe => (
+                BPE::builder()
+                    .unk_token(UNK.into())
+                    .build()
+                    .map_err(fail)?
+                    .into(),
+                BpeTrainer::builder()
+                    .vocab_size(vocab_size)
+                    .min_frequency(min_frequency)
+                    .special_tokens(specials)
+                    .show_progress(false)
+                    .build()
+                    .into(),
+            ),
+        };
+        let mut tok = Tokenizer::new(model_w);
+        tok.with_normalizer(Some(BertNormalizer::new(
+            true,
+            true,
+            Some(lowercase),
+            lowercase,
+        )))
+        .map_err(fail)?;
+        tok.with_pre_tokenizer(Some(BertPreTokenizer));
+        let lines: Vec<String> = texts.iter().map(|w| w.join(" ")).collect();
+        tok.train(&mut trainer, lines.iter()).map_err(fail)?;
+        Self::new(tok)
+    }
+
+    /// Loads a `tokenizer.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
+            Error::Input(format!(
+            "{}: not a valid tokenizer.json ({e}); re-save it from the `tokenizers` library or \
+             point to the right file",
+            path.display()
+        ))
+        })?;
+        Self::new(inner)
+    }
+
+    /// Writes `tokenizer.json`, atomically.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let json = self
+            .inner
+            .to_string(true)
+            .map_err(|e| Error::Input(format!("cannot serialize the tokenizer: {e}")))?;
+        crate::io::write_atomic(path.as_ref(), json.as_bytes())
+    }
+
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+
+    /// Number of ids, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn pad_id(&self) -> u32 {
+        self.pad
+    }
+
+    pub fn unk_id(&self) -> Option<u32> {
+        self.unk
+    }
+
+    pub fn cls_id(&self) -> Option<u32> {
+        self.cls
+    }
+
+    pub fn mask_id(&self) -> Option<u32> {
+        self.mask
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Token ids of `text` split on whitespace, without added special tokens, and each token's
+    /// word index.
+    pub fn encode(&self, text: &str) -> Result<Encoded> {
+        let words: Vec<&str> = text.split_whitespace().collect();
+        self.encode_words(&words)
+    }
+
+    /// Token ids of pre-split `words`; `word_ids` index `words`.
+    pub fn encode_words<S: AsRef<str>>(&self, words: &[S]) -> Result<Encoded> {
+        let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();
+        let enc = self
+            .inner
+            .encode(words.as_slice(), false)
+            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))?;
+        Ok(Encoded {
+            ids: enc.get_ids().to_vec(),
+            word_ids: enc.get_word_ids().to_vec(),
+        })
+    }
+
+    /// The text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::Input(format!("cannot decode {ids:?}: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn word_level_round_trips_through_tokenizer_json() {
+        let tok = TextTokenizer::word_level(["the", "fox", "dog", "fox"]).unwrap();
+        assert_eq!(tok.vocab_size(), 5 + 3);
+        assert_eq!(
+            (tok.pad_id(), tok.unk_id(), tok.cls_id(), tok.mask_id()),
+            (0, Some(1), Some(2), Some(4))
+        );
+        let enc = tok.encode("the fox  chased the dog").unwrap();
+        assert_eq!(enc.ids, vec![5, 6, 1, 5, 7]);
+        assert_eq!(
+            enc.word_ids,
+            vec![Some(0), Some(1), Some(2), Some(3), Some(4)]
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        tok.save(&path).unwrap();
+        let back = TextTokenizer::from_file(&path).unwrap();
+        assert_eq!(back.encode("the fox chased the dog").unwrap(), enc);
+        assert_eq!(back.token_to_id(MASK), Some(4));
+    }
+
+    #[test]
+    fn broken_tokenizer_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, "{\"model\": 3}").unwrap();
+        let err = TextTokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(err.contains("not a valid tokenizer.json"), "{err}");
+    }
+}
