@@ -214,6 +214,31 @@ pub struct Batch {
     pub scored: usize,
 }
 
+/// Sequences padded to the longest, row-major: ids, mask (1 for real tokens), rows, columns.
+fn padded(seqs: &[&[u32]], pad_id: u32) -> Result<(Vec<u32>, Vec<u32>, usize, usize)> {
+    let b = seqs.len();
+    let t = seqs.iter().map(|s| s.len()).max().unwrap_or(0);
+    if b == 0 || t == 0 {
+        return Err(Error::Input("cannot make an empty batch".into()));
+    }
+    let mut ids = vec![pad_id; b * t];
+    let mut mask = vec![0u32; b * t];
+    for (i, s) in seqs.iter().enumerate() {
+        ids[i * t..i * t + s.len()].copy_from_slice(s);
+        mask[i * t..i * t + s.len()].fill(1);
+    }
+    Ok((ids, mask, b, t))
+}
+
+/// Token sequences padded into `(b, t)` u32 ids and a `(b, t)` u32 mask, for inference.
+pub fn pad_batch(seqs: &[&[u32]], pad_id: u32, device: &Device) -> Result<(Tensor, Tensor)> {
+    let (ids, mask, b, t) = padded(seqs, pad_id)?;
+    Ok((
+        Tensor::from_vec(ids, (b, t), device)?,
+        Tensor::from_vec(mask, (b, t), device)?,
+    ))
+}
+
 /// Pads `samples` into a batch. MLM samples need `masking` and a generator for the masks.
 pub fn make_batch(
     samples: &[&Sample],
@@ -221,17 +246,8 @@ pub fn make_batch(
     masking: Option<(&MlmMasking, &mut Rng)>,
     device: &Device,
 ) -> Result<Batch> {
-    let b = samples.len();
-    let t = samples.iter().map(|s| s.ids.len()).max().unwrap_or(0);
-    if b == 0 || t == 0 {
-        return Err(Error::Input("cannot make an empty batch".into()));
-    }
-    let mut ids = vec![pad_id; b * t];
-    let mut mask = vec![0u32; b * t];
-    for (i, s) in samples.iter().enumerate() {
-        ids[i * t..i * t + s.ids.len()].copy_from_slice(&s.ids);
-        mask[i * t..i * t + s.ids.len()].fill(1);
-    }
+    let seqs: Vec<&[u32]> = samples.iter().map(|s| s.ids.as_slice()).collect();
+    let (mut ids, mask, b, t) = padded(&seqs, pad_id)?;
     let real_tokens = mask.iter().filter(|&&m| m == 1).count();
     let (targets, weights, scored) = match &samples[0].target {
         Target::Class(_) => {
@@ -370,7 +386,13 @@ mod tests {
             vec!["a".into(), "zzz".into(), "c".into()],
             Label::Tags(vec![None, Some(3), Some(1)]),
         );
-        let ds = Dataset::encode(&[ex.clone()], &tok(), None, TokenLimit::default()).unwrap();
+        let ds = Dataset::encode(
+            std::slice::from_ref(&ex),
+            &tok(),
+            None,
+            TokenLimit::default(),
+        )
+        .unwrap();
         assert_eq!(ds.samples[0].target, Target::Tags(vec![-1, 3, 1]));
         assert_eq!(ds.samples[0].ids[1], 1, "unknown word maps to [UNK]");
         // Too long: refused, or cut with its tags when asked.
@@ -378,7 +400,7 @@ mod tests {
             max_tokens: Some(2),
             truncate: false,
         };
-        let e = Dataset::encode(&[ex.clone()], &tok(), None, strict)
+        let e = Dataset::encode(std::slice::from_ref(&ex), &tok(), None, strict)
             .unwrap_err()
             .to_string();
         assert!(

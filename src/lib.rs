@@ -23,6 +23,7 @@ pub mod device;
 pub mod encoder;
 pub mod error;
 pub mod experiment;
+pub mod infer;
 pub mod io;
 pub mod model;
 pub mod nn;

@@ -7,7 +7,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use clap::{Parser, Subcommand};
-use poslab::experiment::{self, report, run, ExperimentConfig, Selection};
+use poslab::experiment::results::Outcome;
+use poslab::experiment::{self, report, run, single, ExperimentConfig, Selection};
+use poslab::infer::{Prediction, Predictor};
 use poslab::positional::{
     ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions,
 };
@@ -56,6 +58,67 @@ enum Command {
         #[arg(long, short)]
         quiet: bool,
     },
+    /// Train one model (any task, any positional choice) with checkpoints; a stopped run
+    /// continues with --resume and ends with the same weights as one that never stopped.
+    Train {
+        /// A train config (TOML): name, seed, [model], [positional], [train], [task].
+        #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+        config: Option<PathBuf>,
+        /// Continue the run in this folder from its latest checkpoint.
+        #[arg(long, value_name = "RUN_DIR")]
+        resume: Option<PathBuf>,
+        /// The run folder (default: runs/<name>-<timestamp>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value = "runs")]
+        runs_dir: PathBuf,
+        /// cpu, cuda, cuda:N or auto.
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Stop once this many steps are done, after saving a checkpoint (what a kill would
+        /// leave); continue later with --resume.
+        #[arg(long, value_name = "STEPS")]
+        stop_after: Option<usize>,
+        /// No progress bar.
+        #[arg(long, short)]
+        quiet: bool,
+    },
+    /// Labels and probabilities (classification), tags per word (tagging) or the top fills of
+    /// each [MASK] (MLM) for new text, from a trained model's folder.
+    Predict {
+        /// A model folder: config.json, model.safetensors, tokenizer.json.
+        #[arg(long, value_name = "DIR")]
+        run: PathBuf,
+        /// Texts to read (or use --input).
+        texts: Vec<String>,
+        /// A file of texts, one per line; `-` reads standard input.
+        #[arg(long, value_name = "FILE")]
+        input: Option<PathBuf>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// Fills shown per mask.
+        #[arg(long, default_value_t = 5)]
+        top_k: usize,
+        /// Cut texts longer than a learned position table instead of refusing them.
+        #[arg(long)]
+        truncate: bool,
+        #[arg(long, default_value = "auto")]
+        device: String,
+    },
+    /// Pooled sentence vectors of texts, one JSON object per line.
+    Embed {
+        /// A model folder: config.json, model.safetensors, tokenizer.json.
+        #[arg(long, value_name = "DIR")]
+        run: PathBuf,
+        texts: Vec<String>,
+        #[arg(long, value_name = "FILE")]
+        input: Option<PathBuf>,
+        #[arg(long)]
+        truncate: bool,
+        #[arg(long, default_value = "auto")]
+        device: String,
+    },
     /// Merge the results of run folders (cells split across machines with --task, --variant,
     /// --seed) into one report.
     Report {
@@ -100,6 +163,31 @@ fn main() -> ExitCode {
             jobs,
             quiet,
         ),
+        Command::Train {
+            config,
+            resume,
+            out,
+            runs_dir,
+            device,
+            stop_after,
+            quiet,
+        } => train(config, resume, out, &runs_dir, &device, stop_after, quiet),
+        Command::Predict {
+            run,
+            texts,
+            input,
+            json,
+            top_k,
+            truncate,
+            device,
+        } => predict(&run, texts, input, json, top_k, truncate, &device),
+        Command::Embed {
+            run,
+            texts,
+            input,
+            truncate,
+            device,
+        } => embed(&run, texts, input, truncate, &device),
         Command::Report { runs, out } => merge_reports(&runs, out),
         Command::Inspect { config } => inspect(&config),
     };
@@ -177,6 +265,190 @@ fn compare(
         dir.display()
     );
     println!("total time: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn train(
+    config: Option<PathBuf>,
+    resume: Option<PathBuf>,
+    out: Option<PathBuf>,
+    runs_dir: &Path,
+    device: &str,
+    stop_after: Option<usize>,
+    quiet: bool,
+) -> Result<()> {
+    let device = poslab::device::parse_device(device)?;
+    let options = |dir: PathBuf| single::TrainOptions {
+        dir,
+        device: device.clone(),
+        progress: !quiet,
+        stop_after,
+        hub: poslab::text::HubSource::from_env(),
+    };
+    let (end, dir) = match (config, resume) {
+        (_, Some(dir)) => {
+            eprintln!("poslab train: resuming {}", dir.display());
+            (single::resume(&options(dir.clone()))?, dir)
+        }
+        (Some(path), None) => {
+            let config = single::TrainRunConfig::load(&path)?;
+            let dir = match out {
+                Some(dir) => dir,
+                None => experiment::new_run_dir(runs_dir, &config.name)?,
+            };
+            eprintln!("poslab train: {} -> {}", path.display(), dir.display());
+            (single::start(&config, &options(dir.clone()))?, dir)
+        }
+        (None, None) => unreachable!("clap requires --config or --resume"),
+    };
+    match end {
+        single::TrainEnd::Stopped { step } => println!(
+            "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
+            dir.display()
+        ),
+        single::TrainEnd::Finished(m) => {
+            println!(
+                "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
+                m.name,
+                m.steps,
+                m.tokens,
+                m.final_train_loss,
+                m.tokens_per_second,
+                m.params,
+                if m.stopped_early {
+                    format!(", stopped early (kept step {})", m.kept_step)
+                } else {
+                    String::new()
+                }
+            );
+            for e in &m.evaluations {
+                match &e.outcome {
+                    Outcome::Scored { accuracy, loss } => {
+                        println!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
+                    }
+                    Outcome::Unavailable { reason } => println!("  test {:<10} n/a: {reason}", e.name),
+                }
+            }
+            for note in &m.notes {
+                println!("  note: {note}");
+            }
+            println!("model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)", dir.display());
+            println!("try it: poslab predict --run {} \"your text here\"", dir.display());
+        }
+    }
+    Ok(())
+}
+
+/// Texts from the arguments and from `--input` (a file, or `-` for standard input).
+fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Vec<String>> {
+    if let Some(path) = input {
+        let content = if path.as_os_str() == "-" {
+            std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+        } else {
+            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?
+        };
+        texts.extend(
+            content
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(String::from),
+        );
+    }
+    if texts.is_empty() {
+        anyhow::bail!(
+            "no text given: pass texts as arguments or --input FILE (- for standard input)"
+        );
+    }
+    Ok(texts)
+}
+
+fn load_model(dir: &Path, device: &str) -> Result<poslab::saved::Loaded> {
+    let device = poslab::device::parse_device(device)?;
+    poslab::saved::load(dir, DType::F32, &device)
+        .with_context(|| format!("loading the model in {}", dir.display()))
+}
+
+fn predict(
+    run: &Path,
+    texts: Vec<String>,
+    input: Option<PathBuf>,
+    json: bool,
+    top_k: usize,
+    truncate: bool,
+    device: &str,
+) -> Result<()> {
+    let texts = gather_texts(texts, input)?;
+    let loaded = load_model(run, device)?;
+    let outputs = Predictor::new(&loaded, truncate).predict(&texts, top_k.max(1))?;
+    for (i, out) in outputs.iter().enumerate() {
+        if let Some(note) = &out.note {
+            eprintln!("text {}: {note}", i + 1);
+        }
+        if json {
+            println!("{}", serde_json::to_string(out)?);
+            continue;
+        }
+        match &out.value {
+            Prediction::Class {
+                label,
+                probabilities,
+            } => {
+                let others: Vec<String> = probabilities
+                    .iter()
+                    .skip(1)
+                    .take(3)
+                    .map(|s| format!("{} {:.3}", s.label, s.probability))
+                    .collect();
+                println!(
+                    "{label}\t{:.3}\t{}\t({})",
+                    probabilities[0].probability,
+                    out.text,
+                    others.join(", ")
+                );
+            }
+            Prediction::Tags { words, tags } => {
+                let pairs: Vec<String> = words
+                    .iter()
+                    .zip(tags)
+                    .map(|(w, t)| format!("{w}/{t}"))
+                    .collect();
+                println!("{}", pairs.join(" "));
+            }
+            Prediction::Fills { masks } => {
+                println!("{}", out.text);
+                for m in masks {
+                    let fills: Vec<String> = m
+                        .fills
+                        .iter()
+                        .map(|f| format!("{} {:.3}", f.label, f.probability))
+                        .collect();
+                    println!("  word {}: {}", m.word + 1, fills.join(", "));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn embed(
+    run: &Path,
+    texts: Vec<String>,
+    input: Option<PathBuf>,
+    truncate: bool,
+    device: &str,
+) -> Result<()> {
+    let texts = gather_texts(texts, input)?;
+    let loaded = load_model(run, device)?;
+    for (i, out) in Predictor::new(&loaded, truncate)
+        .embed(&texts)?
+        .iter()
+        .enumerate()
+    {
+        if let Some(note) = &out.note {
+            eprintln!("text {}: {note}", i + 1);
+        }
+        println!("{}", serde_json::to_string(out)?);
+    }
     Ok(())
 }
 

@@ -72,18 +72,12 @@ impl ParamStore {
 
     /// Writes every variable to a safetensors file with `metadata`, atomically.
     pub fn save(&self, path: impl AsRef<Path>, metadata: HashMap<String, String>) -> Result<()> {
-        let path = path.as_ref();
         let tensors: Vec<(String, Tensor)> = self
             .vars()
             .into_iter()
             .map(|(name, var)| (name, var.as_tensor().clone()))
             .collect();
-        let bytes =
-            safetensors::serialize(tensors, Some(metadata)).map_err(|e| Error::Checkpoint {
-                path: path.into(),
-                message: format!("cannot serialize: {e}"),
-            })?;
-        crate::io::write_atomic(path, &bytes)
+        save_tensors(path.as_ref(), tensors, metadata)
     }
 
     /// Loads a safetensors file written by [`ParamStore::save`] (or any file with the same names
@@ -93,26 +87,9 @@ impl ParamStore {
     /// shapes; otherwise the error lists every missing, unexpected and mis-shaped tensor.
     pub fn load(&self, path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let corrupt = |e: safetensors::SafeTensorError| Error::Checkpoint {
-            path: path.into(),
-            message: format!(
-                "not a readable safetensors file ({e}); it may be truncated or corrupt: \
-                 save it again or point to the right file"
-            ),
-        };
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(corrupt)?;
-        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(corrupt)?;
-        let mut tensors = HashMap::new();
-        for (name, view) in st.tensors() {
-            let tensor = view.load(&Device::Cpu).map_err(|e| Error::Checkpoint {
-                path: path.into(),
-                message: format!("tensor {name}: {e}"),
-            })?;
-            tensors.insert(name, tensor);
-        }
+        let (tensors, metadata) = load_tensors(path)?;
         self.assign(&tensors, path)?;
-        Ok(header.metadata().clone().unwrap_or_default())
+        Ok(metadata)
     }
 
     /// Sets the variables from `tensors` (converted to each variable's dtype and device), after
@@ -166,6 +143,45 @@ impl ParamStore {
         }
         Ok(())
     }
+}
+
+/// Writes named tensors (on any device) to a safetensors file with `metadata`, atomically.
+///
+/// The file's bytes depend only on its content as long as `metadata` has at most one key:
+/// safetensors writes the metadata map in hash order.
+pub fn save_tensors(
+    path: &Path,
+    tensors: Vec<(String, Tensor)>,
+    metadata: HashMap<String, String>,
+) -> Result<()> {
+    let bytes = safetensors::serialize(tensors, Some(metadata)).map_err(|e| Error::Checkpoint {
+        path: path.into(),
+        message: format!("cannot serialize: {e}"),
+    })?;
+    crate::io::write_atomic(path, &bytes)
+}
+
+/// Reads every tensor (onto the CPU) and the metadata of a safetensors file.
+pub fn load_tensors(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let corrupt = |e: safetensors::SafeTensorError| Error::Checkpoint {
+        path: path.into(),
+        message: format!(
+            "not a readable safetensors file ({e}); it may be truncated or corrupt: \
+             save it again or point to the right file"
+        ),
+    };
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(corrupt)?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(corrupt)?;
+    let mut tensors = HashMap::new();
+    for (name, view) in st.tensors() {
+        let tensor = view.load(&Device::Cpu).map_err(|e| Error::Checkpoint {
+            path: path.into(),
+            message: format!("tensor {name}: {e}"),
+        })?;
+        tensors.insert(name, tensor);
+    }
+    Ok((tensors, header.metadata().clone().unwrap_or_default()))
 }
 
 /// Reads only the metadata of a safetensors file.

@@ -43,13 +43,12 @@ pub fn save(
     let json = serde_json::to_string_pretty(config).expect("a saved config serializes");
     crate::io::write_atomic(&dir.join(CONFIG), json.as_bytes())?;
     tokenizer.save(dir.join(TOKENIZER))?;
-    let meta = HashMap::from([
-        ("format".to_string(), FORMAT.to_string()),
-        (
-            "config".to_string(),
-            serde_json::to_string(&config.model).expect("serializes"),
-        ),
-    ]);
+    // One metadata key: safetensors writes its metadata map in hash order, so a single key
+    // keeps the file's bytes a function of its content.
+    let meta = HashMap::from([(
+        "config".to_string(),
+        serde_json::to_string(config).expect("serializes"),
+    )]);
     params.save(dir.join(WEIGHTS), meta)
 }
 

@@ -9,6 +9,7 @@ pub mod plot;
 pub mod report;
 pub mod results;
 pub mod run;
+pub mod single;
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -64,6 +65,32 @@ pub struct ModelShape {
     /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
     #[serde(default)]
     pub pooling: Pooling,
+}
+
+impl ModelShape {
+    /// The model config of `variant` under this shape (see [`ExperimentConfig::model_config`]).
+    pub fn model_config(
+        &self,
+        variant: &VariantSpec,
+        vocab_size: usize,
+        table_rows: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            vocab_size,
+            d_model: variant.d_model.unwrap_or(self.d_model),
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            ffn_dim: self.ffn_dim,
+            max_len: variant.max_len.unwrap_or(table_rows),
+            norm: self.norm,
+            dropout: self.dropout,
+            attention_dropout: self.attention_dropout,
+            embed_scale: variant.embed_scale.unwrap_or(self.embed_scale),
+            token_init_std: variant.token_init_std.unwrap_or(self.token_init_std),
+            layer_norm_eps: self.layer_norm_eps,
+            positional: variant.positional.clone(),
+        }
+    }
 }
 
 /// A variant, `[[variants]]`: a name, a positional choice, and where it departs from the shared
@@ -224,29 +251,14 @@ impl ExperimentConfig {
     }
 
     /// The model config of `variant` for a task whose tokenizer has `vocab_size` ids and whose
-    /// longest training input has `train_len` tokens.
+    /// inputs need a learned table of `table_rows` rows.
     pub fn model_config(
         &self,
         variant: &VariantSpec,
         vocab_size: usize,
-        train_len: usize,
+        table_rows: usize,
     ) -> ModelConfig {
-        let shape = &self.model;
-        ModelConfig {
-            vocab_size,
-            d_model: variant.d_model.unwrap_or(shape.d_model),
-            n_heads: shape.n_heads,
-            n_layers: shape.n_layers,
-            ffn_dim: shape.ffn_dim,
-            max_len: variant.max_len.unwrap_or(train_len),
-            norm: shape.norm,
-            dropout: shape.dropout,
-            attention_dropout: shape.attention_dropout,
-            embed_scale: variant.embed_scale.unwrap_or(shape.embed_scale),
-            token_init_std: variant.token_init_std.unwrap_or(shape.token_init_std),
-            layer_norm_eps: shape.layer_norm_eps,
-            positional: variant.positional.clone(),
-        }
+        self.model.model_config(variant, vocab_size, table_rows)
     }
 
     /// Checks everything that can be checked before data exists.

@@ -76,26 +76,31 @@ struct Test {
     mask_seed: u64,
 }
 
-/// A task generated and tokenized once, shared by all of its cells.
-struct Prepared<'a> {
-    spec: &'a TaskSpec,
-    data: TaskData,
-    head: HeadConfig,
-    masking: Option<MlmMasking>,
-    train: Dataset,
-    valid: Dataset,
+/// A task generated and tokenized once, shared by all of its cells (and by `poslab train`).
+pub(crate) struct Prepared<'a> {
+    pub(crate) spec: &'a TaskSpec,
+    pub(crate) data: TaskData,
+    pub(crate) head: HeadConfig,
+    pub(crate) masking: Option<MlmMasking>,
+    pub(crate) train: Dataset,
+    pub(crate) valid: Dataset,
     /// The test sets by length, then the shuffled copy of the base test set if any.
     sets: Vec<Dataset>,
     tests: Vec<Test>,
-    info: TaskInfo,
+    pub(crate) info: TaskInfo,
 }
 
-fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared<'a>> {
-    let data = spec.generate()?;
+/// Tokenizes `data` of `spec` into the splits, the head and the tests (by length, shuffled for
+/// sentence labels, shifted by `shift`).
+pub(crate) fn prepare(
+    spec: &TaskSpec,
+    data: TaskData,
+    pooling: Pooling,
+    shift: usize,
+) -> Result<Prepared<'_>> {
     let tok = &data.tokenizer;
     let (head, cls) = match &data.objective {
         Objective::Classify { labels } => {
-            let pooling = config.model.pooling;
             let cls = match pooling {
                 Pooling::First => Some(tok.cls_id().ok_or_else(|| {
                     Error::Config("first-token pooling needs a [CLS] token in the tokenizer".into())
@@ -173,9 +178,9 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
         });
     }
     tests.push(Test {
-        name: shift_column(config.eval.shift),
+        name: shift_column(shift),
         set: base,
-        start: config.eval.shift,
+        start: shift,
         mask_seed: base_seed,
     });
     let info = TaskInfo {
@@ -192,7 +197,7 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
                 lengths: t.lengths,
             })
             .collect(),
-        shift: Some(config.eval.shift),
+        shift: Some(shift),
         shuffle_test,
         order_blind_ceiling: data.order_blind_ceiling.clone(),
         vocab_size: tok.vocab_size(),
@@ -209,6 +214,55 @@ fn prepare<'a>(config: &ExperimentConfig, spec: &'a TaskSpec) -> Result<Prepared
         tests,
         info,
     })
+}
+
+impl Prepared<'_> {
+    /// Rows a learned table gets: the longest training input, or `max_tokens` when set.
+    pub(crate) fn table_rows(&self) -> usize {
+        self.train
+            .max_len()
+            .max(self.data.limit.max_tokens.unwrap_or(0))
+    }
+
+    /// The data `train` needs.
+    pub(crate) fn train_data(&self) -> TrainData<'_> {
+        TrainData {
+            train: &self.train,
+            valid: &self.valid,
+            pad_id: self.data.tokenizer.pad_id(),
+            masking: self.masking.as_ref(),
+        }
+    }
+
+    /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
+    /// marked unavailable with the reason.
+    pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
+        let table_rows = model.encoder().input_positions().max_positions();
+        let pad = self.data.tokenizer.pad_id();
+        self.tests
+            .iter()
+            .map(|test| {
+                let set = &self.sets[test.set];
+                let reach = test.start + set.max_len();
+                let outcome = match table_rows {
+                    Some(rows) if reach > rows => Outcome::Unavailable {
+                        reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
+                    },
+                    _ => {
+                        let s = evaluate(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
+                        Outcome::Scored {
+                            accuracy: s.accuracy,
+                            loss: s.loss,
+                        }
+                    }
+                };
+                Ok(Evaluation {
+                    name: test.name.clone(),
+                    outcome,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Everything one cell produces.
@@ -239,12 +293,7 @@ fn run_cell(
     let device = &options.device;
     let tok = &task.data.tokenizer;
     let started = Instant::now();
-    // A learned table covers the longest training input, or max_tokens when the task sets it.
-    let rows = task
-        .train
-        .max_len()
-        .max(task.data.limit.max_tokens.unwrap_or(0));
-    let model_config = config.model_config(variant, tok.vocab_size(), rows);
+    let model_config = config.model_config(variant, tok.vocab_size(), task.table_rows());
     let params = ParamStore::new(seed);
     let model = TaskModel::new(
         &model_config,
@@ -257,12 +306,7 @@ fn run_cell(
     let outcome = train(
         &model,
         &params,
-        &TrainData {
-            train: &task.train,
-            valid: &task.valid,
-            pad_id: tok.pad_id(),
-            masking: task.masking.as_ref(),
-        },
+        &task.train_data(),
         &config.train,
         seed,
         &bar,
@@ -274,38 +318,7 @@ fn run_cell(
         .eval
         .batch_size
         .unwrap_or(2 * config.train.batch_size);
-    let table_rows = model.encoder().input_positions().max_positions();
-    let mut evaluations = Vec::new();
-    for test in &task.tests {
-        let set = &task.sets[test.set];
-        let reach = test.start + set.max_len();
-        let outcome = match table_rows {
-            Some(rows) if reach > rows => Outcome::Unavailable {
-                reason: format!(
-                    "the learned table has {rows} rows; these inputs reach position {reach}"
-                ),
-            },
-            _ => {
-                let s = evaluate(
-                    &model,
-                    set,
-                    tok.pad_id(),
-                    task.masking.as_ref(),
-                    test.mask_seed,
-                    eval_batch,
-                    test.start,
-                )?;
-                Outcome::Scored {
-                    accuracy: s.accuracy,
-                    loss: s.loss,
-                }
-            }
-        };
-        evaluations.push(Evaluation {
-            name: test.name.clone(),
-            outcome,
-        });
-    }
+    let evaluations = task.evaluate(&model, eval_batch)?;
 
     let model_dir = Path::new("models")
         .join(&task.spec.name)
@@ -412,7 +425,7 @@ pub fn run(
     let (tasks, variants, seeds) = config.select(&options.selection)?;
     let prepared = tasks
         .iter()
-        .map(|t| prepare(config, t))
+        .map(|t| prepare(t, t.generate()?, config.model.pooling, config.eval.shift))
         .collect::<Result<Vec<_>>>()?;
     // Cells in report order: task, seed, variant.
     let mut cells: Vec<(usize, &VariantSpec, u64)> = Vec::new();

@@ -18,7 +18,7 @@ pub mod files;
 pub mod grammar;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use rand::seq::SliceRandom;
 use rand::Rng as _;
@@ -442,11 +442,16 @@ impl TaskSpec {
     /// Generates or reads every split and builds the tokenizer, Hub files through the
     /// environment's cache settings.
     pub fn generate(&self) -> Result<TaskData> {
-        self.generate_with(&HubSource::from_env())
+        self.generate_with(&HubSource::from_env(), None)
     }
 
-    /// As [`TaskSpec::generate`], with Hub files looked up in `hub`.
-    pub fn generate_with(&self, hub: &HubSource) -> Result<TaskData> {
+    /// As [`TaskSpec::generate`], with Hub files looked up in `hub`, and `tokenizer` used as it
+    /// is when given (a resumed run reuses the one it saved) instead of being built.
+    pub fn generate_with(
+        &self,
+        hub: &HubSource,
+        tokenizer: Option<TextTokenizer>,
+    ) -> Result<TaskData> {
         self.validate()?;
         let (train, valid, tests, objective, vocabulary) = match &self.kind {
             TaskKind::Classify(o) => self.read_files(o, RecordKind::Class)?,
@@ -473,10 +478,13 @@ impl TaskSpec {
             TokenizerSpec::WordLevel { .. } => vocabulary,
             _ => None,
         };
-        let tokenizer = self
-            .tokenizer
-            .build(vocabulary.as_deref(), &texts, hub)
-            .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?;
+        let tokenizer = match tokenizer {
+            Some(t) => t,
+            None => self
+                .tokenizer
+                .build(vocabulary.as_deref(), &texts, hub)
+                .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?,
+        };
         let order_blind_ceiling = match self.kind {
             TaskKind::WordOrder {} => Some(OrderBlindCeiling {
                 accuracy: 0.5,
@@ -656,6 +664,8 @@ impl TaskSpec {
         let read = |p: &PathBuf| read_records(p, o.format, kind, &text_field, &label_field);
         let mut train = read(&o.train)?;
         train.shuffle(&mut rng::stream(self.data_seed, "task/files/split"));
+        // Both fractions are of the whole training file.
+        let total = train.len();
         let mut hold_out = |fraction: f64,
                             file: &Option<PathBuf>,
                             what: &str|
@@ -663,14 +673,13 @@ impl TaskSpec {
             match file {
                 Some(p) => read(p),
                 None => {
-                    let n = ((train.len() as f64 * fraction).round() as usize).max(1);
+                    let n = ((total as f64 * fraction).round() as usize).max(1);
                     if n >= train.len() {
                         return Err(Error::Data {
                             path: o.train.clone(),
                             line: None,
                             message: format!(
-                                "{} examples are too few to hold out a {what} split: give a {what} file",
-                                train.len()
+                                "{total} examples are too few to hold out a {what} split: give a {what} file"
                             ),
                         });
                     }
@@ -749,10 +758,7 @@ impl TaskSpec {
 
     /// A user's text file for MLM: lines shuffled by `data_seed`, then split train / valid /
     /// test (`eval_examples` each, at most a fifth of the lines).
-    fn split_text_file(
-        &self,
-        path: &PathBuf,
-    ) -> Result<(Vec<Example>, Vec<Example>, Vec<TestSet>)> {
+    fn split_text_file(&self, path: &Path) -> Result<(Vec<Example>, Vec<Example>, Vec<TestSet>)> {
         let mut lines: Vec<Example> = read_records(
             path,
             files::DataFormat::Text,
@@ -769,7 +775,7 @@ impl TaskSpec {
         .collect();
         if lines.len() < 3 {
             return Err(Error::Data {
-                path: path.clone(),
+                path: path.into(),
                 line: None,
                 message: format!(
                     "{} non-empty lines; an MLM split needs at least 3",

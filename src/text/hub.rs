@@ -73,16 +73,31 @@ fn truthy(v: &str) -> bool {
 impl HubSource {
     /// From the environment: `HF_HUB_CACHE`, `HF_HOME`, `HF_HUB_OFFLINE`.
     pub fn from_env() -> Self {
-        let cache_dir = match (
-            std::env::var_os("HF_HUB_CACHE"),
-            std::env::var_os("HF_HOME"),
-        ) {
-            (Some(dir), _) => PathBuf::from(dir),
-            (None, Some(home)) => PathBuf::from(home).join("hub"),
+        let var = |k: &str| std::env::var_os(k).map(PathBuf::from);
+        Self::from_vars(
+            var("HF_HUB_CACHE"),
+            var("HF_HOME"),
+            std::env::var("HF_HUB_OFFLINE").ok().as_deref(),
+        )
+    }
+
+    /// The rules of [`HubSource::from_env`] applied to given values: `HF_HUB_CACHE` wins, else
+    /// `HF_HOME/hub`, else `~/.cache/huggingface/hub`; offline for `HF_HUB_OFFLINE` of
+    /// 1, true, yes or on.
+    pub fn from_vars(
+        hub_cache: Option<PathBuf>,
+        hf_home: Option<PathBuf>,
+        offline: Option<&str>,
+    ) -> Self {
+        let cache_dir = match (hub_cache, hf_home) {
+            (Some(dir), _) => dir,
+            (None, Some(home)) => home.join("hub"),
             (None, None) => Cache::default().path().clone(),
         };
-        let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| truthy(&v));
-        Self { cache_dir, offline }
+        Self {
+            cache_dir,
+            offline: offline.is_some_and(truthy),
+        }
     }
 
     /// The cached copy of `file` in `repo`, if there is one (no network).

@@ -218,14 +218,18 @@ fn config_files_name_their_path_in_errors() {
 fn shipped_configs_are_valid() {
     // Experiments (with [[variants]]) and model configs; each must load and validate.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
-    let (mut models, mut experiments) = (0, Vec::new());
+    let (mut models, mut experiments, mut trains) = (0, Vec::new(), Vec::new());
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_none_or(|e| e != "toml") {
             continue;
         }
         let table: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
-        if table.contains_key("variants") {
+        if table.contains_key("task") {
+            poslab::experiment::single::TrainRunConfig::load(&path)
+                .unwrap_or_else(|e| panic!("{e}"));
+            trains.push(path.file_name().unwrap().to_string_lossy().into_owned());
+        } else if table.contains_key("variants") {
             poslab::experiment::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             experiments.push(path.file_name().unwrap().to_string_lossy().into_owned());
         } else {
@@ -243,6 +247,7 @@ fn shipped_configs_are_valid() {
         ]
     );
     assert!(models > 0, "no model configs found in configs/");
+    assert_eq!(trains, ["train_reviews.toml"]);
     // The embedded default is the shipped file.
     let shipped = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/compare.toml"),

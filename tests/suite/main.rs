@@ -8,3 +8,4 @@ mod gradients;
 mod properties;
 mod reference;
 mod training;
+mod userdata;

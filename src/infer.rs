@@ -1,0 +1,295 @@
+//! Using a trained model on new text: labels, tags, mask fills and sentence vectors.
+
+use candle::{DType, Device, IndexOp, Tensor, D};
+use serde::Serialize;
+
+use crate::data::pad_batch;
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, Pooling};
+use crate::saved::Loaded;
+use crate::tasks::Objective;
+
+/// Texts per forward pass.
+const BATCH: usize = 32;
+
+/// A label and its probability.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Scored {
+    pub label: String,
+    pub probability: f64,
+}
+
+/// The fills proposed for one `[MASK]`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MaskFill {
+    /// Index of the masked word in the text.
+    pub word: usize,
+    pub fills: Vec<Scored>,
+}
+
+/// What the model says about one text.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Prediction {
+    /// The most probable label, then every label by probability.
+    Class {
+        label: String,
+        probabilities: Vec<Scored>,
+    },
+    /// One tag per word.
+    Tags {
+        words: Vec<String>,
+        tags: Vec<String>,
+    },
+    /// Top fills for each mask token, in text order.
+    Fills { masks: Vec<MaskFill> },
+}
+
+/// A text, what the model says, and a note when the text was cut to fit.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Output<T> {
+    pub text: String,
+    #[serde(flatten)]
+    pub value: T,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// A pooled sentence vector.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Embedding {
+    pub embedding: Vec<f32>,
+}
+
+/// A text's tokens and words, ready for a batch.
+struct Prepared {
+    ids: Vec<u32>,
+    /// Word index of each token (after a `[CLS]`, if any).
+    word_ids: Vec<Option<u32>>,
+    words: Vec<String>,
+    note: Option<String>,
+}
+
+/// Inference on a loaded model.
+pub struct Predictor<'a> {
+    loaded: &'a Loaded,
+    truncate: bool,
+}
+
+impl<'a> Predictor<'a> {
+    /// With `truncate`, texts longer than a learned table are cut to fit (and say so);
+    /// without, they are an error.
+    pub fn new(loaded: &'a Loaded, truncate: bool) -> Self {
+        Self { loaded, truncate }
+    }
+
+    fn device(&self) -> &Device {
+        self.loaded.model.encoder().device()
+    }
+
+    fn cls(&self) -> Option<u32> {
+        match self.loaded.config.head {
+            HeadConfig::Classify {
+                pooling: Pooling::First,
+                ..
+            } => self.loaded.tokenizer.cls_id(),
+            _ => None,
+        }
+    }
+
+    fn prepare(&self, index: usize, text: &str) -> Result<Prepared> {
+        let words: Vec<String> = text.split_whitespace().map(String::from).collect();
+        if words.is_empty() {
+            return Err(Error::Input(format!("text {}: empty", index + 1)));
+        }
+        let enc = self.loaded.tokenizer.encode_words(&words)?;
+        let mut ids: Vec<u32> = self.cls().into_iter().collect();
+        let mut word_ids: Vec<Option<u32>> = self.cls().map(|_| None).into_iter().collect();
+        ids.extend(&enc.ids);
+        word_ids.extend(&enc.word_ids);
+        let mut note = None;
+        if let Some(rows) = self
+            .loaded
+            .model
+            .encoder()
+            .input_positions()
+            .max_positions()
+        {
+            if ids.len() > rows {
+                if !self.truncate {
+                    return Err(Error::Input(format!(
+                        "text {}: {} tokens, but the model's learned position table holds {rows}: \
+                         pass --truncate to keep the first {rows}, or shorten the text",
+                        index + 1,
+                        ids.len()
+                    )));
+                }
+                note = Some(format!("cut to the first {rows} of {} tokens", ids.len()));
+                ids.truncate(rows);
+                word_ids.truncate(rows);
+            }
+        }
+        Ok(Prepared {
+            ids,
+            word_ids,
+            words,
+            note,
+        })
+    }
+
+    /// Runs `f` on the hidden states or logits of batches of `texts`.
+    fn batched<T>(
+        &self,
+        texts: &[String],
+        mut f: impl FnMut(&[Prepared], &Tensor, &Tensor) -> Result<Vec<T>>,
+    ) -> Result<Vec<Output<T>>> {
+        let prepared = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| self.prepare(i, t))
+            .collect::<Result<Vec<_>>>()?;
+        let mut out = Vec::with_capacity(texts.len());
+        for (chunk, texts) in prepared.chunks(BATCH).zip(texts.chunks(BATCH)) {
+            let seqs: Vec<&[u32]> = chunk.iter().map(|p| p.ids.as_slice()).collect();
+            let (ids, mask) = pad_batch(&seqs, self.loaded.tokenizer.pad_id(), self.device())?;
+            let values = f(chunk, &ids, &mask)?;
+            for ((p, text), value) in chunk.iter().zip(texts).zip(values) {
+                out.push(Output {
+                    text: text.clone(),
+                    value,
+                    note: p.note.clone(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Labels, tags or fills for each text, as the model's objective says; `top_k` fills per
+    /// mask (MLM).
+    pub fn predict(&self, texts: &[String], top_k: usize) -> Result<Vec<Output<Prediction>>> {
+        let objective = &self.loaded.config.objective;
+        let tok = &self.loaded.tokenizer;
+        self.batched(texts, |chunk, ids, mask| {
+            let logits = self.loaded.model.logits(ids, mask, 0, false)?;
+            let probs = crate::nn::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+            match objective {
+                Objective::Classify { labels } => {
+                    let probs = probs.to_vec2::<f32>()?;
+                    Ok(probs
+                        .into_iter()
+                        .map(|row| {
+                            let mut scored: Vec<Scored> = labels
+                                .iter()
+                                .zip(row)
+                                .map(|(l, p)| Scored {
+                                    label: l.clone(),
+                                    probability: f64::from(p),
+                                })
+                                .collect();
+                            scored.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+                            Prediction::Class {
+                                label: scored[0].label.clone(),
+                                probabilities: scored,
+                            }
+                        })
+                        .collect())
+                }
+                Objective::Tag { labels } => {
+                    let best = probs.argmax(D::Minus1)?.to_vec2::<u32>()?;
+                    Ok(chunk
+                        .iter()
+                        .zip(best)
+                        .map(|(p, row)| {
+                            // A word's tag is its first token's.
+                            let mut tags = vec![String::new(); p.words.len()];
+                            let mut seen = vec![false; p.words.len()];
+                            for (t, w) in p.word_ids.iter().enumerate() {
+                                if let Some(w) = w.map(|w| w as usize) {
+                                    if !seen[w] {
+                                        seen[w] = true;
+                                        tags[w] = labels[row[t] as usize].clone();
+                                    }
+                                }
+                            }
+                            // Words cut off by truncation have no tag.
+                            let kept = seen.iter().filter(|s| **s).count();
+                            Prediction::Tags {
+                                words: p.words[..kept].to_vec(),
+                                tags: tags[..kept].to_vec(),
+                            }
+                        })
+                        .collect())
+                }
+                Objective::Mlm { .. } => {
+                    let mask_id = tok
+                        .mask_id()
+                        .ok_or_else(|| Error::Input("the tokenizer has no mask token".into()))?;
+                    let specials: Vec<u32> = [
+                        Some(tok.pad_id()),
+                        tok.unk_id(),
+                        tok.cls_id(),
+                        Some(mask_id),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                    chunk
+                        .iter()
+                        .enumerate()
+                        .map(|(b, p)| {
+                            let mut masks = Vec::new();
+                            for (t, &id) in p.ids.iter().enumerate() {
+                                if id != mask_id {
+                                    continue;
+                                }
+                                let row = probs.i((b, t))?.to_vec1::<f32>()?;
+                                let mut order: Vec<usize> = (0..row.len())
+                                    .filter(|&i| !specials.contains(&(i as u32)))
+                                    .collect();
+                                order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
+                                let fills = order
+                                    .into_iter()
+                                    .take(top_k)
+                                    .map(|i| Scored {
+                                        label: tok.id_to_token(i as u32).unwrap_or_default(),
+                                        probability: f64::from(row[i]),
+                                    })
+                                    .collect();
+                                masks.push(MaskFill {
+                                    word: p.word_ids[t].map_or(t, |w| w as usize),
+                                    fills,
+                                });
+                            }
+                            if masks.is_empty() {
+                                return Err(Error::Input(format!(
+                                    "{:?} has no {} token to fill",
+                                    p.words.join(" "),
+                                    tok.id_to_token(mask_id).unwrap_or_default()
+                                )));
+                            }
+                            Ok(Prediction::Fills { masks })
+                        })
+                        .collect()
+                }
+            }
+        })
+    }
+
+    /// The pooled sentence vector of each text (the model's pooling for classifiers, else the
+    /// mean over tokens).
+    pub fn embed(&self, texts: &[String]) -> Result<Vec<Output<Embedding>>> {
+        self.batched(texts, |_, ids, mask| {
+            let hidden = self.loaded.model.encoder().forward_t(ids, mask, false)?;
+            let pooled = self
+                .loaded
+                .model
+                .pool(&hidden, mask)?
+                .to_dtype(DType::F32)?;
+            Ok(pooled
+                .to_vec2::<f32>()?
+                .into_iter()
+                .map(|embedding| Embedding { embedding })
+                .collect())
+        })
+    }
+}
