@@ -12,7 +12,11 @@ use candle::{DType, Device};
 use poslab::infer::{Prediction, Predictor};
 
 fn main() -> Result<()> {
-    let dir = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "runs/examples/reviews".into()));
+    let dir = PathBuf::from(
+        std::env::args()
+            .nth(1)
+            .unwrap_or_else(|| "runs/examples/reviews".into()),
+    );
     if !dir.join("config.json").exists() {
         bail!(
             "{} holds no model yet: run `cargo run --release --example train_classifier` first",
@@ -30,8 +34,15 @@ fn main() -> Result<()> {
     .to_vec();
     let predictor = Predictor::new(&loaded, false);
     for out in predictor.predict(&texts, 3)? {
-        if let Prediction::Class { label, probabilities } = &out.value {
-            println!("{label:>8} ({:.3})  {}", probabilities[0].probability, out.text);
+        if let Prediction::Class {
+            label,
+            probabilities,
+        } = &out.value
+        {
+            println!(
+                "{label:>8} ({:.3})  {}",
+                probabilities[0].probability, out.text
+            );
         }
     }
     // Sentence vectors: the two orders of the same words land far apart.
@@ -39,6 +50,9 @@ fn main() -> Result<()> {
     let (a, b) = (&v[0].value.embedding, &v[1].value.embedding);
     let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
     let norm = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>().sqrt();
-    println!("cosine between the first two (same words, other order): {:.3}", dot / (norm(a) * norm(b)));
+    println!(
+        "cosine between the first two (same words, other order): {:.3}",
+        dot / (norm(a) * norm(b))
+    );
     Ok(())
 }
