@@ -236,6 +236,58 @@ impl Encoder {
         }
     }
 
+    /// For an encoder whose positions are added to the token embeddings (`sinusoidal_add`,
+    /// `learned`): per layer, the attention scores and their content·content,
+    /// content·position, position·content and position·position terms (see
+    /// [`SelfAttention::score_terms`]), each `(b, h, t, t)`.
+    ///
+    /// The residual stream is split as `(h - p) + p`, `p` the added positional vectors, which
+    /// stay in it additively under pre-norm, so every layer is decomposed; under post-norm the
+    /// first LayerNorm mixes them, so only the first layer is. Layers are returned in order with
+    /// their index.
+    pub fn score_terms(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Vec<(usize, Tensor, [Tensor; 4])>> {
+        let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let positions = match &self.input_positions {
+            InputPositions::Add(table) => table.rows(0, t)?,
+            InputPositions::Learned(learned) => learned.weight().narrow(0, 0, t)?,
+            _ => {
+                return Err(Error::Input(format!(
+                    "attention terms need positions added to the token embeddings \
+                     (sinusoidal_add or learned); this encoder's are `{}`",
+                    self.config.positional.name()
+                )))
+            }
+        }
+        .unsqueeze(0)?; // (1, t, d_model)
+        let scale = self.config.embed_scale.value(self.config.d_model);
+        let tokens = (self.tok_emb.forward(input_ids)? * scale)?;
+        let mut h = tokens.broadcast_add(&positions)?;
+        let bias = key_padding_bias(attention_mask, h.dtype())?;
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let content = h.broadcast_sub(&positions)?;
+            let position = positions.broadcast_as(content.shape())?;
+            match self.config.norm {
+                NormPlacement::Pre => {
+                    let (c, p) = layer.attn_norm.split(&content, &position)?;
+                    let (scores, terms) = layer.attn.score_terms(&c, &p)?;
+                    out.push((i, scores, terms));
+                }
+                NormPlacement::Post if i == 0 => {
+                    let (scores, terms) = layer.attn.score_terms(&content, &position)?;
+                    out.push((i, scores, terms));
+                }
+                NormPlacement::Post => break,
+            }
+            h = layer.forward_t(&h, &bias, None, false)?;
+        }
+        Ok(out)
+    }
+
     /// Rejects inputs the model cannot take, with the reason and the fix.
     fn check_input(&self, ids: &Tensor, mask: &Tensor) -> Result<(usize, usize)> {
         let (b, t) = ids.dims2().map_err(|_| {

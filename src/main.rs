@@ -119,6 +119,51 @@ enum Command {
         #[arg(long, default_value = "auto")]
         device: String,
     },
+    /// What a positional scheme encodes: the table as CSV and heatmap, distance matrices,
+    /// distance against offset, the relative-shift property, a linear position probe,
+    /// wavelengths, RoPE's decay; for a trained model (--run) its table and how its attention
+    /// logits split into content and position terms.
+    Analyze {
+        /// `sinusoidal` or `rope`; or give --run instead.
+        #[arg(value_parser = ["sinusoidal", "rope"], required_unless_present = "run", conflicts_with = "run")]
+        scheme: Option<String>,
+        /// A trained model's folder.
+        #[arg(long, value_name = "DIR")]
+        run: Option<PathBuf>,
+        /// Width of the table (sinusoidal) or of a head (rope).
+        #[arg(long, default_value_t = 64)]
+        dim: usize,
+        #[arg(long, default_value_t = 10_000.0)]
+        base: f64,
+        /// Sinusoidal layout: interleaved or half.
+        #[arg(long, default_value = "interleaved")]
+        layout: String,
+        /// RoPE pairing: interleaved or half.
+        #[arg(long, default_value = "interleaved")]
+        pairing: String,
+        /// Positions analysed (a learned table: all its rows).
+        #[arg(long, default_value_t = 128)]
+        positions: usize,
+        /// First position (sinusoidal).
+        #[arg(long, default_value_t = 0)]
+        start: usize,
+        /// Reference position (row) of the offset curves.
+        #[arg(long, default_value_t = 0)]
+        reference: usize,
+        /// Bases compared in the wavelength plot.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![100.0, 10_000.0, 100_000_000.0])]
+        bases: Vec<f64>,
+        /// Evaluation text for the attention terms of --run, one text per line (default: the
+        /// model's own test set, remade from its config.json).
+        #[arg(long, value_name = "FILE")]
+        text: Option<PathBuf>,
+        /// Texts used for the attention terms.
+        #[arg(long, default_value_t = 64)]
+        texts: usize,
+        /// Output folder (default: runs/analysis-<what>-<timestamp>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Merge the results of run folders (cells split across machines with --task, --variant,
     /// --seed) into one report.
     Report {
@@ -188,6 +233,35 @@ fn main() -> ExitCode {
             truncate,
             device,
         } => embed(&run, texts, input, truncate, &device),
+        Command::Analyze {
+            scheme,
+            run,
+            dim,
+            base,
+            layout,
+            pairing,
+            positions,
+            start,
+            reference,
+            bases,
+            text,
+            texts,
+            out,
+        } => analyze(AnalyzeArgs {
+            scheme,
+            run,
+            dim,
+            base,
+            layout,
+            pairing,
+            positions,
+            start,
+            reference,
+            bases,
+            text,
+            texts,
+            out,
+        }),
         Command::Report { runs, out } => merge_reports(&runs, out),
         Command::Inspect { config } => inspect(&config),
     };
@@ -449,6 +523,151 @@ fn embed(
         }
         println!("{}", serde_json::to_string(out)?);
     }
+    Ok(())
+}
+
+struct AnalyzeArgs {
+    scheme: Option<String>,
+    run: Option<PathBuf>,
+    dim: usize,
+    base: f64,
+    layout: String,
+    pairing: String,
+    positions: usize,
+    start: usize,
+    reference: usize,
+    bases: Vec<f64>,
+    text: Option<PathBuf>,
+    texts: usize,
+    out: Option<PathBuf>,
+}
+
+/// A `snake_case` option parsed like the configs parse it (same names, same error).
+fn parse_option<T: serde::de::DeserializeOwned>(what: &str, value: &str) -> Result<T> {
+    serde_json::from_value(serde_json::Value::String(value.into()))
+        .with_context(|| format!("--{what} {value}"))
+}
+
+fn analyze(a: AnalyzeArgs) -> Result<()> {
+    use poslab::analysis::{self, Table};
+    if a.positions < 2 {
+        anyhow::bail!(
+            "--positions {} is too few: analyse at least 2 positions",
+            a.positions
+        );
+    }
+    if !(a.base.is_finite() && a.base > 1.0) || a.bases.iter().any(|b| !(b.is_finite() && *b > 1.0))
+    {
+        anyhow::bail!("bases must be finite numbers greater than 1");
+    }
+    let mut options = analysis::Options {
+        reference: a.reference,
+        bases: a.bases.clone(),
+        seed: 0,
+        rope: false,
+    };
+    let mut summary = String::new();
+    let mut files = Vec::new();
+    let (table, label, loaded) = match (&a.scheme, &a.run) {
+        (_, Some(dir)) => {
+            let loaded = load_model(dir, "cpu")?;
+            let m = &loaded.config.model;
+            let table = match &m.positional {
+                PositionalConfig::Learned(_) => {
+                    let w = loaded
+                        .params
+                        .get("pos_emb.weight")
+                        .context("the model's learned table `pos_emb.weight`")?;
+                    let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                    Some(Table {
+                        title: format!("learned table of {}", dir.display()),
+                        start: 0,
+                        rows: m.max_len,
+                        dim: m.d_model,
+                        values,
+                        pairs: None,
+                    })
+                }
+                other => analysis::fixed_table(other, m.d_model, m.head_dim(), a.positions),
+            };
+            options.rope = matches!(m.positional, PositionalConfig::Rope(_));
+            let name = dir
+                .file_name()
+                .map_or("run".into(), |n| n.to_string_lossy().into_owned());
+            (table, name, Some(loaded))
+        }
+        (Some(scheme), None) => {
+            if a.dim < 2 || a.dim % 2 != 0 {
+                anyhow::bail!(
+                    "--dim {} must be even (a table of (sin, cos) pairs) and at least 2",
+                    a.dim
+                );
+            }
+            let table = if scheme == "rope" {
+                options.rope = true;
+                Table::rope(
+                    a.dim,
+                    a.base,
+                    parse_option("pairing", &a.pairing)?,
+                    a.positions,
+                )
+            } else {
+                Table::sinusoidal(
+                    a.dim,
+                    a.base,
+                    parse_option("layout", &a.layout)?,
+                    a.positions,
+                    a.start,
+                )
+            };
+            (Some(table), scheme.clone(), None)
+        }
+        (None, None) => unreachable!("clap requires a scheme or --run"),
+    };
+    let dir = match &a.out {
+        Some(dir) => dir.clone(),
+        None => experiment::new_run_dir(Path::new("runs"), &format!("analysis-{label}"))?,
+    };
+    match &table {
+        Some(table) => {
+            let result = analysis::analyze(table, &options);
+            summary.push_str(&result.summary());
+            files.extend(result.write(table, &dir)?);
+        }
+        None => {
+            summary.push_str("no position table: this model has no positional scheme (`none`)\n")
+        }
+    }
+    if let Some(loaded) = &loaded {
+        match &loaded.config.model.positional {
+            PositionalConfig::SinusoidalAdd(_) | PositionalConfig::Learned(_) => {
+                let batch = analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref());
+                match batch {
+                    // Without --text, a model that cannot remake its evaluation text still gets
+                    // its table analysed.
+                    Err(e) if a.text.is_none() => summary.push_str(&format!("attention terms skipped: {e}\n")),
+                    Err(e) => return Err(e.into()),
+                    Ok((ids, mask, cut)) => {
+                        let terms = analysis::terms::attention_terms(loaded, &ids, &mask)?;
+                        summary.push_str(&format!(
+                            "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms, on {} texts{}:\n",
+                            ids.dim(0)?,
+                            if cut > 0 { format!(" ({cut} cut to the learned table)") } else { String::new() }
+                        ));
+                        summary.push_str(&analysis::terms::summary(&terms));
+                        files.extend(analysis::write_terms(&terms, "attention logits: content and position terms per head", &dir)?);
+                    }
+                }
+            }
+            other => summary.push_str(&format!(
+                "attention terms: not defined for `{}` (positions are not added to the token embeddings)\n",
+                other.name()
+            )),
+        }
+        poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    }
+    print!("{summary}");
+    println!("files in {}: {}", dir.display(), files.join(", "));
     Ok(())
 }
 

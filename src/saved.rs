@@ -30,6 +30,9 @@ pub struct SavedConfig {
     /// The task it was trained on and the training seed, for the record.
     pub task: String,
     pub seed: u64,
+    /// The task as configured, so its evaluation text can be made again (`poslab analyze`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_spec: Option<crate::tasks::TaskSpec>,
 }
 
 /// Writes the model's folder, each file atomically.

@@ -335,6 +335,7 @@ fn run_cell(
             objective: task.data.objective.clone(),
             task: task.spec.name.clone(),
             seed,
+            task_spec: Some(task.spec.clone()),
         },
     )?;
 

@@ -272,6 +272,7 @@ fn run(
             objective: task.data.objective.clone(),
             task: config.task.name.clone(),
             seed: config.seed,
+            task_spec: Some(config.task.clone()),
         },
     )?;
     let metrics = Metrics {

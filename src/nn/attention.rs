@@ -62,6 +62,47 @@ impl SelfAttention {
         })
     }
 
+    /// The attention scores (scaled, before masking) of the input `content + position`, and
+    /// their four terms: content·content, content·position, position·content,
+    /// position·position (query side first). Projection biases go with the content side. The
+    /// terms sum to the scores.
+    ///
+    /// # Shapes
+    /// - `content`, `position`: `(b, t, d_model)`
+    /// - returns `(scores, [cc, cp, pc, pp])`, each `(b, h, t, t)`
+    pub fn score_terms(
+        &self,
+        content: &Tensor,
+        position: &Tensor,
+    ) -> Result<(Tensor, [Tensor; 4])> {
+        let (b, t, _) = content.dims3()?;
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous() // (b, h, t, d_head)
+        };
+        let weight_only = |lin: &Linear, x: &Tensor| x.broadcast_matmul(&lin.weight().t()?);
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let qk = |q: &Tensor, k: &Tensor| -> Result<Tensor> { q.matmul(&k.t()?)? * scale };
+        let whole = (content + position)?;
+        let scores = qk(
+            &heads(self.q.forward(&whole)?)?,
+            &heads(self.k.forward(&whole)?)?,
+        )?;
+        let (qc, qp) = (
+            heads(self.q.forward(content)?)?,
+            heads(weight_only(&self.q, position)?)?,
+        );
+        let (kc, kp) = (
+            heads(self.k.forward(content)?)?,
+            heads(weight_only(&self.k, position)?)?,
+        );
+        Ok((
+            scores,
+            [qk(&qc, &kc)?, qk(&qc, &kp)?, qk(&qp, &kc)?, qk(&qp, &kp)?],
+        ))
+    }
+
     /// # Shapes
     /// - `xs`: `(b, t, d_model)`
     /// - `bias`: `(b, 1, 1, t)` from [`key_padding_bias`]

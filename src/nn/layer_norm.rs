@@ -19,6 +19,30 @@ pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm { weight, bias, eps })
 }
 
+impl LayerNorm {
+    /// `LN(content + position)` as a content part and a position part that sum to it exactly:
+    /// the mean is linear, both parts are divided by the sum's standard deviation, and the bias
+    /// goes with the content.
+    ///
+    /// # Shapes
+    /// - `content`: `(b, t, size)`; `position`: `(1, t, size)` or `(b, t, size)`
+    /// - returns two `(b, t, size)` tensors
+    pub fn split(&self, content: &Tensor, position: &Tensor) -> Result<(Tensor, Tensor)> {
+        let position = position.broadcast_as(content.shape())?;
+        let sum = (content + &position)?;
+        let centered = sum.broadcast_sub(&sum.mean_keepdim(D::Minus1)?)?;
+        let inv_std = (centered.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        let part = |x: &Tensor| -> Result<Tensor> {
+            x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?
+                .broadcast_mul(&inv_std)?
+                .broadcast_mul(&self.weight)
+        };
+        Ok((part(content)?.broadcast_add(&self.bias)?, part(&position)?))
+    }
+}
+
 impl Module for LayerNorm {
     /// # Shapes
     /// - `xs`: `(..., size)`; returns the same shape

@@ -11,7 +11,7 @@
 
 mod input;
 mod rope;
-mod sinusoidal;
+pub(crate) mod sinusoidal;
 mod table;
 
 pub use input::{InputPositions, LearnedPositions};

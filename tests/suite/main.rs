@@ -1,5 +1,6 @@
 //! poslab's integration tests, one binary (linking a release test binary per file is slow).
 
+mod analysis;
 mod checkpoint;
 mod common;
 mod compare;

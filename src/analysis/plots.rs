@@ -1,0 +1,570 @@
+//! The files of an analysis: CSVs of every number, PNGs of every picture.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use super::linalg::Matrix;
+use super::{distance_matrix, Analysis, Metric, Table};
+use crate::error::Result;
+use crate::experiment::plot::{palette, render_png, FONT};
+use crate::io::write_atomic;
+
+type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
+
+/// Blue (negative) through white to red (positive), for `v` in `[-1, 1]`.
+pub fn diverging(v: f64) -> RGBColor {
+    let v = v.clamp(-1.0, 1.0);
+    let (end, t) = if v < 0.0 {
+        ((33.0, 102.0, 172.0), -v)
+    } else {
+        ((178.0, 24.0, 43.0), v)
+    };
+    let mix = |e: f64| (255.0 + (e - 255.0) * t).round() as u8;
+    RGBColor(mix(end.0), mix(end.1), mix(end.2))
+}
+
+/// Viridis, sampled at five points and interpolated, for `v` in `[0, 1]`.
+pub fn sequential(v: f64) -> RGBColor {
+    const STOPS: [(f64, f64, f64); 5] = [
+        (68.0, 1.0, 84.0),
+        (59.0, 82.0, 139.0),
+        (33.0, 145.0, 140.0),
+        (94.0, 201.0, 98.0),
+        (253.0, 231.0, 37.0),
+    ];
+    let x = v.clamp(0.0, 1.0) * 4.0;
+    let i = (x.floor() as usize).min(3);
+    let t = x - i as f64;
+    let (a, b) = (STOPS[i], STOPS[i + 1]);
+    let lerp = |p: f64, q: f64| (p + (q - p) * t).round() as u8;
+    RGBColor(lerp(a.0, b.0), lerp(a.1, b.1), lerp(a.2, b.2))
+}
+
+fn write_matrix_csv(
+    path: &Path,
+    m: &Matrix,
+    first: &str,
+    row_label: impl Fn(usize) -> String,
+    col: &str,
+) -> Result<()> {
+    let mut out = String::with_capacity(m.data.len() * 10);
+    out.push_str(first);
+    for c in 0..m.cols {
+        let _ = write!(out, ",{col}{c}");
+    }
+    out.push('\n');
+    for r in 0..m.rows {
+        out.push_str(&row_label(r));
+        for v in m.row(r) {
+            let _ = write!(out, ",{v}");
+        }
+        out.push('\n');
+    }
+    write_atomic(path, out.as_bytes())
+}
+
+/// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
+fn heatmap(
+    path: &Path,
+    title: &str,
+    m: &Matrix,
+    divergent: bool,
+    axes: (&str, &str),
+    offset: (usize, usize),
+) -> Result<()> {
+    let (lo, hi) = m
+        .data
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let bound = lo.abs().max(hi.abs()).max(1e-300);
+    let color = |v: f64| {
+        if divergent {
+            diverging(v / bound)
+        } else {
+            sequential((v - lo) / (hi - lo).max(1e-300))
+        }
+    };
+    let legend = if divergent {
+        format!("blue {:.3} .. white 0 .. red {:.3}", -bound, bound)
+    } else {
+        format!("dark {lo:.3} .. yellow {hi:.3}")
+    };
+    render_png(path, (900, 820), |area| {
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, (FONT, 22))
+            .margin(14)
+            .x_label_area_size(56)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                offset.1 as f64..(offset.1 + m.cols) as f64,
+                offset.0 as f64..(offset.0 + m.rows) as f64,
+            )?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc(axes.0)
+            .y_desc(axes.1)
+            .axis_desc_style((FONT, 17))
+            .label_style((FONT, 13))
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()?;
+        chart.draw_series((0..m.rows).flat_map(|r| {
+            (0..m.cols).map(move |c| {
+                let (x, y) = ((offset.1 + c) as f64, (offset.0 + r) as f64);
+                Rectangle::new([(x, y), (x + 1.0, y + 1.0)], color(m.row(r)[c]).filled())
+            })
+        }))?;
+        area.draw(&Text::new(
+            legend,
+            (80, 800),
+            (FONT, 14).into_font().color(&BLACK.mix(0.75)),
+        ))?;
+        Ok(())
+    })
+}
+
+/// A short tick label: `1e8` for large values, two decimals for small ones.
+fn tick(v: &f64) -> String {
+    let a = v.abs();
+    if a >= 1e5 {
+        format!("{v:.0e}")
+    } else if a >= 10.0 || a == 0.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// Series of a line chart: name, points, dashed.
+type Series = [(String, Vec<(f64, f64)>, bool)];
+
+/// Draws the mesh, the series and their legend on a chart of any y coordinate.
+fn draw_lines<'a, Y>(
+    chart: &mut ChartContext<
+        'a,
+        BitMapBackend<'a>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
+    >,
+    axes: (&str, &str),
+    series: &Series,
+) -> DrawResult
+where
+    Y: Ranged<ValueType = f64> + plotters::coord::ranged1d::ValueFormatter<f64>,
+{
+    chart
+        .configure_mesh()
+        .x_desc(axes.0)
+        .y_desc(axes.1)
+        .axis_desc_style((FONT, 17))
+        .label_style((FONT, 13))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&tick)
+        .draw()?;
+    for (i, (name, pts, dashed)) in series.iter().enumerate() {
+        let color = palette(i);
+        let style = color.stroke_width(2);
+        if *dashed {
+            chart.draw_series(DashedLineSeries::new(pts.clone(), 6, 4, style))?
+        } else {
+            chart.draw_series(LineSeries::new(pts.clone(), style))?
+        }
+        .label(name.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .label_font((FONT, 14))
+        .draw()?;
+    Ok(())
+}
+
+fn line_chart(
+    path: &Path,
+    title: &str,
+    axes: (&str, &str),
+    series: &Series,
+    log_y: bool,
+) -> Result<()> {
+    let points = series.iter().flat_map(|s| s.1.iter());
+    let x_max = points.clone().map(|p| p.0).fold(1.0, f64::max);
+    let (lo, hi) = points
+        .map(|p| p.1)
+        .filter(|v| v.is_finite() && (!log_y || *v > 0.0))
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    let pad = ((hi - lo) * 0.05).max(1e-9);
+    render_png(path, (960, 600), |area| {
+        let mut builder = ChartBuilder::on(area);
+        builder
+            .caption(title, (FONT, 22))
+            .margin(16)
+            .x_label_area_size(50)
+            .y_label_area_size(76);
+        if log_y {
+            let mut chart =
+                builder.build_cartesian_2d(0.0..x_max, (lo * 0.8..hi * 1.25).log_scale())?;
+            draw_lines(&mut chart, axes, series)
+        } else {
+            let mut chart = builder.build_cartesian_2d(0.0..x_max, (lo - pad)..(hi + pad))?;
+            draw_lines(&mut chart, axes, series)
+        }
+    })
+}
+
+/// Each (x, y) pair of the table as points on the unit circle, coloured by position; a panel
+/// per pair (eight pairs spread from the fastest to the slowest).
+fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
+    let pairs = table.pairs.as_ref().expect("clock plots need pairs");
+    let half = table.dim / 2;
+    let chosen: Vec<usize> = if half <= 8 {
+        (0..half).collect()
+    } else {
+        (0..8).map(|i| i * (half - 1) / 7).collect()
+    };
+    let wavelengths = &analysis.wavelengths[0].wavelength;
+    render_png(
+        path,
+        (1200, 660),
+        |area: &DrawingArea<BitMapBackend, Shift>| {
+            let (top, body) = area.split_vertically(50);
+            top.titled(
+                &format!(
+                    "{}: each pair on the unit circle, colour = position (dark early, yellow late)",
+                    table.title
+                ),
+                (FONT, 20),
+            )?;
+            for (panel, &i) in body.split_evenly((2, 4)).iter().zip(&chosen) {
+                let mut chart = ChartBuilder::on(panel)
+                    .caption(
+                        format!("pair {i}, wavelength {:.1}", wavelengths[i]),
+                        (FONT, 15),
+                    )
+                    .margin(8)
+                    .x_label_area_size(22)
+                    .y_label_area_size(30)
+                    .build_cartesian_2d(-1.15..1.15, -1.15..1.15)?;
+                chart
+                    .configure_mesh()
+                    .disable_mesh()
+                    .label_style((FONT, 10))
+                    .x_labels(3)
+                    .y_labels(3)
+                    .draw()?;
+                chart.draw_series(LineSeries::new(
+                    (0..=100).map(|s| (s as f64 * std::f64::consts::TAU / 100.0).sin_cos()),
+                    BLACK.mix(0.2),
+                ))?;
+                let (a, b) =
+                    crate::positional::sinusoidal::pair_slots(pairs.interleaved, i, table.dim);
+                chart.draw_series((0..table.rows).map(|r| {
+                    let row = table.row(r);
+                    let color = sequential(r as f64 / (table.rows.max(2) - 1) as f64);
+                    Circle::new((row[a], row[b]), 3, color.filled())
+                }))?;
+            }
+            Ok(())
+        },
+    )
+}
+
+/// Writes the analysis: CSVs, PNGs and `summary.txt` / `summary.json`. Returns the file names.
+pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<String>> {
+    std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
+    let mut files = Vec::new();
+    let position = |r: usize| (table.start + r).to_string();
+
+    write_matrix_csv(
+        &dir.join("table.csv"),
+        &table.matrix(),
+        "position",
+        position,
+        "d",
+    )?;
+    heatmap(
+        &dir.join("table.png"),
+        &format!("{} (positions x dimensions)", table.title),
+        &table.matrix(),
+        true,
+        ("dimension", "position"),
+        (table.start, 0),
+    )?;
+    files.extend(["table.csv".to_string(), "table.png".to_string()]);
+
+    for metric in Metric::ALL {
+        let m = distance_matrix(table, metric);
+        let name = format!("distance_{}", metric.file());
+        write_matrix_csv(
+            &dir.join(format!("{name}.csv")),
+            &m,
+            "position",
+            position,
+            "p",
+        )?;
+        heatmap(
+            &dir.join(format!("{name}.png")),
+            &format!("{}: {} between positions", table.title, metric.name()),
+            &m,
+            metric == Metric::Dot,
+            ("position", "position"),
+            (table.start, table.start),
+        )?;
+        files.push(format!("{name}.csv"));
+        files.push(format!("{name}.png"));
+    }
+
+    let mut csv = String::from(
+        "metric,offset,from_reference,mean_over_pairs,min_over_pairs,max_over_pairs\n",
+    );
+    for curve in &analysis.offsets {
+        for (k, s) in curve.over_pairs.iter().enumerate() {
+            let from_ref = curve
+                .from_reference
+                .get(k)
+                .map_or(String::new(), |v| v.to_string());
+            let _ = writeln!(
+                csv,
+                "{},{k},{from_ref},{},{},{}",
+                curve.metric.file(),
+                s.mean,
+                s.min,
+                s.max
+            );
+        }
+        let pts = |f: &dyn Fn(usize) -> Option<f64>| -> Vec<(f64, f64)> {
+            (0..curve.over_pairs.len())
+                .filter_map(|k| f(k).map(|v| (k as f64, v)))
+                .collect()
+        };
+        line_chart(
+            &dir.join(format!("offset_{}.png", curve.metric.file())),
+            &format!("{} against offset k", curve.metric.name()),
+            ("offset k", curve.metric.name()),
+            &[
+                (
+                    format!("from position {}", table.start + curve.reference),
+                    pts(&|k| curve.from_reference.get(k).copied()),
+                    false,
+                ),
+                (
+                    "mean over all pairs (p, p + k)".into(),
+                    pts(&|k| Some(curve.over_pairs[k].mean)),
+                    false,
+                ),
+                (
+                    "min over pairs".into(),
+                    pts(&|k| Some(curve.over_pairs[k].min)),
+                    true,
+                ),
+                (
+                    "max over pairs".into(),
+                    pts(&|k| Some(curve.over_pairs[k].max)),
+                    true,
+                ),
+            ],
+            false,
+        )?;
+        files.push(format!("offset_{}.png", curve.metric.file()));
+    }
+    write_atomic(&dir.join("offsets.csv"), csv.as_bytes())?;
+    files.push("offsets.csv".into());
+
+    let mut csv = String::from("k,rotation_error,linear_residual,random_residual\n");
+    for r in &analysis.shift {
+        let rot = r.rotation_error.map_or(String::new(), |e| e.to_string());
+        let _ = writeln!(
+            csv,
+            "{},{rot},{},{}",
+            r.k, r.linear_residual, r.random_residual
+        );
+    }
+    write_atomic(&dir.join("relative_shift.csv"), csv.as_bytes())?;
+    files.push("relative_shift.csv".into());
+
+    if table.pairs.is_some() {
+        clock(&dir.join("clock.png"), table, analysis)?;
+        files.push("clock.png".into());
+        let mut csv = String::from("base,pair,wavelength,first_wrap\n");
+        let mut series = Vec::new();
+        for w in &analysis.wavelengths {
+            for (i, (l, f)) in w.wavelength.iter().zip(&w.first_wrap).enumerate() {
+                let _ = writeln!(csv, "{},{i},{l},{f}", w.base);
+            }
+            series.push((
+                format!("base {}", w.base),
+                w.wavelength
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| (i as f64, *l))
+                    .collect(),
+                false,
+            ));
+        }
+        let horizon = (table.start + table.rows) as f64;
+        series.push((
+            format!("positions analysed ({horizon})"),
+            vec![(0.0, horizon), ((table.dim / 2 - 1).max(1) as f64, horizon)],
+            true,
+        ));
+        write_atomic(&dir.join("wavelengths.csv"), csv.as_bytes())?;
+        line_chart(
+            &dir.join("wavelengths.png"),
+            "wavelength of each (sin, cos) pair: positions before its angle wraps",
+            ("pair i", "wavelength 2 pi / w_i (positions, log scale)"),
+            &series,
+            true,
+        )?;
+        files.extend(["wavelengths.csv".to_string(), "wavelengths.png".to_string()]);
+    }
+
+    if let Some(d) = &analysis.rope_decay {
+        let mut csv = String::from("distance,ones,random_abs,roformer_bound\n");
+        for k in 0..d.ones.len() {
+            let _ = writeln!(csv, "{k},{},{},{}", d.ones[k], d.random[k], d.bound[k]);
+        }
+        write_atomic(&dir.join("rope_decay.csv"), csv.as_bytes())?;
+        let pts = |v: &[f64]| {
+            v.iter()
+                .enumerate()
+                .map(|(k, y)| (k as f64, *y))
+                .collect::<Vec<_>>()
+        };
+        line_chart(
+            &dir.join("rope_decay.png"),
+            "RoPE: q·k against relative distance (divided by the head width)",
+            ("relative distance", "score / head width"),
+            &[
+                (
+                    "q = k = all ones (= E[q·k] for q = k)".into(),
+                    pts(&d.ones),
+                    false,
+                ),
+                (
+                    "|q·k|, independent random q, k".into(),
+                    pts(&d.random),
+                    false,
+                ),
+                (
+                    "RoFormer bound, (1/(d/2)) sum_j |S_j|".into(),
+                    pts(&d.bound),
+                    true,
+                ),
+            ],
+            false,
+        )?;
+        files.extend(["rope_decay.csv".to_string(), "rope_decay.png".to_string()]);
+    }
+
+    write_atomic(&dir.join("summary.txt"), analysis.summary().as_bytes())?;
+    let json =
+        serde_json::to_string_pretty(&analysis_json(analysis)).expect("analysis serializes") + "\n";
+    write_atomic(&dir.join("summary.json"), json.as_bytes())?;
+    files.extend(["summary.txt".to_string(), "summary.json".to_string()]);
+    Ok(files)
+}
+
+/// The analysis without its long per-offset curves (those are in the CSVs).
+fn analysis_json(a: &Analysis) -> serde_json::Value {
+    serde_json::json!({
+        "title": a.title,
+        "start": a.start,
+        "rows": a.rows,
+        "dim": a.dim,
+        "values": a.values,
+        "consecutive_l2": a.consecutive_l2,
+        "offsets": a.offsets.iter().map(|c| serde_json::json!({
+            "metric": c.metric, "reference": c.reference,
+            "monotone_until": c.monotone_until, "first_turn": c.first_turn,
+        })).collect::<Vec<_>>(),
+        "relative_shift": a.shift,
+        "rotation_error": a.rotation_error(),
+        "probe": a.probe,
+        "wavelengths": a.wavelengths.iter().map(|w| serde_json::json!({
+            "base": w.base,
+            "shortest": w.wavelength.first(),
+            "longest": w.wavelength.last(),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// `attention_terms.csv` and `attention_terms.png`: each head's share of the four terms.
+pub fn write_terms(
+    terms: &[super::terms::HeadTerms],
+    title: &str,
+    dir: &Path,
+) -> Result<Vec<String>> {
+    use super::terms::TERMS;
+    std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
+    let mut csv = String::from("layer,head,term,mean_abs,share,reconstruction_error\n");
+    for t in terms {
+        for (i, name) in TERMS.iter().enumerate() {
+            let _ = writeln!(
+                csv,
+                "{},{},{name},{},{},{}",
+                t.layer, t.head, t.mean_abs[i], t.share[i], t.reconstruction_error
+            );
+        }
+    }
+    write_atomic(&dir.join("attention_terms.csv"), csv.as_bytes())?;
+    render_png(&dir.join("attention_terms.png"), (1000, 600), |area| {
+        let n = terms.len() as f64;
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, (FONT, 20))
+            .margin(16)
+            .x_label_area_size(56)
+            .y_label_area_size(64)
+            .build_cartesian_2d(-0.5..n - 0.5, 0.0..100.0)?;
+        let labels: Vec<String> = terms
+            .iter()
+            .map(|t| format!("L{} H{}", t.layer, t.head))
+            .collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_desc("layer and head")
+            .y_desc("share of |attention logit| (%)")
+            .axis_desc_style((FONT, 17))
+            .label_style((FONT, 13))
+            .x_labels(terms.len().min(32))
+            .x_label_formatter(&|x| labels.get(x.round() as usize).cloned().unwrap_or_default())
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()?;
+        for (i, name) in TERMS.iter().enumerate() {
+            let color = palette(i);
+            chart
+                .draw_series(terms.iter().enumerate().map(|(h, t)| {
+                    let below: f64 = t.share[..i].iter().sum::<f64>() * 100.0;
+                    let x = h as f64;
+                    Rectangle::new(
+                        [(x - 0.35, below), (x + 0.35, below + 100.0 * t.share[i])],
+                        color.filled(),
+                    )
+                }))?
+                .label(*name)
+                .legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK.mix(0.4))
+            .label_font((FONT, 14))
+            .position(SeriesLabelPosition::UpperRight)
+            .draw()?;
+        Ok(())
+    })?;
+    Ok(vec![
+        "attention_terms.csv".into(),
+        "attention_terms.png".into(),
+    ])
+}

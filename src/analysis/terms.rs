@@ -1,0 +1,186 @@
+//! How a trained model's attention logits split into content and position terms, when its
+//! positions are added to the token embeddings.
+
+use std::path::Path;
+
+use candle::{DType, Tensor, D};
+use serde::Serialize;
+
+use crate::data::pad_batch;
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, Pooling};
+use crate::saved::Loaded;
+use crate::text::HubSource;
+
+/// The four terms of `(W_q(x_i + p_i)) · (W_k(x_j + p_j))`, query side first.
+pub const TERMS: [&str; 4] = [
+    "content·content",
+    "content·position",
+    "position·content",
+    "position·position",
+];
+
+/// One head's terms over a batch of real token pairs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HeadTerms {
+    pub layer: usize,
+    pub head: usize,
+    /// Mean absolute value of each term.
+    pub mean_abs: [f64; 4],
+    /// Each term's share of the sum of the four mean absolute values.
+    pub share: [f64; 4],
+    /// The largest `|sum of the terms - score|`: how exactly the terms rebuild the scores.
+    pub reconstruction_error: f64,
+}
+
+/// The model's evaluation text: `text_file` (one text per line) if given, else the test set
+/// at the training lengths of the task recorded in its `config.json`; at most `n` texts, each
+/// cut to a learned table's length.
+pub fn evaluation_batch(
+    loaded: &Loaded,
+    n: usize,
+    text_file: Option<&Path>,
+) -> Result<(Tensor, Tensor, usize)> {
+    let texts: Vec<Vec<String>> = match text_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            text.lines()
+                .map(|l| l.split_whitespace().map(String::from).collect::<Vec<_>>())
+                .filter(|w| !w.is_empty())
+                .take(n)
+                .collect()
+        }
+        None => {
+            let spec = loaded.config.task_spec.as_ref().ok_or_else(|| {
+                Error::Input("this model's config.json does not record its task: give evaluation text with --text FILE".into())
+            })?;
+            let data = spec
+                .generate_with(&HubSource::from_env(), Some(loaded.tokenizer.clone()))
+                .map_err(|e| {
+                    Error::Input(format!(
+                        "cannot remake the model's evaluation text ({e}): give it with --text FILE"
+                    ))
+                })?;
+            data.tests[0]
+                .examples
+                .iter()
+                .take(n)
+                .map(|e| e.words.clone())
+                .collect()
+        }
+    };
+    if texts.is_empty() {
+        return Err(Error::Input("no evaluation text to analyse".into()));
+    }
+    let cls = match loaded.config.head {
+        HeadConfig::Classify {
+            pooling: Pooling::First,
+            ..
+        } => loaded.tokenizer.cls_id(),
+        _ => None,
+    };
+    let rows = loaded.model.encoder().input_positions().max_positions();
+    let mut cut = 0;
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|w| {
+            let mut ids: Vec<u32> = cls.into_iter().collect();
+            ids.extend(loaded.tokenizer.encode_words(w)?.ids);
+            if let Some(r) = rows.filter(|&r| ids.len() > r) {
+                ids.truncate(r);
+                cut += 1;
+            }
+            Ok(ids)
+        })
+        .collect::<Result<_>>()?;
+    let seqs: Vec<&[u32]> = ids.iter().map(Vec::as_slice).collect();
+    let (ids, mask) = pad_batch(
+        &seqs,
+        loaded.tokenizer.pad_id(),
+        loaded.model.encoder().device(),
+    )?;
+    Ok((ids, mask, cut))
+}
+
+/// The four terms per layer and head, over the real token pairs of a batch.
+pub fn attention_terms(loaded: &Loaded, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
+    let layers = loaded.model.encoder().score_terms(ids, mask)?;
+    let m = mask.to_dtype(DType::F64)?;
+    let pairs = m
+        .unsqueeze(2)?
+        .broadcast_mul(&m.unsqueeze(1)?)?
+        .unsqueeze(1)?; // (b, 1, t, t)
+    let count = pairs.sum_all()?.to_scalar::<f64>()?;
+    // Mean over (b, i, j) of |x| at real pairs, per head.
+    let per_head = |x: &Tensor| -> Result<Vec<f64>> {
+        Ok((x
+            .to_dtype(DType::F64)?
+            .abs()?
+            .broadcast_mul(&pairs)?
+            .sum(D::Minus1)?
+            .sum(D::Minus1)?
+            .sum(0)?
+            / count)?
+            .to_vec1::<f64>()?)
+    };
+    let mut out = Vec::new();
+    for (layer, scores, terms) in layers {
+        let means: Vec<Vec<f64>> = terms.iter().map(per_head).collect::<Result<_>>()?;
+        let rebuilt = terms
+            .iter()
+            .skip(1)
+            .try_fold(terms[0].clone(), |acc, t| acc + t)?;
+        let err = (rebuilt - &scores)?
+            .to_dtype(DType::F64)?
+            .abs()?
+            .broadcast_mul(&pairs)?;
+        let err = err
+            .max(D::Minus1)?
+            .max(D::Minus1)?
+            .max(0)?
+            .to_vec1::<f64>()?;
+        for head in 0..means[0].len() {
+            let mean_abs = [
+                means[0][head],
+                means[1][head],
+                means[2][head],
+                means[3][head],
+            ];
+            let total: f64 = mean_abs.iter().sum::<f64>().max(1e-300);
+            out.push(HeadTerms {
+                layer,
+                head,
+                mean_abs,
+                share: mean_abs.map(|v| v / total),
+                reconstruction_error: err[head],
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Per layer, the mean share of each term over its heads, as printed lines.
+pub fn summary(terms: &[HeadTerms]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let layers: std::collections::BTreeSet<usize> = terms.iter().map(|t| t.layer).collect();
+    for layer in layers {
+        let heads: Vec<&HeadTerms> = terms.iter().filter(|t| t.layer == layer).collect();
+        let share =
+            |i: usize| 100.0 * heads.iter().map(|t| t.share[i]).sum::<f64>() / heads.len() as f64;
+        let err = heads
+            .iter()
+            .map(|t| t.reconstruction_error)
+            .fold(0.0, f64::max);
+        let _ = writeln!(
+            s,
+            "  layer {layer}: content·content {:.1}%, content·position {:.1}%, position·content {:.1}%, position·position {:.1}% (mean over {} heads; terms rebuild the logits to {err:.1e})",
+            share(0),
+            share(1),
+            share(2),
+            share(3),
+            heads.len()
+        );
+    }
+    s
+}
