@@ -89,10 +89,18 @@ fn heatmap(
             sequential((v - lo) / (hi - lo).max(1e-300))
         }
     };
+    // Three decimals, without a "-0.000" for a rounding-level negative.
+    let f = |v: f64| {
+        if v.abs() < 5e-4 {
+            "0.000".to_string()
+        } else {
+            format!("{v:.3}")
+        }
+    };
     let legend = if divergent {
-        format!("blue {:.3} .. white 0 .. red {:.3}", -bound, bound)
+        format!("blue {} .. white 0 .. red {}", f(-bound), f(bound))
     } else {
-        format!("dark {lo:.3} .. yellow {hi:.3}")
+        format!("dark {} .. yellow {}", f(lo), f(hi))
     };
     render_png(path, (900, 820), |area| {
         let mut chart = ChartBuilder::on(area)
