@@ -19,7 +19,8 @@ use rand::SeedableRng;
 use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::nn::{
-    key_padding_bias, layer_norm, Dropout, FeedForward, LayerNorm, SelfAttention, SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm, Dropout, FeedForward, Kernels,
+    LayerMasks, LayerNorm, LayerShape, SelfAttention, SharedRng,
 };
 use crate::positional::{InputPositions, Placement, PositionalConfig, Rope, RopeAngles};
 use crate::rng;
@@ -56,8 +57,84 @@ impl EncoderLayer {
         })
     }
 
+    /// The layer's parameters packed in the order of the fused layer kernel:
+    /// `attn_norm.{weight,bias}`, `attn.{q,k,v}.weight`, `attn.{q,k,v}.bias` (zeros for a key
+    /// without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`, `ffn.up.{weight,bias}`,
+    /// `ffn.down.{weight,bias}`, each flattened.
+    fn packed_params(&self) -> Result<Tensor> {
+        let (wqkv, bqkv) = self.attn.packed_qkv()?;
+        let [_, _, _, o] = self.attn.projections();
+        let (up, down) = (self.ffn.up(), self.ffn.down());
+        let bias = |l: &crate::nn::Linear| {
+            l.bias()
+                .expect("linear layers of a layer have biases")
+                .clone()
+        };
+        let parts = [
+            self.attn_norm.weight().clone(),
+            self.attn_norm.bias().clone(),
+            wqkv,
+            bqkv,
+            o.weight().clone(),
+            bias(o),
+            self.ffn_norm.weight().clone(),
+            self.ffn_norm.bias().clone(),
+            up.weight().clone(),
+            bias(up),
+            down.weight().clone(),
+            bias(down),
+        ]
+        .map(|p| p.flatten_all());
+        let parts = parts.into_iter().collect::<candle::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The layer as one fused node ([`Kernels::Layer`]); dropout masks are drawn in the order
+    /// the composition draws them, so both paths see the same masks.
+    fn forward_fused(
+        &self,
+        xs: &Tensor,
+        bias: &Tensor,
+        rope: Option<&RopeAngles>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (b, t, d) = xs.dims3()?;
+        let (dtype, device) = (xs.dtype(), xs.device());
+        let heads = self.attn.n_heads();
+        let masks = LayerMasks {
+            attention: self.attn.dropout().multipliers(
+                &(b, heads, t, t).into(),
+                dtype,
+                device,
+                train,
+            )?,
+            attention_out: self
+                .dropout
+                .multipliers(&(b, t, d).into(), dtype, device, train)?,
+            ffn_out: self
+                .dropout
+                .multipliers(&(b, t, d).into(), dtype, device, train)?,
+        };
+        let shape = LayerShape {
+            d,
+            ffn: self.ffn.up().weight().dim(0)?,
+            eps: self.attn_norm.eps(),
+            pre_norm: self.norm == NormPlacement::Pre,
+        };
+        Ok(encoder_layer(
+            xs,
+            &self.packed_params()?,
+            shape,
+            heads,
+            bias,
+            rope.map(RopeAngles::tables),
+            masks,
+            train,
+        )?)
+    }
+
     /// # Shapes
-    /// - `xs`: `(b, t, d_model)`, `bias`: `(b, 1, 1, t)`; returns `(b, t, d_model)`
+    /// - `xs`: `(b, t, d_model)`, `bias`: `(b, t)`; returns `(b, t, d_model)`
     fn forward_t(
         &self,
         xs: &Tensor,
@@ -65,6 +142,9 @@ impl EncoderLayer {
         rope: Option<&RopeAngles>,
         train: bool,
     ) -> Result<Tensor> {
+        if kernels_for(xs) == Kernels::Layer {
+            return self.forward_fused(xs, bias, rope, train);
+        }
         let attn = |x: &Tensor| -> Result<Tensor> {
             let y = self.attn.forward_t(x, bias, rope, train)?;
             Ok(self.dropout.forward_t(&y, train)?)
@@ -225,7 +305,7 @@ impl Encoder {
         let x = self.input_positions.join(&x, start)?; // (b, t, d_model)
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 
-        let bias = key_padding_bias(attention_mask, x.dtype())?; // (b, 1, 1, t)
+        let bias = key_padding_bias(attention_mask, x.dtype())?; // (b, t)
         let rope = self.rope.as_ref().map(|r| r.angles(start, t)).transpose()?;
         for layer in &self.layers {
             x = layer.forward_t(&x, &bias, rope.as_ref(), train)?;

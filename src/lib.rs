@@ -18,6 +18,7 @@
 //! ```
 
 pub mod analysis;
+pub mod bench;
 pub mod config;
 pub mod data;
 pub mod device;
@@ -37,7 +38,25 @@ pub mod text;
 pub mod train;
 
 pub use config::{ModelConfig, NormPlacement, Scale};
+
+/// Keeps freed tensor memory in the process for reuse (glibc on Linux; elsewhere nothing).
+///
+/// glibc serves allocations above 128 KiB with `mmap` and returns them to the system when
+/// freed, so each step's multi-MiB activations are faulted in and zeroed by the kernel again:
+/// measured here, a third of a training step. Raising the mmap and trim thresholds to 32 MiB and
+/// 1 GiB lets the heap reuse that memory instead (forward 1.66x, training 1.40x faster at the
+/// reference bench shape). It changes process-wide allocator settings, so the `poslab` binary
+/// calls it at start-up and a program using the library decides for itself.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only adjusts glibc's allocator parameters; any value is memory-safe.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
 pub use encoder::{Encoder, EncoderLayer};
 pub use error::{Error, Result};
 pub use params::ParamStore;
-pub use positional::{Placement, PositionalConfig, RopePairing, TableLayout};
+pub use positional::{Placement, PositionalConfig, RopeOptions, RopePairing, TableLayout};

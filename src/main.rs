@@ -164,6 +164,62 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Forward and training-step throughput of every positional variant at a reference shape
+    /// (that of shared/bench/torch_reference.py by default), with FLOP counts and peak memory.
+    Bench {
+        /// Variants (sin_add, sin_concat, sin_concat_proj, learned, rope, none); default all but none.
+        #[arg(long, value_delimiter = ',')]
+        variants: Vec<String>,
+        #[arg(long, default_value_t = 8192)]
+        vocab: usize,
+        #[arg(long, default_value_t = 256)]
+        d_model: usize,
+        #[arg(long, default_value_t = 4)]
+        heads: usize,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        #[arg(long, default_value_t = 1024)]
+        ffn: usize,
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Untimed steps before each phase.
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        /// Timed forward passes (0 skips them).
+        #[arg(long, default_value_t = 10)]
+        forward_reps: usize,
+        /// Timed training steps (0 skips them).
+        #[arg(long, default_value_t = 6)]
+        train_reps: usize,
+        /// Threads for matrix multiplies (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// One JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Measure every variant in this process (by default each runs in a fresh child
+        /// process, so peak memory is its own).
+        #[arg(long)]
+        in_process: bool,
+        /// Which kernels the layers run with: layer (each encoder layer one fused node, the
+        /// default), ops (fused per-op kernels) or reference (compositions of candle ops).
+        #[arg(long, value_parser = ["layer", "ops", "reference"])]
+        kernels: Option<String>,
+        /// The PyTorch reference script (shared/bench/torch_reference.py): run it beside
+        /// poslab, interleaved per variant, and report the ratios.
+        #[arg(long)]
+        torch: Option<PathBuf>,
+        /// The Python that runs --torch (one with torch installed).
+        #[arg(long, default_value = "python3")]
+        python: PathBuf,
+        /// Interleaved rounds of poslab and PyTorch with --torch.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
     /// Merge the results of run folders (cells split across machines with --task, --variant,
     /// --seed) into one report.
     Report {
@@ -184,6 +240,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    poslab::tune_allocator();
     let result = match Cli::parse().command {
         Command::Compare {
             config,
@@ -261,6 +318,50 @@ fn main() -> ExitCode {
             text,
             texts,
             out,
+        }),
+        Command::Bench {
+            variants,
+            vocab,
+            d_model,
+            heads,
+            layers,
+            ffn,
+            batch,
+            seq,
+            warmup,
+            forward_reps,
+            train_reps,
+            threads,
+            device,
+            json,
+            in_process,
+            kernels,
+            torch,
+            python,
+            rounds,
+        } => bench(BenchArgs {
+            shape: poslab::bench::Shape {
+                vocab,
+                d_model,
+                n_heads: heads,
+                n_layers: layers,
+                ffn_dim: ffn,
+                batch,
+                seq,
+                ..Default::default()
+            },
+            variants,
+            warmup,
+            forward_reps,
+            train_reps,
+            threads,
+            device,
+            json,
+            in_process,
+            kernels,
+            torch,
+            python,
+            rounds,
         }),
         Command::Report { runs, out } => merge_reports(&runs, out),
         Command::Inspect { config } => inspect(&config),
@@ -668,6 +769,201 @@ fn analyze(a: AnalyzeArgs) -> Result<()> {
     }
     print!("{summary}");
     println!("files in {}: {}", dir.display(), files.join(", "));
+    Ok(())
+}
+
+struct BenchArgs {
+    shape: poslab::bench::Shape,
+    variants: Vec<String>,
+    warmup: usize,
+    forward_reps: usize,
+    train_reps: usize,
+    threads: Option<usize>,
+    device: String,
+    json: bool,
+    in_process: bool,
+    kernels: Option<String>,
+    torch: Option<PathBuf>,
+    python: PathBuf,
+    rounds: usize,
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        // candle reads this at every matrix multiply; set before any tensor work.
+        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
+    if let Some(k) = &args.kernels {
+        // Read once, at the first layer; children inherit it.
+        std::env::set_var("POSLAB_KERNELS", k);
+    }
+    let device = poslab::device::parse_device(&args.device)?;
+    let variants = if args.variants.is_empty() {
+        poslab::bench::VARIANTS[..5]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    } else {
+        args.variants.clone()
+    };
+    for v in &variants {
+        args.shape.positional(v)?;
+    }
+    let threads = candle::utils::get_num_threads();
+    let shape = &args.shape;
+    let child = args.in_process && args.json;
+    if !child {
+        eprintln!(
+            "poslab bench on {} ({threads} thread{}, {} kernels): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            poslab::device::device_name(&device),
+            if threads == 1 { "" } else { "s" },
+            poslab::nn::current_kernels().name(),
+            shape.vocab,
+            shape.d_model,
+            shape.n_heads,
+            shape.n_layers,
+            shape.ffn_dim,
+            shape.batch,
+            shape.seq
+        );
+    }
+    let options = poslab::bench::Options {
+        shape: shape.clone(),
+        variants: variants.clone(),
+        warmup: args.warmup,
+        forward_reps: args.forward_reps,
+        train_reps: args.train_reps,
+        device: device.clone(),
+    };
+    // One child process per variant: its peak memory is its own, not the heap an earlier
+    // variant left behind.
+    let in_child = |variant: &str| -> Result<poslab::bench::Record> {
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.arg("bench");
+        for (flag, value) in [
+            ("--vocab", shape.vocab),
+            ("--d-model", shape.d_model),
+            ("--heads", shape.n_heads),
+            ("--layers", shape.n_layers),
+            ("--ffn", shape.ffn_dim),
+            ("--batch", shape.batch),
+            ("--seq", shape.seq),
+            ("--warmup", args.warmup),
+            ("--forward-reps", args.forward_reps),
+            ("--train-reps", args.train_reps),
+            ("--threads", threads),
+        ] {
+            cmd.args([flag.to_string(), value.to_string()]);
+        }
+        cmd.args([
+            "--device",
+            &args.device,
+            "--json",
+            "--in-process",
+            "--variants",
+            variant,
+        ]);
+        let out = cmd
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .context("running a bench child process")?;
+        if !out.status.success() {
+            anyhow::bail!("the bench of {variant} failed");
+        }
+        let doc: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("reading a bench child's JSON")?;
+        let mut records: Vec<poslab::bench::Record> =
+            serde_json::from_value(doc["results"].clone())?;
+        records.pop().context("a bench child returned no result")
+    };
+    let header = serde_json::json!({
+        "device": poslab::device::device_name(&device),
+        "threads": threads,
+        "kernels": poslab::nn::current_kernels().name(),
+        "shape": shape,
+    });
+
+    if let Some(script) = &args.torch {
+        if !script.is_file() {
+            anyhow::bail!(
+                "--torch {}: no such file (it is shared/bench/torch_reference.py)",
+                script.display()
+            );
+        }
+        let torch = |variant: &str| -> Result<poslab::bench::TorchRecord> {
+            eprintln!("  {variant}: PyTorch");
+            let out = std::process::Command::new(&args.python)
+                .arg(script)
+                .arg(variant)
+                .args(["--fwd-iters", &args.forward_reps.max(1).to_string()])
+                .args(["--train-iters", &args.train_reps.max(1).to_string()])
+                .args(["--warm", &args.warmup.to_string()])
+                .args(["--threads", &threads.to_string()])
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .with_context(|| {
+                    format!("running {} {}", args.python.display(), script.display())
+                })?;
+            if !out.status.success() {
+                anyhow::bail!(
+                    "the PyTorch reference failed for {variant} (is torch installed for {}? pass --python)",
+                    args.python.display()
+                );
+            }
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .rev()
+                .find(|l| l.trim_start().starts_with('{'))
+                .context("the PyTorch reference printed no JSON line")?;
+            Ok(poslab::bench::TorchRecord::from_json(
+                &serde_json::from_str(line)?,
+            )?)
+        };
+        let mut rounds = Vec::new();
+        for round in 0..args.rounds.max(1) {
+            eprintln!("round {} of {}", round + 1, args.rounds.max(1));
+            let mut pairs = Vec::new();
+            for variant in &variants {
+                // Alternate which goes first, so a drift in machine speed favours neither.
+                let (p, t) = if round % 2 == 0 {
+                    let p = in_child(variant)?;
+                    (p, torch(variant)?)
+                } else {
+                    let t = torch(variant)?;
+                    (in_child(variant)?, t)
+                };
+                pairs.push((p, t));
+            }
+            rounds.push(pairs);
+        }
+        let ratios = poslab::bench::ratios(&variants, &rounds);
+        if args.json {
+            let mut doc = header;
+            doc["ratios"] = serde_json::to_value(&ratios)?;
+            doc["rounds"] = serde_json::to_value(&rounds)?;
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print!("{}", poslab::bench::ratio_table(&ratios));
+        }
+        return Ok(());
+    }
+
+    let records = if args.in_process || variants.len() == 1 {
+        poslab::bench::run(&options, &mut |phase| eprintln!("  {phase}"))?
+    } else {
+        variants
+            .iter()
+            .map(|v| in_child(v))
+            .collect::<Result<Vec<_>>>()?
+    };
+    if args.json {
+        let mut doc = header;
+        doc["results"] = serde_json::to_value(&records)?;
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", poslab::bench::table(&records));
+    }
     Ok(())
 }
 

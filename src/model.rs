@@ -1,7 +1,9 @@
 //! An encoder with a task head: what `train`, `compare` and `predict` run.
 
 use candle::{DType, IndexOp, Module, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
+
+use crate::nn::Linear;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;

@@ -44,6 +44,18 @@ impl ParamStore {
         VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
     }
 
+    /// A `VarBuilder` over plain (detached) copies of the variables' current values: a model
+    /// built from it computes without recording an autograd graph (inference), and does not
+    /// see later updates.
+    pub fn frozen_var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        let tensors: HashMap<String, Tensor> = self
+            .vars()
+            .into_iter()
+            .map(|(name, var)| (name, var.as_detached_tensor()))
+            .collect();
+        VarBuilder::from_tensors(tensors, dtype, device)
+    }
+
     /// All variables, sorted by name.
     pub fn vars(&self) -> Vec<(String, Var)> {
         self.lock()

@@ -1,9 +1,11 @@
 //! Multi-head self-attention with a key-padding mask; RoPE, when chosen, acts here on q and k.
 
 use candle::{DType, Module, ModuleT, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
-use super::{linear, linear_no_bias, softmax_last_dim, Dropout};
+use super::Linear;
+
+use super::{linear, linear_no_bias, masked_softmax, Dropout};
 use crate::positional::RopeAngles;
 
 /// The score given to a padded key before the softmax: far enough below any real score that its
@@ -14,11 +16,9 @@ const MASKED_SCORE: f64 = -1e9;
 ///
 /// # Shapes
 /// - `mask`: `(b, t)`, 1 for a real token and 0 for padding (any numeric dtype)
-/// - returns `(b, 1, 1, t)` in `dtype`: 0 for real keys, a large negative score for padded keys
+/// - returns `(b, t)` in `dtype`: 0 for real keys, a large negative score for padded keys
 pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
-    let (b, t) = mask.dims2()?;
-    let real = mask.to_dtype(dtype)?;
-    ((real - 1.0)? * -MASKED_SCORE)?.reshape((b, 1, 1, t))
+    (mask.to_dtype(dtype)? - 1.0)? * -MASKED_SCORE
 }
 
 /// Scaled dot-product attention over `n_heads` heads, projections `attn.{q,k,v,o}`.
@@ -60,6 +60,33 @@ impl SelfAttention {
             head_dim: d_model / n_heads,
             dropout,
         })
+    }
+
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    /// The dropout on the attention weights.
+    pub fn dropout(&self) -> &Dropout {
+        &self.dropout
+    }
+
+    /// The projections `(q, k, v, o)`.
+    pub fn projections(&self) -> [&Linear; 4] {
+        [&self.q, &self.k, &self.v, &self.o]
+    }
+
+    /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for `b_k` when the key
+    /// projection has no bias: the packed projection of the fused kernels.
+    pub(crate) fn packed_qkv(&self) -> Result<(Tensor, Tensor)> {
+        let weight = Tensor::cat(&[self.q.weight(), self.k.weight(), self.v.weight()], 0)?;
+        let q_bias = self.q.bias().expect("q has a bias");
+        let k_bias = match self.k.bias() {
+            Some(bias) => bias.clone(),
+            None => q_bias.zeros_like()?,
+        };
+        let bias = Tensor::cat(&[q_bias, &k_bias, self.v.bias().expect("v has a bias")], 0)?;
+        Ok((weight, bias))
     }
 
     /// The attention scores (scaled, before masking) of the input `content + position`, and
@@ -105,7 +132,7 @@ impl SelfAttention {
 
     /// # Shapes
     /// - `xs`: `(b, t, d_model)`
-    /// - `bias`: `(b, 1, 1, t)` from [`key_padding_bias`]
+    /// - `bias`: `(b, t)` from [`key_padding_bias`]
     /// - `rope`: the angles of this batch's positions, for the `rope` scheme
     /// - returns `(b, t, d_model)`
     pub fn forward_t(
@@ -116,6 +143,25 @@ impl SelfAttention {
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
+        if super::fused_for(xs) {
+            // One projection for q, k and v, then the whole attention core as one node.
+            let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
+            let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
+            let mask = self.dropout.multipliers(
+                &(b, self.n_heads, t, t).into(),
+                xs.dtype(),
+                xs.device(),
+                train,
+            )?;
+            let out = super::fused::attention(
+                &qkv,
+                self.n_heads,
+                bias,
+                rope.map(RopeAngles::tables),
+                mask.as_ref(),
+            )?; // (b, t, d)
+            return Ok(self.o.forward(&out)?);
+        }
         let heads = |y: Tensor| -> Result<Tensor> {
             y.reshape((b, t, self.n_heads, self.head_dim))?
                 .transpose(1, 2)? // (b, h, t, d_head)
@@ -130,7 +176,7 @@ impl SelfAttention {
         }
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?; // (b, h, t, t)
-        let weights = softmax_last_dim(&scores.broadcast_add(bias)?)?;
+        let weights = masked_softmax(&scores, bias)?;
         let weights = self.dropout.forward_t(&weights, train)?;
         let out = weights.matmul(&v)?; // (b, h, t, d_head)
         let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)

@@ -47,11 +47,28 @@ impl Dropout {
     }
 }
 
+impl Dropout {
+    /// The multipliers this dropout would apply to a tensor of `shape` (drawn from the shared
+    /// generator exactly as [`ModuleT::forward_t`] draws them), or none when it is inactive.
+    pub(crate) fn multipliers(
+        &self,
+        shape: &candle::Shape,
+        dtype: DType,
+        device: &Device,
+        train: bool,
+    ) -> Result<Option<Tensor>> {
+        if !train || self.p == 0.0 {
+            return Ok(None);
+        }
+        self.mask(shape, dtype, device).map(Some)
+    }
+}
+
 impl ModuleT for Dropout {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        if !train || self.p == 0.0 {
-            return Ok(xs.clone());
+        match self.multipliers(xs.shape(), xs.dtype(), xs.device(), train)? {
+            Some(mask) => xs.mul(&mask),
+            None => Ok(xs.clone()),
         }
-        xs.mul(&self.mask(xs.shape(), xs.dtype(), xs.device())?)
     }
 }

@@ -1,7 +1,9 @@
 //! The position-wise feed-forward block.
 
 use candle::{Module, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
+
+use super::Linear;
 
 use super::{gelu, linear};
 
@@ -13,6 +15,16 @@ pub struct FeedForward {
 }
 
 impl FeedForward {
+    /// `ffn.up`, `(ffn_dim, d_model)`
+    pub fn up(&self) -> &Linear {
+        &self.up
+    }
+
+    /// `ffn.down`, `(d_model, ffn_dim)`
+    pub fn down(&self) -> &Linear {
+        &self.down
+    }
+
     pub fn new(d_model: usize, ffn_dim: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             up: linear(d_model, ffn_dim, vb.pp("up"))?,

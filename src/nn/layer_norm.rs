@@ -20,6 +20,18 @@ pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
 }
 
 impl LayerNorm {
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// `LN(content + position)` as a content part and a position part that sum to it exactly:
     /// the mean is linear, both parts are divided by the sum's standard deviation, and the bias
     /// goes with the content.
@@ -47,6 +59,9 @@ impl Module for LayerNorm {
     /// # Shapes
     /// - `xs`: `(..., size)`; returns the same shape
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if super::fused_for(xs) {
+            return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
+        }
         let mean = xs.mean_keepdim(D::Minus1)?;
         let centered = xs.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;

@@ -3,16 +3,109 @@
 //! Everything here is differentiable on every device: in candle-nn 0.11 the fused
 //! `ops::softmax_last_dim`, `ops::layer_norm` (and so `candle_nn::LayerNorm` on contiguous
 //! input) and `rope`/`rope_i` have no backward pass, and every variable upstream of them would
-//! silently stop learning. The compositions below are what the gradient tests check.
+//! silently stop learning. On the CPU (f32, f64) poslab runs its own kernels with hand-written
+//! backward passes (`fused`): by default each encoder layer is one autograd node, and the
+//! pieces outside the layers (linear heads, final LayerNorm) are fused ops; elsewhere, and under
+//! [`with_reference_ops`], everything is a composition of differentiable tensor ops. See
+//! [`Kernels`]. The tests hold every path to the reference, forward and backward.
 
 mod attention;
 mod dropout;
 mod feed_forward;
+mod fused;
 mod layer_norm;
 mod ops;
 
 pub use attention::{key_padding_bias, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::FeedForward;
+pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
 pub use layer_norm::{layer_norm, LayerNorm};
-pub use ops::{gelu, linear, linear_no_bias, log_softmax_last_dim, softmax_last_dim};
+pub use ops::{
+    gelu, linear, linear_no_bias, log_softmax_last_dim, masked_softmax, rope_rotate,
+    softmax_last_dim, Linear,
+};
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+use candle::{DType, Tensor};
+
+/// Which implementation the layers compute with on the CPU (f32 and f64); other devices and
+/// dtypes always use [`Kernels::Reference`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// Compositions of differentiable candle tensor ops: the specification the others are
+    /// tested against.
+    Reference,
+    /// Fused per-op kernels with hand-written backward passes: linear, LayerNorm, masked
+    /// softmax, GELU, RoPE, and the attention core from packed QKV.
+    Ops,
+    /// Each encoder layer as one node with a hand-written backward (the default).
+    Layer,
+}
+
+impl Kernels {
+    /// From `POSLAB_KERNELS` (`reference`, `ops` or `layer`), else [`Kernels::Layer`].
+    pub fn from_env() -> Self {
+        static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
+        *FROM_ENV.get_or_init(|| match std::env::var("POSLAB_KERNELS").as_deref() {
+            Ok("reference") => Kernels::Reference,
+            Ok("ops") => Kernels::Ops,
+            Ok("layer") | Err(_) => Kernels::Layer,
+            Ok(other) => {
+                eprintln!(
+                    "warning: POSLAB_KERNELS={other} is not reference, ops or layer; using layer"
+                );
+                Kernels::Layer
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Reference => "reference",
+            Kernels::Ops => "ops",
+            Kernels::Layer => "layer",
+        }
+    }
+}
+
+thread_local! {
+    static KERNELS: Cell<Option<Kernels>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the layers on this thread computed by `kernels` (overriding
+/// `POSLAB_KERNELS`): how the tests hold the fast paths to the reference, and how the
+/// benchmarks measure each.
+pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
+    let before = KERNELS.with(|k| k.replace(Some(kernels)));
+    let out = f();
+    KERNELS.with(|k| k.set(before));
+    out
+}
+
+/// [`with_kernels`] with [`Kernels::Reference`].
+pub fn with_reference_ops<R>(f: impl FnOnce() -> R) -> R {
+    with_kernels(Kernels::Reference, f)
+}
+
+/// The kernels in force on this thread (ignoring the tensor's device and dtype).
+pub fn current_kernels() -> Kernels {
+    KERNELS.with(Cell::get).unwrap_or_else(Kernels::from_env)
+}
+
+/// The kernels `x` is computed with: [`current_kernels`] on the CPU in f32 or f64, else the
+/// reference compositions.
+pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+        current_kernels()
+    } else {
+        Kernels::Reference
+    }
+}
+
+/// Whether `x` goes through a fused per-op kernel.
+pub(crate) fn fused_for(x: &Tensor) -> bool {
+    kernels_for(x) != Kernels::Reference
+}

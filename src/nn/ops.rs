@@ -1,10 +1,55 @@
 //! Small differentiable functions shared by the layers.
 
-use candle::{Result, Tensor, D};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle::{Module, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
 
-/// A linear layer `y = x W^T + b`, `W` of shape `(out, in)` as in PyTorch and candle-nn,
-/// initialised like PyTorch's `nn.Linear`: weight and bias uniform in `±1/sqrt(in)`.
+/// A linear layer `y = x Wᵀ + b` on the last axis, `W` of shape `(out, in)` as in PyTorch.
+///
+/// On the CPU it is one fused node ([`super::fused`]); elsewhere a matrix multiply and an add.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+
+    /// `(out, in)`
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `(out)`
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+}
+
+impl Module for Linear {
+    /// # Shapes
+    /// - `xs`: `(..., in)`; returns `(..., out)`
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if super::fused_for(xs) {
+            return super::fused::linear(xs, &self.weight, self.bias.as_ref());
+        }
+        let mut dims = xs.dims().to_vec();
+        let last = dims.pop().unwrap_or(0);
+        let rows = xs.contiguous()?.reshape(((), last))?; // (n, in)
+        let y = rows.matmul(&self.weight.t()?)?; // (n, out)
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        dims.push(self.weight.dim(0)?);
+        y.reshape(dims)
+    }
+}
+
+/// A [`Linear`] layer initialised like PyTorch's `nn.Linear`: weight and bias uniform in
+/// `±1/sqrt(in)`.
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
     let weight = vb.get_with_hints((out_dim, in_dim), "weight", linear_init(in_dim))?;
     let bias = vb.get_with_hints(out_dim, "bias", linear_init(in_dim))?;
@@ -45,6 +90,46 @@ pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&log_sum)
 }
 
+/// `softmax(scores + bias)` over the last axis, where the key bias `(b, t)` (0 for real keys,
+/// a large negative score for padded ones) is added to every row of batch element `b`.
+///
+/// # Shapes
+/// - `scores`: `(b, h, t, t)`, `key_bias`: `(b, t)`; returns `(b, h, t, t)`
+pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+    if super::fused_for(scores) {
+        return super::fused::masked_softmax(scores, key_bias);
+    }
+    let (b, t) = key_bias.dims2()?;
+    softmax_last_dim(&scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?)
+}
+
+/// RoPE's rotation `x * cos + rotate(x) * sin` with `(t, d)` tables laid out by the pairing
+/// (`interleaved` pairs `(x[2i], x[2i+1])`, else `(x[i], x[i + d/2])`).
+///
+/// # Shapes
+/// - `x`: `(..., t, d)`, `cos`, `sin`: `(t, d)`; returns the shape of `x`
+pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    if super::fused_for(x) {
+        return super::fused::rope(x, cos, sin, interleaved);
+    }
+    let d = x.dim(D::Minus1)?;
+    let half = d / 2;
+    let rotated = if interleaved {
+        let mut pair_shape = x.dims().to_vec();
+        pair_shape.pop();
+        pair_shape.extend([half, 2]);
+        let pairs = x.reshape(pair_shape)?; // (..., d/2, 2)
+        let even = pairs.narrow(D::Minus1, 0, 1)?;
+        let odd = pairs.narrow(D::Minus1, 1, 1)?;
+        Tensor::cat(&[&odd.neg()?, &even], D::Minus1)?.reshape(x.shape())?
+    } else {
+        let first = x.narrow(D::Minus1, 0, half)?;
+        let second = x.narrow(D::Minus1, half, half)?;
+        Tensor::cat(&[&second.neg()?, &first], D::Minus1)?
+    };
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+}
+
 /// GELU in its exact form, `x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))`.
 ///
 /// Composed from `erf` rather than candle's fused `gelu_erf`, whose backward hard-codes
@@ -52,6 +137,9 @@ pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
 /// f64 finite-difference test sees (1.7e-9 with this form). The fused forward is about 2x faster
 /// on CPU; a fused op with an exact backward is the way to get both.
 pub fn gelu(xs: &Tensor) -> Result<Tensor> {
+    if super::fused_for(xs) {
+        return super::fused::gelu(xs);
+    }
     let cdf = ((xs * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)? * 0.5;
     xs * cdf?
 }

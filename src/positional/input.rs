@@ -1,7 +1,9 @@
 //! Input-side schemes: positions joined with the token embeddings before the first layer.
 
 use candle::{Module, Tensor, D};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::{Init, VarBuilder};
+
+use crate::nn::Linear;
 
 use super::{sinusoidal_table, PositionTable, PositionalConfig};
 use crate::error::{Error, Result};

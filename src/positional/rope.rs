@@ -11,8 +11,10 @@
 //! - `interleaved` (RoFormer): `(x[2i], x[2i+1])`; tables `[c0, c0, c1, c1, ...]`;
 //! - `half` (GPT-NeoX / LLaMA rotate-half): `(x[i], x[i + d/2])`; tables `[c0, c1, ..., c0, c1, ...]`.
 //!
-//! This is a composition of differentiable tensor ops: candle-nn's fused `rope`/`rope_i` have no
-//! backward pass, and q/k projections upstream of them would silently never learn.
+//! The rotation is [`crate::nn::rope_rotate`] (a fused kernel with its backward on the CPU, a
+//! composition of differentiable ops elsewhere; candle-nn's fused `rope`/`rope_i` have no backward
+//! and q/k projections upstream of them would silently never learn); inside the fused attention
+//! kernel it is applied while q and k are gathered per head.
 
 use candle::{DType, Device, Tensor, D};
 
@@ -97,6 +99,15 @@ impl Rope {
 }
 
 impl RopeAngles {
+    /// The `(t, d_head)` cos and sin tables, and whether the pairing is interleaved.
+    pub(crate) fn tables(&self) -> (&Tensor, &Tensor, bool) {
+        (
+            &self.cos,
+            &self.sin,
+            self.pairing == RopePairing::Interleaved,
+        )
+    }
+
     /// # Shapes
     /// - `x`: `(b, h, t, d_head)`, or any shape ending in `(t, d_head)`
     /// - returns the same shape
@@ -109,31 +120,13 @@ impl RopeAngles {
                 x.shape()
             )));
         }
-        let rotated = rotate_pairs(x, self.pairing)?;
-        Ok((x.broadcast_mul(&self.cos)? + rotated.broadcast_mul(&self.sin)?)?)
+        Ok(crate::nn::rope_rotate(
+            x,
+            &self.cos,
+            &self.sin,
+            self.pairing == RopePairing::Interleaved,
+        )?)
     }
-}
-
-/// Turns every pair `(a, b)` into `(-b, a)`, pairs chosen by `pairing`.
-fn rotate_pairs(x: &Tensor, pairing: RopePairing) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let half = d / 2;
-    Ok(match pairing {
-        RopePairing::Half => {
-            let first = x.narrow(D::Minus1, 0, half)?;
-            let second = x.narrow(D::Minus1, half, half)?;
-            Tensor::cat(&[&second.neg()?, &first], D::Minus1)?
-        }
-        RopePairing::Interleaved => {
-            let mut pair_shape = x.dims().to_vec();
-            pair_shape.pop();
-            pair_shape.extend([half, 2]);
-            let pairs = x.reshape(pair_shape)?; // (..., d/2, 2)
-            let even = pairs.narrow(D::Minus1, 0, 1)?;
-            let odd = pairs.narrow(D::Minus1, 1, 1)?;
-            Tensor::cat(&[&odd.neg()?, &even], D::Minus1)?.reshape(x.shape())?
-        }
-    })
 }
 
 /// Rows `0..n` of `f(t * w_i)` laid out over a head of width `d` by the pairing convention.

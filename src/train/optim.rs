@@ -19,9 +19,8 @@ pub struct AdamWConfig {
 struct Slot {
     name: String,
     var: Var,
-    /// First and second moment estimates.
-    m: Tensor,
-    v: Tensor,
+    /// First and second moment estimates `[m; v]`, `(2, ...var shape)`.
+    moments: Tensor,
     decay: bool,
 }
 
@@ -46,10 +45,11 @@ impl AdamW {
         let slots = vars
             .into_iter()
             .map(|(name, var)| {
+                let mut shape = vec![2];
+                shape.extend_from_slice(var.dims());
                 Ok(Slot {
                     decay: decays(&name),
-                    m: var.zeros_like()?,
-                    v: var.zeros_like()?,
+                    moments: Tensor::zeros(shape, var.dtype(), var.device())?,
                     name,
                     var,
                 })
@@ -83,23 +83,42 @@ impl AdamW {
             let Some(g) = grads.get(slot.var.as_tensor()) else {
                 continue;
             };
+            let decay_factor = if slot.decay && weight_decay > 0.0 {
+                1.0 - lr * weight_decay
+            } else {
+                1.0
+            };
+            if crate::nn::fused_for(g) {
+                crate::nn::adamw_step(
+                    slot.var.as_tensor(),
+                    &slot.moments,
+                    g,
+                    (beta1, beta2, eps),
+                    grad_scale,
+                    lr,
+                    decay_factor,
+                    (bias1, bias2),
+                )?;
+                continue;
+            }
             let g = if grad_scale == 1.0 {
                 g.clone()
             } else {
                 (g * grad_scale)?
             };
-            slot.m = ((&slot.m * beta1)? + (&g * (1.0 - beta1))?)?;
-            slot.v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let m_hat = (&slot.m / bias1)?;
-            let v_hat = (&slot.v / bias2)?;
+            let m = ((slot.moments.get(0)? * beta1)? + (&g * (1.0 - beta1))?)?;
+            let v = ((slot.moments.get(1)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m_hat = (&m / bias1)?;
+            let v_hat = (&v / bias2)?;
             let update = (m_hat / (v_hat.sqrt()? + eps)?)?;
             let w = slot.var.as_detached_tensor();
-            let w = if slot.decay && weight_decay > 0.0 {
-                (w * (1.0 - lr * weight_decay))?
+            let w = if decay_factor != 1.0 {
+                (w * decay_factor)?
             } else {
                 w
             };
             slot.var.set(&(w - (update * lr)?)?)?;
+            slot.moments = Tensor::stack(&[m, v], 0)?;
         }
         Ok(())
     }
@@ -108,8 +127,10 @@ impl AdamW {
     pub fn state(&self) -> (HashMap<String, Tensor>, u64) {
         let mut tensors = HashMap::new();
         for slot in &self.slots {
-            tensors.insert(format!("m.{}", slot.name), slot.m.clone());
-            tensors.insert(format!("v.{}", slot.name), slot.v.clone());
+            for (i, prefix) in ["m", "v"].into_iter().enumerate() {
+                let moment = slot.moments.get(i).expect("moments hold m and v");
+                tensors.insert(format!("{prefix}.{}", slot.name), moment);
+            }
         }
         (tensors, self.step)
     }
@@ -117,7 +138,8 @@ impl AdamW {
     /// Restores [`AdamW::state`]; every moment must be present with its variable's shape.
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<()> {
         for slot in &mut self.slots {
-            for (prefix, target) in [("m", &mut slot.m), ("v", &mut slot.v)] {
+            let mut moments = Vec::with_capacity(2);
+            for prefix in ["m", "v"] {
                 let key = format!("{prefix}.{}", slot.name);
                 let t = tensors
                     .get(&key)
@@ -129,8 +151,9 @@ impl AdamW {
                         slot.var.dims()
                     )));
                 }
-                *target = t.to_dtype(slot.var.dtype())?.to_device(slot.var.device())?;
+                moments.push(t.to_dtype(slot.var.dtype())?.to_device(slot.var.device())?);
             }
+            slot.moments = Tensor::stack(&moments, 0)?;
         }
         self.step = step;
         Ok(())
@@ -185,5 +208,83 @@ mod tests {
         assert_eq!(step, 1);
         let m = state["m.w.weight"].to_vec1::<f64>().unwrap()[0];
         assert!((m - 0.3).abs() < 1e-15, "first moment {m}");
+    }
+
+    #[test]
+    fn fused_step_matches_the_composition_over_several_steps() {
+        use rand::{Rng as _, SeedableRng};
+        for dtype in [DType::F32, DType::F64] {
+            let run = |kernels: crate::nn::Kernels| {
+                crate::nn::with_kernels(kernels, || {
+                    let mut rng = crate::rng::Rng::seed_from_u64(4);
+                    let mut random = |n: usize| -> Tensor {
+                        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+                        Tensor::from_vec(v, n, &Device::Cpu)
+                            .unwrap()
+                            .to_dtype(dtype)
+                            .unwrap()
+                    };
+                    let vars = [("a.weight", 37), ("a.bias", 5)]
+                        .map(|(name, n)| (name.to_string(), Var::from_tensor(&random(n)).unwrap()));
+                    let config = AdamWConfig {
+                        beta1: 0.9,
+                        beta2: 0.98,
+                        eps: 1e-6,
+                        weight_decay: 0.05,
+                    };
+                    let mut opt = AdamW::new(vars.to_vec(), config).unwrap();
+                    for step in 0..4 {
+                        let r = [random(37), random(5)];
+                        let loss = vars
+                            .iter()
+                            .zip(&r)
+                            .map(|((_, v), r)| {
+                                v.as_tensor()
+                                    .sqr()
+                                    .unwrap()
+                                    .mul(r)
+                                    .unwrap()
+                                    .sum_all()
+                                    .unwrap()
+                            })
+                            .reduce(|a, b| (a + b).unwrap())
+                            .unwrap();
+                        let grads = loss.backward().unwrap();
+                        opt.step(&grads, 0.01, if step == 2 { 0.5 } else { 1.0 })
+                            .unwrap();
+                    }
+                    let mut out: Vec<f64> = Vec::new();
+                    for (_, v) in &vars {
+                        out.extend(v.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap());
+                    }
+                    let (state, _) = opt.state();
+                    let mut keys: Vec<_> = state.keys().cloned().collect();
+                    keys.sort();
+                    for k in keys {
+                        out.extend(
+                            state[&k]
+                                .to_dtype(DType::F64)
+                                .unwrap()
+                                .flatten_all()
+                                .unwrap()
+                                .to_vec1::<f64>()
+                                .unwrap(),
+                        );
+                    }
+                    out
+                })
+            };
+            let (fused, reference) = (
+                run(crate::nn::Kernels::Layer),
+                run(crate::nn::Kernels::Reference),
+            );
+            let tol = if dtype == DType::F64 { 1e-14 } else { 1e-6 };
+            for (i, (a, b)) in fused.iter().zip(&reference).enumerate() {
+                assert!(
+                    (a - b).abs() <= tol * b.abs().max(1e-3),
+                    "{dtype:?} value {i}: fused {a} vs composed {b}"
+                );
+            }
+        }
     }
 }

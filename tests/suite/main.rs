@@ -5,6 +5,7 @@ mod checkpoint;
 mod common;
 mod compare;
 mod config;
+mod fused;
 mod gradients;
 mod properties;
 mod reference;

@@ -1,0 +1,738 @@
+//! `poslab bench`: forward and training-step throughput of every positional variant at a
+//! reference shape, with FLOP counts, effective GFLOP/s and peak memory.
+//!
+//! The default shape and variants are those of `shared/bench/torch_reference.py`, so the two
+//! can be run side by side: vocab 8192, width 256, 4 heads, 4 layers, FFN 1024, exact GELU,
+//! pre-norm, dropout 0, mean pooling into 2 classes, batch 32 x 128 tokens without padding.
+
+use std::time::Instant;
+
+use candle::{DType, Device, Tensor};
+use rand::Rng as _;
+use serde::Serialize;
+
+use crate::config::{ModelConfig, NormPlacement, Scale};
+use crate::data::Batch;
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, Pooling, TaskModel};
+use crate::params::ParamStore;
+use crate::positional::{
+    ConcatOptions, NoOptions, PositionalConfig, RopeOptions, RopePairing, SinusoidalOptions,
+};
+use crate::train::optim::{AdamW, AdamWConfig};
+
+/// The model and batch measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Shape {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    pub ffn_dim: usize,
+    pub batch: usize,
+    pub seq: usize,
+    /// The sinusoid's width in the concatenated variants.
+    pub pos_dim: usize,
+    pub classes: usize,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Self {
+            vocab: 8192,
+            d_model: 256,
+            n_heads: 4,
+            n_layers: 4,
+            ffn_dim: 1024,
+            batch: 32,
+            seq: 128,
+            pos_dim: 64,
+            classes: 2,
+        }
+    }
+}
+
+/// The variants of the PyTorch reference, by its names, plus `none`.
+pub const VARIANTS: [&str; 6] = [
+    "sin_add",
+    "sin_concat",
+    "sin_concat_proj",
+    "learned",
+    "rope",
+    "none",
+];
+
+impl Shape {
+    /// The positional choice of a variant named as in the PyTorch reference.
+    pub fn positional(&self, variant: &str) -> Result<PositionalConfig> {
+        let concat = |project| {
+            PositionalConfig::SinusoidalConcat(ConcatOptions {
+                pos_dim: self.pos_dim,
+                base: crate::positional::DEFAULT_BASE,
+                layout: Default::default(),
+                project,
+            })
+        };
+        Ok(match variant {
+            "sin_add" => PositionalConfig::SinusoidalAdd(SinusoidalOptions::default()),
+            "sin_concat" => concat(false),
+            "sin_concat_proj" => concat(true),
+            "learned" => PositionalConfig::Learned(Default::default()),
+            // The reference rotates halves (GPT-NeoX / LLaMA).
+            "rope" => PositionalConfig::Rope(RopeOptions {
+                base: crate::positional::DEFAULT_BASE,
+                pairing: RopePairing::Half,
+            }),
+            "none" => PositionalConfig::None(NoOptions {}),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown bench variant `{other}`: use {}",
+                    VARIANTS.join(", ")
+                )))
+            }
+        })
+    }
+
+    pub fn model_config(&self, variant: &str) -> Result<ModelConfig> {
+        let config = ModelConfig {
+            vocab_size: self.vocab,
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            ffn_dim: self.ffn_dim,
+            max_len: self.seq,
+            norm: NormPlacement::Pre,
+            dropout: 0.0,
+            attention_dropout: 0.0,
+            embed_scale: Scale::Value(1.0),
+            token_init_std: Scale::Value(1.0),
+            layer_norm_eps: 1e-5,
+            positional: self.positional(variant)?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Forward FLOPs as the PyTorch reference counts them: 2 per multiply-add of every matrix
+    /// multiply (projections, FFN, the concat projection, the head) plus `4 L T^2 d B` for the
+    /// two attention products. A training step is counted as three forwards.
+    pub fn flops(&self, variant: &str) -> (f64, f64) {
+        let (d, f, l) = (
+            self.d_model as f64,
+            self.ffn_dim as f64,
+            self.n_layers as f64,
+        );
+        let (b, t) = (self.batch as f64, self.seq as f64);
+        let mut per_token = l * (4.0 * d * d + 2.0 * d * f);
+        if variant == "sin_concat_proj" {
+            per_token += (d + self.pos_dim as f64) * d;
+        }
+        let forward =
+            2.0 * per_token * b * t + 2.0 * d * self.classes as f64 * b + 4.0 * l * t * t * d * b;
+        (forward, 3.0 * forward)
+    }
+}
+
+/// Timings of repeated steps.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Timing {
+    pub reps: usize,
+    pub median_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+    /// Tokens per second at the median.
+    pub tokens_per_s: f64,
+    /// FLOPs per second at the median, in billions.
+    pub gflops: f64,
+}
+
+impl Timing {
+    fn of(mut ms: Vec<f64>, tokens: f64, flops: f64) -> Self {
+        ms.sort_by(f64::total_cmp);
+        let n = ms.len();
+        let median = if n % 2 == 1 {
+            ms[n / 2]
+        } else {
+            (ms[n / 2 - 1] + ms[n / 2]) / 2.0
+        };
+        Self {
+            reps: n,
+            median_ms: median,
+            min_ms: ms[0],
+            max_ms: ms[n - 1],
+            tokens_per_s: tokens / (median / 1e3),
+            gflops: flops / (median / 1e3) / 1e9,
+        }
+    }
+}
+
+/// One variant's figures.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Record {
+    pub variant: String,
+    pub params: usize,
+    pub forward_gflop: f64,
+    pub train_gflop: f64,
+    pub forward: Option<Timing>,
+    pub train: Option<Timing>,
+    /// Medians of a training step's parts: forward with the loss, backward, optimizer.
+    pub train_parts_ms: Option<[f64; 3]>,
+    /// Peak resident memory of the process during the phase, in MiB (Linux).
+    pub forward_peak_rss_mib: Option<f64>,
+    pub train_peak_rss_mib: Option<f64>,
+    /// Cores' worth of CPU other processes used during the timed part of each phase (Linux):
+    /// on a shared machine, runs where this is large are not to be trusted.
+    #[serde(default)]
+    pub forward_foreign_cores: Option<f64>,
+    #[serde(default)]
+    pub train_foreign_cores: Option<f64>,
+    /// The kernels the layers ran with (`layer`, `ops` or `reference`).
+    #[serde(default)]
+    pub kernels: String,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub shape: Shape,
+    pub variants: Vec<String>,
+    pub warmup: usize,
+    pub forward_reps: usize,
+    pub train_reps: usize,
+    pub device: Device,
+}
+
+/// `VmRSS` or `VmHWM` of this process in MiB.
+fn proc_status_mib(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Busy CPU time of the whole machine and of this process, in clock ticks (Linux).
+#[derive(Clone, Copy, Debug)]
+struct CpuSnap {
+    at: Instant,
+    machine: u64,
+    process: u64,
+}
+
+fn cpu_snap() -> Option<CpuSnap> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    if v.len() < 8 {
+        return None;
+    }
+    // user nice system idle iowait irq softirq steal: busy is all but idle and iowait.
+    let machine = v.iter().sum::<u64>() - v[3] - v[4];
+    let own = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let rest: Vec<&str> = own[own.rfind(')')? + 2..].split_whitespace().collect();
+    let process = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
+    Some(CpuSnap {
+        at: Instant::now(),
+        machine,
+        process,
+    })
+}
+
+/// Average cores used by other processes between two snapshots.
+fn foreign_cores(a: Option<CpuSnap>, b: Option<CpuSnap>) -> Option<f64> {
+    let (a, b) = (a?, b?);
+    #[cfg(unix)]
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    #[cfg(not(unix))]
+    let ticks = 100.0;
+    let seconds = (b.at - a.at).as_secs_f64();
+    if seconds <= 0.0 || ticks <= 0.0 {
+        return None;
+    }
+    let other = (b.machine - a.machine).saturating_sub(b.process - a.process) as f64;
+    Some(other / ticks / seconds)
+}
+
+/// Resets the peak-RSS mark to the current RSS (Linux 4.0+); false where that is not possible.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn batch(shape: &Shape, device: &Device) -> Result<Batch> {
+    let mut rng = crate::rng::stream(0, "bench/batch");
+    let n = shape.batch * shape.seq;
+    let ids: Vec<u32> = (0..n)
+        .map(|_| rng.random_range(0..shape.vocab as u32))
+        .collect();
+    let labels: Vec<u32> = (0..shape.batch)
+        .map(|_| rng.random_range(0..shape.classes as u32))
+        .collect();
+    Ok(Batch {
+        ids: Tensor::from_vec(ids, (shape.batch, shape.seq), device)?,
+        mask: Tensor::ones((shape.batch, shape.seq), DType::U32, device)?,
+        targets: Tensor::from_vec(labels, shape.batch, device)?,
+        weights: None,
+        real_tokens: n,
+        scored: shape.batch,
+    })
+}
+
+fn sync(t: &Tensor) -> Result<()> {
+    // Reading a value waits for queued device work (CUDA), so timings cover the computation.
+    t.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    Ok(())
+}
+
+/// Measures every variant of `options`, calling `progress` before each phase.
+pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Record>> {
+    let shape = &options.shape;
+    let tokens = (shape.batch * shape.seq) as f64;
+    let head = HeadConfig::Classify {
+        classes: shape.classes,
+        pooling: Pooling::Mean,
+    };
+    let mut records = Vec::new();
+    for variant in &options.variants {
+        let config = shape.model_config(variant)?;
+        let (forward_flops, train_flops) = shape.flops(variant);
+        let params = ParamStore::new(0);
+        let model = TaskModel::new(
+            &config,
+            &head,
+            params.var_builder(DType::F32, &options.device),
+        )?;
+        let batch = batch(shape, &options.device)?;
+
+        // Forward without gradients: the same weights as plain tensors, so no graph is kept.
+        progress(&format!("{variant}: forward"));
+        let frozen = TaskModel::new(
+            &config,
+            &head,
+            params.frozen_var_builder(DType::F32, &options.device),
+        )?;
+        let (mut forward_cpu, mut forward_foreign, mut train_cpu, mut train_foreign) =
+            (None, None, None, None);
+        let forward = if options.forward_reps > 0 {
+            reset_peak_rss();
+            let mut ms = Vec::new();
+            for i in 0..options.warmup + options.forward_reps {
+                if i == options.warmup {
+                    forward_cpu = cpu_snap();
+                }
+                let started = Instant::now();
+                let logits = frozen.logits(&batch.ids, &batch.mask, 0, false)?;
+                sync(&logits)?;
+                if i >= options.warmup {
+                    ms.push(started.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            forward_foreign = foreign_cores(forward_cpu, cpu_snap());
+            Some(Timing::of(ms, tokens, forward_flops))
+        } else {
+            None
+        };
+        let forward_peak = forward.as_ref().and(proc_status_mib("VmHWM"));
+        drop(frozen);
+
+        progress(&format!("{variant}: training step"));
+        let mut train_parts = None;
+        let train = if options.train_reps > 0 {
+            reset_peak_rss();
+            let mut optimizer = AdamW::new(
+                params.vars(),
+                AdamWConfig {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
+            )?;
+            let (mut ms, mut parts) = (Vec::new(), [Vec::new(), Vec::new(), Vec::new()]);
+            for i in 0..options.warmup + options.train_reps {
+                if i == options.warmup {
+                    train_cpu = cpu_snap();
+                }
+                let started = Instant::now();
+                let (loss, _) = model.loss(&batch, 0, true)?;
+                sync(&loss)?;
+                let forward_done = Instant::now();
+                let grads = loss.backward()?;
+                let backward_done = Instant::now();
+                optimizer.step(&grads, 1e-4, 1.0)?;
+                sync(&params.vars()[0].1)?;
+                let done = Instant::now();
+                if i >= options.warmup {
+                    ms.push((done - started).as_secs_f64() * 1e3);
+                    parts[0].push((forward_done - started).as_secs_f64() * 1e3);
+                    parts[1].push((backward_done - forward_done).as_secs_f64() * 1e3);
+                    parts[2].push((done - backward_done).as_secs_f64() * 1e3);
+                }
+            }
+            train_foreign = foreign_cores(train_cpu, cpu_snap());
+            train_parts = Some(parts.map(|p| Timing::of(p, tokens, 0.0).median_ms));
+            Some(Timing::of(ms, tokens, train_flops))
+        } else {
+            None
+        };
+        records.push(Record {
+            variant: variant.clone(),
+            params: params.num_params(),
+            forward_gflop: forward_flops / 1e9,
+            train_gflop: train_flops / 1e9,
+            forward,
+            forward_peak_rss_mib: forward_peak,
+            train_peak_rss_mib: train.as_ref().and(proc_status_mib("VmHWM")),
+            train,
+            train_parts_ms: train_parts,
+            forward_foreign_cores: forward_foreign,
+            train_foreign_cores: train_foreign,
+            kernels: crate::nn::current_kernels().name().to_string(),
+        });
+    }
+    Ok(records)
+}
+
+/// The printed table.
+pub fn table(records: &[Record]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
+        "variant", "params", "forward tok/s (ms)", "train tok/s (ms)", "peak RSS", "peak RSS"
+    );
+    let _ = writeln!(
+        out,
+        "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
+        "", "", "median, min..max ms", "median, min..max ms", "forward", "train"
+    );
+    let cell = |t: &Option<Timing>| match t {
+        Some(t) => format!(
+            "{:.0} ({:.0}, {:.0}..{:.0})",
+            t.tokens_per_s, t.median_ms, t.min_ms, t.max_ms
+        ),
+        None => "-".into(),
+    };
+    let mib = |m: Option<f64>| m.map_or("-".into(), |m| format!("{m:.0} MiB"));
+    for r in records {
+        let _ = writeln!(
+            out,
+            "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
+            r.variant,
+            r.params,
+            cell(&r.forward),
+            cell(&r.train),
+            mib(r.forward_peak_rss_mib),
+            mib(r.train_peak_rss_mib)
+        );
+    }
+    let busy: Vec<String> = records
+        .iter()
+        .filter_map(|r| {
+            let worst = r
+                .forward_foreign_cores
+                .into_iter()
+                .chain(r.train_foreign_cores)
+                .fold(0.0f64, f64::max);
+            (worst > 0.2).then(|| format!("{} ({worst:.2} cores)", r.variant))
+        })
+        .collect();
+    if !busy.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nwarning: other processes were busy during {}; those figures are not reliable",
+            busy.join(", ")
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\ntraining step, median of each part: forward with the loss / backward / optimizer"
+    );
+    for r in records {
+        if let Some([f, b, o]) = r.train_parts_ms {
+            let _ = writeln!(out, "  {:<16} {f:.0} / {b:.0} / {o:.0} ms", r.variant);
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nFLOPs per step (forward / training = 3 x forward) and effective rates at the median:"
+    );
+    for r in records {
+        let rate = |t: &Option<Timing>| {
+            t.as_ref()
+                .map_or("-".into(), |t| format!("{:.1} GFLOP/s", t.gflops))
+        };
+        let _ = writeln!(
+            out,
+            "  {:<16} {:.2} / {:.2} GFLOP   forward {}, training {}",
+            r.variant,
+            r.forward_gflop,
+            r.train_gflop,
+            rate(&r.forward),
+            rate(&r.train)
+        );
+    }
+    out
+}
+
+/// One run of the PyTorch reference (`shared/bench/torch_reference.py`), the fields poslab
+/// compares.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct TorchRecord {
+    pub variant: String,
+    pub forward_tokens_per_s: f64,
+    pub train_tokens_per_s: f64,
+    pub train_parts_ms: Option<[f64; 3]>,
+    pub train_peak_rss_mib: Option<f64>,
+    pub forward_foreign_cores: Option<f64>,
+    pub train_foreign_cores: Option<f64>,
+}
+
+impl TorchRecord {
+    /// From the JSON line the reference script prints.
+    pub fn from_json(line: &serde_json::Value) -> Result<Self> {
+        let num = |key: &str| line.get(key).and_then(serde_json::Value::as_f64);
+        let need = |key: &str| {
+            num(key).ok_or_else(|| {
+                Error::Input(format!("the PyTorch reference's output lacks `{key}`"))
+            })
+        };
+        let parts = line.get("train_part_medians_ms").and_then(|p| {
+            Some([
+                p.get("fwd")?.as_f64()?,
+                p.get("bwd")?.as_f64()?,
+                p.get("opt")?.as_f64()?,
+            ])
+        });
+        Ok(Self {
+            variant: line
+                .get("variant")
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| {
+                    Error::Input("the PyTorch reference's output lacks `variant`".into())
+                })?
+                .to_string(),
+            forward_tokens_per_s: need("fwd_tokens_per_s_median")?,
+            train_tokens_per_s: need("train_tokens_per_s_median")?,
+            train_parts_ms: parts,
+            train_peak_rss_mib: num("peak_rss_train_phase_mib"),
+            forward_foreign_cores: num("fwd_foreign_cores"),
+            train_foreign_cores: num("train_foreign_cores"),
+        })
+    }
+}
+
+/// poslab against PyTorch for one variant over interleaved rounds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Ratio {
+    pub variant: String,
+    pub rounds: usize,
+    /// Medians over the rounds of each round's median tokens/s.
+    pub poslab_forward: f64,
+    pub torch_forward: f64,
+    pub poslab_train: f64,
+    pub torch_train: f64,
+    /// poslab / PyTorch throughput: of the medians, and the lowest and highest of a round.
+    pub forward_ratio: f64,
+    pub forward_ratio_range: [f64; 2],
+    pub train_ratio: f64,
+    pub train_ratio_range: [f64; 2],
+    pub poslab_train_parts_ms: Option<[f64; 3]>,
+    pub torch_train_parts_ms: Option<[f64; 3]>,
+    /// Largest peak RSS of a training phase over the rounds, MiB.
+    pub poslab_train_peak_rss_mib: Option<f64>,
+    pub torch_train_peak_rss_mib: Option<f64>,
+    /// The most other processes used during any timed phase of the variant, in cores.
+    pub worst_foreign_cores: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The ratios of interleaved rounds: `rounds[i]` holds each variant's poslab record and
+/// PyTorch record of round `i`.
+pub fn ratios(variants: &[String], rounds: &[Vec<(Record, TorchRecord)>]) -> Vec<Ratio> {
+    variants
+        .iter()
+        .map(|variant| {
+            let pairs: Vec<&(Record, TorchRecord)> = rounds
+                .iter()
+                .flat_map(|r| r.iter().filter(|(p, _)| &p.variant == variant))
+                .collect();
+            let of = |f: &dyn Fn(&(Record, TorchRecord)) -> Option<f64>| -> Vec<f64> {
+                pairs.iter().filter_map(|p| f(p)).collect()
+            };
+            let pf = of(&|(p, _)| p.forward.as_ref().map(|t| t.tokens_per_s));
+            let pt = of(&|(p, _)| p.train.as_ref().map(|t| t.tokens_per_s));
+            let tf = of(&|(_, t)| Some(t.forward_tokens_per_s));
+            let tt = of(&|(_, t)| Some(t.train_tokens_per_s));
+            let per_round = |a: &[f64], b: &[f64]| -> [f64; 2] {
+                let r: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+                [
+                    r.iter().copied().fold(f64::INFINITY, f64::min),
+                    r.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                ]
+            };
+            let parts = |v: Vec<[f64; 3]>| -> Option<[f64; 3]> {
+                (!v.is_empty()).then(|| [0, 1, 2].map(|i| median(v.iter().map(|p| p[i]).collect())))
+            };
+            let max = |v: Vec<f64>| v.into_iter().reduce(f64::max);
+            let foreign = of(&|(p, t)| {
+                [
+                    p.forward_foreign_cores,
+                    p.train_foreign_cores,
+                    t.forward_foreign_cores,
+                    t.train_foreign_cores,
+                ]
+                .into_iter()
+                .flatten()
+                .reduce(f64::max)
+            });
+            let (pfm, ptm, tfm, ttm) = (
+                median(pf.clone()),
+                median(pt.clone()),
+                median(tf.clone()),
+                median(tt.clone()),
+            );
+            Ratio {
+                variant: variant.clone(),
+                rounds: pairs.len(),
+                poslab_forward: pfm,
+                torch_forward: tfm,
+                poslab_train: ptm,
+                torch_train: ttm,
+                forward_ratio: pfm / tfm,
+                forward_ratio_range: per_round(&pf, &tf),
+                train_ratio: ptm / ttm,
+                train_ratio_range: per_round(&pt, &tt),
+                poslab_train_parts_ms: parts(of_parts(&pairs, true)),
+                torch_train_parts_ms: parts(of_parts(&pairs, false)),
+                poslab_train_peak_rss_mib: max(of(&|(p, _)| p.train_peak_rss_mib)),
+                torch_train_peak_rss_mib: max(of(&|(_, t)| t.train_peak_rss_mib)),
+                worst_foreign_cores: foreign.into_iter().fold(0.0, f64::max),
+            }
+        })
+        .collect()
+}
+
+fn of_parts(pairs: &[&(Record, TorchRecord)], poslab: bool) -> Vec<[f64; 3]> {
+    pairs
+        .iter()
+        .filter_map(|(p, t)| {
+            if poslab {
+                p.train_parts_ms
+            } else {
+                t.train_parts_ms
+            }
+        })
+        .collect()
+}
+
+/// The side-by-side table of [`ratios`], with the positional overheads of each framework.
+pub fn ratio_table(ratios: &[Ratio]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let rounds = ratios.first().map_or(0, |r| r.rounds);
+    let _ = writeln!(
+        out,
+        "poslab vs PyTorch, {rounds} interleaved round{} (medians of the rounds' medians; ratio = poslab / PyTorch, lowest..highest round)",
+        if rounds == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        out,
+        "{:<16} {:>34} {:>34} {:>22}",
+        "variant",
+        "forward tok/s poslab | torch",
+        "train tok/s poslab | torch",
+        "train peak RSS MiB"
+    );
+    for r in ratios {
+        let rss = match (r.poslab_train_peak_rss_mib, r.torch_train_peak_rss_mib) {
+            (Some(a), Some(b)) => format!("{a:.0} | {b:.0}"),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            out,
+            "{:<16} {:>34} {:>34} {:>22}",
+            r.variant,
+            format!(
+                "{:.0} | {:.0}  {:.2}x ({:.2}..{:.2})",
+                r.poslab_forward,
+                r.torch_forward,
+                r.forward_ratio,
+                r.forward_ratio_range[0],
+                r.forward_ratio_range[1]
+            ),
+            format!(
+                "{:.0} | {:.0}  {:.2}x ({:.2}..{:.2})",
+                r.poslab_train,
+                r.torch_train,
+                r.train_ratio,
+                r.train_ratio_range[0],
+                r.train_ratio_range[1]
+            ),
+            rss
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\ntraining step parts, ms (forward / backward / optimizer), poslab | torch"
+    );
+    for r in ratios {
+        let fmt = |p: Option<[f64; 3]>| {
+            p.map_or("-".into(), |[a, b, c]| format!("{a:.0} / {b:.0} / {c:.0}"))
+        };
+        let _ = writeln!(
+            out,
+            "  {:<16} {} | {}",
+            r.variant,
+            fmt(r.poslab_train_parts_ms),
+            fmt(r.torch_train_parts_ms)
+        );
+    }
+    let find = |name: &str| ratios.iter().find(|r| r.variant == name);
+    if let Some(base) = find("sin_add") {
+        let _ = writeln!(
+            out,
+            "\ntraining cost over sin_add (time per step), poslab | torch"
+        );
+        for r in ratios.iter().filter(|r| r.variant != "sin_add") {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:+.1}% | {:+.1}%",
+                r.variant,
+                (base.poslab_train / r.poslab_train - 1.0) * 100.0,
+                (base.torch_train / r.torch_train - 1.0) * 100.0
+            );
+        }
+    }
+    let busy: Vec<String> = ratios
+        .iter()
+        .filter(|r| r.worst_foreign_cores > 0.2)
+        .map(|r| format!("{} ({:.2} cores)", r.variant, r.worst_foreign_cores))
+        .collect();
+    if !busy.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nwarning: other processes were busy during {}; rerun when the machine is idle",
+            busy.join(", ")
+        );
+    }
+    out
+}

@@ -1,0 +1,519 @@
+//! A whole encoder layer as one autograd node, with a hand-written backward.
+//!
+//! Through candle's autograd every node's gradient is accumulated into a freshly zeroed tensor
+//! of its own (`zeros_like` then `add`), so each activation of a layer costs a memset, an
+//! addition and an allocation more in the backward pass than the arithmetic needs: measured at
+//! the reference shape, about a fifth of a training step. Here the layer's input and its
+//! parameters (packed into one vector) go in, the output comes out, and the backward walks the
+//! layer in reverse by hand: gemm for every product, the fused LayerNorm, GELU and attention
+//! kernels for the rest, and gradients written straight into their final buffers.
+//!
+//! ```text
+//! pre-norm:   a = LN1(x); qkv = a Wqkvᵀ + b; c = attn(qkv); h = x + m1 ⊙ (c Woᵀ + bo)
+//!             e = LN2(h); u = e Wupᵀ + bup; y = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown)
+//! post-norm:  qkv = x Wqkvᵀ + b; c = attn(qkv); s1 = x + m1 ⊙ (c Woᵀ + bo); h = LN1(s1)
+//!             u = h Wupᵀ + bup; s2 = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown); y = LN2(s2)
+//! ```
+//!
+//! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
+//! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values);
+//! if a backward comes without them (the forward ran in evaluation mode), it recomputes them.
+
+use std::any::Any;
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::attention::Attention;
+use super::linear::{by_dtype, column_sum, grad_input, grad_weight, linear_out, residual_linear};
+use super::{
+    contiguous, gelu_grad_par, gelu_par, LayerNormGradInput, LayerNormGradParams, LayerNormOp, Real,
+};
+
+/// The widths of a layer and where each parameter sits in the packed vector.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayerShape {
+    pub d: usize,
+    pub ffn: usize,
+    pub eps: f64,
+    pub pre_norm: bool,
+}
+
+/// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
+/// `W_qkv` `(3d, d)` (q, k, v stacked), `b_qkv` `(3d)`, `W_o` `(d, d)`, `b_o`,
+/// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`.
+#[derive(Clone, Copy, Debug)]
+struct Offsets {
+    ln1: usize,
+    wqkv: usize,
+    bqkv: usize,
+    wo: usize,
+    bo: usize,
+    ln2: usize,
+    wup: usize,
+    bup: usize,
+    wdown: usize,
+    bdown: usize,
+    len: usize,
+}
+
+impl LayerShape {
+    fn offsets(&self) -> Offsets {
+        let (d, f) = (self.d, self.ffn);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let start = at;
+            at += n;
+            start
+        };
+        let ln1 = take(2 * d);
+        let wqkv = take(3 * d * d);
+        let bqkv = take(3 * d);
+        let wo = take(d * d);
+        let bo = take(d);
+        let ln2 = take(2 * d);
+        let wup = take(f * d);
+        let bup = take(f);
+        let wdown = take(d * f);
+        let bdown = take(d);
+        Offsets {
+            ln1,
+            wqkv,
+            bqkv,
+            wo,
+            bo,
+            ln2,
+            wup,
+            bup,
+            wdown,
+            bdown,
+            len: at,
+        }
+    }
+
+    /// The length of the packed parameter vector.
+    pub fn packed_len(&self) -> usize {
+        self.offsets().len
+    }
+}
+
+/// Dropout multipliers of one layer's forward pass, each drawn beforehand in the order the
+/// reference composition draws them.
+#[derive(Clone, Default)]
+pub(crate) struct LayerMasks {
+    /// `(b, h, t, t)` on the attention weights
+    pub attention: Option<Tensor>,
+    /// `(b, t, d)` on the attention branch
+    pub attention_out: Option<Tensor>,
+    /// `(b, t, d)` on the feed-forward branch
+    pub ffn_out: Option<Tensor>,
+}
+
+/// The activations the backward needs, kept by the forward.
+struct Saved<T> {
+    /// pre-norm: `LN1(x)`; post-norm: unused (the layer input is `x` itself)
+    a: Vec<T>,
+    qkv: Vec<T>,
+    /// the attention weights `(b, h, t, t)` before dropout; empty when not kept
+    probs: Vec<T>,
+    c: Vec<T>,
+    /// pre-norm: `h`; post-norm: `s1`
+    h_or_s1: Vec<T>,
+    /// pre-norm: `LN2(h)`; post-norm: `h = LN1(s1)`
+    ffn_in: Vec<T>,
+    u: Vec<T>,
+    gelu: Vec<T>,
+    /// post-norm: `s2`
+    s2: Vec<T>,
+}
+
+pub(crate) struct LayerOp {
+    shape: LayerShape,
+    attention: Attention,
+    masks: LayerMasks,
+    /// Keep activations for the backward (training).
+    keep: bool,
+    saved: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+/// Host copies of the masks, in the dtype of the computation.
+struct HostMasks<T> {
+    attention: Option<Vec<T>>,
+    attention_out: Option<Vec<T>>,
+    ffn_out: Option<Vec<T>>,
+}
+
+fn host<T: Real>(x: &Option<Tensor>) -> Result<Option<Vec<T>>> {
+    x.as_ref()
+        .map(|m| m.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>())
+        .transpose()
+}
+
+/// `x ⊙ m` in place, when there is a mask.
+fn apply_mask<T: Real>(x: &mut [T], m: &Option<Vec<T>>) {
+    if let Some(m) = m {
+        x.par_chunks_mut(1 << 14)
+            .zip(m.par_chunks(1 << 14))
+            .for_each(|(x, m)| {
+                for (v, k) in x.iter_mut().zip(m) {
+                    *v *= *k;
+                }
+            });
+    }
+}
+
+/// `g ⊙ m`, borrowed when there is no mask.
+fn masked<'a, T: Real>(g: &'a [T], m: &Option<Vec<T>>) -> Cow<'a, [T]> {
+    match m {
+        Some(_) => {
+            let mut v = g.to_vec();
+            apply_mask(&mut v, m);
+            Cow::Owned(v)
+        }
+        None => Cow::Borrowed(g),
+    }
+}
+
+/// `acc += x`, in parallel chunks.
+fn add_into<T: Real>(acc: &mut [T], x: &[T]) {
+    acc.par_chunks_mut(1 << 14)
+        .zip(x.par_chunks(1 << 14))
+        .for_each(|(a, x)| {
+            for (v, w) in a.iter_mut().zip(x) {
+                *v += *w;
+            }
+        });
+}
+
+impl LayerOp {
+    pub(crate) fn new(
+        shape: LayerShape,
+        attention: Attention,
+        masks: LayerMasks,
+        keep: bool,
+    ) -> Self {
+        Self {
+            shape,
+            attention,
+            masks,
+            keep,
+            saved: Mutex::new(None),
+        }
+    }
+
+    fn rows(&self, l: &Layout, lp: &Layout) -> Result<(usize, usize, usize)> {
+        let (b, t, d) = match l.dims() {
+            [b, t, d] => (*b, *t, *d),
+            dims => candle::bail!("fused encoder layer: x must be (b, t, d_model), got {dims:?}"),
+        };
+        if d != self.shape.d {
+            candle::bail!(
+                "fused encoder layer: x is {:?}, the layer is {} wide",
+                l.dims(),
+                self.shape.d
+            );
+        }
+        if lp.dims() != [self.shape.packed_len()] {
+            candle::bail!(
+                "fused encoder layer: packed parameters {:?}, expected ({})",
+                lp.dims(),
+                self.shape.packed_len()
+            );
+        }
+        Ok((b, t, d))
+    }
+
+    fn host_masks<T: Real>(&self) -> Result<HostMasks<T>> {
+        Ok(HostMasks {
+            attention: host(&self.masks.attention)?,
+            attention_out: host(&self.masks.attention_out)?,
+            ffn_out: host(&self.masks.ffn_out)?,
+        })
+    }
+
+    /// The layer's output and the activations its backward needs; the attention weights are
+    /// kept only with `keep_probs`.
+    fn forward<T: Real>(
+        &self,
+        x: &[T],
+        p: &[T],
+        (b, t, d): (usize, usize, usize),
+        keep_probs: bool,
+    ) -> Result<(Vec<T>, Saved<T>)> {
+        let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
+        let o = self.shape.offsets();
+        let masks = self.host_masks::<T>()?;
+        let ln = |x: &[T], at: usize| {
+            LayerNormOp { eps }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
+        };
+        let dims = self.attention.dims_of(b, t, 3 * d)?;
+
+        let a = if self.shape.pre_norm {
+            ln(x, o.ln1)
+        } else {
+            Vec::new()
+        };
+        let attn_in = if self.shape.pre_norm { &a[..] } else { x };
+        let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d)); // (n, 3d)
+        let mut probs = if keep_probs {
+            vec![T::zero(); b * dims.h * t * t]
+        } else {
+            Vec::new()
+        };
+        let c = self.attention.forward(
+            &qkv,
+            masks.attention.as_deref(),
+            dims,
+            keep_probs.then_some(&mut probs[..]),
+        )?; // (n, d)
+            // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
+        let h_or_s1 = residual_linear(
+            x,
+            &c,
+            &p[o.wo..o.bo],
+            &p[o.bo..o.ln2],
+            (n, d, d),
+            masks.attention_out.as_deref(),
+        );
+
+        let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
+        let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
+        let gelu = gelu_par(&u);
+        // pre: y = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
+        let res = if self.shape.pre_norm {
+            &h_or_s1
+        } else {
+            &ffn_in
+        };
+        let sum = residual_linear(
+            res,
+            &gelu,
+            &p[o.wdown..o.bdown],
+            &p[o.bdown..o.len],
+            (n, f, d),
+            masks.ffn_out.as_deref(),
+        );
+        let (y, s2) = if self.shape.pre_norm {
+            (sum, Vec::new())
+        } else {
+            (ln(&sum, o.ln2), sum)
+        };
+        Ok((
+            y,
+            Saved {
+                a,
+                qkv,
+                probs,
+                c,
+                h_or_s1,
+                ffn_in,
+                u,
+                gelu,
+                s2,
+            },
+        ))
+    }
+
+    /// `(dx, dparams)` from the layer input, the parameters, the saved activations and `dy`.
+    fn backward<T: Real>(
+        &self,
+        x: &[T],
+        p: &[T],
+        s: &Saved<T>,
+        gy: &[T],
+        (b, t, d): (usize, usize, usize),
+    ) -> Result<(Vec<T>, Vec<T>)> {
+        let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
+        let o = self.shape.offsets();
+        let masks = self.host_masks::<T>()?;
+        let dims = self.attention.dims_of(b, t, 3 * d)?;
+        let mut dp = vec![T::zero(); o.len];
+        // LayerNorm backward: returns dx, writes [dw; db] at `at`.
+        let ln_back = |x: &[T], g: &[T], at: usize, dp: &mut [T]| -> Vec<T> {
+            let w = &p[at..at + d];
+            dp[at..at + 2 * d].copy_from_slice(&LayerNormGradParams { eps }.run(x, g, d));
+            LayerNormGradInput { eps }.run(x, w, g)
+        };
+        // The gradient of the sum closing the feed-forward residual: pre y itself, post s2.
+        let g_res: Cow<'_, [T]> = if self.shape.pre_norm {
+            Cow::Borrowed(gy)
+        } else {
+            Cow::Owned(ln_back(&s.s2, gy, o.ln2, &mut dp))
+        };
+        // Feed-forward branch.
+        let gz = masked(&g_res, &masks.ffn_out);
+        grad_weight(&gz, &s.gelu, (n, d, f), &mut dp[o.wdown..o.bdown]);
+        column_sum(&gz, &mut dp[o.bdown..o.len]);
+        let mut g_gelu = vec![T::zero(); n * f];
+        grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_gelu, false);
+        drop(gz);
+        let gu = gelu_grad_par(&s.u, &g_gelu);
+        drop(g_gelu);
+        grad_weight(&gu, &s.ffn_in, (n, f, d), &mut dp[o.wup..o.bup]);
+        column_sum(&gu, &mut dp[o.bup..o.wdown]);
+        // The gradient reaching the feed-forward input, plus the residual's.
+        let mut g_ffn_in = g_res.into_owned();
+        let g_ffn_in = if self.shape.pre_norm {
+            // e = LN2(h): gh = g_res + LN2'(gu Wup)
+            let mut ge = vec![T::zero(); n * d];
+            grad_input(&gu, &p[o.wup..o.bup], (n, f, d), &mut ge, false);
+            add_into(&mut g_ffn_in, &ln_back(&s.h_or_s1, &ge, o.ln2, &mut dp));
+            g_ffn_in
+        } else {
+            // h = LN1(s1) feeds both: gs1 = LN1'(g_res + gu Wup)
+            grad_input(&gu, &p[o.wup..o.bup], (n, f, d), &mut g_ffn_in, true);
+            ln_back(&s.h_or_s1, &g_ffn_in, o.ln1, &mut dp)
+        };
+        drop(gu);
+        // g_mid: the gradient of the sum closing the attention residual (pre h, post s1).
+        let g_mid = g_ffn_in;
+
+        // Attention branch.
+        let go = masked(&g_mid, &masks.attention_out);
+        grad_weight(&go, &s.c, (n, d, d), &mut dp[o.wo..o.bo]);
+        column_sum(&go, &mut dp[o.bo..o.ln2]);
+        let mut gc = vec![T::zero(); n * d];
+        grad_input(&go, &p[o.wo..o.bo], (n, d, d), &mut gc, false);
+        drop(go);
+        let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
+        let gqkv = self
+            .attention
+            .backward(&s.qkv, masks.attention.as_deref(), probs, &gc, dims)?;
+        drop(gc);
+        let attn_in = if self.shape.pre_norm { &s.a[..] } else { x };
+        grad_weight(&gqkv, attn_in, (n, 3 * d, d), &mut dp[o.wqkv..o.bqkv]);
+        column_sum(&gqkv, &mut dp[o.bqkv..o.wo]);
+
+        let mut gx = g_mid;
+        if self.shape.pre_norm {
+            let mut ga = vec![T::zero(); n * d];
+            grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut ga, false);
+            add_into(&mut gx, &ln_back(x, &ga, o.ln1, &mut dp));
+        } else {
+            grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut gx, true);
+        }
+        Ok((gx, dp))
+    }
+}
+
+impl CustomOp2 for LayerOp {
+    fn name(&self) -> &'static str {
+        "poslab-encoder-layer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.rows(l1, l2)?;
+        let what = "encoder layer";
+        let storage = by_dtype!(s1.dtype(), what, |T| {
+            let (y, saved) = self.forward::<T>(
+                contiguous(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                dims,
+                self.keep,
+            )?;
+            if self.keep {
+                *self.saved.lock().expect("layer activations lock poisoned") =
+                    Some(Box::new(saved));
+            }
+            y
+        });
+        Ok((storage, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        params: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let saved = self
+            .saved
+            .lock()
+            .expect("layer activations lock poisoned")
+            .take();
+        let grads = x.apply_op3_no_bwd(
+            params,
+            &g,
+            &LayerGrad {
+                layer: self,
+                saved: Mutex::new(saved),
+            },
+        )?;
+        // (b t d + packed) values: dx then dparams.
+        let nx = x.elem_count();
+        let dx = grads.narrow(0, 0, nx)?.reshape(x.shape())?;
+        let dp = grads.narrow(0, nx, params.elem_count())?;
+        Ok((Some(dx), Some(dp)))
+    }
+}
+
+/// The backward of [`LayerOp`] as a no-gradient op on `(x, params, dy)`, returning `dx` and
+/// `dparams` concatenated.
+struct LayerGrad<'a> {
+    layer: &'a LayerOp,
+    saved: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl LayerGrad<'_> {
+    fn run<T: Real>(
+        &self,
+        x: &[T],
+        p: &[T],
+        g: &[T],
+        dims: (usize, usize, usize),
+    ) -> Result<Vec<T>> {
+        let saved = self
+            .saved
+            .lock()
+            .expect("layer activations lock poisoned")
+            .take();
+        let saved = match saved.and_then(|s| s.downcast::<Saved<T>>().ok()) {
+            Some(s) => *s,
+            None => self.layer.forward::<T>(x, p, dims, true)?.1,
+        };
+        let (mut dx, dp) = self.layer.backward(x, p, &saved, g, dims)?;
+        drop(saved);
+        dx.extend_from_slice(&dp);
+        Ok(dx)
+    }
+}
+
+impl candle::CustomOp3 for LayerGrad<'_> {
+    fn name(&self) -> &'static str {
+        "poslab-encoder-layer-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.layer.rows(l1, l2)?;
+        let what = "encoder layer backward";
+        let storage = by_dtype!(s1.dtype(), what, |T| self.run::<T>(
+            contiguous(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            contiguous(s3, l3, what)?,
+            dims
+        )?);
+        Ok((
+            storage,
+            Shape::from(l1.shape().elem_count() + l2.shape().elem_count()),
+        ))
+    }
+}

@@ -1,0 +1,374 @@
+//! The fast paths against the reference: poslab's fused CPU kernels (per op, and whole encoder
+//! layers with a hand-written backward) must give the reference compositions' outputs and
+//! gradients, for every scheme, both norm placements, with padding and with dropout, in f32 and
+//! f64, within the tolerances stated here.
+//!
+//! Tolerances are relative to the largest magnitude of the reference tensor. The f64 paths
+//! differ only in the order of additions (measured 2e-15); f32 also differs in the fused
+//! `exp` and `erf` (errors below 2e-7 absolute) and in accumulation order (measured 1.1e-6).
+
+use candle::{DType, Device, Module, Tensor, Var};
+use poslab::nn::{with_kernels, Kernels};
+use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore};
+
+use crate::common::*;
+
+const TOL_F64: f64 = 1e-13;
+const TOL_F32: f64 = 1e-5;
+
+fn tolerance(dtype: DType) -> f64 {
+    if dtype == DType::F64 {
+        TOL_F64
+    } else {
+        TOL_F32
+    }
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// `max |a - b| / max |b|` (b the reference), 0 for two zero tensors.
+fn relative_error(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+    if scale == 0.0 {
+        diff
+    } else {
+        diff / scale
+    }
+}
+
+/// A fixed random tensor in `[-1, 1)`.
+fn random(dims: &[usize], seed: u64, dtype: DType) -> Tensor {
+    use rand::Rng as _;
+    let mut rng = poslab::rng::stream(seed, "fused test");
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// The hidden states and every variable's gradient (by name) of a projection loss.
+struct Run {
+    hidden: Vec<f64>,
+    grads: Vec<(String, Vec<f64>)>,
+}
+
+fn run_encoder(config: &ModelConfig, dtype: DType, kernels: Kernels, train: bool) -> Run {
+    run_encoder_on(config, dtype, kernels, train, (5, 13))
+}
+
+fn run_encoder_on(
+    config: &ModelConfig,
+    dtype: DType,
+    kernels: Kernels,
+    train: bool,
+    (b, t): (usize, usize),
+) -> Run {
+    with_kernels(kernels, || {
+        let store = ParamStore::new(7);
+        let encoder = Encoder::new(config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        encoder.set_dropout_seed(11);
+        let (ids, mask) = padded_batch(b, t, config.vocab_size as u32);
+        let hidden = encoder.forward_t(&ids, &mask, train).unwrap();
+        let r = random(hidden.dims(), 3, dtype);
+        let grads = hidden
+            .mul(&r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        Run {
+            hidden: values(&hidden),
+            grads: store
+                .vars()
+                .into_iter()
+                .map(|(name, var)| {
+                    let g = grads
+                        .get(var.as_tensor())
+                        .unwrap_or_else(|| panic!("{}: `{name}` got no gradient", kernels.name()));
+                    (name, values(g))
+                })
+                .collect(),
+        }
+    })
+}
+
+/// Returns the worst relative error of `fast` against `reference`, asserting each is within
+/// `tol`.
+fn compare(fast: &Run, reference: &Run, tol: f64, what: &str) -> f64 {
+    let mut worst = relative_error(&fast.hidden, &reference.hidden);
+    assert!(
+        worst <= tol,
+        "{what}: hidden states differ by {worst:e} (tolerance {tol:e})"
+    );
+    assert_eq!(fast.grads.len(), reference.grads.len(), "{what}: variables");
+    for ((name, g), (ref_name, r)) in fast.grads.iter().zip(&reference.grads) {
+        assert_eq!(name, ref_name);
+        let err = relative_error(g, r);
+        assert!(
+            err <= tol,
+            "{what}: gradient of `{name}` differs by {err:e} (tolerance {tol:e})"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// A config wider than the tiny one, with widths that are not multiples of the kernels' 16
+/// lanes and a sequence length (13) that is not either.
+fn medium_config(positional: poslab::PositionalConfig, norm: NormPlacement) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 50,
+        d_model: 40,
+        n_heads: 4,
+        n_layers: 2,
+        ffn_dim: 72,
+        ..tiny_config(positional, norm)
+    }
+}
+
+#[test]
+fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
+    let mut worst = [0.0f64; 2];
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            for (size, mut config) in [
+                ("tiny", tiny_config(positional.clone(), norm)),
+                ("medium", medium_config(positional.clone(), norm)),
+            ] {
+                for dropout in [0.0, 0.2] {
+                    config.dropout = dropout;
+                    config.attention_dropout = dropout;
+                    for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
+                        let train = dropout > 0.0;
+                        let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                        for kernels in [Kernels::Ops, Kernels::Layer] {
+                            let what = format!(
+                                "{} {norm:?} {size} dropout {dropout} {dtype:?} {}",
+                                positional.name(),
+                                kernels.name()
+                            );
+                            let fast = run_encoder(&config, dtype, kernels, train);
+                            worst[slot] = worst[slot].max(compare(
+                                &fast,
+                                &reference,
+                                tolerance(dtype),
+                                &what,
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "fused vs reference, worst relative error: f32 {:.1e}, f64 {:.1e}",
+        worst[0], worst[1]
+    );
+}
+
+#[test]
+fn layer_kernel_gives_the_same_bits_with_saved_or_recomputed_activations() {
+    // Training mode keeps the activations (and attention weights) inside the op; evaluation mode
+    // keeps none and the backward recomputes them. Without dropout the two are the same
+    // computation, so the results must be identical to the bit.
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let config = medium_config(positional.clone(), norm);
+            let kept = run_encoder(&config, DType::F32, Kernels::Layer, true);
+            let recomputed = run_encoder(&config, DType::F32, Kernels::Layer, false);
+            assert_eq!(kept.hidden, recomputed.hidden, "{}", positional.name());
+            for ((name, a), (_, b)) in kept.grads.iter().zip(&recomputed.grads) {
+                assert_eq!(a, b, "{} {norm:?}: `{name}`", positional.name());
+            }
+        }
+    }
+}
+
+/// A config and batch big enough for the kernels' parallel paths: gemm splitting work across
+/// threads, weight gradients as two half-sums (560 rows).
+fn wide_config(positional: poslab::PositionalConfig, norm: NormPlacement) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 60,
+        d_model: 64,
+        n_heads: 4,
+        n_layers: 2,
+        ffn_dim: 128,
+        max_len: 80,
+        ..tiny_config(positional, norm)
+    }
+}
+const WIDE_BATCH: (usize, usize) = (8, 70);
+
+#[test]
+fn wide_shapes_match_the_reference() {
+    use poslab::PositionalConfig as P;
+    for positional in [
+        P::SinusoidalAdd(Default::default()),
+        P::Rope(poslab::RopeOptions::default()),
+    ] {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let config = wide_config(positional.clone(), norm);
+            for dtype in [DType::F32, DType::F64] {
+                let reference =
+                    run_encoder_on(&config, dtype, Kernels::Reference, false, WIDE_BATCH);
+                let fast = run_encoder_on(&config, dtype, Kernels::Layer, false, WIDE_BATCH);
+                let what = format!("wide {} {norm:?} {dtype:?}", positional.name());
+                compare(&fast, &reference, tolerance(dtype), &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    for positional in [
+        poslab::PositionalConfig::Rope(poslab::RopeOptions::default()),
+        poslab::PositionalConfig::Learned(Default::default()),
+    ] {
+        let mut config = wide_config(positional, NormPlacement::Pre);
+        config.dropout = 0.1;
+        config.attention_dropout = 0.1;
+        let in_pool = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| run_encoder_on(&config, DType::F32, Kernels::Layer, true, WIDE_BATCH))
+        };
+        let (one, three) = (in_pool(1), in_pool(3));
+        assert_eq!(one.hidden, three.hidden);
+        for ((name, a), (_, b)) in one.grads.iter().zip(&three.grads) {
+            assert_eq!(a, b, "`{name}`");
+        }
+    }
+}
+
+/// `f` on a variable of `x`'s values and the gradient of `sum(f(x) * r)`, under `kernels`.
+fn value_and_grad(
+    x: &Tensor,
+    kernels: Kernels,
+    f: &dyn Fn(&Tensor) -> Tensor,
+) -> (Vec<f64>, Vec<f64>) {
+    with_kernels(kernels, || {
+        let var = Var::from_tensor(x).unwrap();
+        let y = f(var.as_tensor());
+        let r = random(y.dims(), 9, y.dtype());
+        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        (values(&y), values(grads.get(var.as_tensor()).unwrap()))
+    })
+}
+
+fn assert_op_matches(name: &str, x: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) {
+    let tol = tolerance(x.dtype());
+    let (y_ref, g_ref) = value_and_grad(x, Kernels::Reference, f);
+    let (y, g) = value_and_grad(x, Kernels::Ops, f);
+    let (ey, eg) = (relative_error(&y, &y_ref), relative_error(&g, &g_ref));
+    assert!(
+        ey <= tol,
+        "{name} {:?}: forward differs by {ey:e}",
+        x.dtype()
+    );
+    assert!(
+        eg <= tol,
+        "{name} {:?}: backward differs by {eg:e}",
+        x.dtype()
+    );
+}
+
+#[test]
+fn fused_ops_match_their_compositions_forward_and_backward() {
+    for dtype in [DType::F32, DType::F64] {
+        // RoPE on (b, h, t, d_head), both pairings.
+        let x = random(&[2, 3, 11, 20], 1, dtype);
+        for interleaved in [true, false] {
+            let rope = poslab::positional::Rope::new(
+                &poslab::RopeOptions {
+                    base: 10_000.0,
+                    pairing: if interleaved {
+                        poslab::RopePairing::Interleaved
+                    } else {
+                        poslab::RopePairing::Half
+                    },
+                },
+                20,
+                16,
+                dtype,
+                &Device::Cpu,
+            )
+            .unwrap();
+            assert_op_matches(&format!("rope interleaved={interleaved}"), &x, &|x| {
+                rope.apply(x, 3).unwrap()
+            });
+        }
+        // Softmax with a key-padding bias, (b, h, t, t).
+        let scores = (random(&[3, 2, 17, 17], 2, dtype) * 4.0).unwrap();
+        let (_, mask) = padded_batch(3, 17, 10);
+        let bias = poslab::nn::key_padding_bias(&mask, dtype).unwrap();
+        assert_op_matches("masked softmax", &scores, &|s| {
+            poslab::nn::masked_softmax(s, &bias).unwrap()
+        });
+        // GELU over a range wide enough to reach both tails.
+        let x = (random(&[7, 37], 3, dtype) * 6.0).unwrap();
+        assert_op_matches("gelu", &x, &|x| poslab::nn::gelu(x).unwrap());
+        // LayerNorm with non-trivial weight and bias.
+        let x = random(&[4, 5, 40], 4, dtype).affine(3.0, 0.5).unwrap();
+        let ln_params = ParamStore::new(5);
+        let ln =
+            poslab::nn::layer_norm(40, 1e-5, ln_params.var_builder(dtype, &Device::Cpu)).unwrap();
+        assert_op_matches("layer norm", &x, &|x| ln.forward(x).unwrap());
+        // Linear, with and without a bias.
+        let x = random(&[3, 7, 24], 6, dtype);
+        let w = random(&[18, 24], 7, dtype);
+        let b = random(&[18], 8, dtype);
+        for bias in [Some(b.clone()), None] {
+            let lin = poslab::nn::Linear::new(w.clone(), bias.clone());
+            assert_op_matches(&format!("linear bias={}", bias.is_some()), &x, &|x| {
+                lin.forward(x).unwrap()
+            });
+        }
+    }
+}
+
+#[test]
+fn fused_f32_gelu_and_its_derivative_are_within_3e7_of_the_exact_values() {
+    // The f32 kernel uses Abramowitz & Stegun's erf (absolute error 1.5e-7) and a polynomial
+    // exp; the exact values come from f64 erf. Bounds: GELU 2e-7 relative to max(1, |x|),
+    // its derivative 3e-7 absolute (erf's error plus the rounding of values near 1.1).
+    let xs: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.0025).collect();
+    let x = Tensor::from_vec(xs.clone(), xs.len(), &Device::Cpu).unwrap();
+    let (y, g) = with_kernels(Kernels::Ops, || {
+        let var = Var::from_tensor(&x).unwrap();
+        let y = poslab::nn::gelu(var.as_tensor()).unwrap();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        (values(&y), values(grads.get(var.as_tensor()).unwrap()))
+    });
+    let mut worst = (0.0f64, 0.0f64);
+    for (i, &x) in xs.iter().enumerate() {
+        let x = f64::from(x);
+        let cdf = 0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+        let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        let (ey, eg) = ((y[i] - x * cdf).abs(), (g[i] - (cdf + x * pdf)).abs());
+        worst = (worst.0.max(ey / x.abs().max(1.0)), worst.1.max(eg));
+    }
+    eprintln!(
+        "f32 GELU vs exact: value {:.2e}, derivative {:.2e}",
+        worst.0, worst.1
+    );
+    assert!(worst.0 < 2e-7, "GELU error {:e}", worst.0);
+    assert!(worst.1 < 3e-7, "GELU derivative error {:e}", worst.1);
+}
