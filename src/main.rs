@@ -240,7 +240,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    poslab::tune_allocator();
+    // POSLAB_DEFAULT_ALLOCATOR=1 keeps glibc's defaults (to measure what the tuning buys).
+    if std::env::var_os("POSLAB_DEFAULT_ALLOCATOR").is_none() {
+        poslab::tune_allocator();
+    }
     let result = match Cli::parse().command {
         Command::Compare {
             config,

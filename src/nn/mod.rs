@@ -20,6 +20,7 @@ pub use attention::{key_padding_bias, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::FeedForward;
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
+pub use fused::{cap_simd, simd_level, SimdLevel};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, log_softmax_last_dim, masked_softmax, rope_rotate,

@@ -372,3 +372,53 @@ fn fused_f32_gelu_and_its_derivative_are_within_3e7_of_the_exact_values() {
     assert!(worst.0 < 2e-7, "GELU error {:e}", worst.0);
     assert!(worst.1 < 3e-7, "GELU derivative error {:e}", worst.1);
 }
+
+#[test]
+fn every_instruction_set_level_gives_the_same_bits() {
+    // The kernels are compiled for AVX-512, for AVX2 + FMA and for the baseline target, chosen
+    // at run time: a machine without AVX-512 runs the other two. Capping the level here runs
+    // them on this machine; all must agree to the bit (and so with the reference, tested above).
+    use poslab::nn::{cap_simd, simd_level, SimdLevel};
+    struct Uncap;
+    impl Drop for Uncap {
+        fn drop(&mut self) {
+            cap_simd(None);
+        }
+    }
+    let _uncap = Uncap;
+    let detected = SimdLevel::detected();
+    let levels: Vec<SimdLevel> = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512]
+        .into_iter()
+        .filter(|l| *l <= detected)
+        .collect();
+    eprintln!("instruction set levels run: {levels:?}");
+    let configs = [
+        wide_config(
+            poslab::PositionalConfig::Rope(poslab::RopeOptions::default()),
+            NormPlacement::Pre,
+        ),
+        medium_config(
+            poslab::PositionalConfig::SinusoidalAdd(Default::default()),
+            NormPlacement::Post,
+        ),
+    ];
+    for (i, config) in configs.iter().enumerate() {
+        let mut runs = Vec::new();
+        for &level in &levels {
+            cap_simd(Some(level));
+            assert_eq!(simd_level(), level);
+            let batch = if i == 0 { WIDE_BATCH } else { (5, 13) };
+            runs.push((
+                level,
+                run_encoder_on(config, DType::F32, Kernels::Layer, true, batch),
+            ));
+        }
+        let (first_level, first) = &runs[0];
+        for (level, run) in &runs[1..] {
+            assert_eq!(run.hidden, first.hidden, "{level:?} vs {first_level:?}");
+            for ((name, a), (_, b)) in run.grads.iter().zip(&first.grads) {
+                assert_eq!(a, b, "{level:?} vs {first_level:?}: `{name}`");
+            }
+        }
+    }
+}

@@ -28,7 +28,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::linear::{by_dtype, matmul};
-use super::{contiguous, softmax_grad_rows, softmax_rows, Real, Rotation};
+use super::{contiguous, softmax_grad_rows, softmax_rows, zeros, Real, Rotation};
 
 /// The attention core's fixed inputs: everything but `qkv` (and the dropout mask).
 #[derive(Clone)]
@@ -150,19 +150,20 @@ struct Scratch<T> {
 }
 
 impl<T: Real> Scratch<T> {
-    fn new(n: Dims) -> Self {
+    /// Buffers for a forward or a backward pass; those a pass does not use stay empty.
+    fn new(n: Dims, rope: bool, mask: bool, backward: bool) -> Self {
         let (th, tt) = (n.t * n.dh, n.t * n.t);
-        let z = |len| vec![T::zero(); len];
+        let z = |len, used: bool| vec![T::zero(); if used { len } else { 0 }];
         Self {
-            q: z(th),
-            k: z(th),
-            s: z(tt),
-            p: z(tt),
-            pm: z(tt),
-            dp: z(tt),
-            ds: z(tt),
-            dq: z(th),
-            dk: z(th),
+            q: z(th, rope),
+            k: z(th, rope),
+            s: z(tt, true),
+            p: z(tt, true),
+            pm: z(tt, mask && backward),
+            dp: z(tt, backward),
+            ds: z(tt, backward),
+            dq: z(th, rope && backward),
+            dk: z(th, rope && backward),
         }
     }
 
@@ -356,14 +357,14 @@ impl Attention {
     ) -> Result<Vec<T>> {
         let fixed = self.fixed::<T>()?;
         let tt = n.t * n.t;
-        let mut out = vec![T::zero(); n.b * n.t * n.d];
+        let mut out = zeros::<T>(n.b * n.t * n.d);
         let dst = Shared(out.as_mut_ptr());
         let probs = probs.map(|p| {
             assert_eq!(p.len(), n.b * n.h * tt, "attention weights buffer");
             Shared(p.as_mut_ptr())
         });
         (0..n.b * n.h).into_par_iter().for_each_init(
-            || Scratch::<T>::new(n),
+            || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), false),
             |w, task| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);
@@ -412,10 +413,10 @@ impl Attention {
                 candle::bail!("fused attention backward: {} saved weights for (b, h, t, t) = ({}, {}, {}, {})", p.len(), n.b, n.h, n.t, n.t);
             }
         }
-        let mut dqkv = vec![T::zero(); n.b * n.t * row];
+        let mut dqkv = zeros::<T>(n.b * n.t * row);
         let dst = Shared(dqkv.as_mut_ptr());
         (0..n.b * n.h).into_par_iter().for_each_init(
-            || Scratch::<T>::new(n),
+            || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), true),
             |w, task| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);

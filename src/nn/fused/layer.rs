@@ -30,7 +30,8 @@ use rayon::prelude::*;
 use super::attention::Attention;
 use super::linear::{by_dtype, column_sum, grad_input, grad_weight, linear_out, residual_linear};
 use super::{
-    contiguous, gelu_grad_par, gelu_par, LayerNormGradInput, LayerNormGradParams, LayerNormOp, Real,
+    contiguous, gelu_grad_par, gelu_par, zeros, LayerNormGradInput, LayerNormGradParams,
+    LayerNormOp, Real,
 };
 
 /// The widths of a layer and where each parameter sits in the packed vector.
@@ -259,7 +260,7 @@ impl LayerOp {
         let attn_in = if self.shape.pre_norm { &a[..] } else { x };
         let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d)); // (n, 3d)
         let mut probs = if keep_probs {
-            vec![T::zero(); b * dims.h * t * t]
+            zeros(b * dims.h * t * t)
         } else {
             Vec::new()
         };
@@ -330,7 +331,7 @@ impl LayerOp {
         let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
         let dims = self.attention.dims_of(b, t, 3 * d)?;
-        let mut dp = vec![T::zero(); o.len];
+        let mut dp = zeros(o.len);
         // LayerNorm backward: returns dx, writes [dw; db] at `at`.
         let ln_back = |x: &[T], g: &[T], at: usize, dp: &mut [T]| -> Vec<T> {
             let w = &p[at..at + d];
@@ -347,7 +348,7 @@ impl LayerOp {
         let gz = masked(&g_res, &masks.ffn_out);
         grad_weight(&gz, &s.gelu, (n, d, f), &mut dp[o.wdown..o.bdown]);
         column_sum(&gz, &mut dp[o.bdown..o.len]);
-        let mut g_gelu = vec![T::zero(); n * f];
+        let mut g_gelu = zeros(n * f);
         grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_gelu, false);
         drop(gz);
         let gu = gelu_grad_par(&s.u, &g_gelu);
@@ -358,7 +359,7 @@ impl LayerOp {
         let mut g_ffn_in = g_res.into_owned();
         let g_ffn_in = if self.shape.pre_norm {
             // e = LN2(h): gh = g_res + LN2'(gu Wup)
-            let mut ge = vec![T::zero(); n * d];
+            let mut ge = zeros(n * d);
             grad_input(&gu, &p[o.wup..o.bup], (n, f, d), &mut ge, false);
             add_into(&mut g_ffn_in, &ln_back(&s.h_or_s1, &ge, o.ln2, &mut dp));
             g_ffn_in
@@ -375,7 +376,7 @@ impl LayerOp {
         let go = masked(&g_mid, &masks.attention_out);
         grad_weight(&go, &s.c, (n, d, d), &mut dp[o.wo..o.bo]);
         column_sum(&go, &mut dp[o.bo..o.ln2]);
-        let mut gc = vec![T::zero(); n * d];
+        let mut gc = zeros(n * d);
         grad_input(&go, &p[o.wo..o.bo], (n, d, d), &mut gc, false);
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
@@ -389,7 +390,7 @@ impl LayerOp {
 
         let mut gx = g_mid;
         if self.shape.pre_norm {
-            let mut ga = vec![T::zero(); n * d];
+            let mut ga = zeros(n * d);
             grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut ga, false);
             add_into(&mut gx, &ln_back(x, &ga, o.ln1, &mut dp));
         } else {

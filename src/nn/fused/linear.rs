@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::{contiguous, Real};
+use super::{contiguous, zeros, Real};
 
 /// gemm's parallelism for an `m x n x k` product: every thread candle would use, for products
 /// big enough to share.
@@ -84,7 +84,7 @@ fn forward<T: Real>(
     match b {
         Some(b) => linear_out(x, w, b, (rows, inp, out)),
         None => {
-            let mut y = vec![T::zero(); rows * out];
+            let mut y = zeros(rows * out);
             forward_into(x, w, None, (rows, inp, out), &mut y, false);
             y
         }
@@ -279,7 +279,7 @@ pub(super) fn grad_weight<T: Real>(
     // The split is fixed, so the result does not depend on the thread count.
     let half = rows / 2;
     let threads = (rayon::current_num_threads() / 2).max(1);
-    let mut second = vec![T::zero(); out * inp];
+    let mut second = zeros(out * inp);
     rayon::join(
         || product(&g[..half * out], &x[..half * inp], half, dw, threads),
         || {
@@ -468,7 +468,7 @@ impl CustomOp2 for GradInput {
     ) -> Result<(CpuStorage, Shape)> {
         let ((rows, out), (_, inp)) = (dims2(l1, "g")?, dims2(l2, "W")?);
         fn run<T: Real>(g: &[T], w: &[T], rows: usize, out: usize, inp: usize) -> Vec<T> {
-            let mut dx = vec![T::zero(); rows * inp];
+            let mut dx = zeros(rows * inp);
             grad_input(g, w, (rows, out, inp), &mut dx, false);
             dx
         }
@@ -501,7 +501,7 @@ impl CustomOp2 for GradWeight {
     ) -> Result<(CpuStorage, Shape)> {
         let ((rows, out), (_, inp)) = (dims2(l1, "g")?, dims2(l2, "x")?);
         fn run<T: Real>(g: &[T], x: &[T], rows: usize, out: usize, inp: usize) -> Vec<T> {
-            let mut dw = vec![T::zero(); out * inp];
+            let mut dw = zeros(out * inp);
             grad_weight(g, x, (rows, out, inp), &mut dw);
             dw
         }

@@ -16,6 +16,9 @@ use candle::backend::BackendStorage;
 use candle::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
 use rayon::prelude::*;
 
 /// The numbers the kernels run on.
@@ -117,8 +120,71 @@ fn erf_poly(a: f32) -> f32 {
     ((((1.061_405_4 * t - 1.453_152) * t + 1.421_413_8) * t - 0.284_496_74) * t + 0.254_829_6) * t
 }
 
+/// The instruction sets the fused kernels may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimdLevel {
+    /// The build's baseline target (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 and FMA.
+    Avx2,
+    /// AVX-512 (F and VL).
+    Avx512,
+}
+
+impl SimdLevel {
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Baseline => "baseline",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+        }
+    }
+
+    /// The best level this CPU supports (checked at run time).
+    pub fn detected() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return SimdLevel::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Baseline
+    }
+}
+
+/// A cap on the level the kernels use (`u8::MAX`: none): how the tests run the AVX2 and
+/// baseline code on an AVX-512 machine. The same source compiled for each level gives the same
+/// bits (Rust never fuses a multiply and an add on its own), so the cap changes speed only.
+static SIMD_CAP: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// Caps the instruction sets the fused kernels use, process-wide (gemm's own dispatch is not
+/// affected). `None` lifts the cap.
+pub fn cap_simd(level: Option<SimdLevel>) {
+    SIMD_CAP.store(level.map_or(u8::MAX, |l| l as u8), Ordering::Relaxed);
+}
+
+/// The level the fused kernels run at: the detected one, under the cap.
+pub fn simd_level() -> SimdLevel {
+    static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
+    let detected = *DETECTED.get_or_init(SimdLevel::detected);
+    match SIMD_CAP.load(Ordering::Relaxed) {
+        0 => SimdLevel::Baseline,
+        1 => detected.min(SimdLevel::Avx2),
+        _ => detected,
+    }
+}
+
 /// Defines `$name`, which runs `$body` compiled for AVX-512 or AVX2 + FMA when the CPU has them
-/// (checked at run time) and for the baseline target otherwise.
+/// (checked at run time, see [`simd_level`]) and for the baseline target otherwise.
 macro_rules! simd_dispatch {
     ($vis:vis fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
         $vis fn $name<T: Real>($($arg: $ty),*) {
@@ -132,13 +198,12 @@ macro_rules! simd_dispatch {
                 unsafe fn narrow<T: Real>($($arg: $ty),*) {
                     $body::<T>($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
+                match $crate::nn::fused::simd_level() {
                     // SAFETY: the CPU has the features `wide` is compiled for.
-                    return unsafe { wide::<T>($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    $crate::nn::fused::SimdLevel::Avx512 => return unsafe { wide::<T>($($arg),*) },
                     // SAFETY: the CPU has the features `narrow` is compiled for.
-                    return unsafe { narrow::<T>($($arg),*) };
+                    $crate::nn::fused::SimdLevel::Avx2 => return unsafe { narrow::<T>($($arg),*) },
+                    $crate::nn::fused::SimdLevel::Baseline => {}
                 }
             }
             $body::<T>($($arg),*)
@@ -214,6 +279,25 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
         s += *x * *y;
     }
     s
+}
+
+/// `len` zeros, written in parallel: a large `vec![0; len]` is a memset on one thread.
+pub(super) fn zeros<T: Real>(len: usize) -> Vec<T> {
+    const CHUNK: usize = 1 << 15;
+    if len < 4 * CHUNK {
+        return vec![T::zero(); len];
+    }
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len]
+        .par_chunks_mut(CHUNK)
+        .for_each(|c| {
+            for x in c {
+                x.write(T::zero());
+            }
+        });
+    // SAFETY: every one of the `len` elements was written above.
+    unsafe { v.set_len(len) };
+    v
 }
 
 /// Rows per parallel task: about 16 K values each.
@@ -314,7 +398,7 @@ struct LayerNormOp {
 impl LayerNormOp {
     fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let d = w.len();
-        let mut y = vec![T::zero(); x.len()];
+        let mut y = zeros(x.len());
         let rows = rows_per_task(d) * d;
         y.par_chunks_mut(rows)
             .zip(x.par_chunks(rows))
@@ -375,7 +459,7 @@ struct LayerNormGradInput {
 impl LayerNormGradInput {
     fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
         let d = w.len();
-        let mut dx = vec![T::zero(); x.len()];
+        let mut dx = zeros(x.len());
         let rows = rows_per_task(d) * d;
         dx.par_chunks_mut(rows)
             .zip(x.par_chunks(rows).zip(g.par_chunks(rows)))
@@ -527,7 +611,7 @@ impl MaskedSoftmax {
     fn forward<T: Real>(x: &[T], bias: &[T], dims: &[usize]) -> Vec<T> {
         let t = dims[dims.len() - 1];
         let per_batch = x.len() / dims[0].max(1);
-        let mut y = vec![T::zero(); x.len()];
+        let mut y = zeros(x.len());
         // Rows per task: as many as suit the work size and divide a batch element's rows, so
         // no task straddles two batch elements (whose biases differ).
         let rows_per_batch = per_batch / t;
@@ -595,7 +679,7 @@ struct SoftmaxGrad;
 
 impl SoftmaxGrad {
     fn run<T: Real>(y: &[T], g: &[T], t: usize) -> Vec<T> {
-        let mut dx = vec![T::zero(); y.len()];
+        let mut dx = zeros(y.len());
         let rows = rows_per_task(t) * t;
         dx.par_chunks_mut(rows)
             .zip(y.par_chunks(rows).zip(g.par_chunks(rows)))
@@ -667,7 +751,7 @@ const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// `GELU(x)`, in parallel chunks.
 fn gelu_par<T: Real>(x: &[T]) -> Vec<T> {
-    let mut y = vec![T::zero(); x.len()];
+    let mut y = zeros(x.len());
     y.par_chunks_mut(ELEMENTS_PER_TASK)
         .zip(x.par_chunks(ELEMENTS_PER_TASK))
         .for_each(|(o, i)| gelu_rows(i, o));
@@ -676,7 +760,7 @@ fn gelu_par<T: Real>(x: &[T]) -> Vec<T> {
 
 /// `g GELU'(x)`, in parallel chunks.
 fn gelu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
-    let mut dx = vec![T::zero(); x.len()];
+    let mut dx = zeros(x.len());
     dx.par_chunks_mut(ELEMENTS_PER_TASK)
         .zip(
             x.par_chunks(ELEMENTS_PER_TASK)
@@ -804,7 +888,7 @@ simd_dispatch!(fn rope_rows = rope_rows_body(x: &[T], rotation: Rotation<'_, T>,
 
 impl RopeOp {
     fn run<T: Real>(&self, x: &[T], cos: &[T], sin: &[T], d: usize) -> Vec<T> {
-        let mut out = vec![T::zero(); x.len()];
+        let mut out = zeros(x.len());
         let rows = rows_per_task(d);
         let sign = if self.inverse { -T::one() } else { T::one() };
         out.par_chunks_mut(rows * d)

@@ -1,0 +1,310 @@
+//! Benchmarks of the hot pieces at the reference shape of `poslab bench` (width 256, 4 heads,
+//! FFN 1024, batch 32 x 128 tokens): table building, RoPE, the masked softmax, LayerNorm, GELU,
+//! attention and one encoder layer, each forward and forward + backward, through the fused
+//! kernels (`ops`, and `layer` for whole layers) and through the reference compositions.
+//!
+//! ```sh
+//! cargo bench --bench kernels                 # everything (a few minutes)
+//! cargo bench --bench kernels -- attention    # one group
+//! ```
+
+use std::sync::{Arc, Mutex};
+
+use candle::{DType, Device, Module, Tensor, Var};
+use divan::Bencher;
+use poslab::nn::{with_kernels, Kernels};
+use poslab::positional::{sinusoidal_table, PositionTable, Rope};
+use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, RopeOptions};
+use rand::SeedableRng;
+
+fn main() {
+    poslab::tune_allocator();
+    divan::main();
+}
+
+const B: usize = 32;
+const T: usize = 128;
+const D: usize = 256;
+const H: usize = 4;
+const FFN: usize = 1024;
+
+/// The paths a piece can run through: the fused per-op kernels and the reference compositions.
+const OPS: [&str; 2] = ["ops", "reference"];
+/// For whole layers, also each layer as one node.
+const LAYERS: [&str; 3] = ["layer", "ops", "reference"];
+
+fn kernels(name: &str) -> Kernels {
+    match name {
+        "layer" => Kernels::Layer,
+        "ops" => Kernels::Ops,
+        _ => Kernels::Reference,
+    }
+}
+
+fn random(dims: &[usize], seed: u64) -> Tensor {
+    let mut rng = poslab::rng::Rng::seed_from_u64(seed);
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| rand::Rng::random_range(&mut rng, -1.0..1.0))
+        .collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+/// Runs `f` on a variable holding `x` and, with `backward`, back-propagates `sum(f(x))`.
+fn run(x: &Var, backward: bool, f: &dyn Fn(&Tensor) -> Tensor) {
+    let y = f(x.as_tensor());
+    if backward {
+        divan::black_box(y.sum_all().unwrap().backward().unwrap());
+    } else {
+        divan::black_box(y);
+    }
+}
+
+mod tables {
+    use super::*;
+
+    /// A 512 x 256 sinusoid in f64 on the host, the way every fixed table starts.
+    #[divan::bench]
+    fn sinusoid_512x256() -> Vec<f64> {
+        sinusoidal_table(0, 512, D, 10_000.0, Default::default())
+    }
+
+    /// RoPE's cos and sin tables for 512 positions of a 64-wide head, rounded to f32 tensors.
+    #[divan::bench]
+    fn rope_tables_512() -> Rope {
+        Rope::new(
+            &RopeOptions::default(),
+            D / H,
+            512,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap()
+    }
+
+    /// The rows of one batch from a built table (what every forward does).
+    #[divan::bench]
+    fn cached_rows(bencher: Bencher) {
+        let table = PositionTable::new(D, 512, DType::F32, &Device::Cpu, |n| {
+            sinusoidal_table(0, n, D, 10_000.0, Default::default())
+        })
+        .unwrap();
+        bencher.bench(|| table.rows(0, T).unwrap());
+    }
+}
+
+mod rope {
+    use super::*;
+
+    fn bench(bencher: Bencher, path: &str, backward: bool) {
+        let rope = Rope::new(&RopeOptions::default(), D / H, T, DType::F32, &Device::Cpu).unwrap();
+        let x = Var::from_tensor(&random(&[B, H, T, D / H], 1)).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                run(&x, backward, &|x| rope.apply(x, 0).unwrap())
+            })
+        });
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, true);
+    }
+}
+
+mod softmax {
+    use super::*;
+
+    fn bench(bencher: Bencher, path: &str, backward: bool) {
+        let scores = Var::from_tensor(&(random(&[B, H, T, T], 2) * 4.0).unwrap()).unwrap();
+        let bias = Tensor::zeros((B, T), DType::F32, &Device::Cpu).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                run(&scores, backward, &|s| {
+                    poslab::nn::masked_softmax(s, &bias).unwrap()
+                })
+            })
+        });
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, true);
+    }
+}
+
+mod layer_norm {
+    use super::*;
+
+    fn bench(bencher: Bencher, path: &str, backward: bool) {
+        let params = ParamStore::new(0);
+        let ln =
+            poslab::nn::layer_norm(D, 1e-5, params.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        let x = Var::from_tensor(&random(&[B, T, D], 3)).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                run(&x, backward, &|x| ln.forward(x).unwrap())
+            })
+        });
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, true);
+    }
+}
+
+mod gelu {
+    use super::*;
+
+    fn bench(bencher: Bencher, path: &str, backward: bool) {
+        let x = Var::from_tensor(&(random(&[B * T, FFN], 4) * 3.0).unwrap()).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                run(&x, backward, &|x| poslab::nn::gelu(x).unwrap())
+            })
+        });
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, true);
+    }
+}
+
+mod attention {
+    use super::*;
+
+    /// Multi-head self-attention with its four projections; `rope` rotates q and k.
+    fn bench(bencher: Bencher, path: &str, with_rope: bool, backward: bool) {
+        let params = ParamStore::new(0);
+        let rng = Arc::new(Mutex::new(poslab::rng::Rng::seed_from_u64(0)));
+        let attn = poslab::nn::SelfAttention::new(
+            D,
+            H,
+            with_rope,
+            poslab::nn::Dropout::new(0.0, rng),
+            params.var_builder(DType::F32, &Device::Cpu),
+        )
+        .unwrap();
+        let rope = Rope::new(&RopeOptions::default(), D / H, T, DType::F32, &Device::Cpu).unwrap();
+        let angles = with_rope.then(|| rope.angles(0, T).unwrap());
+        let bias = Tensor::zeros((B, T), DType::F32, &Device::Cpu).unwrap();
+        let x = Var::from_tensor(&random(&[B, T, D], 5)).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                run(&x, backward, &|x| {
+                    attn.forward_t(x, &bias, angles.as_ref(), true).unwrap()
+                })
+            })
+        });
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false, false);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, false, true);
+    }
+
+    #[divan::bench(args = OPS)]
+    fn rope_forward_backward(bencher: Bencher, path: &str) {
+        bench(bencher, path, true, true);
+    }
+}
+
+mod encoder_layer {
+    use super::*;
+
+    /// One pre-norm encoder layer at the reference width (with the token embedding and the
+    /// sinusoid in front of it, and the final LayerNorm after it).
+    fn bench(bencher: Bencher, path: &str, positional: PositionalConfig, backward: bool) {
+        let config = ModelConfig {
+            vocab_size: 8192,
+            d_model: D,
+            n_heads: H,
+            n_layers: 1,
+            ffn_dim: FFN,
+            max_len: T,
+            norm: NormPlacement::Pre,
+            dropout: 0.0,
+            attention_dropout: 0.0,
+            embed_scale: poslab::Scale::Value(1.0),
+            token_init_std: poslab::Scale::Value(1.0),
+            layer_norm_eps: 1e-5,
+            positional,
+        };
+        let params = ParamStore::new(0);
+        let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        let ids = Tensor::from_vec(
+            (0..(B * T) as u32).map(|i| (i * 7919) % 8192).collect(),
+            (B, T),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mask = Tensor::ones((B, T), DType::U32, &Device::Cpu).unwrap();
+        bencher.bench(|| {
+            with_kernels(kernels(path), || {
+                let y = encoder.forward_t(&ids, &mask, backward).unwrap();
+                if backward {
+                    divan::black_box(y.sum_all().unwrap().backward().unwrap());
+                } else {
+                    divan::black_box(y);
+                }
+            })
+        });
+    }
+
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn forward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            false,
+        );
+    }
+
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            true,
+        );
+    }
+
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn rope_forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::Rope(RopeOptions::default()),
+            true,
+        );
+    }
+}
