@@ -190,6 +190,14 @@ mod gelu {
     fn forward_backward(bencher: Bencher, path: &str) {
         bench(bencher, path, true);
     }
+
+    /// candle's own exact GELU (`Tensor::gelu_erf`), the op poslab's replace: about a third
+    /// of a naive candle encoder's forward on this CPU (shared/bench/README.md).
+    #[divan::bench(args = [false, true])]
+    fn candle_gelu_erf(bencher: Bencher, backward: bool) {
+        let x = Var::from_tensor(&(random(&[B * T, FFN], 4) * 3.0).unwrap()).unwrap();
+        bencher.bench(|| run(&x, backward, &|x| x.gelu_erf().unwrap()));
+    }
 }
 
 mod attention {
@@ -255,6 +263,7 @@ mod encoder_layer {
             embed_scale: poslab::Scale::Value(1.0),
             token_init_std: poslab::Scale::Value(1.0),
             layer_norm_eps: 1e-5,
+            dtype: poslab::Precision::F32,
             positional,
         };
         let params = ParamStore::new(0);

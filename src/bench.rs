@@ -11,7 +11,7 @@ use candle::{DType, Device, Tensor};
 use rand::Rng as _;
 use serde::Serialize;
 
-use crate::config::{ModelConfig, NormPlacement, Scale};
+use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
@@ -34,6 +34,8 @@ pub struct Shape {
     /// The sinusoid's width in the concatenated variants.
     pub pos_dim: usize,
     pub classes: usize,
+    /// Activations in f32, bf16 or f16.
+    pub dtype: Precision,
 }
 
 impl Default for Shape {
@@ -48,6 +50,7 @@ impl Default for Shape {
             seq: 128,
             pos_dim: 64,
             classes: 2,
+            dtype: Precision::F32,
         }
     }
 }
@@ -107,6 +110,7 @@ impl Shape {
             embed_scale: Scale::Value(1.0),
             token_init_std: Scale::Value(1.0),
             layer_norm_eps: 1e-5,
+            dtype: self.dtype,
             positional: self.positional(variant)?,
         };
         config.validate()?;
@@ -543,6 +547,12 @@ pub struct Ratio {
     pub forward_ratio_range: [f64; 2],
     pub train_ratio: f64,
     pub train_ratio_range: [f64; 2],
+    /// The best round of each side (highest tokens/s), poslab and PyTorch: on a shared host,
+    /// contention only ever slows a run, so the best round is each side's least disturbed one.
+    pub best_forward: [f64; 2],
+    pub best_train: [f64; 2],
+    /// The slowest round of each side over its best, poslab and PyTorch (1 = steady rounds).
+    pub train_spread: [f64; 2],
     pub poslab_train_parts_ms: Option<[f64; 3]>,
     pub torch_train_parts_ms: Option<[f64; 3]>,
     /// Largest peak RSS of a training phase over the rounds, MiB.
@@ -593,6 +603,8 @@ pub fn ratios(variants: &[String], rounds: &[Vec<(Record, TorchRecord)>]) -> Vec
                 (!v.is_empty()).then(|| [0, 1, 2].map(|i| median(v.iter().map(|p| p[i]).collect())))
             };
             let max = |v: Vec<f64>| v.into_iter().reduce(f64::max);
+            let best = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
+            let spread = |v: &[f64]| best(v) / v.iter().copied().fold(f64::NAN, f64::min);
             let foreign = of(&|(p, t)| {
                 [
                     p.forward_foreign_cores,
@@ -621,6 +633,9 @@ pub fn ratios(variants: &[String], rounds: &[Vec<(Record, TorchRecord)>]) -> Vec
                 forward_ratio_range: per_round(&pf, &tf),
                 train_ratio: ptm / ttm,
                 train_ratio_range: per_round(&pt, &tt),
+                best_forward: [best(&pf), best(&tf)],
+                best_train: [best(&pt), best(&tt)],
+                train_spread: [spread(&pt), spread(&tt)],
                 poslab_train_parts_ms: parts(of_parts(&pairs, true)),
                 torch_train_parts_ms: parts(of_parts(&pairs, false)),
                 poslab_train_peak_rss_mib: max(of(&|(p, _)| p.train_peak_rss_mib)),
@@ -706,21 +721,58 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
             fmt(r.torch_train_parts_ms)
         );
     }
+    let _ = writeln!(
+        out,
+        "\nbest round of each side (the least contended: a shared host only ever slows a run)"
+    );
+    for r in ratios {
+        let _ = writeln!(
+            out,
+            "  {:<16} forward {:.0} | {:.0}  {:.2}x    train {:.0} | {:.0}  {:.2}x",
+            r.variant,
+            r.best_forward[0],
+            r.best_forward[1],
+            r.best_forward[0] / r.best_forward[1],
+            r.best_train[0],
+            r.best_train[1],
+            r.best_train[0] / r.best_train[1]
+        );
+    }
     let find = |name: &str| ratios.iter().find(|r| r.variant == name);
     if let Some(base) = find("sin_add") {
         let _ = writeln!(
             out,
-            "\ntraining cost over sin_add (time per step), poslab | torch"
+            "\ntraining cost over sin_add (time per step), poslab | torch: medians; best rounds"
         );
         for r in ratios.iter().filter(|r| r.variant != "sin_add") {
             let _ = writeln!(
                 out,
-                "  {:<16} {:+.1}% | {:+.1}%",
+                "  {:<16} {:+.1}% | {:+.1}%;  {:+.1}% | {:+.1}%",
                 r.variant,
                 (base.poslab_train / r.poslab_train - 1.0) * 100.0,
-                (base.torch_train / r.torch_train - 1.0) * 100.0
+                (base.torch_train / r.torch_train - 1.0) * 100.0,
+                (base.best_train[0] / r.best_train[0] - 1.0) * 100.0,
+                (base.best_train[1] / r.best_train[1] - 1.0) * 100.0
             );
         }
+    }
+    let unsteady: Vec<String> = ratios
+        .iter()
+        .filter(|r| r.train_spread.iter().any(|s| *s > 1.25))
+        .map(|r| {
+            format!(
+                "{} (slowest round {:.2}x | {:.2}x slower)",
+                r.variant, r.train_spread[0], r.train_spread[1]
+            )
+        })
+        .collect();
+    if !unsteady.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nnote: rounds differed by more than 25% for {}; where nothing in this machine was \
+             busy, the host was (steal or a sibling hyperthread): read the best-round ratios",
+            unsteady.join(", ")
+        );
     }
     let busy: Vec<String> = ratios
         .iter()
@@ -735,4 +787,87 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timing(tokens_per_s: f64) -> Timing {
+        Timing {
+            reps: 1,
+            median_ms: 4096.0 / tokens_per_s * 1e3,
+            min_ms: 0.0,
+            max_ms: 0.0,
+            tokens_per_s,
+            gflops: 0.0,
+        }
+    }
+
+    fn pair(variant: &str, poslab: [f64; 2], torch: [f64; 2]) -> (Record, TorchRecord) {
+        (
+            Record {
+                variant: variant.into(),
+                params: 0,
+                forward_gflop: 0.0,
+                train_gflop: 0.0,
+                forward: Some(timing(poslab[0])),
+                train: Some(timing(poslab[1])),
+                train_parts_ms: None,
+                forward_peak_rss_mib: None,
+                train_peak_rss_mib: Some(400.0),
+                forward_foreign_cores: Some(0.0),
+                train_foreign_cores: Some(0.0),
+                kernels: "layer".into(),
+            },
+            TorchRecord {
+                variant: variant.into(),
+                forward_tokens_per_s: torch[0],
+                train_tokens_per_s: torch[1],
+                train_parts_ms: None,
+                train_peak_rss_mib: Some(1200.0),
+                forward_foreign_cores: Some(0.0),
+                train_foreign_cores: Some(0.0),
+            },
+        )
+    }
+
+    #[test]
+    fn ratios_report_medians_best_rounds_and_unsteady_hosts() {
+        // Two rounds on a host that halves whichever side it lands on.
+        let rounds = vec![
+            vec![
+                pair("sin_add", [8000.0, 2600.0], [7000.0, 1300.0]),
+                pair("rope", [8000.0, 2400.0], [7000.0, 2500.0]),
+            ],
+            vec![
+                pair("sin_add", [4000.0, 1400.0], [7500.0, 2500.0]),
+                pair("rope", [8000.0, 2400.0], [7000.0, 2500.0]),
+            ],
+        ];
+        let variants = vec!["sin_add".to_string(), "rope".to_string()];
+        let r = ratios(&variants, &rounds);
+        let add = &r[0];
+        assert_eq!(add.rounds, 2);
+        // Medians of two rounds are their means; per-round ratios span 2.0 and 0.56.
+        assert_eq!((add.poslab_train, add.torch_train), (2000.0, 1900.0));
+        assert!((add.train_ratio - 2000.0 / 1900.0).abs() < 1e-12);
+        assert!((add.train_ratio_range[0] - 0.56).abs() < 1e-12);
+        assert!((add.train_ratio_range[1] - 2.0).abs() < 1e-12);
+        // Best rounds: each side's fastest, whichever round it came from.
+        assert_eq!(add.best_train, [2600.0, 2500.0]);
+        assert_eq!(add.best_forward, [8000.0, 7500.0]);
+        assert!((add.train_spread[0] - 2600.0 / 1400.0).abs() < 1e-12);
+        assert_eq!(r[1].train_spread, [1.0, 1.0]);
+
+        let table = ratio_table(&r);
+        assert!(table.contains("train 2600 | 2500  1.04x"), "{table}");
+        // rope's step against sin_add's, from the best rounds: 2600 / 2400 - 1 = +8.3%.
+        assert!(table.contains("+8.3% | +0.0%"), "{table}");
+        assert!(
+            table.contains("rounds differed by more than 25% for sin_add"),
+            "{table}"
+        );
+        assert!(!table.contains("25% for sin_add (slowest round 1.86x | 1.92x slower), rope"));
+    }
 }

@@ -36,6 +36,77 @@ impl std::fmt::Display for NormPlacement {
     }
 }
 
+/// The dtype the encoder computes its activations in: mixed precision.
+///
+/// `f32` computes in the parameters' own dtype (f32, or f64 in tests). `bf16` and `f16` cast
+/// the embedded input, and each weight as it is used, to the half type, so the matrix multiplies
+/// and the activations they make are half precision; the parameters themselves, their gradients
+/// and the optimizer state stay in the parameters' dtype. What half precision would spoil stays
+/// there too: the sinusoidal and learned tables are added before the cast, RoPE's angles and
+/// rotation, the softmax (with its padding bias) and the LayerNorm statistics are computed in
+/// f32 from upcast inputs, and the encoder hands its output back in the parameters' dtype, so
+/// pooling, the head and the loss are f32. `f16` trains with a dynamic loss scale (its range
+/// is too narrow for small gradients); `bf16` needs none.
+///
+/// Half precision is meant for CUDA. It runs on the CPU too (slowly, through candle's generic
+/// kernels, never the fused f32 ones), which is how the tests check it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    pub const NAMES: [&'static str; 3] = ["f32", "bf16", "f16"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
+    /// The dtype activations are computed in, for parameters of dtype `params`.
+    pub fn compute_dtype(self, params: candle::DType) -> candle::DType {
+        match self {
+            Self::F32 => params,
+            Self::Bf16 => candle::DType::BF16,
+            Self::F16 => candle::DType::F16,
+        }
+    }
+
+    /// Whether activations are a half type (and so need f32 statistics).
+    pub fn is_half(self) -> bool {
+        self != Self::F32
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(Self::F32),
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f16" | "float16" | "half" => Ok(Self::F16),
+            other => Err(Error::Config(format!(
+                "unknown dtype `{other}`: use one of {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+}
+
 /// A scale written as a number or as a function of the width: `"sqrt_d_model"` or
 /// `"inv_sqrt_d_model"` (Vaswani et al. scale token embeddings by `sqrt(d_model)` after
 /// initialising them at `1/sqrt(d_model)`).
@@ -133,6 +204,7 @@ fn default_layer_norm_eps() -> f64 {
 /// dropout = 0.1           # embeddings and both residual branches
 /// attention_dropout = 0.1 # attention weights
 /// embed_scale = 1.0       # token embeddings are multiplied by this ("sqrt_d_model" allowed)
+/// dtype = "f32"           # activations: f32, bf16 or f16 (mixed precision, for CUDA)
 ///
 /// [positional]
 /// kind = "rope"
@@ -171,6 +243,10 @@ pub struct ModelConfig {
     pub token_init_std: Scale,
     #[serde(default = "default_layer_norm_eps")]
     pub layer_norm_eps: f64,
+    /// The dtype activations are computed in: `f32` (default), `bf16` or `f16` (see
+    /// [`Precision`]).
+    #[serde(default)]
+    pub dtype: Precision,
     pub positional: PositionalConfig,
 }
 

@@ -38,7 +38,8 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     }
     Device::new_cuda(ordinal).map_err(|e| {
         Error::Config(format!(
-            "cannot open CUDA device {ordinal} ({e}); check `nvidia-smi`, or use --device cpu"
+            "cannot open CUDA device {ordinal} ({}); check `nvidia-smi`, or use --device cpu",
+            crate::error::without_backtrace(e)
         ))
     })
 }

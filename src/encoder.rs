@@ -303,17 +303,24 @@ impl Encoder {
         let scale = self.config.embed_scale.value(self.config.d_model);
         let x = if scale == 1.0 { x } else { (x * scale)? };
         let x = self.input_positions.join(&x, start)?; // (b, t, d_model)
+
+        // Mixed precision: positions join in the parameters' dtype, then the activations
+        // move to the compute dtype; the padding bias stays put for the f32 softmax.
+        let params = x.dtype();
+        let x = crate::nn::cast(&x, self.config.dtype.compute_dtype(params))?;
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 
-        let bias = key_padding_bias(attention_mask, x.dtype())?; // (b, t)
+        let bias = key_padding_bias(attention_mask, params)?; // (b, t)
         let rope = self.rope.as_ref().map(|r| r.angles(start, t)).transpose()?;
         for layer in &self.layers {
             x = layer.forward_t(&x, &bias, rope.as_ref(), train)?;
         }
-        match &self.final_norm {
-            Some(norm) => Ok(norm.forward(&x)?),
-            None => Ok(x),
-        }
+        let x = match &self.final_norm {
+            Some(norm) => norm.forward(&x)?,
+            None => x,
+        };
+        // Pooling, heads and losses read the parameters' dtype.
+        Ok(crate::nn::cast(&x, params)?)
     }
 
     /// For an encoder whose positions are added to the token embeddings (`sinusoidal_add`,

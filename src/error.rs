@@ -50,7 +50,27 @@ pub enum Error {
 
     /// Errors raised inside candle's tensor operations.
     #[error(transparent)]
-    Candle(#[from] candle::Error),
+    Candle(candle::Error),
+}
+
+impl From<candle::Error> for Error {
+    /// Keeps candle's message and drops the backtrace candle appends to it when
+    /// `RUST_BACKTRACE` is set, so every message stays the one line it should be.
+    fn from(error: candle::Error) -> Self {
+        Error::Candle(without_backtrace(error))
+    }
+}
+
+/// `error` without candle's `WithBacktrace` wrappers (also inside `WithPath`).
+pub(crate) fn without_backtrace(error: candle::Error) -> candle::Error {
+    match error {
+        candle::Error::WithBacktrace { inner, .. } => without_backtrace(*inner),
+        candle::Error::WithPath { inner, path } => candle::Error::WithPath {
+            inner: Box::new(without_backtrace(*inner)),
+            path,
+        },
+        other => other,
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -73,5 +93,33 @@ impl Error {
             path: path.into(),
             error,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candle_errors_lose_their_backtrace_and_keep_their_message() {
+        let traced = |inner: candle::Error| candle::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        // What candle makes when RUST_BACKTRACE is set: the message, then a multi-line trace.
+        let raw = traced(candle::Error::Msg("no CUDA device".into()));
+        assert!(raw.to_string().lines().count() > 1, "{raw}");
+        assert_eq!(Error::from(raw).to_string(), "no CUDA device");
+
+        let nested = candle::Error::WithPath {
+            inner: Box::new(traced(candle::Error::Msg("bad header".into()))),
+            path: "model.safetensors".into(),
+        };
+        let message = Error::from(nested).to_string();
+        assert_eq!(message.lines().count(), 1, "{message}");
+        assert!(
+            message.contains("bad header") && message.contains("model.safetensors"),
+            "{message}"
+        );
     }
 }

@@ -37,7 +37,7 @@ pub mod tasks;
 pub mod text;
 pub mod train;
 
-pub use config::{ModelConfig, NormPlacement, Scale};
+pub use config::{ModelConfig, NormPlacement, Precision, Scale};
 
 /// Keeps freed tensor memory in the process for reuse (glibc on Linux; elsewhere nothing).
 ///

@@ -26,6 +26,19 @@ struct Cli {
     command: Command,
 }
 
+/// Where a model computes, and in what precision.
+#[derive(clap::Args, Clone, Debug)]
+struct Compute {
+    /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Activations in f32, bf16 or f16: mixed precision, meant for CUDA. Weights, gradients,
+    /// optimizer state, positional tables, RoPE angles and softmax / LayerNorm statistics stay
+    /// f32. Default: the config's `[model] dtype` (f32 if absent), or as a saved model was trained.
+    #[arg(long)]
+    dtype: Option<poslab::Precision>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train every positional variant of an experiment on the same data, seeds and budget, and
@@ -33,9 +46,8 @@ enum Command {
     Compare {
         /// Experiment config (TOML). Default: configs/compare.toml, embedded in the binary.
         config: Option<PathBuf>,
-        /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
-        #[arg(long, default_value = "auto")]
-        device: String,
+        #[command(flatten)]
+        compute: Compute,
         /// Run only this task (repeatable).
         #[arg(long = "task", value_name = "NAME")]
         tasks: Vec<String>,
@@ -72,9 +84,9 @@ enum Command {
         out: Option<PathBuf>,
         #[arg(long, default_value = "runs")]
         runs_dir: PathBuf,
-        /// cpu, cuda, cuda:N or auto.
-        #[arg(long, default_value = "auto")]
-        device: String,
+        /// (--dtype applies to a new run; a resumed run keeps the dtype it was started with.)
+        #[command(flatten)]
+        compute: Compute,
         /// Stop once this many steps are done, after saving a checkpoint (what a kill would
         /// leave); continue later with --resume.
         #[arg(long, value_name = "STEPS")]
@@ -103,8 +115,8 @@ enum Command {
         /// Cut texts longer than a learned position table instead of refusing them.
         #[arg(long)]
         truncate: bool,
-        #[arg(long, default_value = "auto")]
-        device: String,
+        #[command(flatten)]
+        compute: Compute,
     },
     /// Pooled sentence vectors of texts, one JSON object per line.
     Embed {
@@ -116,8 +128,8 @@ enum Command {
         input: Option<PathBuf>,
         #[arg(long)]
         truncate: bool,
-        #[arg(long, default_value = "auto")]
-        device: String,
+        #[command(flatten)]
+        compute: Compute,
     },
     /// What a positional scheme encodes: the table as CSV and heatmap, distance matrices,
     /// distance against offset, the relative-shift property, a linear position probe,
@@ -209,6 +221,11 @@ enum Command {
         /// default), ops (fused per-op kernels) or reference (compositions of candle ops).
         #[arg(long, value_parser = ["layer", "ops", "reference"])]
         kernels: Option<String>,
+        /// Cap the instruction sets of poslab's fused kernels (avx512, avx2 or baseline), to
+        /// see what a machine without AVX-512 gets; matrix multiplies (gemm) still pick their
+        /// own kernels from the CPU at run time.
+        #[arg(long, value_parser = ["avx512", "avx2", "baseline"])]
+        simd: Option<String>,
         /// The PyTorch reference script (shared/bench/torch_reference.py): run it beside
         /// poslab, interleaved per variant, and report the ratios.
         #[arg(long)]
@@ -219,6 +236,9 @@ enum Command {
         /// Interleaved rounds of poslab and PyTorch with --torch.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Activations in f32, bf16 or f16 (mixed precision; weights and optimizer stay f32).
+        #[arg(long, default_value = "f32")]
+        dtype: poslab::Precision,
     },
     /// Merge the results of run folders (cells split across machines with --task, --variant,
     /// --seed) into one report.
@@ -247,7 +267,7 @@ fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Compare {
             config,
-            device,
+            compute,
             tasks,
             variants,
             seeds,
@@ -257,7 +277,7 @@ fn main() -> ExitCode {
             quiet,
         } => compare(
             config.as_deref(),
-            &device,
+            &compute,
             Selection {
                 tasks,
                 variants,
@@ -273,10 +293,10 @@ fn main() -> ExitCode {
             resume,
             out,
             runs_dir,
-            device,
+            compute,
             stop_after,
             quiet,
-        } => train(config, resume, out, &runs_dir, &device, stop_after, quiet),
+        } => train(config, resume, out, &runs_dir, &compute, stop_after, quiet),
         Command::Predict {
             run,
             texts,
@@ -284,15 +304,15 @@ fn main() -> ExitCode {
             json,
             top_k,
             truncate,
-            device,
-        } => predict(&run, texts, input, json, top_k, truncate, &device),
+            compute,
+        } => predict(&run, texts, input, json, top_k, truncate, &compute),
         Command::Embed {
             run,
             texts,
             input,
             truncate,
-            device,
-        } => embed(&run, texts, input, truncate, &device),
+            compute,
+        } => embed(&run, texts, input, truncate, &compute),
         Command::Analyze {
             scheme,
             run,
@@ -339,9 +359,11 @@ fn main() -> ExitCode {
             json,
             in_process,
             kernels,
+            simd,
             torch,
             python,
             rounds,
+            dtype,
         } => bench(BenchArgs {
             shape: poslab::bench::Shape {
                 vocab,
@@ -351,6 +373,7 @@ fn main() -> ExitCode {
                 ffn_dim: ffn,
                 batch,
                 seq,
+                dtype,
                 ..Default::default()
             },
             variants,
@@ -362,6 +385,7 @@ fn main() -> ExitCode {
             json,
             in_process,
             kernels,
+            simd,
             torch,
             python,
             rounds,
@@ -380,7 +404,7 @@ fn main() -> ExitCode {
 
 fn compare(
     path: Option<&Path>,
-    device: &str,
+    compute: &Compute,
     selection: Selection,
     runs_dir: &Path,
     out: Option<PathBuf>,
@@ -388,7 +412,7 @@ fn compare(
     quiet: bool,
 ) -> Result<()> {
     let started = Instant::now();
-    let (config, source) = match path {
+    let (mut config, source) = match path {
         Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
         None => (
             ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
@@ -396,9 +420,12 @@ fn compare(
             "configs/compare.toml (embedded default)".to_string(),
         ),
     };
+    if let Some(dtype) = compute.dtype {
+        config.model.dtype = dtype;
+    }
     let (tasks, variants, seeds) = config.select(&selection)?;
     let cells = tasks.len() * variants.len() * seeds.len();
-    let device = poslab::device::parse_device(device)?;
+    let device = poslab::device::parse_device(&compute.device)?;
     // Small models train fastest as one single-threaded job per core; a lone cell gets every
     // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
     // is set before any tensor work.
@@ -451,11 +478,11 @@ fn train(
     resume: Option<PathBuf>,
     out: Option<PathBuf>,
     runs_dir: &Path,
-    device: &str,
+    compute: &Compute,
     stop_after: Option<usize>,
     quiet: bool,
 ) -> Result<()> {
-    let device = poslab::device::parse_device(device)?;
+    let device = poslab::device::parse_device(&compute.device)?;
     let options = |dir: PathBuf| single::TrainOptions {
         dir,
         device: device.clone(),
@@ -465,11 +492,20 @@ fn train(
     };
     let (end, dir) = match (config, resume) {
         (_, Some(dir)) => {
+            if let Some(dtype) = compute.dtype {
+                anyhow::bail!(
+                    "--dtype {dtype} with --resume: a resumed run keeps the dtype it was started \
+                     with (its config.json), so that it ends as an uninterrupted run would; drop --dtype"
+                );
+            }
             eprintln!("poslab train: resuming {}", dir.display());
             (single::resume(&options(dir.clone()))?, dir)
         }
         (Some(path), None) => {
-            let config = single::TrainRunConfig::load(&path)?;
+            let mut config = single::TrainRunConfig::load(&path)?;
+            if let Some(dtype) = compute.dtype {
+                config.model.dtype = dtype;
+            }
             let dir = match out {
                 Some(dir) => dir,
                 None => experiment::new_run_dir(runs_dir, &config.name)?,
@@ -540,9 +576,9 @@ fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Vec<St
     Ok(texts)
 }
 
-fn load_model(dir: &Path, device: &str) -> Result<poslab::saved::Loaded> {
-    let device = poslab::device::parse_device(device)?;
-    poslab::saved::load(dir, DType::F32, &device)
+fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
+    let device = poslab::device::parse_device(&compute.device)?;
+    poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
         .with_context(|| format!("loading the model in {}", dir.display()))
 }
 
@@ -553,10 +589,10 @@ fn predict(
     json: bool,
     top_k: usize,
     truncate: bool,
-    device: &str,
+    compute: &Compute,
 ) -> Result<()> {
     let texts = gather_texts(texts, input)?;
-    let loaded = load_model(run, device)?;
+    let loaded = load_model(run, compute)?;
     let outputs = Predictor::new(&loaded, truncate).predict(&texts, top_k.max(1))?;
     for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
@@ -613,10 +649,10 @@ fn embed(
     texts: Vec<String>,
     input: Option<PathBuf>,
     truncate: bool,
-    device: &str,
+    compute: &Compute,
 ) -> Result<()> {
     let texts = gather_texts(texts, input)?;
-    let loaded = load_model(run, device)?;
+    let loaded = load_model(run, compute)?;
     for (i, out) in Predictor::new(&loaded, truncate)
         .embed(&texts)?
         .iter()
@@ -674,7 +710,13 @@ fn analyze(a: AnalyzeArgs) -> Result<()> {
     let mut files = Vec::new();
     let (table, label, loaded) = match (&a.scheme, &a.run) {
         (_, Some(dir)) => {
-            let loaded = load_model(dir, "cpu")?;
+            let loaded = load_model(
+                dir,
+                &Compute {
+                    device: "cpu".into(),
+                    dtype: Some(poslab::Precision::F32),
+                },
+            )?;
             let m = &loaded.config.model;
             let table = match &m.positional {
                 PositionalConfig::Learned(_) => {
@@ -786,6 +828,7 @@ struct BenchArgs {
     json: bool,
     in_process: bool,
     kernels: Option<String>,
+    simd: Option<String>,
     torch: Option<PathBuf>,
     python: PathBuf,
     rounds: usize,
@@ -800,6 +843,11 @@ fn bench(args: BenchArgs) -> Result<()> {
         // Read once, at the first layer; children inherit it.
         std::env::set_var("POSLAB_KERNELS", k);
     }
+    poslab::nn::cap_simd(match args.simd.as_deref() {
+        Some("baseline") => Some(poslab::nn::SimdLevel::Baseline),
+        Some("avx2") => Some(poslab::nn::SimdLevel::Avx2),
+        _ => None,
+    });
     let device = poslab::device::parse_device(&args.device)?;
     let variants = if args.variants.is_empty() {
         poslab::bench::VARIANTS[..5]
@@ -817,10 +865,11 @@ fn bench(args: BenchArgs) -> Result<()> {
     let child = args.in_process && args.json;
     if !child {
         eprintln!(
-            "poslab bench on {} ({threads} thread{}, {} kernels): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            "poslab bench on {} ({threads} thread{}, {} kernels, {:?} SIMD): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
             poslab::device::device_name(&device),
             if threads == 1 { "" } else { "s" },
             poslab::nn::current_kernels().name(),
+            poslab::nn::simd_level(),
             shape.vocab,
             shape.d_model,
             shape.n_heads,
@@ -861,11 +910,16 @@ fn bench(args: BenchArgs) -> Result<()> {
         cmd.args([
             "--device",
             &args.device,
+            "--dtype",
+            shape.dtype.name(),
             "--json",
             "--in-process",
             "--variants",
             variant,
         ]);
+        if let Some(simd) = &args.simd {
+            cmd.args(["--simd", simd]);
+        }
         let out = cmd
             .stderr(std::process::Stdio::inherit())
             .output()
@@ -883,6 +937,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         "device": poslab::device::device_name(&device),
         "threads": threads,
         "kernels": poslab::nn::current_kernels().name(),
+        "simd": format!("{:?}", poslab::nn::simd_level()),
         "shape": shape,
     });
 
@@ -1077,6 +1132,12 @@ fn inspect(path: &Path) -> Result<()> {
         "dropout {} (embeddings, residual branches), {} (attention weights); embed_scale {}, token init std {}",
         config.dropout, config.attention_dropout, config.embed_scale, config.token_init_std
     );
+    if config.dtype.is_half() {
+        println!(
+            "activations: {} (mixed precision; weights, positional tables, softmax and LayerNorm statistics in f32)",
+            config.dtype
+        );
+    }
     println!("positional: {}", describe(&config.positional, &config));
 
     // The same shape under each scheme, with the configured options where they apply.

@@ -189,7 +189,7 @@ pub fn load_tensors(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<Str
     for (name, view) in st.tensors() {
         let tensor = view.load(&Device::Cpu).map_err(|e| Error::Checkpoint {
             path: path.into(),
-            message: format!("tensor {name}: {e}"),
+            message: format!("tensor {name}: {}", crate::error::without_backtrace(e)),
         })?;
         tensors.insert(name, tensor);
     }

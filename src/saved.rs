@@ -7,7 +7,7 @@ use std::path::Path;
 use candle::{DType, Device};
 use serde::{Deserialize, Serialize};
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Precision};
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, TaskModel};
 use crate::params::ParamStore;
@@ -65,12 +65,26 @@ pub struct Loaded {
 
 /// Loads a folder written by [`save`], checking names and shapes of every tensor.
 pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Loaded> {
+    load_as(dir, dtype, device, None)
+}
+
+/// As [`load`], computing in `precision` instead of the precision the model was trained with
+/// (a model trained in bf16 on a GPU runs in f32 on a CPU, say).
+pub fn load_as(
+    dir: &Path,
+    dtype: DType,
+    device: &Device,
+    precision: Option<Precision>,
+) -> Result<Loaded> {
     let config_path = dir.join(CONFIG);
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let config: SavedConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
+    let mut config: SavedConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
         path: config_path.clone(),
         message: e.to_string(),
     })?;
+    if let Some(precision) = precision {
+        config.model.dtype = precision;
+    }
     if config.format != FORMAT {
         return Err(Error::ConfigParse {
             path: config_path,

@@ -16,7 +16,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ModelConfig, NormPlacement, Scale};
+use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
 use crate::error::{Error, Result};
 use crate::model::Pooling;
 use crate::positional::PositionalConfig;
@@ -65,6 +65,9 @@ pub struct ModelShape {
     /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
     #[serde(default)]
     pub pooling: Pooling,
+    /// Activations in `f32` (default), `bf16` or `f16`: mixed precision, for CUDA.
+    #[serde(default)]
+    pub dtype: Precision,
 }
 
 impl ModelShape {
@@ -88,6 +91,7 @@ impl ModelShape {
             embed_scale: variant.embed_scale.unwrap_or(self.embed_scale),
             token_init_std: variant.token_init_std.unwrap_or(self.token_init_std),
             layer_norm_eps: self.layer_norm_eps,
+            dtype: self.dtype,
             positional: variant.positional.clone(),
         }
     }

@@ -175,10 +175,10 @@ impl SelfAttention {
             k = rope.apply(&k)?;
         }
         let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?; // (b, h, t, t)
+        let scores = (super::matmul(&q, &k.t()?)? * scale)?; // (b, h, t, t)
         let weights = masked_softmax(&scores, bias)?;
         let weights = self.dropout.forward_t(&weights, train)?;
-        let out = weights.matmul(&v)?; // (b, h, t, d_head)
+        let out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
         let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
         Ok(self.o.forward(&out)?)
     }

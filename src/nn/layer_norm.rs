@@ -59,6 +59,13 @@ impl Module for LayerNorm {
     /// # Shapes
     /// - `xs`: `(..., size)`; returns the same shape
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if super::is_half(xs.dtype()) && !super::is_half(self.weight.dtype()) {
+            // Half-precision activations: statistics and affine in the weights' dtype (f32),
+            // the result rounded back once.
+            return self
+                .forward(&xs.to_dtype(self.weight.dtype())?)?
+                .to_dtype(xs.dtype());
+        }
         if super::fused_for(xs) {
             return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }

@@ -110,3 +110,34 @@ pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
 pub(crate) fn fused_for(x: &Tensor) -> bool {
     kernels_for(x) != Kernels::Reference
 }
+
+// Mixed precision (see `crate::Precision`): activations may be bf16 or f16 while parameters,
+// positional tables and statistics stay in f32 (or f64).
+
+/// Whether `dtype` is a half type, whose softmax, LayerNorm and RoPE run in f32.
+pub(crate) fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// `t` in `dtype`, without a copy when it already is: a weight meets the activations' dtype
+/// where it is used, so the f32 variable gets the gradient through the cast.
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> candle::Result<Tensor> {
+    if t.dtype() == dtype {
+        Ok(t.clone())
+    } else {
+        t.to_dtype(dtype)
+    }
+}
+
+/// `a.matmul(b)`. candle's CPU matmul has no bf16 kernel; there the product is taken in f32
+/// from the bf16 inputs and rounded back, which is what a GPU's bf16 tensor cores compute
+/// (bf16 inputs, f32 accumulation).
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> candle::Result<Tensor> {
+    if a.dtype() == DType::BF16 && a.device().is_cpu() {
+        a.to_dtype(DType::F32)?
+            .matmul(&b.to_dtype(DType::F32)?)?
+            .to_dtype(DType::BF16)
+    } else {
+        a.matmul(b)
+    }
+}

@@ -38,9 +38,11 @@ impl Module for Linear {
         let mut dims = xs.dims().to_vec();
         let last = dims.pop().unwrap_or(0);
         let rows = xs.contiguous()?.reshape(((), last))?; // (n, in)
-        let y = rows.matmul(&self.weight.t()?)?; // (n, out)
+                                                          // Mixed precision: the weights meet the activations' dtype here.
+        let weight = super::cast(&self.weight, xs.dtype())?;
+        let y = super::matmul(&rows, &weight.t()?)?; // (n, out)
         let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => y.broadcast_add(&super::cast(b, xs.dtype())?)?,
             None => y,
         };
         dims.push(self.weight.dim(0)?);
@@ -96,6 +98,12 @@ pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// - `scores`: `(b, h, t, t)`, `key_bias`: `(b, t)`; returns `(b, h, t, t)`
 pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+    if super::is_half(scores.dtype()) {
+        // Half-precision scores: the softmax runs in f32 and its weights are rounded back.
+        let f32 = candle::DType::F32;
+        let weights = masked_softmax(&scores.to_dtype(f32)?, &super::cast(key_bias, f32)?)?;
+        return weights.to_dtype(scores.dtype());
+    }
     if super::fused_for(scores) {
         return super::fused::masked_softmax(scores, key_bias);
     }
@@ -109,6 +117,11 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// - `x`: `(..., t, d)`, `cos`, `sin`: `(t, d)`; returns the shape of `x`
 pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    if super::is_half(x.dtype()) && !super::is_half(cos.dtype()) {
+        // Half-precision q or k: rotated in the tables' dtype (f32) and rounded back once.
+        let rotated = rope_rotate(&x.to_dtype(cos.dtype())?, cos, sin, interleaved)?;
+        return rotated.to_dtype(x.dtype());
+    }
     if super::fused_for(x) {
         return super::fused::rope(x, cos, sin, interleaved);
     }

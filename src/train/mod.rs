@@ -10,6 +10,7 @@ use candle::{DType, Var};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
+use crate::config::Precision;
 use crate::data::{epoch_batches, eval_batches, make_batch, Dataset, MlmMasking, Sample};
 use crate::error::{Error, Result};
 use crate::model::{count_correct, TaskModel};
@@ -249,6 +250,58 @@ pub struct TrainState {
     pub best: Option<(f64, usize)>,
     pub since_best: usize,
     pub stopped_early: bool,
+    /// The dynamic loss scale of a model computing in f16; none otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScale>,
+}
+
+/// f16's dynamic loss scale: gradients too small for f16 (below about 6e-8) would flush to
+/// zero, so the loss is multiplied by `scale` before the backward pass and the gradients divided
+/// by it after. A step whose gradients overflow (inf or NaN) is skipped and the scale halved;
+/// after [`LossScale::GROWTH_INTERVAL`] good steps in a row it doubles. (PyTorch's `GradScaler`
+/// with its defaults.)
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScale {
+    pub scale: f64,
+    /// Good steps since the scale last changed.
+    pub good_steps: usize,
+    /// Steps skipped because their gradients overflowed.
+    pub skipped: usize,
+}
+
+impl LossScale {
+    pub const INITIAL: f64 = 65536.0;
+    pub const GROWTH_INTERVAL: usize = 2000;
+    /// Below this the overflow is not the scale's doing: the run stops as an f32 run would.
+    pub const MIN: f64 = 1.0;
+
+    fn new() -> Self {
+        Self {
+            scale: Self::INITIAL,
+            good_steps: 0,
+            skipped: 0,
+        }
+    }
+
+    /// Records a step with finite gradients.
+    fn good(&mut self) {
+        self.good_steps += 1;
+        if self.good_steps == Self::GROWTH_INTERVAL {
+            self.scale *= 2.0;
+            self.good_steps = 0;
+        }
+    }
+
+    /// Records an overflow; false when the scale cannot shrink further.
+    fn overflow(&mut self) -> bool {
+        if self.scale / 2.0 < Self::MIN {
+            return false;
+        }
+        self.scale /= 2.0;
+        self.good_steps = 0;
+        self.skipped += 1;
+        true
+    }
 }
 
 /// A resumable snapshot of a run: its state, the optimizer's moments and step, and the weights
@@ -333,6 +386,7 @@ impl<'a> Trainer<'a> {
                 best: None,
                 since_best: 0,
                 stopped_early: false,
+                loss_scale: (model.encoder().config().dtype == Precision::F16).then(LossScale::new),
             },
             best_weights: None,
         })
@@ -398,21 +452,38 @@ impl<'a> Trainer<'a> {
                  lengthen the warm-up, or keep grad_clip on"
             )));
         }
-        let grads = loss.backward()?;
+        let loss_scale = self.state.loss_scale.as_ref().map_or(1.0, |s| s.scale);
+        let grads = if loss_scale == 1.0 {
+            loss.backward()?
+        } else {
+            (&loss * loss_scale)?.backward()?
+        };
         let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
-        let norm = global_grad_norm(&grads, &vars)?;
-        if !norm.is_finite() {
+        let norm = global_grad_norm(&grads, &vars)? / loss_scale;
+        let overflow_skipped = !norm.is_finite()
+            && self
+                .state
+                .loss_scale
+                .as_mut()
+                .is_some_and(LossScale::overflow);
+        if !norm.is_finite() && !overflow_skipped {
             return Err(Error::Training(format!(
                 "the gradient norm became {norm} at step {step} (loss {loss_value:.4}, learning \
                  rate {lr:.3e}): lower lr or keep grad_clip on"
             )));
         }
-        let scale = if self.config.grad_clip > 0.0 && norm > self.config.grad_clip {
-            self.config.grad_clip / norm
-        } else {
-            1.0
-        };
-        self.optimizer.step(&grads, lr, scale)?;
+        if !overflow_skipped {
+            if let Some(s) = self.state.loss_scale.as_mut() {
+                s.good();
+            }
+            let clip = if self.config.grad_clip > 0.0 && norm > self.config.grad_clip {
+                self.config.grad_clip / norm
+            } else {
+                1.0
+            };
+            // The optimizer multiplies the gradients by this: unscale, then clip.
+            self.optimizer.step(&grads, lr, clip / loss_scale)?;
+        }
         self.state.train_seconds += started.elapsed().as_secs_f64();
         self.state.steps += 1;
         self.state.tokens += batch.real_tokens;
@@ -550,6 +621,28 @@ pub fn train(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loss_scale_halves_on_overflow_and_doubles_after_a_clean_stretch() {
+        let mut s = LossScale::new();
+        assert_eq!(s.scale, 65536.0);
+        for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
+            s.good();
+        }
+        assert_eq!(s.scale, 65536.0);
+        s.good();
+        assert_eq!((s.scale, s.good_steps), (131072.0, 0));
+        s.good();
+        assert!(s.overflow());
+        assert_eq!((s.scale, s.good_steps, s.skipped), (65536.0, 0, 1));
+        // Down to 1 and no further: an overflow at scale 1 is the run's, not the scale's.
+        while s.scale > 1.0 {
+            assert!(s.overflow());
+        }
+        assert_eq!((s.scale, s.skipped), (1.0, 17));
+        assert!(!s.overflow());
+        assert_eq!(s.scale, 1.0);
+    }
 
     #[test]
     fn warmup_then_cosine_to_the_floor() {

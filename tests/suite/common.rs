@@ -84,6 +84,7 @@ pub fn config_from_reference(meta: &serde_json::Value) -> ModelConfig {
         embed_scale: poslab::Scale::Value(f("embed_scale")),
         token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
+        dtype: Default::default(),
         positional,
     }
 }
@@ -117,8 +118,13 @@ pub fn load_encoder_fixture(name: &str) -> EncoderFixture {
 impl EncoderFixture {
     /// An encoder in `dtype` holding the fixture's weights (loaded by name), and its store.
     pub fn encoder(&self, dtype: DType) -> (Encoder, ParamStore) {
+        self.encoder_on(dtype, &Device::Cpu)
+    }
+
+    /// [`Self::encoder`] with the weights on `device`.
+    pub fn encoder_on(&self, dtype: DType, device: &Device) -> (Encoder, ParamStore) {
         let store = ParamStore::new(0);
-        let encoder = Encoder::new(&self.config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        let encoder = Encoder::new(&self.config, store.var_builder(dtype, device)).unwrap();
         store.assign(&self.weights, Path::new(&self.name)).unwrap();
         (encoder, store)
     }
@@ -173,6 +179,7 @@ pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelCo
         embed_scale: poslab::Scale::Value(1.0),
         token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
+        dtype: Default::default(),
         positional,
     }
 }
@@ -253,4 +260,64 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
         .into_iter()
         .map(f32::to_bits)
         .collect()
+}
+
+/// A tensor's values as f64, flattened.
+pub fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// A fixed random `(b, t, d)` tensor in [-1, 1): a projection that turns hidden states into a
+/// scalar whose gradient exercises every output element.
+pub fn random_projection(b: usize, t: usize, d: usize) -> Tensor {
+    use rand::Rng as _;
+    let mut rng = poslab::rng::stream(7, "projection");
+    let v: Vec<f32> = (0..b * t * d)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    Tensor::from_vec(v, (b, t, d), &Device::Cpu).unwrap()
+}
+
+/// `sum(hidden * r)` over real positions, with dropout on (train mode).
+pub fn projected(encoder: &Encoder, ids: &Tensor, mask: &Tensor, r: &Tensor) -> Tensor {
+    let hidden = encoder.forward_t(ids, mask, true).unwrap();
+    let real = mask.to_dtype(DType::F32).unwrap().unsqueeze(2).unwrap();
+    (hidden * r)
+        .unwrap()
+        .broadcast_mul(&real)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+}
+
+/// Asserts that gradient `g` of `name` is finite, not all zero, and within relative L2 error
+/// `tol` of `reference`; returns that error.
+pub fn assert_gradient_close(
+    what: &str,
+    name: &str,
+    g: &[f64],
+    reference: &[f64],
+    tol: f64,
+) -> f64 {
+    assert!(
+        g.iter().all(|v| v.is_finite()),
+        "{what}: `{name}` not finite"
+    );
+    assert!(
+        g.iter().any(|v| v.abs() > 1e-12),
+        "{what}: `{name}` has an all-zero gradient"
+    );
+    let diff: f64 = g.iter().zip(reference).map(|(a, b)| (a - b).powi(2)).sum();
+    let norm: f64 = reference.iter().map(|b| b * b).sum();
+    let rel = (diff / norm).sqrt();
+    assert!(
+        rel < tol,
+        "{what}: `{name}` relative L2 error {rel:e} >= {tol:e}"
+    );
+    rel
 }

@@ -24,15 +24,6 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
 /// `max |a - b| / max |b|` (b the reference), 0 for two zero tensors.
 fn relative_error(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());

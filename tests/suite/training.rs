@@ -6,7 +6,7 @@ use poslab::data::{Dataset, MlmMasking};
 use poslab::model::{HeadConfig, Pooling, TaskModel};
 use poslab::tasks::{Objective, TaskData, TaskSpec};
 use poslab::train::{train, Budget, TrainConfig, TrainData, TrainOutcome};
-use poslab::{ModelConfig, NormPlacement, ParamStore, PositionalConfig};
+use poslab::{ModelConfig, NormPlacement, ParamStore, PositionalConfig, Precision};
 
 use crate::common::tiny_config;
 
@@ -21,7 +21,7 @@ pub fn task(toml_table: &str) -> TaskSpec {
 
 /// A recipe: batches of 16, validation every 10 steps, the learning rate 3e-3 unless `extra`
 /// sets one.
-fn recipe(extra: &str) -> TrainConfig {
+pub fn recipe(extra: &str) -> TrainConfig {
     let lr = if extra.contains("lr =") {
         ""
     } else {
@@ -30,14 +30,14 @@ fn recipe(extra: &str) -> TrainConfig {
     toml::from_str(&format!("batch_size = 16\neval_every = 10\n{lr}{extra}")).unwrap()
 }
 
-struct Setup {
+pub struct Setup {
     data: TaskData,
     train: Dataset,
     valid: Dataset,
     masking: Option<MlmMasking>,
 }
 
-fn setup(spec: &TaskSpec) -> Setup {
+pub fn setup(spec: &TaskSpec) -> Setup {
     let data = spec.generate().unwrap();
     let masking = match data.objective {
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(mask_prob, &data.tokenizer).unwrap()),
@@ -51,7 +51,7 @@ fn setup(spec: &TaskSpec) -> Setup {
     }
 }
 
-fn model_config(s: &Setup, positional: PositionalConfig) -> ModelConfig {
+pub fn model_config(s: &Setup, positional: PositionalConfig) -> ModelConfig {
     ModelConfig {
         vocab_size: s.data.tokenizer.vocab_size(),
         max_len: s.train.max_len(),
@@ -78,12 +78,19 @@ fn run(
     recipe: &TrainConfig,
     seed: u64,
 ) -> poslab::Result<(TrainOutcome, TaskModel)> {
+    run_on(s, config, recipe, seed, &Device::Cpu)
+}
+
+/// [`run`] with the model on `device`.
+pub fn run_on(
+    s: &Setup,
+    config: &ModelConfig,
+    recipe: &TrainConfig,
+    seed: u64,
+    device: &Device,
+) -> poslab::Result<(TrainOutcome, TaskModel)> {
     let params = ParamStore::new(seed);
-    let model = TaskModel::new(
-        config,
-        &head(s),
-        params.var_builder(DType::F32, &Device::Cpu),
-    )?;
+    let model = TaskModel::new(config, &head(s), params.var_builder(DType::F32, device))?;
     let data = TrainData {
         train: &s.train,
         valid: &s.valid,
@@ -181,6 +188,37 @@ fn training_is_reproducible_and_heads_learn_every_objective() {
         let last = a.validation.last().unwrap().1.accuracy;
         assert!(last > floor, "{spec}: validation accuracy {last}");
         assert!(matches!(recipe.budget, Budget::Steps(200)));
+    }
+}
+
+#[test]
+fn half_precision_trains_like_f32() {
+    let s = setup(&task(
+        "kind = \"prev_token\"\nk = 1\nlengths = [4, 8]\ntrain_examples = 600\neval_examples = 100",
+    ));
+    let recipe = recipe("budget = { steps = 150 }\nlr = 1e-2");
+    let mut accuracy = Vec::new();
+    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+        let mut config = model_config(&s, PositionalConfig::Rope(Default::default()));
+        config.dtype = precision;
+        let (a, _) = run(&s, &config, &recipe, 2).unwrap();
+        let (b, _) = run(&s, &config, &recipe, 2).unwrap();
+        assert_eq!(a.losses, b.losses, "{precision}: same seed, same losses");
+        let first = a.losses[..10].iter().sum::<f64>() / 10.0;
+        assert!(
+            a.final_loss() < 0.7 * first,
+            "{precision}: loss {first} -> {}",
+            a.final_loss()
+        );
+        accuracy.push(a.validation.last().unwrap().1.accuracy);
+    }
+    eprintln!("prev_token validation accuracy f32 / bf16 / f16: {accuracy:?}");
+    for (precision, acc) in [("bf16", accuracy[1]), ("f16", accuracy[2])] {
+        assert!(
+            acc > 0.3 && (acc - accuracy[0]).abs() < 0.1,
+            "{precision}: accuracy {acc} against f32's {}",
+            accuracy[0]
+        );
     }
 }
 

@@ -575,4 +575,29 @@ fn the_cli_trains_predicts_tags_embeds_and_truncates_only_when_asked() {
         run_s,
     ]);
     assert!(!ok && stderr.contains("already holds a run"), "{stderr}");
+
+    // Mixed precision at inference: an f32-trained model run in bf16 tags as f32 does.
+    let (ok, stdout, stderr) = poslab(&[
+        "predict",
+        "--run",
+        run_s,
+        "ann ran home",
+        "--json",
+        "--dtype",
+        "bf16",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["tags"][0], "PER", "{stdout}");
+    let (ok, _, stderr) = poslab(&["predict", "--run", run_s, "ann", "--dtype", "fp8"]);
+    assert!(
+        !ok && stderr.contains("fp8") && stderr.contains("f32, bf16, f16"),
+        "{stderr}"
+    );
+    // A resumed run keeps the dtype it started with.
+    let (ok, _, stderr) = poslab(&["train", "--resume", run_s, "--dtype", "bf16"]);
+    assert!(
+        !ok && stderr.contains("--dtype bf16 with --resume") && stderr.contains("drop --dtype"),
+        "{stderr}"
+    );
 }

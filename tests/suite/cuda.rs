@@ -1,0 +1,165 @@
+//! The GPU half of the checks. Each test runs when this build has the `cuda` feature and a CUDA
+//! GPU is present (`cargo test --release --features cuda`), and otherwise says on stderr that it
+//! skipped and why, so a CPU-only `cargo test` stays green while the same tests, built with the
+//! feature, check a GPU: the reference fixtures in f32 and in half precision, gradients of every
+//! scheme against the CPU's, and training.
+//!
+//! On the GPU every layer is the differentiable composition (`Kernels::Reference`): poslab's
+//! fused kernels are CPU code. So these tests are what proves that path learns on CUDA.
+
+use candle::{DType, Device, Tensor};
+use poslab::{Encoder, NormPlacement, ParamStore, PositionalConfig, Precision};
+
+use crate::common::*;
+use crate::precision::{BF16_TOL, F16_TOL};
+use crate::training::{model_config, recipe, run_on, setup, task};
+
+/// The first CUDA GPU, or `None` after saying why the test is skipped.
+fn gpu(test: &str) -> Option<Device> {
+    if !cfg!(feature = "cuda") {
+        eprintln!(
+            "{test}: skipped: built without the `cuda` feature \
+             (run `cargo test --release --features cuda` on a machine with a GPU)"
+        );
+        return None;
+    }
+    match Device::new_cuda(0) {
+        Ok(device) => Some(device),
+        Err(e) => {
+            eprintln!("{test}: skipped: no CUDA GPU could be opened ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn gpu_encoders_reproduce_the_float64_reference() {
+    let Some(gpu) = gpu("gpu_encoders_reproduce_the_float64_reference") else {
+        return;
+    };
+    for name in encoder_fixture_names() {
+        for (precision, tol) in [
+            (Precision::F32, 1e-4),
+            (Precision::Bf16, BF16_TOL),
+            (Precision::F16, F16_TOL),
+        ] {
+            let mut fx = load_encoder_fixture(&name);
+            fx.config.dtype = precision;
+            let (encoder, _) = fx.encoder_on(DType::F32, &gpu);
+            let ids = fx.input_ids.to_device(&gpu).unwrap();
+            let mask = fx.attention_mask.to_device(&gpu).unwrap();
+            let hidden = encoder.forward_t(&ids, &mask, false).unwrap();
+            assert!(hidden.device().is_cuda(), "{name}: the output left the GPU");
+            let hidden = hidden.to_device(&Device::Cpu).unwrap();
+            let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
+            eprintln!("gpu {name} {precision}: max abs error at real positions {err:.2e}");
+            assert!(
+                err <= tol,
+                "gpu {name} {precision}: error {err:e} > {tol:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
+    let Some(gpu) = gpu("gpu_gradients_reach_every_variable_and_match_the_cpu") else {
+        return;
+    };
+    let (ids, mask) = padded_batch(3, 9, 40);
+    let r = random_projection(3, 9, 16);
+    // Gradients of `sum(hidden * r)` with dropout on: the masks come from poslab's own host
+    // generator, so the GPU sees the very masks the CPU does.
+    let gradients = |positional: &PositionalConfig, norm, device: &Device| {
+        let mut config = tiny_config(positional.clone(), norm);
+        config.dropout = 0.1;
+        config.attention_dropout = 0.1;
+        let store = ParamStore::new(11);
+        let encoder = Encoder::new(&config, store.var_builder(DType::F32, device)).unwrap();
+        encoder.set_dropout_seed(2);
+        let on = |t: &Tensor| t.to_device(device).unwrap();
+        let grads = projected(&encoder, &on(&ids), &on(&mask), &on(&r))
+            .backward()
+            .unwrap();
+        store
+            .vars()
+            .into_iter()
+            .map(|(name, var)| {
+                let g = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("`{name}` received no gradient on {device:?}"));
+                (name, values(g))
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut worst = 0.0f64;
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let what = format!("{} {norm:?}", positional.name());
+            let cpu = gradients(&positional, norm, &Device::Cpu);
+            let on_gpu = gradients(&positional, norm, &gpu);
+            assert_eq!(cpu.len(), on_gpu.len(), "{what}: variable count");
+            for ((name, g), (_, c)) in on_gpu.iter().zip(&cpu) {
+                // f32 both sides, different summation orders (cuBLAS, CUDA reductions).
+                worst = worst.max(assert_gradient_close(&what, name, g, c, 1e-4));
+            }
+        }
+    }
+    eprintln!("gpu gradients against the CPU: worst relative L2 error {worst:.2e}");
+}
+
+#[test]
+fn gpu_training_learns_in_every_precision() {
+    let Some(gpu) = gpu("gpu_training_learns_in_every_precision") else {
+        return;
+    };
+    let s = setup(&task(
+        "kind = \"prev_token\"\nk = 1\nlengths = [4, 8]\ntrain_examples = 600\neval_examples = 100",
+    ));
+    let recipe = recipe("budget = { steps = 150 }\nlr = 1e-2");
+    let mut config = model_config(&s, PositionalConfig::Rope(Default::default()));
+    let (cpu, _) = run_on(&s, &config, &recipe, 2, &Device::Cpu).unwrap();
+    for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
+        config.dtype = precision;
+        let (a, _) = run_on(&s, &config, &recipe, 2, &gpu).unwrap();
+        let first = a.losses[..10].iter().sum::<f64>() / 10.0;
+        let accuracy = a.validation.last().unwrap().1.accuracy;
+        eprintln!(
+            "gpu {precision}: loss {first:.3} -> {:.3}, prev_token accuracy {accuracy:.3} \
+             (cpu f32 {:.3})",
+            a.final_loss(),
+            cpu.validation.last().unwrap().1.accuracy
+        );
+        assert!(
+            a.final_loss() < 0.7 * first,
+            "{precision}: loss {first} -> {}",
+            a.final_loss()
+        );
+        assert!(accuracy > 0.9, "gpu {precision}: accuracy {accuracy}");
+        if precision == Precision::F32 {
+            // Same data, seed and masks as the CPU run: the first steps agree closely (later
+            // ones drift apart through rounding, as two f32 machines do).
+            for (step, (g, c)) in a.losses.iter().zip(&cpu.losses).take(5).enumerate() {
+                assert!(
+                    (g - c).abs() < 1e-3 * c.abs().max(1.0),
+                    "step {step}: gpu loss {g} vs cpu {c}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_devices_parse() {
+    let Some(_gpu) = gpu("gpu_devices_parse") else {
+        return;
+    };
+    assert!(poslab::device::parse_device("cuda").unwrap().is_cuda());
+    assert!(poslab::device::parse_device("cuda:0").unwrap().is_cuda());
+    assert!(poslab::device::parse_device("auto").unwrap().is_cuda());
+    // A GPU that is not there is refused with a message, not a panic.
+    let e = poslab::device::parse_device("cuda:97")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cuda") || e.contains("CUDA"), "{e}");
+}

@@ -1,0 +1,126 @@
+//! Mixed precision (`dtype = "bf16" | "f16"`): activations in a half type, parameters, tables,
+//! softmax and LayerNorm statistics in f32. Half precision is for CUDA, but the same code runs
+//! on the CPU (candle's generic kernels), so its numbers are checked here against the float64
+//! reference.
+
+use candle::{DType, Device};
+use poslab::{Encoder, NormPlacement, ParamStore, Precision};
+
+use crate::common::*;
+
+/// Worst error at real positions against the float64 reference over the ten encoder fixtures,
+/// measured (CPU, candle 0.11): bf16 3.2e-2, f16 4.8e-3. A half type keeps 8 (bf16) or 11
+/// (f16) significant bits, about 4e-3 and 5e-4 relative per rounding, and the hidden states,
+/// LayerNorm outputs, are of order 1.
+pub const BF16_TOL: f64 = 6e-2;
+pub const F16_TOL: f64 = 1e-2;
+
+#[test]
+fn half_precision_encoders_track_the_float64_reference() {
+    for name in encoder_fixture_names() {
+        for (precision, tol) in [(Precision::Bf16, BF16_TOL), (Precision::F16, F16_TOL)] {
+            let mut fx = load_encoder_fixture(&name);
+            fx.config.dtype = precision;
+            let (encoder, _) = fx.encoder(DType::F32);
+            let hidden = encoder
+                .forward_t(&fx.input_ids, &fx.attention_mask, false)
+                .unwrap();
+            // The output is handed back in the parameters' dtype, for f32 pooling and loss.
+            assert_eq!(hidden.dtype(), DType::F32, "{name} {precision}");
+            let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
+            eprintln!("{name} {precision}: max abs error at real positions {err:.2e}");
+            assert!(err <= tol, "{name} {precision}: error {err:e} > {tol:e}");
+            // And it really computed in half precision: f32 is within 1e-4 (usually ~1e-6).
+            assert!(
+                err > 1e-4,
+                "{name} {precision}: error {err:e} is f32's; were activations cast?"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_precision_gradients_reach_every_variable_and_match_f32() {
+    let (ids, mask) = padded_batch(3, 9, 40);
+    let r = random_projection(3, 9, 16);
+    let mut worst = [0.0f64; 2];
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let mut config = tiny_config(positional.clone(), norm);
+            config.dropout = 0.1;
+            config.attention_dropout = 0.1;
+            let mut gradients = |precision: Precision| {
+                config.dtype = precision;
+                let store = ParamStore::new(11);
+                let encoder =
+                    Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+                encoder.set_dropout_seed(2);
+                let grads = projected(&encoder, &ids, &mask, &r).backward().unwrap();
+                store
+                    .vars()
+                    .into_iter()
+                    .map(|(name, var)| {
+                        let g = grads.get(var.as_tensor()).unwrap_or_else(|| {
+                            panic!("{precision}: `{name}` received no gradient")
+                        });
+                        // The variables stay f32 and so do their gradients.
+                        assert_eq!(g.dtype(), DType::F32, "{precision} `{name}`");
+                        (name, values(g))
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let reference = gradients(Precision::F32);
+            for (slot, precision) in [Precision::Bf16, Precision::F16].into_iter().enumerate() {
+                let what = format!("{} {norm:?} {precision}", positional.name());
+                let tol = if precision == Precision::Bf16 {
+                    0.1
+                } else {
+                    0.02
+                };
+                for ((name, g), (_, g32)) in gradients(precision).iter().zip(&reference) {
+                    let rel = assert_gradient_close(&what, name, g, g32, tol);
+                    worst[slot] = worst[slot].max(rel);
+                }
+            }
+        }
+    }
+    eprintln!(
+        "gradients against f32: worst relative L2 error bf16 {:.2e}, f16 {:.2e}",
+        worst[0], worst[1]
+    );
+}
+
+#[test]
+fn precision_names_parse_and_bad_ones_say_what_is_allowed() {
+    for (text, p) in [
+        ("f32", Precision::F32),
+        ("bf16", Precision::Bf16),
+        ("BF16", Precision::Bf16),
+        ("f16", Precision::F16),
+        ("half", Precision::F16),
+    ] {
+        assert_eq!(text.parse::<Precision>().unwrap(), p);
+    }
+    assert_error_mentions("fp8".parse::<Precision>(), &["fp8", "f32, bf16, f16"]);
+
+    let base =
+        "vocab_size = 10\nd_model = 8\nn_heads = 2\nn_layers = 1\nffn_dim = 16\nmax_len = 8\n";
+    let config = poslab::ModelConfig::from_toml_str(&format!(
+        "{base}dtype = \"bf16\"\n[positional]\nkind = \"rope\"\n"
+    ))
+    .unwrap();
+    assert_eq!(config.dtype, Precision::Bf16);
+    // Saved with the run and read back.
+    let back = poslab::ModelConfig::from_json_str(&config.to_json()).unwrap();
+    assert_eq!(back, config);
+    // Absent means f32, so configs written before the option still load.
+    let old = poslab::ModelConfig::from_toml_str(&format!("{base}[positional]\nkind = \"none\"\n"))
+        .unwrap();
+    assert_eq!(old.dtype, Precision::F32);
+    assert_error_mentions(
+        poslab::ModelConfig::from_toml_str(&format!(
+            "{base}dtype = \"fp8\"\n[positional]\nkind = \"none\"\n"
+        )),
+        &["dtype", "bf16"],
+    );
+}
