@@ -307,7 +307,7 @@ impl Encoder {
         // Mixed precision: positions join in the parameters' dtype, then the activations
         // move to the compute dtype; the padding bias stays put for the f32 softmax.
         let params = x.dtype();
-        let x = crate::nn::cast(&x, self.config.dtype.compute_dtype(params))?;
+        let x = x.to_dtype(self.config.dtype.compute_dtype(params))?;
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 
         let bias = key_padding_bias(attention_mask, params)?; // (b, t)
@@ -320,7 +320,7 @@ impl Encoder {
             None => x,
         };
         // Pooling, heads and losses read the parameters' dtype.
-        Ok(crate::nn::cast(&x, params)?)
+        Ok(x.to_dtype(params)?)
     }
 
     /// For an encoder whose positions are added to the token embeddings (`sinusoidal_add`,

@@ -119,16 +119,6 @@ pub(crate) fn is_half(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
 
-/// `t` in `dtype`, without a copy when it already is: a weight meets the activations' dtype
-/// where it is used, so the f32 variable gets the gradient through the cast.
-pub(crate) fn cast(t: &Tensor, dtype: DType) -> candle::Result<Tensor> {
-    if t.dtype() == dtype {
-        Ok(t.clone())
-    } else {
-        t.to_dtype(dtype)
-    }
-}
-
 /// `a.matmul(b)`. candle's CPU matmul has no bf16 kernel; there the product is taken in f32
 /// from the bf16 inputs and rounded back, which is what a GPU's bf16 tensor cores compute
 /// (bf16 inputs, f32 accumulation).

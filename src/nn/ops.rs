@@ -38,11 +38,13 @@ impl Module for Linear {
         let mut dims = xs.dims().to_vec();
         let last = dims.pop().unwrap_or(0);
         let rows = xs.contiguous()?.reshape(((), last))?; // (n, in)
-                                                          // Mixed precision: the weights meet the activations' dtype here.
-        let weight = super::cast(&self.weight, xs.dtype())?;
+
+        // Mixed precision: the weights meet the activations' dtype here (`to_dtype` is a no-op
+        // when they already do), so the f32 variables get their gradients through the cast.
+        let weight = self.weight.to_dtype(xs.dtype())?;
         let y = super::matmul(&rows, &weight.t()?)?; // (n, out)
         let y = match &self.bias {
-            Some(b) => y.broadcast_add(&super::cast(b, xs.dtype())?)?,
+            Some(b) => y.broadcast_add(&b.to_dtype(xs.dtype())?)?,
             None => y,
         };
         dims.push(self.weight.dim(0)?);
@@ -101,7 +103,7 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
     if super::is_half(scores.dtype()) {
         // Half-precision scores: the softmax runs in f32 and its weights are rounded back.
         let f32 = candle::DType::F32;
-        let weights = masked_softmax(&scores.to_dtype(f32)?, &super::cast(key_bias, f32)?)?;
+        let weights = masked_softmax(&scores.to_dtype(f32)?, &key_bias.to_dtype(f32)?)?;
         return weights.to_dtype(scores.dtype());
     }
     if super::fused_for(scores) {

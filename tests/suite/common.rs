@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle::{DType, Device, Tensor};
+use candle::{DType, Device, Tensor, Var};
 use poslab::positional::{
     ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions,
 };
@@ -272,22 +272,21 @@ pub fn values(t: &Tensor) -> Vec<f64> {
         .unwrap()
 }
 
-/// A fixed random `(b, t, d)` tensor in [-1, 1): a projection that turns hidden states into a
-/// scalar whose gradient exercises every output element.
-pub fn random_projection(b: usize, t: usize, d: usize) -> Tensor {
+/// A fixed random projection of the hidden states at real positions: a scalar that depends on
+/// every output coordinate.
+pub fn projection(dims: &[usize], seed: u64) -> Tensor {
     use rand::Rng as _;
-    let mut rng = poslab::rng::stream(7, "projection");
-    let v: Vec<f32> = (0..b * t * d)
-        .map(|_| rng.random_range(-1.0..1.0))
-        .collect();
-    Tensor::from_vec(v, (b, t, d), &Device::Cpu).unwrap()
+    let mut rng = poslab::rng::stream(seed, "loss projection");
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
-/// `sum(hidden * r)` over real positions, with dropout on (train mode).
-pub fn projected(encoder: &Encoder, ids: &Tensor, mask: &Tensor, r: &Tensor) -> Tensor {
-    let hidden = encoder.forward_t(ids, mask, true).unwrap();
-    let real = mask.to_dtype(DType::F32).unwrap().unsqueeze(2).unwrap();
-    (hidden * r)
+pub fn loss(encoder: &Encoder, ids: &Tensor, mask: &Tensor, r: &Tensor, train: bool) -> Tensor {
+    let hidden = encoder.forward_t(ids, mask, train).unwrap();
+    let real = mask.to_dtype(hidden.dtype()).unwrap().unsqueeze(2).unwrap();
+    hidden
+        .mul(&r.to_dtype(hidden.dtype()).unwrap())
         .unwrap()
         .broadcast_mul(&real)
         .unwrap()
@@ -295,23 +294,67 @@ pub fn projected(encoder: &Encoder, ids: &Tensor, mask: &Tensor, r: &Tensor) -> 
         .unwrap()
 }
 
-/// Asserts that gradient `g` of `name` is finite, not all zero, and within relative L2 error
-/// `tol` of `reference`; returns that error.
-pub fn assert_gradient_close(
+/// Asserts every variable of `store` got a finite gradient with some non-zero entry; returns
+/// the gradients as flat f64 vectors.
+pub fn check_all_gradients(
+    store: &ParamStore,
+    grads: &candle::backprop::GradStore,
     what: &str,
-    name: &str,
-    g: &[f64],
-    reference: &[f64],
-    tol: f64,
-) -> f64 {
-    assert!(
-        g.iter().all(|v| v.is_finite()),
-        "{what}: `{name}` not finite"
-    );
-    assert!(
-        g.iter().any(|v| v.abs() > 1e-12),
-        "{what}: `{name}` has an all-zero gradient"
-    );
+) -> Vec<(String, Var, Vec<f64>)> {
+    let vars = store.vars();
+    assert!(!vars.is_empty());
+    vars.into_iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{what}: `{name}` received no gradient"));
+            // Variables keep their dtype under mixed precision, and so do their gradients.
+            assert_eq!(g.dtype(), var.dtype(), "{what}: `{name}` gradient dtype");
+            let g = values(g);
+            assert!(
+                g.iter().all(|v| v.is_finite()),
+                "{what}: `{name}` has a non-finite gradient"
+            );
+            let max = g.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            assert!(max > 1e-12, "{what}: `{name}` has an all-zero gradient");
+            (name, var, g)
+        })
+        .collect()
+}
+
+/// `tiny_config` with dropout 0.1 on the embeddings, both residual branches and the attention
+/// weights.
+pub fn tiny_dropout_config(positional: PositionalConfig, norm: NormPlacement) -> ModelConfig {
+    ModelConfig {
+        dropout: 0.1,
+        attention_dropout: 0.1,
+        ..tiny_config(positional, norm)
+    }
+}
+
+/// One backward pass in training mode: an encoder of `config` (f32 weights seeded 3, on
+/// `device`, dropout seed 5) on a padded `(4, 12)` batch, through [`loss`]; every variable's
+/// gradient checked by [`check_all_gradients`]. The dropout masks come from poslab's own host
+/// generator, so every device sees the same ones.
+pub fn training_gradients(
+    config: &ModelConfig,
+    device: &Device,
+    what: &str,
+) -> Vec<(String, Var, Vec<f64>)> {
+    let store = ParamStore::new(3);
+    let encoder = Encoder::new(config, store.var_builder(DType::F32, device)).unwrap();
+    encoder.set_dropout_seed(5);
+    let (ids, mask) = padded_batch(4, 12, 40);
+    let on = |t: Tensor| t.to_device(device).unwrap();
+    let r = projection(&[4, 12, config.d_model], 2);
+    let grads = loss(&encoder, &on(ids), &on(mask), &on(r), true)
+        .backward()
+        .unwrap();
+    check_all_gradients(&store, &grads, what)
+}
+
+/// Relative L2 error of gradient `g` of `name` against `reference`, asserted below `tol`.
+pub fn assert_relative_l2(what: &str, name: &str, g: &[f64], reference: &[f64], tol: f64) -> f64 {
     let diff: f64 = g.iter().zip(reference).map(|(a, b)| (a - b).powi(2)).sum();
     let norm: f64 = reference.iter().map(|b| b * b).sum();
     let rel = (diff / norm).sqrt();
