@@ -1,6 +1,7 @@
 //! Benchmarks of the hot pieces at the reference shape of `poslab bench` (width 256, 4 heads,
 //! FFN 1024, batch 32 x 128 tokens): table building, RoPE, the masked softmax, LayerNorm, GELU,
-//! attention and one encoder layer, each forward and forward + backward, through the fused
+//! attention and one encoder layer (with sinusoids, RoPE, ALiBi's and T5's score biases), each
+//! forward and forward + backward, through the fused
 //! kernels (`ops`, and `layer` for whole layers) and through the reference compositions.
 //!
 //! ```sh
@@ -211,18 +212,27 @@ mod attention {
             D,
             H,
             with_rope,
+            None,
             poslab::nn::Dropout::new(0.0, rng),
             params.var_builder(DType::F32, &Device::Cpu),
         )
         .unwrap();
         let rope = Rope::new(&RopeOptions::default(), D / H, T, DType::F32, &Device::Cpu).unwrap();
-        let angles = with_rope.then(|| rope.angles(0, T).unwrap());
+        let rotary = with_rope.then(|| {
+            rope.rotary(&poslab::Positions::range(0, T).unwrap())
+                .unwrap()
+        });
         let bias = Tensor::zeros((B, T), DType::F32, &Device::Cpu).unwrap();
         let x = Var::from_tensor(&random(&[B, T, D], 5)).unwrap();
         bencher.bench(|| {
             with_kernels(kernels(path), || {
                 run(&x, backward, &|x| {
-                    attn.forward_t(x, &bias, angles.as_ref(), true).unwrap()
+                    let inputs = poslab::nn::AttentionInputs {
+                        key_padding: &bias,
+                        rotary: rotary.as_ref(),
+                        score_bias: None,
+                    };
+                    attn.forward_t(x, inputs, true).unwrap()
                 })
             })
         });
@@ -264,6 +274,7 @@ mod encoder_layer {
             token_init_std: poslab::Scale::Value(1.0),
             layer_norm_eps: 1e-5,
             dtype: poslab::Precision::F32,
+            random_positions: None,
             positional,
         };
         let params = ParamStore::new(0);
@@ -313,6 +324,28 @@ mod encoder_layer {
             bencher,
             path,
             PositionalConfig::Rope(RopeOptions::default()),
+            true,
+        );
+    }
+
+    /// A score bias without weights (ALiBi): built on the host, added in the kernel.
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn alibi_forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::Alibi(Default::default()),
+            true,
+        );
+    }
+
+    /// A learned score bias (T5's buckets): its gradient comes out of the kernel.
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn t5_forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::T5(Default::default()),
             true,
         );
     }

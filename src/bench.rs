@@ -55,14 +55,28 @@ impl Default for Shape {
     }
 }
 
-/// The variants of the PyTorch reference, by its names, plus `none`.
-pub const VARIANTS: [&str; 6] = [
+/// The variants of the PyTorch reference, by its names, then the attention-bias schemes (which
+/// the reference does not have), then `none`.
+pub const VARIANTS: [&str; 10] = [
     "sin_add",
     "sin_concat",
     "sin_concat_proj",
     "learned",
     "rope",
+    "alibi",
+    "t5",
+    "kerple",
+    "untied",
     "none",
+];
+
+/// The variants `shared/bench/torch_reference.py` runs.
+pub const TORCH_VARIANTS: [&str; 5] = [
+    "sin_add",
+    "sin_concat",
+    "sin_concat_proj",
+    "learned",
+    "rope",
 ];
 
 impl Shape {
@@ -86,6 +100,10 @@ impl Shape {
                 base: crate::positional::DEFAULT_BASE,
                 pairing: RopePairing::Half,
             }),
+            "alibi" => PositionalConfig::Alibi(NoOptions {}),
+            "t5" => PositionalConfig::T5(Default::default()),
+            "kerple" => PositionalConfig::Kerple(NoOptions {}),
+            "untied" => PositionalConfig::Untied(Default::default()),
             "none" => PositionalConfig::None(NoOptions {}),
             other => {
                 return Err(Error::Config(format!(
@@ -111,6 +129,7 @@ impl Shape {
             token_init_std: Scale::Value(1.0),
             layer_norm_eps: 1e-5,
             dtype: self.dtype,
+            random_positions: None,
             positional: self.positional(variant)?,
         };
         config.validate()?;
@@ -131,8 +150,14 @@ impl Shape {
         if variant == "sin_concat_proj" {
             per_token += (d + self.pos_dim as f64) * d;
         }
-        let forward =
+
+        let mut forward =
             2.0 * per_token * b * t + 2.0 * d * self.classes as f64 * b + 4.0 * l * t * t * d * b;
+        if variant == "untied" {
+            // TUPE's term, once per forward (the positions are shared by the batch): U_q and
+            // U_k on t position rows, and the heads' t x t product.
+            forward += 2.0 * (2.0 * t * d * d) + 2.0 * t * t * d;
+        }
         (forward, 3.0 * forward)
     }
 }
@@ -278,6 +303,8 @@ fn batch(shape: &Shape, device: &Device) -> Result<Batch> {
         .map(|_| rng.random_range(0..shape.classes as u32))
         .collect();
     Ok(Batch {
+        lengths: vec![shape.seq; shape.batch],
+        positions: None,
         ids: Tensor::from_vec(ids, (shape.batch, shape.seq), device)?,
         mask: Tensor::ones((shape.batch, shape.seq), DType::U32, device)?,
         targets: Tensor::from_vec(labels, shape.batch, device)?,
@@ -330,7 +357,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
                     forward_cpu = cpu_snap();
                 }
                 let started = Instant::now();
-                let logits = frozen.logits(&batch.ids, &batch.mask, 0, false)?;
+                let logits = frozen.logits(&batch.ids, &batch.mask, &batch.positions(0)?, false)?;
                 sync(&logits)?;
                 if i >= options.warmup {
                     ms.push(started.elapsed().as_secs_f64() * 1e3);

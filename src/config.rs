@@ -247,6 +247,11 @@ pub struct ModelConfig {
     /// [`Precision`]).
     #[serde(default)]
     pub dtype: Precision,
+    /// Randomized positions (Ruoss et al. 2023): each sequence's `t` tokens get `t` distinct
+    /// positions drawn uniformly from `[0, N)` and sorted, in training and in testing, so that
+    /// training sees the positions long inputs will need. A learned table then has `N` rows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub random_positions: Option<usize>,
     pub positional: PositionalConfig,
 }
 
@@ -324,6 +329,23 @@ impl ModelConfig {
                 "layer_norm_eps = {} must be a finite, positive number (1e-5 is usual)",
                 self.layer_norm_eps
             ));
+        }
+        if let Some(n) = self.random_positions {
+            if n == 0 || n > crate::positional::MAX_POSITION {
+                return Err(format!(
+                    "random_positions = {n} must be between 1 and {}: it is the range [0, N) \
+                     positions are drawn from (Ruoss et al. use 2048)",
+                    crate::positional::MAX_POSITION
+                ));
+            }
+            if self.positional.has_learned_table() && self.max_len < n {
+                return Err(format!(
+                    "random_positions = {n} draws positions up to {}, but the learned table has \
+                     max_len = {} rows: set max_len to at least {n} (or leave it unset)",
+                    n - 1,
+                    self.max_len
+                ));
+            }
         }
         self.positional.validate(self.d_model, self.head_dim())
     }

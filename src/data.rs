@@ -5,6 +5,7 @@ use rand::seq::SliceRandom;
 use rand::Rng as _;
 
 use crate::error::{Error, Result};
+use crate::positional::{random_batch_positions, Positions};
 use crate::rng::Rng;
 use crate::tasks::{Example, Label, TokenLimit};
 use crate::text::TextTokenizer;
@@ -210,8 +211,32 @@ pub struct Batch {
     pub weights: Option<Tensor>,
     /// Real (unpadded) tokens in the batch.
     pub real_tokens: usize,
+    /// Real tokens of each sequence.
+    pub lengths: Vec<usize>,
+    /// Each token's position, when not `0..t` (randomized positions); see
+    /// [`Batch::positions`].
+    pub positions: Option<Positions>,
     /// Scored labels in the batch.
     pub scored: usize,
+}
+
+impl Batch {
+    /// The tokens' positions: the drawn ones, or `0..t` for every sequence; moved by `shift`
+    /// (the shift test).
+    pub fn positions(&self, shift: usize) -> Result<Positions> {
+        let t = self.ids.dim(1)?;
+        match &self.positions {
+            Some(p) => p.shifted(shift),
+            None => Positions::range(shift, t),
+        }
+    }
+
+    /// Draws randomized positions (Ruoss et al. 2023) for every sequence from `[0, n)`.
+    pub fn randomize_positions(&mut self, n: usize, rng: &mut Rng) -> Result<()> {
+        let t = self.ids.dim(1)?;
+        self.positions = Some(random_batch_positions(&self.lengths, t, n, rng)?);
+        Ok(())
+    }
 }
 
 /// Sequences padded to the longest, row-major: ids, mask (1 for real tokens), rows, columns.
@@ -320,6 +345,8 @@ pub fn make_batch(
         targets,
         weights,
         real_tokens,
+        lengths: samples.iter().map(|s| s.ids.len()).collect(),
+        positions: None,
         scored,
     })
 }

@@ -1,13 +1,15 @@
 //! The transformer encoder, top to bottom.
 //!
 //! ```text
-//! ids (b, t) ──tok_emb──▶ (b, t, d_tok) × embed_scale
-//!            ──InputPositions::join──▶ (b, t, d_model)      none | add | concat | learned
-//!            ──dropout──▶ N × EncoderLayer ──▶ final_norm (pre-norm only) ──▶ (b, t, d_model)
+//! ids (b, t), positions (1 or b, t)                          (default 0..t for every sequence)
+//! ids ──tok_emb──▶ (b, t, d_tok) × embed_scale
+//!     ──InputPositions::join──▶ (b, t, d_model)              none | add | concat | learned
+//!     ──dropout──▶ N × EncoderLayer ──▶ final_norm (pre-norm only) ──▶ (b, t, d_model)
 //!
 //! EncoderLayer, pre-norm:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))
 //!               post-norm: x = LN(x + drop(attn(x)));  x = LN(x + drop(ffn(x)))
-//! attn rotates q and k with RoPE when the scheme is `rope`; padded keys get no weight.
+//! attn rotates q and k by the positions' RoPE tables (`rope`), or adds the positions' score
+//! bias to its scores (alibi | t5 | kerple | untied); padded keys get no weight.
 //! ```
 
 use std::sync::{Arc, Mutex};
@@ -19,10 +21,12 @@ use rand::SeedableRng;
 use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm, Dropout, FeedForward, Kernels,
-    LayerMasks, LayerNorm, LayerShape, SelfAttention, SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm, AttentionInputs, Dropout,
+    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, SelfAttention, SharedRng,
 };
-use crate::positional::{InputPositions, Placement, PositionalConfig, Rope, RopeAngles};
+use crate::positional::{
+    InputPositions, LayerBiases, Placement, PositionalModule, Positions, SchemeShape,
+};
 use crate::rng;
 
 /// One layer: self-attention and a feed-forward block, each a residual branch with LayerNorm
@@ -47,6 +51,7 @@ impl EncoderLayer {
                 d,
                 config.n_heads,
                 config.positional.placement() == Placement::Attention,
+                config.positional.score_scale(config.head_dim()),
                 Dropout::new(config.attention_dropout, rng.clone()),
                 vb.pp("attn"),
             )?,
@@ -91,13 +96,7 @@ impl EncoderLayer {
 
     /// The layer as one fused node ([`Kernels::Layer`]); dropout masks are drawn in the order
     /// the composition draws them, so both paths see the same masks.
-    fn forward_fused(
-        &self,
-        xs: &Tensor,
-        bias: &Tensor,
-        rope: Option<&RopeAngles>,
-        train: bool,
-    ) -> Result<Tensor> {
+    fn forward_fused(&self, xs: &Tensor, inputs: AttentionInputs, train: bool) -> Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
         let (dtype, device) = (xs.dtype(), xs.device());
         let heads = self.attn.n_heads();
@@ -125,28 +124,21 @@ impl EncoderLayer {
             xs,
             &self.packed_params()?,
             shape,
-            heads,
-            bias,
-            rope.map(RopeAngles::tables),
+            self.attn.fused_core(inputs),
             masks,
             train,
         )?)
     }
 
     /// # Shapes
-    /// - `xs`: `(b, t, d_model)`, `bias`: `(b, t)`; returns `(b, t, d_model)`
-    fn forward_t(
-        &self,
-        xs: &Tensor,
-        bias: &Tensor,
-        rope: Option<&RopeAngles>,
-        train: bool,
-    ) -> Result<Tensor> {
+    /// - `xs`: `(b, t, d_model)`; `inputs`: the padding bias, rotation and score bias
+    /// - returns `(b, t, d_model)`
+    fn forward_t(&self, xs: &Tensor, inputs: AttentionInputs, train: bool) -> Result<Tensor> {
         if kernels_for(xs) == Kernels::Layer {
-            return self.forward_fused(xs, bias, rope, train);
+            return self.forward_fused(xs, inputs, train);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
-            let y = self.attn.forward_t(x, bias, rope, train)?;
+            let y = self.attn.forward_t(x, inputs, train)?;
             Ok(self.dropout.forward_t(&y, train)?)
         };
         let ffn = |x: &Tensor| -> Result<Tensor> {
@@ -167,16 +159,15 @@ impl EncoderLayer {
 
 /// A transformer encoder with a swappable positional scheme.
 ///
-/// The scheme acts in one of two places, and the fields say which: `input_positions` joins
-/// positions with the token embeddings (none, sinusoidal add or concat, learned), `rope` rotates
-/// q and k inside every attention layer. The config enum allows exactly one of them to carry
-/// positions.
+/// The scheme acts in exactly one of three places, and [`PositionalModule`] says which: joined
+/// with the token embeddings (none, sinusoidal add or concat, learned), a rotation of q and k
+/// inside every attention layer (rope), or a bias on every layer's attention scores (alibi, t5,
+/// kerple, untied).
 #[derive(Debug)]
 pub struct Encoder {
     config: ModelConfig,
     tok_emb: Embedding,
-    input_positions: InputPositions,
-    rope: Option<Rope>,
+    positional: PositionalModule,
     embed_dropout: Dropout,
     layers: Vec<EncoderLayer>,
     final_norm: Option<LayerNorm>,
@@ -189,7 +180,6 @@ impl Encoder {
     /// [`Encoder::set_dropout_seed`] is called.
     pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
-        let (dtype, device) = (vb.dtype(), vb.device().clone());
         let dropout_rng: SharedRng = Arc::new(Mutex::new(rng::Rng::seed_from_u64(0)));
 
         let d_tok = config.token_dim();
@@ -202,22 +192,16 @@ impl Encoder {
             },
         )?;
         let tok_emb = Embedding::new(tok_weight, d_tok);
-        let input_positions = InputPositions::new(
+        let positional = PositionalModule::new(
             &config.positional,
-            config.d_model,
-            config.max_len,
+            SchemeShape {
+                d_model: config.d_model,
+                n_heads: config.n_heads,
+                n_layers: config.n_layers,
+                max_len: config.max_len,
+            },
             vb.clone(),
         )?;
-        let rope = match &config.positional {
-            PositionalConfig::Rope(options) => Some(Rope::new(
-                options,
-                config.head_dim(),
-                config.max_len,
-                dtype,
-                &device,
-            )?),
-            _ => None,
-        };
         let layers = (0..config.n_layers)
             .map(|i| EncoderLayer::new(config, &dropout_rng, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
@@ -232,8 +216,7 @@ impl Encoder {
         Ok(Self {
             config: config.clone(),
             tok_emb,
-            input_positions,
-            rope,
+            positional,
             embed_dropout: Dropout::new(config.dropout, dropout_rng.clone()),
             layers,
             final_norm,
@@ -253,14 +236,22 @@ impl Encoder {
         self.tok_emb.embeddings().device()
     }
 
-    /// The input-side positional module (`None` for `rope` and the `none` control).
-    pub fn input_positions(&self) -> &InputPositions {
-        &self.input_positions
+    /// The positional module, in the place its scheme acts.
+    pub fn positional(&self) -> &PositionalModule {
+        &self.positional
     }
 
-    /// The attention-side positional module, for `rope`.
-    pub fn rope(&self) -> Option<&Rope> {
-        self.rope.as_ref()
+    /// The input-side positional module (for schemes that act at the input, and `none`).
+    pub fn input_positions(&self) -> Option<&InputPositions> {
+        match &self.positional {
+            PositionalModule::Input(input) => Some(input),
+            _ => None,
+        }
+    }
+
+    /// The longest position (plus one) this encoder can read, where a learned table bounds it.
+    pub fn max_positions(&self) -> Option<usize> {
+        self.positional.max_positions()
     }
 
     /// Restarts the dropout masks from `seed` (a trainer reseeds per step, so a resumed run draws
@@ -297,23 +288,55 @@ impl Encoder {
         start: usize,
         train: bool,
     ) -> Result<Tensor> {
-        let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let t = input_ids.dim(1).unwrap_or(0);
+        let positions = Positions::range(start, t.max(1))?;
+        self.forward_with(input_ids, attention_mask, &positions, train)
+    }
+
+    /// As [`Encoder::forward_t`], with every token at its own position (randomized positions,
+    /// or a reference's `position_ids`).
+    ///
+    /// # Shapes
+    /// - `positions`: `(1 or b, t)`, one row for the whole batch or one per sequence
+    pub fn forward_with(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        positions: &Positions,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (b, t) = self.check_input(input_ids, attention_mask)?;
+        positions.check_batch(b, t)?;
 
         let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
         let scale = self.config.embed_scale.value(self.config.d_model);
-        let x = if scale == 1.0 { x } else { (x * scale)? };
-        let x = self.input_positions.join(&x, start)?; // (b, t, d_model)
+        let mut x = if scale == 1.0 { x } else { (x * scale)? };
+        let (params, device) = (x.dtype(), x.device().clone());
+        // The scheme, in its one place: the input, a rotation, or a bias on the scores.
+        let mut rotary = None;
+        let mut biases: Option<LayerBiases> = None;
+        match &self.positional {
+            PositionalModule::Input(input) => x = input.join(&x, positions)?, // (b, t, d_model)
+            PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(positions)?),
+            PositionalModule::ScoreBias(bias) => {
+                biases = Some(bias.layer_biases(positions, params, &device)?)
+            }
+        }
 
         // Mixed precision: positions join in the parameters' dtype, then the activations
-        // move to the compute dtype; the padding bias stays put for the f32 softmax.
-        let params = x.dtype();
+        // move to the compute dtype; the padding and score biases stay put for the f32
+        // softmax.
         let x = x.to_dtype(self.config.dtype.compute_dtype(params))?;
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 
-        let bias = key_padding_bias(attention_mask, params)?; // (b, t)
-        let rope = self.rope.as_ref().map(|r| r.angles(start, t)).transpose()?;
-        for layer in &self.layers {
-            x = layer.forward_t(&x, &bias, rope.as_ref(), train)?;
+        let padding = key_padding_bias(attention_mask, params)?; // (b, t)
+        for (i, layer) in self.layers.iter().enumerate() {
+            let inputs = AttentionInputs {
+                key_padding: &padding,
+                rotary: rotary.as_ref(),
+                score_bias: biases.as_ref().map(|b| b.layer(i)),
+            };
+            x = layer.forward_t(&x, inputs, train)?;
         }
         let x = match &self.final_norm {
             Some(norm) => norm.forward(&x)?,
@@ -321,6 +344,20 @@ impl Encoder {
         };
         // Pooling, heads and losses read the parameters' dtype.
         Ok(x.to_dtype(params)?)
+    }
+
+    /// Layer `i`'s score bias for `positions` (an attention-bias scheme), `(r, h, t, t)`:
+    /// what `analyze` shows of TUPE's position-to-position term and the learned KERPLE and T5
+    /// biases.
+    pub fn score_bias(&self, layer: usize, positions: &Positions) -> Result<Option<Tensor>> {
+        match &self.positional {
+            PositionalModule::ScoreBias(bias) if layer < self.layers.len() => Ok(Some(
+                bias.layer_biases(positions, self.dtype(), self.device())?
+                    .layer(layer)
+                    .clone(),
+            )),
+            _ => Ok(None),
+        }
     }
 
     /// For an encoder whose positions are added to the token embeddings (`sinusoidal_add`,
@@ -338,22 +375,21 @@ impl Encoder {
         attention_mask: &Tensor,
     ) -> Result<Vec<(usize, Tensor, [Tensor; 4])>> {
         let (_, t) = self.check_input(input_ids, attention_mask)?;
-        let positions = match &self.input_positions {
-            InputPositions::Add(table) => table.rows(0, t)?,
-            InputPositions::Learned(learned) => learned.weight().narrow(0, 0, t)?,
-            _ => {
-                return Err(Error::Input(format!(
-                    "attention terms need positions added to the token embeddings \
-                     (sinusoidal_add or learned); this encoder's are `{}`",
-                    self.config.positional.name()
-                )))
-            }
-        }
-        .unsqueeze(0)?; // (1, t, d_model)
+        let added = match &self.positional {
+            PositionalModule::Input(input) => input.added(&Positions::range(0, t)?)?,
+            _ => None,
+        };
+        let positions = added.ok_or_else(|| {
+            Error::Input(format!(
+                "attention terms need positions added to the token embeddings \
+                 (sinusoidal_add or learned); this encoder's are `{}`",
+                self.config.positional.name()
+            ))
+        })?; // (1, t, d_model)
         let scale = self.config.embed_scale.value(self.config.d_model);
         let tokens = (self.tok_emb.forward(input_ids)? * scale)?;
         let mut h = tokens.broadcast_add(&positions)?;
-        let bias = key_padding_bias(attention_mask, h.dtype())?;
+        let padding = key_padding_bias(attention_mask, h.dtype())?;
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let content = h.broadcast_sub(&positions)?;
@@ -370,7 +406,7 @@ impl Encoder {
                 }
                 NormPlacement::Post => break,
             }
-            h = layer.forward_t(&h, &bias, None, false)?;
+            h = layer.forward_t(&h, AttentionInputs::padding(&padding), false)?;
         }
         Ok(out)
     }

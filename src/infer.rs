@@ -6,6 +6,8 @@ use serde::Serialize;
 use crate::data::pad_batch;
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling};
+use crate::positional::{random_positions, Positions};
+use crate::rng::{self, derive_seed, stable_hash};
 use crate::saved::Loaded;
 use crate::tasks::Objective;
 
@@ -108,18 +110,18 @@ impl<'a> Predictor<'a> {
         ids.extend(&enc.ids);
         word_ids.extend(&enc.word_ids);
         let mut note = None;
-        if let Some(rows) = self
-            .loaded
-            .model
-            .encoder()
-            .input_positions()
-            .max_positions()
-        {
+        let encoder = self.loaded.model.encoder();
+        let limit = match (encoder.max_positions(), encoder.config().random_positions) {
+            (Some(rows), _) => Some((rows, "learned position table holds")),
+            (None, Some(n)) => Some((n, "randomized positions are drawn from [0, N) with N =")),
+            (None, None) => None,
+        };
+        if let Some((rows, what)) = limit {
             if ids.len() > rows {
                 if !self.truncate {
                     return Err(Error::Input(format!(
-                        "text {}: {} tokens, but the model's learned position table holds {rows}: \
-                         pass --truncate to keep the first {rows}, or shorten the text",
+                        "text {}: {} tokens, but the model's {what} {rows}: pass --truncate to \
+                         keep the first {rows}, or shorten the text",
                         index + 1,
                         ids.len()
                     )));
@@ -137,11 +139,37 @@ impl<'a> Predictor<'a> {
         })
     }
 
+    /// The tokens' positions in a batch of `chunk`, padded to `t`: `0..t`, or for a model
+    /// trained with randomized positions, drawn the way it was tested (Ruoss et al.'s
+    /// protocol), from a generator seeded by the model's seed and the text's tokens, so a text
+    /// gets the same positions (and the same answer) whatever else is in the batch.
+    fn positions(&self, chunk: &[Prepared], t: usize) -> Result<Positions> {
+        let Some(n) = self.loaded.model.encoder().config().random_positions else {
+            return Positions::range(0, t);
+        };
+        let rows = chunk
+            .iter()
+            .map(|p| {
+                let bytes: Vec<u8> = p.ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+                let seed = derive_seed(
+                    self.loaded.config.seed,
+                    "predict positions",
+                    stable_hash(&bytes),
+                );
+                let mut row = random_positions(p.ids.len(), n, &mut rng::stream(seed, "text"))?;
+                let last = row.last().copied().unwrap_or(0);
+                row.resize(t, last);
+                Ok(row)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Positions::from_rows(&rows)
+    }
+
     /// Runs `f` on the hidden states or logits of batches of `texts`.
     fn batched<T>(
         &self,
         texts: &[String],
-        mut f: impl FnMut(&[Prepared], &Tensor, &Tensor) -> Result<Vec<T>>,
+        mut f: impl FnMut(&[Prepared], &Tensor, &Tensor, &Positions) -> Result<Vec<T>>,
     ) -> Result<Vec<Output<T>>> {
         let prepared = texts
             .iter()
@@ -152,7 +180,8 @@ impl<'a> Predictor<'a> {
         for (chunk, texts) in prepared.chunks(BATCH).zip(texts.chunks(BATCH)) {
             let seqs: Vec<&[u32]> = chunk.iter().map(|p| p.ids.as_slice()).collect();
             let (ids, mask) = pad_batch(&seqs, self.loaded.tokenizer.pad_id(), self.device())?;
-            let values = f(chunk, &ids, &mask)?;
+            let positions = self.positions(chunk, ids.dim(1)?)?;
+            let values = f(chunk, &ids, &mask, &positions)?;
             for ((p, text), value) in chunk.iter().zip(texts).zip(values) {
                 out.push(Output {
                     text: text.clone(),
@@ -169,8 +198,8 @@ impl<'a> Predictor<'a> {
     pub fn predict(&self, texts: &[String], top_k: usize) -> Result<Vec<Output<Prediction>>> {
         let objective = &self.loaded.config.objective;
         let tok = &self.loaded.tokenizer;
-        self.batched(texts, |chunk, ids, mask| {
-            let logits = self.loaded.model.logits(ids, mask, 0, false)?;
+        self.batched(texts, |chunk, ids, mask, positions| {
+            let logits = self.loaded.model.logits(ids, mask, positions, false)?;
             let probs = crate::nn::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
             match objective {
                 Objective::Classify { labels } => {
@@ -278,8 +307,12 @@ impl<'a> Predictor<'a> {
     /// The pooled sentence vector of each text (the model's pooling for classifiers, else the
     /// mean over tokens).
     pub fn embed(&self, texts: &[String]) -> Result<Vec<Output<Embedding>>> {
-        self.batched(texts, |_, ids, mask| {
-            let hidden = self.loaded.model.encoder().forward_t(ids, mask, false)?;
+        self.batched(texts, |_, ids, mask, positions| {
+            let hidden = self
+                .loaded
+                .model
+                .encoder()
+                .forward_with(ids, mask, positions, false)?;
             let pooled = self
                 .loaded
                 .model

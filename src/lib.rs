@@ -1,8 +1,10 @@
 //! poslab: a lab for transformer positional encodings, built on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of five, chosen in its [`ModelConfig`]:
-//! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side) and
-//! `rope` (attention side). See [`positional`] for what each computes and where.
+//! An [`Encoder`] whose positional scheme is one of nine, chosen in its [`ModelConfig`]:
+//! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
+//! (a rotation inside attention), and `alibi`, `t5`, `kerple`, `untied` (a bias on the
+//! attention scores); any of them with randomized positions. See [`positional`] for what each
+//! computes and where.
 //!
 //! ```no_run
 //! use candle::{DType, Device, Tensor};
@@ -59,4 +61,6 @@ pub fn tune_allocator() {
 pub use encoder::{Encoder, EncoderLayer};
 pub use error::{Error, Result};
 pub use params::ParamStore;
-pub use positional::{Placement, PositionalConfig, RopeOptions, RopePairing, TableLayout};
+pub use positional::{
+    Placement, PositionalConfig, Positions, RopeOptions, RopePairing, TableLayout,
+};

@@ -11,6 +11,7 @@ use crate::data::Batch;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::nn::{linear, log_softmax_last_dim};
+use crate::positional::Positions;
 
 /// How a sentence label reads the hidden states.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,8 +90,14 @@ impl TaskModel {
     }
 
     /// Logits: `(b, classes)` for sentence labels, `(b, t, classes)` for token labels.
-    pub fn logits(&self, ids: &Tensor, mask: &Tensor, start: usize, train: bool) -> Result<Tensor> {
-        let hidden = self.encoder.forward_at(ids, mask, start, train)?; // (b, t, d)
+    pub fn logits(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Positions,
+        train: bool,
+    ) -> Result<Tensor> {
+        let hidden = self.encoder.forward_with(ids, mask, positions, train)?; // (b, t, d)
         let features = match self.config {
             HeadConfig::Classify { .. } => self.pool(&hidden, mask)?, // (b, d)
             HeadConfig::Tag { .. } | HeadConfig::Mlm => hidden,
@@ -98,9 +105,11 @@ impl TaskModel {
         Ok(self.head.forward(&features)?)
     }
 
-    /// Mean cross-entropy over the scored labels of `batch`, and the logits.
-    pub fn loss(&self, batch: &Batch, start: usize, train: bool) -> Result<(Tensor, Tensor)> {
-        let logits = self.logits(&batch.ids, &batch.mask, start, train)?;
+    /// Mean cross-entropy over the scored labels of `batch`, and the logits; positions are the
+    /// batch's (see [`Batch::positions`]), moved by `shift`.
+    pub fn loss(&self, batch: &Batch, shift: usize, train: bool) -> Result<(Tensor, Tensor)> {
+        let positions = batch.positions(shift)?;
+        let logits = self.logits(&batch.ids, &batch.mask, &positions, train)?;
         let loss = cross_entropy(&logits, &batch.targets, batch.weights.as_ref())?;
         Ok((loss, logits))
     }

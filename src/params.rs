@@ -123,6 +123,28 @@ impl ParamStore {
                 Some(_) => {}
             }
         }
+        // Values: a corrupted file (NaN, inf) or a constrained variable out of its range would
+        // compute silently wrong numbers.
+        let mut bad_values = Vec::new();
+        for (name, var) in vars.iter() {
+            let Some(t) = tensors.get(name).filter(|t| t.dims() == var.dims()) else {
+                continue;
+            };
+            let values = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            if let Some((i, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                bad_values.push(format!(
+                    "tensor `{name}` holds {v} at flat index {i}: the file is corrupt, or was \
+                     saved from a run that diverged; use another checkpoint"
+                ));
+            } else if let Some(lo) = crate::positional::lower_bound(name) {
+                if let Some(v) = values.iter().find(|&&v| v < lo) {
+                    bad_values.push(format!(
+                        "tensor `{name}` holds {v}, below its least value {lo} (it must stay \
+                         positive): the file was not saved by poslab's training"
+                    ));
+                }
+            }
+        }
         let mut unexpected: Vec<_> = tensors
             .iter()
             .filter(|(name, _)| !vars.contains_key(*name))
@@ -147,6 +169,12 @@ impl ParamStore {
             return Err(Error::Checkpoint {
                 path: source.into(),
                 message,
+            });
+        }
+        if !bad_values.is_empty() {
+            return Err(Error::Checkpoint {
+                path: source.into(),
+                message: format!("holds unusable weights:\n  - {}", bad_values.join("\n  - ")),
             });
         }
         for (name, var) in vars.iter() {

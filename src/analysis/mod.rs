@@ -7,6 +7,7 @@
 //! tables the wavelength of every pair; for RoPE the decay of q·k with distance; for a trained
 //! model with added positions, how the attention logits split into content and position terms.
 
+pub mod bias;
 pub mod linalg;
 mod plots;
 pub mod terms;
@@ -117,8 +118,8 @@ impl Table {
 }
 
 /// The table a positional choice gives a model of `d_model` (head width `head_dim`) for `rows`
-/// positions: the fixed tables computed, `None` for a learned table (read it from the weights)
-/// and for `none`.
+/// positions: the fixed tables computed (TUPE's sinusoidal source included), `None` for a
+/// learned table (read it from the weights) and for schemes without a table.
 pub fn fixed_table(
     positional: &PositionalConfig,
     d_model: usize,
@@ -133,7 +134,15 @@ pub fn fixed_table(
             Some(Table::sinusoidal(o.pos_dim, o.base, o.layout, rows, 0))
         }
         PositionalConfig::Rope(o) => Some(Table::rope(head_dim, o.base, o.pairing, rows)),
-        PositionalConfig::None(_) | PositionalConfig::Learned(_) => None,
+        PositionalConfig::Untied(o) if o.source == crate::positional::UntiedSource::Sinusoidal => {
+            Some(Table::sinusoidal(d_model, o.base(), o.layout(), rows, 0))
+        }
+        PositionalConfig::None(_)
+        | PositionalConfig::Learned(_)
+        | PositionalConfig::Alibi(_)
+        | PositionalConfig::T5(_)
+        | PositionalConfig::Kerple(_)
+        | PositionalConfig::Untied(_) => None,
     }
 }
 

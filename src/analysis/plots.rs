@@ -43,7 +43,7 @@ pub fn sequential(v: f64) -> RGBColor {
     RGBColor(lerp(a.0, b.0), lerp(a.1, b.1), lerp(a.2, b.2))
 }
 
-fn write_matrix_csv(
+pub(super) fn write_matrix_csv(
     path: &Path,
     m: &Matrix,
     first: &str,
@@ -67,7 +67,7 @@ fn write_matrix_csv(
 }
 
 /// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
-fn heatmap(
+pub(super) fn heatmap(
     path: &Path,
     title: &str,
     m: &Matrix,
@@ -150,7 +150,7 @@ fn tick(v: &f64) -> String {
 }
 
 /// Series of a line chart: name, points, dashed.
-type Series = [(String, Vec<(f64, f64)>, bool)];
+pub(super) type Series = [(String, Vec<(f64, f64)>, bool)];
 
 /// Draws the mesh, the series and their legend on a chart of any y coordinate.
 fn draw_lines<'a, Y>(
@@ -194,7 +194,7 @@ where
     Ok(())
 }
 
-fn line_chart(
+pub(super) fn line_chart(
     path: &Path,
     title: &str,
     axes: (&str, &str),
@@ -203,6 +203,7 @@ fn line_chart(
 ) -> Result<()> {
     let points = series.iter().flat_map(|s| s.1.iter());
     let x_max = points.clone().map(|p| p.0).fold(1.0, f64::max);
+    let x_min = points.clone().map(|p| p.0).fold(0.0, f64::min);
     let (lo, hi) = points
         .map(|p| p.1)
         .filter(|v| v.is_finite() && (!log_y || *v > 0.0))
@@ -219,10 +220,10 @@ fn line_chart(
             .y_label_area_size(76);
         if log_y {
             let mut chart =
-                builder.build_cartesian_2d(0.0..x_max, (lo * 0.8..hi * 1.25).log_scale())?;
+                builder.build_cartesian_2d(x_min..x_max, (lo * 0.8..hi * 1.25).log_scale())?;
             draw_lines(&mut chart, axes, series)
         } else {
-            let mut chart = builder.build_cartesian_2d(0.0..x_max, (lo - pad)..(hi + pad))?;
+            let mut chart = builder.build_cartesian_2d(x_min..x_max, (lo - pad)..(hi + pad))?;
             draw_lines(&mut chart, axes, series)
         }
     })

@@ -79,7 +79,7 @@ pub fn evaluation_batch(
         } => loaded.tokenizer.cls_id(),
         _ => None,
     };
-    let rows = loaded.model.encoder().input_positions().max_positions();
+    let rows = loaded.model.encoder().max_positions();
     let mut cut = 0;
     let ids: Vec<Vec<u32>> = texts
         .iter()

@@ -84,7 +84,12 @@ impl ModelShape {
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
-            max_len: variant.max_len.unwrap_or(table_rows),
+            max_len: variant.max_len.unwrap_or(
+                variant
+                    .random_positions
+                    .unwrap_or(table_rows)
+                    .max(table_rows),
+            ),
             norm: self.norm,
             dropout: self.dropout,
             attention_dropout: self.attention_dropout,
@@ -92,6 +97,7 @@ impl ModelShape {
             token_init_std: variant.token_init_std.unwrap_or(self.token_init_std),
             layer_norm_eps: self.layer_norm_eps,
             dtype: self.dtype,
+            random_positions: variant.random_positions,
             positional: variant.positional.clone(),
         }
     }
@@ -111,9 +117,12 @@ pub struct VariantSpec {
     pub embed_scale: Option<Scale>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_init_std: Option<Scale>,
-    /// Rows of a learned table; default: the longest training input.
+    /// Rows of a learned table; default: the longest training input (or `random_positions`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_len: Option<usize>,
+    /// Randomized positions drawn from `[0, N)` (Ruoss et al. 2023), on any scheme.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub random_positions: Option<usize>,
 }
 
 /// `[eval]`: how trained models are tested.

@@ -63,7 +63,8 @@ pub fn shift_column(shift: usize) -> String {
 pub struct VariantInfo {
     pub name: String,
     pub positional: PositionalConfig,
-    /// `nowhere`, `input` or `attention`.
+    /// `nowhere`, `input`, `attention` or `attention bias`, and `, random N` with randomized
+    /// positions drawn from `[0, N)`.
     pub placement: String,
     pub d_model: usize,
     pub token_dim: usize,

@@ -18,7 +18,7 @@ use crate::device::device_name;
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
-use crate::positional::{Placement, PositionalConfig};
+use crate::positional::PositionalConfig;
 use crate::rng::{self, derive_seed};
 use crate::saved::{self, SavedConfig};
 use crate::tasks::{Objective, TaskData, TaskSpec};
@@ -57,14 +57,6 @@ fn downsample(losses: &[f64]) -> Vec<[f64; 2]> {
             [step, w.iter().sum::<f64>() / w.len() as f64]
         })
         .collect()
-}
-
-fn placement_name(p: Placement) -> &'static str {
-    match p {
-        Placement::Nowhere => "nowhere",
-        Placement::Input => "input",
-        Placement::Attention => "attention",
-    }
 }
 
 /// A test the model can run: data, position offset, MLM mask seed.
@@ -224,6 +216,34 @@ impl Prepared<'_> {
             .max(self.data.limit.max_tokens.unwrap_or(0))
     }
 
+    /// The longest input of any split (training, validation, every test).
+    pub(crate) fn longest_input(&self) -> usize {
+        [&self.train, &self.valid]
+            .into_iter()
+            .chain(&self.sets)
+            .map(Dataset::max_len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Refuses randomized positions drawn from fewer than the longest input's positions.
+    pub(crate) fn check_random_positions(
+        &self,
+        random_positions: Option<usize>,
+        what: &str,
+    ) -> Result<()> {
+        match random_positions {
+            Some(n) if n < self.longest_input() => Err(Error::Config(format!(
+                "{what}: random_positions = {n}, but task `{}` has inputs of {} tokens, which \
+                 need as many distinct positions: set random_positions to at least {}",
+                self.spec.name,
+                self.longest_input(),
+                self.longest_input()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The data `train` needs.
     pub(crate) fn train_data(&self) -> TrainData<'_> {
         TrainData {
@@ -237,13 +257,18 @@ impl Prepared<'_> {
     /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
     /// marked unavailable with the reason.
     pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
-        let table_rows = model.encoder().input_positions().max_positions();
+        let table_rows = model.encoder().max_positions();
         let pad = self.data.tokenizer.pad_id();
         self.tests
             .iter()
             .map(|test| {
                 let set = &self.sets[test.set];
-                let reach = test.start + set.max_len();
+                // Randomized positions may reach any position below N.
+                let longest = match model.encoder().config().random_positions {
+                    Some(n) => n,
+                    None => set.max_len(),
+                };
+                let reach = test.start + longest;
                 let outcome = match table_rows {
                     Some(rows) if reach > rows => Outcome::Unavailable {
                         reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
@@ -359,7 +384,10 @@ fn run_cell(
         variant: VariantInfo {
             name: variant.name.clone(),
             positional: variant.positional.clone(),
-            placement: placement_name(variant.positional.placement()).into(),
+            placement: match variant.random_positions {
+                Some(n) => format!("{}, random {n}", variant.positional.placement()),
+                None => variant.positional.placement().name().into(),
+            },
             d_model: model_config.d_model,
             token_dim: model_config.token_dim(),
             width: match &variant.positional {
@@ -428,6 +456,14 @@ pub fn run(
         .iter()
         .map(|t| prepare(t, t.generate()?, config.model.pooling, config.eval.shift))
         .collect::<Result<Vec<_>>>()?;
+    for task in &prepared {
+        for variant in &variants {
+            task.check_random_positions(
+                variant.random_positions,
+                &format!("variant `{}`", variant.name),
+            )?;
+        }
+    }
     // Cells in report order: task, seed, variant.
     let mut cells: Vec<(usize, &VariantSpec, u64)> = Vec::new();
     for t in 0..prepared.len() {

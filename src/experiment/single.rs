@@ -72,6 +72,9 @@ pub struct TrainRunConfig {
     /// Rows of a learned table; default: the longest training input (or the task's max_tokens).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_len: Option<usize>,
+    /// Randomized positions drawn from `[0, N)` (Ruoss et al. 2023).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub random_positions: Option<usize>,
     pub train: TrainConfig,
     #[serde(default)]
     pub eval: EvalConfig,
@@ -87,6 +90,7 @@ impl TrainRunConfig {
             embed_scale: None,
             token_init_std: None,
             max_len: self.max_len,
+            random_positions: self.random_positions,
         }
     }
 
@@ -205,6 +209,7 @@ fn run(
 ) -> Result<TrainEnd> {
     let dir = &options.dir;
     let task = prepare(&config.task, data, config.model.pooling, config.eval.shift)?;
+    task.check_random_positions(config.random_positions, &config.name)?;
     let tok = &task.data.tokenizer;
     let model_config =
         config

@@ -1,12 +1,13 @@
-//! Multi-head self-attention with a key-padding mask; RoPE, when chosen, acts here on q and k.
+//! Multi-head self-attention with a key-padding mask, and the two places a positional scheme can
+//! reach inside it, given as plain inputs ([`AttentionInputs`]): a rotation of q and k, and an
+//! additive bias on the scores.
 
 use candle::{DType, Module, ModuleT, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use super::Linear;
 
-use super::{linear, linear_no_bias, masked_softmax, Dropout};
-use crate::positional::RopeAngles;
+use super::{linear, linear_no_bias, masked_softmax, Dropout, Rotary};
 
 /// The score given to a padded key before the softmax: far enough below any real score that its
 /// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
@@ -21,12 +22,40 @@ pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
     (mask.to_dtype(dtype)? - 1.0)? * -MASKED_SCORE
 }
 
+/// What attention reads besides the hidden states: plain tensors, built by whoever knows the
+/// positional scheme (`nn` knows none).
+///
+/// ```text
+/// S = scale · rot(q) rot(k)ᵀ + score_bias;   P = softmax(S + key_padding)
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionInputs<'a> {
+    /// `(b, t)` from [`key_padding_bias`].
+    pub key_padding: &'a Tensor,
+    /// A rotation of q and k by their tokens' positions.
+    pub rotary: Option<&'a Rotary>,
+    /// `(r, h, t, t)` added to the scaled scores, `r` 1 (the same for every sequence) or `b`.
+    pub score_bias: Option<&'a Tensor>,
+}
+
+impl<'a> AttentionInputs<'a> {
+    /// Only the padding mask.
+    pub fn padding(key_padding: &'a Tensor) -> Self {
+        Self {
+            key_padding,
+            rotary: None,
+            score_bias: None,
+        }
+    }
+}
+
 /// Scaled dot-product attention over `n_heads` heads, projections `attn.{q,k,v,o}`.
 ///
-/// The key projection has a bias only when RoPE is on. Without RoPE a key bias adds
-/// `q_i . b_k` to every score of query `i`, the same for all keys, and softmax cancels it: the
-/// bias could never change an output, and its gradient is exactly zero. RoPE rotates it by
-/// position (`q_i . R(j - i) b_k`), which makes it a real, relative-position parameter.
+/// The key projection has a bias only when asked (`key_bias`), which is when q and k are
+/// rotated. Without a rotation a key bias adds `q_i . b_k` to every score of query `i`, the same
+/// for all keys, and softmax cancels it: the bias could never change an output, and its
+/// gradient is exactly zero. A rotation turns it by position (`q_i . R(j - i) b_k`), which makes
+/// it a real, relative-position parameter.
 #[derive(Clone, Debug)]
 pub struct SelfAttention {
     q: Linear,
@@ -35,14 +64,19 @@ pub struct SelfAttention {
     o: Linear,
     n_heads: usize,
     head_dim: usize,
+    /// What `q kᵀ` is multiplied by: `1/sqrt(d_head)` usually, `1/sqrt(2 d_head)` when a
+    /// second, positional score of the same size is added (TUPE).
+    scale: f64,
     dropout: Dropout,
 }
 
 impl SelfAttention {
+    /// `score_scale` multiplies `q kᵀ`; `None` is the usual `1/sqrt(d_head)`.
     pub fn new(
         d_model: usize,
         n_heads: usize,
         key_bias: bool,
+        score_scale: Option<f64>,
         dropout: Dropout,
         vb: VarBuilder,
     ) -> Result<Self> {
@@ -58,12 +92,18 @@ impl SelfAttention {
             o: linear(d_model, d_model, vb.pp("o"))?,
             n_heads,
             head_dim: d_model / n_heads,
+            scale: score_scale.unwrap_or(1.0 / ((d_model / n_heads) as f64).sqrt()),
             dropout,
         })
     }
 
     pub fn n_heads(&self) -> usize {
         self.n_heads
+    }
+
+    /// What `q kᵀ` is multiplied by.
+    pub fn score_scale(&self) -> f64 {
+        self.scale
     }
 
     /// The dropout on the attention weights.
@@ -109,7 +149,7 @@ impl SelfAttention {
                 .contiguous() // (b, h, t, d_head)
         };
         let weight_only = |lin: &Linear, x: &Tensor| x.broadcast_matmul(&lin.weight().t()?);
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scale = self.scale;
         let qk = |q: &Tensor, k: &Tensor| -> Result<Tensor> { q.matmul(&k.t()?)? * scale };
         let whole = (content + position)?;
         let scores = qk(
@@ -131,15 +171,12 @@ impl SelfAttention {
     }
 
     /// # Shapes
-    /// - `xs`: `(b, t, d_model)`
-    /// - `bias`: `(b, t)` from [`key_padding_bias`]
-    /// - `rope`: the angles of this batch's positions, for the `rope` scheme
+    /// - `xs`: `(b, t, d_model)`; `inputs`: see [`AttentionInputs`]
     /// - returns `(b, t, d_model)`
     pub fn forward_t(
         &self,
         xs: &Tensor,
-        bias: &Tensor,
-        rope: Option<&RopeAngles>,
+        inputs: AttentionInputs,
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
@@ -153,13 +190,7 @@ impl SelfAttention {
                 xs.device(),
                 train,
             )?;
-            let out = super::fused::attention(
-                &qkv,
-                self.n_heads,
-                bias,
-                rope.map(RopeAngles::tables),
-                mask.as_ref(),
-            )?; // (b, t, d)
+            let out = super::fused::attention(&qkv, self.fused_core(inputs), mask.as_ref())?; // (b, t, d)
             return Ok(self.o.forward(&out)?);
         }
         let heads = |y: Tensor| -> Result<Tensor> {
@@ -170,16 +201,34 @@ impl SelfAttention {
         let mut q = heads(self.q.forward(xs)?)?;
         let mut k = heads(self.k.forward(xs)?)?;
         let v = heads(self.v.forward(xs)?)?;
-        if let Some(rope) = rope {
-            q = rope.apply(&q)?;
-            k = rope.apply(&k)?;
+        if let Some(rotary) = inputs.rotary {
+            q = rotary.apply(&q)?;
+            k = rotary.apply(&k)?;
         }
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (super::matmul(&q, &k.t()?)? * scale)?; // (b, h, t, t)
-        let weights = masked_softmax(&scores, bias)?;
+        let scores = (super::matmul(&q, &k.t()?)? * self.scale)?; // (b, h, t, t)
+        let weights = match inputs.score_bias {
+            None => masked_softmax(&scores, inputs.key_padding)?,
+            Some(bias) => {
+                // The bias is added in its own dtype (the parameters', f32 under mixed
+                // precision), where the softmax runs anyway.
+                let biased = scores.to_dtype(bias.dtype())?.broadcast_add(bias)?;
+                masked_softmax(&biased, inputs.key_padding)?.to_dtype(scores.dtype())?
+            }
+        };
         let weights = self.dropout.forward_t(&weights, train)?;
         let out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
         let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
         Ok(self.o.forward(&out)?)
+    }
+
+    /// The fixed inputs of the fused attention core.
+    pub(crate) fn fused_core(&self, inputs: AttentionInputs) -> super::fused::Attention {
+        super::fused::Attention::new(
+            self.n_heads,
+            self.scale,
+            inputs.key_padding,
+            inputs.rotary,
+            inputs.score_bias,
+        )
     }
 }

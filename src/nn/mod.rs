@@ -15,8 +15,9 @@ mod feed_forward;
 mod fused;
 mod layer_norm;
 mod ops;
+mod rotary;
 
-pub use attention::{key_padding_bias, SelfAttention};
+pub use attention::{key_padding_bias, AttentionInputs, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::FeedForward;
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
@@ -26,6 +27,7 @@ pub use ops::{
     gelu, linear, linear_no_bias, log_softmax_last_dim, masked_softmax, rope_rotate,
     softmax_last_dim, Linear,
 };
+pub use rotary::Rotary;
 
 use std::cell::Cell;
 use std::sync::OnceLock;

@@ -113,12 +113,15 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
     softmax_last_dim(&scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?)
 }
 
-/// RoPE's rotation `x * cos + rotate(x) * sin` with `(t, d)` tables laid out by the pairing
-/// (`interleaved` pairs `(x[2i], x[2i+1])`, else `(x[i], x[i + d/2])`).
+/// RoPE's rotation `x * cos + rotate(x) * sin` of the first `w` coordinates of every head, by
+/// `(r, t, w)` tables laid out by the pairing (`interleaved` pairs `(x[2i], x[2i+1])`, else
+/// `(x[i], x[i + w/2])`); coordinates past `w` pass through (see [`super::Rotary`]).
 ///
 /// # Shapes
-/// - `x`: `(..., t, d)`, `cos`, `sin`: `(t, d)`; returns the shape of `x`
+/// - `x`: `(b, h, t, d_head)`, `cos`, `sin`: `(r, t, w)` with `r` 1 or `b`, `w <= d_head`
+/// - returns the shape of `x`
 pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    super::rotary::check(x, cos)?;
     if super::is_half(x.dtype()) && !super::is_half(cos.dtype()) {
         // Half-precision q or k: rotated in the tables' dtype (f32) and rounded back once.
         let rotated = rope_rotate(&x.to_dtype(cos.dtype())?, cos, sin, interleaved)?;
@@ -127,22 +130,33 @@ pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
     if super::fused_for(x) {
         return super::fused::rope(x, cos, sin, interleaved);
     }
-    let d = x.dim(D::Minus1)?;
-    let half = d / 2;
+    let (d, w) = (x.dim(D::Minus1)?, cos.dim(D::Minus1)?);
+    let xr = if w == d {
+        x.clone()
+    } else {
+        x.narrow(D::Minus1, 0, w)?
+    };
+    let half = w / 2;
     let rotated = if interleaved {
-        let mut pair_shape = x.dims().to_vec();
+        let mut pair_shape = xr.dims().to_vec();
         pair_shape.pop();
         pair_shape.extend([half, 2]);
-        let pairs = x.reshape(pair_shape)?; // (..., d/2, 2)
+        let pairs = xr.reshape(pair_shape)?; // (..., w/2, 2)
         let even = pairs.narrow(D::Minus1, 0, 1)?;
         let odd = pairs.narrow(D::Minus1, 1, 1)?;
-        Tensor::cat(&[&odd.neg()?, &even], D::Minus1)?.reshape(x.shape())?
+        Tensor::cat(&[&odd.neg()?, &even], D::Minus1)?.reshape(xr.shape())?
     } else {
-        let first = x.narrow(D::Minus1, 0, half)?;
-        let second = x.narrow(D::Minus1, half, half)?;
+        let first = xr.narrow(D::Minus1, 0, half)?;
+        let second = xr.narrow(D::Minus1, half, half)?;
         Tensor::cat(&[&second.neg()?, &first], D::Minus1)?
     };
-    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?); // (r, 1, t, w)
+    let out = (xr.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?;
+    if w == d {
+        Ok(out)
+    } else {
+        Tensor::cat(&[&out, &x.narrow(D::Minus1, w, d - w)?], D::Minus1)
+    }
 }
 
 /// GELU in its exact form, `x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))`.

@@ -1,15 +1,16 @@
 //! Input-side schemes: positions joined with the token embeddings before the first layer.
+//! The learned table here is also what `untied` (TUPE) reads its position vectors from.
 
 use candle::{Module, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::nn::Linear;
 
-use super::{sinusoidal_table, PositionTable, PositionalConfig};
+use super::{sinusoidal_table, PositionTable, PositionalConfig, Positions};
 use crate::error::{Error, Result};
 
-/// How positions join the token embeddings. `rope` acts elsewhere (inside attention), so for it
-/// and for the `none` control this is [`InputPositions::None`].
+/// How positions join the token embeddings. RoPE and the attention biases act elsewhere (inside
+/// attention), so for them and for the `none` control this is [`InputPositions::None`].
 #[derive(Debug)]
 pub enum InputPositions {
     /// Token embeddings pass through unchanged.
@@ -54,20 +55,33 @@ impl LearnedPositions {
         self.weight.dim(0).unwrap_or(0)
     }
 
-    fn rows(&self, start: usize, len: usize) -> Result<Tensor> {
+    /// The rows of `positions`, `(r, t, d_model)`: a view for a shared range, else gathered
+    /// (both differentiable).
+    pub fn at(&self, positions: &Positions) -> Result<Tensor> {
         let max_len = self.max_len();
-        if start + len > max_len {
-            let what = if start == 0 {
-                format!("a sequence of {len} tokens")
-            } else {
-                format!("positions {start}..{}", start + len)
+        let t = positions.len();
+        if positions.max() >= max_len {
+            let what = match positions.as_range() {
+                Some(0) => format!("a sequence of {t} tokens"),
+                Some(start) => format!("positions {start}..{}", start + t),
+                None => format!("position {}", positions.max()),
             };
             return Err(Error::Input(format!(
                 "{what} does not fit the learned position table of max_len = {max_len} rows: \
                  shorten or truncate the input, or train a model with a larger max_len"
             )));
         }
-        Ok(self.weight.narrow(0, start, len)?)
+        Ok(match positions.as_range() {
+            Some(start) => self.weight.narrow(0, start, t)?.unsqueeze(0)?,
+            None => {
+                let idx = positions.flat_tensor(self.weight.device())?;
+                self.weight.index_select(&idx, 0)?.reshape((
+                    positions.rows(),
+                    t,
+                    self.weight.dim(1)?,
+                ))?
+            }
+        })
     }
 }
 
@@ -87,7 +101,12 @@ impl InputPositions {
             })
         };
         Ok(match config {
-            PositionalConfig::None(_) | PositionalConfig::Rope(_) => Self::None,
+            PositionalConfig::None(_)
+            | PositionalConfig::Rope(_)
+            | PositionalConfig::Alibi(_)
+            | PositionalConfig::T5(_)
+            | PositionalConfig::Kerple(_)
+            | PositionalConfig::Untied(_) => Self::None,
             PositionalConfig::SinusoidalAdd(o) => Self::Add(table(d_model, o.base, o.layout)?),
             PositionalConfig::SinusoidalConcat(o) => Self::Concat {
                 table: table(o.pos_dim, o.base, o.layout)?,
@@ -118,22 +137,31 @@ impl InputPositions {
         }
     }
 
-    /// Joins positions `start..start + t` with the token embeddings.
+    /// The position vectors added to the token embeddings (`sinusoidal_add`, `learned`),
+    /// `(r, t, d_model)`; `None` for the other schemes.
+    pub fn added(&self, positions: &Positions) -> Result<Option<Tensor>> {
+        Ok(match self {
+            Self::Add(table) => Some(table.at(positions)?),
+            Self::Learned(learned) => Some(learned.at(positions)?),
+            Self::None | Self::Concat { .. } => None,
+        })
+    }
+
+    /// Joins the token embeddings with the vectors of their `positions`.
     ///
     /// # Shapes
     /// - `tokens`: `(b, t, d_tok)`, `d_tok = d_model - pos_dim` for concat without projection,
-    ///   else `d_model`
+    ///   else `d_model`; `positions`: `(1 or b, t)`
     /// - returns `(b, t, d_model)`
-    pub fn join(&self, tokens: &Tensor, start: usize) -> Result<Tensor> {
+    pub fn join(&self, tokens: &Tensor, positions: &Positions) -> Result<Tensor> {
         let (b, t, _) = tokens.dims3()?;
         Ok(match self {
             Self::None => tokens.clone(),
-            Self::Add(table) => tokens.broadcast_add(&table.rows(start, t)?)?,
-            Self::Learned(learned) => tokens.broadcast_add(&learned.rows(start, t)?)?,
+            Self::Add(table) => tokens.broadcast_add(&table.at(positions)?)?,
+            Self::Learned(learned) => tokens.broadcast_add(&learned.at(positions)?)?,
             Self::Concat { table, projection } => {
                 let pe = table
-                    .rows(start, t)?
-                    .unsqueeze(0)?
+                    .at(positions)?
                     .broadcast_as((b, t, table.width()))?
                     .contiguous()?; // (b, t, pos_dim)
                 let joined = Tensor::cat(&[tokens, &pe], D::Minus1)?; // (b, t, d_tok + pos_dim)

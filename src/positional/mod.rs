@@ -1,25 +1,48 @@
 //! Positional schemes: what each one is, its options, and where it acts.
 //!
-//! There are two places a transformer encoder can learn order, and the types keep them apart:
+//! There are three places a transformer encoder can learn order, and the types keep them apart
+//! ([`Placement`], and one module each in [`PositionalModule`]):
 //! - **input side** ([`InputPositions`]): positions join the token embeddings before the first
 //!   layer, by addition (`sinusoidal_add`, `learned`) or by concatenation (`sinusoidal_concat`);
 //!   `none` is the bag-of-words control;
-//! - **attention side** ([`Rope`]): q and k are rotated by position inside every attention layer.
+//! - **rotation inside attention** ([`Rope`]): q and k are rotated by position in every layer;
+//! - **a bias on the attention scores** ([`ScoreBias`]): every layer adds a term of the two
+//!   tokens' positions to its scores: a fixed distance penalty (`alibi`), a learned table of
+//!   distance buckets (`t5`), a learned kernel of the distance (`kerple`), or the correlation of
+//!   two learned or sinusoidal absolute positions (`untied`, TUPE).
 //!
-//! One configuration enum, [`PositionalConfig`], names the choice; each variant carries only the
-//! options that make sense for it, so an invalid combination cannot be written down.
+//! Every scheme reads each token's position from [`Positions`] (by default `0..t`; randomized
+//! positions draw them, see [`random_positions`]). One configuration enum,
+//! [`PositionalConfig`], names the choice; each variant carries only the options that make sense
+//! for it, so an invalid combination cannot be written down. The layers below (`crate::nn`) know
+//! no scheme: attention takes rotation tables and a score bias as plain tensors, built here.
 
+mod alibi;
 mod input;
+mod kerple;
+mod positions;
 mod rope;
+mod score_bias;
 pub(crate) mod sinusoidal;
+mod t5;
 mod table;
+mod untied;
 
+pub use alibi::{alibi_slopes, Alibi};
 pub use input::{InputPositions, LearnedPositions};
-pub use rope::{Rope, RopeAngles};
+pub use kerple::{Kerple, KERPLE_MIN};
+pub use positions::{random_batch_positions, random_positions, Positions, MAX_POSITION};
+pub use rope::Rope;
+pub use score_bias::{LayerBiases, ScoreBias};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
-pub use table::PositionTable;
+pub use t5::{t5_bucket, T5Bias};
+pub use table::{PositionTable, MAX_TABLE_VALUES};
+pub use untied::{Untied, UntiedRows};
 
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
 
 /// The default base of the sinusoid's geometric frequency ladder (Vaswani et al., 2017).
 pub const DEFAULT_BASE: f64 = 10_000.0;
@@ -152,10 +175,83 @@ impl Default for RopeOptions {
     }
 }
 
-/// `none` takes no options; the empty struct exists so that stray options are refused.
+/// `none`, `alibi` and `kerple` take no options; the empty struct exists so that stray options
+/// are refused.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NoOptions {}
+
+fn default_t5_buckets() -> usize {
+    32
+}
+
+fn default_t5_max_distance() -> usize {
+    128
+}
+
+/// Options of `t5`: T5's bidirectional relative-position buckets (see [`t5_bucket`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct T5Options {
+    /// Buckets in all (half for keys after the query, half for keys before it).
+    #[serde(default = "default_t5_buckets")]
+    pub buckets: usize,
+    /// Distances from here on share the last bucket of their side.
+    #[serde(default = "default_t5_max_distance")]
+    pub max_distance: usize,
+}
+
+impl Default for T5Options {
+    fn default() -> Self {
+        Self {
+            buckets: default_t5_buckets(),
+            max_distance: default_t5_max_distance(),
+        }
+    }
+}
+
+/// Where `untied` (TUPE) takes its absolute position vectors from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UntiedSource {
+    /// A trained `max_len x d_model` table, `pos_emb.weight`.
+    #[default]
+    Learned,
+    /// The `d_model`-wide sinusoid (with `base` and `layout`).
+    Sinusoidal,
+}
+
+/// Options of `untied`: `source` and, for a sinusoidal source, its `base` and `layout`; for a
+/// learned one, its `init_std`. Options of the other source are refused.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UntiedOptions {
+    #[serde(default)]
+    pub source: UntiedSource,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<TableLayout>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_std: Option<f64>,
+}
+
+impl UntiedOptions {
+    /// The sinusoid's base (sinusoidal source).
+    pub fn base(&self) -> f64 {
+        self.base.unwrap_or(DEFAULT_BASE)
+    }
+
+    /// The sinusoid's layout (sinusoidal source).
+    pub fn layout(&self) -> TableLayout {
+        self.layout.unwrap_or_default()
+    }
+
+    /// The learned table's initialisation (learned source).
+    pub fn init_std(&self) -> f64 {
+        self.init_std.unwrap_or(DEFAULT_LEARNED_INIT_STD)
+    }
+}
 
 /// The positional choice, written in config as a table tagged by `kind`:
 ///
@@ -179,6 +275,19 @@ pub enum PositionalConfig {
     Learned(LearnedOptions),
     /// Rotary embedding of q and k inside every attention layer.
     Rope(RopeOptions),
+    /// ALiBi: `-slope_h |p_i - p_j|` on the scores (symmetric, for an encoder), Press et al.'s
+    /// slopes; no weights.
+    Alibi(NoOptions),
+    /// T5's relative buckets: a learned `(buckets, heads)` table shared by all layers, indexed by
+    /// the bucket of `p_j - p_i`.
+    T5(T5Options),
+    /// KERPLE (logarithmic): `-r1_h ln(1 + r2_h |p_i - p_j|)`, `r1, r2 > 0` learned per head and
+    /// layer.
+    Kerple(NoOptions),
+    /// TUPE's untied positions: nothing joins the input; every layer adds
+    /// `(p_i U_q)_h · (p_j U_k)_h / sqrt(2 d_head)` and scales its content scores by
+    /// `1/sqrt(2 d_head)`.
+    Untied(UntiedOptions),
 }
 
 /// Where a positional scheme acts.
@@ -188,8 +297,28 @@ pub enum Placement {
     Nowhere,
     /// Joined with the token embeddings before the first layer.
     Input,
-    /// Applied to q and k inside every attention layer.
+    /// A rotation of q and k inside every attention layer.
     Attention,
+    /// A bias added to the attention scores of every layer.
+    AttentionBias,
+}
+
+impl Placement {
+    /// As `inspect` and reports write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nowhere => "nowhere",
+            Self::Input => "input",
+            Self::Attention => "attention",
+            Self::AttentionBias => "attention bias",
+        }
+    }
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl PositionalConfig {
@@ -201,8 +330,25 @@ impl PositionalConfig {
             Self::SinusoidalConcat(_) => "sinusoidal_concat",
             Self::Learned(_) => "learned",
             Self::Rope(_) => "rope",
+            Self::Alibi(_) => "alibi",
+            Self::T5(_) => "t5",
+            Self::Kerple(_) => "kerple",
+            Self::Untied(_) => "untied",
         }
     }
+
+    /// Every scheme's name, in the order of the enum.
+    pub const NAMES: [&'static str; 9] = [
+        "none",
+        "sinusoidal_add",
+        "sinusoidal_concat",
+        "learned",
+        "rope",
+        "alibi",
+        "t5",
+        "kerple",
+        "untied",
+    ];
 
     pub fn placement(&self) -> Placement {
         match self {
@@ -211,7 +357,27 @@ impl PositionalConfig {
                 Placement::Input
             }
             Self::Rope(_) => Placement::Attention,
+            Self::Alibi(_) | Self::T5(_) | Self::Kerple(_) | Self::Untied(_) => {
+                Placement::AttentionBias
+            }
         }
+    }
+
+    /// What attention multiplies `q kᵀ` by, where a scheme changes it: `1/sqrt(2 d_head)` for
+    /// `untied`, whose positional term is a second score of the same size (TUPE). `None` is the
+    /// usual `1/sqrt(d_head)`.
+    pub fn score_scale(&self, head_dim: usize) -> Option<f64> {
+        match self {
+            Self::Untied(_) => Some(1.0 / (2.0 * head_dim as f64).sqrt()),
+            _ => None,
+        }
+    }
+
+    /// Whether the scheme has a learned table of `max_len` rows (which bounds the positions a
+    /// model can read).
+    pub fn has_learned_table(&self) -> bool {
+        matches!(self, Self::Learned(_))
+            || matches!(self, Self::Untied(o) if o.source == UntiedSource::Learned)
     }
 
     /// Width of the token embedding table: narrower than the model only for concatenation
@@ -223,10 +389,24 @@ impl PositionalConfig {
         }
     }
 
+    /// Checks the options against a model's width and head width (what `ModelConfig::validate`
+    /// runs), for callers that build a scheme's parts without a whole model.
+    pub fn validate_options(
+        &self,
+        d_model: usize,
+        head_dim: usize,
+    ) -> std::result::Result<(), String> {
+        self.validate(d_model, head_dim)
+    }
+
     /// Checks the options against the model's width and head width. Returns a message naming the
     /// offending option and a fix.
-    pub(crate) fn validate(&self, d_model: usize, head_dim: usize) -> Result<(), String> {
-        fn check_base(kind: &str, base: f64) -> Result<(), String> {
+    pub(crate) fn validate(
+        &self,
+        d_model: usize,
+        head_dim: usize,
+    ) -> std::result::Result<(), String> {
+        fn check_base(kind: &str, base: f64) -> std::result::Result<(), String> {
             if !base.is_finite() || base <= 1.0 {
                 return Err(format!(
                     "{kind}: base = {base} must be a finite number greater than 1 \
@@ -289,6 +469,124 @@ impl PositionalConfig {
                 }
                 Ok(())
             }
+            Self::Alibi(_) | Self::Kerple(_) => Ok(()),
+            Self::T5(o) => {
+                if o.buckets < 4 {
+                    return Err(format!(
+                        "t5: buckets = {} must be at least 4 (half the buckets for each side, \
+                         and exact buckets for the nearest distances in each half); 32 is T5's",
+                        o.buckets
+                    ));
+                }
+                let max_exact = o.buckets / 4;
+                if o.max_distance <= max_exact {
+                    return Err(format!(
+                        "t5: max_distance = {} must be above {max_exact} (buckets / 4, the \
+                         distances that get a bucket each); 128 is T5's",
+                        o.max_distance
+                    ));
+                }
+                Ok(())
+            }
+            Self::Untied(o) => match o.source {
+                UntiedSource::Learned => {
+                    if o.base.is_some() || o.layout.is_some() {
+                        return Err(
+                            "untied: base and layout belong to source = \"sinusoidal\"; a \
+                             learned source takes only init_std: drop them, or set source = \
+                             \"sinusoidal\""
+                                .into(),
+                        );
+                    }
+                    let std = o.init_std();
+                    if !std.is_finite() || std < 0.0 {
+                        return Err(format!(
+                            "untied: init_std = {std} must be a finite, non-negative number"
+                        ));
+                    }
+                    Ok(())
+                }
+                UntiedSource::Sinusoidal => {
+                    if o.init_std.is_some() {
+                        return Err("untied: init_std belongs to source = \"learned\"; a \
+                                    sinusoidal source is fixed: drop init_std"
+                            .into());
+                    }
+                    check_base("untied", o.base())?;
+                    if d_model % 2 != 0 {
+                        return Err(format!(
+                            "untied with source = \"sinusoidal\" needs an even width for its \
+                             (sin, cos) pairs, but d_model = {d_model} is odd: use an even \
+                             width such as {}, or source = \"learned\"",
+                            d_model + 1
+                        ));
+                    }
+                    Ok(())
+                }
+            },
+        }
+    }
+}
+
+/// Where constrained variables must stay: the lowest value of a variable, by name, that an
+/// optimizer projects it back to after each step (KERPLE's `r1`, `r2`).
+pub fn lower_bound(name: &str) -> Option<f64> {
+    kerple::lower_bound(name)
+}
+
+/// The sizes a scheme's modules are built for.
+#[derive(Clone, Copy, Debug)]
+pub struct SchemeShape {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    /// Rows of a learned table; the initial rows of fixed ones.
+    pub max_len: usize,
+}
+
+/// An encoder's positional module, in the one place its scheme acts.
+#[derive(Debug)]
+pub enum PositionalModule {
+    /// Joined with the token embeddings (the `none` control joins nothing).
+    Input(InputPositions),
+    /// Rotates q and k in every attention layer.
+    Rotation(Rope),
+    /// Added to the attention scores of every layer.
+    ScoreBias(ScoreBias),
+}
+
+impl PositionalModule {
+    /// Builds the module of `config` under `vb` (weight names: `pos_emb.weight`, `pos_proj.*`,
+    /// `rel_bias.weight`, `layers.{i}.attn.kerple.{r1,r2}`, `pos_attn.{q,k}.weight`).
+    pub fn new(config: &PositionalConfig, shape: SchemeShape, vb: VarBuilder) -> Result<Self> {
+        Ok(match config.placement() {
+            Placement::Nowhere | Placement::Input => Self::Input(InputPositions::new(
+                config,
+                shape.d_model,
+                shape.max_len,
+                vb,
+            )?),
+            Placement::Attention => match config {
+                PositionalConfig::Rope(options) => Self::Rotation(Rope::new(
+                    options,
+                    shape.d_model / shape.n_heads.max(1),
+                    shape.max_len,
+                    vb.dtype(),
+                    vb.device(),
+                )?),
+                _ => unreachable!("only rope acts by rotation"),
+            },
+            Placement::AttentionBias => Self::ScoreBias(ScoreBias::new(config, shape, vb)?),
+        })
+    }
+
+    /// The longest position (plus one) the module can read, where there is a limit (a learned
+    /// table).
+    pub fn max_positions(&self) -> Option<usize> {
+        match self {
+            Self::Input(input) => input.max_positions(),
+            Self::ScoreBias(bias) => bias.max_positions(),
+            Self::Rotation(_) => None,
         }
     }
 }

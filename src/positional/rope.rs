@@ -1,6 +1,7 @@
 //! Rotary position embedding (Su et al., RoFormer), the attention-side scheme.
 //!
-//! For pair `i` of a head at position `t` the angle is `t * w_i`, `w_i = base^(-2i/d_head)`, and
+//! For pair `i` of a head at position `t` (each token's own, see [`Positions`]) the angle is
+//! `t * w_i`, `w_i = base^(-2i/d_head)`, and
 //!
 //! ```text
 //! rope(x) = x * cos + rotate(x) * sin
@@ -11,19 +12,20 @@
 //! - `interleaved` (RoFormer): `(x[2i], x[2i+1])`; tables `[c0, c0, c1, c1, ...]`;
 //! - `half` (GPT-NeoX / LLaMA rotate-half): `(x[i], x[i + d/2])`; tables `[c0, c1, ..., c0, c1, ...]`.
 //!
-//! The rotation is [`crate::nn::rope_rotate`] (a fused kernel with its backward on the CPU, a
-//! composition of differentiable ops elsewhere; candle-nn's fused `rope`/`rope_i` have no backward
-//! and q/k projections upstream of them would silently never learn); inside the fused attention
-//! kernel it is applied while q and k are gathered per head.
+//! This module computes the angles and lays out the tables; attention rotates by them
+//! ([`crate::nn::Rotary`]: a fused kernel with its backward on the CPU, a composition of
+//! differentiable ops elsewhere; candle-nn's fused `rope`/`rope_i` have no backward and q/k
+//! projections upstream of them would silently never learn).
 
 use candle::{DType, Device, Tensor, D};
 
 use super::sinusoidal::{angle_table, pair_slots};
-use super::{PositionTable, RopeOptions, RopePairing};
+use super::{PositionTable, Positions, RopeOptions, RopePairing};
 use crate::error::{Error, Result};
+use crate::nn::Rotary;
 
 /// The rotary tables of one model, computed once (f64 on the host, rounded once to the model's
-/// dtype) and shared by every attention layer through the per-batch [`RopeAngles`].
+/// dtype) and shared by every attention layer through the per-batch [`Rotary`] tables.
 #[derive(Debug)]
 pub struct Rope {
     pairing: RopePairing,
@@ -31,16 +33,6 @@ pub struct Rope {
     base: f64,
     cos: PositionTable,
     sin: PositionTable,
-}
-
-/// The cos/sin rows of one batch's positions, ready to rotate q and k.
-#[derive(Clone, Debug)]
-pub struct RopeAngles {
-    pairing: RopePairing,
-    /// (t, d_head)
-    cos: Tensor,
-    /// (t, d_head)
-    sin: Tensor,
 }
 
 impl Rope {
@@ -82,50 +74,19 @@ impl Rope {
         self.base
     }
 
-    /// The angles for positions `start..start + len`.
-    pub fn angles(&self, start: usize, len: usize) -> Result<RopeAngles> {
-        Ok(RopeAngles {
-            pairing: self.pairing,
-            cos: self.cos.rows(start, len)?,
-            sin: self.sin.rows(start, len)?,
-        })
+    /// The rotation of a batch whose tokens sit at `positions`: `(r, t, d_head)` tables.
+    pub fn rotary(&self, positions: &Positions) -> Result<Rotary> {
+        Ok(Rotary::new(
+            self.cos.at(positions)?,
+            self.sin.at(positions)?,
+            self.pairing == RopePairing::Interleaved,
+        )?)
     }
 
     /// Rotates `x` of shape `(b, h, t, d_head)`, position `start + j` at index `j` of axis 2.
     pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
         let t = x.dim(D::Minus2)?;
-        self.angles(start, t)?.apply(x)
-    }
-}
-
-impl RopeAngles {
-    /// The `(t, d_head)` cos and sin tables, and whether the pairing is interleaved.
-    pub(crate) fn tables(&self) -> (&Tensor, &Tensor, bool) {
-        (
-            &self.cos,
-            &self.sin,
-            self.pairing == RopePairing::Interleaved,
-        )
-    }
-
-    /// # Shapes
-    /// - `x`: `(b, h, t, d_head)`, or any shape ending in `(t, d_head)`
-    /// - returns the same shape
-    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let (t, d) = self.cos.dims2()?;
-        let dims = x.dims();
-        if dims.len() < 2 || dims[dims.len() - 2] != t || dims[dims.len() - 1] != d {
-            return Err(Error::Input(format!(
-                "rope expects (..., t, d_head) = (..., {t}, {d}), got {:?}",
-                x.shape()
-            )));
-        }
-        Ok(crate::nn::rope_rotate(
-            x,
-            &self.cos,
-            &self.sin,
-            self.pairing == RopePairing::Interleaved,
-        )?)
+        Ok(self.rotary(&Positions::range(start, t)?)?.apply(x)?)
     }
 }
 

@@ -4,7 +4,11 @@ use std::sync::RwLock;
 
 use candle::{DType, Device, Tensor};
 
+use super::Positions;
 use crate::error::{Error, Result};
+
+/// The most values a fixed table may hold (rows x width): 2^27, 1 GiB as f64 while it is built.
+pub const MAX_TABLE_VALUES: usize = 1 << 27;
 
 type RowBuilder = dyn Fn(usize) -> Vec<f64> + Send + Sync;
 
@@ -84,6 +88,21 @@ impl PositionTable {
         }
         Ok(rows.narrow(0, start, len)?)
     }
+
+    /// The rows of `positions`, `(r, t, width)`: a view of the cached table when the positions
+    /// are a shared range, else gathered.
+    pub fn at(&self, positions: &Positions) -> Result<Tensor> {
+        let t = positions.len();
+        if let Some(start) = positions.as_range() {
+            return Ok(self.rows(start, t)?.unsqueeze(0)?);
+        }
+        // Grow to cover the largest position, then gather.
+        let table = self.rows(0, positions.max() + 1)?;
+        let idx = positions.flat_tensor(table.device())?;
+        Ok(table
+            .index_select(&idx, 0)?
+            .reshape((positions.rows(), t, self.width))?)
+    }
 }
 
 fn materialize(
@@ -93,6 +112,12 @@ fn materialize(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
+    if n.saturating_mul(width) > MAX_TABLE_VALUES {
+        return Err(Error::Input(format!(
+            "positions up to {n} need a fixed table of {n} x {width} values, more than the \
+             {MAX_TABLE_VALUES} a table may hold: use shorter inputs or smaller positions"
+        )));
+    }
     let values = build(n);
     debug_assert_eq!(values.len(), n * width);
     Ok(Tensor::from_vec(values, (n, width), &Device::Cpu)?

@@ -194,8 +194,9 @@ fn scalar(t: &candle::Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 
-/// Scores `model` on `data`, positions starting at `start`. MLM masks are drawn from
-/// `mask_seed`, so every model is scored on the same masks.
+/// Scores `model` on `data`, positions moved by `start`. MLM masks (and a model's randomized
+/// positions) are drawn from `mask_seed`, so every model is scored on the same masks (and
+/// positions).
 pub fn evaluate(
     model: &TaskModel,
     data: &Dataset,
@@ -207,15 +208,20 @@ pub fn evaluate(
 ) -> Result<Score> {
     let device = model.encoder().device().clone();
     let mut mask_rng = rng::stream(mask_seed, "eval masks");
+    let mut position_rng = rng::stream(mask_seed, "eval positions");
+    let random_positions = model.encoder().config().random_positions;
     let (mut loss_sum, mut correct, mut scored) = (0.0, 0, 0);
     for idx in eval_batches(&data.lengths(), batch_size) {
         let samples: Vec<&Sample> = idx.iter().map(|&i| &data.samples[i]).collect();
-        let batch = make_batch(
+        let mut batch = make_batch(
             &samples,
             pad_id,
             masking.map(|m| (m, &mut mask_rng)),
             &device,
         )?;
+        if let Some(n) = random_positions {
+            batch.randomize_positions(n, &mut position_rng)?;
+        }
         let (loss, logits) = model.loss(&batch, start, false)?;
         let (c, n) = count_correct(&logits, &batch.targets, batch.weights.as_ref())?;
         loss_sum += scalar(&loss)? * n as f64;
@@ -434,12 +440,18 @@ impl<'a> Trainer<'a> {
             .collect();
         self.state.cursor += 1;
         let mut mask_rng = rng::stream(derive_seed(self.seed, "mlm masks", step as u64), "step");
-        let batch = make_batch(
+        let mut batch = make_batch(
             &samples,
             self.data.pad_id,
             self.data.masking.map(|m| (m, &mut mask_rng)),
             &device,
         )?;
+        if let Some(n) = self.model.encoder().config().random_positions {
+            // Randomized positions (Ruoss et al. 2023), from a stream of their own: a run
+            // without them draws nothing else differently.
+            let mut rng = rng::stream(derive_seed(self.seed, "positions", step as u64), "step");
+            batch.randomize_positions(n, &mut rng)?;
+        }
         self.model
             .encoder()
             .set_dropout_seed(derive_seed(self.seed, "dropout", step as u64));

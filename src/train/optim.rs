@@ -22,6 +22,9 @@ struct Slot {
     /// First and second moment estimates `[m; v]`, `(2, ...var shape)`.
     moments: Tensor,
     decay: bool,
+    /// Projected back to at least this after every step (see
+    /// [`crate::positional::lower_bound`]).
+    lower_bound: Option<f64>,
 }
 
 /// AdamW as in PyTorch: `w <- w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`.
@@ -35,9 +38,23 @@ pub struct AdamW {
     config: AdamWConfig,
 }
 
-/// Whether a variable is decayed, by name.
+impl Slot {
+    /// Sets values below the variable's lower bound to it.
+    fn project(&self) -> Result<()> {
+        if let Some(lo) = self.lower_bound {
+            let w = self.var.as_detached_tensor();
+            self.var.set(&w.clamp(lo, f64::MAX)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a variable is decayed, by name: not biases, LayerNorm parameters, or variables
+/// kept inside a range (KERPLE's), whose size is not a capacity to shrink.
 pub fn decays(name: &str) -> bool {
-    !(name.ends_with(".bias") || name.contains("norm."))
+    !(name.ends_with(".bias")
+        || name.contains("norm.")
+        || crate::positional::lower_bound(name).is_some())
 }
 
 impl AdamW {
@@ -49,6 +66,7 @@ impl AdamW {
                 shape.extend_from_slice(var.dims());
                 Ok(Slot {
                     decay: decays(&name),
+                    lower_bound: crate::positional::lower_bound(&name),
                     moments: Tensor::zeros(shape, var.dtype(), var.device())?,
                     name,
                     var,
@@ -99,6 +117,7 @@ impl AdamW {
                     decay_factor,
                     (bias1, bias2),
                 )?;
+                slot.project()?;
                 continue;
             }
             let g = if grad_scale == 1.0 {
@@ -119,6 +138,7 @@ impl AdamW {
             };
             slot.var.set(&(w - (update * lr)?)?)?;
             slot.moments = Tensor::stack(&[m, v], 0)?;
+            slot.project()?;
         }
         Ok(())
     }

@@ -21,15 +21,27 @@ pub fn load_fixture(name: &str) -> HashMap<String, Tensor> {
         .unwrap_or_else(|e| panic!("fixture {name}: {e}"))
 }
 
-/// The names of the ten whole-encoder fixtures (variant x norm).
+/// The names of the whole-encoder fixtures in `tests/fixtures` (scheme x norm, and the
+/// randomized-position ones).
 pub fn encoder_fixture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(fixture_path(""))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("encoder_") && n.ends_with(".safetensors"))
+    encoder_fixtures_in(&fixture_path(""))
+        .into_iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Every `encoder_*.safetensors` in `dir`, sorted.
+pub fn encoder_fixtures_in(dir: &Path) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading fixtures in {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("encoder_") && n.ends_with(".safetensors")
+        })
         .collect();
-    names.sort();
-    names
+    paths.sort();
+    paths
 }
 
 /// A whole-encoder fixture: its model config, weights, inputs and expected output.
@@ -39,80 +51,137 @@ pub struct EncoderFixture {
     pub weights: HashMap<String, Tensor>,
     pub input_ids: Tensor,
     pub attention_mask: Tensor,
+    /// Each token's position (`position_ids`; `0..t` for fixtures that have none).
+    pub positions: poslab::Positions,
     pub expected: Tensor,
     /// Key biases the reference carries but poslab leaves out where they cannot act (every
     /// scheme but rope: softmax cancels them). The reference outputs were computed with them.
     pub dropped_key_biases: Vec<Tensor>,
 }
 
-/// Maps the reference's config (metadata `config`) onto poslab's.
-pub fn config_from_reference(meta: &serde_json::Value) -> ModelConfig {
-    let s = |k: &str| meta[k].as_str().unwrap().to_string();
-    let u = |k: &str| meta[k].as_u64().unwrap() as usize;
-    let f = |k: &str| meta[k].as_f64().unwrap();
-    let layout = serde_json::from_value(meta["layout"].clone()).unwrap();
-    let pairing = serde_json::from_value(meta["rope_pairing"].clone()).unwrap();
-    let positional = match s("positional").as_str() {
+/// Maps the reference's config (metadata `config`) onto poslab's; an option poslab does not
+/// know is an error naming it.
+pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, String> {
+    use poslab::positional::{T5Options, UntiedOptions, UntiedSource};
+    let s = |k: &str| {
+        meta[k]
+            .as_str()
+            .map(String::from)
+            .ok_or(format!("no string `{k}`"))
+    };
+    let u = |k: &str| {
+        meta[k]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or(format!("no integer `{k}`"))
+    };
+    let f = |k: &str| meta[k].as_f64().ok_or(format!("no number `{k}`"));
+    let layout: poslab::TableLayout =
+        serde_json::from_value(meta["layout"].clone()).map_err(|e| e.to_string())?;
+    let pairing =
+        serde_json::from_value(meta["rope_pairing"].clone()).map_err(|e| e.to_string())?;
+    let positional = match s("positional")?.as_str() {
         "none" => PositionalConfig::None(NoOptions {}),
         "sinusoidal_add" => PositionalConfig::SinusoidalAdd(SinusoidalOptions {
-            base: f("base"),
+            base: f("base")?,
             layout,
         }),
         "sinusoidal_concat" => PositionalConfig::SinusoidalConcat(ConcatOptions {
-            pos_dim: u("pos_dim"),
-            base: f("base"),
+            pos_dim: u("pos_dim")?,
+            base: f("base")?,
             layout,
             project: false,
         }),
         "learned" => PositionalConfig::Learned(LearnedOptions::default()),
-        "rope" => PositionalConfig::Rope(RopeOptions {
-            base: f("base"),
-            pairing,
+        "rope" => {
+            let fraction = meta["rope_fraction"].as_f64().unwrap_or(1.0);
+            if fraction != 1.0 || !meta["rope_scaling"].is_null() {
+                return Err(format!(
+                    "rope_fraction = {fraction}, rope_scaling = {}: not supported",
+                    meta["rope_scaling"]
+                ));
+            }
+            PositionalConfig::Rope(RopeOptions {
+                base: f("base")?,
+                pairing,
+            })
+        }
+        "alibi" => PositionalConfig::Alibi(NoOptions {}),
+        "t5" => PositionalConfig::T5(T5Options {
+            buckets: u("t5_buckets")?,
+            max_distance: u("t5_max_distance")?,
         }),
-        other => panic!("unknown positional {other}"),
+        "kerple" => PositionalConfig::Kerple(NoOptions {}),
+        "untied" => PositionalConfig::Untied(match s("untied_source")?.as_str() {
+            "learned" => UntiedOptions::default(),
+            "sinusoidal" => UntiedOptions {
+                source: UntiedSource::Sinusoidal,
+                base: Some(f("base")?),
+                layout: Some(layout),
+                init_std: None,
+            },
+            other => return Err(format!("unknown untied_source {other}")),
+        }),
+        other => return Err(format!("unknown positional {other}")),
     };
-    ModelConfig {
-        vocab_size: u("vocab"),
-        d_model: u("d_model"),
-        n_heads: u("heads"),
-        n_layers: u("layers"),
-        ffn_dim: u("ffn_dim"),
-        max_len: u("max_len"),
-        norm: serde_json::from_value(meta["norm"].clone()).unwrap(),
+    Ok(ModelConfig {
+        vocab_size: u("vocab")?,
+        d_model: u("d_model")?,
+        n_heads: u("heads")?,
+        n_layers: u("layers")?,
+        ffn_dim: u("ffn_dim")?,
+        max_len: u("max_len")?,
+        norm: serde_json::from_value(meta["norm"].clone()).map_err(|e| e.to_string())?,
         dropout: 0.0,
         attention_dropout: 0.0,
-        embed_scale: poslab::Scale::Value(f("embed_scale")),
+        embed_scale: poslab::Scale::Value(f("embed_scale")?),
         token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
         dtype: Default::default(),
+        random_positions: None,
         positional,
-    }
+    })
 }
 
+/// A fixture from `tests/fixtures`.
 pub fn load_encoder_fixture(name: &str) -> EncoderFixture {
-    let path = fixture_path(name);
-    let meta = poslab::params::read_metadata(&path).unwrap();
-    let meta: serde_json::Value = serde_json::from_str(&meta["config"]).unwrap();
-    let mut weights = load_fixture(name);
-    let input_ids = weights.remove("input_ids").unwrap();
-    let attention_mask = weights.remove("attention_mask").unwrap();
-    let expected = weights.remove("expected_hidden").unwrap();
-    let config = config_from_reference(&meta);
+    load_encoder_fixture_from(&fixture_path(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// A whole-encoder fixture from any path; what poslab cannot read is an error.
+pub fn load_encoder_fixture_from(path: &Path) -> Result<EncoderFixture, String> {
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+    let meta = poslab::params::read_metadata(path).map_err(|e| e.to_string())?;
+    let meta: serde_json::Value =
+        serde_json::from_str(meta.get("config").ok_or("no config metadata")?)
+            .map_err(|e| e.to_string())?;
+    let mut weights = candle::safetensors::load(path, &Device::Cpu).map_err(|e| e.to_string())?;
+    let mut take = |key: &str| weights.remove(key).ok_or(format!("no tensor `{key}`"));
+    let input_ids = take("input_ids")?;
+    let attention_mask = take("attention_mask")?;
+    let expected = take("expected_hidden")?;
+    let positions = match weights.remove("position_ids") {
+        Some(p) => poslab::Positions::from_tensor(&p).map_err(|e| e.to_string())?,
+        None => poslab::Positions::range(0, input_ids.dim(1).unwrap()).unwrap(),
+    };
+    let config = config_from_reference(&meta)?;
     let mut dropped_key_biases = Vec::new();
     if config.positional.placement() != poslab::Placement::Attention {
         for i in 0..config.n_layers {
-            dropped_key_biases.push(weights.remove(&format!("layers.{i}.attn.k.bias")).unwrap());
+            let key = format!("layers.{i}.attn.k.bias");
+            dropped_key_biases.push(weights.remove(&key).ok_or(format!("no tensor `{key}`"))?);
         }
     }
-    EncoderFixture {
-        name: name.to_string(),
+    Ok(EncoderFixture {
+        name,
         config,
         dropped_key_biases,
         weights,
         input_ids,
         attention_mask,
+        positions,
         expected,
-    }
+    })
 }
 
 impl EncoderFixture {
@@ -127,6 +196,18 @@ impl EncoderFixture {
         let encoder = Encoder::new(&self.config, store.var_builder(dtype, device)).unwrap();
         store.assign(&self.weights, Path::new(&self.name)).unwrap();
         (encoder, store)
+    }
+
+    /// The encoder's hidden states on the fixture's inputs at its positions.
+    pub fn hidden(&self, encoder: &Encoder) -> Tensor {
+        encoder
+            .forward_with(
+                &self.input_ids,
+                &self.attention_mask,
+                &self.positions,
+                false,
+            )
+            .unwrap()
     }
 }
 
@@ -180,11 +261,12 @@ pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelCo
         token_init_std: poslab::Scale::Value(1.0),
         layer_norm_eps: 1e-5,
         dtype: Default::default(),
+        random_positions: None,
         positional,
     }
 }
 
-/// One config per scheme, with non-default options where a scheme has them.
+/// One config per scheme (all nine), with non-default options where a scheme has them.
 pub fn all_schemes() -> Vec<PositionalConfig> {
     use poslab::{RopePairing, TableLayout};
     vec![
@@ -211,6 +293,21 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
         PositionalConfig::Rope(RopeOptions {
             base: 500_000.0,
             pairing: RopePairing::Half,
+        }),
+        PositionalConfig::Alibi(NoOptions {}),
+        PositionalConfig::T5(poslab::positional::T5Options::default()),
+        // Few buckets and a short reach: the log buckets and the far bucket both in play.
+        PositionalConfig::T5(poslab::positional::T5Options {
+            buckets: 8,
+            max_distance: 6,
+        }),
+        PositionalConfig::Kerple(NoOptions {}),
+        PositionalConfig::Untied(poslab::positional::UntiedOptions::default()),
+        PositionalConfig::Untied(poslab::positional::UntiedOptions {
+            source: poslab::positional::UntiedSource::Sinusoidal,
+            base: Some(100.0),
+            layout: Some(TableLayout::Half),
+            init_std: None,
         }),
     ]
 }
@@ -283,7 +380,21 @@ pub fn projection(dims: &[usize], seed: u64) -> Tensor {
 }
 
 pub fn loss(encoder: &Encoder, ids: &Tensor, mask: &Tensor, r: &Tensor, train: bool) -> Tensor {
-    let hidden = encoder.forward_t(ids, mask, train).unwrap();
+    let t = ids.dim(1).unwrap();
+    let positions = poslab::Positions::range(0, t).unwrap();
+    loss_at(encoder, ids, mask, &positions, r, train)
+}
+
+/// [`loss`] with every token at its own position.
+pub fn loss_at(
+    encoder: &Encoder,
+    ids: &Tensor,
+    mask: &Tensor,
+    positions: &poslab::Positions,
+    r: &Tensor,
+    train: bool,
+) -> Tensor {
+    let hidden = encoder.forward_with(ids, mask, positions, train).unwrap();
     let real = mask.to_dtype(hidden.dtype()).unwrap().unsqueeze(2).unwrap();
     hidden
         .mul(&r.to_dtype(hidden.dtype()).unwrap())

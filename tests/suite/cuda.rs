@@ -48,7 +48,9 @@ fn gpu_encoders_reproduce_the_float64_reference() {
             let (encoder, _) = fx.encoder_on(DType::F32, &gpu);
             let ids = fx.input_ids.to_device(&gpu).unwrap();
             let mask = fx.attention_mask.to_device(&gpu).unwrap();
-            let hidden = encoder.forward_t(&ids, &mask, false).unwrap();
+            let hidden = encoder
+                .forward_with(&ids, &mask, &fx.positions, false)
+                .unwrap();
             assert!(hidden.device().is_cuda(), "{name}: the output left the GPU");
             let hidden = hidden.to_device(&Device::Cpu).unwrap();
             let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);

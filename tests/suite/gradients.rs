@@ -29,7 +29,14 @@ fn every_variable_gets_a_gradient_and_finite_differences_agree() {
         let fx = load_encoder_fixture(&name);
         let (encoder, store) = fx.encoder(DType::F64);
         let r = projection(fx.expected.dims(), 1);
-        let l = loss(&encoder, &fx.input_ids, &fx.attention_mask, &r, false);
+        let l = loss_at(
+            &encoder,
+            &fx.input_ids,
+            &fx.attention_mask,
+            &fx.positions,
+            &r,
+            false,
+        );
         let grads = l.backward().unwrap();
         for (pname, var, g) in check_all_gradients(&store, &grads, &name) {
             let w: Vec<f64> = var.flatten_all().unwrap().to_vec1().unwrap();
@@ -40,18 +47,20 @@ fn every_variable_gets_a_gradient_and_finite_differences_agree() {
             let other = (poslab::rng::stable_hash(pname.as_bytes()) as usize) % g.len();
             for index in [largest, other] {
                 set_element(&var, &w, index, w[index] + H);
-                let plus = scalar(&loss(
+                let plus = scalar(&loss_at(
                     &encoder,
                     &fx.input_ids,
                     &fx.attention_mask,
+                    &fx.positions,
                     &r,
                     false,
                 ));
                 set_element(&var, &w, index, w[index] - H);
-                let minus = scalar(&loss(
+                let minus = scalar(&loss_at(
                     &encoder,
                     &fx.input_ids,
                     &fx.attention_mask,
+                    &fx.positions,
                     &r,
                     false,
                 ));
@@ -80,16 +89,20 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
             let config = tiny_dropout_config(positional.clone(), norm);
             let checked = training_gradients(&config, &Device::Cpu, &what);
             // Per layer: q, k, v, o, up, down weights; q, v, o, up, down biases; two norms of
-            // two; a key bias under rope only.
-            let per_layer = 6 + 5 + 4 + usize::from(positional.name() == "rope");
+            // two; a key bias under rope only; KERPLE's r1 and r2.
+            let name = positional.name();
+            let per_layer =
+                6 + 5 + 4 + usize::from(name == "rope") + 2 * usize::from(name == "kerple");
             let expected = 1
                 + per_layer * config.n_layers
                 + usize::from(norm == NormPlacement::Pre) * 2
-                + usize::from(positional.name() == "learned")
+                + usize::from(positional.has_learned_table())
                 + 2 * usize::from(matches!(
                     &positional,
                     poslab::PositionalConfig::SinusoidalConcat(o) if o.project
-                ));
+                ))
+                + usize::from(name == "t5")
+                + 2 * usize::from(name == "untied");
             assert_eq!(checked.len(), expected, "{what}: trainable variables");
         }
     }

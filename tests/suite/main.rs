@@ -11,5 +11,6 @@ mod gradients;
 mod precision;
 mod properties;
 mod reference;
+mod schemes;
 mod training;
 mod userdata;

@@ -8,7 +8,7 @@ use poslab::{NormPlacement, Precision};
 
 use crate::common::*;
 
-/// Worst error at real positions against the float64 reference over the ten encoder fixtures,
+/// Worst error at real positions against the float64 reference over the encoder fixtures,
 /// measured (CPU, candle 0.11): bf16 3.2e-2, f16 4.8e-3. A half type keeps 8 (bf16) or 11
 /// (f16) significant bits, about 4e-3 and 5e-4 relative per rounding, and the hidden states,
 /// LayerNorm outputs, are of order 1.
@@ -22,9 +22,7 @@ fn half_precision_encoders_track_the_float64_reference() {
             let mut fx = load_encoder_fixture(&name);
             fx.config.dtype = precision;
             let (encoder, _) = fx.encoder(DType::F32);
-            let hidden = encoder
-                .forward_t(&fx.input_ids, &fx.attention_mask, false)
-                .unwrap();
+            let hidden = fx.hidden(&encoder);
             // The output is handed back in the parameters' dtype, for f32 pooling and loss.
             assert_eq!(hidden.dtype(), DType::F32, "{name} {precision}");
             let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);

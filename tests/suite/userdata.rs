@@ -402,8 +402,9 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
         other => panic!("{other:?}"),
     }
     let (ids, mask) = padded_batch(2, 5, 20);
-    let a = loaded.model.logits(&ids, &mask, 0, false).unwrap();
-    let b = again.model.logits(&ids, &mask, 0, false).unwrap();
+    let positions = poslab::Positions::range(0, ids.dim(1).unwrap()).unwrap();
+    let a = loaded.model.logits(&ids, &mask, &positions, false).unwrap();
+    let b = again.model.logits(&ids, &mask, &positions, false).unwrap();
     assert_eq!(bits(&a), bits(&b));
 
     let copy = |name: &str| {

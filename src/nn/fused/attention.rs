@@ -1,43 +1,54 @@
 //! The core of multi-head self-attention as one node: from the packed projections
-//! `qkv = [q | k | v]` `(b, t, 3 d)` to the heads' outputs side by side `(b, t, d)`, with RoPE
-//! on q and k, the key-padding bias, the softmax and (in training) an attention-dropout mask,
-//! and a backward that returns `d(qkv)`.
+//! `qkv = [q | k | v]` `(b, t, 3 d)` to the heads' outputs side by side `(b, t, d)`, with a
+//! rotation of q and k (RoPE's tables), an additive score bias (ALiBi, T5, KERPLE, TUPE's
+//! position term: whatever the caller built), the key-padding bias, the softmax and (in
+//! training) an attention-dropout mask, and a backward that returns `d(qkv)` and the score
+//! bias's gradient.
 //!
-//! Per batch element and head (one parallel task each):
+//! Per batch element and head (one parallel task each), `c` the score scale (usually
+//! `1/sqrt(d_head)`):
 //!
 //! ```text
-//! q, k   = rope(q_h), rope(k_h)                       (t, d_head)
-//! P      = softmax(q kᵀ / sqrt(d_head) + key_bias)    (t, t)
-//! out_h  = (P ⊙ M) v_h                                (t, d_head), M the dropout mask or 1
+//! q, k   = rot(q_h), rot(k_h)                          (t, d_head)
+//! S      = c q kᵀ + score_bias_h                       (t, t)
+//! P      = softmax(S + key_bias)                       (t, t)
+//! out_h  = (P ⊙ M) v_h                                 (t, d_head), M the dropout mask or 1
 //! ```
 //!
 //! The backward recomputes `P` rather than keeping it (a few percent of the layer's FLOPs, and
 //! `b h t²` values less memory per layer), then
 //!
 //! ```text
-//! dv = (P ⊙ M)ᵀ dout,  dP = (dout vᵀ) ⊙ M,  dS = P ⊙ (dP - rowsum(dP ⊙ P)) / sqrt(d_head)
-//! dq = rope⁻¹(dS k),   dk = rope⁻¹(dSᵀ q)
+//! dv = (P ⊙ M)ᵀ dout,  dP = (dout vᵀ) ⊙ M,  dS = P ⊙ (dP - rowsum(dP ⊙ P))
+//! d(score_bias) = dS (summed over the batch when the bias is shared by it)
+//! dq = rot⁻¹(c dS k),  dk = rot⁻¹(c dSᵀ q)
 //! ```
 //!
 //! Matrix products go through gemm, one thread per task; the rows of a head are read and written
 //! in place through strides, so no `(b, h, t, d_head)` copies are made.
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::linear::{by_dtype, matmul};
 use super::{contiguous, softmax_grad_rows, softmax_rows, zeros, Real, Rotation};
+use crate::nn::Rotary;
 
-/// The attention core's fixed inputs: everything but `qkv` (and the dropout mask).
+/// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
+/// input) the score bias, which are the op's arguments.
 #[derive(Clone)]
 pub(crate) struct Attention {
     heads: usize,
+    /// What `q kᵀ` is multiplied by.
+    scale: f64,
     /// `(b, t)`: 0 for real keys, a large negative score for padded ones.
     key_bias: Tensor,
-    /// `(t, d_head)` cos and sin tables, and whether the pairing is interleaved.
+    /// `(r, t, w)` cos and sin tables, and whether the pairing is interleaved.
     rope: Option<(Tensor, Tensor, bool)>,
+    /// `(r, h, t, t)` added to the scaled scores; `r` is 1 (shared by the batch) or `b`.
+    score_bias: Option<Tensor>,
 }
 
 /// A raw pointer that tasks writing disjoint parts of one buffer may share.
@@ -59,18 +70,40 @@ struct Fixed<T> {
     key_bias: Vec<T>,
     cos: Vec<T>,
     sin: Vec<T>,
+    /// Rotated width, and the tables' blocks of `t` rows (1 or b).
+    width: usize,
+    rope_rows: usize,
     interleaved: bool,
+    score_bias: Vec<T>,
+    /// Blocks of `(h, t, t)` in the score bias (1 or b).
+    bias_rows: usize,
+    scale: T,
 }
 
 impl<T: Real> Fixed<T> {
-    /// RoPE's rotation (`sign` 1) or its inverse (`sign` -1), if the scheme is RoPE.
-    fn rotation(&self, sign: T) -> Option<Rotation<'_, T>> {
-        (!self.cos.is_empty()).then_some(Rotation {
-            cos: &self.cos,
-            sin: &self.sin,
-            interleaved: self.interleaved,
-            sign,
+    /// The rotation of batch element `bi` (`sign` 1) or its inverse (`sign` -1), if there is one.
+    fn rotation(&self, sign: T, bi: usize, t: usize) -> Option<Rotation<'_, T>> {
+        (!self.cos.is_empty()).then(|| {
+            Rotation {
+                cos: &self.cos,
+                sin: &self.sin,
+                width: self.width,
+                interleaved: self.interleaved,
+                sign,
+            }
+            .for_batch(bi, t, self.rope_rows)
         })
+    }
+
+    /// The `(t, t)` score bias of head `hd` of batch element `bi`, if there is one.
+    fn score_bias(&self, n: Dims, bi: usize, hd: usize) -> Option<&[T]> {
+        if self.score_bias.is_empty() {
+            return None;
+        }
+        let block = if self.bias_rows == 1 { 0 } else { bi };
+        let tt = n.t * n.t;
+        let at = (block * n.h + hd) * tt;
+        Some(&self.score_bias[at..at + tt])
     }
 }
 
@@ -84,14 +117,8 @@ pub(super) struct Dims {
     pub dh: usize,
 }
 
-impl Dims {
-    fn scale<T: Real>(&self) -> T {
-        T::lit(1.0 / (self.dh as f64).sqrt())
-    }
-}
-
-/// Copies head rows `(rows, width)` out of rows of `stride` values, rotated by RoPE (or its
-/// inverse) when a rotation is given, else plainly.
+/// Copies head rows `(rows, width)` out of rows of `stride` values, rotated when a rotation is
+/// given, else plainly.
 #[inline(always)]
 fn gather_body<T: Real>(
     src: &[T],
@@ -133,9 +160,18 @@ unsafe fn scatter<T: Real>(
     }
 }
 
+/// `s += bias`, elementwise.
+#[inline(always)]
+fn add_bias_body<T: Real>(s: &mut [T], bias: &[T]) {
+    for (v, b) in s.iter_mut().zip(bias) {
+        *v += *b;
+    }
+}
+simd_dispatch!(fn add_bias = add_bias_body(s: &mut [T], bias: &[T]));
+
 /// One task's scratch space.
 struct Scratch<T> {
-    /// rotated q and k (RoPE)
+    /// rotated q and k
     q: Vec<T>,
     k: Vec<T>,
     /// scores, then probabilities `P`
@@ -168,14 +204,14 @@ impl<T: Real> Scratch<T> {
     }
 
     /// The operands `q`, `k`, `v` `(t, d_head)` of head `hd` of batch element `bi`: read in
-    /// place from `qkv` through strides, except `q` and `k` under RoPE, which are gathered here
-    /// rotated.
+    /// place from `qkv` through strides, except `q` and `k` under a rotation, which are
+    /// gathered here rotated.
     fn heads(&mut self, qkv: &[T], n: Dims, bi: usize, hd: usize, fixed: &Fixed<T>) -> Heads<T> {
         let row = 3 * n.d;
         let base = bi * n.t * row + hd * n.dh;
         let block = |offset: usize| &qkv[base + offset..base + offset + (n.t - 1) * row + n.dh];
         let v = View::rows(block(2 * n.d).as_ptr(), row);
-        match fixed.rotation(T::one()) {
+        match fixed.rotation(T::one(), bi, n.t) {
             Some(rotation) => {
                 gather(block(0), row, n.dh, Some(rotation), &mut self.q);
                 gather(block(n.d), row, n.dh, Some(rotation), &mut self.k);
@@ -193,8 +229,8 @@ impl<T: Real> Scratch<T> {
         }
     }
 
-    /// `P = softmax(q kᵀ / sqrt(d_head) + key_bias)` into `self.p`.
-    fn probabilities(&mut self, heads: Heads<T>, n: Dims, bi: usize, fixed: &Fixed<T>) {
+    /// `P = softmax(c q kᵀ + score_bias + key_bias)` into `self.p`.
+    fn probabilities(&mut self, heads: Heads<T>, n: Dims, bi: usize, hd: usize, fixed: &Fixed<T>) {
         // SAFETY: s is t x t; the heads are valid t x dh operands.
         unsafe {
             product(
@@ -203,9 +239,12 @@ impl<T: Real> Scratch<T> {
                 n.t,
                 heads.q,
                 heads.k.t(),
-                n.scale(),
+                fixed.scale,
             )
         };
+        if let Some(bias) = fixed.score_bias(n, bi, hd) {
+            add_bias(&mut self.s, bias);
+        }
         softmax_rows(
             &self.s,
             &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
@@ -279,16 +318,57 @@ unsafe fn product<T: Real>(
     }
 }
 
+/// A tensor standing for an absent op input (no dropout mask, no score bias).
+pub(super) fn absent(like: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(0, like.dtype(), like.device())
+}
+
+fn is_absent(l: &Layout) -> bool {
+    l.shape().elem_count() == 0
+}
+
 impl Attention {
+    /// # Shapes
+    /// - `key_bias`: `(b, t)`; `rotary`: tables `(r, t, w)`; `score_bias`: `(r, h, t, t)`,
+    ///   `r` 1 or `b` for each
     pub(crate) fn new(
         heads: usize,
-        key_bias: Tensor,
-        rope: Option<(Tensor, Tensor, bool)>,
+        scale: f64,
+        key_bias: &Tensor,
+        rotary: Option<&Rotary>,
+        score_bias: Option<&Tensor>,
     ) -> Self {
         Self {
             heads,
-            key_bias,
-            rope,
+            scale,
+            key_bias: key_bias.clone(),
+            rope: rotary.map(|r| {
+                let (c, s, i) = r.tables();
+                (c.clone(), s.clone(), i)
+            }),
+            score_bias: score_bias.cloned(),
+        }
+    }
+
+    /// The op input carrying the score bias into the autograd graph: the bias itself, or an
+    /// empty tensor when there is none.
+    pub(crate) fn score_bias_input(&self, like: &Tensor) -> Result<Tensor> {
+        match &self.score_bias {
+            Some(b) => b.contiguous(),
+            None => absent(like),
+        }
+    }
+
+    /// Whether a gradient is owed to the score bias (it is computed from trained variables).
+    pub(super) fn bias_needs_grad(&self) -> bool {
+        self.score_bias.as_ref().is_some_and(Tensor::track_op)
+    }
+
+    /// Elements of the score bias's gradient (0 when none is owed).
+    pub(super) fn bias_grad_len(&self) -> usize {
+        match &self.score_bias {
+            Some(b) if self.bias_needs_grad() => b.elem_count(),
+            _ => 0,
         }
     }
 
@@ -315,12 +395,22 @@ impl Attention {
             );
         }
         if let Some((cos, _, _)) = &self.rope {
-            if cos.dims() != [t, d / h] {
-                candle::bail!(
-                    "fused attention: rope tables {:?} do not match (t, d_head) = ({t}, {})",
-                    cos.shape(),
+            match cos.dims() {
+                &[r, rt, w] if (r == 1 || r == b) && rt == t && w <= d / h && w % 2 == 0 => {}
+                dims => candle::bail!(
+                    "fused attention: rotary tables {dims:?} do not match (1 or b, t, <= d_head) \
+                     = ({b}, {t}, {})",
                     d / h
-                );
+                ),
+            }
+        }
+        if let Some(bias) = &self.score_bias {
+            match bias.dims() {
+                &[r, bh, bt, bt2] if (r == 1 || r == b) && bh == h && bt == t && bt2 == t => {}
+                dims => candle::bail!(
+                    "fused attention: score bias {dims:?} does not match (1 or b, h, t, t) = \
+                     ({b}, {h}, {t}, {t})"
+                ),
             }
         }
         Ok(Dims {
@@ -334,15 +424,24 @@ impl Attention {
 
     fn fixed<T: Real>(&self) -> Result<Fixed<T>> {
         let host = |x: &Tensor| x.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>();
-        let (cos, sin, interleaved) = match &self.rope {
-            Some((c, s, i)) => (host(c)?, host(s)?, *i),
-            None => (Vec::new(), Vec::new(), false),
+        let (cos, sin, width, rope_rows, interleaved) = match &self.rope {
+            Some((c, s, i)) => (host(c)?, host(s)?, c.dims()[2], c.dims()[0], *i),
+            None => (Vec::new(), Vec::new(), 0, 1, false),
+        };
+        let (score_bias, bias_rows) = match &self.score_bias {
+            Some(b) => (host(b)?, b.dims()[0]),
+            None => (Vec::new(), 1),
         };
         Ok(Fixed {
             key_bias: host(&self.key_bias)?,
             cos,
             sin,
+            width,
+            rope_rows,
             interleaved,
+            score_bias,
+            bias_rows,
+            scale: T::lit(self.scale),
         })
     }
 
@@ -368,7 +467,7 @@ impl Attention {
             |w, task| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);
-                w.probabilities(heads, n, bi, &fixed);
+                w.probabilities(heads, n, bi, hd, &fixed);
                 if let Some(probs) = probs {
                     // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
                     unsafe { std::slice::from_raw_parts_mut(probs.ptr().add(task * tt), tt) }
@@ -396,7 +495,8 @@ impl Attention {
         Ok(out)
     }
 
-    /// `d(qkv)` from `d(out)`; the attention weights are recomputed unless `probs` (from
+    /// `d(qkv)` from `d(out)`, and the score bias's gradient when one is owed (see
+    /// [`Attention::bias_grad_len`]); the attention weights are recomputed unless `probs` (from
     /// [`Attention::forward`]) has them.
     pub(super) fn backward<T: Real>(
         &self,
@@ -405,7 +505,7 @@ impl Attention {
         probs: Option<&[T]>,
         g: &[T],
         n: Dims,
-    ) -> Result<Vec<T>> {
+    ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed::<T>()?;
         let (row, tt) = (3 * n.d, n.t * n.t);
         if let Some(p) = probs {
@@ -415,6 +515,10 @@ impl Attention {
         }
         let mut dqkv = zeros::<T>(n.b * n.t * row);
         let dst = Shared(dqkv.as_mut_ptr());
+        // dS of every (batch, head), when the score bias is owed a gradient.
+        let bias_grad = self.bias_needs_grad();
+        let mut ds_all = zeros::<T>(if bias_grad { n.b * n.h * tt } else { 0 });
+        let ds_dst = Shared(ds_all.as_mut_ptr());
         (0..n.b * n.h).into_par_iter().for_each_init(
             || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), true),
             |w, task| {
@@ -423,7 +527,7 @@ impl Attention {
                 let p: &[T] = match probs {
                     Some(probs) => &probs[task * tt..(task + 1) * tt],
                     None => {
-                        w.probabilities(heads, n, bi, &fixed);
+                        w.probabilities(heads, n, bi, hd, &fixed);
                         &w.p
                     }
                 };
@@ -464,11 +568,15 @@ impl Attention {
                     }
                 }
                 softmax_grad_rows(p, &w.dp, n.t, &mut w.ds);
+                if bias_grad {
+                    // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
+                    unsafe { std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * tt), tt) }
+                        .copy_from_slice(&w.ds);
+                }
                 let ds = View::rows(w.ds.as_ptr(), n.t);
-                // dq = dS k / sqrt(dh), dk = dSᵀ q / sqrt(dh): straight into dqkv, or rotated
-                // back first under RoPE.
+                // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
                 unsafe {
-                    match fixed.rotation(-one) {
+                    match fixed.rotation(-one, bi, n.t) {
                         None => {
                             product(
                                 (n.t, n.dh, n.t),
@@ -476,7 +584,7 @@ impl Attention {
                                 row,
                                 ds,
                                 heads.k,
-                                n.scale(),
+                                fixed.scale,
                             );
                             product(
                                 (n.t, n.dh, n.t),
@@ -484,7 +592,7 @@ impl Attention {
                                 row,
                                 ds.t(),
                                 heads.q,
-                                n.scale(),
+                                fixed.scale,
                             );
                         }
                         Some(back) => {
@@ -494,7 +602,7 @@ impl Attention {
                                 n.dh,
                                 ds,
                                 heads.k,
-                                n.scale(),
+                                fixed.scale,
                             );
                             product(
                                 (n.t, n.dh, n.t),
@@ -502,7 +610,7 @@ impl Attention {
                                 n.dh,
                                 ds.t(),
                                 heads.q,
-                                n.scale(),
+                                fixed.scale,
                             );
                             scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
                             scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
@@ -511,68 +619,26 @@ impl Attention {
                 }
             },
         );
-        Ok(dqkv)
-    }
-}
-
-impl CustomOp1 for Attention {
-    fn name(&self) -> &'static str {
-        "poslab-attention"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let n = self.dims(l)?;
-        let what = "attention";
-        let storage = by_dtype!(s.dtype(), what, |T| self.forward::<T>(
-            contiguous(s, l, what)?,
-            None,
-            n,
-            None
-        )?);
-        Ok((storage, Shape::from((n.b, n.t, n.d))))
-    }
-
-    fn bwd(&self, qkv: &Tensor, _out: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(qkv.apply_op2_no_bwd(
-            &g.contiguous()?,
-            &AttentionGrad(self.clone()),
-        )?))
-    }
-}
-
-impl CustomOp2 for Attention {
-    fn name(&self) -> &'static str {
-        "poslab-attention-dropout"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let n = self.dims(l1)?;
-        check_mask(l2, n)?;
-        let what = "attention";
-        let storage = by_dtype!(s1.dtype(), what, |T| self.forward::<T>(
-            contiguous(s1, l1, what)?,
-            Some(contiguous(s2, l2, what)?),
-            n,
-            None
-        )?);
-        Ok((storage, Shape::from((n.b, n.t, n.d))))
-    }
-
-    fn bwd(
-        &self,
-        qkv: &Tensor,
-        mask: &Tensor,
-        _out: &Tensor,
-        g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let d = qkv.apply_op3_no_bwd(mask, &g.contiguous()?, &AttentionGrad(self.clone()))?;
-        Ok((Some(d), None))
+        let dbias = if bias_grad && fixed.bias_rows == 1 {
+            // A bias shared by the batch: its gradient sums dS over the batch, in a fixed order.
+            let per = n.h * tt;
+            let mut sum = zeros::<T>(per);
+            sum.par_chunks_mut(1 << 14)
+                .enumerate()
+                .for_each(|(c, out)| {
+                    let at = c * (1 << 14);
+                    for bi in 0..n.b {
+                        let src = &ds_all[bi * per + at..bi * per + at + out.len()];
+                        for (o, v) in out.iter_mut().zip(src) {
+                            *o += *v;
+                        }
+                    }
+                });
+            sum
+        } else {
+            ds_all
+        };
+        Ok((dqkv, dbias))
     }
 }
 
@@ -590,12 +656,11 @@ fn check_mask(l: &Layout, n: Dims) -> Result<()> {
     Ok(())
 }
 
-/// `d(qkv)` from `(qkv, [mask,] d(out))`.
-struct AttentionGrad(Attention);
-
-impl CustomOp2 for AttentionGrad {
+/// The attention core as a candle op on `(qkv, dropout mask, score bias)`, the last two empty
+/// when absent.
+impl CustomOp3 for Attention {
     fn name(&self) -> &'static str {
-        "poslab-attention-grad"
+        "poslab-attention"
     }
 
     fn cpu_fwd(
@@ -604,23 +669,53 @@ impl CustomOp2 for AttentionGrad {
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
+        _s3: &CpuStorage,
+        _l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let n = self.0.dims(l1)?;
-        let what = "attention backward";
-        let storage = by_dtype!(s1.dtype(), what, |T| self.0.backward::<T>(
+        let n = self.dims(l1)?;
+        let masked = !is_absent(l2);
+        if masked {
+            check_mask(l2, n)?;
+        }
+        let what = "attention";
+        let storage = by_dtype!(s1.dtype(), what, |T| self.forward::<T>(
             contiguous(s1, l1, what)?,
-            None,
-            None,
-            contiguous(s2, l2, what)?,
-            n
+            if masked {
+                Some(contiguous(s2, l2, what)?)
+            } else {
+                None
+            },
+            n,
+            None
         )?);
-        Ok((storage, l1.shape().clone()))
+        Ok((storage, Shape::from((n.b, n.t, n.d))))
+    }
+
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        mask: &Tensor,
+        bias: &Tensor,
+        _out: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let flat = qkv.apply_op3_no_bwd(mask, &g.contiguous()?, &AttentionGrad(self.clone()))?;
+        let nq = qkv.elem_count();
+        let dqkv = flat.narrow(0, 0, nq)?.reshape(qkv.shape())?;
+        let dbias = match self.bias_grad_len() {
+            0 => None,
+            len => Some(flat.narrow(0, nq, len)?.reshape(bias.shape())?),
+        };
+        Ok((Some(dqkv), None, dbias))
     }
 }
 
+/// `[d(qkv); d(score bias)]` flattened, from `(qkv, mask or empty, d(out))`.
+struct AttentionGrad(Attention);
+
 impl CustomOp3 for AttentionGrad {
     fn name(&self) -> &'static str {
-        "poslab-attention-dropout-grad"
+        "poslab-attention-grad"
     }
 
     fn cpu_fwd(
@@ -633,16 +728,28 @@ impl CustomOp3 for AttentionGrad {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let n = self.0.dims(l1)?;
-        check_mask(l2, n)?;
+        let masked = !is_absent(l2);
+        if masked {
+            check_mask(l2, n)?;
+        }
         let what = "attention backward";
-        let storage = by_dtype!(s1.dtype(), what, |T| self.0.backward::<T>(
-            contiguous(s1, l1, what)?,
-            Some(contiguous(s2, l2, what)?),
-            None,
-            contiguous(s3, l3, what)?,
-            n
-        )?);
-        Ok((storage, l1.shape().clone()))
+        let len = l1.shape().elem_count() + self.0.bias_grad_len();
+        let storage = by_dtype!(s1.dtype(), what, |T| {
+            let (mut dqkv, dbias) = self.0.backward::<T>(
+                contiguous(s1, l1, what)?,
+                if masked {
+                    Some(contiguous(s2, l2, what)?)
+                } else {
+                    None
+                },
+                None,
+                contiguous(s3, l3, what)?,
+                n,
+            )?;
+            dqkv.extend_from_slice(&dbias);
+            dqkv
+        });
+        Ok((storage, Shape::from(len)))
     }
 }
 
@@ -650,24 +757,19 @@ impl CustomOp3 for AttentionGrad {
 ///
 /// # Shapes
 /// - `qkv`: `(b, t, 3 d_model)`, `[q | k | v]` with heads side by side in each
-/// - `key_bias`: `(b, t)`; `rope`: `(t, d_head)` cos and sin tables and the pairing
+/// - `op`: the fixed inputs (see [`Attention::new`])
 /// - `dropout_mask`: `(b, h, t, t)` multipliers of the attention weights, or none
 /// - returns `(b, t, d_model)`
 pub(crate) fn attention(
     qkv: &Tensor,
-    heads: usize,
-    key_bias: &Tensor,
-    rope: Option<(&Tensor, &Tensor, bool)>,
+    op: Attention,
     dropout_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let op = Attention::new(
-        heads,
-        key_bias.clone(),
-        rope.map(|(c, s, i)| (c.clone(), s.clone(), i)),
-    );
     let qkv = qkv.contiguous()?;
-    match dropout_mask {
-        None => qkv.apply_op1(op),
-        Some(m) => qkv.apply_op2(&m.contiguous()?, op),
-    }
+    let mask = match dropout_mask {
+        Some(m) => m.contiguous()?,
+        None => absent(&qkv)?,
+    };
+    let bias = op.score_bias_input(&qkv)?;
+    qkv.apply_op3(&mask, &bias, op)
 }

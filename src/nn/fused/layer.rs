@@ -24,7 +24,7 @@ use std::borrow::Cow;
 use std::sync::Mutex;
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::Attention;
@@ -318,7 +318,8 @@ impl LayerOp {
         ))
     }
 
-    /// `(dx, dparams)` from the layer input, the parameters, the saved activations and `dy`.
+    /// `(dx, dparams, d(score bias))` from the layer input, the parameters, the saved
+    /// activations and `dy`; the last is empty unless the score bias is owed a gradient.
     fn backward<T: Real>(
         &self,
         x: &[T],
@@ -326,7 +327,7 @@ impl LayerOp {
         s: &Saved<T>,
         gy: &[T],
         (b, t, d): (usize, usize, usize),
-    ) -> Result<(Vec<T>, Vec<T>)> {
+    ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
@@ -380,9 +381,9 @@ impl LayerOp {
         grad_input(&go, &p[o.wo..o.bo], (n, d, d), &mut gc, false);
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
-        let gqkv = self
-            .attention
-            .backward(&s.qkv, masks.attention.as_deref(), probs, &gc, dims)?;
+        let (gqkv, gbias) =
+            self.attention
+                .backward(&s.qkv, masks.attention.as_deref(), probs, &gc, dims)?;
         drop(gc);
         let attn_in = if self.shape.pre_norm { &s.a[..] } else { x };
         grad_weight(&gqkv, attn_in, (n, 3 * d, d), &mut dp[o.wqkv..o.bqkv]);
@@ -396,11 +397,12 @@ impl LayerOp {
         } else {
             grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut gx, true);
         }
-        Ok((gx, dp))
+        Ok((gx, dp, gbias))
     }
 }
 
-impl CustomOp2 for LayerOp {
+/// The layer as a candle op on `(x, packed parameters, score bias or empty)`.
+impl CustomOp3 for LayerOp {
     fn name(&self) -> &'static str {
         "poslab-encoder-layer"
     }
@@ -411,6 +413,8 @@ impl CustomOp2 for LayerOp {
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
+        _s3: &CpuStorage,
+        _l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.rows(l1, l2)?;
         let what = "encoder layer";
@@ -434,9 +438,10 @@ impl CustomOp2 for LayerOp {
         &self,
         x: &Tensor,
         params: &Tensor,
+        bias: &Tensor,
         _y: &Tensor,
         g: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
         let saved = self
             .saved
@@ -451,16 +456,20 @@ impl CustomOp2 for LayerOp {
                 saved: Mutex::new(saved),
             },
         )?;
-        // (b t d + packed) values: dx then dparams.
-        let nx = x.elem_count();
+        // (b t d + packed [+ bias]) values: dx, dparams, then d(score bias) if owed.
+        let (nx, np) = (x.elem_count(), params.elem_count());
         let dx = grads.narrow(0, 0, nx)?.reshape(x.shape())?;
-        let dp = grads.narrow(0, nx, params.elem_count())?;
-        Ok((Some(dx), Some(dp)))
+        let dp = grads.narrow(0, nx, np)?;
+        let dbias = match self.attention.bias_grad_len() {
+            0 => None,
+            len => Some(grads.narrow(0, nx + np, len)?.reshape(bias.shape())?),
+        };
+        Ok((Some(dx), Some(dp), dbias))
     }
 }
 
-/// The backward of [`LayerOp`] as a no-gradient op on `(x, params, dy)`, returning `dx` and
-/// `dparams` concatenated.
+/// The backward of [`LayerOp`] as a no-gradient op on `(x, params, dy)`, returning `dx`,
+/// `dparams` and (when owed) the score bias's gradient concatenated.
 struct LayerGrad<'a> {
     layer: &'a LayerOp,
     saved: Mutex<Option<Box<dyn Any + Send>>>,
@@ -483,9 +492,11 @@ impl LayerGrad<'_> {
             Some(s) => *s,
             None => self.layer.forward::<T>(x, p, dims, true)?.1,
         };
-        let (mut dx, dp) = self.layer.backward(x, p, &saved, g, dims)?;
+        let (mut dx, dp, dbias) = self.layer.backward(x, p, &saved, g, dims)?;
         drop(saved);
+        dx.reserve(dp.len() + dbias.len());
         dx.extend_from_slice(&dp);
+        dx.extend_from_slice(&dbias);
         Ok(dx)
     }
 }
@@ -514,7 +525,11 @@ impl candle::CustomOp3 for LayerGrad<'_> {
         )?);
         Ok((
             storage,
-            Shape::from(l1.shape().elem_count() + l2.shape().elem_count()),
+            Shape::from(
+                l1.shape().elem_count()
+                    + l2.shape().elem_count()
+                    + self.layer.attention.bias_grad_len(),
+            ),
         ))
     }
 }

@@ -216,6 +216,8 @@ mod attention;
 mod layer;
 mod linear;
 
+use linear::by_dtype;
+
 pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
 pub(crate) use layer::{LayerMasks, LayerShape};
@@ -828,30 +830,33 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
 
 // ---------------------------------------------------------------- RoPE
 
-/// The rotation of RoPE on `(.., t, d)`, with `cos` and `sin` `(t, d)` laid out by the pairing.
+/// The rotation of RoPE on `(b, h, t, d_head)`, with `cos` and `sin` `(r, t, w)` laid out by the
+/// pairing over the first `w` coordinates of each head (`r` 1 or `b`).
 struct RopeOp {
     interleaved: bool,
     /// Rotate by minus the angle: the gradient of the forward rotation.
     inverse: bool,
 }
 
-/// RoPE's rotation of rows by the angles of their positions, with `(t, d)` cos and sin tables
-/// laid out by the pairing; `sign` -1 rotates back by the same angles (the gradient).
+/// RoPE's rotation of head rows by the angles of their positions, with cos and sin tables of
+/// `width` columns per row laid out by the pairing; coordinates past `width` pass through.
+/// `sign` -1 rotates back by the same angles (the gradient).
 #[derive(Clone, Copy)]
 pub(crate) struct Rotation<'a, T> {
     pub cos: &'a [T],
     pub sin: &'a [T],
+    pub width: usize,
     pub interleaved: bool,
     pub sign: T,
 }
 
 impl<T: Real> Rotation<'_, T> {
-    /// `out = R(sign · angles of position p) x`, `x` one row of width `d`.
+    /// `out = R(sign · angles of table row p) x`, `x` one head row (at least `width` wide).
     #[inline(always)]
     pub fn apply(&self, x: &[T], p: usize, out: &mut [T]) {
-        let d = x.len();
-        let (c, s) = (&self.cos[p * d..(p + 1) * d], &self.sin[p * d..(p + 1) * d]);
-        let half = d / 2;
+        let w = self.width;
+        let (c, s) = (&self.cos[p * w..(p + 1) * w], &self.sin[p * w..(p + 1) * w]);
+        let half = w / 2;
         if self.interleaved {
             for i in 0..half {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
@@ -867,27 +872,46 @@ impl<T: Real> Rotation<'_, T> {
                 out[half + i] = b * ci + a * si;
             }
         }
+        out[w..].copy_from_slice(&x[w..]);
+    }
+
+    /// The rows of batch element `bi` of tables with `rows` blocks of `t` rows each (`rows` 1:
+    /// one block shared by the whole batch).
+    pub fn for_batch(self, bi: usize, t: usize, rows: usize) -> Self {
+        if rows == 1 {
+            return self;
+        }
+        let block = t * self.width;
+        Self {
+            cos: &self.cos[bi * block..(bi + 1) * block],
+            sin: &self.sin[bi * block..(bi + 1) * block],
+            ..self
+        }
     }
 }
 
-/// Rotates rows of width `d`, row `r` at position `(first + r) mod t`.
+/// Rotates head rows of width `d`; row `r` (counted from `first` over the whole
+/// `(b, h, t, d)` tensor) is at position `r mod t` of batch element `r / (h t)`.
 #[inline(always)]
 fn rope_rows_body<T: Real>(
     x: &[T],
     rotation: Rotation<'_, T>,
-    d: usize,
+    (h, t, d): (usize, usize, usize),
     first: usize,
     out: &mut [T],
 ) {
-    let t = rotation.cos.len() / d;
+    let rows = rotation.cos.len() / (t * rotation.width);
     for (r, (xr, o)) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)).enumerate() {
-        rotation.apply(xr, (first + r) % t, o);
+        let row = first + r;
+        let block = if rows == 1 { 0 } else { row / (h * t) };
+        rotation.apply(xr, block * t + row % t, o);
     }
 }
-simd_dispatch!(fn rope_rows = rope_rows_body(x: &[T], rotation: Rotation<'_, T>, d: usize, first: usize, out: &mut [T]));
+simd_dispatch!(fn rope_rows = rope_rows_body(x: &[T], rotation: Rotation<'_, T>, dims: (usize, usize, usize), first: usize, out: &mut [T]));
 
 impl RopeOp {
-    fn run<T: Real>(&self, x: &[T], cos: &[T], sin: &[T], d: usize) -> Vec<T> {
+    fn run<T: Real>(&self, x: &[T], cos: &[T], sin: &[T], dims: &[usize], width: usize) -> Vec<T> {
+        let (h, t, d) = (dims[1], dims[2], dims[3]);
         let mut out = zeros(x.len());
         let rows = rows_per_task(d);
         let sign = if self.inverse { -T::one() } else { T::one() };
@@ -898,10 +922,11 @@ impl RopeOp {
                 let rotation = Rotation {
                     cos,
                     sin,
+                    width,
                     interleaved: self.interleaved,
                     sign,
                 };
-                rope_rows(xc, rotation, d, i * rows, o)
+                rope_rows(xc, rotation, (h, t, d), i * rows, o)
             });
         out
     }
@@ -922,22 +947,21 @@ impl CustomOp3 for RopeOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let what = "rope";
-        let d = *l1.dims().last().unwrap_or(&1);
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.run(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                d,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.run(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                d,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let dims = l1.dims();
+        let width = *l2.dims().last().unwrap_or(&0);
+        if dims.len() != 4 || l2.dims().len() != 3 || width == 0 || width > dims[3] {
+            candle::bail!(
+                "fused rope: x {dims:?} must be (b, h, t, d_head) and the tables {:?} (r, t, w)                  with 0 < w <= d_head",
+                l2.dims()
+            );
+        }
+        let storage = by_dtype!(s1.dtype(), what, |T| self.run::<T>(
+            contiguous(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            contiguous(s3, l3, what)?,
+            dims,
+            width
+        ));
         Ok((storage, l1.shape().clone()))
     }
 
@@ -961,7 +985,7 @@ impl CustomOp3 for RopeOp {
     }
 }
 
-/// RoPE of `x` `(.., t, d)` with the `(t, d)` tables of its pairing, fused.
+/// RoPE of `x` `(b, h, t, d_head)` with the `(r, t, w)` tables of its pairing, fused.
 pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
     x.contiguous()?.apply_op3(
         &cos.contiguous()?,
@@ -976,25 +1000,19 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
 /// One encoder layer as one node (see `layer`).
 ///
 /// # Shapes
-/// - `x`: `(b, t, d)`; `params`: the packed vector of [`LayerShape`]; `key_bias`: `(b, t)`;
-///   `rope`: `(t, d_head)` cos and sin tables and the pairing
+/// - `x`: `(b, t, d)`; `params`: the packed vector of [`LayerShape`]
+/// - `inputs`: the attention's key bias `(b, t)`, rotary tables `(r, t, w)` and additive score
+///   bias `(r, h, t, t)` (see [`Attention::new`])
 /// - returns `(b, t, d)`
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn encoder_layer(
     x: &Tensor,
     params: &Tensor,
     shape: LayerShape,
-    heads: usize,
-    key_bias: &Tensor,
-    rope: Option<(&Tensor, &Tensor, bool)>,
+    attention: Attention,
     masks: LayerMasks,
     keep_activations: bool,
 ) -> Result<Tensor> {
-    let attention = Attention::new(
-        heads,
-        key_bias.contiguous()?,
-        rope.map(|(c, s, i)| (c.clone(), s.clone(), i)),
-    );
+    let bias = attention.score_bias_input(x)?;
     let op = layer::LayerOp::new(shape, attention, masks, keep_activations);
-    x.contiguous()?.apply_op2(&params.contiguous()?, op)
+    x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
 }

@@ -1,0 +1,376 @@
+//! Attention-score biases as functions of position: what ALiBi, T5, KERPLE and TUPE's untied
+//! term add to a layer's scores.
+//!
+//! A bias `B[h, i, j]` over positions `0..P` is summarised per head by its curve over offsets
+//! `j - i` (the mean of each diagonal), and by how much of it the offset explains: the share of
+//! its variance that the diagonal means account for. A relative scheme (ALiBi, T5, KERPLE) is a
+//! function of the offset alone, 100% by construction; TUPE's untied term is absolute, and the
+//! share says how relative training made it.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use candle::{DType, Device};
+
+use super::linalg::Matrix;
+use super::plots::{heatmap, line_chart, write_matrix_csv};
+use crate::encoder::Encoder;
+use crate::error::{Error, Result};
+use crate::io::write_atomic;
+use crate::params::ParamStore;
+use crate::positional::{
+    t5_bucket, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
+};
+
+/// One head's bias over positions `0..P`.
+#[derive(Clone, Debug)]
+pub struct HeadBias {
+    /// `L{layer} H{head}`, or `H{head}` for a bias every layer shares.
+    pub label: String,
+    /// `(P, P)`: query position by key position.
+    pub matrix: Matrix,
+}
+
+impl HeadBias {
+    /// The mean of each diagonal, for offsets `j - i = -(P-1) ..= P-1`.
+    pub fn by_offset(&self) -> Vec<f64> {
+        let p = self.matrix.rows as i64;
+        (-(p - 1)..p)
+            .map(|k| {
+                let cells: Vec<f64> = (0..p)
+                    .filter(|i| (0..p).contains(&(i + k)))
+                    .map(|i| self.matrix.row(i as usize)[(i + k) as usize])
+                    .collect();
+                cells.iter().sum::<f64>() / cells.len() as f64
+            })
+            .collect()
+    }
+
+    /// The share of the bias's variance its offset explains (1 for a function of `j - i`).
+    pub fn offset_share(&self) -> f64 {
+        let p = self.matrix.rows;
+        let curve = self.by_offset();
+        let n = (p * p) as f64;
+        let mean = self.matrix.data.iter().sum::<f64>() / n;
+        let (mut total, mut residual) = (0.0, 0.0);
+        for i in 0..p {
+            for j in 0..p {
+                let v = self.matrix.row(i)[j];
+                total += (v - mean).powi(2);
+                residual += (v - curve[j + p - 1 - i]).powi(2);
+            }
+        }
+        if total <= 1e-300 {
+            1.0
+        } else {
+            1.0 - residual / total
+        }
+    }
+}
+
+/// Biases of every head (and layer, where they differ), `(1, h, P, P)` tensors flattened.
+#[derive(Clone, Debug)]
+pub struct BiasAnalysis {
+    pub title: String,
+    pub heads: Vec<HeadBias>,
+    /// Whether the scheme is absolute (TUPE): heatmaps are drawn, not only offset curves.
+    pub absolute: bool,
+    /// Lines of scheme-specific facts (slopes, r1 and r2).
+    pub notes: Vec<String>,
+}
+
+impl BiasAnalysis {
+    /// From one `(h, P, P)` block per layer (row-major values); `layers` 1 for a shared bias.
+    pub fn from_layers(
+        title: String,
+        layers: &[Vec<f64>],
+        heads: usize,
+        positions: usize,
+        absolute: bool,
+    ) -> Self {
+        let pp = positions * positions;
+        let shared = layers.len() == 1;
+        let mut out = Vec::new();
+        for (l, values) in layers.iter().enumerate() {
+            for h in 0..heads {
+                let label = if shared {
+                    format!("H{h}")
+                } else {
+                    format!("L{l} H{h}")
+                };
+                out.push(HeadBias {
+                    label,
+                    matrix: Matrix::new(
+                        positions,
+                        positions,
+                        values[h * pp..(h + 1) * pp].to_vec(),
+                    ),
+                });
+            }
+        }
+        Self {
+            title,
+            heads: out,
+            absolute,
+            notes: Vec::new(),
+        }
+    }
+
+    /// A few numbers per head: the bias at offsets 0, ±1, ±8, ±(P-1), and the offset's share.
+    pub fn summary(&self) -> String {
+        let mut s = format!("{}\n", self.title);
+        for note in &self.notes {
+            let _ = writeln!(s, "  {note}");
+        }
+        let p = self.heads.first().map_or(0, |h| h.matrix.rows) as i64;
+        let offsets: Vec<i64> = [-(p - 1), -8, -1, 0, 1, 8, p - 1]
+            .into_iter()
+            .filter(|k| k.abs() < p)
+            .collect();
+        let _ = write!(s, "  {:<8}", "head");
+        for k in &offsets {
+            let _ = write!(s, " {:>9}", format!("j-i={k}"));
+        }
+        let _ = writeln!(s, "  offset share");
+        for head in &self.heads {
+            let curve = head.by_offset();
+            let _ = write!(s, "  {:<8}", head.label);
+            for k in &offsets {
+                // `+ 0.0` turns a -0 into 0, so the table never reads "-0.0000".
+                let _ = write!(s, " {:>9.4}", curve[(k + p - 1) as usize] + 0.0);
+            }
+            let _ = writeln!(s, "  {:>6.1}%", 100.0 * head.offset_share());
+        }
+        s
+    }
+
+    /// `bias_by_offset.csv` and `.png`, and for an absolute scheme a heatmap per head
+    /// (`bias_{label}.png`, `bias_{label}.csv`).
+    pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let p = self.heads.first().map_or(0, |h| h.matrix.rows) as i64;
+        let curves: Vec<Vec<f64>> = self.heads.iter().map(HeadBias::by_offset).collect();
+        let mut csv = String::from("offset");
+        for h in &self.heads {
+            let _ = write!(csv, ",{}", h.label.replace(' ', "_"));
+        }
+        csv.push('\n');
+        for (i, k) in (-(p - 1)..p).enumerate() {
+            let _ = write!(csv, "{k}");
+            for c in &curves {
+                let _ = write!(csv, ",{}", c[i]);
+            }
+            csv.push('\n');
+        }
+        let mut files = vec![
+            "bias_by_offset.csv".to_string(),
+            "bias_by_offset.png".into(),
+        ];
+        write_atomic(&dir.join(&files[0]), csv.as_bytes())?;
+        let series: Vec<_> = self
+            .heads
+            .iter()
+            .zip(&curves)
+            .map(|(h, c)| {
+                let pts = (-(p - 1)..p).zip(c).map(|(k, v)| (k as f64, *v)).collect();
+                (h.label.clone(), pts, false)
+            })
+            .collect();
+        let y = if self.absolute {
+            "mean bias over positions i (added to the score)"
+        } else {
+            "bias added to the score"
+        };
+        line_chart(
+            &dir.join(&files[1]),
+            &format!("{}: bias by offset", self.title),
+            ("offset j - i (key minus query)", y),
+            &series,
+            false,
+        )?;
+        if self.absolute {
+            for h in &self.heads {
+                let stem = format!("bias_{}", h.label.replace(' ', "_"));
+                write_matrix_csv(
+                    &dir.join(format!("{stem}.csv")),
+                    &h.matrix,
+                    "query",
+                    |r| r.to_string(),
+                    "key",
+                )?;
+                heatmap(
+                    &dir.join(format!("{stem}.png")),
+                    &format!("{}: {} (query i by key j)", self.title, h.label),
+                    &h.matrix,
+                    true,
+                    ("key position j", "query position i"),
+                    (0, 0),
+                )?;
+                files.push(format!("{stem}.csv"));
+                files.push(format!("{stem}.png"));
+            }
+        }
+        Ok(files)
+    }
+}
+
+/// The score biases of a trained encoder with an attention-bias scheme over positions
+/// `0..positions` (every layer's for KERPLE, the shared one otherwise); `None` for other schemes.
+pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<BiasAnalysis>> {
+    let PositionalModule::ScoreBias(module) = encoder.positional() else {
+        return Ok(None);
+    };
+    let config = encoder.config();
+    let range = Positions::range(0, positions)?;
+    let layers = match module {
+        ScoreBias::Kerple(k) => k.len(),
+        _ => 1,
+    };
+    let blocks = (0..layers)
+        .map(|l| {
+            let bias = encoder
+                .score_bias(l, &range)?
+                .expect("an attention-bias scheme has a score bias");
+            Ok(bias.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let name = config.positional.name();
+    let mut analysis = BiasAnalysis::from_layers(
+        format!("{name}: the score bias every layer adds"),
+        &blocks,
+        config.n_heads,
+        positions,
+        name == "untied",
+    );
+    if layers > 1 {
+        analysis.title = format!("{name}: each layer's score bias");
+    }
+    analysis.notes = notes(module)?;
+    Ok(Some(analysis))
+}
+
+/// Scheme facts for the summary: ALiBi's slopes, T5's table size, KERPLE's parameters.
+fn notes(module: &ScoreBias) -> Result<Vec<String>> {
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.4}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Ok(match module {
+        ScoreBias::Alibi(a) => vec![format!("slopes per head: {}", list(a.slopes()))],
+        ScoreBias::T5(t) => vec![format!(
+            "{} buckets (max_distance {}): exact offsets up to ±{}, then logarithmic buckets",
+            t.buckets(),
+            t.max_distance(),
+            t.buckets() / 4 - 1
+        )],
+        ScoreBias::Kerple(layers) => layers
+            .iter()
+            .enumerate()
+            .map(|(l, k)| {
+                let (r1, r2) = k.params();
+                let v = |t: &candle::Tensor| -> Result<Vec<f64>> {
+                    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+                };
+                Ok(format!(
+                    "layer {l}: r1 = [{}], r2 = [{}]",
+                    list(&v(r1)?),
+                    list(&v(r2)?)
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        ScoreBias::Untied(_) => vec![
+            "TUPE's position-to-position term (p_i U_q)·(p_j U_k)/sqrt(2 d_head): absolute; the \
+             offset share says how much of it depends on j - i alone"
+                .into(),
+        ],
+    })
+}
+
+/// A scheme's bias by name, for `heads` heads over `positions` positions: ALiBi's fixed bias,
+/// KERPLE's at its initialisation (seed 0), T5's bucket index (its learned values exist only in
+/// a trained model).
+pub fn scheme_biases(
+    positional: &PositionalConfig,
+    heads: usize,
+    positions: usize,
+) -> Result<BiasAnalysis> {
+    let range = Positions::range(0, positions)?;
+    if let PositionalConfig::T5(o) = positional {
+        let values: Vec<f64> = (0..positions * positions)
+            .map(|n| {
+                let (i, j) = (n / positions, n % positions);
+                t5_bucket(j as i64 - i as i64, o.buckets, o.max_distance) as f64
+            })
+            .collect();
+        let mut a = BiasAnalysis::from_layers(
+            format!(
+                "t5: bucket of j - i ({} buckets, max_distance {})",
+                o.buckets, o.max_distance
+            ),
+            &[values],
+            1,
+            positions,
+            false,
+        );
+        a.heads[0].label = "bucket".into();
+        a.notes = vec![format!(
+            "offsets below {} in size get a bucket each; keys after the query use buckets {}..{}; \
+             each head learns one value per bucket (see --run of a trained t5 model)",
+            o.buckets / 4,
+            o.buckets / 2,
+            o.buckets - 1
+        )];
+        return Ok(a);
+    }
+    let params = ParamStore::new(0);
+    let module = ScoreBias::new(
+        positional,
+        SchemeShape {
+            d_model: heads * 2,
+            n_heads: heads,
+            n_layers: 1,
+            max_len: positions,
+        },
+        params.var_builder(DType::F64, &Device::Cpu),
+    )?;
+    let bias = module.layer_biases(&range, DType::F64, &Device::Cpu)?;
+    let values = bias.layer(0).flatten_all()?.to_vec1::<f64>()?;
+    let name = positional.name();
+    let what = if name == "kerple" {
+        "at initialisation (seed 0)"
+    } else {
+        "fixed"
+    };
+    let mut a = BiasAnalysis::from_layers(
+        format!("{name}, {heads} heads: the score bias, {what}"),
+        &[values],
+        heads,
+        positions,
+        false,
+    );
+    a.notes = notes(&module)?;
+    Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_function_of_the_offset_is_all_offset_and_an_absolute_one_is_not() {
+        let p = 12;
+        let rel: Vec<f64> = (0..p * p)
+            .map(|n| -0.5 * ((n % p) as f64 - (n / p) as f64).abs())
+            .collect();
+        let a = BiasAnalysis::from_layers("rel".into(), &[rel], 1, p, false);
+        assert!((a.heads[0].offset_share() - 1.0).abs() < 1e-12);
+        assert_eq!(a.heads[0].by_offset()[p - 1], 0.0);
+        assert_eq!(a.heads[0].by_offset()[p + 2], -1.5);
+        // i * j depends on both positions, not on their difference alone.
+        let abs: Vec<f64> = (0..p * p).map(|n| ((n % p) * (n / p)) as f64).collect();
+        let b = BiasAnalysis::from_layers("abs".into(), &[abs], 1, p, true);
+        assert!(b.heads[0].offset_share() < 0.9);
+    }
+}

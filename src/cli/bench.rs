@@ -1,0 +1,318 @@
+//! `poslab bench`: forward and training throughput of every variant, optionally side by side
+//! with the PyTorch reference.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+/// Forward and training-step throughput of every positional variant at a reference shape (that
+/// of shared/bench/torch_reference.py by default), with FLOP counts and peak memory.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Variants (sin_add, sin_concat, sin_concat_proj, learned, rope, alibi, t5, kerple, untied,
+    /// none); default all but none (with --torch: the five the PyTorch reference has).
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Vec<String>,
+    #[arg(long, default_value_t = 8192)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub ffn: usize,
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Untimed steps before each phase.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Timed forward passes (0 skips them).
+    #[arg(long, default_value_t = 10)]
+    pub forward_reps: usize,
+    /// Timed training steps (0 skips them).
+    #[arg(long, default_value_t = 6)]
+    pub train_reps: usize,
+    /// Threads for matrix multiplies (default: every core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// One JSON document instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Measure every variant in this process (by default each runs in a fresh child
+    /// process, so peak memory is its own).
+    #[arg(long)]
+    pub in_process: bool,
+    /// Which kernels the layers run with: layer (each encoder layer one fused node, the
+    /// default), ops (fused per-op kernels) or reference (compositions of candle ops).
+    #[arg(long, value_parser = ["layer", "ops", "reference"])]
+    pub kernels: Option<String>,
+    /// Cap the instruction sets of poslab's fused kernels (avx512, avx2 or baseline), to
+    /// see what a machine without AVX-512 gets; matrix multiplies (gemm) still pick their
+    /// own kernels from the CPU at run time.
+    #[arg(long, value_parser = ["avx512", "avx2", "baseline"])]
+    pub simd: Option<String>,
+    /// The PyTorch reference script (shared/bench/torch_reference.py): run it beside
+    /// poslab, interleaved per variant, and report the ratios.
+    #[arg(long)]
+    pub torch: Option<PathBuf>,
+    /// The Python that runs --torch (one with torch installed).
+    #[arg(long, default_value = "python3")]
+    pub python: PathBuf,
+    /// Interleaved rounds of poslab and PyTorch with --torch.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Activations in f32, bf16 or f16 (mixed precision; weights and optimizer stay f32).
+    #[arg(long, default_value = "f32")]
+    pub dtype: poslab::Precision,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let args = BenchArgs {
+        shape: poslab::bench::Shape {
+            vocab: a.vocab,
+            d_model: a.d_model,
+            n_heads: a.heads,
+            n_layers: a.layers,
+            ffn_dim: a.ffn,
+            batch: a.batch,
+            seq: a.seq,
+            dtype: a.dtype,
+            ..Default::default()
+        },
+        variants: a.variants,
+        warmup: a.warmup,
+        forward_reps: a.forward_reps,
+        train_reps: a.train_reps,
+        threads: a.threads,
+        device: a.device,
+        json: a.json,
+        in_process: a.in_process,
+        kernels: a.kernels,
+        simd: a.simd,
+        torch: a.torch,
+        python: a.python,
+        rounds: a.rounds,
+    };
+    if let Some(n) = args.threads {
+        // candle reads this at every matrix multiply; set before any tensor work.
+        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
+    if let Some(k) = &args.kernels {
+        // Read once, at the first layer; children inherit it.
+        std::env::set_var("POSLAB_KERNELS", k);
+    }
+    poslab::nn::cap_simd(match args.simd.as_deref() {
+        Some("baseline") => Some(poslab::nn::SimdLevel::Baseline),
+        Some("avx2") => Some(poslab::nn::SimdLevel::Avx2),
+        _ => None,
+    });
+    let device = poslab::device::parse_device(&args.device)?;
+    let variants = if args.variants.is_empty() {
+        let pool: &[&str] = if args.torch.is_some() {
+            &poslab::bench::TORCH_VARIANTS
+        } else {
+            &poslab::bench::VARIANTS
+        };
+        pool.iter()
+            .filter(|v| **v != "none")
+            .map(|s| s.to_string())
+            .collect()
+    } else {
+        args.variants.clone()
+    };
+    for v in &variants {
+        args.shape.positional(v)?;
+        if args.torch.is_some() && !poslab::bench::TORCH_VARIANTS.contains(&v.as_str()) {
+            anyhow::bail!(
+                "--torch: the PyTorch reference has no `{v}` variant; it runs {}",
+                poslab::bench::TORCH_VARIANTS.join(", ")
+            );
+        }
+    }
+    let threads = candle::utils::get_num_threads();
+    let shape = &args.shape;
+    let child = args.in_process && args.json;
+    if !child {
+        eprintln!(
+            "poslab bench on {} ({threads} thread{}, {} kernels, {:?} SIMD): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            poslab::device::device_name(&device),
+            if threads == 1 { "" } else { "s" },
+            poslab::nn::current_kernels().name(),
+            poslab::nn::simd_level(),
+            shape.vocab,
+            shape.d_model,
+            shape.n_heads,
+            shape.n_layers,
+            shape.ffn_dim,
+            shape.batch,
+            shape.seq
+        );
+    }
+    let options = poslab::bench::Options {
+        shape: shape.clone(),
+        variants: variants.clone(),
+        warmup: args.warmup,
+        forward_reps: args.forward_reps,
+        train_reps: args.train_reps,
+        device: device.clone(),
+    };
+    // One child process per variant: its peak memory is its own, not the heap an earlier
+    // variant left behind.
+    let in_child = |variant: &str| -> Result<poslab::bench::Record> {
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.arg("bench");
+        for (flag, value) in [
+            ("--vocab", shape.vocab),
+            ("--d-model", shape.d_model),
+            ("--heads", shape.n_heads),
+            ("--layers", shape.n_layers),
+            ("--ffn", shape.ffn_dim),
+            ("--batch", shape.batch),
+            ("--seq", shape.seq),
+            ("--warmup", args.warmup),
+            ("--forward-reps", args.forward_reps),
+            ("--train-reps", args.train_reps),
+            ("--threads", threads),
+        ] {
+            cmd.args([flag.to_string(), value.to_string()]);
+        }
+        cmd.args([
+            "--device",
+            &args.device,
+            "--dtype",
+            shape.dtype.name(),
+            "--json",
+            "--in-process",
+            "--variants",
+            variant,
+        ]);
+        if let Some(simd) = &args.simd {
+            cmd.args(["--simd", simd]);
+        }
+        let out = cmd
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .context("running a bench child process")?;
+        if !out.status.success() {
+            anyhow::bail!("the bench of {variant} failed");
+        }
+        let doc: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("reading a bench child's JSON")?;
+        let mut records: Vec<poslab::bench::Record> =
+            serde_json::from_value(doc["results"].clone())?;
+        records.pop().context("a bench child returned no result")
+    };
+    let header = serde_json::json!({
+        "device": poslab::device::device_name(&device),
+        "threads": threads,
+        "kernels": poslab::nn::current_kernels().name(),
+        "simd": format!("{:?}", poslab::nn::simd_level()),
+        "shape": shape,
+    });
+
+    if let Some(script) = &args.torch {
+        if !script.is_file() {
+            anyhow::bail!(
+                "--torch {}: no such file (it is shared/bench/torch_reference.py)",
+                script.display()
+            );
+        }
+        let torch = |variant: &str| -> Result<poslab::bench::TorchRecord> {
+            eprintln!("  {variant}: PyTorch");
+            let out = std::process::Command::new(&args.python)
+                .arg(script)
+                .arg(variant)
+                .args(["--fwd-iters", &args.forward_reps.max(1).to_string()])
+                .args(["--train-iters", &args.train_reps.max(1).to_string()])
+                .args(["--warm", &args.warmup.to_string()])
+                .args(["--threads", &threads.to_string()])
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .with_context(|| {
+                    format!("running {} {}", args.python.display(), script.display())
+                })?;
+            if !out.status.success() {
+                anyhow::bail!(
+                    "the PyTorch reference failed for {variant} (is torch installed for {}? pass --python)",
+                    args.python.display()
+                );
+            }
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text
+                .lines()
+                .rev()
+                .find(|l| l.trim_start().starts_with('{'))
+                .context("the PyTorch reference printed no JSON line")?;
+            Ok(poslab::bench::TorchRecord::from_json(
+                &serde_json::from_str(line)?,
+            )?)
+        };
+        let mut rounds = Vec::new();
+        for round in 0..args.rounds.max(1) {
+            eprintln!("round {} of {}", round + 1, args.rounds.max(1));
+            let mut pairs = Vec::new();
+            for variant in &variants {
+                // Alternate which goes first, so a drift in machine speed favours neither.
+                let (p, t) = if round % 2 == 0 {
+                    let p = in_child(variant)?;
+                    (p, torch(variant)?)
+                } else {
+                    let t = torch(variant)?;
+                    (in_child(variant)?, t)
+                };
+                pairs.push((p, t));
+            }
+            rounds.push(pairs);
+        }
+        let ratios = poslab::bench::ratios(&variants, &rounds);
+        if args.json {
+            let mut doc = header;
+            doc["ratios"] = serde_json::to_value(&ratios)?;
+            doc["rounds"] = serde_json::to_value(&rounds)?;
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print!("{}", poslab::bench::ratio_table(&ratios));
+        }
+        return Ok(());
+    }
+
+    let records = if args.in_process || variants.len() == 1 {
+        poslab::bench::run(&options, &mut |phase| eprintln!("  {phase}"))?
+    } else {
+        variants
+            .iter()
+            .map(|v| in_child(v))
+            .collect::<Result<Vec<_>>>()?
+    };
+    if args.json {
+        let mut doc = header;
+        doc["results"] = serde_json::to_value(&records)?;
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", poslab::bench::table(&records));
+    }
+    Ok(())
+}
+
+struct BenchArgs {
+    shape: poslab::bench::Shape,
+    variants: Vec<String>,
+    warmup: usize,
+    forward_reps: usize,
+    train_reps: usize,
+    threads: Option<usize>,
+    device: String,
+    json: bool,
+    in_process: bool,
+    kernels: Option<String>,
+    simd: Option<String>,
+    torch: Option<PathBuf>,
+    python: PathBuf,
+    rounds: usize,
+}

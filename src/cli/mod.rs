@@ -1,0 +1,63 @@
+//! The subcommands of the `poslab` binary, one module each, and what they share.
+
+pub mod analyze;
+pub mod bench;
+pub mod compare;
+pub mod embed;
+pub mod inspect;
+pub mod predict;
+pub mod report;
+pub mod train;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle::DType;
+
+/// Where a model computes, and in what precision.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Compute {
+    /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Activations in f32, bf16 or f16: mixed precision, meant for CUDA. Weights, gradients,
+    /// optimizer state, positional tables, RoPE angles and softmax / LayerNorm statistics stay
+    /// f32. Default: the config's `[model] dtype` (f32 if absent), or as a saved model was trained.
+    #[arg(long)]
+    pub dtype: Option<poslab::Precision>,
+}
+
+/// Texts from the arguments and from `--input` (a file, or `-` for standard input).
+pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Vec<String>> {
+    if let Some(path) = input {
+        let content = if path.as_os_str() == "-" {
+            std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+        } else {
+            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?
+        };
+        texts.extend(
+            content
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(String::from),
+        );
+    }
+    if texts.is_empty() {
+        anyhow::bail!(
+            "no text given: pass texts as arguments or --input FILE (- for standard input)"
+        );
+    }
+    Ok(texts)
+}
+
+pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
+    let device = poslab::device::parse_device(&compute.device)?;
+    poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
+        .with_context(|| format!("loading the model in {}", dir.display()))
+}
+
+/// A `snake_case` option parsed like the configs parse it (same names, same error).
+pub fn parse_option<T: serde::de::DeserializeOwned>(what: &str, value: &str) -> Result<T> {
+    serde_json::from_value(serde_json::Value::String(value.into()))
+        .with_context(|| format!("--{what} {value}"))
+}

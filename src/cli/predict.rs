@@ -1,0 +1,97 @@
+//! `poslab predict`: labels, tags or mask fills for new text from a trained model.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use poslab::infer::{Prediction, Predictor};
+
+use super::{gather_texts, load_model, Compute};
+
+/// Labels and probabilities (classification), tags per word (tagging) or the top fills of
+/// each [MASK] (MLM) for new text, from a trained model's folder.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model folder: config.json, model.safetensors, tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    pub run: PathBuf,
+    /// Texts to read (or use --input).
+    pub texts: Vec<String>,
+    /// A file of texts, one per line; `-` reads standard input.
+    #[arg(long, value_name = "FILE")]
+    pub input: Option<PathBuf>,
+    /// One JSON object per line.
+    #[arg(long)]
+    pub json: bool,
+    /// Fills shown per mask.
+    #[arg(long, default_value_t = 5)]
+    pub top_k: usize,
+    /// Cut texts longer than a learned position table instead of refusing them.
+    #[arg(long)]
+    pub truncate: bool,
+    #[command(flatten)]
+    pub compute: Compute,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let Args {
+        run,
+        texts,
+        input,
+        json,
+        top_k,
+        truncate,
+        compute,
+    } = args;
+    let (run, compute) = (&run, &compute);
+    let texts = gather_texts(texts, input)?;
+    let loaded = load_model(run, compute)?;
+    let outputs = Predictor::new(&loaded, truncate).predict(&texts, top_k.max(1))?;
+    for (i, out) in outputs.iter().enumerate() {
+        if let Some(note) = &out.note {
+            eprintln!("text {}: {note}", i + 1);
+        }
+        if json {
+            println!("{}", serde_json::to_string(out)?);
+            continue;
+        }
+        match &out.value {
+            Prediction::Class {
+                label,
+                probabilities,
+            } => {
+                let others: Vec<String> = probabilities
+                    .iter()
+                    .skip(1)
+                    .take(3)
+                    .map(|s| format!("{} {:.3}", s.label, s.probability))
+                    .collect();
+                println!(
+                    "{label}\t{:.3}\t{}\t({})",
+                    probabilities[0].probability,
+                    out.text,
+                    others.join(", ")
+                );
+            }
+            Prediction::Tags { words, tags } => {
+                let pairs: Vec<String> = words
+                    .iter()
+                    .zip(tags)
+                    .map(|(w, t)| format!("{w}/{t}"))
+                    .collect();
+                println!("{}", pairs.join(" "));
+            }
+            Prediction::Fills { masks } => {
+                println!("{}", out.text);
+                for m in masks {
+                    let fills: Vec<String> = m
+                        .fills
+                        .iter()
+                        .map(|f| format!("{} {:.3}", f.label, f.probability))
+                        .collect();
+                    println!("  word {}: {}", m.word + 1, fills.join(", "));
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! `poslab train`: one model, checkpointed and resumable.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use poslab::experiment::results::Outcome;
+use poslab::experiment::{self, single};
+
+use super::Compute;
+
+/// Train one model (any task, any positional choice) with checkpoints; a stopped run continues
+/// with --resume and ends with the same weights as one that never stopped.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A train config (TOML): name, seed, [model], [positional], [train], [task].
+    #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+    pub config: Option<PathBuf>,
+    /// Continue the run in this folder from its latest checkpoint.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub resume: Option<PathBuf>,
+    /// The run folder (default: runs/<name>-<timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long, default_value = "runs")]
+    pub runs_dir: PathBuf,
+    /// (--dtype applies to a new run; a resumed run keeps the dtype it was started with.)
+    #[command(flatten)]
+    pub compute: Compute,
+    /// Stop once this many steps are done, after saving a checkpoint (what a kill would
+    /// leave); continue later with --resume.
+    #[arg(long, value_name = "STEPS")]
+    pub stop_after: Option<usize>,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let Args {
+        config,
+        resume,
+        out,
+        runs_dir,
+        compute,
+        stop_after,
+        quiet,
+    } = args;
+    let (runs_dir, compute) = (&runs_dir, &compute);
+    let device = poslab::device::parse_device(&compute.device)?;
+    let options = |dir: PathBuf| single::TrainOptions {
+        dir,
+        device: device.clone(),
+        progress: !quiet,
+        stop_after,
+        hub: poslab::text::HubSource::from_env(),
+    };
+    let (end, dir) = match (config, resume) {
+        (_, Some(dir)) => {
+            if let Some(dtype) = compute.dtype {
+                anyhow::bail!(
+                    "--dtype {dtype} with --resume: a resumed run keeps the dtype it was started \
+                     with (its config.json), so that it ends as an uninterrupted run would; drop --dtype"
+                );
+            }
+            eprintln!("poslab train: resuming {}", dir.display());
+            (single::resume(&options(dir.clone()))?, dir)
+        }
+        (Some(path), None) => {
+            let mut config = single::TrainRunConfig::load(&path)?;
+            if let Some(dtype) = compute.dtype {
+                config.model.dtype = dtype;
+            }
+            let dir = match out {
+                Some(dir) => dir,
+                None => experiment::new_run_dir(runs_dir, &config.name)?,
+            };
+            eprintln!("poslab train: {} -> {}", path.display(), dir.display());
+            (single::start(&config, &options(dir.clone()))?, dir)
+        }
+        (None, None) => unreachable!("clap requires --config or --resume"),
+    };
+    match end {
+        single::TrainEnd::Stopped { step } => println!(
+            "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
+            dir.display()
+        ),
+        single::TrainEnd::Finished(m) => {
+            println!(
+                "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
+                m.name,
+                m.steps,
+                m.tokens,
+                m.final_train_loss,
+                m.tokens_per_second,
+                m.params,
+                if m.stopped_early {
+                    format!(", stopped early (kept step {})", m.kept_step)
+                } else {
+                    String::new()
+                }
+            );
+            for e in &m.evaluations {
+                match &e.outcome {
+                    Outcome::Scored { accuracy, loss } => {
+                        println!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
+                    }
+                    Outcome::Unavailable { reason } => println!("  test {:<10} n/a: {reason}", e.name),
+                }
+            }
+            for note in &m.notes {
+                println!("  note: {note}");
+            }
+            println!("model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)", dir.display());
+            println!("try it: poslab predict --run {} \"your text here\"", dir.display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! Rotation tables for rotary attention, as attention takes them: plain cos and sin tensors.
+//!
+//! `nn` knows no positional scheme. Whoever builds these (RoPE in `positional`) decides the
+//! angles; attention only rotates q and k by them:
+//!
+//! ```text
+//! rotate(x) = x * cos + pair_swap(x) * sin      on the first `width` coordinates of a head
+//! ```
+//!
+//! where `pair_swap` turns every pair `(a, b)` into `(-b, a)`, and the coordinates past `width`
+//! pass through unchanged (partial rotation). The pairing convention says which coordinates
+//! form a pair, inside the rotated width `w`:
+//! - `interleaved` (RoFormer): `(x[2i], x[2i+1])`; tables laid out `[c0, c0, c1, c1, ...]`;
+//! - `half` (GPT-NeoX / LLaMA "rotate-half"): `(x[i], x[i + w/2])`; tables
+//!   `[c0, c1, ..., c0, c1, ...]`.
+//!
+//! A factor on the rotation (YaRN's attention factor) is part of the tables: `cos` and `sin`
+//! may be scaled together.
+
+use candle::{Result, Tensor};
+
+/// The cos and sin of one batch's rotation angles.
+#[derive(Clone, Debug)]
+pub struct Rotary {
+    /// `(r, t, width)`: `r = 1` when every sequence has the same positions, else `r = b`.
+    cos: Tensor,
+    /// `(r, t, width)`
+    sin: Tensor,
+    interleaved: bool,
+}
+
+impl Rotary {
+    /// # Shapes
+    /// - `cos`, `sin`: `(r, t, width)`, `width` even; `r` is 1 (shared by the batch) or the
+    ///   batch size
+    pub fn new(cos: Tensor, sin: Tensor, interleaved: bool) -> Result<Self> {
+        let (_, _, w) = cos.dims3().map_err(|_| {
+            candle::Error::Msg(format!(
+                "rotary tables must be (rows, t, width), got {:?}",
+                cos.shape()
+            ))
+        })?;
+        if sin.dims() != cos.dims() || w % 2 != 0 || w == 0 {
+            candle::bail!(
+                "rotary tables: cos {:?} and sin {:?} must have one shape (rows, t, width) with \
+                 an even, positive width",
+                cos.shape(),
+                sin.shape()
+            );
+        }
+        Ok(Self {
+            cos,
+            sin,
+            interleaved,
+        })
+    }
+
+    /// `(r, t, width)` cos and sin, and whether the pairing is interleaved.
+    pub fn tables(&self) -> (&Tensor, &Tensor, bool) {
+        (&self.cos, &self.sin, self.interleaved)
+    }
+
+    /// How many leading coordinates of a head are rotated.
+    pub fn width(&self) -> usize {
+        self.cos.dims()[2]
+    }
+
+    /// Rotates q or k.
+    ///
+    /// # Shapes
+    /// - `x`: `(b, h, t, d_head)` with `d_head >= width`; the tables' rows `r` must be 1 or `b`
+    /// - returns the shape of `x`
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        check(x, &self.cos)?;
+        super::rope_rotate(x, &self.cos, &self.sin, self.interleaved)
+    }
+}
+
+/// Checks `x` `(b, h, t, d_head)` against tables `(r, t, w)`.
+pub(crate) fn check(x: &Tensor, cos: &Tensor) -> Result<()> {
+    let (r, t, w) = cos.dims3()?;
+    match x.dims() {
+        &[b, _, xt, d] if xt == t && d >= w && (r == 1 || r == b) => Ok(()),
+        dims => candle::bail!(
+            "rotary: x must be (b, h, t, d_head) with t = {t}, d_head >= {w} and b = {r} or \
+             tables shared by the batch; got {dims:?} against tables {:?}",
+            cos.shape()
+        ),
+    }
+}

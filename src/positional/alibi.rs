@@ -1,0 +1,90 @@
+//! ALiBi (Press et al. 2022), in its symmetric form for an encoder: every head adds
+//!
+//! ```text
+//! bias[h, i, j] = -slope_h · |p_i - p_j|
+//! ```
+//!
+//! to its scaled scores. Nothing is learned; the slopes are a geometric sequence per head.
+
+use candle::{DType, Device, Tensor};
+
+use super::Positions;
+use crate::error::Result;
+
+/// Press et al.'s slopes for `heads` heads. For a power of two `n`: `2^(-8h/n)`, `h = 1..n`.
+/// Otherwise the slopes of the nearest lower power of two `m`, then every other slope of `2m`
+/// (the odd ones, `2^(-8(2k-1)/2m)`) until there are `heads`.
+pub fn alibi_slopes(heads: usize) -> Vec<f64> {
+    fn power_of_two(n: usize) -> Vec<f64> {
+        (1..=n)
+            .map(|h| 2f64.powf(-8.0 * h as f64 / n as f64))
+            .collect()
+    }
+    if heads == 0 {
+        return Vec::new();
+    }
+    if heads.is_power_of_two() {
+        return power_of_two(heads);
+    }
+    let closest = 1usize << heads.ilog2();
+    let mut slopes = power_of_two(closest);
+    slopes.extend(
+        alibi_slopes(2 * closest)
+            .into_iter()
+            .step_by(2)
+            .take(heads - closest),
+    );
+    slopes
+}
+
+/// The ALiBi bias of a model with a given number of heads.
+#[derive(Clone, Debug)]
+pub struct Alibi {
+    slopes: Vec<f64>,
+}
+
+impl Alibi {
+    pub fn new(heads: usize) -> Self {
+        Self {
+            slopes: alibi_slopes(heads),
+        }
+    }
+
+    pub fn slopes(&self) -> &[f64] {
+        &self.slopes
+    }
+
+    /// # Shapes
+    /// - returns `(r, h, t, t)` for positions `(r, t)`, computed in f64 and rounded once
+    pub fn bias(&self, positions: &Positions, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (r, t, h) = (positions.rows(), positions.len(), self.slopes.len());
+        let dist = positions.distances(); // (r, t, t)
+        let mut out = Vec::with_capacity(r * h * t * t);
+        for row in dist.chunks_exact(t * t) {
+            for &slope in &self.slopes {
+                out.extend(row.iter().map(|d| -slope * d));
+            }
+        }
+        Ok(Tensor::from_vec(out, (r, h, t, t), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slopes_follow_press_et_al() {
+        // 8 heads: 1/2, 1/4, ..., 1/256.
+        let s = alibi_slopes(8);
+        assert_eq!(s[0], 0.5);
+        assert_eq!(s[7], 1.0 / 256.0);
+        // 6 heads: the 4-head slopes (1/4, 1/16, 1/64, 1/256), then the odd 8-head ones (1/2, 1/8).
+        assert_eq!(
+            alibi_slopes(6),
+            [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
+        );
+    }
+}

@@ -1,0 +1,128 @@
+//! T5's relative-position buckets (Raffel et al. 2020), bidirectional as in T5's encoder.
+//!
+//! Every layer adds `rel_bias.weight[bucket(p_j - p_i), h]` to its scores: one learned
+//! `(buckets, heads)` table shared by all layers, indexed by the bucket of the key's position
+//! minus the query's.
+
+use candle::{Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use super::Positions;
+use crate::error::Result;
+
+/// T5's bidirectional bucket of `rel = key position - query position`.
+///
+/// Half the buckets hold keys after the query (`rel > 0`), half the rest. Within a half,
+/// distances below `max_exact = buckets / 4` get a bucket each; larger ones share logarithmic
+/// buckets up to `max_distance`, and everything further falls in the half's last bucket:
+///
+/// ```text
+/// bucket = half · [rel > 0] + (n                                                  if n < max_exact
+///                              min(half - 1, max_exact + ⌊ln(n / max_exact)
+///                                  / ln(max_distance / max_exact) · (half - max_exact)⌋)  else)
+/// ```
+///
+/// with `half = buckets / 2`, `n = |rel|`. The logarithm is taken in f32, as T5 (and
+/// transformers) compute it, so the bucket edges are theirs exactly.
+pub fn t5_bucket(rel: i64, buckets: usize, max_distance: usize) -> usize {
+    let half = buckets / 2;
+    let side = if rel > 0 { half } else { 0 };
+    let n = rel.unsigned_abs() as usize;
+    let max_exact = half / 2;
+    if n < max_exact {
+        return side + n;
+    }
+    let ratio = (n.max(1) as f32 / max_exact as f32).ln();
+    let span = (max_distance as f64 / max_exact as f64).ln() as f32;
+    let large = (ratio / span * (half - max_exact) as f32) as usize + max_exact;
+    side + large.min(half - 1)
+}
+
+/// The T5 bias: a learned `(buckets, heads)` table, `rel_bias.weight`.
+#[derive(Clone, Debug)]
+pub struct T5Bias {
+    table: Tensor,
+    buckets: usize,
+    max_distance: usize,
+}
+
+impl T5Bias {
+    /// `rel_bias.weight` under `vb`, initialised `N(0, 1/sqrt(d_model))` as in transformers' T5.
+    pub fn new(
+        buckets: usize,
+        max_distance: usize,
+        heads: usize,
+        d_model: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let table = vb.get_with_hints(
+            (buckets, heads),
+            "weight",
+            Init::Randn {
+                mean: 0.0,
+                stdev: 1.0 / (d_model as f64).sqrt(),
+            },
+        )?;
+        Ok(Self {
+            table,
+            buckets,
+            max_distance,
+        })
+    }
+
+    /// `(buckets, heads)`
+    pub fn table(&self) -> &Tensor {
+        &self.table
+    }
+
+    pub fn buckets(&self) -> usize {
+        self.buckets
+    }
+
+    pub fn max_distance(&self) -> usize {
+        self.max_distance
+    }
+
+    /// # Shapes
+    /// - returns `(r, h, t, t)` for positions `(r, t)`; differentiable in the table
+    pub fn bias(&self, positions: &Positions) -> Result<Tensor> {
+        let (r, t) = (positions.rows(), positions.len());
+        let mut idx = Vec::with_capacity(r * t * t);
+        for row in 0..r {
+            let p = positions.row(row);
+            for &query in p {
+                idx.extend(p.iter().map(|&key| {
+                    t5_bucket(
+                        i64::from(key) - i64::from(query),
+                        self.buckets,
+                        self.max_distance,
+                    ) as u32
+                }));
+            }
+        }
+        let heads = self.table.dim(D::Minus1)?;
+        let idx = Tensor::from_vec(idx, r * t * t, self.table.device())?;
+        Ok(self
+            .table
+            .index_select(&idx, 0)? // (r t t, h)
+            .reshape((r, t, t, heads))?
+            .permute((0, 3, 1, 2))?
+            .contiguous()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_by_hand() {
+        // 32 buckets, max 128: exact below 8 on each side, keys after the query from 16.
+        assert_eq!(t5_bucket(0, 32, 128), 0);
+        assert_eq!(t5_bucket(-7, 32, 128), 7);
+        assert_eq!(t5_bucket(7, 32, 128), 23);
+        assert_eq!(t5_bucket(-8, 32, 128), 8);
+        assert_eq!(t5_bucket(-1000, 32, 128), 15);
+        assert_eq!(t5_bucket(1000, 32, 128), 31);
+    }
+}
