@@ -99,6 +99,7 @@ impl Shape {
             "rope" => PositionalConfig::Rope(RopeOptions {
                 base: crate::positional::DEFAULT_BASE,
                 pairing: RopePairing::Half,
+                ..Default::default()
             }),
             "alibi" => PositionalConfig::Alibi(NoOptions {}),
             "t5" => PositionalConfig::T5(Default::default()),

@@ -411,6 +411,44 @@ impl Encoder {
         Ok(out)
     }
 
+    /// Every layer's queries and keys before any rotation, `(b, h, t, d_head)` each, with the
+    /// tokens at `0..t`: what RoPE's frequency pairs carry in a trained model.
+    pub fn queries_keys(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        let (b, t) = self.check_input(input_ids, attention_mask)?;
+        let positions = Positions::range(0, t)?;
+        let x = self.tok_emb.forward(input_ids)?;
+        let mut x = (x * self.config.embed_scale.value(self.config.d_model))?;
+        let (mut rotary, mut biases) = (None, None);
+        match &self.positional {
+            PositionalModule::Input(input) => x = input.join(&x, &positions)?,
+            PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(&positions)?),
+            PositionalModule::ScoreBias(bias) => {
+                biases = Some(bias.layer_biases(&positions, x.dtype(), x.device())?)
+            }
+        }
+        let padding = key_padding_bias(attention_mask, x.dtype())?;
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attn_in = match self.config.norm {
+                NormPlacement::Pre => layer.attn_norm.forward(&x)?,
+                NormPlacement::Post => x.clone(),
+            };
+            out.push(layer.attn.queries_keys(&attn_in)?);
+            let inputs = AttentionInputs {
+                key_padding: &padding,
+                rotary: rotary.as_ref(),
+                score_bias: biases.as_ref().map(|bias| bias.layer(i)),
+            };
+            x = layer.forward_t(&x, inputs, false)?;
+        }
+        debug_assert_eq!(out.first().map(|(q, _)| q.dim(0).unwrap_or(0)), Some(b));
+        Ok(out)
+    }
+
     /// Rejects inputs the model cannot take, with the reason and the fix.
     fn check_input(&self, ids: &Tensor, mask: &Tensor) -> Result<(usize, usize)> {
         let (b, t) = ids.dims2().map_err(|_| {

@@ -3,10 +3,12 @@
 use candle::{DType, Device, IndexOp, Tensor, D};
 use serde::Serialize;
 
+use crate::config::ModelConfig;
 use crate::data::pad_batch;
 use crate::error::{Error, Result};
-use crate::model::{HeadConfig, Pooling};
+use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::positional::{random_positions, Positions};
+use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed, stable_hash};
 use crate::saved::Loaded;
 use crate::tasks::Objective;
@@ -76,13 +78,62 @@ struct Prepared {
 pub struct Predictor<'a> {
     loaded: &'a Loaded,
     truncate: bool,
+    rope_scaling: Option<RopeScaling>,
 }
 
 impl<'a> Predictor<'a> {
     /// With `truncate`, texts longer than a learned table are cut to fit (and say so);
     /// without, they are an error.
     pub fn new(loaded: &'a Loaded, truncate: bool) -> Self {
-        Self { loaded, truncate }
+        Self {
+            loaded,
+            truncate,
+            rope_scaling: None,
+        }
+    }
+
+    /// Reads texts with a `rope` model's frequencies rescaled (to read past its training
+    /// length): `factor = "auto"` is the longest text over the model's `max_len` (its training's
+    /// longest input), at least 1; `original_max_len` defaults to `max_len`.
+    pub fn with_rope_scaling(mut self, scaling: Option<RopeScaling>) -> Result<Self> {
+        if let Some(s) = &scaling {
+            let positional = &self.loaded.config.model.positional;
+            if !matches!(positional, PositionalConfig::Rope(_)) {
+                return Err(Error::Input(format!(
+                    "--rope-scaling {}: this model's scheme is `{}`; scaling applies to rope \
+                     models only",
+                    s.label(),
+                    positional.name()
+                )));
+            }
+        }
+        self.rope_scaling = scaling;
+        Ok(self)
+    }
+
+    /// The model to read `prepared` with: the loaded one, or the same weights with RoPE's
+    /// frequencies rescaled.
+    fn model_for(&self, prepared: &[Prepared]) -> Result<Option<TaskModel>> {
+        let (Some(scaling), PositionalConfig::Rope(options)) =
+            (&self.rope_scaling, &self.loaded.config.model.positional)
+        else {
+            return Ok(None);
+        };
+        let trained = self.loaded.config.model.max_len.max(1);
+        let longest = prepared.iter().map(|p| p.ids.len()).max().unwrap_or(1);
+        let config = ModelConfig {
+            positional: PositionalConfig::Rope(RopeOptions {
+                scaling: Some(scaling.resolved(longest as f64 / trained as f64, trained)),
+                ..options.clone()
+            }),
+            ..self.loaded.config.model.clone()
+        };
+        let encoder = self.loaded.model.encoder();
+        let vb = self
+            .loaded
+            .params
+            .var_builder(encoder.dtype(), encoder.device());
+        Ok(Some(TaskModel::new(&config, &self.loaded.config.head, vb)?))
     }
 
     fn device(&self) -> &Device {
@@ -165,23 +216,25 @@ impl<'a> Predictor<'a> {
         Positions::from_rows(&rows)
     }
 
-    /// Runs `f` on the hidden states or logits of batches of `texts`.
+    /// Runs `f` on the model and batches of `texts`.
     fn batched<T>(
         &self,
         texts: &[String],
-        mut f: impl FnMut(&[Prepared], &Tensor, &Tensor, &Positions) -> Result<Vec<T>>,
+        mut f: impl FnMut(&TaskModel, &[Prepared], &Tensor, &Tensor, &Positions) -> Result<Vec<T>>,
     ) -> Result<Vec<Output<T>>> {
         let prepared = texts
             .iter()
             .enumerate()
             .map(|(i, t)| self.prepare(i, t))
             .collect::<Result<Vec<_>>>()?;
+        let scaled = self.model_for(&prepared)?;
+        let model = scaled.as_ref().unwrap_or(&self.loaded.model);
         let mut out = Vec::with_capacity(texts.len());
         for (chunk, texts) in prepared.chunks(BATCH).zip(texts.chunks(BATCH)) {
             let seqs: Vec<&[u32]> = chunk.iter().map(|p| p.ids.as_slice()).collect();
             let (ids, mask) = pad_batch(&seqs, self.loaded.tokenizer.pad_id(), self.device())?;
             let positions = self.positions(chunk, ids.dim(1)?)?;
-            let values = f(chunk, &ids, &mask, &positions)?;
+            let values = f(model, chunk, &ids, &mask, &positions)?;
             for ((p, text), value) in chunk.iter().zip(texts).zip(values) {
                 out.push(Output {
                     text: text.clone(),
@@ -198,8 +251,8 @@ impl<'a> Predictor<'a> {
     pub fn predict(&self, texts: &[String], top_k: usize) -> Result<Vec<Output<Prediction>>> {
         let objective = &self.loaded.config.objective;
         let tok = &self.loaded.tokenizer;
-        self.batched(texts, |chunk, ids, mask, positions| {
-            let logits = self.loaded.model.logits(ids, mask, positions, false)?;
+        self.batched(texts, |model, chunk, ids, mask, positions| {
+            let logits = model.logits(ids, mask, positions, false)?;
             let probs = crate::nn::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
             match objective {
                 Objective::Classify { labels } => {
@@ -307,17 +360,9 @@ impl<'a> Predictor<'a> {
     /// The pooled sentence vector of each text (the model's pooling for classifiers, else the
     /// mean over tokens).
     pub fn embed(&self, texts: &[String]) -> Result<Vec<Output<Embedding>>> {
-        self.batched(texts, |_, ids, mask, positions| {
-            let hidden = self
-                .loaded
-                .model
-                .encoder()
-                .forward_with(ids, mask, positions, false)?;
-            let pooled = self
-                .loaded
-                .model
-                .pool(&hidden, mask)?
-                .to_dtype(DType::F32)?;
+        self.batched(texts, |model, _, ids, mask, positions| {
+            let hidden = model.encoder().forward_with(ids, mask, positions, false)?;
+            let pooled = model.pool(&hidden, mask)?.to_dtype(DType::F32)?;
             Ok(pooled
                 .to_vec2::<f32>()?
                 .into_iter()

@@ -10,6 +10,7 @@
 pub mod bias;
 pub mod linalg;
 mod plots;
+pub mod rope;
 pub mod terms;
 
 use std::f64::consts::TAU;

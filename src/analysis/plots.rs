@@ -149,8 +149,11 @@ fn tick(v: &f64) -> String {
     }
 }
 
-/// Series of a line chart: name, points, dashed.
-pub(super) type Series = [(String, Vec<(f64, f64)>, bool)];
+/// One line of a chart: name, points, dashed.
+pub(super) type Line = (String, Vec<(f64, f64)>, bool);
+
+/// Series of a line chart.
+pub(super) type Series = [Line];
 
 /// Draws the mesh, the series and their legend on a chart of any y coordinate.
 fn draw_lines<'a, Y>(

@@ -33,6 +33,20 @@ pub struct Args {
     /// T5: the distance from which offsets share the last bucket.
     #[arg(long, default_value_t = 128)]
     pub max_distance: usize,
+    /// RoPE: the share of each head rotated (its first int(dim x fraction) coordinates).
+    #[arg(long, default_value_t = 1.0)]
+    pub fraction: f64,
+    /// RoPE: the factor of the scalings whose wavelengths are compared.
+    #[arg(long, default_value_t = 4.0)]
+    pub factor: f64,
+    /// RoPE: the training length the scalings start from (default: --positions, or a trained
+    /// model's max_len).
+    #[arg(long)]
+    pub original_max_len: Option<usize>,
+    /// With --run of a rope model: read the text with RoPE's frequencies rescaled,
+    /// KIND[:FACTOR] (see `predict --help`); its factor also sets the wavelengths compared.
+    #[arg(long, value_name = "KIND[:FACTOR]", value_parser = super::parse_rope_scaling, requires = "run")]
+    pub rope_scaling: Option<poslab::positional::RopeScaling>,
     /// A trained model's folder.
     #[arg(long, value_name = "DIR")]
     pub run: Option<PathBuf>,
@@ -104,7 +118,15 @@ pub fn run(a: Args) -> Result<()> {
     };
     let mut summary = String::new();
     let mut files = Vec::new();
-    let (table, label, loaded) = match (&a.scheme, &a.run) {
+    // RoPE's (rotated width, base, trained length), for the scaled-wavelengths plot.
+    let mut wavelengths: Option<(usize, f64, usize)> = None;
+    if !(a.factor.is_finite() && a.factor >= 1.0) || a.original_max_len == Some(0) {
+        anyhow::bail!(
+            "--factor {} must be a number of at least 1, and --original-max-len at least 1",
+            a.factor
+        );
+    }
+    let (table, label, mut loaded) = match (&a.scheme, &a.run) {
         (_, Some(dir)) => {
             let loaded = load_model(
                 dir,
@@ -133,6 +155,10 @@ pub fn run(a: Args) -> Result<()> {
                 other => analysis::fixed_table(other, m.d_model, m.head_dim(), a.positions),
             };
             options.rope = matches!(m.positional, PositionalConfig::Rope(_));
+            if let PositionalConfig::Rope(o) = &m.positional {
+                let original = a.original_max_len.unwrap_or(m.max_len);
+                wavelengths = Some((o.rotary_dim(m.head_dim()), o.base, original));
+            }
             let name = dir
                 .file_name()
                 .map_or("run".into(), |n| n.to_string_lossy().into_owned());
@@ -147,8 +173,21 @@ pub fn run(a: Args) -> Result<()> {
             }
             let table = if scheme == "rope" {
                 options.rope = true;
+                let rd = poslab::positional::rotary_dim(a.dim, a.fraction);
+                if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || rd % 2 != 0 {
+                    anyhow::bail!(
+                        "--fraction {} of --dim {} rotates int({} x {}) = {rd} coordinates: it \
+                         must be in (0, 1] and leave an even number, at least 2",
+                        a.fraction,
+                        a.dim,
+                        a.dim,
+                        a.fraction
+                    );
+                }
+                let original = a.original_max_len.unwrap_or(a.positions);
+                wavelengths = Some((rd, a.base, original));
                 Table::rope(
-                    a.dim,
+                    rd,
                     a.base,
                     parse_option("pairing", &a.pairing)?,
                     a.positions,
@@ -186,11 +225,52 @@ pub fn run(a: Args) -> Result<()> {
                 .push_str("no position table: this model has no positional scheme (`none`)\n"),
         },
     }
-    if let Some(loaded) = &loaded {
+    if let Some((rd, base, original)) = wavelengths {
+        let factor = match a.rope_scaling.as_ref().map(|s| s.factor()) {
+            Some(poslab::positional::Factor::Value(f)) => f,
+            _ => a.factor,
+        };
+        let curves = analysis::rope::scaled_wavelengths(rd, base, factor, original);
+        files.extend(analysis::rope::write_wavelengths(
+            &curves, original, factor, &dir,
+        )?);
+        summary.push_str(&format!(
+            "RoPE wavelengths of {} pairs, trained length {original}, factor {factor}: fastest \
+             {:.1} positions; slowest {}\n",
+            rd / 2,
+            curves[0].1[0],
+            curves
+                .iter()
+                .map(|(label, w)| format!("{label} {:.0}", w[w.len() - 1]))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if let Some(loaded) = &mut loaded {
         let encoder = loaded.model.encoder();
         if let Some(bias) = analysis::bias::encoder_biases(encoder, bias_positions)? {
             summary.push_str(&bias.summary());
             files.extend(bias.write(&dir)?);
+        }
+        if matches!(loaded.config.model.positional, PositionalConfig::Rope(_)) {
+            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
+                Err(e) if a.text.is_none() => {
+                    summary.push_str(&format!("RoPE pair energy skipped: {e}\n"))
+                }
+                Err(e) => return Err(e.into()),
+                Ok((ids, mask, _)) => {
+                    if let Some(scaling) = &a.rope_scaling {
+                        rescale(loaded, scaling, ids.dim(1)?)?;
+                        summary.push_str(&format!(
+                            "read with rope scaling {}\n",
+                            serde_json::to_string(&loaded.config.model.positional)?
+                        ));
+                    }
+                    let energy = analysis::rope::pair_energy(loaded, &ids, &mask)?;
+                    summary.push_str(&analysis::rope::energy_summary(&energy));
+                    files.extend(analysis::rope::write_energy(&energy, &dir)?);
+                }
+            }
         }
         match &loaded.config.model.positional {
             PositionalConfig::SinusoidalAdd(_) | PositionalConfig::Learned(_) => {
@@ -251,5 +331,36 @@ fn bias_by_name(scheme: &str, a: &Args, positions: usize) -> Result<()> {
     poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     print!("{summary}");
     println!("files in {}: {}", dir.display(), files.join(", "));
+    Ok(())
+}
+
+/// Rebuilds a loaded rope model with its frequencies rescaled (the same weights); an `auto`
+/// factor is the text's length `longest` over the model's `max_len`, at least 1.
+fn rescale(
+    loaded: &mut poslab::saved::Loaded,
+    scaling: &poslab::positional::RopeScaling,
+    longest: usize,
+) -> Result<()> {
+    let model = &loaded.config.model;
+    let PositionalConfig::Rope(options) = &model.positional else {
+        anyhow::bail!(
+            "--rope-scaling applies to rope models; this one's scheme is `{}`",
+            model.positional.name()
+        );
+    };
+    let config = poslab::ModelConfig {
+        positional: PositionalConfig::Rope(poslab::RopeOptions {
+            scaling: Some(scaling.resolved(
+                longest as f64 / model.max_len.max(1) as f64,
+                model.max_len.max(1),
+            )),
+            ..options.clone()
+        }),
+        ..model.clone()
+    };
+    let encoder = loaded.model.encoder();
+    let vb = loaded.params.var_builder(encoder.dtype(), encoder.device());
+    loaded.model = poslab::model::TaskModel::new(&config, &loaded.config.head, vb)?;
+    loaded.config.model = config;
     Ok(())
 }

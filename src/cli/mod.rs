@@ -61,3 +61,15 @@ pub fn parse_option<T: serde::de::DeserializeOwned>(what: &str, value: &str) -> 
     serde_json::from_value(serde_json::Value::String(value.into()))
         .with_context(|| format!("--{what} {value}"))
 }
+
+/// `--rope-scaling KIND[:FACTOR]`, as clap parses it.
+pub fn parse_rope_scaling(
+    spec: &str,
+) -> std::result::Result<poslab::positional::RopeScaling, String> {
+    poslab::positional::RopeScaling::parse_spec(spec)
+}
+
+/// The help of `--rope-scaling`.
+pub const ROPE_SCALING_HELP: &str = "Read with RoPE's frequencies rescaled (rope models), to go \
+past the training length: KIND[:FACTOR], KIND one of linear, ntk, dynamic_ntk, yarn, FACTOR a \
+number of at least 1 or auto (the default: the longest text over the training's longest)";

@@ -28,6 +28,8 @@ pub struct Args {
     /// Cut texts longer than a learned position table instead of refusing them.
     #[arg(long)]
     pub truncate: bool,
+    #[arg(long, value_name = "KIND[:FACTOR]", value_parser = super::parse_rope_scaling, help = super::ROPE_SCALING_HELP)]
+    pub rope_scaling: Option<poslab::positional::RopeScaling>,
     #[command(flatten)]
     pub compute: Compute,
 }
@@ -40,12 +42,15 @@ pub fn run(args: Args) -> Result<()> {
         json,
         top_k,
         truncate,
+        rope_scaling,
         compute,
     } = args;
     let (run, compute) = (&run, &compute);
     let texts = gather_texts(texts, input)?;
     let loaded = load_model(run, compute)?;
-    let outputs = Predictor::new(&loaded, truncate).predict(&texts, top_k.max(1))?;
+    let outputs = Predictor::new(&loaded, truncate)
+        .with_rope_scaling(rope_scaling)?
+        .predict(&texts, top_k.max(1))?;
     for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
             eprintln!("text {}: {note}", i + 1);

@@ -135,6 +135,12 @@ pub struct EvalConfig {
     /// Evaluation batch size; default twice the training batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_size: Option<usize>,
+    /// RoPE scalings each trained `rope` variant is re-scored under, at every test, without
+    /// retraining: each becomes a row of its own (`rope + yarn`). `factor = "auto"` is the
+    /// test's longest input over the training's longest (at least 1); `original_max_len`
+    /// defaults to the training's longest input.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rope_scaling: Vec<crate::positional::RopeScaling>,
 }
 
 impl Default for EvalConfig {
@@ -142,6 +148,7 @@ impl Default for EvalConfig {
         Self {
             shift: d_shift(),
             batch_size: None,
+            rope_scaling: Vec::new(),
         }
     }
 }
@@ -290,6 +297,18 @@ impl ExperimentConfig {
             return Err(Error::Config(
                 "[eval] batch_size = 0, but it must be at least 1".into(),
             ));
+        }
+        let mut labels = HashSet::new();
+        for scaling in &self.eval.rope_scaling {
+            scaling
+                .check(usize::MAX, true)
+                .map_err(|e| Error::Config(format!("[eval] {e}")))?;
+            if !labels.insert(scaling.label()) {
+                return Err(Error::Config(format!(
+                    "[eval] rope_scaling lists `{}` twice: give each once",
+                    scaling.label()
+                )));
+            }
         }
         let mut names = HashSet::new();
         for task in &self.tasks {

@@ -13,12 +13,13 @@ use super::results::{
     VariantInfo, SHUFFLED,
 };
 use super::{ExperimentConfig, Selection, VariantSpec};
+use crate::config::ModelConfig;
 use crate::data::{Dataset, MlmMasking};
 use crate::device::device_name;
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
-use crate::positional::PositionalConfig;
+use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed};
 use crate::saved::{self, SavedConfig};
 use crate::tasks::{Objective, TaskData, TaskSpec};
@@ -257,18 +258,30 @@ impl Prepared<'_> {
     /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
     /// marked unavailable with the reason.
     pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
+        (0..self.tests.len())
+            .map(|i| self.evaluate_test(model, i, eval_batch))
+            .collect()
+    }
+
+    /// The largest position (plus one) test `i` reads without randomized positions.
+    fn reach(&self, i: usize) -> usize {
+        let test = &self.tests[i];
+        test.start + self.sets[test.set].max_len()
+    }
+
+    /// Test `i` on `model`.
+    fn evaluate_test(&self, model: &TaskModel, i: usize, eval_batch: usize) -> Result<Evaluation> {
         let table_rows = model.encoder().max_positions();
         let pad = self.data.tokenizer.pad_id();
-        self.tests
-            .iter()
-            .map(|test| {
+        let test = &self.tests[i];
+        {
+            {
                 let set = &self.sets[test.set];
                 // Randomized positions may reach any position below N.
-                let longest = match model.encoder().config().random_positions {
-                    Some(n) => n,
-                    None => set.max_len(),
+                let reach = match model.encoder().config().random_positions {
+                    Some(n) => test.start + n,
+                    None => self.reach(i),
                 };
-                let reach = test.start + longest;
                 let outcome = match table_rows {
                     Some(rows) if reach > rows => Outcome::Unavailable {
                         reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
@@ -285,6 +298,45 @@ impl Prepared<'_> {
                     name: test.name.clone(),
                     outcome,
                 })
+            }
+        }
+    }
+
+    /// Every test of a trained `rope` model re-scored under `scaling`, without retraining: the
+    /// same weights, the frequencies rescaled per test (`factor = "auto"`: the test's largest
+    /// position plus one over the training's longest input).
+    pub(crate) fn evaluate_scaled(
+        &self,
+        model_config: &ModelConfig,
+        params: &ParamStore,
+        scaling: &RopeScaling,
+        eval_batch: usize,
+    ) -> Result<Vec<Evaluation>> {
+        let PositionalConfig::Rope(options) = &model_config.positional else {
+            return Err(Error::Config(format!(
+                "rope scaling applies to rope models, not `{}`",
+                model_config.positional.name()
+            )));
+        };
+        let trained = self.train.max_len().max(1);
+        let device = params
+            .vars()
+            .first()
+            .map_or(Device::Cpu, |(_, v)| v.device().clone());
+        (0..self.tests.len())
+            .map(|i| {
+                let auto = self.reach(i) as f64 / trained as f64;
+                let scaled = ModelConfig {
+                    positional: PositionalConfig::Rope(RopeOptions {
+                        scaling: Some(scaling.resolved(auto, trained)),
+                        ..options.clone()
+                    }),
+                    ..model_config.clone()
+                };
+                // Built from the same store: the trained variables, shared.
+                let model =
+                    TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?;
+                self.evaluate_test(&model, i, eval_batch)
             })
             .collect()
     }
@@ -296,6 +348,8 @@ struct CellOutput {
     timing: Timing,
     variant: VariantInfo,
     line: String,
+    /// The same model re-scored under each `[eval] rope_scaling` (its own row, `rope + yarn`).
+    rescored: Vec<(VariantInfo, CellResult)>,
 }
 
 struct Shared<'a> {
@@ -364,52 +418,113 @@ fn run_cell(
         },
     )?;
 
+    let mut rescored = Vec::new();
+    if matches!(variant.positional, PositionalConfig::Rope(_)) {
+        for scaling in &config.eval.rope_scaling {
+            let evaluations = task.evaluate_scaled(&model_config, &params, scaling, eval_batch)?;
+            rescored.push((scaling.clone(), evaluations));
+        }
+    }
+
     let wall = started.elapsed().as_secs_f64();
     let tokens_per_second = outcome.tokens as f64 / outcome.train_seconds.max(1e-9);
-    let scores = evaluations
-        .iter()
-        .map(|e| match &e.outcome {
-            Outcome::Scored { accuracy, .. } => format!("{} {:.1}%", e.name, 100.0 * accuracy),
-            Outcome::Unavailable { .. } => format!("{} n/a", e.name),
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
-    Ok(CellOutput {
-        line: format!(
-            "{}/{}/seed{seed}: {scores}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
-            task.spec.name,
-            variant.name,
-            outcome.final_loss()
-        ),
-        variant: VariantInfo {
-            name: variant.name.clone(),
-            positional: variant.positional.clone(),
-            placement: match variant.random_positions {
-                Some(n) => format!("{}, random {n}", variant.positional.placement()),
-                None => variant.positional.placement().name().into(),
-            },
-            d_model: model_config.d_model,
-            token_dim: model_config.token_dim(),
-            width: match &variant.positional {
-                PositionalConfig::SinusoidalConcat(o) if o.project => {
-                    format!(
-                        "{}+{}->{}",
-                        model_config.token_dim(),
-                        o.pos_dim,
-                        model_config.d_model
-                    )
-                }
-                PositionalConfig::SinusoidalConcat(o) => {
-                    format!(
-                        "{} = {}+{}",
-                        model_config.d_model,
-                        model_config.token_dim(),
-                        o.pos_dim
-                    )
-                }
-                _ => model_config.d_model.to_string(),
-            },
+    let scores = |evaluations: &[Evaluation]| {
+        evaluations
+            .iter()
+            .map(|e| match &e.outcome {
+                Outcome::Scored { accuracy, .. } => format!("{} {:.1}%", e.name, 100.0 * accuracy),
+                Outcome::Unavailable { .. } => format!("{} n/a", e.name),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut line = format!(
+        "{}/{}/seed{seed}: {}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
+        task.spec.name,
+        variant.name,
+        scores(&evaluations),
+        outcome.final_loss()
+    );
+    let info = VariantInfo {
+        name: variant.name.clone(),
+        positional: variant.positional.clone(),
+        placement: match variant.random_positions {
+            Some(n) => format!("{}, random {n}", variant.positional.placement()),
+            None => variant.positional.placement().name().into(),
         },
+        d_model: model_config.d_model,
+        token_dim: model_config.token_dim(),
+        width: match &variant.positional {
+            PositionalConfig::SinusoidalConcat(o) if o.project => {
+                format!(
+                    "{}+{}->{}",
+                    model_config.token_dim(),
+                    o.pos_dim,
+                    model_config.d_model
+                )
+            }
+            PositionalConfig::SinusoidalConcat(o) => {
+                format!(
+                    "{} = {}+{}",
+                    model_config.d_model,
+                    model_config.token_dim(),
+                    o.pos_dim
+                )
+            }
+            _ => model_config.d_model.to_string(),
+        },
+    };
+    let result = CellResult {
+        task: task.spec.name.clone(),
+        variant: variant.name.clone(),
+        seed,
+        params: params.num_params(),
+        d_model: model_config.d_model,
+        max_len: model_config.max_len,
+        steps: outcome.steps,
+        tokens: outcome.tokens,
+        kept_step: outcome.kept_step,
+        stopped_early: outcome.stopped_early,
+        final_train_loss: outcome.final_loss(),
+        loss_curve: downsample(&outcome.losses),
+        validation: outcome
+            .validation
+            .iter()
+            .map(|(s, v)| [*s as f64, v.accuracy])
+            .collect(),
+        evaluations,
+        model_dir: model_dir.to_string_lossy().replace('\\', "/"),
+    };
+    // Each re-scoring is a row of its own: the same model, a rescaled RoPE.
+    let rescored = rescored
+        .into_iter()
+        .map(|(scaling, evaluations)| {
+            let name = format!("{} + {}", variant.name, scaling.label());
+            line.push_str(&format!("\n  {name}: {}", scores(&evaluations)));
+            let positional = match &variant.positional {
+                PositionalConfig::Rope(o) => PositionalConfig::Rope(RopeOptions {
+                    scaling: Some(scaling),
+                    ..o.clone()
+                }),
+                other => other.clone(),
+            };
+            (
+                VariantInfo {
+                    name: name.clone(),
+                    positional,
+                    ..info.clone()
+                },
+                CellResult {
+                    variant: name,
+                    evaluations,
+                    ..result.clone()
+                },
+            )
+        })
+        .collect();
+    Ok(CellOutput {
+        line,
+        variant: info,
         timing: Timing {
             task: task.spec.name.clone(),
             variant: variant.name.clone(),
@@ -419,27 +534,8 @@ fn run_cell(
             tokens_per_second,
             wall_seconds: wall,
         },
-        result: CellResult {
-            task: task.spec.name.clone(),
-            variant: variant.name.clone(),
-            seed,
-            params: params.num_params(),
-            d_model: model_config.d_model,
-            max_len: model_config.max_len,
-            steps: outcome.steps,
-            tokens: outcome.tokens,
-            kept_step: outcome.kept_step,
-            stopped_early: outcome.stopped_early,
-            final_train_loss: outcome.final_loss(),
-            loss_curve: downsample(&outcome.losses),
-            validation: outcome
-                .validation
-                .iter()
-                .map(|(s, v)| [*s as f64, v.accuracy])
-                .collect(),
-            evaluations,
-            model_dir: model_dir.to_string_lossy().replace('\\', "/"),
-        },
+        result,
+        rescored,
     })
 }
 
@@ -554,10 +650,13 @@ pub fn run(
     };
     let mut timings = Vec::new();
     for (_, out) in outputs {
-        if !results.variants.iter().any(|v| v.name == out.variant.name) {
-            results.variants.push(out.variant);
+        let rows = std::iter::once((out.variant, out.result)).chain(out.rescored);
+        for (variant, result) in rows {
+            if !results.variants.iter().any(|v| v.name == variant.name) {
+                results.variants.push(variant);
+            }
+            results.cells.push(result);
         }
-        results.cells.push(out.result);
         timings.push(out.timing);
     }
     results.finish();

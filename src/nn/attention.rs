@@ -129,6 +129,18 @@ impl SelfAttention {
         Ok((weight, bias))
     }
 
+    /// The queries and keys of `xs` before any rotation, each `(b, h, t, d_head)`: what
+    /// `analyze` measures RoPE's frequency use on.
+    pub fn queries_keys(&self, xs: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t, _) = xs.dims3()?;
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        Ok((heads(self.q.forward(xs)?)?, heads(self.k.forward(xs)?)?))
+    }
+
     /// The attention scores (scaled, before masking) of the input `content + position`, and
     /// their four terms: content·content, content·position, position·content,
     /// position·position (query side first). Projection biases go with the content side. The

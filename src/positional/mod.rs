@@ -22,6 +22,7 @@ mod input;
 mod kerple;
 mod positions;
 mod rope;
+mod rope_scaling;
 mod score_bias;
 pub(crate) mod sinusoidal;
 mod t5;
@@ -33,6 +34,7 @@ pub use input::{InputPositions, LearnedPositions};
 pub use kerple::{Kerple, KERPLE_MIN};
 pub use positions::{random_batch_positions, random_positions, Positions, MAX_POSITION};
 pub use rope::Rope;
+pub use rope_scaling::{rope_frequencies, rotary_dim, Factor, RopeScaling};
 pub use score_bias::{LayerBiases, ScoreBias};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
 pub use t5::{t5_bucket, T5Bias};
@@ -156,7 +158,17 @@ impl Default for LearnedOptions {
     }
 }
 
-/// Options of `rope`.
+fn default_fraction() -> f64 {
+    1.0
+}
+
+fn is_one(v: &f64) -> bool {
+    *v == 1.0
+}
+
+/// Options of `rope`: the base and pairing; `fraction`, the share of each head rotated (its
+/// first `int(d_head · fraction)` coordinates, an even number; the rest pass through); and
+/// `scaling`, how frequencies are stretched past the training length (see [`RopeScaling`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RopeOptions {
@@ -164,6 +176,17 @@ pub struct RopeOptions {
     pub base: f64,
     #[serde(default)]
     pub pairing: RopePairing,
+    #[serde(default = "default_fraction", skip_serializing_if = "is_one")]
+    pub fraction: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<RopeScaling>,
+}
+
+impl RopeOptions {
+    /// The rotated width of a head of `head_dim`.
+    pub fn rotary_dim(&self, head_dim: usize) -> usize {
+        rotary_dim(head_dim, self.fraction)
+    }
 }
 
 impl Default for RopeOptions {
@@ -171,6 +194,8 @@ impl Default for RopeOptions {
         Self {
             base: DEFAULT_BASE,
             pairing: RopePairing::default(),
+            fraction: 1.0,
+            scaling: None,
         }
     }
 }
@@ -461,11 +486,30 @@ impl PositionalConfig {
             }
             Self::Rope(o) => {
                 check_base("rope", o.base)?;
-                if head_dim % 2 != 0 {
+                if !(o.fraction.is_finite() && o.fraction > 0.0 && o.fraction <= 1.0) {
+                    return Err(format!(
+                        "rope: fraction = {} must be in (0, 1]: the share of each head's \
+                         coordinates that is rotated",
+                        o.fraction
+                    ));
+                }
+                let rd = o.rotary_dim(head_dim);
+                if o.fraction == 1.0 && head_dim % 2 != 0 {
                     return Err(format!(
                         "rope rotates pairs of coordinates, so the head width must be even, but \
                          d_model / n_heads = {head_dim} is odd: change d_model or n_heads"
                     ));
+                }
+                if rd == 0 || rd % 2 != 0 {
+                    return Err(format!(
+                        "rope rotates pairs of coordinates, so the rotated width \
+                         int({head_dim} x {}) = {rd} must be even and positive: change \
+                         fraction (or d_model, n_heads)",
+                        o.fraction
+                    ));
+                }
+                if let Some(s) = &o.scaling {
+                    s.check(rd, false)?;
                 }
                 Ok(())
             }

@@ -1,4 +1,5 @@
-//! Rotary position embedding (Su et al., RoFormer), the attention-side scheme.
+//! Rotary position embedding (Su et al., RoFormer), the attention-side scheme, with partial
+//! rotation and frequency scaling (see [`super::rope_scaling`]).
 //!
 //! For pair `i` of a head at position `t` (each token's own, see [`Positions`]) the angle is
 //! `t * w_i`, `w_i = base^(-2i/d_head)`, and
@@ -19,24 +20,34 @@
 
 use candle::{DType, Device, Tensor, D};
 
-use super::sinusoidal::{angle_table, pair_slots};
-use super::{PositionTable, Positions, RopeOptions, RopePairing};
+use super::rope_scaling::rope_frequencies;
+use super::sinusoidal::{angles_at, pair_slots};
+use super::{PositionTable, Positions, RopeOptions, RopePairing, RopeScaling};
 use crate::error::{Error, Result};
 use crate::nn::Rotary;
 
 /// The rotary tables of one model, computed once (f64 on the host, rounded once to the model's
-/// dtype) and shared by every attention layer through the per-batch [`Rotary`] tables.
+/// dtype) and shared by every attention layer through the per-batch [`Rotary`] tables. Under
+/// dynamic NTK scaling the frequencies depend on the batch, and its tables are computed per
+/// batch instead.
 #[derive(Debug)]
 pub struct Rope {
     pairing: RopePairing,
     head_dim: usize,
+    rotary_dim: usize,
     base: f64,
-    cos: PositionTable,
-    sin: PositionTable,
+    /// Resolved: numbers, with `original_max_len` filled in.
+    scaling: Option<RopeScaling>,
+    /// `(cos, sin)` of every position, for frequencies that do not depend on the batch.
+    tables: Option<(PositionTable, PositionTable)>,
+    dtype: DType,
+    device: Device,
 }
 
 impl Rope {
-    /// `head_dim` must be even (configs are validated at load).
+    /// `head_dim` and the options must be valid (configs are validated at load). A scaling
+    /// without `original_max_len` takes `initial_len` (a model's `max_len`, its training's
+    /// longest input), which is also how many rows the tables start with.
     pub fn new(
         options: &RopeOptions,
         head_dim: usize,
@@ -44,21 +55,47 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        if head_dim % 2 != 0 {
+        let rotary_dim = options.rotary_dim(head_dim);
+        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
             return Err(Error::Config(format!(
-                "rope needs an even head width, got {head_dim}"
+                "rope rotates an even, positive number of coordinates per head, at most \
+                 {head_dim}; got {rotary_dim}"
             )));
         }
-        let table = |f: fn(f64) -> f64| {
-            let (base, pairing) = (options.base, options.pairing);
-            move |n: usize| expanded_table(n, head_dim, base, pairing, f)
+        let scaling = options
+            .scaling
+            .as_ref()
+            .map(|s| s.resolved(1.0, initial_len.max(1)));
+        if let Some(s) = &scaling {
+            s.check(rotary_dim, false).map_err(Error::Config)?;
+        }
+        let tables = match &scaling {
+            Some(RopeScaling::DynamicNtk { .. }) => None,
+            _ => {
+                let (inv_freq, factor) =
+                    rope_frequencies(rotary_dim, options.base, scaling.as_ref(), 0);
+                let table = |f: fn(f64) -> f64| {
+                    let (inv_freq, pairing) = (inv_freq.clone(), options.pairing);
+                    move |n: usize| {
+                        let positions: Vec<usize> = (0..n).collect();
+                        expanded(&positions, &inv_freq, factor, pairing, f)
+                    }
+                };
+                Some((
+                    PositionTable::new(rotary_dim, initial_len, dtype, device, table(f64::cos))?,
+                    PositionTable::new(rotary_dim, initial_len, dtype, device, table(f64::sin))?,
+                ))
+            }
         };
         Ok(Self {
             pairing: options.pairing,
             head_dim,
+            rotary_dim,
             base: options.base,
-            cos: PositionTable::new(head_dim, initial_len, dtype, device, table(f64::cos))?,
-            sin: PositionTable::new(head_dim, initial_len, dtype, device, table(f64::sin))?,
+            scaling,
+            tables,
+            dtype,
+            device: device.clone(),
         })
     }
 
@@ -70,16 +107,55 @@ impl Rope {
         self.head_dim
     }
 
+    /// How many leading coordinates of each head are rotated.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+
     pub fn base(&self) -> f64 {
         self.base
     }
 
-    /// The rotation of a batch whose tokens sit at `positions`: `(r, t, d_head)` tables.
+    /// The scaling in force, resolved.
+    pub fn scaling(&self) -> Option<&RopeScaling> {
+        self.scaling.as_ref()
+    }
+
+    /// The inverse frequencies and the factor on cos and sin for a batch whose largest position
+    /// is `max_position` (only dynamic NTK depends on it).
+    pub fn frequencies(&self, max_position: usize) -> (Vec<f64>, f64) {
+        rope_frequencies(
+            self.rotary_dim,
+            self.base,
+            self.scaling.as_ref(),
+            max_position + 1,
+        )
+    }
+
+    /// The rotation of a batch whose tokens sit at `positions`: `(r, t, rotary_dim)` tables.
     pub fn rotary(&self, positions: &Positions) -> Result<Rotary> {
+        let interleaved = self.pairing == RopePairing::Interleaved;
+        if let Some((cos, sin)) = &self.tables {
+            return Ok(Rotary::new(
+                cos.at(positions)?,
+                sin.at(positions)?,
+                interleaved,
+            )?);
+        }
+        // Dynamic NTK: frequencies from this batch's length, tables for its positions only.
+        let (inv_freq, factor) = self.frequencies(positions.max());
+        let flat: Vec<usize> = positions.as_slice().iter().map(|&p| p as usize).collect();
+        let shape = (positions.rows(), positions.len(), self.rotary_dim);
+        let table = |f: fn(f64) -> f64| -> Result<Tensor> {
+            let values = expanded(&flat, &inv_freq, factor, self.pairing, f);
+            Ok(Tensor::from_vec(values, shape, &Device::Cpu)?
+                .to_dtype(self.dtype)?
+                .to_device(&self.device)?)
+        };
         Ok(Rotary::new(
-            self.cos.at(positions)?,
-            self.sin.at(positions)?,
-            self.pairing == RopePairing::Interleaved,
+            table(f64::cos)?,
+            table(f64::sin)?,
+            interleaved,
         )?)
     }
 
@@ -90,18 +166,21 @@ impl Rope {
     }
 }
 
-/// Rows `0..n` of `f(t * w_i)` laid out over a head of width `d` by the pairing convention.
-fn expanded_table(
-    n: usize,
-    d: usize,
-    base: f64,
+/// Rows of `factor · f(p · w_i)` for `positions`, laid out over the rotated width
+/// (`2 · inv_freq.len()`) by the pairing convention.
+fn expanded(
+    positions: &[usize],
+    inv_freq: &[f64],
+    factor: f64,
     pairing: RopePairing,
     f: fn(f64) -> f64,
 ) -> Vec<f64> {
     let interleaved = pairing == RopePairing::Interleaved;
-    angle_table(0, n, d, base, |row, i, angle| {
-        let (a, b) = pair_slots(interleaved, i, d);
-        row[a] = f(angle);
+    let width = 2 * inv_freq.len();
+    angles_at(positions, width, inv_freq, |row, i, angle| {
+        let (a, b) = pair_slots(interleaved, i, width);
+        // `factor` is 1 but under YaRN; multiplying by 1 changes no bit.
+        row[a] = f(angle) * factor;
         row[b] = row[a];
     })
 }

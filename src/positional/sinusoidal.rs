@@ -31,12 +31,23 @@ pub(crate) fn angle_table(
     len: usize,
     dim: usize,
     base: f64,
+    place: impl FnMut(&mut [f64], usize, f64),
+) -> Vec<f64> {
+    let positions: Vec<usize> = (start..start + len).collect();
+    angles_at(&positions, dim, &inverse_frequencies(dim, base), place)
+}
+
+/// As [`angle_table`], for any positions and any frequencies `inv_freq` (`dim / 2` of them):
+/// row `r` is position `positions[r]`.
+pub(crate) fn angles_at(
+    positions: &[usize],
+    dim: usize,
+    inv_freq: &[f64],
     mut place: impl FnMut(&mut [f64], usize, f64),
 ) -> Vec<f64> {
-    let inv_freq = inverse_frequencies(dim, base);
-    let mut out = vec![0.0; len * dim];
-    for (r, row) in out.chunks_exact_mut(dim).enumerate() {
-        let p = (start + r) as f64;
+    let mut out = vec![0.0; positions.len() * dim];
+    for (row, &p) in out.chunks_exact_mut(dim).zip(positions) {
+        let p = p as f64;
         for (i, &w) in inv_freq.iter().enumerate() {
             place(row, i, p * w);
         }

@@ -93,19 +93,20 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
             project: false,
         }),
         "learned" => PositionalConfig::Learned(LearnedOptions::default()),
-        "rope" => {
-            let fraction = meta["rope_fraction"].as_f64().unwrap_or(1.0);
-            if fraction != 1.0 || !meta["rope_scaling"].is_null() {
-                return Err(format!(
-                    "rope_fraction = {fraction}, rope_scaling = {}: not supported",
-                    meta["rope_scaling"]
-                ));
-            }
-            PositionalConfig::Rope(RopeOptions {
-                base: f("base")?,
-                pairing,
-            })
-        }
+        "rope" => PositionalConfig::Rope(RopeOptions {
+            base: f("base")?,
+            pairing,
+            fraction: meta["rope_fraction"].as_f64().unwrap_or(1.0),
+            // The reference's scaling tables use poslab's names (kind, factor,
+            // original_max_len, beta_fast, beta_slow).
+            scaling: match &meta["rope_scaling"] {
+                serde_json::Value::Null => None,
+                s => Some(
+                    serde_json::from_value(s.clone())
+                        .map_err(|e| format!("rope_scaling {s}: {e}"))?,
+                ),
+            },
+        }),
         "alibi" => PositionalConfig::Alibi(NoOptions {}),
         "t5" => PositionalConfig::T5(T5Options {
             buckets: u("t5_buckets")?,
@@ -293,6 +294,28 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
         PositionalConfig::Rope(RopeOptions {
             base: 500_000.0,
             pairing: RopePairing::Half,
+            ..Default::default()
+        }),
+        // Partial rotation (heads of 8 and 10 rotate 4 and 6) with YaRN's ramp and attention
+        // factor; and with dynamic NTK.
+        PositionalConfig::Rope(RopeOptions {
+            pairing: RopePairing::Half,
+            fraction: 0.6,
+            scaling: Some(poslab::positional::RopeScaling::Yarn {
+                factor: poslab::positional::Factor::Value(4.0),
+                original_max_len: Some(6),
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+            }),
+            ..Default::default()
+        }),
+        PositionalConfig::Rope(RopeOptions {
+            fraction: 0.6,
+            scaling: Some(poslab::positional::RopeScaling::DynamicNtk {
+                factor: poslab::positional::Factor::Value(2.0),
+                original_max_len: Some(6),
+            }),
+            ..Default::default()
         }),
         PositionalConfig::Alibi(NoOptions {}),
         PositionalConfig::T5(poslab::positional::T5Options::default()),
@@ -310,6 +333,16 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
             init_std: None,
         }),
     ]
+}
+
+/// Whether a scheme's outputs depend on the batch's length (dynamic NTK RoPE: its base grows
+/// with the largest position in the batch, padding included, as transformers computes it).
+pub fn depends_on_batch_length(positional: &PositionalConfig) -> bool {
+    matches!(
+        positional,
+        PositionalConfig::Rope(o)
+            if matches!(o.scaling, Some(poslab::positional::RopeScaling::DynamicNtk { .. }))
+    )
 }
 
 /// A batch of token ids `(b, t)` from a fixed pattern, and a mask with padding at the end of

@@ -146,7 +146,10 @@ fn unknown_names_and_options_are_refused_with_the_choices() {
     );
     assert_error(
         parse("", "kind = \"rope\"\nlayout = \"half\""),
-        &["unknown field `layout`", "`base` or `pairing`"],
+        &[
+            "unknown field `layout`",
+            "`base`, `pairing`, `fraction`, `scaling`",
+        ],
     );
     assert_error(
         parse("", "kind = \"none\"\nbase = 3.0"),
@@ -243,7 +246,9 @@ fn shipped_configs_are_valid() {
         [
             "add_vs_concat.toml",
             "compare.toml",
-            "length_generalization.toml"
+            "length_generalization.toml",
+            "rope_extension.toml",
+            "schemes.toml"
         ]
     );
     assert!(models > 0, "no model configs found in configs/");

@@ -295,6 +295,7 @@ fn fused_ops_match_their_compositions_forward_and_backward() {
                     } else {
                         poslab::RopePairing::Half
                     },
+                    ..Default::default()
                 },
                 20,
                 16,

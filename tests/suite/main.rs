@@ -11,6 +11,7 @@ mod gradients;
 mod precision;
 mod properties;
 mod reference;
+mod rope;
 mod schemes;
 mod training;
 mod userdata;

@@ -144,6 +144,7 @@ fn rope_score_depends_only_on_relative_distance() {
             &RopeOptions {
                 base: 10_000.0,
                 pairing,
+                ..Default::default()
             },
             d,
             8,
@@ -194,8 +195,15 @@ fn relative_schemes_ignore_a_constant_position_offset_and_absolute_ones_do_not()
         let at0 = model.forward_at(&ids, &mask, 0, false).unwrap();
         let at17 = model.forward_at(&ids, &mask, 17, false).unwrap();
         let diff = max_abs_diff_real(&at0, &at17, &mask);
+        let dynamic = matches!(
+            &positional_of(&model),
+            PositionalConfig::Rope(o) if matches!(o.scaling, Some(poslab::positional::RopeScaling::DynamicNtk { .. }))
+        );
         match name {
             "none" => assert_eq!(diff, 0.0, "none must not see positions at all"),
+            // Dynamic NTK's base grows with the largest position read: relative only within
+            // one batch length.
+            "rope" if dynamic => assert!(diff > 1e-6, "dynamic NTK ignored the batch length"),
             // Relative by construction: a rotation by the distance, or a bias of it.
             "rope" | "alibi" | "t5" | "kerple" => assert!(
                 diff < 1e-9,
@@ -240,7 +248,11 @@ fn padded_ids_change_nothing_at_real_positions() {
 
 #[test]
 fn a_sequence_encodes_the_same_alone_as_inside_a_padded_batch() {
-    for positional in all_schemes() {
+    // Dynamic NTK reads the batch's length by definition (see `depends_on_batch_length`).
+    for positional in all_schemes()
+        .into_iter()
+        .filter(|p| !depends_on_batch_length(p))
+    {
         let name = positional.name();
         let model = encoder(positional, NormPlacement::Pre, DType::F32, 9);
         let (ids, mask) = padded_batch(4, 9, 40);
@@ -371,4 +383,8 @@ fn dropout_zeroes_the_requested_fraction_and_keeps_the_mean() {
         let kept = 1.0 / (1.0 - p) as f32;
         assert!(v.iter().all(|&e| e == 0.0 || (e - kept).abs() < 1e-6));
     }
+}
+
+fn positional_of(encoder: &Encoder) -> PositionalConfig {
+    encoder.config().positional.clone()
 }

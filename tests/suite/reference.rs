@@ -82,8 +82,18 @@ fn rope_matches_reference_for_both_pairings_and_bases() {
         let base: f64 = parts[2].strip_prefix("base").unwrap().parse().unwrap();
         for dtype in [DType::F32, DType::F64] {
             // Initial length 8 < 40 positions: the tables grow on the first call.
-            let rope =
-                Rope::new(&RopeOptions { base, pairing }, 16, 8, dtype, &Device::Cpu).unwrap();
+            let rope = Rope::new(
+                &RopeOptions {
+                    base,
+                    pairing,
+                    ..Default::default()
+                },
+                16,
+                8,
+                dtype,
+                &Device::Cpu,
+            )
+            .unwrap();
             let out = rope.apply(&input.to_dtype(dtype).unwrap(), 0).unwrap();
             let err = max_abs_diff(&out, expected);
             assert!(
@@ -149,8 +159,8 @@ fn check_fixture_folder(dir: &std::path::Path) -> Result<usize, String> {
 fn every_encoder_fixture_reproduces_expected_hidden_states() {
     let names = encoder_fixture_names();
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
-    // randomized positions.
-    assert_eq!(names.len(), 21, "whole-encoder fixtures: {names:?}");
+    // randomized positions; 3 of partial and scaled RoPE.
+    assert_eq!(names.len(), 24, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }

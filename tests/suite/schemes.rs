@@ -156,7 +156,11 @@ fn padding_changes_nothing_at_real_positions_under_randomized_positions() {
     // A sequence alone, and inside a batch padded to 12 whose padded slots hold other ids and
     // positions: its real outputs are the same for every scheme.
     let mut rng = poslab::rng::stream(1, "padding");
-    for positional in all_schemes() {
+    // Dynamic NTK reads the batch's largest position by definition.
+    for positional in all_schemes()
+        .into_iter()
+        .filter(|p| !depends_on_batch_length(p))
+    {
         let name = positional.name();
         let mut config = tiny_config(positional, NormPlacement::Pre);
         config.max_len = 64;
