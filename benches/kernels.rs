@@ -349,4 +349,26 @@ mod encoder_layer {
             true,
         );
     }
+
+    /// A score bias computed per layer from learned parameters (KERPLE).
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn kerple_forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::Kerple(Default::default()),
+            true,
+        );
+    }
+
+    /// TUPE's untied term: two projections of the position rows and a product of heads.
+    #[divan::bench(args = LAYERS, sample_count = 20)]
+    fn untied_forward_backward(bencher: Bencher, path: &str) {
+        bench(
+            bencher,
+            path,
+            PositionalConfig::Untied(Default::default()),
+            true,
+        );
+    }
 }

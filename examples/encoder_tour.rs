@@ -1,4 +1,4 @@
-//! A tour of the encoder API: the five positional schemes built from one config and one seed,
+//! A tour of the encoder API: all nine positional schemes built from one config and one seed,
 //! a padded batch encoded, the shift test, one backward pass, and a checkpoint round trip.
 //!
 //! cargo run --release --example encoder_tour
@@ -8,12 +8,14 @@ use std::collections::HashMap;
 use anyhow::Result;
 use candle::{DType, Device, Tensor, D};
 use poslab::positional::{
-    ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions,
+    ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions, T5Options,
+    UntiedOptions,
 };
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 fn main() -> Result<()> {
-    let base = ModelConfig::load("configs/encoder.toml")?;
+    // The config next to this crate, wherever the example is run from.
+    let base = ModelConfig::load(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/encoder.toml"))?;
     let device = Device::Cpu;
     let schemes = [
         PositionalConfig::None(NoOptions {}),
@@ -26,6 +28,10 @@ fn main() -> Result<()> {
         }),
         PositionalConfig::Learned(LearnedOptions::default()),
         PositionalConfig::Rope(RopeOptions::default()),
+        PositionalConfig::Alibi(NoOptions {}),
+        PositionalConfig::T5(T5Options::default()),
+        PositionalConfig::Kerple(NoOptions {}),
+        PositionalConfig::Untied(UntiedOptions::default()),
     ];
 
     // Two sequences, the second padded at the end.
@@ -106,7 +112,8 @@ fn main() -> Result<()> {
         std::fs::remove_file(path)?;
     }
     println!(
-        "\nnone ignores positions and rope sees only relative ones: both are unmoved by the shift."
+        "\nnone ignores positions, and rope, alibi, t5 and kerple see only relative ones: they are \
+         unmoved by the shift; the absolute schemes (and untied, TUPE's) move."
     );
     Ok(())
 }

@@ -12,11 +12,12 @@ use candle::{DType, Device};
 use poslab::infer::{Prediction, Predictor};
 
 fn main() -> Result<()> {
-    let dir = PathBuf::from(
-        std::env::args()
-            .nth(1)
-            .unwrap_or_else(|| "runs/examples/reviews".into()),
-    );
+    // A folder given on the command line is read from where the example runs; the default is
+    // the one `train_classifier` writes inside the crate.
+    let dir = match std::env::args().nth(1) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("runs/examples/reviews"),
+    };
     if !dir.join("config.json").exists() {
         bail!(
             "{} holds no model yet: run `cargo run --release --example train_classifier` first",

@@ -2,9 +2,10 @@
 //!
 //! cargo run --release --example train_classifier
 //!
-//! It trains on examples/data/reviews.tsv (labels that depend on word order) with RoPE and a
-//! WordPiece tokenizer trained on the data, and writes a model folder to
-//! runs/examples/reviews, which the `predict` example (and `poslab predict`) then use.
+//! It trains on examples/data/reviews.tsv (labels that depend on word order) with RoPE and the
+//! word-level tokenizer configs/train_reviews.toml names (one id per word of the training
+//! texts), and writes a model folder to runs/examples/reviews, which the `predict` example (and
+//! `poslab predict`) then use. Paths are the crate's, wherever the example is run from.
 
 use std::path::Path;
 
@@ -15,6 +16,8 @@ use poslab::experiment::single::{self, TrainEnd, TrainOptions, TrainRunConfig};
 pub const MODEL_DIR: &str = "runs/examples/reviews";
 
 fn main() -> Result<()> {
+    // The config names its data relative to the crate: run from there.
+    std::env::set_current_dir(env!("CARGO_MANIFEST_DIR"))?;
     let config = TrainRunConfig::load("configs/train_reviews.toml")?;
     let dir = Path::new(MODEL_DIR);
     if dir.exists() {

@@ -55,14 +55,15 @@ impl Default for Shape {
     }
 }
 
-/// The variants of the PyTorch reference, by its names, then the attention-bias schemes (which
-/// the reference does not have), then `none`.
-pub const VARIANTS: [&str; 10] = [
+/// The variants of the PyTorch reference, by its names, then those it does not have (RoPE on
+/// half of each head, the attention-bias schemes), then `none`.
+pub const VARIANTS: [&str; 11] = [
     "sin_add",
     "sin_concat",
     "sin_concat_proj",
     "learned",
     "rope",
+    "rope_partial",
     "alibi",
     "t5",
     "kerple",
@@ -99,6 +100,13 @@ impl Shape {
             "rope" => PositionalConfig::Rope(RopeOptions {
                 base: crate::positional::DEFAULT_BASE,
                 pairing: RopePairing::Half,
+                ..Default::default()
+            }),
+            // Half of each head rotated, the rest passed through (GPT-NeoX's rotary_pct 0.25 and
+            // Phi's 0.5 are of this kind).
+            "rope_partial" => PositionalConfig::Rope(RopeOptions {
+                pairing: RopePairing::Half,
+                fraction: 0.5,
                 ..Default::default()
             }),
             "alibi" => PositionalConfig::Alibi(NoOptions {}),
@@ -687,6 +695,98 @@ fn of_parts(pairs: &[&(Record, TorchRecord)], poslab: bool) -> Vec<[f64; 3]> {
         .collect()
 }
 
+/// What a variant costs over the first one, from interleaved rounds of child processes.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Cost {
+    pub variant: String,
+    pub rounds: usize,
+    /// Best round (least disturbed: contention only slows) of the step medians, ms.
+    pub best_train_ms: f64,
+    pub best_forward_ms: f64,
+    /// `best / best of the first variant - 1`.
+    pub train_cost: f64,
+    pub forward_cost: f64,
+    /// The same paired within each round (`variant / first - 1`): median, lowest..highest.
+    pub train_cost_paired: [f64; 3],
+}
+
+/// Costs over `variants[0]` from `rounds[i]`, every variant's record of round `i`.
+pub fn costs(variants: &[String], rounds: &[Vec<Record>]) -> Vec<Cost> {
+    let ms = |r: &Record, train: bool| {
+        let t = if train { &r.train } else { &r.forward };
+        t.as_ref().map_or(f64::NAN, |t| t.median_ms)
+    };
+    let of = |variant: &str| -> Vec<&Record> {
+        rounds
+            .iter()
+            .filter_map(|round| round.iter().find(|r| r.variant == variant))
+            .collect()
+    };
+    let best = |v: &[&Record], train: bool| v.iter().map(|r| ms(r, train)).fold(f64::NAN, f64::min);
+    let base = variants.first().map(|v| of(v)).unwrap_or_default();
+    let (base_train, base_forward) = (best(&base, true), best(&base, false));
+    variants
+        .iter()
+        .map(|variant| {
+            let recs = of(variant);
+            let (train, forward) = (best(&recs, true), best(&recs, false));
+            let mut paired: Vec<f64> = recs
+                .iter()
+                .zip(&base)
+                .map(|(r, b)| ms(r, true) / ms(b, true) - 1.0)
+                .collect();
+            paired.sort_by(f64::total_cmp);
+            Cost {
+                variant: variant.clone(),
+                rounds: recs.len(),
+                best_train_ms: train,
+                best_forward_ms: forward,
+                train_cost: train / base_train - 1.0,
+                forward_cost: forward / base_forward - 1.0,
+                train_cost_paired: [
+                    median(paired.clone()),
+                    paired.first().copied().unwrap_or(f64::NAN),
+                    paired.last().copied().unwrap_or(f64::NAN),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The table of [`costs`].
+pub fn cost_table(costs: &[Cost]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let (rounds, base) = costs
+        .first()
+        .map_or((0, ""), |c| (c.rounds, c.variant.as_str()));
+    let _ = writeln!(
+        out,
+        "cost over {base}, {rounds} interleaved round{} (best round of each; paired: this / {base} in the same round, median lowest..highest)",
+        if rounds == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        out,
+        "{:<14} {:>14} {:>10} {:>16} {:>10} {:>26}",
+        "variant", "train ms/step", "cost", "forward ms/step", "cost", "train cost paired"
+    );
+    for c in costs {
+        let pct = |v: f64| format!("{:+.1}%", 100.0 * v);
+        let [m, lo, hi] = c.train_cost_paired;
+        let _ = writeln!(
+            out,
+            "{:<14} {:>14.0} {:>10} {:>16.0} {:>10} {:>26}",
+            c.variant,
+            c.best_train_ms,
+            pct(c.train_cost),
+            c.best_forward_ms,
+            pct(c.forward_cost),
+            format!("{} ({}..{})", pct(m), pct(lo), pct(hi))
+        );
+    }
+    out
+}
+
 /// The side-by-side table of [`ratios`], with the positional overheads of each framework.
 pub fn ratio_table(ratios: &[Ratio]) -> String {
     use std::fmt::Write as _;
@@ -858,6 +958,24 @@ mod tests {
                 train_foreign_cores: Some(0.0),
             },
         )
+    }
+
+    #[test]
+    fn costs_pair_rounds_and_take_each_variants_best() {
+        // tokens/s per (forward, train); a step is 4096 tokens.
+        let rec = |v: &str, f: f64, t: f64| pair(v, [f, t], [1.0, 1.0]).0;
+        let rounds = vec![
+            vec![rec("a", 4096.0, 4096.0), rec("b", 4096.0, 2048.0)],
+            // A disturbed round: everything slower, b's pairing still 2x.
+            vec![rec("a", 2048.0, 1024.0), rec("b", 2048.0, 512.0)],
+        ];
+        let variants = vec!["a".to_string(), "b".to_string()];
+        let c = costs(&variants, &rounds);
+        assert_eq!(c[0].train_cost, 0.0);
+        assert_eq!(c[1].best_train_ms, 2000.0); // its best round: 4096 tokens at 2048/s
+        assert!((c[1].train_cost - 1.0).abs() < 1e-12, "{}", c[1].train_cost);
+        assert_eq!(c[1].train_cost_paired, [1.0, 1.0, 1.0]);
+        assert!(cost_table(&c).contains("+100.0%"));
     }
 
     #[test]

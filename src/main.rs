@@ -1,5 +1,6 @@
 //! The `poslab` command line: parses and dispatches; each subcommand's code is in `cli/<name>.rs`.
 
+#[macro_use]
 mod cli;
 
 use std::process::ExitCode;
@@ -62,8 +63,17 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // A closed pipe downstream: stop quietly, as Unix tools do.
+        Err(e)
+            if e.downcast_ref::<cli::OutputFailed>()
+                .is_some_and(|o| o.is_closed_pipe()) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            use std::io::Write as _;
+            // stderr may be closed too; there is then nowhere left to say anything.
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::FAILURE
         }
     }

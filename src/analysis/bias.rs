@@ -215,12 +215,15 @@ impl BiasAnalysis {
 }
 
 /// The score biases of a trained encoder with an attention-bias scheme over positions
-/// `0..positions` (every layer's for KERPLE, the shared one otherwise); `None` for other schemes.
+/// `0..positions` (at most a learned table's rows; every layer's for KERPLE, the shared one
+/// otherwise); `None` for other schemes.
 pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<BiasAnalysis>> {
     let PositionalModule::ScoreBias(module) = encoder.positional() else {
         return Ok(None);
     };
     let config = encoder.config();
+    // A learned table (TUPE's learned source) holds only its rows.
+    let positions = positions.min(encoder.max_positions().unwrap_or(usize::MAX));
     let range = Positions::range(0, positions)?;
     let layers = match module {
         ScoreBias::Kerple(k) => k.len(),

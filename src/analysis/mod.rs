@@ -134,7 +134,9 @@ pub fn fixed_table(
         PositionalConfig::SinusoidalConcat(o) => {
             Some(Table::sinusoidal(o.pos_dim, o.base, o.layout, rows, 0))
         }
-        PositionalConfig::Rope(o) => Some(Table::rope(head_dim, o.base, o.pairing, rows)),
+        PositionalConfig::Rope(o) => {
+            Some(Table::rope(o.rotary_dim(head_dim), o.base, o.pairing, rows))
+        }
         PositionalConfig::Untied(o) if o.source == crate::positional::UntiedSource::Sinusoidal => {
             Some(Table::sinusoidal(d_model, o.base(), o.layout(), rows, 0))
         }

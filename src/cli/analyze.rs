@@ -217,7 +217,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => match &loaded {
             Some(l) if l.config.model.positional.name() != "none" => summary.push_str(&format!(
-                "no position table: `{}` acts {} without one\n",
+                "no position table: `{}` acts as an {} (see below)\n",
                 l.config.model.positional.name(),
                 l.config.model.positional.placement()
             )),
@@ -299,8 +299,8 @@ pub fn run(a: Args) -> Result<()> {
         }
         poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     }
-    print!("{summary}");
-    println!("files in {}: {}", dir.display(), files.join(", "));
+    out!("{summary}");
+    outln!("files in {}: {}", dir.display(), files.join(", "));
     Ok(())
 }
 
@@ -329,8 +329,8 @@ fn bias_by_name(scheme: &str, a: &Args, positions: usize) -> Result<()> {
     let summary = bias.summary();
     let files = bias.write(&dir)?;
     poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
-    print!("{summary}");
-    println!("files in {}: {}", dir.display(), files.join(", "));
+    out!("{summary}");
+    outln!("files in {}: {}", dir.display(), files.join(", "));
     Ok(())
 }
 

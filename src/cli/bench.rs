@@ -9,8 +9,9 @@ use anyhow::{Context, Result};
 /// of shared/bench/torch_reference.py by default), with FLOP counts and peak memory.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Variants (sin_add, sin_concat, sin_concat_proj, learned, rope, alibi, t5, kerple, untied,
-    /// none); default all but none (with --torch: the five the PyTorch reference has).
+    /// Variants (sin_add, sin_concat, sin_concat_proj, learned, rope, rope_partial, alibi, t5,
+    /// kerple, untied, none); default all but none (with --torch: the five the PyTorch
+    /// reference has).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     #[arg(long, default_value_t = 8192)]
@@ -64,9 +65,11 @@ pub struct Args {
     /// The Python that runs --torch (one with torch installed).
     #[arg(long, default_value = "python3")]
     pub python: PathBuf,
-    /// Interleaved rounds of poslab and PyTorch with --torch.
-    #[arg(long, default_value_t = 3)]
-    pub rounds: usize,
+    /// Interleaved rounds: of poslab and PyTorch with --torch (default 3); otherwise (default
+    /// 1), with more than one, of the variants (each a child process, the order alternating),
+    /// reported as each one's cost over the first listed.
+    #[arg(long)]
+    pub rounds: Option<usize>,
     /// Activations in f32, bf16 or f16 (mixed precision; weights and optimizer stay f32).
     #[arg(long, default_value = "f32")]
     pub dtype: poslab::Precision,
@@ -254,8 +257,9 @@ pub fn run(a: Args) -> Result<()> {
             )?)
         };
         let mut rounds = Vec::new();
-        for round in 0..args.rounds.max(1) {
-            eprintln!("round {} of {}", round + 1, args.rounds.max(1));
+        let n = args.rounds.unwrap_or(3).max(1);
+        for round in 0..n {
+            eprintln!("round {} of {n}", round + 1);
             let mut pairs = Vec::new();
             for variant in &variants {
                 // Alternate which goes first, so a drift in machine speed favours neither.
@@ -275,13 +279,42 @@ pub fn run(a: Args) -> Result<()> {
             let mut doc = header;
             doc["ratios"] = serde_json::to_value(&ratios)?;
             doc["rounds"] = serde_json::to_value(&rounds)?;
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
         } else {
-            print!("{}", poslab::bench::ratio_table(&ratios));
+            out!("{}", poslab::bench::ratio_table(&ratios));
         }
         return Ok(());
     }
 
+    if args.rounds.is_some_and(|n| n > 1) && !args.in_process {
+        // Interleaved rounds, the order reversed every other round, so a drift in machine
+        // speed favours no variant.
+        let n = args.rounds.unwrap_or(1);
+        let mut rounds = Vec::new();
+        for round in 0..n {
+            eprintln!("round {} of {n}", round + 1);
+            let mut order: Vec<&String> = variants.iter().collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            let mut records = order
+                .into_iter()
+                .map(|v| in_child(v))
+                .collect::<Result<Vec<_>>>()?;
+            records.sort_by_key(|r| variants.iter().position(|v| *v == r.variant));
+            rounds.push(records);
+        }
+        let costs = poslab::bench::costs(&variants, &rounds);
+        if args.json {
+            let mut doc = header;
+            doc["costs"] = serde_json::to_value(&costs)?;
+            doc["rounds"] = serde_json::to_value(&rounds)?;
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            out!("{}", poslab::bench::cost_table(&costs));
+        }
+        return Ok(());
+    }
     let records = if args.in_process || variants.len() == 1 {
         poslab::bench::run(&options, &mut |phase| eprintln!("  {phase}"))?
     } else {
@@ -293,9 +326,9 @@ pub fn run(a: Args) -> Result<()> {
     if args.json {
         let mut doc = header;
         doc["results"] = serde_json::to_value(&records)?;
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print!("{}", poslab::bench::table(&records));
+        out!("{}", poslab::bench::table(&records));
     }
     Ok(())
 }
@@ -314,5 +347,5 @@ struct BenchArgs {
     simd: Option<String>,
     torch: Option<PathBuf>,
     python: PathBuf,
-    rounds: usize,
+    rounds: Option<usize>,
 }

@@ -111,11 +111,11 @@ pub fn run(args: Args) -> Result<()> {
         &|line| eprintln!("{line}"),
     )?;
     let table = report::write_report(&dir, &output.results, &output.timings, &[])?;
-    println!("{table}");
-    println!(
+    outln!("{table}");
+    outln!(
         "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
         dir.display()
     );
-    println!("total time: {:.1} s", started.elapsed().as_secs_f64());
+    outln!("total time: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -49,7 +49,7 @@ pub fn run(args: Args) -> Result<()> {
         if let Some(note) = &out.note {
             eprintln!("text {}: {note}", i + 1);
         }
-        println!("{}", serde_json::to_string(out)?);
+        outln!("{}", serde_json::to_string(out)?);
     }
     Ok(())
 }

@@ -22,8 +22,8 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let path: &Path = &args.config;
     let config = ModelConfig::load(path)?;
-    println!("{}: valid", path.display());
-    println!(
+    outln!("{}: valid", path.display());
+    outln!(
         "shape: {} layers, d_model {}, {} heads of {}, FFN {}, {}-norm, vocab {}, max_len {}",
         config.n_layers,
         config.d_model,
@@ -34,20 +34,20 @@ pub fn run(args: Args) -> Result<()> {
         config.vocab_size,
         config.max_len
     );
-    println!(
+    outln!(
         "dropout {} (embeddings, residual branches), {} (attention weights); embed_scale {}, token init std {}",
         config.dropout, config.attention_dropout, config.embed_scale, config.token_init_std
     );
     if config.dtype.is_half() {
-        println!(
+        outln!(
             "activations: {} (mixed precision; weights, positional tables, softmax and LayerNorm statistics in f32)",
             config.dtype
         );
     }
-    println!("positional: {}", describe(&config.positional, &config));
-    println!("where: {}", config.positional.placement());
+    outln!("positional: {}", describe(&config.positional, &config));
+    outln!("where: {}", config.positional.placement());
     if let Some(n) = config.random_positions {
-        println!(
+        outln!(
             "positions: randomized, each sequence's drawn from [0, {n}) and sorted (Ruoss et al. 2023)"
         );
     }
@@ -89,10 +89,16 @@ pub fn run(args: Args) -> Result<()> {
         Some(i) => schemes[i] = config.positional.clone(),
         None => schemes.push(config.positional.clone()),
     }
-    println!("\nparameters of this shape under each scheme:");
-    println!(
+    outln!("\nparameters of this shape under each scheme:");
+    outln!(
         "  {:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
-        "scheme", "tokens", "positions", "attention", "ffn", "norms", "total"
+        "scheme",
+        "tokens",
+        "positions",
+        "attention",
+        "ffn",
+        "norms",
+        "total"
     );
     for positional in schemes {
         let label = label(&positional, pos_dim);
@@ -107,19 +113,24 @@ pub fn run(args: Args) -> Result<()> {
             ..config.clone()
         };
         match variant.validate() {
-            Err(e) => println!("{marker} {label:<40} cannot be built at this shape: {e}"),
+            Err(e) => outln!("{marker} {label:<40} cannot be built at this shape: {e}"),
             Ok(()) => {
                 let groups =
                     parameter_groups(&variant).with_context(|| format!("building {label}"))?;
                 let total: usize = groups.iter().map(|g| g.1).sum();
-                println!(
+                outln!(
                     "{marker} {label:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
-                    groups[0].1, groups[1].1, groups[2].1, groups[3].1, groups[4].1, total
+                    groups[0].1,
+                    groups[1].1,
+                    groups[2].1,
+                    groups[3].1,
+                    groups[4].1,
+                    total
                 );
             }
         }
     }
-    println!(
+    outln!(
         "\nFixed tables (sinusoids, RoPE cos/sin, ALiBi's slopes) are computed, not trained, and are \
          not counted. \"positions\" counts every positional weight: learned tables, the concat \
          projection, T5's bucket table, KERPLE's r1 and r2, TUPE's U_q and U_k. A key bias \

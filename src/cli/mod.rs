@@ -1,5 +1,26 @@
 //! The subcommands of the `poslab` binary, one module each, and what they share.
 
+/// `println!` that returns from the enclosing function (which returns `anyhow::Result`) with
+/// [`OutputFailed`] instead of panicking when standard output is closed or full.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            return Err($crate::cli::OutputFailed(e).into());
+        }
+    }};
+}
+
+/// `print!` as [`outln!`].
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = write!(std::io::stdout(), $($arg)*) {
+            return Err($crate::cli::OutputFailed(e).into());
+        }
+    }};
+}
+
 pub mod analyze;
 pub mod bench;
 pub mod compare;
@@ -13,6 +34,26 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle::DType;
+
+/// Writing to standard output failed: a closed pipe (`poslab ... | head -1`), which ends the
+/// program quietly as Unix tools do, or another error (a full disk), reported in one line.
+#[derive(Debug)]
+pub struct OutputFailed(pub std::io::Error);
+
+impl std::fmt::Display for OutputFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "writing the output: {}", self.0)
+    }
+}
+
+impl std::error::Error for OutputFailed {}
+
+impl OutputFailed {
+    /// Whether the reader went away (a closed pipe): nothing is wrong, there is no one to tell.
+    pub fn is_closed_pipe(&self) -> bool {
+        self.0.kind() == std::io::ErrorKind::BrokenPipe
+    }
+}
 
 /// Where a model computes, and in what precision.
 #[derive(clap::Args, Clone, Debug)]

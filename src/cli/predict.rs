@@ -56,7 +56,7 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("text {}: {note}", i + 1);
         }
         if json {
-            println!("{}", serde_json::to_string(out)?);
+            outln!("{}", serde_json::to_string(out)?);
             continue;
         }
         match &out.value {
@@ -70,7 +70,7 @@ pub fn run(args: Args) -> Result<()> {
                     .take(3)
                     .map(|s| format!("{} {:.3}", s.label, s.probability))
                     .collect();
-                println!(
+                outln!(
                     "{label}\t{:.3}\t{}\t({})",
                     probabilities[0].probability,
                     out.text,
@@ -83,17 +83,17 @@ pub fn run(args: Args) -> Result<()> {
                     .zip(tags)
                     .map(|(w, t)| format!("{w}/{t}"))
                     .collect();
-                println!("{}", pairs.join(" "));
+                outln!("{}", pairs.join(" "));
             }
             Prediction::Fills { masks } => {
-                println!("{}", out.text);
+                outln!("{}", out.text);
                 for m in masks {
                     let fills: Vec<String> = m
                         .fills
                         .iter()
                         .map(|f| format!("{} {:.3}", f.label, f.probability))
                         .collect();
-                    println!("  word {}: {}", m.word + 1, fills.join(", "));
+                    outln!("  word {}: {}", m.word + 1, fills.join(", "));
                 }
             }
         }

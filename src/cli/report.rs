@@ -38,8 +38,8 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let table = report::write_report(&dir, &results, &timings, runs)?;
-    println!("{table}");
-    println!(
+    outln!("{table}");
+    outln!(
         "merged {} run folders ({} cells) into {}",
         runs.len(),
         results.cells.len(),

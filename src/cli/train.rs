@@ -80,12 +80,12 @@ pub fn run(args: Args) -> Result<()> {
         (None, None) => unreachable!("clap requires --config or --resume"),
     };
     match end {
-        single::TrainEnd::Stopped { step } => println!(
+        single::TrainEnd::Stopped { step } => outln!(
             "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
             dir.display()
         ),
         single::TrainEnd::Finished(m) => {
-            println!(
+            outln!(
                 "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
                 m.name,
                 m.steps,
@@ -102,16 +102,16 @@ pub fn run(args: Args) -> Result<()> {
             for e in &m.evaluations {
                 match &e.outcome {
                     Outcome::Scored { accuracy, loss } => {
-                        println!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
+                        outln!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
                     }
-                    Outcome::Unavailable { reason } => println!("  test {:<10} n/a: {reason}", e.name),
+                    Outcome::Unavailable { reason } => outln!("  test {:<10} n/a: {reason}", e.name),
                 }
             }
             for note in &m.notes {
-                println!("  note: {note}");
+                outln!("  note: {note}");
             }
-            println!("model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)", dir.display());
-            println!("try it: poslab predict --run {} \"your text here\"", dir.display());
+            outln!("model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)", dir.display());
+            outln!("try it: poslab predict --run {} \"your text here\"", dir.display());
         }
     }
     Ok(())

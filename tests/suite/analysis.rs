@@ -311,3 +311,233 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
     }
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
 }
+
+/// Trains a tiny model of `positional` (TOML inline table) into `dir` and returns it.
+fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path::PathBuf {
+    let run = dir.join("run");
+    let config = poslab::experiment::single::TrainRunConfig::from_toml_str(&format!(
+        "name = \"t\"\ncheckpoint_every = 0\n{}\
+         [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
+         [positional]\n{positional}\n\
+         [train]\nbudget = {{ steps = 40 }}\nbatch_size = 16\nlr = 3e-3\neval_every = 40\n\
+         [task]\nkind = \"prev_token\"\nk = 1\nlengths = [4, 10]\ntrain_examples = 300\neval_examples = 40\n",
+        max_len.map_or(String::new(), |m| format!("max_len = {m}\n"))
+    ))
+    .unwrap();
+    let options = poslab::experiment::single::TrainOptions {
+        dir: run.clone(),
+        device: Device::Cpu,
+        progress: false,
+        stop_after: None,
+        hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+    };
+    poslab::experiment::single::start(&config, &options).unwrap();
+    run
+}
+
+/// `bias_by_offset.csv` as (offset, one value per head or layer-head).
+fn offset_csv(path: &Path) -> Vec<(i64, Vec<f64>)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let mut cells = l.split(',');
+            let offset = cells.next().unwrap().parse().unwrap();
+            (offset, cells.map(|v| v.parse().unwrap()).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn attention_biases_by_name_are_their_formulas() {
+    let dir = tempfile::tempdir().unwrap();
+    // ALiBi: -slope_h |offset|, Press et al.'s slopes, for 6 heads.
+    let out = dir.path().join("alibi");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "alibi",
+        "--heads",
+        "6",
+        "--positions",
+        "20",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("100.0%") && stdout.contains("slopes per head"),
+        "{stdout}"
+    );
+    let slopes = poslab::positional::alibi_slopes(6);
+    for (offset, values) in offset_csv(&out.join("bias_by_offset.csv")) {
+        for (h, v) in values.iter().enumerate() {
+            assert!((v + slopes[h] * offset.abs() as f64).abs() < 1e-12);
+        }
+    }
+    assert!(has_text(&out.join("bias_by_offset.png"), 5..30), "title");
+    // T5: the bucket of each offset.
+    let out = dir.path().join("t5");
+    let (ok, _, stderr) = poslab(&[
+        "analyze",
+        "t5",
+        "--buckets",
+        "16",
+        "--max-distance",
+        "30",
+        "--positions",
+        "40",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    for (offset, values) in offset_csv(&out.join("bias_by_offset.csv")) {
+        assert_eq!(
+            values[0],
+            poslab::positional::t5_bucket(offset, 16, 30) as f64
+        );
+    }
+    // Bad options name the fix.
+    let (ok, _, stderr) = poslab(&["analyze", "t5", "--buckets", "2"]);
+    assert!(
+        !ok && stderr.contains("buckets = 2 must be at least 4"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = poslab(&["analyze", "alibi", "--positions", "100000"]);
+    assert!(!ok && stderr.contains("between 2 and 8192"), "{stderr}");
+}
+
+#[test]
+fn trained_biases_are_read_from_the_model() {
+    // KERPLE: one curve per layer and head, -r1 ln(1 + r2 |offset|) with the trained values.
+    let dir = tempfile::tempdir().unwrap();
+    let run = train_tiny(dir.path(), "kind = \"kerple\"", None);
+    let out = dir.path().join("kerple");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--positions",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("layer 1: r1 = ["), "{stdout}");
+    let loaded = poslab::saved::load(&run, DType::F64, &Device::Cpu).unwrap();
+    let r = |name: &str| values(loaded.params.get(name).unwrap().as_tensor());
+    let (r1, r2) = (r("layers.1.attn.kerple.r1"), r("layers.1.attn.kerple.r2"));
+    let rows = offset_csv(&out.join("bias_by_offset.csv"));
+    assert_eq!(rows[0].1.len(), 4, "2 layers x 2 heads");
+    for (offset, values) in rows {
+        for h in 0..2 {
+            let expected = -r1[h] * (1.0 + r2[h] * offset.abs() as f64).ln();
+            assert!(
+                (values[2 + h] - expected).abs() < 1e-5,
+                "{offset}: {} vs {expected}",
+                values[2 + h]
+            );
+        }
+    }
+    // TUPE's learned untied term: a table analysis of pos_emb.weight, heatmaps of the term, and
+    // its offset share below 100% (it is absolute).
+    let dir = tempfile::tempdir().unwrap();
+    let run = train_tiny(dir.path(), "kind = \"untied\"", Some(12));
+    let out = dir.path().join("untied");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("learned table of") && stdout.contains("untied"),
+        "{stdout}"
+    );
+    for f in [
+        "table.csv",
+        "bias_by_offset.png",
+        "bias_H0.png",
+        "bias_H1.csv",
+    ] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    let share: f64 = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("H0 "))
+        .and_then(|l| l.split_whitespace().last())
+        .map(|s| s.trim_end_matches('%').parse().unwrap())
+        .unwrap();
+    assert!(share < 100.0, "an absolute term is not all offset: {share}");
+}
+
+#[test]
+fn rope_analysis_shows_scaled_wavelengths_and_pair_energy() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train_tiny(dir.path(), "kind = \"rope\"\nfraction = 0.5", None);
+    let out = dir.path().join("rope");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--rope-scaling",
+        "yarn:4",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("slowest quarter") && stdout.contains("yarn x4"),
+        "{stdout}"
+    );
+    for f in [
+        "rope_scaling_wavelengths.png",
+        "rope_energy_layer0.png",
+        "rope_energy_layer1.png",
+    ] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    // Shares per (layer, head, side) sum to 1 over the rotated width's 2 pairs (heads of 8,
+    // half rotated).
+    let csv = std::fs::read_to_string(out.join("rope_energy.csv")).unwrap();
+    let rows: Vec<Vec<String>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(String::from).collect())
+        .collect();
+    assert_eq!(rows.len(), 2 * 2 * 2 * 2, "layers x heads x sides x pairs");
+    for group in rows.chunks(2) {
+        let sum: f64 = group.iter().map(|r| r[4].parse::<f64>().unwrap()).sum();
+        assert!((sum - 1.0).abs() < 1e-9);
+    }
+    // Wavelengths: linear x4 is four times the unscaled at every pair.
+    let w = std::fs::read_to_string(out.join("rope_scaling_wavelengths.csv")).unwrap();
+    let header: Vec<&str> = w.lines().next().unwrap().split(',').collect();
+    assert_eq!(
+        header,
+        [
+            "pair",
+            "none",
+            "linear_x4",
+            "ntk_x4",
+            "dynamic_ntk_x4",
+            "yarn_x4"
+        ]
+    );
+    for line in w.lines().skip(1) {
+        let v: Vec<f64> = line.split(',').map(|x| x.parse().unwrap()).collect();
+        assert!((v[2] / v[1] - 4.0).abs() < 1e-9);
+    }
+    // --rope-scaling on a model that is not rope is refused.
+    let (ok, _, stderr) = poslab(&[
+        "predict",
+        "--run",
+        run.to_str().unwrap(),
+        "--rope-scaling",
+        "spin:2",
+        "a",
+    ]);
+    assert!(!ok && stderr.contains("unknown scaling `spin`"), "{stderr}");
+}

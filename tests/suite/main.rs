@@ -2,6 +2,7 @@
 
 mod analysis;
 mod checkpoint;
+mod cli;
 mod common;
 mod compare;
 mod config;

@@ -1,0 +1,76 @@
+//! The binary as a user meets it: output into a closed pipe, and a broken one.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::{Command, Stdio};
+
+/// Runs `poslab args` with standard output a pipe whose reading end is already closed: the
+/// first write fails with a broken pipe. Returns the exit code and standard error.
+fn into_closed_pipe(args: &[&str]) -> (Option<i32>, String) {
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe writes two new descriptors into the array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both descriptors were just created and are owned here alone.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(Stdio::from(write))
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_closed_pipe_ends_the_program_quietly() {
+    for args in [
+        vec!["inspect", "configs/encoder.toml"],
+        vec![
+            "analyze",
+            "alibi",
+            "--positions",
+            "8",
+            "--out",
+            "/tmp/poslab-closed-pipe-test",
+        ],
+        vec!["--help"],
+    ] {
+        let (code, stderr) = into_closed_pipe(&args);
+        if args[0] == "--help" {
+            // clap prints help itself; it must not panic either.
+            assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+            continue;
+        }
+        assert_eq!(code, Some(0), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all("/tmp/poslab-closed-pipe-test");
+}
+
+#[test]
+fn a_full_device_is_one_line_of_error() {
+    // /dev/full refuses every write with "no space left on device".
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("skipped: no /dev/full on this system");
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args(["inspect", "configs/encoder.toml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(Stdio::from(full))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: writing the output:") && stderr.lines().count() == 1,
+        "{stderr}"
+    );
+}
