@@ -142,6 +142,8 @@ impl Shape {
             positional: self.positional(variant)?,
         };
         config.validate()?;
+        crate::limits::check_batch(&config, self.batch, self.seq, true, "bench")
+            .map_err(Error::Config)?;
         Ok(config)
     }
 

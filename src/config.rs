@@ -16,6 +16,38 @@ pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T
     })
 }
 
+/// The first place two TOML values differ, as `path: a vs b`.
+pub(crate) fn first_difference(path: &str, a: &toml::Value, b: &toml::Value) -> Option<String> {
+    use toml::Value;
+    let at = |key: &str| {
+        if path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{path}.{key}")
+        }
+    };
+    match (a, b) {
+        (Value::Table(x), Value::Table(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter().find_map(|k| match (x.get(k), y.get(k)) {
+                (Some(u), Some(v)) => first_difference(&at(k), u, v),
+                (Some(u), None) => Some(format!("{}: {u} vs (unset)", at(k))),
+                (None, Some(v)) => Some(format!("{}: (unset) vs {v}", at(k))),
+                (None, None) => None,
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (u, v))| first_difference(&format!("{path}[{i}]"), u, v)),
+        _ if a == b => None,
+        _ => Some(format!("{path}: {a} vs {b}")),
+    }
+}
+
 /// Where LayerNorm sits around each sub-layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -347,7 +379,21 @@ impl ModelConfig {
                 ));
             }
         }
-        self.positional.validate(self.d_model, self.head_dim())
+        self.positional.validate(self.d_model, self.head_dim())?;
+        // Sizes last: a clearer message about a wrong option comes first.
+        crate::limits::check_params(self)?;
+        let widest = self.d_model.max(self.head_dim());
+        if (self.max_len as u128) * (widest as u128) > crate::positional::MAX_TABLE_VALUES as u128 {
+            return Err(format!(
+                "max_len = {} needs position tables of {} x {widest} values, more than {}: \
+                 lower max_len (it is the longest input a learned table holds, and the rows a \
+                 fixed table starts with)",
+                self.max_len,
+                self.max_len,
+                crate::positional::MAX_TABLE_VALUES
+            ));
+        }
+        Ok(())
     }
 
     /// Parses and validates a TOML document.
@@ -370,7 +416,7 @@ impl ModelConfig {
     /// Reads a `.toml` or `.json` file (by extension), then validates it.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
         let parsed = match path.extension().and_then(|e| e.to_str()) {
             Some("json") => Self::from_json_str(&text),
             Some("toml") => Self::from_toml_str(&text),

@@ -49,12 +49,16 @@ pub enum Prediction {
     Fills { masks: Vec<MaskFill> },
 }
 
-/// A text, what the model says, and a note when the text was cut to fit.
+/// A text, what the model says, how many of its tokens the vocabulary did not know, and a note
+/// when the text was cut to fit.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Output<T> {
     pub text: String,
     #[serde(flatten)]
     pub value: T,
+    /// Tokens read as the unknown token (`[UNK]`): words the model never saw, which it cannot
+    /// tell apart. Many of them make any answer a guess.
+    pub unknown_tokens: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
@@ -68,6 +72,8 @@ pub struct Embedding {
 /// A text's tokens and words, ready for a batch.
 struct Prepared {
     ids: Vec<u32>,
+    /// Tokens that are the unknown token.
+    unknown: usize,
     /// Word index of each token (after a `[CLS]`, if any).
     word_ids: Vec<Option<u32>>,
     words: Vec<String>,
@@ -162,11 +168,25 @@ impl<'a> Predictor<'a> {
         word_ids.extend(&enc.word_ids);
         let mut note = None;
         let encoder = self.loaded.model.encoder();
-        let limit = match (encoder.max_positions(), encoder.config().random_positions) {
-            (Some(rows), _) => Some((rows, "learned position table holds")),
-            (None, Some(n)) => Some((n, "randomized positions are drawn from [0, N) with N =")),
-            (None, None) => None,
-        };
+        // The tightest of: a learned table's rows, randomized positions' range, and the
+        // longest text whose attention fits the memory limit.
+        let memory = crate::limits::longest_fitting(encoder.config(), 1, false);
+        let limit = [
+            encoder
+                .max_positions()
+                .map(|rows| (rows, "learned position table holds")),
+            encoder
+                .config()
+                .random_positions
+                .map(|n| (n, "randomized positions are drawn from [0, N) with N =")),
+            Some((
+                memory,
+                "attention (quadratic in the length) fits the memory limit (POSLAB_MAX_MEMORY) up to",
+            )),
+        ]
+        .into_iter()
+        .flatten()
+        .min_by_key(|(rows, _)| *rows);
         if let Some((rows, what)) = limit {
             if ids.len() > rows {
                 if !self.truncate {
@@ -182,8 +202,13 @@ impl<'a> Predictor<'a> {
                 word_ids.truncate(rows);
             }
         }
+        let unknown = match self.loaded.tokenizer.unk_id() {
+            Some(unk) => ids.iter().filter(|&&id| id == unk).count(),
+            None => 0,
+        };
         Ok(Prepared {
             ids,
+            unknown,
             word_ids,
             words,
             note,
@@ -230,7 +255,24 @@ impl<'a> Predictor<'a> {
         let scaled = self.model_for(&prepared)?;
         let model = scaled.as_ref().unwrap_or(&self.loaded.model);
         let mut out = Vec::with_capacity(texts.len());
-        for (chunk, texts) in prepared.chunks(BATCH).zip(texts.chunks(BATCH)) {
+        // Batches of at most BATCH texts whose padded length fits the memory limit.
+        let config = model.encoder().config();
+        let mut bounds = vec![0];
+        let mut longest = 0;
+        for (i, p) in prepared.iter().enumerate() {
+            let start = *bounds.last().expect("bounds start at 0");
+            let grown = longest.max(p.ids.len());
+            let size = i - start + 1;
+            if size > BATCH || crate::limits::check_batch(config, size, grown, false, "").is_err() {
+                bounds.push(i);
+                longest = p.ids.len();
+            } else {
+                longest = grown;
+            }
+        }
+        bounds.push(prepared.len());
+        for range in bounds.windows(2).filter(|w| w[0] < w[1]) {
+            let (chunk, texts) = (&prepared[range[0]..range[1]], &texts[range[0]..range[1]]);
             let seqs: Vec<&[u32]> = chunk.iter().map(|p| p.ids.as_slice()).collect();
             let (ids, mask) = pad_batch(&seqs, self.loaded.tokenizer.pad_id(), self.device())?;
             let positions = self.positions(chunk, ids.dim(1)?)?;
@@ -239,6 +281,7 @@ impl<'a> Predictor<'a> {
                 out.push(Output {
                     text: text.clone(),
                     value,
+                    unknown_tokens: p.unknown,
                     note: p.note.clone(),
                 });
             }

@@ -1,9 +1,77 @@
-//! Filesystem helpers.
+//! Filesystem helpers: atomic writes, and reads bounded in size.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::Path;
 
 use crate::error::{Error, Result};
+
+/// The largest config, state or JSON file poslab reads (configs, `config.json`,
+/// `tokenizer.json`, trainer state, results): 256 MiB.
+pub const MAX_CONFIG_BYTES: u64 = 256 << 20;
+/// The largest data file (TSV, CSV, JSONL, text): 4 GiB.
+pub const MAX_DATA_BYTES: u64 = 4 << 30;
+/// The largest weights file: 64 GiB.
+pub const MAX_WEIGHTS_BYTES: u64 = 64 << 30;
+
+/// Reads a regular file of at most `max` bytes. A device, a pipe or a folder (`/dev/zero`,
+/// `/dev/urandom`, a FIFO) would never end or is no file at all, and a larger file is refused
+/// before anything is allocated for it; `what` names the file's role in the message.
+pub fn read_bounded(path: &Path, max: u64, what: &str) -> Result<Vec<u8>> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::Input(format!(
+            "{}: not a regular file (a folder, device or pipe); give the path of the {what} file",
+            path.display()
+        )));
+    }
+    if meta.len() > max {
+        return Err(too_large(path, meta.len(), max, what));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))
+        .map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > max {
+        return Err(too_large(path, bytes.len() as u64, max, what));
+    }
+    Ok(bytes)
+}
+
+/// [`read_bounded`] as UTF-8 text.
+pub fn read_text_bounded(path: &Path, max: u64, what: &str) -> Result<String> {
+    String::from_utf8(read_bounded(path, max, what)?).map_err(|e| {
+        Error::Input(format!(
+            "{}: the {what} file is not UTF-8 text (invalid byte at {}): convert it to UTF-8",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+fn too_large(path: &Path, len: u64, max: u64, what: &str) -> Error {
+    Error::Input(format!(
+        "{}: {} is too large for a {what} file (the limit is {}): is this the right file?",
+        path.display(),
+        human_bytes(len),
+        human_bytes(max)
+    ))
+}
+
+/// `1.5 GiB`, `12.0 MiB`, `512 B`.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
 
 /// Writes `bytes` to `path` atomically: into a temporary file beside it, flushed to disk, then
 /// renamed over `path`. A crash at any point leaves either the old file or the new one, never a
@@ -42,6 +110,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bounded_reads_refuse_devices_and_large_files() {
+        let err = read_bounded(Path::new("/dev/zero"), 100, "config").unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.toml");
+        std::fs::write(&path, vec![b'a'; 2000]).unwrap();
+        let err = read_bounded(&path, 1024, "config").unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("2.0 KiB is too large for a config file (the limit is 1.0 KiB)"),
+            "{err}"
+        );
+        assert_eq!(read_bounded(&path, 2000, "config").unwrap().len(), 2000);
+        std::fs::write(&path, [0xff, 0xfe]).unwrap();
+        assert!(read_text_bounded(&path, 10, "config")
+            .unwrap_err()
+            .to_string()
+            .contains("not UTF-8"));
+    }
 
     #[test]
     fn replaces_whole_file_and_leaves_no_temporary() {

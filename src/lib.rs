@@ -29,6 +29,7 @@ pub mod error;
 pub mod experiment;
 pub mod infer;
 pub mod io;
+pub mod limits;
 pub mod model;
 pub mod nn;
 pub mod params;

@@ -203,7 +203,7 @@ pub fn save_tensors(
 
 /// Reads every tensor (onto the CPU) and the metadata of a safetensors file.
 pub fn load_tensors(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::io::read_bounded(path, crate::io::MAX_WEIGHTS_BYTES, "weights")?;
     let corrupt = |e: safetensors::SafeTensorError| Error::Checkpoint {
         path: path.into(),
         message: format!(
@@ -227,7 +227,7 @@ pub fn load_tensors(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<Str
 /// Reads only the metadata of a safetensors file.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::io::read_bounded(path, crate::io::MAX_WEIGHTS_BYTES, "weights")?;
     let (_, header) =
         safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::Checkpoint {
             path: path.into(),

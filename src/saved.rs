@@ -77,7 +77,8 @@ pub fn load_as(
     precision: Option<Precision>,
 ) -> Result<Loaded> {
     let config_path = dir.join(CONFIG);
-    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let text =
+        crate::io::read_text_bounded(&config_path, crate::io::MAX_CONFIG_BYTES, "config.json")?;
     let mut config: SavedConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
         path: config_path.clone(),
         message: e.to_string(),

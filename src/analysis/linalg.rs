@@ -65,14 +65,43 @@ impl Matrix {
 
 /// The `w` minimising `|x w - y|^2 + lambda |w|^2` (`x`: n x d, `y`: n x m, `w`: d x m).
 ///
-/// `lambda` is scaled by the mean diagonal of `xᵀx`, so it is relative to the data's size.
+/// `lambda` is scaled by the mean diagonal of `xᵀx`, so it is relative to the data's size. With
+/// fewer rows than columns the dual form is solved, `w = xᵀ (x xᵀ + λI)⁻¹ y`, an `n x n` system
+/// instead of `d x d` (the same `w`): a 1024-wide table over 128 positions is a 128 x 128 solve,
+/// not a 1024 x 1024 one.
 pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
     assert_eq!(x.rows, y.rows, "ridge: x and y rows");
-    let d = x.cols;
+    let (n, d, m) = (x.rows, x.cols, y.cols);
+    // trace(xᵀx) = trace(x xᵀ) = the sum of squares.
+    let trace: f64 = x.data.iter().map(|v| v * v).sum();
+    let ridge = lambda * (trace / d.max(1) as f64).max(f64::MIN_POSITIVE);
+    if n < d {
+        // Dual: (x xᵀ + λI) α = y, then w = xᵀ α.
+        let mut k = vec![0.0; n * n];
+        for i in 0..n {
+            for j in 0..=i {
+                let v: f64 = x.row(i).iter().zip(x.row(j)).map(|(a, b)| a * b).sum();
+                k[i * n + j] = v;
+                k[j * n + i] = v;
+            }
+            k[i * n + i] += ridge;
+        }
+        let alpha = cholesky_solve(k, y.data.clone(), n, m);
+        let mut w = vec![0.0; d * m];
+        for r in 0..n {
+            let (xr, ar) = (x.row(r), &alpha[r * m..(r + 1) * m]);
+            for (i, xi) in xr.iter().enumerate() {
+                for (wik, ak) in w[i * m..(i + 1) * m].iter_mut().zip(ar) {
+                    *wik += xi * ak;
+                }
+            }
+        }
+        return Matrix::new(d, m, w);
+    }
     // Normal equations: (xᵀx + λI) w = xᵀy.
     let mut a = vec![0.0; d * d];
-    let mut b = vec![0.0; d * y.cols];
-    for r in 0..x.rows {
+    let mut b = vec![0.0; d * m];
+    for r in 0..n {
         let xr = x.row(r);
         let yr = y.row(r);
         for i in 0..d {
@@ -83,7 +112,7 @@ pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
             for (aij, xj) in a[i * d + i..(i + 1) * d].iter_mut().zip(&xr[i..]) {
                 *aij += xi * xj;
             }
-            for (bik, yk) in b[i * y.cols..(i + 1) * y.cols].iter_mut().zip(yr) {
+            for (bik, yk) in b[i * m..(i + 1) * m].iter_mut().zip(yr) {
                 *bik += xi * yk;
             }
         }
@@ -92,13 +121,14 @@ pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
         for j in 0..i {
             a[i * d + j] = a[j * d + i];
         }
-    }
-    let mean_diag = (0..d).map(|i| a[i * d + i]).sum::<f64>() / d.max(1) as f64;
-    let ridge = lambda * mean_diag.max(f64::MIN_POSITIVE);
-    for i in 0..d {
         a[i * d + i] += ridge;
     }
-    // Cholesky: a = L Lᵀ (positive definite thanks to the ridge).
+    Matrix::new(d, m, cholesky_solve(a, b, d, m))
+}
+
+/// Solves `a x = b` for a symmetric positive definite `a` (`d x d`) and `b` (`d x m`), by
+/// Cholesky, `a = L Lᵀ`.
+fn cholesky_solve(a: Vec<f64>, b: Vec<f64>, d: usize, m: usize) -> Vec<f64> {
     let mut l = vec![0.0; d * d];
     for i in 0..d {
         for j in 0..=i {
@@ -114,9 +144,8 @@ pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
             }
         }
     }
-    // Solve L z = b, then Lᵀ w = z, for all columns of b at once: row operations, so every
+    // Solve L z = b, then Lᵀ x = z, for all columns of b at once: row operations, so every
     // inner loop runs over contiguous memory.
-    let m = y.cols;
     let mut z = b;
     for i in 0..d {
         for k in 0..i {
@@ -145,7 +174,7 @@ pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
         let inv = 1.0 / l[i * d + i];
         w[i * m..(i + 1) * m].iter_mut().for_each(|v| *v *= inv);
     }
-    Matrix::new(d, m, w)
+    w
 }
 
 /// Indices `0..n` in `folds` contiguous-free interleaved folds: fold `f` holds `f, f + k, ...`.
@@ -158,6 +187,34 @@ pub fn folds(n: usize, folds: usize) -> Vec<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dual_form_gives_the_primal_answer() {
+        let mut rng = crate::rng::stream(4, "ridge");
+        use rand::Rng as _;
+        let (n, d, m) = (9, 14, 3);
+        let x = Matrix::new(
+            n,
+            d,
+            (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        );
+        let y = Matrix::new(
+            n,
+            m,
+            (0..n * m).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        );
+        let dual = ridge(&x, &y, 1e-3); // n < d: dual
+                                        // The primal on the same data, with rows padded by zeros so that n >= d (zero rows add
+                                        // nothing to xᵀx or xᵀy).
+        let mut xp = x.data.clone();
+        xp.extend(vec![0.0; (d - n) * d]);
+        let mut yp = y.data.clone();
+        yp.extend(vec![0.0; (d - n) * m]);
+        let primal = ridge(&Matrix::new(d, d, xp), &Matrix::new(d, m, yp), 1e-3);
+        for (a, b) in dual.data.iter().zip(&primal.data) {
+            assert!((a - b).abs() < 1e-9, "{a} vs {b}");
+        }
+    }
 
     #[test]
     fn ridge_recovers_an_exact_linear_map() {

@@ -43,7 +43,7 @@ pub fn evaluation_batch(
 ) -> Result<(Tensor, Tensor, usize)> {
     let texts: Vec<Vec<String>> = match text_file {
         Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            let text = crate::io::read_text_bounded(path, crate::io::MAX_DATA_BYTES, "text")?;
             text.lines()
                 .map(|l| l.split_whitespace().map(String::from).collect::<Vec<_>>())
                 .filter(|w| !w.is_empty())

@@ -29,9 +29,14 @@ pub struct Args {
     /// Where run folders are made.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
-    /// The exact run folder to write (instead of runs/<name>-<timestamp>).
+    /// The exact run folder to write (instead of runs/<name>-<timestamp>); one that holds
+    /// another run is refused unless --overwrite.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// With --out: clear the run already in that folder (its results, report, plots and
+    /// models) before this one is written.
+    #[arg(long, requires = "out")]
+    pub overwrite: bool,
     /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).
     #[arg(long)]
     pub jobs: Option<usize>,
@@ -49,6 +54,7 @@ pub fn run(args: Args) -> Result<()> {
         seeds,
         runs_dir,
         out,
+        overwrite,
         jobs,
         quiet,
     } = args;
@@ -88,12 +94,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     let dir = match out {
         Some(dir) => {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            experiment::run::prepare_out_dir(&dir, overwrite)?;
             dir
         }
         None => experiment::new_run_dir(&runs_dir, &config.name)?,
     };
-    poslab::io::write_atomic(&dir.join("config.toml"), config.to_toml().as_bytes())?;
+    poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
     eprintln!(
         "poslab compare: {source} on {} -> {}",
         poslab::device::device_name(&device),

@@ -1,6 +1,6 @@
 //! `poslab inspect`: a model config validated and described.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device};
@@ -14,15 +14,22 @@ use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 /// same shape under every positional scheme.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model config, TOML or JSON.
-    #[arg(default_value = "configs/encoder.toml")]
-    pub config: PathBuf,
+    /// A model config, TOML or JSON. Default: configs/encoder.toml, embedded in the binary.
+    pub config: Option<PathBuf>,
 }
 
+/// The embedded default, `configs/encoder.toml`.
+const DEFAULT_CONFIG: &str = include_str!("../../configs/encoder.toml");
+
 pub fn run(args: Args) -> Result<()> {
-    let path: &Path = &args.config;
-    let config = ModelConfig::load(path)?;
-    outln!("{}: valid", path.display());
+    let (config, source) = match &args.config {
+        Some(path) => (ModelConfig::load(path)?, path.display().to_string()),
+        None => (
+            ModelConfig::from_toml_str(DEFAULT_CONFIG)?,
+            "configs/encoder.toml (embedded default)".to_string(),
+        ),
+    };
+    outln!("{source}: valid");
     outln!(
         "shape: {} layers, d_model {}, {} heads of {}, FFN {}, {}-norm, vocab {}, max_len {}",
         config.n_layers,

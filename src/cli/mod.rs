@@ -72,10 +72,25 @@ pub struct Compute {
 pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Vec<String>> {
     if let Some(path) = input {
         let content = if path.as_os_str() == "-" {
-            std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+            use std::io::Read as _;
+            let mut text = String::new();
+            let max = poslab::io::MAX_DATA_BYTES;
+            std::io::stdin()
+                .take(max + 1)
+                .read_to_string(&mut text)
+                .context("reading standard input")?;
+            if text.len() as u64 > max {
+                anyhow::bail!(
+                    "standard input is larger than {}: give the texts in parts",
+                    poslab::io::human_bytes(max)
+                );
+            }
+            text
         } else {
-            std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?
+            poslab::io::read_text_bounded(&path, poslab::io::MAX_DATA_BYTES, "text")?
         };
+        // A leading byte-order mark (some editors write one) is not text.
+        let content = content.strip_prefix('\u{feff}').unwrap_or(&content);
         texts.extend(
             content
                 .lines()

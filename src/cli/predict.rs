@@ -55,6 +55,18 @@ pub fn run(args: Args) -> Result<()> {
         if let Some(note) = &out.note {
             eprintln!("text {}: {note}", i + 1);
         }
+        if out.unknown_tokens > 0 && !json {
+            eprintln!(
+                "text {}: {} token{} unknown to the model's vocabulary (read as one unknown word)",
+                i + 1,
+                out.unknown_tokens,
+                if out.unknown_tokens == 1 {
+                    " is"
+                } else {
+                    "s are"
+                }
+            );
+        }
         if json {
             outln!("{}", serde_json::to_string(out)?);
             continue;

@@ -20,14 +20,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let Args { runs, out } = args;
     let runs = &runs;
-    let loaded = runs
-        .iter()
-        .map(|d| {
-            let (r, t) = report::load_run(d)?;
-            Ok((d.clone(), r, t))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let (results, timings) = report::merge(loaded)?;
+    let (results, timings, config) = report::merge_runs(runs)?;
     let dir = match out {
         Some(dir) => {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -37,6 +30,7 @@ pub fn run(args: Args) -> Result<()> {
             experiment::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
         }
     };
+    poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
     let table = report::write_report(&dir, &results, &timings, runs)?;
     outln!("{table}");
     outln!(

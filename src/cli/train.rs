@@ -46,6 +46,12 @@ pub fn run(args: Args) -> Result<()> {
         quiet,
     } = args;
     let (runs_dir, compute) = (&runs_dir, &compute);
+    if stop_after == Some(0) {
+        anyhow::bail!(
+            "--stop-after 0 would stop before the first step: give the number of steps to train \
+             before stopping (at least 1)"
+        );
+    }
     let device = poslab::device::parse_device(&compute.device)?;
     let options = |dir: PathBuf| single::TrainOptions {
         dir,

@@ -224,15 +224,20 @@ pub struct Selection {
     pub seeds: Vec<u64>,
 }
 
-fn check_name(kind: &str, name: &str) -> Result<()> {
+/// Refuses a name that could not safely name a folder: empty, `.` or `..`, or anything but
+/// letters, digits, `_`, `-` and `.` (no `/`, so no way out of the folder it is made in).
+pub(crate) fn check_name(kind: &str, name: &str) -> Result<()> {
     if name.is_empty()
+        || name == "."
+        || name == ".."
+        || name.len() > 128
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
     {
         return Err(Error::Config(format!(
-            "{kind} name {name:?} must be non-empty and use only letters, digits, `_`, `-` and `.` \
-             (it names folders)"
+            "{kind} name {name:?} must use only letters, digits, `_`, `-` and `.`, be at most \
+             128 characters, and not be `.` or `..`: it names a folder"
         )));
     }
     Ok(())
@@ -248,7 +253,7 @@ impl ExperimentConfig {
     /// Reads and validates an experiment file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
         Self::from_toml_str(&text).map_err(|e| match e {
             Error::ConfigParse { message, .. } if ModelConfig::from_toml_str(&text).is_ok() => Error::ConfigParse {
                 path: path.into(),
@@ -293,6 +298,14 @@ impl ExperimentConfig {
             ));
         }
         self.train.validate()?;
+        if self.eval.shift > crate::positional::MAX_POSITION {
+            return Err(Error::Config(format!(
+                "[eval] shift = {} moves positions past the largest supported, {}: use a \
+                 shift of at most a few times the longest input",
+                self.eval.shift,
+                crate::positional::MAX_POSITION
+            )));
+        }
         if self.eval.batch_size == Some(0) {
             return Err(Error::Config(
                 "[eval] batch_size = 0, but it must be at least 1".into(),

@@ -176,7 +176,7 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
 }
 
 fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
-    // x: the mean length of each test set; y: score in %, mean with min..max whiskers.
+    // x: the middle of each test set's length range; y: score in %, mean with min..max whiskers.
     let xs: Vec<f64> = task
         .tests
         .iter()
@@ -234,7 +234,7 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
             .build_cartesian_2d(0.0..x_max, 0.0..102.0)?;
         chart
             .configure_mesh()
-            .x_desc("mean input length of the test set (words)")
+            .x_desc("input length of the test set: the middle of its range (words)")
             .y_desc(format!("{} (%)", task.metric))
             .x_label_formatter(&|x| format!("{x:.0}"))
             .y_label_formatter(&|y| format!("{y:.0}"))

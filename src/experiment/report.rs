@@ -12,6 +12,8 @@ use crate::io::write_atomic;
 
 pub const RESULTS_JSON: &str = "results.json";
 pub const TIMING_JSON: &str = "timing.json";
+/// The experiment config as run, every default filled in.
+pub const CONFIG_TOML: &str = "config.toml";
 
 /// `99.1 ± 0.4 (98.6..99.5)`, or `99.1` for one seed; `scale` turns fractions into percent.
 pub fn fmt_stat(s: &Stat, scale: f64, decimals: usize) -> String {
@@ -218,13 +220,14 @@ fn task_heading(task: &TaskInfo, rows: &[&SummaryRow]) -> String {
     } else {
         format!(" ({})", task.kind)
     };
+    let over = if seeds == 1 {
+        "one seed".to_string()
+    } else {
+        format!("mean ± std (min..max) over {seeds} seeds")
+    };
     let mut h = format!(
-        "{}{kind}: {} in %, mean ± std (min..max) over {seeds} seed{}; trained on lengths {}-{}",
-        task.name,
-        task.metric,
-        if seeds == 1 { "" } else { "s" },
-        task.train_lengths[0],
-        task.train_lengths[1]
+        "{}{kind}: {} in %, {over}; trained on lengths {}-{}",
+        task.name, task.metric, task.train_lengths[0], task.train_lengths[1]
     );
     if let Some(c) = &task.order_blind_ceiling {
         let _ = write!(
@@ -470,11 +473,14 @@ fn pretty_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
 pub fn load_run(dir: &Path) -> Result<(Results, Vec<Timing>)> {
     let read = |name: &str| -> Result<String> {
         let p = dir.join(name);
-        std::fs::read_to_string(&p).map_err(|e| Error::io(&p, e))
+        crate::io::read_text_bounded(&p, crate::io::MAX_CONFIG_BYTES, "results")
     };
-    let parse_err = |name: &str, e: serde_json::Error| Error::ConfigParse {
-        path: dir.join(name),
-        message: e.to_string(),
+    let parse_err = |name: &str, e: serde_json::Error| {
+        Error::Input(format!(
+            "{}: not a readable poslab results file ({e}); it may be truncated or edited: run the \
+             cells again, or leave this folder out",
+            dir.join(name).display()
+        ))
     };
     let results: Results =
         serde_json::from_str(&read(RESULTS_JSON)?).map_err(|e| parse_err(RESULTS_JSON, e))?;
@@ -483,6 +489,47 @@ pub fn load_run(dir: &Path) -> Result<(Results, Vec<Timing>)> {
         Err(_) => Vec::new(),
     };
     Ok((results, timings))
+}
+
+/// The experiment config a run folder was made with (`config.toml`, which `compare` writes).
+pub fn load_run_config(dir: &Path) -> Result<super::ExperimentConfig> {
+    let path = dir.join(CONFIG_TOML);
+    if !path.is_file() {
+        return Err(Error::Input(format!(
+            "{} has no {CONFIG_TOML} (poslab compare writes one into every run folder): without \
+             it nothing says the runs share their settings",
+            dir.display()
+        )));
+    }
+    super::ExperimentConfig::load(&path)
+}
+
+/// Reads and joins run folders of one experiment ([`merge`]), after checking that every one was
+/// made with the same config, every setting included (two runs of an experiment with the same
+/// name but another `lr` are not one experiment). Returns the config too.
+pub fn merge_runs(dirs: &[PathBuf]) -> Result<(Results, Vec<Timing>, super::ExperimentConfig)> {
+    let first = dirs
+        .first()
+        .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
+    let config = load_run_config(first)?;
+    let reference = toml::Value::try_from(&config).expect("a config is TOML");
+    let mut loaded = Vec::with_capacity(dirs.len());
+    for dir in dirs {
+        let other = load_run_config(dir)?;
+        let value = toml::Value::try_from(&other).expect("a config is TOML");
+        if let Some(diff) = crate::config::first_difference("", &reference, &value) {
+            return Err(Error::Input(format!(
+                "{} and {} were run with different configs ({diff}): only runs of one \
+                 experiment, split by --task, --variant, --seed or --shard, can be merged",
+                first.display(),
+                dir.display()
+            )));
+        }
+        let (results, timings) = load_run(dir)?;
+        loaded.push((dir.clone(), results, timings));
+    }
+    let (results, timings) = merge(loaded)?;
+    Ok((results, timings, config))
 }
 
 /// Joins runs of the same experiment (cells split across machines by `--task`, `--variant`,

@@ -23,7 +23,7 @@ use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed};
 use crate::saved::{self, SavedConfig};
 use crate::tasks::{Objective, TaskData, TaskSpec};
-use crate::train::{evaluate, train, TrainData};
+use crate::train::{evaluate, planned_steps, train, TrainData};
 
 /// Where and how to run.
 pub struct RunOptions {
@@ -245,6 +245,39 @@ impl Prepared<'_> {
         }
     }
 
+    /// Refuses a model whose training or test batches would not fit the memory limit (see
+    /// [`crate::limits`]), before anything trains.
+    pub(crate) fn check_memory(
+        &self,
+        config: &ModelConfig,
+        train_batch: usize,
+        eval_batch: usize,
+        what: &str,
+    ) -> Result<()> {
+        let training = [&self.train, &self.valid]
+            .map(|s| s.max_len())
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        crate::limits::check_batch(
+            config,
+            train_batch,
+            training,
+            true,
+            &format!("{what}: training"),
+        )
+        .map_err(Error::Config)?;
+        let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
+        crate::limits::check_batch(
+            config,
+            eval_batch,
+            testing,
+            false,
+            &format!("{what}: testing"),
+        )
+        .map_err(Error::Config)
+    }
+
     /// The data `train` needs.
     pub(crate) fn train_data(&self) -> TrainData<'_> {
         TrainData {
@@ -379,9 +412,11 @@ fn run_cell(
         &task.head,
         params.var_builder(DType::F32, device),
     )?;
-    let bar = shared.multi.add(ProgressBar::new(0));
-    bar.set_style(shared.style.clone());
-    bar.set_prefix(format!("{}/{}/seed{seed}", task.spec.name, variant.name));
+    // Styled and sized before it is added: a bar drawn at length 0 shows full.
+    let bar = ProgressBar::new(planned_steps(&config.train, &task.train) as u64)
+        .with_style(shared.style.clone())
+        .with_prefix(format!("{}/{}/seed{seed}", task.spec.name, variant.name));
+    let bar = shared.multi.add(bar);
     let outcome = train(
         &model,
         &params,
@@ -539,6 +574,49 @@ fn run_cell(
     })
 }
 
+/// What a compare writes into its run folder.
+const RUN_OUTPUTS: [&str; 8] = [
+    "config.toml",
+    "results.json",
+    "results.csv",
+    "summary.csv",
+    "timing.json",
+    "report.md",
+    "plots",
+    "models",
+];
+
+/// Makes `dir` ready for a compare: created if missing; a folder that already holds a run (its
+/// results or models) is refused, unless `overwrite`, which removes that run's files (and only
+/// those), so no model of the old run is mistaken for one of the new.
+pub fn prepare_out_dir(dir: &Path, overwrite: bool) -> Result<()> {
+    let held: Vec<&str> = RUN_OUTPUTS
+        .iter()
+        .copied()
+        .filter(|f| dir.join(f).exists())
+        .collect();
+    if !held.is_empty() {
+        if !overwrite {
+            return Err(Error::Input(format!(
+                "{} already holds a run ({}): choose another --out, or pass --overwrite to clear \
+                 it first",
+                dir.display(),
+                held.join(", ")
+            )));
+        }
+        for f in held {
+            let path = dir.join(f);
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))
+}
+
 /// Trains and tests every selected cell, `options.jobs` at a time. `log` receives one line per
 /// finished cell when progress bars are not drawn.
 pub fn run(
@@ -552,12 +630,20 @@ pub fn run(
         .iter()
         .map(|t| prepare(t, t.generate()?, config.model.pooling, config.eval.shift))
         .collect::<Result<Vec<_>>>()?;
+    let eval_batch = config
+        .eval
+        .batch_size
+        .unwrap_or(2 * config.train.batch_size);
     for task in &prepared {
         for variant in &variants {
-            task.check_random_positions(
-                variant.random_positions,
-                &format!("variant `{}`", variant.name),
-            )?;
+            let what = format!("variant `{}`", variant.name);
+            task.check_random_positions(variant.random_positions, &what)?;
+            let model =
+                config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
+            model
+                .validate()
+                .map_err(|e| Error::Config(format!("{what}: {e}")))?;
+            task.check_memory(&model, config.train.batch_size, eval_batch, &what)?;
         }
     }
     // Cells in report order: task, seed, variant.
@@ -576,7 +662,7 @@ pub fn run(
     let overall = multi.add(ProgressBar::new(cells.len() as u64));
     overall.set_style(
         ProgressStyle::with_template(
-            "{prefix:>12} [{bar:30}] {pos}/{len} cells, {elapsed} elapsed, about {eta} left",
+            "{prefix:>12} [{bar:30}] {pos}/{len} cells, {elapsed} elapsed{msg}",
         )
         .expect("template")
         .progress_chars("=> "),
@@ -616,6 +702,15 @@ pub fn run(
                 match run_cell(&shared, &prepared[t], variant, seed) {
                     Ok(out) => {
                         overall.inc(1);
+                        // The time left, once a cell has finished to estimate it from (an
+                        // estimate before any is "about 0s left").
+                        let (done, total) = (overall.position(), overall.length().unwrap_or(0));
+                        if done > 0 && done < total {
+                            // Wall time per finished cell, parallel jobs included.
+                            let per = overall.elapsed().as_secs_f64() / done as f64;
+                            let left = per * (total - done) as f64;
+                            overall.set_message(format!(", about {}s left", left.round()));
+                        }
                         if multi.is_hidden() {
                             log(&out.line);
                         } else {

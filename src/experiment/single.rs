@@ -31,6 +31,8 @@ pub const TRAIN_CONFIG: &str = "train.toml";
 pub const METRICS: &str = "metrics.json";
 pub const CHECKPOINTS: &str = "checkpoints";
 const LATEST: &str = "latest";
+/// The run's config as each checkpoint was saved under it.
+const CHECKPOINT_CONFIG: &str = "train.toml";
 
 fn d_checkpoint_every() -> usize {
     100
@@ -95,11 +97,16 @@ impl TrainRunConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.name.is_empty() {
-            return Err(Error::Config("name must not be empty".into()));
-        }
+        super::check_name("run", &self.name)?;
         self.train.validate()?;
         self.task.validate()?;
+        if self.eval.shift > crate::positional::MAX_POSITION {
+            return Err(Error::Config(format!(
+                "[eval] shift = {} moves positions past the largest supported, {}",
+                self.eval.shift,
+                crate::positional::MAX_POSITION
+            )));
+        }
         self.model
             .model_config(&self.variant(), 8, self.max_len.unwrap_or(1))
             .validate()
@@ -113,7 +120,7 @@ impl TrainRunConfig {
 
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
         Self::from_toml_str(&text).map_err(|e| e.in_file(path))
     }
 
@@ -168,9 +175,16 @@ pub enum TrainEnd {
 }
 
 /// Starts a new run in `options.dir` (which must not hold one already).
+///
+/// A run folder counts as started once its `train.toml` exists, and that file is written last,
+/// after the data is read and `tokenizer.json` saved: a start that fails or is killed before
+/// it leaves a folder that a fresh start takes over (and `--resume` says to start instead).
+/// The folder is locked for the whole run, so a second `train` into it is refused.
 pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd> {
     config.validate()?;
     let dir = &options.dir;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let lock = RunLock::acquire(dir)?;
     if dir.join(TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(
             "{} already holds a run: continue it with `poslab train --resume {}`, or choose another --out",
@@ -178,27 +192,98 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
             dir.display()
         )));
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
+    clean_temporaries(dir);
     let data = config.task.generate_with(&options.hub, None)?;
     data.tokenizer.save(dir.join(saved::TOKENIZER))?;
-    run(config, data, options, false)
+    write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
+    let end = run(config, data, options, false);
+    drop(lock);
+    end
 }
 
 /// Continues the run in `options.dir` from its latest checkpoint (from the start if it stopped
 /// before the first), with the config and tokenizer it saved.
 pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let dir = &options.dir;
+    if !dir.is_dir() {
+        return Err(Error::Input(format!(
+            "{}: no such run folder to resume",
+            dir.display()
+        )));
+    }
+    let lock = RunLock::acquire(dir)?;
     if dir.join(METRICS).exists() {
         return Err(Error::Input(format!(
             "{} has already finished (metrics.json exists)",
             dir.display()
         )));
     }
+    if !dir.join(TRAIN_CONFIG).exists() {
+        return Err(Error::Input(format!(
+            "{} holds no started run (no {TRAIN_CONFIG}): start one with `poslab train --config \
+             FILE --out {}`",
+            dir.display(),
+            dir.display()
+        )));
+    }
     let config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
+    clean_temporaries(dir);
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
-    run(&config, data, options, true)
+    let end = run(&config, data, options, true);
+    drop(lock);
+    end
+}
+
+/// The advisory lock a run holds on its folder (`.lock`, through the `fs4` crate): a second
+/// `train` or `--resume` into the same folder while one runs is refused, naming the folder.
+/// The operating system releases it when the process ends, however it ends.
+struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    const FILE: &'static str = ".lock";
+
+    fn acquire(dir: &Path) -> Result<Self> {
+        use fs4::fs_std::FileExt;
+        let path = dir.join(Self::FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(&path, e))?;
+        match file.try_lock_exclusive() {
+            Ok(true) => Ok(Self { _file: file }),
+            Ok(false) => Err(Error::Input(format!(
+                "{} is in use by another `poslab train` right now: wait for it to finish, or \
+                 choose another --out",
+                dir.display()
+            ))),
+            Err(e) => Err(Error::io(&path, e)),
+        }
+    }
+}
+
+/// Removes what killed runs leave behind: temporary files and unfinished checkpoint folders.
+fn clean_temporaries(dir: &Path) {
+    for folder in [dir.to_path_buf(), dir.join(CHECKPOINTS)] {
+        let Ok(entries) = std::fs::read_dir(&folder) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                let path = entry.path();
+                let _ = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+            }
+        }
+    }
 }
 
 fn run(
@@ -210,11 +295,22 @@ fn run(
     let dir = &options.dir;
     let task = prepare(&config.task, data, config.model.pooling, config.eval.shift)?;
     task.check_random_positions(config.random_positions, &config.name)?;
+    let eval_batch = config
+        .eval
+        .batch_size
+        .unwrap_or(2 * config.train.batch_size);
     let tok = &task.data.tokenizer;
     let model_config =
         config
             .model
             .model_config(&config.variant(), tok.vocab_size(), task.table_rows());
+    model_config.validate()?;
+    task.check_memory(
+        &model_config,
+        config.train.batch_size,
+        eval_batch,
+        &config.name,
+    )?;
     let params = ParamStore::new(config.seed);
     let model = TaskModel::new(
         &model_config,
@@ -224,7 +320,7 @@ fn run(
     let train_data = task.train_data();
     let mut trainer = Trainer::new(&model, &params, &train_data, &config.train, config.seed)?;
     if resuming {
-        if let Some(checkpoint) = load_latest(dir, &params)? {
+        if let Some(checkpoint) = load_latest(dir, &params, config)? {
             trainer.restore(&checkpoint)?;
         }
     }
@@ -252,7 +348,7 @@ fn run(
         let stop = options.stop_after.is_some_and(|n| steps >= n);
         let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
         if (due || stop) && !trainer.finished() {
-            save_checkpoint(dir, &params, &trainer.checkpoint())?;
+            save_checkpoint(dir, &params, &trainer.checkpoint(), config)?;
         }
         if stop && !trainer.finished() {
             bar.finish_and_clear();
@@ -261,10 +357,6 @@ fn run(
     }
     bar.finish_and_clear();
     let outcome = trainer.finish()?;
-    let eval_batch = config
-        .eval
-        .batch_size
-        .unwrap_or(2 * config.train.batch_size);
     let evaluations = task.evaluate(&model, eval_batch)?;
     saved::save(
         dir,
@@ -312,7 +404,12 @@ fn step_dir_name(step: usize) -> String {
 
 /// Writes a checkpoint folder atomically (a temporary folder renamed), points `latest` at it,
 /// and removes all but the two newest.
-fn save_checkpoint(dir: &Path, params: &ParamStore, checkpoint: &Checkpoint) -> Result<()> {
+fn save_checkpoint(
+    dir: &Path,
+    params: &ParamStore,
+    checkpoint: &Checkpoint,
+    config: &TrainRunConfig,
+) -> Result<()> {
     let root = dir.join(CHECKPOINTS);
     let name = step_dir_name(checkpoint.state.steps);
     let tmp = root.join(format!(".{name}.{}.tmp", std::process::id()));
@@ -320,6 +417,7 @@ fn save_checkpoint(dir: &Path, params: &ParamStore, checkpoint: &Checkpoint) -> 
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
     }
     std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    write_atomic(&tmp.join(CHECKPOINT_CONFIG), config.to_toml().as_bytes())?;
     params.save(tmp.join(saved::WEIGHTS), HashMap::new())?;
     save_tensors(
         &tmp.join("optimizer.safetensors"),
@@ -354,17 +452,93 @@ fn save_checkpoint(dir: &Path, params: &ParamStore, checkpoint: &Checkpoint) -> 
     Ok(())
 }
 
-/// The latest checkpoint, its weights loaded into `params`; `None` if the run has none yet.
-fn load_latest(dir: &Path, params: &ParamStore) -> Result<Option<Checkpoint>> {
+/// The latest usable checkpoint, its weights loaded into `params`; `None` if the run has none
+/// yet. When the latest is damaged (truncated by a full disk, say), the older one kept beside it
+/// is used, and a note says so. `checkpoints/latest` must name a checkpoint of this folder.
+fn load_latest(
+    dir: &Path,
+    params: &ParamStore,
+    config: &TrainRunConfig,
+) -> Result<Option<Checkpoint>> {
     let root = dir.join(CHECKPOINTS);
     let latest = root.join(LATEST);
-    let name = match std::fs::read_to_string(&latest) {
+    let name = match crate::io::read_text_bounded(&latest, 1024, "checkpoint pointer") {
         Ok(n) => n.trim().to_string(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io(&latest, e)),
+        Err(Error::Io { error, .. }) if error.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
     };
-    let folder = root.join(&name);
-    params.load(folder.join(saved::WEIGHTS))?;
+    let valid = |n: &str| {
+        n.strip_prefix("step-")
+            .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+    };
+    if !valid(&name) {
+        return Err(Error::Checkpoint {
+            path: latest,
+            message: format!(
+                "names `{name}`, not a checkpoint of this run (step-NNNNNNNN): the file was \
+                 edited or damaged; write the name of a folder in {} into it",
+                root.display()
+            ),
+        });
+    }
+    // The latest first, then the older ones kept, newest first.
+    let mut candidates: Vec<String> = std::fs::read_dir(&root)
+        .map_err(|e| Error::io(&root, e))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| valid(n) && *n < name)
+        .collect();
+    candidates.sort();
+    candidates.reverse();
+    candidates.insert(0, name);
+    let mut failures = Vec::new();
+    for name in candidates {
+        match load_checkpoint(&root.join(&name), params, config) {
+            Ok(checkpoint) => {
+                if !failures.is_empty() {
+                    eprintln!("note: resuming from {name}: {}", failures.join("; "));
+                }
+                return Ok(Some(checkpoint));
+            }
+            // A checkpoint of other settings is not damage: it is refused outright.
+            Err(e @ Error::Config(_)) => return Err(e),
+            Err(e) => failures.push(format!("{name} is unusable ({e})")),
+        }
+    }
+    Err(Error::Checkpoint {
+        path: root,
+        message: format!(
+            "no usable checkpoint: {}; start the run again in a new folder",
+            failures.join("; ")
+        ),
+    })
+}
+
+/// One checkpoint folder, its weights loaded into `params` (only once everything in it has
+/// been read and checked).
+fn load_checkpoint(
+    folder: &Path,
+    params: &ParamStore,
+    config: &TrainRunConfig,
+) -> Result<Checkpoint> {
+    // The settings it was saved under must be the run's: an edited train.toml would continue
+    // a different run from these weights.
+    let saved_config = folder.join(CHECKPOINT_CONFIG);
+    if saved_config.exists() {
+        let saved = TrainRunConfig::load(&saved_config)?;
+        let (a, b) = (
+            toml::Value::try_from(&saved).expect("a config is TOML"),
+            toml::Value::try_from(config).expect("a config is TOML"),
+        );
+        if let Some(diff) = crate::config::first_difference("", &a, &b) {
+            return Err(Error::Config(format!(
+                "{TRAIN_CONFIG} was edited after the run started ({diff}: checkpoint vs now): \
+                 a resumed run must keep its settings; restore them, or start a new run with \
+                 the new ones"
+            )));
+        }
+    }
     let (optimizer, meta) = load_tensors(&folder.join("optimizer.safetensors"))?;
     let optimizer_step = meta
         .get("step")
@@ -380,15 +554,18 @@ fn load_latest(dir: &Path, params: &ParamStore) -> Result<Option<Checkpoint>> {
         None
     };
     let state_path = folder.join("state.json");
-    let text = std::fs::read_to_string(&state_path).map_err(|e| Error::io(&state_path, e))?;
+    let text =
+        crate::io::read_text_bounded(&state_path, crate::io::MAX_CONFIG_BYTES, "trainer state")?;
     let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
         path: state_path,
         message: format!("unreadable trainer state: {e}"),
     })?;
-    Ok(Some(Checkpoint {
+    // The weights last: `load` changes nothing unless the whole file matches.
+    params.load(folder.join(saved::WEIGHTS))?;
+    Ok(Checkpoint {
         state,
         optimizer,
         optimizer_step,
         best_weights,
-    }))
+    })
 }

@@ -98,12 +98,32 @@ pub fn resolve_format(path: &Path, format: DataFormat) -> Result<DataFormat> {
     }
 }
 
-/// The file's lines as UTF-8 (a trailing `\r` removed), each with its 1-based number.
+/// The longest line a data file may have: 4 MiB.
+const MAX_LINE_BYTES: usize = 4 << 20;
+
+/// The UTF-8 byte-order mark some editors write at the start of a file.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// The file's lines as UTF-8 (a leading byte-order mark and a trailing `\r` removed), each
+/// with its 1-based number.
 fn lines(path: &Path) -> Result<Vec<(usize, String)>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = crate::io::read_bounded(path, crate::io::MAX_DATA_BYTES, "data")?;
+    let bytes = bytes.strip_prefix(BOM).unwrap_or(&bytes);
     let mut out = Vec::new();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        if raw.len() > MAX_LINE_BYTES {
+            return Err(Error::Data {
+                path: path.into(),
+                line: Some(i + 1),
+                message: format!(
+                    "the line is {} long, more than the {} a line may be: one example per \
+                     line; split it, or check that this is the right file",
+                    crate::io::human_bytes(raw.len() as u64),
+                    crate::io::human_bytes(MAX_LINE_BYTES as u64)
+                ),
+            });
+        }
         match std::str::from_utf8(raw) {
             Ok(line) => out.push((i + 1, line.to_string())),
             Err(e) => {
@@ -175,8 +195,16 @@ pub fn read_records(
                     continue;
                 }
                 let source = at(n);
+                let tabs = line.matches('\t').count();
                 let (text, label) = match (kind, line.rsplit_once('\t')) {
                     (RecordKind::Text, _) => (line.as_str(), ""),
+                    (_, Some(_)) if tabs > 1 => {
+                        return Err(source.error(format!(
+                            "{} fields where `text<TAB>label` has 2: remove the tabs inside the \
+                             text, or write the file as CSV or JSONL",
+                            tabs + 1
+                        )))
+                    }
                     (_, Some((t, l))) => (t, l.trim()),
                     (_, None) => {
                         return Err(

@@ -704,6 +704,21 @@ impl TaskSpec {
             }
         }
         let labels: Vec<String> = names.into_iter().collect();
+        if kind != RecordKind::Text && labels.len() < 2 {
+            return Err(Error::Data {
+                path: o.train.clone(),
+                line: None,
+                message: format!(
+                    "the training data has {} label{}{}: a model of one class learns nothing \
+                     and scores 100%; give examples of at least two labels",
+                    labels.len(),
+                    if labels.len() == 1 { "" } else { "s" },
+                    labels
+                        .first()
+                        .map_or(String::new(), |l| format!(" (`{l}`)"))
+                ),
+            });
+        }
         let index: BTreeMap<&str, usize> = labels
             .iter()
             .enumerate()

@@ -104,14 +104,21 @@ impl HubSource {
     pub fn cached(&self, repo: &RepoRef, file: &str) -> Option<PathBuf> {
         let is_commit =
             repo.revision.len() == 40 && repo.revision.chars().all(|c| c.is_ascii_hexdigit());
-        if is_commit {
-            let folder = self.cache_dir.join(repo.repo().folder_name());
-            let path = folder.join("snapshots").join(&repo.revision).join(file);
-            return path.is_file().then_some(path);
+        let folder = self.cache_dir.join(repo.repo().folder_name());
+        let commit = if is_commit {
+            repo.revision.clone()
+        } else {
+            // refs/<revision> holds the commit; tools that write it by hand often end it with
+            // a newline, which names no snapshot unless trimmed.
+            let refs = folder.join("refs").join(&repo.revision);
+            let text = crate::io::read_text_bounded(&refs, 4096, "Hugging Face ref").ok()?;
+            text.trim().to_string()
+        };
+        if commit.is_empty() || commit.contains(['/', '\\']) || commit.starts_with('.') {
+            return None;
         }
-        Cache::new(self.cache_dir.clone())
-            .repo(repo.repo())
-            .get(file)
+        let path = folder.join("snapshots").join(commit).join(file);
+        path.is_file().then_some(path)
     }
 
     /// The local path of `file` in `repo`: from the cache, else downloaded into it (unless

@@ -151,11 +151,16 @@ impl TokenizerSpec {
                 max_vocab,
                 lowercase,
             } => {
-                let words = match vocabulary {
-                    Some(v) => v.to_vec(),
-                    None => count_words(texts, *lowercase, *min_frequency, *max_vocab),
-                };
-                TextTokenizer::word_level_with(words, *lowercase)
+                // A task's own vocabulary is split on whitespace only (its words are whole, like
+                // "twenty-one"); words counted from a user's texts have punctuation split off,
+                // so "Kemal." is "Kemal" and ".", not one unknown word.
+                match vocabulary {
+                    Some(v) => TextTokenizer::word_level_with(v.to_vec(), *lowercase),
+                    None => TextTokenizer::word_level_split(
+                        count_words(texts, *lowercase, *min_frequency, *max_vocab),
+                        *lowercase,
+                    ),
+                }
             }
             Self::File { path } => TextTokenizer::from_file(path),
             Self::Hub { repo } => {
@@ -174,6 +179,24 @@ impl TokenizerSpec {
 
 /// Words of `texts` seen at least `min_frequency` times, most frequent first (ties in order of
 /// first use), at most `max_vocab`.
+/// A word split as BERT's pre-tokenizer splits it: every punctuation character its own piece
+/// (`"Kemal."` is `"Kemal"`, `"."`), the rest kept together.
+pub fn split_punctuation(word: &str) -> Vec<String> {
+    use tokenizers::PreTokenizer as _;
+    let mut pre = tokenizers::PreTokenizedString::from(word);
+    match BertPreTokenizer.pre_tokenize(&mut pre) {
+        Ok(()) => pre
+            .get_splits(
+                tokenizers::OffsetReferential::Original,
+                tokenizers::OffsetType::Byte,
+            )
+            .into_iter()
+            .map(|(s, _, _)| s.to_string())
+            .collect(),
+        Err(_) => vec![word.to_string()],
+    }
+}
+
 fn count_words(
     texts: &[Vec<String>],
     lowercase: bool,
@@ -182,12 +205,10 @@ fn count_words(
 ) -> Vec<String> {
     let mut counts: Vec<(String, usize)> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
-    for word in texts.iter().flatten() {
-        let word = if lowercase {
-            word.to_lowercase()
-        } else {
-            word.clone()
-        };
+    // The pieces the tokenizer will see: punctuation split off as BERT's pre-tokenizer does.
+    let pieces = texts.iter().flatten().flat_map(|w| split_punctuation(w));
+    for word in pieces {
+        let word = if lowercase { word.to_lowercase() } else { word };
         let i = *index.entry(word.clone()).or_insert_with(|| {
             counts.push((word, 0));
             counts.len() - 1
@@ -238,6 +259,23 @@ impl TextTokenizer {
         words: impl IntoIterator<Item = S>,
         lowercase: bool,
     ) -> Result<Self> {
+        Self::word_level_built(words, lowercase, false)
+    }
+
+    /// As [`TextTokenizer::word_level_with`], with punctuation split off words as BERT's
+    /// pre-tokenizer does (the vocabulary must hold the pieces; see [`split_punctuation`]).
+    pub fn word_level_split<S: AsRef<str>>(
+        words: impl IntoIterator<Item = S>,
+        lowercase: bool,
+    ) -> Result<Self> {
+        Self::word_level_built(words, lowercase, true)
+    }
+
+    fn word_level_built<S: AsRef<str>>(
+        words: impl IntoIterator<Item = S>,
+        lowercase: bool,
+        split_punctuation: bool,
+    ) -> Result<Self> {
         let specials = [PAD, UNK, CLS, SEP, MASK];
         let mut vocab = ahash::AHashMap::new();
         for (i, s) in specials.iter().enumerate() {
@@ -259,7 +297,11 @@ impl TextTokenizer {
             .build()
             .map_err(|e| Error::Input(format!("cannot build a word-level tokenizer: {e}")))?;
         let mut tok = Tokenizer::new(model);
-        tok.with_pre_tokenizer(Some(WhitespaceSplit));
+        if split_punctuation {
+            tok.with_pre_tokenizer(Some(BertPreTokenizer));
+        } else {
+            tok.with_pre_tokenizer(Some(WhitespaceSplit));
+        }
         if lowercase {
             tok.with_normalizer(Some(Lowercase))
                 .map_err(|e| Error::Input(format!("cannot set the normalizer: {e}")))?;
@@ -330,7 +372,7 @@ impl TextTokenizer {
     /// Loads a `tokenizer.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::io::read_bounded(path, crate::io::MAX_CONFIG_BYTES, "tokenizer")?;
         let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
             Error::Input(format!(
             "{}: not a valid tokenizer.json ({e}); re-save it from the `tokenizers` library or \

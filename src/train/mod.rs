@@ -112,23 +112,55 @@ impl TrainConfig {
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("lr = {} must be a positive number", self.lr));
         }
-        if !(0.0..1.0).contains(&self.warmup) || !(0.0..=1.0).contains(&self.min_lr_ratio) {
+        // Every float is checked to be finite and in range: NaN fails every comparison, so
+        // `x < 0.0` alone would let it through and it would then act as 0 (or be blamed on lr).
+        if !(0.0..1.0).contains(&self.warmup) {
             return bad(format!(
-                "warmup = {} must be in [0, 1) and min_lr_ratio = {} in [0, 1]",
-                self.warmup, self.min_lr_ratio
+                "warmup = {} must be in [0, 1): the fraction of steps warming up",
+                self.warmup
             ));
         }
-        if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) || self.adam_eps <= 0.0 {
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             return bad(format!(
-                "betas = {:?} must lie in [0, 1) and adam_eps be positive",
+                "min_lr_ratio = {} must be in [0, 1]: the final learning rate over lr",
+                self.min_lr_ratio
+            ));
+        }
+        if self.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return bad(format!(
+                "betas = {:?} must both lie in [0, 1) ([0.9, 0.999] is usual)",
                 self.betas
             ));
         }
-        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
-            return bad("weight_decay and grad_clip must not be negative".into());
+        if !(self.adam_eps.is_finite() && self.adam_eps > 0.0) {
+            return bad(format!(
+                "adam_eps = {} must be a finite, positive number (1e-8 is usual)",
+                self.adam_eps
+            ));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight_decay = {} must be a finite number, at least 0 (0.01 is usual)",
+                self.weight_decay
+            ));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad(format!(
+                "grad_clip = {} must be a finite number, at least 0 (0 turns clipping off)",
+                self.grad_clip
+            ));
         }
         if self.eval_every == 0 {
             return bad("eval_every = 0, but it must be at least 1".into());
+        }
+        if let Some(rule) = self.early_stopping {
+            if rule.patience == 0 || !(rule.min_delta.is_finite() && rule.min_delta >= 0.0) {
+                return bad(format!(
+                    "early_stopping = {{ patience = {}, min_delta = {} }}: patience must be at \
+                     least 1 and min_delta a finite number, at least 0",
+                    rule.patience, rule.min_delta
+                ));
+            }
         }
         Ok(())
     }
@@ -355,11 +387,7 @@ impl<'a> Trainer<'a> {
             ));
         }
         let lengths = data.train.lengths();
-        let mean_len = lengths.iter().sum::<usize>() as f64 / lengths.len() as f64;
-        let planned = match config.budget {
-            Budget::Steps(n) => n,
-            Budget::Tokens(n) => (n as f64 / (mean_len * config.batch_size as f64)).ceil() as usize,
-        };
+        let planned = planned_steps(config, data.train);
         let [beta1, beta2] = config.betas;
         let optimizer = AdamW::new(
             params.vars(),
@@ -610,6 +638,19 @@ impl<'a> Trainer<'a> {
             kept_step,
             stopped_early: state.stopped_early,
         })
+    }
+}
+
+/// The steps a run of `config` on `train` is planned for: its step budget, or its token budget
+/// over the mean batch.
+pub fn planned_steps(config: &TrainConfig, train: &Dataset) -> usize {
+    let lengths = train.lengths();
+    let mean_len = lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64;
+    match config.budget {
+        Budget::Steps(n) => n,
+        Budget::Tokens(n) => {
+            (n as f64 / (mean_len.max(1.0) * config.batch_size as f64)).ceil() as usize
+        }
     }
 }
 

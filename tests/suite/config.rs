@@ -246,6 +246,7 @@ fn shipped_configs_are_valid() {
         [
             "add_vs_concat.toml",
             "compare.toml",
+            "compare_reviews.toml",
             "length_generalization.toml",
             "rope_extension.toml",
             "schemes.toml"

@@ -9,6 +9,7 @@ mod config;
 mod cuda;
 mod fused;
 mod gradients;
+mod hardening;
 mod precision;
 mod properties;
 mod reference;

@@ -1,0 +1,191 @@
+//! How large a model and its batches may be: checked once, before anything is allocated, so
+//! that a size typed wrong (`d_model = 1e9`, `n_layers = 1e8`, a 10 MB line of text) is an error
+//! with the figure, not an abort of the allocator or a machine out of memory.
+//!
+//! The limits are generous for a lab (a BERT-large has 3.4e8 parameters) and can be raised:
+//! `POSLAB_MAX_PARAMS` (a number of parameters) and `POSLAB_MAX_MEMORY` (bytes, with an optional
+//! `K`, `M`, `G` or `T` suffix, powers of 1024).
+
+use crate::config::ModelConfig;
+use crate::io::human_bytes;
+use crate::positional::PositionalConfig;
+
+/// Default most parameters: 2^31 (8 GiB of f32 weights; with gradients and AdamW's two
+/// moments, 32 GiB).
+pub const DEFAULT_MAX_PARAMS: u64 = 1 << 31;
+/// Default most memory a batch's activations may take: 32 GiB.
+pub const DEFAULT_MAX_MEMORY: u64 = 32 << 30;
+
+fn env_u64(name: &str) -> Option<u64> {
+    let v = std::env::var(name).ok()?;
+    let v = v.trim();
+    let (digits, scale) = match v.char_indices().last()? {
+        (i, 'k' | 'K') => (&v[..i], 1u64 << 10),
+        (i, 'm' | 'M') => (&v[..i], 1 << 20),
+        (i, 'g' | 'G') => (&v[..i], 1 << 30),
+        (i, 't' | 'T') => (&v[..i], 1 << 40),
+        _ => (v, 1),
+    };
+    digits.trim().parse::<u64>().ok()?.checked_mul(scale)
+}
+
+/// The most parameters a model may have (`POSLAB_MAX_PARAMS`, else [`DEFAULT_MAX_PARAMS`]).
+pub fn max_params() -> u64 {
+    env_u64("POSLAB_MAX_PARAMS").unwrap_or(DEFAULT_MAX_PARAMS)
+}
+
+/// The most memory a batch's activations may take (`POSLAB_MAX_MEMORY`, else
+/// [`DEFAULT_MAX_MEMORY`]).
+pub fn max_memory() -> u64 {
+    env_u64("POSLAB_MAX_MEMORY").unwrap_or(DEFAULT_MAX_MEMORY)
+}
+
+/// The number of trainable parameters of `config` (the encoder, without a head), counted
+/// without overflow.
+pub fn param_count(config: &ModelConfig) -> u128 {
+    let (d, f, l, h) = (
+        config.d_model as u128,
+        config.ffn_dim as u128,
+        config.n_layers as u128,
+        config.n_heads as u128,
+    );
+    let (v, t) = (config.vocab_size as u128, config.max_len as u128);
+    let tokens = v * config.token_dim() as u128;
+    let positions = match &config.positional {
+        PositionalConfig::Learned(_) => t * d,
+        PositionalConfig::SinusoidalConcat(o) if o.project => (d + o.pos_dim as u128) * d + d,
+        PositionalConfig::T5(o) => o.buckets as u128 * h,
+        PositionalConfig::Kerple(_) => 2 * h * l,
+        PositionalConfig::Untied(_) => {
+            2 * d * d
+                + if config.positional.has_learned_table() {
+                    t * d
+                } else {
+                    0
+                }
+        }
+        _ => 0,
+    };
+    // q, k, v, o with biases; two LayerNorms; the feed-forward; a final LayerNorm.
+    let layer = 4 * d * d + 4 * d + 4 * d + 2 * d * f + f + d;
+    tokens + positions + l * layer + 2 * d
+}
+
+/// Bytes a batch of `batch` sequences of `t` tokens needs at its peak: in training, what every
+/// layer keeps for the backward pass (about `8 d + 2 ffn` values per token and the `h t²`
+/// attention weights); in inference, one layer's worth. f32 values.
+pub fn activation_bytes(config: &ModelConfig, batch: usize, t: usize, training: bool) -> u128 {
+    let (b, t) = (batch as u128, t as u128);
+    let (d, f, h) = (
+        config.d_model as u128,
+        config.ffn_dim as u128,
+        config.n_heads as u128,
+    );
+    let per_layer = b * t * (8 * d + 2 * f) + b * h * t * t;
+    let layers = if training { config.n_layers as u128 } else { 2 };
+    4 * per_layer * layers
+}
+
+/// Refuses a model with more parameters than [`max_params`]: the message gives the count.
+pub fn check_params(config: &ModelConfig) -> std::result::Result<(), String> {
+    let n = param_count(config);
+    let max = max_params();
+    if n > max as u128 {
+        return Err(format!(
+            "this model would have {n} parameters ({} of f32 weights), more than the limit of \
+             {max}: check d_model = {}, ffn_dim = {}, n_layers = {}, vocab_size = {} and max_len \
+             = {} (set POSLAB_MAX_PARAMS to raise the limit)",
+            human(4 * n),
+            config.d_model,
+            config.ffn_dim,
+            config.n_layers,
+            config.vocab_size,
+            config.max_len
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a batch whose activations would need more than [`max_memory`]; `what` says where
+/// the batch comes from, for the message.
+pub fn check_batch(
+    config: &ModelConfig,
+    batch: usize,
+    t: usize,
+    training: bool,
+    what: &str,
+) -> std::result::Result<(), String> {
+    let need = activation_bytes(config, batch, t, training);
+    let max = max_memory();
+    if need > max as u128 {
+        return Err(format!(
+            "{what}: a batch of {batch} x {t} tokens needs about {} of activations ({} \
+             attention weights per layer grow with the square of the length), more than the \
+             limit of {}: shorten the inputs (max_tokens, --truncate), lower the batch size, or \
+             set POSLAB_MAX_MEMORY",
+            human(need),
+            human(4 * batch as u128 * config.n_heads as u128 * (t as u128).pow(2)),
+            human_bytes(max)
+        ));
+    }
+    Ok(())
+}
+
+/// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
+pub fn longest_fitting(config: &ModelConfig, batch: usize, training: bool) -> usize {
+    let (mut lo, mut hi) = (1usize, 1usize << 24);
+    let max = max_memory() as u128;
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if activation_bytes(config, batch, mid, training) <= max {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+fn human(n: u128) -> String {
+    human_bytes(u64::try_from(n).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_match_a_built_model() {
+        use candle::{DType, Device};
+        let text = "vocab_size = 50\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 24\nmax_len = 12\n[positional]\n";
+        for positional in [
+            "kind = \"learned\"",
+            "kind = \"t5\"",
+            "kind = \"kerple\"",
+            "kind = \"untied\"",
+            "kind = \"sinusoidal_concat\"\npos_dim = 4\nproject = true",
+            "kind = \"sinusoidal_concat\"\npos_dim = 4",
+        ] {
+            let config = ModelConfig::from_toml_str(&format!("{text}{positional}")).unwrap();
+            let store = crate::ParamStore::new(0);
+            crate::Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+            // The count includes a key bias every scheme but rope drops (softmax cancels it).
+            let key_biases = 16 * 2;
+            assert_eq!(
+                param_count(&config),
+                (store.num_params() + key_biases) as u128,
+                "{positional}"
+            );
+        }
+    }
+
+    #[test]
+    fn limits_read_the_environment_format() {
+        std::env::set_var("POSLAB_TEST_LIMIT", "3G");
+        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), Some(3 << 30));
+        std::env::set_var("POSLAB_TEST_LIMIT", "1000");
+        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), Some(1000));
+        std::env::set_var("POSLAB_TEST_LIMIT", "lots");
+        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), None);
+    }
+}
