@@ -63,10 +63,15 @@ impl Dataset {
             .iter()
             .enumerate()
             .map(|(n, example)| {
+                // Where the example came from (`file:line`), for every message about it.
+                let at = match &example.source {
+                    Some(s) => s.to_string(),
+                    None => format!("example {}", n + 1),
+                };
                 let enc = tokenizer.encode_words(&example.words)?;
                 if enc.ids.is_empty() {
                     return Err(Error::Input(format!(
-                        "{:?} produced no tokens",
+                        "{at}: {:?} produced no tokens",
                         example.text()
                     )));
                 }
@@ -88,7 +93,8 @@ impl Dataset {
                                     .get(*w as usize)
                                     .ok_or_else(|| {
                                         Error::Input(format!(
-                                            "{:?}: {} tags for more words",
+                                            "{at}: {:?} has {} tags for more words: give one \
+                                             tag per word",
                                             example.text(),
                                             tags.len()
                                         ))
@@ -105,10 +111,6 @@ impl Dataset {
                 if let Some(max) = limit.max_tokens {
                     if sample.ids.len() > max {
                         if !limit.truncate {
-                            let at = match &example.source {
-                                Some(s) => s.to_string(),
-                                None => format!("example {}", n + 1),
-                            };
                             return Err(Error::Input(format!(
                                 "{at}: {} tokens, more than max_tokens = {max}: set truncate = true \
                                  to keep the first {max}, or raise max_tokens",

@@ -57,7 +57,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         if out.unknown_tokens > 0 && !json {
             eprintln!(
-                "text {}: {} token{} unknown to the model's vocabulary (read as one unknown word)",
+                "text {}: {} token{} not in the model's vocabulary (all read as one unknown \
+                 token); the answer is less sure than it looks",
                 i + 1,
                 out.unknown_tokens,
                 if out.unknown_tokens == 1 {
