@@ -74,3 +74,57 @@ fn a_full_device_is_one_line_of_error() {
         "{stderr}"
     );
 }
+
+fn poslab(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn rough_edges_a_new_user_meets() {
+    // `inspect` with no argument reads its embedded default, from any folder.
+    let (ok, stdout, stderr) = poslab(&["inspect"]);
+    assert!(
+        ok && stdout.starts_with("configs/encoder.toml (embedded default): valid"),
+        "{stderr}"
+    );
+    // `--stop-after 0` would train a step before stopping: refused.
+    let (ok, _, stderr) = poslab(&["train", "--config", "x.toml", "--stop-after", "0"]);
+    assert!(!ok && stderr.contains("--stop-after 0"), "{stderr}");
+    // A reference row past the positions analysed is refused, not clamped.
+    let (ok, _, stderr) = poslab(&[
+        "analyze",
+        "sinusoidal",
+        "--positions",
+        "16",
+        "--reference",
+        "40",
+    ]);
+    assert!(
+        !ok && stderr.contains("--reference 40 is not among the 16 positions"),
+        "{stderr}"
+    );
+    // Every option of `embed` says what it does.
+    let (_, help, _) = poslab(&["embed", "--help"]);
+    for option in ["--input", "--truncate", "--rope-scaling"] {
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().starts_with(option))
+            .unwrap();
+        let described = line.trim().len() > option.len() + 20
+            || help
+                .lines()
+                .skip_while(|l| !l.trim_start().starts_with(option))
+                .nth(1)
+                .is_some_and(|l| !l.trim().is_empty() && !l.trim_start().starts_with('-'));
+        assert!(described, "{option} has no description:\n{help}");
+    }
+}

@@ -421,3 +421,30 @@ fn a_hub_ref_with_a_trailing_newline_is_found() {
     };
     assert!(hub.cached(&repo, "tokenizer.json").is_some());
 }
+
+#[test]
+fn predictions_count_unknown_tokens_and_one_seed_is_one_value() {
+    use poslab::infer::Predictor;
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("r");
+    let TrainEnd::Finished(_) =
+        single::start(&train_config(WORD_ORDER), &options(&run, None)).unwrap()
+    else {
+        panic!("not finished")
+    };
+    let loaded = poslab::saved::load(&run, candle::DType::F32, &Device::Cpu).unwrap();
+    let texts = vec![
+        "the red fox chased the dog".to_string(),
+        "the zebra chased the dog !".to_string(),
+    ];
+    let out = Predictor::new(&loaded, false).predict(&texts, 1).unwrap();
+    assert_eq!((out[0].unknown_tokens, out[1].unknown_tokens), (0, 2));
+    let json = serde_json::to_string(&out[1]).unwrap();
+    assert!(json.contains("\"unknown_tokens\":2"), "{json}");
+    // A report over one seed prints one value per cell and says so.
+    let stat = poslab::experiment::results::Stat::of(&[0.5]).unwrap();
+    assert_eq!(
+        poslab::experiment::report::fmt_stat(&stat, 100.0, 1),
+        "50.0"
+    );
+}
