@@ -266,6 +266,7 @@ mod encoder_layer {
             n_heads: H,
             n_layers: 1,
             ffn_dim: FFN,
+            activation: Default::default(),
             max_len: T,
             norm: NormPlacement::Pre,
             dropout: 0.0,

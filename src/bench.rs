@@ -130,6 +130,7 @@ impl Shape {
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
+            activation: Default::default(),
             max_len: self.seq,
             norm: NormPlacement::Pre,
             dropout: 0.0,
@@ -320,6 +321,7 @@ fn batch(shape: &Shape, device: &Device) -> Result<Batch> {
         mask: Tensor::ones((shape.batch, shape.seq), DType::U32, device)?,
         targets: Tensor::from_vec(labels, shape.batch, device)?,
         weights: None,
+        counted: None,
         real_tokens: n,
         scored: shape.batch,
     })

@@ -5,6 +5,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::nn::Activation;
 use crate::positional::PositionalConfig;
 
 /// Parses a TOML document; the error carries the line, the column and serde's message (an
@@ -231,6 +232,7 @@ fn default_layer_norm_eps() -> f64 {
 /// n_heads = 4
 /// n_layers = 2
 /// ffn_dim = 256
+/// activation = "gelu"     # or "relu": the feed-forward nonlinearity
 /// max_len = 128
 /// norm = "pre"            # or "post"
 /// dropout = 0.1           # embeddings and both residual branches
@@ -251,8 +253,11 @@ pub struct ModelConfig {
     pub d_model: usize,
     pub n_heads: usize,
     pub n_layers: usize,
-    /// Width of the GELU feed-forward hidden layer.
+    /// Width of the feed-forward hidden layer.
     pub ffn_dim: usize,
+    /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
+    #[serde(default, skip_serializing_if = "Activation::is_gelu")]
+    pub activation: Activation,
     /// Longest sequence the learned table holds; the initial size of fixed tables, which grow
     /// on demand (sinusoids and RoPE extrapolate to any length).
     pub max_len: usize,
@@ -363,6 +368,13 @@ impl ModelConfig {
             ));
         }
         if let Some(n) = self.random_positions {
+            if matches!(self.positional, PositionalConfig::None(_)) {
+                return Err(format!(
+                    "random_positions = {n} with positional `none`: a model without positions \
+                     has none to randomize, so this would be the plain model under another name; \
+                     remove random_positions"
+                ));
+            }
             if n == 0 || n > crate::positional::MAX_POSITION {
                 return Err(format!(
                     "random_positions = {n} must be between 1 and {}: it is the range [0, N) \

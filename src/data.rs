@@ -18,6 +18,19 @@ pub const NOT_SCORED: i64 = -1;
 pub struct Sample {
     pub ids: Vec<u32>,
     pub target: Target,
+    /// Where a length-suite tape's answer sits; `None` for every other task.
+    pub tape: Option<TapeInfo>,
+}
+
+/// Where a length-suite tape's answer sits, for scoring it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TapeInfo {
+    /// The task's input length, what scores are reported by.
+    pub length: usize,
+    /// Token index of the first output blank.
+    pub first_output: usize,
+    /// The outputs (from the first) the accuracy counts; the loss counts every output.
+    pub counted: usize,
 }
 
 impl Sample {
@@ -78,9 +91,40 @@ impl Dataset {
                 let mut ids = Vec::with_capacity(enc.ids.len() + 1);
                 ids.extend(cls);
                 ids.extend(&enc.ids);
+                let mut tape = None;
                 let target = match &example.label {
                     Label::Class(c) => Target::Class(*c as u32),
                     Label::Masked => Target::Masked,
+                    Label::Outputs {
+                        length,
+                        targets,
+                        counted,
+                    } => {
+                        // One token per word, so the blanks are the last tokens.
+                        let one_each = enc.ids.len() == example.words.len()
+                            && enc
+                                .word_ids
+                                .iter()
+                                .enumerate()
+                                .all(|(i, w)| *w == Some(i as u32));
+                        if !one_each || targets.len() > enc.ids.len() || cls.is_some() {
+                            return Err(Error::Input(format!(
+                                "{at}: a length-suite tape must be one token per word without \
+                                 [CLS] ({} words made {} tokens): use the word-level tokenizer",
+                                example.words.len(),
+                                enc.ids.len()
+                            )));
+                        }
+                        let first_output = enc.ids.len() - targets.len();
+                        tape = Some(TapeInfo {
+                            length: *length,
+                            first_output,
+                            counted: (*counted).min(targets.len()),
+                        });
+                        let mut out = vec![NOT_SCORED; first_output];
+                        out.extend(targets.iter().map(|&t| t as i64));
+                        Target::Tags(out)
+                    }
                     Label::Tags(tags) => {
                         let mut out = Vec::with_capacity(ids.len());
                         out.extend(cls.map(|_| NOT_SCORED));
@@ -107,9 +151,17 @@ impl Dataset {
                         Target::Tags(out)
                     }
                 };
-                let mut sample = Sample { ids, target };
+                let mut sample = Sample { ids, target, tape };
                 if let Some(max) = limit.max_tokens {
                     if sample.ids.len() > max {
+                        if sample.tape.is_some() {
+                            return Err(Error::Input(format!(
+                                "{at}: a tape of {} tokens, more than max_tokens = {max}; a tape \
+                                 cut short loses its answer: raise max_tokens or shorten the \
+                                 lengths",
+                                sample.ids.len()
+                            )));
+                        }
                         if !limit.truncate {
                             return Err(Error::Input(format!(
                                 "{at}: {} tokens, more than max_tokens = {max}: set truncate = true \
@@ -157,6 +209,7 @@ impl Dataset {
                 Sample {
                     ids,
                     target: s.target.clone(),
+                    tape: s.tape,
                 }
             })
             .collect();
@@ -211,6 +264,9 @@ pub struct Batch {
     pub targets: Tensor,
     /// `(b, t)` f32, 1 where a token label is scored; `None` for sentence labels
     pub weights: Option<Tensor>,
+    /// `(b, t)` f32, 1 where a length-suite answer counts in accuracy (a subset of `weights`:
+    /// the outputs up to `end`); `None` when accuracy counts every scored label.
+    pub counted: Option<Tensor>,
     /// Real (unpadded) tokens in the batch.
     pub real_tokens: usize,
     /// Real tokens of each sequence.
@@ -341,11 +397,24 @@ pub fn make_batch(
             )
         }
     };
+    let counted = if samples.iter().any(|s| s.tape.is_some()) {
+        let mut counted = vec![0f32; b * t];
+        for (i, s) in samples.iter().enumerate() {
+            if let Some(tape) = s.tape {
+                let from = i * t + tape.first_output;
+                counted[from..from + tape.counted].fill(1.0);
+            }
+        }
+        Some(Tensor::from_vec(counted, (b, t), device)?)
+    } else {
+        None
+    };
     Ok(Batch {
         ids: Tensor::from_vec(ids, (b, t), device)?,
         mask: Tensor::from_vec(mask, (b, t), device)?,
         targets,
         weights,
+        counted,
         real_tokens,
         lengths: samples.iter().map(|s| s.ids.len()).collect(),
         positions: None,

@@ -56,7 +56,7 @@ impl EncoderLayer {
                 vb.pp("attn"),
             )?,
             ffn_norm: layer_norm(d, eps, vb.pp("ffn_norm"))?,
-            ffn: FeedForward::new(d, config.ffn_dim, vb.pp("ffn"))?,
+            ffn: FeedForward::new(d, config.ffn_dim, config.activation, vb.pp("ffn"))?,
             dropout: Dropout::new(config.dropout, rng.clone()),
             norm: config.norm,
         })
@@ -119,6 +119,7 @@ impl EncoderLayer {
             ffn: self.ffn.up().weight().dim(0)?,
             eps: self.attn_norm.eps(),
             pre_norm: self.norm == NormPlacement::Pre,
+            activation: self.ffn.activation(),
         };
         Ok(encoder_layer(
             xs,

@@ -131,6 +131,27 @@ pub fn check_batch(
     Ok(())
 }
 
+/// Bytes a generated word costs until its task is tokenized (the word, its token id and its
+/// label), generously.
+pub const BYTES_PER_GENERATED_WORD: u128 = 64;
+
+/// Refuses a generated task whose examples would hold more than [`max_memory`]: `words` is the
+/// most words its splits can have.
+pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), String> {
+    let need = words * BYTES_PER_GENERATED_WORD;
+    let max = max_memory();
+    if need > max as u128 {
+        return Err(format!(
+            "{what}: up to {words} generated words need about {} of memory, more than the limit \
+             of {}: lower train_examples or eval_examples, shorten the lengths, or set \
+             POSLAB_MAX_MEMORY",
+            human(need),
+            human_bytes(max)
+        ));
+    }
+    Ok(())
+}
+
 /// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
 pub fn longest_fitting(config: &ModelConfig, batch: usize, training: bool) -> usize {
     let (mut lo, mut hi) = (1usize, 1usize << 24);

@@ -141,6 +141,19 @@ pub fn cross_entropy(
     })
 }
 
+/// The negative log-likelihood of every target.
+///
+/// # Shapes
+/// - `logits`: `(..., c)`; `targets`: `(...)` u32; returns `(n,)` over the flattened targets
+pub fn token_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let c = logits.dim(D::Minus1)?;
+    let logp = log_softmax_last_dim(&logits.reshape(((), c))?)?; // (n, c)
+    Ok(logp
+        .gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?
+        .squeeze(1)?
+        .neg()?)
+}
+
 /// Correct predictions and scored labels in `logits` against `targets`.
 pub fn count_correct(
     logits: &Tensor,

@@ -26,6 +26,13 @@ pub struct Args {
     /// Run only this seed (repeatable).
     #[arg(long = "seed", value_name = "N")]
     pub seeds: Vec<u64>,
+    /// Run only the K-th of N deterministic slices of the cells, K counting from 0 (0/4 .. 3/4):
+    /// cell i (in report order: task, seed, variant) belongs to slice i % N. Give each slice
+    /// its own --out, then merge the folders with `poslab report`. Maps onto a Slurm array
+    /// (--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT) or a Kubernetes Indexed Job
+    /// (--shard $JOB_COMPLETION_INDEX/N); see examples/cluster/.
+    #[arg(long, value_name = "K/N")]
+    pub shard: Option<experiment::Shard>,
     /// Where run folders are made.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
@@ -52,6 +59,7 @@ pub fn run(args: Args) -> Result<()> {
         tasks,
         variants,
         seeds,
+        shard,
         runs_dir,
         out,
         overwrite,
@@ -62,6 +70,7 @@ pub fn run(args: Args) -> Result<()> {
         tasks,
         variants,
         seeds,
+        shard,
     };
     let path = path.as_deref();
     let started = Instant::now();
@@ -76,8 +85,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(dtype) = compute.dtype {
         config.model.dtype = dtype;
     }
-    let (tasks, variants, seeds) = config.select(&selection)?;
-    let cells = tasks.len() * variants.len() * seeds.len();
+    let cells = config.cells(&selection)?.len();
     let device = poslab::device::parse_device(&compute.device)?;
     // Small models train fastest as one single-threaded job per core; a lone cell gets every
     // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
@@ -101,7 +109,8 @@ pub fn run(args: Args) -> Result<()> {
     };
     poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
     eprintln!(
-        "poslab compare: {source} on {} -> {}",
+        "poslab compare: {source}{} on {} -> {}",
+        shard.map_or(String::new(), |s| format!(", shard {s} ({cells} cells)")),
         poslab::device::device_name(&device),
         dir.display()
     );
@@ -122,6 +131,13 @@ pub fn run(args: Args) -> Result<()> {
         "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
         dir.display()
     );
+    if let Some(s) = shard {
+        outln!(
+            "this is shard {s} of the experiment: when all {} have run, merge their folders with \
+             `poslab report FOLDERS... --out DIR`",
+            s.count
+        );
+    }
     outln!("total time: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }

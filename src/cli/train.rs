@@ -107,7 +107,7 @@ pub fn run(args: Args) -> Result<()> {
             );
             for e in &m.evaluations {
                 match &e.outcome {
-                    Outcome::Scored { accuracy, loss } => {
+                    Outcome::Scored { accuracy, loss, .. } => {
                         outln!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
                     }
                     Outcome::Unavailable { reason } => outln!("  test {:<10} n/a: {reason}", e.name),

@@ -10,6 +10,8 @@ pub mod report;
 pub mod results;
 pub mod run;
 pub mod single;
+pub mod suite;
+pub mod suite_plot;
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -19,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
 use crate::error::{Error, Result};
 use crate::model::Pooling;
+use crate::nn::Activation;
 use crate::positional::PositionalConfig;
 use crate::tasks::TaskSpec;
 use crate::train::TrainConfig;
@@ -50,6 +53,9 @@ pub struct ModelShape {
     pub n_heads: usize,
     pub n_layers: usize,
     pub ffn_dim: usize,
+    /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
+    #[serde(default, skip_serializing_if = "Activation::is_gelu")]
+    pub activation: Activation,
     #[serde(default)]
     pub norm: NormPlacement,
     #[serde(default = "d_dropout")]
@@ -84,6 +90,7 @@ impl ModelShape {
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
+            activation: self.activation,
             max_len: variant.max_len.unwrap_or(
                 variant
                     .random_positions
@@ -222,6 +229,58 @@ pub struct Selection {
     pub tasks: Vec<String>,
     pub variants: Vec<String>,
     pub seeds: Vec<u64>,
+    /// One deterministic slice of the selected cells, for a cluster array.
+    pub shard: Option<Shard>,
+}
+
+/// The `index`-th (from 0) of `count` slices of an experiment's cells: in report order (task,
+/// seed, variant), cell `i` belongs to slice `i % count`, so every slice gets a share of every
+/// task. The slices of one config are disjoint, cover every cell, and do not depend on the
+/// machine; `poslab report` merges their run folders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    /// Whether cell `i` (in report order) is in this slice.
+    pub fn holds(self, i: usize) -> bool {
+        i % self.count == self.index
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = Error;
+
+    /// `K/N` with `0 <= K < N`: a Slurm array's `$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`
+    /// (with `--array=0-(N-1)`), or a Kubernetes Indexed Job's `$JOB_COMPLETION_INDEX/N`.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| {
+            Error::Config(format!(
+                "--shard {s:?}: {why}; write K/N, the K-th of N slices counting from 0 (0/4, 1/4, \
+                 2/4, 3/4)"
+            ))
+        };
+        let (k, n) = s.split_once('/').ok_or_else(|| bad("no `/`"))?;
+        let index: usize = k.trim().parse().map_err(|_| bad("K is not a number"))?;
+        let count: usize = n.trim().parse().map_err(|_| bad("N is not a number"))?;
+        if count == 0 {
+            return Err(bad("N must be at least 1"));
+        }
+        if index >= count {
+            return Err(bad(&format!(
+                "K = {index} must be below N = {count} (slices count from 0)"
+            )));
+        }
+        Ok(Self { index, count })
+    }
 }
 
 /// Refuses a name that could not safely name a folder: empty, `.` or `..`, or anything but
@@ -349,6 +408,60 @@ impl ExperimentConfig {
                 .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
         }
         Ok(())
+    }
+
+    /// The rows a run of this config reports, in order: each variant, followed (for `rope`
+    /// variants) by its re-scoring under each `[eval] rope_scaling` (`rope + yarn`).
+    pub fn variant_rows(&self) -> Vec<String> {
+        let mut rows = Vec::new();
+        for v in &self.variants {
+            rows.push(v.name.clone());
+            if matches!(v.positional, PositionalConfig::Rope(_)) {
+                rows.extend(
+                    self.eval
+                        .rope_scaling
+                        .iter()
+                        .map(|s| format!("{} + {}", v.name, s.label())),
+                );
+            }
+        }
+        rows
+    }
+
+    /// The selected cells in report order (task, seed, variant), as indices into `tasks` and
+    /// `variants`, with their seeds; only the shard's when the selection names one. A shard
+    /// with no cell is refused (more shards than cells).
+    pub fn cells(&self, selection: &Selection) -> Result<Vec<(usize, usize, u64)>> {
+        let (tasks, variants, seeds) = self.select(selection)?;
+        let index_of = |name: &str, all: &[String]| all.iter().position(|n| n == name);
+        let task_names: Vec<String> = self.tasks.iter().map(|t| t.name.clone()).collect();
+        let variant_names: Vec<String> = self.variants.iter().map(|v| v.name.clone()).collect();
+        let mut cells = Vec::new();
+        for t in &tasks {
+            let ti = index_of(&t.name, &task_names).expect("selected from the config");
+            for &seed in &seeds {
+                for v in &variants {
+                    let vi = index_of(&v.name, &variant_names).expect("selected from the config");
+                    cells.push((ti, vi, seed));
+                }
+            }
+        }
+        let total = cells.len();
+        if let Some(shard) = selection.shard {
+            cells = cells
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| shard.holds(*i))
+                .map(|(_, c)| c)
+                .collect();
+            if cells.is_empty() {
+                return Err(Error::Config(format!(
+                    "--shard {shard} holds no cell: the selection has {total} cells, so use at \
+                     most {total} shards"
+                )));
+            }
+        }
+        Ok(cells)
     }
 
     /// The selected tasks, variants and seeds, refusing names that do not exist.

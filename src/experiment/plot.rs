@@ -84,14 +84,15 @@ pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
     for task in &results.tasks {
         if results.cells.iter().any(|c| c.task == task.name) {
             loss_curves(&dir.join(format!("loss_{}.png", task.name)), task, results)?;
-            score_by_length(
-                &dir.join(format!("length_{}.png", task.name)),
-                task,
-                results,
-            )?;
+            let path = dir.join(format!("length_{}.png", task.name));
+            if task.score_above.is_some() {
+                super::suite_plot::task_plot(&path, task, results)?;
+            } else {
+                score_by_length(&path, task, results)?;
+            }
         }
     }
-    Ok(())
+    super::suite_plot::suite_plot(&dir.join("length_suite.png"), results)
 }
 
 /// Mean over seeds of each variant's training-loss curve.

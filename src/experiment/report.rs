@@ -133,13 +133,14 @@ impl Table {
     }
 }
 
-/// The two tables of a task (scores by length; order tests and cost) and their notes.
+/// The tables of a task (scores by length; order tests and cost; for the length suite,
+/// whole-sequence accuracy) and their notes.
 fn task_tables(
     task: &TaskInfo,
     rows: &[&SummaryRow],
     results: &Results,
     timings: &[Timing],
-) -> (Table, Table, Vec<String>) {
+) -> (Table, Table, Option<Table>, Vec<String>) {
     let mut notes = Notes::default();
     let times = timing_stats(timings);
     let variant = |name: &str| results.variants.iter().find(|v| v.name == name);
@@ -151,12 +152,23 @@ fn task_tables(
         right: vec![false, false, true, true],
     };
     for t in &task.tests {
-        scores.header.push(format!(
-            "{} (len {}-{})",
-            t.name, t.lengths[0], t.lengths[1]
-        ));
+        scores.header.push(match t.factor {
+            Some(_) => format!("{} (len {}-{})", t.name, t.lengths[0], t.lengths[1]),
+            None => format!("len {}", t.name),
+        });
         scores.right.push(true);
     }
+    // Length-suite tasks: whole-sequence accuracy beside the per-output one.
+    let mut sequences = task.score_above.map(|_| Table {
+        header: std::iter::once("variant".to_string())
+            .chain(task.tests.iter().map(|t| format!("len {}", t.name)))
+            .chain([super::results::SCORE.to_string()])
+            .collect(),
+        rows: Vec::new(),
+        right: std::iter::once(false)
+            .chain(std::iter::repeat_n(true, task.tests.len() + 1))
+            .collect(),
+    });
     let order_cols: Vec<String> = task.columns().into_iter().skip(task.tests.len()).collect();
     let mut tests = Table {
         header: std::iter::once("variant".to_string())
@@ -203,6 +215,22 @@ fn task_tables(
             None => r.extend(["-".to_string(), "-".to_string()]),
         }
         tests.rows.push(r);
+        if let Some(table) = sequences.as_mut() {
+            let mut r = vec![row.variant.clone()];
+            for name in task
+                .tests
+                .iter()
+                .map(|t| t.name.as_str())
+                .chain([super::results::SCORE])
+            {
+                let col = row.columns.iter().find(|c| c.name == name);
+                r.push(match col.and_then(|c| c.sequence_accuracy.as_ref()) {
+                    Some(s) => fmt_stat(s, 100.0, 1),
+                    None => col.map_or("-".into(), |c| cell(c, &mut notes)),
+                });
+            }
+            table.rows.push(r);
+        }
     }
     let notes = notes
         .0
@@ -210,7 +238,7 @@ fn task_tables(
         .enumerate()
         .map(|(i, n)| format!("[{}] {n}", i + 1))
         .collect();
-    (scores, tests, notes)
+    (scores, tests, sequences, notes)
 }
 
 fn task_heading(task: &TaskInfo, rows: &[&SummaryRow]) -> String {
@@ -246,6 +274,7 @@ struct Section<'a> {
     heading: String,
     scores: Table,
     tests: Table,
+    sequences: Option<Table>,
     notes: Vec<String>,
 }
 
@@ -263,17 +292,99 @@ fn sections<'a>(results: &'a Results, timings: &[Timing]) -> Vec<Section<'a>> {
             if rows.is_empty() {
                 return None;
             }
-            let (scores, tests, notes) = task_tables(task, &rows, results, timings);
+            let (scores, tests, sequences, notes) = task_tables(task, &rows, results, timings);
             Some(Section {
                 task,
                 heading: task_heading(task, &rows),
                 scores,
                 tests,
+                sequences,
                 notes,
             })
         })
         .collect()
 }
+
+/// The length suite's two summary tables: every task's score by variant (mean ± std over
+/// seeds), and the gain of randomized positions for each scheme; `None` without suite tasks.
+fn suite_tables(results: &Results) -> Option<(Table, Table)> {
+    let summary = super::suite::summarize(results)?;
+    let mut scores = Table {
+        header: std::iter::once("task".to_string())
+            .chain(summary.variants.iter().cloned())
+            .collect(),
+        rows: Vec::new(),
+        right: std::iter::once(false)
+            .chain(std::iter::repeat_n(true, summary.variants.len()))
+            .collect(),
+    };
+    for (task, row) in summary.tasks.iter().zip(&summary.scores) {
+        scores.rows.push(
+            std::iter::once(task.clone())
+                .chain(row.iter().map(|s| match s {
+                    Some(s) if s.n > 1 => format!("{:.1} ± {:.1}", 100.0 * s.mean, 100.0 * s.std),
+                    Some(s) => format!("{:.1}", 100.0 * s.mean),
+                    None => "-".into(),
+                }))
+                .collect(),
+        );
+    }
+    let mut gains = Table {
+        header: [
+            "scheme",
+            "plain",
+            "random",
+            "gain (points)",
+            "best seeds",
+            "tasks better / worse",
+            "range over tasks",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows: Vec::new(),
+        right: vec![false, false, false, true, true, true, true],
+    };
+    for g in &summary.gains {
+        gains.rows.push(vec![
+            g.scheme.clone(),
+            g.plain.clone(),
+            g.random.clone(),
+            format!("{:+.1}", g.mean),
+            format!("{:+.1}", g.best),
+            format!("{} / {}", g.better, g.worse),
+            format!("{:+.1} .. {:+.1}", g.min, g.max),
+        ]);
+    }
+    let blank = String::new;
+    if let Some((mean, best)) = summary.overall_gain() {
+        gains.rows.push(vec![
+            "all schemes".into(),
+            blank(),
+            blank(),
+            format!("{mean:+.1}"),
+            format!("{best:+.1}"),
+            blank(),
+            blank(),
+        ]);
+    }
+    gains.rows.push(vec![
+        "Ruoss et al. 2023".into(),
+        blank(),
+        blank(),
+        blank(),
+        format!("{:+.1}", super::suite::PAPER_GAIN),
+        blank(),
+        blank(),
+    ]);
+    Some((scores, gains))
+}
+
+const SUITE_SCORES: &str = "length suite: score (accuracy in % averaged over every test length \
+     above the training lengths, Ruoss et al. 2023), mean ± std over seeds";
+const SUITE_GAINS: &str = "randomized positions: the mean over tasks of the score with \
+     random_positions minus without, in points, over seeds' means and between best seeds, beside \
+     the paper's average over its 15 tasks and schemes (best of 10 seeds and 3 learning rates); \
+     a finding at this config's budget, not a replication";
 
 /// The printed report.
 pub fn text_report(results: &Results, timings: &[Timing]) -> String {
@@ -283,9 +394,19 @@ pub fn text_report(results: &Results, timings: &[Timing]) -> String {
         out.push_str(&s.scores.text());
         out.push('\n');
         out.push_str(&s.tests.text());
+        if let Some(t) = &s.sequences {
+            out.push_str("\nwhole-sequence accuracy in %:\n");
+            out.push_str(&t.text());
+        }
         for n in s.notes {
             let _ = writeln!(out, "{n}");
         }
+    }
+    if let Some((scores, gains)) = suite_tables(results) {
+        let _ = writeln!(out, "\n== {SUITE_SCORES}\n");
+        out.push_str(&scores.text());
+        let _ = writeln!(out, "\n== {SUITE_GAINS}\n");
+        out.push_str(&gains.text());
     }
     out
 }
@@ -305,6 +426,23 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
          tokens were permuted (a model that uses order drops); `shift+k` moves every position by \
          k (relative schemes hold). `s/run` is wall time per trained model, evaluation included.\n",
     );
+    if results.tasks.iter().any(|t| t.score_above.is_some()) {
+        md.push_str(
+            "\nLength-suite tasks are tested over ranges of input lengths (`len 41-100`): a \
+             range's accuracy is the mean over its lengths of the share of answer outputs right \
+             (read at the blank output tokens only, up to `end` where a task has one), and \
+             `score` is that mean over every tested length above the training lengths (Ruoss et \
+             al. 2023). Whole-sequence accuracy counts an example right when all its answer \
+             outputs are.\n",
+        );
+    }
+    if let Some((scores, gains)) = suite_tables(results) {
+        let _ = write!(md, "\n## Length suite\n\n{SUITE_SCORES}.\n\n");
+        md.push_str(&scores.markdown());
+        let _ = write!(md, "\n{SUITE_GAINS}.\n\n");
+        md.push_str(&gains.markdown());
+        md.push_str("\n![length suite](plots/length_suite.png)\n");
+    }
     for s in sections(results, timings) {
         let _ = write!(
             md,
@@ -315,6 +453,10 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
         md.push_str(&s.scores.markdown());
         md.push('\n');
         md.push_str(&s.tests.markdown());
+        if let Some(t) = &s.sequences {
+            md.push_str("\nWhole-sequence accuracy in %:\n\n");
+            md.push_str(&t.markdown());
+        }
         for n in s.notes {
             let _ = writeln!(md, "\n{n}");
         }
@@ -371,7 +513,7 @@ fn results_csv(results: &Results, timings: &[Timing]) -> String {
             .find(|t| t.task == c.task && t.variant == c.variant && t.seed == c.seed);
         for e in &c.evaluations {
             let (acc, loss, why) = match &e.outcome {
-                Outcome::Scored { accuracy, loss } => {
+                Outcome::Scored { accuracy, loss, .. } => {
                     (accuracy.to_string(), loss.to_string(), String::new())
                 }
                 Outcome::Unavailable { reason } => (String::new(), String::new(), reason.clone()),
@@ -528,7 +670,17 @@ pub fn merge_runs(dirs: &[PathBuf]) -> Result<(Results, Vec<Timing>, super::Expe
         let (results, timings) = load_run(dir)?;
         loaded.push((dir.clone(), results, timings));
     }
-    let (results, timings) = merge(loaded)?;
+    let (mut results, mut timings) = merge(loaded)?;
+    results.order_as(&config);
+    let order: Vec<(String, String, u64)> = results.cells.iter().map(|c| c.key()).collect();
+    timings.sort_by_key(|t| {
+        order
+            .iter()
+            .position(|k| {
+                (k.0.as_str(), k.1.as_str(), k.2) == (t.task.as_str(), t.variant.as_str(), t.seed)
+            })
+            .unwrap_or(usize::MAX)
+    });
     Ok((results, timings, config))
 }
 

@@ -10,13 +10,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::positional::PositionalConfig;
 use crate::tasks::OrderBlindCeiling;
+pub use crate::train::LengthScore;
 
 /// A test set of a task.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TestInfo {
-    /// Column name: `1x`, `2x`, ...
+    /// Column name: `1x`, `2x`, ... for factors of the training lengths, `41-100` for ranges.
     pub name: String,
-    pub factor: usize,
+    /// The multiple of the training lengths; absent for a range of `test_lengths`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<usize>,
     /// Inclusive range of lengths in words.
     pub lengths: [usize; 2],
 }
@@ -37,12 +40,19 @@ pub struct TaskInfo {
     /// What was done to the data (truncation), for the report.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// The length suite's [`SCORE`] column: the mean accuracy over every test length above this
+    /// one, the longest trained on (Ruoss et al. 2023). `None` for other tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_above: Option<usize>,
 }
 
 impl TaskInfo {
     /// Every evaluation column, in report order.
     pub fn columns(&self) -> Vec<String> {
         let mut cols: Vec<String> = self.tests.iter().map(|t| t.name.clone()).collect();
+        if self.score_above.is_some() {
+            cols.push(SCORE.into());
+        }
         if self.shuffle_test {
             cols.push(SHUFFLED.into());
         }
@@ -54,6 +64,9 @@ impl TaskInfo {
 }
 
 pub const SHUFFLED: &str = "shuffled";
+
+/// The length suite's score column: mean accuracy over every test length past training.
+pub const SCORE: &str = "score";
 
 pub fn shift_column(shift: usize) -> String {
     format!("shift+{shift}")
@@ -70,14 +83,55 @@ pub struct VariantInfo {
     pub token_dim: usize,
     /// How the width is made: `64`, `64 = 48+16` (concatenated), `64+16->64` (projected).
     pub width: String,
+    /// Randomized positions drawn from `[0, N)`, if the variant uses them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub random_positions: Option<usize>,
 }
 
 /// A score, or why there is none.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
-    Scored { accuracy: f64, loss: f64 },
-    Unavailable { reason: String },
+    Scored {
+        accuracy: f64,
+        loss: f64,
+        /// Length-suite tests: the share of examples whose every counted output is right (the
+        /// mean over lengths, as `accuracy`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sequence_accuracy: Option<f64>,
+        /// Length-suite tests: the scores at each input length; `accuracy`, `loss` and
+        /// `sequence_accuracy` are their means over lengths.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        by_length: Vec<LengthScore>,
+    },
+    Unavailable {
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// A plain score: accuracy and loss.
+    pub fn scored(accuracy: f64, loss: f64) -> Self {
+        Self::Scored {
+            accuracy,
+            loss,
+            sequence_accuracy: None,
+            by_length: Vec::new(),
+        }
+    }
+
+    /// Scores by length, summarised by their means over lengths (each length weighs the same,
+    /// however many examples it has, as in the DeepMind evaluation).
+    pub fn by_length(by_length: Vec<LengthScore>) -> Self {
+        let n = by_length.len().max(1) as f64;
+        let mean = |f: fn(&LengthScore) -> f64| by_length.iter().map(f).sum::<f64>() / n;
+        Self::Scored {
+            accuracy: mean(|s| s.accuracy),
+            loss: mean(|s| s.loss),
+            sequence_accuracy: Some(mean(|s| s.sequence_accuracy)),
+            by_length,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -174,6 +228,9 @@ pub struct Aggregate {
     pub name: String,
     pub accuracy: Option<Stat>,
     pub loss: Option<Stat>,
+    /// Length-suite columns: whole-sequence accuracy over seeds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_accuracy: Option<Stat>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unavailable: Option<String>,
 }
@@ -201,6 +258,21 @@ pub struct Results {
 }
 
 impl Results {
+    /// Puts tasks and variants in the order `config` lists them (a variant's re-scorings right
+    /// after it), then [`Results::finish`]es: the same cells give the same `results.json`
+    /// however they were split across runs.
+    pub fn order_as(&mut self, config: &super::ExperimentConfig) {
+        let tasks: Vec<&str> = config.tasks.iter().map(|t| t.name.as_str()).collect();
+        let rows = config.variant_rows();
+        let rank = |all: &[&str], name: &str| all.iter().position(|n| *n == name);
+        self.tasks
+            .sort_by_key(|t| rank(&tasks, &t.name).unwrap_or(usize::MAX));
+        let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+        self.variants
+            .sort_by_key(|v| rank(&rows, &v.name).unwrap_or(usize::MAX));
+        self.finish();
+    }
+
     /// Sorts cells (task order, then variant order, then seed) and recomputes the summary.
     pub fn finish(&mut self) {
         let task_pos: BTreeMap<&str, usize> = self
@@ -242,11 +314,18 @@ impl Results {
                     .into_iter()
                     .map(|name| {
                         let (mut acc, mut loss, mut reason) = (Vec::new(), Vec::new(), None);
+                        let mut seq = Vec::new();
                         for c in &cells {
                             match c.evaluation(&name) {
-                                Some(Outcome::Scored { accuracy, loss: l }) => {
+                                Some(Outcome::Scored {
+                                    accuracy,
+                                    loss: l,
+                                    sequence_accuracy,
+                                    ..
+                                }) => {
                                     acc.push(*accuracy);
                                     loss.push(*l);
+                                    seq.extend(*sequence_accuracy);
                                 }
                                 Some(Outcome::Unavailable { reason: r }) => {
                                     reason = Some(r.clone())
@@ -258,6 +337,7 @@ impl Results {
                             name,
                             accuracy: Stat::of(&acc),
                             loss: Stat::of(&loss),
+                            sequence_accuracy: Stat::of(&seq),
                             unavailable: reason,
                         }
                     })

@@ -10,7 +10,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::results::{
     shift_column, CellResult, Evaluation, Outcome, Results, TaskInfo, TestInfo, Timing,
-    VariantInfo, SHUFFLED,
+    VariantInfo, SCORE, SHUFFLED,
 };
 use super::{ExperimentConfig, Selection, VariantSpec};
 use crate::config::ModelConfig;
@@ -23,7 +23,7 @@ use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed};
 use crate::saved::{self, SavedConfig};
 use crate::tasks::{Objective, TaskData, TaskSpec};
-use crate::train::{evaluate, planned_steps, train, TrainData};
+use crate::train::{evaluate, evaluate_by_length, planned_steps, train, TrainData};
 
 /// Where and how to run.
 pub struct RunOptions {
@@ -141,21 +141,29 @@ pub(crate) fn prepare(
             ));
         }
     }
-    let mask_seed = |factor: usize| derive_seed(spec.data_seed, "test masks", factor as u64);
+    // MLM masks (and randomized positions) of a test, the same for every model.
+    let mask_seed = |t: &crate::tasks::TestSet| match t.factor {
+        Some(factor) => derive_seed(spec.data_seed, "test masks", factor as u64),
+        None => derive_seed(spec.data_seed, &format!("test masks {}", t.name), 0),
+    };
     let mut tests: Vec<Test> = data
         .tests
         .iter()
         .enumerate()
         .map(|(i, t)| Test {
-            name: format!("{}x", t.factor),
+            name: t.name.clone(),
             set: i,
             start: 0,
-            mask_seed: mask_seed(t.factor),
+            mask_seed: mask_seed(t),
         })
         .collect();
-    // The order tests run on the test set at the training lengths.
-    let base = data.tests.iter().position(|t| t.factor == 1).unwrap_or(0);
-    let base_seed = mask_seed(data.tests[base].factor);
+    // The order tests run on the test set at the training lengths (the first of a range list).
+    let base = data
+        .tests
+        .iter()
+        .position(|t| t.factor == Some(1))
+        .unwrap_or(0);
+    let base_seed = mask_seed(&data.tests[base]);
     let shuffle_test = matches!(data.objective, Objective::Classify { .. });
     if shuffle_test {
         let shuffled = sets[base].with_shuffled_tokens(
@@ -185,7 +193,7 @@ pub(crate) fn prepare(
             .tests
             .iter()
             .map(|t| TestInfo {
-                name: format!("{}x", t.factor),
+                name: t.name.clone(),
                 factor: t.factor,
                 lengths: t.lengths,
             })
@@ -195,6 +203,8 @@ pub(crate) fn prepare(
         order_blind_ceiling: data.order_blind_ceiling.clone(),
         vocab_size: tok.vocab_size(),
         notes,
+        score_above: matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_))
+            .then(|| spec.lengths.map_or(0, |l| l[1])),
     };
     Ok(Prepared {
         spec,
@@ -291,9 +301,46 @@ impl Prepared<'_> {
     /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
     /// marked unavailable with the reason.
     pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
-        (0..self.tests.len())
+        let evaluations = (0..self.tests.len())
             .map(|i| self.evaluate_test(model, i, eval_batch))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.with_score(evaluations))
+    }
+
+    /// `evaluations` with the length suite's score inserted after the tests by length: the
+    /// mean over every tested length above the training maximum (each length weighs the same).
+    fn with_score(&self, mut evaluations: Vec<Evaluation>) -> Vec<Evaluation> {
+        let Some(above) = self.info.score_above else {
+            return evaluations;
+        };
+        let mut lengths = Vec::new();
+        let mut unavailable = None;
+        for e in evaluations.iter().take(self.info.tests.len()) {
+            match &e.outcome {
+                Outcome::Scored { by_length, .. } => {
+                    lengths.extend(by_length.iter().filter(|s| s.length > above).copied())
+                }
+                Outcome::Unavailable { reason } if reaches_above(&self.info, &e.name, above) => {
+                    unavailable = Some(format!("test {}: {reason}", e.name));
+                }
+                Outcome::Unavailable { .. } => {}
+            }
+        }
+        let outcome = match unavailable {
+            Some(reason) => Outcome::Unavailable { reason },
+            None if lengths.is_empty() => Outcome::Unavailable {
+                reason: format!("no test length is above the training lengths (up to {above})"),
+            },
+            None => Outcome::by_length(lengths),
+        };
+        evaluations.insert(
+            self.info.tests.len(),
+            Evaluation {
+                name: SCORE.into(),
+                outcome,
+            },
+        );
+        evaluations
     }
 
     /// The largest position (plus one) test `i` reads without randomized positions.
@@ -319,12 +366,12 @@ impl Prepared<'_> {
                     Some(rows) if reach > rows => Outcome::Unavailable {
                         reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
                     },
+                    _ if set.samples.iter().any(|s| s.tape.is_some()) => Outcome::by_length(
+                        evaluate_by_length(model, set, pad, test.mask_seed, eval_batch, test.start)?,
+                    ),
                     _ => {
                         let s = evaluate(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
-                        Outcome::Scored {
-                            accuracy: s.accuracy,
-                            loss: s.loss,
-                        }
+                        Outcome::scored(s.accuracy, s.loss)
                     }
                 };
                 Ok(Evaluation {
@@ -371,8 +418,16 @@ impl Prepared<'_> {
                     TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?;
                 self.evaluate_test(&model, i, eval_batch)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()
+            .map(|e| self.with_score(e))
     }
+}
+
+/// Whether test `name` of `info` holds lengths above `above` (so the score needs it).
+fn reaches_above(info: &TaskInfo, name: &str, above: usize) -> bool {
+    info.tests
+        .iter()
+        .any(|t| t.name == name && t.lengths[1] > above)
 }
 
 /// Everything one cell produces.
@@ -508,6 +563,7 @@ fn run_cell(
             }
             _ => model_config.d_model.to_string(),
         },
+        random_positions: variant.random_positions,
     };
     let result = CellResult {
         task: task.spec.name.clone(),
@@ -625,10 +681,26 @@ pub fn run(
     log: &(dyn Fn(&str) + Sync),
 ) -> Result<RunOutput> {
     config.validate()?;
-    let (tasks, variants, seeds) = config.select(&options.selection)?;
-    let prepared = tasks
+    // The cells (of this shard), and the tasks and variants they need: only those are
+    // generated and checked.
+    let selected = config.cells(&options.selection)?;
+    let mut task_ids: Vec<usize> = selected.iter().map(|c| c.0).collect();
+    task_ids.dedup();
+    let mut variant_ids: Vec<usize> = selected.iter().map(|c| c.1).collect();
+    variant_ids.sort_unstable();
+    variant_ids.dedup();
+    let variants: Vec<&VariantSpec> = variant_ids.iter().map(|&v| &config.variants[v]).collect();
+    let prepared = task_ids
         .iter()
-        .map(|t| prepare(t, t.generate()?, config.model.pooling, config.eval.shift))
+        .map(|&t| {
+            let spec = &config.tasks[t];
+            prepare(
+                spec,
+                spec.generate()?,
+                config.model.pooling,
+                config.eval.shift,
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
     let eval_batch = config
         .eval
@@ -646,13 +718,14 @@ pub fn run(
             task.check_memory(&model, config.train.batch_size, eval_batch, &what)?;
         }
     }
-    // Cells in report order: task, seed, variant.
-    let mut cells: Vec<(usize, &VariantSpec, u64)> = Vec::new();
-    for t in 0..prepared.len() {
-        for &seed in &seeds {
-            cells.extend(variants.iter().map(|v| (t, *v, seed)));
-        }
-    }
+    // Cells in report order: task, seed, variant (`t` indexes `prepared`).
+    let cells: Vec<(usize, &VariantSpec, u64)> = selected
+        .iter()
+        .map(|&(task, variant, seed)| {
+            let t = task_ids.iter().position(|&x| x == task).expect("prepared");
+            (t, &config.variants[variant], seed)
+        })
+        .collect();
 
     let multi = MultiProgress::with_draw_target(if options.progress {
         ProgressDrawTarget::stderr()
@@ -754,7 +827,7 @@ pub fn run(
         }
         timings.push(out.timing);
     }
-    results.finish();
+    results.order_as(config);
     Ok(RunOutput { results, timings })
 }
 

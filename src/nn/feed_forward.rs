@@ -7,11 +7,45 @@ use super::Linear;
 
 use super::{gelu, linear};
 
-/// `down(GELU(up(x)))`, weights `ffn.up` `(ffn_dim, d_model)` and `ffn.down` `(d_model, ffn_dim)`.
+/// The feed-forward block's nonlinearity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// Exact GELU, `x Phi(x)` (BERT and most encoders since).
+    #[default]
+    Gelu,
+    /// `max(x, 0)`, as in Vaswani et al. and the DeepMind length-generalization models.
+    Relu,
+}
+
+impl Activation {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gelu => "gelu",
+            Self::Relu => "relu",
+        }
+    }
+
+    pub fn is_gelu(&self) -> bool {
+        *self == Self::Gelu
+    }
+
+    /// The activation applied to `xs`, fused where the fused kernels run.
+    pub fn apply(self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Gelu => gelu(xs),
+            Self::Relu => xs.relu(),
+        }
+    }
+}
+
+/// `down(act(up(x)))`, weights `ffn.up` `(ffn_dim, d_model)` and `ffn.down` `(d_model, ffn_dim)`;
+/// `act` is GELU or ReLU.
 #[derive(Clone, Debug)]
 pub struct FeedForward {
     up: Linear,
     down: Linear,
+    activation: Activation,
 }
 
 impl FeedForward {
@@ -25,10 +59,20 @@ impl FeedForward {
         &self.down
     }
 
-    pub fn new(d_model: usize, ffn_dim: usize, vb: VarBuilder) -> Result<Self> {
+    pub fn activation(&self) -> Activation {
+        self.activation
+    }
+
+    pub fn new(
+        d_model: usize,
+        ffn_dim: usize,
+        activation: Activation,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         Ok(Self {
             up: linear(d_model, ffn_dim, vb.pp("up"))?,
             down: linear(ffn_dim, d_model, vb.pp("down"))?,
+            activation,
         })
     }
 }
@@ -37,7 +81,7 @@ impl Module for FeedForward {
     /// # Shapes
     /// - `xs`: `(b, t, d_model)`; returns the same shape
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let h = gelu(&self.up.forward(xs)?)?; // (b, t, ffn_dim)
+        let h = self.activation.apply(&self.up.forward(xs)?)?; // (b, t, ffn_dim)
         self.down.forward(&h)
     }
 }

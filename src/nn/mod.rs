@@ -19,7 +19,7 @@ mod rotary;
 
 pub use attention::{key_padding_bias, AttentionInputs, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
-pub use feed_forward::FeedForward;
+pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
 pub use fused::{cap_simd, simd_level, SimdLevel};
 pub use layer_norm::{layer_norm, LayerNorm};

@@ -10,10 +10,12 @@
 //! | `mlm` | fill masked tokens of generated sentences or a text file | context order |
 //! | `classify` | sentence labels from TSV, CSV or JSONL files | the user's question |
 //! | `tag` | per-word labels from JSONL files | the user's question |
+//! | `reverse_string`, `binary_addition`, ... | the length suite's 15 algorithmic tasks ([`algorithmic`]) | order, counting, memory |
 //!
 //! Every task yields words with labels per sentence or per word, tokenized by the task's
 //! tokenizer ([`TokenizerSpec`]) the same way whatever the source.
 
+pub mod algorithmic;
 pub mod files;
 pub mod grammar;
 
@@ -27,6 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::rng::{self, Rng};
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
+use algorithmic::{Algorithmic, BLANK};
 use files::{read_records, FileOptions, Record, RecordKind, RecordLabel, Source};
 
 const DEFAULT_TRAIN_EXAMPLES: usize = 4000;
@@ -86,6 +89,10 @@ pub enum TaskKind {
     Classify(FileOptions),
     /// Per-word labels from the user's JSONL files.
     Tag(FileOptions),
+    /// One of the length suite's algorithmic tasks, written `kind = "<its name>"` with no
+    /// options (see [`algorithmic`]); read and written by [`TaskSpec`]'s own serde.
+    #[serde(skip)]
+    Algorithmic(Algorithmic),
 }
 
 impl TaskKind {
@@ -98,6 +105,7 @@ impl TaskKind {
             Self::Mlm { .. } => "mlm",
             Self::Classify(_) => "classify",
             Self::Tag(_) => "tag",
+            Self::Algorithmic(a) => a.name(),
         }
     }
 
@@ -129,6 +137,8 @@ struct TaskCommon {
     eval_examples: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     eval_factors: Option<Vec<usize>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    test_lengths: Option<Vec<[usize; 2]>>,
     #[serde(default)]
     data_seed: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -139,12 +149,13 @@ struct TaskCommon {
     truncate: bool,
 }
 
-const COMMON_FIELDS: [&str; 9] = [
+const COMMON_FIELDS: [&str; 10] = [
     "name",
     "lengths",
     "train_examples",
     "eval_examples",
     "eval_factors",
+    "test_lengths",
     "data_seed",
     "tokenizer",
     "max_tokens",
@@ -161,6 +172,8 @@ const COMMON_FIELDS: [&str; 9] = [
 /// train_examples = 4000      # generated: how many; files: at most this many (default all)
 /// eval_examples = 500        # validation, and each test set
 /// eval_factors = [1, 2, 4]   # generated: test sets at lengths [f * min, f * max]
+/// # test_lengths = [[41, 100], [101, 200]]  # or: the training lengths and these ranges, each
+/// #                                         # length equally often (instead of eval_factors)
 /// data_seed = 0              # the examples and splits; training order comes from the run's seed
 /// tokenizer = { kind = "word_level" }   # or file / hub / train
 /// max_tokens = 256           # longer inputs are an error, or cut when truncate = true
@@ -174,7 +187,11 @@ pub struct TaskSpec {
     pub lengths: Option<[usize; 2]>,
     pub train_examples: Option<usize>,
     pub eval_examples: Option<usize>,
+    /// Test sets at multiples of `lengths` (empty when `test_lengths` names them).
     pub eval_factors: Vec<usize>,
+    /// Test sets by explicit inclusive length ranges, after one at the training lengths; every
+    /// length of a range equally often. Empty when `eval_factors` names them.
+    pub test_lengths: Vec<[usize; 2]>,
     pub data_seed: u64,
     pub tokenizer: TokenizerSpec,
     pub limit: TokenLimit,
@@ -195,15 +212,48 @@ impl<'de> Deserialize<'de> for TaskSpec {
         let (common, own): (serde_json::Map<_, _>, serde_json::Map<_, _>) = table
             .into_iter()
             .partition(|(k, _)| COMMON_FIELDS.contains(&k.as_str()));
-        let kind: TaskKind = serde_json::from_value(own.into()).map_err(|e| {
-            D::Error::custom(format!(
-                "{e} (fields every task takes: {})",
-                COMMON_FIELDS.join(", ")
-            ))
-        })?;
+        let algorithmic = own
+            .get("kind")
+            .and_then(|k| k.as_str())
+            .and_then(Algorithmic::from_name);
+        let kind = match algorithmic {
+            Some(a) => {
+                if let Some(stray) = own.keys().find(|k| *k != "kind") {
+                    return Err(D::Error::custom(format!(
+                        "task `{}`: unknown field `{stray}`: the length suite's tasks take no \
+                         options of their own (fields every task takes: {})",
+                        a.name(),
+                        COMMON_FIELDS.join(", ")
+                    )));
+                }
+                TaskKind::Algorithmic(a)
+            }
+            None => serde_json::from_value(own.into()).map_err(|e| {
+                let e = e.to_string();
+                let suite = if e.contains("unknown variant") {
+                    format!(
+                        "; or a task of the length suite: {}",
+                        Algorithmic::ALL.map(Algorithmic::name).join(", ")
+                    )
+                } else {
+                    String::new()
+                };
+                D::Error::custom(format!(
+                    "{e}{suite} (fields every task takes: {})",
+                    COMMON_FIELDS.join(", ")
+                ))
+            })?,
+        };
         let common: TaskCommon = serde_json::from_value(common.into())
             .map_err(|e| D::Error::custom(format!("task `{}`: {e}", kind.name())))?;
         let generated = !kind.from_files();
+        if common.test_lengths.is_some() && common.eval_factors.is_some() {
+            return Err(D::Error::custom(format!(
+                "task `{}`: give test sets by eval_factors or by test_lengths, not both",
+                kind.name()
+            )));
+        }
+        let test_lengths = common.test_lengths.unwrap_or_default();
         Ok(TaskSpec {
             name: common.name.unwrap_or_else(|| kind.name().to_string()),
             lengths: common.lengths,
@@ -214,12 +264,15 @@ impl<'de> Deserialize<'de> for TaskSpec {
                 .eval_examples
                 .or(generated.then_some(DEFAULT_EVAL_EXAMPLES)),
             eval_factors: common.eval_factors.unwrap_or_else(|| {
-                if generated {
+                if !test_lengths.is_empty() {
+                    Vec::new()
+                } else if generated {
                     vec![1, 2, 4]
                 } else {
                     vec![1]
                 }
             }),
+            test_lengths,
             data_seed: common.data_seed,
             tokenizer: common.tokenizer.unwrap_or_default(),
             limit: TokenLimit {
@@ -239,15 +292,21 @@ impl Serialize for TaskSpec {
             lengths: self.lengths,
             train_examples: self.train_examples,
             eval_examples: self.eval_examples,
-            eval_factors: Some(self.eval_factors.clone()),
+            eval_factors: (!self.eval_factors.is_empty()).then(|| self.eval_factors.clone()),
+            test_lengths: (!self.test_lengths.is_empty()).then(|| self.test_lengths.clone()),
             data_seed: self.data_seed,
             tokenizer: Some(self.tokenizer.clone()),
             max_tokens: self.limit.max_tokens,
             truncate: self.limit.truncate,
         };
-        let mut table = match serde_json::to_value(&self.kind).map_err(S::Error::custom)? {
-            serde_json::Value::Object(m) => m,
-            _ => unreachable!("a tagged enum serializes to a table"),
+        let mut table = match &self.kind {
+            TaskKind::Algorithmic(a) => {
+                serde_json::Map::from_iter([("kind".to_string(), a.name().into())])
+            }
+            kind => match serde_json::to_value(kind).map_err(S::Error::custom)? {
+                serde_json::Value::Object(m) => m,
+                _ => unreachable!("a tagged enum serializes to a table"),
+            },
         };
         if let serde_json::Value::Object(m) =
             serde_json::to_value(common).map_err(S::Error::custom)?
@@ -297,6 +356,14 @@ pub enum Label {
     Tags(Vec<Option<usize>>),
     /// MLM targets are drawn when batches are made.
     Masked,
+    /// A length-suite tape ([`algorithmic`]): the last `targets.len()` words are blanks, each
+    /// labelled with its target; the loss covers them all, the accuracy the first `counted`.
+    /// `length` is the task's input length (what scores are reported by).
+    Outputs {
+        length: usize,
+        targets: Vec<usize>,
+        counted: usize,
+    },
 }
 
 impl Example {
@@ -313,11 +380,14 @@ impl Example {
     }
 }
 
-/// A test set at a multiple of the training lengths.
+/// A test set: at a multiple of the training lengths, or over a range of lengths.
 #[derive(Clone, Debug)]
 pub struct TestSet {
-    /// `lengths` of the training set times this (1 for files).
-    pub factor: usize,
+    /// The column it fills: `2x` for a factor, `41-100` for a range.
+    pub name: String,
+    /// `lengths` of the training set times this (1 for files); `None` for a range of
+    /// `test_lengths` (or the training range beside them).
+    pub factor: Option<usize>,
     /// Inclusive range of lengths in words.
     pub lengths: [usize; 2],
     pub examples: Vec<Example>,
@@ -364,7 +434,51 @@ fn length_range(lengths: &[Vec<String>]) -> [usize; 2] {
     [lens.clone().min().unwrap_or(0), lens.max().unwrap_or(0)]
 }
 
+/// The longest length a generated task takes, in words (or a length-suite input length).
+pub const MAX_GENERATED_LENGTH: usize = 100_000;
+
 impl TaskSpec {
+    /// The length ranges of a generated task's test sets, in order: `lengths` times each
+    /// factor, or the training range and then each of `test_lengths`.
+    pub fn test_ranges(&self) -> Vec<[usize; 2]> {
+        let Some([lo, hi]) = self.lengths else {
+            return Vec::new();
+        };
+        if self.test_lengths.is_empty() {
+            self.eval_factors
+                .iter()
+                .map(|&f| [lo.saturating_mul(f), hi.saturating_mul(f)])
+                .collect()
+        } else {
+            std::iter::once([lo, hi])
+                .chain(self.test_lengths.iter().copied())
+                .collect()
+        }
+    }
+
+    /// Words of an example of length `len`: a length-suite tape holds its blanks too.
+    fn words_at(&self, len: usize) -> usize {
+        match self.kind {
+            TaskKind::Algorithmic(a) => a.tape_len(len),
+            _ => len,
+        }
+    }
+
+    /// The most words the splits of a generated task can hold (0 for files).
+    fn max_words(&self) -> u128 {
+        let Some([_, hi]) = self.lengths else {
+            return 0;
+        };
+        let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES) as u128;
+        let n_train = self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES) as u128;
+        let tests: u128 = self
+            .test_ranges()
+            .iter()
+            .map(|r| self.words_at(r[1]) as u128)
+            .sum();
+        (n_train + n_eval) * self.words_at(hi) as u128 + n_eval * tests
+    }
+
     /// Checks the spec; the message names the field and the fix.
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::Config(format!("task `{}`: {m}", self.name)));
@@ -380,11 +494,34 @@ impl TaskSpec {
         if self.train_examples == Some(0) || self.eval_examples == Some(0) {
             return err("train_examples and eval_examples must be at least 1".into());
         }
-        if self.eval_factors.is_empty() || self.eval_factors.contains(&0) {
+        if self.test_lengths.is_empty()
+            && (self.eval_factors.is_empty() || self.eval_factors.contains(&0))
+        {
             return err(format!(
                 "eval_factors = {:?} must list positive multiples of the training lengths, such as [1, 2, 4]",
                 self.eval_factors
             ));
+        }
+        if !self.test_lengths.is_empty() && self.kind.from_files() {
+            return err(
+                "test_lengths is for generated tasks: files are tested at their own lengths".into(),
+            );
+        }
+        for (i, &[a, b]) in self.test_lengths.iter().enumerate() {
+            if a == 0 || a > b || b > MAX_GENERATED_LENGTH {
+                return err(format!(
+                    "test_lengths[{i}] = [{a}, {b}] must be a range [min, max] with 1 <= min <= \
+                     max <= {MAX_GENERATED_LENGTH}"
+                ));
+            }
+            if let Some(&[_, prev]) = i.checked_sub(1).map(|j| &self.test_lengths[j]) {
+                if a <= prev {
+                    return err(format!(
+                        "test_lengths[{i}] = [{a}, {b}] starts at or before the end of the range \
+                         before it ({prev}): list the ranges in ascending order, without overlap"
+                    ));
+                }
+            }
         }
         if self.kind.from_files() {
             if self.lengths.is_some() {
@@ -412,15 +549,27 @@ impl TaskSpec {
                     .into(),
             );
         };
-        if lo == 0 || lo > hi {
+        if lo == 0 || lo > hi || hi > MAX_GENERATED_LENGTH {
             return err(format!(
-                "lengths = [{lo}, {hi}] must be a range [min, max] with 1 <= min <= max"
+                "lengths = [{lo}, {hi}] must be a range [min, max] with 1 <= min <= max <= \
+                 {MAX_GENERATED_LENGTH}"
             ));
         }
-        let longest = hi * self.eval_factors.iter().max().copied().unwrap_or(1);
+        let longest = self.test_ranges().iter().map(|r| r[1]).max().unwrap_or(hi);
+        if longest > MAX_GENERATED_LENGTH {
+            return err(format!(
+                "eval_factors = {:?} make test lengths up to {longest}, more than \
+                 {MAX_GENERATED_LENGTH}: use smaller factors",
+                self.eval_factors
+            ));
+        }
+        let shortest = self.test_ranges().iter().map(|r| r[0]).min().unwrap_or(lo);
+        let lo = lo.min(shortest);
+        crate::limits::check_generated(self.max_words(), &format!("task `{}`", self.name))
+            .or_else(err)?;
         match &self.kind {
             TaskKind::WordOrder {} if lo < grammar::SHORTEST => err(format!(
-                "word_order sentences have at least {} words: lengths[0] = {lo} is too short",
+                "word_order sentences have at least {} words: a length of {lo} is too short",
                 grammar::SHORTEST
             )),
             TaskKind::Sorted { max_number } if *max_number < longest.max(2) || *max_number > NUMBER_WORDS_LIMIT => err(format!(
@@ -429,7 +578,7 @@ impl TaskSpec {
             )),
             TaskKind::Sorted { .. } if lo < 2 => err("sorted needs sequences of at least 2 numbers".into()),
             TaskKind::PrevToken { k, symbols } if *k == 0 || *k >= lo || *symbols < 2 => err(format!(
-                "prev_token needs 1 <= k < lengths[0] (k = {k}, lengths[0] = {lo}) and at least 2 symbols"
+                "prev_token needs 1 <= k < the shortest length (k = {k}, shortest = {lo}) and at least 2 symbols"
             )),
             TaskKind::PositionIndex { modulus, symbols } if *modulus < 2 || *symbols < 1 => err(format!(
                 "position_index needs modulus >= 2 (got {modulus}) and at least 1 symbol"
@@ -536,19 +685,42 @@ impl TaskSpec {
                 })
                 .collect()
         };
+        // A range's lengths in turn, so each is tested equally often (its score is then the
+        // mean over lengths, as the length suite reports it).
+        let make_even = |split: &str, n: usize, [a, b]: [usize; 2]| -> Vec<Example> {
+            let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
+            (0..n)
+                .map(|i| self.example(&mut rng, a + i % (b - a + 1)))
+                .collect()
+        };
         let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
-        let tests = self
-            .eval_factors
-            .iter()
-            .map(|&f| {
-                let lengths = [lo * f, hi * f];
-                TestSet {
-                    factor: f,
-                    lengths,
-                    examples: make(&format!("test{f}x"), n_eval, lengths),
-                }
-            })
-            .collect();
+        let tests = if self.test_lengths.is_empty() {
+            self.eval_factors
+                .iter()
+                .map(|&f| {
+                    let lengths = [lo * f, hi * f];
+                    TestSet {
+                        name: format!("{f}x"),
+                        factor: Some(f),
+                        lengths,
+                        examples: make(&format!("test{f}x"), n_eval, lengths),
+                    }
+                })
+                .collect()
+        } else {
+            self.test_ranges()
+                .into_iter()
+                .map(|lengths| {
+                    let name = format!("{}-{}", lengths[0], lengths[1]);
+                    TestSet {
+                        examples: make_even(&format!("test{name}"), n_eval, lengths),
+                        name,
+                        factor: None,
+                        lengths,
+                    }
+                })
+                .collect()
+        };
         let train = make(
             "train",
             self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES),
@@ -585,6 +757,16 @@ impl TaskSpec {
                     mask_prob: *mask_prob,
                 },
                 grammar::vocabulary(),
+            ),
+            TaskKind::Algorithmic(a) => (
+                Objective::Tag {
+                    labels: a.output_symbols().iter().map(|s| s.to_string()).collect(),
+                },
+                a.input_symbols()
+                    .iter()
+                    .chain([&BLANK])
+                    .map(|s| s.to_string())
+                    .collect(),
             ),
             TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
         };
@@ -641,6 +823,24 @@ impl TaskSpec {
             TaskKind::Mlm { .. } => {
                 let (words, _) = grammar::sentence(rng, len.max(grammar::SHORTEST));
                 Example::new(words.into_iter().map(String::from).collect(), Label::Masked)
+            }
+            TaskKind::Algorithmic(a) => {
+                let tape = a.sample(rng, len);
+                let words = tape
+                    .input
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(BLANK, tape.output.len()))
+                    .map(String::from)
+                    .collect();
+                Example::new(
+                    words,
+                    Label::Outputs {
+                        length: len,
+                        targets: tape.output,
+                        counted: tape.counted,
+                    },
+                )
             }
             TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
         }
@@ -762,7 +962,8 @@ impl TaskSpec {
             train,
             valid,
             vec![TestSet {
-                factor: 1,
+                name: "1x".into(),
+                factor: Some(1),
                 lengths,
                 examples: test,
             }],
@@ -814,7 +1015,8 @@ impl TaskSpec {
             lines,
             valid,
             vec![TestSet {
-                factor: 1,
+                name: "1x".into(),
+                factor: Some(1),
                 lengths,
                 examples: test,
             }],
@@ -920,7 +1122,7 @@ mod tests {
         let e = spec("[[tasks]]\nkind = \"prev_token\"\nk = 4\nlengths = [4, 9]\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("1 <= k < lengths[0]"), "{e}");
+        assert!(e.contains("1 <= k < the shortest length"), "{e}");
         let e = spec("[[tasks]]\nkind = \"word_order\"\nlengths = [3, 9]\n")
             .unwrap_err()
             .to_string();

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::Precision;
 use crate::data::{epoch_batches, eval_batches, make_batch, Dataset, MlmMasking, Sample};
 use crate::error::{Error, Result};
-use crate::model::{count_correct, TaskModel};
+use crate::model::{count_correct, token_nll, TaskModel};
 use crate::params::ParamStore;
 use crate::rng::{self, derive_seed};
 use optim::{global_grad_norm, AdamW, AdamWConfig};
@@ -255,7 +255,10 @@ pub fn evaluate(
             batch.randomize_positions(n, &mut position_rng)?;
         }
         let (loss, logits) = model.loss(&batch, start, false)?;
-        let (c, n) = count_correct(&logits, &batch.targets, batch.weights.as_ref())?;
+        // The loss is over the scored labels; the accuracy over those that count (a tape's
+        // answer up to its end token).
+        let weights = batch.counted.as_ref().or(batch.weights.as_ref());
+        let (c, n) = count_correct(&logits, &batch.targets, weights)?;
         loss_sum += scalar(&loss)? * n as f64;
         correct += c;
         scored += n;
@@ -270,6 +273,136 @@ pub fn evaluate(
         accuracy: correct as f64 / scored as f64,
         scored,
     })
+}
+
+/// A length-suite test's scores at one input length.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LengthScore {
+    pub length: usize,
+    pub examples: usize,
+    /// Counted outputs right, over counted outputs.
+    pub accuracy: f64,
+    /// Examples with every counted output right.
+    pub sequence_accuracy: f64,
+    /// Mean cross-entropy over every output.
+    pub loss: f64,
+}
+
+/// One length-suite example's result: its counted outputs right, and its loss.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TapeResult {
+    /// The task's input length.
+    pub length: usize,
+    /// Counted outputs predicted right, of `counted`.
+    pub right: usize,
+    pub counted: usize,
+    /// Cross-entropy summed over every output (counted or not), of `outputs`.
+    pub nll: f64,
+    pub outputs: usize,
+}
+
+/// The result of every tape of a batch from its predictions, targets and per-token
+/// cross-entropies (each `(b * t)`, row-major): only a tape's outputs are looked at, the first
+/// `counted` for accuracy and all for the loss.
+pub fn tape_results(
+    samples: &[&Sample],
+    t: usize,
+    predicted: &[u32],
+    targets: &[u32],
+    nll: &[f64],
+) -> Result<Vec<TapeResult>> {
+    samples
+        .iter()
+        .enumerate()
+        .map(|(row, sample)| {
+            let tape = sample
+                .tape
+                .ok_or_else(|| Error::Input("scoring by length needs length-suite tapes".into()))?;
+            let from = row * t + tape.first_output;
+            let end = row * t + sample.ids.len();
+            if sample.ids.len() > t || end > predicted.len() || end > nll.len() {
+                return Err(Error::Input(format!(
+                    "tape results: a sample of {} tokens in rows of {t}",
+                    sample.ids.len()
+                )));
+            }
+            Ok(TapeResult {
+                length: tape.length,
+                right: (from..from + tape.counted)
+                    .filter(|&j| predicted[j] == targets[j])
+                    .count(),
+                counted: tape.counted,
+                nll: nll[from..end].iter().sum(),
+                outputs: end - from,
+            })
+        })
+        .collect()
+}
+
+/// Scores by input length: at each length the share of counted outputs right (pooled over its
+/// examples, as DeepMind's per-batch accuracy), the share of examples with all of them right,
+/// and the mean cross-entropy over every output.
+pub fn scores_by_length(results: &[TapeResult]) -> Vec<LengthScore> {
+    let mut by_length: std::collections::BTreeMap<usize, Vec<&TapeResult>> = Default::default();
+    for r in results {
+        by_length.entry(r.length).or_default().push(r);
+    }
+    by_length
+        .into_iter()
+        .map(|(length, rs)| {
+            let sum = |f: fn(&TapeResult) -> usize| rs.iter().map(|r| f(r)).sum::<usize>();
+            LengthScore {
+                length,
+                examples: rs.len(),
+                accuracy: sum(|r| r.right) as f64 / sum(|r| r.counted).max(1) as f64,
+                sequence_accuracy: rs.iter().filter(|r| r.right == r.counted).count() as f64
+                    / rs.len() as f64,
+                loss: rs.iter().map(|r| r.nll).sum::<f64>() / sum(|r| r.outputs).max(1) as f64,
+            }
+        })
+        .collect()
+}
+
+/// Scores `model` on the length-suite tapes of `data` by input length ([`scores_by_length`]),
+/// positions moved by `start`. Randomized positions are drawn from `seed`, the same for every
+/// model.
+pub fn evaluate_by_length(
+    model: &TaskModel,
+    data: &Dataset,
+    pad_id: u32,
+    seed: u64,
+    batch_size: usize,
+    start: usize,
+) -> Result<Vec<LengthScore>> {
+    let device = model.encoder().device().clone();
+    let mut position_rng = rng::stream(seed, "eval positions");
+    let random_positions = model.encoder().config().random_positions;
+    let mut results = Vec::with_capacity(data.len());
+    for idx in eval_batches(&data.lengths(), batch_size) {
+        let samples: Vec<&Sample> = idx.iter().map(|&i| &data.samples[i]).collect();
+        let mut batch = make_batch(&samples, pad_id, None, &device)?;
+        if let Some(n) = random_positions {
+            batch.randomize_positions(n, &mut position_rng)?;
+        }
+        let positions = batch.positions(start)?;
+        let logits = model.logits(&batch.ids, &batch.mask, &positions, false)?; // (b, t, c)
+        let t = batch.ids.dim(1)?;
+        let predicted = logits
+            .argmax(candle::D::Minus1)?
+            .flatten_all()?
+            .to_vec1::<u32>()?;
+        let targets = batch.targets.flatten_all()?.to_vec1::<u32>()?;
+        let nll = token_nll(&logits, &batch.targets)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        results.extend(tape_results(&samples, t, &predicted, &targets, &nll)?);
+    }
+    if results.is_empty() {
+        return Err(Error::Input(
+            "nothing to score: the test set is empty".into(),
+        ));
+    }
+    Ok(scores_by_length(&results))
 }
 
 /// Everything besides the weights and the optimizer's moments that a run needs to continue

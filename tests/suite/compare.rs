@@ -189,7 +189,7 @@ fn saved_models_reload_and_score_what_the_report_says() {
     )
     .unwrap();
     match cell.evaluation("1x").unwrap() {
-        Outcome::Scored { accuracy, loss } => {
+        Outcome::Scored { accuracy, loss, .. } => {
             assert_eq!(score.accuracy, *accuracy);
             assert_eq!(score.loss, *loss);
         }

@@ -248,6 +248,9 @@ fn shipped_configs_are_valid() {
             "compare.toml",
             "compare_reviews.toml",
             "length_generalization.toml",
+            "length_suite.toml",
+            "length_suite_longer.toml",
+            "length_suite_small.toml",
             "rope_extension.toml",
             "schemes.toml"
         ]

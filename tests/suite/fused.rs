@@ -172,6 +172,50 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
     );
 }
 
+/// ReLU in the feed-forward block (the DeepMind length-generalization models): the fused layer
+/// and the fused ops match the composition, forward and backward, for a scheme of each place,
+/// both norm placements, with and without dropout.
+#[test]
+fn relu_layers_match_the_reference() {
+    use poslab::PositionalConfig as P;
+    for positional in [
+        P::SinusoidalAdd(Default::default()),
+        P::Rope(poslab::RopeOptions::default()),
+        P::Alibi(Default::default()),
+    ] {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let mut config = medium_config(positional.clone(), norm);
+            config.activation = poslab::nn::Activation::Relu;
+            for dropout in [0.0, 0.2] {
+                config.dropout = dropout;
+                for dtype in [DType::F32, DType::F64] {
+                    let train = dropout > 0.0;
+                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    for kernels in [Kernels::Ops, Kernels::Layer] {
+                        let what = format!(
+                            "relu {} {norm:?} dropout {dropout} {dtype:?} {}",
+                            positional.name(),
+                            kernels.name()
+                        );
+                        let fast = run_encoder(&config, dtype, kernels, train);
+                        compare(&fast, &reference, tolerance(dtype), &what);
+                    }
+                }
+            }
+            // GELU and ReLU are different models: the switch is not ignored.
+            let gelu = ModelConfig {
+                activation: poslab::nn::Activation::Gelu,
+                ..config.clone()
+            };
+            let (a, b) = (
+                run_encoder(&config, DType::F64, Kernels::Layer, false),
+                run_encoder(&gelu, DType::F64, Kernels::Layer, false),
+            );
+            assert!(relative_error(&a.hidden, &b.hidden) > 1e-3);
+        }
+    }
+}
+
 #[test]
 fn layer_kernel_gives_the_same_bits_with_saved_or_recomputed_activations() {
     // Training mode keeps the activations (and attention weights) inside the op; evaluation mode

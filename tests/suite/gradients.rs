@@ -107,3 +107,26 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
         }
     }
 }
+
+#[test]
+fn relu_feed_forward_layers_train_every_variable() {
+    // ReLU zeroes half its inputs' gradients; every weight still gets one, through the units
+    // that are on.
+    for positional in [
+        poslab::PositionalConfig::Learned(Default::default()),
+        poslab::PositionalConfig::T5(Default::default()),
+    ] {
+        let mut config = tiny_dropout_config(positional.clone(), NormPlacement::Post);
+        config.activation = poslab::nn::Activation::Relu;
+        let checked = training_gradients(
+            &config,
+            &Device::Cpu,
+            &format!("relu {}", positional.name()),
+        );
+        let names: Vec<&str> = checked.iter().map(|(n, _, _)| n.as_str()).collect();
+        assert!(
+            names.iter().any(|n| n.contains("ffn.up.weight")),
+            "{names:?}"
+        );
+    }
+}

@@ -10,6 +10,7 @@ mod cuda;
 mod fused;
 mod gradients;
 mod hardening;
+mod length_suite;
 mod precision;
 mod properties;
 mod reference;

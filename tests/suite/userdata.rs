@@ -396,7 +396,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
     )
     .unwrap();
     match &metrics.evaluations[0].outcome {
-        Outcome::Scored { accuracy, loss } => {
+        Outcome::Scored { accuracy, loss, .. } => {
             assert_eq!((score.accuracy, score.loss), (*accuracy, *loss))
         }
         other => panic!("{other:?}"),

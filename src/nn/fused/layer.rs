@@ -5,14 +5,14 @@
 //! addition and an allocation more in the backward pass than the arithmetic needs: measured at
 //! the reference shape, about a fifth of a training step. Here the layer's input and its
 //! parameters (packed into one vector) go in, the output comes out, and the backward walks the
-//! layer in reverse by hand: gemm for every product, the fused LayerNorm, GELU and attention
+//! layer in reverse by hand: gemm for every product, the fused LayerNorm, activation (GELU or ReLU) and attention
 //! kernels for the rest, and gradients written straight into their final buffers.
 //!
 //! ```text
 //! pre-norm:   a = LN1(x); qkv = a Wqkvᵀ + b; c = attn(qkv); h = x + m1 ⊙ (c Woᵀ + bo)
-//!             e = LN2(h); u = e Wupᵀ + bup; y = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown)
+//!             e = LN2(h); u = e Wupᵀ + bup; y = h + m2 ⊙ (act(u) Wdownᵀ + bdown)
 //! post-norm:  qkv = x Wqkvᵀ + b; c = attn(qkv); s1 = x + m1 ⊙ (c Woᵀ + bo); h = LN1(s1)
-//!             u = h Wupᵀ + bup; s2 = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown); y = LN2(s2)
+//!             u = h Wupᵀ + bup; s2 = h + m2 ⊙ (act(u) Wdownᵀ + bdown); y = LN2(s2)
 //! ```
 //!
 //! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
@@ -30,8 +30,8 @@ use rayon::prelude::*;
 use super::attention::Attention;
 use super::linear::{by_dtype, column_sum, grad_input, grad_weight, linear_out, residual_linear};
 use super::{
-    contiguous, gelu_grad_par, gelu_par, zeros, LayerNormGradInput, LayerNormGradParams,
-    LayerNormOp, Real,
+    activation_grad_par, activation_par, contiguous, zeros, LayerNormGradInput,
+    LayerNormGradParams, LayerNormOp, Real,
 };
 
 /// The widths of a layer and where each parameter sits in the packed vector.
@@ -41,6 +41,8 @@ pub(crate) struct LayerShape {
     pub ffn: usize,
     pub eps: f64,
     pub pre_norm: bool,
+    /// The feed-forward nonlinearity.
+    pub activation: crate::nn::Activation,
 }
 
 /// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
@@ -126,7 +128,8 @@ struct Saved<T> {
     /// pre-norm: `LN2(h)`; post-norm: `h = LN1(s1)`
     ffn_in: Vec<T>,
     u: Vec<T>,
-    gelu: Vec<T>,
+    /// `act(u)`
+    act: Vec<T>,
     /// post-norm: `s2`
     s2: Vec<T>,
 }
@@ -282,8 +285,8 @@ impl LayerOp {
 
         let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
         let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
-        let gelu = gelu_par(&u);
-        // pre: y = h + m2 ⊙ (GELU(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
+        let act = activation_par(&u, self.shape.activation);
+        // pre: y = h + m2 ⊙ (act(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
         let res = if self.shape.pre_norm {
             &h_or_s1
         } else {
@@ -291,7 +294,7 @@ impl LayerOp {
         };
         let sum = residual_linear(
             res,
-            &gelu,
+            &act,
             &p[o.wdown..o.bdown],
             &p[o.bdown..o.len],
             (n, f, d),
@@ -312,7 +315,7 @@ impl LayerOp {
                 h_or_s1,
                 ffn_in,
                 u,
-                gelu,
+                act,
                 s2,
             },
         ))
@@ -347,13 +350,13 @@ impl LayerOp {
         };
         // Feed-forward branch.
         let gz = masked(&g_res, &masks.ffn_out);
-        grad_weight(&gz, &s.gelu, (n, d, f), &mut dp[o.wdown..o.bdown]);
+        grad_weight(&gz, &s.act, (n, d, f), &mut dp[o.wdown..o.bdown]);
         column_sum(&gz, &mut dp[o.bdown..o.len]);
-        let mut g_gelu = zeros(n * f);
-        grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_gelu, false);
+        let mut g_act = zeros(n * f);
+        grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_act, false);
         drop(gz);
-        let gu = gelu_grad_par(&s.u, &g_gelu);
-        drop(g_gelu);
+        let gu = activation_grad_par(&s.u, &g_act, self.shape.activation);
+        drop(g_act);
         grad_weight(&gu, &s.ffn_in, (n, f, d), &mut dp[o.wup..o.bup]);
         column_sum(&gu, &mut dp[o.bup..o.wdown]);
         // The gradient reaching the feed-forward input, plus the residual's.

@@ -772,6 +772,56 @@ fn gelu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
     dx
 }
 
+/// `max(x, 0)`, in parallel chunks.
+fn relu_par<T: Real>(x: &[T]) -> Vec<T> {
+    let mut y = zeros(x.len());
+    y.par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(x.par_chunks(ELEMENTS_PER_TASK))
+        .for_each(|(o, i)| {
+            for (o, v) in o.iter_mut().zip(i) {
+                *o = if *v > T::zero() { *v } else { T::zero() };
+            }
+        });
+    y
+}
+
+/// `g ReLU'(x)`, with candle's convention at 0 (`x >= 0` passes the gradient), so the fused
+/// layer and the composition agree everywhere.
+fn relu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
+    let mut dx = zeros(x.len());
+    dx.par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(
+            x.par_chunks(ELEMENTS_PER_TASK)
+                .zip(g.par_chunks(ELEMENTS_PER_TASK)),
+        )
+        .for_each(|(o, (xc, gc))| {
+            for ((o, v), gi) in o.iter_mut().zip(xc).zip(gc) {
+                *o = if *v >= T::zero() { *gi } else { T::zero() };
+            }
+        });
+    dx
+}
+
+/// The feed-forward activation of the fused layer.
+pub(crate) fn activation_par<T: Real>(x: &[T], activation: crate::nn::Activation) -> Vec<T> {
+    match activation {
+        crate::nn::Activation::Gelu => gelu_par(x),
+        crate::nn::Activation::Relu => relu_par(x),
+    }
+}
+
+/// `g act'(x)` for the fused layer's backward.
+pub(crate) fn activation_grad_par<T: Real>(
+    x: &[T],
+    g: &[T],
+    activation: crate::nn::Activation,
+) -> Vec<T> {
+    match activation {
+        crate::nn::Activation::Gelu => gelu_grad_par(x, g),
+        crate::nn::Activation::Relu => relu_grad_par(x, g),
+    }
+}
+
 struct Gelu;
 
 impl CustomOp1 for Gelu {

@@ -1,0 +1,969 @@
+//! The length-generalization suite: the 15 task generators (hand-checked examples, shapes,
+//! seeds, and agreement with an independent solver), scoring over output positions only, the
+//! shipped configs, sharding (`--shard` slices merged by `report` give the unsharded
+//! `results.json`, byte for byte) and the cluster examples.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use poslab::data::{Dataset, Sample, TapeInfo, Target};
+use poslab::experiment::{ExperimentConfig, Selection, Shard};
+use poslab::tasks::algorithmic::{Algorithmic, Level, Tape, BLANK, END};
+use poslab::tasks::{Label, TaskKind, TaskSpec};
+use poslab::train::{scores_by_length, tape_results};
+
+fn words(s: &str) -> Vec<&str> {
+    s.split_whitespace().collect()
+}
+
+/// The answer of `task` to `input` (space-separated symbols), as output symbols, and the count
+/// of outputs that score.
+fn solve(task: Algorithmic, input: &str) -> (String, usize) {
+    let tape = task
+        .solve(&words(input))
+        .unwrap_or_else(|| panic!("{}: {input:?} is not an input", task.name()));
+    let out: Vec<&str> = tape
+        .output
+        .iter()
+        .map(|&o| task.output_symbols()[o])
+        .collect();
+    (out.join(" "), tape.counted)
+}
+
+#[test]
+fn every_task_answers_hand_checked_inputs() {
+    use Algorithmic::*;
+    // (task, input, output, counted outputs); most from the DeepMind tasks' docstrings.
+    let cases: &[(Algorithmic, &str, &str, usize)] = &[
+        // 001110: one 01, one 10; 0101001: three 01, two 10.
+        (EvenPairs, "0 0 1 1 1 0", "0", 1),
+        (EvenPairs, "0 1 0 1 0 0 1", "1", 1),
+        (ParityCheck, "1 0 1 0 1 0 0", "1", 1),
+        (ParityCheck, "0 1 1 1 1", "0", 1),
+        // +1 -1 0 -1 -1 = -2 = 3 on a cycle of 5.
+        (CycleNavigation, "right left stay left left", "3", 1),
+        (CycleNavigation, "right right right left", "2", 1),
+        (ModularArithmetic, "1 + 2 * 3", "2", 1),
+        (ModularArithmetic, "1 - 1 - 1", "4", 1),
+        (ModularArithmetic, "0 * 1 + 4 * 3 - 2", "0", 1),
+        (ModularArithmetic, "2 - 3 * 4", "0", 1),
+        (ReverseString, "0 1 1 0", "0 1 1 0", 4),
+        (ReverseString, "0 1 1 0 1 0", "0 1 0 1 1 0", 6),
+        // Stack 0110 (bottom first), push 1, pop, pop: 011, read top first.
+        (
+            StackManipulation,
+            "0 1 1 0 push1 pop pop",
+            "1 1 0 end 0 0 0 0",
+            4,
+        ),
+        (StackManipulation, "1 1 0 pop pop pop", "end 0 0 0 0 0 0", 1),
+        (StackManipulation, "1", "1 end", 2),
+        (ModularArithmeticBrackets, "( 1 + ( 2 * 3 ) )", "2", 1),
+        (ModularArithmeticBrackets, "( - 2 )", "3", 1),
+        (ModularArithmeticBrackets, "( ( 3 - 4 ) * - 2 )", "2", 1),
+        (ModularArithmeticBrackets, "- 0", "0", 1),
+        (SolveEquation, "( x + 2 ) = 4", "2", 1),
+        (SolveEquation, "( 3 - x ) = 4", "4", 1),
+        (SolveEquation, "x = 3", "3", 1),
+        (SolveEquation, "0 0", "0", 1),
+        (DuplicateString, "1 0 1", "1 0 1 1 0 1", 6),
+        // 0110 twice with one bit replaced; 101 twice with one replaced, padded to odd length.
+        (MissingDuplicateString, "0 1 1 0 0 ? 1 0", "1", 1),
+        (MissingDuplicateString, "1 0 1 1 ? 1 #", "0", 1),
+        // The DeepMind code (not its docstring): odd 0-based indices first.
+        (OddsFirst, "0 0 1 1 0 1 0 1", "0 1 1 1 0 1 0 0", 8),
+        (OddsFirst, "1 1 0", "1 1 0", 3),
+        // Little-endian 001 + 01101 = 4 + 22 = 26 = 01011, then end and zeros to L + 1.
+        (
+            BinaryAddition,
+            "0 0 1 + 0 1 1 0 1",
+            "0 1 0 1 1 end 0 0 0 0",
+            6,
+        ),
+        (
+            BinaryAddition,
+            "1 0 0 1 + 0 0 0 0 0 1",
+            "1 0 0 1 0 1 end 0 0 0 0 0",
+            7,
+        ),
+        (BinaryAddition, "0 1", "0 1 end", 3),
+        (BinaryAddition, "0", "0 end", 2),
+        // 4 * 22 = 88 = 0001101; 9 * 32 = 288 = 000001001.
+        (
+            BinaryMultiplication,
+            "0 0 1 * 0 1 1 0 1",
+            "0 0 0 1 1 0 1 end 0",
+            8,
+        ),
+        (
+            BinaryMultiplication,
+            "1 0 0 1 * 0 0 0 0 0 1",
+            "0 0 0 0 0 1 0 0 1 end 0",
+            10,
+        ),
+        (BinaryMultiplication, "1", "end", 1),
+        // 37 -> 6 = 110; 7 -> 2 = 10; big-endian, ceil(L / 2) bits.
+        (ComputeSqrt, "1 0 0 1 0 1", "1 1 0", 3),
+        (ComputeSqrt, "1 1 1", "1 0", 2),
+        (ComputeSqrt, "0 0 0 0 0 0 0 1", "0 0 0 1", 4),
+        (BucketSort, "1 0 2 0 4 1 1 2", "0 0 1 1 1 2 2 4", 8),
+    ];
+    for &(task, input, output, counted) in cases {
+        assert_eq!(
+            solve(task, input),
+            (output.to_string(), counted),
+            "{} of {input:?}",
+            task.name()
+        );
+    }
+    // Not inputs of their task: refused, not answered.
+    for (task, input) in [
+        (ReverseString, "0 2 1"),
+        (ModularArithmetic, "1 + + 2"),
+        (ModularArithmeticBrackets, "( 1 + 2"),
+        (StackManipulation, "pop 1"),
+        (MissingDuplicateString, "0 1 1 1"),
+        (BinaryAddition, "0 1 1 0"),
+        (SolveEquation, "( 1 + 2 ) = 3"),
+    ] {
+        assert!(
+            task.solve(&words(input)).is_none(),
+            "{} {input}",
+            task.name()
+        );
+    }
+}
+
+fn rng(seed: u64) -> poslab::rng::Rng {
+    poslab::rng::stream(seed, "length suite test")
+}
+
+#[test]
+fn generated_tapes_have_the_right_shapes_and_agree_with_the_solver() {
+    let mut checked = 0;
+    for task in Algorithmic::ALL {
+        let mut r = rng(task as u64);
+        for length in (1..=45).chain([64, 101, 200]) {
+            for _ in 0..if length <= 45 { 12 } else { 2 } {
+                let tape = task.sample(&mut r, length);
+                let expected_input = match task {
+                    Algorithmic::ModularArithmetic if length % 2 == 0 => length - 1,
+                    _ => length,
+                };
+                let what = format!("{} at length {length}: {tape:?}", task.name());
+                assert_eq!(tape.input.len(), expected_input, "{what}");
+                assert_eq!(tape.output.len(), task.output_length(length), "{what}");
+                assert_eq!(
+                    tape.input.len() + tape.output.len(),
+                    task.tape_len(length),
+                    "{what}"
+                );
+                assert!(
+                    tape.input.iter().all(|w| task.input_symbols().contains(w)),
+                    "{what}"
+                );
+                assert!(
+                    tape.output.iter().all(|&o| o < task.output_symbols().len()),
+                    "{what}"
+                );
+                assert!(
+                    tape.counted >= 1 && tape.counted <= tape.output.len(),
+                    "{what}"
+                );
+                // An ended answer: `end` where counting stops, nowhere before, zeros after.
+                if task.output_symbols().contains(&END) {
+                    let end = task
+                        .output_symbols()
+                        .iter()
+                        .position(|s| *s == END)
+                        .unwrap();
+                    assert_eq!(tape.output[tape.counted - 1], end, "{what}");
+                    assert!(!tape.output[..tape.counted - 1].contains(&end), "{what}");
+                    assert!(
+                        tape.output[tape.counted..].iter().all(|&o| o == 0),
+                        "{what}"
+                    );
+                } else {
+                    assert_eq!(tape.counted, tape.output.len(), "{what}");
+                }
+                // What generation computed, the independent solver computes from the input.
+                let solved: Tape = task.solve(&tape.input).expect(&what);
+                assert_eq!(solved, tape, "{what}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 15 * (45 * 12 + 3 * 2));
+}
+
+#[test]
+fn the_distributions_are_deepminds() {
+    let mut r = rng(7);
+    let n = 4000;
+    // Labels of the binary classification tasks are balanced.
+    for task in [Algorithmic::EvenPairs, Algorithmic::ParityCheck] {
+        let ones: usize = (0..n).map(|_| task.sample(&mut r, 17).output[0]).sum();
+        assert!(
+            (1800..2200).contains(&ones),
+            "{}: {ones} of {n}",
+            task.name()
+        );
+    }
+    // Operators of modular_arithmetic are uniform over + * -.
+    let mut counts = std::collections::HashMap::new();
+    for _ in 0..1000 {
+        for w in Algorithmic::ModularArithmetic.sample(&mut r, 21).input {
+            *counts.entry(w).or_insert(0) += 1;
+        }
+    }
+    for op in ["+", "-", "*"] {
+        assert!((3000..3700).contains(&counts[op]), "{op}: {}", counts[op]);
+    }
+    // binary_addition splits L - 1 bits between the numbers uniformly: the `+` sits at every
+    // index 1 ..= L - 2 about equally often.
+    let mut at = vec![0usize; 10];
+    for _ in 0..n {
+        let tape = Algorithmic::BinaryAddition.sample(&mut r, 10);
+        at[tape.input.iter().position(|w| *w == "+").unwrap()] += 1;
+    }
+    assert_eq!((at[0], at[9]), (0, 0));
+    assert!(at[1..9].iter().all(|&c| (400..600).contains(&c)), "{at:?}");
+    // The stack holds 1 to L - 1 bits before its actions.
+    for _ in 0..200 {
+        let tape = Algorithmic::StackManipulation.sample(&mut r, 12);
+        let bits = tape
+            .input
+            .iter()
+            .take_while(|w| **w == "0" || **w == "1")
+            .count();
+        assert!((1..12).contains(&bits), "{tape:?}");
+    }
+    // Numbers are nonzero (DeepMind draws them from [1, 2^len - 1]): compute_sqrt's input.
+    for _ in 0..200 {
+        let tape = Algorithmic::ComputeSqrt.sample(&mut r, 3);
+        assert!(tape.input.contains(&"1"), "{tape:?}");
+    }
+    assert_eq!(Algorithmic::EvenPairs.level(), Level::Regular);
+}
+
+fn suite_task(kind: &str, extra: &str) -> TaskSpec {
+    let text = format!(
+        "[[tasks]]\nkind = \"{kind}\"\nlengths = [1, 12]\ntest_lengths = [[13, 20], [21, 30]]\n\
+         train_examples = 300\neval_examples = 40\n{extra}"
+    );
+    #[derive(serde::Deserialize)]
+    struct W {
+        tasks: Vec<TaskSpec>,
+    }
+    let w: W = toml::from_str(&text).unwrap();
+    w.tasks.into_iter().next().unwrap()
+}
+
+#[test]
+fn suite_tasks_generate_the_same_tapes_from_the_same_seed() {
+    for task in Algorithmic::ALL {
+        let spec = suite_task(task.name(), "");
+        assert_eq!(spec.kind, TaskKind::Algorithmic(task));
+        let (a, b) = (spec.generate().unwrap(), spec.generate().unwrap());
+        assert_eq!(a.train, b.train, "{}", task.name());
+        assert_eq!(a.tests[2].examples, b.tests[2].examples);
+        let other = suite_task(task.name(), "data_seed = 1").generate().unwrap();
+        assert_ne!(
+            a.train,
+            other.train,
+            "{}: data_seed changes the data",
+            task.name()
+        );
+        // The training range, then each test range, every length equally often.
+        let names: Vec<&str> = a.tests.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["1-12", "13-20", "21-30"]);
+        for (set, range) in a.tests.iter().zip([[1, 12], [13, 20], [21, 30]]) {
+            assert_eq!(set.lengths, range);
+            let mut per_length = std::collections::BTreeMap::new();
+            for e in &set.examples {
+                let Label::Outputs {
+                    length, targets, ..
+                } = &e.label
+                else {
+                    panic!("{}: a tape", task.name())
+                };
+                *per_length.entry(*length).or_insert(0) += 1;
+                // Inputs, then one blank per output.
+                assert_eq!(e.words.len(), task.tape_len(*length));
+                let blanks = e.words.iter().rev().take_while(|w| *w == BLANK).count();
+                assert!(blanks >= targets.len());
+                assert!(!e.words[..e.words.len() - targets.len()].contains(&BLANK.to_string()));
+            }
+            let counts: Vec<usize> = per_length.values().copied().collect();
+            assert_eq!(per_length.len(), range[1] - range[0] + 1, "{}", task.name());
+            assert!(counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1);
+        }
+        // Training lengths are drawn uniformly from the range.
+        let lengths: std::collections::BTreeSet<usize> = a
+            .train
+            .iter()
+            .map(|e| match &e.label {
+                Label::Outputs { length, .. } => *length,
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(lengths.len(), 12, "{}", task.name());
+    }
+}
+
+#[test]
+fn suite_task_tables_refuse_what_they_cannot_mean() {
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct W {
+        tasks: Vec<TaskSpec>,
+    }
+    let err = |text: &str| -> String {
+        match toml::from_str::<W>(text) {
+            Err(e) => e.to_string(),
+            Ok(w) => w.tasks[0].validate().unwrap_err().to_string(),
+        }
+    };
+    let e = err("[[tasks]]\nkind = \"reverse_string\"\nlengths = [1, 4]\nk = 2\n");
+    assert!(
+        e.contains("unknown field `k`") && e.contains("no options"),
+        "{e}"
+    );
+    let e = err("[[tasks]]\nkind = \"reverse_strings\"\nlengths = [1, 4]\n");
+    assert!(
+        e.contains("reverse_string") && e.contains("length suite"),
+        "{e}"
+    );
+    let e = err(
+        "[[tasks]]\nkind = \"parity_check\"\nlengths = [1, 4]\neval_factors = [1, 2]\n\
+         test_lengths = [[5, 9]]\n",
+    );
+    assert!(e.contains("not both"), "{e}");
+    let e = err("[[tasks]]\nkind = \"parity_check\"\nlengths = [1, 4]\ntest_lengths = [[9, 5]]\n");
+    assert!(e.contains("test_lengths[0] = [9, 5]"), "{e}");
+    let e = err("[[tasks]]\nkind = \"parity_check\"\nlengths = [1, 4]\n\
+         test_lengths = [[5, 9], [9, 12]]\n");
+    assert!(e.contains("without overlap"), "{e}");
+    let e = err(
+        "[[tasks]]\nkind = \"duplicate_string\"\nlengths = [1, 40]\ntest_lengths = [[41, 90000]]\n\
+         eval_examples = 100000\n",
+    );
+    assert!(
+        e.contains("generated words") && e.contains("POSLAB_MAX_MEMORY"),
+        "{e}"
+    );
+    // A suite task round-trips through its TOML table.
+    let spec = suite_task("binary_addition", "");
+    let text = toml::to_string(&serde_json::json!({ "tasks": [spec.clone()] })).unwrap();
+    assert!(text.contains("kind = \"binary_addition\""), "{text}");
+    assert!(!text.contains("eval_factors"), "{text}");
+    let back: W = toml::from_str(&text).unwrap();
+    assert_eq!(back.tasks[0], spec);
+}
+
+/// A one-row batch of `task`'s tape for `input`, as a dataset would hold it.
+fn tape_sample(task: Algorithmic, input: &str) -> (Dataset, Tape) {
+    let tape = task.solve(&words(input)).unwrap();
+    let spec = suite_task(task.name(), "");
+    let data = spec.generate().unwrap();
+    let example = poslab::tasks::Example::new(
+        tape.input
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(BLANK, tape.output.len()))
+            .map(String::from)
+            .collect(),
+        Label::Outputs {
+            length: tape.input.len(),
+            targets: tape.output.clone(),
+            counted: tape.counted,
+        },
+    );
+    let ds = Dataset::encode(&[example], &data.tokenizer, None, Default::default()).unwrap();
+    (ds, tape)
+}
+
+#[test]
+fn accuracy_counts_the_outputs_only() {
+    // 001 + 01101: 9 input tokens, then 10 outputs of which 6 count (to `end`).
+    let (ds, tape) = tape_sample(Algorithmic::BinaryAddition, "0 0 1 + 0 1 1 0 1");
+    let sample: &Sample = &ds.samples[0];
+    assert_eq!(
+        sample.tape,
+        Some(TapeInfo {
+            length: 9,
+            first_output: 9,
+            counted: 6
+        })
+    );
+    let Target::Tags(tags) = &sample.target else {
+        panic!()
+    };
+    assert!(tags[..9].iter().all(|&t| t == poslab::data::NOT_SCORED));
+    assert_eq!(
+        tags[9..].to_vec(),
+        tape.output.iter().map(|&o| o as i64).collect::<Vec<_>>()
+    );
+    let t = sample.ids.len();
+    let targets: Vec<u32> = tags.iter().map(|&t| t.max(0) as u32).collect();
+    let nll = vec![0.5; t];
+    let score = |predicted: &[u32]| {
+        let r = tape_results(&[sample], t, predicted, &targets, &nll).unwrap();
+        scores_by_length(&r)[0]
+    };
+    // Right everywhere but at the outputs: 0.
+    let mut wrong_outputs = targets.clone();
+    for p in &mut wrong_outputs[9..] {
+        *p = (*p + 1) % 3;
+    }
+    let s = score(&wrong_outputs);
+    assert_eq!((s.accuracy, s.sequence_accuracy), (0.0, 0.0));
+    // Right at the counted outputs, wrong everywhere else (inputs, padding after `end`): 1.
+    let mut right_outputs: Vec<u32> = targets.iter().map(|&t| (t + 1) % 3).collect();
+    right_outputs[9..15].copy_from_slice(&targets[9..15]);
+    let s = score(&right_outputs);
+    assert_eq!((s.length, s.examples), (9, 1));
+    assert_eq!((s.accuracy, s.sequence_accuracy), (1.0, 1.0));
+    // One counted output wrong: 5 of 6, and the sequence is wrong. The loss is over all 10
+    // outputs, the inputs' excluded.
+    let mut one_wrong = targets.clone();
+    one_wrong[11] = (one_wrong[11] + 1) % 3;
+    let s = score(&one_wrong);
+    assert_eq!((s.accuracy, s.sequence_accuracy), (5.0 / 6.0, 0.0));
+    assert!((s.loss - 0.5).abs() < 1e-12);
+
+    // The batch's accuracy weights are the counted outputs; its loss weights every output.
+    let refs: Vec<&Sample> = ds.samples.iter().collect();
+    let batch = poslab::data::make_batch(&refs, 0, None, &candle::Device::Cpu).unwrap();
+    let row = |t: &candle::Tensor| t.to_vec2::<f32>().unwrap().remove(0);
+    let counted = row(batch.counted.as_ref().unwrap());
+    let weights = row(batch.weights.as_ref().unwrap());
+    assert_eq!(counted.iter().sum::<f32>(), 6.0);
+    assert_eq!(counted[9..15], [1.0; 6]);
+    assert_eq!(weights.iter().sum::<f32>(), 10.0);
+    assert_eq!(weights[..9], [0.0; 9]);
+}
+
+#[test]
+fn shards_are_disjoint_and_cover_every_cell() {
+    let config = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
+    let all = config.cells(&Selection::default()).unwrap();
+    assert_eq!(all.len(), 15 * 11 * 10);
+    for n in [1, 7, 110, 1650] {
+        let mut union = Vec::new();
+        for k in 0..n {
+            let selection = Selection {
+                shard: Some(Shard { index: k, count: n }),
+                ..Default::default()
+            };
+            let cells = config.cells(&selection).unwrap();
+            // Balanced: every shard within one cell of the others.
+            assert!(cells.len() == all.len() / n || cells.len() == all.len().div_ceil(n));
+            union.extend(cells);
+        }
+        union.sort_unstable();
+        let mut expected = all.clone();
+        expected.sort_unstable();
+        assert_eq!(union, expected, "{n} shards");
+    }
+    let e = config
+        .cells(&Selection {
+            shard: Some(Shard {
+                index: 1650,
+                count: 1651,
+            }),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("holds no cell") && e.contains("at most 1650 shards"),
+        "{e}"
+    );
+    for (text, why) in [
+        ("3/3", "must be below N = 3"),
+        ("0/0", "at least 1"),
+        ("a/3", "K is not a number"),
+        ("1-3", "no `/`"),
+    ] {
+        let e = text.parse::<Shard>().unwrap_err().to_string();
+        assert!(
+            e.contains(why) && e.contains("counting from 0"),
+            "{text}: {e}"
+        );
+    }
+    assert_eq!(
+        " 2 / 5".parse::<Shard>().unwrap(),
+        Shard { index: 2, count: 5 }
+    );
+}
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+#[test]
+fn the_shipped_suites_run_the_protocol() {
+    let full = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
+    let names: Vec<&str> = full.tasks.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, Algorithmic::ALL.map(Algorithmic::name));
+    for t in &full.tasks {
+        assert_eq!(t.lengths, Some([1, 40]));
+        assert_eq!(t.test_lengths, [[41, 100], [101, 200], [201, 500]]);
+    }
+    // The paper's model and recipe.
+    let m = &full.model;
+    assert_eq!(
+        (m.d_model, m.n_heads, m.n_layers, m.ffn_dim),
+        (64, 8, 5, 256)
+    );
+    assert_eq!(m.activation, poslab::nn::Activation::Relu);
+    assert_eq!(m.norm, poslab::NormPlacement::Post);
+    assert_eq!((m.dropout, m.attention_dropout), (0.1, 0.0));
+    assert_eq!(m.embed_scale, poslab::Scale::SqrtDModel);
+    let t = &full.train;
+    assert_eq!(t.budget, poslab::train::Budget::Steps(10_000));
+    assert_eq!((t.batch_size, t.lr, t.grad_clip), (128, 1e-3, 1.0));
+    assert_eq!((t.weight_decay, t.warmup, t.min_lr_ratio), (0.0, 0.0, 1.0));
+    // Every scheme plain and with randomized positions from [0, 2048); `none` has no
+    // positions to randomize.
+    let small = ExperimentConfig::load(repo("configs/length_suite_small.toml")).unwrap();
+    for config in [&full, &small] {
+        let plain: Vec<&str> = config
+            .variants
+            .iter()
+            .filter(|v| v.random_positions.is_none())
+            .map(|v| v.positional.name())
+            .collect();
+        assert_eq!(
+            plain,
+            ["none", "sinusoidal_add", "learned", "rope", "alibi", "t5"]
+        );
+        for v in config
+            .variants
+            .iter()
+            .filter(|v| v.random_positions.is_some())
+        {
+            assert_eq!(v.random_positions, Some(2048));
+            assert!(config.variants.iter().any(|p| p.random_positions.is_none()
+                && p.positional == v.positional
+                && p.name == v.name.trim_end_matches("_random")));
+        }
+        assert_eq!(config.variants.len(), 11);
+    }
+    // The small suite: the binary-string tasks and bucket_sort, tested up to 200.
+    let names: Vec<&str> = small.tasks.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "even_pairs",
+            "parity_check",
+            "reverse_string",
+            "duplicate_string",
+            "missing_duplicate_string",
+            "odds_first",
+            "binary_addition",
+            "bucket_sort"
+        ]
+    );
+    assert!(small
+        .tasks
+        .iter()
+        .all(|t| t.test_lengths.iter().all(|r| r[1] <= 200)));
+    assert!(small.seeds >= 2);
+    // The longer run the README quotes: the small suite's model and settings, ten times the
+    // steps, one pass over its training set.
+    let longer = ExperimentConfig::load(repo("configs/length_suite_longer.toml")).unwrap();
+    assert_eq!(longer.model, small.model);
+    let (l, s) = (&longer.train, &small.train);
+    assert_eq!(s.budget, poslab::train::Budget::Steps(400));
+    assert_eq!(l.budget, poslab::train::Budget::Steps(4000));
+    assert_eq!(
+        (
+            l.batch_size,
+            l.lr,
+            l.grad_clip,
+            l.weight_decay,
+            l.warmup,
+            l.min_lr_ratio
+        ),
+        (
+            s.batch_size,
+            s.lr,
+            s.grad_clip,
+            s.weight_decay,
+            s.warmup,
+            s.min_lr_ratio
+        )
+    );
+    for t in &longer.tasks {
+        assert_eq!(t.train_examples, Some(4000 * l.batch_size), "{}", t.name);
+        assert!(small
+            .tasks
+            .iter()
+            .any(|u| u.name == t.name && u.lengths == t.lengths));
+    }
+}
+
+/// A tiny suite: 2 tasks x 2 variants x 2 seeds, a few steps.
+const TINY: &str = r#"
+name = "tiny_suite"
+seeds = 2
+
+[model]
+d_model = 16
+n_heads = 2
+n_layers = 1
+ffn_dim = 32
+activation = "relu"
+norm = "post"
+dropout = 0.1
+attention_dropout = 0.0
+embed_scale = "sqrt_d_model"
+token_init_std = 0.02
+
+[train]
+budget = { steps = 4 }
+batch_size = 8
+lr = 1e-3
+weight_decay = 0.0
+warmup = 0.0
+min_lr_ratio = 1.0
+eval_every = 4
+
+[[tasks]]
+kind = "reverse_string"
+lengths = [1, 6]
+test_lengths = [[7, 9]]
+train_examples = 64
+eval_examples = 12
+
+[[tasks]]
+kind = "binary_addition"
+lengths = [1, 6]
+test_lengths = [[7, 9]]
+train_examples = 64
+eval_examples = 12
+
+[[variants]]
+name = "rope"
+positional = { kind = "rope" }
+
+[[variants]]
+name = "rope_random"
+positional = { kind = "rope" }
+random_positions = 64
+"#;
+
+/// Runs `program args` in `dir` with `envs`, asserting it succeeds (its stderr otherwise).
+fn run_ok(dir: &Path, program: &str, args: &[&str], envs: &[(&str, &str)]) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn poslab(dir: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args(args)
+        .current_dir(dir)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+    )
+}
+
+/// Recomputes, from the per-length scores each cell recorded, every cell's `score` (the mean
+/// over each length above the training lengths, 7-9 in `TINY`) and the summary's gains of
+/// randomized positions (mean over tasks of the seeds' means, and of the best seeds).
+fn scores_and_gains_follow_from_the_cells(results: &poslab::experiment::results::Results) {
+    use poslab::experiment::results::{Outcome, SCORE};
+    let accuracy_of = |o: &Outcome| match o {
+        Outcome::Scored { accuracy, .. } => *accuracy,
+        Outcome::Unavailable { reason } => panic!("unscored: {reason}"),
+    };
+    // cell score by (task, variant), one per seed
+    let mut scores: Vec<(String, String, f64)> = Vec::new();
+    for cell in &results.cells {
+        let mut above = Vec::new();
+        for e in cell.evaluations.iter().filter(|e| e.name != SCORE) {
+            if let Outcome::Scored {
+                accuracy,
+                sequence_accuracy,
+                by_length,
+                ..
+            } = &e.outcome
+            {
+                for s in by_length {
+                    assert!(
+                        (0.0..=1.0).contains(&s.accuracy)
+                            && s.sequence_accuracy <= s.accuracy + 1e-12
+                            && s.examples > 0,
+                        "{s:?}"
+                    );
+                }
+                if !by_length.is_empty() {
+                    let mean =
+                        by_length.iter().map(|s| s.accuracy).sum::<f64>() / by_length.len() as f64;
+                    assert!(
+                        (mean - accuracy).abs() < 1e-12,
+                        "{}: {mean} {accuracy}",
+                        e.name
+                    );
+                    let seq = by_length.iter().map(|s| s.sequence_accuracy).sum::<f64>()
+                        / by_length.len() as f64;
+                    assert!((seq - sequence_accuracy.unwrap()).abs() < 1e-12);
+                }
+                if e.name.starts_with("shift") {
+                    continue;
+                }
+                above.extend(by_length.iter().filter(|s| s.length > 6).copied());
+            }
+        }
+        let mut lengths: Vec<usize> = above.iter().map(|s| s.length).collect();
+        lengths.sort_unstable();
+        assert_eq!(lengths, [7, 8, 9], "{}/{}", cell.task, cell.variant);
+        let expected = above.iter().map(|s| s.accuracy).sum::<f64>() / 3.0;
+        let score = cell.evaluations.iter().find(|e| e.name == SCORE).unwrap();
+        let got = accuracy_of(&score.outcome);
+        assert!((got - expected).abs() < 1e-12, "{got} {expected}");
+        scores.push((cell.task.clone(), cell.variant.clone(), got));
+    }
+    let over_seeds = |task: &str, variant: &str| -> (f64, f64) {
+        let s: Vec<f64> = scores
+            .iter()
+            .filter(|(t, v, _)| t == task && v == variant)
+            .map(|x| x.2)
+            .collect();
+        assert_eq!(s.len(), 2, "two seeds");
+        (s.iter().sum::<f64>() / 2.0, s[0].max(s[1]))
+    };
+    let summary = poslab::experiment::suite::summarize(results).unwrap();
+    assert_eq!(summary.tasks, ["reverse_string", "binary_addition"]);
+    assert_eq!(summary.gains.len(), 1);
+    let g = &summary.gains[0];
+    assert_eq!(
+        (g.plain.as_str(), g.random.as_str()),
+        ("rope", "rope_random")
+    );
+    let diffs: Vec<(f64, f64)> = summary
+        .tasks
+        .iter()
+        .map(|t| {
+            let (pm, pb) = over_seeds(t, "rope");
+            let (rm, rb) = over_seeds(t, "rope_random");
+            (100.0 * (rm - pm), 100.0 * (rb - pb))
+        })
+        .collect();
+    let mean = (diffs[0].0 + diffs[1].0) / 2.0;
+    let best = (diffs[0].1 + diffs[1].1) / 2.0;
+    assert!(
+        (g.mean - mean).abs() < 1e-9 && (g.best - best).abs() < 1e-9,
+        "{g:?}"
+    );
+    assert!((g.min - diffs[0].0.min(diffs[1].0)).abs() < 1e-9);
+    assert!((g.max - diffs[0].0.max(diffs[1].0)).abs() < 1e-9);
+    assert_eq!(
+        g.better + g.worse,
+        diffs.iter().filter(|d| d.0 != 0.0).count()
+    );
+    let (all_mean, all_best) = summary.overall_gain().unwrap();
+    assert!((all_mean - mean).abs() < 1e-9 && (all_best - best).abs() < 1e-9);
+}
+
+#[test]
+fn merged_shards_are_the_unsharded_run_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("tiny.toml"), TINY).unwrap();
+    let (ok, log) = poslab(d, &["compare", "tiny.toml", "--out", "whole", "-q"]);
+    assert!(ok, "{log}");
+    for k in 0..3 {
+        let shard = format!("{k}/3");
+        let out = format!("shard-{k}");
+        let (ok, log) = poslab(
+            d,
+            &[
+                "compare",
+                "tiny.toml",
+                "--shard",
+                &shard,
+                "--out",
+                &out,
+                "-q",
+            ],
+        );
+        assert!(ok && log.contains("this is shard"), "{log}");
+    }
+    // A shard holds only its cells: 8 cells, 3 shards of 3, 3 and 2.
+    let cells = |p: &str| -> usize {
+        let r: poslab::experiment::results::Results =
+            serde_json::from_str(&std::fs::read_to_string(d.join(p)).unwrap()).unwrap();
+        r.cells.len()
+    };
+    assert_eq!(
+        [0, 1, 2].map(|k| cells(&format!("shard-{k}/results.json"))),
+        [3, 3, 2]
+    );
+    let (ok, log) = poslab(
+        d,
+        &["report", "shard-2", "shard-0", "shard-1", "--out", "merged"],
+    );
+    assert!(ok && !log.contains("note:"), "{log}");
+    let whole = std::fs::read(d.join("whole/results.json")).unwrap();
+    let merged = std::fs::read(d.join("merged/results.json")).unwrap();
+    assert!(
+        whole == merged,
+        "merged shards differ from the unsharded run"
+    );
+    // The run records scores by length and the suite's score, and the summary's numbers are
+    // what the cells say.
+    let results: poslab::experiment::results::Results = serde_json::from_slice(&whole).unwrap();
+    scores_and_gains_follow_from_the_cells(&results);
+    let report = std::fs::read_to_string(d.join("merged/report.md")).unwrap();
+    assert!(report.contains("## Length suite") && report.contains("Ruoss et al. 2023"));
+    assert!(d.join("merged/plots/length_suite.png").exists());
+
+    // Two shards only: merged, with a note of what is missing.
+    let (ok, log) = poslab(d, &["report", "shard-0", "shard-1", "--out", "partial"]);
+    assert!(
+        ok && log.contains("note: 2 of the experiment's 8 cells"),
+        "{log}"
+    );
+
+    // A shard run with another learning rate is another experiment: refused by name.
+    std::fs::write(d.join("other.toml"), TINY.replace("lr = 1e-3", "lr = 2e-3")).unwrap();
+    let (ok, log) = poslab(
+        d,
+        &[
+            "compare",
+            "other.toml",
+            "--shard",
+            "2/3",
+            "--out",
+            "odd",
+            "-q",
+        ],
+    );
+    assert!(ok, "{log}");
+    let (ok, log) = poslab(d, &["report", "shard-0", "shard-1", "odd", "--out", "bad"]);
+    assert!(
+        !ok && log.contains("different configs") && log.contains("train.lr"),
+        "{log}"
+    );
+}
+
+#[test]
+fn the_cluster_examples_shard_and_merge() {
+    let sbatch = repo("examples/cluster/length_suite.sbatch");
+    let yaml = std::fs::read_to_string(repo("examples/cluster/length_suite.yaml")).unwrap();
+    let status = Command::new("bash")
+        .arg("-n")
+        .arg(&sbatch)
+        .status()
+        .unwrap();
+    assert!(status.success(), "bash -n {}", sbatch.display());
+    // The Indexed Job: as many completions as shards, and the shipped config.
+    let value = |key: &str| -> String {
+        let line = yaml
+            .lines()
+            .find(|l| l.trim_start().starts_with(key))
+            .unwrap_or_else(|| panic!("no `{key}` in the YAML"));
+        line.split_once(':')
+            .unwrap()
+            .1
+            .trim()
+            .trim_matches('"')
+            .to_string()
+    };
+    assert_eq!(value("completionMode"), "Indexed");
+    let shards: usize = value("completions").parse().unwrap();
+    assert!(
+        yaml.contains(&format!("value: \"{shards}\"")),
+        "SHARDS = completions"
+    );
+    assert!(yaml.contains("configs/length_suite.toml"));
+    let config = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
+    assert!(shards <= config.cells(&Selection::default()).unwrap().len());
+    // The pod's script, run here with a tiny config: each index a shard, the last merges.
+    let script: String =
+        {
+            let mut lines = yaml.lines().skip_while(|l| l.trim() != "- |").skip(1);
+            let first = lines.next().unwrap();
+            let indent = first.len() - first.trim_start().len();
+            std::iter::once(first)
+                .chain(lines.take_while(|l| {
+                    l.trim().is_empty() || l.len() - l.trim_start().len() >= indent
+                }))
+                .map(|l| l.get(indent..).unwrap_or("").to_string() + "\n")
+                .collect()
+        };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("tiny.toml"), TINY).unwrap();
+    let poslab_bin = env!("CARGO_BIN_EXE_poslab");
+    for k in 0..3 {
+        let k = k.to_string();
+        run_ok(
+            d,
+            "sh",
+            &["-c", &script],
+            &[
+                ("JOB_COMPLETION_INDEX", &k),
+                ("SHARDS", "3"),
+                ("CONFIG", "tiny.toml"),
+                ("RUNS", "k8s"),
+                ("POSLAB", poslab_bin),
+                ("RAYON_NUM_THREADS", "1"),
+            ],
+        );
+        // Only the last shard to finish merges.
+        assert_eq!(d.join("k8s/merged/results.json").exists(), k == "2");
+    }
+    // The Slurm script's shard and merge modes, as the array and the merge job run them.
+    let sbatch = sbatch.to_str().unwrap();
+    for k in 0..3 {
+        let k = k.to_string();
+        run_ok(
+            d,
+            "bash",
+            &[sbatch, "shard"],
+            &[
+                ("SLURM_ARRAY_TASK_ID", &k),
+                ("SLURM_ARRAY_TASK_COUNT", "3"),
+                ("CONFIG", "tiny.toml"),
+                ("RUNS", "slurm"),
+                ("POSLAB", poslab_bin),
+                ("JOBS", "1"),
+            ],
+        );
+    }
+    run_ok(
+        d,
+        "bash",
+        &[sbatch, "merge"],
+        &[("RUNS", "slurm"), ("POSLAB", poslab_bin)],
+    );
+    let slurm = std::fs::read(d.join("slurm/merged/results.json")).unwrap();
+    let k8s = std::fs::read(d.join("k8s/merged/results.json")).unwrap();
+    assert!(
+        slurm == k8s,
+        "the two cluster examples merge the same results"
+    );
+    let out = Command::new("bash")
+        .arg(sbatch)
+        .arg("nonsense")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
