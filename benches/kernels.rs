@@ -276,6 +276,7 @@ mod encoder_layer {
             layer_norm_eps: 1e-5,
             dtype: poslab::Precision::F32,
             random_positions: None,
+            embeddings: Default::default(),
             positional,
         };
         let params = ParamStore::new(0);

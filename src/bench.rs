@@ -140,6 +140,7 @@ impl Shape {
             layer_norm_eps: 1e-5,
             dtype: self.dtype,
             random_positions: None,
+            embeddings: Default::default(),
             positional: self.positional(variant)?,
         };
         config.validate()?;

@@ -289,7 +289,34 @@ pub struct ModelConfig {
     /// training sees the positions long inputs will need. A learned table then has `N` rows.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_positions: Option<usize>,
+    /// What the embedding layer adds besides tokens and positions (BERT-family models).
+    #[serde(default, skip_serializing_if = "EmbeddingExtras::is_none")]
+    pub embeddings: EmbeddingExtras,
     pub positional: PositionalConfig,
+}
+
+/// Options of the embedding layer that BERT-family models use and any model may: a table of
+/// token types (segments) added to every token, and a LayerNorm over the sum. Both off by
+/// default.
+///
+/// ```text
+/// x = tok_emb(ids) * embed_scale  (+ positions at the input)  (+ type_emb[0])  -> LN_embed
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddingExtras {
+    /// Rows of `type_emb.weight` (0: none). Every token is of type 0: poslab reads one segment.
+    #[serde(default)]
+    pub token_types: usize,
+    /// A LayerNorm (`embed_norm`, eps `layer_norm_eps`) over the summed embeddings.
+    #[serde(default)]
+    pub norm: bool,
+}
+
+impl EmbeddingExtras {
+    pub fn is_none(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl ModelConfig {

@@ -4,6 +4,7 @@
 //! ids (b, t), positions (1 or b, t)                          (default 0..t for every sequence)
 //! ids ──tok_emb──▶ (b, t, d_tok) × embed_scale
 //!     ──InputPositions::join──▶ (b, t, d_model)              none | add | concat | learned
+//!     (+ type_emb[0]) (──embed_norm──▶)                      BERT-family extras, off by default
 //!     ──dropout──▶ N × EncoderLayer ──▶ final_norm (pre-norm only) ──▶ (b, t, d_model)
 //!
 //! EncoderLayer, pre-norm:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))
@@ -169,6 +170,9 @@ pub struct Encoder {
     config: ModelConfig,
     tok_emb: Embedding,
     positional: PositionalModule,
+    /// The token-type table `(token_types, d_model)`; its row 0 is added to every token.
+    type_emb: Option<Tensor>,
+    embed_norm: Option<LayerNorm>,
     embed_dropout: Dropout,
     layers: Vec<EncoderLayer>,
     final_norm: Option<LayerNorm>,
@@ -203,6 +207,26 @@ impl Encoder {
             },
             vb.clone(),
         )?;
+        let extras = &config.embeddings;
+        let type_emb = match extras.token_types {
+            0 => None,
+            n => Some(vb.get_with_hints(
+                (n, config.d_model),
+                "type_emb.weight",
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: 0.02,
+                },
+            )?),
+        };
+        let embed_norm = match extras.norm {
+            true => Some(layer_norm(
+                config.d_model,
+                config.layer_norm_eps,
+                vb.pp("embed_norm"),
+            )?),
+            false => None,
+        };
         let layers = (0..config.n_layers)
             .map(|i| EncoderLayer::new(config, &dropout_rng, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
@@ -218,6 +242,8 @@ impl Encoder {
             config: config.clone(),
             tok_emb,
             positional,
+            type_emb,
+            embed_norm,
             embed_dropout: Dropout::new(config.dropout, dropout_rng.clone()),
             layers,
             final_norm,
@@ -235,6 +261,11 @@ impl Encoder {
 
     pub fn device(&self) -> &candle::Device {
         self.tok_emb.embeddings().device()
+    }
+
+    /// The token embedding table, `(vocab_size, d_tok)` (a tied masked-LM decoder reads it).
+    pub fn token_embeddings(&self) -> &Tensor {
+        self.tok_emb.embeddings()
     }
 
     /// The positional module, in the place its scheme acts.
@@ -324,6 +355,7 @@ impl Encoder {
             }
         }
 
+        let x = self.embedding_extras(x)?;
         // Mixed precision: positions join in the parameters' dtype, then the activations
         // move to the compute dtype; the padding and score biases stay put for the f32
         // softmax.
@@ -380,6 +412,14 @@ impl Encoder {
             PositionalModule::Input(input) => input.added(&Positions::range(0, t)?)?,
             _ => None,
         };
+        if !self.config.embeddings.is_none() {
+            return Err(Error::Input(
+                "attention terms split the residual stream into tokens + positions, which an \
+                 embedding LayerNorm or token-type table mixes; this encoder has them \
+                 ([model] embeddings)"
+                    .into(),
+            ));
+        }
         let positions = added.ok_or_else(|| {
             Error::Input(format!(
                 "attention terms need positions added to the token embeddings \
@@ -431,6 +471,7 @@ impl Encoder {
                 biases = Some(bias.layer_biases(&positions, x.dtype(), x.device())?)
             }
         }
+        let mut x = self.embedding_extras(x)?;
         let padding = key_padding_bias(attention_mask, x.dtype())?;
         let mut out = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
@@ -448,6 +489,21 @@ impl Encoder {
         }
         debug_assert_eq!(out.first().map(|(q, _)| q.dim(0).unwrap_or(0)), Some(b));
         Ok(out)
+    }
+
+    /// The BERT-family extras after positions join: the token-type row, then the LayerNorm.
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d_model)`; returns the same
+    fn embedding_extras(&self, x: Tensor) -> Result<Tensor> {
+        let x = match &self.type_emb {
+            Some(table) => x.broadcast_add(&table.get(0)?)?,
+            None => x,
+        };
+        Ok(match &self.embed_norm {
+            Some(norm) => norm.forward(&x)?,
+            None => x,
+        })
     }
 
     /// Rejects inputs the model cannot take, with the reason and the fix.

@@ -368,18 +368,7 @@ impl<'a> Predictor<'a> {
                                     continue;
                                 }
                                 let row = probs.i((b, t))?.to_vec1::<f32>()?;
-                                let mut order: Vec<usize> = (0..row.len())
-                                    .filter(|&i| !specials.contains(&(i as u32)))
-                                    .collect();
-                                order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
-                                let fills = order
-                                    .into_iter()
-                                    .take(top_k)
-                                    .map(|i| Scored {
-                                        label: tok.id_to_token(i as u32).unwrap_or_default(),
-                                        probability: f64::from(row[i]),
-                                    })
-                                    .collect();
+                                let fills = top_fills(&row, top_k, &specials, tok);
                                 masks.push(MaskFill {
                                     word: p.word_ids[t].map_or(t, |w| w as usize),
                                     fills,
@@ -413,4 +402,26 @@ impl<'a> Predictor<'a> {
                 .collect())
         })
     }
+}
+
+/// The `top_k` most probable tokens of a probability row over the vocabulary, `specials` left
+/// out, most probable first.
+pub(crate) fn top_fills(
+    row: &[f32],
+    top_k: usize,
+    specials: &[u32],
+    tok: &crate::text::TextTokenizer,
+) -> Vec<Scored> {
+    let mut order: Vec<usize> = (0..row.len())
+        .filter(|&i| !specials.contains(&(i as u32)))
+        .collect();
+    order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
+    order
+        .into_iter()
+        .take(top_k)
+        .map(|i| Scored {
+            label: tok.id_to_token(i as u32).unwrap_or_default(),
+            probability: f64::from(row[i]),
+        })
+        .collect()
 }

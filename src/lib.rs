@@ -34,6 +34,7 @@ pub mod model;
 pub mod nn;
 pub mod params;
 pub mod positional;
+pub mod pretrained;
 pub mod rng;
 pub mod saved;
 pub mod tasks;

@@ -22,8 +22,12 @@ const MAX_BIAS_POSITIONS: usize = 1024;
 #[derive(clap::Args)]
 pub struct Args {
     /// `sinusoidal`, `rope`, or an attention bias: `alibi`, `t5`, `kerple`; or give --run.
-    #[arg(value_parser = ["sinusoidal", "rope", "alibi", "t5", "kerple"], required_unless_present = "run", conflicts_with = "run")]
+    #[arg(value_parser = ["sinusoidal", "rope", "alibi", "t5", "kerple"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
     pub scheme: Option<String>,
+    /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
+    /// table, with the same measures, pictures and CSVs as a trained model's.
+    #[arg(long, value_name = "PATH_OR_HUB_ID", conflicts_with = "run")]
+    pub model: Option<String>,
     /// Heads of an attention bias (alibi, kerple).
     #[arg(long, default_value_t = 8)]
     pub heads: usize,
@@ -127,6 +131,42 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let (table, label, mut loaded) = match (&a.scheme, &a.run) {
+        _ if a.model.is_some() => {
+            let spec = a.model.as_deref().expect("checked");
+            let cpu = Compute {
+                device: "cpu".into(),
+                dtype: None,
+            };
+            let model = super::load_pretrained(spec, &cpu)?;
+            let w = model
+                .params
+                .get("pos_emb.weight")
+                .context("the model's position table")?;
+            // RoBERTa's first real token reads row padding_idx + 1: the table from there.
+            let offset = match model.family {
+                poslab::pretrained::Family::Bert => 0,
+                poslab::pretrained::Family::Roberta { padding_idx } => padding_idx + 1,
+            };
+            let w = w.narrow(0, offset, model.max_tokens())?;
+            let (rows, dim) = w.dims2()?;
+            let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            let title = match offset {
+                0 => format!("learned table of {spec}"),
+                o => format!("learned table of {spec} (rows from {o}, where its positions start)"),
+            };
+            let label = Path::new(spec)
+                .file_name()
+                .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+            let table = Table {
+                title,
+                start: 0,
+                rows,
+                dim,
+                values,
+                pairs: None,
+            };
+            (Some(table), label, None)
+        }
         (_, Some(dir)) => {
             let loaded = load_model(
                 dir,

@@ -1,4 +1,5 @@
-//! `poslab embed`: pooled sentence vectors from a trained model.
+//! `poslab embed`: pooled sentence vectors from a trained model, or from a pretrained
+//! BERT-family encoder (`--model`).
 
 use std::path::PathBuf;
 
@@ -10,9 +11,15 @@ use super::{gather_texts, load_model, Compute};
 /// Pooled sentence vectors of texts, one JSON object per line.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model folder: config.json, model.safetensors, tokenizer.json.
-    #[arg(long, value_name = "DIR")]
-    pub run: PathBuf,
+    #[command(flatten)]
+    pub source: super::ModelSource,
+    /// With --model: the mean over real tokens (sentence-transformers' pooling) or the first
+    /// token ([CLS] / <s>).
+    #[arg(long, value_enum, default_value = "mean")]
+    pub pooling: PretrainedPooling,
+    /// With --model: scale each vector to unit length (as sentence-transformers' Normalize).
+    #[arg(long)]
+    pub normalize: bool,
     /// Texts to embed (or use --input).
     pub texts: Vec<String>,
     /// A file of texts, one per line; `-` reads standard input.
@@ -28,17 +35,41 @@ pub struct Args {
     pub compute: Compute,
 }
 
+/// How a pretrained encoder's hidden states become one vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PretrainedPooling {
+    Mean,
+    Cls,
+}
+
 pub fn run(args: Args) -> Result<()> {
     let Args {
-        run,
+        source: super::ModelSource { run, model },
+        pooling,
+        normalize,
         texts,
         input,
         truncate,
         rope_scaling,
         compute,
     } = args;
-    let (run, compute) = (&run, &compute);
     let texts = gather_texts(texts, input)?;
+    let Some(run) = run else {
+        let spec = model.expect("clap requires --run or --model");
+        if rope_scaling.is_some() {
+            anyhow::bail!(
+                "--rope-scaling applies to RoPE models; a BERT-family encoder has a learned table"
+            );
+        }
+        return embed_pretrained(&spec, &texts, pooling, normalize, truncate, &compute);
+    };
+    if normalize || pooling != PretrainedPooling::Mean {
+        anyhow::bail!(
+            "--pooling and --normalize apply to a pretrained encoder (--model); a poslab model \
+             pools as it was trained"
+        );
+    }
+    let (run, compute) = (&run, &compute);
     let loaded = load_model(run, compute)?;
     for (i, out) in Predictor::new(&loaded, truncate)
         .with_rope_scaling(rope_scaling)?
@@ -50,6 +81,55 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("text {}: {note}", i + 1);
         }
         outln!("{}", serde_json::to_string(out)?);
+    }
+    Ok(())
+}
+
+/// `embed --model`: batches of 32 texts through the pretrained encoder.
+fn embed_pretrained(
+    spec: &str,
+    texts: &[String],
+    pooling: PretrainedPooling,
+    normalize: bool,
+    truncate: bool,
+    compute: &Compute,
+) -> Result<()> {
+    use candle::IndexOp as _;
+    let model = super::load_pretrained(spec, compute)?;
+    let unk = model.tokenizer.unk_id();
+    for chunk in texts.chunks(32) {
+        let batch = model.batch(chunk, truncate)?;
+        let hidden = model.hidden(&batch.ids, &batch.mask)?;
+        let vectors = match pooling {
+            PretrainedPooling::Mean => {
+                poslab::pretrained::mean_pool(&hidden, &batch.mask, normalize)?
+            }
+            PretrainedPooling::Cls => {
+                let first = hidden.i((.., 0))?;
+                match normalize {
+                    true => {
+                        let norm = first
+                            .sqr()?
+                            .sum_keepdim(1)?
+                            .sqrt()?
+                            .clamp(1e-12, f64::MAX)?;
+                        first.broadcast_div(&norm)?
+                    }
+                    false => first,
+                }
+            }
+        };
+        let ids = batch.ids.to_vec2::<u32>()?;
+        for (i, (text, vector)) in chunk.iter().zip(vectors.to_vec2::<f32>()?).enumerate() {
+            let real = &ids[i][..batch.lengths[i]];
+            let out = poslab::infer::Output {
+                text: text.clone(),
+                value: poslab::infer::Embedding { embedding: vector },
+                unknown_tokens: real.iter().filter(|&&id| Some(id) == unk).count(),
+                note: None,
+            };
+            outln!("{}", serde_json::to_string(&out)?);
+        }
     }
     Ok(())
 }

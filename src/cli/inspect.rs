@@ -15,13 +15,54 @@ use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 #[derive(clap::Args)]
 pub struct Args {
     /// A model config, TOML or JSON. Default: configs/encoder.toml, embedded in the binary.
+    #[arg(conflicts_with = "model")]
     pub config: Option<PathBuf>,
+    /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): loaded, checked, and
+    /// described as the poslab encoder it becomes.
+    #[arg(long, value_name = "PATH_OR_HUB_ID")]
+    pub model: Option<String>,
 }
 
 /// The embedded default, `configs/encoder.toml`.
 const DEFAULT_CONFIG: &str = include_str!("../../configs/encoder.toml");
 
 pub fn run(args: Args) -> Result<()> {
+    if let Some(spec) = &args.model {
+        let compute = super::Compute {
+            device: "cpu".into(),
+            dtype: None,
+        };
+        let model = super::load_pretrained(spec, &compute)?;
+        outln!(
+            "{spec}: a `{}` model, every tensor of model.safetensors mapped (src/pretrained/names.rs)",
+            model.hf.model_type
+        );
+        match model.family {
+            poslab::pretrained::Family::Bert => outln!("positions: 0, 1, 2, ..."),
+            poslab::pretrained::Family::Roberta { padding_idx } => outln!(
+                "positions: from {} (padding_idx + 1), padded tokens at {padding_idx}",
+                padding_idx + 1
+            ),
+        }
+        outln!(
+            "texts: at most {} tokens, special tokens included (--truncate cuts longer ones)",
+            model.max_tokens()
+        );
+        outln!(
+            "masked-LM head: {}",
+            if model.mlm.is_some() {
+                "yes (dense, GELU, LayerNorm, decoder tied to the word embeddings): predict --model fills masks"
+            } else {
+                "no (an encoder only): embed and analyze, not predict"
+            }
+        );
+        outln!(
+            "parameters: {} loaded (the file's pooler and attention key biases change no output \
+             and are left out)\n",
+            model.params.num_params()
+        );
+        return describe_config(model.encoder.config().clone(), "as a poslab encoder".into());
+    }
     let (config, source) = match &args.config {
         Some(path) => (ModelConfig::load(path)?, path.display().to_string()),
         None => (
@@ -29,6 +70,11 @@ pub fn run(args: Args) -> Result<()> {
             "configs/encoder.toml (embedded default)".to_string(),
         ),
     };
+    describe_config(config, source)
+}
+
+/// The shape, where positions act, and the parameters of this shape under every scheme.
+fn describe_config(config: ModelConfig, source: String) -> Result<()> {
     outln!("{source}: valid");
     outln!(
         "shape: {} layers, d_model {}, {} heads of {}, FFN {}, {}-norm, vocab {}, max_len {}",
@@ -53,6 +99,18 @@ pub fn run(args: Args) -> Result<()> {
     }
     outln!("positional: {}", describe(&config.positional, &config));
     outln!("where: {}", config.positional.placement());
+    let extras = &config.embeddings;
+    if !extras.is_none() {
+        outln!(
+            "embeddings: {} token types (type 0 added to every token){}",
+            extras.token_types,
+            if extras.norm {
+                ", then a LayerNorm"
+            } else {
+                ""
+            }
+        );
+    }
     if let Some(n) = config.random_positions {
         outln!(
             "positions: randomized, each sequence's drawn from [0, {n}) and sorted (Ruoss et al. 2023)"
@@ -173,7 +231,7 @@ fn parameter_groups(config: &ModelConfig) -> Result<Vec<(&'static str, usize)>> 
         ("layer norms", 0),
     ];
     for (name, var) in store.vars() {
-        let group = if name.starts_with("tok_emb") {
+        let group = if name.starts_with("tok_emb") || name.starts_with("type_emb") {
             0
         } else if name.starts_with("pos_")
             || name.starts_with("rel_bias")

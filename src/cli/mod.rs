@@ -68,6 +68,20 @@ pub struct Compute {
     pub dtype: Option<poslab::Precision>,
 }
 
+/// The model `predict` and `embed` read: one poslab trained, or a pretrained encoder.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct ModelSource {
+    /// A model folder poslab trained: config.json, model.safetensors, tokenizer.json.
+    #[arg(long, value_name = "DIR")]
+    pub run: Option<PathBuf>,
+    /// A pretrained BERT-family encoder (bert, roberta; predict needs its masked-LM head, as in
+    /// BertForMaskedLM): a Hugging Face folder, or a Hub id (owner/name[@revision]) read from
+    /// the Hugging Face cache (HF_HUB_OFFLINE honoured).
+    #[arg(long, value_name = "PATH_OR_HUB_ID")]
+    pub model: Option<String>,
+}
+
 /// Texts from the arguments and from `--input` (a file, or `-` for standard input).
 pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Vec<String>> {
     if let Some(path) = input {
@@ -107,6 +121,15 @@ pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Ve
 }
 
 pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
+    if poslab::pretrained::is_hf_folder(dir) {
+        anyhow::bail!(
+            "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
+             (supported: {})",
+            dir.display(),
+            dir.display(),
+            poslab::pretrained::SUPPORTED
+        );
+    }
     let device = poslab::device::parse_device(&compute.device)?;
     poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
         .with_context(|| format!("loading the model in {}", dir.display()))
@@ -129,3 +152,17 @@ pub fn parse_rope_scaling(
 pub const ROPE_SCALING_HELP: &str = "Read with RoPE's frequencies rescaled (rope models), to go \
 past the training length: KIND[:FACTOR], KIND one of linear, ntk, dynamic_ntk, yarn, FACTOR a \
 number of at least 1 or auto (the default: the longest text over the training's longest)";
+
+/// Loads a pretrained encoder from `--model` (a folder or a Hub id).
+pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrained::Pretrained> {
+    if compute
+        .dtype
+        .is_some_and(|d| d != poslab::Precision::default())
+    {
+        anyhow::bail!("--dtype applies to poslab's own models; a pretrained encoder runs in f32");
+    }
+    let device = poslab::device::parse_device(&compute.device)?;
+    let dir = poslab::pretrained::resolve(spec, &poslab::text::HubSource::from_env())?;
+    poslab::pretrained::Pretrained::load(&dir, &device)
+        .with_context(|| format!("loading the pretrained model {spec}"))
+}

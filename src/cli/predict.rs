@@ -11,9 +11,8 @@ use super::{gather_texts, load_model, Compute};
 /// each [MASK] (MLM) for new text, from a trained model's folder.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model folder: config.json, model.safetensors, tokenizer.json.
-    #[arg(long, value_name = "DIR")]
-    pub run: PathBuf,
+    #[command(flatten)]
+    pub source: super::ModelSource,
     /// Texts to read (or use --input).
     pub texts: Vec<String>,
     /// A file of texts, one per line; `-` reads standard input.
@@ -36,7 +35,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let Args {
-        run,
+        source: super::ModelSource { run, model },
         texts,
         input,
         json,
@@ -45,12 +44,24 @@ pub fn run(args: Args) -> Result<()> {
         rope_scaling,
         compute,
     } = args;
-    let (run, compute) = (&run, &compute);
     let texts = gather_texts(texts, input)?;
-    let loaded = load_model(run, compute)?;
-    let outputs = Predictor::new(&loaded, truncate)
-        .with_rope_scaling(rope_scaling)?
-        .predict(&texts, top_k.max(1))?;
+    let outputs = match (run, model) {
+        (_, Some(spec)) => {
+            if rope_scaling.is_some() {
+                anyhow::bail!(
+                    "--rope-scaling applies to RoPE models; a BERT-family encoder has a learned table"
+                );
+            }
+            super::load_pretrained(&spec, &compute)?.fill_masks(&texts, top_k.max(1), truncate)?
+        }
+        (Some(run), None) => {
+            let loaded = load_model(&run, &compute)?;
+            Predictor::new(&loaded, truncate)
+                .with_rope_scaling(rope_scaling)?
+                .predict(&texts, top_k.max(1))?
+        }
+        (None, None) => unreachable!("clap requires --run or --model"),
+    };
     for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
             eprintln!("text {}: {note}", i + 1);

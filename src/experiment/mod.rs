@@ -105,6 +105,7 @@ impl ModelShape {
             layer_norm_eps: self.layer_norm_eps,
             dtype: self.dtype,
             random_positions: variant.random_positions,
+            embeddings: Default::default(),
             positional: variant.positional.clone(),
         }
     }

@@ -432,6 +432,22 @@ impl TextTokenizer {
         self.encode_words(&words)
     }
 
+    /// Token ids of `text` as the tokenizer's own pipeline makes them for its model: its
+    /// normalizer and pre-tokenizer, and its template's special tokens (`[CLS] ... [SEP]`,
+    /// `<s> ... </s>`): what transformers' tokenizer gives a pretrained encoder.
+    /// `word_ids` are the tokenizer's words (its pre-tokenizer's pieces), `None` for the
+    /// special tokens.
+    pub fn encode_with_specials(&self, text: &str) -> Result<Encoded> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| Error::Input(format!("cannot tokenize {text:?}: {e}")))?;
+        Ok(Encoded {
+            ids: enc.get_ids().to_vec(),
+            word_ids: enc.get_word_ids().to_vec(),
+        })
+    }
+
     /// Token ids of pre-split `words`; `word_ids` index `words`.
     pub fn encode_words<S: AsRef<str>>(&self, words: &[S]) -> Result<Encoded> {
         let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();

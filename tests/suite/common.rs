@@ -141,6 +141,7 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
         layer_norm_eps: 1e-5,
         dtype: Default::default(),
         random_positions: None,
+        embeddings: Default::default(),
         positional,
     })
 }
@@ -265,6 +266,7 @@ pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelCo
         layer_norm_eps: 1e-5,
         dtype: Default::default(),
         random_positions: None,
+        embeddings: Default::default(),
         positional,
     }
 }

@@ -458,3 +458,33 @@ fn every_instruction_set_level_gives_the_same_bits() {
         }
     }
 }
+
+#[test]
+fn embedding_extras_match_the_reference() {
+    use poslab::PositionalConfig as P;
+    for norm in [NormPlacement::Pre, NormPlacement::Post] {
+        let mut config = medium_config(P::Learned(Default::default()), norm);
+        config.embeddings = poslab::config::EmbeddingExtras {
+            token_types: 2,
+            norm: true,
+        };
+        for dtype in [DType::F32, DType::F64] {
+            let reference = run_encoder(&config, dtype, Kernels::Reference, false);
+            for kernels in [Kernels::Ops, Kernels::Layer] {
+                let what = format!("embedding extras {norm:?} {dtype:?} {}", kernels.name());
+                let fast = run_encoder(&config, dtype, kernels, false);
+                compare(&fast, &reference, tolerance(dtype), &what);
+            }
+        }
+        // The extras change the model: they are not ignored.
+        let plain = ModelConfig {
+            embeddings: Default::default(),
+            ..config.clone()
+        };
+        let (a, b) = (
+            run_encoder(&config, DType::F64, Kernels::Layer, false),
+            run_encoder(&plain, DType::F64, Kernels::Layer, false),
+        );
+        assert!(relative_error(&a.hidden, &b.hidden) > 1e-3);
+    }
+}

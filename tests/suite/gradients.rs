@@ -130,3 +130,30 @@ fn relu_feed_forward_layers_train_every_variable() {
         );
     }
 }
+
+#[test]
+fn embedding_extras_train_every_variable() {
+    // The BERT-family extras: a token-type table (row 0 is what every token reads) and an
+    // embedding LayerNorm; both get gradients, and so does everything below them.
+    let mut config = tiny_dropout_config(
+        poslab::PositionalConfig::Learned(Default::default()),
+        NormPlacement::Post,
+    );
+    config.embeddings = poslab::config::EmbeddingExtras {
+        token_types: 2,
+        norm: true,
+    };
+    let checked = training_gradients(&config, &Device::Cpu, "embedding extras");
+    let names: Vec<&str> = checked.iter().map(|(n, _, _)| n.as_str()).collect();
+    for expected in [
+        "type_emb.weight",
+        "embed_norm.weight",
+        "embed_norm.bias",
+        "pos_emb.weight",
+    ] {
+        assert!(
+            names.contains(&expected),
+            "{expected} not checked: {names:?}"
+        );
+    }
+}

@@ -12,6 +12,7 @@ mod gradients;
 mod hardening;
 mod length_suite;
 mod precision;
+mod pretrained;
 mod properties;
 mod reference;
 mod rope;

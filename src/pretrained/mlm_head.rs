@@ -1,0 +1,34 @@
+//! The masked-LM head of BERT-family models.
+
+use candle::{Module, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use crate::error::Result;
+use crate::nn::{gelu, layer_norm, linear, LayerNorm, Linear};
+
+/// `logits = LN(gelu(dense(h))) · E^T + bias`, `E` the word embeddings (the decoder is tied):
+/// `mlm.dense`, `mlm.norm`, `mlm.bias`.
+#[derive(Debug)]
+pub struct MlmHead {
+    dense: Linear,
+    norm: LayerNorm,
+    bias: Tensor,
+}
+
+impl MlmHead {
+    pub fn new(d_model: usize, vocab: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            dense: linear(d_model, d_model, vb.pp("dense"))?,
+            norm: layer_norm(d_model, eps, vb.pp("norm"))?,
+            bias: vb.get_with_hints(vocab, "bias", Init::Const(0.0))?,
+        })
+    }
+
+    /// # Shapes
+    /// - `hidden`: `(b, t, d)`, `embeddings`: `(vocab, d)`; returns `(b, t, vocab)`
+    pub fn forward(&self, hidden: &Tensor, embeddings: &Tensor) -> Result<Tensor> {
+        let h = self.norm.forward(&gelu(&self.dense.forward(hidden)?)?)?;
+        Ok(h.broadcast_matmul(&embeddings.t()?)?
+            .broadcast_add(&self.bias)?)
+    }
+}

@@ -1,0 +1,548 @@
+//! Pretrained BERT-family encoders from a Hugging Face folder (`config.json`,
+//! `model.safetensors`, `tokenizer.json`), run by poslab's own [`Encoder`].
+//!
+//! A BERT is poslab's encoder with a learned position table, post-norm layers, exact GELU, and
+//! the two embedding extras of [`EmbeddingExtras`] (token types and an embedding LayerNorm);
+//! the names map as [`names`] lists. RoBERTa differs only in its positions, which start at
+//! `padding_idx + 1`, with padded tokens at `padding_idx` (transformers'
+//! `create_position_ids_from_input_ids`).
+//!
+//! ```text
+//! text ──tokenizer.json (with [CLS] ... [SEP])──▶ ids (b, t), mask (b, t)
+//!      ──Encoder (positions: 0..t, or pad+1.. for RoBERTa)──▶ hidden (b, t, d)
+//!      ──mean over real tokens (or [CLS])──▶ (b, d)        ──MlmHead──▶ logits (b, t, vocab)
+//! ```
+
+mod mlm_head;
+pub mod names;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle::{DType, Device, IndexOp, Tensor, D};
+use serde::Deserialize;
+
+pub use mlm_head::MlmHead;
+
+use crate::config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};
+use crate::encoder::Encoder;
+use crate::error::{Error, Result};
+use crate::infer::{MaskFill, Output, Prediction};
+use crate::nn::Activation;
+use crate::params::ParamStore;
+use crate::positional::{LearnedOptions, PositionalConfig, Positions};
+use crate::text::TextTokenizer;
+
+/// The model types poslab loads.
+pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...) and `roberta`";
+
+/// The fields of a Hugging Face `config.json` poslab reads (others are ignored).
+#[derive(Clone, Debug, Deserialize)]
+pub struct HfConfig {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_type_vocab")]
+    pub type_vocab_size: usize,
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    #[serde(default)]
+    pub pad_token_id: Option<usize>,
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub position_embedding_type: Option<String>,
+    #[serde(default)]
+    pub hidden_dropout_prob: f64,
+    #[serde(default)]
+    pub attention_probs_dropout_prob: f64,
+}
+
+fn default_act() -> String {
+    "gelu".into()
+}
+fn default_type_vocab() -> usize {
+    2
+}
+fn default_eps() -> f64 {
+    1e-12
+}
+fn default_true() -> bool {
+    true
+}
+
+/// How a family numbers its positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Positions `0..t` for every sequence.
+    Bert,
+    /// Real tokens at `padding_idx + 1, + 2, ...`, padded tokens at `padding_idx`.
+    Roberta { padding_idx: usize },
+}
+
+impl HfConfig {
+    /// The family, or an error listing what is supported.
+    pub fn family(&self) -> Result<Family> {
+        match self.model_type.as_str() {
+            "bert" => Ok(Family::Bert),
+            "roberta" => Ok(Family::Roberta {
+                padding_idx: self.pad_token_id.unwrap_or(1),
+            }),
+            other => Err(Error::Config(format!(
+                "model_type `{other}` is not supported: poslab loads {SUPPORTED}"
+            ))),
+        }
+    }
+
+    /// poslab's config of the same encoder.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        self.family()?;
+        if let Some(kind) = self
+            .position_embedding_type
+            .as_deref()
+            .filter(|k| *k != "absolute")
+        {
+            return Err(Error::Config(format!(
+                "position_embedding_type `{kind}` is not supported: poslab loads BERT-family \
+                 models with an absolute position table (`absolute`)"
+            )));
+        }
+        let activation = match self.hidden_act.as_str() {
+            "gelu" => Activation::Gelu,
+            "relu" => Activation::Relu,
+            other => {
+                return Err(Error::Config(format!(
+                    "hidden_act `{other}` is not supported: poslab computes `gelu` (exact, erf) \
+                     and `relu`"
+                )))
+            }
+        };
+        let config = ModelConfig {
+            vocab_size: self.vocab_size,
+            d_model: self.hidden_size,
+            n_heads: self.num_attention_heads,
+            n_layers: self.num_hidden_layers,
+            ffn_dim: self.intermediate_size,
+            activation,
+            max_len: self.max_position_embeddings,
+            norm: NormPlacement::Post,
+            dropout: self.hidden_dropout_prob,
+            attention_dropout: self.attention_probs_dropout_prob,
+            embed_scale: Scale::Value(1.0),
+            token_init_std: Scale::Value(0.02),
+            layer_norm_eps: self.layer_norm_eps,
+            dtype: Precision::default(),
+            random_positions: None,
+            embeddings: EmbeddingExtras {
+                token_types: self.type_vocab_size,
+                norm: true,
+            },
+            positional: PositionalConfig::Learned(LearnedOptions { init_std: 0.02 }),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The folder of `spec`: a local folder, or a Hub id (`owner/name`, `owner/name@revision`)
+/// whose `config.json`, `tokenizer.json` and `model.safetensors` come from the Hugging Face
+/// cache (downloaded into it when missing, unless `HF_HUB_OFFLINE`).
+pub fn resolve(spec: &str, hub: &crate::text::HubSource) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    let repo = crate::text::RepoRef::parse(spec).map_err(|_| {
+        Error::Input(format!(
+            "--model {spec}: no such folder, and not a Hugging Face Hub id (owner/name or \
+             owner/name@revision)"
+        ))
+    })?;
+    let mut dir = None;
+    for file in ["config.json", "tokenizer.json", "model.safetensors"] {
+        let path = hub.fetch(&repo, file).map_err(|e| {
+            Error::Input(format!(
+                "--model {spec}: there is no folder of that name here, and as a Hub id: {e}"
+            ))
+        })?;
+        dir = path.parent().map(Path::to_path_buf);
+    }
+    Ok(dir.expect("three files fetched"))
+}
+
+/// A Hugging Face folder: is this what `dir` holds? (`config.json` with a `model_type`.)
+pub fn is_hf_folder(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v.get("model_type").is_some())
+}
+
+/// A pretrained encoder, its masked-LM head when the file has one, and its tokenizer.
+pub struct Pretrained {
+    pub hf: HfConfig,
+    pub family: Family,
+    pub encoder: Encoder,
+    pub mlm: Option<MlmHead>,
+    pub tokenizer: TextTokenizer,
+    pub params: ParamStore,
+    pub dir: PathBuf,
+}
+
+/// A batch of texts, padded at the end.
+pub struct Batch {
+    /// `(b, t)` u32
+    pub ids: Tensor,
+    /// `(b, t)` f32, 1 for real tokens
+    pub mask: Tensor,
+    pub lengths: Vec<usize>,
+}
+
+impl Pretrained {
+    /// Loads `dir`, checking every tensor of `model.safetensors` against the config.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        let text =
+            crate::io::read_text_bounded(&config_path, crate::io::MAX_CONFIG_BYTES, "config.json")?;
+        let hf: HfConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
+            path: config_path.clone(),
+            message: format!("not a BERT-family config.json ({e}); poslab loads {SUPPORTED}"),
+        })?;
+        let family = hf.family()?;
+        let config = hf.model_config()?;
+        let weights = dir.join("model.safetensors");
+        if !weights.is_file() {
+            return Err(Error::Input(format!(
+                "{}: no model.safetensors; save the model with transformers' save_pretrained \
+                 (safe_serialization, the default) or convert its pytorch_model.bin",
+                dir.display()
+            )));
+        }
+        let (tensors, _) = crate::params::load_tensors(&weights)?;
+        let (renamed, has_mlm) =
+            rename(&tensors, &hf, family).map_err(|message| Error::Checkpoint {
+                path: weights.clone(),
+                message,
+            })?;
+        let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
+        if tokenizer.vocab_size() > hf.vocab_size {
+            return Err(Error::Config(format!(
+                "{}: the tokenizer has {} ids but the model's vocab_size is {}",
+                dir.display(),
+                tokenizer.vocab_size(),
+                hf.vocab_size
+            )));
+        }
+        let params = ParamStore::new(0);
+        let vb = params.var_builder(DType::F32, device);
+        let encoder = Encoder::new(&config, vb.clone())?;
+        let mlm = match has_mlm {
+            true => Some(MlmHead::new(
+                hf.hidden_size,
+                hf.vocab_size,
+                hf.layer_norm_eps,
+                vb.pp("mlm"),
+            )?),
+            false => None,
+        };
+        params.assign(&renamed, &weights)?;
+        Ok(Self {
+            hf,
+            family,
+            encoder,
+            mlm,
+            tokenizer,
+            params,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The most tokens (specials included) one text may have: the position table's rows,
+    /// less RoBERTa's offset.
+    pub fn max_tokens(&self) -> usize {
+        match self.family {
+            Family::Bert => self.hf.max_position_embeddings,
+            Family::Roberta { padding_idx } => self
+                .hf
+                .max_position_embeddings
+                .saturating_sub(padding_idx + 1),
+        }
+    }
+
+    /// Tokenizes `texts` with the folder's tokenizer (special tokens included) and pads them.
+    /// A text longer than [`Pretrained::max_tokens`] is cut to it with `truncate` (keeping the
+    /// closing special token), and refused without.
+    pub fn batch(&self, texts: &[String], truncate: bool) -> Result<Batch> {
+        let max = self.max_tokens();
+        let mut rows = Vec::with_capacity(texts.len());
+        for (i, text) in texts.iter().enumerate() {
+            let mut ids = self.tokenizer.encode_with_specials(text)?.ids;
+            if ids.len() > max {
+                if !truncate {
+                    return Err(Error::Input(format!(
+                        "text {} has {} tokens but the model's position table reads at most \
+                         {max}: shorten it, or pass --truncate to cut it",
+                        i + 1,
+                        ids.len()
+                    )));
+                }
+                let last = *ids.last().expect("longer than max");
+                ids.truncate(max);
+                ids[max - 1] = last;
+            }
+            rows.push(ids);
+        }
+        let t = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let pad = self.tokenizer.pad_id();
+        let device = self.encoder.device();
+        let mut ids = Vec::with_capacity(rows.len() * t);
+        let mut mask = Vec::with_capacity(rows.len() * t);
+        for r in &rows {
+            ids.extend(
+                r.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(pad, t - r.len())),
+            );
+            mask.extend((0..t).map(|j| if j < r.len() { 1f32 } else { 0.0 }));
+        }
+        Ok(Batch {
+            ids: Tensor::from_vec(ids, (rows.len(), t), device)?,
+            mask: Tensor::from_vec(mask, (rows.len(), t), device)?,
+            lengths: rows.iter().map(Vec::len).collect(),
+        })
+    }
+
+    /// The family's position ids for a padded batch.
+    ///
+    /// # Shapes
+    /// - `mask`: `(b, t)`; returns `(1, t)` (BERT) or `(b, t)` (RoBERTa) positions
+    pub fn positions(&self, mask: &Tensor) -> Result<Positions> {
+        let t = mask.dim(1)?;
+        match self.family {
+            Family::Bert => Positions::range(0, t),
+            Family::Roberta { padding_idx } => {
+                let rows: Vec<Vec<usize>> = mask
+                    .to_dtype(DType::F32)?
+                    .to_vec2::<f32>()?
+                    .iter()
+                    .map(|row| {
+                        let mut seen = 0;
+                        row.iter()
+                            .map(|&m| {
+                                if m > 0.0 {
+                                    seen += 1;
+                                    padding_idx + seen
+                                } else {
+                                    padding_idx
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                Positions::from_rows(&rows)
+            }
+        }
+    }
+
+    /// The last hidden states, `(b, t, d)`.
+    pub fn hidden(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let positions = self.positions(mask)?;
+        self.encoder.forward_with(ids, mask, &positions, false)
+    }
+
+    /// Masked-LM logits of hidden states, `(b, t, vocab)`; an error when the file has no head.
+    pub fn mlm_logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self.mlm.as_ref().ok_or_else(|| {
+            Error::Input(format!(
+                "{} has no masked-LM head (a `{}ForMaskedLM` checkpoint has one); use a \
+                 masked-LM model to fill masks",
+                self.dir.display(),
+                if self.hf.model_type == "roberta" {
+                    "Roberta"
+                } else {
+                    "Bert"
+                }
+            ))
+        })?;
+        head.forward(hidden, self.encoder.token_embeddings())
+    }
+}
+
+impl Pretrained {
+    /// The `top_k` most probable tokens at every mask token (`[MASK]`, `<mask>`) of each text,
+    /// special tokens left out; `word` counts the tokenizer's words. A text without a mask
+    /// is an error.
+    pub fn fill_masks(
+        &self,
+        texts: &[String],
+        top_k: usize,
+        truncate: bool,
+    ) -> Result<Vec<Output<Prediction>>> {
+        let tok = &self.tokenizer;
+        let mask_id = tok.mask_id().ok_or_else(|| {
+            Error::Input(format!(
+                "{}: the tokenizer has no mask token ([MASK] or <mask>)",
+                self.dir.display()
+            ))
+        })?;
+        let specials: Vec<u32> = [
+            Some(tok.pad_id()),
+            tok.cls_id(),
+            tok.unk_id(),
+            Some(mask_id),
+        ]
+        .into_iter()
+        .flatten()
+        .chain(
+            ["[SEP]", "</s>", "<s>"]
+                .iter()
+                .filter_map(|s| tok.token_to_id(s)),
+        )
+        .collect();
+        let mut outputs = Vec::with_capacity(texts.len());
+        for chunk in texts.chunks(32) {
+            let batch = self.batch(chunk, truncate)?;
+            let logits = self.mlm_logits(&self.hidden(&batch.ids, &batch.mask)?)?;
+            let probs = crate::nn::softmax_last_dim(&logits)?;
+            let ids = batch.ids.to_vec2::<u32>()?;
+            for (b, text) in chunk.iter().enumerate() {
+                let word_ids = tok.encode_with_specials(text)?.word_ids;
+                let mut masks = Vec::new();
+                for (t, &id) in ids[b][..batch.lengths[b]].iter().enumerate() {
+                    if id != mask_id {
+                        continue;
+                    }
+                    let row = probs.i((b, t))?.to_vec1::<f32>()?;
+                    let fills = crate::infer::top_fills(&row, top_k, &specials, tok);
+                    let word = word_ids.get(t).copied().flatten();
+                    masks.push(MaskFill {
+                        word: word.map_or(t, |w| w as usize),
+                        fills,
+                    });
+                }
+                if masks.is_empty() {
+                    return Err(Error::Input(format!(
+                        "{text:?} has no {} token to fill",
+                        tok.id_to_token(mask_id).unwrap_or_default()
+                    )));
+                }
+                let unk = tok.unk_id();
+                outputs.push(Output {
+                    text: text.clone(),
+                    value: Prediction::Fills { masks },
+                    unknown_tokens: ids[b][..batch.lengths[b]]
+                        .iter()
+                        .filter(|&&id| Some(id) == unk)
+                        .count(),
+                    note: None,
+                });
+            }
+        }
+        Ok(outputs)
+    }
+}
+
+/// The mean of `hidden` over real tokens, optionally scaled to unit L2 norm (as
+/// sentence-transformers' `Normalize`).
+///
+/// # Shapes
+/// - `hidden`: `(b, t, d)`, `mask`: `(b, t)`; returns `(b, d)`
+pub fn mean_pool(hidden: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
+    let m = mask.to_dtype(hidden.dtype())?.unsqueeze(2)?; // (b, t, 1)
+    let sum = hidden.broadcast_mul(&m)?.sum(1)?; // (b, d)
+    let count = m.sum(1)?; // (b, 1)
+    let mean = sum.broadcast_div(&count)?;
+    if !normalize {
+        return Ok(mean);
+    }
+    let norm = mean
+        .sqr()?
+        .sum_keepdim(D::Minus1)?
+        .sqrt()?
+        .clamp(1e-12, f64::MAX)?;
+    Ok(mean.broadcast_div(&norm)?)
+}
+
+/// Maps a checkpoint's tensors to poslab's names ([`names`]); returns them and whether the file
+/// holds a masked-LM head. The error lists every problem.
+fn rename(
+    tensors: &HashMap<String, Tensor>,
+    hf: &HfConfig,
+    family: Family,
+) -> std::result::Result<(HashMap<String, Tensor>, bool), String> {
+    let prefix = match family {
+        Family::Bert => "bert.",
+        Family::Roberta { .. } => "roberta.",
+    };
+    let mlm_table = match family {
+        Family::Bert => names::BERT_MLM,
+        Family::Roberta { .. } => names::ROBERTA_MLM,
+    };
+    let has_mlm = tensors.contains_key(mlm_table[0].0);
+    let mut out = HashMap::new();
+    let mut problems = Vec::new();
+    for (name, tensor) in tensors {
+        let inner = name.strip_prefix(prefix).unwrap_or(name);
+        let mapped = names::EMBEDDINGS
+            .iter()
+            .find(|(hf_name, _)| *hf_name == inner)
+            .map(|(_, ours)| ours.to_string())
+            .or_else(|| {
+                let rest = inner.strip_prefix("encoder.layer.")?;
+                let (i, rest) = rest.split_once('.')?;
+                let i: usize = i.parse().ok()?;
+                names::LAYER
+                    .iter()
+                    .find(|(hf_name, _)| *hf_name == rest)
+                    .map(|(_, ours)| format!("layers.{i}.{ours}"))
+            })
+            .or_else(|| {
+                mlm_table
+                    .iter()
+                    .find(|(hf_name, _)| *hf_name == name.as_str())
+                    .map(|(_, ours)| ours.to_string())
+            });
+        match mapped {
+            Some(ours) => {
+                out.insert(ours, tensor.clone());
+            }
+            None => {
+                let ignored = names::IGNORED
+                    .iter()
+                    .find(|(suffix, _)| name.ends_with(suffix));
+                match ignored {
+                    Some((suffix, _))
+                        if suffix.ends_with("decoder.weight") && !hf.tie_word_embeddings =>
+                    {
+                        problems.push(format!(
+                            "`{name}`: an untied masked-LM decoder is not supported \
+                             (tie_word_embeddings = false)"
+                        ))
+                    }
+                    Some(_) => {}
+                    None => problems.push(format!(
+                        "unexpected tensor `{name}` {:?}: not part of a {} encoder or its \
+                         masked-LM head",
+                        tensor.dims(),
+                        hf.model_type
+                    )),
+                }
+            }
+        }
+    }
+    if !problems.is_empty() {
+        problems.sort();
+        return Err(format!(
+            "does not match a {} checkpoint:\n  - {}",
+            hf.model_type,
+            problems.join("\n  - ")
+        ));
+    }
+    Ok((out, has_mlm))
+}
