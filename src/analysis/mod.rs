@@ -9,6 +9,7 @@
 
 pub mod bias;
 pub mod linalg;
+pub mod pca;
 mod plots;
 pub mod rope;
 pub mod terms;
@@ -503,6 +504,8 @@ pub struct Analysis {
     pub offsets: Vec<OffsetCurve>,
     pub shift: Vec<ShiftRow>,
     pub probe: Probe,
+    /// Row norms and principal components.
+    pub geometry: pca::RowGeometry,
     /// For tables built from angles: the sweep of bases (the table's own first).
     pub wavelengths: Vec<Wavelengths>,
     pub rope_decay: Option<RopeDecay>,
@@ -557,6 +560,7 @@ pub fn analyze(table: &Table, options: &Options) -> Analysis {
             .collect(),
         shift: shift_check(table, options.seed),
         probe: probe(table, options.seed),
+        geometry: pca::row_geometry(table, options.seed),
         wavelengths,
         rope_decay: match (&table.pairs, options.rope) {
             (Some(p), true) => Some(rope_decay(table.dim, p.base, table.rows, options.seed)),
@@ -658,6 +662,41 @@ impl Analysis {
             100.0 * p.exact,
             p.random_mae
         );
+        let g = &self.geometry;
+        if !g.norms.is_empty() {
+            let mut sorted = g.norms.clone();
+            sorted.sort_by(f64::total_cmp);
+            let (lo, hi) = (sorted[0], sorted[sorted.len() - 1]);
+            let longest = g
+                .norms
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(0, |(i, _)| i);
+            let _ = writeln!(
+                s,
+                "  row norms: min {lo:.4}, median {:.4}, max {hi:.4}{}",
+                sorted[sorted.len() / 2],
+                if hi - lo <= 1e-9 * hi.max(1.0) {
+                    " (all equal)".to_string()
+                } else {
+                    format!(" (position {})", self.start + longest)
+                }
+            );
+        }
+        if !g.explained.is_empty() {
+            let shares: Vec<String> = g
+                .explained
+                .iter()
+                .map(|e| format!("{:.1}%", 100.0 * e))
+                .collect();
+            let _ = writeln!(
+                s,
+                "  principal components of the rows: the top {} hold {} of the variance",
+                shares.len(),
+                shares.join(", ")
+            );
+        }
         for w in &self.wavelengths {
             let longest = w.wavelength.last().copied().unwrap_or(0.0);
             let unwrapped = w

@@ -389,6 +389,7 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
     }
     write_atomic(&dir.join("offsets.csv"), csv.as_bytes())?;
     files.push("offsets.csv".into());
+    files.extend(write_geometry(analysis, dir)?);
 
     let mut csv = String::from("k,rotation_error,linear_residual,random_residual\n");
     for r in &analysis.shift {
@@ -500,6 +501,7 @@ fn analysis_json(a: &Analysis) -> serde_json::Value {
         "relative_shift": a.shift,
         "rotation_error": a.rotation_error(),
         "probe": a.probe,
+        "principal_components": a.geometry,
         "wavelengths": a.wavelengths.iter().map(|w| serde_json::json!({
             "base": w.base,
             "shortest": w.wavelength.first(),
@@ -579,4 +581,88 @@ pub fn write_terms(
         "attention_terms.csv".into(),
         "attention_terms.png".into(),
     ])
+}
+
+/// `rows.csv` (each row's norm and principal coordinates), `norms.png` (norm by position) and
+/// `pca.png` (the rows on the first two components, joined in position order).
+fn write_geometry(analysis: &Analysis, dir: &Path) -> Result<Vec<String>> {
+    let g = &analysis.geometry;
+    let mut csv = String::from("position,norm");
+    for i in 0..g.explained.len() {
+        csv.push_str(&format!(",pc{}", i + 1));
+    }
+    csv.push('\n');
+    for (r, (norm, p)) in g.norms.iter().zip(&g.projections).enumerate() {
+        csv.push_str(&format!("{},{norm}", analysis.start + r));
+        for v in p {
+            csv.push_str(&format!(",{v}"));
+        }
+        csv.push('\n');
+    }
+    write_atomic(&dir.join("rows.csv"), csv.as_bytes())?;
+    let mut files = vec!["rows.csv".to_string()];
+    let norms: Vec<(f64, f64)> = g
+        .norms
+        .iter()
+        .enumerate()
+        .map(|(r, n)| ((analysis.start + r) as f64, *n))
+        .collect();
+    line_chart(
+        &dir.join("norms.png"),
+        &format!("{}: the length of each row", analysis.title),
+        ("position", "L2 norm"),
+        &[("|PE(p)|".into(), norms, false)],
+        false,
+    )?;
+    files.push("norms.png".into());
+    if g.explained.len() >= 2 {
+        let title = format!(
+            "{}: rows on components 1 and 2 ({:.1}% + {:.1}% of the variance)",
+            analysis.title,
+            100.0 * g.explained[0],
+            100.0 * g.explained[1]
+        );
+        pca_path(&dir.join("pca.png"), &title, &g.projections)?;
+        files.push("pca.png".into());
+    }
+    Ok(files)
+}
+
+/// The rows on the first two principal components, joined in position order and coloured from
+/// the first position (dark) to the last (light), on equal axes.
+fn pca_path(path: &Path, title: &str, projections: &[Vec<f64>]) -> Result<()> {
+    let pts: Vec<(f64, f64)> = projections.iter().map(|p| (p[0], p[1])).collect();
+    let reach = pts
+        .iter()
+        .map(|p| p.0.abs().max(p.1.abs()))
+        .fold(1e-12, f64::max)
+        * 1.08;
+    let n = pts.len().max(2);
+    render_png(path, (820, 820), |area| {
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, (FONT, 18))
+            .margin(16)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(-reach..reach, -reach..reach)?;
+        chart
+            .configure_mesh()
+            .x_desc("component 1")
+            .y_desc("component 2")
+            .axis_desc_style((FONT, 17))
+            .label_style((FONT, 13))
+            .x_label_formatter(&tick)
+            .y_label_formatter(&tick)
+            .draw()?;
+        for (i, w) in pts.windows(2).enumerate() {
+            let color = sequential(i as f64 / (n - 2).max(1) as f64);
+            chart.draw_series(LineSeries::new(w.iter().copied(), color.stroke_width(1)))?;
+        }
+        chart.draw_series(
+            pts.iter()
+                .enumerate()
+                .map(|(i, p)| Circle::new(*p, 2, sequential(i as f64 / (n - 1) as f64).filled())),
+        )?;
+        Ok(())
+    })
 }

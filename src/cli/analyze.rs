@@ -15,8 +15,8 @@ const MAX_POSITIONS: usize = 8192;
 /// The most positions of an attention-bias analysis: a `P x P` matrix per head and layer.
 const MAX_BIAS_POSITIONS: usize = 1024;
 
-/// What a positional scheme encodes: the table as CSV and heatmap, distance matrices, distance
-/// against offset, the relative-shift property, a linear position probe, wavelengths, RoPE's
+/// What a positional scheme encodes: the table as CSV and heatmap, row norms and principal
+/// components, distance matrices, distance against offset, the relative-shift property, a linear position probe, wavelengths, RoPE's
 /// decay; an attention bias by offset, per head; for a trained model (--run) its table, its
 /// learned score biases, and how its attention logits split into content and position terms.
 #[derive(clap::Args)]

@@ -200,6 +200,9 @@ fn the_command_writes_files_and_pictures_with_their_text() {
         "clock.png",
         "wavelengths.png",
         "rope_decay.png",
+        "rows.csv",
+        "norms.png",
+        "pca.png",
         "summary.json",
     ] {
         let len = std::fs::metadata(out.join(f)).map(|m| m.len()).unwrap_or(0);

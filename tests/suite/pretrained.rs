@@ -498,7 +498,27 @@ fn analyze_model_measures_the_rows_real_tokens_read() {
             );
         }
     }
-    for f in ["distance_cosine.png", "offsets.csv", "summary.json"] {
+    for f in [
+        "distance_cosine.png",
+        "offsets.csv",
+        "summary.json",
+        "norms.png",
+        "pca.png",
+    ] {
         assert!(out.join(f).is_file(), "{f}");
     }
+    // rows.csv: each row's norm (of the rows real tokens read) and its principal coordinates.
+    let geometry = std::fs::read_to_string(out.join("rows.csv")).unwrap();
+    let mut lines = geometry.lines();
+    assert_eq!(lines.next(), Some("position,norm,pc1,pc2,pc3"));
+    for (r, line) in lines.enumerate() {
+        let norm: f64 = line.split(',').nth(1).unwrap().parse().unwrap();
+        let expected = table[r + 2]
+            .iter()
+            .map(|v| f64::from(*v).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!((norm - expected).abs() < 1e-5, "row {r}: {norm} {expected}");
+    }
+    assert!(stdout.contains("row norms:") && stdout.contains("principal components of the rows"));
 }
