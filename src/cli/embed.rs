@@ -107,14 +107,7 @@ fn embed_pretrained(
             PretrainedPooling::Cls => {
                 let first = hidden.i((.., 0))?;
                 match normalize {
-                    true => {
-                        let norm = first
-                            .sqr()?
-                            .sum_keepdim(1)?
-                            .sqrt()?
-                            .clamp(1e-12, f64::MAX)?;
-                        first.broadcast_div(&norm)?
-                    }
+                    true => poslab::pretrained::unit_rows(&first)?,
                     false => first,
                 }
             }

@@ -202,6 +202,8 @@ pub struct Batch {
     /// `(b, t)` f32, 1 for real tokens
     pub mask: Tensor,
     pub lengths: Vec<usize>,
+    /// Each token's word in its text (`None` for special tokens), as the tokenizer splits it.
+    pub word_ids: Vec<Vec<Option<u32>>>,
 }
 
 impl Pretrained {
@@ -281,8 +283,10 @@ impl Pretrained {
     pub fn batch(&self, texts: &[String], truncate: bool) -> Result<Batch> {
         let max = self.max_tokens();
         let mut rows = Vec::with_capacity(texts.len());
+        let mut word_ids = Vec::with_capacity(texts.len());
         for (i, text) in texts.iter().enumerate() {
-            let mut ids = self.tokenizer.encode_with_specials(text)?.ids;
+            let encoded = self.tokenizer.encode_with_specials(text)?;
+            let (mut ids, mut words) = (encoded.ids, encoded.word_ids);
             if ids.len() > max {
                 if !truncate {
                     return Err(Error::Input(format!(
@@ -295,8 +299,11 @@ impl Pretrained {
                 let last = *ids.last().expect("longer than max");
                 ids.truncate(max);
                 ids[max - 1] = last;
+                words.truncate(max);
+                words[max - 1] = None;
             }
             rows.push(ids);
+            word_ids.push(words);
         }
         let t = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let pad = self.tokenizer.pad_id();
@@ -315,6 +322,7 @@ impl Pretrained {
             ids: Tensor::from_vec(ids, (rows.len(), t), device)?,
             mask: Tensor::from_vec(mask, (rows.len(), t), device)?,
             lengths: rows.iter().map(Vec::len).collect(),
+            word_ids,
         })
     }
 
@@ -412,7 +420,7 @@ impl Pretrained {
             let probs = crate::nn::softmax_last_dim(&logits)?;
             let ids = batch.ids.to_vec2::<u32>()?;
             for (b, text) in chunk.iter().enumerate() {
-                let word_ids = tok.encode_with_specials(text)?.word_ids;
+                let word_ids = &batch.word_ids[b];
                 let mut masks = Vec::new();
                 for (t, &id) in ids[b][..batch.lengths[b]].iter().enumerate() {
                     if id != mask_id {
@@ -458,15 +466,20 @@ pub fn mean_pool(hidden: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tens
     let sum = hidden.broadcast_mul(&m)?.sum(1)?; // (b, d)
     let count = m.sum(1)?; // (b, 1)
     let mean = sum.broadcast_div(&count)?;
-    if !normalize {
-        return Ok(mean);
+    match normalize {
+        true => unit_rows(&mean),
+        false => Ok(mean),
     }
-    let norm = mean
+}
+
+/// Each row of `x` `(b, d)` scaled to unit L2 norm (a zero row stays zero).
+pub fn unit_rows(x: &Tensor) -> Result<Tensor> {
+    let norm = x
         .sqr()?
         .sum_keepdim(D::Minus1)?
         .sqrt()?
         .clamp(1e-12, f64::MAX)?;
-    Ok(mean.broadcast_div(&norm)?)
+    Ok(x.broadcast_div(&norm)?)
 }
 
 /// Maps a checkpoint's tensors to poslab's names ([`names`]); returns them and whether the file

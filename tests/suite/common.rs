@@ -512,3 +512,15 @@ pub fn assert_relative_l2(what: &str, name: &str, g: &[f64], reference: &[f64], 
     );
     rel
 }
+
+/// Options of a `train` run into `dir` on the CPU, quiet, offline, optionally stopping after
+/// `stop_after` steps.
+pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::experiment::single::TrainOptions {
+    poslab::experiment::single::TrainOptions {
+        dir: dir.to_path_buf(),
+        device: Device::Cpu,
+        progress: false,
+        stop_after,
+        hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+    }
+}

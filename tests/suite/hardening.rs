@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use candle::Device;
-use poslab::experiment::single::{self, TrainEnd, TrainOptions, TrainRunConfig};
+use poslab::experiment::single::{self, TrainEnd, TrainRunConfig};
 use poslab::experiment::ExperimentConfig;
 use poslab::text::HubSource;
 use poslab::ModelConfig;
@@ -21,16 +21,6 @@ fn train_config(task_table: &str) -> TrainRunConfig {
          [task]\n{task_table}\n"
     ))
     .unwrap()
-}
-
-fn options(dir: &Path, stop_after: Option<usize>) -> TrainOptions {
-    TrainOptions {
-        dir: dir.to_path_buf(),
-        device: Device::Cpu,
-        progress: false,
-        stop_after,
-        hub: HubSource::from_vars(None, None, Some("1")),
-    }
 }
 
 const WORD_ORDER: &str =

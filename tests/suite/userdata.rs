@@ -7,7 +7,7 @@ use std::process::Command;
 use candle::{DType, Device};
 use poslab::data::Dataset;
 use poslab::experiment::results::Outcome;
-use poslab::experiment::single::{self, Metrics, TrainEnd, TrainOptions, TrainRunConfig};
+use poslab::experiment::single::{self, Metrics, TrainEnd, TrainRunConfig};
 use poslab::text::hub::place_in_cache;
 use poslab::text::{HubSource, RepoRef, SubwordModel, TextTokenizer, TokenizerSpec};
 
@@ -239,16 +239,6 @@ fn train_config(task_table: &str, positional: &str, extra: &str) -> TrainRunConf
          [task]\n{task_table}\n"
     ))
     .unwrap()
-}
-
-fn options(dir: &Path, stop_after: Option<usize>) -> TrainOptions {
-    TrainOptions {
-        dir: dir.to_path_buf(),
-        device: Device::Cpu,
-        progress: false,
-        stop_after,
-        hub: HubSource::from_vars(None, None, Some("1")),
-    }
 }
 
 fn finished(end: TrainEnd) -> Metrics {
