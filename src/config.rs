@@ -311,6 +311,16 @@ pub struct EmbeddingExtras {
     /// A LayerNorm (`embed_norm`, eps `layer_norm_eps`) over the summed embeddings.
     #[serde(default)]
     pub norm: bool,
+    /// The position of every sequence's first token: its tokens sit at `first_position + i`.
+    /// 0 for BERT; RoBERTa counts from `padding_idx + 1` (transformers'
+    /// `create_position_ids_from_input_ids`), so its table's first rows are never read. A
+    /// learned table then holds `max_len - first_position` tokens.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub first_position: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl EmbeddingExtras {
@@ -417,6 +427,13 @@ impl ModelConfig {
                     self.max_len
                 ));
             }
+        }
+        if self.embeddings.first_position >= self.max_len {
+            return Err(format!(
+                "embeddings.first_position = {} leaves no row of the max_len = {} table: it \
+                 must be below max_len (RoBERTa's is padding_idx + 1 = 2)",
+                self.embeddings.first_position, self.max_len
+            ));
         }
         self.positional.validate(self.d_model, self.head_dim())?;
         // Sizes last: a clearer message about a wrong option comes first.

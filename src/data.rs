@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::positional::{random_batch_positions, Positions};
 use crate::rng::Rng;
 use crate::tasks::{Example, Label, TokenLimit};
-use crate::text::TextTokenizer;
+use crate::text::{Encoded, TextTokenizer};
 
 /// Label value of a token that is not scored.
 pub const NOT_SCORED: i64 = -1;
@@ -34,11 +34,84 @@ pub struct TapeInfo {
 }
 
 impl Sample {
-    /// Keeps the first `len` tokens (and their labels).
-    pub fn truncate(&mut self, len: usize) {
-        self.ids.truncate(len);
+    /// Keeps `len` tokens (and their labels): the first `len - keep_last`, and the last
+    /// `keep_last` (a template's closing `[SEP]`).
+    pub fn truncate(&mut self, len: usize, keep_last: usize) {
+        fn cut<T: Copy>(v: &mut Vec<T>, len: usize, keep_last: usize) {
+            let keep_last = keep_last.min(len).min(v.len());
+            let tail: Vec<T> = v[v.len() - keep_last..].to_vec();
+            v.truncate(len - keep_last);
+            v.extend(tail);
+        }
+        cut(&mut self.ids, len, keep_last);
         if let Target::Tags(tags) = &mut self.target {
-            tags.truncate(len);
+            cut(tags, len, keep_last);
+        }
+    }
+}
+
+/// How a text's tokens are framed for the model that reads them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Framing {
+    /// The text's tokens alone.
+    #[default]
+    Plain,
+    /// A `[CLS]` token first (first-token pooling in poslab's own models).
+    Cls(u32),
+    /// The tokenizer's own template (`[CLS] ... [SEP]`, `<s> ... </s>`), what a pretrained
+    /// encoder was trained on: `front` special tokens before the text and `back` after it.
+    Template { front: usize, back: usize },
+}
+
+impl From<Option<u32>> for Framing {
+    fn from(cls: Option<u32>) -> Self {
+        cls.map_or(Self::Plain, Self::Cls)
+    }
+}
+
+impl Framing {
+    /// The template of `tokenizer`, measured on a one-word text; an error when it adds no
+    /// special tokens.
+    pub fn template(tokenizer: &TextTokenizer) -> Result<Self> {
+        let enc = tokenizer.encode_words_with_specials(&["a"])?;
+        let front = enc.word_ids.iter().take_while(|w| w.is_none()).count();
+        let back = enc
+            .word_ids
+            .iter()
+            .rev()
+            .take_while(|w| w.is_none())
+            .count();
+        if front == 0 || front == enc.word_ids.len() {
+            return Err(Error::Config(
+                "the tokenizer adds no special tokens around a text (no template such as \
+                 [CLS] ... [SEP]): a pretrained encoder's tokenizer.json has one"
+                    .into(),
+            ));
+        }
+        Ok(Self::Template { front, back })
+    }
+
+    /// The ids of `words` framed, and each token's word (`None` for the framing's tokens).
+    pub fn encode<S: AsRef<str>>(self, tokenizer: &TextTokenizer, words: &[S]) -> Result<Encoded> {
+        match self {
+            Self::Plain => tokenizer.encode_words(words),
+            Self::Cls(cls) => {
+                let enc = tokenizer.encode_words(words)?;
+                Ok(Encoded {
+                    ids: std::iter::once(cls).chain(enc.ids).collect(),
+                    word_ids: std::iter::once(None).chain(enc.word_ids).collect(),
+                })
+            }
+            Self::Template { .. } => tokenizer.encode_words_with_specials(words),
+        }
+    }
+
+    /// The tokens before and after the text's own.
+    pub fn around(self) -> (usize, usize) {
+        match self {
+            Self::Plain => (0, 0),
+            Self::Cls(_) => (1, 0),
+            Self::Template { front, back } => (front, back),
         }
     }
 }
@@ -61,16 +134,20 @@ pub struct Dataset {
 }
 
 impl Dataset {
-    /// Tokenizes `examples`; `cls` is prepended to every sequence when given (first-token
-    /// pooling). A per-word tag goes to the word's first token; later sub-word tokens are not
-    /// scored. An input longer than `limit.max_tokens` is an error naming where it came from,
-    /// or is cut to that length when `limit.truncate` (and counted in `truncated`).
+    /// Tokenizes `examples`, framed as `framing` says (a `[CLS]` first for first-token
+    /// pooling, `None`; the tokenizer's template for a pretrained encoder). A per-word tag goes
+    /// to the word's first token; later sub-word tokens and the framing's are not scored. An
+    /// input longer than `limit.max_tokens` is an error naming where it came from, or is cut to
+    /// that length when `limit.truncate` (its closing special tokens kept; counted in
+    /// `truncated`).
     pub fn encode(
         examples: &[Example],
         tokenizer: &TextTokenizer,
-        cls: Option<u32>,
+        framing: impl Into<Framing>,
         limit: TokenLimit,
     ) -> Result<Self> {
+        let framing = framing.into();
+        let (front, back) = framing.around();
         let mut truncated = 0;
         let samples = examples
             .iter()
@@ -81,16 +158,14 @@ impl Dataset {
                     Some(s) => s.to_string(),
                     None => format!("example {}", n + 1),
                 };
-                let enc = tokenizer.encode_words(&example.words)?;
-                if enc.ids.is_empty() {
+                let enc = framing.encode(tokenizer, &example.words)?;
+                if enc.ids.len() == front + back {
                     return Err(Error::Input(format!(
                         "{at}: {:?} produced no tokens",
                         example.text()
                     )));
                 }
-                let mut ids = Vec::with_capacity(enc.ids.len() + 1);
-                ids.extend(cls);
-                ids.extend(&enc.ids);
+                let ids = enc.ids.clone();
                 let mut tape = None;
                 let target = match &example.label {
                     Label::Class(c) => Target::Class(*c as u32),
@@ -107,7 +182,7 @@ impl Dataset {
                                 .iter()
                                 .enumerate()
                                 .all(|(i, w)| *w == Some(i as u32));
-                        if !one_each || targets.len() > enc.ids.len() || cls.is_some() {
+                        if !one_each || targets.len() > enc.ids.len() || framing != Framing::Plain {
                             return Err(Error::Input(format!(
                                 "{at}: a length-suite tape must be one token per word without \
                                  [CLS] ({} words made {} tokens): use the word-level tokenizer",
@@ -127,7 +202,6 @@ impl Dataset {
                     }
                     Label::Tags(tags) => {
                         let mut out = Vec::with_capacity(ids.len());
-                        out.extend(cls.map(|_| NOT_SCORED));
                         let mut previous = None;
                         for word in &enc.word_ids {
                             let first = word.is_some() && *word != previous;
@@ -169,7 +243,14 @@ impl Dataset {
                                 sample.ids.len()
                             )));
                         }
-                        sample.truncate(max);
+                        if max <= front + back {
+                            return Err(Error::Input(format!(
+                                "{at}: max_tokens = {max} leaves no room for the text between \
+                                 the {} special tokens around it: raise max_tokens",
+                                front + back
+                            )));
+                        }
+                        sample.truncate(max, back);
                         truncated += 1;
                     }
                 }
@@ -196,16 +277,17 @@ impl Dataset {
         self.samples.iter().map(|s| s.ids.len()).max().unwrap_or(0)
     }
 
-    /// The shuffle test's input: each sample's tokens permuted (a leading `[CLS]` stays first),
-    /// labels unchanged. Only meaningful for sentence labels.
-    pub fn with_shuffled_tokens(&self, keep_first: bool, rng: &mut Rng) -> Self {
+    /// The shuffle test's input: each sample's tokens permuted (the framing's special tokens
+    /// stay where they are), labels unchanged. Only meaningful for sentence labels.
+    pub fn with_shuffled_tokens(&self, framing: Framing, rng: &mut Rng) -> Self {
+        let (front, back) = framing.around();
         let samples = self
             .samples
             .iter()
             .map(|s| {
                 let mut ids = s.ids.clone();
-                let from = usize::from(keep_first);
-                ids[from..].shuffle(rng);
+                let end = ids.len().saturating_sub(back).max(front.min(ids.len()));
+                ids[front.min(end)..end].shuffle(rng);
                 Sample {
                     ids,
                     target: s.target.clone(),

@@ -281,9 +281,21 @@ impl Encoder {
         }
     }
 
-    /// The longest position (plus one) this encoder can read, where a learned table bounds it.
+    /// The most tokens a sequence may have, where a learned table bounds it: its rows, less
+    /// the embedding's `first_position` (RoBERTa's offset).
     pub fn max_positions(&self) -> Option<usize> {
-        self.positional.max_positions()
+        let first = self.config.embeddings.first_position;
+        self.positional
+            .max_positions()
+            .map(|rows| rows.saturating_sub(first))
+    }
+
+    /// `positions` moved to where this encoder's sequences start (`first_position`).
+    fn starting_at_first(&self, positions: &Positions) -> Result<Positions> {
+        match self.config.embeddings.first_position {
+            0 => Ok(positions.clone()),
+            first => positions.shifted(first),
+        }
     }
 
     /// Restarts the dropout masks from `seed` (a trainer reseeds per step, so a resumed run draws
@@ -339,6 +351,7 @@ impl Encoder {
     ) -> Result<Tensor> {
         let (b, t) = self.check_input(input_ids, attention_mask)?;
         positions.check_batch(b, t)?;
+        let positions = &self.starting_at_first(positions)?;
 
         let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
         let scale = self.config.embed_scale.value(self.config.d_model);
@@ -400,8 +413,10 @@ impl Encoder {
     ///
     /// The residual stream is split as `(h - p) + p`, `p` the added positional vectors, which
     /// stay in it additively under pre-norm, so every layer is decomposed; under post-norm the
-    /// first LayerNorm mixes them, so only the first layer is. Layers are returned in order with
-    /// their index.
+    /// first LayerNorm mixes them, so only the first layer is. An embedding LayerNorm (BERT's)
+    /// is split exactly the same way ([`crate::nn::LayerNorm::split`]: both parts over the sum's standard
+    /// deviation, the bias and the token-type row with the content), so a BERT's first layer is
+    /// decomposed too: TUPE's analysis of BERT. Layers are returned in order with their index.
     pub fn score_terms(
         &self,
         input_ids: &Tensor,
@@ -409,17 +424,11 @@ impl Encoder {
     ) -> Result<Vec<(usize, Tensor, [Tensor; 4])>> {
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let added = match &self.positional {
-            PositionalModule::Input(input) => input.added(&Positions::range(0, t)?)?,
+            PositionalModule::Input(input) => {
+                input.added(&self.starting_at_first(&Positions::range(0, t)?)?)?
+            }
             _ => None,
         };
-        if !self.config.embeddings.is_none() {
-            return Err(Error::Input(
-                "attention terms split the residual stream into tokens + positions, which an \
-                 embedding LayerNorm or token-type table mixes; this encoder has them \
-                 ([model] embeddings)"
-                    .into(),
-            ));
-        }
         let positions = added.ok_or_else(|| {
             Error::Input(format!(
                 "attention terms need positions added to the token embeddings \
@@ -429,20 +438,33 @@ impl Encoder {
         })?; // (1, t, d_model)
         let scale = self.config.embed_scale.value(self.config.d_model);
         let tokens = (self.tok_emb.forward(input_ids)? * scale)?;
-        let mut h = tokens.broadcast_add(&positions)?;
+        let tokens = match &self.type_emb {
+            Some(table) => tokens.broadcast_add(&table.get(0)?)?,
+            None => tokens,
+        };
+        // The positional part of the residual stream as the first layer receives it.
+        let (mut h, positions) = match &self.embed_norm {
+            Some(norm) => {
+                let (c, p) = norm.split(&tokens, &positions)?;
+                ((c + &p)?, p)
+            }
+            None => (
+                tokens.broadcast_add(&positions)?,
+                positions.broadcast_as(tokens.shape())?.contiguous()?,
+            ),
+        };
         let padding = key_padding_bias(attention_mask, h.dtype())?;
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
-            let content = h.broadcast_sub(&positions)?;
-            let position = positions.broadcast_as(content.shape())?;
+            let content = (&h - &positions)?;
             match self.config.norm {
                 NormPlacement::Pre => {
-                    let (c, p) = layer.attn_norm.split(&content, &position)?;
+                    let (c, p) = layer.attn_norm.split(&content, &positions)?;
                     let (scores, terms) = layer.attn.score_terms(&c, &p)?;
                     out.push((i, scores, terms));
                 }
                 NormPlacement::Post if i == 0 => {
-                    let (scores, terms) = layer.attn.score_terms(&content, &position)?;
+                    let (scores, terms) = layer.attn.score_terms(&content, &positions)?;
                     out.push((i, scores, terms));
                 }
                 NormPlacement::Post => break,
@@ -460,7 +482,7 @@ impl Encoder {
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let (b, t) = self.check_input(input_ids, attention_mask)?;
-        let positions = Positions::range(0, t)?;
+        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
         let x = self.tok_emb.forward(input_ids)?;
         let mut x = (x * self.config.embed_scale.value(self.config.d_model))?;
         let (mut rotary, mut biases) = (None, None);

@@ -6,7 +6,7 @@ use serde::Serialize;
 use crate::config::ModelConfig;
 use crate::data::pad_batch;
 use crate::error::{Error, Result};
-use crate::model::{HeadConfig, Pooling, TaskModel};
+use crate::model::TaskModel;
 use crate::positional::{random_positions, Positions};
 use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed, stable_hash};
@@ -146,26 +146,16 @@ impl<'a> Predictor<'a> {
         self.loaded.model.encoder().device()
     }
 
-    fn cls(&self) -> Option<u32> {
-        match self.loaded.config.head {
-            HeadConfig::Classify {
-                pooling: Pooling::First,
-                ..
-            } => self.loaded.tokenizer.cls_id(),
-            _ => None,
-        }
-    }
-
     fn prepare(&self, index: usize, text: &str) -> Result<Prepared> {
         let words: Vec<String> = text.split_whitespace().map(String::from).collect();
         if words.is_empty() {
             return Err(Error::Input(format!("text {}: empty", index + 1)));
         }
-        let enc = self.loaded.tokenizer.encode_words(&words)?;
-        let mut ids: Vec<u32> = self.cls().into_iter().collect();
-        let mut word_ids: Vec<Option<u32>> = self.cls().map(|_| None).into_iter().collect();
-        ids.extend(&enc.ids);
-        word_ids.extend(&enc.word_ids);
+        // As the model was trained: a [CLS] first for first-token pooling, the tokenizer's
+        // template for a fine-tuned pretrained encoder.
+        let framing = self.loaded.config.framing(&self.loaded.tokenizer)?;
+        let enc = framing.encode(&self.loaded.tokenizer, &words)?;
+        let (mut ids, mut word_ids) = (enc.ids, enc.word_ids);
         let mut note = None;
         let encoder = self.loaded.model.encoder();
         // The tightest of: a learned table's rows, randomized positions' range, and the
@@ -198,8 +188,12 @@ impl<'a> Predictor<'a> {
                     )));
                 }
                 note = Some(format!("cut to the first {rows} of {} tokens", ids.len()));
-                ids.truncate(rows);
-                word_ids.truncate(rows);
+                // The template's closing tokens ([SEP]) stay at the end.
+                let (_, back) = framing.around();
+                let back = back.min(rows);
+                let tail = ids.len() - back;
+                ids.drain(rows - back..tail);
+                word_ids.drain(rows - back..tail);
             }
         }
         let unknown = match self.loaded.tokenizer.unk_id() {

@@ -107,10 +107,23 @@ impl ParamStore {
     /// Sets the variables from `tensors` (converted to each variable's dtype and device), after
     /// checking that the names and shapes match exactly. `source` names them in errors.
     pub fn assign(&self, tensors: &HashMap<String, Tensor>, source: &Path) -> Result<()> {
-        let vars = self.lock();
+        self.assign_where(tensors, source, |_| true)
+    }
+
+    /// As [`ParamStore::assign`], for the variables whose names `take` accepts (the others keep
+    /// their values): a pretrained encoder's weights under a new head.
+    pub fn assign_where(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+        source: &Path,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        let all = self.lock();
+        let vars: std::collections::BTreeMap<&String, &Var> =
+            all.iter().filter(|(name, _)| take(name)).collect();
         let mut problems = Vec::new();
         for (name, var) in vars.iter() {
-            match tensors.get(name) {
+            match tensors.get(*name) {
                 None => problems.push(format!(
                     "missing tensor `{name}` (the model expects shape {:?})",
                     var.dims()
@@ -127,7 +140,7 @@ impl ParamStore {
         // compute silently wrong numbers.
         let mut bad_values = Vec::new();
         for (name, var) in vars.iter() {
-            let Some(t) = tensors.get(name).filter(|t| t.dims() == var.dims()) else {
+            let Some(t) = tensors.get(*name).filter(|t| t.dims() == var.dims()) else {
                 continue;
             };
             let values = t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
@@ -147,7 +160,7 @@ impl ParamStore {
         }
         let mut unexpected: Vec<_> = tensors
             .iter()
-            .filter(|(name, _)| !vars.contains_key(*name))
+            .filter(|(name, _)| !vars.contains_key(name))
             .map(|(name, t)| format!("unexpected tensor `{name}` {:?}", t.dims()))
             .collect();
         unexpected.sort();
@@ -178,7 +191,7 @@ impl ParamStore {
             });
         }
         for (name, var) in vars.iter() {
-            let t = &tensors[name];
+            let t = &tensors[*name];
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
         Ok(())

@@ -33,6 +33,21 @@ pub struct SavedConfig {
     /// The task as configured, so its evaluation text can be made again (`poslab analyze`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_spec: Option<crate::tasks::TaskSpec>,
+    /// The pretrained model the weights started from (`init = { model = ... }`), for the
+    /// record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<String>,
+    /// Texts are framed by the tokenizer's template (`[CLS] ... [SEP]`), as the pretrained
+    /// encoder the model started from reads them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub special_tokens: bool,
+}
+
+impl SavedConfig {
+    /// How this model reads a text (see [`HeadConfig::framing`]).
+    pub fn framing(&self, tok: &TextTokenizer) -> Result<crate::data::Framing> {
+        self.head.framing(tok, self.special_tokens)
+    }
 }
 
 /// Writes the model's folder, each file atomically.
@@ -94,7 +109,12 @@ pub fn load_as(
     }
     config.model.validate()?;
     let tokenizer = TextTokenizer::from_file(dir.join(TOKENIZER))?;
-    if tokenizer.vocab_size() != config.model.vocab_size {
+    // A pretrained model's table may have more rows than its tokenizer has ids (never fewer).
+    let fits = match config.init {
+        Some(_) => tokenizer.vocab_size() <= config.model.vocab_size,
+        None => tokenizer.vocab_size() == config.model.vocab_size,
+    };
+    if !fits {
         return Err(Error::Config(format!(
             "{}: the tokenizer has {} ids but the model's vocab_size is {}",
             dir.display(),

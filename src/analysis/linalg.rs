@@ -128,7 +128,7 @@ pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
 
 /// Solves `a x = b` for a symmetric positive definite `a` (`d x d`) and `b` (`d x m`), by
 /// Cholesky, `a = L Lᵀ`.
-fn cholesky_solve(a: Vec<f64>, b: Vec<f64>, d: usize, m: usize) -> Vec<f64> {
+pub(crate) fn cholesky_solve(a: Vec<f64>, b: Vec<f64>, d: usize, m: usize) -> Vec<f64> {
     let mut l = vec![0.0; d * d];
     for i in 0..d {
         for j in 0..=i {

@@ -501,6 +501,7 @@ fn analysis_json(a: &Analysis) -> serde_json::Value {
         "relative_shift": a.shift,
         "rotation_error": a.rotation_error(),
         "probe": a.probe,
+        "order_probe": a.order,
         "principal_components": a.geometry,
         "wavelengths": a.wavelengths.iter().map(|w| serde_json::json!({
             "base": w.base,

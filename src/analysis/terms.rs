@@ -7,8 +7,8 @@ use candle::{DType, Tensor, D};
 use serde::Serialize;
 
 use crate::data::pad_batch;
+use crate::encoder::Encoder;
 use crate::error::{Error, Result};
-use crate::model::{HeadConfig, Pooling};
 use crate::saved::Loaded;
 use crate::text::HubSource;
 
@@ -72,20 +72,13 @@ pub fn evaluation_batch(
     if texts.is_empty() {
         return Err(Error::Input("no evaluation text to analyse".into()));
     }
-    let cls = match loaded.config.head {
-        HeadConfig::Classify {
-            pooling: Pooling::First,
-            ..
-        } => loaded.tokenizer.cls_id(),
-        _ => None,
-    };
+    let framing = loaded.config.framing(&loaded.tokenizer)?;
     let rows = loaded.model.encoder().max_positions();
     let mut cut = 0;
     let ids: Vec<Vec<u32>> = texts
         .iter()
         .map(|w| {
-            let mut ids: Vec<u32> = cls.into_iter().collect();
-            ids.extend(loaded.tokenizer.encode_words(w)?.ids);
+            let mut ids = framing.encode(&loaded.tokenizer, w)?.ids;
             if let Some(r) = rows.filter(|&r| ids.len() > r) {
                 ids.truncate(r);
                 cut += 1;
@@ -102,9 +95,43 @@ pub fn evaluation_batch(
     Ok((ids, mask, cut))
 }
 
+/// Text for a pretrained encoder's attention terms: the lines of `text_file` (at most `n`), or
+/// without one the first `n` reviews of the shipped `examples/data/reviews.tsv` (plain English
+/// sentences). Returns the texts and where they came from.
+pub fn pretrained_texts(n: usize, text_file: Option<&Path>) -> Result<(Vec<String>, String)> {
+    let (text, source) = match text_file {
+        Some(path) => (
+            crate::io::read_text_bounded(path, crate::io::MAX_DATA_BYTES, "text")?,
+            path.display().to_string(),
+        ),
+        None => (
+            REVIEWS
+                .lines()
+                .skip(1)
+                .filter_map(|l| l.split('\t').next())
+                .collect::<Vec<_>>()
+                .join("\n"),
+            "examples/data/reviews.tsv".to_string(),
+        ),
+    };
+    let texts: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .take(n)
+        .map(String::from)
+        .collect();
+    if texts.is_empty() {
+        return Err(Error::Input(format!("{source}: no text to analyse")));
+    }
+    Ok((texts, source))
+}
+
+const REVIEWS: &str = include_str!("../../examples/data/reviews.tsv");
+
 /// The four terms per layer and head, over the real token pairs of a batch.
-pub fn attention_terms(loaded: &Loaded, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
-    let layers = loaded.model.encoder().score_terms(ids, mask)?;
+pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
+    let layers = encoder.score_terms(ids, mask)?;
     let m = mask.to_dtype(DType::F64)?;
     let pairs = m
         .unsqueeze(2)?

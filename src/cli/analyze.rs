@@ -130,6 +130,7 @@ pub fn run(a: Args) -> Result<()> {
             a.factor
         );
     }
+    let mut pretrained = None;
     let (table, label, mut loaded) = match (&a.scheme, &a.run) {
         _ if a.model.is_some() => {
             let spec = a.model.as_deref().expect("checked");
@@ -165,6 +166,7 @@ pub fn run(a: Args) -> Result<()> {
                 values,
                 pairs: None,
             };
+            pretrained = Some(model);
             (Some(table), label, None)
         }
         (_, Some(dir)) => {
@@ -286,6 +288,24 @@ pub fn run(a: Args) -> Result<()> {
                 .join(", ")
         ));
     }
+    if let Some(model) = &pretrained {
+        // TUPE's analysis of BERT: the first layer's logits on real text, split exactly.
+        let (texts, source) = analysis::terms::pretrained_texts(a.texts, a.text.as_deref())?;
+        let batch = model.batch(&texts, true)?;
+        let terms = analysis::terms::attention_terms(&model.encoder, &batch.ids, &batch.mask)?;
+        summary.push_str(&format!(
+            "attention logits of the first layer (W_q(x+p))·(W_k(y+p')) split into four terms \
+             (the embedding LayerNorm split exactly), on {} texts of {source}:\n",
+            texts.len()
+        ));
+        summary.push_str(&analysis::terms::summary(&terms));
+        files.extend(analysis::write_terms(
+            &terms,
+            "attention logits: content and position terms per head",
+            &dir,
+        )?);
+        poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    }
     if let Some(loaded) = &mut loaded {
         let encoder = loaded.model.encoder();
         if let Some(bias) = analysis::bias::encoder_biases(encoder, bias_positions)? {
@@ -321,7 +341,7 @@ pub fn run(a: Args) -> Result<()> {
                     Err(e) if a.text.is_none() => summary.push_str(&format!("attention terms skipped: {e}\n")),
                     Err(e) => return Err(e.into()),
                     Ok((ids, mask, cut)) => {
-                        let terms = analysis::terms::attention_terms(loaded, &ids, &mask)?;
+                        let terms = analysis::terms::attention_terms(loaded.model.encoder(), &ids, &mask)?;
                         summary.push_str(&format!(
                             "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms, on {} texts{}:\n",
                             ids.dim(0)?,

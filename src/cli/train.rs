@@ -74,7 +74,7 @@ pub fn run(args: Args) -> Result<()> {
         (Some(path), None) => {
             let mut config = single::TrainRunConfig::load(&path)?;
             if let Some(dtype) = compute.dtype {
-                config.model.dtype = dtype;
+                config.set_dtype(dtype);
             }
             let dir = match out {
                 Some(dir) => dir,

@@ -84,48 +84,38 @@ pub(crate) struct Prepared<'a> {
 }
 
 /// Tokenizes `data` of `spec` into the splits, the head and the tests (by length, shuffled for
-/// sentence labels, shifted by `shift`).
+/// sentence labels, shifted by `shift`). With `template`, every text is framed by the
+/// tokenizer's special tokens (`[CLS] ... [SEP]`), as a pretrained encoder reads it; first-token
+/// pooling then reads its `[CLS]`.
 pub(crate) fn prepare(
     spec: &TaskSpec,
     data: TaskData,
     pooling: Pooling,
     shift: usize,
+    template: bool,
 ) -> Result<Prepared<'_>> {
     let tok = &data.tokenizer;
-    let (head, cls) = match &data.objective {
-        Objective::Classify { labels } => {
-            let cls = match pooling {
-                Pooling::First => Some(tok.cls_id().ok_or_else(|| {
-                    Error::Config("first-token pooling needs a [CLS] token in the tokenizer".into())
-                })?),
-                Pooling::Mean => None,
-            };
-            (
-                HeadConfig::Classify {
-                    classes: labels.len(),
-                    pooling,
-                },
-                cls,
-            )
-        }
-        Objective::Tag { labels } => (
-            HeadConfig::Tag {
-                classes: labels.len(),
-            },
-            None,
-        ),
-        Objective::Mlm { .. } => (HeadConfig::Mlm, None),
+    let head = match &data.objective {
+        Objective::Classify { labels } => HeadConfig::Classify {
+            classes: labels.len(),
+            pooling,
+        },
+        Objective::Tag { labels } => HeadConfig::Tag {
+            classes: labels.len(),
+        },
+        Objective::Mlm { .. } => HeadConfig::Mlm,
     };
+    let framing = head.framing(tok, template)?;
     let masking = match &data.objective {
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
         _ => None,
     };
-    let train = Dataset::encode(&data.train, tok, cls, data.limit)?;
-    let valid = Dataset::encode(&data.valid, tok, cls, data.limit)?;
+    let train = Dataset::encode(&data.train, tok, framing, data.limit)?;
+    let valid = Dataset::encode(&data.valid, tok, framing, data.limit)?;
     let mut sets = data
         .tests
         .iter()
-        .map(|t| Dataset::encode(&t.examples, tok, cls, data.limit))
+        .map(|t| Dataset::encode(&t.examples, tok, framing, data.limit))
         .collect::<Result<Vec<_>>>()?;
     let mut notes = Vec::new();
     for (what, set) in [("training", &train), ("validation", &valid)]
@@ -166,10 +156,8 @@ pub(crate) fn prepare(
     let base_seed = mask_seed(&data.tests[base]);
     let shuffle_test = matches!(data.objective, Objective::Classify { .. });
     if shuffle_test {
-        let shuffled = sets[base].with_shuffled_tokens(
-            cls.is_some(),
-            &mut rng::stream(spec.data_seed, "shuffle test"),
-        );
+        let shuffled = sets[base]
+            .with_shuffled_tokens(framing, &mut rng::stream(spec.data_seed, "shuffle test"));
         sets.push(shuffled);
         tests.push(Test {
             name: SHUFFLED.into(),
@@ -505,6 +493,8 @@ fn run_cell(
             task: task.spec.name.clone(),
             seed,
             task_spec: Some(task.spec.clone()),
+            init: None,
+            special_tokens: false,
         },
     )?;
 
@@ -699,6 +689,7 @@ pub fn run(
                 spec.generate()?,
                 config.model.pooling,
                 config.eval.shift,
+                false,
             )
         })
         .collect::<Result<Vec<_>>>()?;

@@ -17,14 +17,16 @@ use serde::{Deserialize, Serialize};
 use super::results::Evaluation;
 use super::run::prepare;
 use super::{EvalConfig, ModelShape, VariantSpec};
+use crate::config::Precision;
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
+use crate::model::Pooling;
 use crate::model::TaskModel;
 use crate::params::{load_tensors, save_tensors, ParamStore};
 use crate::positional::PositionalConfig;
 use crate::saved::{self, SavedConfig};
 use crate::tasks::TaskSpec;
-use crate::text::{HubSource, TextTokenizer};
+use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use crate::train::{Checkpoint, TrainConfig, TrainState, Trainer};
 
 pub const TRAIN_CONFIG: &str = "train.toml";
@@ -61,6 +63,20 @@ fn d_checkpoint_every() -> usize {
 /// kind = "classify"
 /// train = "examples/data/reviews.tsv"
 /// ```
+///
+/// Or, to fine-tune a pretrained encoder, `init` instead of `[model]` and `[positional]` (the
+/// model brings its shape, its positions and its tokenizer):
+///
+/// ```toml
+/// name = "reviews-minilm"
+/// init = { model = "sentence-transformers/all-MiniLM-L6-v2", pooling = "mean" }
+/// [train]
+/// budget = { steps = 300 }
+/// lr = 5e-5
+/// [task]
+/// kind = "classify"
+/// train = "examples/data/reviews.tsv"
+/// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainRunConfig {
@@ -69,8 +85,13 @@ pub struct TrainRunConfig {
     pub seed: u64,
     #[serde(default = "d_checkpoint_every")]
     pub checkpoint_every: usize,
-    pub model: ModelShape,
-    pub positional: PositionalConfig,
+    /// Start from a pretrained encoder (instead of `[model]` and `[positional]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitConfig>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelShape>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub positional: Option<PositionalConfig>,
     /// Rows of a learned table; default: the longest training input (or the task's max_tokens).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_len: Option<usize>,
@@ -83,16 +104,89 @@ pub struct TrainRunConfig {
     pub task: TaskSpec,
 }
 
+/// `init = { model = ..., pooling = ..., dtype = ... }`: fine-tune a pretrained encoder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitConfig {
+    /// A Hugging Face folder or Hub id of a BERT-family model (as `--model` takes).
+    pub model: String,
+    /// How a sentence label reads the hidden states: `first` (the `[CLS]` token, as
+    /// transformers' sequence classifiers, default) or `mean` (over real tokens, as
+    /// sentence-transformers).
+    #[serde(default = "d_init_pooling")]
+    pub pooling: Pooling,
+    /// Activations in `f32` (default), `bf16` or `f16`.
+    #[serde(default)]
+    pub dtype: Precision,
+}
+
+fn d_init_pooling() -> Pooling {
+    Pooling::First
+}
+
+/// What a run builds: its own encoder, or a pretrained one.
+enum Architecture<'a> {
+    Own {
+        shape: &'a ModelShape,
+        positional: &'a PositionalConfig,
+    },
+    Pretrained(&'a InitConfig),
+}
+
 impl TrainRunConfig {
-    fn variant(&self) -> VariantSpec {
+    /// `[model]` and `[positional]`, or `init`: exactly one of the two.
+    fn architecture(&self) -> Result<Architecture<'_>> {
+        match (&self.init, &self.model, &self.positional) {
+            (Some(init), None, None) => {
+                let own = [
+                    ("max_len", self.max_len.is_some()),
+                    ("random_positions", self.random_positions.is_some()),
+                    (
+                        "[task] tokenizer",
+                        self.task.tokenizer != TokenizerSpec::default(),
+                    ),
+                ];
+                if let Some((what, _)) = own.iter().find(|(_, set)| *set) {
+                    return Err(Error::Config(format!(
+                        "init = {{ model = {:?} }} brings the model's own position table and \
+                         tokenizer: remove {what}",
+                        init.model
+                    )));
+                }
+                Ok(Architecture::Pretrained(init))
+            }
+            (Some(init), _, _) => Err(Error::Config(format!(
+                "init = {{ model = {:?} }} takes the model's shape and positions from the \
+                 pretrained model: remove [model] and [positional]",
+                init.model
+            ))),
+            (None, Some(shape), Some(positional)) => Ok(Architecture::Own { shape, positional }),
+            (None, _, _) => Err(Error::Config(
+                "a train config needs [model] and [positional], or init = { model = \
+                 \"PATH_OR_HUB_ID\" } to fine-tune a pretrained encoder"
+                    .into(),
+            )),
+        }
+    }
+
+    fn variant(&self, positional: &PositionalConfig) -> VariantSpec {
         VariantSpec {
-            name: self.positional.name().into(),
-            positional: self.positional.clone(),
+            name: positional.name().into(),
+            positional: positional.clone(),
             d_model: None,
             embed_scale: None,
             token_init_std: None,
             max_len: self.max_len,
             random_positions: self.random_positions,
+        }
+    }
+
+    /// The dtype activations are computed in.
+    pub fn set_dtype(&mut self, dtype: Precision) {
+        match (&mut self.init, &mut self.model) {
+            (Some(init), _) => init.dtype = dtype,
+            (None, Some(shape)) => shape.dtype = dtype,
+            (None, None) => {}
         }
     }
 
@@ -107,9 +201,12 @@ impl TrainRunConfig {
                 crate::positional::MAX_POSITION
             )));
         }
-        self.model
-            .model_config(&self.variant(), 8, self.max_len.unwrap_or(1))
-            .validate()
+        match self.architecture()? {
+            Architecture::Own { shape, positional } => shape
+                .model_config(&self.variant(positional), 8, self.max_len.unwrap_or(1))
+                .validate(),
+            Architecture::Pretrained(_) => Ok(()),
+        }
     }
 
     pub fn from_toml_str(text: &str) -> Result<Self> {
@@ -193,7 +290,11 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
         )));
     }
     clean_temporaries(dir);
-    let data = config.task.generate_with(&options.hub, None)?;
+    let tokenizer = match &config.init {
+        Some(init) => Some(Start::folder(init, &options.hub)?.tokenizer),
+        None => None,
+    };
+    let data = config.task.generate_with(&options.hub, tokenizer)?;
     data.tokenizer.save(dir.join(saved::TOKENIZER))?;
     write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
     let end = run(config, data, options, false);
@@ -286,24 +387,107 @@ fn clean_temporaries(dir: &Path) {
     }
 }
 
+/// A pretrained start: the folder read, its encoder's config as this run computes it.
+struct Start {
+    folder: crate::pretrained::Folder,
+    config: crate::config::ModelConfig,
+}
+
+impl Start {
+    fn folder(init: &InitConfig, hub: &HubSource) -> Result<crate::pretrained::Folder> {
+        let dir = crate::pretrained::resolve(&init.model, hub)?;
+        crate::pretrained::Folder::read(&dir)
+            .map_err(|e| Error::Config(format!("init = {{ model = {:?} }}: {e}", init.model)))
+    }
+
+    fn read(init: &InitConfig, hub: &HubSource) -> Result<Self> {
+        let folder = Self::folder(init, hub)?;
+        let config = crate::config::ModelConfig {
+            dtype: init.dtype,
+            ..folder.config.clone()
+        };
+        Ok(Self { folder, config })
+    }
+
+    /// The encoder's weights into `params` (the new head keeps its seeded initialisation).
+    fn assign(&self, params: &ParamStore) -> Result<()> {
+        let encoder: HashMap<String, candle::Tensor> = self
+            .folder
+            .tensors
+            .iter()
+            .filter(|(name, _)| !name.starts_with("mlm."))
+            .map(|(name, t)| (name.clone(), t.clone()))
+            .collect();
+        params.assign_where(&encoder, &self.folder.weights, |name| {
+            !name.starts_with("head.")
+        })
+    }
+}
+
 fn run(
     config: &TrainRunConfig,
-    data: crate::tasks::TaskData,
+    mut data: crate::tasks::TaskData,
     options: &TrainOptions,
     resuming: bool,
 ) -> Result<TrainEnd> {
     let dir = &options.dir;
-    let task = prepare(&config.task, data, config.model.pooling, config.eval.shift)?;
+    let start = match config.architecture()? {
+        Architecture::Pretrained(init) => {
+            let start = Start::read(init, &options.hub)?;
+            if !matches!(
+                data.objective,
+                crate::tasks::Objective::Classify { .. } | crate::tasks::Objective::Tag { .. }
+            ) {
+                return Err(Error::Config(format!(
+                    "init = {{ model = {:?} }}: fine-tuning trains a classify or tag head; task \
+                     `{}` is neither (for masked-LM predictions use `poslab predict --model`)",
+                    init.model, config.task.name
+                )));
+            }
+            // Texts longer than the table are refused (or cut, with truncate = true).
+            let rows = start.config.max_len - start.config.embeddings.first_position;
+            match data.limit.max_tokens {
+                Some(n) if n > rows => {
+                    return Err(Error::Config(format!(
+                        "[task] max_tokens = {n}, but {}'s position table reads at most {rows} \
+                         tokens: lower max_tokens",
+                        init.model
+                    )))
+                }
+                Some(_) => {}
+                None => data.limit.max_tokens = Some(rows),
+            }
+            Some(start)
+        }
+        Architecture::Own { .. } => None,
+    };
+    let pooling = match (&config.init, &config.model) {
+        (Some(init), _) => init.pooling,
+        (None, Some(shape)) => shape.pooling,
+        (None, None) => unreachable!("checked by architecture()"),
+    };
+    let task = prepare(
+        &config.task,
+        data,
+        pooling,
+        config.eval.shift,
+        start.is_some(),
+    )?;
     task.check_random_positions(config.random_positions, &config.name)?;
     let eval_batch = config
         .eval
         .batch_size
         .unwrap_or(2 * config.train.batch_size);
     let tok = &task.data.tokenizer;
-    let model_config =
-        config
-            .model
-            .model_config(&config.variant(), tok.vocab_size(), task.table_rows());
+    let model_config = match (&start, config.architecture()?) {
+        (Some(start), _) => start.config.clone(),
+        (None, Architecture::Own { shape, positional }) => shape.model_config(
+            &config.variant(positional),
+            tok.vocab_size(),
+            task.table_rows(),
+        ),
+        (None, Architecture::Pretrained(_)) => unreachable!("a pretrained start was read"),
+    };
     model_config.validate()?;
     task.check_memory(
         &model_config,
@@ -317,6 +501,9 @@ fn run(
         &task.head,
         params.var_builder(DType::F32, &options.device),
     )?;
+    if let Some(start) = &start {
+        start.assign(&params)?;
+    }
     let train_data = task.train_data();
     let mut trainer = Trainer::new(&model, &params, &train_data, &config.train, config.seed)?;
     if resuming {
@@ -364,18 +551,20 @@ fn run(
         tok,
         &SavedConfig {
             format: saved::FORMAT.into(),
-            model: model_config,
+            model: model_config.clone(),
             head: task.head.clone(),
             objective: task.data.objective.clone(),
             task: config.task.name.clone(),
             seed: config.seed,
             task_spec: Some(config.task.clone()),
+            init: config.init.as_ref().map(|i| i.model.clone()),
+            special_tokens: start.is_some(),
         },
     )?;
     let metrics = Metrics {
         name: config.name.clone(),
         task: config.task.name.clone(),
-        positional: config.positional.clone(),
+        positional: model_config.positional.clone(),
         seed: config.seed,
         params: params.num_params(),
         steps: outcome.steps,

@@ -4,7 +4,7 @@
 //! A BERT is poslab's encoder with a learned position table, post-norm layers, exact GELU, and
 //! the two embedding extras of [`EmbeddingExtras`] (token types and an embedding LayerNorm);
 //! the names map as [`names`] lists. RoBERTa differs only in its positions, which start at
-//! `padding_idx + 1`, with padded tokens at `padding_idx` (transformers'
+//! `padding_idx + 1` (transformers'
 //! `create_position_ids_from_input_ids`).
 //!
 //! ```text
@@ -102,7 +102,7 @@ impl HfConfig {
 
     /// poslab's config of the same encoder.
     pub fn model_config(&self) -> Result<ModelConfig> {
-        self.family()?;
+        let family = self.family()?;
         if let Some(kind) = self
             .position_embedding_type
             .as_deref()
@@ -142,6 +142,10 @@ impl HfConfig {
             embeddings: EmbeddingExtras {
                 token_types: self.type_vocab_size,
                 norm: true,
+                first_position: match family {
+                    Family::Bert => 0,
+                    Family::Roberta { padding_idx } => padding_idx + 1,
+                },
             },
             positional: PositionalConfig::Learned(LearnedOptions { init_std: 0.02 }),
         };
@@ -206,9 +210,25 @@ pub struct Batch {
     pub word_ids: Vec<Vec<Option<u32>>>,
 }
 
-impl Pretrained {
-    /// Loads `dir`, checking every tensor of `model.safetensors` against the config.
-    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+/// A Hugging Face folder, read and checked: its config, poslab's config of the same encoder,
+/// the tensors under poslab's names ([`names`]), and the tokenizer. What [`Pretrained::load`]
+/// builds a model from, and what `train`'s `init = { model = ... }` starts from.
+pub struct Folder {
+    pub dir: PathBuf,
+    pub hf: HfConfig,
+    pub family: Family,
+    pub config: ModelConfig,
+    /// Under poslab's names; the masked-LM head's, when the file has one, under `mlm.`.
+    pub tensors: HashMap<String, Tensor>,
+    pub has_mlm: bool,
+    pub tokenizer: TextTokenizer,
+    /// `model.safetensors`, for messages.
+    pub weights: PathBuf,
+}
+
+impl Folder {
+    /// Reads `dir`, checking every tensor of `model.safetensors` against the config.
+    pub fn read(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
         let text =
             crate::io::read_text_bounded(&config_path, crate::io::MAX_CONFIG_BYTES, "config.json")?;
@@ -227,7 +247,7 @@ impl Pretrained {
             )));
         }
         let (tensors, _) = crate::params::load_tensors(&weights)?;
-        let (renamed, has_mlm) =
+        let (tensors, has_mlm) =
             rename(&tensors, &hf, family).map_err(|message| Error::Checkpoint {
                 path: weights.clone(),
                 message,
@@ -241,10 +261,28 @@ impl Pretrained {
                 hf.vocab_size
             )));
         }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            hf,
+            family,
+            config,
+            tensors,
+            has_mlm,
+            tokenizer,
+            weights,
+        })
+    }
+}
+
+impl Pretrained {
+    /// Loads `dir`, checking every tensor of `model.safetensors` against the config.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let folder = Folder::read(dir)?;
+        let hf = folder.hf;
         let params = ParamStore::new(0);
         let vb = params.var_builder(DType::F32, device);
-        let encoder = Encoder::new(&config, vb.clone())?;
-        let mlm = match has_mlm {
+        let encoder = Encoder::new(&folder.config, vb.clone())?;
+        let mlm = match folder.has_mlm {
             true => Some(MlmHead::new(
                 hf.hidden_size,
                 hf.vocab_size,
@@ -253,28 +291,24 @@ impl Pretrained {
             )?),
             false => None,
         };
-        params.assign(&renamed, &weights)?;
+        params.assign(&folder.tensors, &folder.weights)?;
         Ok(Self {
             hf,
-            family,
+            family: folder.family,
             encoder,
             mlm,
-            tokenizer,
+            tokenizer: folder.tokenizer,
             params,
-            dir: dir.to_path_buf(),
+            dir: folder.dir,
         })
     }
 
     /// The most tokens (specials included) one text may have: the position table's rows,
     /// less RoBERTa's offset.
     pub fn max_tokens(&self) -> usize {
-        match self.family {
-            Family::Bert => self.hf.max_position_embeddings,
-            Family::Roberta { padding_idx } => self
-                .hf
-                .max_position_embeddings
-                .saturating_sub(padding_idx + 1),
-        }
+        self.encoder
+            .max_positions()
+            .unwrap_or(self.hf.max_position_embeddings)
     }
 
     /// Tokenizes `texts` with the folder's tokenizer (special tokens included) and pads them.
@@ -326,36 +360,15 @@ impl Pretrained {
         })
     }
 
-    /// The family's position ids for a padded batch.
+    /// The position ids of a padded batch: `0..t`, which the encoder moves to where the
+    /// family's positions start (RoBERTa's `padding_idx + 1`, its config's
+    /// `embeddings.first_position`). Padded tokens' positions differ from transformers' (it
+    /// puts them at `padding_idx`) but are never read: padded keys are masked.
     ///
     /// # Shapes
-    /// - `mask`: `(b, t)`; returns `(1, t)` (BERT) or `(b, t)` (RoBERTa) positions
+    /// - `mask`: `(b, t)`; returns `(1, t)` positions
     pub fn positions(&self, mask: &Tensor) -> Result<Positions> {
-        let t = mask.dim(1)?;
-        match self.family {
-            Family::Bert => Positions::range(0, t),
-            Family::Roberta { padding_idx } => {
-                let rows: Vec<Vec<usize>> = mask
-                    .to_dtype(DType::F32)?
-                    .to_vec2::<f32>()?
-                    .iter()
-                    .map(|row| {
-                        let mut seen = 0;
-                        row.iter()
-                            .map(|&m| {
-                                if m > 0.0 {
-                                    seen += 1;
-                                    padding_idx + seen
-                                } else {
-                                    padding_idx
-                                }
-                            })
-                            .collect()
-                    })
-                    .collect();
-                Positions::from_rows(&rows)
-            }
-        }
+        Positions::range(0, mask.dim(1)?)
     }
 
     /// The last hidden states, `(b, t, d)`.

@@ -461,6 +461,20 @@ impl TextTokenizer {
         })
     }
 
+    /// As [`TextTokenizer::encode_words`], framed by the tokenizer's template's special tokens
+    /// (`[CLS] ... [SEP]`), whose `word_ids` are `None`.
+    pub fn encode_words_with_specials<S: AsRef<str>>(&self, words: &[S]) -> Result<Encoded> {
+        let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();
+        let enc = self
+            .inner
+            .encode(words.as_slice(), true)
+            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))?;
+        Ok(Encoded {
+            ids: enc.get_ids().to_vec(),
+            word_ids: enc.get_word_ids().to_vec(),
+        })
+    }
+
     /// The text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

@@ -89,17 +89,37 @@ fn wavelengths_and_first_wraps_are_the_closed_form() {
 
 #[test]
 fn attention_terms_rebuild_the_scores_exactly() {
-    for positional in [
-        PositionalConfig::SinusoidalAdd(Default::default()),
-        PositionalConfig::Learned(Default::default()),
+    // BERT's embedding extras (a token-type row, an embedding LayerNorm, RoBERTa's offset) are
+    // split too: the LayerNorm's parts share the sum's standard deviation.
+    let bert_like = poslab::config::EmbeddingExtras {
+        token_types: 2,
+        norm: true,
+        first_position: 2,
+    };
+    for (positional, extras) in [
+        (
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            Default::default(),
+        ),
+        (
+            PositionalConfig::Learned(Default::default()),
+            Default::default(),
+        ),
+        (
+            PositionalConfig::Learned(Default::default()),
+            bert_like.clone(),
+        ),
+        (
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            bert_like,
+        ),
     ] {
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
             let store = ParamStore::new(3);
-            let encoder = Encoder::new(
-                &tiny_config(positional.clone(), norm),
-                store.var_builder(DType::F64, &Device::Cpu),
-            )
-            .unwrap();
+            let mut config = tiny_config(positional.clone(), norm);
+            config.embeddings = extras.clone();
+            let encoder =
+                Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
             let (ids, mask) = padded_batch(3, 9, 40);
             let layers = encoder.score_terms(&ids, &mask).unwrap();
             assert_eq!(
@@ -107,6 +127,10 @@ fn attention_terms_rebuild_the_scores_exactly() {
                 if norm == NormPlacement::Pre { 2 } else { 1 },
                 "{norm:?}"
             );
+            // The scores the terms rebuild are the model's own: q·k / sqrt(d_head) of the
+            // queries and keys its forward pass computes.
+            let qk = encoder.queries_keys(&ids, &mask).unwrap();
+            let scale = 1.0 / (config.head_dim() as f64).sqrt();
             for (i, scores, terms) in layers {
                 let sum = terms
                     .iter()
@@ -114,6 +138,13 @@ fn attention_terms_rebuild_the_scores_exactly() {
                     .fold(terms[0].clone(), |a, t| (a + t).unwrap());
                 let err = max_abs_diff(&sum, &scores);
                 assert!(err < 1e-10, "layer {i}: {err:e}");
+                let (q, k) = &qk[i];
+                let forward = (q.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+                let err = max_abs_diff(&forward, &scores);
+                assert!(
+                    err < 1e-10,
+                    "layer {i} {extras:?}: {err:e} from the forward pass"
+                );
                 // The position·position term is not zero: positions matter in these models.
                 assert!(
                     terms[3]

@@ -467,6 +467,7 @@ fn embedding_extras_match_the_reference() {
         config.embeddings = poslab::config::EmbeddingExtras {
             token_types: 2,
             norm: true,
+            first_position: 2,
         };
         for dtype in [DType::F32, DType::F64] {
             let reference = run_encoder(&config, dtype, Kernels::Reference, false);

@@ -142,6 +142,7 @@ fn embedding_extras_train_every_variable() {
     config.embeddings = poslab::config::EmbeddingExtras {
         token_types: 2,
         norm: true,
+        first_position: 2,
     };
     let checked = training_gradients(&config, &Device::Cpu, "embedding extras");
     let names: Vec<&str> = checked.iter().map(|(n, _, _)| n.as_str()).collect();

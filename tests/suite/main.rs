@@ -7,6 +7,7 @@ mod common;
 mod compare;
 mod config;
 mod cuda;
+mod finetune;
 mod fused;
 mod gradients;
 mod hardening;

@@ -83,17 +83,51 @@ fn tiny_roberta_matches_transformers() {
 #[test]
 fn roberta_positions_start_after_the_padding_index() {
     let model = Pretrained::load(&folder("tiny-roberta"), &Device::Cpu).unwrap();
+    // The encoder moves positions 0..t to padding_idx + 1 = 2 onwards.
+    assert_eq!(model.encoder.config().embeddings.first_position, 2);
     let mask = Tensor::new(&[[1f32, 1., 1., 0.], [1., 1., 1., 1.]], &Device::Cpu).unwrap();
-    let p = model.positions(&mask).unwrap();
-    assert_eq!(
-        (p.row(0), p.row(1)),
-        (&[2u32, 3, 4, 1][..], &[2u32, 3, 4, 5][..])
-    );
+    assert_eq!(model.positions(&mask).unwrap().as_range(), Some(0));
     // The table has 66 rows: 64 tokens at positions 2..=65.
     assert_eq!(model.max_tokens(), 64);
     let bert = Pretrained::load(&folder("tiny-bert"), &Device::Cpu).unwrap();
-    assert_eq!(bert.positions(&mask).unwrap().as_range(), Some(0));
+    assert_eq!(bert.encoder.config().embeddings.first_position, 0);
     assert_eq!(bert.max_tokens(), 64);
+    // A text's hidden states do not depend on the padding beside it (padded tokens are never
+    // read), and 64 tokens fit where 65 are refused.
+    let short = vec!["the cat sat".to_string()];
+    let both = vec![
+        "the cat sat".to_string(),
+        "the big red fox ran over the lazy dog".into(),
+    ];
+    let alone = model.batch(&short, false).unwrap();
+    let padded = model.batch(&both, false).unwrap();
+    let h1 = model.hidden(&alone.ids, &alone.mask).unwrap().i(0).unwrap();
+    let t = alone.lengths[0];
+    let h2 = model
+        .hidden(&padded.ids, &padded.mask)
+        .unwrap()
+        .i((0, ..t))
+        .unwrap();
+    let diff = (h1 - h2)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-5, "padding moved a real token by {diff}");
+    let fits = vec!["the ".repeat(62)];
+    assert_eq!(model.batch(&fits, false).unwrap().lengths, vec![64]);
+    let e = model
+        .batch(&[format!("{} the", fits[0])], false)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("65 tokens") && e.contains("at most 64") && e.contains("--truncate"),
+        "{e}"
+    );
 }
 
 /// A copy of a fixture folder to break.
@@ -504,9 +538,33 @@ fn analyze_model_measures_the_rows_real_tokens_read() {
         "summary.json",
         "norms.png",
         "pca.png",
+        "attention_terms.csv",
+        "attention_terms.png",
     ] {
         assert!(out.join(f).is_file(), "{f}");
     }
+    // Wang & Chen's order probe, and the first layer's logits split on real text (the default:
+    // the shipped reviews), rebuilt to f32 rounding.
+    assert!(
+        stdout.contains("order probe (is j after i?") && stdout.contains("512 pairs, 5-fold"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("on 64 texts of examples/data/reviews.tsv") && stdout.contains("layer 0:"),
+        "{stdout}"
+    );
+    let terms = std::fs::read_to_string(out.join("attention_terms.csv")).unwrap();
+    assert_eq!(
+        terms.lines().count(),
+        1 + 4 * 4,
+        "a header and 4 terms of layer 0's 4 heads"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let order = &summary["order_probe"];
+    assert_eq!(order["pairs"], 512);
+    let accuracy = order["accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&accuracy), "{order}");
     // rows.csv: each row's norm (of the rows real tokens read) and its principal coordinates.
     let geometry = std::fs::read_to_string(out.join("rows.csv")).unwrap();
     let mut lines = geometry.lines();
