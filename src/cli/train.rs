@@ -12,7 +12,8 @@ use super::Compute;
 /// with --resume and ends with the same weights as one that never stopped.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A train config (TOML): name, seed, [model], [positional], [train], [task].
+    /// A train config (TOML): name, seed, [model] and [positional] (or init = { model = ... }
+    /// to fine-tune a pretrained encoder), [train], [task].
     #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
     pub config: Option<PathBuf>,
     /// Continue the run in this folder from its latest checkpoint.
