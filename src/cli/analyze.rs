@@ -145,8 +145,8 @@ pub fn run(a: Args) -> Result<()> {
                 .context("the model's position table")?;
             // RoBERTa's first real token reads row padding_idx + 1: the table from there.
             let offset = match model.family {
-                poslab::pretrained::Family::Bert => 0,
                 poslab::pretrained::Family::Roberta { padding_idx } => padding_idx + 1,
+                _ => 0,
             };
             let w = w.narrow(0, offset, model.max_tokens())?;
             let (rows, dim) = w.dims2()?;

@@ -38,7 +38,9 @@ pub fn run(args: Args) -> Result<()> {
             model.hf.model_type
         );
         match model.family {
-            poslab::pretrained::Family::Bert => outln!("positions: 0, 1, 2, ..."),
+            poslab::pretrained::Family::Bert | poslab::pretrained::Family::DistilBert => {
+                outln!("positions: 0, 1, 2, ...")
+            }
             poslab::pretrained::Family::Roberta { padding_idx } => outln!(
                 "positions: from {} (padding_idx + 1), padded tokens at {padding_idx}",
                 padding_idx + 1

@@ -34,18 +34,24 @@ use crate::positional::{LearnedOptions, PositionalConfig, Positions};
 use crate::text::TextTokenizer;
 
 /// The model types poslab loads.
-pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...) and `roberta`";
+pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...), `roberta` and `distilbert`";
 
-/// The fields of a Hugging Face `config.json` poslab reads (others are ignored).
+/// The fields of a Hugging Face `config.json` poslab reads (others are ignored). DistilBERT's
+/// own names (`dim`, `n_layers`, `n_heads`, `hidden_dim`, `activation`, `dropout`,
+/// `attention_dropout`) are read as their BERT equivalents.
 #[derive(Clone, Debug, Deserialize)]
 pub struct HfConfig {
     pub model_type: String,
     pub vocab_size: usize,
+    #[serde(alias = "dim")]
     pub hidden_size: usize,
+    #[serde(alias = "n_layers")]
     pub num_hidden_layers: usize,
+    #[serde(alias = "n_heads")]
     pub num_attention_heads: usize,
+    #[serde(alias = "hidden_dim")]
     pub intermediate_size: usize,
-    #[serde(default = "default_act")]
+    #[serde(default = "default_act", alias = "activation")]
     pub hidden_act: String,
     pub max_position_embeddings: usize,
     #[serde(default = "default_type_vocab")]
@@ -58,9 +64,9 @@ pub struct HfConfig {
     pub tie_word_embeddings: bool,
     #[serde(default)]
     pub position_embedding_type: Option<String>,
-    #[serde(default)]
+    #[serde(default, alias = "dropout")]
     pub hidden_dropout_prob: f64,
-    #[serde(default)]
+    #[serde(default, alias = "attention_dropout")]
     pub attention_probs_dropout_prob: f64,
 }
 
@@ -84,6 +90,8 @@ pub enum Family {
     Bert,
     /// Real tokens at `padding_idx + 1, + 2, ...`, padded tokens at `padding_idx`.
     Roberta { padding_idx: usize },
+    /// Positions `0..t`, no token types, its own tensor names (and LayerNorm eps 1e-12).
+    DistilBert,
 }
 
 impl HfConfig {
@@ -94,6 +102,7 @@ impl HfConfig {
             "roberta" => Ok(Family::Roberta {
                 padding_idx: self.pad_token_id.unwrap_or(1),
             }),
+            "distilbert" => Ok(Family::DistilBert),
             other => Err(Error::Config(format!(
                 "model_type `{other}` is not supported: poslab loads {SUPPORTED}"
             ))),
@@ -140,11 +149,14 @@ impl HfConfig {
             dtype: Precision::default(),
             random_positions: None,
             embeddings: EmbeddingExtras {
-                token_types: self.type_vocab_size,
+                token_types: match family {
+                    Family::DistilBert => 0,
+                    _ => self.type_vocab_size,
+                },
                 norm: true,
                 first_position: match family {
-                    Family::Bert => 0,
                     Family::Roberta { padding_idx } => padding_idx + 1,
+                    Family::Bert | Family::DistilBert => 0,
                 },
             },
             positional: PositionalConfig::Learned(LearnedOptions { init_std: 0.02 }),
@@ -384,10 +396,10 @@ impl Pretrained {
                 "{} has no masked-LM head (a `{}ForMaskedLM` checkpoint has one); use a \
                  masked-LM model to fill masks",
                 self.dir.display(),
-                if self.hf.model_type == "roberta" {
-                    "Roberta"
-                } else {
-                    "Bert"
+                match self.family {
+                    Family::Bert => "Bert",
+                    Family::Roberta { .. } => "Roberta",
+                    Family::DistilBert => "DistilBert",
                 }
             ))
         })?;
@@ -502,28 +514,43 @@ fn rename(
     hf: &HfConfig,
     family: Family,
 ) -> std::result::Result<(HashMap<String, Tensor>, bool), String> {
-    let prefix = match family {
-        Family::Bert => "bert.",
-        Family::Roberta { .. } => "roberta.",
-    };
-    let mlm_table = match family {
-        Family::Bert => names::BERT_MLM,
-        Family::Roberta { .. } => names::ROBERTA_MLM,
+    let (prefix, embeddings, layers, layer, mlm_table) = match family {
+        Family::Bert => (
+            "bert.",
+            names::EMBEDDINGS,
+            "encoder.layer.",
+            names::LAYER,
+            names::BERT_MLM,
+        ),
+        Family::Roberta { .. } => (
+            "roberta.",
+            names::EMBEDDINGS,
+            "encoder.layer.",
+            names::LAYER,
+            names::ROBERTA_MLM,
+        ),
+        Family::DistilBert => (
+            "distilbert.",
+            names::DISTILBERT_EMBEDDINGS,
+            "transformer.layer.",
+            names::DISTILBERT_LAYER,
+            names::DISTILBERT_MLM,
+        ),
     };
     let has_mlm = tensors.contains_key(mlm_table[0].0);
     let mut out = HashMap::new();
     let mut problems = Vec::new();
     for (name, tensor) in tensors {
         let inner = name.strip_prefix(prefix).unwrap_or(name);
-        let mapped = names::EMBEDDINGS
+        let mapped = embeddings
             .iter()
             .find(|(hf_name, _)| *hf_name == inner)
             .map(|(_, ours)| ours.to_string())
             .or_else(|| {
-                let rest = inner.strip_prefix("encoder.layer.")?;
+                let rest = inner.strip_prefix(layers)?;
                 let (i, rest) = rest.split_once('.')?;
                 let i: usize = i.parse().ok()?;
-                names::LAYER
+                layer
                     .iter()
                     .find(|(hf_name, _)| *hf_name == rest)
                     .map(|(_, ours)| format!("layers.{i}.{ours}"))
@@ -544,7 +571,9 @@ fn rename(
                     .find(|(suffix, _)| name.ends_with(suffix));
                 match ignored {
                     Some((suffix, _))
-                        if suffix.ends_with("decoder.weight") && !hf.tie_word_embeddings =>
+                        if (suffix.ends_with("decoder.weight")
+                            || *suffix == "vocab_projector.weight")
+                            && !hf.tie_word_embeddings =>
                     {
                         problems.push(format!(
                             "`{name}`: an untied masked-LM decoder is not supported \

@@ -159,38 +159,57 @@ fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says(
 fn the_encoder_starts_from_the_folders_weights_and_the_head_from_the_seed() {
     let root = tempfile::tempdir().unwrap();
     let data = order_task(root.path());
-    // One step at a learning rate of 1e-9: AdamW moves every weight by about 1e-9.
-    let text = config(&data, &tiny_bert(), "")
-        .replace("steps = 240", "steps = 1")
-        .replace("lr = 3e-3", "lr = 1e-9");
-    let config = TrainRunConfig::from_toml_str(&text).unwrap();
-    let dir = root.path().join("run");
-    finished(single::start(&config, &options(&dir, None)).unwrap());
-    let saved = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    let folder = poslab::pretrained::Folder::read(&fixture_path("pretrained/tiny-bert")).unwrap();
-    let mut compared = 0;
-    for (name, var) in saved.params.vars() {
-        if name.starts_with("head.") {
-            continue;
+    // Embeddings (word, position, token types where the family has them, norm weight and
+    // bias), 2 layers of 15 tensors (the key bias is left out: it adds the same to every score
+    // of a query, which softmax ignores).
+    for (name, tensors) in [
+        ("tiny-bert", 5 + 2 * 15),
+        ("tiny-roberta", 5 + 2 * 15),
+        ("tiny-distilbert", 4 + 2 * 15),
+    ] {
+        let path = fixture_path(&format!("pretrained/{name}"));
+        let init = format!("init = {{ model = {:?} }}", path.display().to_string());
+        // One step at a learning rate of 1e-9: AdamW moves every weight by about 1e-9.
+        let text = config(&data, &init, "")
+            .replace("steps = 240", "steps = 1")
+            .replace("lr = 3e-3", "lr = 1e-9");
+        let config = TrainRunConfig::from_toml_str(&text).unwrap();
+        let dir = root.path().join(name);
+        finished(single::start(&config, &options(&dir, None)).unwrap());
+        let saved = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
+        let folder = poslab::pretrained::Folder::read(&path).unwrap();
+        let mut compared = 0;
+        for (var_name, var) in saved.params.vars() {
+            if var_name.starts_with("head.") {
+                continue;
+            }
+            let diff = crate::common::max_abs_diff(var.as_tensor(), &folder.tensors[&var_name]);
+            assert!(
+                diff < 1e-6,
+                "{name}: {var_name} moved {diff} from the folder's"
+            );
+            compared += 1;
         }
-        let diff = crate::common::max_abs_diff(var.as_tensor(), &folder.tensors[&name]);
-        assert!(diff < 1e-6, "{name} moved {diff} from the folder's");
-        compared += 1;
+        assert_eq!(compared, tensors, "{name}");
+        let head = saved.params.get("head.weight").unwrap();
+        assert_eq!(head.dims(), &[5, 32]);
+        assert!(
+            head.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                > 0.0
+        );
+        // The texts are framed by the family's template: [CLS] ... [SEP] or <s> ... </s>.
+        let framing = saved.config.framing(&saved.tokenizer).unwrap();
+        assert_eq!(
+            framing,
+            poslab::data::Framing::Template { front: 1, back: 1 },
+            "{name}"
+        );
     }
-    // Embeddings (word, position, type, norm weight and bias), 2 layers of 15 tensors (BERT's
-    // key bias is left out: it adds the same to every score of a query, which softmax ignores).
-    assert_eq!(compared, 5 + 2 * 15);
-    let head = saved.params.get("head.weight").unwrap();
-    assert_eq!(head.dims(), &[5, 32]);
-    assert!(
-        head.abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            > 0.0
-    );
 }
 
 #[test]

@@ -81,6 +81,26 @@ fn tiny_roberta_matches_transformers() {
 }
 
 #[test]
+fn tiny_distilbert_matches_transformers() {
+    // DistilBERT's own config names (dim, n_layers, hidden_dim, activation, ...), no token
+    // types, its own tensor names and masked-LM head.
+    matches_transformers("tiny-distilbert");
+    let model = Pretrained::load(&folder("tiny-distilbert"), &Device::Cpu).unwrap();
+    let c = model.encoder.config();
+    assert_eq!(
+        (
+            c.d_model,
+            c.n_layers,
+            c.n_heads,
+            c.ffn_dim,
+            c.embeddings.token_types
+        ),
+        (32, 2, 4, 37, 0)
+    );
+    assert_eq!((c.dropout, c.attention_dropout), (0.1, 0.1));
+}
+
+#[test]
 fn roberta_positions_start_after_the_padding_index() {
     let model = Pretrained::load(&folder("tiny-roberta"), &Device::Cpu).unwrap();
     // The encoder moves positions 0..t to padding_idx + 1 = 2 onwards.
