@@ -196,7 +196,7 @@ impl BiasAnalysis {
                     &h.matrix,
                     "query",
                     |r| r.to_string(),
-                    "key",
+                    |c| format!("key{c}"),
                 )?;
                 heatmap(
                     &dir.join(format!("{stem}.png")),
@@ -205,6 +205,7 @@ impl BiasAnalysis {
                     true,
                     ("key position j", "query position i"),
                     (0, 0),
+                    (1, 1),
                 )?;
                 files.push(format!("{stem}.csv"));
                 files.push(format!("{stem}.png"));

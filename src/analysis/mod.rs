@@ -60,6 +60,16 @@ impl Table {
         Matrix::new(self.rows, self.dim, self.values.clone())
     }
 
+    /// Every `step`-th row (row `r` of the result is row `r * step` of this table).
+    fn every(&self, step: usize) -> Matrix {
+        let rows: Vec<usize> = (0..self.rows).step_by(step.max(1)).collect();
+        let mut data = Vec::with_capacity(rows.len() * self.dim);
+        for &r in &rows {
+            data.extend_from_slice(self.row(r));
+        }
+        Matrix::new(rows.len(), self.dim, data)
+    }
+
     /// The sinusoidal table of `dim` columns for `rows` positions from `start`.
     pub fn sinusoidal(
         dim: usize,
@@ -227,13 +237,24 @@ impl Metric {
     }
 }
 
-/// The position-by-position matrix of `metric`.
+/// Positions a distance matrix (and a table's picture) holds at most: a larger table is read
+/// at every `step`-th position ([`matrix_step`]), so that 8192 positions make three 1024 x 1024
+/// matrices (CSV and PNG), not three of 67 million entries.
+pub const MAX_MATRIX_POSITIONS: usize = 1024;
+
+/// The stride between the positions of a distance matrix of `rows` positions.
+pub fn matrix_step(rows: usize) -> usize {
+    rows.div_ceil(MAX_MATRIX_POSITIONS).max(1)
+}
+
+/// The position-by-position matrix of `metric`, at every [`matrix_step`]-th position.
 pub fn distance_matrix(table: &Table, metric: Metric) -> Matrix {
-    let n = table.rows;
+    let rows = table.every(matrix_step(table.rows));
+    let n = rows.rows;
     let mut data = vec![0.0; n * n];
     for i in 0..n {
         for j in i..n {
-            let d = metric.between(table.row(i), table.row(j));
+            let d = metric.between(rows.row(i), rows.row(j));
             data[i * n + j] = d;
             data[j * n + i] = d;
         }

@@ -48,12 +48,12 @@ pub(super) fn write_matrix_csv(
     m: &Matrix,
     first: &str,
     row_label: impl Fn(usize) -> String,
-    col: &str,
+    col_label: impl Fn(usize) -> String,
 ) -> Result<()> {
     let mut out = String::with_capacity(m.data.len() * 10);
     out.push_str(first);
     for c in 0..m.cols {
-        let _ = write!(out, ",{col}{c}");
+        let _ = write!(out, ",{}", col_label(c));
     }
     out.push('\n');
     for r in 0..m.rows {
@@ -67,6 +67,7 @@ pub(super) fn write_matrix_csv(
 }
 
 /// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
+/// Row `r` sits at `offset.0 + r * step.0` on its axis, column `c` at `offset.1 + c * step.1`.
 pub(super) fn heatmap(
     path: &Path,
     title: &str,
@@ -74,6 +75,7 @@ pub(super) fn heatmap(
     divergent: bool,
     axes: (&str, &str),
     offset: (usize, usize),
+    step: (usize, usize),
 ) -> Result<()> {
     let (lo, hi) = m
         .data
@@ -109,8 +111,8 @@ pub(super) fn heatmap(
             .x_label_area_size(56)
             .y_label_area_size(64)
             .build_cartesian_2d(
-                offset.1 as f64..(offset.1 + m.cols) as f64,
-                offset.0 as f64..(offset.0 + m.rows) as f64,
+                offset.1 as f64..(offset.1 + m.cols * step.1) as f64,
+                offset.0 as f64..(offset.0 + m.rows * step.0) as f64,
             )?;
         chart
             .configure_mesh()
@@ -124,8 +126,12 @@ pub(super) fn heatmap(
             .draw()?;
         chart.draw_series((0..m.rows).flat_map(|r| {
             (0..m.cols).map(move |c| {
-                let (x, y) = ((offset.1 + c) as f64, (offset.0 + r) as f64);
-                Rectangle::new([(x, y), (x + 1.0, y + 1.0)], color(m.row(r)[c]).filled())
+                let (x, y) = (
+                    (offset.1 + c * step.1) as f64,
+                    (offset.0 + r * step.0) as f64,
+                );
+                let (w, h) = (step.1 as f64, step.0 as f64);
+                Rectangle::new([(x, y), (x + w, y + h)], color(m.row(r)[c]).filled())
             })
         }))?;
         area.draw(&Text::new(
@@ -300,35 +306,44 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
         &table.matrix(),
         "position",
         position,
-        "d",
+        |c| format!("d{c}"),
     )?;
+    // Pictures and distance matrices of a long table read every `step`-th position.
+    let step = super::matrix_step(table.rows);
+    let position_axis = match step {
+        1 => "position".to_string(),
+        s => format!("position (every {s} positions)"),
+    };
     heatmap(
         &dir.join("table.png"),
         &format!("{} (positions x dimensions)", table.title),
-        &table.matrix(),
+        &table.every(step),
         true,
-        ("dimension", "position"),
+        ("dimension", &position_axis),
         (table.start, 0),
+        (step, 1),
     )?;
     files.extend(["table.csv".to_string(), "table.png".to_string()]);
 
     for metric in Metric::ALL {
         let m = distance_matrix(table, metric);
         let name = format!("distance_{}", metric.file());
+        let at = |r: usize| table.start + r * step;
         write_matrix_csv(
             &dir.join(format!("{name}.csv")),
             &m,
             "position",
-            position,
-            "p",
+            |r| at(r).to_string(),
+            |c| format!("p{}", at(c)),
         )?;
         heatmap(
             &dir.join(format!("{name}.png")),
             &format!("{}: {} between positions", table.title, metric.name()),
             &m,
             metric == Metric::Dot,
-            ("position", "position"),
+            (&position_axis, &position_axis),
             (table.start, table.start),
+            (step, step),
         )?;
         files.push(format!("{name}.csv"));
         files.push(format!("{name}.png"));

@@ -200,6 +200,50 @@ fn poslab(args: &[&str]) -> (bool, String, String) {
 }
 
 #[test]
+fn long_tables_are_pictured_at_every_kth_position() {
+    // 2000 positions: the distance matrices hold every 2nd (at most 1024 positions each way),
+    // labelled with the positions they hold; table.csv and the measures keep every row.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("long");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "sinusoidal",
+        "--dim",
+        "8",
+        "--positions",
+        "2000",
+        "--start",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("2000 positions from 5"), "{stdout}");
+    let csv = std::fs::read_to_string(out.join("distance_l2.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    assert_eq!(header.len(), 1 + 1000);
+    assert_eq!(&header[..4], ["position", "p5", "p7", "p9"]);
+    assert_eq!(header[1000], "p2003");
+    let rows: Vec<&str> = csv.lines().skip(1).collect();
+    assert_eq!(rows.len(), 1000);
+    assert!(rows[1].starts_with("7,"));
+    // Row "7" against column "p9": the L2 distance of positions 7 and 9 of the table.
+    let table = Table::sinusoidal(8, 1e4, TableLayout::Interleaved, 2000, 5);
+    let expected: f64 = table
+        .row(2)
+        .iter()
+        .zip(table.row(4))
+        .map(|(a, b)| (a - b).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let got: f64 = rows[1].split(',').nth(3).unwrap().parse().unwrap();
+    assert!((got - expected).abs() < 1e-12, "{got} vs {expected}");
+    let table_csv = std::fs::read_to_string(out.join("table.csv")).unwrap();
+    assert_eq!(table_csv.lines().count(), 1 + 2000);
+    assert!(has_text(&out.join("distance_l2.png"), 0..40));
+}
+
+#[test]
 fn the_command_writes_files_and_pictures_with_their_text() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("rope");
