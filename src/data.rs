@@ -37,17 +37,21 @@ impl Sample {
     /// Keeps `len` tokens (and their labels): the first `len - keep_last`, and the last
     /// `keep_last` (a template's closing `[SEP]`).
     pub fn truncate(&mut self, len: usize, keep_last: usize) {
-        fn cut<T: Copy>(v: &mut Vec<T>, len: usize, keep_last: usize) {
-            let keep_last = keep_last.min(len).min(v.len());
-            let tail: Vec<T> = v[v.len() - keep_last..].to_vec();
-            v.truncate(len - keep_last);
-            v.extend(tail);
-        }
-        cut(&mut self.ids, len, keep_last);
+        keep_ends(&mut self.ids, len, keep_last);
         if let Target::Tags(tags) = &mut self.target {
-            cut(tags, len, keep_last);
+            keep_ends(tags, len, keep_last);
         }
     }
+}
+
+/// Cuts `v` to `len` items (when longer): its first `len - keep_last`, then its last
+/// `keep_last` (a template's closing `[SEP]`, which a cut text keeps).
+pub fn keep_ends<T>(v: &mut Vec<T>, len: usize, keep_last: usize) {
+    if v.len() <= len {
+        return;
+    }
+    let keep_last = keep_last.min(len);
+    v.drain(len - keep_last..v.len() - keep_last);
 }
 
 /// How a text's tokens are framed for the model that reads them.
@@ -286,8 +290,10 @@ impl Dataset {
             .iter()
             .map(|s| {
                 let mut ids = s.ids.clone();
-                let end = ids.len().saturating_sub(back).max(front.min(ids.len()));
-                ids[front.min(end)..end].shuffle(rng);
+                let end = ids.len().saturating_sub(back);
+                if front < end {
+                    ids[front..end].shuffle(rng);
+                }
                 Sample {
                     ids,
                     target: s.target.clone(),

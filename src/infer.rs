@@ -4,7 +4,7 @@ use candle::{DType, Device, IndexOp, Tensor, D};
 use serde::Serialize;
 
 use crate::config::ModelConfig;
-use crate::data::pad_batch;
+use crate::data::{keep_ends, pad_batch};
 use crate::error::{Error, Result};
 use crate::model::TaskModel;
 use crate::positional::{random_positions, Positions};
@@ -190,10 +190,8 @@ impl<'a> Predictor<'a> {
                 note = Some(format!("cut to the first {rows} of {} tokens", ids.len()));
                 // The template's closing tokens ([SEP]) stay at the end.
                 let (_, back) = framing.around();
-                let back = back.min(rows);
-                let tail = ids.len() - back;
-                ids.drain(rows - back..tail);
-                word_ids.drain(rows - back..tail);
+                keep_ends(&mut ids, rows, back);
+                keep_ends(&mut word_ids, rows, back);
             }
         }
         let unknown = match self.loaded.tokenizer.unk_id() {

@@ -110,8 +110,9 @@ impl ParamStore {
         self.assign_where(tensors, source, |_| true)
     }
 
-    /// As [`ParamStore::assign`], for the variables whose names `take` accepts (the others keep
-    /// their values): a pretrained encoder's weights under a new head.
+    /// As [`ParamStore::assign`], for the names `take` accepts, of variables and tensors
+    /// alike (other variables keep their values, other tensors are not read): a pretrained
+    /// encoder's weights under a new head.
     pub fn assign_where(
         &self,
         tensors: &HashMap<String, Tensor>,
@@ -160,7 +161,7 @@ impl ParamStore {
         }
         let mut unexpected: Vec<_> = tensors
             .iter()
-            .filter(|(name, _)| !vars.contains_key(name))
+            .filter(|(name, _)| take(name) && !vars.contains_key(name))
             .map(|(name, t)| format!("unexpected tensor `{name}` {:?}", t.dims()))
             .collect();
         unexpected.sort();

@@ -6,7 +6,7 @@ use std::path::Path;
 use candle::{DType, Tensor, D};
 use serde::Serialize;
 
-use crate::data::pad_batch;
+use crate::data::{keep_ends, pad_batch};
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::saved::Loaded;
@@ -80,7 +80,8 @@ pub fn evaluation_batch(
         .map(|w| {
             let mut ids = framing.encode(&loaded.tokenizer, w)?.ids;
             if let Some(r) = rows.filter(|&r| ids.len() > r) {
-                ids.truncate(r);
+                // As training cut it: a template's closing [SEP] stays.
+                keep_ends(&mut ids, r, framing.around().1);
                 cut += 1;
             }
             Ok(ids)

@@ -144,10 +144,7 @@ pub fn run(a: Args) -> Result<()> {
                 .get("pos_emb.weight")
                 .context("the model's position table")?;
             // RoBERTa's first real token reads row padding_idx + 1: the table from there.
-            let offset = match model.family {
-                poslab::pretrained::Family::Roberta { padding_idx } => padding_idx + 1,
-                _ => 0,
-            };
+            let offset = model.encoder.config().embeddings.first_position;
             let w = w.narrow(0, offset, model.max_tokens())?;
             let (rows, dim) = w.dims2()?;
             let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;

@@ -290,14 +290,12 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
         )));
     }
     clean_temporaries(dir);
-    let tokenizer = match &config.init {
-        Some(init) => Some(Start::folder(init, &options.hub)?.tokenizer),
-        None => None,
-    };
+    let start = Start::of(config, &options.hub)?;
+    let tokenizer = start.as_ref().map(|s| s.folder.tokenizer.clone());
     let data = config.task.generate_with(&options.hub, tokenizer)?;
     data.tokenizer.save(dir.join(saved::TOKENIZER))?;
     write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
-    let end = run(config, data, options, false);
+    let end = run(config, data, start, options, false);
     drop(lock);
     end
 }
@@ -331,7 +329,8 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
-    let end = run(&config, data, options, true);
+    let start = Start::of(&config, &options.hub)?;
+    let end = run(&config, data, start, options, true);
     drop(lock);
     end
 }
@@ -394,32 +393,26 @@ struct Start {
 }
 
 impl Start {
-    fn folder(init: &InitConfig, hub: &HubSource) -> Result<crate::pretrained::Folder> {
+    /// The pretrained start of `config` (its folder read once), if it has one.
+    fn of(config: &TrainRunConfig, hub: &HubSource) -> Result<Option<Self>> {
+        let Some(init) = &config.init else {
+            return Ok(None);
+        };
         let dir = crate::pretrained::resolve(&init.model, hub)?;
-        crate::pretrained::Folder::read(&dir)
-            .map_err(|e| Error::Config(format!("init = {{ model = {:?} }}: {e}", init.model)))
-    }
-
-    fn read(init: &InitConfig, hub: &HubSource) -> Result<Self> {
-        let folder = Self::folder(init, hub)?;
+        let folder = crate::pretrained::Folder::read(&dir)
+            .map_err(|e| Error::Config(format!("init = {{ model = {:?} }}: {e}", init.model)))?;
         let config = crate::config::ModelConfig {
             dtype: init.dtype,
             ..folder.config.clone()
         };
-        Ok(Self { folder, config })
+        Ok(Some(Self { folder, config }))
     }
 
-    /// The encoder's weights into `params` (the new head keeps its seeded initialisation).
+    /// The encoder's weights into `params`; the new head keeps its seeded initialisation and
+    /// the folder's masked-LM head is left out.
     fn assign(&self, params: &ParamStore) -> Result<()> {
-        let encoder: HashMap<String, candle::Tensor> = self
-            .folder
-            .tensors
-            .iter()
-            .filter(|(name, _)| !name.starts_with("mlm."))
-            .map(|(name, t)| (name.clone(), t.clone()))
-            .collect();
-        params.assign_where(&encoder, &self.folder.weights, |name| {
-            !name.starts_with("head.")
+        params.assign_where(&self.folder.tensors, &self.folder.weights, |name| {
+            !name.starts_with("head.") && !name.starts_with("mlm.")
         })
     }
 }
@@ -427,13 +420,14 @@ impl Start {
 fn run(
     config: &TrainRunConfig,
     mut data: crate::tasks::TaskData,
+    start: Option<Start>,
     options: &TrainOptions,
     resuming: bool,
 ) -> Result<TrainEnd> {
     let dir = &options.dir;
-    let start = match config.architecture()? {
-        Architecture::Pretrained(init) => {
-            let start = Start::read(init, &options.hub)?;
+    let architecture = config.architecture()?;
+    let pooling = match (&architecture, &start) {
+        (Architecture::Pretrained(init), Some(start)) => {
             if !matches!(
                 data.objective,
                 crate::tasks::Objective::Classify { .. } | crate::tasks::Objective::Tag { .. }
@@ -457,14 +451,10 @@ fn run(
                 Some(_) => {}
                 None => data.limit.max_tokens = Some(rows),
             }
-            Some(start)
+            init.pooling
         }
-        Architecture::Own { .. } => None,
-    };
-    let pooling = match (&config.init, &config.model) {
-        (Some(init), _) => init.pooling,
-        (None, Some(shape)) => shape.pooling,
-        (None, None) => unreachable!("checked by architecture()"),
+        (Architecture::Own { shape, .. }, None) => shape.pooling,
+        _ => unreachable!("Start::of reads a folder exactly when the config has init"),
     };
     let task = prepare(
         &config.task,
@@ -479,14 +469,14 @@ fn run(
         .batch_size
         .unwrap_or(2 * config.train.batch_size);
     let tok = &task.data.tokenizer;
-    let model_config = match (&start, config.architecture()?) {
+    let model_config = match (&start, architecture) {
         (Some(start), _) => start.config.clone(),
         (None, Architecture::Own { shape, positional }) => shape.model_config(
             &config.variant(positional),
             tok.vocab_size(),
             task.table_rows(),
         ),
-        (None, Architecture::Pretrained(_)) => unreachable!("a pretrained start was read"),
+        (None, Architecture::Pretrained(_)) => unreachable!("Start::of read the folder"),
     };
     model_config.validate()?;
     task.check_memory(

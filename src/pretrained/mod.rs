@@ -342,11 +342,9 @@ impl Pretrained {
                         ids.len()
                     )));
                 }
-                let last = *ids.last().expect("longer than max");
-                ids.truncate(max);
-                ids[max - 1] = last;
-                words.truncate(max);
-                words[max - 1] = None;
+                // The closing special token ([SEP], </s>) stays.
+                crate::data::keep_ends(&mut ids, max, 1);
+                crate::data::keep_ends(&mut words, max, 1);
             }
             rows.push(ids);
             word_ids.push(words);

@@ -50,6 +50,15 @@ pub struct Encoded {
     pub word_ids: Vec<Option<u32>>,
 }
 
+impl From<tokenizers::Encoding> for Encoded {
+    fn from(enc: tokenizers::Encoding) -> Self {
+        Self {
+            ids: enc.get_ids().to_vec(),
+            word_ids: enc.get_word_ids().to_vec(),
+        }
+    }
+}
+
 fn first_present(tok: &Tokenizer, names: &[&str]) -> Option<u32> {
     names.iter().find_map(|n| tok.token_to_id(n))
 }
@@ -438,41 +447,29 @@ impl TextTokenizer {
     /// `word_ids` are the tokenizer's words (its pre-tokenizer's pieces), `None` for the
     /// special tokens.
     pub fn encode_with_specials(&self, text: &str) -> Result<Encoded> {
-        let enc = self
-            .inner
+        self.inner
             .encode(text, true)
-            .map_err(|e| Error::Input(format!("cannot tokenize {text:?}: {e}")))?;
-        Ok(Encoded {
-            ids: enc.get_ids().to_vec(),
-            word_ids: enc.get_word_ids().to_vec(),
-        })
+            .map(Encoded::from)
+            .map_err(|e| Error::Input(format!("cannot tokenize {text:?}: {e}")))
     }
 
     /// Token ids of pre-split `words`; `word_ids` index `words`.
     pub fn encode_words<S: AsRef<str>>(&self, words: &[S]) -> Result<Encoded> {
-        let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();
-        let enc = self
-            .inner
-            .encode(words.as_slice(), false)
-            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))?;
-        Ok(Encoded {
-            ids: enc.get_ids().to_vec(),
-            word_ids: enc.get_word_ids().to_vec(),
-        })
+        self.encode_pretokenized(words, false)
     }
 
     /// As [`TextTokenizer::encode_words`], framed by the tokenizer's template's special tokens
     /// (`[CLS] ... [SEP]`), whose `word_ids` are `None`.
     pub fn encode_words_with_specials<S: AsRef<str>>(&self, words: &[S]) -> Result<Encoded> {
+        self.encode_pretokenized(words, true)
+    }
+
+    fn encode_pretokenized<S: AsRef<str>>(&self, words: &[S], specials: bool) -> Result<Encoded> {
         let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();
-        let enc = self
-            .inner
-            .encode(words.as_slice(), true)
-            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))?;
-        Ok(Encoded {
-            ids: enc.get_ids().to_vec(),
-            word_ids: enc.get_word_ids().to_vec(),
-        })
+        self.inner
+            .encode(words.as_slice(), specials)
+            .map(Encoded::from)
+            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))
     }
 
     /// The text of `ids`, special tokens skipped.
