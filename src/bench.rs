@@ -222,6 +222,12 @@ pub struct Record {
     /// Peak resident memory of the process during the phase, in MiB (Linux).
     pub forward_peak_rss_mib: Option<f64>,
     pub train_peak_rss_mib: Option<f64>,
+    /// Peak GPU memory held by tensors during the phase, in MiB (CUDA; see
+    /// [`crate::device::peak_memory_mib`]).
+    #[serde(default)]
+    pub forward_peak_gpu_mib: Option<f64>,
+    #[serde(default)]
+    pub train_peak_gpu_mib: Option<f64>,
     /// Cores' worth of CPU other processes used during the timed part of each phase (Linux):
     /// on a shared machine, runs where this is large are not to be trusted.
     #[serde(default)]
@@ -365,6 +371,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             (None, None, None, None);
         let forward = if options.forward_reps > 0 {
             reset_peak_rss();
+            crate::device::reset_peak_memory(&options.device);
             let mut ms = Vec::new();
             for i in 0..options.warmup + options.forward_reps {
                 if i == options.warmup {
@@ -383,12 +390,16 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             None
         };
         let forward_peak = forward.as_ref().and(proc_status_mib("VmHWM"));
+        let forward_peak_gpu = forward
+            .as_ref()
+            .and_then(|_| crate::device::peak_memory_mib(&options.device));
         drop(frozen);
 
         progress(&format!("{variant}: training step"));
         let mut train_parts = None;
         let train = if options.train_reps > 0 {
             reset_peak_rss();
+            crate::device::reset_peak_memory(&options.device);
             let mut optimizer = AdamW::new(
                 params.vars(),
                 AdamWConfig {
@@ -408,6 +419,16 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
                 sync(&loss)?;
                 let forward_done = Instant::now();
                 let grads = loss.backward()?;
+                if !options.device.is_cpu() {
+                    // Wait for the queued backward kernels, so the parts split where they ran.
+                    if let Some(g) = params
+                        .vars()
+                        .iter()
+                        .find_map(|(_, v)| grads.get(v.as_tensor()))
+                    {
+                        sync(g)?;
+                    }
+                }
                 let backward_done = Instant::now();
                 optimizer.step(&grads, 1e-4, 1.0)?;
                 sync(&params.vars()[0].1)?;
@@ -433,48 +454,80 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             forward,
             forward_peak_rss_mib: forward_peak,
             train_peak_rss_mib: train.as_ref().and(proc_status_mib("VmHWM")),
+            forward_peak_gpu_mib: forward_peak_gpu,
+            train_peak_gpu_mib: train
+                .as_ref()
+                .and_then(|_| crate::device::peak_memory_mib(&options.device)),
             train,
             train_parts_ms: train_parts,
             forward_foreign_cores: forward_foreign,
             train_foreign_cores: train_foreign,
-            kernels: crate::nn::current_kernels().name().to_string(),
+            kernels: crate::nn::kernels_on(&options.device, shape.dtype.compute_dtype(DType::F32))
+                .name()
+                .to_string(),
         });
     }
     Ok(records)
+}
+
+/// Milliseconds with the digits that matter at their size (a GPU step can take 3 ms).
+fn ms(v: f64) -> String {
+    if v < 10.0 {
+        format!("{v:.2}")
+    } else if v < 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
 }
 
 /// The printed table.
 pub fn table(records: &[Record]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    let gpu = records
+        .iter()
+        .any(|r| r.forward_peak_gpu_mib.is_some() || r.train_peak_gpu_mib.is_some());
+    let memory = if gpu { "peak GPU" } else { "peak RSS" };
+    let memory_of = |r: &Record| {
+        if gpu {
+            [r.forward_peak_gpu_mib, r.train_peak_gpu_mib]
+        } else {
+            [r.forward_peak_rss_mib, r.train_peak_rss_mib]
+        }
+    };
     let _ = writeln!(
         out,
-        "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
-        "variant", "params", "forward tok/s (ms)", "train tok/s (ms)", "peak RSS", "peak RSS"
+        "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
+        "variant", "params", "forward tok/s (ms)", "train tok/s (ms)", memory, memory
     );
     let _ = writeln!(
         out,
-        "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
+        "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
         "", "", "median, min..max ms", "median, min..max ms", "forward", "train"
     );
     let cell = |t: &Option<Timing>| match t {
         Some(t) => format!(
-            "{:.0} ({:.0}, {:.0}..{:.0})",
-            t.tokens_per_s, t.median_ms, t.min_ms, t.max_ms
+            "{:.0} ({}, {}..{})",
+            t.tokens_per_s,
+            ms(t.median_ms),
+            ms(t.min_ms),
+            ms(t.max_ms)
         ),
         None => "-".into(),
     };
     let mib = |m: Option<f64>| m.map_or("-".into(), |m| format!("{m:.0} MiB"));
     for r in records {
+        let [forward, train] = memory_of(r);
         let _ = writeln!(
             out,
-            "{:<16} {:>9} {:>26} {:>26} {:>10} {:>10}",
+            "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
             r.variant,
             r.params,
             cell(&r.forward),
             cell(&r.train),
-            mib(r.forward_peak_rss_mib),
-            mib(r.train_peak_rss_mib)
+            mib(forward),
+            mib(train)
         );
     }
     let busy: Vec<String> = records
@@ -501,7 +554,14 @@ pub fn table(records: &[Record]) -> String {
     );
     for r in records {
         if let Some([f, b, o]) = r.train_parts_ms {
-            let _ = writeln!(out, "  {:<16} {f:.0} / {b:.0} / {o:.0} ms", r.variant);
+            let _ = writeln!(
+                out,
+                "  {:<16} {} / {} / {} ms",
+                r.variant,
+                ms(f),
+                ms(b),
+                ms(o)
+            );
         }
     }
     let _ = writeln!(
@@ -535,6 +595,10 @@ pub struct TorchRecord {
     pub train_tokens_per_s: f64,
     pub train_parts_ms: Option<[f64; 3]>,
     pub train_peak_rss_mib: Option<f64>,
+    /// `torch.cuda.max_memory_allocated` of the training phase, MiB (benches/torch_at_shape.py
+    /// on a GPU).
+    #[serde(default)]
+    pub train_peak_gpu_mib: Option<f64>,
     pub forward_foreign_cores: Option<f64>,
     pub train_foreign_cores: Option<f64>,
 }
@@ -567,6 +631,7 @@ impl TorchRecord {
             train_tokens_per_s: need("train_tokens_per_s_median")?,
             train_parts_ms: parts,
             train_peak_rss_mib: num("peak_rss_train_phase_mib"),
+            train_peak_gpu_mib: num("peak_gpu_train_phase_mib"),
             forward_foreign_cores: num("fwd_foreign_cores"),
             train_foreign_cores: num("train_foreign_cores"),
         })
@@ -599,6 +664,9 @@ pub struct Ratio {
     /// Largest peak RSS of a training phase over the rounds, MiB.
     pub poslab_train_peak_rss_mib: Option<f64>,
     pub torch_train_peak_rss_mib: Option<f64>,
+    /// Largest peak GPU memory of a training phase over the rounds, MiB (on a GPU).
+    pub poslab_train_peak_gpu_mib: Option<f64>,
+    pub torch_train_peak_gpu_mib: Option<f64>,
     /// The most other processes used during any timed phase of the variant, in cores.
     pub worst_foreign_cores: f64,
 }
@@ -681,6 +749,8 @@ pub fn ratios(variants: &[String], rounds: &[Vec<(Record, TorchRecord)>]) -> Vec
                 torch_train_parts_ms: parts(of_parts(&pairs, false)),
                 poslab_train_peak_rss_mib: max(of(&|(p, _)| p.train_peak_rss_mib)),
                 torch_train_peak_rss_mib: max(of(&|(_, t)| t.train_peak_rss_mib)),
+                poslab_train_peak_gpu_mib: max(of(&|(p, _)| p.train_peak_gpu_mib)),
+                torch_train_peak_gpu_mib: max(of(&|(_, t)| t.train_peak_gpu_mib)),
                 worst_foreign_cores: foreign.into_iter().fold(0.0, f64::max),
             }
         })
@@ -802,17 +872,28 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
         "poslab vs PyTorch, {rounds} interleaved round{} (medians of the rounds' medians; ratio = poslab / PyTorch, lowest..highest round)",
         if rounds == 1 { "" } else { "s" }
     );
+    let gpu = ratios.iter().any(|r| r.poslab_train_peak_gpu_mib.is_some());
     let _ = writeln!(
         out,
         "{:<16} {:>34} {:>34} {:>22}",
         "variant",
         "forward tok/s poslab | torch",
         "train tok/s poslab | torch",
-        "train peak RSS MiB"
+        if gpu {
+            "train peak GPU MiB"
+        } else {
+            "train peak RSS MiB"
+        }
     );
     for r in ratios {
-        let rss = match (r.poslab_train_peak_rss_mib, r.torch_train_peak_rss_mib) {
+        let memory = if gpu {
+            (r.poslab_train_peak_gpu_mib, r.torch_train_peak_gpu_mib)
+        } else {
+            (r.poslab_train_peak_rss_mib, r.torch_train_peak_rss_mib)
+        };
+        let rss = match memory {
             (Some(a), Some(b)) => format!("{a:.0} | {b:.0}"),
+            (Some(a), None) => format!("{a:.0} | -"),
             _ => "-".into(),
         };
         let _ = writeln!(
@@ -844,7 +925,9 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
     );
     for r in ratios {
         let fmt = |p: Option<[f64; 3]>| {
-            p.map_or("-".into(), |[a, b, c]| format!("{a:.0} / {b:.0} / {c:.0}"))
+            p.map_or("-".into(), |[a, b, c]| {
+                format!("{} / {} / {}", ms(a), ms(b), ms(c))
+            })
         };
         let _ = writeln!(
             out,
@@ -948,6 +1031,8 @@ mod tests {
                 train: Some(timing(poslab[1])),
                 train_parts_ms: None,
                 forward_peak_rss_mib: None,
+                forward_peak_gpu_mib: None,
+                train_peak_gpu_mib: None,
                 train_peak_rss_mib: Some(400.0),
                 forward_foreign_cores: Some(0.0),
                 train_foreign_cores: Some(0.0),
@@ -959,6 +1044,7 @@ mod tests {
                 train_tokens_per_s: torch[1],
                 train_parts_ms: None,
                 train_peak_rss_mib: Some(1200.0),
+                train_peak_gpu_mib: None,
                 forward_foreign_cores: Some(0.0),
                 train_foreign_cores: Some(0.0),
             },

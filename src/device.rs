@@ -53,6 +53,96 @@ pub fn device_name(device: &Device) -> String {
     }
 }
 
+/// The GPU's own name (`NVIDIA H100 80GB HBM3`), or none on the CPU.
+pub fn gpu_name(device: &Device) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        return gpu.cuda_stream().context().name().ok();
+    }
+    let _ = device;
+    None
+}
+
+/// Starts a new peak of the device memory poslab's tensors hold (CUDA; see
+/// [`peak_memory_mib`]); false where it cannot be measured.
+pub fn reset_peak_memory(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        return cuda_pool::reset_peak(gpu).is_some();
+    }
+    let _ = device;
+    false
+}
+
+/// The most device memory held by tensors at once since [`reset_peak_memory`], in MiB: the
+/// high-water mark of the CUDA memory pool candle allocates from (`cuMemAllocAsync`), as
+/// PyTorch's `max_memory_allocated` is of its caching allocator. None on the CPU (see the
+/// process's peak RSS there), or where the driver allocates without a pool.
+pub fn peak_memory_mib(device: &Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        return cuda_pool::peak_bytes(gpu).map(|b| b as f64 / (1024.0 * 1024.0));
+    }
+    let _ = device;
+    None
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use candle::cuda_backend::cudarc::driver::sys;
+    use candle::CudaDevice;
+
+    /// The pool `cuMemAllocAsync` draws from on this GPU, when the context allocates that way.
+    fn pool(gpu: &CudaDevice) -> Option<sys::CUmemoryPool> {
+        let stream = gpu.cuda_stream();
+        let context = stream.context();
+        if !context.has_async_alloc() {
+            return None;
+        }
+        context.bind_to_thread().ok()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer and the device handle comes from a live context.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, context.cu_device()) }
+            .result()
+            .ok()?;
+        (!pool.is_null()).then_some(pool)
+    }
+
+    pub fn reset_peak(gpu: &CudaDevice) -> Option<()> {
+        let pool = pool(gpu)?;
+        // Queued frees count once they have run: wait for them before starting the peak.
+        gpu.cuda_stream().synchronize().ok()?;
+        let mut zero: u64 = 0;
+        // SAFETY: the attribute takes a cuuint64_t, and only zero is accepted as a reset.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .result()
+        .ok()
+    }
+
+    pub fn peak_bytes(gpu: &CudaDevice) -> Option<u64> {
+        let pool = pool(gpu)?;
+        gpu.cuda_stream().synchronize().ok()?;
+        let mut bytes: u64 = 0;
+        // SAFETY: the attribute is a cuuint64_t written to `bytes`.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut bytes as *mut u64).cast(),
+            )
+        }
+        .result()
+        .ok()?;
+        Some(bytes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

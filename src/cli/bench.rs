@@ -140,14 +140,19 @@ pub fn run(a: Args) -> Result<()> {
     }
     let threads = candle::utils::get_num_threads();
     let shape = &args.shape;
+    let kernels =
+        poslab::nn::kernels_on(&device, shape.dtype.compute_dtype(candle::DType::F32)).name();
+    let device_label = match poslab::device::gpu_name(&device) {
+        Some(gpu) => format!("{} ({gpu})", poslab::device::device_name(&device)),
+        None => poslab::device::device_name(&device),
+    };
     let child = args.in_process && args.json;
     if !child {
         eprintln!(
-            "poslab bench on {} ({threads} thread{}, {} kernels, {:?} SIMD): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
-            poslab::device::device_name(&device),
+            "poslab bench on {device_label} ({threads} thread{}, {kernels} kernels, {:?} SIMD, {}): vocab {}, width {}, {} heads, {} layers, FFN {}, batch {} x {}",
             if threads == 1 { "" } else { "s" },
-            poslab::nn::current_kernels().name(),
             poslab::nn::simd_level(),
+            shape.dtype.name(),
             shape.vocab,
             shape.d_model,
             shape.n_heads,
@@ -213,8 +218,9 @@ pub fn run(a: Args) -> Result<()> {
     };
     let header = serde_json::json!({
         "device": poslab::device::device_name(&device),
+        "gpu": poslab::device::gpu_name(&device),
         "threads": threads,
-        "kernels": poslab::nn::current_kernels().name(),
+        "kernels": kernels,
         "simd": format!("{:?}", poslab::nn::simd_level()),
         "shape": shape,
     });
@@ -222,15 +228,56 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(script) = &args.torch {
         if !script.is_file() {
             anyhow::bail!(
-                "--torch {}: no such file (it is shared/bench/torch_reference.py)",
+                "--torch {}: no such file (shared/bench/torch_reference.py, or \
+                 benches/torch_at_shape.py for other shapes, devices and dtypes)",
                 script.display()
+            );
+        }
+        // The shared reference runs one fixed shape in f32 on the CPU; benches/torch_at_shape.py
+        // runs its model at any shape, device and dtype, and says so by taking --d-model.
+        let takes_shape = std::fs::read_to_string(script)
+            .with_context(|| format!("reading {}", script.display()))?
+            .contains("--d-model");
+        let reference_setting = *shape == poslab::bench::Shape::default() && device.is_cpu();
+        if !takes_shape && !reference_setting {
+            anyhow::bail!(
+                "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
+                 heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
+                 width {}, {} heads, {} layers, FFN {}, batch {} x {}: the ratios would compare \
+                 different work. Use --torch benches/torch_at_shape.py, which runs that \
+                 script's model at this shape, device and dtype (it finds the script through \
+                 POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
+                script.display(),
+                poslab::device::device_name(&device),
+                shape.dtype.name(),
+                shape.d_model,
+                shape.n_heads,
+                shape.n_layers,
+                shape.ffn_dim,
+                shape.batch,
+                shape.seq
             );
         }
         let torch = |variant: &str| -> Result<poslab::bench::TorchRecord> {
             eprintln!("  {variant}: PyTorch");
-            let out = std::process::Command::new(&args.python)
-                .arg(script)
-                .arg(variant)
+            let mut cmd = std::process::Command::new(&args.python);
+            cmd.arg(script).arg(variant);
+            if takes_shape {
+                for (flag, value) in [
+                    ("--vocab", shape.vocab),
+                    ("--d-model", shape.d_model),
+                    ("--heads", shape.n_heads),
+                    ("--layers", shape.n_layers),
+                    ("--ffn", shape.ffn_dim),
+                    ("--batch", shape.batch),
+                    ("--seq", shape.seq),
+                ] {
+                    cmd.args([flag.to_string(), value.to_string()]);
+                }
+                cmd.args(["--dtype", shape.dtype.name()]);
+                cmd.args(["--device", &poslab::device::device_name(&device)]);
+            }
+            let out = cmd
                 .args(["--fwd-iters", &args.forward_reps.max(1).to_string()])
                 .args(["--train-iters", &args.train_reps.max(1).to_string()])
                 .args(["--warm", &args.warmup.to_string()])

@@ -69,6 +69,9 @@ impl Module for LayerNorm {
         if super::fused_for(xs) {
             return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
+        if super::gpu_ops_for(xs) && xs.dtype() == self.weight.dtype() {
+            return super::gpu::layer_norm(xs, &self.weight, &self.bias, self.eps);
+        }
         let mean = xs.mean_keepdim(D::Minus1)?;
         let centered = xs.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;

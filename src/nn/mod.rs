@@ -13,6 +13,7 @@ mod attention;
 mod dropout;
 mod feed_forward;
 mod fused;
+mod gpu;
 mod layer_norm;
 mod ops;
 mod rotary;
@@ -34,8 +35,10 @@ use std::sync::OnceLock;
 
 use candle::{DType, Tensor};
 
-/// Which implementation the layers compute with on the CPU (f32 and f64); other devices and
-/// dtypes always use [`Kernels::Reference`].
+/// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
+/// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm and GELU with poslab's
+/// backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU in half
+/// precision) always [`Kernels::Reference`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
     /// Compositions of differentiable candle tensor ops: the specification the others are
@@ -98,19 +101,33 @@ pub fn current_kernels() -> Kernels {
     KERNELS.with(Cell::get).unwrap_or_else(Kernels::from_env)
 }
 
-/// The kernels `x` is computed with: [`current_kernels`] on the CPU in f32 or f64, else the
+/// The kernels activations of `dtype` on `device` are computed with: [`current_kernels`] on
+/// the CPU in f32 or f64; on CUDA [`Kernels::Ops`] unless the reference is asked for; else the
 /// reference compositions.
-pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
-        current_kernels()
+pub fn kernels_on(device: &candle::Device, dtype: DType) -> Kernels {
+    let chosen = current_kernels();
+    if device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) {
+        chosen
+    } else if device.is_cuda() && chosen != Kernels::Reference {
+        Kernels::Ops
     } else {
         Kernels::Reference
     }
 }
 
-/// Whether `x` goes through a fused per-op kernel.
+/// The kernels `x` is computed with (see [`kernels_on`]).
+pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
+    kernels_on(x.device(), x.dtype())
+}
+
+/// Whether `x` goes through one of poslab's fused CPU kernels.
 pub(crate) fn fused_for(x: &Tensor) -> bool {
-    kernels_for(x) != Kernels::Reference
+    x.device().is_cpu() && kernels_for(x) != Kernels::Reference
+}
+
+/// Whether `x` goes through the one-kernel CUDA ops of `gpu.rs`.
+pub(crate) fn gpu_ops_for(x: &Tensor) -> bool {
+    x.device().is_cuda() && kernels_for(x) != Kernels::Reference
 }
 
 // Mixed precision (see `crate::Precision`): activations may be bf16 or f16 while parameters,

@@ -110,7 +110,11 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
         return super::fused::masked_softmax(scores, key_bias);
     }
     let (b, t) = key_bias.dims2()?;
-    softmax_last_dim(&scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?)
+    let biased = scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?;
+    if super::gpu_ops_for(scores) {
+        return super::gpu::softmax_last_dim(&biased);
+    }
+    softmax_last_dim(&biased)
 }
 
 /// RoPE's rotation `x * cos + rotate(x) * sin` of the first `w` coordinates of every head, by
@@ -168,6 +172,9 @@ pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
 pub fn gelu(xs: &Tensor) -> Result<Tensor> {
     if super::fused_for(xs) {
         return super::fused::gelu(xs);
+    }
+    if super::gpu_ops_for(xs) {
+        return super::gpu::gelu(xs);
     }
     let cdf = ((xs * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)? * 0.5;
     xs * cdf?

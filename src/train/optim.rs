@@ -181,18 +181,22 @@ impl AdamW {
 }
 
 /// The L2 norm of all gradients of `vars` together.
+///
+/// The squares are summed on the gradients' device and read back once: on a GPU, one wait for
+/// the queued work per step instead of one per variable.
 pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
-    let mut sum = 0.0;
-    for var in vars {
-        if let Some(g) = grads.get(var.as_tensor()) {
-            sum += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-        }
+    let squares = vars
+        .iter()
+        .filter_map(|var| grads.get(var.as_tensor()))
+        .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
+        .collect::<candle::Result<Vec<_>>>()?;
+    if squares.is_empty() {
+        return Ok(0.0);
     }
-    Ok(sum.sqrt())
+    Ok(Tensor::stack(&squares, 0)?
+        .sum_all()?
+        .to_scalar::<f64>()?
+        .sqrt())
 }
 
 #[cfg(test)]
@@ -228,6 +232,28 @@ mod tests {
         assert_eq!(step, 1);
         let m = state["m.w.weight"].to_vec1::<f64>().unwrap()[0];
         assert!((m - 0.3).abs() < 1e-15, "first moment {m}");
+    }
+
+    #[test]
+    fn global_norm_covers_every_gradient_and_skips_variables_without_one() {
+        // loss = sum(3a) + sum(b^2) with a = [1, 2] (f32), b = [[1, -2], [0, 4]] (f64), and c
+        // unused: gradients [3, 3] and [[2, -4], [0, 8]], norm sqrt(18 + 84) = sqrt(102).
+        let a = Var::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+        let b = Var::new(&[[1.0f64, -2.0], [0.0, 4.0]], &Device::Cpu).unwrap();
+        let c = Var::new(&[5.0f32], &Device::Cpu).unwrap();
+        let loss = ((a.as_tensor() * 3.0)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F64))
+        .unwrap()
+        .add(&b.as_tensor().sqr().unwrap().sum_all().unwrap())
+        .unwrap();
+        let grads = loss.backward().unwrap();
+        assert!(grads.get(c.as_tensor()).is_none());
+        let norm = global_grad_norm(&grads, &[a, b.clone(), c.clone()]).unwrap();
+        assert!((norm - 102f64.sqrt()).abs() < 1e-12, "{norm}");
+        assert_eq!(global_grad_norm(&grads, &[c]).unwrap(), 0.0);
     }
 
     #[test]

@@ -4,10 +4,13 @@
 //! feature, check a GPU: the reference fixtures in f32 and in half precision, gradients of every
 //! scheme against the CPU's, and training.
 //!
-//! On the GPU every layer is the differentiable composition (`Kernels::Reference`): poslab's
-//! fused kernels are CPU code. So these tests are what proves that path learns on CUDA.
+//! On the GPU the layers run either as differentiable compositions (`Kernels::Reference`) or,
+//! by default, with one candle kernel per softmax, LayerNorm and GELU and poslab's backward
+//! passes (`Kernels::Ops`, `src/nn/gpu.rs`); the fixture and gradient tests run both. poslab's
+//! fused CPU kernels are CPU code. So these tests are what proves those paths learn on CUDA.
 
 use candle::{DType, Device};
+use poslab::nn::{with_kernels, Kernels};
 use poslab::{NormPlacement, PositionalConfig, Precision};
 
 use crate::common::*;
@@ -37,6 +40,13 @@ fn gpu_encoders_reproduce_the_float64_reference() {
     let Some(gpu) = gpu("gpu_encoders_reproduce_the_float64_reference") else {
         return;
     };
+    for kernels in [Kernels::Reference, Kernels::Ops] {
+        with_kernels(kernels, || fixtures_on(&gpu, kernels));
+    }
+}
+
+fn fixtures_on(gpu: &Device, kernels: Kernels) {
+    assert_eq!(poslab::nn::kernels_on(gpu, DType::F32), kernels);
     for name in encoder_fixture_names() {
         for (precision, tol) in [
             (Precision::F32, 1e-4),
@@ -45,19 +55,22 @@ fn gpu_encoders_reproduce_the_float64_reference() {
         ] {
             let mut fx = load_encoder_fixture(&name);
             fx.config.dtype = precision;
-            let (encoder, _) = fx.encoder_on(DType::F32, &gpu);
-            let ids = fx.input_ids.to_device(&gpu).unwrap();
-            let mask = fx.attention_mask.to_device(&gpu).unwrap();
+            let (encoder, _) = fx.encoder_on(DType::F32, gpu);
+            let ids = fx.input_ids.to_device(gpu).unwrap();
+            let mask = fx.attention_mask.to_device(gpu).unwrap();
             let hidden = encoder
                 .forward_with(&ids, &mask, &fx.positions, false)
                 .unwrap();
             assert!(hidden.device().is_cuda(), "{name}: the output left the GPU");
             let hidden = hidden.to_device(&Device::Cpu).unwrap();
             let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
-            eprintln!("gpu {name} {precision}: max abs error at real positions {err:.2e}");
+            let kernels = kernels.name();
+            eprintln!(
+                "gpu {kernels} {name} {precision}: max abs error at real positions {err:.2e}"
+            );
             assert!(
                 err <= tol,
-                "gpu {name} {precision}: error {err:e} > {tol:e}"
+                "gpu {kernels} {name} {precision}: error {err:e} > {tol:e}"
             );
         }
     }
@@ -71,14 +84,22 @@ fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
     let mut worst = 0.0f64;
     for positional in all_schemes() {
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
-            let what = format!("{} {norm:?}", positional.name());
             let config = tiny_dropout_config(positional.clone(), norm);
-            let cpu = training_gradients(&config, &Device::Cpu, &format!("{what} cpu"));
-            let on_gpu = training_gradients(&config, &gpu, &format!("{what} gpu"));
-            assert_eq!(cpu.len(), on_gpu.len(), "{what}: variable count");
-            for ((name, _, g), (_, _, c)) in on_gpu.iter().zip(&cpu) {
-                // f32 both sides, different summation orders (cuBLAS, CUDA reductions).
-                worst = worst.max(assert_relative_l2(&what, name, g, c, 1e-4));
+            let cpu = training_gradients(
+                &config,
+                &Device::Cpu,
+                &format!("{} {norm:?} cpu", positional.name()),
+            );
+            for kernels in [Kernels::Reference, Kernels::Ops] {
+                let what = format!("{} {norm:?} {}", positional.name(), kernels.name());
+                let on_gpu = with_kernels(kernels, || {
+                    training_gradients(&config, &gpu, &format!("{what} gpu"))
+                });
+                assert_eq!(cpu.len(), on_gpu.len(), "{what}: variable count");
+                for ((name, _, g), (_, _, c)) in on_gpu.iter().zip(&cpu) {
+                    // f32 both sides, different summation orders (cuBLAS, CUDA reductions).
+                    worst = worst.max(assert_relative_l2(&what, name, g, c, 1e-4));
+                }
             }
         }
     }

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds poslab's `cuda` feature here (no GPU needed) and stages what a GPU machine needs in
+# gpu/ (ignored by git), for scripts/gpu/session.sh there. Issue 17; see the README's "CUDA".
+#
+#   scripts/gpu/prepare.sh            # about 21 min the first time (nvcc compiles candle's
+#                                     # kernels into target-cuda/), a few minutes after that
+#
+# It builds a snapshot of HEAD (git archive) so that editing the working tree meanwhile cannot
+# race the build; commit first. Stages: gpu/poslab, gpu/suite (the integration-test binary),
+# both stripped; gpu/torch_reference.py and gpu/cpumon.py (the PyTorch reference, which
+# benches/torch_at_shape.py imports); gpu/manifest-dir (the snapshot's path, which the test
+# binary has compiled in, for its fixtures). Then carry `gpu` in the device tool's run.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+SHARED=${POSLAB_SHARED:-$ROOT/../shared}
+SRC=/tmp/poslab-cuda-src
+rm -rf "$SRC" && mkdir -p "$SRC"
+git -C "$ROOT" archive HEAD | tar -x -C "$SRC"
+CARGO_TARGET_DIR=$ROOT/target-cuda "$SHARED/cuda/build-cuda.sh" "$SRC" --bins --tests
+OUT=$ROOT/gpu
+rm -rf "$OUT" && mkdir -p "$OUT"
+cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab"
+# The newest integration-test executable (cargo names it suite-<hash>).
+SUITE=$(ls -t "$ROOT"/target-cuda/release/deps/suite-* | grep -v '\.d$' | head -1)
+cp "$SUITE" "$OUT/suite"
+strip "$OUT/poslab" "$OUT/suite"
+cp "$SHARED/bench/torch_reference.py" "$SHARED/bench/cpumon.py" "$OUT/"
+echo "$SRC" > "$OUT/manifest-dir"
+git -C "$ROOT" rev-parse HEAD > "$OUT/commit"
+du -sh "$OUT"/*
+total=$(du -sb "$OUT" | cut -f1)
+if [ "$total" -gt $((48 * 1024 * 1024)) ]; then
+  echo "warning: gpu/ holds $((total / 1024 / 1024)) MiB; the device tool carries 64 MiB with the tree"
+fi

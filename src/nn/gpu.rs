@@ -1,0 +1,565 @@
+//! One CUDA kernel per forward op, with poslab's own backward passes.
+//!
+//! candle-nn 0.11's fused `softmax_last_dim` and `layer_norm` each run one CUDA kernel but have
+//! no backward. The ops here launch the same kernels from candle's kernel library
+//! (`candle_kernels::REDUCE`: `softmax_<dtype>`, `layernorm_<dtype>`; GELU through candle's
+//! unary `gelu_erf`), and give each a backward pass composed of differentiable tensor ops. A
+//! composition of primitive ops costs a kernel launch and a pass over memory per op: the
+//! softmax over `(b, h, t, t)` scores is 5 kernels forward and about 10 backward, LayerNorm
+//! 10 forward. These cut the forward passes to one kernel each.
+//!
+//! On the CPU the same ops compute in plain loops, so the tests hold them to the reference
+//! compositions, forward and backward, without a GPU; the layers use them on CUDA only (the
+//! CPU has its own fused kernels, [`super::fused`]). Softmax and LayerNorm take f32 or f64
+//! (half-precision activations are cast up first, as everywhere: statistics stay f32).
+//!
+//! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
+//! `reference` keeps the compositions.
+
+use candle::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle::DType;
+use candle::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor, D};
+
+/// Rows of the last axis: `(rows, width)` of a contiguous layout, with its offsets.
+fn rows(layout: &Layout, what: &str) -> Result<(usize, usize, usize, usize)> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        candle::bail!(
+            "{what}: input of shape {:?} is not contiguous",
+            layout.dims()
+        )
+    };
+    let width = layout.dims().last().copied().unwrap_or(1);
+    let n = layout.shape().elem_count();
+    Ok((n / width.max(1), width, start, end))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax over the last axis.
+
+struct SoftmaxLastDim;
+
+impl CustomOp1 for SoftmaxLastDim {
+    fn name(&self) -> &'static str {
+        "poslab-softmax-last-dim"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T>(src: &[T], layout: &Layout) -> Result<CpuStorage>
+        where
+            T: candle::WithDType + num_traits::Float + std::ops::AddAssign + std::ops::DivAssign,
+        {
+            let (_, width, start, end) = rows(layout, "softmax")?;
+            let mut dst = src[start..end].to_vec();
+            for row in dst.chunks_mut(width) {
+                let max = row
+                    .iter()
+                    .copied()
+                    .fold(T::neg_infinity(), num_traits::Float::max);
+                let mut sum = T::zero();
+                for v in row.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                for v in row.iter_mut() {
+                    *v /= sum;
+                }
+            }
+            Ok(candle::WithDType::to_cpu_storage_owned(dst))
+        }
+        let out = match storage {
+            CpuStorage::F32(s) => run(s, layout)?,
+            CpuStorage::F64(s) => run(s, layout)?,
+            other => candle::bail!("softmax: f32 or f64 input, got {:?}", other.dtype()),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let (n_rows, width, start, end) = rows(layout, "softmax")?;
+        let device = storage.device();
+        let out = match storage.dtype() {
+            DType::F32 => {
+                let src = storage.as_cuda_slice::<f32>()?.slice(start..end);
+                cuda::softmax(device, src, n_rows, width)?
+            }
+            DType::F64 => {
+                let src = storage.as_cuda_slice::<f64>()?.slice(start..end);
+                cuda::softmax(device, src, n_rows, width)?
+            }
+            other => candle::bail!("softmax: f32 or f64 input, got {other:?}"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    /// `dx = y * (dy - sum(dy * y))` along the last axis.
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let dot = (grad_res * res)?.sum_keepdim(D::Minus1)?;
+        Ok(Some((grad_res.broadcast_sub(&dot)? * res)?))
+    }
+}
+
+/// Softmax over the last axis in one kernel, differentiable. f32 or f64.
+pub(crate) fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
+    xs.contiguous()?.apply_op1(SoftmaxLastDim)
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU (exact, erf).
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "poslab-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((
+            storage.unary_impl::<candle::op::GeluErf>(layout)?,
+            layout.shape().clone(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        Ok((
+            storage.unary_impl::<candle::op::GeluErf>(layout)?,
+            layout.shape().clone(),
+        ))
+    }
+
+    /// `d/dx x Phi(x) = Phi(x) + x phi(x)`, with the exact constants (candle's own `gelu_erf`
+    /// backward rounds 1/sqrt(2 pi) to 0.398942).
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        use std::f64::consts::{FRAC_1_SQRT_2, PI};
+        let cdf = (arg * FRAC_1_SQRT_2)?.erf()?.affine(0.5, 0.5)?;
+        let pdf = arg
+            .sqr()?
+            .affine(-0.5, 0.0)?
+            .exp()?
+            .affine(1.0 / (2.0 * PI).sqrt(), 0.0)?;
+        Ok(Some((grad_res * (cdf + (arg * pdf)?)?)?))
+    }
+}
+
+/// `x Phi(x)` (exact GELU) in one kernel, differentiable. Any float dtype.
+pub(crate) fn gelu(xs: &Tensor) -> Result<Tensor> {
+    xs.apply_op1(Gelu)
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over the last axis.
+
+struct LayerNormOp {
+    eps: f64,
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "poslab-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: candle::WithDType + num_traits::Float>(
+            x: &[T],
+            lx: &Layout,
+            w: &[T],
+            lw: &Layout,
+            b: &[T],
+            lb: &Layout,
+            eps: f64,
+        ) -> Result<CpuStorage> {
+            let (_, width, start, end) = rows(lx, "layer_norm")?;
+            let (_, _, ws, we) = rows(lw, "layer_norm weight")?;
+            let (_, _, bs, be) = rows(lb, "layer_norm bias")?;
+            let (w, b) = (&w[ws..we], &b[bs..be]);
+            let n = T::from(width).unwrap_or_else(T::one);
+            let eps = T::from(eps).unwrap_or_else(T::zero);
+            let mut dst = x[start..end].to_vec();
+            for row in dst.chunks_mut(width) {
+                let mean = row.iter().fold(T::zero(), |a, &v| a + v) / n;
+                let var = row
+                    .iter()
+                    .fold(T::zero(), |a, &v| a + (v - mean) * (v - mean))
+                    / n;
+                let inv_std = (var + eps).sqrt().recip();
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = (*v - mean) * inv_std * w[i] + b[i];
+                }
+            }
+            Ok(candle::WithDType::to_cpu_storage_owned(dst))
+        }
+        let out = match (x, w, b) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                run(x, lx, w, lw, b, lb, self.eps)?
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
+                run(x, lx, w, lw, b, lb, self.eps)?
+            }
+            _ => candle::bail!(
+                "layer_norm: input, weight and bias must share a dtype, f32 or f64; got {:?}, \
+                 {:?}, {:?}",
+                x.dtype(),
+                w.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle::CudaStorage,
+        lx: &Layout,
+        w: &candle::CudaStorage,
+        lw: &Layout,
+        b: &candle::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let (n_rows, width, start, end) = rows(lx, "layer_norm")?;
+        let (_, _, ws, we) = rows(lw, "layer_norm weight")?;
+        let (_, _, bs, be) = rows(lb, "layer_norm bias")?;
+        let eps = self.eps as f32;
+        let out = match (x.dtype(), w.dtype(), b.dtype()) {
+            (DType::F32, DType::F32, DType::F32) => cuda::layer_norm(
+                x.device(),
+                [
+                    x.as_cuda_slice::<f32>()?.slice(start..end),
+                    w.as_cuda_slice::<f32>()?.slice(ws..we),
+                    b.as_cuda_slice::<f32>()?.slice(bs..be),
+                ],
+                n_rows,
+                width,
+                eps,
+            )?,
+            (DType::F64, DType::F64, DType::F64) => cuda::layer_norm(
+                x.device(),
+                [
+                    x.as_cuda_slice::<f64>()?.slice(start..end),
+                    w.as_cuda_slice::<f64>()?.slice(ws..we),
+                    b.as_cuda_slice::<f64>()?.slice(bs..be),
+                ],
+                n_rows,
+                width,
+                eps,
+            )?,
+            (x, w, b) => candle::bail!(
+                "layer_norm: input, weight and bias must share a dtype, f32 or f64; got {x:?}, \
+                 {w:?}, {b:?}"
+            ),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    /// With `xhat = (x - mean) * inv_std` recomputed from `x`: `dbias = sum(dy)`,
+    /// `dweight = sum(dy * xhat)` over the rows, and
+    /// `dx = inv_std * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * weight`.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let width = x.dim(D::Minus1)?;
+        let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let inv_std = (centered.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        let xhat = centered.broadcast_mul(&inv_std)?;
+        let flat = |t: &Tensor| t.reshape(((), width));
+        let d_bias = flat(grad_res)?.sum(0)?;
+        let d_weight = flat(&(grad_res * &xhat)?)?.sum(0)?;
+        let g = grad_res.broadcast_mul(weight)?;
+        let d_x = ((g.broadcast_sub(&g.mean_keepdim(D::Minus1)?))?
+            - xhat.broadcast_mul(&(&g * &xhat)?.mean_keepdim(D::Minus1)?)?)?
+        .broadcast_mul(&inv_std)?;
+        Ok((Some(d_x), Some(d_weight), Some(d_bias)))
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis in one kernel,
+/// differentiable in all three. f32 or f64, one dtype for all three.
+///
+/// # Shapes
+/// - `xs`: `(..., d)`; `weight`, `bias`: `(d,)`; returns the shape of `xs`
+pub(crate) fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = xs.dim(D::Minus1)?;
+    if weight.dims() != [d] || bias.dims() != [d] {
+        candle::bail!(
+            "layer_norm: input {:?} needs weight and bias of shape [{d}], got {:?} and {:?}",
+            xs.dims(),
+            weight.dims(),
+            bias.dims()
+        );
+    }
+    xs.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LayerNormOp { eps },
+    )
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! Launches of candle's own kernels (`candle_kernels::REDUCE`), with the launch shapes
+    //! those kernels are written for: softmax one warp per row (block `(1, 32, 1)`), LayerNorm
+    //! one block per row of 32 threads below 1024 columns and 1024 from there.
+
+    use candle::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle::cuda_backend::{kernel_name, kernels, CudaDType, CudaDevice, CudaStorage, WrapErr};
+    use candle::{Result, WithDType};
+
+    fn grid(n_rows: usize) -> Result<u32> {
+        u32::try_from(n_rows).map_err(|_| {
+            candle::Error::Msg(format!("{n_rows} rows are more than one CUDA launch takes"))
+        })
+    }
+
+    /// `softmax_<dtype>(src, dst, ncols)`.
+    pub fn softmax<T: DeviceRepr + WithDType + CudaDType>(
+        device: &CudaDevice,
+        src: CudaView<'_, T>,
+        n_rows: usize,
+        width: usize,
+    ) -> Result<CudaStorage> {
+        let func = device.get_or_load_func(&kernel_name::<T>("softmax"), &kernels::REDUCE)?;
+        // SAFETY: the kernel writes every element.
+        let dst = unsafe { device.alloc::<T>(n_rows * width)? };
+        let cols = width as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n_rows)?, 1, 1),
+            block_dim: (1, 32, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = func.builder();
+        builder.arg(&src);
+        builder.arg(&dst);
+        builder.arg(&cols);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, device.clone()))
+    }
+
+    /// `layernorm_<dtype>(src, dst, alpha, beta, ncols, block_size, eps)`.
+    pub fn layer_norm<T: DeviceRepr + WithDType + CudaDType>(
+        device: &CudaDevice,
+        [x, w, b]: [CudaView<'_, T>; 3],
+        n_rows: usize,
+        width: usize,
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let func = device.get_or_load_func(&kernel_name::<T>("layernorm"), &kernels::REDUCE)?;
+        // SAFETY: the kernel writes every element.
+        let dst = unsafe { device.alloc::<T>(n_rows * width)? };
+        let block: u32 = if width < 1024 { 32 } else { 1024 };
+        let (cols, block_size) = (width as i32, block as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n_rows)?, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = func.builder();
+        builder.arg(&x);
+        builder.arg(&dst);
+        builder.arg(&w);
+        builder.arg(&b);
+        builder.arg(&cols);
+        builder.arg(&block_size);
+        builder.arg(&eps);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, device.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::{DType, Device, Var};
+
+    fn random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        use rand::{Rng as _, SeedableRng};
+        let mut rng = crate::rng::Rng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-3.0..3.0)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// Forward and every input's gradient of `fused` and `reference` on the same inputs,
+    /// under a loss that weighs each output element differently.
+    fn compare(
+        inputs: &[Tensor],
+        fused: &dyn Fn(&[Tensor]) -> Tensor,
+        reference: &dyn Fn(&[Tensor]) -> Tensor,
+        tol: f64,
+        what: &str,
+    ) {
+        let run = |f: &dyn Fn(&[Tensor]) -> Tensor| {
+            let vars: Vec<Var> = inputs
+                .iter()
+                .map(|t| Var::from_tensor(t).unwrap())
+                .collect();
+            let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = f(&xs);
+            let weights = random(y.dims(), 99, y.dtype());
+            let grads = (&y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let g: Vec<Tensor> = vars
+                .iter()
+                .map(|v| grads.get(v.as_tensor()).expect("a gradient").clone())
+                .collect();
+            (y, g)
+        };
+        let (y1, g1) = run(fused);
+        let (y2, g2) = run(reference);
+        assert_eq!(y1.dims(), y2.dims(), "{what}");
+        let e = max_diff(&y1, &y2);
+        assert!(e < tol, "{what}: forward differs by {e:e}");
+        for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
+            assert_eq!(a.dims(), b.dims(), "{what}: gradient {i}");
+            let e = max_diff(a, b);
+            assert!(e < tol, "{what}: gradient {i} differs by {e:e}");
+        }
+    }
+
+    #[test]
+    fn softmax_matches_the_composition_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-6)] {
+            // Masked keys (a large negative bias) included, as attention sends them.
+            let x = random(&[2, 3, 5, 7], 1, dtype);
+            let mask = Tensor::from_vec(
+                vec![0.0, 0.0, 0.0, 0.0, -1e9, -1e9, 0.0],
+                (1, 1, 1, 7),
+                &Device::Cpu,
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+            let masked = x.broadcast_add(&mask).unwrap();
+            compare(
+                &[masked],
+                &|t| softmax_last_dim(&t[0]).unwrap(),
+                &|t| super::super::ops::softmax_last_dim(&t[0]).unwrap(),
+                tol,
+                &format!("softmax {dtype:?}"),
+            );
+        }
+        // A transposed (non-contiguous) input is made contiguous first.
+        let x = random(&[4, 6], 2, DType::F64);
+        let a = softmax_last_dim(&x.t().unwrap()).unwrap();
+        let b = super::super::ops::softmax_last_dim(&x.t().unwrap()).unwrap();
+        assert!(max_diff(&a, &b) < 1e-12);
+    }
+
+    #[test]
+    fn gelu_matches_the_exact_composition_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-6)] {
+            compare(
+                &[random(&[3, 11], 3, dtype)],
+                &|t| gelu(&t[0]).unwrap(),
+                &|t| {
+                    let x = &t[0];
+                    let cdf = ((x * std::f64::consts::FRAC_1_SQRT_2)
+                        .unwrap()
+                        .erf()
+                        .unwrap()
+                        + 1.0)
+                        .unwrap()
+                        * 0.5;
+                    (x * cdf.unwrap()).unwrap()
+                },
+                tol,
+                &format!("gelu {dtype:?}"),
+            );
+        }
+    }
+
+    #[test]
+    fn layer_norm_matches_the_composition_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+            let x = random(&[2, 5, 16], 4, dtype);
+            // Rows far from zero mean too, where a one-pass variance would lose digits.
+            let x = x.broadcast_add(&random(&[2, 5, 1], 5, dtype)).unwrap();
+            let w = random(&[16], 6, dtype);
+            let b = random(&[16], 7, dtype);
+            let eps = 1e-5;
+            compare(
+                &[x, w, b],
+                &|t| layer_norm(&t[0], &t[1], &t[2], eps).unwrap(),
+                &|t| {
+                    let (x, w, b) = (&t[0], &t[1], &t[2]);
+                    let centered = x
+                        .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
+                        .unwrap();
+                    let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+                    let inv = (var + eps).unwrap().sqrt().unwrap().recip().unwrap();
+                    centered
+                        .broadcast_mul(&inv)
+                        .unwrap()
+                        .broadcast_mul(w)
+                        .unwrap()
+                        .broadcast_add(b)
+                        .unwrap()
+                },
+                tol,
+                &format!("layer_norm {dtype:?}"),
+            );
+        }
+        let x = random(&[2, 4], 8, DType::F32);
+        let e = layer_norm(
+            &x,
+            &random(&[3], 9, DType::F32),
+            &random(&[4], 9, DType::F32),
+            1e-5,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("[2, 4]") && e.contains("[4]") && e.contains("[3]"),
+            "{e}"
+        );
+    }
+}
