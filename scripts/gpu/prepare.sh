@@ -6,8 +6,8 @@
 #                                     # kernels into target-cuda/), a few minutes after that
 #
 # It builds a snapshot of HEAD (git archive) so that editing the working tree meanwhile cannot
-# race the build; commit first. Stages: gpu/poslab, gpu/suite (the integration-test binary),
-# both stripped; gpu/torch_reference.py and gpu/cpumon.py (the PyTorch reference, which
+# race the build; commit first. Stages: gpu/poslab.xz, gpu/suite.xz (the integration-test
+# binary), both stripped and compressed; gpu/torch_reference.py and gpu/cpumon.py (the PyTorch reference, which
 # benches/torch_at_shape.py imports); gpu/manifest-dir (the snapshot's path, which the test
 # binary has compiled in, for its fixtures). Then carry `gpu` in the device tool's run.
 set -euo pipefail
@@ -24,6 +24,9 @@ cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab"
 SUITE=$(ls -t "$ROOT"/target-cuda/release/deps/suite-* | grep -v '\.d$' | head -1)
 cp "$SUITE" "$OUT/suite"
 strip "$OUT/poslab" "$OUT/suite"
+# About 66 MiB each stripped (candle's kernels are in them), 10 MiB each in xz: the device tool
+# carries 64 MiB with the tree. session.sh unpacks them (Python's lzma, no xz needed there).
+xz -9 -T2 "$OUT/poslab" "$OUT/suite"
 cp "$SHARED/bench/torch_reference.py" "$SHARED/bench/cpumon.py" "$OUT/"
 echo "$SRC" > "$OUT/manifest-dir"
 git -C "$ROOT" rev-parse HEAD > "$OUT/commit"

@@ -32,6 +32,14 @@ export POSLAB_TORCH_REFERENCE=$ROOT/gpu/torch_reference.py
 BUILT=$(cat "$ROOT/gpu/manifest-dir")
 if [ ! -e "$BUILT" ]; then mkdir -p "$(dirname "$BUILT")" && ln -s "$ROOT" "$BUILT"; fi
 
+# The binaries travel compressed (scripts/gpu/prepare.sh): unpack them once.
+for bin in poslab suite; do
+  if [ ! -x "gpu/$bin" ]; then
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "gpu/$bin.xz" "gpu/$bin" && chmod +x "gpu/$bin" || { echo "cannot unpack gpu/$bin.xz"; exit 1; }
+  fi
+done
+
 stamp() { echo "== $* ($(date +%T))"; }
 bench() { # bench FILE [bench args...]: f32 then bf16, the same shape, beside PyTorch
   local file=$1; shift

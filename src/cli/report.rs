@@ -12,18 +12,42 @@ pub struct Args {
     /// Run folders holding results.json.
     #[arg(required = true)]
     pub runs: Vec<PathBuf>,
-    /// Output folder (default: runs/<experiment>-report-<timestamp>).
+    /// Output folder (default: runs/<experiment>-report-<timestamp>); one that already holds a
+    /// run or a report is refused unless --overwrite, and one of the merged folders always.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// With --out: clear the run or report already in that folder first.
+    #[arg(long, requires = "out")]
+    pub overwrite: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let Args { runs, out } = args;
+    let Args {
+        runs,
+        out,
+        overwrite,
+    } = args;
     let runs = &runs;
+    if let Some(dir) = &out {
+        // Writing into a folder being merged would replace its own results with the merge's.
+        let same = |a: &Path| match (a.canonicalize(), dir.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        if let Some(run) = runs.iter().find(|r| same(r)) {
+            anyhow::bail!(
+                "--out {} is one of the run folders being merged ({}): write the report to a \
+                 new folder",
+                dir.display(),
+                run.display()
+            );
+        }
+    }
     let (results, timings, config) = report::merge_runs(runs)?;
     let dir = match out {
         Some(dir) => {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            experiment::run::prepare_out_dir(&dir, overwrite)
+                .with_context(|| format!("preparing {}", dir.display()))?;
             dir
         }
         None => {

@@ -841,6 +841,46 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
         "{log}"
     );
 
+    // A folder that holds a report is not written over without --overwrite, and a folder
+    // being merged never (its own results would be replaced by the merge's).
+    let (ok, log) = poslab(d, &["report", "shard-0", "shard-1", "--out", "partial"]);
+    assert!(
+        !ok && log.contains("already holds a run") && log.contains("--overwrite"),
+        "{log}"
+    );
+    let (ok, log) = poslab(
+        d,
+        &[
+            "report",
+            "shard-0",
+            "shard-1",
+            "--out",
+            "partial",
+            "--overwrite",
+        ],
+    );
+    assert!(ok, "{log}");
+    let before = std::fs::read(d.join("shard-0/results.json")).unwrap();
+    let (ok, log) = poslab(
+        d,
+        &[
+            "report",
+            "shard-0",
+            "shard-1",
+            "--out",
+            "shard-0/",
+            "--overwrite",
+        ],
+    );
+    assert!(
+        !ok && log.contains("one of the run folders being merged"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read(d.join("shard-0/results.json")).unwrap(),
+        before
+    );
+
     // A shard run with another learning rate is another experiment: refused by name.
     std::fs::write(d.join("other.toml"), TINY.replace("lr = 1e-3", "lr = 2e-3")).unwrap();
     let (ok, log) = poslab(
