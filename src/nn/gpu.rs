@@ -1,17 +1,19 @@
 //! One CUDA kernel per forward op, with poslab's own backward passes.
 //!
 //! candle-nn 0.11's fused `softmax_last_dim` and `layer_norm` each run one CUDA kernel but have
-//! no backward. The ops here launch the same kernels from candle's kernel library
-//! (`candle_kernels::REDUCE`: `softmax_<dtype>`, `layernorm_<dtype>`; GELU through candle's
-//! unary `gelu_erf`), and give each a backward pass composed of differentiable tensor ops. A
+//! no backward, nor do its `rope` / `rope_i`. The ops here launch the same kernels from
+//! candle's kernel library (`candle_kernels::REDUCE`: `softmax_<dtype>`, `layernorm_<dtype>`,
+//! `rope_<dtype>`, `rope_i_<dtype>`; GELU through candle's unary `gelu_erf`), and give each a
+//! backward pass composed of differentiable tensor ops (RoPE's: the opposite rotation). A
 //! composition of primitive ops costs a kernel launch and a pass over memory per op: the
 //! softmax over `(b, h, t, t)` scores is 5 kernels forward and about 10 backward, LayerNorm
 //! 10 forward. These cut the forward passes to one kernel each.
 //!
 //! On the CPU the same ops compute in plain loops, so the tests hold them to the reference
 //! compositions, forward and backward, without a GPU; the layers use them on CUDA only (the
-//! CPU has its own fused kernels, [`super::fused`]). Softmax and LayerNorm take f32 or f64
-//! (half-precision activations are cast up first, as everywhere: statistics stay f32).
+//! CPU has its own fused kernels, [`super::fused`]). Softmax, LayerNorm and RoPE take f32 or
+//! f64 (half-precision activations are cast up first, as everywhere: statistics and rotations
+//! stay f32).
 //!
 //! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
 //! `reference` keeps the compositions.
@@ -320,6 +322,193 @@ pub(crate) fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) 
     )
 }
 
+// ---------------------------------------------------------------------------------------------
+// RoPE's rotation of whole heads, from half-width tables.
+
+/// Rotates every `(b, h, t, d)` head by `(r, t, d/2)` tables (`r` 1 or `b`), the pairing
+/// `interleaved` (`(x[2i], x[2i+1])`) or half (`(x[i], x[i + d/2])`): each pair `(a, c)` of angle
+/// index `i` becomes `(a cos_i - c sin_i, a sin_i + c cos_i)`.
+struct RopeOp {
+    interleaved: bool,
+}
+
+impl RopeOp {
+    /// `(b, h, t, d)` and `r` from the layouts, checked.
+    fn dims(&self, x: &Layout, cos: &Layout, sin: &Layout) -> Result<[usize; 5]> {
+        let (b, h, t, d) = x.shape().dims4()?;
+        let (r, tt, half) = cos.shape().dims3()?;
+        if sin.dims() != cos.dims() || tt != t || 2 * half != d || !(r == 1 || r == b) {
+            candle::bail!(
+                "rope: x {:?} needs cos and sin of shape (1 or {b}, {t}, {}), got {:?} and {:?}",
+                x.dims(),
+                d / 2,
+                cos.dims(),
+                sin.dims()
+            );
+        }
+        Ok([b, h, t, d, r])
+    }
+}
+
+impl CustomOp3 for RopeOp {
+    fn name(&self) -> &'static str {
+        "poslab-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        cos: &CpuStorage,
+        lc: &Layout,
+        sin: &CpuStorage,
+        ls: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let [b, h, t, d, r] = self.dims(lx, lc, ls)?;
+        let interleaved = self.interleaved;
+        let run = |x: &[f64], cos: &[f64], sin: &[f64]| -> Vec<f64> {
+            let half = d / 2;
+            let mut out = x.to_vec();
+            for bi in 0..b {
+                for hi in 0..h {
+                    for ti in 0..t {
+                        let base = ((bi * h + hi) * t + ti) * d;
+                        let table = ((if r == 1 { 0 } else { bi }) * t + ti) * half;
+                        for i in 0..half {
+                            let (i1, i2) = if interleaved {
+                                (base + 2 * i, base + 2 * i + 1)
+                            } else {
+                                (base + i, base + i + half)
+                            };
+                            let (c, s) = (cos[table + i], sin[table + i]);
+                            out[i1] = x[i1] * c - x[i2] * s;
+                            out[i2] = x[i1] * s + x[i2] * c;
+                        }
+                    }
+                }
+            }
+            out
+        };
+        let slice = |l: &Layout, what: &str| rows(l, what).map(|(_, _, s, e)| s..e);
+        let (rx, rc, rs) = (
+            slice(lx, "rope")?,
+            slice(lc, "rope cos")?,
+            slice(ls, "rope sin")?,
+        );
+        let out = match (x, cos, sin) {
+            (CpuStorage::F64(x), CpuStorage::F64(c), CpuStorage::F64(s)) => {
+                CpuStorage::F64(run(&x[rx], &c[rc], &s[rs]))
+            }
+            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
+                let up = |v: &[f32]| v.iter().map(|&v| f64::from(v)).collect::<Vec<_>>();
+                let out = run(&up(&x[rx]), &up(&c[rc]), &up(&s[rs]));
+                CpuStorage::F32(out.into_iter().map(|v| v as f32).collect())
+            }
+            _ => candle::bail!(
+                "rope: x, cos and sin must share a dtype, f32 or f64; got {:?}, {:?}, {:?}",
+                x.dtype(),
+                cos.dtype(),
+                sin.dtype()
+            ),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle::CudaStorage,
+        lx: &Layout,
+        cos: &candle::CudaStorage,
+        lc: &Layout,
+        sin: &candle::CudaStorage,
+        ls: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let [b, h, t, d, r] = self.dims(lx, lc, ls)?;
+        let (_, _, xs, xe) = rows(lx, "rope")?;
+        let (_, _, cs, ce) = rows(lc, "rope cos")?;
+        let (_, _, ss, se) = rows(ls, "rope sin")?;
+        let shape = cuda::RopeShape {
+            bh: b * h,
+            td: t * d,
+            d,
+            stride_b: if r == 1 { 0 } else { h * t * d },
+            interleaved: self.interleaved,
+        };
+        let out = match (x.dtype(), cos.dtype(), sin.dtype()) {
+            (DType::F32, DType::F32, DType::F32) => cuda::rope(
+                x.device(),
+                [
+                    x.as_cuda_slice::<f32>()?.slice(xs..xe),
+                    cos.as_cuda_slice::<f32>()?.slice(cs..ce),
+                    sin.as_cuda_slice::<f32>()?.slice(ss..se),
+                ],
+                shape,
+            )?,
+            (DType::F64, DType::F64, DType::F64) => cuda::rope(
+                x.device(),
+                [
+                    x.as_cuda_slice::<f64>()?.slice(xs..xe),
+                    cos.as_cuda_slice::<f64>()?.slice(cs..ce),
+                    sin.as_cuda_slice::<f64>()?.slice(ss..se),
+                ],
+                shape,
+            )?,
+            (x, c, s) => candle::bail!(
+                "rope: x, cos and sin must share a dtype, f32 or f64; got {x:?}, {c:?}, {s:?}"
+            ),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    /// A rotation's transpose is the rotation by the opposite angles: `dx = rope(dy, cos,
+    /// -sin)`. The tables are computed, not trained: no gradient.
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = grad_res.contiguous()?.apply_op3(
+            cos,
+            &sin.neg()?,
+            RopeOp {
+                interleaved: self.interleaved,
+            },
+        )?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+/// RoPE's rotation of whole heads in one kernel, differentiable in `x`.
+///
+/// # Shapes
+/// - `x`: `(b, h, t, d)`; `cos`, `sin`: `(r, t, d/2)`, one entry per pair, `r` 1 or `b`
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        RopeOp { interleaved },
+    )
+}
+
+/// The half-width tables [`rope`] takes, from full-width ones `(r, t, w)` laid out by the
+/// pairing (`[c0, c0, c1, c1, ...]` interleaved, `[c0, c1, ..., c0, c1, ...]` half).
+pub(crate) fn half_table(table: &Tensor, interleaved: bool) -> Result<Tensor> {
+    let (r, t, w) = table.dims3()?;
+    if interleaved {
+        table
+            .reshape((r, t, w / 2, 2))?
+            .narrow(D::Minus1, 0, 1)?
+            .reshape((r, t, w / 2))?
+            .contiguous()
+    } else {
+        table.narrow(D::Minus1, 0, w / 2)?.contiguous()
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     //! Launches of candle's own kernels (`candle_kernels::REDUCE`), with the launch shapes
@@ -356,6 +545,56 @@ mod cuda {
         builder.arg(&src);
         builder.arg(&dst);
         builder.arg(&cols);
+        // SAFETY: the arguments match the kernel's signature.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, device.clone()))
+    }
+
+    /// The sizes the rope kernels take.
+    pub struct RopeShape {
+        pub bh: usize,
+        pub td: usize,
+        pub d: usize,
+        /// Elements of `x` per batch row when the tables have one row per sequence, else 0.
+        pub stride_b: usize,
+        pub interleaved: bool,
+    }
+
+    /// `rope_i_<dtype>(src, cos, sin, dst, bh, td, stride_b)` or
+    /// `rope_<dtype>(src, cos, sin, dst, bh, td, d, stride_b)`: one thread per pair.
+    pub fn rope<T: DeviceRepr + WithDType + CudaDType>(
+        device: &CudaDevice,
+        [x, cos, sin]: [CudaView<'_, T>; 3],
+        shape: RopeShape,
+    ) -> Result<CudaStorage> {
+        let n = shape.bh * shape.td;
+        let narrow = |v: usize| {
+            u32::try_from(v).map_err(|_| {
+                candle::Error::Msg(format!("rope: {v} elements are more than a launch takes"))
+            })
+        };
+        let (bh, td, d, stride_b) = (
+            narrow(shape.bh)?,
+            narrow(shape.td)?,
+            narrow(shape.d)?,
+            narrow(shape.stride_b)?,
+        );
+        let name = if shape.interleaved { "rope_i" } else { "rope" };
+        let func = device.get_or_load_func(&kernel_name::<T>(name), &kernels::REDUCE)?;
+        // SAFETY: the kernel writes every element (each thread both of its pair).
+        let dst = unsafe { device.alloc::<T>(n)? };
+        let cfg = LaunchConfig::for_num_elems(narrow(n / 2)?);
+        let mut builder = func.builder();
+        builder.arg(&x);
+        builder.arg(&cos);
+        builder.arg(&sin);
+        builder.arg(&dst);
+        builder.arg(&bh);
+        builder.arg(&td);
+        if !shape.interleaved {
+            builder.arg(&d);
+        }
+        builder.arg(&stride_b);
         // SAFETY: the arguments match the kernel's signature.
         unsafe { builder.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(dst, device.clone()))
@@ -515,6 +754,62 @@ mod tests {
                 &format!("gelu {dtype:?}"),
             );
         }
+    }
+
+    #[test]
+    fn rope_matches_the_composition_in_both_pairings_forward_and_backward() {
+        for interleaved in [false, true] {
+            for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-6)] {
+                // Tables per sequence (r = b = 2), and shared by the batch (r = 1).
+                for r in [2, 1] {
+                    let x = random(&[2, 3, 5, 8], 10, dtype);
+                    let angles = random(&[r, 5, 4], 11, DType::F64);
+                    // Full-width tables in the pairing's layout, scaled (YaRN's factor).
+                    let full = |f: fn(&Tensor) -> candle::Result<Tensor>| {
+                        let v = (f(&angles).unwrap() * 1.2).unwrap();
+                        let v = if interleaved {
+                            Tensor::stack(&[&v, &v], D::Minus1)
+                                .unwrap()
+                                .reshape((r, 5, 8))
+                                .unwrap()
+                        } else {
+                            Tensor::cat(&[&v, &v], D::Minus1).unwrap()
+                        };
+                        v.to_dtype(dtype).unwrap()
+                    };
+                    let (cos, sin) = (full(Tensor::cos), full(Tensor::sin));
+                    let (hc, hs) = (
+                        half_table(&cos, interleaved).unwrap(),
+                        half_table(&sin, interleaved).unwrap(),
+                    );
+                    compare(
+                        &[x],
+                        &|t| rope(&t[0], &hc, &hs, interleaved).unwrap(),
+                        &|t| {
+                            crate::nn::with_reference_ops(|| {
+                                super::super::ops::rope_rotate(&t[0], &cos, &sin, interleaved)
+                            })
+                            .unwrap()
+                        },
+                        tol,
+                        &format!("rope interleaved={interleaved} {dtype:?} r={r}"),
+                    );
+                }
+            }
+        }
+        let x = random(&[2, 3, 5, 8], 12, DType::F32);
+        let e = rope(
+            &x,
+            &random(&[3, 5, 4], 13, DType::F32),
+            &random(&[3, 5, 4], 13, DType::F32),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("[2, 3, 5, 8]") && e.contains("(1 or 2, 5, 4)"),
+            "{e}"
+        );
     }
 
     #[test]

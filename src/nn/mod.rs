@@ -36,7 +36,7 @@ use std::sync::OnceLock;
 use candle::{DType, Tensor};
 
 /// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
-/// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm and GELU with poslab's
+/// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation with poslab's
 /// backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU in half
 /// precision) always [`Kernels::Reference`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

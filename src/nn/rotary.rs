@@ -17,7 +17,9 @@
 //! A factor on the rotation (YaRN's attention factor) is part of the tables: `cos` and `sin`
 //! may be scaled together.
 
-use candle::{Result, Tensor};
+use std::sync::OnceLock;
+
+use candle::{Result, Tensor, D};
 
 /// The cos and sin of one batch's rotation angles.
 #[derive(Clone, Debug)]
@@ -27,6 +29,9 @@ pub struct Rotary {
     /// `(r, t, width)`
     sin: Tensor,
     interleaved: bool,
+    /// `(r, t, width/2)` cos and sin, one entry per pair, for the CUDA kernel (`gpu::rope`):
+    /// made at the first layer that needs them, shared by the rest.
+    half: OnceLock<(Tensor, Tensor)>,
 }
 
 impl Rotary {
@@ -52,6 +57,7 @@ impl Rotary {
             cos,
             sin,
             interleaved,
+            half: OnceLock::new(),
         })
     }
 
@@ -72,7 +78,41 @@ impl Rotary {
     /// - returns the shape of `x`
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         check(x, &self.cos)?;
+        if super::gpu_ops_for(x) {
+            return self.apply_on_gpu(x);
+        }
         super::rope_rotate(x, &self.cos, &self.sin, self.interleaved)
+    }
+
+    /// [`Rotary::apply`] with one CUDA kernel for the rotated width (half precision rotated in
+    /// the tables' f32, as everywhere).
+    fn apply_on_gpu(&self, x: &Tensor) -> Result<Tensor> {
+        if super::is_half(x.dtype()) && !super::is_half(self.cos.dtype()) {
+            return self
+                .apply_on_gpu(&x.to_dtype(self.cos.dtype())?)?
+                .to_dtype(x.dtype());
+        }
+        let half = match self.half.get() {
+            Some(half) => half,
+            None => {
+                let half = (
+                    super::gpu::half_table(&self.cos, self.interleaved)?,
+                    super::gpu::half_table(&self.sin, self.interleaved)?,
+                );
+                self.half.get_or_init(|| half)
+            }
+        };
+        let (d, w) = (x.dim(D::Minus1)?, self.width());
+        if w == d {
+            return super::gpu::rope(x, &half.0, &half.1, self.interleaved);
+        }
+        let rotated = super::gpu::rope(
+            &x.narrow(D::Minus1, 0, w)?,
+            &half.0,
+            &half.1,
+            self.interleaved,
+        )?;
+        Tensor::cat(&[&rotated, &x.narrow(D::Minus1, w, d - w)?], D::Minus1)
     }
 }
 

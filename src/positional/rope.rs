@@ -14,9 +14,10 @@
 //! - `half` (GPT-NeoX / LLaMA rotate-half): `(x[i], x[i + d/2])`; tables `[c0, c1, ..., c0, c1, ...]`.
 //!
 //! This module computes the angles and lays out the tables; attention rotates by them
-//! ([`crate::nn::Rotary`]: a fused kernel with its backward on the CPU, a composition of
-//! differentiable ops elsewhere; candle-nn's fused `rope`/`rope_i` have no backward and q/k
-//! projections upstream of them would silently never learn).
+//! ([`crate::nn::Rotary`]: a fused kernel with its backward on the CPU, candle's `rope` /
+//! `rope_i` CUDA kernels with poslab's backward on a GPU, a composition of differentiable ops
+//! elsewhere; candle-nn's own fused `rope`/`rope_i` have no backward and q/k projections upstream
+//! of them would silently never learn).
 
 use candle::{DType, Device, Tensor, D};
 

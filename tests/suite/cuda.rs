@@ -5,7 +5,7 @@
 //! scheme against the CPU's, and training.
 //!
 //! On the GPU the layers run either as differentiable compositions (`Kernels::Reference`) or,
-//! by default, with one candle kernel per softmax, LayerNorm and GELU and poslab's backward
+//! by default, with one candle kernel per softmax, LayerNorm, GELU and RoPE rotation and poslab's backward
 //! passes (`Kernels::Ops`, `src/nn/gpu.rs`); the fixture and gradient tests run both. poslab's
 //! fused CPU kernels are CPU code. So these tests are what proves those paths learn on CUDA.
 
