@@ -23,6 +23,20 @@ use candle::backend::BackendStorage;
 use candle::DType;
 use candle::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor, D};
 
+thread_local! {
+    /// Forward passes of these ops on this thread (see [`super::with_gpu_ops_on_cpu`]).
+    static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn count() {
+    CALLS.with(|c| c.set(c.get() + 1));
+}
+
+/// Forward passes of these ops run on this thread so far.
+pub(crate) fn calls() -> usize {
+    CALLS.with(std::cell::Cell::get)
+}
+
 /// Rows of the last axis: `(rows, width)` of a contiguous layout, with its offsets.
 fn rows(layout: &Layout, what: &str) -> Result<(usize, usize, usize, usize)> {
     let Some((start, end)) = layout.contiguous_offsets() else {
@@ -108,6 +122,7 @@ impl CustomOp1 for SoftmaxLastDim {
 
 /// Softmax over the last axis in one kernel, differentiable. f32 or f64.
 pub(crate) fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
+    count();
     xs.contiguous()?.apply_op1(SoftmaxLastDim)
 }
 
@@ -156,6 +171,7 @@ impl CustomOp1 for Gelu {
 
 /// `x Phi(x)` (exact GELU) in one kernel, differentiable. Any float dtype.
 pub(crate) fn gelu(xs: &Tensor) -> Result<Tensor> {
+    count();
     xs.apply_op1(Gelu)
 }
 
@@ -315,6 +331,7 @@ pub(crate) fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) 
             bias.dims()
         );
     }
+    count();
     xs.contiguous()?.apply_op3(
         &weight.contiguous()?,
         &bias.contiguous()?,
@@ -487,6 +504,7 @@ impl CustomOp3 for RopeOp {
 /// # Shapes
 /// - `x`: `(b, h, t, d)`; `cos`, `sin`: `(r, t, d/2)`, one entry per pair, `r` 1 or `b`
 pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+    count();
     x.contiguous()?.apply_op3(
         &cos.contiguous()?,
         &sin.contiguous()?,

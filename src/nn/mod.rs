@@ -79,6 +79,7 @@ impl Kernels {
 
 thread_local! {
     static KERNELS: Cell<Option<Kernels>> = const { Cell::new(None) };
+    static GPU_OPS_ON_CPU: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Runs `f` with the layers on this thread computed by `kernels` (overriding
@@ -89,6 +90,20 @@ pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
     let out = f();
     KERNELS.with(|k| k.set(before));
     out
+}
+
+/// Runs `f` with the layers on this thread computing on the CPU as they do on CUDA under
+/// [`Kernels::Ops`]: the ops of `gpu.rs` (one kernel each for softmax, LayerNorm, GELU and
+/// RoPE's rotation, poslab's backward passes), computed by their CPU forward passes, and
+/// compositions elsewhere. How the tests check the CUDA path's wiring without a GPU;
+/// [`Kernels::Reference`] still means the compositions. Returns `f`'s value and how many of
+/// those ops it ran (forward passes), so a test can tell that the path was taken.
+pub fn with_gpu_ops_on_cpu<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = GPU_OPS_ON_CPU.with(|g| g.replace(true));
+    let calls = gpu::calls();
+    let out = f();
+    GPU_OPS_ON_CPU.with(|g| g.set(before));
+    (out, gpu::calls() - calls)
 }
 
 /// [`with_kernels`] with [`Kernels::Reference`].
@@ -107,7 +122,11 @@ pub fn current_kernels() -> Kernels {
 pub fn kernels_on(device: &candle::Device, dtype: DType) -> Kernels {
     let chosen = current_kernels();
     if device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) {
-        chosen
+        if GPU_OPS_ON_CPU.with(Cell::get) && chosen != Kernels::Reference {
+            Kernels::Ops
+        } else {
+            chosen
+        }
     } else if device.is_cuda() && chosen != Kernels::Reference {
         Kernels::Ops
     } else {
@@ -122,12 +141,15 @@ pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
 
 /// Whether `x` goes through one of poslab's fused CPU kernels.
 pub(crate) fn fused_for(x: &Tensor) -> bool {
-    x.device().is_cpu() && kernels_for(x) != Kernels::Reference
+    x.device().is_cpu() && !GPU_OPS_ON_CPU.with(Cell::get) && kernels_for(x) != Kernels::Reference
 }
 
-/// Whether `x` goes through the one-kernel CUDA ops of `gpu.rs`.
+/// Whether `x` goes through the one-kernel CUDA ops of `gpu.rs` (on the CPU only under
+/// [`with_gpu_ops_on_cpu`]).
 pub(crate) fn gpu_ops_for(x: &Tensor) -> bool {
-    x.device().is_cuda() && kernels_for(x) != Kernels::Reference
+    let device = x.device();
+    kernels_for(x) != Kernels::Reference
+        && (device.is_cuda() || (device.is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
 }
 
 // Mixed precision (see `crate::Precision`): activations may be bf16 or f16 while parameters,

@@ -161,6 +161,24 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                                 &what,
                             ));
                         }
+                        // The CUDA path's ops (nn/gpu.rs), wired as on a GPU, computed here.
+                        let what = format!(
+                            "{} {norm:?} {size} dropout {dropout} {dtype:?} gpu ops on the cpu",
+                            positional.name()
+                        );
+                        let (gpu_ops, calls) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                            run_encoder(&config, dtype, Kernels::Ops, train)
+                        });
+                        // Per layer at least two LayerNorms, a softmax and a GELU (and two
+                        // rotations under RoPE).
+                        let rope = matches!(positional, poslab::PositionalConfig::Rope(_));
+                        let per_layer = if rope { 6 } else { 4 };
+                        assert!(
+                            calls >= per_layer * config.n_layers,
+                            "{what}: {calls} gpu ops ran"
+                        );
+                        worst[slot] =
+                            worst[slot].max(compare(&gpu_ops, &reference, tolerance(dtype), &what));
                     }
                 }
             }
