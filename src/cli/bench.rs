@@ -138,8 +138,48 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
-    let threads = candle::utils::get_num_threads();
     let shape = &args.shape;
+    // The PyTorch script is checked before anything runs: a missing file, or the fixed-shape
+    // reference asked for another shape, device or dtype.
+    let takes_shape = match &args.torch {
+        Some(script) => {
+            if !script.is_file() {
+                anyhow::bail!(
+                    "--torch {}: no such file (shared/bench/torch_reference.py, or \
+                 benches/torch_at_shape.py for other shapes, devices and dtypes)",
+                    script.display()
+                );
+            }
+            // The shared reference runs one fixed shape in f32 on the CPU; benches/torch_at_shape.py
+            // runs its model at any shape, device and dtype, and says so by taking --d-model.
+            let takes_shape = std::fs::read_to_string(script)
+                .with_context(|| format!("reading {}", script.display()))?
+                .contains("--d-model");
+            let reference_setting = *shape == poslab::bench::Shape::default() && device.is_cpu();
+            if !takes_shape && !reference_setting {
+                anyhow::bail!(
+                "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
+                 heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
+                 width {}, {} heads, {} layers, FFN {}, batch {} x {}: the ratios would compare \
+                 different work. Use --torch benches/torch_at_shape.py, which runs that \
+                 script's model at this shape, device and dtype (it finds the script through \
+                 POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
+                script.display(),
+                poslab::device::device_name(&device),
+                shape.dtype.name(),
+                shape.d_model,
+                shape.n_heads,
+                shape.n_layers,
+                shape.ffn_dim,
+                shape.batch,
+                shape.seq
+            );
+            }
+            takes_shape
+        }
+        None => false,
+    };
+    let threads = candle::utils::get_num_threads();
     let kernels =
         poslab::nn::kernels_on(&device, shape.dtype.compute_dtype(candle::DType::F32)).name();
     let device_label = match poslab::device::gpu_name(&device) {
@@ -226,38 +266,6 @@ pub fn run(a: Args) -> Result<()> {
     });
 
     if let Some(script) = &args.torch {
-        if !script.is_file() {
-            anyhow::bail!(
-                "--torch {}: no such file (shared/bench/torch_reference.py, or \
-                 benches/torch_at_shape.py for other shapes, devices and dtypes)",
-                script.display()
-            );
-        }
-        // The shared reference runs one fixed shape in f32 on the CPU; benches/torch_at_shape.py
-        // runs its model at any shape, device and dtype, and says so by taking --d-model.
-        let takes_shape = std::fs::read_to_string(script)
-            .with_context(|| format!("reading {}", script.display()))?
-            .contains("--d-model");
-        let reference_setting = *shape == poslab::bench::Shape::default() && device.is_cpu();
-        if !takes_shape && !reference_setting {
-            anyhow::bail!(
-                "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
-                 heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
-                 width {}, {} heads, {} layers, FFN {}, batch {} x {}: the ratios would compare \
-                 different work. Use --torch benches/torch_at_shape.py, which runs that \
-                 script's model at this shape, device and dtype (it finds the script through \
-                 POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
-                script.display(),
-                poslab::device::device_name(&device),
-                shape.dtype.name(),
-                shape.d_model,
-                shape.n_heads,
-                shape.n_layers,
-                shape.ffn_dim,
-                shape.batch,
-                shape.seq
-            );
-        }
         let torch = |variant: &str| -> Result<poslab::bench::TorchRecord> {
             eprintln!("  {variant}: PyTorch");
             let mut cmd = std::process::Command::new(&args.python);

@@ -128,3 +128,30 @@ fn rough_edges_a_new_user_meets() {
         assert!(described, "{option} has no description:\n{help}");
     }
 }
+
+#[test]
+fn bench_refuses_pytorch_ratios_of_different_work() {
+    // A fixed-shape PyTorch script (like shared/bench/torch_reference.py: no --d-model) beside
+    // a bench at another shape or dtype would compare different work: refused before anything
+    // runs, naming the script that takes the shape.
+    let dir = std::env::temp_dir().join(format!("poslab-bench-torch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixed = dir.join("fixed_reference.py");
+    std::fs::write(&fixed, "import sys\nprint('{}')\n").unwrap();
+    let fixed = fixed.to_str().unwrap();
+    for extra in [&["--d-model", "64"][..], &["--dtype", "bf16"][..]] {
+        let mut args = vec!["bench", "--torch", fixed, "--variants", "sin_add"];
+        args.extend_from_slice(extra);
+        let (ok, _, stderr) = poslab(&args);
+        assert!(
+            !ok && stderr.contains("would compare different work")
+                && stderr.contains("benches/torch_at_shape.py")
+                && !stderr.contains("poslab bench on"),
+            "{extra:?}: {stderr}"
+        );
+    }
+    let missing = dir.join("missing.py");
+    let (ok, _, stderr) = poslab(&["bench", "--torch", missing.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("no such file"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
