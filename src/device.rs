@@ -92,7 +92,8 @@ mod cuda_pool {
     use candle::cuda_backend::cudarc::driver::sys;
     use candle::CudaDevice;
 
-    /// The pool `cuMemAllocAsync` draws from on this GPU, when the context allocates that way.
+    /// The pool `cuMemAllocAsync` draws from on this GPU, when the context allocates that way,
+    /// once the queued work has run (queued frees count only then).
     fn pool(gpu: &CudaDevice) -> Option<sys::CUmemoryPool> {
         let stream = gpu.cuda_stream();
         let context = stream.context();
@@ -105,13 +106,15 @@ mod cuda_pool {
         unsafe { sys::cuDeviceGetMemPool(&mut pool, context.cu_device()) }
             .result()
             .ok()?;
-        (!pool.is_null()).then_some(pool)
+        if pool.is_null() {
+            return None;
+        }
+        stream.synchronize().ok()?;
+        Some(pool)
     }
 
     pub fn reset_peak(gpu: &CudaDevice) -> Option<()> {
         let pool = pool(gpu)?;
-        // Queued frees count once they have run: wait for them before starting the peak.
-        gpu.cuda_stream().synchronize().ok()?;
         let mut zero: u64 = 0;
         // SAFETY: the attribute takes a cuuint64_t, and only zero is accepted as a reset.
         unsafe {
@@ -127,7 +130,6 @@ mod cuda_pool {
 
     pub fn peak_bytes(gpu: &CudaDevice) -> Option<u64> {
         let pool = pool(gpu)?;
-        gpu.cuda_stream().synchronize().ok()?;
         let mut bytes: u64 = 0;
         // SAFETY: the attribute is a cuuint64_t written to `bytes`.
         unsafe {

@@ -215,19 +215,12 @@ pub fn run(a: Args) -> Result<()> {
     let in_child = |variant: &str| -> Result<poslab::bench::Record> {
         let mut cmd = std::process::Command::new(std::env::current_exe()?);
         cmd.arg("bench");
-        for (flag, value) in [
-            ("--vocab", shape.vocab),
-            ("--d-model", shape.d_model),
-            ("--heads", shape.n_heads),
-            ("--layers", shape.n_layers),
-            ("--ffn", shape.ffn_dim),
-            ("--batch", shape.batch),
-            ("--seq", shape.seq),
+        for (flag, value) in shape_flags(shape).into_iter().chain([
             ("--warmup", args.warmup),
             ("--forward-reps", args.forward_reps),
             ("--train-reps", args.train_reps),
             ("--threads", threads),
-        ] {
+        ]) {
             cmd.args([flag.to_string(), value.to_string()]);
         }
         cmd.args([
@@ -271,15 +264,7 @@ pub fn run(a: Args) -> Result<()> {
             let mut cmd = std::process::Command::new(&args.python);
             cmd.arg(script).arg(variant);
             if takes_shape {
-                for (flag, value) in [
-                    ("--vocab", shape.vocab),
-                    ("--d-model", shape.d_model),
-                    ("--heads", shape.n_heads),
-                    ("--layers", shape.n_layers),
-                    ("--ffn", shape.ffn_dim),
-                    ("--batch", shape.batch),
-                    ("--seq", shape.seq),
-                ] {
+                for (flag, value) in shape_flags(shape) {
                     cmd.args([flag.to_string(), value.to_string()]);
                 }
                 cmd.args(["--dtype", shape.dtype.name()]);
@@ -386,6 +371,19 @@ pub fn run(a: Args) -> Result<()> {
         out!("{}", poslab::bench::table(&records));
     }
     Ok(())
+}
+
+/// The shape as the flags of `poslab bench` (benches/torch_at_shape.py takes the same).
+fn shape_flags(shape: &poslab::bench::Shape) -> [(&'static str, usize); 7] {
+    [
+        ("--vocab", shape.vocab),
+        ("--d-model", shape.d_model),
+        ("--heads", shape.n_heads),
+        ("--layers", shape.n_layers),
+        ("--ffn", shape.ffn_dim),
+        ("--batch", shape.batch),
+        ("--seq", shape.seq),
+    ]
 }
 
 struct BenchArgs {

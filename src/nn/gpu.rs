@@ -18,10 +18,10 @@
 //! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
 //! `reference` keeps the compositions.
 
+use std::ops::Range;
+
 use candle::backend::BackendStorage;
-#[cfg(feature = "cuda")]
-use candle::DType;
-use candle::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor, D};
+use candle::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 thread_local! {
     /// Forward passes of these ops on this thread (see [`super::with_gpu_ops_on_cpu`]).
@@ -37,8 +37,9 @@ pub(crate) fn calls() -> usize {
     CALLS.with(std::cell::Cell::get)
 }
 
-/// Rows of the last axis: `(rows, width)` of a contiguous layout, with its offsets.
-fn rows(layout: &Layout, what: &str) -> Result<(usize, usize, usize, usize)> {
+/// Rows of the last axis: `(rows, width)` of a contiguous layout, and the span of its storage
+/// that it covers.
+fn rows(layout: &Layout, what: &str) -> Result<(usize, usize, Range<usize>)> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         candle::bail!(
             "{what}: input of shape {:?} is not contiguous",
@@ -47,7 +48,29 @@ fn rows(layout: &Layout, what: &str) -> Result<(usize, usize, usize, usize)> {
     };
     let width = layout.dims().last().copied().unwrap_or(1);
     let n = layout.shape().elem_count();
-    Ok((n / width.max(1), width, start, end))
+    Ok((n / width.max(1), width, start..end))
+}
+
+/// The span of its storage a contiguous layout covers.
+fn span(layout: &Layout, what: &str) -> Result<Range<usize>> {
+    rows(layout, what).map(|(_, _, span)| span)
+}
+
+/// The error of a three-input op whose `inputs` (`"layer_norm: input, weight and bias"`) are
+/// not of one dtype, f32 or f64.
+fn mixed_dtypes(inputs: &str, [a, b, c]: [DType; 3]) -> candle::Error {
+    candle::Error::Msg(format!(
+        "{inputs} must share a dtype, f32 or f64; got {a:?}, {b:?}, {c:?}"
+    ))
+}
+
+/// The one dtype, f32 or f64, of a three-input op's `inputs`.
+#[cfg(feature = "cuda")]
+fn one_dtype(inputs: &str, dtypes: [DType; 3]) -> Result<DType> {
+    match dtypes {
+        [d @ (DType::F32 | DType::F64), b, c] if b == d && c == d => Ok(d),
+        _ => Err(mixed_dtypes(inputs, dtypes)),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -65,8 +88,8 @@ impl CustomOp1 for SoftmaxLastDim {
         where
             T: candle::WithDType + num_traits::Float + std::ops::AddAssign + std::ops::DivAssign,
         {
-            let (_, width, start, end) = rows(layout, "softmax")?;
-            let mut dst = src[start..end].to_vec();
+            let (_, width, span) = rows(layout, "softmax")?;
+            let mut dst = src[span].to_vec();
             for row in dst.chunks_mut(width) {
                 let max = row
                     .iter()
@@ -97,15 +120,15 @@ impl CustomOp1 for SoftmaxLastDim {
         storage: &candle::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        let (n_rows, width, start, end) = rows(layout, "softmax")?;
+        let (n_rows, width, span) = rows(layout, "softmax")?;
         let device = storage.device();
         let out = match storage.dtype() {
             DType::F32 => {
-                let src = storage.as_cuda_slice::<f32>()?.slice(start..end);
+                let src = storage.as_cuda_slice::<f32>()?.slice(span);
                 cuda::softmax(device, src, n_rows, width)?
             }
             DType::F64 => {
-                let src = storage.as_cuda_slice::<f64>()?.slice(start..end);
+                let src = storage.as_cuda_slice::<f64>()?.slice(span);
                 cuda::softmax(device, src, n_rows, width)?
             }
             other => candle::bail!("softmax: f32 or f64 input, got {other:?}"),
@@ -205,13 +228,12 @@ impl CustomOp3 for LayerNormOp {
             lb: &Layout,
             eps: f64,
         ) -> Result<CpuStorage> {
-            let (_, width, start, end) = rows(lx, "layer_norm")?;
-            let (_, _, ws, we) = rows(lw, "layer_norm weight")?;
-            let (_, _, bs, be) = rows(lb, "layer_norm bias")?;
-            let (w, b) = (&w[ws..we], &b[bs..be]);
+            let (_, width, span_x) = rows(lx, "layer_norm")?;
+            let w = &w[span(lw, "layer_norm weight")?];
+            let b = &b[span(lb, "layer_norm bias")?];
             let n = T::from(width).unwrap_or_else(T::one);
             let eps = T::from(eps).unwrap_or_else(T::zero);
-            let mut dst = x[start..end].to_vec();
+            let mut dst = x[span_x].to_vec();
             for row in dst.chunks_mut(width) {
                 let mean = row.iter().fold(T::zero(), |a, &v| a + v) / n;
                 let var = row
@@ -232,13 +254,12 @@ impl CustomOp3 for LayerNormOp {
             (CpuStorage::F64(x), CpuStorage::F64(w), CpuStorage::F64(b)) => {
                 run(x, lx, w, lw, b, lb, self.eps)?
             }
-            _ => candle::bail!(
-                "layer_norm: input, weight and bias must share a dtype, f32 or f64; got {:?}, \
-                 {:?}, {:?}",
-                x.dtype(),
-                w.dtype(),
-                b.dtype()
-            ),
+            _ => {
+                return Err(mixed_dtypes(
+                    "layer_norm: input, weight and bias",
+                    [x.dtype(), w.dtype(), b.dtype()],
+                ))
+            }
         };
         Ok((out, lx.shape().clone()))
     }
@@ -253,37 +274,21 @@ impl CustomOp3 for LayerNormOp {
         b: &candle::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        let (n_rows, width, start, end) = rows(lx, "layer_norm")?;
-        let (_, _, ws, we) = rows(lw, "layer_norm weight")?;
-        let (_, _, bs, be) = rows(lb, "layer_norm bias")?;
+        let (n_rows, width, span_x) = rows(lx, "layer_norm")?;
+        let args = [
+            (x, span_x),
+            (w, span(lw, "layer_norm weight")?),
+            (b, span(lb, "layer_norm bias")?),
+        ];
         let eps = self.eps as f32;
-        let out = match (x.dtype(), w.dtype(), b.dtype()) {
-            (DType::F32, DType::F32, DType::F32) => cuda::layer_norm(
-                x.device(),
-                [
-                    x.as_cuda_slice::<f32>()?.slice(start..end),
-                    w.as_cuda_slice::<f32>()?.slice(ws..we),
-                    b.as_cuda_slice::<f32>()?.slice(bs..be),
-                ],
-                n_rows,
-                width,
-                eps,
-            )?,
-            (DType::F64, DType::F64, DType::F64) => cuda::layer_norm(
-                x.device(),
-                [
-                    x.as_cuda_slice::<f64>()?.slice(start..end),
-                    w.as_cuda_slice::<f64>()?.slice(ws..we),
-                    b.as_cuda_slice::<f64>()?.slice(bs..be),
-                ],
-                n_rows,
-                width,
-                eps,
-            )?,
-            (x, w, b) => candle::bail!(
-                "layer_norm: input, weight and bias must share a dtype, f32 or f64; got {x:?}, \
-                 {w:?}, {b:?}"
-            ),
+        let out = match one_dtype(
+            "layer_norm: input, weight and bias",
+            [x.dtype(), w.dtype(), b.dtype()],
+        )? {
+            DType::F32 => {
+                cuda::layer_norm(x.device(), cuda::views::<f32>(&args)?, n_rows, width, eps)?
+            }
+            _ => cuda::layer_norm(x.device(), cuda::views::<f64>(&args)?, n_rows, width, eps)?,
         };
         Ok((out, lx.shape().clone()))
     }
@@ -406,11 +411,10 @@ impl CustomOp3 for RopeOp {
             }
             out
         };
-        let slice = |l: &Layout, what: &str| rows(l, what).map(|(_, _, s, e)| s..e);
         let (rx, rc, rs) = (
-            slice(lx, "rope")?,
-            slice(lc, "rope cos")?,
-            slice(ls, "rope sin")?,
+            span(lx, "rope")?,
+            span(lc, "rope cos")?,
+            span(ls, "rope sin")?,
         );
         let out = match (x, cos, sin) {
             (CpuStorage::F64(x), CpuStorage::F64(c), CpuStorage::F64(s)) => {
@@ -421,12 +425,12 @@ impl CustomOp3 for RopeOp {
                 let out = run(&up(&x[rx]), &up(&c[rc]), &up(&s[rs]));
                 CpuStorage::F32(out.into_iter().map(|v| v as f32).collect())
             }
-            _ => candle::bail!(
-                "rope: x, cos and sin must share a dtype, f32 or f64; got {:?}, {:?}, {:?}",
-                x.dtype(),
-                cos.dtype(),
-                sin.dtype()
-            ),
+            _ => {
+                return Err(mixed_dtypes(
+                    "rope: x, cos and sin",
+                    [x.dtype(), cos.dtype(), sin.dtype()],
+                ))
+            }
         };
         Ok((out, lx.shape().clone()))
     }
@@ -442,9 +446,11 @@ impl CustomOp3 for RopeOp {
         ls: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         let [b, h, t, d, r] = self.dims(lx, lc, ls)?;
-        let (_, _, xs, xe) = rows(lx, "rope")?;
-        let (_, _, cs, ce) = rows(lc, "rope cos")?;
-        let (_, _, ss, se) = rows(ls, "rope sin")?;
+        let args = [
+            (x, span(lx, "rope")?),
+            (cos, span(lc, "rope cos")?),
+            (sin, span(ls, "rope sin")?),
+        ];
         let shape = cuda::RopeShape {
             bh: b * h,
             td: t * d,
@@ -452,28 +458,12 @@ impl CustomOp3 for RopeOp {
             stride_b: if r == 1 { 0 } else { h * t * d },
             interleaved: self.interleaved,
         };
-        let out = match (x.dtype(), cos.dtype(), sin.dtype()) {
-            (DType::F32, DType::F32, DType::F32) => cuda::rope(
-                x.device(),
-                [
-                    x.as_cuda_slice::<f32>()?.slice(xs..xe),
-                    cos.as_cuda_slice::<f32>()?.slice(cs..ce),
-                    sin.as_cuda_slice::<f32>()?.slice(ss..se),
-                ],
-                shape,
-            )?,
-            (DType::F64, DType::F64, DType::F64) => cuda::rope(
-                x.device(),
-                [
-                    x.as_cuda_slice::<f64>()?.slice(xs..xe),
-                    cos.as_cuda_slice::<f64>()?.slice(cs..ce),
-                    sin.as_cuda_slice::<f64>()?.slice(ss..se),
-                ],
-                shape,
-            )?,
-            (x, c, s) => candle::bail!(
-                "rope: x, cos and sin must share a dtype, f32 or f64; got {x:?}, {c:?}, {s:?}"
-            ),
+        let out = match one_dtype(
+            "rope: x, cos and sin",
+            [x.dtype(), cos.dtype(), sin.dtype()],
+        )? {
+            DType::F32 => cuda::rope(x.device(), cuda::views::<f32>(&args)?, shape)?,
+            _ => cuda::rope(x.device(), cuda::views::<f64>(&args)?, shape)?,
         };
         Ok((out, lx.shape().clone()))
     }
@@ -536,6 +526,17 @@ mod cuda {
     use candle::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle::cuda_backend::{kernel_name, kernels, CudaDType, CudaDevice, CudaStorage, WrapErr};
     use candle::{Result, WithDType};
+
+    /// The spans of three inputs' storages as views of `T` (the caller has checked the dtype).
+    pub fn views<'a, T: CudaDType>(
+        [(a, ra), (b, rb), (c, rc)]: &[(&'a CudaStorage, std::ops::Range<usize>); 3],
+    ) -> Result<[CudaView<'a, T>; 3]> {
+        Ok([
+            a.as_cuda_slice::<T>()?.slice(ra.clone()),
+            b.as_cuda_slice::<T>()?.slice(rb.clone()),
+            c.as_cuda_slice::<T>()?.slice(rc.clone()),
+        ])
+    }
 
     fn grid(n_rows: usize) -> Result<u32> {
         u32::try_from(n_rows).map_err(|_| {
@@ -656,8 +657,8 @@ mod tests {
     use candle::{DType, Device, Var};
 
     fn random(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
-        use rand::{Rng as _, SeedableRng};
-        let mut rng = crate::rng::Rng::seed_from_u64(seed);
+        use rand::Rng as _;
+        let mut rng = crate::rng::stream(seed, "gpu ops test");
         let n: usize = shape.iter().product();
         let v: Vec<f64> = (0..n).map(|_| rng.random_range(-3.0..3.0)).collect();
         Tensor::from_vec(v, shape, &Device::Cpu)
