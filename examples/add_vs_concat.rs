@@ -55,8 +55,13 @@ fn main() -> Result<()> {
             device: candle::Device::Cpu,
             dir: dir.clone(),
             selection: Selection::default(),
-            progress: true,
+            progress: poslab::progress::Progress::for_stderr(
+                false,
+                poslab::progress::Progress::DEFAULT_EVERY,
+            ),
             jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            overwrite: false,
+            kill_at: None,
         },
         &|line| eprintln!("{line}"),
     )?;

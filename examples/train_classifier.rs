@@ -26,7 +26,10 @@ fn main() -> Result<()> {
     let options = TrainOptions {
         dir: dir.to_path_buf(),
         device: poslab::device::parse_device("auto")?,
-        progress: true,
+        progress: poslab::progress::Progress::for_stderr(
+            false,
+            poslab::progress::Progress::DEFAULT_EVERY,
+        ),
         stop_after: None,
         hub: poslab::text::HubSource::from_env(),
     };

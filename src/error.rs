@@ -37,6 +37,20 @@ pub enum Error {
     #[error("cell {cell}: {source}")]
     Cell { cell: String, source: Box<Error> },
 
+    /// A run stopped by a failed cell; the cells it finished are kept in its folder.
+    #[error(
+        "cell {cell}: {source} ({done} of {total} cells are done and kept in {}: fix the cause \
+         and run the same command again, which continues from them)",
+        dir.display()
+    )]
+    RunStopped {
+        cell: String,
+        source: Box<Error>,
+        done: usize,
+        total: usize,
+        dir: PathBuf,
+    },
+
     /// A plot could not be drawn.
     #[error("plot {path}: {message}")]
     Plot { path: PathBuf, message: String },

@@ -77,6 +77,12 @@ pub fn human_bytes(n: u64) -> String {
 /// renamed over `path`. A crash at any point leaves either the old file or the new one, never a
 /// torn mix. Parent folders are created.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, bytes, &|| {})
+}
+
+/// [`write_atomic`], calling `halfway` once half of `bytes` is in the temporary file (a test
+/// kills the process there, to show that a torn write never replaces the file).
+pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -92,7 +98,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     ));
     let written = (|| {
         let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
+        let (first, second) = bytes.split_at(bytes.len() / 2);
+        file.write_all(first)?;
+        file.flush()?;
+        halfway();
+        file.write_all(second)?;
         file.sync_all()?;
         std::fs::rename(&tmp, path)
     })();
@@ -105,6 +115,91 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// Whether `name` is a temporary file of [`write_atomic`] (or of a plot, or a checkpoint
+/// folder) for a file called `of`: `.{of}.{pid}.tmp`, `.{of}.{pid}.tmp.png`.
+pub fn is_temporary_of(name: &str, of: &str) -> bool {
+    name.strip_prefix('.')
+        .and_then(|rest| rest.strip_prefix(of))
+        .and_then(|rest| rest.strip_prefix('.'))
+        .is_some_and(|rest| {
+            let pid = rest
+                .strip_suffix(".tmp")
+                .or_else(|| rest.strip_suffix(".tmp.png"));
+            pid.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        })
+}
+
+/// An advisory lock on a folder (the file `.poslab-lock` in it, locked through the `fs4`
+/// crate): one writer per run folder. `poslab train`, `compare` and `report --out` hold it
+/// exclusively while they write; `report` holds it shared on each folder it reads, so a folder
+/// is never merged while a run is still writing it. The operating system releases it when the
+/// process ends, however it ends (a kill -9 included), so a killed run never leaves a folder
+/// stuck.
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: std::fs::File,
+}
+
+impl FolderLock {
+    pub const FILE: &'static str = ".poslab-lock";
+
+    /// The exclusive lock of a writer; `who` (`poslab compare`, ...) is written into the lock
+    /// file with the process id, so that a second writer's refusal can say who holds it.
+    pub fn exclusive(dir: &Path, who: &str) -> Result<Self> {
+        use fs4::fs_std::FileExt;
+        let path = dir.join(Self::FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(&path, e))?;
+        match file.try_lock_exclusive() {
+            Ok(true) => {}
+            Ok(false) => return Err(Self::busy(dir, &path, "another")),
+            Err(e) => return Err(Error::io(&path, e)),
+        }
+        let holder = format!("pid {} ({who})\n", std::process::id());
+        let written = file
+            .set_len(0)
+            .and_then(|_| file.write_all(holder.as_bytes()))
+            .and_then(|_| file.flush());
+        written.map_err(|e| Error::io(&path, e))?;
+        Ok(Self { _file: file })
+    }
+
+    /// The shared lock of a reader: refused while a writer holds the folder. A folder that has
+    /// never been locked (no lock file, or a read-only copy) is read without one.
+    pub fn shared(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join(Self::FILE);
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        // fs4's, not std's newer method of the same name (Rust 1.89).
+        match fs4::fs_std::FileExt::try_lock_shared(&file) {
+            Ok(true) => Ok(Some(Self { _file: file })),
+            Ok(false) => Err(Self::busy(dir, &path, "a")),
+            Err(e) => Err(Error::io(&path, e)),
+        }
+    }
+
+    fn busy(dir: &Path, path: &Path, article: &str) -> Error {
+        let holder = std::fs::read_to_string(path)
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty() && h.len() < 200)
+            .map_or(String::new(), |h| format!(" ({h})"));
+        Error::Input(format!(
+            "{} is being written by {article} poslab process right now{holder}: one writer per \
+             run folder; wait for it to finish, or choose another folder",
+            dir.display()
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -130,6 +225,43 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not UTF-8"));
+    }
+
+    #[test]
+    fn temporaries_are_recognised_by_name() {
+        assert!(is_temporary_of(".results.json.123.tmp", "results.json"));
+        assert!(is_temporary_of(".loss_x.png.9.tmp.png", "loss_x.png"));
+        assert!(!is_temporary_of(".results.json.tmp", "results.json"));
+        assert!(!is_temporary_of("results.json", "results.json"));
+        assert!(!is_temporary_of(".results.json.12a.tmp", "results.json"));
+        assert!(!is_temporary_of(".results.jsonx.1.tmp", "results.json"));
+    }
+
+    #[test]
+    fn a_folder_has_one_writer_and_no_reader_while_it_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(
+            FolderLock::shared(dir.path()).unwrap().is_none(),
+            "never locked"
+        );
+        let writer = FolderLock::exclusive(dir.path(), "poslab compare").unwrap();
+        let err = FolderLock::exclusive(dir.path(), "poslab report")
+            .unwrap_err()
+            .to_string();
+        let pid = std::process::id();
+        assert!(
+            err.contains("is being written by another poslab process")
+                && err.contains(&format!("(pid {pid} (poslab compare))")),
+            "{err}"
+        );
+        assert!(FolderLock::shared(dir.path()).is_err());
+        drop(writer);
+        let reader = FolderLock::shared(dir.path()).unwrap().unwrap();
+        let second = FolderLock::shared(dir.path()).unwrap();
+        assert!(second.is_some(), "readers share");
+        assert!(FolderLock::exclusive(dir.path(), "x").is_err());
+        drop((reader, second));
+        FolderLock::exclusive(dir.path(), "x").unwrap();
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod nn;
 pub mod params;
 pub mod positional;
 pub mod pretrained;
+pub mod progress;
 pub mod rng;
 pub mod saved;
 pub mod tasks;

@@ -38,8 +38,9 @@ enum Command {
     /// Forward and training-step throughput of every positional variant at a reference shape
     /// (that of shared/bench/torch_reference.py by default), with FLOP counts and peak memory.
     Bench(cli::bench::Args),
-    /// Merge the results of run folders (cells split across machines with --task, --variant,
-    /// --seed) into one report.
+    /// Merge the results of run folders (cells split across machines with --shard, --task,
+    /// --variant, --seed) into one report: strictly, or partially with --allow-partial (exit
+    /// status 3).
     Report(cli::report::Args),
     /// Validate a model config and show its shape, where positions act, and the parameters of
     /// the same shape under every positional scheme.
@@ -70,6 +71,8 @@ fn main() -> ExitCode {
         {
             ExitCode::SUCCESS
         }
+        // A partial merge was written and said so: its own exit status.
+        Err(e) if e.downcast_ref::<cli::report::PartialMerge>().is_some() => ExitCode::from(3),
         Err(e) => {
             use std::io::Write as _;
             // stderr may be closed too; there is then nowhere left to say anything.

@@ -2,15 +2,21 @@
 //! the report.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use poslab::experiment::{self, report, run, ExperimentConfig, Selection};
+use poslab::experiment::{self, estimate, run, ExperimentConfig, Selection};
+use poslab::progress::{human_duration, Progress};
 
 use super::Compute;
 
 /// Train every positional variant of an experiment on the same data, seeds and budget, and
 /// report scores by input length, the shuffle and shift tests, parameters and speed.
+///
+/// Each finished cell (task x variant x seed) is kept in the run folder as it finishes. A run
+/// that was stopped (killed, preempted, timed out) continues when the same command is run again
+/// with the same --out: finished cells are skipped, and the results are those of a run that
+/// never stopped, byte for byte.
 #[derive(clap::Args)]
 pub struct Args {
     /// Experiment config (TOML). Default: configs/compare.toml, embedded in the binary.
@@ -28,28 +34,52 @@ pub struct Args {
     pub seeds: Vec<u64>,
     /// Run only the K-th of N deterministic slices of the cells, K counting from 0 (0/4 .. 3/4):
     /// cell i (in report order: task, seed, variant) belongs to slice i % N. Give each slice
-    /// its own --out, then merge the folders with `poslab report`. Maps onto a Slurm array
-    /// (--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT) or a Kubernetes Indexed Job
-    /// (--shard $JOB_COMPLETION_INDEX/N); see examples/cluster/.
+    /// its own --out, then merge the folders with `poslab report`; see examples/cluster/ for
+    /// Slurm and Kubernetes.
     #[arg(long, value_name = "K/N")]
     pub shard: Option<experiment::Shard>,
     /// Where run folders are made.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
-    /// The exact run folder to write (instead of runs/<name>-<timestamp>); one that holds
-    /// another run is refused unless --overwrite.
+    /// The exact run folder (instead of runs/<name>-<timestamp>). The same command again into
+    /// it continues the run there; a folder of another config or other cells is refused.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// With --out: clear the run already in that folder (its results, report, plots and
-    /// models) before this one is written.
+    /// With --out: start the run over, removing the run already in the folder (only the files
+    /// it wrote; never another experiment's run).
     #[arg(long, requires = "out")]
     pub overwrite: bool,
     /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// No progress bars.
+    /// No progress bars or progress lines.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Where standard error is not a terminal (a cluster job's log), print a progress line
+    /// every this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = Progress::DEFAULT_EVERY.as_secs_f64())]
+    pub log_every: f64,
+    /// Check the whole experiment and list the cells it would run (this shard's with --shard),
+    /// each with its estimated cost; train nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// --dry-run's time estimates assume this rate per job, in GFLOP/s (default: what small
+    /// models reach here, 13-18; time one cell on your machine to set it).
+    #[arg(long, value_name = "GFLOPS", default_value_t = 15.0)]
+    pub gflops: f64,
+    /// Testing: kill the process (SIGKILL) at this point of the run.
+    #[arg(long, hide = true)]
+    pub kill_at: Option<String>,
+}
+
+/// The interval of progress lines, checked: `--log-every`.
+pub fn log_interval(seconds: f64) -> Result<Duration> {
+    if !(seconds.is_finite() && (0.05..=86_400.0).contains(&seconds)) {
+        anyhow::bail!(
+            "--log-every {seconds}: give the seconds between progress lines, from 0.05 to 86400"
+        );
+    }
+    Ok(Duration::from_secs_f64(seconds))
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -65,6 +95,10 @@ pub fn run(args: Args) -> Result<()> {
         overwrite,
         jobs,
         quiet,
+        log_every,
+        dry_run,
+        gflops,
+        kill_at,
     } = args;
     let selection = Selection {
         tasks,
@@ -72,9 +106,9 @@ pub fn run(args: Args) -> Result<()> {
         seeds,
         shard,
     };
-    let path = path.as_deref();
+    let every = log_interval(log_every)?;
     let started = Instant::now();
-    let (mut config, source) = match path {
+    let (mut config, source) = match path.as_deref() {
         Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
         None => (
             ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
@@ -87,12 +121,26 @@ pub fn run(args: Args) -> Result<()> {
     }
     let cells = config.cells(&selection)?.len();
     let device = poslab::device::parse_device(&compute.device)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if dry_run {
+        if !(gflops.is_finite() && gflops > 0.0) {
+            anyhow::bail!("--gflops {gflops}: give a training rate above 0 GFLOP/s");
+        }
+        return print_estimate(&config, &selection, &source, gflops, jobs.unwrap_or(cores));
+    }
     // Small models train fastest as one single-threaded job per core; a lone cell gets every
     // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
     // is set before any tensor work.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(j) = jobs {
+        if j == 0 || j > 4 * cores {
+            anyhow::bail!(
+                "--jobs {j}: give from 1 to {} cells at once (4 per CPU core here)",
+                4 * cores
+            );
+        }
+    }
     let jobs = match (jobs, device.is_cpu()) {
-        (Some(j), _) => j.max(1),
+        (Some(j), _) => j,
         (None, true) => cores,
         (None, false) => 1,
     }
@@ -101,13 +149,9 @@ pub fn run(args: Args) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", (cores / jobs).max(1).to_string());
     }
     let dir = match out {
-        Some(dir) => {
-            experiment::run::prepare_out_dir(&dir, overwrite)?;
-            dir
-        }
+        Some(dir) => dir,
         None => experiment::new_run_dir(&runs_dir, &config.name)?,
     };
-    poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
     eprintln!(
         "poslab compare: {source}{} on {} -> {}",
         shard.map_or(String::new(), |s| format!(", shard {s} ({cells} cells)")),
@@ -120,13 +164,14 @@ pub fn run(args: Args) -> Result<()> {
             device,
             dir: dir.clone(),
             selection,
-            progress: !quiet,
+            progress: Progress::for_stderr(quiet, every),
             jobs,
+            overwrite,
+            kill_at,
         },
         &|line| eprintln!("{line}"),
     )?;
-    let table = report::write_report(&dir, &output.results, &output.timings, &[])?;
-    outln!("{table}");
+    outln!("{}", output.table);
     outln!(
         "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
         dir.display()
@@ -139,5 +184,77 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     outln!("total time: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// `--dry-run`: the experiment checked, and its cells with their estimated costs.
+fn print_estimate(
+    config: &ExperimentConfig,
+    selection: &Selection,
+    source: &str,
+    gflops: f64,
+    jobs: usize,
+) -> Result<()> {
+    let e = estimate::estimate(config, selection)?;
+    let rate = gflops * 1e9;
+    let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
+    outln!(
+        "{source}: valid; experiment `{}`: {} tasks x {} variants x {} seeds = {} cells{}",
+        config.name,
+        config.tasks.len(),
+        config.variants.len(),
+        config.seeds,
+        e.experiment_cells,
+        match selection.shard {
+            Some(s) => format!("; shard {s} holds {} of them", e.cells.len()),
+            None if e.cells.len() < e.experiment_cells => {
+                format!("; the selection holds {}", e.cells.len())
+            }
+            None => String::new(),
+        }
+    );
+    outln!(
+        "estimated cost at {gflops} GFLOP/s per job (the default is what the small length suite \
+         and the default compare reach on one core of this project's AMD EPYC machine, 13-18; \
+         --gflops sets it):\n"
+    );
+    let width = e
+        .cells
+        .iter()
+        .map(|c| c.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    outln!(
+        "{:<width$}  {:>9}  {:>6}  {:>11}  {:>11}  {:>10}  {:>9}",
+        "cell",
+        "params",
+        "steps",
+        "tokens/step",
+        "train GFLOP",
+        "test GFLOP",
+        "est. time"
+    );
+    for c in &e.cells {
+        outln!(
+            "{:<width$}  {:>9}  {:>6}  {:>11.0}  {:>11.1}  {:>10.1}  {:>9}",
+            c.name,
+            c.params,
+            c.steps,
+            c.tokens_per_step,
+            c.train_flop / 1e9,
+            c.eval_flop / 1e9,
+            human_duration(seconds(c.flop()))
+        );
+    }
+    let total: f64 = e.cells.iter().map(|c| c.flop()).sum();
+    let jobs = jobs.clamp(1, e.cells.len().max(1));
+    outln!(
+        "\ntotal: {} cells, {:.1} TFLOP: about {} for one job, {} with {jobs} jobs at once",
+        e.cells.len(),
+        total / 1e12,
+        human_duration(seconds(total)),
+        human_duration(seconds(total / jobs as f64))
+    );
     Ok(())
 }

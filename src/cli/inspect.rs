@@ -1,21 +1,26 @@
 //! `poslab inspect`: a model config validated and described.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle::{DType, Device};
+use poslab::experiment::folder::{self, FolderKind};
+use poslab::experiment::{report, single, ExperimentConfig, Selection};
 use poslab::positional::{
     ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions, T5Options,
     UntiedOptions, UntiedSource,
 };
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
-/// Validate a model config and show its shape, where positions act, and the parameters of the
-/// same shape under every positional scheme.
+/// Validate a config and say what it holds: a model config (its shape, where positions act,
+/// and the parameters of the same shape under every scheme), an experiment config (its cells),
+/// a train config; or a folder: a compare run (its cells done and how to continue it), a
+/// report, a train run, a trained model.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model config, TOML or JSON. Default: configs/encoder.toml, embedded in the binary.
-    #[arg(conflicts_with = "model")]
+    /// A model, experiment or train config (TOML; a model config may be JSON), or a run, report
+    /// or model folder. Default: configs/encoder.toml, embedded in the binary.
+    #[arg(conflicts_with = "model", value_name = "CONFIG_OR_FOLDER")]
     pub config: Option<PathBuf>,
     /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): loaded, checked, and
     /// described as the poslab encoder it becomes.
@@ -28,51 +33,305 @@ const DEFAULT_CONFIG: &str = include_str!("../../configs/encoder.toml");
 
 pub fn run(args: Args) -> Result<()> {
     if let Some(spec) = &args.model {
-        let compute = super::Compute {
-            device: "cpu".into(),
-            dtype: None,
-        };
-        let model = super::load_pretrained(spec, &compute)?;
-        outln!(
-            "{spec}: a `{}` model, every tensor of model.safetensors mapped (src/pretrained/names.rs)",
-            model.hf.model_type
-        );
-        match model.family {
-            poslab::pretrained::Family::Bert | poslab::pretrained::Family::DistilBert => {
-                outln!("positions: 0, 1, 2, ...")
-            }
-            poslab::pretrained::Family::Roberta { padding_idx } => outln!(
-                "positions: from {} (padding_idx + 1), padded tokens at {padding_idx}",
-                padding_idx + 1
-            ),
-        }
-        outln!(
-            "texts: at most {} tokens, special tokens included (--truncate cuts longer ones)",
-            model.max_tokens()
-        );
-        outln!(
-            "masked-LM head: {}",
-            if model.mlm.is_some() {
-                "yes (dense, GELU, LayerNorm, decoder tied to the word embeddings): predict --model fills masks"
-            } else {
-                "no (an encoder only): embed and analyze, not predict"
-            }
-        );
-        outln!(
-            "parameters: {} loaded (the file's pooler and attention key biases change no output \
-             and are left out)\n",
-            model.params.num_params()
-        );
-        return describe_config(model.encoder.config().clone(), "as a poslab encoder".into());
+        return inspect_pretrained(spec);
     }
-    let (config, source) = match &args.config {
-        Some(path) => (ModelConfig::load(path)?, path.display().to_string()),
-        None => (
+    let Some(path) = &args.config else {
+        return describe_config(
             ModelConfig::from_toml_str(DEFAULT_CONFIG)?,
             "configs/encoder.toml (embedded default)".to_string(),
-        ),
+        );
     };
-    describe_config(config, source)
+    if path.is_dir() {
+        return describe_folder(path);
+    }
+    let text = poslab::io::read_text_bounded(path, poslab::io::MAX_CONFIG_BYTES, "config")?;
+    // What the file holds, by its top-level keys: an experiment has [[variants]] (or
+    // [[tasks]]), a train config a [task]; anything else is read as a model config.
+    let keys: Vec<String> = text
+        .parse::<toml::Table>()
+        .map(|t| t.keys().cloned().collect())
+        .unwrap_or_default();
+    let has = |k: &str| keys.iter().any(|x| x == k);
+    if has("variants") || has("tasks") {
+        describe_experiment(path)
+    } else if has("task") {
+        describe_train_config(path)
+    } else {
+        describe_config(ModelConfig::load(path)?, path.display().to_string())
+    }
+}
+
+/// An experiment config: what it runs, how many cells, and how to check it all.
+fn describe_experiment(path: &Path) -> Result<()> {
+    let config = ExperimentConfig::load(path)?;
+    let cells = config.cells(&Selection::default())?.len();
+    outln!(
+        "{}: a valid experiment config (for poslab compare), `{}`: {} task{} x {} variant{} x {} \
+         seed{} = {cells} cells",
+        path.display(),
+        config.name,
+        config.tasks.len(),
+        plural(config.tasks.len()),
+        config.variants.len(),
+        plural(config.variants.len()),
+        config.seeds,
+        plural(config.seeds as usize)
+    );
+    let m = &config.model;
+    outln!(
+        "model: {} layers, d_model {}, {} heads, FFN {} ({}), {}-norm, {}",
+        m.n_layers,
+        m.d_model,
+        m.n_heads,
+        m.ffn_dim,
+        if m.activation.is_gelu() {
+            "gelu"
+        } else {
+            "relu"
+        },
+        m.norm,
+        m.dtype
+    );
+    outln!(
+        "train: {}, batch {}, lr {}",
+        budget(&config.train),
+        config.train.batch_size,
+        config.train.lr
+    );
+    for task in &config.tasks {
+        let ranges = task.test_ranges();
+        outln!(
+            "task {}{}{}",
+            task.name,
+            if task.kind.name() == task.name {
+                String::new()
+            } else {
+                format!(" ({})", task.kind.name())
+            },
+            if ranges.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ": tested at lengths {}",
+                    ranges
+                        .iter()
+                        .map(|[a, b]| format!("{a}-{b}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+    }
+    for v in &config.variants {
+        outln!(
+            "variant {}: {} ({}){}",
+            v.name,
+            v.positional.name(),
+            v.positional.placement(),
+            v.random_positions.map_or(String::new(), |n| format!(
+                ", randomized positions from [0, {n})"
+            ))
+        );
+    }
+    outln!(
+        "seeds: {}..{}; config SHA-256 {} (what its run folders record)",
+        config.first_seed,
+        config.first_seed + config.seeds - 1,
+        folder::config_sha256(&config)
+    );
+    outln!(
+        "check every cell (its data, model and memory) and estimate its cost: poslab compare {} \
+         --dry-run [--shard K/N]",
+        path.display()
+    );
+    Ok(())
+}
+
+/// A `poslab train` config.
+fn describe_train_config(path: &Path) -> Result<()> {
+    let config = single::TrainRunConfig::load(path)?;
+    outln!(
+        "{}: a valid train config (for poslab train), run `{}`, seed {}",
+        path.display(),
+        config.name,
+        config.seed
+    );
+    describe_train(&config);
+    outln!("run it: poslab train --config {}", path.display());
+    Ok(())
+}
+
+fn describe_train(config: &single::TrainRunConfig) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout();
+    let model = match (&config.init, &config.positional) {
+        (Some(init), _) => format!("fine-tunes the pretrained {}", init.model),
+        (None, Some(p)) => format!("positional {} ({})", p.name(), p.placement()),
+        (None, None) => "no model".into(),
+    };
+    let _ = writeln!(
+        out,
+        "task {} ({}); {model}; {}, checkpoint every {} steps",
+        config.task.name,
+        config.task.kind.name(),
+        budget(&config.train),
+        config.checkpoint_every
+    );
+}
+
+/// A folder: a compare run, a report, a train run or a trained model.
+fn describe_folder(dir: &Path) -> Result<()> {
+    let busy = match poslab::io::FolderLock::shared(dir) {
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    };
+    if let Some(manifest) = folder::read_manifest(dir)? {
+        let config = folder::load_run_config(dir)?;
+        outln!(
+            "{}: {} of experiment `{}` (config SHA-256 {:.16}…)",
+            dir.display(),
+            folder::describe(&manifest),
+            config.name,
+            manifest.config_sha256
+        );
+        match manifest.kind {
+            FolderKind::Compare => {
+                let cells = config.cells(&manifest.selection.selection()?)?;
+                let done = folder::cells_done(dir, &config, &cells);
+                let finished = dir.join(report::RESULTS_JSON).is_file();
+                outln!(
+                    "cells: {done} of {} done{}",
+                    cells.len(),
+                    if finished {
+                        "; finished (results.json, report.md)"
+                    } else {
+                        ""
+                    }
+                );
+                if !finished {
+                    outln!(
+                        "unfinished: continue it with poslab compare {} --out {}{} (the same \
+                         command continues it)",
+                        dir.join(report::CONFIG_TOML).display(),
+                        dir.display(),
+                        manifest.selection.flags()
+                    );
+                }
+            }
+            FolderKind::Report => {
+                for s in &manifest.sources {
+                    outln!("  merged: {s}");
+                }
+                match report::load_run(dir) {
+                    Ok((results, _)) => match &results.partial {
+                        Some(p) => outln!("{p}: missing {}", p.missing.join(", ")),
+                        None => outln!("complete: {} cells", results.cells.len()),
+                    },
+                    Err(_) => outln!("unfinished: no results.json (run the merge again)"),
+                }
+            }
+        }
+    } else if dir.join(single::TRAIN_CONFIG).is_file() {
+        let config = single::TrainRunConfig::load(dir.join(single::TRAIN_CONFIG))?;
+        outln!("{}: a poslab train run, `{}`", dir.display(), config.name);
+        describe_train(&config);
+        if dir.join(single::METRICS).is_file() {
+            outln!("finished: metrics.json and the model (config.json, model.safetensors)");
+        } else {
+            outln!(
+                "unfinished: {}; continue it with poslab train --resume {}",
+                match single::latest_checkpoint_step(dir) {
+                    Some(step) => format!("latest checkpoint at step {step}"),
+                    None => "no checkpoint yet".into(),
+                },
+                dir.display()
+            );
+        }
+    } else if dir.join(poslab::saved::CONFIG).is_file() && !poslab::pretrained::is_hf_folder(dir) {
+        let loaded = poslab::saved::load(dir, DType::F32, &Device::Cpu)?;
+        let c = &loaded.config;
+        outln!(
+            "{}: a trained poslab model: task {}, seed {}, {} parameters; predict, embed and \
+             analyze read it with --run {}\n",
+            dir.display(),
+            c.task,
+            c.seed,
+            loaded.params.num_params(),
+            dir.display()
+        );
+        return describe_config(c.model.clone(), "its encoder".into());
+    } else if poslab::pretrained::is_hf_folder(dir) {
+        anyhow::bail!(
+            "{} is a Hugging Face model folder: inspect it with --model {}",
+            dir.display(),
+            dir.display()
+        );
+    } else {
+        anyhow::bail!(
+            "{} holds no poslab run, report or model (no run.json, train.toml or config.json)",
+            dir.display()
+        );
+    }
+    if let Some(busy) = busy {
+        outln!("now: {busy}");
+    }
+    Ok(())
+}
+
+/// `600 steps` or `1000000 tokens`.
+fn budget(train: &poslab::train::TrainConfig) -> String {
+    match train.budget {
+        poslab::train::Budget::Steps(n) => format!("{n} steps"),
+        poslab::train::Budget::Tokens(n) => format!("{n} tokens"),
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+/// `--model`: a pretrained encoder, loaded and described.
+fn inspect_pretrained(spec: &str) -> Result<()> {
+    let compute = super::Compute {
+        device: "cpu".into(),
+        dtype: None,
+    };
+    let model = super::load_pretrained(spec, &compute)?;
+    outln!(
+        "{spec}: a `{}` model, every tensor of model.safetensors mapped (src/pretrained/names.rs)",
+        model.hf.model_type
+    );
+    match model.family {
+        poslab::pretrained::Family::Bert | poslab::pretrained::Family::DistilBert => {
+            outln!("positions: 0, 1, 2, ...")
+        }
+        poslab::pretrained::Family::Roberta { padding_idx } => outln!(
+            "positions: from {} (padding_idx + 1), padded tokens at {padding_idx}",
+            padding_idx + 1
+        ),
+    }
+    outln!(
+        "texts: at most {} tokens, special tokens included (--truncate cuts longer ones)",
+        model.max_tokens()
+    );
+    outln!(
+        "masked-LM head: {}",
+        if model.mlm.is_some() {
+            "yes (dense, GELU, LayerNorm, decoder tied to the word embeddings): predict --model fills masks"
+        } else {
+            "no (an encoder only): embed and analyze, not predict"
+        }
+    );
+    outln!(
+        "parameters: {} loaded (the file's pooler and attention key biases change no output \
+         and are left out)\n",
+        model.params.num_params()
+    );
+    describe_config(model.encoder.config().clone(), "as a poslab encoder".into())
 }
 
 /// The shape, where positions act, and the parameters of this shape under every scheme.

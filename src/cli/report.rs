@@ -2,30 +2,53 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+use poslab::experiment::folder::{self, FolderKind, Plan, SelectionRecord};
 use poslab::experiment::{self, report};
 
 /// Merge the results of run folders (cells split across machines with --shard, --task,
-/// --variant, --seed) into one report; folders of different configs are refused.
+/// --variant, --seed) into one report. The merge is strict: folders of different configs,
+/// cells the config does not name, a cell twice, scores out of range, and missing cells are
+/// errors (missing cells unless --allow-partial).
 #[derive(clap::Args)]
 pub struct Args {
     /// Run folders holding results.json.
     #[arg(required = true)]
     pub runs: Vec<PathBuf>,
     /// Output folder (default: runs/<experiment>-report-<timestamp>); one that already holds a
-    /// run or a report is refused unless --overwrite, and one of the merged folders always.
+    /// run or a report of this experiment is refused unless --overwrite, one of another
+    /// experiment always, and so is one of the merged folders.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// With --out: clear the run or report already in that folder first.
+    /// With --out: replace the report (or run) of this experiment already in that folder
+    /// (only the files it wrote).
     #[arg(long, requires = "out")]
     pub overwrite: bool,
+    /// Merge even when cells are missing (unfinished runs contribute the cells they have). The
+    /// report then says "partial: N of M cells" in report.md, results.json and on standard
+    /// error, and poslab exits with status 3.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
+
+/// A partial merge was written (`--allow-partial`): exit status 3.
+#[derive(Debug)]
+pub struct PartialMerge;
+
+impl std::fmt::Display for PartialMerge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the merge is partial")
+    }
+}
+
+impl std::error::Error for PartialMerge {}
 
 pub fn run(args: Args) -> Result<()> {
     let Args {
         runs,
         out,
         overwrite,
+        allow_partial,
     } = args;
     let runs = &runs;
     if let Some(dir) = &out {
@@ -43,57 +66,46 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    let (results, timings, config) = report::merge_runs(runs)?;
+    let merged = report::merge_runs(runs, allow_partial)?;
+    let (results, config) = (&merged.results, &merged.config);
     let dir = match out {
-        Some(dir) => {
-            experiment::run::prepare_out_dir(&dir, overwrite)
-                .with_context(|| format!("preparing {}", dir.display()))?;
-            dir
-        }
+        Some(dir) => dir,
         None => {
             experiment::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
         }
     };
+    let plan = Plan {
+        kind: FolderKind::Report,
+        config,
+        selection: SelectionRecord::default(),
+        cells: Vec::new(),
+        device: None,
+        sources: runs.iter().map(|r| r.display().to_string()).collect(),
+        files: folder::report_files(config),
+    };
+    let opened = folder::open(&dir, &plan, overwrite)?;
     poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
-    let table = report::write_report(&dir, &results, &timings, runs)?;
+    let table = report::write_report(&dir, results, &merged.timings, runs)?;
+    drop(opened);
     outln!("{table}");
-    // A merge of some shards only is a partial report: say what is missing.
-    let expected = config.cells(&experiment::Selection::default())?;
-    let missing: Vec<String> = expected
-        .iter()
-        .filter(|&&(t, v, seed)| {
-            let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
-            !results
-                .cells
-                .iter()
-                .any(|c| (&c.task, &c.variant, c.seed) == (task, variant, seed))
-        })
-        .map(|&(t, v, seed)| {
-            format!(
-                "{}/{}/seed{seed}",
-                config.tasks[t].name, config.variants[v].name
-            )
-        })
-        .collect();
-    if !missing.is_empty() {
-        eprintln!(
-            "note: {} of the experiment's {} cells are not in these folders (a shard or a \
-             selection not run yet?), e.g. {}",
-            missing.len(),
-            expected.len(),
-            missing
-                .iter()
-                .take(3)
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
     outln!(
         "merged {} run folders ({} cells) into {}",
         runs.len(),
         results.cells.len(),
         dir.display()
     );
+    if let Some(p) = &results.partial {
+        eprintln!(
+            "{p}: missing {} (report.md and results.json say so too; exit status 3)",
+            p.missing
+                .iter()
+                .take(5)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+                + if p.missing.len() > 5 { ", ..." } else { "" }
+        );
+        return Err(PartialMerge.into());
+    }
     Ok(())
 }

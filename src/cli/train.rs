@@ -31,9 +31,13 @@ pub struct Args {
     /// leave); continue later with --resume.
     #[arg(long, value_name = "STEPS")]
     pub stop_after: Option<usize>,
-    /// No progress bar.
+    /// No progress bar or progress lines.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Where standard error is not a terminal (a cluster job's log), print a progress line
+    /// (step, loss, time spent and left) every this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = poslab::progress::Progress::DEFAULT_EVERY.as_secs_f64())]
+    pub log_every: f64,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -45,7 +49,9 @@ pub fn run(args: Args) -> Result<()> {
         compute,
         stop_after,
         quiet,
+        log_every,
     } = args;
+    let every = super::compare::log_interval(log_every)?;
     let (runs_dir, compute) = (&runs_dir, &compute);
     if stop_after == Some(0) {
         anyhow::bail!(
@@ -57,7 +63,7 @@ pub fn run(args: Args) -> Result<()> {
     let options = |dir: PathBuf| single::TrainOptions {
         dir,
         device: device.clone(),
-        progress: !quiet,
+        progress: poslab::progress::Progress::for_stderr(quiet, every),
         stop_after,
         hub: poslab::text::HubSource::from_env(),
     };

@@ -5,6 +5,8 @@
 //! embedding scale). [`run::run`] trains every selected cell (task x variant x seed) and
 //! [`report`] turns the records into tables, files and plots.
 
+pub mod estimate;
+pub mod folder;
 pub mod plot;
 pub mod report;
 pub mod results;
@@ -260,8 +262,9 @@ impl std::fmt::Display for Shard {
 impl std::str::FromStr for Shard {
     type Err = Error;
 
-    /// `K/N` with `0 <= K < N`: a Slurm array's `$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT`
-    /// (with `--array=0-(N-1)`), or a Kubernetes Indexed Job's `$JOB_COMPLETION_INDEX/N`.
+    /// `K/N` with `0 <= K < N`: a Slurm array's `$SLURM_ARRAY_TASK_ID/N` (with
+    /// `--array=0-(N-1)`; N the submission's own count, never `$SLURM_ARRAY_TASK_COUNT`, which is
+    /// 1 in a re-run of one task), or a Kubernetes Indexed Job's `$JOB_COMPLETION_INDEX/N`.
     fn from_str(s: &str) -> Result<Self> {
         let bad = |why: &str| {
             Error::Config(format!(

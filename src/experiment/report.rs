@@ -5,15 +5,16 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use super::folder::{self, FolderKind, Manifest};
 use super::plot;
-use super::results::{Aggregate, Outcome, Results, Stat, SummaryRow, TaskInfo, Timing};
+use super::results::{
+    Aggregate, CellResult, Outcome, Partial, Results, Stat, SummaryRow, TaskInfo, Timing, SCORE,
+};
+use super::{ExperimentConfig, Selection, Shard};
 use crate::error::{Error, Result};
-use crate::io::write_atomic;
+use crate::io::{write_atomic, FolderLock};
 
-pub const RESULTS_JSON: &str = "results.json";
-pub const TIMING_JSON: &str = "timing.json";
-/// The experiment config as run, every default filled in.
-pub const CONFIG_TOML: &str = "config.toml";
+pub use super::folder::{load_run_config, CONFIG_TOML, RESULTS_JSON, TIMING_JSON};
 
 /// `99.1 ± 0.4 (98.6..99.5)`, or `99.1` for one seed; `scale` turns fractions into percent.
 pub fn fmt_stat(s: &Stat, scale: f64, decimals: usize) -> String {
@@ -154,14 +155,18 @@ fn task_tables(
     for t in &task.tests {
         scores.header.push(match t.factor {
             Some(_) => format!("{} (len {}-{})", t.name, t.lengths[0], t.lengths[1]),
-            None => format!("len {}", t.name),
+            None => format!("len {}-{}", t.lengths[0], t.lengths[1]),
         });
         scores.right.push(true);
     }
     // Length-suite tasks: whole-sequence accuracy beside the per-output one.
     let mut sequences = task.score_above.map(|_| Table {
         header: std::iter::once("variant".to_string())
-            .chain(task.tests.iter().map(|t| format!("len {}", t.name)))
+            .chain(
+                task.tests
+                    .iter()
+                    .map(|t| format!("len {}-{}", t.lengths[0], t.lengths[1])),
+            )
             .chain([super::results::SCORE.to_string()])
             .collect(),
         rows: Vec::new(),
@@ -389,6 +394,9 @@ const SUITE_GAINS: &str = "randomized positions: the mean over tasks of the scor
 /// The printed report.
 pub fn text_report(results: &Results, timings: &[Timing]) -> String {
     let mut out = String::new();
+    if let Some(p) = &results.partial {
+        let _ = writeln!(out, "{p} (missing: {} cells)", p.missing.len());
+    }
     for s in sections(results, timings) {
         let _ = writeln!(out, "\n== {}\n", s.heading);
         out.push_str(&s.scores.text());
@@ -413,6 +421,21 @@ pub fn text_report(results: &Results, timings: &[Timing]) -> String {
 
 fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> String {
     let mut md = format!("# poslab compare: {}\n\n", results.experiment);
+    if let Some(p) = &results.partial {
+        let _ = writeln!(
+            md,
+            "**{p}**: this merge lacks {} cells ({}{}); their rows and means are missing or over \
+             fewer seeds.\n",
+            p.missing.len(),
+            p.missing
+                .iter()
+                .take(10)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", "),
+            if p.missing.len() > 10 { ", ..." } else { "" }
+        );
+    }
     if !sources.is_empty() {
         md.push_str("Merged from:\n\n");
         for s in sources {
@@ -592,7 +615,18 @@ pub fn write_report(
     timings: &[Timing],
     sources: &[PathBuf],
 ) -> Result<String> {
-    write_atomic(&dir.join(RESULTS_JSON), pretty_json(results).as_bytes())?;
+    write_report_with(dir, results, timings, sources, &|| {})
+}
+
+/// [`write_report`], calling `before_results` before `results.json` is written: it is written
+/// last, so that a folder holding it holds a complete report.
+pub fn write_report_with(
+    dir: &Path,
+    results: &Results,
+    timings: &[Timing],
+    sources: &[PathBuf],
+    before_results: &dyn Fn(),
+) -> Result<String> {
     write_atomic(&dir.join(TIMING_JSON), pretty_json(&timings).as_bytes())?;
     write_atomic(
         &dir.join("results.csv"),
@@ -604,6 +638,8 @@ pub fn write_report(
         markdown_report(results, timings, sources).as_bytes(),
     )?;
     plot::draw_all(&dir.join("plots"), results)?;
+    before_results();
+    write_atomic(&dir.join(RESULTS_JSON), pretty_json(results).as_bytes())?;
     Ok(text_report(results, timings))
 }
 
@@ -633,30 +669,37 @@ pub fn load_run(dir: &Path) -> Result<(Results, Vec<Timing>)> {
     Ok((results, timings))
 }
 
-/// The experiment config a run folder was made with (`config.toml`, which `compare` writes).
-pub fn load_run_config(dir: &Path) -> Result<super::ExperimentConfig> {
-    let path = dir.join(CONFIG_TOML);
-    if !path.is_file() {
-        return Err(Error::Input(format!(
-            "{} has no {CONFIG_TOML} (poslab compare writes one into every run folder): without \
-             it nothing says the runs share their settings",
-            dir.display()
-        )));
-    }
-    super::ExperimentConfig::load(&path)
+/// What `poslab report` merged: the results (their `partial` set when cells are missing), the
+/// timings, and the config every folder was run with.
+pub struct Merged {
+    pub results: Results,
+    pub timings: Vec<Timing>,
+    pub config: ExperimentConfig,
 }
 
-/// Reads and joins run folders of one experiment ([`merge`]), after checking that every one was
-/// made with the same config, every setting included (two runs of an experiment with the same
-/// name but another `lr` are not one experiment). Returns the config too.
-pub fn merge_runs(dirs: &[PathBuf]) -> Result<(Results, Vec<Timing>, super::ExperimentConfig)> {
+/// Reads and joins run folders of one experiment, strictly:
+///
+/// - every folder was made with the same config, every setting included (two runs of an
+///   experiment with the same name but another `lr` are not one experiment);
+/// - no folder is being written (each is read under a shared [`FolderLock`]);
+/// - every `results.json` holds only cells the config names, each once, with every column of
+///   its task, scores in range and the lengths its tests name ([`check_results`]);
+/// - no cell is in two folders;
+/// - every cell of the experiment is there, unless `allow_partial`: then an unfinished run's
+///   finished cells count too, and the results say what is missing ([`Results::partial`]).
+///
+/// Any violation is an error naming the folder or file and the cell.
+pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
     let first = dirs
         .first()
         .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
     let config = load_run_config(first)?;
     let reference = toml::Value::try_from(&config).expect("a config is TOML");
+    let mut locks = Vec::with_capacity(dirs.len());
     let mut loaded = Vec::with_capacity(dirs.len());
+    let mut manifests = Vec::with_capacity(dirs.len());
     for dir in dirs {
+        locks.push(FolderLock::shared(dir)?);
         let other = load_run_config(dir)?;
         let value = toml::Value::try_from(&other).expect("a config is TOML");
         if let Some(diff) = crate::config::first_difference("", &reference, &value) {
@@ -667,7 +710,15 @@ pub fn merge_runs(dirs: &[PathBuf]) -> Result<(Results, Vec<Timing>, super::Expe
                 dir.display()
             )));
         }
-        let (results, timings) = load_run(dir)?;
+        let manifest = folder::read_manifest(dir)?;
+        let (results, timings) = if dir.join(RESULTS_JSON).is_file() {
+            let (results, timings) = load_run(dir)?;
+            check_results(&config, &results, &dir.join(RESULTS_JSON))?;
+            (results, timings)
+        } else {
+            unfinished(dir, &config, manifest.as_ref(), allow_partial)?
+        };
+        manifests.push(manifest);
         loaded.push((dir.clone(), results, timings));
     }
     let (mut results, mut timings) = merge(loaded)?;
@@ -681,17 +732,435 @@ pub fn merge_runs(dirs: &[PathBuf]) -> Result<(Results, Vec<Timing>, super::Expe
             })
             .unwrap_or(usize::MAX)
     });
-    Ok((results, timings, config))
+    // Every cell of the experiment, or a partial merge that says so.
+    let expected = config.cells(&Selection::default())?;
+    let missing: Vec<(usize, String)> = expected
+        .iter()
+        .enumerate()
+        .filter(|(_, &(t, v, seed))| {
+            let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
+            !results
+                .cells
+                .iter()
+                .any(|c| (&c.task, &c.variant, c.seed) == (task, variant, seed))
+        })
+        .map(|(i, &(t, v, seed))| {
+            (
+                i,
+                format!(
+                    "{}/{}/seed{seed}",
+                    config.tasks[t].name, config.variants[v].name
+                ),
+            )
+        })
+        .collect();
+    if !missing.is_empty() {
+        if !allow_partial {
+            let shown: Vec<&str> = missing.iter().take(3).map(|m| m.1.as_str()).collect();
+            return Err(Error::Input(format!(
+                "{} of the experiment's {} cells are in none of these folders ({}{}){}: run them \
+                 and merge again, or pass --allow-partial to merge what there is",
+                missing.len(),
+                expected.len(),
+                shown.join(", "),
+                if missing.len() > 3 { ", ..." } else { "" },
+                missing_shards(&manifests, &missing)
+            )));
+        }
+        results.partial = Some(Partial {
+            cells: expected.len() - missing.len(),
+            of: expected.len(),
+            missing: missing.into_iter().map(|m| m.1).collect(),
+        });
+    }
+    drop(locks);
+    Ok(Merged {
+        results,
+        timings,
+        config,
+    })
 }
 
-/// Joins runs of the same experiment (cells split across machines by `--task`, `--variant`,
-/// `--seed`). Tasks and variants must agree where they meet; a cell present twice must hold the
-/// same results.
+/// `: shard 2/3 is not among them` when the folders are shards of one count and the missing
+/// cells belong to shards that none of them holds.
+fn missing_shards(manifests: &[Option<Manifest>], missing: &[(usize, String)]) -> String {
+    let shards: Option<Vec<Shard>> = manifests
+        .iter()
+        .map(|m| m.as_ref()?.selection.shard.as_deref()?.parse().ok())
+        .collect();
+    let Some(shards) = shards else {
+        return String::new();
+    };
+    let Some(count) = shards.first().map(|s| s.count) else {
+        return String::new();
+    };
+    if shards.iter().any(|s| s.count != count) {
+        return String::new();
+    }
+    let mut absent: Vec<usize> = missing.iter().map(|(i, _)| i % count).collect();
+    absent.sort_unstable();
+    absent.dedup();
+    absent.retain(|k| !shards.iter().any(|s| s.index == *k));
+    match absent.len() {
+        0 => String::new(),
+        1 => format!("; shard {}/{count} is not among the folders", absent[0]),
+        _ => format!(
+            "; shards {} of {count} are not among the folders",
+            absent
+                .iter()
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// A folder without `results.json`: an unfinished compare run. Refused, saying how to finish
+/// it, unless `allow_partial`: then its finished cells, from their records.
+fn unfinished(
+    dir: &Path,
+    config: &ExperimentConfig,
+    manifest: Option<&Manifest>,
+    allow_partial: bool,
+) -> Result<(Results, Vec<Timing>)> {
+    let Some(m) = manifest.filter(|m| m.kind == FolderKind::Compare) else {
+        return Err(Error::Input(format!(
+            "{} holds no {RESULTS_JSON} and no run of poslab compare: is it a run folder?",
+            dir.display()
+        )));
+    };
+    let cells = config.cells(&m.selection.selection()?)?;
+    let mut records = Vec::new();
+    for &(t, v, seed) in &cells {
+        let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
+        if let Ok(Some(record)) = folder::read_cell(dir, task, variant, seed) {
+            records.push(record);
+        }
+    }
+    if !allow_partial {
+        return Err(Error::Input(format!(
+            "{} is an unfinished run ({}: {} of {} cells done): finish it with `poslab compare \
+             CONFIG{} --out {}` (the same command continues it), or pass --allow-partial to \
+             merge the cells it has",
+            dir.display(),
+            m.selection.describe(),
+            records.len(),
+            cells.len(),
+            m.selection.flags(),
+            dir.display()
+        )));
+    }
+    let (results, timings) = super::run::assemble(config, records);
+    for c in &results.cells {
+        let name = format!("{}/{}/seed{}", c.task, c.variant, c.seed);
+        check_cell(config, &results, c, &dir.join(folder::CELLS), &name)?;
+    }
+    Ok((results, timings))
+}
+
+/// Checks a `results.json` against the config its folder was run with: the experiment's
+/// name; tasks, variants and seeds the config names, each cell once; every column of its task,
+/// each once; scores, losses and counts in range, means that match their scores by length, and
+/// the length suite's tests scored at every length their column names.
+pub fn check_results(config: &ExperimentConfig, results: &Results, file: &Path) -> Result<()> {
+    let bad = |what: String| {
+        Err(Error::Input(format!(
+            "{}: {what}: the file was edited or damaged; run those cells again, or leave the \
+             folder out",
+            file.display()
+        )))
+    };
+    if results.experiment != config.name {
+        return bad(format!(
+            "it is a run of experiment `{}`, but its config.toml names `{}`",
+            results.experiment, config.name
+        ));
+    }
+    if results.cells.is_empty() || results.tasks.is_empty() || results.variants.is_empty() {
+        return bad("it holds no cells (an empty list)".into());
+    }
+    let mut names = std::collections::HashSet::new();
+    for task in &results.tasks {
+        let Some(spec) = config.tasks.iter().find(|t| t.name == task.name) else {
+            return bad(format!(
+                "task `{}` is not in the experiment's config",
+                task.name
+            ));
+        };
+        if !names.insert(task.name.as_str()) {
+            return bad(format!("task `{}` is listed twice", task.name));
+        }
+        if let Err(why) = check_task(spec, task) {
+            return bad(format!("task `{}`: {why}", task.name));
+        }
+    }
+    let rows = config.variant_rows();
+    let mut names = std::collections::HashSet::new();
+    for variant in &results.variants {
+        if !rows.contains(&variant.name) {
+            return bad(format!(
+                "variant `{}` is not in the experiment's config",
+                variant.name
+            ));
+        }
+        if !names.insert(variant.name.as_str()) {
+            return bad(format!("variant `{}` is listed twice", variant.name));
+        }
+        if let Some(spec) = config.variants.iter().find(|v| v.name == variant.name) {
+            if spec.positional != variant.positional {
+                return bad(format!(
+                    "variant `{}` is not the config's `{}`",
+                    variant.name,
+                    spec.positional.name()
+                ));
+            }
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for c in &results.cells {
+        let name = format!("{}/{}/seed{}", c.task, c.variant, c.seed);
+        if !seen.insert(c.key()) {
+            return bad(format!("cell {name} appears twice"));
+        }
+        check_cell(config, results, c, file, &name)?;
+    }
+    // A re-scored row comes with the cell it re-scores, and the other way round.
+    for c in &results.cells {
+        let base = rows_base(config, &c.variant);
+        for row in config.variant_rows() {
+            if rows_base(config, &row) == base
+                && !results
+                    .cells
+                    .iter()
+                    .any(|o| (&o.task, &o.variant, o.seed) == (&c.task, &row, c.seed))
+            {
+                return bad(format!(
+                    "cell {}/{}/seed{} lacks its row `{row}`",
+                    c.task, c.variant, c.seed
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The variant a row belongs to (`rope` for `rope + yarn`).
+fn rows_base<'a>(config: &'a ExperimentConfig, row: &str) -> Option<&'a str> {
+    config
+        .variants
+        .iter()
+        .map(|v| v.name.as_str())
+        .find(|v| row == *v || row.strip_prefix(v).is_some_and(|r| r.starts_with(" + ")))
+}
+
+/// A task's tests as recorded against what its config asks for.
+fn check_task(spec: &crate::tasks::TaskSpec, task: &TaskInfo) -> std::result::Result<(), String> {
+    let ranges = spec.test_ranges();
+    if ranges.is_empty() {
+        return Ok(()); // read from files: tested at the files' own lengths
+    }
+    if task.tests.len() != ranges.len() {
+        return Err(format!(
+            "{} tests recorded, the config names {}",
+            task.tests.len(),
+            ranges.len()
+        ));
+    }
+    for (test, [lo, hi]) in task.tests.iter().zip(ranges) {
+        let [a, b] = test.lengths;
+        let ok = match test.factor {
+            Some(_) => lo <= a && a <= b && b <= hi,
+            None => [a, b] == [lo, hi],
+        };
+        if !ok {
+            return Err(format!(
+                "test `{}` records lengths {a}-{b}, the config asks for {lo}-{hi}",
+                test.name
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One cell of `results` (from `file`) against the config and its task.
+fn check_cell(
+    config: &ExperimentConfig,
+    results: &Results,
+    c: &CellResult,
+    file: &Path,
+    name: &str,
+) -> Result<()> {
+    let bad = |what: String| {
+        Err(Error::Input(format!(
+            "{}: cell {name}: {what}: the file was edited or damaged; run that cell again, or \
+             leave the folder out",
+            file.display()
+        )))
+    };
+    let Some(task) = results.tasks.iter().find(|t| t.name == c.task) else {
+        return bad(format!(
+            "task `{}` is not in the experiment's config (nor among the file's tasks)",
+            c.task
+        ));
+    };
+    if !config.tasks.iter().any(|t| t.name == c.task) {
+        return bad(format!(
+            "task `{}` is not in the experiment's config",
+            c.task
+        ));
+    }
+    let Some(base) = rows_base(config, &c.variant).filter(|_| {
+        config.variant_rows().contains(&c.variant)
+            && results.variants.iter().any(|v| v.name == c.variant)
+    }) else {
+        return bad(format!(
+            "variant `{}` is not in the experiment's config",
+            c.variant
+        ));
+    };
+    if !config.seed_list().contains(&c.seed) {
+        return bad(format!(
+            "seed {} is not among the experiment's seeds {:?}",
+            c.seed,
+            config.seed_list()
+        ));
+    }
+    let columns = task.columns();
+    let names: Vec<&str> = c.evaluations.iter().map(|e| e.name.as_str()).collect();
+    if names != columns.iter().map(String::as_str).collect::<Vec<_>>() {
+        return bad(format!(
+            "its tests are [{}], its task's columns are [{}]",
+            names.join(", "),
+            columns.join(", ")
+        ));
+    }
+    if !(c.final_train_loss.is_finite() && c.final_train_loss >= 0.0)
+        || c.steps == 0
+        || c.params == 0
+    {
+        return bad(format!(
+            "training loss {}, {} steps, {} parameters",
+            c.final_train_loss, c.steps, c.params
+        ));
+    }
+    if c.model_dir != folder::model_dir(&c.task, base, c.seed) {
+        return bad(format!("its model folder is `{}`", c.model_dir));
+    }
+    for e in &c.evaluations {
+        let test = task.tests.iter().find(|t| t.name == e.name);
+        if let Err(why) = check_outcome(task, test, &e.name, &e.outcome) {
+            return bad(format!("test `{}`: {why}", e.name));
+        }
+    }
+    Ok(())
+}
+
+/// A score in range, consistent with its scores by length, which cover the test's lengths.
+fn check_outcome(
+    task: &TaskInfo,
+    test: Option<&super::results::TestInfo>,
+    name: &str,
+    outcome: &Outcome,
+) -> std::result::Result<(), String> {
+    let fraction = |what: &str, x: f64| {
+        if x.is_finite() && (0.0..=1.0).contains(&x) {
+            Ok(())
+        } else {
+            Err(format!("{what} {x} is outside 0..1"))
+        }
+    };
+    let loss = |x: f64| {
+        if x.is_finite() && x >= 0.0 {
+            Ok(())
+        } else {
+            Err(format!("loss {x} is not a finite number >= 0"))
+        }
+    };
+    let (accuracy, l, sequence_accuracy, by_length) = match outcome {
+        Outcome::Unavailable { reason } if reason.trim().is_empty() => {
+            return Err("unavailable without a reason".into())
+        }
+        Outcome::Unavailable { .. } => return Ok(()),
+        Outcome::Scored {
+            accuracy,
+            loss,
+            sequence_accuracy,
+            by_length,
+        } => (*accuracy, *loss, *sequence_accuracy, by_length),
+    };
+    fraction("accuracy", accuracy)?;
+    loss(l)?;
+    if let Some(s) = sequence_accuracy {
+        fraction("whole-sequence accuracy", s)?;
+    }
+    let lengths: Vec<usize> = by_length.iter().map(|s| s.length).collect();
+    for s in by_length {
+        fraction(&format!("accuracy at length {}", s.length), s.accuracy)?;
+        fraction(
+            &format!("whole-sequence accuracy at length {}", s.length),
+            s.sequence_accuracy,
+        )?;
+        loss(s.loss)?;
+        if s.examples == 0 {
+            return Err(format!("no examples at length {}", s.length));
+        }
+    }
+    if lengths.windows(2).any(|w| w[0] >= w[1]) {
+        return Err("its lengths are not in increasing order, each once".into());
+    }
+    if !by_length.is_empty() {
+        let n = by_length.len() as f64;
+        let mean = by_length.iter().map(|s| s.accuracy).sum::<f64>() / n;
+        if (mean - accuracy).abs() > 1e-9 {
+            return Err(format!(
+                "accuracy {accuracy} is not the mean of its scores by length ({mean})"
+            ));
+        }
+    }
+    // The length suite's tests are scored at every length they name.
+    let expected: Option<Vec<usize>> = match test {
+        Some(t) if t.factor.is_none() && !by_length.is_empty() => {
+            Some((t.lengths[0]..=t.lengths[1]).collect())
+        }
+        None if name == SCORE => task.score_above.map(|above| {
+            task.tests
+                .iter()
+                .filter(|t| t.factor.is_none())
+                .flat_map(|t| t.lengths[0]..=t.lengths[1])
+                .filter(|&l| l > above)
+                .collect()
+        }),
+        _ => None,
+    };
+    if let Some(expected) = expected {
+        if lengths != expected {
+            return Err(format!(
+                "scored at {} lengths ({}..{}), but its column names {} ({}..{})",
+                lengths.len(),
+                lengths.first().unwrap_or(&0),
+                lengths.last().unwrap_or(&0),
+                expected.len(),
+                expected.first().unwrap_or(&0),
+                expected.last().unwrap_or(&0),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Joins runs of the same experiment (cells split across machines by `--shard`, `--task`,
+/// `--variant`, `--seed`). Tasks and variants must agree where they meet, and each cell must
+/// be in one run only.
 pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec<Timing>)> {
     let mut iter = runs.into_iter();
     let (first_dir, mut merged, mut timings) = iter
         .next()
         .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
+    let mut origin: std::collections::HashMap<(String, String, u64), PathBuf> = merged
+        .cells
+        .iter()
+        .map(|c| (c.key(), first_dir.clone()))
+        .collect();
     for (dir, results, more_timings) in iter {
         let conflict = |what: String| {
             Err(Error::Input(format!(
@@ -721,16 +1190,19 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
             }
         }
         for c in results.cells {
-            match merged.cells.iter().find(|m| m.key() == c.key()) {
-                Some(m) if *m != c => {
-                    return conflict(format!(
-                        "the results of cell {}/{}/seed{}",
-                        c.task, c.variant, c.seed
-                    ))
-                }
-                Some(_) => {}
-                None => merged.cells.push(c),
+            if let Some(other) = origin.get(&c.key()) {
+                return Err(Error::Input(format!(
+                    "cell {}/{}/seed{} is in both {} and {}: each cell must come from one \
+                     folder (were two selections or shard counts mixed?); leave one out",
+                    c.task,
+                    c.variant,
+                    c.seed,
+                    other.display(),
+                    dir.display()
+                )));
             }
+            origin.insert(c.key(), dir.clone());
+            merged.cells.push(c);
         }
         for t in more_timings {
             if !timings.iter().any(|m| {

@@ -20,7 +20,8 @@ pub struct TestInfo {
     /// The multiple of the training lengths; absent for a range of `test_lengths`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub factor: Option<usize>,
-    /// Inclusive range of lengths in words.
+    /// Inclusive range of the lengths tested (in words, or the length suite's input lengths):
+    /// the shortest and the longest example of the test set.
     pub lengths: [usize; 2],
 }
 
@@ -247,10 +248,29 @@ pub struct SummaryRow {
     pub columns: Vec<Aggregate>,
 }
 
+/// What a partial merge lacks (`poslab report --allow-partial`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Partial {
+    /// Cells merged, of the `of` the experiment has.
+    pub cells: usize,
+    pub of: usize,
+    /// The missing cells, `task/variant/seedN`.
+    pub missing: Vec<String>,
+}
+
+impl std::fmt::Display for Partial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "partial: {} of {} cells", self.cells, self.of)
+    }
+}
+
 /// Everything deterministic a comparison produced.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Results {
     pub experiment: String,
+    /// Set when the results lack cells of the experiment (a partial merge); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial: Option<Partial>,
     pub tasks: Vec<TaskInfo>,
     pub variants: Vec<VariantInfo>,
     pub cells: Vec<CellResult>,

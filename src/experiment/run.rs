@@ -1,6 +1,6 @@
 //! Training and testing every selected cell of an experiment.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -8,6 +8,7 @@ use std::time::Instant;
 use candle::{DType, Device};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use super::folder::{self, CellRecord, FolderKind, Rescored, SelectionRecord, CONFIG_TOML};
 use super::results::{
     shift_column, CellResult, Evaluation, Outcome, Results, TaskInfo, TestInfo, Timing,
     VariantInfo, SCORE, SHUFFLED,
@@ -20,29 +21,56 @@ use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
+use crate::progress::{self, Board, Progress};
 use crate::rng::{self, derive_seed};
 use crate::saved::{self, SavedConfig};
 use crate::tasks::{Objective, TaskData, TaskSpec};
-use crate::train::{evaluate, evaluate_by_length, planned_steps, train, TrainData};
+use crate::train::{evaluate, evaluate_by_length, planned_steps, TrainData, Trainer};
 
 /// Where and how to run.
 pub struct RunOptions {
     pub device: Device,
-    /// The run folder; trained models go under `models/`.
+    /// The run folder: the manifest (`run.json`), finished cells' records under `cells/`,
+    /// trained models under `models/`, and the report (see [`folder`]).
     pub dir: PathBuf,
     pub selection: Selection,
-    /// Draw progress bars (they stay hidden anyway when stderr is not a terminal).
-    pub progress: bool,
+    pub progress: Progress,
     /// Cells trained at the same time. Each cell has its own variables and generators, so the
     /// results do not depend on this; on a CPU with small models, one single-threaded job per
     /// core is fastest (set `RAYON_NUM_THREADS=1`, as the `poslab` binary does).
     pub jobs: usize,
+    /// Replace the run already in `dir` (only the files it wrote) instead of continuing it.
+    pub overwrite: bool,
+    /// For tests: SIGKILL the process at this point (`cell-I-step-S`, `cell-I-saved`,
+    /// `cell-I-record` with the record half written, `cell-I-done`, `report`; `I` counts the
+    /// selection's cells from 0).
+    #[doc(hidden)]
+    pub kill_at: Option<String>,
+}
+
+impl RunOptions {
+    /// Every cell on `device` into `dir`, one job, quietly, continuing a run already there.
+    pub fn new(device: Device, dir: impl Into<PathBuf>) -> Self {
+        Self {
+            device,
+            dir: dir.into(),
+            selection: Selection::default(),
+            progress: Progress::Quiet,
+            jobs: 1,
+            overwrite: false,
+            kill_at: None,
+        }
+    }
 }
 
 /// Records of a run.
 pub struct RunOutput {
     pub results: Results,
     pub timings: Vec<Timing>,
+    /// The printed report.
+    pub table: String,
+    /// Cells an earlier run into the folder had finished.
+    pub resumed: usize,
 }
 
 /// At most this many points per loss curve.
@@ -183,7 +211,7 @@ pub(crate) fn prepare(
             .map(|t| TestInfo {
                 name: t.name.clone(),
                 factor: t.factor,
-                lengths: t.lengths,
+                lengths: t.tested_lengths(),
             })
             .collect(),
         shift: Some(shift),
@@ -274,6 +302,17 @@ impl Prepared<'_> {
             &format!("{what}: testing"),
         )
         .map_err(Error::Config)
+    }
+
+    /// The token count of every example each test reads, test after test (the shift test
+    /// reads its set again), and the validation set's.
+    pub(crate) fn eval_lengths(&self) -> (Vec<usize>, Vec<usize>) {
+        let tests = self
+            .tests
+            .iter()
+            .flat_map(|t| self.sets[t.set].lengths())
+            .collect();
+        (tests, self.valid.lengths())
     }
 
     /// The data `train` needs.
@@ -418,35 +457,51 @@ fn reaches_above(info: &TaskInfo, name: &str, above: usize) -> bool {
         .any(|t| t.name == name && t.lengths[1] > above)
 }
 
-/// Everything one cell produces.
-struct CellOutput {
-    result: CellResult,
-    timing: Timing,
-    variant: VariantInfo,
-    line: String,
-    /// The same model re-scored under each `[eval] rope_scaling` (its own row, `rope + yarn`).
-    rescored: Vec<(VariantInfo, CellResult)>,
-}
-
+/// What the cells of a run share.
 struct Shared<'a> {
     config: &'a ExperimentConfig,
     options: &'a RunOptions,
     multi: &'a MultiProgress,
+    board: &'a Board,
     style: ProgressStyle,
     threads: String,
 }
 
+/// SIGKILLs the process at `point` when `options.kill_at` names it: how the tests show that a
+/// run killed there resumes to the results of one that never stopped.
+fn kill_point(options: &RunOptions, point: impl FnOnce() -> String) {
+    if let Some(at) = &options.kill_at {
+        if *at == point() {
+            // SAFETY: kill(2) on this process's own id has no memory effects; SIGKILL cannot be
+            // caught, so the process ends here as a `kill -9` from outside would end it.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+            loop {
+                std::thread::park();
+            }
+        }
+    }
+}
+
+/// Trains, tests and saves cell `index` (its number in the run's selection); the record is
+/// written by the caller, after the model.
 fn run_cell(
     shared: &Shared,
+    index: usize,
     task: &Prepared,
     variant: &VariantSpec,
     seed: u64,
-) -> Result<CellOutput> {
+) -> Result<(CellRecord, String)> {
     let Shared {
-        config, options, ..
+        config,
+        options,
+        board,
+        ..
     } = shared;
     let device = &options.device;
     let tok = &task.data.tokenizer;
+    let name = format!("{}/{}/seed{seed}", task.spec.name, variant.name);
     let started = Instant::now();
     let model_config = config.model_config(variant, tok.vocab_size(), task.table_rows());
     let params = ParamStore::new(seed);
@@ -455,21 +510,28 @@ fn run_cell(
         &task.head,
         params.var_builder(DType::F32, device),
     )?;
+    let data = task.train_data();
+    let mut trainer = Trainer::new(&model, &params, &data, &config.train, seed)?;
     // Styled and sized before it is added: a bar drawn at length 0 shows full.
-    let bar = ProgressBar::new(planned_steps(&config.train, &task.train) as u64)
+    let bar = ProgressBar::new(trainer.planned_steps() as u64)
         .with_style(shared.style.clone())
-        .with_prefix(format!("{}/{}/seed{seed}", task.spec.name, variant.name));
+        .with_prefix(name.clone());
     let bar = shared.multi.add(bar);
-    let outcome = train(
-        &model,
-        &params,
-        &task.train_data(),
-        &config.train,
-        seed,
-        &bar,
-    )?;
+    board.start(&name, 0, trainer.planned_steps());
+    while !trainer.finished() {
+        trainer.step(&bar)?;
+        let state = trainer.state();
+        board.step(
+            &name,
+            state.steps,
+            state.losses.last().copied().unwrap_or(f64::NAN),
+        );
+        kill_point(options, || format!("cell-{index}-step-{}", state.steps));
+    }
+    let outcome = trainer.finish()?;
     bar.finish_and_clear();
     shared.multi.remove(&bar);
+    board.testing(&name);
 
     let eval_batch = config
         .eval
@@ -477,10 +539,7 @@ fn run_cell(
         .unwrap_or(2 * config.train.batch_size);
     let evaluations = task.evaluate(&model, eval_batch)?;
 
-    let model_dir = Path::new("models")
-        .join(&task.spec.name)
-        .join(&variant.name)
-        .join(format!("seed{seed}"));
+    let model_dir = folder::model_dir(&task.spec.name, &variant.name, seed);
     saved::save(
         &options.dir.join(&model_dir),
         &params,
@@ -519,9 +578,7 @@ fn run_cell(
             .join(", ")
     };
     let mut line = format!(
-        "{}/{}/seed{seed}: {}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
-        task.spec.name,
-        variant.name,
+        "{name}: {}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
         scores(&evaluations),
         outcome.final_loss()
     );
@@ -574,7 +631,7 @@ fn run_cell(
             .map(|(s, v)| [*s as f64, v.accuracy])
             .collect(),
         evaluations,
-        model_dir: model_dir.to_string_lossy().replace('\\', "/"),
+        model_dir,
     };
     // Each re-scoring is a row of its own: the same model, a rescaled RoPE.
     let rescored = rescored
@@ -589,94 +646,180 @@ fn run_cell(
                 }),
                 other => other.clone(),
             };
-            (
-                VariantInfo {
+            Rescored {
+                variant: VariantInfo {
                     name: name.clone(),
                     positional,
                     ..info.clone()
                 },
-                CellResult {
+                result: CellResult {
                     variant: name,
                     evaluations,
                     ..result.clone()
                 },
-            )
+            }
         })
         .collect();
-    Ok(CellOutput {
-        line,
-        variant: info,
-        timing: Timing {
-            task: task.spec.name.clone(),
-            variant: variant.name.clone(),
-            seed,
-            device: format!("{} ({})", device_name(device), shared.threads),
-            train_seconds: outcome.train_seconds,
-            tokens_per_second,
-            wall_seconds: wall,
-        },
-        result,
-        rescored,
-    })
+    let timing = Timing {
+        task: task.spec.name.clone(),
+        variant: variant.name.clone(),
+        seed,
+        device: format!("{} ({})", device_name(device), shared.threads),
+        train_seconds: outcome.train_seconds,
+        tokens_per_second,
+        wall_seconds: wall,
+    };
+    let record = CellRecord::new(task.info.clone(), info, result, rescored, timing);
+    Ok((record, line))
 }
 
-/// What a compare writes into its run folder.
-const RUN_OUTPUTS: [&str; 8] = [
-    "config.toml",
-    "results.json",
-    "results.csv",
-    "summary.csv",
-    "timing.json",
-    "report.md",
-    "plots",
-    "models",
-];
-
-/// Makes `dir` ready for a compare: created if missing; a folder that already holds a run (its
-/// results or models) is refused, unless `overwrite`, which removes that run's files (and only
-/// those), so no model of the old run is mistaken for one of the new.
-pub fn prepare_out_dir(dir: &Path, overwrite: bool) -> Result<()> {
-    let held: Vec<&str> = RUN_OUTPUTS
-        .iter()
-        .copied()
-        .filter(|f| dir.join(f).exists())
-        .collect();
-    if !held.is_empty() {
-        if !overwrite {
-            return Err(Error::Input(format!(
-                "{} already holds a run ({}): choose another --out, or pass --overwrite to clear \
-                 it first",
-                dir.display(),
-                held.join(", ")
-            )));
-        }
-        for f in held {
-            let path = dir.join(f);
-            let removed = if path.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            removed.map_err(|e| Error::io(&path, e))?;
-        }
+/// `cpu` or `cuda`: what a run folder's cells must all have been computed on.
+fn device_kind(device: &Device) -> String {
+    match device.location() {
+        candle::DeviceLocation::Cpu => "cpu".into(),
+        candle::DeviceLocation::Cuda { .. } => "cuda".into(),
+        candle::DeviceLocation::Metal { .. } => "metal".into(),
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))
 }
 
-/// Trains and tests every selected cell, `options.jobs` at a time. `log` receives one line per
-/// finished cell when progress bars are not drawn.
+/// The results and timings of finished cells (in the selection's order), as `results.json` and
+/// `timing.json` hold them: the same records give the same bytes, however many runs wrote them.
+pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results, Vec<Timing>) {
+    let mut results = Results {
+        experiment: config.name.clone(),
+        tasks: Vec::new(),
+        variants: Vec::new(),
+        cells: Vec::new(),
+        summary: Vec::new(),
+        partial: None,
+    };
+    let mut timings = Vec::new();
+    for record in records {
+        if !results.tasks.iter().any(|t| t.name == record.task.name) {
+            results.tasks.push(record.task);
+        }
+        let rows = std::iter::once((record.variant, record.result))
+            .chain(record.rescored.into_iter().map(|r| (r.variant, r.result)));
+        for (variant, result) in rows {
+            if !results.variants.iter().any(|v| v.name == variant.name) {
+                results.variants.push(variant);
+            }
+            results.cells.push(result);
+        }
+        timings.push(record.timing);
+    }
+    results.order_as(config);
+    (results, timings)
+}
+
+/// Trains and tests every selected cell into `options.dir`, `options.jobs` at a time, and
+/// writes the report there.
+///
+/// The folder is locked for the whole run and described by its manifest (see [`folder`]).
+/// Each finished cell is committed as it finishes (its model, then its record), so a run that
+/// is killed keeps its finished cells: the same call again into the same folder (same config,
+/// same selection) trains only the rest, and ends with the `results.json` an uninterrupted run
+/// writes, byte for byte. `log` receives one line per finished cell when no bars are drawn,
+/// notes, and with [`Progress::Lines`] a progress line at each interval.
 pub fn run(
     config: &ExperimentConfig,
     options: &RunOptions,
     log: &(dyn Fn(&str) + Sync),
 ) -> Result<RunOutput> {
     config.validate()?;
-    // The cells (of this shard), and the tasks and variants they need: only those are
-    // generated and checked.
+    let dir = &options.dir;
     let selected = config.cells(&options.selection)?;
-    let mut task_ids: Vec<usize> = selected.iter().map(|c| c.0).collect();
+    let plan = folder::Plan {
+        kind: FolderKind::Compare,
+        config,
+        selection: SelectionRecord::of(&options.selection),
+        cells: selected.clone(),
+        device: Some(device_kind(&options.device)),
+        sources: Vec::new(),
+        files: folder::compare_files(config, &selected),
+    };
+    let opened = folder::open(dir, &plan, options.overwrite)?;
+    crate::io::write_atomic(&dir.join(CONFIG_TOML), config.to_toml().as_bytes())?;
+    let name_of = |&(t, v, seed): &(usize, usize, u64)| {
+        format!(
+            "{}/{}/seed{seed}",
+            config.tasks[t].name, config.variants[v].name
+        )
+    };
+    // The cells an earlier run into this folder finished.
+    let mut records: Vec<Option<CellRecord>> = vec![None; selected.len()];
+    if opened.resumed {
+        for (slot, &(t, v, seed)) in records.iter_mut().zip(&selected) {
+            let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
+            match folder::read_cell(dir, task, variant, seed) {
+                Ok(record) => *slot = record,
+                Err(e) => log(&format!(
+                    "note: cell {}: runs again ({e})",
+                    name_of(&(t, v, seed))
+                )),
+            }
+        }
+        let done = records.iter().flatten().count();
+        log(&format!(
+            "resuming {}: {done} of {} cells were done before, {} to run",
+            dir.display(),
+            selected.len(),
+            selected.len() - done
+        ));
+    }
+    let pending: Vec<usize> = (0..selected.len())
+        .filter(|&i| records[i].is_none())
+        .collect();
+    let resumed = selected.len() - pending.len();
+
+    if !pending.is_empty() {
+        // A results.json says the folder is complete: not while cells are missing.
+        let stale = dir.join(super::folder::RESULTS_JSON);
+        if stale.exists() {
+            std::fs::remove_file(&stale).map_err(|e| Error::io(&stale, e))?;
+        }
+        let fresh = train_cells(config, options, &selected, &pending, log).map_err(|e| {
+            let done = folder::cells_done(dir, config, &selected);
+            match e {
+                Error::Cell { cell, source } => Error::RunStopped {
+                    cell,
+                    source,
+                    done,
+                    total: selected.len(),
+                    dir: dir.clone(),
+                },
+                other => other,
+            }
+        })?;
+        for (i, record) in fresh {
+            records[i] = Some(record);
+        }
+    }
+    let records: Vec<CellRecord> = records.into_iter().flatten().collect();
+    let (results, timings) = assemble(config, records);
+    let table = super::report::write_report_with(dir, &results, &timings, &[], &|| {
+        kill_point(options, || "report".into())
+    })?;
+    drop(opened);
+    Ok(RunOutput {
+        results,
+        timings,
+        table,
+        resumed,
+    })
+}
+
+/// Generates the tasks of `cells` (indices into the config, as [`ExperimentConfig::cells`]
+/// gives them) and checks every variant they pair with against each: randomized positions that
+/// cover the inputs, a valid model, batches that fit the memory limit. Returns the task
+/// indices in the order prepared, and the prepared tasks.
+pub(crate) fn prepare_checked<'a>(
+    config: &'a ExperimentConfig,
+    cells: &[(usize, usize, u64)],
+) -> Result<(Vec<usize>, Vec<Prepared<'a>>)> {
+    let mut task_ids: Vec<usize> = cells.iter().map(|c| c.0).collect();
     task_ids.dedup();
-    let mut variant_ids: Vec<usize> = selected.iter().map(|c| c.1).collect();
+    let mut variant_ids: Vec<usize> = cells.iter().map(|c| c.1).collect();
     variant_ids.sort_unstable();
     variant_ids.dedup();
     let variants: Vec<&VariantSpec> = variant_ids.iter().map(|&v| &config.variants[v]).collect();
@@ -709,16 +852,41 @@ pub fn run(
             task.check_memory(&model, config.train.batch_size, eval_batch, &what)?;
         }
     }
-    // Cells in report order: task, seed, variant (`t` indexes `prepared`).
-    let cells: Vec<(usize, &VariantSpec, u64)> = selected
+    Ok((task_ids, prepared))
+}
+
+/// Trains the `pending` cells (indices into `selected`), committing each as it finishes;
+/// returns their records by index.
+fn train_cells(
+    config: &ExperimentConfig,
+    options: &RunOptions,
+    selected: &[(usize, usize, u64)],
+    pending: &[usize],
+    log: &(dyn Fn(&str) + Sync),
+) -> Result<Vec<(usize, CellRecord)>> {
+    // The tasks the pending cells need: only those are generated and checked.
+    let cells_needed: Vec<(usize, usize, u64)> = pending.iter().map(|&i| selected[i]).collect();
+    let (task_ids, prepared) = prepare_checked(config, &cells_needed)?;
+    // Pending cells in report order: (index in the selection, index into `prepared`, variant,
+    // seed).
+    let cells: Vec<(usize, usize, &VariantSpec, u64)> = pending
         .iter()
-        .map(|&(task, variant, seed)| {
+        .map(|&i| {
+            let (task, variant, seed) = selected[i];
             let t = task_ids.iter().position(|&x| x == task).expect("prepared");
-            (t, &config.variants[variant], seed)
+            (i, t, &config.variants[variant], seed)
         })
         .collect();
+    let steps: u64 = cells
+        .iter()
+        .map(|&(_, t, _, _)| planned_steps(&config.train, &prepared[t].train) as u64)
+        .sum();
+    let board = Board::new("compare", selected.len(), steps);
+    for _ in 0..selected.len() - pending.len() {
+        board.finish("", true);
+    }
 
-    let multi = MultiProgress::with_draw_target(if options.progress {
+    let multi = MultiProgress::with_draw_target(if options.progress.bars() {
         ProgressDrawTarget::stderr()
     } else {
         ProgressDrawTarget::hidden()
@@ -737,6 +905,7 @@ pub fn run(
         config,
         options,
         multi: &multi,
+        board: &board,
         style: ProgressStyle::with_template("{prefix:>40} [{bar:30}] {pos}/{len} steps {msg}")
             .expect("template")
             .progress_chars("=> "),
@@ -753,73 +922,64 @@ pub fn run(
     };
 
     let next = AtomicUsize::new(0);
-    let outputs: Mutex<Vec<(usize, CellOutput)>> = Mutex::new(Vec::new());
+    let outputs: Mutex<Vec<(usize, CellRecord)>> = Mutex::new(Vec::new());
     let failure: Mutex<Option<Error>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..jobs {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= cells.len() || failure.lock().expect("lock").is_some() {
-                    break;
-                }
-                let (t, variant, seed) = cells[i];
-                match run_cell(&shared, &prepared[t], variant, seed) {
-                    Ok(out) => {
-                        overall.inc(1);
-                        // The time left, once a cell has finished to estimate it from (an
-                        // estimate before any is "about 0s left").
-                        let (done, total) = (overall.position(), overall.length().unwrap_or(0));
-                        if done > 0 && done < total {
-                            // Wall time per finished cell, parallel jobs included.
-                            let per = overall.elapsed().as_secs_f64() / done as f64;
-                            let left = per * (total - done) as f64;
-                            overall.set_message(format!(", about {}s left", left.round()));
-                        }
-                        if multi.is_hidden() {
-                            log(&out.line);
-                        } else {
-                            let _ = multi.println(&out.line);
-                        }
-                        outputs.lock().expect("lock").push((i, out));
+    let dir = &options.dir;
+    progress::with_lines(options.progress, &board, log, || {
+        std::thread::scope(|scope| {
+            for _ in 0..jobs {
+                scope.spawn(|| loop {
+                    let n = next.fetch_add(1, Ordering::SeqCst);
+                    if n >= cells.len() || failure.lock().expect("lock").is_some() {
+                        break;
                     }
-                    Err(e) => {
-                        let cell = format!("{}/{}/seed{seed}", prepared[t].spec.name, variant.name);
-                        failure.lock().expect("lock").get_or_insert(Error::Cell {
-                            cell,
-                            source: Box::new(e),
-                        });
+                    let (i, t, variant, seed) = cells[n];
+                    let name = format!("{}/{}/seed{seed}", prepared[t].spec.name, variant.name);
+                    let committed = run_cell(&shared, i, &prepared[t], variant, seed).and_then(
+                        |(record, line)| {
+                            kill_point(options, || format!("cell-{i}-saved"));
+                            folder::write_cell(dir, &record, &|| {
+                                kill_point(options, || format!("cell-{i}-record"))
+                            })?;
+                            kill_point(options, || format!("cell-{i}-done"));
+                            Ok((record, line))
+                        },
+                    );
+                    board.finish(&name, committed.is_ok());
+                    match committed {
+                        Ok((record, line)) => {
+                            overall.inc(1);
+                            // The time left, once a cell has finished to estimate it from.
+                            let (done, total) = (overall.position(), overall.length().unwrap_or(0));
+                            if done > 0 && done < total {
+                                // Wall time per finished cell, parallel jobs included.
+                                let per = overall.elapsed().as_secs_f64() / done as f64;
+                                let left = per * (total - done) as f64;
+                                overall.set_message(format!(", about {}s left", left.round()));
+                            }
+                            if multi.is_hidden() {
+                                log(&line);
+                            } else {
+                                let _ = multi.println(&line);
+                            }
+                            outputs.lock().expect("lock").push((i, record));
+                        }
+                        Err(e) => {
+                            failure.lock().expect("lock").get_or_insert(Error::Cell {
+                                cell: name,
+                                source: Box::new(e),
+                            });
+                        }
                     }
-                }
-            });
-        }
+                });
+            }
+        })
     });
     overall.finish_and_clear();
     if let Some(e) = failure.into_inner().expect("lock") {
         return Err(e);
     }
-
-    let mut outputs = outputs.into_inner().expect("lock");
-    outputs.sort_by_key(|(i, _)| *i);
-    let mut results = Results {
-        experiment: config.name.clone(),
-        tasks: prepared.into_iter().map(|p| p.info).collect(),
-        variants: Vec::new(),
-        cells: Vec::new(),
-        summary: Vec::new(),
-    };
-    let mut timings = Vec::new();
-    for (_, out) in outputs {
-        let rows = std::iter::once((out.variant, out.result)).chain(out.rescored);
-        for (variant, result) in rows {
-            if !results.variants.iter().any(|v| v.name == variant.name) {
-                results.variants.push(variant);
-            }
-            results.cells.push(result);
-        }
-        timings.push(out.timing);
-    }
-    results.order_as(config);
-    Ok(RunOutput { results, timings })
+    Ok(outputs.into_inner().expect("lock"))
 }
 
 #[cfg(test)]

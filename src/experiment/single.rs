@@ -231,7 +231,7 @@ pub struct TrainOptions {
     /// The run folder.
     pub dir: PathBuf,
     pub device: Device,
-    pub progress: bool,
+    pub progress: crate::progress::Progress,
     /// Stop (after saving a checkpoint) once this many steps are done: what a kill between
     /// checkpoints would leave, on purpose.
     pub stop_after: Option<usize>,
@@ -281,7 +281,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     config.validate()?;
     let dir = &options.dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let lock = RunLock::acquire(dir)?;
+    let lock = crate::io::FolderLock::exclusive(dir, "poslab train")?;
     if dir.join(TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(
             "{} already holds a run: continue it with `poslab train --resume {}`, or choose another --out",
@@ -310,7 +310,7 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
             dir.display()
         )));
     }
-    let lock = RunLock::acquire(dir)?;
+    let lock = crate::io::FolderLock::exclusive(dir, "poslab train")?;
     if dir.join(METRICS).exists() {
         return Err(Error::Input(format!(
             "{} has already finished (metrics.json exists)",
@@ -333,37 +333,6 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let end = run(&config, data, start, options, true);
     drop(lock);
     end
-}
-
-/// The advisory lock a run holds on its folder (`.lock`, through the `fs4` crate): a second
-/// `train` or `--resume` into the same folder while one runs is refused, naming the folder.
-/// The operating system releases it when the process ends, however it ends.
-struct RunLock {
-    _file: std::fs::File,
-}
-
-impl RunLock {
-    const FILE: &'static str = ".lock";
-
-    fn acquire(dir: &Path) -> Result<Self> {
-        use fs4::fs_std::FileExt;
-        let path = dir.join(Self::FILE);
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
-        match file.try_lock_exclusive() {
-            Ok(true) => Ok(Self { _file: file }),
-            Ok(false) => Err(Error::Input(format!(
-                "{} is in use by another `poslab train` right now: wait for it to finish, or \
-                 choose another --out",
-                dir.display()
-            ))),
-            Err(e) => Err(Error::io(&path, e)),
-        }
-    }
 }
 
 /// Removes what killed runs leave behind: temporary files and unfinished checkpoint folders.
@@ -502,7 +471,7 @@ fn run(
         }
     }
 
-    let bar = if options.progress {
+    let bar = if options.progress.bars() {
         ProgressBar::with_draw_target(
             Some(trainer.planned_steps() as u64),
             ProgressDrawTarget::stderr(),
@@ -519,22 +488,46 @@ fn run(
     );
     bar.set_prefix(config.name.clone());
     bar.set_position(trainer.state().steps as u64);
-    while !trainer.finished() {
-        trainer.step(&bar)?;
-        let steps = trainer.state().steps;
-        let stop = options.stop_after.is_some_and(|n| steps >= n);
-        let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
-        if (due || stop) && !trainer.finished() {
-            save_checkpoint(dir, &params, &trainer.checkpoint(), config)?;
-        }
-        if stop && !trainer.finished() {
+    let first = trainer.state().steps;
+    let board = crate::progress::Board::new(
+        &config.name,
+        0,
+        trainer.planned_steps().saturating_sub(first) as u64,
+    );
+    board.start(&config.name, first, trainer.planned_steps());
+    let trained = crate::progress::with_lines(
+        options.progress,
+        &board,
+        &|line| eprintln!("{line}"),
+        // Ok(finished run) or Err(the step a --stop-after stopped at).
+        || -> Result<std::result::Result<_, usize>> {
+            while !trainer.finished() {
+                trainer.step(&bar)?;
+                let state = trainer.state();
+                let steps = state.steps;
+                let loss = state.losses.last().copied().unwrap_or(f64::NAN);
+                board.step(&config.name, steps, loss);
+                let stop = options.stop_after.is_some_and(|n| steps >= n);
+                let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
+                if (due || stop) && !trainer.finished() {
+                    save_checkpoint(dir, &params, &trainer.checkpoint(), config)?;
+                }
+                if stop && !trainer.finished() {
+                    return Ok(Err(steps));
+                }
+            }
             bar.finish_and_clear();
-            return Ok(TrainEnd::Stopped { step: steps });
-        }
-    }
+            board.testing(&config.name);
+            let outcome = trainer.finish()?;
+            let evaluations = task.evaluate(&model, eval_batch)?;
+            Ok(Ok((outcome, evaluations)))
+        },
+    )?;
     bar.finish_and_clear();
-    let outcome = trainer.finish()?;
-    let evaluations = task.evaluate(&model, eval_batch)?;
+    let (outcome, evaluations) = match trained {
+        Ok(done) => done,
+        Err(step) => return Ok(TrainEnd::Stopped { step }),
+    };
     saved::save(
         dir,
         &params,
@@ -575,6 +568,14 @@ fn run(
     let json = serde_json::to_string_pretty(&metrics).expect("metrics serialize") + "\n";
     write_atomic(&dir.join(METRICS), json.as_bytes())?;
     Ok(TrainEnd::Finished(Box::new(metrics)))
+}
+
+/// The step of a run folder's latest checkpoint, as `checkpoints/latest` names it (`None`
+/// before the first, or when the pointer is unreadable).
+pub fn latest_checkpoint_step(dir: &Path) -> Option<usize> {
+    let name =
+        crate::io::read_text_bounded(&dir.join(CHECKPOINTS).join(LATEST), 1024, "pointer").ok()?;
+    name.trim().strip_prefix("step-")?.parse().ok()
 }
 
 fn step_dir_name(step: usize) -> String {

@@ -378,6 +378,26 @@ impl Example {
     pub fn text(&self) -> String {
         self.words.join(" ")
     }
+
+    /// The length a test reports it at: a length-suite tape's input length, otherwise its
+    /// words.
+    pub fn length(&self) -> usize {
+        match self.label {
+            Label::Outputs { length, .. } => length,
+            _ => self.words.len(),
+        }
+    }
+}
+
+impl TestSet {
+    /// The shortest and longest length actually tested (`lengths` names what was asked for).
+    pub fn tested_lengths(&self) -> [usize; 2] {
+        let lengths = self.examples.iter().map(Example::length);
+        match (lengths.clone().min(), lengths.max()) {
+            (Some(lo), Some(hi)) => [lo, hi],
+            _ => self.lengths,
+        }
+    }
 }
 
 /// A test set: at a multiple of the training lengths, or over a range of lengths.
@@ -562,6 +582,26 @@ impl TaskSpec {
                  {MAX_GENERATED_LENGTH}: use smaller factors",
                 self.eval_factors
             ));
+        }
+        // A range of test_lengths is tested at every length it names (its examples go through
+        // its lengths in turn), so it needs at least as many examples as lengths; so does the
+        // training range, tested beside them.
+        if !self.test_lengths.is_empty() {
+            let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
+            let widest = self
+                .test_ranges()
+                .into_iter()
+                .max_by_key(|[a, b]| b - a)
+                .expect("a range");
+            let width = widest[1] - widest[0] + 1;
+            if n_eval < width {
+                return err(format!(
+                    "eval_examples = {n_eval} cannot test every length of the range {}-{} ({width} \
+                     lengths; each test set has eval_examples examples, one length after \
+                     another): set eval_examples to at least {width}, or narrow the range",
+                    widest[0], widest[1]
+                ));
+            }
         }
         let shortest = self.test_ranges().iter().map(|r| r[0]).min().unwrap_or(lo);
         let lo = lo.min(shortest);

@@ -318,7 +318,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
     let options = poslab::experiment::single::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
-        progress: false,
+        progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
     };
@@ -405,7 +405,7 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
     let options = poslab::experiment::single::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
-        progress: false,
+        progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
     };

@@ -519,7 +519,7 @@ pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::experiment::sin
     poslab::experiment::single::TrainOptions {
         dir: dir.to_path_buf(),
         device: Device::Cpu,
-        progress: false,
+        progress: poslab::progress::Progress::Quiet,
         stop_after,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
     }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle::{DType, Device};
 use poslab::data::Dataset;
-use poslab::experiment::report::{load_run, merge, write_report};
+use poslab::experiment::report::{load_run, merge};
 use poslab::experiment::results::{Outcome, Results};
 use poslab::experiment::run::{run, RunOptions};
 use poslab::experiment::{ExperimentConfig, Selection};
@@ -29,20 +29,17 @@ fn experiment(variants: &[&str], seeds: u64, steps: usize, d_model: usize) -> Ex
 }
 
 fn run_into(config: &ExperimentConfig, dir: &Path, selection: Selection) -> Results {
-    let output = run(
+    run(
         config,
         &RunOptions {
-            device: Device::Cpu,
-            dir: dir.to_path_buf(),
             selection,
-            progress: false,
             jobs: 2,
+            ..RunOptions::new(Device::Cpu, dir)
         },
         &|_| {},
     )
-    .unwrap();
-    write_report(dir, &output.results, &output.timings, &[]).unwrap();
-    output.results
+    .unwrap()
+    .results
 }
 
 fn accuracy(results: &Results, variant: &str, seed: u64, eval: &str) -> f64 {

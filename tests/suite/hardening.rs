@@ -69,18 +69,19 @@ fn a_failed_start_leaves_a_folder_a_fresh_start_takes_over() {
 
 #[test]
 fn a_second_train_into_a_locked_folder_is_refused() {
-    use fs4::fs_std::FileExt;
     let root = tempfile::tempdir().unwrap();
     let run = root.path().join("busy");
     std::fs::create_dir_all(&run).unwrap();
-    // Another process (here, this test) holds the run folder's lock.
-    let lock = std::fs::File::create(run.join(".lock")).unwrap();
-    assert!(lock.try_lock_exclusive().unwrap());
+    // Another writer (here, this test) holds the run folder's lock.
+    let lock = poslab::io::FolderLock::exclusive(&run, "poslab compare").unwrap();
     let config = train_config(WORD_ORDER);
-    let message = assert_error_mentions(single::start(&config, &options(&run, None)), &["in use"]);
+    let busy = [
+        "is being written by another poslab process",
+        "(poslab compare)",
+    ];
+    let message = assert_error_mentions(single::start(&config, &options(&run, None)), &busy);
     assert!(message.contains(&run.display().to_string()), "{message}");
-    assert_error_mentions(single::resume(&options(&run, None)), &["in use"]);
-    FileExt::unlock(&lock).unwrap();
+    assert_error_mentions(single::resume(&options(&run, None)), &busy);
     drop(lock);
     assert!(matches!(
         single::start(&config, &options(&run, Some(5))).unwrap(),
@@ -353,46 +354,36 @@ fn report_refuses_runs_of_different_settings() {
         ))
         .unwrap();
         let dir = root.path().join(dir);
-        poslab::experiment::run::prepare_out_dir(&dir, false).unwrap();
-        poslab::io::write_atomic(&dir.join("config.toml"), config.to_toml().as_bytes()).unwrap();
-        let out = run(
+        run(
             &config,
             &RunOptions {
-                device: Device::Cpu,
-                dir: dir.clone(),
                 selection: Selection {
                     seeds: vec![seed],
                     ..Default::default()
                 },
-                progress: false,
-                jobs: 1,
+                ..RunOptions::new(Device::Cpu, &dir)
             },
             &|_| {},
         )
         .unwrap();
-        poslab::experiment::report::write_report(&dir, &out.results, &out.timings, &[]).unwrap();
         dir
     };
     let a = make("0.001", "a", 0);
     let b = make("0.001", "b", 1);
     let c = make("0.002", "c", 1);
-    let (merged, _, config) = merge_runs(&[a.clone(), b]).unwrap();
-    assert_eq!(merged.cells.len(), 2);
-    assert_eq!(config.train.lr, 0.001);
+    let merged = merge_runs(&[a.clone(), b], false).unwrap();
+    assert_eq!(merged.results.cells.len(), 2);
+    assert_eq!(merged.config.train.lr, 0.001);
     assert_error_mentions(
-        merge_runs(&[a.clone(), c]),
+        merge_runs(&[a.clone(), c], false).map(|m| m.results),
         &["different configs", "train.lr: 0.001 vs 0.002"],
     );
     // A run folder without its config cannot be checked.
     std::fs::remove_file(a.join("config.toml")).unwrap();
-    assert_error_mentions(merge_runs(std::slice::from_ref(&a)), &["no config.toml"]);
-    // compare --out into a folder holding a run is refused unless asked to clear it.
     assert_error_mentions(
-        poslab::experiment::run::prepare_out_dir(&a, false),
-        &["already holds a run", "--overwrite"],
+        merge_runs(std::slice::from_ref(&a), false).map(|m| m.results),
+        &["no config.toml"],
     );
-    poslab::experiment::run::prepare_out_dir(&a, true).unwrap();
-    assert!(!a.join("results.json").exists() && !a.join("models").exists());
 }
 
 #[test]

@@ -606,68 +606,20 @@ fn the_shipped_suites_run_the_protocol() {
 }
 
 /// A tiny suite: 2 tasks x 2 variants x 2 seeds, a few steps.
-const TINY: &str = r#"
-name = "tiny_suite"
-seeds = 2
+const TINY: &str = include_str!("../fixtures/tiny_suite.toml");
 
-[model]
-d_model = 16
-n_heads = 2
-n_layers = 1
-ffn_dim = 32
-activation = "relu"
-norm = "post"
-dropout = 0.1
-attention_dropout = 0.0
-embed_scale = "sqrt_d_model"
-token_init_std = 0.02
-
-[train]
-budget = { steps = 4 }
-batch_size = 8
-lr = 1e-3
-weight_decay = 0.0
-warmup = 0.0
-min_lr_ratio = 1.0
-eval_every = 4
-
-[[tasks]]
-kind = "reverse_string"
-lengths = [1, 6]
-test_lengths = [[7, 9]]
-train_examples = 64
-eval_examples = 12
-
-[[tasks]]
-kind = "binary_addition"
-lengths = [1, 6]
-test_lengths = [[7, 9]]
-train_examples = 64
-eval_examples = 12
-
-[[variants]]
-name = "rope"
-positional = { kind = "rope" }
-
-[[variants]]
-name = "rope_random"
-positional = { kind = "rope" }
-random_positions = 64
-"#;
-
-/// Runs `program args` in `dir` with `envs`, asserting it succeeds (its stderr otherwise).
-fn run_ok(dir: &Path, program: &str, args: &[&str], envs: &[(&str, &str)]) {
-    let out = Command::new(program)
+/// `poslab args` in `dir`: its exit status and its stderr then stdout.
+fn poslab_status(dir: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
         .args(args)
         .current_dir(dir)
-        .envs(envs.iter().copied())
+        .env("RAYON_NUM_THREADS", "1")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout),
+    )
 }
 
 fn poslab(dir: &Path, args: &[&str]) -> (bool, String) {
@@ -834,32 +786,49 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
     assert!(report.contains("## Length suite") && report.contains("Ruoss et al. 2023"));
     assert!(d.join("merged/plots/length_suite.png").exists());
 
-    // Two shards only: merged, with a note of what is missing.
-    let (ok, log) = poslab(d, &["report", "shard-0", "shard-1", "--out", "partial"]);
+    // Two shards only: refused, naming the missing shard; merged with --allow-partial, which
+    // says so in report.md, results.json, on stderr and in the exit status (3).
+    let (code, log) = poslab_status(d, &["report", "shard-0", "shard-1", "--out", "partial"]);
     assert!(
-        ok && log.contains("note: 2 of the experiment's 8 cells"),
+        code == Some(1)
+            && log.contains("2 of the experiment's 8 cells are in none of these folders")
+            && log.contains("shard 2/3 is not among the folders")
+            && log.contains("--allow-partial"),
         "{log}"
     );
+    assert!(!d.join("partial").exists(), "nothing written");
+    let partial = [
+        "report",
+        "shard-0",
+        "shard-1",
+        "--out",
+        "partial",
+        "--allow-partial",
+    ];
+    let (code, log) = poslab_status(d, &partial);
+    assert!(
+        code == Some(3) && log.contains("partial: 6 of 8 cells: missing"),
+        "{log}"
+    );
+    let md = std::fs::read_to_string(d.join("partial/report.md")).unwrap();
+    assert!(md.contains("**partial: 6 of 8 cells**"), "{md}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.join("partial/results.json")).unwrap()).unwrap();
+    assert_eq!(json["partial"]["cells"], 6);
+    assert_eq!(json["partial"]["of"], 8);
+    assert_eq!(json["partial"]["missing"].as_array().unwrap().len(), 2);
 
     // A folder that holds a report is not written over without --overwrite, and a folder
     // being merged never (its own results would be replaced by the merge's).
-    let (ok, log) = poslab(d, &["report", "shard-0", "shard-1", "--out", "partial"]);
+    let (code, log) = poslab_status(d, &partial);
     assert!(
-        !ok && log.contains("already holds a run") && log.contains("--overwrite"),
+        code == Some(1) && log.contains("already holds a report") && log.contains("--overwrite"),
         "{log}"
     );
-    let (ok, log) = poslab(
-        d,
-        &[
-            "report",
-            "shard-0",
-            "shard-1",
-            "--out",
-            "partial",
-            "--overwrite",
-        ],
-    );
-    assert!(ok, "{log}");
+    let mut again = partial.to_vec();
+    again.push("--overwrite");
+    let (code, log) = poslab_status(d, &again);
+    assert_eq!(code, Some(3), "{log}");
     let before = std::fs::read(d.join("shard-0/results.json")).unwrap();
     let (ok, log) = poslab(
         d,
@@ -906,15 +875,24 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
 #[test]
 fn the_cluster_examples_shard_and_merge() {
     let sbatch = repo("examples/cluster/length_suite.sbatch");
-    let yaml = std::fs::read_to_string(repo("examples/cluster/length_suite.yaml")).unwrap();
-    let status = Command::new("bash")
-        .arg("-n")
-        .arg(&sbatch)
-        .status()
-        .unwrap();
-    assert!(status.success(), "bash -n {}", sbatch.display());
-    // The Indexed Job: as many completions as shards, and the shipped config.
-    let value = |key: &str| -> String {
+    let k8s = repo("examples/cluster/k8s");
+    for (shell, script) in [
+        ("bash", sbatch.clone()),
+        ("sh", k8s.join("shard.sh")),
+        ("sh", k8s.join("merge.sh")),
+    ] {
+        let status = Command::new(shell).arg("-n").arg(&script).status().unwrap();
+        assert!(status.success(), "{shell} -n {}", script.display());
+    }
+    // Kubernetes: the image named once, with a pinned tag; the shard Job indexed, as many
+    // completions as SHARDS, the merge Job one pod with the same SHARDS.
+    let text = |f: &str| std::fs::read_to_string(k8s.join(f)).unwrap();
+    let (shards_yaml, merge_yaml, kustomization) = (
+        text("shards.yaml"),
+        text("merge.yaml"),
+        text("kustomization.yaml"),
+    );
+    let value = |yaml: &str, key: &str| -> String {
         let line = yaml
             .lines()
             .find(|l| l.trim_start().starts_with(key))
@@ -926,84 +904,282 @@ fn the_cluster_examples_shard_and_merge() {
             .trim_matches('"')
             .to_string()
     };
-    assert_eq!(value("completionMode"), "Indexed");
-    let shards: usize = value("completions").parse().unwrap();
+    assert_eq!(value(&shards_yaml, "completionMode"), "Indexed");
+    assert_eq!(value(&merge_yaml, "parallelism"), "1");
+    let shards: usize = value(&shards_yaml, "completions").parse().unwrap();
+    for yaml in [&shards_yaml, &merge_yaml] {
+        assert!(yaml.contains(&format!("{{ name: SHARDS, value: \"{shards}\" }}")));
+        assert_eq!(
+            value(yaml, "image"),
+            "poslab",
+            "the image is named in kustomization.yaml"
+        );
+    }
+    let tag = value(&kustomization, "newTag");
+    assert!(!tag.is_empty() && tag != "latest", "tag {tag}");
     assert!(
-        yaml.contains(&format!("value: \"{shards}\"")),
-        "SHARDS = completions"
+        kustomization.contains(&format!("poslab:{tag}")),
+        "the build line uses the tag"
     );
-    assert!(yaml.contains("configs/length_suite.toml"));
+    let dockerignore = std::fs::read_to_string(repo(".dockerignore")).unwrap();
+    assert!(["target/", "runs/", ".git/"]
+        .iter()
+        .all(|p| dockerignore.contains(p)));
     let config = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
     assert!(shards <= config.cells(&Selection::default()).unwrap().len());
-    // The pod's script, run here with a tiny config: each index a shard, the last merges.
-    let script: String =
-        {
-            let mut lines = yaml.lines().skip_while(|l| l.trim() != "- |").skip(1);
-            let first = lines.next().unwrap();
-            let indent = first.len() - first.trim_start().len();
-            std::iter::once(first)
-                .chain(lines.take_while(|l| {
-                    l.trim().is_empty() || l.len() - l.trim_start().len() >= indent
-                }))
-                .map(|l| l.get(indent..).unwrap_or("").to_string() + "\n")
-                .collect()
-        };
+
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::write(d.join("tiny.toml"), TINY).unwrap();
     let poslab_bin = env!("CARGO_BIN_EXE_poslab");
-    for k in 0..3 {
-        let k = k.to_string();
-        run_ok(
-            d,
-            "sh",
-            &["-c", &script],
-            &[
-                ("JOB_COMPLETION_INDEX", &k),
-                ("SHARDS", "3"),
-                ("CONFIG", "tiny.toml"),
-                ("RUNS", "k8s"),
-                ("POSLAB", poslab_bin),
-                ("RAYON_NUM_THREADS", "1"),
-            ],
-        );
-        // Only the last shard to finish merges.
-        assert_eq!(d.join("k8s/merged/results.json").exists(), k == "2");
+    let (ok, log) = poslab(d, &["compare", "tiny.toml", "--out", "whole", "-q"]);
+    assert!(ok, "{log}");
+
+    // Slurm's commands stubbed: sbatch records its arguments and answers job ids.
+    let bin = d.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(
+        bin.join("sbatch"),
+        "#!/bin/sh\necho \"$*\" >> \"$SBATCH_LOG\"\nn=$(wc -l < \"$SBATCH_LOG\")\necho $((100 + n))\n",
+    )
+    .unwrap();
+    // A poslab that records what it is asked to do.
+    std::fs::write(
+        bin.join("fake-poslab"),
+        "#!/bin/sh\necho \"$*\" >> \"$POSLAB_LOG\"\n",
+    )
+    .unwrap();
+    for f in ["sbatch", "fake-poslab"] {
+        let p = bin.join(f);
+        let mut perm = std::fs::metadata(&p).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        std::fs::set_permissions(&p, perm).unwrap();
     }
-    // The Slurm script's shard and merge modes, as the array and the merge job run them.
-    let sbatch = sbatch.to_str().unwrap();
-    for k in 0..3 {
-        let k = k.to_string();
-        run_ok(
-            d,
-            "bash",
-            &[sbatch, "shard"],
-            &[
-                ("SLURM_ARRAY_TASK_ID", &k),
-                ("SLURM_ARRAY_TASK_COUNT", "3"),
-                ("CONFIG", "tiny.toml"),
-                ("RUNS", "slurm"),
-                ("POSLAB", poslab_bin),
-                ("JOBS", "1"),
-            ],
-        );
-    }
-    run_ok(
-        d,
-        "bash",
-        &[sbatch, "merge"],
-        &[("RUNS", "slurm"), ("POSLAB", poslab_bin)],
-    );
-    let slurm = std::fs::read(d.join("slurm/merged/results.json")).unwrap();
-    let k8s = std::fs::read(d.join("k8s/merged/results.json")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let script = sbatch.to_str().unwrap();
+    let run = |cwd: &Path, args: &[&str], envs: &[(&str, &str)]| -> (Option<i32>, String) {
+        let out = Command::new("bash")
+            .arg(script)
+            .args(args)
+            .current_dir(cwd)
+            .env("PATH", &path)
+            .env("SBATCH_LOG", d.join("sbatch.log"))
+            .env("POSLAB_LOG", d.join("poslab.log"))
+            .env("RAYON_NUM_THREADS", "1")
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned()
+                + &String::from_utf8_lossy(&out.stdout),
+        )
+    };
+    let abs = |p: &str| d.join(p).canonicalize().unwrap().display().to_string();
+
+    // Submit (relative paths, made absolute), then run each array task as Slurm would: from
+    // another folder, with SLURM_ARRAY_TASK_COUNT as Slurm sets it.
+    let settings = [
+        ("SHARDS", "3"),
+        ("CONFIG", "tiny.toml"),
+        ("RUNS", "slurm"),
+        ("POSLAB", poslab_bin),
+        ("CPUS", "2"),
+    ];
+    let (code, log) = run(d, &["submit"], &settings);
+    assert_eq!(code, Some(0), "{log}");
+    let submitted = std::fs::read_to_string(d.join("sbatch.log")).unwrap();
+    let lines: Vec<&str> = submitted.lines().collect();
+    let runs = abs("slurm");
     assert!(
-        slurm == k8s,
-        "the two cluster examples merge the same results"
+        lines[0].contains("--array=0-2")
+            && lines[0].contains("--cpus-per-task=2")
+            && lines[0].contains(&format!("--output={runs}/logs/shard-%a.out"))
+            && lines[0].ends_with(" shard"),
+        "{submitted}"
     );
-    let out = Command::new("bash")
-        .arg(sbatch)
-        .arg("nonsense")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        lines[1].contains("--dependency=afterok:101")
+            && lines[1].contains("--kill-on-invalid-dep=yes")
+            && lines[1].ends_with(" merge"),
+        "{submitted}"
+    );
+    let env = std::fs::read_to_string(d.join("slurm/slurm.env")).unwrap();
+    for line in [
+        format!("RUNS={runs}"),
+        format!("CONFIG={}", abs("tiny.toml")),
+        format!(
+            "POSLAB={}",
+            Path::new(poslab_bin).canonicalize().unwrap().display()
+        ),
+    ] {
+        assert!(env.contains(&line), "{line} in {env}");
+    }
+    let elsewhere = Path::new("/");
+    let task = |k: &str, count: &str| {
+        run(
+            elsewhere,
+            &["shard"],
+            &[
+                ("SLURM_ARRAY_TASK_ID", k),
+                ("SLURM_ARRAY_TASK_COUNT", count),
+                ("SLURM_CPUS_PER_TASK", "1"),
+                ("RUNS", &runs),
+            ],
+        )
+    };
+    for k in ["0", "1"] {
+        let (code, log) = task(k, "3");
+        assert_eq!(code, Some(0), "{log}");
+    }
+    // The merge refuses while shard 2 is missing, naming it.
+    let (code, log) = run(elsewhere, &["merge"], &[("RUNS", &runs)]);
+    assert!(
+        code == Some(1) && log.contains(&format!("shard 2 ({runs}/shard-2) of 3 never started")),
+        "{log}"
+    );
+    let (code, log) = run(elsewhere, &["status"], &[("RUNS", &runs)]);
+    assert!(
+        code == Some(0)
+            && log.contains("shard 0/3: done")
+            && log.contains("shard 2/3: not started")
+            && log.contains("rerun 2"),
+        "{log}"
+    );
+    // Shard 2 as a one-task re-run: SLURM_ARRAY_TASK_COUNT is 1, the shard still 2/3.
+    let (code, log) = task("2", "1");
+    assert_eq!(code, Some(0), "{log}");
+    let (code, log) = run(elsewhere, &["merge"], &[("RUNS", &runs)]);
+    assert_eq!(code, Some(0), "{log}");
+    let whole = std::fs::read(d.join("whole/results.json")).unwrap();
+    let slurm = std::fs::read(d.join("slurm/merged/results.json")).unwrap();
+    assert!(
+        whole == slurm,
+        "the Slurm merge differs from the unsharded run"
+    );
+
+    // `rerun 1` of 4 shards: an array of one task, and the task runs shard 1/4.
+    let fake = bin.join("fake-poslab");
+    let fake = fake.to_str().unwrap();
+    std::fs::write(d.join("sbatch.log"), "").unwrap();
+    let (code, log) = run(
+        d,
+        &["submit"],
+        &[
+            ("SHARDS", "4"),
+            ("CONFIG", "tiny.toml"),
+            ("RUNS", "four"),
+            ("POSLAB", fake),
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    let four = abs("four");
+    let (code, log) = run(d, &["rerun", "1"], &[("RUNS", &four)]);
+    assert_eq!(code, Some(0), "{log}");
+    let submitted = std::fs::read_to_string(d.join("sbatch.log")).unwrap();
+    let rerun: Vec<&str> = submitted.lines().skip(2).collect();
+    assert!(
+        rerun[0].contains("--array=1 ") && rerun[1].contains("--dependency=afterok:103"),
+        "{submitted}"
+    );
+    let (code, log) = run(
+        elsewhere,
+        &["shard"],
+        &[
+            ("SLURM_ARRAY_TASK_ID", "1"),
+            ("SLURM_ARRAY_TASK_COUNT", "1"),
+            ("SLURM_CPUS_PER_TASK", "3"),
+            ("RUNS", &four),
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    let asked = std::fs::read_to_string(d.join("poslab.log")).unwrap();
+    let shard_call = asked.lines().last().unwrap();
+    assert_eq!(
+        shard_call,
+        format!(
+            "compare {} --shard 1/4 --out {four}/shard-1 --jobs 3",
+            abs("tiny.toml")
+        )
+    );
+    let (code, log) = run(d, &["rerun", "4"], &[("RUNS", &four)]);
+    assert!(
+        code == Some(1) && log.contains("4 is not a shard of 4"),
+        "{log}"
+    );
+    let (code, log) = run(elsewhere, &["merge"], &[("RUNS", &four)]);
+    assert!(code == Some(1) && log.contains("shard 0 ("), "{log}");
+    let (code, _) = run(d, &["nonsense"], &[]);
+    assert_eq!(code, Some(2));
+
+    // The Kubernetes pods' scripts: each index a shard; the one merge waits for them all.
+    let pod = |script: &str, envs: &[(&str, &str)]| -> (Option<i32>, String) {
+        let out = Command::new("sh")
+            .arg(k8s.join(script))
+            .current_dir(d)
+            .env("SHARDS", "3")
+            .env("CONFIG", "tiny.toml")
+            .env("RUNS", "k8s")
+            .env("POSLAB", poslab_bin)
+            .env("RAYON_NUM_THREADS", "1")
+            .envs(envs.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for k in ["0", "1"] {
+        let (code, log) = pod("shard.sh", &[("JOB_COMPLETION_INDEX", k)]);
+        assert_eq!(code, Some(0), "{log}");
+    }
+    let (code, log) = pod("merge.sh", &[("MERGE_WAIT", "0")]);
+    assert!(
+        code == Some(1) && log.contains("shard(s) 2 of 3 have not finished"),
+        "{log}"
+    );
+    // A retried pod continues its shard; an index past SHARDS is refused.
+    let (code, log) = pod("shard.sh", &[("JOB_COMPLETION_INDEX", "1")]);
+    assert!(
+        code == Some(0) && log.contains("3 of 3 cells were done before"),
+        "{log}"
+    );
+    let (code, log) = pod("shard.sh", &[("JOB_COMPLETION_INDEX", "3")]);
+    assert!(
+        code == Some(1) && log.contains("completions and SHARDS"),
+        "{log}"
+    );
+    let (code, log) = pod("shard.sh", &[("JOB_COMPLETION_INDEX", "2")]);
+    assert_eq!(code, Some(0), "{log}");
+    let (code, log) = pod("merge.sh", &[("MERGE_WAIT", "0")]);
+    assert_eq!(code, Some(0), "{log}");
+    let k8s_merged = std::fs::read(d.join("k8s/merged/results.json")).unwrap();
+    assert!(
+        k8s_merged == whole,
+        "the Kubernetes merge differs from the unsharded run"
+    );
+    // A merge again replaces its own report; never another experiment's.
+    let (code, log) = pod("merge.sh", &[("MERGE_WAIT", "0")]);
+    assert_eq!(code, Some(0), "{log}");
+    std::fs::write(d.join("other.toml"), TINY.replace("lr = 1e-3", "lr = 2e-3")).unwrap();
+    let (ok, log) = poslab(
+        d,
+        &[
+            "report",
+            "k8s/shard-0",
+            "--out",
+            "k8s/merged",
+            "--overwrite",
+            "--allow-partial",
+        ],
+    );
+    assert!(ok || log.contains("partial"), "{log}");
+    let (ok, log) = poslab(d, &["compare", "other.toml", "--out", "odd2", "-q"]);
+    assert!(ok, "{log}");
+    let (ok, log) = poslab(d, &["report", "odd2", "--out", "k8s/merged", "--overwrite"]);
+    assert!(
+        !ok && log.contains("of another experiment config") && log.contains("train.lr"),
+        "{log}"
+    );
 }

@@ -17,6 +17,7 @@ mod pretrained;
 mod properties;
 mod reference;
 mod rope;
+mod runs;
 mod schemes;
 mod training;
 mod userdata;

@@ -427,8 +427,10 @@ fn eval_rope_scaling_rescores_every_rope_variant_as_its_own_row() {
             device: Device::Cpu,
             dir: dir.path().to_path_buf(),
             selection: Selection::default(),
-            progress: false,
+            progress: poslab::progress::Progress::Quiet,
             jobs: 1,
+            overwrite: false,
+            kill_at: None,
         },
         &|_| {},
     )
@@ -484,7 +486,7 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
         &poslab::experiment::single::TrainOptions {
             dir: dir.path().join("run"),
             device: Device::Cpu,
-            progress: false,
+            progress: poslab::progress::Progress::Quiet,
             stop_after: None,
             hub: poslab::text::HubSource::from_env(),
         },

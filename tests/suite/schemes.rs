@@ -339,8 +339,10 @@ fn run_tiny(config: &ExperimentConfig) -> poslab::Result<poslab::experiment::res
             device: Device::Cpu,
             dir: dir.path().to_path_buf(),
             selection: Selection::default(),
-            progress: false,
+            progress: poslab::progress::Progress::Quiet,
             jobs: 2,
+            overwrite: false,
+            kill_at: None,
         },
         &|_| {},
     )

@@ -1,0 +1,633 @@
+//! A run folder's bookkeeping, so that a long run survives kills, never mixes two runs, and is
+//! cleared without touching anything poslab did not write.
+//!
+//! - `.poslab-lock`: one writer at a time ([`FolderLock`]): `compare` and `report --out` hold it
+//!   while they write, as `train` does.
+//! - `run.json`, the manifest ([`Manifest`]): what the folder holds (a `compare` run or a
+//!   `report`), the experiment and the SHA-256 of its config, the cells it holds (its
+//!   selection), the kind of device they were computed on, and every file the run writes. It is
+//!   written before any of them, so `--overwrite` removes exactly those files (and their
+//!   temporaries), and a fresh run refuses a folder where one of them already exists unwritten
+//!   by poslab.
+//! - `cells/<task>/<variant>/seed<N>.json` ([`CellRecord`]): each finished cell, written
+//!   atomically after its model. The record is the cell's commit: a run killed at any moment and
+//!   started again into the folder skips the cells that have one and trains the rest, and its
+//!   `results.json` is rebuilt from the records, byte for byte what an uninterrupted run writes.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::results::{CellResult, TaskInfo, Timing, VariantInfo};
+use super::{ExperimentConfig, Selection, Shard};
+use crate::error::{Error, Result};
+use crate::io::{is_temporary_of, write_atomic, FolderLock};
+
+/// The manifest's file name.
+pub const MANIFEST: &str = "run.json";
+/// The experiment config as run, every default filled in.
+pub const CONFIG_TOML: &str = "config.toml";
+pub const RESULTS_JSON: &str = "results.json";
+pub const TIMING_JSON: &str = "timing.json";
+/// Where finished cells' records go.
+pub const CELLS: &str = "cells";
+/// Where trained models go.
+pub const MODELS: &str = "models";
+const FORMAT: &str = "poslab-run/1";
+const CELL_FORMAT: &str = "poslab-cell/1";
+/// The files of a saved model (see [`crate::saved`]).
+const MODEL_FILES: [&str; 3] = [
+    crate::saved::CONFIG,
+    crate::saved::WEIGHTS,
+    crate::saved::TOKENIZER,
+];
+/// The report files every run and merge writes at the top of its folder (`results.json` last:
+/// its presence says the folder is complete).
+pub const REPORT_FILES: [&str; 6] = [
+    CONFIG_TOML,
+    TIMING_JSON,
+    "results.csv",
+    "summary.csv",
+    "report.md",
+    RESULTS_JSON,
+];
+
+/// What a folder holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FolderKind {
+    /// Cells trained by `poslab compare`.
+    Compare,
+    /// Run folders merged by `poslab report`.
+    Report,
+}
+
+impl FolderKind {
+    fn command(self) -> &'static str {
+        match self {
+            Self::Compare => "poslab compare",
+            Self::Report => "poslab report",
+        }
+    }
+}
+
+/// A selection as the command line gave it (empty lists: all), kept in the manifest.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SelectionRecord {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tasks: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub variants: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seeds: Vec<u64>,
+    /// `K/N`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<String>,
+}
+
+impl SelectionRecord {
+    pub fn of(selection: &Selection) -> Self {
+        Self {
+            tasks: selection.tasks.clone(),
+            variants: selection.variants.clone(),
+            seeds: selection.seeds.clone(),
+            shard: selection.shard.map(|s| s.to_string()),
+        }
+    }
+
+    pub fn selection(&self) -> Result<Selection> {
+        Ok(Selection {
+            tasks: self.tasks.clone(),
+            variants: self.variants.clone(),
+            seeds: self.seeds.clone(),
+            shard: self.shard.as_deref().map(str::parse::<Shard>).transpose()?,
+        })
+    }
+
+    /// `shard 1/4`, `--variant rope --seed 0`, or `every cell`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(s) = &self.shard {
+            parts.push(format!("shard {s}"));
+        }
+        parts.extend(self.tasks.iter().map(|t| format!("--task {t}")));
+        parts.extend(self.variants.iter().map(|v| format!("--variant {v}")));
+        parts.extend(self.seeds.iter().map(|s| format!("--seed {s}")));
+        if parts.is_empty() {
+            "every cell".into()
+        } else {
+            parts.join(" ")
+        }
+    }
+
+    /// The command-line flags that select these cells again.
+    pub fn flags(&self) -> String {
+        let mut flags = String::new();
+        for t in &self.tasks {
+            flags.push_str(&format!(" --task {t}"));
+        }
+        for v in &self.variants {
+            flags.push_str(&format!(" --variant {v}"));
+        }
+        for s in &self.seeds {
+            flags.push_str(&format!(" --seed {s}"));
+        }
+        if let Some(s) = &self.shard {
+            flags.push_str(&format!(" --shard {s}"));
+        }
+        flags
+    }
+}
+
+/// `run.json`: what a run folder holds and every file its run writes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub kind: FolderKind,
+    pub experiment: String,
+    /// SHA-256 of the experiment config as run (`config.toml`, every default filled in).
+    pub config_sha256: String,
+    /// The cells a compare folder holds.
+    #[serde(default)]
+    pub selection: SelectionRecord,
+    /// `cpu` or `cuda`: a compare folder's cells are computed on one kind of device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// How many cells the folder holds once complete.
+    pub cells: usize,
+    /// The folders a report merged, as given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<String>,
+    /// Every file the run writes, relative to the folder.
+    pub files: Vec<String>,
+}
+
+/// The SHA-256 of a config's canonical TOML, in hex.
+pub fn config_sha256(config: &ExperimentConfig) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(config.to_toml().as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// `cells/<task>/<variant>/seed<N>.json`.
+pub fn cell_path(task: &str, variant: &str, seed: u64) -> String {
+    format!("{CELLS}/{task}/{variant}/seed{seed}.json")
+}
+
+/// `models/<task>/<variant>/seed<N>`, relative to the run folder.
+pub fn model_dir(task: &str, variant: &str, seed: u64) -> String {
+    format!("{MODELS}/{task}/{variant}/seed{seed}")
+}
+
+/// The plots of a report over `tasks`.
+fn plot_files(tasks: &BTreeSet<&str>) -> Vec<String> {
+    let mut files: Vec<String> = tasks
+        .iter()
+        .flat_map(|t| {
+            [
+                format!("plots/loss_{t}.png"),
+                format!("plots/length_{t}.png"),
+            ]
+        })
+        .collect();
+    files.push("plots/length_suite.png".into());
+    files
+}
+
+/// Every file a compare of `cells` (indices into the config, as [`ExperimentConfig::cells`]
+/// gives them) writes.
+pub fn compare_files(config: &ExperimentConfig, cells: &[(usize, usize, u64)]) -> Vec<String> {
+    let mut files: Vec<String> = REPORT_FILES.iter().map(|f| f.to_string()).collect();
+    let tasks: BTreeSet<&str> = cells
+        .iter()
+        .map(|c| config.tasks[c.0].name.as_str())
+        .collect();
+    files.extend(plot_files(&tasks));
+    for &(t, v, seed) in cells {
+        let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
+        files.push(cell_path(task, variant, seed));
+        let model = model_dir(task, variant, seed);
+        files.extend(MODEL_FILES.iter().map(|f| format!("{model}/{f}")));
+    }
+    files
+}
+
+/// Every file a report of `config` writes.
+pub fn report_files(config: &ExperimentConfig) -> Vec<String> {
+    let mut files: Vec<String> = REPORT_FILES.iter().map(|f| f.to_string()).collect();
+    files.extend(plot_files(
+        &config.tasks.iter().map(|t| t.name.as_str()).collect(),
+    ));
+    files
+}
+
+/// What a command is about to write into a folder.
+pub struct Plan<'a> {
+    pub kind: FolderKind,
+    pub config: &'a ExperimentConfig,
+    pub selection: SelectionRecord,
+    /// The cells, as [`ExperimentConfig::cells`] gives them (compare).
+    pub cells: Vec<(usize, usize, u64)>,
+    pub device: Option<String>,
+    pub sources: Vec<String>,
+    pub files: Vec<String>,
+}
+
+/// A folder opened for writing: locked until this is dropped.
+#[derive(Debug)]
+pub struct Opened {
+    pub lock: FolderLock,
+    /// The folder already held this run (same config, cells and device): its finished cells
+    /// are kept.
+    pub resumed: bool,
+}
+
+/// Reads a folder's manifest; `None` when it has none.
+pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
+    let path = dir.join(MANIFEST);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "manifest")?;
+    serde_json::from_str(&text).map(Some).map_err(|e| {
+        Error::Input(format!(
+            "{}: not a readable poslab manifest ({e}): it was edited or damaged, so poslab \
+             cannot tell its files from others in the folder; choose another folder",
+            path.display()
+        ))
+    })
+}
+
+/// Locks `dir` and makes it ready for `plan`:
+///
+/// - a folder without a manifest is new: refused if any file the plan writes is already there
+///   (poslab did not write it), otherwise the manifest is written;
+/// - a folder of another experiment config is always refused, naming the first difference;
+/// - a compare folder with this config, these cells and this device kind is resumed, unless
+///   `overwrite`;
+/// - anything else of this config (other cells, a report) is refused unless `overwrite`, which
+///   removes the files its manifest lists, and only those.
+pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let lock = FolderLock::exclusive(dir, plan.kind.command())?;
+    if dir.join(super::single::TRAIN_CONFIG).exists() {
+        return Err(Error::Input(format!(
+            "{} holds a `poslab train` run ({}): choose another folder",
+            dir.display(),
+            super::single::TRAIN_CONFIG
+        )));
+    }
+    let sha = config_sha256(plan.config);
+    if let Some(old) = read_manifest(dir)? {
+        if old.config_sha256 != sha {
+            return Err(other_config(dir, &old, plan.config));
+        }
+        let same_cells = old.kind == plan.kind
+            && old.device == plan.device
+            && old.sources == plan.sources
+            && cells_of(plan.config, &old)? == plan.cells;
+        if same_cells && plan.kind == FolderKind::Compare && !overwrite {
+            remove_temporaries(dir, &old.files);
+            remove_temporaries(dir, &[MANIFEST.to_string()]);
+            return Ok(Opened {
+                lock,
+                resumed: true,
+            });
+        }
+        if !overwrite {
+            let now = Manifest {
+                kind: plan.kind,
+                selection: plan.selection.clone(),
+                device: plan.device.clone(),
+                cells: plan.cells.len(),
+                sources: plan.sources.clone(),
+                ..old.clone()
+            };
+            return Err(Error::Input(format!(
+                "{} already holds {} of this experiment, and this is {}: give each its own \
+                 folder, or pass --overwrite to replace it (only the files that run wrote are \
+                 removed)",
+                dir.display(),
+                describe(&old),
+                describe(&now)
+            )));
+        }
+        remove_listed(dir, &old.files)?;
+    }
+    let taken: Vec<&String> = plan
+        .files
+        .iter()
+        .filter(|f| dir.join(f).symlink_metadata().is_ok())
+        .collect();
+    if !taken.is_empty() {
+        let shown: Vec<&str> = taken.iter().take(3).map(|s| s.as_str()).collect();
+        return Err(Error::Input(format!(
+            "{} holds {}{}, which no poslab run recorded writing there (no {MANIFEST} lists \
+             it): poslab writes only into files it owns; move {}, or choose another folder",
+            dir.display(),
+            shown.join(", "),
+            if taken.len() > 3 {
+                format!(" and {} more", taken.len() - 3)
+            } else {
+                String::new()
+            },
+            if taken.len() == 1 { "it" } else { "them" }
+        )));
+    }
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        kind: plan.kind,
+        experiment: plan.config.name.clone(),
+        config_sha256: sha,
+        selection: plan.selection.clone(),
+        device: plan.device.clone(),
+        cells: plan.cells.len(),
+        sources: plan.sources.clone(),
+        files: plan.files.clone(),
+    };
+    let json = serde_json::to_string_pretty(&manifest).expect("a manifest serializes") + "\n";
+    write_atomic(&dir.join(MANIFEST), json.as_bytes())?;
+    Ok(Opened {
+        lock,
+        resumed: false,
+    })
+}
+
+/// The cells a manifest's selection names under `config`.
+fn cells_of(config: &ExperimentConfig, m: &Manifest) -> Result<Vec<(usize, usize, u64)>> {
+    match m.kind {
+        FolderKind::Compare => config.cells(&m.selection.selection()?),
+        FolderKind::Report => Ok(Vec::new()),
+    }
+}
+
+/// `a compare run (shard 1/4, 15 cells, on cpu)` or `a report merged from 4 folders`.
+pub fn describe(m: &Manifest) -> String {
+    match m.kind {
+        FolderKind::Compare => format!(
+            "a compare run ({}, {} cells{})",
+            m.selection.describe(),
+            m.cells,
+            m.device
+                .as_deref()
+                .map_or(String::new(), |d| format!(", on {d}"))
+        ),
+        FolderKind::Report => format!(
+            "a report merged from {} folder{}",
+            m.sources.len(),
+            if m.sources.len() == 1 { "" } else { "s" }
+        ),
+    }
+}
+
+fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig) -> Error {
+    let diff = load_run_config(dir).ok().and_then(|theirs| {
+        crate::config::first_difference(
+            "",
+            &toml::Value::try_from(&theirs).expect("a config is TOML"),
+            &toml::Value::try_from(config).expect("a config is TOML"),
+        )
+    });
+    Error::Input(format!(
+        "{} holds {} of another experiment config ({}): one folder holds one experiment; \
+         choose another folder (--overwrite never replaces another experiment's run: delete \
+         the folder yourself if it is no longer wanted)",
+        dir.display(),
+        describe(old),
+        match diff {
+            Some(d) => format!("{d}, the folder's vs this one"),
+            None => format!(
+                "`{}` with config SHA-256 {:.12}…",
+                old.experiment, old.config_sha256
+            ),
+        }
+    ))
+}
+
+/// The experiment config a run folder was made with (`config.toml`, which `compare` writes).
+pub fn load_run_config(dir: &Path) -> Result<ExperimentConfig> {
+    let path = dir.join(CONFIG_TOML);
+    if !path.is_file() {
+        return Err(Error::Input(format!(
+            "{} has no {CONFIG_TOML} (poslab compare writes one into every run folder): without \
+             it nothing says the runs share their settings",
+            dir.display()
+        )));
+    }
+    ExperimentConfig::load(&path)
+}
+
+/// Removes the temporaries that killed writes of `files` left (`.name.PID.tmp`).
+fn remove_temporaries(dir: &Path, files: &[String]) {
+    let mut by_parent: std::collections::BTreeMap<PathBuf, Vec<String>> = Default::default();
+    for f in files {
+        let path = dir.join(f);
+        if let (Some(parent), Some(name)) = (path.parent(), path.file_name()) {
+            by_parent
+                .entry(parent.to_path_buf())
+                .or_default()
+                .push(name.to_string_lossy().into_owned());
+        }
+    }
+    for (parent, names) in by_parent {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if names.iter().any(|n| is_temporary_of(&name, n)) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+}
+
+/// Removes `files` (plain files only) and their temporaries, then the folders that held them
+/// if that left them empty (never `dir` itself, never a folder that holds anything else).
+pub fn remove_listed(dir: &Path, files: &[String]) -> Result<()> {
+    if let Some(f) = files.iter().find(|f| {
+        f.split('/')
+            .any(|part| part.is_empty() || part == "." || part == "..")
+    }) {
+        return Err(Error::Input(format!(
+            "{}: lists `{f}`, which is not a path inside the folder: the manifest was edited, \
+             so nothing was removed; choose another folder",
+            dir.join(MANIFEST).display()
+        )));
+    }
+    remove_temporaries(dir, files);
+    let mut parents = BTreeSet::new();
+    for f in files {
+        let path = dir.join(f);
+        match path.symlink_metadata() {
+            Ok(meta) if meta.is_file() => {
+                std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?
+            }
+            _ => {}
+        }
+        let mut parent = Path::new(f).parent();
+        while let Some(p) = parent.filter(|p| !p.as_os_str().is_empty()) {
+            parents.insert(p.to_path_buf());
+            parent = p.parent();
+        }
+    }
+    // Deepest first, so a folder is emptied of its subfolders before it is tried.
+    let mut parents: Vec<PathBuf> = parents.into_iter().collect();
+    parents.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in parents {
+        let _ = std::fs::remove_dir(dir.join(p));
+    }
+    Ok(())
+}
+
+/// One variant row a cell's model was re-scored as (`rope + yarn`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rescored {
+    pub variant: VariantInfo,
+    pub result: CellResult,
+}
+
+/// A finished cell, `cells/<task>/<variant>/seed<N>.json`: everything the run's results need
+/// from it, so that a resumed run (or a partial merge) rebuilds them without training it again.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CellRecord {
+    pub format: String,
+    pub task: TaskInfo,
+    pub variant: VariantInfo,
+    pub result: CellResult,
+    /// The same model re-scored under each `[eval] rope_scaling`, each a row of its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rescored: Vec<Rescored>,
+    pub timing: Timing,
+}
+
+impl CellRecord {
+    pub fn new(
+        task: TaskInfo,
+        variant: VariantInfo,
+        result: CellResult,
+        rescored: Vec<Rescored>,
+        timing: Timing,
+    ) -> Self {
+        Self {
+            format: CELL_FORMAT.into(),
+            task,
+            variant,
+            result,
+            rescored,
+            timing,
+        }
+    }
+
+    /// `task/variant/seedN`.
+    pub fn name(&self) -> String {
+        format!(
+            "{}/{}/seed{}",
+            self.result.task, self.result.variant, self.result.seed
+        )
+    }
+}
+
+/// How many of `cells` (as [`ExperimentConfig::cells`] gives them) have a record in `dir`.
+pub fn cells_done(dir: &Path, config: &ExperimentConfig, cells: &[(usize, usize, u64)]) -> usize {
+    cells
+        .iter()
+        .filter(|&&(t, v, seed)| {
+            dir.join(cell_path(
+                &config.tasks[t].name,
+                &config.variants[v].name,
+                seed,
+            ))
+            .is_file()
+        })
+        .count()
+}
+
+/// Writes a cell's record atomically, calling `halfway` with half of it in the temporary file.
+pub fn write_cell(dir: &Path, record: &CellRecord, halfway: &dyn Fn()) -> Result<()> {
+    let path = dir.join(cell_path(
+        &record.result.task,
+        &record.result.variant,
+        record.result.seed,
+    ));
+    let json = serde_json::to_string_pretty(record).expect("a cell record serializes") + "\n";
+    crate::io::write_atomic_with(&path, json.as_bytes(), halfway)
+}
+
+/// The record of a finished cell: `Ok(None)` when it has none yet, an error (saying why) when
+/// its record or its model is unusable.
+pub fn read_cell(dir: &Path, task: &str, variant: &str, seed: u64) -> Result<Option<CellRecord>> {
+    let path = dir.join(cell_path(task, variant, seed));
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "cell record")?;
+    let record: CellRecord = serde_json::from_str(&text)
+        .map_err(|e| Error::Input(format!("{}: unreadable ({e})", path.display())))?;
+    let r = &record.result;
+    if record.format != CELL_FORMAT
+        || (r.task.as_str(), r.variant.as_str(), r.seed) != (task, variant, seed)
+    {
+        return Err(Error::Input(format!(
+            "{}: holds cell {} in format `{}`, not {task}/{variant}/seed{seed} in `{CELL_FORMAT}`",
+            path.display(),
+            record.name(),
+            record.format
+        )));
+    }
+    let model = dir.join(model_dir(task, variant, seed));
+    if let Some(missing) = MODEL_FILES.iter().find(|f| !model.join(f).is_file()) {
+        return Err(Error::Input(format!(
+            "its model lacks {}",
+            model.join(missing).display()
+        )));
+    }
+    Ok(Some(record))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn removing_a_run_keeps_what_it_did_not_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for f in [
+            "results.json",
+            "models/t/v/seed0/config.json",
+            "models/t/v/seed0/.model.safetensors.77.tmp",
+            "models/mine/weights.bin",
+            "plots/loss_t.png",
+            "plots/my_plot.png",
+            "notes.txt",
+        ] {
+            let p = d.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, "x").unwrap();
+        }
+        let listed = [
+            "results.json",
+            "report.md",
+            "models/t/v/seed0/config.json",
+            "models/t/v/seed0/model.safetensors",
+            "plots/loss_t.png",
+        ]
+        .map(String::from);
+        remove_listed(d, &listed).unwrap();
+        assert!(!d.join("results.json").exists() && !d.join("models/t").exists());
+        for kept in ["models/mine/weights.bin", "plots/my_plot.png", "notes.txt"] {
+            assert!(d.join(kept).is_file(), "{kept}");
+        }
+        let err = remove_listed(d, &["../notes.txt".to_string()]).unwrap_err();
+        assert!(
+            err.to_string().contains("not a path inside the folder"),
+            "{err}"
+        );
+    }
+}

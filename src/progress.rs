@@ -1,0 +1,265 @@
+//! How a long job shows where it is: progress bars on a terminal, or, when standard error is
+//! not a terminal (a Slurm or Kubernetes job's log, `nohup`, a pipe), one plain line at a
+//! steady interval saying which cells run, their step and loss, the time spent and the time
+//! left.
+
+use std::io::IsTerminal as _;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How progress is shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Progress bars (standard error is a terminal).
+    Bars,
+    /// A line every `every` (standard error is a log file or a pipe).
+    Lines { every: Duration },
+    /// Neither: only a line per finished cell.
+    Quiet,
+}
+
+impl Progress {
+    /// The interval of [`Progress::Lines`] unless asked otherwise.
+    pub const DEFAULT_EVERY: Duration = Duration::from_secs(30);
+
+    /// Bars where standard error is a terminal, lines every `every` elsewhere, nothing when
+    /// `quiet`.
+    pub fn for_stderr(quiet: bool, every: Duration) -> Self {
+        if quiet {
+            Self::Quiet
+        } else if std::io::stderr().is_terminal() {
+            Self::Bars
+        } else {
+            Self::Lines { every }
+        }
+    }
+
+    pub fn bars(self) -> bool {
+        self == Self::Bars
+    }
+}
+
+/// `45s`, `4m 10s`, `2h 05m`, `3d 04h`.
+pub fn human_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {:02}s", s / 60, s % 60),
+        3600..86_400 => format!("{}h {:02}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {:02}h", s / 86_400, s % 86_400 / 3600),
+    }
+}
+
+/// What one running job is doing.
+#[derive(Clone, Debug)]
+struct Job {
+    name: String,
+    step: usize,
+    planned: usize,
+    loss: Option<f64>,
+    testing: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    running: Vec<Job>,
+    cells_done: usize,
+    steps_done: u64,
+}
+
+/// The state of a run's jobs, updated as they go and read by the log lines.
+#[derive(Debug)]
+pub struct Board {
+    /// `compare`, or a `train` run's name.
+    what: String,
+    /// Cells this process runs (0: a single model, no cell count).
+    cells: usize,
+    /// Training steps this process has planned, over every job.
+    steps: u64,
+    started: Instant,
+    state: Mutex<State>,
+}
+
+impl Board {
+    /// A board for `cells` cells (0 for one model) and `steps` planned training steps.
+    pub fn new(what: &str, cells: usize, steps: u64) -> Self {
+        Self {
+            what: what.into(),
+            cells,
+            steps,
+            started: Instant::now(),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panicking job poisons nothing worth refusing to print.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A job starts at `step` (0, or the step a resumed run continues from) of `planned`.
+    pub fn start(&self, name: &str, step: usize, planned: usize) {
+        self.state().running.push(Job {
+            name: name.into(),
+            step,
+            planned,
+            loss: None,
+            testing: false,
+        });
+    }
+
+    /// A job finished a training step with this loss.
+    pub fn step(&self, name: &str, step: usize, loss: f64) {
+        let mut state = self.state();
+        state.steps_done += 1;
+        if let Some(job) = state.running.iter_mut().find(|j| j.name == name) {
+            job.step = step;
+            job.loss = Some(loss);
+        }
+    }
+
+    /// A job has finished training and is being tested.
+    pub fn testing(&self, name: &str) {
+        if let Some(job) = self.state().running.iter_mut().find(|j| j.name == name) {
+            job.testing = true;
+        }
+    }
+
+    /// A job is done (or failed).
+    pub fn finish(&self, name: &str, done: bool) {
+        let mut state = self.state();
+        state.running.retain(|j| j.name != name);
+        if done {
+            state.cells_done += 1;
+        }
+    }
+
+    /// One line: what runs, where each job is, the time spent and the time left (from the
+    /// training steps done so far in this process).
+    pub fn line(&self) -> String {
+        let state = self.state();
+        let elapsed = self.started.elapsed();
+        let jobs: Vec<String> = state
+            .running
+            .iter()
+            .map(|j| {
+                let name = if self.cells == 0 {
+                    String::new()
+                } else {
+                    format!("{} ", j.name)
+                };
+                match (j.testing, j.loss) {
+                    (true, _) => format!("{name}testing"),
+                    (false, Some(loss)) => {
+                        format!("{name}step {}/{} loss {loss:.4}", j.step, j.planned)
+                    }
+                    (false, None) => format!("{name}step {}/{}", j.step, j.planned),
+                }
+            })
+            .collect();
+        let mut line = format!("{}: ", self.what);
+        if self.cells > 0 {
+            line.push_str(&format!("{}/{} cells done", state.cells_done, self.cells));
+            if !jobs.is_empty() {
+                line.push_str("; ");
+            }
+        }
+        line.push_str(&jobs.join(", "));
+        line.push_str(&format!("; {} elapsed", human_duration(elapsed)));
+        if state.steps_done > 0 && self.steps > state.steps_done {
+            let left = elapsed.as_secs_f64() * (self.steps - state.steps_done) as f64
+                / state.steps_done as f64;
+            line.push_str(&format!(
+                ", about {} of training left",
+                human_duration(Duration::from_secs_f64(left))
+            ));
+        }
+        line
+    }
+}
+
+/// Runs `work`; with [`Progress::Lines`], a thread meanwhile hands `board`'s line to `sink`
+/// every interval (also while a job is being tested, when no step advances).
+pub fn with_lines<R>(
+    progress: Progress,
+    board: &Board,
+    sink: &(dyn Fn(&str) + Sync),
+    work: impl FnOnce() -> R,
+) -> R {
+    let Progress::Lines { every } = progress else {
+        return work();
+    };
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every)
+            {
+                sink(&board.line());
+            }
+        });
+        let result = work();
+        drop(stop);
+        result
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_at_a_glance() {
+        let s = Duration::from_secs;
+        assert_eq!(human_duration(s(45)), "45s");
+        assert_eq!(human_duration(s(250)), "4m 10s");
+        assert_eq!(human_duration(s(2 * 3600 + 5 * 60 + 9)), "2h 05m");
+        assert_eq!(human_duration(s(3 * 86_400 + 4 * 3600)), "3d 04h");
+    }
+
+    #[test]
+    fn a_line_says_what_runs_where() {
+        let board = Board::new("compare", 4, 200);
+        board.start("t/rope/seed0", 0, 100);
+        board.start("t/none/seed0", 0, 100);
+        board.step("t/rope/seed0", 1, 0.5);
+        board.testing("t/none/seed0");
+        let line = board.line();
+        assert!(
+            line.starts_with(
+                "compare: 0/4 cells done; t/rope/seed0 step 1/100 loss 0.5000, t/none/seed0 testing; "
+            ) && line.contains(" elapsed, about ")
+                && line.ends_with(" of training left"),
+            "{line}"
+        );
+        board.finish("t/none/seed0", true);
+        assert!(board
+            .line()
+            .starts_with("compare: 1/4 cells done; t/rope/seed0"));
+        let single = Board::new("reviews", 0, 10);
+        single.start("reviews", 4, 10);
+        assert!(
+            single.line().starts_with("reviews: step 4/10; "),
+            "{}",
+            single.line()
+        );
+    }
+
+    #[test]
+    fn lines_come_while_the_work_runs() {
+        let board = Board::new("w", 0, 1);
+        let lines = Mutex::new(Vec::new());
+        let sink = |l: &str| lines.lock().unwrap().push(l.to_string());
+        let every = Duration::from_millis(20);
+        let value = with_lines(Progress::Lines { every }, &board, &sink, || {
+            std::thread::sleep(Duration::from_millis(150));
+            7
+        });
+        assert_eq!(value, 7);
+        let n = lines.lock().unwrap().len();
+        assert!((1..=8).contains(&n), "{n} lines in 150 ms at 20 ms");
+        with_lines(Progress::Quiet, &board, &sink, || {
+            std::thread::sleep(Duration::from_millis(50))
+        });
+        assert_eq!(lines.lock().unwrap().len(), n, "quiet prints nothing");
+    }
+}

@@ -1,0 +1,712 @@
+//! Runs that survive scale: a `compare` killed at any moment and started again ends with the
+//! `results.json` of a run that never stopped, byte for byte; one writer per run folder;
+//! `--overwrite` removes only what poslab wrote; `report` refuses bad or missing data; lengths
+//! are tested as their columns say; progress reaches logs; experiments are checked before they
+//! run.
+
+use std::io::BufRead as _;
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use poslab::experiment::ExperimentConfig;
+
+/// 2 tasks (sentence labels with the shuffle test; a length-suite task scored by length) x 2
+/// variants (rope re-scored under YaRN: a row of its own) x 2 seeds = 8 cells, each a fraction
+/// of a second. Cells in run order: word_order seed 0 rope (0), none (1), seed 1 rope (2), none
+/// (3); reverse_string likewise (4..7).
+const RUN: &str = r#"
+name = "survive"
+seeds = 2
+[model]
+d_model = 16
+n_heads = 2
+n_layers = 1
+ffn_dim = 32
+[train]
+budget = { steps = 30 }
+batch_size = 16
+eval_every = 10
+[eval]
+rope_scaling = [{ kind = "yarn", factor = 2 }]
+[[tasks]]
+kind = "word_order"
+lengths = [5, 8]
+train_examples = 200
+eval_examples = 40
+[[tasks]]
+kind = "reverse_string"
+lengths = [1, 6]
+test_lengths = [[7, 9]]
+train_examples = 64
+eval_examples = 12
+[[variants]]
+name = "rope"
+positional = { kind = "rope" }
+[[variants]]
+name = "none"
+positional = { kind = "none" }
+"#;
+
+fn command(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_poslab"));
+    c.args(args)
+        .current_dir(dir)
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null());
+    c
+}
+
+fn poslab(dir: &Path, args: &[&str]) -> Output {
+    command(dir, args).output().unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `poslab compare run.toml --out OUT -q --jobs 1 EXTRA...` in `dir`.
+fn compare(dir: &Path, out: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["compare", "run.toml", "--out", out, "-q"];
+    if !extra.contains(&"--jobs") {
+        args.extend(["--jobs", "1"]);
+    }
+    args.extend_from_slice(extra);
+    poslab(dir, &args)
+}
+
+fn assert_ok(out: &Output, what: &str) {
+    assert!(out.status.success(), "{what}: {}", stderr(out));
+}
+
+fn read(path: impl AsRef<Path>) -> Vec<u8> {
+    std::fs::read(path.as_ref()).unwrap_or_else(|e| panic!("{}: {e}", path.as_ref().display()))
+}
+
+/// Every file under `dir` whose name marks it a temporary of an atomic write.
+fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if e.file_name().to_string_lossy().contains(".tmp") {
+                found.push(p);
+            }
+        }
+    }
+    found
+}
+
+/// A folder with run.toml and the uninterrupted run's results.json.
+fn setup() -> (tempfile::TempDir, Vec<u8>) {
+    let root = tempfile::tempdir().unwrap();
+    std::fs::write(root.path().join("run.toml"), RUN).unwrap();
+    assert_ok(&compare(root.path(), "whole", &[]), "the uninterrupted run");
+    let whole = read(root.path().join("whole/results.json"));
+    (root, whole)
+}
+
+#[test]
+fn a_compare_killed_anywhere_resumes_to_the_uninterrupted_results() {
+    let (root, whole) = setup();
+    let d = root.path();
+    // During a cell's training, after its model is saved, with its record half written,
+    // between cells, after the last cell, and while the report is written.
+    let points = [
+        "cell-1-step-17",
+        "cell-1-saved",
+        "cell-1-record",
+        "cell-1-done",
+        "cell-7-done",
+        "report",
+    ];
+    for (n, point) in points.iter().enumerate() {
+        let out = format!("killed-{n}");
+        let killed = compare(d, &out, &["--kill-at", point]);
+        assert_eq!(
+            killed.status.signal(),
+            Some(9),
+            "{point}: {}",
+            stderr(&killed)
+        );
+        assert!(!d.join(&out).join("results.json").exists(), "{point}");
+        if *point == "cell-1-record" {
+            // A torn record never replaces the file: it sits in a temporary, the cell unfinished.
+            let torn = temporaries(&d.join(&out).join("cells/word_order/none"));
+            assert_eq!(torn.len(), 1, "{point}: {torn:?}");
+            assert!(!d
+                .join(&out)
+                .join("cells/word_order/none/seed0.json")
+                .exists());
+        }
+        // The same command again (with another number of jobs: it changes nothing) continues.
+        let resumed = compare(d, &out, &["--jobs", "2"]);
+        assert_ok(&resumed, point);
+        let done_before = match *point {
+            "cell-1-step-17" | "cell-1-saved" | "cell-1-record" => 1,
+            "cell-1-done" => 2,
+            _ => 8,
+        };
+        assert!(
+            stderr(&resumed).contains(&format!(
+                "{done_before} of 8 cells were done before, {} to run",
+                8 - done_before
+            )),
+            "{point}: {}",
+            stderr(&resumed)
+        );
+        assert!(
+            read(d.join(&out).join("results.json")) == whole,
+            "{point}: the resumed results.json differs from the uninterrupted run's"
+        );
+        assert_eq!(temporaries(&d.join(&out)), Vec::<PathBuf>::new(), "{point}");
+    }
+}
+
+#[test]
+fn kill_nine_at_random_moments_until_done_gives_the_same_bytes() {
+    let (root, whole) = setup();
+    let d = root.path();
+    // Kills from outside, at moments nothing in the program chose, as a preempting scheduler
+    // sends them; each start continues from what the last one finished.
+    let delays = [90u64, 260, 140, 420, 60, 330, 200, 510, 120, 290];
+    let (mut kills, mut finished) = (0, false);
+    for i in 0..60 {
+        let mut child: Child = command(d, &["compare", "run.toml", "--out", "k", "-q"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delays[i % delays.len()]));
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "run {i} failed: {status}");
+            finished = true;
+            break;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills += 1;
+    }
+    if !finished {
+        assert_ok(&compare(d, "k", &[]), "the last start");
+    }
+    assert!(kills >= 1, "no run was killed");
+    assert!(
+        read(d.join("k/results.json")) == whole,
+        "after {kills} kills the results differ"
+    );
+}
+
+#[test]
+fn a_resume_keeps_its_config_its_cells_and_its_shard() {
+    let (root, whole) = setup();
+    let d = root.path();
+    let killed = compare(d, "r", &["--kill-at", "cell-2-done"]);
+    assert_eq!(killed.status.signal(), Some(9));
+    // Another config into the folder: refused, naming the first difference.
+    std::fs::write(
+        d.join("other.toml"),
+        RUN.replace("steps = 30", "steps = 31"),
+    )
+    .unwrap();
+    let out = poslab(d, &["compare", "other.toml", "--out", "r", "-q"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("of another experiment config")
+            && e.contains("train.budget.steps: 30 vs 31"),
+        "{e}"
+    );
+    // Even with --overwrite: one folder holds one experiment.
+    let out = poslab(
+        d,
+        &["compare", "other.toml", "--out", "r", "-q", "--overwrite"],
+    );
+    assert!(!out.status.success() && stderr(&out).contains("never replaces another experiment"));
+    // Other cells of the same experiment: refused, saying what each is.
+    let out = compare(d, "r", &["--seed", "0"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("already holds a compare run (every cell, 8 cells, on cpu)")
+            && e.contains("this is a compare run (--seed 0, 4 cells, on cpu)"),
+        "{e}"
+    );
+    assert_eq!(
+        e.lines().count(),
+        2,
+        "a header line and one error line: {e}"
+    );
+    // `inspect` says where the run stands and how to continue it; that command finishes it.
+    let out = poslab(d, &["inspect", "r"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("cells: 3 of 8 done"), "{text}");
+    let hint = text
+        .lines()
+        .find_map(|l| l.strip_prefix("unfinished: continue it with "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let hint = hint.split(" (the same").next().unwrap();
+    let args: Vec<&str> = hint.split_whitespace().skip(1).collect();
+    assert_eq!(args[0], "compare", "{hint}");
+    assert_ok(&poslab(d, &args), hint);
+    assert!(read(d.join("r/results.json")) == whole);
+
+    // A shard, killed and requeued, continues its own cells.
+    let shard = poslab(
+        d,
+        &[
+            "compare",
+            "run.toml",
+            "--shard",
+            "1/3",
+            "--out",
+            "s1",
+            "-q",
+            "--jobs",
+            "1",
+            "--kill-at",
+            "cell-1-done",
+        ],
+    );
+    assert_eq!(shard.status.signal(), Some(9), "{}", stderr(&shard));
+    let again = poslab(
+        d,
+        &["compare", "run.toml", "--shard", "1/3", "--out", "s1", "-q"],
+    );
+    assert_ok(&again, "the requeued shard");
+    assert!(
+        stderr(&again).contains("2 of 3 cells were done before"),
+        "{}",
+        stderr(&again)
+    );
+    let whole_shard = poslab(
+        d,
+        &[
+            "compare", "run.toml", "--shard", "1/3", "--out", "s1w", "-q",
+        ],
+    );
+    assert_ok(&whole_shard, "the uninterrupted shard");
+    assert!(read(d.join("s1/results.json")) == read(d.join("s1w/results.json")));
+    // The shard is refused as shard 2/3's folder.
+    let out = poslab(
+        d,
+        &["compare", "run.toml", "--shard", "2/3", "--out", "s1", "-q"],
+    );
+    assert!(
+        stderr(&out).contains("(shard 1/3, 3 cells, on cpu)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn one_writer_per_run_folder() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    // A run long enough to be caught running: 1 task x 2 variants x 1 seed, 3000 steps each.
+    let slow = RUN
+        .replace("steps = 30", "steps = 3000")
+        .replace("seeds = 2", "seeds = 1");
+    let slow = &slow[..slow.find("[[tasks]]\nkind = \"reverse_string\"").unwrap()];
+    let slow = format!("{slow}[[variants]]\nname = \"rope\"\npositional = {{ kind = \"rope\" }}\n[[variants]]\nname = \"none\"\npositional = {{ kind = \"none\" }}\n");
+    std::fs::write(d.join("run.toml"), &slow).unwrap();
+    let mut first = command(
+        d,
+        &["compare", "run.toml", "--out", "busy", "-q", "--jobs", "1"],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    while !d.join("busy/config.toml").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the first run never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = first.id();
+    let second = compare(d, "busy", &[]);
+    let e = stderr(&second);
+    assert!(
+        !second.status.success()
+            && e.contains("busy is being written by another poslab process right now")
+            && e.contains(&format!("pid {pid} (poslab compare)")),
+        "{e}"
+    );
+    // Nor is a folder merged while it is written.
+    let report = poslab(d, &["report", "busy", "--out", "merged"]);
+    assert!(
+        !report.status.success() && stderr(&report).contains("is being written by"),
+        "{}",
+        stderr(&report)
+    );
+    assert!(first.wait().unwrap().success(), "the first run failed");
+    // The first run's results are whole: those of the same run alone.
+    assert_ok(&compare(d, "alone", &[]), "the run alone");
+    assert!(read(d.join("busy/results.json")) == read(d.join("alone/results.json")));
+}
+
+#[test]
+fn overwrite_removes_only_what_poslab_wrote() {
+    let (root, whole) = setup();
+    let d = root.path();
+    // A folder a user also keeps their own things in.
+    let mine = d.join("mine");
+    let theirs = [
+        "models/all-MiniLM-L6-v2/model.safetensors",
+        "plots/my_figure.png",
+        "notes.txt",
+    ];
+    for f in theirs {
+        let p = mine.join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, "the user's").unwrap();
+    }
+    assert_ok(&compare(d, "mine", &[]), "a run beside the user's files");
+    // One more user file, inside a model folder poslab made.
+    std::fs::write(
+        mine.join("models/word_order/rope/seed0/NOTES"),
+        "the user's",
+    )
+    .unwrap();
+    let again = compare(d, "mine", &["--overwrite"]);
+    assert_ok(&again, "--overwrite");
+    assert!(!stderr(&again).contains("resuming"), "{}", stderr(&again));
+    for f in theirs.iter().chain(&["models/word_order/rope/seed0/NOTES"]) {
+        assert_eq!(read(mine.join(f)), b"the user's", "{f}");
+    }
+    assert!(read(mine.join("results.json")) == whole);
+
+    // A file of the user's where poslab would write: refused, untouched, nothing written.
+    let other = d.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("report.md"), "the user's report").unwrap();
+    let out = compare(d, "other", &[]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("holds report.md, which no poslab run recorded writing there"),
+        "{e}"
+    );
+    assert_eq!(read(other.join("report.md")), b"the user's report");
+    assert!(!other.join("run.json").exists() && !other.join("cells").exists());
+    let out = compare(d, "other", &["--overwrite"]);
+    assert!(
+        !out.status.success(),
+        "--overwrite does not take a user's file either"
+    );
+    assert_eq!(read(other.join("report.md")), b"the user's report");
+}
+
+/// A finished run's results.json, config.toml and run.json copied into `name`, results.json
+/// changed by `edit`.
+fn edited(d: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dir = d.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.toml", "run.json", "timing.json"] {
+        std::fs::copy(d.join("whole").join(f), dir.join(f)).unwrap();
+    }
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&read(d.join("whole/results.json"))).unwrap();
+    edit(&mut json);
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_vec_pretty(&json).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn report_refuses_what_a_results_file_should_not_hold() {
+    let (root, _) = setup();
+    let d = root.path();
+    let cell = |j: &mut serde_json::Value, i: usize| j["cells"][i].clone();
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
+        (
+            "duplicated",
+            Box::new(move |j| {
+                let c = cell(j, 0);
+                j["cells"].as_array_mut().unwrap().push(c);
+            }),
+            &["cell word_order/rope/seed0 appears twice"],
+        ),
+        (
+            "unknown_task",
+            Box::new(|j| j["cells"][0]["task"] = "ghost".into()),
+            &[
+                "cell ghost/rope/seed0",
+                "task `ghost` is not in the experiment's config",
+            ],
+        ),
+        (
+            "unknown_variant",
+            Box::new(|j| j["cells"][0]["variant"] = "alibi".into()),
+            &[
+                "cell word_order/alibi/seed0",
+                "variant `alibi` is not in the experiment's config",
+            ],
+        ),
+        (
+            "unknown_seed",
+            Box::new(|j| j["cells"][0]["seed"] = 7.into()),
+            &[
+                "cell word_order/rope/seed7",
+                "seed 7 is not among the experiment's seeds [0, 1]",
+            ],
+        ),
+        (
+            "out_of_range",
+            Box::new(|j| {
+                j["cells"][1]["evaluations"][0]["outcome"]["scored"]["accuracy"] = 5.0.into()
+            }),
+            &[
+                "cell word_order/rope/seed1",
+                "test `1x`: accuracy 5 is outside 0..1",
+            ],
+        ),
+        (
+            "empty",
+            Box::new(|j| j["cells"] = serde_json::json!([])),
+            &["holds no cells (an empty list)"],
+        ),
+        (
+            "untested_length",
+            Box::new(|j| {
+                let cells = j["cells"].as_array_mut().unwrap();
+                let c = cells
+                    .iter_mut()
+                    .find(|c| c["task"] == "reverse_string")
+                    .unwrap();
+                let e = &mut c["evaluations"][1]["outcome"]["scored"];
+                assert_eq!(e["by_length"][2]["length"], 9);
+                e["by_length"].as_array_mut().unwrap().pop();
+            }),
+            &["cell reverse_string/rope/seed0", "test `7-9`"],
+        ),
+    ];
+    for (name, edit, expected) in cases {
+        edited(d, name, edit);
+        let out = poslab(d, &["report", name, "--out", &format!("{name}-merged")]);
+        let e = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{name}: {e}");
+        let file = format!("{name}/results.json");
+        assert!(
+            e.contains(&file) && expected.iter().all(|x| e.contains(x)) && e.lines().count() == 1,
+            "{name}: {e}"
+        );
+        assert!(
+            !d.join(format!("{name}-merged")).exists(),
+            "{name}: nothing written"
+        );
+    }
+    // An unfinished run: refused, saying how to finish it; with --allow-partial its finished
+    // cells are merged and the report says it is partial (exit status 3).
+    let killed = compare(d, "unfinished", &["--kill-at", "cell-2-done"]);
+    assert_eq!(killed.status.signal(), Some(9));
+    let out = poslab(d, &["report", "unfinished", "--out", "m1"]);
+    let e = stderr(&out);
+    assert!(
+        e.contains("unfinished is an unfinished run (every cell: 3 of 8 cells done)")
+            && e.contains("--allow-partial"),
+        "{e}"
+    );
+    let out = poslab(
+        d,
+        &["report", "unfinished", "--out", "m2", "--allow-partial"],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("partial: 3 of 8 cells"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn test_ranges_are_tested_at_every_length_their_columns_name() {
+    let err =
+        ExperimentConfig::from_toml_str(&RUN.replace("eval_examples = 12", "eval_examples = 2"))
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("task `reverse_string`: eval_examples = 2 cannot test every length of the range 1-6 (6 lengths")
+            && err.contains("at least 6"),
+        "{err}"
+    );
+    let err = ExperimentConfig::from_toml_str(
+        &RUN.replace("test_lengths = [[7, 9]]", "test_lengths = [[11, 100]]")
+            .replace("eval_examples = 12", "eval_examples = 3"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("range 11-100 (90 lengths") && err.contains("at least 90"),
+        "{err}"
+    );
+
+    // Every column of a run says the lengths its results hold.
+    let (root, whole) = setup();
+    let results: poslab::experiment::results::Results = serde_json::from_slice(&whole).unwrap();
+    let md = std::fs::read_to_string(root.path().join("whole/report.md")).unwrap();
+    let config = ExperimentConfig::from_toml_str(RUN).unwrap();
+    for (task, spec) in results.tasks.iter().zip(&config.tasks) {
+        let data = spec.generate().unwrap();
+        for (test, set) in task.tests.iter().zip(&data.tests) {
+            let [a, b] = test.lengths;
+            assert_eq!([a, b], set.tested_lengths(), "{}", test.name);
+            let header = match test.factor {
+                Some(_) => format!("{} (len {a}-{b})", test.name),
+                None => format!("len {a}-{b}"),
+            };
+            assert!(md.contains(&header), "{header}");
+            for c in results.cells.iter().filter(|c| c.task == task.name) {
+                if let Some(poslab::experiment::results::Outcome::Scored { by_length, .. }) =
+                    c.evaluation(&test.name)
+                {
+                    if test.factor.is_none() {
+                        let lengths: Vec<usize> = by_length.iter().map(|s| s.length).collect();
+                        assert_eq!(lengths, (a..=b).collect::<Vec<_>>(), "{}", test.name);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn progress_reaches_a_log_before_the_run_ends() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(
+        d.join("train.toml"),
+        "name = \"logged\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+         [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 20000 }\n\
+         [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 40\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("run.toml"),
+        RUN.replace("steps = 30", "steps = 20000"),
+    )
+    .unwrap();
+    let wanted = [
+        (
+            vec![
+                "train",
+                "--config",
+                "train.toml",
+                "--out",
+                "t",
+                "--log-every",
+                "0.1",
+            ],
+            "logged: step ",
+        ),
+        (
+            vec![
+                "compare",
+                "run.toml",
+                "--out",
+                "c",
+                "--jobs",
+                "1",
+                "--log-every",
+                "0.1",
+            ],
+            "compare: 0/8 cells done; word_order/rope/seed0 step ",
+        ),
+    ];
+    for (args, prefix) in wanted {
+        // Standard error is a pipe, not a terminal: plain lines, no bars.
+        let mut child = command(d, &args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+        let line = lines
+            .by_ref()
+            .map_while(|l| l.ok())
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no progress line {prefix:?}"));
+        // The run is still going (it has steps to go): the line came before its end.
+        assert!(child.try_wait().unwrap().is_none(), "{line}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(
+            line.contains("/20000") && line.contains(" loss ") && line.contains(" elapsed"),
+            "{line}"
+        );
+    }
+    let bad = poslab(d, &["train", "--config", "train.toml", "--log-every", "0"]);
+    assert!(stderr(&bad).contains("--log-every 0"), "{}", stderr(&bad));
+}
+
+#[test]
+fn an_experiment_is_checked_and_costed_before_it_runs() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(d.join("run.toml"), RUN).unwrap();
+    let out = poslab(d, &["compare", "run.toml", "--dry-run", "--shard", "1/3"]);
+    assert_ok(&out, "dry run");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("2 tasks x 2 variants x 2 seeds = 8 cells; shard 1/3 holds 3 of them"),
+        "{text}"
+    );
+    // Shard 1 of 3: cells 1, 4 and 7 in run order.
+    let cells: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("/seed"))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(
+        cells,
+        [
+            "word_order/none/seed0",
+            "reverse_string/rope/seed0",
+            "reverse_string/none/seed1"
+        ]
+    );
+    assert!(text.contains("total: 3 cells"), "{text}");
+    assert!(!d.join("runs").exists(), "a dry run writes nothing");
+    // What only the data can show (randomized positions fewer than the inputs' tokens) is
+    // found before anything runs.
+    std::fs::write(
+        d.join("bad.toml"),
+        RUN.replace(
+            "name = \"none\"\n",
+            "name = \"none\"\nrandom_positions = 4\n",
+        ),
+    )
+    .unwrap();
+    let out = poslab(d, &["compare", "bad.toml", "--dry-run"]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("random_positions = 4"),
+        "{}",
+        stderr(&out)
+    );
+    // inspect tells an experiment config from a train config and a model config.
+    let out = poslab(d, &["inspect", "run.toml"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("a valid experiment config (for poslab compare), `survive`: 2 tasks x 2 variants x 2 seeds = 8 cells")
+            && text.contains("--dry-run"),
+        "{text}"
+    );
+    let train = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/train_reviews.toml");
+    let out = poslab(d, &["inspect", train.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("a valid train config (for poslab train)"),
+        "{text}"
+    );
+}
