@@ -1156,6 +1156,8 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
     let (first_dir, mut merged, mut timings) = iter
         .next()
         .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
+    // What a merged folder lacked is the merge's own to say, not its inputs'.
+    merged.partial = None;
     let mut origin: std::collections::HashMap<(String, String, u64), PathBuf> = merged
         .cells
         .iter()

@@ -470,6 +470,7 @@ struct Shared<'a> {
 /// SIGKILLs the process at `point` when `options.kill_at` names it: how the tests show that a
 /// run killed there resumes to the results of one that never stopped.
 fn kill_point(options: &RunOptions, point: impl FnOnce() -> String) {
+    #[cfg(unix)]
     if let Some(at) = &options.kill_at {
         if *at == point() {
             // SAFETY: kill(2) on this process's own id has no memory effects; SIGKILL cannot be

@@ -829,6 +829,10 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
     again.push("--overwrite");
     let (code, log) = poslab_status(d, &again);
     assert_eq!(code, Some(3), "{log}");
+    // The partial merge completed by the missing shard: whole again, and no longer partial.
+    let (code, log) = poslab_status(d, &["report", "partial", "shard-2", "--out", "completed"]);
+    assert_eq!(code, Some(0), "{log}");
+    assert!(std::fs::read(d.join("completed/results.json")).unwrap() == whole);
     let before = std::fs::read(d.join("shard-0/results.json")).unwrap();
     let (ok, log) = poslab(
         d,
@@ -1137,6 +1141,11 @@ fn the_cluster_examples_shard_and_merge() {
     let (code, log) = pod("merge.sh", &[("MERGE_WAIT", "0")]);
     assert!(
         code == Some(1) && log.contains("shard(s) 2 of 3 have not finished"),
+        "{log}"
+    );
+    let (code, log) = pod("merge.sh", &[("MERGE_WAIT", "0"), ("ALLOW_PARTIAL", "1")]);
+    assert!(
+        code == Some(0) && log.contains("partial: 6 of 8 cells"),
         "{log}"
     );
     // A retried pod continues its shard; an index past SHARDS is refused.
