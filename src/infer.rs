@@ -147,16 +147,6 @@ impl<'a> Predictor<'a> {
     }
 
     fn prepare(&self, index: usize, text: &str) -> Result<Prepared> {
-        let words: Vec<String> = text.split_whitespace().map(String::from).collect();
-        if words.is_empty() {
-            return Err(Error::Input(format!("text {}: empty", index + 1)));
-        }
-        // As the model was trained: a [CLS] first for first-token pooling, the tokenizer's
-        // template for a fine-tuned pretrained encoder.
-        let framing = self.loaded.config.framing(&self.loaded.tokenizer)?;
-        let enc = framing.encode(&self.loaded.tokenizer, &words)?;
-        let (mut ids, mut word_ids) = (enc.ids, enc.word_ids);
-        let mut note = None;
         let encoder = self.loaded.model.encoder();
         // The tightest of: a learned table's rows, randomized positions' range, and the
         // longest text whose attention fits the memory limit.
@@ -177,17 +167,40 @@ impl<'a> Predictor<'a> {
         .into_iter()
         .flatten()
         .min_by_key(|(rows, _)| *rows);
+        // Every word is at least one token: words far past the limit are never read, so a
+        // 100 MB line costs about what the model can take (a text of up to 65,536 words is
+        // read whole, for an exact count in the message).
+        let cap = limit.map_or(usize::MAX, |(rows, _)| rows.saturating_add(1).max(1 << 16));
+        let total_words = text.split_whitespace().count();
+        let words: Vec<String> = text
+            .split_whitespace()
+            .take(cap)
+            .map(String::from)
+            .collect();
+        if words.is_empty() {
+            return Err(Error::Input(format!("text {}: empty", index + 1)));
+        }
+        // As the model was trained: a [CLS] first for first-token pooling, the tokenizer's
+        // template for a fine-tuned pretrained encoder.
+        let framing = self.loaded.config.framing(&self.loaded.tokenizer)?;
+        let enc = framing.encode(&self.loaded.tokenizer, &words)?;
+        let (mut ids, mut word_ids) = (enc.ids, enc.word_ids);
+        let tokens = if total_words > words.len() {
+            format!("more than {}", ids.len())
+        } else {
+            ids.len().to_string()
+        };
+        let mut note = None;
         if let Some((rows, what)) = limit {
             if ids.len() > rows {
                 if !self.truncate {
                     return Err(Error::Input(format!(
-                        "text {}: {} tokens, but the model's {what} {rows}: pass --truncate to \
-                         keep the first {rows}, or shorten the text",
+                        "text {}: {tokens} tokens, but the model's {what} {rows}: pass --truncate \
+                         to keep the first {rows}, or shorten the text",
                         index + 1,
-                        ids.len()
                     )));
                 }
-                note = Some(format!("cut to the first {rows} of {} tokens", ids.len()));
+                note = Some(format!("cut to the first {rows} of {tokens} tokens"));
                 // The template's closing tokens ([SEP]) stay at the end.
                 let (_, back) = framing.around();
                 keep_ends(&mut ids, rows, back);
@@ -408,12 +421,17 @@ pub(crate) fn top_fills(
         .filter(|&i| !specials.contains(&(i as u32)))
         .collect();
     order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
+    // Only ids the tokenizer can write: a model's table may have rows past its tokenizer's
+    // ids, and a fill with no text says nothing.
     order
         .into_iter()
-        .take(top_k)
-        .map(|i| Scored {
-            label: tok.id_to_token(i as u32).unwrap_or_default(),
-            probability: f64::from(row[i]),
+        .filter_map(|i| {
+            let label = tok.id_to_token(i as u32).filter(|t| !t.trim().is_empty())?;
+            Some(Scored {
+                label,
+                probability: f64::from(row[i]),
+            })
         })
+        .take(top_k)
         .collect()
 }

@@ -117,6 +117,33 @@ pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Resul
     Ok(())
 }
 
+/// The SHA-256 of a regular file, in hex, read in blocks (any size, little memory).
+pub fn sha256_file(path: &Path) -> Result<String> {
+    use sha2::Digest as _;
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::Input(format!(
+            "{}: not a regular file (a folder, device or pipe)",
+            path.display()
+        )));
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = sha2::Sha256::new();
+    let mut block = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut block).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
 /// Whether `name` is a temporary file of [`write_atomic`] (or of a plot, or a checkpoint
 /// folder) for a file called `of`: `.{of}.{pid}.tmp`, `.{of}.{pid}.tmp.png`.
 pub fn is_temporary_of(name: &str, of: &str) -> bool {

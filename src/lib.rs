@@ -25,6 +25,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod encoder;
+pub mod env;
 pub mod error;
 pub mod experiment;
 pub mod infer;
@@ -41,6 +42,7 @@ pub mod saved;
 pub mod tasks;
 pub mod text;
 pub mod train;
+pub mod weights;
 
 pub use config::{ModelConfig, NormPlacement, Precision, Scale};
 

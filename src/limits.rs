@@ -16,28 +16,16 @@ pub const DEFAULT_MAX_PARAMS: u64 = 1 << 31;
 /// Default most memory a batch's activations may take: 32 GiB.
 pub const DEFAULT_MAX_MEMORY: u64 = 32 << 30;
 
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    let (digits, scale) = match v.char_indices().last()? {
-        (i, 'k' | 'K') => (&v[..i], 1u64 << 10),
-        (i, 'm' | 'M') => (&v[..i], 1 << 20),
-        (i, 'g' | 'G') => (&v[..i], 1 << 30),
-        (i, 't' | 'T') => (&v[..i], 1 << 40),
-        _ => (v, 1),
-    };
-    digits.trim().parse::<u64>().ok()?.checked_mul(scale)
-}
-
-/// The most parameters a model may have (`POSLAB_MAX_PARAMS`, else [`DEFAULT_MAX_PARAMS`]).
-pub fn max_params() -> u64 {
-    env_u64("POSLAB_MAX_PARAMS").unwrap_or(DEFAULT_MAX_PARAMS)
+/// The most parameters a model may have (`POSLAB_MAX_PARAMS`, else [`DEFAULT_MAX_PARAMS`]); an
+/// unreadable value is an error saying the accepted forms.
+pub fn max_params() -> std::result::Result<u64, String> {
+    Ok(crate::env::size_var("POSLAB_MAX_PARAMS")?.unwrap_or(DEFAULT_MAX_PARAMS))
 }
 
 /// The most memory a batch's activations may take (`POSLAB_MAX_MEMORY`, else
-/// [`DEFAULT_MAX_MEMORY`]).
-pub fn max_memory() -> u64 {
-    env_u64("POSLAB_MAX_MEMORY").unwrap_or(DEFAULT_MAX_MEMORY)
+/// [`DEFAULT_MAX_MEMORY`]); an unreadable value is an error saying the accepted forms.
+pub fn max_memory() -> std::result::Result<u64, String> {
+    Ok(crate::env::size_var("POSLAB_MAX_MEMORY")?.unwrap_or(DEFAULT_MAX_MEMORY))
 }
 
 /// The number of trainable parameters of `config` (the encoder, without a head), counted
@@ -89,7 +77,7 @@ pub fn activation_bytes(config: &ModelConfig, batch: usize, t: usize, training: 
 /// Refuses a model with more parameters than [`max_params`]: the message gives the count.
 pub fn check_params(config: &ModelConfig) -> std::result::Result<(), String> {
     let n = param_count(config);
-    let max = max_params();
+    let max = max_params()?;
     if n > max as u128 {
         return Err(format!(
             "this model would have {n} parameters ({} of f32 weights), more than the limit of \
@@ -116,7 +104,7 @@ pub fn check_batch(
     what: &str,
 ) -> std::result::Result<(), String> {
     let need = activation_bytes(config, batch, t, training);
-    let max = max_memory();
+    let max = max_memory()?;
     if need > max as u128 {
         return Err(format!(
             "{what}: a batch of {batch} x {t} tokens needs about {} of activations ({} \
@@ -139,7 +127,7 @@ pub const BYTES_PER_GENERATED_WORD: u128 = 64;
 /// most words its splits can have.
 pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), String> {
     let need = words * BYTES_PER_GENERATED_WORD;
-    let max = max_memory();
+    let max = max_memory()?;
     if need > max as u128 {
         return Err(format!(
             "{what}: up to {words} generated words need about {} of memory, more than the limit \
@@ -155,7 +143,7 @@ pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), Strin
 /// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
 pub fn longest_fitting(config: &ModelConfig, batch: usize, training: bool) -> usize {
     let (mut lo, mut hi) = (1usize, 1usize << 24);
-    let max = max_memory() as u128;
+    let max = max_memory().unwrap_or(DEFAULT_MAX_MEMORY) as u128;
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
         if activation_bytes(config, batch, mid, training) <= max {
@@ -201,12 +189,17 @@ mod tests {
     }
 
     #[test]
-    fn limits_read_the_environment_format() {
+    fn limits_refuse_an_environment_they_cannot_read() {
+        // A name of its own: the tests run in parallel threads of one process.
+        std::env::set_var("POSLAB_TEST_LIMIT", "1.5G");
+        let err = crate::env::size_var("POSLAB_TEST_LIMIT").unwrap_err();
+        assert!(
+            err.contains("POSLAB_TEST_LIMIT=\"1.5G\" cannot be read"),
+            "{err}"
+        );
         std::env::set_var("POSLAB_TEST_LIMIT", "3G");
-        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), Some(3 << 30));
-        std::env::set_var("POSLAB_TEST_LIMIT", "1000");
-        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), Some(1000));
-        std::env::set_var("POSLAB_TEST_LIMIT", "lots");
-        assert_eq!(env_u64("POSLAB_TEST_LIMIT"), None);
+        assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(Some(3 << 30)));
+        std::env::remove_var("POSLAB_TEST_LIMIT");
+        assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(None));
     }
 }

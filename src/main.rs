@@ -48,6 +48,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Every POSLAB_* variable is read as set, or refused: never silently ignored.
+    match poslab::env::check() {
+        Ok(warnings) => warnings.iter().for_each(|w| eprintln!("{w}")),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     // POSLAB_DEFAULT_ALLOCATOR=1 keeps glibc's defaults (to measure what the tuning buys).
     if std::env::var_os("POSLAB_DEFAULT_ALLOCATOR").is_none() {
         poslab::tune_allocator();

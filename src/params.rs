@@ -4,7 +4,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use candle::safetensors::Load;
 use candle::{DType, Device, Shape, Tensor, Var};
 use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;
@@ -99,9 +98,75 @@ impl ParamStore {
     /// shapes; otherwise the error lists every missing, unexpected and mis-shaped tensor.
     pub fn load(&self, path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
         let path = path.as_ref();
-        let (tensors, metadata) = load_tensors(path)?;
+        let mut file = crate::weights::WeightsFile::open(path)?;
+        // Names and shapes from the header first: nothing is read from a file of another model.
+        let shapes: HashMap<String, Vec<usize>> = file
+            .entries()
+            .iter()
+            .map(|(n, e)| (n.clone(), e.shape.clone()))
+            .collect();
+        self.check_shapes(&shapes, path, |_| true)?;
+        let names: Vec<String> = self.lock().keys().cloned().collect();
+        let tensors = names
+            .into_iter()
+            .map(|n| Ok((n.clone(), file.read(&n)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
         self.assign(&tensors, path)?;
-        Ok(metadata)
+        Ok(file.metadata().clone())
+    }
+
+    /// Refuses `shapes` (a file's tensors by name) that are not exactly the variables `take`
+    /// accepts with their shapes, listing every missing, unexpected and mis-shaped tensor.
+    pub fn check_shapes(
+        &self,
+        shapes: &HashMap<String, Vec<usize>>,
+        source: &Path,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        let all = self.lock();
+        let vars: std::collections::BTreeMap<&String, &Var> =
+            all.iter().filter(|(name, _)| take(name)).collect();
+        let mut problems = Vec::new();
+        for (name, var) in vars.iter() {
+            match shapes.get(*name) {
+                None => problems.push(format!(
+                    "missing tensor `{name}` (the model expects shape {:?})",
+                    var.dims()
+                )),
+                Some(t) if t.as_slice() != var.dims() => problems.push(format!(
+                    "tensor `{name}` has shape {t:?} in the file but the model expects {:?}",
+                    var.dims()
+                )),
+                Some(_) => {}
+            }
+        }
+        let mut unexpected: Vec<_> = shapes
+            .iter()
+            .filter(|(name, _)| take(name) && !vars.contains_key(name))
+            .map(|(name, t)| format!("unexpected tensor `{name}` {t:?}"))
+            .collect();
+        unexpected.sort();
+        problems.extend(unexpected);
+        if problems.is_empty() {
+            return Ok(());
+        }
+        let n = problems.len();
+        let mut message = format!(
+            "does not match the model ({n} problem{}; was it saved from a model with another \
+             config or positional scheme?):",
+            if n == 1 { "" } else { "s" }
+        );
+        for p in problems.iter().take(20) {
+            message.push_str("\n  - ");
+            message.push_str(p);
+        }
+        if n > 20 {
+            message.push_str(&format!("\n  ... and {} more", n - 20));
+        }
+        Err(Error::Checkpoint {
+            path: source.into(),
+            message,
+        })
     }
 
     /// Sets the variables from `tensors` (converted to each variable's dtype and device), after
@@ -119,24 +184,14 @@ impl ParamStore {
         source: &Path,
         take: impl Fn(&str) -> bool,
     ) -> Result<()> {
+        let shapes: HashMap<String, Vec<usize>> = tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().to_vec()))
+            .collect();
+        self.check_shapes(&shapes, source, &take)?;
         let all = self.lock();
         let vars: std::collections::BTreeMap<&String, &Var> =
             all.iter().filter(|(name, _)| take(name)).collect();
-        let mut problems = Vec::new();
-        for (name, var) in vars.iter() {
-            match tensors.get(*name) {
-                None => problems.push(format!(
-                    "missing tensor `{name}` (the model expects shape {:?})",
-                    var.dims()
-                )),
-                Some(t) if t.dims() != var.dims() => problems.push(format!(
-                    "tensor `{name}` has shape {:?} in the file but the model expects {:?}",
-                    t.dims(),
-                    var.dims()
-                )),
-                Some(_) => {}
-            }
-        }
         // Values: a corrupted file (NaN, inf) or a constrained variable out of its range would
         // compute silently wrong numbers.
         let mut bad_values = Vec::new();
@@ -158,32 +213,6 @@ impl ParamStore {
                     ));
                 }
             }
-        }
-        let mut unexpected: Vec<_> = tensors
-            .iter()
-            .filter(|(name, _)| take(name) && !vars.contains_key(name))
-            .map(|(name, t)| format!("unexpected tensor `{name}` {:?}", t.dims()))
-            .collect();
-        unexpected.sort();
-        problems.extend(unexpected);
-        if !problems.is_empty() {
-            let n = problems.len();
-            let mut message = format!(
-                "does not match the model ({n} problem{}; was it saved from a model with another \
-                 config or positional scheme?):",
-                if n == 1 { "" } else { "s" }
-            );
-            for p in problems.iter().take(20) {
-                message.push_str("\n  - ");
-                message.push_str(p);
-            }
-            if n > 20 {
-                message.push_str(&format!("\n  ... and {} more", n - 20));
-            }
-            return Err(Error::Checkpoint {
-                path: source.into(),
-                message,
-            });
         }
         if !bad_values.is_empty() {
             return Err(Error::Checkpoint {
@@ -215,39 +244,23 @@ pub fn save_tensors(
     crate::io::write_atomic(path, &bytes)
 }
 
-/// Reads every tensor (onto the CPU) and the metadata of a safetensors file.
-pub fn load_tensors(path: &Path) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
-    let bytes = crate::io::read_bounded(path, crate::io::MAX_WEIGHTS_BYTES, "weights")?;
-    let corrupt = |e: safetensors::SafeTensorError| Error::Checkpoint {
-        path: path.into(),
-        message: format!(
-            "not a readable safetensors file ({e}); it may be truncated or corrupt: \
-             save it again or point to the right file"
-        ),
-    };
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(corrupt)?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(corrupt)?;
-    let mut tensors = HashMap::new();
-    for (name, view) in st.tensors() {
-        let tensor = view.load(&Device::Cpu).map_err(|e| Error::Checkpoint {
-            path: path.into(),
-            message: format!("tensor {name}: {}", crate::error::without_backtrace(e)),
-        })?;
-        tensors.insert(name, tensor);
-    }
-    Ok((tensors, header.metadata().clone().unwrap_or_default()))
+/// Reads every tensor (onto the CPU) and the metadata of a safetensors file that holds at most
+/// `max_elements` values (what the caller expects; a file claiming more is refused before any
+/// tensor is read). Tensors of a dtype poslab does not load are refused by name.
+pub fn load_tensors(
+    path: &Path,
+    max_elements: u128,
+) -> Result<(HashMap<String, Tensor>, HashMap<String, String>)> {
+    let mut file = crate::weights::WeightsFile::open(path)?;
+    let tensors = file.read_all(max_elements)?;
+    Ok((tensors, file.metadata().clone()))
 }
 
 /// Reads only the metadata of a safetensors file.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
-    let path = path.as_ref();
-    let bytes = crate::io::read_bounded(path, crate::io::MAX_WEIGHTS_BYTES, "weights")?;
-    let (_, header) =
-        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| Error::Checkpoint {
-            path: path.into(),
-            message: format!("not a readable safetensors file ({e})"),
-        })?;
-    Ok(header.metadata().clone().unwrap_or_default())
+    Ok(crate::weights::WeightsFile::open(path.as_ref())?
+        .metadata()
+        .clone())
 }
 
 /// Draws `n` values of `init` for a variable of `shape` from `rng`.

@@ -122,6 +122,10 @@ pub fn load_as(
             config.model.vocab_size
         )));
     }
+    // The weights file must hold at least what the config describes, before the model is
+    // built at the config's size (a vocab_size edited to 60,000,000 would allocate gigabytes).
+    crate::weights::WeightsFile::open(&dir.join(WEIGHTS))?
+        .check_holds(crate::limits::param_count(&config.model), "config.json")?;
     let params = ParamStore::new(0);
     let model = TaskModel::new(
         &config.model,

@@ -681,9 +681,33 @@ impl Analysis {
         }
         if !self.shift.is_empty() {
             let (fit, random) = self.linear_residuals();
+            // Like with like: each offset's residual beside a random table's at the same offset.
+            let below: Vec<bool> = self
+                .shift
+                .iter()
+                .map(|r| r.linear_residual < r.random_residual)
+                .collect();
+            let run = below.iter().take_while(|&&b| b).count();
+            let count = below.iter().filter(|&&b| b).count();
+            let last = self.shift.last().map_or(0, |r| r.k);
+            let verdict = if count == below.len() {
+                format!(
+                    "below a random table's at every offset k = 1..{last} (the random table's \
+                     least: {random:.2})"
+                )
+            } else {
+                format!(
+                    "below a random table's at the same offset for {count} of {} offsets{}",
+                    below.len(),
+                    match run {
+                        0 => ", not at k = 1".to_string(),
+                        n => format!(", k = 1..{} without a gap", self.shift[n - 1].k),
+                    }
+                )
+            };
             let _ = writeln!(
                 s,
-                "  best linear map PE(p) -> PE(p + k), held out: residual at most {fit:.2e} (a random table: at least {random:.2})"
+                "  best linear map PE(p) -> PE(p + k), held out: residual at most {fit:.2e}, {verdict}"
             );
         }
         let p = &self.probe;

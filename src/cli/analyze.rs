@@ -14,6 +14,10 @@ use super::{load_model, parse_option, Compute};
 const MAX_POSITIONS: usize = 8192;
 /// The most positions of an attention-bias analysis: a `P x P` matrix per head and layer.
 const MAX_BIAS_POSITIONS: usize = 1024;
+/// The widest table or head analysed by name.
+const MAX_DIM: usize = 8192;
+/// The most values of a table analysed by name (`--positions x --dim`): 2^24, 128 MiB of f64.
+const MAX_TABLE_VALUES: usize = 1 << 24;
 
 /// What a positional scheme encodes: the table as CSV and heatmap, row norms and principal
 /// components, distance matrices, distance against offset, the relative-shift property, a linear position probe, wavelengths, RoPE's
@@ -104,6 +108,29 @@ pub fn run(a: Args) -> Result<()> {
             a.reference,
             a.positions,
             a.positions
+        );
+    }
+    if a.dim > MAX_DIM || a.positions * a.dim.min(MAX_DIM) > MAX_TABLE_VALUES {
+        anyhow::bail!(
+            "--dim {} x --positions {}: a table of at most {MAX_DIM} columns and {MAX_TABLE_VALUES} \
+             values in all is analysed; lower --dim or --positions",
+            a.dim,
+            a.positions
+        );
+    }
+    if a.start > poslab::positional::MAX_POSITION - a.positions {
+        anyhow::bail!(
+            "--start {}: positions from there would pass the largest supported, {}; start at \
+             most at {}",
+            a.start,
+            poslab::positional::MAX_POSITION,
+            poslab::positional::MAX_POSITION - a.positions
+        );
+    }
+    if a.texts == 0 || a.texts > 100_000 {
+        anyhow::bail!(
+            "--texts {}: give the number of texts for the attention terms, from 1 to 100000",
+            a.texts
         );
     }
     let bias_positions = a.positions.min(MAX_BIAS_POSITIONS);
@@ -244,6 +271,24 @@ pub fn run(a: Args) -> Result<()> {
         }
         (None, None) => unreachable!("clap requires a scheme or --run"),
     };
+    if let Some(table) = &table {
+        if table.rows < 2 {
+            anyhow::bail!(
+                "{}: {} row: distances, offsets and fits need at least 2 positions",
+                table.title,
+                table.rows
+            );
+        }
+        if a.reference >= table.rows {
+            anyhow::bail!(
+                "--reference {} is not among the {} rows of the {}: use a row below {}",
+                a.reference,
+                table.rows,
+                table.title,
+                table.rows
+            );
+        }
+    }
     let dir = match &a.out {
         Some(dir) => dir.clone(),
         None => experiment::new_run_dir(Path::new("runs"), &format!("analysis-{label}"))?,

@@ -103,8 +103,16 @@ pub fn run(a: Args) -> Result<()> {
         rounds: a.rounds,
     };
     if let Some(n) = args.threads {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if n == 0 || n > 4 * cores {
+            anyhow::bail!(
+                "--threads {n}: give from 1 to {} threads (4 per CPU core here; more only wait \
+                 on each other)",
+                4 * cores
+            );
+        }
         // candle reads this at every matrix multiply; set before any tensor work.
-        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     if let Some(k) = &args.kernels {
         // Read once, at the first layer; children inherit it.
@@ -143,18 +151,28 @@ pub fn run(a: Args) -> Result<()> {
     // reference asked for another shape, device or dtype.
     let takes_shape = match &args.torch {
         Some(script) => {
-            if !script.is_file() {
+            if !script.exists() {
                 anyhow::bail!(
                     "--torch {}: no such file (shared/bench/torch_reference.py, or \
                  benches/torch_at_shape.py for other shapes, devices and dtypes)",
                     script.display()
                 );
             }
+            if !script.is_file() {
+                anyhow::bail!(
+                    "--torch {}: not a regular file (a folder, device or pipe): give the path \
+                     of the PyTorch script",
+                    script.display()
+                );
+            }
             // The shared reference runs one fixed shape in f32 on the CPU; benches/torch_at_shape.py
             // runs its model at any shape, device and dtype, and says so by taking --d-model.
-            let takes_shape = std::fs::read_to_string(script)
-                .with_context(|| format!("reading {}", script.display()))?
-                .contains("--d-model");
+            let takes_shape = poslab::io::read_text_bounded(
+                script,
+                poslab::io::MAX_CONFIG_BYTES,
+                "PyTorch script",
+            )?
+            .contains("--d-model");
             let reference_setting = *shape == poslab::bench::Shape::default() && device.is_cpu();
             if !takes_shape && !reference_setting {
                 anyhow::bail!(

@@ -21,7 +21,8 @@ pub struct Args {
     /// One JSON object per line.
     #[arg(long)]
     pub json: bool,
-    /// Fills shown per mask.
+    /// Fills shown per mask (masks are numbered by their word in the text, from 0, in the
+    /// text output and in --json alike).
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
     /// Cut texts longer than a learned position table instead of refusing them.
@@ -44,6 +45,11 @@ pub fn run(args: Args) -> Result<()> {
         rope_scaling,
         compute,
     } = args;
+    if top_k == 0 {
+        anyhow::bail!(
+            "--top-k 0 would show no fill: give the number of fills per mask, at least 1"
+        );
+    }
     let texts = gather_texts(texts, input)?;
     let outputs = match (run, model) {
         (_, Some(spec)) => {
@@ -52,13 +58,13 @@ pub fn run(args: Args) -> Result<()> {
                     "--rope-scaling applies to RoPE models; a BERT-family encoder has a learned table"
                 );
             }
-            super::load_pretrained(&spec, &compute)?.fill_masks(&texts, top_k.max(1), truncate)?
+            super::load_pretrained(&spec, &compute)?.fill_masks(&texts, top_k, truncate)?
         }
         (Some(run), None) => {
             let loaded = load_model(&run, &compute)?;
             Predictor::new(&loaded, truncate)
                 .with_rope_scaling(rope_scaling)?
-                .predict(&texts, top_k.max(1))?
+                .predict(&texts, top_k)?
         }
         (None, None) => unreachable!("clap requires --run or --model"),
     };
@@ -117,7 +123,8 @@ pub fn run(args: Args) -> Result<()> {
                         .iter()
                         .map(|f| format!("{} {:.3}", f.label, f.probability))
                         .collect();
-                    outln!("  word {}: {}", m.word + 1, fills.join(", "));
+                    // Words count from 0, as in --json.
+                    outln!("  word {}: {}", m.word, fills.join(", "));
                 }
             }
         }

@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use super::results::Evaluation;
-use super::run::prepare;
+use super::run::{prepare, Prepared};
 use super::{EvalConfig, ModelShape, VariantSpec};
 use crate::config::Precision;
 use crate::error::{Error, Result};
@@ -293,11 +293,89 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let start = Start::of(config, &options.hub)?;
     let tokenizer = start.as_ref().map(|s| s.folder.tokenizer.clone());
     let data = config.task.generate_with(&options.hub, tokenizer)?;
-    data.tokenizer.save(dir.join(saved::TOKENIZER))?;
+    // Every check before anything is written: a start that fails leaves no run behind.
+    let ready = ready(config, data, start)?;
+    ready.task.data.tokenizer.save(dir.join(saved::TOKENIZER))?;
+    let inputs = Inputs::of(config, ready.start.as_ref(), dir)?;
+    write_atomic(&dir.join(INPUTS), inputs.to_json().as_bytes())?;
     write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
-    let end = run(config, data, start, options, false);
+    let end = run(config, ready, options, false);
     drop(lock);
     end
+}
+
+/// What a run reads besides its config, `inputs.json`: the SHA-256 of each data file, of the
+/// tokenizer it saved, and of the pretrained folder it starts from. A resume reads them again
+/// and must find them unchanged.
+pub const INPUTS: &str = "inputs.json";
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Inputs {
+    files: Vec<InputFile>,
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct InputFile {
+    path: PathBuf,
+    sha256: String,
+}
+
+impl Inputs {
+    /// The inputs of `config` as they are now.
+    fn of(config: &TrainRunConfig, start: Option<&Start>, dir: &Path) -> Result<Self> {
+        let mut paths: Vec<PathBuf> = config.task.input_files();
+        paths.push(dir.join(saved::TOKENIZER));
+        if let Some(start) = start {
+            let d = &start.folder.dir;
+            paths.extend(["config.json", "model.safetensors", "tokenizer.json"].map(|f| d.join(f)));
+        }
+        let files = paths
+            .into_iter()
+            .map(|path| {
+                Ok(InputFile {
+                    sha256: crate::io::sha256_file(&path)?,
+                    path,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { files })
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("inputs serialize") + "\n"
+    }
+
+    /// Refuses a resume whose inputs differ from those `dir` recorded, naming the file.
+    fn check(dir: &Path) -> Result<()> {
+        let path = dir.join(INPUTS);
+        if !path.exists() {
+            // A run started before poslab recorded its inputs.
+            return Ok(());
+        }
+        let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "inputs")?;
+        let recorded: Inputs = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+            path: path.clone(),
+            message: format!("unreadable ({e}): the file was edited or damaged"),
+        })?;
+        for f in &recorded.files {
+            let now = crate::io::sha256_file(&f.path).map_err(|e| {
+                Error::Input(format!(
+                    "{} was read when the run started, and cannot be read now ({e}): a \
+                     resumed run reads the same inputs; restore it, or start a new run",
+                    f.path.display()
+                ))
+            })?;
+            if now != f.sha256 {
+                return Err(Error::Input(format!(
+                    "{} changed since the run started (its SHA-256 differs): a resumed run \
+                     must read the same inputs to end as an uninterrupted one; restore the \
+                     file, or start a new run",
+                    f.path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Continues the run in `options.dir` from its latest checkpoint (from the start if it stopped
@@ -328,9 +406,11 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
+    Inputs::check(dir)?;
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;
-    let end = run(&config, data, start, options, true);
+    let ready = ready(&config, data, start)?;
+    let end = run(&config, ready, options, true);
     drop(lock);
     end
 }
@@ -386,14 +466,21 @@ impl Start {
     }
 }
 
-fn run(
-    config: &TrainRunConfig,
+/// A run checked and its data prepared: everything that can fail before training is done
+/// here, before a start writes anything into its folder.
+struct Ready<'a> {
+    task: Prepared<'a>,
+    model_config: crate::config::ModelConfig,
+    eval_batch: usize,
+    start: Option<Start>,
+}
+
+/// Prepares `data` for `config` and runs every check a run makes before its first step.
+fn ready<'a>(
+    config: &'a TrainRunConfig,
     mut data: crate::tasks::TaskData,
     start: Option<Start>,
-    options: &TrainOptions,
-    resuming: bool,
-) -> Result<TrainEnd> {
-    let dir = &options.dir;
+) -> Result<Ready<'a>> {
     let architecture = config.architecture()?;
     let pooling = match (&architecture, &start) {
         (Architecture::Pretrained(init), Some(start)) => {
@@ -454,6 +541,34 @@ fn run(
         eval_batch,
         &config.name,
     )?;
+    if task.train.is_empty() || task.valid.is_empty() {
+        return Err(Error::Input(format!(
+            "task `{}` has no training or no validation examples: training needs both",
+            config.task.name
+        )));
+    }
+    Ok(Ready {
+        task,
+        model_config,
+        eval_batch,
+        start,
+    })
+}
+
+fn run(
+    config: &TrainRunConfig,
+    ready: Ready,
+    options: &TrainOptions,
+    resuming: bool,
+) -> Result<TrainEnd> {
+    let dir = &options.dir;
+    let Ready {
+        task,
+        model_config,
+        eval_batch,
+        start,
+    } = ready;
+    let tok = &task.data.tokenizer;
     let params = ParamStore::new(config.seed);
     let model = TaskModel::new(
         &model_config,
@@ -719,7 +834,9 @@ fn load_checkpoint(
             )));
         }
     }
-    let (optimizer, meta) = load_tensors(&folder.join("optimizer.safetensors"))?;
+    // The moments m and v of every variable, and at most one copy of the weights.
+    let params_count = params.num_params() as u128;
+    let (optimizer, meta) = load_tensors(&folder.join("optimizer.safetensors"), 2 * params_count)?;
     let optimizer_step = meta
         .get("step")
         .and_then(|s| s.parse().ok())
@@ -729,7 +846,7 @@ fn load_checkpoint(
         })?;
     let best_path = folder.join("best.safetensors");
     let best_weights = if best_path.exists() {
-        Some(load_tensors(&best_path)?.0)
+        Some(load_tensors(&best_path, params_count)?.0)
     } else {
         None
     };

@@ -112,6 +112,28 @@ impl HfConfig {
     /// poslab's config of the same encoder.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let family = self.family()?;
+        // Ids must name a row of the tables they index: a pad_token_id of 2^64 - 1 would wrap
+        // RoBERTa's first position to 0.
+        if let Some(pad) = self.pad_token_id.filter(|&p| p >= self.vocab_size) {
+            return Err(Error::Config(format!(
+                "config.json: pad_token_id = {pad} is not an id of the vocabulary (vocab_size = \
+                 {}): the file is damaged or belongs to another model",
+                self.vocab_size
+            )));
+        }
+        if let Family::Roberta { padding_idx } = family {
+            if padding_idx
+                .checked_add(2)
+                .is_none_or(|p| p > self.max_position_embeddings)
+            {
+                return Err(Error::Config(format!(
+                    "config.json: RoBERTa's positions start at pad_token_id + 1 = {}, but its \
+                     table has max_position_embeddings = {} rows: not even one token fits",
+                    padding_idx.saturating_add(1),
+                    self.max_position_embeddings
+                )));
+            }
+        }
         if let Some(kind) = self
             .position_embedding_type
             .as_deref()
@@ -251,19 +273,31 @@ impl Folder {
         let family = hf.family()?;
         let config = hf.model_config()?;
         let weights = dir.join("model.safetensors");
-        if !weights.is_file() {
+        if weights.symlink_metadata().is_err() {
             return Err(Error::Input(format!(
                 "{}: no model.safetensors; save the model with transformers' save_pretrained \
                  (safe_serialization, the default) or convert its pytorch_model.bin",
                 dir.display()
             )));
         }
-        let (tensors, _) = crate::params::load_tensors(&weights)?;
-        let (tensors, has_mlm) =
-            rename(&tensors, &hf, family).map_err(|message| Error::Checkpoint {
+        // The header first: the config must describe no more than the file holds (the encoder
+        // is built at the config's size), and only the tensors poslab maps are read.
+        let mut file = crate::weights::WeightsFile::open(&weights)?;
+        file.check_holds(crate::limits::param_count(&config), "config.json")?;
+        let shapes: HashMap<String, Vec<usize>> = file
+            .entries()
+            .iter()
+            .map(|(n, e)| (n.clone(), e.shape.clone()))
+            .collect();
+        let (mapping, has_mlm) =
+            rename(&shapes, &hf, family).map_err(|message| Error::Checkpoint {
                 path: weights.clone(),
                 message,
             })?;
+        let tensors = mapping
+            .into_iter()
+            .map(|(ours, theirs)| Ok((ours, file.read(&theirs)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
         let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
         if tokenizer.vocab_size() > hf.vocab_size {
             return Err(Error::Config(format!(
@@ -331,15 +365,20 @@ impl Pretrained {
         let mut rows = Vec::with_capacity(texts.len());
         let mut word_ids = Vec::with_capacity(texts.len());
         for (i, text) in texts.iter().enumerate() {
-            let encoded = self.tokenizer.encode_with_specials(text)?;
+            // Only as much of the text as the model can read is tokenized.
+            let (encoded, whole) = self.tokenizer.encode_with_specials_at_most(text, max)?;
             let (mut ids, mut words) = (encoded.ids, encoded.word_ids);
-            if ids.len() > max {
+            if ids.len() > max || !whole {
                 if !truncate {
                     return Err(Error::Input(format!(
                         "text {} has {} tokens but the model's position table reads at most \
                          {max}: shorten it, or pass --truncate to cut it",
                         i + 1,
-                        ids.len()
+                        if whole {
+                            ids.len().to_string()
+                        } else {
+                            format!("more than {max}")
+                        }
                     )));
                 }
                 // The closing special token ([SEP], </s>) stays.
@@ -507,11 +546,13 @@ pub fn unit_rows(x: &Tensor) -> Result<Tensor> {
 
 /// Maps a checkpoint's tensors to poslab's names ([`names`]); returns them and whether the file
 /// holds a masked-LM head. The error lists every problem.
+/// poslab's name of every tensor of a checkpoint (by its shapes) that poslab reads, mapped to
+/// the file's name, and whether the file has a masked-LM head.
 fn rename(
-    tensors: &HashMap<String, Tensor>,
+    tensors: &HashMap<String, Vec<usize>>,
     hf: &HfConfig,
     family: Family,
-) -> std::result::Result<(HashMap<String, Tensor>, bool), String> {
+) -> std::result::Result<(HashMap<String, String>, bool), String> {
     let (prefix, embeddings, layers, layer, mlm_table) = match family {
         Family::Bert => (
             "bert.",
@@ -561,7 +602,7 @@ fn rename(
             });
         match mapped {
             Some(ours) => {
-                out.insert(ours, tensor.clone());
+                out.insert(ours, name.clone());
             }
             None => {
                 let ignored = names::IGNORED
@@ -580,9 +621,8 @@ fn rename(
                     }
                     Some(_) => {}
                     None => problems.push(format!(
-                        "unexpected tensor `{name}` {:?}: not part of a {} encoder or its \
+                        "unexpected tensor `{name}` {tensor:?}: not part of a {} encoder or its \
                          masked-LM head",
-                        tensor.dims(),
                         hf.model_type
                     )),
                 }

@@ -476,6 +476,20 @@ impl TaskSpec {
         }
     }
 
+    /// The files the task reads its examples from (none for a generated task).
+    pub fn input_files(&self) -> Vec<PathBuf> {
+        match &self.kind {
+            TaskKind::Classify(o) | TaskKind::Tag(o) => std::iter::once(o.train.clone())
+                .chain(o.valid.clone())
+                .chain(o.test.clone())
+                .collect(),
+            TaskKind::Mlm {
+                text_file: Some(f), ..
+            } => vec![f.clone()],
+            _ => Vec::new(),
+        }
+    }
+
     /// Words of an example of length `len`: a length-suite tape holds its blanks too.
     fn words_at(&self, len: usize) -> usize {
         match self.kind {

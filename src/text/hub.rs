@@ -117,8 +117,10 @@ impl HubSource {
         if commit.is_empty() || commit.contains(['/', '\\']) || commit.starts_with('.') {
             return None;
         }
+        // Whatever is there is the cached copy: a link to a device or a folder is reported by
+        // its reader as what it is, not as missing.
         let path = folder.join("snapshots").join(commit).join(file);
-        path.is_file().then_some(path)
+        path.symlink_metadata().is_ok().then_some(path)
     }
 
     /// The local path of `file` in `repo`: from the cache, else downloaded into it (unless

@@ -450,7 +450,35 @@ impl TextTokenizer {
         self.inner
             .encode(text, true)
             .map(Encoded::from)
-            .map_err(|e| Error::Input(format!("cannot tokenize {text:?}: {e}")))
+            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", quote(text))))
+    }
+
+    /// [`TextTokenizer::encode_with_specials`] reading no more of `text` than `max` tokens
+    /// need: growing prefixes, cut at whitespace so no word is split, until one holds more than
+    /// `max` tokens or the text ends (or the prefix reaches 1 KiB per token: no text needs
+    /// more). A 100 MB line costs about what `max` tokens do. Returns the encoding, whose first
+    /// `max` tokens are those of the whole text, and whether it is the whole text's.
+    pub fn encode_with_specials_at_most(&self, text: &str, max: usize) -> Result<(Encoded, bool)> {
+        let cap = max.saturating_mul(1024).max(1 << 20);
+        let mut len = max.saturating_mul(16).max(4096);
+        loop {
+            if len >= text.len() {
+                return Ok((self.encode_with_specials(text)?, true));
+            }
+            let mut end = len.min(cap);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            let cut = text[..end]
+                .rfind(char::is_whitespace)
+                .filter(|&i| i > 0)
+                .unwrap_or(end);
+            let e = self.encode_with_specials(&text[..cut])?;
+            if e.ids.len() > max || len >= cap {
+                return Ok((e, false));
+            }
+            len = len.saturating_mul(2);
+        }
     }
 
     /// Token ids of pre-split `words`; `word_ids` index `words`.
@@ -469,7 +497,10 @@ impl TextTokenizer {
         self.inner
             .encode(words.as_slice(), specials)
             .map(Encoded::from)
-            .map_err(|e| Error::Input(format!("cannot tokenize {:?}: {e}", words.join(" "))))
+            .map_err(|e| {
+                let text = words.iter().take(20).copied().collect::<Vec<_>>().join(" ");
+                Error::Input(format!("cannot tokenize {:?}: {e}", quote(&text)))
+            })
     }
 
     /// The text of `ids`, special tokens skipped.
@@ -477,6 +508,14 @@ impl TextTokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| Error::Input(format!("cannot decode {ids:?}: {e}")))
+    }
+}
+
+/// The first 60 characters of `text`, for a message (`...` when there are more).
+fn quote(text: &str) -> String {
+    match text.char_indices().nth(60) {
+        Some((i, _)) => format!("{}...", &text[..i]),
+        None => text.to_string(),
     }
 }
 

@@ -260,7 +260,10 @@ fn unbounded_and_unreadable_inputs_are_refused() {
     // Weights that point at /dev/zero.
     let fake = root.path().join("model.safetensors");
     std::os::unix::fs::symlink("/dev/zero", &fake).unwrap();
-    assert_error_mentions(poslab::params::load_tensors(&fake), &["not a regular file"]);
+    assert_error_mentions(
+        poslab::params::load_tensors(&fake, 1 << 20),
+        &["not a regular file"],
+    );
     // A line far longer than any example.
     let line = "w".repeat(5 << 20);
     let data = write(
@@ -428,4 +431,768 @@ fn predictions_count_unknown_tokens_and_one_seed_is_one_value() {
         poslab::experiment::report::fmt_stat(&stat, 100.0, 1),
         "50.0"
     );
+}
+
+// Round 3: pretrained folders, weight files, analyze flags, resumes and the environment.
+
+/// A copy of a pretrained fixture folder, to break.
+fn pretrained_copy(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture_path("pretrained").join(name)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+/// A safetensors tensor as stored: dtype, shape, bytes.
+type Stored = (String, Vec<usize>, Vec<u8>);
+
+/// Rewrites every tensor of a safetensors file through `f` (its name and what it stores; a new
+/// dtype, shape and bytes, or `None` to keep it), keeping the metadata.
+fn rewrite_safetensors(path: &Path, f: impl Fn(&str, &Stored) -> Option<Stored>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    let mut out_header = serde_json::Map::new();
+    let mut out_data = Vec::new();
+    let mut names: Vec<&String> = header.keys().collect();
+    names.sort_by_key(|k| header[*k]["data_offsets"][0].as_u64().unwrap_or(0));
+    for name in names {
+        let v = &header[name];
+        if name == "__metadata__" {
+            out_header.insert(name.clone(), v.clone());
+            continue;
+        }
+        let [a, b] = [0, 1].map(|i| v["data_offsets"][i].as_u64().unwrap() as usize);
+        let stored: Stored = (
+            v["dtype"].as_str().unwrap().to_string(),
+            serde_json::from_value(v["shape"].clone()).unwrap(),
+            data[a..b].to_vec(),
+        );
+        let (dtype, shape, bytes) = f(name, &stored).unwrap_or(stored);
+        let begin = out_data.len();
+        out_data.extend_from_slice(&bytes);
+        out_header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, out_data.len()]}),
+        );
+    }
+    let header = serde_json::to_vec(&out_header).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    file.extend_from_slice(&out_data);
+    std::fs::write(path, file).unwrap();
+}
+
+/// `poslab args` with at most 8 GiB of address space and 120 s: a hang or an abort fails the
+/// test instead of stalling it. Returns the exit status, stdout and stderr.
+fn poslab_bounded(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    use std::io::Read as _;
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 8388608 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_poslab"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut pipes = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipes.0.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipes.1.read_to_string(&mut s);
+        s
+    });
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(120) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("poslab {args:?} hung (killed after 120 s)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    assert!(
+        !err.contains("panicked") && !err.contains("memory allocation of"),
+        "poslab {args:?}: {err}"
+    );
+    (status.code(), out, err)
+}
+
+/// One f32 value as `dtype`'s bytes (only its size matters to the refusal).
+fn bytes_of(dtype: &str, count: usize) -> Vec<u8> {
+    let size = match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
+        "I16" | "U16" | "F16" | "BF16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        _ => 8,
+    };
+    vec![0u8; count * size]
+}
+
+#[test]
+fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
+    // One tensor of the tiny BERT in each dtype poslab does not load: refused, naming the
+    // tensor and its dtype, and what is accepted (an F8 tensor used to loop for ever).
+    let table = "bert.embeddings.word_embeddings.weight";
+    for dtype in [
+        "F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "BOOL", "I16", "U16", "I32", "U32", "I64",
+        "U64", "C64",
+    ] {
+        let dir = pretrained_copy("tiny-bert");
+        rewrite_safetensors(
+            &dir.path().join("model.safetensors"),
+            |name, (_, shape, _)| {
+                (name == table).then(|| {
+                    let n = shape.iter().product();
+                    (dtype.to_string(), shape.clone(), bytes_of(dtype, n))
+                })
+            },
+        );
+        let err = match poslab::pretrained::Pretrained::load(dir.path(), &Device::Cpu) {
+            Ok(_) => panic!("{dtype} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(&format!("tensor `{table}` is stored as {dtype}"))
+                && err.contains("F32, F16, BF16, F64"),
+            "{dtype}: {err}"
+        );
+    }
+    // The F8 file through every command that reads weights, under a time limit.
+    let dir = pretrained_copy("tiny-bert");
+    rewrite_safetensors(
+        &dir.path().join("model.safetensors"),
+        |name, (_, shape, _)| {
+            (name == table).then(|| {
+                let n = shape.iter().product();
+                ("F8_E4M3".to_string(), shape.clone(), vec![0u8; n])
+            })
+        },
+    );
+    let d = dir.path().to_str().unwrap();
+    for args in [
+        vec!["embed", "--model", d, "a cat"],
+        vec!["inspect", "--model", d],
+        vec!["predict", "--model", d, "the [MASK] sat"],
+    ] {
+        let (code, _, err) = poslab_bounded(&args, &[]);
+        assert!(
+            code == Some(1) && err.contains("is stored as F8_E4M3"),
+            "{args:?}: {err}"
+        );
+    }
+    // train with init = { model = ... }: refused before the run folder is started.
+    let root = tempfile::tempdir().unwrap();
+    let data = write(
+        root.path(),
+        "d.tsv",
+        b"the cat sat\ta\nthe dog ran\tb\n".repeat(20).as_slice(),
+    );
+    let config = TrainRunConfig::from_toml_str(&format!(
+        "name = \"ft\"\ninit = {{ model = {d:?} }}\n[train]\nbudget = {{ steps = 2 }}\n\
+         [task]\nkind = \"classify\"\ntrain = {:?}\n",
+        data.display().to_string()
+    ))
+    .unwrap();
+    let run = root.path().join("run");
+    assert_error_mentions(single::start(&config, &options(&run, None)), &["F8_E4M3"]);
+    assert!(!run.join("train.toml").exists());
+    // A poslab model folder with an F8 tensor: predict --run refuses it too.
+    let model = root.path().join("m");
+    let TrainEnd::Finished(_) =
+        single::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
+    else {
+        panic!("not finished")
+    };
+    rewrite_safetensors(&model.join("model.safetensors"), |name, (_, shape, _)| {
+        (name == "tok_emb.weight").then(|| {
+            let n = shape.iter().product();
+            ("F8_E5M2".to_string(), shape.clone(), vec![0u8; n])
+        })
+    });
+    let (code, _, err) = poslab_bounded(
+        &["predict", "--run", model.to_str().unwrap(), "the dog"],
+        &[],
+    );
+    assert!(
+        code == Some(1) && err.contains("`tok_emb.weight` is stored as F8_E5M2"),
+        "{err}"
+    );
+    // The dtypes poslab does load: BF16 weights load, within BF16's rounding of the F32 ones.
+    let bf16 = pretrained_copy("tiny-bert");
+    rewrite_safetensors(
+        &bf16.path().join("model.safetensors"),
+        |_, (dtype, shape, bytes)| {
+            (dtype == "F32").then(|| {
+                // Truncation to the upper 16 bits of each f32 is a valid bfloat16.
+                let b: Vec<u8> = bytes.chunks(4).flat_map(|c| [c[2], c[3]]).collect();
+                ("BF16".to_string(), shape.clone(), b)
+            })
+        },
+    );
+    let a =
+        poslab::pretrained::Pretrained::load(&fixture_path("pretrained/tiny-bert"), &Device::Cpu)
+            .unwrap();
+    let b = poslab::pretrained::Pretrained::load(bf16.path(), &Device::Cpu).unwrap();
+    let w = |m: &poslab::pretrained::Pretrained| m.params.get("tok_emb.weight").unwrap();
+    assert!(max_abs_diff(&w(&a), &w(&b)) < 1e-2);
+}
+
+#[test]
+fn weight_files_never_cost_more_memory_than_their_tensors() {
+    // A sparse 30 GiB model.safetensors (under the 64 GiB file limit), all zeros: a header of
+    // length 0, refused without reading the file (it used to allocate 30 GiB and abort).
+    let dir = pretrained_copy("tiny-bert");
+    let weights = dir.path().join("model.safetensors");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&weights)
+        .unwrap();
+    file.set_len(30 << 30).unwrap();
+    drop(file);
+    let d = dir.path().to_str().unwrap();
+    let (code, _, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
+    assert!(
+        code == Some(1) && err.contains("not a readable safetensors file"),
+        "{err}"
+    );
+    // The real tensors followed by 30 GiB of sparse zeros: only the tensors are read.
+    let dir = pretrained_copy("tiny-bert");
+    let weights = dir.path().join("model.safetensors");
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&weights)
+        .unwrap();
+    file.set_len(30 << 30).unwrap();
+    drop(file);
+    let d = dir.path().to_str().unwrap();
+    let (code, out, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
+    assert!(code == Some(0) && out.contains("embedding"), "{err}");
+    // A config.json claiming a vocabulary of 60,000,000 over small weights: refused against
+    // the file's header before the encoder is built at that size (it used to abort).
+    let dir = pretrained_copy("tiny-bert");
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replace("\"vocab_size\": 36", "\"vocab_size\": 60000000"),
+    )
+    .unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (code, _, err) = poslab_bounded(&["inspect", "--model", d], &[]);
+    assert!(
+        code == Some(1)
+            && err.contains("but config.json describes a model of")
+            && err.contains("do not belong together"),
+        "{err}"
+    );
+    // The same of a poslab model folder.
+    let root = tempfile::tempdir().unwrap();
+    let model = root.path().join("m");
+    let TrainEnd::Finished(_) =
+        single::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
+    else {
+        panic!("not finished")
+    };
+    let path = model.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["model"]["vocab_size"] = 60_000_000.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (code, _, err) =
+        poslab_bounded(&["embed", "--run", model.to_str().unwrap(), "the dog"], &[]);
+    assert!(code == Some(1) && err.contains("vocab_size"), "{err}");
+    // A header that promises more bytes than the file holds.
+    let dir = pretrained_copy("tiny-bert");
+    let weights = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() - 100]).unwrap();
+    let (code, _, err) = poslab_bounded(&["inspect", "--model", dir.path().to_str().unwrap()], &[]);
+    assert!(
+        code == Some(1) && err.contains("are not inside the"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_hundred_megabyte_line_costs_what_the_model_reads() {
+    let root = tempfile::tempdir().unwrap();
+    let line = "the cat sat on the mat ".repeat(100 << 20 >> 5);
+    let input = write(root.path(), "long.txt", format!("{line}\n").as_bytes());
+    let input = input.to_str().unwrap();
+    let model = fixture_path("pretrained/tiny-bert");
+    let model = model.to_str().unwrap();
+    let (code, _, err) = poslab_bounded(&["embed", "--model", model, "--input", input], &[]);
+    assert!(
+        code == Some(1) && err.contains("more than 64 tokens") && err.contains("--truncate"),
+        "{err}"
+    );
+    let (code, out, err) = poslab_bounded(
+        &["embed", "--model", model, "--input", input, "--truncate"],
+        &[],
+    );
+    assert!(code == Some(0), "{err}");
+    // The cut text is read as the first 64 tokens of the whole one.
+    let (_, short, _) = poslab_bounded(
+        &[
+            "embed",
+            "--model",
+            model,
+            "--truncate",
+            &"the cat sat on the mat ".repeat(40),
+        ],
+        &[],
+    );
+    let embedding = |s: &str| -> serde_json::Value {
+        serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["embedding"].clone()
+    };
+    assert_eq!(embedding(&out), embedding(&short));
+}
+
+#[test]
+fn analyze_flags_are_bounded() {
+    for (args, expected) in [
+        (vec!["--dim", "1000000000"], "--dim 1000000000"),
+        (
+            vec!["--dim", "1000000", "--positions", "8192"],
+            "--dim 1000000",
+        ),
+        (
+            vec!["--dim", "8192", "--positions", "8192"],
+            "values in all",
+        ),
+        (
+            vec!["--dim", "4611686018427387904"],
+            "--dim 4611686018427387904",
+        ),
+        (
+            vec!["--start", "18446744073709551615"],
+            "--start 18446744073709551615",
+        ),
+        (vec!["--texts", "0"], "--texts 0"),
+    ] {
+        for scheme in ["sinusoidal", "rope"] {
+            let mut a = vec!["analyze", scheme, "--out", "/nonexistent/never-written"];
+            a.extend(&args);
+            let (code, _, err) = poslab_bounded(&a, &[]);
+            assert!(code == Some(1) && err.contains(expected), "{a:?}: {err}");
+        }
+    }
+    // --model: --texts 0 names the flag (it used to blame reviews.tsv); a reference row past
+    // the table is refused (it used to read the last row instead).
+    let model = fixture_path("pretrained/tiny-bert");
+    let model = model.to_str().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let o = out.path().to_str().unwrap();
+    let (code, _, err) = poslab_bounded(
+        &["analyze", "--model", model, "--texts", "0", "--out", o],
+        &[],
+    );
+    assert!(
+        code == Some(1) && err.contains("--texts 0") && !err.contains("reviews"),
+        "{err}"
+    );
+    let (code, _, err) = poslab_bounded(
+        &[
+            "analyze",
+            "--model",
+            model,
+            "--reference",
+            "100",
+            "--positions",
+            "128",
+            "--out",
+            o,
+        ],
+        &[],
+    );
+    assert!(
+        code == Some(1) && err.contains("--reference 100 is not among the 64 rows"),
+        "{err}"
+    );
+    // One row: nothing to measure, said so (it used to print inf and -inf).
+    let dir = pretrained_copy("tiny-bert");
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(
+        &path,
+        text.replace(
+            "\"max_position_embeddings\": 64",
+            "\"max_position_embeddings\": 1",
+        ),
+    )
+    .unwrap();
+    rewrite_safetensors(
+        &dir.path().join("model.safetensors"),
+        |name, (dtype, shape, bytes)| {
+            name.ends_with("position_embeddings.weight").then(|| {
+                (
+                    dtype.clone(),
+                    vec![1, shape[1]],
+                    bytes[..4 * shape[1]].to_vec(),
+                )
+            })
+        },
+    );
+    let (code, _, err) = poslab_bounded(
+        &[
+            "analyze",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--out",
+            o,
+        ],
+        &[],
+    );
+    assert!(code == Some(1) && err.contains("1 row: distances"), "{err}");
+    // The linear-map summary compares each offset with a random table's at the same offset.
+    let (code, out, err) = poslab_bounded(&["analyze", "--model", model, "--out", o], &[]);
+    assert!(code == Some(0), "{err}");
+    let line = out.lines().find(|l| l.contains("best linear map")).unwrap();
+    assert!(
+        line.contains("below a random table's") && !line.contains("at least"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_start_that_fails_a_check_leaves_no_run_behind() {
+    let root = tempfile::tempdir().unwrap();
+    // An own model whose randomized positions cannot cover its inputs: refused before
+    // train.toml is written; fixed, the same folder starts.
+    let run = root.path().join("r");
+    let mut bad = train_config(WORD_ORDER);
+    bad.random_positions = Some(4);
+    assert_error_mentions(
+        single::start(&bad, &options(&run, None)),
+        &["random_positions = 4"],
+    );
+    assert!(!run.join("train.toml").exists() && !run.join("tokenizer.json").exists());
+    assert_error_mentions(
+        single::resume(&options(&run, None)),
+        &["holds no started run"],
+    );
+    bad.random_positions = Some(64);
+    assert!(matches!(
+        single::start(&bad, &options(&run, Some(5))).unwrap(),
+        TrainEnd::Stopped { step: 5 }
+    ));
+    // A RoBERTa start whose texts exceed max_tokens: the error says truncate = true, and
+    // with it the same folder starts.
+    let data = write(
+        root.path(),
+        "d.tsv",
+        b"the cat sat on the mat\ta\nthe dog ran to the tree\tb\n"
+            .repeat(20)
+            .as_slice(),
+    );
+    let roberta = fixture_path("pretrained/tiny-roberta");
+    let config = |extra: &str| {
+        TrainRunConfig::from_toml_str(&format!(
+            "name = \"rb\"\ninit = {{ model = {:?} }}\n[train]\nbudget = {{ steps = 2 }}\n\
+             [task]\nkind = \"classify\"\ntrain = {:?}\nmax_tokens = 4\n{extra}\n",
+            roberta.display().to_string(),
+            data.display().to_string()
+        ))
+        .unwrap()
+    };
+    let run = root.path().join("rb");
+    assert_error_mentions(
+        single::start(&config(""), &options(&run, None)),
+        &["truncate = true"],
+    );
+    assert!(!run.join("train.toml").exists());
+    assert!(matches!(
+        single::start(&config("truncate = true"), &options(&run, None)).unwrap(),
+        TrainEnd::Finished(_)
+    ));
+}
+
+#[test]
+fn ids_in_a_config_must_name_rows_of_their_tables() {
+    let dir = pretrained_copy("tiny-roberta");
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    for (pad, rows, expected) in [
+        (
+            "18446744073709551615",
+            "66",
+            "pad_token_id = 18446744073709551615 is not an id",
+        ),
+        ("36", "66", "pad_token_id = 36 is not an id"),
+        ("35", "30", "max_position_embeddings = 30 rows"),
+    ] {
+        let edited = text
+            .replace("\"pad_token_id\": 1", &format!("\"pad_token_id\": {pad}"))
+            .replace(
+                "\"max_position_embeddings\": 66",
+                &format!("\"max_position_embeddings\": {rows}"),
+            );
+        std::fs::write(&path, edited).unwrap();
+        let (code, out, err) =
+            poslab_bounded(&["inspect", "--model", dir.path().to_str().unwrap()], &[]);
+        assert!(
+            code == Some(1) && err.contains(expected) && !out.contains("positions: from 0"),
+            "{pad}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_resume_reads_the_inputs_the_run_started_with() {
+    let root = tempfile::tempdir().unwrap();
+    let rows = b"the cat sat on the mat\ta\nthe dog ran to the tree\tb\n".repeat(30);
+    let data = write(root.path(), "d.tsv", &rows);
+    let config = train_config(&format!(
+        "kind = \"classify\"\ntrain = {:?}",
+        data.display().to_string()
+    ));
+    let run = root.path().join("r");
+    single::start(&config, &options(&run, Some(5))).unwrap();
+    // The labels flipped between the stop and the resume: refused, naming the file.
+    let flipped = String::from_utf8(rows.clone())
+        .unwrap()
+        .replace("\ta", "\tx")
+        .replace("\tb", "\ta")
+        .replace("\tx", "\tb");
+    std::fs::write(&data, flipped).unwrap();
+    assert_error_mentions(
+        single::resume(&options(&run, None)),
+        &["d.tsv changed since the run started", "restore the file"],
+    );
+    std::fs::write(&data, &rows).unwrap();
+    assert!(matches!(
+        single::resume(&options(&run, None)).unwrap(),
+        TrainEnd::Finished(_)
+    ));
+    // The pretrained folder's weights replaced before the first checkpoint: refused too.
+    let bert = pretrained_copy("tiny-bert");
+    let config = TrainRunConfig::from_toml_str(&format!(
+        "name = \"ft\"\ncheckpoint_every = 5\ninit = {{ model = {:?} }}\n[train]\nbudget = {{ steps = 12 }}\n\
+         [task]\nkind = \"classify\"\ntrain = {:?}\n",
+        bert.path().display().to_string(),
+        data.display().to_string()
+    ))
+    .unwrap();
+    let run = root.path().join("ft");
+    single::start(&config, &options(&run, Some(3))).unwrap();
+    rewrite_safetensors(
+        &bert.path().join("model.safetensors"),
+        |name, (dtype, shape, bytes)| {
+            (name == "bert.embeddings.word_embeddings.weight").then(|| {
+                let mut b = bytes.clone();
+                b[0] ^= 1;
+                (dtype.clone(), shape.clone(), b)
+            })
+        },
+    );
+    assert_error_mentions(
+        single::resume(&options(&run, None)),
+        &["model.safetensors changed since the run started"],
+    );
+}
+
+#[test]
+fn every_poslab_variable_is_read_as_set_or_refused() {
+    for name in ["POSLAB_MAX_MEMORY", "POSLAB_MAX_PARAMS"] {
+        for value in [
+            "1.5G",
+            "0.05M",
+            "1e9",
+            "0x100",
+            "-5",
+            "lots",
+            "99999999999999999999999",
+            "20000000T",
+            "0",
+            "",
+        ] {
+            let (code, _, err) = poslab_bounded(&["inspect"], &[(name, value)]);
+            assert!(
+                code == Some(1)
+                    && err.contains(&format!("{name}={value:?} cannot be read"))
+                    && err.contains("such as"),
+                "{name}={value}: {err}"
+            );
+        }
+        let (code, out, err) = poslab_bounded(&["inspect"], &[(name, "8G")]);
+        assert!(code == Some(0) && out.contains("valid"), "{err}");
+    }
+    for (name, value) in [
+        ("POSLAB_KERNELS", "fast"),
+        ("POSLAB_DEFAULT_ALLOCATOR", "yes"),
+    ] {
+        let (code, _, err) = poslab_bounded(&["inspect"], &[(name, value)]);
+        assert!(
+            code == Some(1) && err.contains("cannot be read"),
+            "{name}: {err}"
+        );
+    }
+    // A name poslab does not read (a typo): said, not silently ignored.
+    let (code, _, err) = poslab_bounded(&["inspect"], &[("POSLAB_MAX_MEMROY", "8G")]);
+    assert!(
+        code == Some(0) && err.contains("POSLAB_MAX_MEMROY is not a variable poslab reads"),
+        "{err}"
+    );
+}
+
+#[test]
+fn predictions_name_real_tokens_and_count_words_one_way() {
+    // A tokenizer with fewer ids (30) than the model's table (36): no fill without a label.
+    let dir = pretrained_copy("tiny-bert");
+    let path = dir.path().join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    vocab.retain(|_, id| id.as_u64().unwrap() < 30);
+    std::fs::write(&path, tok.to_string()).unwrap();
+    // The dropped ids made the likeliest fills.
+    rewrite_safetensors(
+        &dir.path().join("model.safetensors"),
+        |name, (dtype, shape, bytes)| {
+            (name == "cls.predictions.bias").then(|| {
+                let mut b = bytes.clone();
+                for id in 30..36 {
+                    b[4 * id..4 * id + 4].copy_from_slice(&50f32.to_le_bytes());
+                }
+                (dtype.clone(), shape.clone(), b)
+            })
+        },
+    );
+    let d = dir.path().to_str().unwrap();
+    let (code, out, err) = poslab_bounded(
+        &[
+            "predict",
+            "--model",
+            d,
+            "--top-k",
+            "40",
+            "--json",
+            "the cat [MASK] on the mat",
+        ],
+        &[],
+    );
+    assert!(code == Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let fills = v["masks"][0]["fills"].as_array().unwrap();
+    assert!(
+        !fills.is_empty() && fills.len() <= 25,
+        "{} fills",
+        fills.len()
+    );
+    assert!(
+        fills
+            .iter()
+            .all(|f| !f["label"].as_str().unwrap().trim().is_empty()),
+        "{fills:?}"
+    );
+    // --top-k 0 is refused, not read as 1.
+    let (code, _, err) = poslab_bounded(
+        &["predict", "--model", d, "--top-k", "0", "the [MASK]"],
+        &[],
+    );
+    assert!(code == Some(1) && err.contains("--top-k 0"), "{err}");
+    // The text output numbers a mask's word as --json does.
+    let model = fixture_path("pretrained/tiny-bert");
+    let m = model.to_str().unwrap();
+    let (_, text, _) = poslab_bounded(&["predict", "--model", m, "the cat [MASK] on the mat"], &[]);
+    let (_, json, _) = poslab_bounded(
+        &[
+            "predict",
+            "--model",
+            m,
+            "--json",
+            "the cat [MASK] on the mat",
+        ],
+        &[],
+    );
+    let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+    let word = v["masks"][0]["word"].as_u64().unwrap();
+    assert_eq!(word, 2);
+    assert!(text.contains(&format!("  word {word}: ")), "{text}");
+}
+
+#[test]
+fn errors_name_what_is_really_wrong() {
+    // model.safetensors a link to /dev/zero, or to a FIFO: not "no model.safetensors".
+    let dir = pretrained_copy("tiny-bert");
+    let weights = dir.path().join("model.safetensors");
+    std::fs::remove_file(&weights).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &weights).unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (code, _, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
+    assert!(
+        code == Some(1) && err.contains("not a regular file"),
+        "{err}"
+    );
+    let fifo = dir.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    std::fs::remove_file(&weights).unwrap();
+    std::os::unix::fs::symlink(&fifo, &weights).unwrap();
+    let (code, _, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
+    assert!(
+        code == Some(1) && err.contains("not a regular file"),
+        "{err}"
+    );
+    // The same inside a Hugging Face cache: not "not in the cache".
+    let cache = tempfile::tempdir().unwrap();
+    let repo = poslab::text::RepoRef::parse("acme/tiny").unwrap();
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    for f in ["config.json", "tokenizer.json"] {
+        let bytes = std::fs::read(fixture_path("pretrained/tiny-bert").join(f)).unwrap();
+        poslab::text::hub::place_in_cache(cache.path(), &repo, commit, f, &bytes).unwrap();
+    }
+    let snapshot = cache
+        .path()
+        .join("models--acme--tiny/snapshots")
+        .join(commit);
+    std::os::unix::fs::symlink("/dev/zero", snapshot.join("model.safetensors")).unwrap();
+    let (code, _, err) = poslab_bounded(
+        &["embed", "--model", "acme/tiny", "a cat"],
+        &[
+            ("HF_HOME", cache.path().parent().unwrap().to_str().unwrap()),
+            ("HF_HUB_CACHE", cache.path().to_str().unwrap()),
+        ],
+    );
+    assert!(
+        code == Some(1) && err.contains("not a regular file") && !err.contains("not in the"),
+        "{err}"
+    );
+    // bench --torch /dev/zero: not "no such file".
+    let (code, _, err) = poslab_bounded(&["bench", "--torch", "/dev/zero"], &[]);
+    assert!(
+        code == Some(1) && err.contains("not a regular file"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_threads_are_bounded() {
+    for n in ["0", "100000"] {
+        let (code, _, err) = poslab_bounded(&["bench", "--threads", n], &[]);
+        assert!(
+            code == Some(1) && err.contains(&format!("--threads {n}")),
+            "{err}"
+        );
+    }
 }

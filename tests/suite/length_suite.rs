@@ -950,7 +950,7 @@ fn the_cluster_examples_shard_and_merge() {
     // A poslab that records what it is asked to do.
     std::fs::write(
         bin.join("fake-poslab"),
-        "#!/bin/sh\necho \"$*\" >> \"$POSLAB_LOG\"\n",
+        "#!/bin/sh\necho \"$*\" >> \"$FAKE_POSLAB_LOG\"\n",
     )
     .unwrap();
     for f in ["sbatch", "fake-poslab"] {
@@ -968,7 +968,7 @@ fn the_cluster_examples_shard_and_merge() {
             .current_dir(cwd)
             .env("PATH", &path)
             .env("SBATCH_LOG", d.join("sbatch.log"))
-            .env("POSLAB_LOG", d.join("poslab.log"))
+            .env("FAKE_POSLAB_LOG", d.join("poslab.log"))
             .env("RAYON_NUM_THREADS", "1")
             .envs(envs.iter().copied())
             .output()
