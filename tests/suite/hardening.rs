@@ -659,15 +659,18 @@ fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
 fn weight_files_never_cost_more_memory_than_their_tensors() {
     // A sparse 30 GiB model.safetensors (under the 64 GiB file limit), all zeros: a header of
     // length 0, refused without reading the file (it used to allocate 30 GiB and abort).
-    let dir = pretrained_copy("tiny-bert");
-    let weights = dir.path().join("model.safetensors");
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .truncate(true)
-        .open(&weights)
-        .unwrap();
-    file.set_len(30 << 30).unwrap();
-    drop(file);
+    // The file made 30 GiB long, sparse: its bytes kept, or none of them.
+    let sparse = |keep: bool| {
+        let dir = pretrained_copy("tiny-bert");
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(!keep)
+            .open(dir.path().join("model.safetensors"))
+            .unwrap();
+        file.set_len(30 << 30).unwrap();
+        dir
+    };
+    let dir = sparse(false);
     let d = dir.path().to_str().unwrap();
     let (code, _, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
     assert!(
@@ -675,14 +678,7 @@ fn weight_files_never_cost_more_memory_than_their_tensors() {
         "{err}"
     );
     // The real tensors followed by 30 GiB of sparse zeros: only the tensors are read.
-    let dir = pretrained_copy("tiny-bert");
-    let weights = dir.path().join("model.safetensors");
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&weights)
-        .unwrap();
-    file.set_len(30 << 30).unwrap();
-    drop(file);
+    let dir = sparse(true);
     let d = dir.path().to_str().unwrap();
     let (code, out, err) = poslab_bounded(&["embed", "--model", d, "a cat"], &[]);
     assert!(code == Some(0) && out.contains("embedding"), "{err}");
