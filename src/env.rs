@@ -14,10 +14,9 @@ fn size(v: &str) -> Result<(), String> {
     parse_size(v).map(|_| ())
 }
 fn kernels(v: &str) -> Result<(), String> {
-    match v {
-        "reference" | "ops" | "layer" => Ok(()),
-        _ => Err("not reference, ops or layer".into()),
-    }
+    crate::nn::Kernels::parse(v)
+        .map(|_| ())
+        .ok_or_else(|| "not reference, ops or layer".into())
 }
 fn one(v: &str) -> Result<(), String> {
     match v {

@@ -117,6 +117,16 @@ pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Resul
     Ok(())
 }
 
+/// The SHA-256 of `bytes`, in hex.
+pub fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex(&sha2::Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The SHA-256 of a regular file, in hex, read in blocks (any size, little memory).
 pub fn sha256_file(path: &Path) -> Result<String> {
     use sha2::Digest as _;
@@ -137,11 +147,7 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         }
         hasher.update(&block[..n]);
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
 }
 
 /// Whether `name` is a temporary file of [`write_atomic`] (or of a plot, or a checkpoint

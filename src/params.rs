@@ -97,21 +97,23 @@ impl ParamStore {
     /// Nothing is changed unless the file holds exactly the model's variables with exactly their
     /// shapes; otherwise the error lists every missing, unexpected and mis-shaped tensor.
     pub fn load(&self, path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
-        let path = path.as_ref();
-        let mut file = crate::weights::WeightsFile::open(path)?;
+        self.load_file(&mut crate::weights::WeightsFile::open(path.as_ref())?)
+    }
+
+    /// [`ParamStore::load`] from a file already open (its header read once).
+    pub fn load_file(
+        &self,
+        file: &mut crate::weights::WeightsFile,
+    ) -> Result<HashMap<String, String>> {
+        let path = file.path().to_path_buf();
         // Names and shapes from the header first: nothing is read from a file of another model.
-        let shapes: HashMap<String, Vec<usize>> = file
-            .entries()
-            .iter()
-            .map(|(n, e)| (n.clone(), e.shape.clone()))
-            .collect();
-        self.check_shapes(&shapes, path, |_| true)?;
+        self.check_shapes(&file.shapes(), &path, |_| true)?;
         let names: Vec<String> = self.lock().keys().cloned().collect();
         let tensors = names
             .into_iter()
             .map(|n| Ok((n.clone(), file.read(&n)?)))
             .collect::<Result<HashMap<_, _>>>()?;
-        self.assign(&tensors, path)?;
+        self.assign(&tensors, &path)?;
         Ok(file.metadata().clone())
     }
 

@@ -97,6 +97,11 @@ impl Board {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `n` cells were finished by an earlier run (a resumed compare).
+    pub fn done_before(&self, n: usize) {
+        self.state().cells_done += n;
+    }
+
     /// A job starts at `step` (0, or the step a resumed run continues from) of `planned`.
     pub fn start(&self, name: &str, step: usize, planned: usize) {
         self.state().running.push(Job {

@@ -47,12 +47,13 @@ pub struct WeightsFile {
     metadata: HashMap<String, String>,
 }
 
-fn dtype_of(name: &str) -> Option<(DType, usize)> {
+/// The candle dtype of one of [`ACCEPTED`].
+fn dtype_of(name: &str) -> Option<DType> {
     match name {
-        "F32" => Some((DType::F32, 4)),
-        "F16" => Some((DType::F16, 2)),
-        "BF16" => Some((DType::BF16, 2)),
-        "F64" => Some((DType::F64, 8)),
+        "F32" => Some(DType::F32),
+        "F16" => Some(DType::F16),
+        "BF16" => Some(DType::BF16),
+        "F64" => Some(DType::F64),
         _ => None,
     }
 }
@@ -183,6 +184,14 @@ impl WeightsFile {
         &self.entries
     }
 
+    /// Every tensor's shape, by name.
+    pub fn shapes(&self) -> HashMap<String, Vec<usize>> {
+        self.entries
+            .iter()
+            .map(|(n, e)| (n.clone(), e.shape.clone()))
+            .collect()
+    }
+
     pub fn metadata(&self) -> &HashMap<String, String> {
         &self.metadata
     }
@@ -215,7 +224,7 @@ impl WeightsFile {
             path: self.path.clone(),
             message: format!("has no tensor `{name}`"),
         })?;
-        let Some((dtype, _)) = dtype_of(&entry.dtype) else {
+        let Some(dtype) = dtype_of(&entry.dtype) else {
             return Err(Error::Checkpoint {
                 path: self.path.clone(),
                 message: format!(

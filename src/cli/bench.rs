@@ -103,14 +103,7 @@ pub fn run(a: Args) -> Result<()> {
         rounds: a.rounds,
     };
     if let Some(n) = args.threads {
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        if n == 0 || n > 4 * cores {
-            anyhow::bail!(
-                "--threads {n}: give from 1 to {} threads (4 per CPU core here; more only wait \
-                 on each other)",
-                4 * cores
-            );
-        }
+        super::check_workers("--threads", n, "threads")?;
         // candle reads this at every matrix multiply; set before any tensor work.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }

@@ -72,16 +72,6 @@ pub struct Args {
     pub kill_at: Option<String>,
 }
 
-/// The interval of progress lines, checked: `--log-every`.
-pub fn log_interval(seconds: f64) -> Result<Duration> {
-    if !(seconds.is_finite() && (0.05..=86_400.0).contains(&seconds)) {
-        anyhow::bail!(
-            "--log-every {seconds}: give the seconds between progress lines, from 0.05 to 86400"
-        );
-    }
-    Ok(Duration::from_secs_f64(seconds))
-}
-
 pub fn run(args: Args) -> Result<()> {
     let Args {
         config: path,
@@ -106,7 +96,7 @@ pub fn run(args: Args) -> Result<()> {
         seeds,
         shard,
     };
-    let every = log_interval(log_every)?;
+    let every = super::log_interval(log_every)?;
     let started = Instant::now();
     let (mut config, source) = match path.as_deref() {
         Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
@@ -121,7 +111,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let cells = config.cells(&selection)?.len();
     let device = poslab::device::parse_device(&compute.device)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cores = super::cores();
     if dry_run {
         if !(gflops.is_finite() && gflops > 0.0) {
             anyhow::bail!("--gflops {gflops}: give a training rate above 0 GFLOP/s");
@@ -132,12 +122,7 @@ pub fn run(args: Args) -> Result<()> {
     // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
     // is set before any tensor work.
     if let Some(j) = jobs {
-        if j == 0 || j > 4 * cores {
-            anyhow::bail!(
-                "--jobs {j}: give from 1 to {} cells at once (4 per CPU core here)",
-                4 * cores
-            );
-        }
+        super::check_workers("--jobs", j, "cells at once")?;
     }
     let jobs = match (jobs, device.is_cpu()) {
         (Some(j), _) => j,

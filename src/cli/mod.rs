@@ -55,6 +55,33 @@ impl OutputFailed {
     }
 }
 
+/// The CPU cores this process may use.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Refuses `flag n` (threads or jobs) outside 1..=4 per core: more only wait on each other.
+pub fn check_workers(flag: &str, n: usize, what: &str) -> Result<()> {
+    let most = 4 * cores();
+    if n == 0 || n > most {
+        anyhow::bail!(
+            "{flag} {n}: give from 1 to {most} {what} (4 per CPU core here; more only wait on \
+             each other)"
+        );
+    }
+    Ok(())
+}
+
+/// The interval of progress lines, checked: `--log-every`.
+pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
+    if !(seconds.is_finite() && (0.05..=86_400.0).contains(&seconds)) {
+        anyhow::bail!(
+            "--log-every {seconds}: give the seconds between progress lines, from 0.05 to 86400"
+        );
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
+}
+
 /// Where a model computes, and in what precision.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Compute {

@@ -51,7 +51,7 @@ pub fn run(args: Args) -> Result<()> {
         quiet,
         log_every,
     } = args;
-    let every = super::compare::log_interval(log_every)?;
+    let every = super::log_interval(log_every)?;
     let (runs_dir, compute) = (&runs_dir, &compute);
     if stop_after == Some(0) {
         anyhow::bail!(

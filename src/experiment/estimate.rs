@@ -90,7 +90,7 @@ pub fn estimate(config: &ExperimentConfig, selection: &Selection) -> Result<Esti
         let eval_flop = validations * valid.iter().map(|&l| per_token(l)).sum::<f64>()
             + (1 + rescorings) as f64 * tests.iter().map(|&l| per_token(l)).sum::<f64>();
         out.push(CellEstimate {
-            name: format!("{}/{}/seed{seed}", config.tasks[t].name, variant.name),
+            name: config.cell_name((t, v, seed)),
             params: crate::limits::param_count(&model),
             steps,
             tokens_per_step,

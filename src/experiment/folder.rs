@@ -166,11 +166,7 @@ pub struct Manifest {
 
 /// The SHA-256 of a config's canonical TOML, in hex.
 pub fn config_sha256(config: &ExperimentConfig) -> String {
-    use sha2::Digest as _;
-    sha2::Sha256::digest(config.to_toml().as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::io::sha256(config.to_toml().as_bytes())
 }
 
 /// `cells/<task>/<variant>/seed<N>.json`.
@@ -281,9 +277,19 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
             super::single::TRAIN_CONFIG
         )));
     }
-    let sha = config_sha256(plan.config);
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        kind: plan.kind,
+        experiment: plan.config.name.clone(),
+        config_sha256: config_sha256(plan.config),
+        selection: plan.selection.clone(),
+        device: plan.device.clone(),
+        cells: plan.cells.len(),
+        sources: plan.sources.clone(),
+        files: plan.files.clone(),
+    };
     if let Some(old) = read_manifest(dir)? {
-        if old.config_sha256 != sha {
+        if old.config_sha256 != manifest.config_sha256 {
             return Err(other_config(dir, &old, plan.config));
         }
         let same_cells = old.kind == plan.kind
@@ -299,21 +305,13 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
             });
         }
         if !overwrite {
-            let now = Manifest {
-                kind: plan.kind,
-                selection: plan.selection.clone(),
-                device: plan.device.clone(),
-                cells: plan.cells.len(),
-                sources: plan.sources.clone(),
-                ..old.clone()
-            };
             return Err(Error::Input(format!(
                 "{} already holds {} of this experiment, and this is {}: give each its own \
                  folder, or pass --overwrite to replace it (only the files that run wrote are \
                  removed)",
                 dir.display(),
                 describe(&old),
-                describe(&now)
+                describe(&manifest)
             )));
         }
         remove_listed(dir, &old.files)?;
@@ -338,17 +336,6 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
             if taken.len() == 1 { "it" } else { "them" }
         )));
     }
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        kind: plan.kind,
-        experiment: plan.config.name.clone(),
-        config_sha256: sha,
-        selection: plan.selection.clone(),
-        device: plan.device.clone(),
-        cells: plan.cells.len(),
-        sources: plan.sources.clone(),
-        files: plan.files.clone(),
-    };
     let json = serde_json::to_string_pretty(&manifest).expect("a manifest serializes") + "\n";
     write_atomic(&dir.join(MANIFEST), json.as_bytes())?;
     Ok(Opened {
@@ -526,10 +513,7 @@ impl CellRecord {
 
     /// `task/variant/seedN`.
     pub fn name(&self) -> String {
-        format!(
-            "{}/{}/seed{}",
-            self.result.task, self.result.variant, self.result.seed
-        )
+        self.result.name()
     }
 }
 
@@ -546,6 +530,27 @@ pub fn cells_done(dir: &Path, config: &ExperimentConfig, cells: &[(usize, usize,
             .is_file()
         })
         .count()
+}
+
+/// The records of `cells` (as [`ExperimentConfig::cells`] gives them) found in `dir`, one per
+/// cell: `None` where a cell has none yet, or an unusable one, which `unusable` is told of with
+/// the cell's name.
+pub fn read_cells(
+    dir: &Path,
+    config: &ExperimentConfig,
+    cells: &[(usize, usize, u64)],
+    unusable: &dyn Fn(String, Error),
+) -> Vec<Option<CellRecord>> {
+    cells
+        .iter()
+        .map(|&(t, v, seed)| {
+            let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
+            read_cell(dir, task, variant, seed).unwrap_or_else(|e| {
+                unusable(config.cell_name((t, v, seed)), e);
+                None
+            })
+        })
+        .collect()
 }
 
 /// Writes a cell's record atomically, calling `halfway` with half of it in the temporary file.
@@ -574,10 +579,11 @@ pub fn read_cell(dir: &Path, task: &str, variant: &str, seed: u64) -> Result<Opt
         || (r.task.as_str(), r.variant.as_str(), r.seed) != (task, variant, seed)
     {
         return Err(Error::Input(format!(
-            "{}: holds cell {} in format `{}`, not {task}/{variant}/seed{seed} in `{CELL_FORMAT}`",
+            "{}: holds cell {} in format `{}`, not {} in `{CELL_FORMAT}`",
             path.display(),
             record.name(),
-            record.format
+            record.format,
+            super::results::cell_name(task, variant, seed)
         )));
     }
     let model = dir.join(model_dir(task, variant, seed));

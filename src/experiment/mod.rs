@@ -432,6 +432,11 @@ impl ExperimentConfig {
         rows
     }
 
+    /// The name of a cell as [`ExperimentConfig::cells`] gives it: `task/variant/seedN`.
+    pub fn cell_name(&self, (t, v, seed): (usize, usize, u64)) -> String {
+        results::cell_name(&self.tasks[t].name, &self.variants[v].name, seed)
+    }
+
     /// The selected cells in report order (task, seed, variant), as indices into `tasks` and
     /// `variants`, with their seeds; only the shard's when the selection names one. A shard
     /// with no cell is refused (more shards than cells).

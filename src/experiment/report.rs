@@ -744,15 +744,7 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
                 .iter()
                 .any(|c| (&c.task, &c.variant, c.seed) == (task, variant, seed))
         })
-        .map(|(i, &(t, v, seed))| {
-            (
-                i,
-                format!(
-                    "{}/{}/seed{seed}",
-                    config.tasks[t].name, config.variants[v].name
-                ),
-            )
-        })
+        .map(|(i, &cell)| (i, config.cell_name(cell)))
         .collect();
     if !missing.is_empty() {
         if !allow_partial {
@@ -830,29 +822,27 @@ fn unfinished(
         )));
     };
     let cells = config.cells(&m.selection.selection()?)?;
-    let mut records = Vec::new();
-    for &(t, v, seed) in &cells {
-        let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
-        if let Ok(Some(record)) = folder::read_cell(dir, task, variant, seed) {
-            records.push(record);
-        }
-    }
+    let records: Vec<_> = folder::read_cells(dir, config, &cells, &|_, _| {})
+        .into_iter()
+        .flatten()
+        .collect();
     if !allow_partial {
         return Err(Error::Input(format!(
             "{} is an unfinished run ({}: {} of {} cells done): finish it with `poslab compare \
-             CONFIG{} --out {}` (the same command continues it), or pass --allow-partial to \
-             merge the cells it has",
+             {} --out {}{}` (the same command continues it), or pass --allow-partial to merge \
+             the cells it has",
             dir.display(),
             m.selection.describe(),
             records.len(),
             cells.len(),
-            m.selection.flags(),
-            dir.display()
+            dir.join(CONFIG_TOML).display(),
+            dir.display(),
+            m.selection.flags()
         )));
     }
     let (results, timings) = super::run::assemble(config, records);
     for c in &results.cells {
-        let name = format!("{}/{}/seed{}", c.task, c.variant, c.seed);
+        let name = c.name();
         check_cell(config, &results, c, &dir.join(folder::CELLS), &name)?;
     }
     Ok((results, timings))
@@ -918,7 +908,7 @@ pub fn check_results(config: &ExperimentConfig, results: &Results, file: &Path) 
     }
     let mut seen = std::collections::HashSet::new();
     for c in &results.cells {
-        let name = format!("{}/{}/seed{}", c.task, c.variant, c.seed);
+        let name = c.name();
         if !seen.insert(c.key()) {
             return bad(format!("cell {name} appears twice"));
         }
@@ -934,10 +924,7 @@ pub fn check_results(config: &ExperimentConfig, results: &Results, file: &Path) 
                     .iter()
                     .any(|o| (&o.task, &o.variant, o.seed) == (&c.task, &row, c.seed))
             {
-                return bad(format!(
-                    "cell {}/{}/seed{} lacks its row `{row}`",
-                    c.task, c.variant, c.seed
-                ));
+                return bad(format!("cell {} lacks its row `{row}`", c.name()));
             }
         }
     }
@@ -1194,11 +1181,9 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
         for c in results.cells {
             if let Some(other) = origin.get(&c.key()) {
                 return Err(Error::Input(format!(
-                    "cell {}/{}/seed{} is in both {} and {}: each cell must come from one \
-                     folder (were two selections or shard counts mixed?); leave one out",
-                    c.task,
-                    c.variant,
-                    c.seed,
+                    "cell {} is in both {} and {}: each cell must come from one folder (were \
+                     two selections or shard counts mixed?); leave one out",
+                    c.name(),
                     other.display(),
                     dir.display()
                 )));

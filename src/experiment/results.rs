@@ -164,7 +164,17 @@ pub struct CellResult {
     pub model_dir: String,
 }
 
+/// A cell's name in messages and logs: `task/variant/seedN`.
+pub fn cell_name(task: &str, variant: &str, seed: u64) -> String {
+    format!("{task}/{variant}/seed{seed}")
+}
+
 impl CellResult {
+    /// `task/variant/seedN`.
+    pub fn name(&self) -> String {
+        cell_name(&self.task, &self.variant, self.seed)
+    }
+
     pub fn key(&self) -> (String, String, u64) {
         (self.task.clone(), self.variant.clone(), self.seed)
     }

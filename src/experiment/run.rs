@@ -69,8 +69,6 @@ pub struct RunOutput {
     pub timings: Vec<Timing>,
     /// The printed report.
     pub table: String,
-    /// Cells an earlier run into the folder had finished.
-    pub resumed: usize,
 }
 
 /// At most this many points per loss curve.
@@ -502,7 +500,7 @@ fn run_cell(
     } = shared;
     let device = &options.device;
     let tok = &task.data.tokenizer;
-    let name = format!("{}/{}/seed{seed}", task.spec.name, variant.name);
+    let name = super::results::cell_name(&task.spec.name, &variant.name, seed);
     let started = Instant::now();
     let model_config = config.model_config(variant, tok.vocab_size(), task.table_rows());
     let params = ParamStore::new(seed);
@@ -674,13 +672,11 @@ fn run_cell(
     Ok((record, line))
 }
 
-/// `cpu` or `cuda`: what a run folder's cells must all have been computed on.
+/// `cpu` or `cuda` (the device's name without its ordinal): what a run folder's cells must all
+/// have been computed on.
 fn device_kind(device: &Device) -> String {
-    match device.location() {
-        candle::DeviceLocation::Cpu => "cpu".into(),
-        candle::DeviceLocation::Cuda { .. } => "cuda".into(),
-        candle::DeviceLocation::Metal { .. } => "metal".into(),
-    }
+    let name = device_name(device);
+    name.split(':').next().unwrap_or(&name).to_string()
 }
 
 /// The results and timings of finished cells (in the selection's order), as `results.json` and
@@ -741,25 +737,11 @@ pub fn run(
     };
     let opened = folder::open(dir, &plan, options.overwrite)?;
     crate::io::write_atomic(&dir.join(CONFIG_TOML), config.to_toml().as_bytes())?;
-    let name_of = |&(t, v, seed): &(usize, usize, u64)| {
-        format!(
-            "{}/{}/seed{seed}",
-            config.tasks[t].name, config.variants[v].name
-        )
-    };
     // The cells an earlier run into this folder finished.
-    let mut records: Vec<Option<CellRecord>> = vec![None; selected.len()];
-    if opened.resumed {
-        for (slot, &(t, v, seed)) in records.iter_mut().zip(&selected) {
-            let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
-            match folder::read_cell(dir, task, variant, seed) {
-                Ok(record) => *slot = record,
-                Err(e) => log(&format!(
-                    "note: cell {}: runs again ({e})",
-                    name_of(&(t, v, seed))
-                )),
-            }
-        }
+    let mut records: Vec<Option<CellRecord>> = if opened.resumed {
+        let records = folder::read_cells(dir, config, &selected, &|cell, e| {
+            log(&format!("note: cell {cell}: runs again ({e})"))
+        });
         let done = records.iter().flatten().count();
         log(&format!(
             "resuming {}: {done} of {} cells were done before, {} to run",
@@ -767,11 +749,13 @@ pub fn run(
             selected.len(),
             selected.len() - done
         ));
-    }
+        records
+    } else {
+        vec![None; selected.len()]
+    };
     let pending: Vec<usize> = (0..selected.len())
         .filter(|&i| records[i].is_none())
         .collect();
-    let resumed = selected.len() - pending.len();
 
     if !pending.is_empty() {
         // A results.json says the folder is complete: not while cells are missing.
@@ -806,7 +790,6 @@ pub fn run(
         results,
         timings,
         table,
-        resumed,
     })
 }
 
@@ -883,9 +866,7 @@ fn train_cells(
         .map(|&(_, t, _, _)| planned_steps(&config.train, &prepared[t].train) as u64)
         .sum();
     let board = Board::new("compare", selected.len(), steps);
-    for _ in 0..selected.len() - pending.len() {
-        board.finish("", true);
-    }
+    board.done_before(selected.len() - pending.len());
 
     let multi = MultiProgress::with_draw_target(if options.progress.bars() {
         ProgressDrawTarget::stderr()
@@ -935,7 +916,8 @@ fn train_cells(
                         break;
                     }
                     let (i, t, variant, seed) = cells[n];
-                    let name = format!("{}/{}/seed{seed}", prepared[t].spec.name, variant.name);
+                    let name =
+                        super::results::cell_name(&prepared[t].spec.name, &variant.name, seed);
                     let committed = run_cell(&shared, i, &prepared[t], variant, seed).and_then(
                         |(record, line)| {
                             kill_point(options, || format!("cell-{i}-saved"));

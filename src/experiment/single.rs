@@ -541,12 +541,7 @@ fn ready<'a>(
         eval_batch,
         &config.name,
     )?;
-    if task.train.is_empty() || task.valid.is_empty() {
-        return Err(Error::Input(format!(
-            "task `{}` has no training or no validation examples: training needs both",
-            config.task.name
-        )));
-    }
+    task.train_data().check()?;
     Ok(Ready {
         task,
         model_config,

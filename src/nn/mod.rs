@@ -55,17 +55,22 @@ impl Kernels {
     /// From `POSLAB_KERNELS` (`reference`, `ops` or `layer`), else [`Kernels::Layer`].
     pub fn from_env() -> Self {
         static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
-        *FROM_ENV.get_or_init(|| match std::env::var("POSLAB_KERNELS").as_deref() {
-            Ok("reference") => Kernels::Reference,
-            Ok("ops") => Kernels::Ops,
-            Ok("layer") | Err(_) => Kernels::Layer,
-            Ok(other) => {
+        *FROM_ENV.get_or_init(|| match std::env::var("POSLAB_KERNELS") {
+            Err(_) => Kernels::Layer,
+            Ok(v) => Kernels::parse(&v).unwrap_or_else(|| {
                 eprintln!(
-                    "warning: POSLAB_KERNELS={other} is not reference, ops or layer; using layer"
+                    "warning: POSLAB_KERNELS={v} is not reference, ops or layer; using layer"
                 );
                 Kernels::Layer
-            }
+            }),
         })
+    }
+
+    /// `reference`, `ops` or `layer`.
+    pub fn parse(name: &str) -> Option<Self> {
+        [Kernels::Reference, Kernels::Ops, Kernels::Layer]
+            .into_iter()
+            .find(|k| k.name() == name)
     }
 
     pub fn name(self) -> &'static str {

@@ -284,13 +284,8 @@ impl Folder {
         // is built at the config's size), and only the tensors poslab maps are read.
         let mut file = crate::weights::WeightsFile::open(&weights)?;
         file.check_holds(crate::limits::param_count(&config), "config.json")?;
-        let shapes: HashMap<String, Vec<usize>> = file
-            .entries()
-            .iter()
-            .map(|(n, e)| (n.clone(), e.shape.clone()))
-            .collect();
         let (mapping, has_mlm) =
-            rename(&shapes, &hf, family).map_err(|message| Error::Checkpoint {
+            rename(&file.shapes(), &hf, family).map_err(|message| Error::Checkpoint {
                 path: weights.clone(),
                 message,
             })?;

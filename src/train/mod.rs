@@ -188,6 +188,18 @@ pub struct TrainData<'a> {
     pub masking: Option<&'a MlmMasking>,
 }
 
+impl TrainData<'_> {
+    /// Refuses data a run cannot train and validate on.
+    pub fn check(&self) -> Result<()> {
+        if self.train.is_empty() || self.valid.is_empty() {
+            return Err(Error::Input(
+                "training needs non-empty train and validation sets".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Loss and accuracy over a dataset.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Score {
@@ -514,11 +526,7 @@ impl<'a> Trainer<'a> {
         seed: u64,
     ) -> Result<Self> {
         config.validate()?;
-        if data.train.is_empty() || data.valid.is_empty() {
-            return Err(Error::Input(
-                "training needs non-empty train and validation sets".into(),
-            ));
-        }
+        data.check()?;
         let lengths = data.train.lengths();
         let planned = planned_steps(config, data.train);
         let [beta1, beta2] = config.betas;

@@ -535,7 +535,18 @@ fn poslab_bounded(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String,
     (status.code(), out, err)
 }
 
-/// One f32 value as `dtype`'s bytes (only its size matters to the refusal).
+/// Stores `tensor` of a safetensors file as `dtype` (zero bytes of that dtype's size: the
+/// values do not matter to a refusal).
+fn retype(path: &Path, tensor: &str, dtype: &str) {
+    rewrite_safetensors(path, |name, (_, shape, _)| {
+        (name == tensor).then(|| {
+            let n = shape.iter().product();
+            (dtype.to_string(), shape.clone(), bytes_of(dtype, n))
+        })
+    });
+}
+
+/// `count` zero values as `dtype`'s bytes.
 fn bytes_of(dtype: &str, count: usize) -> Vec<u8> {
     let size = match dtype {
         "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
@@ -556,15 +567,7 @@ fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
         "U64", "C64",
     ] {
         let dir = pretrained_copy("tiny-bert");
-        rewrite_safetensors(
-            &dir.path().join("model.safetensors"),
-            |name, (_, shape, _)| {
-                (name == table).then(|| {
-                    let n = shape.iter().product();
-                    (dtype.to_string(), shape.clone(), bytes_of(dtype, n))
-                })
-            },
-        );
+        retype(&dir.path().join("model.safetensors"), table, dtype);
         let err = match poslab::pretrained::Pretrained::load(dir.path(), &Device::Cpu) {
             Ok(_) => panic!("{dtype} loaded"),
             Err(e) => e.to_string(),
@@ -577,15 +580,7 @@ fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
     }
     // The F8 file through every command that reads weights, under a time limit.
     let dir = pretrained_copy("tiny-bert");
-    rewrite_safetensors(
-        &dir.path().join("model.safetensors"),
-        |name, (_, shape, _)| {
-            (name == table).then(|| {
-                let n = shape.iter().product();
-                ("F8_E4M3".to_string(), shape.clone(), vec![0u8; n])
-            })
-        },
-    );
+    retype(&dir.path().join("model.safetensors"), table, "F8_E4M3");
     let d = dir.path().to_str().unwrap();
     for args in [
         vec!["embed", "--model", d, "a cat"],
@@ -621,12 +616,11 @@ fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
     else {
         panic!("not finished")
     };
-    rewrite_safetensors(&model.join("model.safetensors"), |name, (_, shape, _)| {
-        (name == "tok_emb.weight").then(|| {
-            let n = shape.iter().product();
-            ("F8_E5M2".to_string(), shape.clone(), vec![0u8; n])
-        })
-    });
+    retype(
+        &model.join("model.safetensors"),
+        "tok_emb.weight",
+        "F8_E5M2",
+    );
     let (code, _, err) = poslab_bounded(
         &["predict", "--run", model.to_str().unwrap(), "the dog"],
         &[],
