@@ -16,9 +16,7 @@ use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
-use crate::positional::{
-    ConcatOptions, NoOptions, PositionalConfig, RopeOptions, RopePairing, SinusoidalOptions,
-};
+use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
 use crate::train::optim::{AdamW, AdamWConfig};
 
 /// The model and batch measured.
@@ -55,23 +53,7 @@ impl Default for Shape {
     }
 }
 
-/// The variants of the PyTorch reference, by its names, then those it does not have (RoPE on
-/// half of each head, the attention-bias schemes), then `none`.
-pub const VARIANTS: [&str; 11] = [
-    "sin_add",
-    "sin_concat",
-    "sin_concat_proj",
-    "learned",
-    "rope",
-    "rope_partial",
-    "alibi",
-    "t5",
-    "kerple",
-    "untied",
-    "none",
-];
-
-/// The variants `shared/bench/torch_reference.py` runs.
+/// The variants `shared/bench/torch_reference.py` runs, by its names.
 pub const TORCH_VARIANTS: [&str; 5] = [
     "sin_add",
     "sin_concat",
@@ -81,46 +63,67 @@ pub const TORCH_VARIANTS: [&str; 5] = [
 ];
 
 impl Shape {
-    /// The positional choice of a variant named as in the PyTorch reference.
-    pub fn positional(&self, variant: &str) -> Result<PositionalConfig> {
-        let concat = |project| {
-            PositionalConfig::SinusoidalConcat(ConcatOptions {
-                pos_dim: self.pos_dim,
-                base: crate::positional::DEFAULT_BASE,
-                layout: Default::default(),
-                project,
-            })
-        };
-        Ok(match variant {
-            "sin_add" => PositionalConfig::SinusoidalAdd(SinusoidalOptions::default()),
-            "sin_concat" => concat(false),
-            "sin_concat_proj" => concat(true),
-            "learned" => PositionalConfig::Learned(Default::default()),
-            // The reference rotates halves (GPT-NeoX / LLaMA).
-            "rope" => PositionalConfig::Rope(RopeOptions {
-                base: crate::positional::DEFAULT_BASE,
-                pairing: RopePairing::Half,
-                ..Default::default()
-            }),
-            // Half of each head rotated, the rest passed through (GPT-NeoX's rotary_pct 0.25 and
-            // Phi's 0.5 are of this kind).
-            "rope_partial" => PositionalConfig::Rope(RopeOptions {
-                pairing: RopePairing::Half,
-                fraction: 0.5,
-                ..Default::default()
-            }),
-            "alibi" => PositionalConfig::Alibi(NoOptions {}),
-            "t5" => PositionalConfig::T5(Default::default()),
-            "kerple" => PositionalConfig::Kerple(NoOptions {}),
-            "untied" => PositionalConfig::Untied(Default::default()),
-            "none" => PositionalConfig::None(NoOptions {}),
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown bench variant `{other}`: use {}",
-                    VARIANTS.join(", ")
-                )))
+    /// Every variant measured, named: each scheme of [`PositionalConfig::catalog`] with its
+    /// default options, under the PyTorch reference's names where it has the variant. Its RoPE
+    /// rotates halves (GPT-NeoX / LLaMA), so poslab's does here too, and RoPE on half of each
+    /// head (GPT-NeoX's rotary_pct and Phi's partial_rotary_factor are of this kind) follows it.
+    /// `none` comes last.
+    pub fn variants(&self) -> Vec<(String, PositionalConfig)> {
+        let mut out: Vec<(String, PositionalConfig)> = Vec::new();
+        let mut none = None;
+        for positional in PositionalConfig::catalog(self.pos_dim) {
+            let name = match &positional {
+                PositionalConfig::SinusoidalAdd(_) => "sin_add".to_string(),
+                PositionalConfig::SinusoidalConcat(o) if o.project => "sin_concat_proj".into(),
+                PositionalConfig::SinusoidalConcat(_) => "sin_concat".into(),
+                // A second form of a scheme is named by its label: `untied_sinusoidal`.
+                p if out.iter().any(|(n, _)| n == p.name()) => p
+                    .scheme()
+                    .label()
+                    .replace(['(', ')', ','], "")
+                    .replace(' ', "_"),
+                p => p.name().to_string(),
+            };
+            match positional {
+                PositionalConfig::None(_) => none = Some((name, positional)),
+                PositionalConfig::Rope(o) => {
+                    let half = RopeOptions {
+                        pairing: RopePairing::Half,
+                        ..o
+                    };
+                    out.push((name, PositionalConfig::Rope(half.clone())));
+                    out.push((
+                        "rope_partial".into(),
+                        PositionalConfig::Rope(RopeOptions {
+                            fraction: 0.5,
+                            ..half
+                        }),
+                    ));
+                }
+                other => out.push((name, other)),
             }
-        })
+        }
+        out.extend(none);
+        out
+    }
+
+    /// The names of [`Shape::variants`], in order.
+    pub fn variant_names(&self) -> Vec<String> {
+        self.variants().into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// The positional choice of a variant named as in [`Shape::variants`].
+    pub fn positional(&self, variant: &str) -> Result<PositionalConfig> {
+        self.variants()
+            .into_iter()
+            .find(|(n, _)| n == variant)
+            .map(|(_, p)| p)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "unknown bench variant `{variant}`: use {}",
+                    self.variant_names().join(", ")
+                ))
+            })
     }
 
     pub fn model_config(&self, variant: &str) -> Result<ModelConfig> {
@@ -144,7 +147,7 @@ impl Shape {
             positional: self.positional(variant)?,
         };
         config.validate()?;
-        crate::limits::check_batch(&config, self.batch, self.seq, true, "bench")
+        crate::limits::check_batch(&config.sizes(), self.batch, self.seq, true, "bench")
             .map_err(Error::Config)?;
         Ok(config)
     }
@@ -400,8 +403,9 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         let train = if options.train_reps > 0 {
             reset_peak_rss();
             crate::device::reset_peak_memory(&options.device);
-            let mut optimizer = AdamW::new(
-                params.vars(),
+            params.constrain(&model.encoder().constraints())?;
+            let mut optimizer = AdamW::from_store(
+                &params,
                 AdamWConfig {
                     beta1: 0.9,
                     beta2: 0.999,

@@ -340,6 +340,43 @@ impl ModelConfig {
         self.positional.token_dim(self.d_model)
     }
 
+    /// The sizes the positional scheme is built for.
+    pub fn scheme_shape(&self) -> crate::positional::SchemeShape {
+        crate::positional::SchemeShape {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            max_len: self.max_len,
+        }
+    }
+
+    /// The sizes the limits are checked on.
+    pub fn sizes(&self) -> crate::limits::Sizes {
+        crate::limits::Sizes {
+            d_model: self.d_model,
+            ffn_dim: self.ffn_dim,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            vocab_size: self.vocab_size,
+            max_len: self.max_len,
+        }
+    }
+
+    /// The number of trainable parameters (the encoder, without a head), counted without
+    /// overflow: the scheme's own, and those of the tokens and layers around it.
+    pub fn param_count(&self) -> u128 {
+        let (d, f, l) = (
+            self.d_model as u128,
+            self.ffn_dim as u128,
+            self.n_layers as u128,
+        );
+        let tokens = self.vocab_size as u128 * self.token_dim() as u128;
+        let positions = self.positional.param_count(&self.scheme_shape());
+        // q, k, v, o with biases; two LayerNorms; the feed-forward; a final LayerNorm.
+        let layer = 4 * d * d + 4 * d + 4 * d + 2 * d * f + f + d;
+        tokens + positions + l * layer + 2 * d
+    }
+
     /// Checks every field; the message names the field, the value and a fix.
     pub fn validate(&self) -> Result<()> {
         self.check().map_err(Error::Config)
@@ -405,13 +442,7 @@ impl ModelConfig {
             ));
         }
         if let Some(n) = self.random_positions {
-            if matches!(self.positional, PositionalConfig::None(_)) {
-                return Err(format!(
-                    "random_positions = {n} with positional `none`: a model without positions \
-                     has none to randomize, so this would be the plain model under another name; \
-                     remove random_positions"
-                ));
-            }
+            self.positional.scheme().check_random_positions(n)?;
             if n == 0 || n > crate::positional::MAX_POSITION {
                 return Err(format!(
                     "random_positions = {n} must be between 1 and {}: it is the range [0, N) \
@@ -435,9 +466,9 @@ impl ModelConfig {
                 self.embeddings.first_position, self.max_len
             ));
         }
-        self.positional.validate(self.d_model, self.head_dim())?;
+        self.positional.validate(&self.scheme_shape())?;
         // Sizes last: a clearer message about a wrong option comes first.
-        crate::limits::check_params(self)?;
+        crate::limits::check_params(self.param_count(), &self.sizes())?;
         let widest = self.d_model.max(self.head_dim());
         if (self.max_len as u128) * (widest as u128) > crate::positional::MAX_TABLE_VALUES as u128 {
             return Err(format!(

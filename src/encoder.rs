@@ -9,8 +9,9 @@
 //!
 //! EncoderLayer, pre-norm:  x = x + drop(attn(LN(x)));  x = x + drop(ffn(LN(x)))
 //!               post-norm: x = LN(x + drop(attn(x)));  x = LN(x + drop(ffn(x)))
-//! attn rotates q and k by the positions' RoPE tables (`rope`), or adds the positions' score
-//! bias to its scores (alibi | t5 | kerple | untied); padded keys get no weight.
+//! attn rotates q and k by the positions' RoPE tables (rope | prope), or adds the positions'
+//! score bias to its scores (alibi | t5 | kerple | fire | untied), or a bias computed from its
+//! own input (fox); padded keys get no weight.
 //! ```
 
 use std::sync::{Arc, Mutex};
@@ -25,8 +26,9 @@ use crate::nn::{
     encoder_layer, kernels_for, key_padding_bias, layer_norm, AttentionInputs, Dropout,
     FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, SelfAttention, SharedRng,
 };
+use crate::params::LowerBound;
 use crate::positional::{
-    InputPositions, LayerBiases, Placement, PositionalModule, Positions, SchemeShape,
+    BiasBatch, InputPositions, LayerBiases, Placement, PositionalModule, Positions, ScoreBias,
 };
 use crate::rng;
 
@@ -133,13 +135,41 @@ impl EncoderLayer {
     }
 
     /// # Shapes
-    /// - `xs`: `(b, t, d_model)`; `inputs`: the padding bias, rotation and score bias
+    /// - `xs`: `(b, t, d_model)`; `inputs`: the padding bias, rotation and score bias;
+    ///   `own`: a bias this layer computes from its attention input (FoX), in place of
+    ///   `inputs.score_bias`
     /// - returns `(b, t, d_model)`
-    fn forward_t(&self, xs: &Tensor, inputs: AttentionInputs, train: bool) -> Result<Tensor> {
+    fn forward_t(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        own: Option<OwnBias>,
+        train: bool,
+    ) -> Result<Tensor> {
+        let own_bias = |attn_input: &Tensor| -> Result<Option<Tensor>> {
+            match own {
+                Some(OwnBias { module, layer }) => module.input_bias(layer, attn_input),
+                None => Ok(None),
+            }
+        };
         if kernels_for(xs) == Kernels::Layer {
+            let bias = match (own, self.norm) {
+                (None, _) => None,
+                (Some(_), NormPlacement::Pre) => own_bias(&self.attn_norm.forward(xs)?)?,
+                (Some(_), NormPlacement::Post) => own_bias(xs)?,
+            };
+            let inputs = AttentionInputs {
+                score_bias: bias.as_ref().or(inputs.score_bias),
+                ..inputs
+            };
             return self.forward_fused(xs, inputs, train);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
+            let bias = own_bias(x)?;
+            let inputs = AttentionInputs {
+                score_bias: bias.as_ref().or(inputs.score_bias),
+                ..inputs
+            };
             let y = self.attn.forward_t(x, inputs, train)?;
             Ok(self.dropout.forward_t(&y, train)?)
         };
@@ -159,12 +189,19 @@ impl EncoderLayer {
     }
 }
 
+/// A score bias a layer computes from its own attention input: the module, and the layer.
+#[derive(Clone, Copy)]
+struct OwnBias<'a> {
+    module: &'a ScoreBias,
+    layer: usize,
+}
+
 /// A transformer encoder with a swappable positional scheme.
 ///
 /// The scheme acts in exactly one of three places, and [`PositionalModule`] says which: joined
 /// with the token embeddings (none, sinusoidal add or concat, learned), a rotation of q and k
-/// inside every attention layer (rope), or a bias on every layer's attention scores (alibi, t5,
-/// kerple, untied).
+/// inside every attention layer (rope, prope), or a bias on every layer's attention scores
+/// (alibi, t5, kerple, fire, untied, fox).
 #[derive(Debug)]
 pub struct Encoder {
     config: ModelConfig,
@@ -197,16 +234,8 @@ impl Encoder {
             },
         )?;
         let tok_emb = Embedding::new(tok_weight, d_tok);
-        let positional = PositionalModule::new(
-            &config.positional,
-            SchemeShape {
-                d_model: config.d_model,
-                n_heads: config.n_heads,
-                n_layers: config.n_layers,
-                max_len: config.max_len,
-            },
-            vb.clone(),
-        )?;
+        let positional =
+            PositionalModule::new(&config.positional, config.scheme_shape(), vb.clone())?;
         let extras = &config.embeddings;
         let type_emb = match extras.token_types {
             0 => None,
@@ -364,7 +393,12 @@ impl Encoder {
             PositionalModule::Input(input) => x = input.join(&x, positions)?, // (b, t, d_model)
             PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(positions)?),
             PositionalModule::ScoreBias(bias) => {
-                biases = Some(bias.layer_biases(positions, params, &device)?)
+                biases = Some(bias.layer_biases(&BiasBatch {
+                    positions,
+                    mask: Some(attention_mask),
+                    dtype: params,
+                    device: &device,
+                })?)
             }
         }
 
@@ -380,9 +414,9 @@ impl Encoder {
             let inputs = AttentionInputs {
                 key_padding: &padding,
                 rotary: rotary.as_ref(),
-                score_bias: biases.as_ref().map(|b| b.layer(i)),
+                score_bias: biases.as_ref().and_then(|b| b.layer(i)),
             };
-            x = layer.forward_t(&x, inputs, train)?;
+            x = layer.forward_t(&x, inputs, self.own_bias(biases.as_ref(), i), train)?;
         }
         let x = match &self.final_norm {
             Some(norm) => norm.forward(&x)?,
@@ -392,16 +426,36 @@ impl Encoder {
         Ok(x.to_dtype(params)?)
     }
 
-    /// Layer `i`'s score bias for `positions` (an attention-bias scheme), `(r, h, t, t)`:
-    /// what `analyze` shows of TUPE's position-to-position term and the learned KERPLE and T5
-    /// biases.
+    /// The layer's own bias where the scheme computes it from the layer's input (FoX).
+    fn own_bias<'a>(&'a self, biases: Option<&LayerBiases>, layer: usize) -> Option<OwnBias<'a>> {
+        match (&self.positional, biases) {
+            (PositionalModule::ScoreBias(module), Some(LayerBiases::FromInput)) => {
+                Some(OwnBias { module, layer })
+            }
+            _ => None,
+        }
+    }
+
+    /// Bounds the model's variables must stay within, as its modules declare them: an optimizer
+    /// applies them after every step ([`crate::train::optim::AdamW::constrain`]).
+    pub fn constraints(&self) -> Vec<LowerBound> {
+        self.positional.constraints()
+    }
+
+    /// Layer `i`'s score bias for `positions` of sequences with no padding (an attention-bias
+    /// scheme whose bias does not depend on the content), `(r, h, t, t)`: what `analyze` shows
+    /// of TUPE's position-to-position term and the learned KERPLE, T5 and FIRE biases.
     pub fn score_bias(&self, layer: usize, positions: &Positions) -> Result<Option<Tensor>> {
         match &self.positional {
-            PositionalModule::ScoreBias(bias) if layer < self.layers.len() => Ok(Some(
-                bias.layer_biases(positions, self.dtype(), self.device())?
-                    .layer(layer)
-                    .clone(),
-            )),
+            PositionalModule::ScoreBias(bias) if layer < self.layers.len() => {
+                let biases = bias.layer_biases(&BiasBatch {
+                    positions,
+                    mask: None,
+                    dtype: self.dtype(),
+                    device: self.device(),
+                })?;
+                Ok(biases.layer(layer).cloned())
+            }
             _ => Ok(None),
         }
     }
@@ -469,7 +523,7 @@ impl Encoder {
                 }
                 NormPlacement::Post => break,
             }
-            h = layer.forward_t(&h, AttentionInputs::padding(&padding), false)?;
+            h = layer.forward_t(&h, AttentionInputs::padding(&padding), None, false)?;
         }
         Ok(out)
     }
@@ -490,7 +544,12 @@ impl Encoder {
             PositionalModule::Input(input) => x = input.join(&x, &positions)?,
             PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(&positions)?),
             PositionalModule::ScoreBias(bias) => {
-                biases = Some(bias.layer_biases(&positions, x.dtype(), x.device())?)
+                biases = Some(bias.layer_biases(&BiasBatch {
+                    positions: &positions,
+                    mask: Some(attention_mask),
+                    dtype: x.dtype(),
+                    device: x.device(),
+                })?)
             }
         }
         let mut x = self.embedding_extras(x)?;
@@ -505,9 +564,9 @@ impl Encoder {
             let inputs = AttentionInputs {
                 key_padding: &padding,
                 rotary: rotary.as_ref(),
-                score_bias: biases.as_ref().map(|bias| bias.layer(i)),
+                score_bias: biases.as_ref().and_then(|bias| bias.layer(i)),
             };
-            x = layer.forward_t(&x, inputs, false)?;
+            x = layer.forward_t(&x, inputs, self.own_bias(biases.as_ref(), i), false)?;
         }
         debug_assert_eq!(out.first().map(|(q, _)| q.dim(0).unwrap_or(0)), Some(b));
         Ok(out)

@@ -150,7 +150,7 @@ impl<'a> Predictor<'a> {
         let encoder = self.loaded.model.encoder();
         // The tightest of: a learned table's rows, randomized positions' range, and the
         // longest text whose attention fits the memory limit.
-        let memory = crate::limits::longest_fitting(encoder.config(), 1, false);
+        let memory = crate::limits::longest_fitting(&encoder.config().sizes(), 1, false);
         let limit = [
             encoder
                 .max_positions()
@@ -268,7 +268,9 @@ impl<'a> Predictor<'a> {
             let start = *bounds.last().expect("bounds start at 0");
             let grown = longest.max(p.ids.len());
             let size = i - start + 1;
-            if size > BATCH || crate::limits::check_batch(config, size, grown, false, "").is_err() {
+            if size > BATCH
+                || crate::limits::check_batch(&config.sizes(), size, grown, false, "").is_err()
+            {
                 bounds.push(i);
                 longest = p.ids.len();
             } else {

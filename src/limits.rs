@@ -6,9 +6,18 @@
 //! `POSLAB_MAX_PARAMS` (a number of parameters) and `POSLAB_MAX_MEMORY` (bytes, with an optional
 //! `K`, `M`, `G` or `T` suffix, powers of 1024).
 
-use crate::config::ModelConfig;
 use crate::io::human_bytes;
-use crate::positional::PositionalConfig;
+
+/// The sizes of a model that its limits are checked on.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub d_model: usize,
+    pub ffn_dim: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    pub vocab_size: usize,
+    pub max_len: usize,
+}
 
 /// Default most parameters: 2^31 (8 GiB of f32 weights; with gradients and AdamW's two
 /// moments, 32 GiB).
@@ -28,41 +37,10 @@ pub fn max_memory() -> std::result::Result<u64, String> {
     Ok(crate::env::size_var("POSLAB_MAX_MEMORY")?.unwrap_or(DEFAULT_MAX_MEMORY))
 }
 
-/// The number of trainable parameters of `config` (the encoder, without a head), counted
-/// without overflow.
-pub fn param_count(config: &ModelConfig) -> u128 {
-    let (d, f, l, h) = (
-        config.d_model as u128,
-        config.ffn_dim as u128,
-        config.n_layers as u128,
-        config.n_heads as u128,
-    );
-    let (v, t) = (config.vocab_size as u128, config.max_len as u128);
-    let tokens = v * config.token_dim() as u128;
-    let positions = match &config.positional {
-        PositionalConfig::Learned(_) => t * d,
-        PositionalConfig::SinusoidalConcat(o) if o.project => (d + o.pos_dim as u128) * d + d,
-        PositionalConfig::T5(o) => o.buckets as u128 * h,
-        PositionalConfig::Kerple(_) => 2 * h * l,
-        PositionalConfig::Untied(_) => {
-            2 * d * d
-                + if config.positional.has_learned_table() {
-                    t * d
-                } else {
-                    0
-                }
-        }
-        _ => 0,
-    };
-    // q, k, v, o with biases; two LayerNorms; the feed-forward; a final LayerNorm.
-    let layer = 4 * d * d + 4 * d + 4 * d + 2 * d * f + f + d;
-    tokens + positions + l * layer + 2 * d
-}
-
 /// Bytes a batch of `batch` sequences of `t` tokens needs at its peak: in training, what every
 /// layer keeps for the backward pass (about `8 d + 2 ffn` values per token and the `h t²`
 /// attention weights); in inference, one layer's worth. f32 values.
-pub fn activation_bytes(config: &ModelConfig, batch: usize, t: usize, training: bool) -> u128 {
+pub fn activation_bytes(config: &Sizes, batch: usize, t: usize, training: bool) -> u128 {
     let (b, t) = (batch as u128, t as u128);
     let (d, f, h) = (
         config.d_model as u128,
@@ -74,9 +52,8 @@ pub fn activation_bytes(config: &ModelConfig, batch: usize, t: usize, training: 
     4 * per_layer * layers
 }
 
-/// Refuses a model with more parameters than [`max_params`]: the message gives the count.
-pub fn check_params(config: &ModelConfig) -> std::result::Result<(), String> {
-    let n = param_count(config);
+/// Refuses a model of `n` parameters, more than [`max_params`]: the message gives the count.
+pub fn check_params(n: u128, config: &Sizes) -> std::result::Result<(), String> {
     let max = max_params()?;
     if n > max as u128 {
         return Err(format!(
@@ -97,7 +74,7 @@ pub fn check_params(config: &ModelConfig) -> std::result::Result<(), String> {
 /// Refuses a batch whose activations would need more than [`max_memory`]; `what` says where
 /// the batch comes from, for the message.
 pub fn check_batch(
-    config: &ModelConfig,
+    config: &Sizes,
     batch: usize,
     t: usize,
     training: bool,
@@ -141,7 +118,7 @@ pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), Strin
 }
 
 /// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
-pub fn longest_fitting(config: &ModelConfig, batch: usize, training: bool) -> usize {
+pub fn longest_fitting(config: &Sizes, batch: usize, training: bool) -> usize {
     let (mut lo, mut hi) = (1usize, 1usize << 24);
     let max = max_memory().unwrap_or(DEFAULT_MAX_MEMORY) as u128;
     while lo < hi {
@@ -161,7 +138,7 @@ fn human(n: u128) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::config::ModelConfig;
 
     #[test]
     fn counts_match_a_built_model() {
@@ -171,6 +148,9 @@ mod tests {
             "kind = \"learned\"",
             "kind = \"t5\"",
             "kind = \"kerple\"",
+            "kind = \"fire\"\nwidth = 5",
+            "kind = \"fox\"",
+            "kind = \"prope\"",
             "kind = \"untied\"",
             "kind = \"sinusoidal_concat\"\npos_dim = 4\nproject = true",
             "kind = \"sinusoidal_concat\"\npos_dim = 4",
@@ -178,10 +158,11 @@ mod tests {
             let config = ModelConfig::from_toml_str(&format!("{text}{positional}")).unwrap();
             let store = crate::ParamStore::new(0);
             crate::Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
-            // The count includes a key bias every scheme but rope drops (softmax cancels it).
-            let key_biases = 16 * 2;
+            // The count includes a key bias, which schemes without a rotation drop (softmax cancels it).
+            let rotated = config.positional.placement() == crate::Placement::Attention;
+            let key_biases = if rotated { 0 } else { 16 * 2 };
             assert_eq!(
-                param_count(&config),
+                config.param_count(),
                 (store.num_params() + key_biases) as u128,
                 "{positional}"
             );

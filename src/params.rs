@@ -14,6 +14,14 @@ use rand_distr::StandardNormal;
 use crate::error::{Error, Result};
 use crate::rng;
 
+/// A variable that must stay at or above `min`: declared by the module that creates it (KERPLE's
+/// `r1`, `r2`), applied by the optimizer after every step ([`crate::train::optim::AdamW::constrain`]).
+#[derive(Clone, Debug)]
+pub struct LowerBound {
+    pub var: Tensor,
+    pub min: f64,
+}
+
 /// Every trainable variable of a model, by name (`layers.0.attn.q.weight`, ...).
 ///
 /// It is the `VarBuilder` backend models are built from: each variable is drawn from the named
@@ -24,6 +32,8 @@ use crate::rng;
 pub struct ParamStore {
     seed: u64,
     vars: Arc<Mutex<BTreeMap<String, Var>>>,
+    /// The least value of each bounded variable, by name, as its module declared it.
+    bounds: Arc<Mutex<BTreeMap<String, f64>>>,
 }
 
 impl ParamStore {
@@ -31,7 +41,42 @@ impl ParamStore {
         Self {
             seed,
             vars: Arc::default(),
+            bounds: Arc::default(),
         }
+    }
+
+    /// Holds `bounds` (a model's [`crate::Encoder::constraints`]): loads refuse values below
+    /// them, and an optimizer built by [`crate::train::optim::AdamW::from_store`] keeps the
+    /// variables at or above them. A bound on a tensor that is not one of the store's variables
+    /// is an error.
+    pub fn constrain(&self, bounds: &[LowerBound]) -> Result<()> {
+        let vars = self.lock();
+        let mut held = self.bounds.lock().expect("parameter bounds lock poisoned");
+        for bound in bounds {
+            let id = bound.var.id();
+            let name = vars
+                .iter()
+                .find(|(_, v)| v.as_tensor().id() == id)
+                .map(|(n, _)| n.clone())
+                .ok_or_else(|| {
+                    Error::Config(
+                        "a bounded tensor is not a variable of this store: constrain the store \
+                         the model was built from"
+                            .into(),
+                    )
+                })?;
+            held.insert(name, bound.min);
+        }
+        Ok(())
+    }
+
+    /// The least value of the variable `name`, if it is bounded.
+    pub fn bound(&self, name: &str) -> Option<f64> {
+        self.bounds
+            .lock()
+            .expect("parameter bounds lock poisoned")
+            .get(name)
+            .copied()
     }
 
     pub fn seed(&self) -> u64 {
@@ -207,7 +252,7 @@ impl ParamStore {
                     "tensor `{name}` holds {v} at flat index {i}: the file is corrupt, or was \
                      saved from a run that diverged; use another checkpoint"
                 ));
-            } else if let Some(lo) = crate::positional::lower_bound(name) {
+            } else if let Some(lo) = self.bound(name) {
                 if let Some(v) = values.iter().find(|&&v| v < lo) {
                     bad_values.push(format!(
                         "tensor `{name}` holds {v}, below its least value {lo} (it must stay \

@@ -125,13 +125,14 @@ pub fn load_as(
     // The weights file must hold at least what the config describes, before the model is
     // built at the config's size (a vocab_size edited to 60,000,000 would allocate gigabytes).
     let mut weights = crate::weights::WeightsFile::open(&dir.join(WEIGHTS))?;
-    weights.check_holds(crate::limits::param_count(&config.model), "config.json")?;
+    weights.check_holds(config.model.param_count(), "config.json")?;
     let params = ParamStore::new(0);
     let model = TaskModel::new(
         &config.model,
         &config.head,
         params.var_builder(dtype, device),
     )?;
+    params.constrain(&model.encoder().constraints())?;
     params.load_file(&mut weights)?;
     Ok(Loaded {
         model,

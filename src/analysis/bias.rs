@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::io::write_atomic;
 use crate::params::ParamStore;
 use crate::positional::{
-    t5_bucket, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
+    t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape,
 };
 
 /// One head's bias over positions `0..P`.
@@ -226,70 +226,32 @@ pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<Bias
     // A learned table (TUPE's learned source) holds only its rows.
     let positions = positions.min(encoder.max_positions().unwrap_or(usize::MAX));
     let range = Positions::range(0, positions)?;
-    let layers = match module {
-        ScoreBias::Kerple(k) => k.len(),
-        _ => 1,
+    let layers = if module.per_layer() {
+        config.n_layers
+    } else {
+        1
     };
-    let blocks = (0..layers)
-        .map(|l| {
-            let bias = encoder
-                .score_bias(l, &range)?
-                .expect("an attention-bias scheme has a score bias");
-            Ok(bias.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut blocks = Vec::new();
+    for l in 0..layers {
+        // A contextual bias (FoX) has no bias of positions alone.
+        let Some(bias) = encoder.score_bias(l, &range)? else {
+            return Ok(None);
+        };
+        blocks.push(bias.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?);
+    }
     let name = config.positional.name();
     let mut analysis = BiasAnalysis::from_layers(
         format!("{name}: the score bias every layer adds"),
         &blocks,
         config.n_heads,
         positions,
-        name == "untied",
+        module.absolute(),
     );
     if layers > 1 {
         analysis.title = format!("{name}: each layer's score bias");
     }
-    analysis.notes = notes(module)?;
+    analysis.notes = module.notes()?;
     Ok(Some(analysis))
-}
-
-/// Scheme facts for the summary: ALiBi's slopes, T5's table size, KERPLE's parameters.
-fn notes(module: &ScoreBias) -> Result<Vec<String>> {
-    let list = |v: &[f64]| {
-        v.iter()
-            .map(|x| format!("{x:.4}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    Ok(match module {
-        ScoreBias::Alibi(a) => vec![format!("slopes per head: {}", list(a.slopes()))],
-        ScoreBias::T5(t) => vec![format!(
-            "{} buckets (max_distance {}): exact offsets up to ±{}, then logarithmic buckets",
-            t.buckets(),
-            t.max_distance(),
-            t.buckets() / 4 - 1
-        )],
-        ScoreBias::Kerple(layers) => layers
-            .iter()
-            .enumerate()
-            .map(|(l, k)| {
-                let (r1, r2) = k.params();
-                let v = |t: &candle::Tensor| -> Result<Vec<f64>> {
-                    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
-                };
-                Ok(format!(
-                    "layer {l}: r1 = [{}], r2 = [{}]",
-                    list(&v(r1)?),
-                    list(&v(r2)?)
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?,
-        ScoreBias::Untied(_) => vec![
-            "TUPE's position-to-position term (p_i U_q)·(p_j U_k)/sqrt(2 d_head): absolute; the \
-             offset share says how much of it depends on j - i alone"
-                .into(),
-        ],
-    })
 }
 
 /// A scheme's bias by name, for `heads` heads over `positions` positions: ALiBi's fixed bias,
@@ -329,20 +291,38 @@ pub fn scheme_biases(
         return Ok(a);
     }
     let params = ParamStore::new(0);
-    let module = ScoreBias::new(
+    let shape = SchemeShape {
+        d_model: heads * 2,
+        n_heads: heads,
+        n_layers: 1,
+        max_len: positions,
+    };
+    let PositionalModule::ScoreBias(module) = PositionalModule::new(
         positional,
-        SchemeShape {
-            d_model: heads * 2,
-            n_heads: heads,
-            n_layers: 1,
-            max_len: positions,
-        },
+        shape,
         params.var_builder(DType::F64, &Device::Cpu),
-    )?;
-    let bias = module.layer_biases(&range, DType::F64, &Device::Cpu)?;
-    let values = bias.layer(0).flatten_all()?.to_vec1::<f64>()?;
+    )?
+    else {
+        return Err(Error::Config(format!(
+            "`{}` is not an attention-bias scheme",
+            positional.name()
+        )));
+    };
+    let biases = module.layer_biases(&BiasBatch {
+        positions: &range,
+        mask: None,
+        dtype: DType::F64,
+        device: &Device::Cpu,
+    })?;
+    let bias = biases.layer(0).ok_or_else(|| {
+        Error::Config(format!(
+            "`{}` computes its bias from the content: analyse a trained model (--run)",
+            positional.name()
+        ))
+    })?;
+    let values = bias.flatten_all()?.to_vec1::<f64>()?;
     let name = positional.name();
-    let what = if name == "kerple" {
+    let what = if params.num_params() > 0 {
         "at initialisation (seed 0)"
     } else {
         "fixed"
@@ -354,7 +334,7 @@ pub fn scheme_biases(
         positions,
         false,
     );
-    a.notes = notes(&module)?;
+    a.notes = module.notes()?;
     Ok(a)
 }
 

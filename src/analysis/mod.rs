@@ -152,12 +152,9 @@ pub fn fixed_table(
         PositionalConfig::Untied(o) if o.source == crate::positional::UntiedSource::Sinusoidal => {
             Some(Table::sinusoidal(d_model, o.base(), o.layout(), rows, 0))
         }
-        PositionalConfig::None(_)
-        | PositionalConfig::Learned(_)
-        | PositionalConfig::Alibi(_)
-        | PositionalConfig::T5(_)
-        | PositionalConfig::Kerple(_)
-        | PositionalConfig::Untied(_) => None,
+        // Learned tables are read from the weights; the other schemes have no table (p-RoPE's
+        // frequencies are drawn as a spectrum: `analysis::rope::spectrum`).
+        _ => None,
     }
 }
 

@@ -9,9 +9,9 @@ use anyhow::{Context, Result};
 /// of shared/bench/torch_reference.py by default), with FLOP counts and peak memory.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Variants (sin_add, sin_concat, sin_concat_proj, learned, rope, rope_partial, alibi, t5,
-    /// kerple, untied, none); default all but none (with --torch: the five the PyTorch
-    /// reference has).
+    /// Variants: every scheme with its default options (sin_add, sin_concat, sin_concat_proj,
+    /// learned, rope, rope_partial, prope, alibi, t5, kerple, fire, untied, untied_sinusoidal,
+    /// fox, none); default all but none (with --torch: the five the PyTorch reference has).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     #[arg(long, default_value_t = 8192)]
@@ -118,15 +118,12 @@ pub fn run(a: Args) -> Result<()> {
     });
     let device = poslab::device::parse_device(&args.device)?;
     let variants = if args.variants.is_empty() {
-        let pool: &[&str] = if args.torch.is_some() {
-            &poslab::bench::TORCH_VARIANTS
+        let pool: Vec<String> = if args.torch.is_some() {
+            poslab::bench::TORCH_VARIANTS.map(String::from).to_vec()
         } else {
-            &poslab::bench::VARIANTS
+            args.shape.variant_names()
         };
-        pool.iter()
-            .filter(|v| **v != "none")
-            .map(|s| s.to_string())
-            .collect()
+        pool.into_iter().filter(|v| v != "none").collect()
     } else {
         args.variants.clone()
     };

@@ -6,10 +6,6 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use poslab::experiment::folder::{self, FolderKind};
 use poslab::experiment::{report, single, ExperimentConfig, Selection};
-use poslab::positional::{
-    ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions, T5Options,
-    UntiedOptions, UntiedSource,
-};
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 /// Validate a config and say what it holds: a model config (its shape, where positions act,
@@ -358,7 +354,10 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
             config.dtype
         );
     }
-    outln!("positional: {}", describe(&config.positional, &config));
+    outln!(
+        "positional: {}",
+        config.positional.scheme().describe(&config.scheme_shape())
+    );
     outln!("where: {}", config.positional.placement());
     let extras = &config.embeddings;
     if !extras.is_none() {
@@ -383,34 +382,12 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
         PositionalConfig::SinusoidalConcat(o) => o.pos_dim,
         _ => (config.d_model / 4).max(2) & !1,
     };
-    let concat = |project| {
-        PositionalConfig::SinusoidalConcat(ConcatOptions {
-            pos_dim,
-            base: poslab::positional::DEFAULT_BASE,
-            layout: Default::default(),
-            project,
-        })
-    };
-    let mut schemes = vec![
-        PositionalConfig::None(NoOptions {}),
-        PositionalConfig::SinusoidalAdd(SinusoidalOptions::default()),
-        concat(false),
-        concat(true),
-        PositionalConfig::Learned(LearnedOptions::default()),
-        PositionalConfig::Rope(RopeOptions::default()),
-        PositionalConfig::Alibi(NoOptions {}),
-        PositionalConfig::T5(T5Options::default()),
-        PositionalConfig::Kerple(NoOptions {}),
-        PositionalConfig::Untied(UntiedOptions::default()),
-        PositionalConfig::Untied(UntiedOptions {
-            source: UntiedSource::Sinusoidal,
-            ..Default::default()
-        }),
-    ];
+    let mut schemes = PositionalConfig::catalog(pos_dim);
+    let label = |p: &PositionalConfig| p.scheme().label();
     // The configured scheme with its own options, in place of its default-options row.
     match schemes
         .iter()
-        .position(|s| label(s, pos_dim) == label(&config.positional, pos_dim))
+        .position(|s| label(s) == label(&config.positional))
     {
         Some(i) => schemes[i] = config.positional.clone(),
         None => schemes.push(config.positional.clone()),
@@ -427,7 +404,7 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
         "total"
     );
     for positional in schemes {
-        let label = label(&positional, pos_dim);
+        let label = label(&positional);
         let marker = if positional == config.positional {
             "*"
         } else {
@@ -465,25 +442,17 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
     Ok(())
 }
 
-/// A scheme's row label: its name, with the options that tell rows apart.
-fn label(positional: &PositionalConfig, pos_dim: usize) -> String {
-    match positional {
-        PositionalConfig::SinusoidalConcat(o) if o.project => {
-            format!("sinusoidal_concat (pos_dim {pos_dim}, project)")
-        }
-        PositionalConfig::SinusoidalConcat(_) => format!("sinusoidal_concat (pos_dim {pos_dim})"),
-        PositionalConfig::Untied(o) if o.source == UntiedSource::Sinusoidal => {
-            "untied (sinusoidal)".into()
-        }
-        PositionalConfig::Untied(_) => "untied (learned)".into(),
-        other => other.name().to_string(),
-    }
-}
-
-/// Parameters by group, from the names in the store.
+/// Parameters by group: the scheme's own (as its module holds them), then the others by the
+/// layer they belong to.
 fn parameter_groups(config: &ModelConfig) -> Result<Vec<(&'static str, usize)>> {
     let store = ParamStore::new(0);
-    Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu))?;
+    let encoder = Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu))?;
+    let positional: std::collections::HashSet<_> = encoder
+        .positional()
+        .parameters()
+        .iter()
+        .map(|t| t.id())
+        .collect();
     let mut groups = vec![
         ("token embedding", 0),
         ("positions", 0),
@@ -492,13 +461,10 @@ fn parameter_groups(config: &ModelConfig) -> Result<Vec<(&'static str, usize)>> 
         ("layer norms", 0),
     ];
     for (name, var) in store.vars() {
-        let group = if name.starts_with("tok_emb") || name.starts_with("type_emb") {
-            0
-        } else if name.starts_with("pos_")
-            || name.starts_with("rel_bias")
-            || name.contains(".kerple.")
-        {
+        let group = if positional.contains(&var.as_tensor().id()) {
             1
+        } else if name.starts_with("tok_emb") || name.starts_with("type_emb") {
+            0
         } else if name.contains(".attn.") {
             2
         } else if name.contains(".ffn.") {
@@ -509,59 +475,4 @@ fn parameter_groups(config: &ModelConfig) -> Result<Vec<(&'static str, usize)>> 
         groups[group].1 += var.elem_count();
     }
     Ok(groups)
-}
-
-fn describe(positional: &PositionalConfig, config: &ModelConfig) -> String {
-    let d = config.d_model;
-    let (h, dh) = (config.n_heads, config.head_dim());
-    match positional {
-        PositionalConfig::None(_) => "no positions (the bag-of-words control)".into(),
-        PositionalConfig::SinusoidalAdd(o) => format!(
-            "input side: tokens + sinusoid ({d} wide, base {}, {} layout)",
-            o.base, o.layout
-        ),
-        PositionalConfig::SinusoidalConcat(o) if o.project => format!(
-            "input side: [tokens {d} ; sinusoid {}] projected back to {d} (base {}, {} layout)",
-            o.pos_dim, o.base, o.layout
-        ),
-        PositionalConfig::SinusoidalConcat(o) => format!(
-            "input side: [tokens {} ; sinusoid {}] = {d} (base {}, {} layout)",
-            d - o.pos_dim,
-            o.pos_dim,
-            o.base,
-            o.layout
-        ),
-        PositionalConfig::Learned(o) => format!(
-            "input side: tokens + learned table ({} x {d}, init N(0, {:.4}))",
-            config.max_len, o.init_std
-        ),
-        PositionalConfig::Rope(o) => format!(
-            "attention side: q and k rotated in every layer (head {dh}, base {}, {} pairing)",
-            o.base, o.pairing
-        ),
-        PositionalConfig::Alibi(_) => {
-            let slopes = poslab::positional::alibi_slopes(h);
-            format!(
-                "attention bias: -slope_h |i - j| on every layer's scores, {h} slopes {:.4}..{:.4} (Press et al.), no weights",
-                slopes.first().copied().unwrap_or(0.0),
-                slopes.last().copied().unwrap_or(0.0)
-            )
-        }
-        PositionalConfig::T5(o) => format!(
-            "attention bias: a learned ({} buckets x {h} heads) table shared by all layers, by T5's bucket of j - i (max_distance {})",
-            o.buckets, o.max_distance
-        ),
-        PositionalConfig::Kerple(_) => format!(
-            "attention bias: -r1_h ln(1 + r2_h |i - j|), r1 and r2 learned per head and layer ({h} x {} each, kept >= {})",
-            config.n_layers,
-            poslab::positional::KERPLE_MIN
-        ),
-        PositionalConfig::Untied(o) => format!(
-            "attention bias: (p_i U_q)_h . (p_j U_k)_h / sqrt(2 x {dh}) in every layer, content scores scaled by 1/sqrt(2 x {dh}); p from {}, U_q and U_k ({d} x {d}) shared by all layers",
-            match o.source {
-                UntiedSource::Learned => format!("a learned table ({} x {d})", config.max_len),
-                UntiedSource::Sinusoidal => format!("the sinusoid ({d} wide, base {}, {} layout)", o.base(), o.layout()),
-            }
-        ),
-    }
 }

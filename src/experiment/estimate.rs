@@ -91,7 +91,7 @@ pub fn estimate(config: &ExperimentConfig, selection: &Selection) -> Result<Esti
             + (1 + rescorings) as f64 * tests.iter().map(|&l| per_token(l)).sum::<f64>();
         out.push(CellEstimate {
             name: config.cell_name((t, v, seed)),
-            params: crate::limits::param_count(&model),
+            params: model.param_count(),
             steps,
             tokens_per_step,
             train_flop,

@@ -284,7 +284,7 @@ impl Prepared<'_> {
             .max()
             .unwrap_or(0);
         crate::limits::check_batch(
-            config,
+            &config.sizes(),
             train_batch,
             training,
             true,
@@ -293,7 +293,7 @@ impl Prepared<'_> {
         .map_err(Error::Config)?;
         let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
         crate::limits::check_batch(
-            config,
+            &config.sizes(),
             eval_batch,
             testing,
             false,
@@ -590,25 +590,7 @@ fn run_cell(
         },
         d_model: model_config.d_model,
         token_dim: model_config.token_dim(),
-        width: match &variant.positional {
-            PositionalConfig::SinusoidalConcat(o) if o.project => {
-                format!(
-                    "{}+{}->{}",
-                    model_config.token_dim(),
-                    o.pos_dim,
-                    model_config.d_model
-                )
-            }
-            PositionalConfig::SinusoidalConcat(o) => {
-                format!(
-                    "{} = {}+{}",
-                    model_config.d_model,
-                    model_config.token_dim(),
-                    o.pos_dim
-                )
-            }
-            _ => model_config.d_model.to_string(),
-        },
+        width: variant.positional.scheme().width(model_config.d_model),
         random_positions: variant.random_positions,
     };
     let result = CellResult {

@@ -570,6 +570,7 @@ fn run(
         &task.head,
         params.var_builder(DType::F32, &options.device),
     )?;
+    params.constrain(&model.encoder().constraints())?;
     if let Some(start) = &start {
         start.assign(&params)?;
     }

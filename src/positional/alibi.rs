@@ -7,9 +7,44 @@
 //! to its scaled scores. Nothing is learned; the slopes are a geometric sequence per head.
 
 use candle::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 
-use super::Positions;
+use super::{
+    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Positions, Scheme,
+    SchemeShape, ScoreBias,
+};
 use crate::error::Result;
+
+/// The `alibi` scheme (its options are [`super::NoOptions`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AlibiScheme;
+
+impl Scheme for AlibiScheme {
+    fn name(&self) -> &'static str {
+        "alibi"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        let h = shape.n_heads;
+        let slopes = alibi_slopes(h);
+        format!(
+            "attention bias: -slope_h |i - j| on every layer's scores, {h} slopes {:.4}..{:.4} \
+             (Press et al.), no weights",
+            slopes.first().copied().unwrap_or(0.0),
+            slopes.last().copied().unwrap_or(0.0)
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Alibi::new(
+            shape.n_heads,
+        ))))
+    }
+}
 
 /// Press et al.'s slopes for `heads` heads. For a power of two `n`: `2^(-8h/n)`, `h = 1..n`.
 /// Otherwise the slopes of the nearest lower power of two `m`, then every other slope of `2m`
@@ -68,6 +103,31 @@ impl Alibi {
         Ok(Tensor::from_vec(out, (r, h, t, t), &Device::Cpu)?
             .to_dtype(dtype)?
             .to_device(device)?)
+    }
+}
+
+impl BiasModule for Alibi {
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
+        Ok(LayerBiases::Shared(self.bias(
+            batch.positions,
+            batch.dtype,
+            batch.device,
+        )?))
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        Ok(vec![format!(
+            "slopes per head: {}",
+            super::list(&self.slopes)
+        )])
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -6,7 +6,7 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::nn::Linear;
 
-use super::{sinusoidal_table, PositionTable, PositionalConfig, Positions};
+use super::{sinusoidal_table, PositionTable, Positions, TableLayout};
 use crate::error::{Error, Result};
 
 /// How positions join the token embeddings. RoPE and the attention biases act elsewhere (inside
@@ -86,47 +86,33 @@ impl LearnedPositions {
 }
 
 impl InputPositions {
-    /// Builds the input side of `config` under `vb` (`pos_emb.weight` for a learned table,
-    /// `pos_proj.*` for a projected concatenation).
-    pub fn new(
-        config: &PositionalConfig,
-        d_model: usize,
-        max_len: usize,
-        vb: VarBuilder,
-    ) -> Result<Self> {
-        let (dtype, device) = (vb.dtype(), vb.device().clone());
-        let table = |width: usize, base: f64, layout| {
-            PositionTable::new(width, max_len, dtype, &device, move |n| {
-                sinusoidal_table(0, n, width, base, layout)
-            })
-        };
-        Ok(match config {
-            PositionalConfig::None(_)
-            | PositionalConfig::Rope(_)
-            | PositionalConfig::Alibi(_)
-            | PositionalConfig::T5(_)
-            | PositionalConfig::Kerple(_)
-            | PositionalConfig::Untied(_) => Self::None,
-            PositionalConfig::SinusoidalAdd(o) => Self::Add(table(d_model, o.base, o.layout)?),
-            PositionalConfig::SinusoidalConcat(o) => Self::Concat {
-                table: table(o.pos_dim, o.base, o.layout)?,
-                projection: if o.project {
-                    Some(crate::nn::linear(
-                        d_model + o.pos_dim,
-                        d_model,
-                        vb.pp("pos_proj"),
-                    )?)
-                } else {
-                    None
-                },
-            },
-            PositionalConfig::Learned(o) => Self::Learned(LearnedPositions::new(
-                max_len,
-                d_model,
-                o.init_std,
-                vb.pp("pos_emb"),
-            )?),
+    /// A fixed sinusoid `width` wide (for `initial_rows` positions to start with).
+    pub fn sinusoid(
+        width: usize,
+        base: f64,
+        layout: TableLayout,
+        initial_rows: usize,
+        vb: &VarBuilder,
+    ) -> Result<PositionTable> {
+        PositionTable::new(width, initial_rows, vb.dtype(), vb.device(), move |n| {
+            sinusoidal_table(0, n, width, base, layout)
         })
+    }
+
+    /// The trainable tensors: a learned table, the concatenation's projection.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        match self {
+            Self::Learned(l) => vec![l.weight().clone()],
+            Self::Concat {
+                projection: Some(p),
+                ..
+            } => {
+                let mut v = vec![p.weight().clone()];
+                v.extend(p.bias().cloned());
+                v
+            }
+            Self::None | Self::Add(_) | Self::Concat { .. } => Vec::new(),
+        }
     }
 
     /// The longest input this scheme can take, where there is a limit (a learned table).

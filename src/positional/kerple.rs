@@ -13,17 +13,109 @@
 //! uniform in `[KERPLE_MIN, 2]` (`r1`) and `[KERPLE_MIN, 1]` (`r2`), KERPLE's `U(0, 2)` and
 //! `U(0, 1)` above its clamp, drawn from the seeded generator; they are not weight-decayed.
 
-use candle::Tensor;
+use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 
+use super::score_bias::distance_tensor;
+use super::{
+    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+};
 use crate::error::Result;
+use crate::params::LowerBound;
 
 /// The least value of `r1` and `r2` (KERPLE's clamp).
 pub const KERPLE_MIN: f64 = 1e-2;
 
-/// The projection bound of a variable named `name`, if it is a KERPLE parameter.
-pub(super) fn lower_bound(name: &str) -> Option<f64> {
-    (name.ends_with(".kerple.r1") || name.ends_with(".kerple.r2")).then_some(KERPLE_MIN)
+/// The `kerple` scheme (its options are [`super::NoOptions`]).
+#[derive(Clone, Copy, Debug)]
+pub struct KerpleScheme;
+
+impl Scheme for KerpleScheme {
+    fn name(&self) -> &'static str {
+        "kerple"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        2 * shape.n_heads as u128 * shape.n_layers as u128
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias: -r1_h ln(1 + r2_h |i - j|), r1 and r2 learned per head and layer \
+             ({} x {} each, kept >= {KERPLE_MIN})",
+            shape.n_heads, shape.n_layers
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let layers = (0..shape.n_layers)
+            .map(|i| Kerple::new(shape.n_heads, vb.pp(format!("layers.{i}.attn.kerple"))))
+            .collect::<Result<_>>()?;
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(KerpleLayers(
+            layers,
+        ))))
+    }
+}
+
+/// Every layer's KERPLE parameters.
+#[derive(Clone, Debug)]
+pub struct KerpleLayers(pub Vec<Kerple>);
+
+impl BiasModule for KerpleLayers {
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
+        let distances = distance_tensor(batch.positions, batch.dtype, batch.device)?;
+        Ok(LayerBiases::PerLayer(
+            self.0
+                .iter()
+                .map(|k| k.bias(&distances))
+                .collect::<Result<_>>()?,
+        ))
+    }
+
+    fn per_layer(&self) -> bool {
+        true
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        let v = |t: &Tensor| -> Result<Vec<f64>> { Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?) };
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(l, k)| {
+                Ok(format!(
+                    "layer {l}: r1 = [{}], r2 = [{}]",
+                    super::list(&v(&k.r1)?),
+                    super::list(&v(&k.r2)?)
+                ))
+            })
+            .collect()
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        self.0
+            .iter()
+            .flat_map(|k| [k.r1.clone(), k.r2.clone()])
+            .collect()
+    }
+
+    /// `r1` and `r2` stay at or above [`KERPLE_MIN`], where they were created.
+    fn constraints(&self) -> Vec<LowerBound> {
+        self.parameters()
+            .into_iter()
+            .map(|var| LowerBound {
+                var,
+                min: KERPLE_MIN,
+            })
+            .collect()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// One layer's KERPLE parameters.

@@ -5,46 +5,67 @@
 //! - **input side** ([`InputPositions`]): positions join the token embeddings before the first
 //!   layer, by addition (`sinusoidal_add`, `learned`) or by concatenation (`sinusoidal_concat`);
 //!   `none` is the bag-of-words control;
-//! - **rotation inside attention** ([`Rope`]): q and k are rotated by position in every layer;
-//! - **a bias on the attention scores** ([`ScoreBias`]): every layer adds a term of the two
-//!   tokens' positions to its scores: a fixed distance penalty (`alibi`), a learned table of
-//!   distance buckets (`t5`), a learned kernel of the distance (`kerple`), or the correlation of
-//!   two learned or sinusoidal absolute positions (`untied`, TUPE).
+//! - **rotation inside attention** ([`Rope`]): q and k are rotated by position in every layer
+//!   (`rope`, and `prope`, which rotates only RoPE's fastest frequencies);
+//! - **a bias on the attention scores** ([`ScoreBias`]): every layer adds a term to its scores:
+//!   a fixed distance penalty (`alibi`), a learned table of distance buckets (`t5`), a learned
+//!   kernel of the distance (`kerple`), a learned function of the normalised distance (`fire`),
+//!   the correlation of two absolute positions (`untied`, TUPE), or a decay each token sets from
+//!   its content (`fox`).
 //!
+//! Every scheme lives in its own file, which owns its options, their checks, its parameter
+//! count, its description, its module and its variables' constraints ([`Scheme`]).
+//! [`PositionalConfig`] names the choice, one variant per scheme carrying only the options that
+//! make sense for it, and dispatches to the scheme's file; nothing else matches on schemes.
 //! Every scheme reads each token's position from [`Positions`] (by default `0..t`; randomized
-//! positions draw them, see [`random_positions`]). One configuration enum,
-//! [`PositionalConfig`], names the choice; each variant carries only the options that make sense
-//! for it, so an invalid combination cannot be written down. The layers below (`crate::nn`) know
-//! no scheme: attention takes rotation tables and a score bias as plain tensors, built here.
+//! positions draw them, see [`random_positions`]). The layers below (`crate::nn`) know no
+//! scheme: attention takes rotation tables and a score bias as plain tensors, built here.
 
 mod alibi;
+mod fire;
+mod fox;
 mod input;
 mod kerple;
+mod learned;
+mod none;
 mod positions;
+mod prope;
 mod rope;
 mod rope_scaling;
+mod scheme;
 mod score_bias;
 pub(crate) mod sinusoidal;
+mod sinusoidal_add;
+mod sinusoidal_concat;
 mod t5;
 mod table;
 mod untied;
 
 pub use alibi::{alibi_slopes, Alibi};
+pub use fire::{Fire, FireOptions, MAX_FIRE_WIDTH};
+pub use fox::{Fox, FoxGates, FOX_GATE_BIAS};
 pub use input::{InputPositions, LearnedPositions};
-pub use kerple::{Kerple, KERPLE_MIN};
+pub use kerple::{Kerple, KerpleLayers, KERPLE_MIN};
+pub use learned::LearnedOptions;
 pub use positions::{random_batch_positions, random_positions, Positions, MAX_POSITION};
-pub use rope::Rope;
+pub use prope::{PropeOptions, Refused};
+pub use rope::{Rope, RopeOptions};
 pub use rope_scaling::{rope_frequencies, rotary_dim, Factor, RopeScaling};
-pub use score_bias::{LayerBiases, ScoreBias};
+pub use scheme::{Scheme, SchemeShape};
+pub use score_bias::{BiasBatch, BiasModule, LayerBiases, ScoreBias};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
-pub use t5::{t5_bucket, T5Bias};
+pub use sinusoidal_add::SinusoidalOptions;
+pub use sinusoidal_concat::ConcatOptions;
+pub use t5::{t5_bucket, T5Bias, T5Options};
 pub use table::{PositionTable, MAX_TABLE_VALUES};
-pub use untied::{Untied, UntiedRows};
+pub use untied::{Untied, UntiedOptions, UntiedRows, UntiedSource};
 
+use candle::Tensor;
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
+use crate::params::LowerBound;
 
 /// The default base of the sinusoid's geometric frequency ladder (Vaswani et al., 2017).
 pub const DEFAULT_BASE: f64 = 10_000.0;
@@ -52,14 +73,6 @@ pub const DEFAULT_BASE: f64 = 10_000.0;
 /// The standard deviation of a sinusoid entry over positions, `1/sqrt(2)`: a learned table starts
 /// at this scale so it joins the token embeddings with the same energy as the fixed table.
 pub const DEFAULT_LEARNED_INIT_STD: f64 = std::f64::consts::FRAC_1_SQRT_2;
-
-fn default_base() -> f64 {
-    DEFAULT_BASE
-}
-
-fn default_learned_init_std() -> f64 {
-    DEFAULT_LEARNED_INIT_STD
-}
 
 /// How the (sin, cos) pairs of a sinusoidal table are laid out along the width.
 ///
@@ -104,179 +117,11 @@ impl std::fmt::Display for RopePairing {
     }
 }
 
-/// Options of `sinusoidal_add`: the table is as wide as the model.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SinusoidalOptions {
-    #[serde(default = "default_base")]
-    pub base: f64,
-    #[serde(default)]
-    pub layout: TableLayout,
-}
-
-impl Default for SinusoidalOptions {
-    fn default() -> Self {
-        Self {
-            base: DEFAULT_BASE,
-            layout: TableLayout::default(),
-        }
-    }
-}
-
-/// Options of `sinusoidal_concat`: a `pos_dim` wide sinusoid appended after the token embeddings.
-///
-/// - `project = false` (default): token embeddings `d_model - pos_dim` wide, so the concatenation
-///   is `d_model` wide with no extra parameters;
-/// - `project = true`: token embeddings `d_model` wide, the `d_model + pos_dim` concatenation
-///   mapped back to `d_model` by a trained linear layer `pos_proj`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConcatOptions {
-    pub pos_dim: usize,
-    #[serde(default = "default_base")]
-    pub base: f64,
-    #[serde(default)]
-    pub layout: TableLayout,
-    #[serde(default)]
-    pub project: bool,
-}
-
-/// Options of `learned`: a trained `max_len x d_model` table added to the token embeddings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LearnedOptions {
-    /// Standard deviation of the normal initialisation (default `1/sqrt(2)`, the sinusoid's own).
-    #[serde(default = "default_learned_init_std")]
-    pub init_std: f64,
-}
-
-impl Default for LearnedOptions {
-    fn default() -> Self {
-        Self {
-            init_std: DEFAULT_LEARNED_INIT_STD,
-        }
-    }
-}
-
-fn default_fraction() -> f64 {
-    1.0
-}
-
-fn is_one(v: &f64) -> bool {
-    *v == 1.0
-}
-
-/// Options of `rope`: the base and pairing; `fraction`, the share of each head rotated (its
-/// first `int(d_head · fraction)` coordinates, an even number; the rest pass through); and
-/// `scaling`, how frequencies are stretched past the training length (see [`RopeScaling`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RopeOptions {
-    #[serde(default = "default_base")]
-    pub base: f64,
-    #[serde(default)]
-    pub pairing: RopePairing,
-    #[serde(default = "default_fraction", skip_serializing_if = "is_one")]
-    pub fraction: f64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scaling: Option<RopeScaling>,
-}
-
-impl RopeOptions {
-    /// The rotated width of a head of `head_dim`.
-    pub fn rotary_dim(&self, head_dim: usize) -> usize {
-        rotary_dim(head_dim, self.fraction)
-    }
-}
-
-impl Default for RopeOptions {
-    fn default() -> Self {
-        Self {
-            base: DEFAULT_BASE,
-            pairing: RopePairing::default(),
-            fraction: 1.0,
-            scaling: None,
-        }
-    }
-}
-
-/// `none`, `alibi` and `kerple` take no options; the empty struct exists so that stray options
-/// are refused.
+/// `none`, `alibi`, `kerple` and `fox` take no options; the empty struct exists so that stray
+/// options are refused.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NoOptions {}
-
-fn default_t5_buckets() -> usize {
-    32
-}
-
-fn default_t5_max_distance() -> usize {
-    128
-}
-
-/// Options of `t5`: T5's bidirectional relative-position buckets (see [`t5_bucket`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct T5Options {
-    /// Buckets in all (half for keys after the query, half for keys before it).
-    #[serde(default = "default_t5_buckets")]
-    pub buckets: usize,
-    /// Distances from here on share the last bucket of their side.
-    #[serde(default = "default_t5_max_distance")]
-    pub max_distance: usize,
-}
-
-impl Default for T5Options {
-    fn default() -> Self {
-        Self {
-            buckets: default_t5_buckets(),
-            max_distance: default_t5_max_distance(),
-        }
-    }
-}
-
-/// Where `untied` (TUPE) takes its absolute position vectors from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UntiedSource {
-    /// A trained `max_len x d_model` table, `pos_emb.weight`.
-    #[default]
-    Learned,
-    /// The `d_model`-wide sinusoid (with `base` and `layout`).
-    Sinusoidal,
-}
-
-/// Options of `untied`: `source` and, for a sinusoidal source, its `base` and `layout`; for a
-/// learned one, its `init_std`. Options of the other source are refused.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UntiedOptions {
-    #[serde(default)]
-    pub source: UntiedSource,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub layout: Option<TableLayout>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init_std: Option<f64>,
-}
-
-impl UntiedOptions {
-    /// The sinusoid's base (sinusoidal source).
-    pub fn base(&self) -> f64 {
-        self.base.unwrap_or(DEFAULT_BASE)
-    }
-
-    /// The sinusoid's layout (sinusoidal source).
-    pub fn layout(&self) -> TableLayout {
-        self.layout.unwrap_or_default()
-    }
-
-    /// The learned table's initialisation (learned source).
-    pub fn init_std(&self) -> f64 {
-        self.init_std.unwrap_or(DEFAULT_LEARNED_INIT_STD)
-    }
-}
 
 /// The positional choice, written in config as a table tagged by `kind`:
 ///
@@ -287,32 +132,43 @@ impl UntiedOptions {
 /// base = 10000.0
 /// layout = "interleaved"
 /// ```
+///
+/// Each variant's scheme, options and module live in the file the variant names.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PositionalConfig {
-    /// Token embeddings only: the bag-of-words control.
+    /// Token embeddings only: the bag-of-words control (`none.rs`).
     None(NoOptions),
-    /// The sinusoidal table added to the token embeddings.
+    /// The sinusoidal table added to the token embeddings (`sinusoidal_add.rs`).
     SinusoidalAdd(SinusoidalOptions),
-    /// The sinusoidal table concatenated after narrower token embeddings.
+    /// The sinusoidal table concatenated after narrower token embeddings
+    /// (`sinusoidal_concat.rs`).
     SinusoidalConcat(ConcatOptions),
-    /// A trained table added to the token embeddings.
+    /// A trained table added to the token embeddings (`learned.rs`).
     Learned(LearnedOptions),
-    /// Rotary embedding of q and k inside every attention layer.
+    /// Rotary embedding of q and k inside every attention layer (`rope.rs`).
     Rope(RopeOptions),
+    /// p-RoPE: RoPE's fastest frequencies only (`prope.rs`).
+    Prope(PropeOptions),
     /// ALiBi: `-slope_h |p_i - p_j|` on the scores (symmetric, for an encoder), Press et al.'s
-    /// slopes; no weights.
+    /// slopes; no weights (`alibi.rs`).
     Alibi(NoOptions),
     /// T5's relative buckets: a learned `(buckets, heads)` table shared by all layers, indexed by
-    /// the bucket of `p_j - p_i`.
+    /// the bucket of `p_j - p_i` (`t5.rs`).
     T5(T5Options),
     /// KERPLE (logarithmic): `-r1_h ln(1 + r2_h |p_i - p_j|)`, `r1, r2 > 0` learned per head and
-    /// layer.
+    /// layer (`kerple.rs`).
     Kerple(NoOptions),
+    /// FIRE: a learned MLP of the log distance over the sequence's span, shared by all layers
+    /// (`fire.rs`).
+    Fire(FireOptions),
     /// TUPE's untied positions: nothing joins the input; every layer adds
     /// `(p_i U_q)_h · (p_j U_k)_h / sqrt(2 d_head)` and scales its content scores by
-    /// `1/sqrt(2 d_head)`.
+    /// `1/sqrt(2 d_head)` (`untied.rs`).
     Untied(UntiedOptions),
+    /// FoX's data-dependent decay: forget gates from each layer's input, summed between query
+    /// and key (`fox.rs`).
+    Fox(NoOptions),
 }
 
 /// Where a positional scheme acts.
@@ -347,245 +203,118 @@ impl std::fmt::Display for Placement {
 }
 
 impl PositionalConfig {
-    /// The name used in configs and reports.
-    pub fn name(&self) -> &'static str {
+    /// The scheme of this choice, with its options: every question about the scheme goes to
+    /// its own file from here.
+    pub fn scheme(&self) -> &dyn Scheme {
         match self {
-            Self::None(_) => "none",
-            Self::SinusoidalAdd(_) => "sinusoidal_add",
-            Self::SinusoidalConcat(_) => "sinusoidal_concat",
-            Self::Learned(_) => "learned",
-            Self::Rope(_) => "rope",
-            Self::Alibi(_) => "alibi",
-            Self::T5(_) => "t5",
-            Self::Kerple(_) => "kerple",
-            Self::Untied(_) => "untied",
+            Self::None(_) => &none::NoneScheme,
+            Self::SinusoidalAdd(o) => o,
+            Self::SinusoidalConcat(o) => o,
+            Self::Learned(o) => o,
+            Self::Rope(o) => o,
+            Self::Prope(o) => o,
+            Self::Alibi(_) => &alibi::AlibiScheme,
+            Self::T5(o) => o,
+            Self::Kerple(_) => &kerple::KerpleScheme,
+            Self::Fire(o) => o,
+            Self::Untied(o) => o,
+            Self::Fox(_) => &fox::FoxScheme,
         }
     }
 
+    /// Every scheme with its default options (and both forms where a switch makes two
+    /// different models: concatenation with and without projection, TUPE's two sources), in
+    /// the order of the enum; `pos_dim` is the concatenation's width.
+    pub fn catalog(pos_dim: usize) -> Vec<Self> {
+        let concat = |project| {
+            Self::SinusoidalConcat(ConcatOptions {
+                pos_dim,
+                base: DEFAULT_BASE,
+                layout: TableLayout::default(),
+                project,
+            })
+        };
+        vec![
+            Self::None(NoOptions {}),
+            Self::SinusoidalAdd(SinusoidalOptions::default()),
+            concat(false),
+            concat(true),
+            Self::Learned(LearnedOptions::default()),
+            Self::Rope(RopeOptions::default()),
+            Self::Prope(PropeOptions::default()),
+            Self::Alibi(NoOptions {}),
+            Self::T5(T5Options::default()),
+            Self::Kerple(NoOptions {}),
+            Self::Fire(FireOptions::default()),
+            Self::Untied(UntiedOptions::default()),
+            Self::Untied(UntiedOptions {
+                source: UntiedSource::Sinusoidal,
+                ..Default::default()
+            }),
+            Self::Fox(NoOptions {}),
+        ]
+    }
+
     /// Every scheme's name, in the order of the enum.
-    pub const NAMES: [&'static str; 9] = [
-        "none",
-        "sinusoidal_add",
-        "sinusoidal_concat",
-        "learned",
-        "rope",
-        "alibi",
-        "t5",
-        "kerple",
-        "untied",
-    ];
+    pub fn names() -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = Self::catalog(2).iter().map(|c| c.name()).collect();
+        names.dedup();
+        names
+    }
+
+    /// The name used in configs and reports.
+    pub fn name(&self) -> &'static str {
+        self.scheme().name()
+    }
 
     pub fn placement(&self) -> Placement {
-        match self {
-            Self::None(_) => Placement::Nowhere,
-            Self::SinusoidalAdd(_) | Self::SinusoidalConcat(_) | Self::Learned(_) => {
-                Placement::Input
-            }
-            Self::Rope(_) => Placement::Attention,
-            Self::Alibi(_) | Self::T5(_) | Self::Kerple(_) | Self::Untied(_) => {
-                Placement::AttentionBias
-            }
-        }
+        self.scheme().placement()
     }
 
     /// What attention multiplies `q kᵀ` by, where a scheme changes it: `1/sqrt(2 d_head)` for
     /// `untied`, whose positional term is a second score of the same size (TUPE). `None` is the
     /// usual `1/sqrt(d_head)`.
     pub fn score_scale(&self, head_dim: usize) -> Option<f64> {
-        match self {
-            Self::Untied(_) => Some(1.0 / (2.0 * head_dim as f64).sqrt()),
-            _ => None,
-        }
+        self.scheme().score_scale(head_dim)
     }
 
     /// Whether the scheme has a learned table of `max_len` rows (which bounds the positions a
     /// model can read).
     pub fn has_learned_table(&self) -> bool {
-        matches!(self, Self::Learned(_))
-            || matches!(self, Self::Untied(o) if o.source == UntiedSource::Learned)
+        self.scheme().has_learned_table()
     }
 
     /// Width of the token embedding table: narrower than the model only for concatenation
     /// without projection.
     pub fn token_dim(&self, d_model: usize) -> usize {
-        match self {
-            Self::SinusoidalConcat(o) if !o.project => d_model.saturating_sub(o.pos_dim),
-            _ => d_model,
-        }
+        self.scheme().token_dim(d_model)
     }
 
-    /// Checks the options against a model's width and head width (what `ModelConfig::validate`
-    /// runs), for callers that build a scheme's parts without a whole model.
+    /// The trainable values the scheme adds to an encoder of `shape`.
+    pub fn param_count(&self, shape: &SchemeShape) -> u128 {
+        self.scheme().param_count(shape)
+    }
+
+    /// Checks the options against a model's width and head width, for callers that build a
+    /// scheme's parts without a whole model.
     pub fn validate_options(
         &self,
         d_model: usize,
         head_dim: usize,
     ) -> std::result::Result<(), String> {
-        self.validate(d_model, head_dim)
+        self.validate(&SchemeShape {
+            d_model,
+            n_heads: d_model / head_dim.max(1),
+            n_layers: 1,
+            max_len: 1,
+        })
     }
 
-    /// Checks the options against the model's width and head width. Returns a message naming the
-    /// offending option and a fix.
-    pub(crate) fn validate(
-        &self,
-        d_model: usize,
-        head_dim: usize,
-    ) -> std::result::Result<(), String> {
-        fn check_base(kind: &str, base: f64) -> std::result::Result<(), String> {
-            if !base.is_finite() || base <= 1.0 {
-                return Err(format!(
-                    "{kind}: base = {base} must be a finite number greater than 1 \
-                     (10000 is the usual choice)"
-                ));
-            }
-            Ok(())
-        }
-        match self {
-            Self::None(_) => Ok(()),
-            Self::SinusoidalAdd(o) => {
-                check_base("sinusoidal_add", o.base)?;
-                if d_model % 2 != 0 {
-                    return Err(format!(
-                        "sinusoidal_add needs an even width for its (sin, cos) pairs, \
-                         but d_model = {d_model} is odd: use an even width such as {}",
-                        d_model + 1
-                    ));
-                }
-                Ok(())
-            }
-            Self::SinusoidalConcat(o) => {
-                check_base("sinusoidal_concat", o.base)?;
-                if o.pos_dim < 2 || (!o.project && o.pos_dim >= d_model) {
-                    return Err(format!(
-                        "sinusoidal_concat: pos_dim = {} must be at least 2 and, without \
-                         projection, less than d_model = {d_model}, so the token embedding (d_model - pos_dim wide) \
-                         keeps some width; or set project = true to keep tokens d_model wide \
-                         and project the concatenation back",
-                        o.pos_dim
-                    ));
-                }
-                if o.pos_dim % 2 != 0 {
-                    return Err(format!(
-                        "sinusoidal_concat: pos_dim = {} is odd, but a sinusoidal table needs \
-                         an even width for its (sin, cos) pairs: use {} or {}",
-                        o.pos_dim,
-                        o.pos_dim - 1,
-                        o.pos_dim + 1
-                    ));
-                }
-                Ok(())
-            }
-            Self::Learned(o) => {
-                if !o.init_std.is_finite() || o.init_std < 0.0 {
-                    return Err(format!(
-                        "learned: init_std = {} must be a finite, non-negative number",
-                        o.init_std
-                    ));
-                }
-                Ok(())
-            }
-            Self::Rope(o) => {
-                check_base("rope", o.base)?;
-                if !(o.fraction.is_finite() && o.fraction > 0.0 && o.fraction <= 1.0) {
-                    return Err(format!(
-                        "rope: fraction = {} must be in (0, 1]: the share of each head's \
-                         coordinates that is rotated",
-                        o.fraction
-                    ));
-                }
-                let rd = o.rotary_dim(head_dim);
-                if o.fraction == 1.0 && head_dim % 2 != 0 {
-                    return Err(format!(
-                        "rope rotates pairs of coordinates, so the head width must be even, but \
-                         d_model / n_heads = {head_dim} is odd: change d_model or n_heads"
-                    ));
-                }
-                if rd == 0 || rd % 2 != 0 {
-                    return Err(format!(
-                        "rope rotates pairs of coordinates, so the rotated width \
-                         int({head_dim} x {}) = {rd} must be even and positive: change \
-                         fraction (or d_model, n_heads)",
-                        o.fraction
-                    ));
-                }
-                if let Some(s) = &o.scaling {
-                    s.check(rd, false)?;
-                }
-                Ok(())
-            }
-            Self::Alibi(_) | Self::Kerple(_) => Ok(()),
-            Self::T5(o) => {
-                if o.buckets < 4 {
-                    return Err(format!(
-                        "t5: buckets = {} must be at least 4 (half the buckets for each side, \
-                         and exact buckets for the nearest distances in each half); 32 is T5's",
-                        o.buckets
-                    ));
-                }
-                let max_exact = o.buckets / 4;
-                if o.max_distance <= max_exact {
-                    return Err(format!(
-                        "t5: max_distance = {} must be above {max_exact} (buckets / 4, the \
-                         distances that get a bucket each); 128 is T5's",
-                        o.max_distance
-                    ));
-                }
-                Ok(())
-            }
-            Self::Untied(o) => match o.source {
-                UntiedSource::Learned => {
-                    if o.base.is_some() || o.layout.is_some() {
-                        return Err(
-                            "untied: base and layout belong to source = \"sinusoidal\"; a \
-                             learned source takes only init_std: drop them, or set source = \
-                             \"sinusoidal\""
-                                .into(),
-                        );
-                    }
-                    let std = o.init_std();
-                    if !std.is_finite() || std < 0.0 {
-                        return Err(format!(
-                            "untied: init_std = {std} must be a finite, non-negative number"
-                        ));
-                    }
-                    Ok(())
-                }
-                UntiedSource::Sinusoidal => {
-                    if o.init_std.is_some() {
-                        return Err("untied: init_std belongs to source = \"learned\"; a \
-                                    sinusoidal source is fixed: drop init_std"
-                            .into());
-                    }
-                    check_base("untied", o.base())?;
-                    if d_model % 2 != 0 {
-                        return Err(format!(
-                            "untied with source = \"sinusoidal\" needs an even width for its \
-                             (sin, cos) pairs, but d_model = {d_model} is odd: use an even \
-                             width such as {}, or source = \"learned\"",
-                            d_model + 1
-                        ));
-                    }
-                    Ok(())
-                }
-            },
-        }
+    /// Checks the options against the model's sizes. Returns a message naming the offending
+    /// option and a fix.
+    pub fn validate(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        self.scheme().check(shape)
     }
-}
-
-/// Where constrained variables must stay: the lowest value of a variable, by name, that an
-/// optimizer projects it back to after each step (KERPLE's `r1`, `r2`).
-pub fn lower_bound(name: &str) -> Option<f64> {
-    kerple::lower_bound(name)
-}
-
-/// The sizes a scheme's modules are built for.
-#[derive(Clone, Copy, Debug)]
-pub struct SchemeShape {
-    pub d_model: usize,
-    pub n_heads: usize,
-    pub n_layers: usize,
-    /// Rows of a learned table; the initial rows of fixed ones.
-    pub max_len: usize,
 }
 
 /// An encoder's positional module, in the one place its scheme acts.
@@ -600,28 +329,10 @@ pub enum PositionalModule {
 }
 
 impl PositionalModule {
-    /// Builds the module of `config` under `vb` (weight names: `pos_emb.weight`, `pos_proj.*`,
-    /// `rel_bias.weight`, `layers.{i}.attn.kerple.{r1,r2}`, `pos_attn.{q,k}.weight`).
+    /// Builds the module of `config` under `vb` (each scheme names its own weights: see its
+    /// file).
     pub fn new(config: &PositionalConfig, shape: SchemeShape, vb: VarBuilder) -> Result<Self> {
-        Ok(match config.placement() {
-            Placement::Nowhere | Placement::Input => Self::Input(InputPositions::new(
-                config,
-                shape.d_model,
-                shape.max_len,
-                vb,
-            )?),
-            Placement::Attention => match config {
-                PositionalConfig::Rope(options) => Self::Rotation(Rope::new(
-                    options,
-                    shape.d_model / shape.n_heads.max(1),
-                    shape.max_len,
-                    vb.dtype(),
-                    vb.device(),
-                )?),
-                _ => unreachable!("only rope acts by rotation"),
-            },
-            Placement::AttentionBias => Self::ScoreBias(ScoreBias::new(config, shape, vb)?),
-        })
+        config.scheme().build(&shape, vb)
     }
 
     /// The longest position (plus one) the module can read, where there is a limit (a learned
@@ -633,4 +344,29 @@ impl PositionalModule {
             Self::Rotation(_) => None,
         }
     }
+
+    /// The trainable tensors of the scheme.
+    pub fn parameters(&self) -> Vec<Tensor> {
+        match self {
+            Self::Input(input) => input.parameters(),
+            Self::ScoreBias(bias) => bias.parameters(),
+            Self::Rotation(_) => Vec::new(),
+        }
+    }
+
+    /// Bounds the scheme's variables must stay within (KERPLE's), applied by the optimizer.
+    pub fn constraints(&self) -> Vec<LowerBound> {
+        match self {
+            Self::ScoreBias(bias) => bias.constraints(),
+            Self::Input(_) | Self::Rotation(_) => Vec::new(),
+        }
+    }
+}
+
+/// Numbers for a line of notes, 4 decimals each.
+pub(crate) fn list(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:.4}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -20,12 +20,132 @@
 //! of them would silently never learn).
 
 use candle::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
 
-use super::rope_scaling::rope_frequencies;
+use super::rope_scaling::{rope_frequencies, rotary_dim};
+use super::scheme::check_base;
 use super::sinusoidal::{angles_at, pair_slots};
-use super::{PositionTable, Positions, RopeOptions, RopePairing, RopeScaling};
+use super::{
+    Placement, PositionTable, PositionalModule, Positions, RopePairing, RopeScaling, Scheme,
+    SchemeShape, DEFAULT_BASE,
+};
 use crate::error::{Error, Result};
 use crate::nn::Rotary;
+
+fn default_base() -> f64 {
+    DEFAULT_BASE
+}
+
+fn default_fraction() -> f64 {
+    1.0
+}
+
+fn is_one(v: &f64) -> bool {
+    *v == 1.0
+}
+
+/// Options of `rope`: the base and pairing; `fraction`, the share of each head rotated (its
+/// first `int(d_head · fraction)` coordinates, an even number, with frequencies recomputed over
+/// that width: transformers' `partial_rotary_factor`; the rest pass through); and `scaling`, how
+/// frequencies are stretched past the training length (see [`RopeScaling`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeOptions {
+    #[serde(default = "default_base")]
+    pub base: f64,
+    #[serde(default)]
+    pub pairing: RopePairing,
+    #[serde(default = "default_fraction", skip_serializing_if = "is_one")]
+    pub fraction: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<RopeScaling>,
+}
+
+impl RopeOptions {
+    /// The rotated width of a head of `head_dim`.
+    pub fn rotary_dim(&self, head_dim: usize) -> usize {
+        rotary_dim(head_dim, self.fraction)
+    }
+}
+
+impl Default for RopeOptions {
+    fn default() -> Self {
+        Self {
+            base: DEFAULT_BASE,
+            pairing: RopePairing::default(),
+            fraction: 1.0,
+            scaling: None,
+        }
+    }
+}
+
+impl Scheme for RopeOptions {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Attention
+    }
+
+    fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        check_base("rope", self.base)?;
+        if !(self.fraction.is_finite() && self.fraction > 0.0 && self.fraction <= 1.0) {
+            return Err(format!(
+                "rope: fraction = {} must be in (0, 1]: the share of each head's coordinates \
+                 that is rotated",
+                self.fraction
+            ));
+        }
+        let head_dim = shape.head_dim();
+        let rd = self.rotary_dim(head_dim);
+        if self.fraction == 1.0 && head_dim % 2 != 0 {
+            return Err(format!(
+                "rope rotates pairs of coordinates, so the head width must be even, but d_model \
+                 / n_heads = {head_dim} is odd: change d_model or n_heads"
+            ));
+        }
+        if rd == 0 || rd % 2 != 0 {
+            return Err(format!(
+                "rope rotates pairs of coordinates, so the rotated width int({head_dim} x {}) = \
+                 {rd} must be even and positive: change fraction (or d_model, n_heads)",
+                self.fraction
+            ));
+        }
+        if let Some(s) = &self.scaling {
+            s.check(rd, false)?;
+        }
+        Ok(())
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        let dh = shape.head_dim();
+        let rotated = match self.fraction {
+            1.0 => String::new(),
+            _ => format!(", first {} of {dh} coordinates", self.rotary_dim(dh)),
+        };
+        let scaled = match &self.scaling {
+            Some(s) => format!(", scaling {}", s.label()),
+            None => String::new(),
+        };
+        format!(
+            "attention side: q and k rotated in every layer (head {dh}, base {}, {} \
+             pairing{rotated}{scaled})",
+            self.base, self.pairing
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Rotation(Rope::new(
+            self,
+            shape.head_dim(),
+            shape.max_len,
+            vb.dtype(),
+            vb.device(),
+        )?))
+    }
+}
 
 /// The rotary tables of one model, computed once (f64 on the host, rounded once to the model's
 /// dtype) and shared by every attention layer through the per-batch [`Rotary`] tables. Under
@@ -39,6 +159,8 @@ pub struct Rope {
     base: f64,
     /// Resolved: numbers, with `original_max_len` filled in.
     scaling: Option<RopeScaling>,
+    /// Frequencies given outright (p-RoPE's, with the removed ones at 0), not from `base`.
+    given: Option<Vec<f64>>,
     /// `(cos, sin)` of every position, for frequencies that do not depend on the batch.
     tables: Option<(PositionTable, PositionTable)>,
     dtype: DType,
@@ -75,17 +197,14 @@ impl Rope {
             _ => {
                 let (inv_freq, factor) =
                     rope_frequencies(rotary_dim, options.base, scaling.as_ref(), 0);
-                let table = |f: fn(f64) -> f64| {
-                    let (inv_freq, pairing) = (inv_freq.clone(), options.pairing);
-                    move |n: usize| {
-                        let positions: Vec<usize> = (0..n).collect();
-                        expanded(&positions, &inv_freq, factor, pairing, f)
-                    }
-                };
-                Some((
-                    PositionTable::new(rotary_dim, initial_len, dtype, device, table(f64::cos))?,
-                    PositionTable::new(rotary_dim, initial_len, dtype, device, table(f64::sin))?,
-                ))
+                Some(tables(
+                    inv_freq,
+                    factor,
+                    options.pairing,
+                    initial_len,
+                    dtype,
+                    device,
+                )?)
             }
         };
         Ok(Self {
@@ -94,7 +213,44 @@ impl Rope {
             rotary_dim,
             base: options.base,
             scaling,
+            given: None,
             tables,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// A rotation of the whole head by the given frequencies, `head_dim / 2` of them (a pair
+    /// whose frequency is 0 is not rotated): p-RoPE's.
+    pub fn with_frequencies(
+        inv_freq: Vec<f64>,
+        pairing: RopePairing,
+        base: f64,
+        initial_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let head_dim = 2 * inv_freq.len();
+        if head_dim == 0 {
+            return Err(Error::Config(
+                "a rotation needs at least one pair of coordinates".into(),
+            ));
+        }
+        Ok(Self {
+            pairing,
+            head_dim,
+            rotary_dim: head_dim,
+            base,
+            scaling: None,
+            tables: Some(tables(
+                inv_freq.clone(),
+                1.0,
+                pairing,
+                initial_len,
+                dtype,
+                device,
+            )?),
+            given: Some(inv_freq),
             dtype,
             device: device.clone(),
         })
@@ -125,6 +281,9 @@ impl Rope {
     /// The inverse frequencies and the factor on cos and sin for a batch whose largest position
     /// is `max_position` (only dynamic NTK depends on it).
     pub fn frequencies(&self, max_position: usize) -> (Vec<f64>, f64) {
+        if let Some(given) = &self.given {
+            return (given.clone(), 1.0);
+        }
         rope_frequencies(
             self.rotary_dim,
             self.base,
@@ -165,6 +324,29 @@ impl Rope {
         let t = x.dim(D::Minus2)?;
         Ok(self.rotary(&Positions::range(start, t)?)?.apply(x)?)
     }
+}
+
+/// The `(cos, sin)` tables of fixed frequencies, `2 · inv_freq.len()` wide.
+fn tables(
+    inv_freq: Vec<f64>,
+    factor: f64,
+    pairing: RopePairing,
+    initial_len: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(PositionTable, PositionTable)> {
+    let width = 2 * inv_freq.len();
+    let table = |f: fn(f64) -> f64| {
+        let inv_freq = inv_freq.clone();
+        move |n: usize| {
+            let positions: Vec<usize> = (0..n).collect();
+            expanded(&positions, &inv_freq, factor, pairing, f)
+        }
+    };
+    Ok((
+        PositionTable::new(width, initial_len, dtype, device, table(f64::cos))?,
+        PositionTable::new(width, initial_len, dtype, device, table(f64::sin))?,
+    ))
 }
 
 /// Rows of `factor · f(p · w_i)` for `positions`, laid out over the rotated width

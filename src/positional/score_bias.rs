@@ -1,24 +1,71 @@
 //! The third place a scheme acts: a bias on every layer's attention scores.
 //!
-//! [`ScoreBias`] holds the scheme's module; for each batch it builds the `(r, h, t, t)` bias of
-//! every layer from the tokens' positions ([`LayerBiases`]), which attention adds to its scaled
-//! scores before the padding mask and the softmax. ALiBi, T5 and TUPE's term are one tensor
-//! shared by all layers; KERPLE's parameters are per layer.
+//! A score-bias scheme's module implements [`BiasModule`]. For each batch it gives the bias of
+//! every layer ([`LayerBiases`]), which attention adds to its scaled scores before the padding
+//! mask and the softmax: one tensor shared by all layers (ALiBi, T5, FIRE, TUPE's term), one per
+//! layer (KERPLE), or, for a contextual scheme (FoX), a bias each layer computes from its own
+//! attention input.
 
-use candle::{Device, Tensor};
-use candle_nn::VarBuilder;
+use std::any::Any;
 
-use super::{Alibi, Kerple, PositionalConfig, Positions, SchemeShape, T5Bias, Untied};
+use candle::{DType, Device, Tensor};
+
+use super::Positions;
 use crate::error::Result;
+use crate::params::LowerBound;
+
+/// What a score bias is computed from, for one batch.
+#[derive(Clone, Copy, Debug)]
+pub struct BiasBatch<'a> {
+    /// `(r, t)`, `r` 1 or `b`.
+    pub positions: &'a Positions,
+    /// `(b, t)`, 1 for real tokens and 0 for padding; `None`: every token is real.
+    pub mask: Option<&'a Tensor>,
+    /// The parameters' dtype, in which the bias is returned.
+    pub dtype: DType,
+    pub device: &'a Device,
+}
 
 /// A score-bias scheme's module.
-#[derive(Debug)]
-pub enum ScoreBias {
-    Alibi(Alibi),
-    T5(T5Bias),
-    /// One per layer.
-    Kerple(Vec<Kerple>),
-    Untied(Untied),
+pub trait BiasModule: std::fmt::Debug + Send + Sync {
+    /// Every layer's bias for a batch.
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases>;
+
+    /// Layer `layer`'s bias computed from its attention input `x` (`(b, t, d_model)`), for a
+    /// contextual scheme whose [`BiasModule::layer_biases`] is [`LayerBiases::FromInput`].
+    /// Returns `(b, h, t, t)`.
+    fn input_bias(&self, _layer: usize, _x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// The positions a learned table can read (TUPE's learned source).
+    fn max_positions(&self) -> Option<usize> {
+        None
+    }
+
+    /// Whether the layers' biases differ (an analysis shows each).
+    fn per_layer(&self) -> bool {
+        false
+    }
+
+    /// Whether the bias depends on absolute positions (an analysis draws heatmaps too).
+    fn absolute(&self) -> bool {
+        false
+    }
+
+    /// Lines of scheme facts for an analysis: slopes, learned parameters.
+    fn notes(&self) -> Result<Vec<String>>;
+
+    /// The trainable tensors the module holds.
+    fn parameters(&self) -> Vec<Tensor>;
+
+    /// Bounds its variables must stay within, applied by the optimizer after every step.
+    fn constraints(&self) -> Vec<LowerBound> {
+        Vec::new()
+    }
+
+    /// For an analysis that draws what only this scheme has.
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// The score bias of each layer for one batch.
@@ -28,85 +75,58 @@ pub enum LayerBiases {
     Shared(Tensor),
     /// One `(r, h, t, t)` tensor per layer.
     PerLayer(Vec<Tensor>),
+    /// Each layer computes its own from its attention input ([`BiasModule::input_bias`]).
+    FromInput,
 }
 
 impl LayerBiases {
-    /// Layer `i`'s bias.
-    pub fn layer(&self, i: usize) -> &Tensor {
+    /// Layer `i`'s bias, where it does not depend on the layer's input.
+    pub fn layer(&self, i: usize) -> Option<&Tensor> {
         match self {
-            Self::Shared(t) => t,
-            Self::PerLayer(v) => &v[i],
+            Self::Shared(t) => Some(t),
+            Self::PerLayer(v) => v.get(i),
+            Self::FromInput => None,
         }
     }
 }
 
+/// The module of a score-bias scheme.
+#[derive(Debug)]
+pub struct ScoreBias(Box<dyn BiasModule>);
+
 impl ScoreBias {
-    /// Builds the module of a score-bias scheme under `vb`.
-    pub fn new(config: &PositionalConfig, shape: SchemeShape, vb: VarBuilder) -> Result<Self> {
-        let SchemeShape {
-            d_model,
-            n_heads,
-            n_layers,
-            max_len,
-        } = shape;
-        Ok(match config {
-            PositionalConfig::Alibi(_) => Self::Alibi(Alibi::new(n_heads)),
-            PositionalConfig::T5(o) => Self::T5(T5Bias::new(
-                o.buckets,
-                o.max_distance,
-                n_heads,
-                d_model,
-                vb.pp("rel_bias"),
-            )?),
-            PositionalConfig::Kerple(_) => Self::Kerple(
-                (0..n_layers)
-                    .map(|i| Kerple::new(n_heads, vb.pp(format!("layers.{i}.attn.kerple"))))
-                    .collect::<Result<_>>()?,
-            ),
-            PositionalConfig::Untied(o) => {
-                Self::Untied(Untied::new(o, d_model, n_heads, max_len, vb)?)
-            }
-            other => {
-                return Err(crate::Error::Config(format!(
-                    "`{}` is not an attention-bias scheme",
-                    other.name()
-                )))
-            }
-        })
+    pub fn new(module: impl BiasModule + 'static) -> Self {
+        Self(Box::new(module))
     }
 
-    /// The rows of a learned table (TUPE's learned source), which bound the positions.
-    pub fn max_positions(&self) -> Option<usize> {
-        match self {
-            Self::Untied(u) => u.max_positions(),
-            _ => None,
-        }
+    /// The scheme's own module, for what only it has.
+    pub fn module(&self) -> &dyn BiasModule {
+        self.0.as_ref()
     }
 
-    /// Every layer's bias for a batch at `positions`, in `dtype` (the parameters').
-    pub fn layer_biases(
-        &self,
-        positions: &Positions,
-        dtype: candle::DType,
-        device: &Device,
-    ) -> Result<LayerBiases> {
-        Ok(match self {
-            Self::Alibi(a) => LayerBiases::Shared(a.bias(positions, dtype, device)?),
-            Self::T5(t5) => LayerBiases::Shared(t5.bias(positions)?.to_dtype(dtype)?),
-            Self::Untied(u) => LayerBiases::Shared(u.bias(positions, dtype)?),
-            Self::Kerple(layers) => {
-                let (r, t) = (positions.rows(), positions.len());
-                let distances =
-                    Tensor::from_vec(positions.distances(), (r, 1, t, t), &Device::Cpu)?
-                        .to_dtype(dtype)?
-                        .to_device(device)?;
-                LayerBiases::PerLayer(
-                    layers
-                        .iter()
-                        .map(|k| k.bias(&distances))
-                        .collect::<Result<_>>()?,
-                )
-            }
-        })
+    /// The scheme's module as its own type, if it is `T`.
+    pub fn downcast<T: 'static>(&self) -> Option<&T> {
+        self.0.as_any().downcast_ref::<T>()
     }
+}
+
+impl std::ops::Deref for ScoreBias {
+    type Target = dyn BiasModule;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref()
+    }
+}
+
+/// `(r, 1, t, t)` of `|p_i - p_j|` in `dtype` on `device`.
+pub(crate) fn distance_tensor(
+    positions: &Positions,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let (r, t) = (positions.rows(), positions.len());
+    Ok(
+        Tensor::from_vec(positions.distances(), (r, 1, t, t), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)?,
+    )
 }

@@ -6,9 +6,93 @@
 
 use candle::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
 
-use super::Positions;
+use super::{
+    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Positions, Scheme,
+    SchemeShape, ScoreBias,
+};
 use crate::error::Result;
+
+fn default_t5_buckets() -> usize {
+    32
+}
+
+fn default_t5_max_distance() -> usize {
+    128
+}
+
+/// Options of `t5`: T5's bidirectional relative-position buckets (see [`t5_bucket`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct T5Options {
+    /// Buckets in all (half for keys after the query, half for keys before it).
+    #[serde(default = "default_t5_buckets")]
+    pub buckets: usize,
+    /// Distances from here on share the last bucket of their side.
+    #[serde(default = "default_t5_max_distance")]
+    pub max_distance: usize,
+}
+
+impl Default for T5Options {
+    fn default() -> Self {
+        Self {
+            buckets: default_t5_buckets(),
+            max_distance: default_t5_max_distance(),
+        }
+    }
+}
+
+impl Scheme for T5Options {
+    fn name(&self) -> &'static str {
+        "t5"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        if self.buckets < 4 {
+            return Err(format!(
+                "t5: buckets = {} must be at least 4 (half the buckets for each side, and exact \
+                 buckets for the nearest distances in each half); 32 is T5's",
+                self.buckets
+            ));
+        }
+        let max_exact = self.buckets / 4;
+        if self.max_distance <= max_exact {
+            return Err(format!(
+                "t5: max_distance = {} must be above {max_exact} (buckets / 4, the distances \
+                 that get a bucket each); 128 is T5's",
+                self.max_distance
+            ));
+        }
+        Ok(())
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        self.buckets as u128 * shape.n_heads as u128
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias: a learned ({} buckets x {} heads) table shared by all layers, by \
+             T5's bucket of j - i (max_distance {})",
+            self.buckets, shape.n_heads, self.max_distance
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(T5Bias::new(
+            self.buckets,
+            self.max_distance,
+            shape.n_heads,
+            shape.d_model,
+            vb.pp("rel_bias"),
+        )?)))
+    }
+}
 
 /// T5's bidirectional bucket of `rel = key position - query position`.
 ///
@@ -108,6 +192,31 @@ impl T5Bias {
             .reshape((r, t, t, heads))?
             .permute((0, 3, 1, 2))?
             .contiguous()?)
+    }
+}
+
+impl BiasModule for T5Bias {
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
+        Ok(LayerBiases::Shared(
+            self.bias(batch.positions)?.to_dtype(batch.dtype)?,
+        ))
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        Ok(vec![format!(
+            "{} buckets (max_distance {}): exact offsets up to ±{}, then logarithmic buckets",
+            self.buckets,
+            self.max_distance,
+            self.buckets / 4 - 1
+        )])
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        vec![self.table.clone()]
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

@@ -13,12 +13,151 @@
 
 use candle::{DType, Module, Tensor};
 use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
 
+use super::scheme::{check_base, check_init_std};
 use super::{
-    sinusoidal_table, LearnedPositions, PositionTable, Positions, UntiedOptions, UntiedSource,
+    sinusoidal_table, BiasBatch, BiasModule, LayerBiases, LearnedPositions, Placement,
+    PositionTable, PositionalModule, Positions, Scheme, SchemeShape, ScoreBias, TableLayout,
+    DEFAULT_BASE, DEFAULT_LEARNED_INIT_STD,
 };
 use crate::error::Result;
 use crate::nn::{linear_no_bias, Linear};
+
+/// Where `untied` (TUPE) takes its absolute position vectors from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UntiedSource {
+    /// A trained `max_len x d_model` table, `pos_emb.weight`.
+    #[default]
+    Learned,
+    /// The `d_model`-wide sinusoid (with `base` and `layout`).
+    Sinusoidal,
+}
+
+/// Options of `untied`: `source` and, for a sinusoidal source, its `base` and `layout`; for a
+/// learned one, its `init_std`. Options of the other source are refused.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UntiedOptions {
+    #[serde(default)]
+    pub source: UntiedSource,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<TableLayout>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_std: Option<f64>,
+}
+
+impl UntiedOptions {
+    /// The sinusoid's base (sinusoidal source).
+    pub fn base(&self) -> f64 {
+        self.base.unwrap_or(DEFAULT_BASE)
+    }
+
+    /// The sinusoid's layout (sinusoidal source).
+    pub fn layout(&self) -> TableLayout {
+        self.layout.unwrap_or_default()
+    }
+
+    /// The learned table's initialisation (learned source).
+    pub fn init_std(&self) -> f64 {
+        self.init_std.unwrap_or(DEFAULT_LEARNED_INIT_STD)
+    }
+}
+
+impl Scheme for UntiedOptions {
+    fn name(&self) -> &'static str {
+        "untied"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        let d_model = shape.d_model;
+        match self.source {
+            UntiedSource::Learned => {
+                if self.base.is_some() || self.layout.is_some() {
+                    return Err(
+                        "untied: base and layout belong to source = \"sinusoidal\"; a learned \
+                         source takes only init_std: drop them, or set source = \"sinusoidal\""
+                            .into(),
+                    );
+                }
+                check_init_std("untied", self.init_std())
+            }
+            UntiedSource::Sinusoidal => {
+                if self.init_std.is_some() {
+                    return Err("untied: init_std belongs to source = \"learned\"; a \
+                                sinusoidal source is fixed: drop init_std"
+                        .into());
+                }
+                check_base("untied", self.base())?;
+                if d_model % 2 != 0 {
+                    return Err(format!(
+                        "untied with source = \"sinusoidal\" needs an even width for its (sin, \
+                         cos) pairs, but d_model = {d_model} is odd: use an even width such as \
+                         {}, or source = \"learned\"",
+                        d_model + 1
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        let (d, t) = (shape.d_model as u128, shape.max_len as u128);
+        2 * d * d + if self.has_learned_table() { t * d } else { 0 }
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        let (d, dh) = (shape.d_model, shape.head_dim());
+        format!(
+            "attention bias: (p_i U_q)_h . (p_j U_k)_h / sqrt(2 x {dh}) in every layer, content \
+             scores scaled by 1/sqrt(2 x {dh}); p from {}, U_q and U_k ({d} x {d}) shared by all \
+             layers",
+            match self.source {
+                UntiedSource::Learned => format!("a learned table ({} x {d})", shape.max_len),
+                UntiedSource::Sinusoidal => format!(
+                    "the sinusoid ({d} wide, base {}, {} layout)",
+                    self.base(),
+                    self.layout()
+                ),
+            }
+        )
+    }
+
+    fn label(&self) -> String {
+        match self.source {
+            UntiedSource::Learned => "untied (learned)".into(),
+            UntiedSource::Sinusoidal => "untied (sinusoidal)".into(),
+        }
+    }
+
+    fn has_learned_table(&self) -> bool {
+        self.source == UntiedSource::Learned
+    }
+
+    /// TUPE's positional term is a second score of the same size: both are scaled by
+    /// `1/sqrt(2 d_head)`.
+    fn score_scale(&self, head_dim: usize) -> Option<f64> {
+        Some(1.0 / (2.0 * head_dim as f64).sqrt())
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Untied::new(
+            self,
+            shape.d_model,
+            shape.n_heads,
+            shape.max_len,
+            vb,
+        )?)))
+    }
+}
 
 /// Where the position vectors come from.
 #[derive(Debug)]
@@ -105,5 +244,41 @@ impl Untied {
         let pq = heads(self.uq.forward(&p)?)?;
         let pk = heads(self.uk.forward(&p)?)?;
         Ok((pq.matmul(&pk.t()?)? * (1.0 / (2.0 * dh as f64).sqrt()))?)
+    }
+}
+
+impl BiasModule for Untied {
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
+        Ok(LayerBiases::Shared(
+            self.bias(batch.positions, batch.dtype)?,
+        ))
+    }
+
+    fn max_positions(&self) -> Option<usize> {
+        Untied::max_positions(self)
+    }
+
+    fn absolute(&self) -> bool {
+        true
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        Ok(vec![
+            "TUPE's position-to-position term (p_i U_q)·(p_j U_k)/sqrt(2 d_head): absolute; the \
+             offset share says how much of it depends on j - i alone"
+                .into(),
+        ])
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = vec![self.uq.weight().clone(), self.uk.weight().clone()];
+        if let UntiedRows::Learned(l) = &self.rows {
+            out.push(l.weight().clone());
+        }
+        out
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -283,7 +283,7 @@ impl Folder {
         // The header first: the config must describe no more than the file holds (the encoder
         // is built at the config's size), and only the tensors poslab maps are read.
         let mut file = crate::weights::WeightsFile::open(&weights)?;
-        file.check_holds(crate::limits::param_count(&config), "config.json")?;
+        file.check_holds(config.param_count(), "config.json")?;
         let (mapping, has_mlm) =
             rename(&file.shapes(), &hf, family).map_err(|message| Error::Checkpoint {
                 path: weights.clone(),

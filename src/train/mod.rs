@@ -530,8 +530,9 @@ impl<'a> Trainer<'a> {
         let lengths = data.train.lengths();
         let planned = planned_steps(config, data.train);
         let [beta1, beta2] = config.betas;
-        let optimizer = AdamW::new(
-            params.vars(),
+        params.constrain(&model.encoder().constraints())?;
+        let optimizer = AdamW::from_store(
+            params,
             AdamWConfig {
                 beta1,
                 beta2,

@@ -22,8 +22,7 @@ struct Slot {
     /// First and second moment estimates `[m; v]`, `(2, ...var shape)`.
     moments: Tensor,
     decay: bool,
-    /// Projected back to at least this after every step (see
-    /// [`crate::positional::lower_bound`]).
+    /// Projected back to at least this after every step (see [`AdamW::from_store`]).
     lower_bound: Option<f64>,
 }
 
@@ -49,12 +48,11 @@ impl Slot {
     }
 }
 
-/// Whether a variable is decayed, by name: not biases, LayerNorm parameters, or variables
-/// kept inside a range (KERPLE's), whose size is not a capacity to shrink.
+/// Whether a variable is decayed, by name: not biases or LayerNorm parameters. Variables kept
+/// inside a range ([`AdamW::from_store`]) are not decayed either: their size is not a capacity
+/// to shrink.
 pub fn decays(name: &str) -> bool {
-    !(name.ends_with(".bias")
-        || name.contains("norm.")
-        || crate::positional::lower_bound(name).is_some())
+    !(name.ends_with(".bias") || name.contains("norm."))
 }
 
 impl AdamW {
@@ -66,7 +64,7 @@ impl AdamW {
                 shape.extend_from_slice(var.dims());
                 Ok(Slot {
                     decay: decays(&name),
-                    lower_bound: crate::positional::lower_bound(&name),
+                    lower_bound: None,
                     moments: Tensor::zeros(shape, var.dtype(), var.device())?,
                     name,
                     var,
@@ -78,6 +76,19 @@ impl AdamW {
             step: 0,
             config,
         })
+    }
+
+    /// AdamW over every variable of `store`, each bounded variable kept at or above the bound
+    /// the store holds ([`crate::ParamStore::constrain`]) after every step, and not decayed.
+    pub fn from_store(store: &crate::ParamStore, config: AdamWConfig) -> Result<Self> {
+        let mut optimizer = Self::new(store.vars(), config)?;
+        for slot in &mut optimizer.slots {
+            if let Some(lo) = store.bound(&slot.name) {
+                slot.lower_bound = Some(lo);
+                slot.decay = false;
+            }
+        }
+        Ok(optimizer)
     }
 
     /// Updates taken so far.

@@ -110,6 +110,14 @@ fn compare(fast: &Run, reference: &Run, tol: f64, what: &str) -> f64 {
     for ((name, g), (ref_name, r)) in fast.grads.iter().zip(&reference.grads) {
         assert_eq!(name, ref_name);
         let err = relative_error(g, r);
+        // FIRE's MLP reaches the loss only through a score bias shared by every pair of tokens:
+        // its gradient sums t² terms of dS, whose rows sum to zero, so it is small beside the
+        // terms it sums and f32's rounding of them shows 10x more (f64 is held to `tol`).
+        let tol = if name.starts_with("fire.") && tol > 1e-9 {
+            10.0 * tol
+        } else {
+            tol
+        };
         assert!(
             err <= tol,
             "{what}: gradient of `{name}` differs by {err:e} (tolerance {tol:e})"
@@ -171,7 +179,7 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                         });
                         // Per layer at least two LayerNorms, a softmax and a GELU (and two
                         // rotations under RoPE).
-                        let rope = matches!(positional, poslab::PositionalConfig::Rope(_));
+                        let rope = positional.placement() == poslab::Placement::Attention;
                         let per_layer = if rope { 6 } else { 4 };
                         assert!(
                             calls >= per_layer * config.n_layers,

@@ -89,10 +89,16 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
             let config = tiny_dropout_config(positional.clone(), norm);
             let checked = training_gradients(&config, &Device::Cpu, &what);
             // Per layer: q, k, v, o, up, down weights; q, v, o, up, down biases; two norms of
-            // two; a key bias under rope only; KERPLE's r1 and r2.
+            // two; a key bias under a rotation (rope, prope) only; KERPLE's r1 and r2; FoX's
+            // gate weight and bias.
             let name = positional.name();
-            let per_layer =
-                6 + 5 + 4 + usize::from(name == "rope") + 2 * usize::from(name == "kerple");
+            let rotated = positional.placement() == poslab::Placement::Attention;
+            let per_layer = 6
+                + 5
+                + 4
+                + usize::from(rotated)
+                + 2 * usize::from(name == "kerple")
+                + 2 * usize::from(name == "fox");
             let expected = 1
                 + per_layer * config.n_layers
                 + usize::from(norm == NormPlacement::Pre) * 2
@@ -102,7 +108,9 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
                     poslab::PositionalConfig::SinusoidalConcat(o) if o.project
                 ))
                 + usize::from(name == "t5")
-                + 2 * usize::from(name == "untied");
+                + 2 * usize::from(name == "untied")
+                // FIRE's MLP (two weights, the hidden bias), c and l_multiplier.
+                + 5 * usize::from(name == "fire");
             assert_eq!(checked.len(), expected, "{what}: trainable variables");
         }
     }

@@ -15,6 +15,7 @@ mod length_suite;
 mod precision;
 mod pretrained;
 mod properties;
+mod recent;
 mod reference;
 mod rope;
 mod runs;

@@ -159,8 +159,9 @@ fn check_fixture_folder(dir: &std::path::Path) -> Result<usize, String> {
 fn every_encoder_fixture_reproduces_expected_hidden_states() {
     let names = encoder_fixture_names();
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
-    // randomized positions; 3 of partial and scaled RoPE.
-    assert_eq!(names.len(), 24, "whole-encoder fixtures: {names:?}");
+    // randomized positions; 3 of partial and scaled RoPE; 8 of p-RoPE, FIRE and FoX (2 of them
+    // with randomized positions).
+    assert_eq!(names.len(), 32, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }
@@ -313,7 +314,7 @@ fn encoder_fixtures_cover_every_scheme_and_both_norms() {
         seen.insert((fx.config.positional.name(), format!("{:?}", fx.config.norm)));
     }
     let schemes: std::collections::BTreeSet<_> = seen.iter().map(|(s, _)| *s).collect();
-    let mut all = poslab::PositionalConfig::NAMES.to_vec();
+    let mut all = poslab::PositionalConfig::names();
     all.sort();
     assert_eq!(schemes.into_iter().collect::<Vec<_>>(), all);
     assert!(seen.iter().any(|(_, n)| n == "Post"));

@@ -14,7 +14,7 @@ use crate::common::*;
 fn relative_schemes() -> Vec<PositionalConfig> {
     all_schemes()
         .into_iter()
-        .filter(|p| matches!(p.name(), "alibi" | "t5" | "kerple"))
+        .filter(|p| matches!(p.name(), "alibi" | "t5" | "kerple" | "fire"))
         .collect()
 }
 
@@ -52,7 +52,10 @@ fn relative_biases_depend_only_on_the_offset() {
                         for j in 0..t {
                             let v = layer[((r * heads + h) * t + i) * t + j];
                             let offset = row[j] as i64 - row[i] as i64;
-                            let first = *seen.entry((h, offset)).or_insert(v);
+                            // FIRE normalises by each sequence's span (above its threshold):
+                            // a function of the offset within a sequence.
+                            let seq = if name == "fire" { r } else { 0 };
+                            let first = *seen.entry((seq, h, offset)).or_insert(v);
                             assert!(
                                 (v - first).abs() < 1e-12,
                                 "{name}: head {h}, offset {offset}: {v} vs {first}"
@@ -101,9 +104,13 @@ fn untied_is_absolute_and_reads_its_positions() {
         let uq = store.get("pos_attn.q.weight").unwrap();
         let uk = store.get("pos_attn.k.weight").unwrap();
         let rows = match encoder.positional() {
-            poslab::positional::PositionalModule::ScoreBias(
-                poslab::positional::ScoreBias::Untied(u),
-            ) => u.vectors(&p0).unwrap().squeeze(0).unwrap(), // (t, d)
+            poslab::positional::PositionalModule::ScoreBias(bias) => bias
+                .downcast::<poslab::positional::Untied>()
+                .unwrap()
+                .vectors(&p0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap(), // (t, d)
             _ => unreachable!(),
         };
         let pq = rows.matmul(&uq.as_tensor().t().unwrap()).unwrap();
@@ -423,10 +430,18 @@ fn kerple_parameters_stay_positive_in_training_and_unusable_files_are_refused() 
         initial.iter().all(|&v| (KERPLE_MIN..=2.0).contains(&v)),
         "{initial:?}"
     );
+    // The bounds are declared by the module that created r1 and r2, not found by name.
+    let bounds = encoder.constraints();
+    assert_eq!(bounds.len(), 2 * config.n_layers);
+    assert!(bounds.iter().all(|b| b.min == KERPLE_MIN));
+    // Without them an optimizer does not bound anything; with them it does.
+    store.constrain(&bounds).unwrap();
+    assert_eq!(store.bound("layers.0.attn.kerple.r1"), Some(KERPLE_MIN));
+    assert_eq!(store.bound("layers.0.attn.q.weight"), None);
     // A gradient that pushes every r down hard: AdamW moves them by lr, the projection stops
     // them at KERPLE_MIN. They are not weight-decayed either.
-    let mut opt = AdamW::new(
-        store.vars(),
+    let mut opt = AdamW::from_store(
+        &store,
         AdamWConfig {
             beta1: 0.9,
             beta2: 0.999,
@@ -474,7 +489,8 @@ fn kerple_parameters_stay_positive_in_training_and_unusable_files_are_refused() 
             .collect()
     };
     let other = ParamStore::new(2);
-    Encoder::new(&config, other.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    let built = Encoder::new(&config, other.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    other.constrain(&built.constraints()).unwrap();
     for (name, value, needle) in [
         ("layers.1.attn.kerple.r2", -0.5, "below its least value"),
         ("layers.0.ffn.up.weight", f32::NAN, "NaN"),

@@ -1,0 +1,279 @@
+//! FIRE (Li et al., ICLR 2024, "Functional Interpolation for Relative Positions Improves Long
+//! Context Transformers"), in the bidirectional form of an encoder.
+//!
+//! The paper's causal bias is `f(psi(i - j) / psi(max(L, i)))`: an MLP of the log-compressed
+//! distance, normalised by the query's position, so that every query's inputs span `[0, 1]`
+//! however long the sequence (the "interpolation"). An encoder sees keys on both sides and
+//! every query sees the whole sequence, so here:
+//!
+//! ```text
+//! rel      = p_j - p_i                                (key minus query, as T5)
+//! psi(z)   = ln(|c| z + 1)
+//! span     = largest minus smallest position of the sequence's real tokens
+//! L        = |l_multiplier| · threshold
+//! x        = sign(rel) · psi(|rel|) / (psi(max(L, span)) + 1e-6)          in [-1, 1]
+//! bias     = W2 relu(W1 x + b1)                       (1 -> width -> heads)
+//! ```
+//!
+//! The papers' output layer has a bias `b2` too; in attention it adds the same number to every
+//! score of a head, which the softmax cancels exactly, so poslab leaves it out (a file holding
+//! `fire.mlp2.bias`, as the reference fixtures do, loads without it: see the tests).
+//!
+//! The sign keeps left and right apart; the span is the bidirectional counterpart of the causal
+//! query position, so the bias depends on position differences only and a shift of every
+//! position changes nothing. One module (`fire.mlp1`, `fire.mlp2`, `fire.c`,
+//! `fire.l_multiplier`) is shared by every layer, as T5's table is; `c` starts at 0.1 and
+//! `l_multiplier` at 1, as in the paper. `threshold` (default 512, as in the public
+//! implementations) is the length below which inputs are not stretched: set it to the training
+//! length, so that sequences up to it keep their raw scale and longer ones are interpolated.
+
+use candle::{DType, Device, Module, Tensor};
+use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+};
+use crate::error::{Error, Result};
+use crate::nn::{linear, linear_no_bias, Linear};
+
+fn default_threshold() -> f64 {
+    512.0
+}
+
+fn default_width() -> usize {
+    32
+}
+
+/// The widest FIRE MLP accepted: its hidden layer is computed for every query-key pair.
+pub const MAX_FIRE_WIDTH: usize = 1024;
+
+/// Options of `fire`: `threshold`, the length from which inputs are interpolated (default 512;
+/// set it to the training length), and `width`, the MLP's hidden width (default 32, the
+/// paper's).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FireOptions {
+    #[serde(default = "default_threshold")]
+    pub threshold: f64,
+    #[serde(default = "default_width")]
+    pub width: usize,
+}
+
+impl Default for FireOptions {
+    fn default() -> Self {
+        Self {
+            threshold: default_threshold(),
+            width: default_width(),
+        }
+    }
+}
+
+impl FireOptions {
+    /// FIRE with `threshold` and the paper's width.
+    pub fn threshold(threshold: f64) -> Self {
+        Self {
+            threshold,
+            ..Self::default()
+        }
+    }
+}
+
+impl Scheme for FireOptions {
+    fn name(&self) -> &'static str {
+        "fire"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        if !(self.threshold.is_finite() && self.threshold > 0.0) {
+            return Err(format!(
+                "fire: threshold = {} must be a finite, positive length: the length from which \
+                 inputs are interpolated (set it to the training length; 512 is the papers')",
+                self.threshold
+            ));
+        }
+        if self.width == 0 || self.width > MAX_FIRE_WIDTH {
+            return Err(format!(
+                "fire: width = {} must be between 1 and {MAX_FIRE_WIDTH}: the hidden width of \
+                 the MLP from distance to bias (32 is the paper's)",
+                self.width
+            ));
+        }
+        Ok(())
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        let (w, h) = (self.width as u128, shape.n_heads as u128);
+        2 * w + w * h + 2
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias: an MLP (1 -> {} -> {} heads) of sign(j - i) ln(|c| |j - i| + 1) / \
+             ln(|c| max(L, span) + 1), L = |l_multiplier| x {} (threshold), shared by all layers",
+            self.width, shape.n_heads, self.threshold
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Fire::new(
+            self,
+            shape.n_heads,
+            vb.pp("fire"),
+        )?)))
+    }
+}
+
+/// FIRE's module: the MLP, `c` and `l_multiplier`.
+#[derive(Debug)]
+pub struct Fire {
+    mlp1: Linear,
+    mlp2: Linear,
+    /// `(1)`
+    c: Tensor,
+    /// `(1)`
+    l_multiplier: Tensor,
+    threshold: f64,
+}
+
+impl Fire {
+    /// The module under `vb` (`fire.mlp1.{weight,bias}`, `fire.mlp2.weight`, `fire.c`,
+    /// `fire.l_multiplier`).
+    pub fn new(options: &FireOptions, heads: usize, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            mlp1: linear(1, options.width, vb.pp("mlp1"))?,
+            // No output bias: a constant per head added to every score of the head is cancelled
+            // by the softmax, so it could never learn (its gradient is exactly zero).
+            mlp2: linear_no_bias(options.width, heads, vb.pp("mlp2"))?,
+            c: vb.get_with_hints(1, "c", Init::Const(0.1))?,
+            l_multiplier: vb.get_with_hints(1, "l_multiplier", Init::Const(1.0))?,
+            threshold: options.threshold,
+        })
+    }
+
+    pub fn threshold(&self) -> f64 {
+        self.threshold
+    }
+
+    /// `(|c|, |l_multiplier|)` as they stand.
+    pub fn scalars(&self) -> Result<(f64, f64)> {
+        let v =
+            |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?[0].abs()) };
+        Ok((v(&self.c)?, v(&self.l_multiplier)?))
+    }
+
+    /// The MLP's inputs for every query-key pair.
+    ///
+    /// # Shapes
+    /// - returns `(n, t, t)`, `n` the mask's rows (`b`) or, without a mask, the positions'
+    ///   (`r`); values in `[-1, 1]`, differentiable in `c` and `l_multiplier`
+    pub fn inputs(&self, batch: &BiasBatch) -> Result<Tensor> {
+        let positions = batch.positions;
+        let (r, t) = (positions.rows(), positions.len());
+        let real: Vec<Vec<bool>> = match batch.mask {
+            Some(mask) => mask
+                .to_dtype(DType::F64)?
+                .to_vec2::<f64>()?
+                .into_iter()
+                .map(|row| row.into_iter().map(|v| v > 0.0).collect())
+                .collect(),
+            None => vec![vec![true; t]; r],
+        };
+        let n = real.len();
+        if r != 1 && r != n {
+            return Err(Error::Input(format!(
+                "fire: positions of {r} rows for a batch of {n} sequences: give one row, or one \
+                 per sequence"
+            )));
+        }
+        // Per sequence: its positions' row, and its span over real tokens.
+        let mut sign = Vec::with_capacity(n * t * t);
+        let mut distance = Vec::with_capacity(n * t * t);
+        let mut spans = Vec::with_capacity(n);
+        for (k, real) in real.iter().enumerate() {
+            let p = positions.row(if r == 1 { 0 } else { k });
+            let kept = p.iter().zip(real).filter(|(_, &m)| m).map(|(&v, _)| v);
+            let (lo, hi) = kept.fold((u32::MAX, 0), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            spans.push(if lo <= hi { f64::from(hi - lo) } else { 0.0 });
+            for &query in p {
+                for &key in p {
+                    let rel = i64::from(key) - i64::from(query);
+                    sign.push(rel.signum() as f64);
+                    distance.push(rel.unsigned_abs() as f64);
+                }
+            }
+        }
+        let (dtype, device) = (batch.dtype, batch.device);
+        let host = |v: Vec<f64>, shape: (usize, usize, usize)| -> Result<Tensor> {
+            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)?)
+        };
+        let sign = host(sign, (n, t, t))?;
+        let distance = host(distance, (n, t, t))?;
+        let c = self.c.abs()?;
+        let psi = |z: &Tensor| -> Result<Tensor> { Ok((z.broadcast_mul(&c)? + 1.0)?.log()?) };
+        // max(L, span), with the branch chosen by value: the gradient reaches l_multiplier
+        // where L is the larger, as the maximum's does.
+        let l = (self.l_multiplier.abs()? * self.threshold)?; // (1)
+        let l_value = l.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+        let longer: Vec<f64> = spans
+            .iter()
+            .map(|&s| f64::from(u8::from(s > l_value)))
+            .collect();
+        let longer = host(longer, (n, 1, 1))?;
+        let spans = host(spans, (n, 1, 1))?;
+        let reach = (spans.mul(&longer)? + longer.affine(-1.0, 1.0)?.broadcast_mul(&l)?)?;
+        let norm = (psi(&reach)? + 1e-6)?; // (n, 1, 1)
+        Ok(sign.mul(&psi(&distance)?)?.broadcast_div(&norm)?)
+    }
+
+    /// # Shapes
+    /// - returns `(n, h, t, t)` (see [`Fire::inputs`]); differentiable in every FIRE variable
+    pub fn bias(&self, batch: &BiasBatch) -> Result<Tensor> {
+        let x = self.inputs(batch)?;
+        let (n, t, _) = x.dims3()?;
+        let x = x.reshape((n * t * t, 1))?;
+        let hidden = self.mlp1.forward(&x)?.relu()?; // (n t t, width)
+        let out = self.mlp2.forward(&hidden)?; // (n t t, h)
+        let h = out.dim(1)?;
+        Ok(out
+            .reshape((n, t, t, h))?
+            .permute((0, 3, 1, 2))?
+            .contiguous()?)
+    }
+}
+
+impl BiasModule for Fire {
+    fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
+        Ok(LayerBiases::Shared(self.bias(batch)?))
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        let (c, l) = self.scalars()?;
+        Ok(vec![format!(
+            "|c| = {c:.4}, |l_multiplier| = {l:.4}: L = {:.1} (threshold {}); inputs are \
+             stretched over max(L, span)",
+            l * self.threshold,
+            self.threshold
+        )])
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        let mut out = Vec::new();
+        for l in [&self.mlp1, &self.mlp2] {
+            out.push(l.weight().clone());
+            out.extend(l.bias().cloned());
+        }
+        out.extend([self.c.clone(), self.l_multiplier.clone()]);
+        out
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}

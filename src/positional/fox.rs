@@ -1,0 +1,212 @@
+//! Data-dependent decay, the Forgetting Transformer's (Lin et al., ICLR 2025), in the
+//! bidirectional form of x-transformers' `DataDependentAlibi(causal=False)`: ALiBi whose slope
+//! each token sets through a forget gate. A **contextual** scheme: the position signal comes
+//! from the content, and no position id is read.
+//!
+//! Every layer computes `2 · heads` gates from its attention input `x` (the `x` that q, k and v
+//! are projected from), `g = log sigmoid(x Wᵀ + b)` (`layers.{i}.attn.fox.{weight,bias}`, `b`
+//! starting at 5, so that gates start near 1 and forget little), and with `G` their running sum
+//! along the tokens:
+//!
+//! ```text
+//! bias[h, i, j] = G_h[i] - G_h[j]        keys at or before the query (j <= i): the forward
+//!                                        gates' sum over tokens j+1..i
+//!               = G'_h[j] - G'_h[i]      keys after it (j > i): the backward gates' (heads + h)
+//!                                        sum over tokens i+1..j
+//! ```
+//!
+//! Each `g` is at most 0, so the bias is 0 on the diagonal and at most 0 elsewhere: a key's
+//! score decays with how much forgetting lies between it and the query. With right padding the
+//! sums between two real tokens cover real tokens only, so padding changes nothing at real
+//! positions. The paper's model is causal (forward gates only); an encoder needs both
+//! directions, which is why there are two gates per head.
+
+use candle::{Module, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use super::{
+    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+};
+use crate::error::Result;
+use crate::nn::Linear;
+
+/// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
+pub const FOX_GATE_BIAS: f64 = 5.0;
+
+/// The `fox` scheme (its options are [`super::NoOptions`]).
+#[derive(Clone, Copy, Debug)]
+pub struct FoxScheme;
+
+impl Scheme for FoxScheme {
+    fn name(&self) -> &'static str {
+        "fox"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::AttentionBias
+    }
+
+    fn check_random_positions(&self, range: usize) -> std::result::Result<(), String> {
+        Err(format!(
+            "random_positions = {range} with positional `fox`: FoX's decay comes from the \
+             content (forget gates summed along the tokens) and reads no position ids, so \
+             randomizing them would change nothing; remove random_positions"
+        ))
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        let (h, d, l) = (
+            shape.n_heads as u128,
+            shape.d_model as u128,
+            shape.n_layers as u128,
+        );
+        l * (2 * h * d + 2 * h)
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias from content: per layer, {} forget gates log sigmoid(x W^T + b) of \
+             the attention input ({} forward, {} backward), the bias the gates' sum between \
+             query and key (b starts at {FOX_GATE_BIAS}); no position ids",
+            2 * shape.n_heads,
+            shape.n_heads,
+            shape.n_heads
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let layers = (0..shape.n_layers)
+            .map(|i| {
+                FoxGates::new(
+                    shape.d_model,
+                    shape.n_heads,
+                    vb.pp(format!("layers.{i}.attn.fox")),
+                )
+            })
+            .collect::<Result<_>>()?;
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Fox(layers))))
+    }
+}
+
+/// One layer's forget gates: `2 · heads` of them, from the attention input.
+#[derive(Clone, Debug)]
+pub struct FoxGates {
+    gates: Linear,
+    heads: usize,
+}
+
+impl FoxGates {
+    pub fn new(d_model: usize, heads: usize, vb: VarBuilder) -> Result<Self> {
+        let bound = 1.0 / (d_model as f64).sqrt();
+        let weight = vb.get_with_hints(
+            (2 * heads, d_model),
+            "weight",
+            Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+        )?;
+        let bias = vb.get_with_hints(2 * heads, "bias", Init::Const(FOX_GATE_BIAS))?;
+        Ok(Self {
+            gates: Linear::new(weight, Some(bias)),
+            heads,
+        })
+    }
+
+    /// From given weights `(2h, d)` and bias `(2h)` (for tests and analysis).
+    pub fn from_tensors(weight: Tensor, bias: Tensor) -> Result<Self> {
+        let heads = weight.dim(0)? / 2;
+        Ok(Self {
+            gates: Linear::new(weight, Some(bias)),
+            heads,
+        })
+    }
+
+    /// `log sigmoid(x Wᵀ + b)`, computed as `-(relu(-z) + ln(1 + e^(-|z|)))`, exact for any `z`.
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
+    pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
+        // In the parameters' dtype under mixed precision: the bias joins the f32 scores.
+        let z = self
+            .gates
+            .forward(&x.to_dtype(self.gates.weight().dtype())?)?;
+        let soft = (z.abs()?.neg()?.exp()? + 1.0)?.log()?;
+        Ok((z.neg()?.relu()? + soft)?.neg()?)
+    }
+
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(b, h, t, t)`; differentiable in the gates and `x`
+    pub fn bias(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.heads;
+        let g = self.log_gates(x)?.transpose(1, 2)?.contiguous()?; // (b, 2h, t)
+        let sums = g.cumsum(D::Minus1)?; // (b, 2h, t)
+        let t = sums.dim(D::Minus1)?;
+        let forward = sums.narrow(1, 0, h)?; // G
+        let backward = sums.narrow(1, h, h)?; // G'
+                                              // G[i] - G[j] and G'[j] - G'[i], query i along axis 2, key j along axis 3.
+        let before = forward
+            .unsqueeze(3)?
+            .broadcast_sub(&forward.unsqueeze(2)?)?;
+        let after = backward
+            .unsqueeze(2)?
+            .broadcast_sub(&backward.unsqueeze(3)?)?;
+        let lower: Vec<u8> = (0..t * t).map(|n| u8::from(n % t <= n / t)).collect();
+        let lower = Tensor::from_vec(lower, (t, t), x.device())?.broadcast_as(before.shape())?;
+        Ok(lower.where_cond(&before, &after)?)
+    }
+
+    /// `(weight (2h, d), bias (2h))`.
+    pub fn params(&self) -> (&Tensor, Option<&Tensor>) {
+        (self.gates.weight(), self.gates.bias())
+    }
+}
+
+/// Every layer's gates.
+#[derive(Clone, Debug)]
+pub struct Fox(pub Vec<FoxGates>);
+
+impl BiasModule for Fox {
+    fn layer_biases(&self, _batch: &BiasBatch) -> Result<LayerBiases> {
+        Ok(LayerBiases::FromInput)
+    }
+
+    fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<Tensor>> {
+        self.0.get(layer).map(|g| g.bias(x)).transpose()
+    }
+
+    fn per_layer(&self) -> bool {
+        true
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(l, g)| {
+                let bias = match g.params().1 {
+                    Some(b) => b.to_dtype(candle::DType::F64)?.to_vec1::<f64>()?,
+                    None => Vec::new(),
+                };
+                Ok(format!(
+                    "layer {l}: gate biases [{}] (forward, then backward)",
+                    super::list(&bias)
+                ))
+            })
+            .collect()
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        self.0
+            .iter()
+            .flat_map(|g| {
+                let (w, b) = g.params();
+                std::iter::once(w.clone()).chain(b.cloned())
+            })
+            .collect()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}

@@ -1,0 +1,72 @@
+//! `learned`: a trained `max_len x d_model` table added to the token embeddings (BERT's).
+
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use super::scheme::check_init_std;
+use super::{
+    InputPositions, LearnedPositions, Placement, PositionalModule, Scheme, SchemeShape,
+    DEFAULT_LEARNED_INIT_STD,
+};
+use crate::error::Result;
+
+fn default_learned_init_std() -> f64 {
+    DEFAULT_LEARNED_INIT_STD
+}
+
+/// Options of `learned`: a trained `max_len x d_model` table added to the token embeddings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnedOptions {
+    /// Standard deviation of the normal initialisation (default `1/sqrt(2)`, the sinusoid's own).
+    #[serde(default = "default_learned_init_std")]
+    pub init_std: f64,
+}
+
+impl Default for LearnedOptions {
+    fn default() -> Self {
+        Self {
+            init_std: DEFAULT_LEARNED_INIT_STD,
+        }
+    }
+}
+
+impl Scheme for LearnedOptions {
+    fn name(&self) -> &'static str {
+        "learned"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Input
+    }
+
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        check_init_std("learned", self.init_std)
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        shape.max_len as u128 * shape.d_model as u128
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "input side: tokens + learned table ({} x {}, init N(0, {:.4}))",
+            shape.max_len, shape.d_model, self.init_std
+        )
+    }
+
+    fn has_learned_table(&self) -> bool {
+        true
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Input(InputPositions::Learned(
+            LearnedPositions::new(
+                shape.max_len,
+                shape.d_model,
+                self.init_std,
+                vb.pp("pos_emb"),
+            )?,
+        )))
+    }
+}

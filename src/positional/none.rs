@@ -1,0 +1,37 @@
+//! `none`: token embeddings only, the bag-of-words control. An encoder without positions sees
+//! a set of tokens: every permutation of the input permutes its outputs the same way.
+
+use candle_nn::VarBuilder;
+
+use super::{InputPositions, Placement, PositionalModule, Scheme, SchemeShape};
+use crate::error::Result;
+
+/// The `none` scheme (its options are [`super::NoOptions`]).
+#[derive(Clone, Copy, Debug)]
+pub struct NoneScheme;
+
+impl Scheme for NoneScheme {
+    fn name(&self) -> &'static str {
+        "none"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Nowhere
+    }
+
+    fn check_random_positions(&self, range: usize) -> std::result::Result<(), String> {
+        Err(format!(
+            "random_positions = {range} with positional `none`: a model without positions has \
+             none to randomize, so this would be the plain model under another name; remove \
+             random_positions"
+        ))
+    }
+
+    fn describe(&self, _shape: &SchemeShape) -> String {
+        "no positions (the bag-of-words control)".into()
+    }
+
+    fn build(&self, _shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Input(InputPositions::None))
+    }
+}

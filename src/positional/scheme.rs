@@ -1,0 +1,102 @@
+//! What every positional scheme provides. [`super::PositionalConfig`] holds one variant per
+//! scheme and dispatches each question to the scheme's own file through [`Scheme`]: its
+//! placement, the checks of its options, its parameter count, how `inspect` describes it, and
+//! the module it builds. Nothing outside a scheme's file matches on the scheme.
+
+use candle_nn::VarBuilder;
+
+use super::{Placement, PositionalModule};
+use crate::error::Result;
+
+/// The sizes a scheme's modules are built for.
+#[derive(Clone, Copy, Debug)]
+pub struct SchemeShape {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    /// Rows of a learned table; the initial rows of fixed ones.
+    pub max_len: usize,
+}
+
+impl SchemeShape {
+    /// The width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+}
+
+/// One positional scheme: its options' checks, its parameters, its description, its module.
+pub trait Scheme: Sync {
+    /// The name used in configs and reports (`kind = "..."`).
+    fn name(&self) -> &'static str;
+
+    /// Where it acts: the input, a rotation of q and k, or a bias on the scores.
+    fn placement(&self) -> Placement;
+
+    /// Checks the options against the model's sizes; the message names the option and a fix.
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    /// A refusal of randomized positions, where they make no sense for the scheme.
+    fn check_random_positions(&self, _range: usize) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    /// The number of trainable values the scheme adds to an encoder of `shape`.
+    fn param_count(&self, _shape: &SchemeShape) -> u128 {
+        0
+    }
+
+    /// One line for `inspect`: where it acts and what with.
+    fn describe(&self, shape: &SchemeShape) -> String;
+
+    /// A row label that tells apart the variants of the scheme in a table of schemes.
+    fn label(&self) -> String {
+        self.name().to_string()
+    }
+
+    /// The model width as a results table shows it (`d = tokens + positions` for concatenation).
+    fn width(&self, d_model: usize) -> String {
+        d_model.to_string()
+    }
+
+    /// Width of the token embedding table (narrower than the model for concatenation).
+    fn token_dim(&self, d_model: usize) -> usize {
+        d_model
+    }
+
+    /// Whether the scheme has a learned table of `max_len` rows (which bounds the positions).
+    fn has_learned_table(&self) -> bool {
+        false
+    }
+
+    /// What attention multiplies `q kᵀ` by, where the scheme changes it (`None`: `1/sqrt(d_head)`).
+    fn score_scale(&self, _head_dim: usize) -> Option<f64> {
+        None
+    }
+
+    /// The scheme's module for an encoder of `shape`, its variables under `vb`.
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule>;
+}
+
+/// Refuses a base that is not a finite number above 1.
+pub(crate) fn check_base(kind: &str, base: f64) -> std::result::Result<(), String> {
+    if !base.is_finite() || base <= 1.0 {
+        return Err(format!(
+            "{kind}: base = {base} must be a finite number greater than 1 (10000 is the usual \
+             choice)"
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses an initial standard deviation that is not a finite, non-negative number.
+pub(crate) fn check_init_std(kind: &str, std: f64) -> std::result::Result<(), String> {
+    if !std.is_finite() || std < 0.0 {
+        return Err(format!(
+            "{kind}: init_std = {std} must be a finite, non-negative number"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,70 @@
+//! `sinusoidal_add`: the sinusoid of Vaswani et al. (2017), as wide as the model, added to the
+//! token embeddings.
+
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use super::scheme::check_base;
+use super::{
+    InputPositions, Placement, PositionalModule, Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
+};
+use crate::error::Result;
+
+fn default_base() -> f64 {
+    DEFAULT_BASE
+}
+
+/// Options of `sinusoidal_add`: the table is as wide as the model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinusoidalOptions {
+    #[serde(default = "default_base")]
+    pub base: f64,
+    #[serde(default)]
+    pub layout: TableLayout,
+}
+
+impl Default for SinusoidalOptions {
+    fn default() -> Self {
+        Self {
+            base: DEFAULT_BASE,
+            layout: TableLayout::default(),
+        }
+    }
+}
+
+impl Scheme for SinusoidalOptions {
+    fn name(&self) -> &'static str {
+        "sinusoidal_add"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Input
+    }
+
+    fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        check_base("sinusoidal_add", self.base)?;
+        let d_model = shape.d_model;
+        if d_model % 2 != 0 {
+            return Err(format!(
+                "sinusoidal_add needs an even width for its (sin, cos) pairs, but d_model = \
+                 {d_model} is odd: use an even width such as {}",
+                d_model + 1
+            ));
+        }
+        Ok(())
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "input side: tokens + sinusoid ({} wide, base {}, {} layout)",
+            shape.d_model, self.base, self.layout
+        )
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Input(InputPositions::Add(
+            InputPositions::sinusoid(shape.d_model, self.base, self.layout, shape.max_len, &vb)?,
+        )))
+    }
+}

@@ -1,0 +1,135 @@
+//! `sinusoidal_concat`: a `pos_dim`-wide sinusoid concatenated after the token embeddings,
+//! which are narrower by as much (or as wide as the model, with a trained projection back).
+
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use super::scheme::check_base;
+use super::{
+    InputPositions, Placement, PositionalModule, Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
+};
+use crate::error::Result;
+
+fn default_base() -> f64 {
+    DEFAULT_BASE
+}
+
+/// Options of `sinusoidal_concat`: a `pos_dim` wide sinusoid appended after the token embeddings.
+///
+/// - `project = false` (default): token embeddings `d_model - pos_dim` wide, so the concatenation
+///   is `d_model` wide with no extra parameters;
+/// - `project = true`: token embeddings `d_model` wide, the `d_model + pos_dim` concatenation
+///   mapped back to `d_model` by a trained linear layer `pos_proj`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConcatOptions {
+    pub pos_dim: usize,
+    #[serde(default = "default_base")]
+    pub base: f64,
+    #[serde(default)]
+    pub layout: TableLayout,
+    #[serde(default)]
+    pub project: bool,
+}
+
+impl Scheme for ConcatOptions {
+    fn name(&self) -> &'static str {
+        "sinusoidal_concat"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Input
+    }
+
+    fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        check_base("sinusoidal_concat", self.base)?;
+        let d_model = shape.d_model;
+        if self.pos_dim < 2 || (!self.project && self.pos_dim >= d_model) {
+            return Err(format!(
+                "sinusoidal_concat: pos_dim = {} must be at least 2 and, without projection, less \
+                 than d_model = {d_model}, so the token embedding (d_model - pos_dim wide) keeps \
+                 some width; or set project = true to keep tokens d_model wide and project the \
+                 concatenation back",
+                self.pos_dim
+            ));
+        }
+        if self.pos_dim % 2 != 0 {
+            return Err(format!(
+                "sinusoidal_concat: pos_dim = {} is odd, but a sinusoidal table needs an even \
+                 width for its (sin, cos) pairs: use {} or {}",
+                self.pos_dim,
+                self.pos_dim - 1,
+                self.pos_dim + 1
+            ));
+        }
+        Ok(())
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        let d = shape.d_model as u128;
+        match self.project {
+            true => (d + self.pos_dim as u128) * d + d,
+            false => 0,
+        }
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        let d = shape.d_model;
+        match self.project {
+            true => format!(
+                "input side: [tokens {d} ; sinusoid {}] projected back to {d} (base {}, {} layout)",
+                self.pos_dim, self.base, self.layout
+            ),
+            false => format!(
+                "input side: [tokens {} ; sinusoid {}] = {d} (base {}, {} layout)",
+                d - self.pos_dim,
+                self.pos_dim,
+                self.base,
+                self.layout
+            ),
+        }
+    }
+
+    fn label(&self) -> String {
+        match self.project {
+            true => format!("sinusoidal_concat (pos_dim {}, project)", self.pos_dim),
+            false => format!("sinusoidal_concat (pos_dim {})", self.pos_dim),
+        }
+    }
+
+    fn width(&self, d_model: usize) -> String {
+        let tokens = self.token_dim(d_model);
+        match self.project {
+            true => format!("{tokens}+{}->{d_model}", self.pos_dim),
+            false => format!("{d_model} = {tokens}+{}", self.pos_dim),
+        }
+    }
+
+    fn token_dim(&self, d_model: usize) -> usize {
+        match self.project {
+            true => d_model,
+            false => d_model.saturating_sub(self.pos_dim),
+        }
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let d_model = shape.d_model;
+        Ok(PositionalModule::Input(InputPositions::Concat {
+            table: InputPositions::sinusoid(
+                self.pos_dim,
+                self.base,
+                self.layout,
+                shape.max_len,
+                &vb,
+            )?,
+            projection: match self.project {
+                true => Some(crate::nn::linear(
+                    d_model + self.pos_dim,
+                    d_model,
+                    vb.pp("pos_proj"),
+                )?),
+                false => None,
+            },
+        }))
+    }
+}
