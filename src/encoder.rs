@@ -535,6 +535,20 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
+        self.attention_inputs(input_ids, attention_mask)?
+            .iter()
+            .enumerate()
+            .map(|(i, x)| Ok(self.layers[i].attn.queries_keys(x)?))
+            .collect()
+    }
+
+    /// Every layer's attention input (after its LayerNorm under pre-norm), `(b, t, d_model)`,
+    /// with the tokens at `0..t`: what q, k, v (and FoX's gates) are computed from.
+    pub fn attention_inputs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Vec<Tensor>> {
         let (b, t) = self.check_input(input_ids, attention_mask)?;
         let positions = self.starting_at_first(&Positions::range(0, t)?)?;
         let x = self.tok_emb.forward(input_ids)?;
@@ -560,7 +574,7 @@ impl Encoder {
                 NormPlacement::Pre => layer.attn_norm.forward(&x)?,
                 NormPlacement::Post => x.clone(),
             };
-            out.push(layer.attn.queries_keys(&attn_in)?);
+            out.push(attn_in);
             let inputs = AttentionInputs {
                 key_padding: &padding,
                 rotary: rotary.as_ref(),
@@ -568,7 +582,7 @@ impl Encoder {
             };
             x = layer.forward_t(&x, inputs, self.own_bias(biases.as_ref(), i), false)?;
         }
-        debug_assert_eq!(out.first().map(|(q, _)| q.dim(0).unwrap_or(0)), Some(b));
+        debug_assert_eq!(out.first().map(|x| x.dim(0).unwrap_or(0)), Some(b));
         Ok(out)
     }
 

@@ -13,6 +13,7 @@ pub mod order;
 pub mod pca;
 mod plots;
 pub mod rope;
+pub mod schemes;
 pub mod terms;
 
 use std::f64::consts::TAU;

@@ -121,7 +121,10 @@ pub(super) fn heatmap(
             .y_desc(axes.1)
             .axis_desc_style((FONT, 17))
             .label_style((FONT, 13))
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            .x_label_formatter(&|x| match x.fract() == 0.0 {
+                true => format!("{x:.0}"),
+                false => format!("{x:.2}"),
+            })
             .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()?;
         chart.draw_series((0..m.rows).flat_map(|r| {
@@ -180,7 +183,10 @@ where
         .y_desc(axes.1)
         .axis_desc_style((FONT, 17))
         .label_style((FONT, 13))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&|x| match x.fract() == 0.0 {
+            true => format!("{x:.0}"),
+            false => format!("{x:.2}"),
+        })
         .y_label_formatter(&tick)
         .draw()?;
     for (i, (name, pts, dashed)) in series.iter().enumerate() {

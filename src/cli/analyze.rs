@@ -25,8 +25,10 @@ const MAX_TABLE_VALUES: usize = 1 << 24;
 /// learned score biases, and how its attention logits split into content and position terms.
 #[derive(clap::Args)]
 pub struct Args {
-    /// `sinusoidal`, `rope`, or an attention bias: `alibi`, `t5`, `kerple`; or give --run.
-    #[arg(value_parser = ["sinusoidal", "rope", "alibi", "t5", "kerple"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
+    /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an
+    /// attention bias: `alibi`, `t5`, `kerple`, `fire` (at two lengths: its interpolation); or
+    /// give --run (FoX's gates exist only in a trained model).
+    #[arg(value_parser = ["sinusoidal", "rope", "prope", "alibi", "t5", "kerple", "fire", "fox"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
     pub scheme: Option<String>,
     /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
     /// table, with the same measures, pictures and CSVs as a trained model's.
@@ -44,6 +46,13 @@ pub struct Args {
     /// RoPE: the share of each head rotated (its first int(dim x fraction) coordinates).
     #[arg(long, default_value_t = 1.0)]
     pub fraction: f64,
+    /// p-RoPE: the share of a head's frequency pairs that rotate (the fastest).
+    #[arg(long, default_value_t = 0.75)]
+    pub keep: f64,
+    /// FIRE: the threshold L (default: --positions, standing for the training length); its
+    /// bias is drawn at --positions and at 4 times as many.
+    #[arg(long)]
+    pub threshold: Option<f64>,
     /// RoPE: the factor of the scalings whose wavelengths are compared.
     #[arg(long, default_value_t = 4.0)]
     pub factor: f64,
@@ -134,8 +143,17 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let bias_positions = a.positions.min(MAX_BIAS_POSITIONS);
-    if let Some(scheme @ ("alibi" | "t5" | "kerple")) = a.scheme.as_deref() {
-        return bias_by_name(scheme, &a, bias_positions);
+    match a.scheme.as_deref() {
+        Some(scheme @ ("alibi" | "t5" | "kerple")) => {
+            return bias_by_name(scheme, &a, bias_positions)
+        }
+        Some("fire") => return fire_by_name(&a),
+        Some("prope") => return prope_by_name(&a),
+        Some("fox") => anyhow::bail!(
+            "fox: FoX's bias comes from the content (forget gates of each layer's input), so it \
+             exists only in a trained model: give --run DIR of a fox model"
+        ),
+        _ => {}
     }
     if !(a.base.is_finite() && a.base > 1.0) || a.bases.iter().any(|b| !(b.is_finite() && *b > 1.0))
     {
@@ -354,7 +372,8 @@ pub fn run(a: Args) -> Result<()> {
             summary.push_str(&bias.summary());
             files.extend(bias.write(&dir)?);
         }
-        if matches!(loaded.config.model.positional, PositionalConfig::Rope(_)) {
+        scheme_analysis(loaded, &a, &dir, &mut summary, &mut files)?;
+        if loaded.config.model.positional.placement() == poslab::Placement::Attention {
             match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
                 Err(e) if a.text.is_none() => {
                     summary.push_str(&format!("RoPE pair energy skipped: {e}\n"))
@@ -401,6 +420,156 @@ pub fn run(a: Args) -> Result<()> {
         }
         poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     }
+    out!("{summary}");
+    outln!("files in {}: {}", dir.display(), files.join(", "));
+    Ok(())
+}
+
+/// What only a trained FIRE, p-RoPE or FoX model has: FIRE's curves at the training length and
+/// 4x; p-RoPE's spectrum; FoX's gates on the evaluation text.
+fn scheme_analysis(
+    loaded: &poslab::saved::Loaded,
+    a: &Args,
+    dir: &Path,
+    summary: &mut String,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    use poslab::analysis::schemes;
+    let encoder = loaded.model.encoder();
+    let model = &loaded.config.model;
+    match &model.positional {
+        PositionalConfig::Fire(_) => {
+            let trained = model.max_len.clamp(2, MAX_BIAS_POSITIONS);
+            let lengths = [trained, (4 * trained).min(MAX_BIAS_POSITIONS)];
+            let mut curves = schemes::fire_curves(
+                "fire: the learned bias per head, at the training length and 4x".into(),
+                &lengths,
+                |n| {
+                    Ok(encoder
+                        .score_bias(0, &poslab::Positions::range(0, n)?)?
+                        .expect("fire has a score bias"))
+                },
+            )?;
+            if let poslab::positional::PositionalModule::ScoreBias(bias) = encoder.positional() {
+                curves.notes = bias.notes()?;
+            }
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        PositionalConfig::Prope(o) => {
+            let spectra = schemes::rotation_spectra(model.head_dim(), o.base, o.keep);
+            let (text, written) = schemes::write_spectra(&spectra, model.head_dim(), dir)?;
+            summary.push_str(&text);
+            files.extend(written);
+        }
+        PositionalConfig::Fox(_) => match analysis_batch(loaded, a) {
+            Err(e) if a.text.is_none() => summary.push_str(&format!("FoX gates skipped: {e}\n")),
+            Err(e) => return Err(e),
+            Ok((ids, mask)) => {
+                let tokenizer = &loaded.tokenizer;
+                let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
+                    tokenizer
+                        .id_to_token(id)
+                        .unwrap_or_else(|| format!("#{id}"))
+                })?;
+                summary.push_str(&gates.summary());
+                files.extend(gates.write(dir)?);
+            }
+        },
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The evaluation batch of `--run` (its test set, or `--text`).
+fn analysis_batch(
+    loaded: &poslab::saved::Loaded,
+    a: &Args,
+) -> Result<(candle::Tensor, candle::Tensor)> {
+    let (ids, mask, _) =
+        poslab::analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref())?;
+    Ok((ids, mask))
+}
+
+/// `analyze fire`: FIRE at initialisation (seed 0) at --positions and 4x as many, with the
+/// threshold at --positions: past the threshold, the longer sequence's curve is the shorter's
+/// stretched over its span.
+fn fire_by_name(a: &Args) -> Result<()> {
+    use poslab::positional::{BiasBatch, FireOptions, PositionalModule, SchemeShape};
+    if a.heads == 0 || a.heads > 64 {
+        anyhow::bail!("--heads {} must be between 1 and 64", a.heads);
+    }
+    let short = a.positions.min(MAX_BIAS_POSITIONS / 4);
+    let threshold = a.threshold.unwrap_or(short as f64);
+    let positional = PositionalConfig::Fire(FireOptions::threshold(threshold));
+    positional
+        .validate_options(2 * a.heads, 2)
+        .map_err(anyhow::Error::msg)?;
+    let store = poslab::ParamStore::new(0);
+    let shape = SchemeShape {
+        d_model: 2 * a.heads,
+        n_heads: a.heads,
+        n_layers: 1,
+        max_len: short,
+    };
+    let vb = store.var_builder(DType::F64, &candle::Device::Cpu);
+    let PositionalModule::ScoreBias(module) = PositionalModule::new(&positional, shape, vb)? else {
+        unreachable!("fire is a score bias")
+    };
+    let mut curves = poslab::analysis::schemes::fire_curves(
+        format!(
+            "fire, {} heads, threshold {threshold}: the bias at initialisation (seed 0)",
+            a.heads
+        ),
+        &[short, 4 * short],
+        |n| {
+            let positions = poslab::Positions::range(0, n)?;
+            let biases = module.layer_biases(&BiasBatch {
+                positions: &positions,
+                mask: None,
+                dtype: DType::F64,
+                device: &candle::Device::Cpu,
+            })?;
+            Ok(biases.layer(0).expect("fire's bias is shared").clone())
+        },
+    )?;
+    curves.notes = module.notes()?;
+    curves.notes.push(
+        "inputs sign(j - i) ln(|c| |j - i| + 1) / ln(|c| max(L, span) + 1): up to the threshold \
+         the curve is the raw one; at 4x the span it is stretched to the same [-1, 1] \
+         (fire_by_relative_offset.png)"
+            .into(),
+    );
+    let dir = match &a.out {
+        Some(dir) => dir.clone(),
+        None => experiment::new_run_dir(Path::new("runs"), "analysis-fire")?,
+    };
+    let summary = curves.summary();
+    let files = curves.write(&dir)?;
+    poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    out!("{summary}");
+    outln!("files in {}: {}", dir.display(), files.join(", "));
+    Ok(())
+}
+
+/// `analyze prope`: p-RoPE's spectrum at --keep beside RoPE's and `fraction`'s at the same
+/// share, for a head of --dim.
+fn prope_by_name(a: &Args) -> Result<()> {
+    let positional = PositionalConfig::Prope(poslab::positional::PropeOptions {
+        base: a.base,
+        keep: a.keep,
+        ..Default::default()
+    });
+    positional
+        .validate_options(a.dim, a.dim)
+        .map_err(anyhow::Error::msg)?;
+    let spectra = poslab::analysis::schemes::rotation_spectra(a.dim, a.base, a.keep);
+    let dir = match &a.out {
+        Some(dir) => dir.clone(),
+        None => experiment::new_run_dir(Path::new("runs"), "analysis-prope")?,
+    };
+    let (summary, files) = poslab::analysis::schemes::write_spectra(&spectra, a.dim, &dir)?;
+    poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     out!("{summary}");
     outln!("files in {}: {}", dir.display(), files.join(", "));
     Ok(())

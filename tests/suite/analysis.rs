@@ -619,3 +619,116 @@ fn rope_analysis_shows_scaled_wavelengths_and_pair_energy() {
     ]);
     assert!(!ok && stderr.contains("unknown scaling `spin`"), "{stderr}");
 }
+
+#[test]
+fn the_recent_schemes_are_analysed_by_name_and_in_trained_models() {
+    let dir = tempfile::tempdir().unwrap();
+    // FIRE by name: with the threshold at the short sequence's span (15), the long curve is the
+    // short one stretched over its span: the ends (offsets ±span) agree.
+    let out = dir.path().join("fire");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "fire",
+        "--heads",
+        "3",
+        "--positions",
+        "16",
+        "--threshold",
+        "15",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("length 64"), "{stdout}");
+    let csv = std::fs::read_to_string(out.join("fire_by_offset.csv")).unwrap();
+    let rows: Vec<Vec<f64>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(|v| v.parse().unwrap()).collect())
+        .collect();
+    let at = |n: f64, offset: f64| rows.iter().find(|r| r[0] == n && r[1] == offset).unwrap();
+    for h in 0..3 {
+        // Both inputs are 1 but for the 1e-6 in the normaliser.
+        assert!((at(16.0, 15.0)[3 + h] - at(64.0, 63.0)[3 + h]).abs() < 1e-5);
+        assert!((at(16.0, -15.0)[3 + h] - at(64.0, -63.0)[3 + h]).abs() < 1e-5);
+    }
+    assert!(out.join("fire_by_relative_offset.png").is_file());
+    // p-RoPE by name: its spectrum beside RoPE's and fraction's, the differences in the CSV.
+    let out = dir.path().join("prope");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "prope",
+        "--dim",
+        "16",
+        "--keep",
+        "0.5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("4 pairs rotated"), "{stdout}");
+    let csv = std::fs::read_to_string(out.join("spectrum.csv")).unwrap();
+    let pair3: Vec<f64> = csv
+        .lines()
+        .nth(4)
+        .unwrap()
+        .split(',')
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // Pair 3: RoPE's base^(-6/16), the same in p-RoPE, and base^(-6/8) under fraction 0.5.
+    assert!((pair3[1] - 10_000f64.powf(-6.0 / 16.0)).abs() < 1e-12);
+    assert_eq!(pair3[1], pair3[2]);
+    assert!((pair3[3] - 10_000f64.powf(-6.0 / 8.0)).abs() < 1e-12);
+    let (ok, _, stderr) = poslab(&["analyze", "prope", "--dim", "16", "--keep", "0.1"]);
+    assert!(!ok && stderr.contains("keeps none"), "{stderr}");
+    let (ok, _, stderr) = poslab(&["analyze", "fox"]);
+    assert!(!ok && stderr.contains("--run"), "{stderr}");
+
+    // A trained FIRE model: the learned curve at the training length and 4x.
+    let run = train_tiny(dir.path(), "kind = \"fire\"\nthreshold = 10", Some(10));
+    let out = dir.path().join("fire_run");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("length 10") && stdout.contains("length 40"),
+        "{stdout}"
+    );
+    assert!(out.join("fire_by_offset.png").is_file());
+
+    // A trained FoX model: gates per token, and the decay from one query.
+    let dir = tempfile::tempdir().unwrap();
+    let run = train_tiny(dir.path(), "kind = \"fox\"", None);
+    let out = dir.path().join("fox_run");
+    let (ok, stdout, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("most forgetting"), "{stdout}");
+    let decay = std::fs::read_to_string(out.join("fox_decay.csv")).unwrap();
+    let values: Vec<f64> = decay
+        .lines()
+        .skip(1)
+        .map(|l| l.rsplit(',').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(
+        !values.is_empty() && values.iter().all(|&v| v <= 0.0),
+        "{decay}"
+    );
+    assert!(values.contains(&0.0), "the query itself is not decayed");
+    let gates = std::fs::read_to_string(out.join("fox_gates.csv")).unwrap();
+    assert!(gates.lines().count() > 3, "{gates}");
+    for line in gates.lines().skip(1) {
+        let g: f64 = line.split(',').nth(3).unwrap().parse().unwrap();
+        assert!((0.0..=1.0).contains(&g), "{line}");
+    }
+}

@@ -251,6 +251,7 @@ fn shipped_configs_are_valid() {
             "length_suite.toml",
             "length_suite_longer.toml",
             "length_suite_small.toml",
+            "prope.toml",
             "rope_extension.toml",
             "schemes.toml"
         ]

@@ -448,8 +448,8 @@ fn accuracy_counts_the_outputs_only() {
 fn shards_are_disjoint_and_cover_every_cell() {
     let config = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
     let all = config.cells(&Selection::default()).unwrap();
-    assert_eq!(all.len(), 15 * 11 * 10);
-    for n in [1, 7, 110, 1650] {
+    assert_eq!(all.len(), 15 * 15 * 10);
+    for n in [1, 7, 110, 2250] {
         let mut union = Vec::new();
         for k in 0..n {
             let selection = Selection {
@@ -469,15 +469,15 @@ fn shards_are_disjoint_and_cover_every_cell() {
     let e = config
         .cells(&Selection {
             shard: Some(Shard {
-                index: 1650,
-                count: 1651,
+                index: 2250,
+                count: 2251,
             }),
             ..Default::default()
         })
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("holds no cell") && e.contains("at most 1650 shards"),
+        e.contains("holds no cell") && e.contains("at most 2250 shards"),
         "{e}"
     );
     for (text, why) in [
@@ -537,7 +537,16 @@ fn the_shipped_suites_run_the_protocol() {
             .collect();
         assert_eq!(
             plain,
-            ["none", "sinusoidal_add", "learned", "rope", "alibi", "t5"]
+            [
+                "none",
+                "sinusoidal_add",
+                "learned",
+                "rope",
+                "alibi",
+                "t5",
+                "fire",
+                "prope"
+            ]
         );
         for v in config
             .variants
@@ -545,11 +554,24 @@ fn the_shipped_suites_run_the_protocol() {
             .filter(|v| v.random_positions.is_some())
         {
             assert_eq!(v.random_positions, Some(2048));
+            // The same scheme (FIRE's threshold follows the positions' range).
             assert!(config.variants.iter().any(|p| p.random_positions.is_none()
-                && p.positional == v.positional
+                && p.positional.name() == v.positional.name()
                 && p.name == v.name.trim_end_matches("_random")));
         }
-        assert_eq!(config.variants.len(), 11);
+        assert_eq!(config.variants.len(), 15);
+        // FIRE's threshold is the training length, and the drawn range under randomized
+        // positions.
+        for v in &config.variants {
+            if let poslab::PositionalConfig::Fire(o) = &v.positional {
+                let expected = if v.random_positions.is_some() {
+                    2048.0
+                } else {
+                    40.0
+                };
+                assert_eq!(o.threshold, expected, "{}", v.name);
+            }
+        }
     }
     // The small suite: the binary-string tasks and bucket_sort, tested up to 200.
     let names: Vec<&str> = small.tasks.iter().map(|t| t.name.as_str()).collect();
