@@ -1,4 +1,4 @@
-//! A tour of the encoder API: all nine positional schemes built from one config and one seed,
+//! A tour of the encoder API: every positional scheme built from one config and one seed,
 //! a padded batch encoded, the shift test, one backward pass, and a checkpoint round trip.
 //!
 //! cargo run --release --example encoder_tour
@@ -7,32 +7,14 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor, D};
-use poslab::positional::{
-    ConcatOptions, LearnedOptions, NoOptions, RopeOptions, SinusoidalOptions, T5Options,
-    UntiedOptions,
-};
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 fn main() -> Result<()> {
     // The config next to this crate, wherever the example is run from.
     let base = ModelConfig::load(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/encoder.toml"))?;
     let device = Device::Cpu;
-    let schemes = [
-        PositionalConfig::None(NoOptions {}),
-        PositionalConfig::SinusoidalAdd(SinusoidalOptions::default()),
-        PositionalConfig::SinusoidalConcat(ConcatOptions {
-            pos_dim: 32,
-            base: 10_000.0,
-            layout: Default::default(),
-            project: false,
-        }),
-        PositionalConfig::Learned(LearnedOptions::default()),
-        PositionalConfig::Rope(RopeOptions::default()),
-        PositionalConfig::Alibi(NoOptions {}),
-        PositionalConfig::T5(T5Options::default()),
-        PositionalConfig::Kerple(NoOptions {}),
-        PositionalConfig::Untied(UntiedOptions::default()),
-    ];
+    // Every scheme with its default options (the concatenation 32 wide).
+    let schemes = PositionalConfig::catalog(32);
 
     // Two sequences, the second padded at the end.
     let ids = Tensor::new(
@@ -83,7 +65,7 @@ fn main() -> Result<()> {
 
         println!(
             "{:<18} {:>9} {:>12.2e} {:>12}/{:<3}",
-            config.positional.name(),
+            config.positional.scheme().label(),
             params.num_params(),
             shift,
             with_grad,
@@ -93,7 +75,11 @@ fn main() -> Result<()> {
         // Save and reload: the same outputs, bit for bit.
         let path = std::env::temp_dir().join(format!(
             "poslab-tour-{}.safetensors",
-            config.positional.name()
+            config
+                .positional
+                .scheme()
+                .label()
+                .replace([' ', '(', ')', ','], "_")
         ));
         params.save(
             &path,

@@ -1,9 +1,10 @@
 //! poslab: a lab for transformer positional encodings, built on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of nine, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of twelve, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
-//! (a rotation inside attention), and `alibi`, `t5`, `kerple`, `untied` (a bias on the
-//! attention scores); any of them with randomized positions. See [`positional`] for what each
+//! and `prope` (a rotation inside attention), and `alibi`, `t5`, `kerple`, `fire`, `untied`,
+//! `fox` (a bias on the attention scores, FoX's set by the content); any of them but `fox` with
+//! randomized positions. See [`positional`] for what each
 //! computes and where.
 //!
 //! ```no_run

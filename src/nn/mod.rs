@@ -26,7 +26,7 @@ pub use fused::{cap_simd, simd_level, SimdLevel};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, log_softmax_last_dim, masked_softmax, rope_rotate,
-    softmax_last_dim, Linear,
+    sided_differences, softmax_last_dim, Linear,
 };
 pub use rotary::Rotary;
 

@@ -166,12 +166,13 @@ impl Fire {
         Ok((v(&self.c)?, v(&self.l_multiplier)?))
     }
 
-    /// The MLP's inputs for every query-key pair.
+    /// The distinct MLP inputs of a batch, and where each query-key pair reads its own.
     ///
-    /// # Shapes
-    /// - returns `(n, t, t)`, `n` the mask's rows (`b`) or, without a mask, the positions'
-    ///   (`r`); values in `[-1, 1]`, differentiable in `c` and `l_multiplier`
-    pub fn inputs(&self, batch: &BiasBatch) -> Result<Tensor> {
+    /// The input depends on the offset `p_j - p_i` and the sequence's span only, so the MLP runs
+    /// once per distinct (span, offset), at most `2t - 1` per distinct span, not per pair. When
+    /// the positions are shared (`r = 1`) and every sequence has the same span (no padding), the
+    /// bias is one `(1, h, t, t)` block for the whole batch.
+    fn distinct_inputs(&self, batch: &BiasBatch) -> Result<DistinctInputs> {
         let positions = batch.positions;
         let (r, t) = (positions.rows(), positions.len());
         let real: Vec<Vec<bool>> = match batch.mask {
@@ -190,62 +191,113 @@ impl Fire {
                  per sequence"
             )));
         }
-        // Per sequence: its positions' row, and its span over real tokens.
-        let mut sign = Vec::with_capacity(n * t * t);
-        let mut distance = Vec::with_capacity(n * t * t);
-        let mut spans = Vec::with_capacity(n);
-        for (k, real) in real.iter().enumerate() {
-            let p = positions.row(if r == 1 { 0 } else { k });
-            let kept = p.iter().zip(real).filter(|(_, &m)| m).map(|(&v, _)| v);
-            let (lo, hi) = kept.fold((u32::MAX, 0), |(lo, hi), v| (lo.min(v), hi.max(v)));
-            spans.push(if lo <= hi { f64::from(hi - lo) } else { 0.0 });
+        let row_of = |k: usize| positions.row(if r == 1 { 0 } else { k });
+        // Each sequence's span over its real tokens.
+        let spans: Vec<u32> = real
+            .iter()
+            .enumerate()
+            .map(|(k, real)| {
+                let kept = row_of(k)
+                    .iter()
+                    .zip(real)
+                    .filter(|(_, &m)| m)
+                    .map(|(&v, _)| v);
+                let (lo, hi) = kept.fold((u32::MAX, 0), |(lo, hi), v| (lo.min(v), hi.max(v)));
+                hi.saturating_sub(lo)
+            })
+            .collect();
+        let rows = if r == 1 && spans.iter().all(|&s| s == spans[0]) {
+            1
+        } else {
+            n
+        };
+        let mut distinct: std::collections::HashMap<(u32, i64), u32> = Default::default();
+        let (mut sign, mut distance, mut span) = (Vec::new(), Vec::new(), Vec::new());
+        let mut index = Vec::with_capacity(rows * t * t);
+        for (k, &s) in spans.iter().enumerate().take(rows) {
+            let p = row_of(k);
             for &query in p {
                 for &key in p {
                     let rel = i64::from(key) - i64::from(query);
-                    sign.push(rel.signum() as f64);
-                    distance.push(rel.unsigned_abs() as f64);
+                    let next = distinct.len() as u32;
+                    let u = *distinct.entry((s, rel)).or_insert_with(|| {
+                        sign.push(rel.signum() as f64);
+                        distance.push(rel.unsigned_abs() as f64);
+                        span.push(f64::from(s));
+                        next
+                    });
+                    index.push(u);
                 }
             }
         }
         let (dtype, device) = (batch.dtype, batch.device);
-        let host = |v: Vec<f64>, shape: (usize, usize, usize)| -> Result<Tensor> {
-            Ok(Tensor::from_vec(v, shape, &Device::Cpu)?
+        let host = |v: Vec<f64>| -> Result<Tensor> {
+            let len = v.len();
+            Ok(Tensor::from_vec(v, len, &Device::Cpu)?
                 .to_dtype(dtype)?
                 .to_device(device)?)
         };
-        let sign = host(sign, (n, t, t))?;
-        let distance = host(distance, (n, t, t))?;
         let c = self.c.abs()?;
         let psi = |z: &Tensor| -> Result<Tensor> { Ok((z.broadcast_mul(&c)? + 1.0)?.log()?) };
         // max(L, span), with the branch chosen by value: the gradient reaches l_multiplier
         // where L is the larger, as the maximum's does.
         let l = (self.l_multiplier.abs()? * self.threshold)?; // (1)
         let l_value = l.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
-        let longer: Vec<f64> = spans
+        let longer: Vec<f64> = span
             .iter()
             .map(|&s| f64::from(u8::from(s > l_value)))
             .collect();
-        let longer = host(longer, (n, 1, 1))?;
-        let spans = host(spans, (n, 1, 1))?;
-        let reach = (spans.mul(&longer)? + longer.affine(-1.0, 1.0)?.broadcast_mul(&l)?)?;
-        let norm = (psi(&reach)? + 1e-6)?; // (n, 1, 1)
-        Ok(sign.mul(&psi(&distance)?)?.broadcast_div(&norm)?)
+        let longer = host(longer)?;
+        let reach = (host(span)?.mul(&longer)? + longer.affine(-1.0, 1.0)?.broadcast_mul(&l)?)?;
+        let norm = (psi(&reach)? + 1e-6)?;
+        let x = host(sign)?.mul(&psi(&host(distance)?)?)?.div(&norm)?; // (u)
+        Ok(DistinctInputs { x, index, rows, t })
+    }
+
+    /// The MLP's inputs for every query-key pair.
+    ///
+    /// # Shapes
+    /// - returns `(n, t, t)`, `n` 1 when the positions are shared and every sequence has the
+    ///   same span, else the mask's rows (`b`) or, without a mask, the positions' (`r`); values
+    ///   in `[-1, 1]`, differentiable in `c` and `l_multiplier`
+    pub fn inputs(&self, batch: &BiasBatch) -> Result<Tensor> {
+        let d = self.distinct_inputs(batch)?;
+        let index = Tensor::from_vec(d.index, d.rows * d.t * d.t, batch.device)?;
+        Ok(d.x.index_select(&index, 0)?.reshape((d.rows, d.t, d.t))?)
     }
 
     /// # Shapes
-    /// - returns `(n, h, t, t)` (see [`Fire::inputs`]); differentiable in every FIRE variable
+    /// - returns `(n, h, t, t)` (`n` as in [`Fire::inputs`]); differentiable in every FIRE
+    ///   variable
     pub fn bias(&self, batch: &BiasBatch) -> Result<Tensor> {
-        let x = self.inputs(batch)?;
-        let (n, t, _) = x.dims3()?;
-        let x = x.reshape((n * t * t, 1))?;
-        let hidden = self.mlp1.forward(&x)?.relu()?; // (n t t, width)
-        let out = self.mlp2.forward(&hidden)?; // (n t t, h)
+        let DistinctInputs { x, index, rows, t } = self.distinct_inputs(batch)?;
+        let u = x.dim(0)?;
+        let hidden = self.mlp1.forward(&x.reshape((u, 1))?)?.relu()?; // (u, width)
+        let out = self.mlp2.forward(&hidden)?; // (u, h)
         let h = out.dim(1)?;
+        // Element (k, head, i, j) of the bias reads out[index[k, i, j], head].
+        let mut gather = Vec::with_capacity(rows * h * t * t);
+        for k in 0..rows {
+            let pairs = &index[k * t * t..(k + 1) * t * t];
+            for head in 0..h as u32 {
+                gather.extend(pairs.iter().map(|&u| u * h as u32 + head));
+            }
+        }
+        let gather = Tensor::from_vec(gather, rows * h * t * t, batch.device)?;
         Ok(out
-            .reshape((n, t, t, h))?
-            .permute((0, 3, 1, 2))?
-            .contiguous()?)
+            .flatten_all()?
+            .index_select(&gather, 0)?
+            .reshape((rows, h, t, t))?)
     }
+}
+
+/// A batch's distinct FIRE inputs `x` (`(u)`), and for every (row, query, key) the input it
+/// reads (`rows × t × t` indices into `x`).
+struct DistinctInputs {
+    x: Tensor,
+    index: Vec<u32>,
+    rows: usize,
+    t: usize,
 }
 
 impl BiasModule for Fire {

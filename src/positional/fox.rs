@@ -28,7 +28,7 @@ use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
-use crate::nn::Linear;
+use crate::nn::{sided_differences, Linear};
 
 /// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
 pub const FOX_GATE_BIAS: f64 = 5.0;
@@ -141,19 +141,11 @@ impl FoxGates {
         let h = self.heads;
         let g = self.log_gates(x)?.transpose(1, 2)?.contiguous()?; // (b, 2h, t)
         let sums = g.cumsum(D::Minus1)?; // (b, 2h, t)
-        let t = sums.dim(D::Minus1)?;
-        let forward = sums.narrow(1, 0, h)?; // G
-        let backward = sums.narrow(1, h, h)?; // G'
-                                              // G[i] - G[j] and G'[j] - G'[i], query i along axis 2, key j along axis 3.
-        let before = forward
-            .unsqueeze(3)?
-            .broadcast_sub(&forward.unsqueeze(2)?)?;
-        let after = backward
-            .unsqueeze(2)?
-            .broadcast_sub(&backward.unsqueeze(3)?)?;
-        let lower: Vec<u8> = (0..t * t).map(|n| u8::from(n % t <= n / t)).collect();
-        let lower = Tensor::from_vec(lower, (t, t), x.device())?.broadcast_as(before.shape())?;
-        Ok(lower.where_cond(&before, &after)?)
+        let (b, _, t) = sums.dims3()?;
+        let forward = sums.narrow(1, 0, h)?.reshape((b * h, t))?; // G
+        let backward = sums.narrow(1, h, h)?.reshape((b * h, t))?; // G'
+                                                                   // G[i] - G[j] for keys at or before the query, G'[j] - G'[i] after it.
+        Ok(sided_differences(&forward, &backward)?.reshape((b, h, t, t))?)
     }
 
     /// `(weight (2h, d), bias (2h))`.

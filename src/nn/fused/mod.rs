@@ -213,9 +213,11 @@ macro_rules! simd_dispatch {
 
 mod adamw;
 mod attention;
+mod differences;
 mod layer;
 mod linear;
 
+pub(crate) use differences::sided_differences;
 use linear::by_dtype;
 
 pub(crate) use adamw::adamw_step;
