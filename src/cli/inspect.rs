@@ -434,10 +434,11 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
         }
     }
     outln!(
-        "\nFixed tables (sinusoids, RoPE cos/sin, ALiBi's slopes) are computed, not trained, and are \
-         not counted. \"positions\" counts every positional weight: learned tables, the concat \
-         projection, T5's bucket table, KERPLE's r1 and r2, TUPE's U_q and U_k. A key bias \
-         exists only under rope: without a rotation softmax cancels a key bias exactly."
+        "\nFixed tables (sinusoids, RoPE and p-RoPE cos/sin, ALiBi's slopes) are computed, not \
+         trained, and are not counted. \"positions\" counts every weight a scheme's module holds: \
+         learned tables, the concat projection, T5's bucket table, KERPLE's r1 and r2, FIRE's MLP, \
+         c and l_multiplier, TUPE's U_q and U_k, FoX's gates. A key bias exists only under a \
+         rotation (rope, prope): without one softmax cancels a key bias exactly."
     );
     Ok(())
 }
