@@ -329,6 +329,90 @@ impl EmbeddingExtras {
     }
 }
 
+impl Default for ModelConfig {
+    /// A small encoder: vocabulary 1000, width 64, 4 heads, 2 pre-norm layers, GELU
+    /// feed-forward of 256, `max_len` 512, dropout 0.1, and the sinusoid added to the tokens
+    /// (Vaswani et al.'s scheme). Change what differs with the `with_*` methods.
+    fn default() -> Self {
+        Self {
+            vocab_size: 1000,
+            d_model: 64,
+            n_heads: 4,
+            n_layers: 2,
+            ffn_dim: 256,
+            activation: Activation::default(),
+            max_len: 512,
+            norm: NormPlacement::default(),
+            dropout: default_dropout(),
+            attention_dropout: default_dropout(),
+            embed_scale: default_embed_scale(),
+            token_init_std: default_token_init_std(),
+            layer_norm_eps: default_layer_norm_eps(),
+            dtype: Precision::default(),
+            random_positions: None,
+            embeddings: EmbeddingExtras::default(),
+            positional: PositionalConfig::SinusoidalAdd(Default::default()),
+        }
+    }
+}
+
+/// Builders: each returns the config with one setting changed. Nothing is checked until the
+/// model is built ([`crate::Encoder::new`] validates, with the fix in its message).
+impl ModelConfig {
+    /// The positional scheme (with its options).
+    pub fn with_positional(mut self, positional: PositionalConfig) -> Self {
+        self.positional = positional;
+        self
+    }
+
+    pub fn with_vocab_size(mut self, vocab_size: usize) -> Self {
+        self.vocab_size = vocab_size;
+        self
+    }
+
+    /// The residual width and the heads it is split into (`d_model` a multiple of `n_heads`).
+    pub fn with_width(mut self, d_model: usize, n_heads: usize) -> Self {
+        self.d_model = d_model;
+        self.n_heads = n_heads;
+        self
+    }
+
+    pub fn with_layers(mut self, n_layers: usize) -> Self {
+        self.n_layers = n_layers;
+        self
+    }
+
+    /// The feed-forward's hidden width and nonlinearity.
+    pub fn with_ffn(mut self, ffn_dim: usize, activation: Activation) -> Self {
+        self.ffn_dim = ffn_dim;
+        self.activation = activation;
+        self
+    }
+
+    pub fn with_max_len(mut self, max_len: usize) -> Self {
+        self.max_len = max_len;
+        self
+    }
+
+    pub fn with_norm(mut self, norm: NormPlacement) -> Self {
+        self.norm = norm;
+        self
+    }
+
+    /// Dropout on the embeddings and residual branches, and on the attention weights.
+    pub fn with_dropout(mut self, dropout: f64, attention_dropout: f64) -> Self {
+        self.dropout = dropout;
+        self.attention_dropout = attention_dropout;
+        self
+    }
+
+    /// Randomized positions drawn from `[0, range)` (Ruoss et al. 2023).
+    pub fn with_random_positions(mut self, range: usize) -> Self {
+        self.random_positions = Some(range);
+        self
+    }
+}
+
 impl ModelConfig {
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {

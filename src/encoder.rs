@@ -280,6 +280,21 @@ impl Encoder {
         })
     }
 
+    /// The encoder of `config` with its weights drawn from `seed` (the same seed, the same
+    /// weights, bit for bit), in f32 on `device`, and the store that holds them (train them
+    /// with [`crate::train::Learner`] or [`crate::train::optim::AdamW::from_store`], save
+    /// them with [`ParamStore::save`](crate::ParamStore::save)).
+    pub fn seeded(
+        config: &ModelConfig,
+        seed: u64,
+        device: &candle::Device,
+    ) -> Result<(Self, crate::ParamStore)> {
+        let params = crate::ParamStore::new(seed);
+        let encoder = Self::new(config, params.var_builder(DType::F32, device))?;
+        params.constrain(&encoder.constraints())?;
+        Ok((encoder, params))
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -437,7 +452,7 @@ impl Encoder {
     }
 
     /// Bounds the model's variables must stay within, as its modules declare them: an optimizer
-    /// applies them after every step ([`crate::train::optim::AdamW::constrain`]).
+    /// applies them after every step ([`crate::train::optim::AdamW::from_store`]).
     pub fn constraints(&self) -> Vec<LowerBound> {
         self.positional.constraints()
     }

@@ -4,21 +4,39 @@
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
 //! and `prope` (a rotation inside attention), and `alibi`, `t5`, `kerple`, `fire`, `untied`,
 //! `fox` (a bias on the attention scores, FoX's set by the content); any of them but `fox` with
-//! randomized positions. See [`positional`] for what each
-//! computes and where.
+//! randomized positions. See [`positional`] for what each computes and where, and
+//! [`Encoder::seeded`] for an encoder alone.
 //!
-//! ```no_run
-//! use candle::{DType, Device, Tensor};
-//! use poslab::{Encoder, ModelConfig, ParamStore};
+//! Two encoders with different schemes, a padded batch through each, three training steps,
+//! and the bias ALiBi adds to the scores:
 //!
-//! let config = ModelConfig::load("configs/encoder.toml")?;
-//! let params = ParamStore::new(42); // same seed, same weights, bit for bit
-//! let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu))?;
-//! let ids = Tensor::new(&[[5u32, 8, 13, 0], [3, 1, 4, 1]], &Device::Cpu)?;
-//! let mask = Tensor::new(&[[1u32, 1, 1, 0], [1, 1, 1, 1]], &Device::Cpu)?;
-//! let hidden = encoder.forward_t(&ids, &mask, false)?; // (2, 4, d_model)
-//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//! use poslab::prelude::*;
+//!
+//! let device = Device::Cpu;
+//! let ids = Tensor::new(&[[5u32, 8, 13, 0], [3, 1, 4, 1]], &device)?;
+//! let mask = Tensor::new(&[[1u32, 1, 1, 0], [1, 1, 1, 1]], &device)?; // 0: padding
+//! let labels = Tensor::new(&[0u32, 1], &device)?;
+//! let head = HeadConfig::Classify { classes: 2, pooling: Pooling::Mean };
+//! for scheme in [PositionalConfig::Rope(RopeOptions::default()), PositionalConfig::Alibi(NoOptions {})] {
+//!     let config = ModelConfig::default().with_vocab_size(16).with_positional(scheme);
+//!     let mut learner = Learner::new(&config, &head, 42, &device)?; // seeded weights, AdamW
+//!     let encoder = learner.model().encoder();
+//!     let hidden = encoder.forward_t(&ids, &mask, false)?;
+//!     assert_eq!(hidden.dims(), [2, 4, 64]); // (batch, tokens, d_model)
+//!     // ALiBi's bias on layer 0's scores, (1, heads, 4, 4); None for RoPE, a rotation.
+//!     let bias = encoder.score_bias(0, &Positions::range(0, 4)?)?;
+//!     assert_eq!(bias.is_some(), config.positional.name() == "alibi");
+//!     for _ in 0..3 {
+//!         let loss = learner.step(&ids, &mask, &labels)?;
+//!         assert!(loss.is_finite());
+//!     }
+//! }
+//! # Ok::<(), poslab::Error>(())
+//! ```
+//!
+//! The same from a TOML file: `ModelConfig::load("configs/encoder.toml")`, whose format is the
+//! command line's (see the README).
 
 pub mod analysis;
 pub mod bench;
@@ -45,7 +63,26 @@ pub mod text;
 pub mod train;
 pub mod weights;
 
-pub use config::{ModelConfig, NormPlacement, Precision, Scale};
+pub use config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};
+pub use model::{HeadConfig, Pooling, TaskModel};
+pub use nn::Activation;
+pub use train::Learner;
+
+/// The candle poslab is built with: a program using poslab writes `poslab::candle::Tensor`
+/// and needs no candle version of its own.
+pub use candle;
+/// The candle-nn poslab is built with.
+pub use candle_nn;
+
+/// What a program using the library needs first: the encoder, its config and schemes, a
+/// training loop, and candle's `Device`, `DType`, `Tensor` and `Module`.
+pub mod prelude {
+    pub use crate::candle::{DType, Device, Module, Tensor};
+    pub use crate::model::{HeadConfig, Pooling, TaskModel};
+    pub use crate::positional::{FireOptions, NoOptions, PropeOptions, RopeOptions, T5Options};
+    pub use crate::train::Learner;
+    pub use crate::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, Positions};
+}
 
 /// Keeps freed tensor memory in the process for reuse (glibc on Linux; elsewhere nothing).
 ///

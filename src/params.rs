@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::rng;
 
 /// A variable that must stay at or above `min`: declared by the module that creates it (KERPLE's
-/// `r1`, `r2`), applied by the optimizer after every step ([`crate::train::optim::AdamW::constrain`]).
+/// `r1`, `r2`), applied by the optimizer after every step ([`crate::train::optim::AdamW::from_store`]).
 #[derive(Clone, Debug)]
 pub struct LowerBound {
     pub var: Tensor,

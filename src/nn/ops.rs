@@ -5,7 +5,7 @@ use candle_nn::{Init, VarBuilder};
 
 /// A linear layer `y = x Wᵀ + b` on the last axis, `W` of shape `(out, in)` as in PyTorch.
 ///
-/// On the CPU it is one fused node ([`super::fused`]); elsewhere a matrix multiply and an add.
+/// On the CPU it is one fused node (poslab's CPU kernels); elsewhere a matrix multiply and an add.
 #[derive(Clone, Debug)]
 pub struct Linear {
     weight: Tensor,

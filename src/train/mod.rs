@@ -1,7 +1,10 @@
 //! Training: AdamW, linear warm-up then cosine decay, gradient clipping, a step or token
 //! budget, periodic evaluation and optional early stopping.
 
+mod learner;
 pub mod optim;
+
+pub use learner::Learner;
 
 use std::time::Instant;
 

@@ -16,6 +16,18 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
+impl Default for AdamWConfig {
+    /// PyTorch's `AdamW` defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
 struct Slot {
     name: String,
     var: Var,

@@ -380,3 +380,68 @@ fn first_token_pooling_reads_a_prepended_cls() {
         outcome.final_loss()
     );
 }
+
+#[test]
+fn the_learner_trains_any_scheme_with_its_bounds_and_repeats_itself() {
+    use crate::common::{padded_batch, values};
+    use poslab::prelude::*;
+    let device = Device::Cpu;
+    let (ids, mask) = padded_batch(4, 9, 30);
+    // Tag every token with its id's parity: a token head, padded positions not scored.
+    let targets = (ids.to_dtype(DType::F64).unwrap() / 2.0)
+        .unwrap()
+        .floor()
+        .unwrap()
+        .affine(-2.0, 0.0)
+        .unwrap()
+        .add(&ids.to_dtype(DType::F64).unwrap())
+        .unwrap()
+        .to_dtype(DType::U32)
+        .unwrap();
+    let head = HeadConfig::Tag { classes: 2 };
+    let run = |positional: PositionalConfig, random: Option<usize>| {
+        let mut config = ModelConfig::default()
+            .with_vocab_size(30)
+            .with_width(16, 2)
+            .with_ffn(32, poslab::Activation::Gelu)
+            .with_positional(positional);
+        if let Some(n) = random {
+            config = config.with_random_positions(n);
+        }
+        let mut learner = Learner::new(&config, &head, 3, &device)
+            .unwrap()
+            .with_optimizer(poslab::train::optim::AdamWConfig::default(), 1e-2)
+            .unwrap();
+        let losses: Vec<f64> = (0..25)
+            .map(|_| learner.step(&ids, &mask, &targets).unwrap())
+            .collect();
+        (losses, learner)
+    };
+    for (positional, random) in [
+        (PositionalConfig::Kerple(NoOptions {}), None),
+        (PositionalConfig::Rope(RopeOptions::default()), Some(64)),
+        (PositionalConfig::Fire(FireOptions::threshold(9.0)), None),
+    ] {
+        let name = positional.name();
+        let (losses, learner) = run(positional.clone(), random);
+        assert!(
+            losses[24] < 0.5 * losses[0],
+            "{name}: {:.3} -> {:.3}",
+            losses[0],
+            losses[24]
+        );
+        // The same seed, the same losses, bit for bit.
+        assert_eq!(run(positional, random).0, losses, "{name}");
+        if name == "kerple" {
+            // The bounds the module declared hold: r1, r2 at or above their least value.
+            for (n, var) in learner.params().vars() {
+                if let Some(lo) = learner.params().bound(&n) {
+                    assert!(values(var.as_tensor())
+                        .iter()
+                        .all(|&v| v >= lo as f32 as f64));
+                }
+            }
+            assert!(learner.params().bound("layers.0.attn.kerple.r1").is_some());
+        }
+    }
+}
