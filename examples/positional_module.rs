@@ -31,8 +31,14 @@ fn max_difference(a: &Tensor, b: &Tensor) -> poslab::Result<f32> {
 fn main() -> poslab::Result<()> {
     let device = Device::Cpu;
     let (b, h, t, d) = (2, 4, 10, 16);
-    let q = Tensor::randn(0f32, 1.0, (b, h, t, d), &device)?;
-    let k = Tensor::randn(0f32, 1.0, (b, h, t, d), &device)?;
+    // Seeded queries and keys (candle's own random generator is not seeded).
+    let mut rng = poslab::rng::stream(0, "positional_module example");
+    let mut uniform = |n: usize| -> Vec<f32> {
+        use rand::Rng;
+        (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+    };
+    let q = Tensor::from_vec(uniform(b * h * t * d), (b, h, t, d), &device)?;
+    let k = Tensor::from_vec(uniform(b * h * t * d), (b, h, t, d), &device)?;
 
     // RoPE: tables computed once for the head width, rows taken for any positions.
     let rope = Rope::new(&RopeOptions::default(), d, 64, DType::F32, &device)?;
