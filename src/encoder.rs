@@ -24,7 +24,7 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::nn::{
     encoder_layer, kernels_for, key_padding_bias, layer_norm, AttentionInputs, Dropout,
-    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, SelfAttention, SharedRng,
+    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -153,6 +153,8 @@ impl EncoderLayer {
             }
         };
         if kernels_for(xs) == Kernels::Layer {
+            // The fused layer normalises its input inside; a bias of that input (FoX's) needs
+            // it outside too: the LayerNorm runs twice, a `(b, t, d)` pass beside the layer's.
             let bias = match (own, self.norm) {
                 (None, _) => None,
                 (Some(_), NormPlacement::Pre) => own_bias(&self.attn_norm.forward(xs)?)?,
@@ -187,6 +189,12 @@ impl EncoderLayer {
             }
         })
     }
+}
+
+/// What a rotation or score-bias scheme gives every layer for one batch.
+struct Placed {
+    rotary: Option<Rotary>,
+    biases: Option<LayerBiases>,
 }
 
 /// A score bias a layer computes from its own attention input: the module, and the layer.
@@ -399,23 +407,10 @@ impl Encoder {
 
         let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
         let scale = self.config.embed_scale.value(self.config.d_model);
-        let mut x = if scale == 1.0 { x } else { (x * scale)? };
-        let (params, device) = (x.dtype(), x.device().clone());
+        let x = if scale == 1.0 { x } else { (x * scale)? };
+        let params = x.dtype();
         // The scheme, in its one place: the input, a rotation, or a bias on the scores.
-        let mut rotary = None;
-        let mut biases: Option<LayerBiases> = None;
-        match &self.positional {
-            PositionalModule::Input(input) => x = input.join(&x, positions)?, // (b, t, d_model)
-            PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(positions)?),
-            PositionalModule::ScoreBias(bias) => {
-                biases = Some(bias.layer_biases(&BiasBatch {
-                    positions,
-                    mask: Some(attention_mask),
-                    dtype: params,
-                    device: &device,
-                })?)
-            }
-        }
+        let (x, placed) = self.place(x, positions, attention_mask)?; // (b, t, d_model)
 
         let x = self.embedding_extras(x)?;
         // Mixed precision: positions join in the parameters' dtype, then the activations
@@ -426,12 +421,8 @@ impl Encoder {
 
         let padding = key_padding_bias(attention_mask, params)?; // (b, t)
         for (i, layer) in self.layers.iter().enumerate() {
-            let inputs = AttentionInputs {
-                key_padding: &padding,
-                rotary: rotary.as_ref(),
-                score_bias: biases.as_ref().and_then(|b| b.layer(i)),
-            };
-            x = layer.forward_t(&x, inputs, self.own_bias(biases.as_ref(), i), train)?;
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            x = layer.forward_t(&x, inputs, own, train)?;
         }
         let x = match &self.final_norm {
             Some(norm) => norm.forward(&x)?,
@@ -441,14 +432,55 @@ impl Encoder {
         Ok(x.to_dtype(params)?)
     }
 
-    /// The layer's own bias where the scheme computes it from the layer's input (FoX).
-    fn own_bias<'a>(&'a self, biases: Option<&LayerBiases>, layer: usize) -> Option<OwnBias<'a>> {
-        match (&self.positional, biases) {
+    /// The scheme, in its one place, for a batch at `positions`: joined with the token
+    /// embeddings `x` (returned), a rotation of q and k, or a bias on the scores.
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d_tok)`, returns `(b, t, d_model)`; `mask`: `(b, t)`
+    fn place(&self, x: Tensor, positions: &Positions, mask: &Tensor) -> Result<(Tensor, Placed)> {
+        let mut placed = Placed {
+            rotary: None,
+            biases: None,
+        };
+        let x = match &self.positional {
+            PositionalModule::Input(input) => input.join(&x, positions)?,
+            PositionalModule::Rotation(rope) => {
+                placed.rotary = Some(rope.rotary(positions)?);
+                x
+            }
+            PositionalModule::ScoreBias(bias) => {
+                placed.biases = Some(bias.layer_biases(&BiasBatch {
+                    positions,
+                    mask: Some(mask),
+                    dtype: x.dtype(),
+                    device: x.device(),
+                })?);
+                x
+            }
+        };
+        Ok((x, placed))
+    }
+
+    /// Layer `i`'s attention inputs, and its own bias where the scheme computes it from the
+    /// layer's input (FoX).
+    fn layer_inputs<'a>(
+        &'a self,
+        placed: &'a Placed,
+        padding: &'a Tensor,
+        i: usize,
+    ) -> (AttentionInputs<'a>, Option<OwnBias<'a>>) {
+        let inputs = AttentionInputs {
+            key_padding: padding,
+            rotary: placed.rotary.as_ref(),
+            score_bias: placed.biases.as_ref().and_then(|b| b.layer(i)),
+        };
+        let own = match (&self.positional, &placed.biases) {
             (PositionalModule::ScoreBias(module), Some(LayerBiases::FromInput)) => {
-                Some(OwnBias { module, layer })
+                Some(OwnBias { module, layer: i })
             }
             _ => None,
-        }
+        };
+        (inputs, own)
     }
 
     /// Bounds the model's variables must stay within, as its modules declare them: an optimizer
@@ -567,20 +599,8 @@ impl Encoder {
         let (b, t) = self.check_input(input_ids, attention_mask)?;
         let positions = self.starting_at_first(&Positions::range(0, t)?)?;
         let x = self.tok_emb.forward(input_ids)?;
-        let mut x = (x * self.config.embed_scale.value(self.config.d_model))?;
-        let (mut rotary, mut biases) = (None, None);
-        match &self.positional {
-            PositionalModule::Input(input) => x = input.join(&x, &positions)?,
-            PositionalModule::Rotation(rope) => rotary = Some(rope.rotary(&positions)?),
-            PositionalModule::ScoreBias(bias) => {
-                biases = Some(bias.layer_biases(&BiasBatch {
-                    positions: &positions,
-                    mask: Some(attention_mask),
-                    dtype: x.dtype(),
-                    device: x.device(),
-                })?)
-            }
-        }
+        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
+        let (x, placed) = self.place(x, &positions, attention_mask)?;
         let mut x = self.embedding_extras(x)?;
         let padding = key_padding_bias(attention_mask, x.dtype())?;
         let mut out = Vec::with_capacity(self.layers.len());
@@ -590,12 +610,8 @@ impl Encoder {
                 NormPlacement::Post => x.clone(),
             };
             out.push(attn_in);
-            let inputs = AttentionInputs {
-                key_padding: &padding,
-                rotary: rotary.as_ref(),
-                score_bias: biases.as_ref().and_then(|bias| bias.layer(i)),
-            };
-            x = layer.forward_t(&x, inputs, self.own_bias(biases.as_ref(), i), false)?;
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            x = layer.forward_t(&x, inputs, own, false)?;
         }
         debug_assert_eq!(out.first().map(|x| x.dim(0).unwrap_or(0)), Some(b));
         Ok(out)

@@ -10,7 +10,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use candle::{DType, Device};
+use candle::{DType, Device, Tensor};
 
 use super::linalg::Matrix;
 use super::plots::{heatmap, line_chart, write_matrix_csv};
@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::io::write_atomic;
 use crate::params::ParamStore;
 use crate::positional::{
-    t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape,
+    t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
 
 /// One head's bias over positions `0..P`.
@@ -254,6 +254,46 @@ pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<Bias
     Ok(Some(analysis))
 }
 
+/// A score-bias scheme's module by name for `heads` heads (2 wide each), one layer and
+/// `max_len` positions, its variables drawn from seed 0 in f64; and the store that holds them.
+pub fn module_by_name(
+    positional: &PositionalConfig,
+    heads: usize,
+    max_len: usize,
+) -> Result<(ScoreBias, ParamStore)> {
+    let params = ParamStore::new(0);
+    let shape = SchemeShape {
+        d_model: heads * 2,
+        n_heads: heads,
+        n_layers: 1,
+        max_len,
+    };
+    let vb = params.var_builder(DType::F64, &Device::Cpu);
+    match PositionalModule::new(positional, shape, vb)? {
+        PositionalModule::ScoreBias(module) => Ok((module, params)),
+        _ => Err(Error::Config(format!(
+            "`{}` is not an attention-bias scheme",
+            positional.name()
+        ))),
+    }
+}
+
+/// The bias a module of [`module_by_name`] adds to layer 0's scores at `positions`, no
+/// padding, `(r, h, t, t)` in f64; an error for a bias of the content (`name` the scheme's).
+pub fn shared_bias(module: &ScoreBias, positions: &Positions, name: &str) -> Result<Tensor> {
+    let biases = module.layer_biases(&BiasBatch {
+        positions,
+        mask: None,
+        dtype: DType::F64,
+        device: &Device::Cpu,
+    })?;
+    biases.layer(0).cloned().ok_or_else(|| {
+        Error::Config(format!(
+            "`{name}` computes its bias from the content: analyse a trained model (--run)"
+        ))
+    })
+}
+
 /// A scheme's bias by name, for `heads` heads over `positions` positions: ALiBi's fixed bias,
 /// KERPLE's at its initialisation (seed 0), T5's bucket index (its learned values exist only in
 /// a trained model).
@@ -290,36 +330,8 @@ pub fn scheme_biases(
         )];
         return Ok(a);
     }
-    let params = ParamStore::new(0);
-    let shape = SchemeShape {
-        d_model: heads * 2,
-        n_heads: heads,
-        n_layers: 1,
-        max_len: positions,
-    };
-    let PositionalModule::ScoreBias(module) = PositionalModule::new(
-        positional,
-        shape,
-        params.var_builder(DType::F64, &Device::Cpu),
-    )?
-    else {
-        return Err(Error::Config(format!(
-            "`{}` is not an attention-bias scheme",
-            positional.name()
-        )));
-    };
-    let biases = module.layer_biases(&BiasBatch {
-        positions: &range,
-        mask: None,
-        dtype: DType::F64,
-        device: &Device::Cpu,
-    })?;
-    let bias = biases.layer(0).ok_or_else(|| {
-        Error::Config(format!(
-            "`{}` computes its bias from the content: analyse a trained model (--run)",
-            positional.name()
-        ))
-    })?;
+    let (module, params) = module_by_name(positional, heads, positions)?;
+    let bias = shared_bias(&module, &range, positional.name())?;
     let values = bias.flatten_all()?.to_vec1::<f64>()?;
     let name = positional.name();
     let what = if params.num_params() > 0 {

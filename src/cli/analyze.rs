@@ -434,7 +434,7 @@ fn scheme_analysis(
     summary: &mut String,
     files: &mut Vec<String>,
 ) -> Result<()> {
-    use poslab::analysis::schemes;
+    use poslab::analysis::{self, schemes};
     let encoder = loaded.model.encoder();
     let model = &loaded.config.model;
     match &model.positional {
@@ -462,40 +462,34 @@ fn scheme_analysis(
             summary.push_str(&text);
             files.extend(written);
         }
-        PositionalConfig::Fox(_) => match analysis_batch(loaded, a) {
-            Err(e) if a.text.is_none() => summary.push_str(&format!("FoX gates skipped: {e}\n")),
-            Err(e) => return Err(e),
-            Ok((ids, mask)) => {
-                let tokenizer = &loaded.tokenizer;
-                let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
-                    tokenizer
-                        .id_to_token(id)
-                        .unwrap_or_else(|| format!("#{id}"))
-                })?;
-                summary.push_str(&gates.summary());
-                files.extend(gates.write(dir)?);
+        PositionalConfig::Fox(_) => {
+            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
+                Err(e) if a.text.is_none() => {
+                    summary.push_str(&format!("FoX gates skipped: {e}\n"))
+                }
+                Err(e) => return Err(e.into()),
+                Ok((ids, mask, _)) => {
+                    let tokenizer = &loaded.tokenizer;
+                    let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
+                        tokenizer
+                            .id_to_token(id)
+                            .unwrap_or_else(|| format!("#{id}"))
+                    })?;
+                    summary.push_str(&gates.summary());
+                    files.extend(gates.write(dir)?);
+                }
             }
-        },
+        }
         _ => {}
     }
     Ok(())
-}
-
-/// The evaluation batch of `--run` (its test set, or `--text`).
-fn analysis_batch(
-    loaded: &poslab::saved::Loaded,
-    a: &Args,
-) -> Result<(candle::Tensor, candle::Tensor)> {
-    let (ids, mask, _) =
-        poslab::analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref())?;
-    Ok((ids, mask))
 }
 
 /// `analyze fire`: FIRE at initialisation (seed 0) at --positions and 4x as many, with the
 /// threshold at --positions: past the threshold, the longer sequence's curve is the shorter's
 /// stretched over its span.
 fn fire_by_name(a: &Args) -> Result<()> {
-    use poslab::positional::{BiasBatch, FireOptions, PositionalModule, SchemeShape};
+    use poslab::positional::FireOptions;
     if a.heads == 0 || a.heads > 64 {
         anyhow::bail!("--heads {} must be between 1 and 64", a.heads);
     }
@@ -505,17 +499,7 @@ fn fire_by_name(a: &Args) -> Result<()> {
     positional
         .validate_options(2 * a.heads, 2)
         .map_err(anyhow::Error::msg)?;
-    let store = poslab::ParamStore::new(0);
-    let shape = SchemeShape {
-        d_model: 2 * a.heads,
-        n_heads: a.heads,
-        n_layers: 1,
-        max_len: short,
-    };
-    let vb = store.var_builder(DType::F64, &candle::Device::Cpu);
-    let PositionalModule::ScoreBias(module) = PositionalModule::new(&positional, shape, vb)? else {
-        unreachable!("fire is a score bias")
-    };
+    let (module, _store) = poslab::analysis::bias::module_by_name(&positional, a.heads, short)?;
     let mut curves = poslab::analysis::schemes::fire_curves(
         format!(
             "fire, {} heads, threshold {threshold}: the bias at initialisation (seed 0)",
@@ -524,13 +508,7 @@ fn fire_by_name(a: &Args) -> Result<()> {
         &[short, 4 * short],
         |n| {
             let positions = poslab::Positions::range(0, n)?;
-            let biases = module.layer_biases(&BiasBatch {
-                positions: &positions,
-                mask: None,
-                dtype: DType::F64,
-                device: &candle::Device::Cpu,
-            })?;
-            Ok(biases.layer(0).expect("fire's bias is shared").clone())
+            poslab::analysis::bias::shared_bias(&module, &positions, "fire")
         },
     )?;
     curves.notes = module.notes()?;

@@ -48,12 +48,6 @@ impl<'de> Deserialize<'de> for Refused {
     }
 }
 
-impl Serialize for Refused {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_none()
-    }
-}
-
 /// Options of `prope`: the base and pairing of RoPE, and `keep`, the share of the head's
 /// frequency pairs that rotate (the fastest ones; default 0.75, the paper's 0.75-RoPE).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

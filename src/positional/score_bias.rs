@@ -99,11 +99,6 @@ impl ScoreBias {
         Self(Box::new(module))
     }
 
-    /// The scheme's own module, for what only it has.
-    pub fn module(&self) -> &dyn BiasModule {
-        self.0.as_ref()
-    }
-
     /// The scheme's module as its own type, if it is `T`.
     pub fn downcast<T: 'static>(&self) -> Option<&T> {
         self.0.as_any().downcast_ref::<T>()

@@ -431,15 +431,8 @@ fn fire_l_multiplier_learns_where_l_is_the_larger() {
             NormPlacement::Pre,
         );
         let encoder = Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
-        let hidden = encoder.forward_t(&ids, &mask, false).unwrap();
-        let r = projection(hidden.dims(), 4);
-        let grads = hidden
-            .mul(&r)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
+        let r = projection(&[3, 12, config.d_model], 4);
+        let grads = loss(&encoder, &ids, &mask, &r, false).backward().unwrap();
         for name in [
             "fire.l_multiplier",
             "fire.c",

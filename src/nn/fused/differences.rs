@@ -15,10 +15,11 @@
 //! ```
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
+use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, unsupported, Real};
+use super::linear::by_dtype;
+use super::{contiguous, Real};
 
 fn forward<T: Real>(f: &[T], g: &[T], t: usize) -> Vec<T> {
     let mut out = vec![T::zero(); f.len() * t];
@@ -86,19 +87,11 @@ impl CustomOp2 for SidedDifferences {
     ) -> Result<(CpuStorage, Shape)> {
         let what = "sided differences";
         let (n, t) = l1.shape().dims2()?;
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(forward(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                t,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(forward(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                t,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| forward::<T>(
+            contiguous(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            t,
+        ));
         Ok((storage, Shape::from((n, t, t))))
     }
 
@@ -124,11 +117,10 @@ impl CustomOp1 for SidedDifferencesGrad {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let what = "sided differences backward";
         let (n, t, _) = l.shape().dims3()?;
-        let storage = match s.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(backward(contiguous::<f32>(s, l, what)?, t)),
-            DType::F64 => f64::to_cpu_storage_owned(backward(contiguous::<f64>(s, l, what)?, t)),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s.dtype(), what, |T| backward::<T>(
+            contiguous(s, l, what)?,
+            t
+        ));
         Ok((storage, Shape::from((2, n, t))))
     }
 }
