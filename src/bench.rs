@@ -22,15 +22,23 @@ use crate::train::optim::{AdamW, AdamWConfig};
 /// The model and batch measured.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Shape {
+    /// Vocabulary size.
     pub vocab: usize,
+    /// Model width.
     pub d_model: usize,
+    /// Attention heads per layer.
     pub n_heads: usize,
+    /// Encoder layers.
     pub n_layers: usize,
+    /// Feed-forward width.
     pub ffn_dim: usize,
+    /// Sequences per batch.
     pub batch: usize,
+    /// Tokens per sequence.
     pub seq: usize,
     /// The sinusoid's width in the concatenated variants.
     pub pos_dim: usize,
+    /// Classes of the classification head.
     pub classes: usize,
     /// Activations in f32, bf16 or f16.
     pub dtype: Precision,
@@ -126,6 +134,8 @@ impl Shape {
             })
     }
 
+    /// The model config of `variant` at this shape (a name of [`Shape::variant_names`]); an unknown
+    /// name is an error listing the known ones.
     pub fn model_config(&self, variant: &str) -> Result<ModelConfig> {
         let config = ModelConfig {
             vocab_size: self.vocab,
@@ -181,9 +191,13 @@ impl Shape {
 /// Timings of repeated steps.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Timing {
+    /// How many steps were timed.
     pub reps: usize,
+    /// The median step, ms.
     pub median_ms: f64,
+    /// The fastest step, ms.
     pub min_ms: f64,
+    /// The slowest step, ms.
     pub max_ms: f64,
     /// Tokens per second at the median.
     pub tokens_per_s: f64,
@@ -214,27 +228,36 @@ impl Timing {
 /// One variant's figures.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Record {
+    /// The variant's name.
     pub variant: String,
+    /// Trainable parameters.
     pub params: usize,
+    /// Floating-point operations of one forward pass, in billions.
     pub forward_gflop: f64,
+    /// Floating-point operations of one training step (3 × the forward), in billions.
     pub train_gflop: f64,
+    /// Forward timings, if the forward phase ran.
     pub forward: Option<Timing>,
+    /// Training-step timings, if the training phase ran.
     pub train: Option<Timing>,
     /// Medians of a training step's parts: forward with the loss, backward, optimizer.
     pub train_parts_ms: Option<[f64; 3]>,
     /// Peak resident memory of the process during the phase, in MiB (Linux).
     pub forward_peak_rss_mib: Option<f64>,
+    /// Peak resident memory during training, in MiB (Linux).
     pub train_peak_rss_mib: Option<f64>,
     /// Peak GPU memory held by tensors during the phase, in MiB (CUDA; see
     /// [`crate::device::peak_memory_mib`]).
     #[serde(default)]
     pub forward_peak_gpu_mib: Option<f64>,
+    /// Peak GPU memory held by tensors during training, in MiB (CUDA).
     #[serde(default)]
     pub train_peak_gpu_mib: Option<f64>,
     /// Cores' worth of CPU other processes used during the timed part of each phase (Linux):
     /// on a shared machine, runs where this is large are not to be trusted.
     #[serde(default)]
     pub forward_foreign_cores: Option<f64>,
+    /// Cores' worth of CPU other processes used during the timed training steps (Linux).
     #[serde(default)]
     pub train_foreign_cores: Option<f64>,
     /// The kernels the layers ran with (`layer`, `ops` or `reference`).
@@ -245,11 +268,17 @@ pub struct Record {
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// The model and batch.
     pub shape: Shape,
+    /// The variants to measure, by name.
     pub variants: Vec<String>,
+    /// Untimed steps before each timed phase.
     pub warmup: usize,
+    /// Timed forward passes per variant.
     pub forward_reps: usize,
+    /// Timed training steps per variant.
     pub train_reps: usize,
+    /// Where to run.
     pub device: Device,
 }
 
@@ -594,16 +623,23 @@ pub fn table(records: &[Record]) -> String {
 /// compares.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct TorchRecord {
+    /// The variant's name, as the reference names it.
     pub variant: String,
+    /// Median forward tokens per second.
     pub forward_tokens_per_s: f64,
+    /// Median training tokens per second.
     pub train_tokens_per_s: f64,
+    /// Medians of a training step's parts, ms: forward with the loss, backward, optimizer.
     pub train_parts_ms: Option<[f64; 3]>,
+    /// Peak resident memory of the training phase, MiB.
     pub train_peak_rss_mib: Option<f64>,
     /// `torch.cuda.max_memory_allocated` of the training phase, MiB (benches/torch_at_shape.py
     /// on a GPU).
     #[serde(default)]
     pub train_peak_gpu_mib: Option<f64>,
+    /// Cores' worth of CPU other processes used during the forward phase.
     pub forward_foreign_cores: Option<f64>,
+    /// Cores' worth of CPU other processes used during the training phase.
     pub train_foreign_cores: Option<f64>,
 }
 
@@ -645,31 +681,44 @@ impl TorchRecord {
 /// poslab against PyTorch for one variant over interleaved rounds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Ratio {
+    /// The variant's name.
     pub variant: String,
+    /// Interleaved rounds measured (poslab, then PyTorch, in each).
     pub rounds: usize,
     /// Medians over the rounds of each round's median tokens/s.
     pub poslab_forward: f64,
+    /// PyTorch's forward tokens/s, as `poslab_forward`.
     pub torch_forward: f64,
+    /// poslab's training tokens/s: the median over the rounds of each round's median.
     pub poslab_train: f64,
+    /// PyTorch's training tokens/s, as `poslab_train`.
     pub torch_train: f64,
     /// poslab / PyTorch throughput: of the medians, and the lowest and highest of a round.
     pub forward_ratio: f64,
+    /// The lowest and highest forward ratio of a round.
     pub forward_ratio_range: [f64; 2],
+    /// poslab / PyTorch training throughput, of the medians.
     pub train_ratio: f64,
+    /// The lowest and highest training ratio of a round.
     pub train_ratio_range: [f64; 2],
     /// The best round of each side (highest tokens/s), poslab and PyTorch: on a shared host,
     /// contention only ever slows a run, so the best round is each side's least disturbed one.
     pub best_forward: [f64; 2],
+    /// The best round's training tokens/s of each side, poslab and PyTorch.
     pub best_train: [f64; 2],
     /// The slowest round of each side over its best, poslab and PyTorch (1 = steady rounds).
     pub train_spread: [f64; 2],
+    /// poslab's medians of a training step's parts, ms: forward with the loss, backward, optimizer.
     pub poslab_train_parts_ms: Option<[f64; 3]>,
+    /// PyTorch's medians of the same parts, ms.
     pub torch_train_parts_ms: Option<[f64; 3]>,
     /// Largest peak RSS of a training phase over the rounds, MiB.
     pub poslab_train_peak_rss_mib: Option<f64>,
+    /// PyTorch's largest peak RSS of a training phase over the rounds, MiB.
     pub torch_train_peak_rss_mib: Option<f64>,
     /// Largest peak GPU memory of a training phase over the rounds, MiB (on a GPU).
     pub poslab_train_peak_gpu_mib: Option<f64>,
+    /// PyTorch's largest peak GPU memory of a training phase over the rounds, MiB.
     pub torch_train_peak_gpu_mib: Option<f64>,
     /// The most other processes used during any timed phase of the variant, in cores.
     pub worst_foreign_cores: f64,
@@ -777,13 +826,17 @@ fn of_parts(pairs: &[&(Record, TorchRecord)], poslab: bool) -> Vec<[f64; 3]> {
 /// What a variant costs over the first one, from interleaved rounds of child processes.
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Cost {
+    /// The variant's name.
     pub variant: String,
+    /// Interleaved rounds measured.
     pub rounds: usize,
     /// Best round (least disturbed: contention only slows) of the step medians, ms.
     pub best_train_ms: f64,
+    /// Best round of the forward medians, ms.
     pub best_forward_ms: f64,
     /// `best / best of the first variant - 1`.
     pub train_cost: f64,
+    /// `best_forward_ms / best of the first variant - 1`.
     pub forward_cost: f64,
     /// The same paired within each round (`variant / first - 1`): median, lowest..highest.
     pub train_cost_paired: [f64; 3],

@@ -86,15 +86,20 @@ impl std::fmt::Display for NormPlacement {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
+    /// 32-bit floats: the fused kernels' dtype.
     #[default]
     F32,
+    /// bfloat16 activations.
     Bf16,
+    /// IEEE half-precision activations (trained with loss scaling).
     F16,
 }
 
 impl Precision {
+    /// The names a config accepts, in order.
     pub const NAMES: [&'static str; 3] = ["f32", "bf16", "f16"];
 
+    /// The name a config writes: `f32`, `bf16` or `f16`.
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
@@ -145,12 +150,16 @@ impl std::str::FromStr for Precision {
 /// initialising them at `1/sqrt(d_model)`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Scale {
+    /// A fixed number.
     Value(f64),
+    /// `sqrt(d_model)`, written `"sqrt_d_model"`.
     SqrtDModel,
+    /// `1 / sqrt(d_model)`, written `"inv_sqrt_d_model"`.
     InvSqrtDModel,
 }
 
 impl Scale {
+    /// The number this scale means at width `d_model`.
     pub fn value(self, d_model: usize) -> f64 {
         match self {
             Self::Value(v) => v,
@@ -248,10 +257,13 @@ fn default_layer_norm_eps() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    /// Number of token ids the embedding table holds.
     pub vocab_size: usize,
     /// Width of the residual stream.
     pub d_model: usize,
+    /// Attention heads per layer; `d_model` is a multiple of it.
     pub n_heads: usize,
+    /// Encoder layers.
     pub n_layers: usize,
     /// Width of the feed-forward hidden layer.
     pub ffn_dim: usize,
@@ -261,6 +273,7 @@ pub struct ModelConfig {
     /// Longest sequence the learned table holds; the initial size of fixed tables, which grow
     /// on demand (sinusoids and RoPE extrapolate to any length).
     pub max_len: usize,
+    /// Where LayerNorm sits: `pre` (default) or `post`.
     #[serde(default)]
     pub norm: NormPlacement,
     /// Dropout on the embeddings and on both residual branches.
@@ -278,6 +291,7 @@ pub struct ModelConfig {
     /// like the sinusoids they join; Vaswani et al. use `inv_sqrt_d_model` with `sqrt_d_model`.
     #[serde(default = "default_token_init_std")]
     pub token_init_std: Scale,
+    /// The LayerNorms' epsilon (default 1e-5).
     #[serde(default = "default_layer_norm_eps")]
     pub layer_norm_eps: f64,
     /// The dtype activations are computed in: `f32` (default), `bf16` or `f16` (see
@@ -292,6 +306,7 @@ pub struct ModelConfig {
     /// What the embedding layer adds besides tokens and positions (BERT-family models).
     #[serde(default, skip_serializing_if = "EmbeddingExtras::is_none")]
     pub embeddings: EmbeddingExtras,
+    /// The positional scheme and its options: the `[positional]` table, `kind = "..."`.
     pub positional: PositionalConfig,
 }
 
@@ -324,6 +339,7 @@ fn is_zero(n: &usize) -> bool {
 }
 
 impl EmbeddingExtras {
+    /// Whether neither extra is on (the default).
     pub fn is_none(&self) -> bool {
         *self == Self::default()
     }
@@ -365,6 +381,7 @@ impl ModelConfig {
         self
     }
 
+    /// The number of token ids the embedding table holds.
     pub fn with_vocab_size(mut self, vocab_size: usize) -> Self {
         self.vocab_size = vocab_size;
         self
@@ -377,6 +394,7 @@ impl ModelConfig {
         self
     }
 
+    /// The number of encoder layers.
     pub fn with_layers(mut self, n_layers: usize) -> Self {
         self.n_layers = n_layers;
         self
@@ -389,11 +407,13 @@ impl ModelConfig {
         self
     }
 
+    /// The longest sequence the learned table holds, and fixed tables' initial size.
     pub fn with_max_len(mut self, max_len: usize) -> Self {
         self.max_len = max_len;
         self
     }
 
+    /// Where LayerNorm sits around each sub-layer.
     pub fn with_norm(mut self, norm: NormPlacement) -> Self {
         self.norm = norm;
         self
@@ -601,10 +621,12 @@ impl ModelConfig {
         parsed.map_err(|e| e.in_file(path))
     }
 
+    /// The config as pretty JSON, the form saved models keep.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a model config always serializes")
     }
 
+    /// The config as TOML, the form `ModelConfig::load` reads.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a model config always serializes")
     }

@@ -16,7 +16,9 @@ pub const NOT_SCORED: i64 = -1;
 /// One tokenized example.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
+    /// The token ids, framing included.
     pub ids: Vec<u32>,
+    /// What the model is scored on.
     pub target: Target,
     /// Where a length-suite tape's answer sits; `None` for every other task.
     pub tape: Option<TapeInfo>,
@@ -64,7 +66,12 @@ pub enum Framing {
     Cls(u32),
     /// The tokenizer's own template (`[CLS] ... [SEP]`, `<s> ... </s>`), what a pretrained
     /// encoder was trained on: `front` special tokens before the text and `back` after it.
-    Template { front: usize, back: usize },
+    Template {
+        /// Special tokens before the text.
+        front: usize,
+        /// Special tokens after the text.
+        back: usize,
+    },
 }
 
 impl From<Option<u32>> for Framing {
@@ -120,8 +127,10 @@ impl Framing {
     }
 }
 
+/// What one example is scored on.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Target {
+    /// A class for the whole sequence.
     Class(u32),
     /// Per token, [`NOT_SCORED`] where no label applies.
     Tags(Vec<i64>),
@@ -132,6 +141,7 @@ pub enum Target {
 /// Tokenized examples.
 #[derive(Clone, Debug, Default)]
 pub struct Dataset {
+    /// The examples, in order.
     pub samples: Vec<Sample>,
     /// How many examples were cut to `max_tokens` (with `truncate = true`).
     pub truncated: usize,
@@ -264,14 +274,17 @@ impl Dataset {
         Ok(Self { samples, truncated })
     }
 
+    /// The number of examples.
     pub fn len(&self) -> usize {
         self.samples.len()
     }
 
+    /// Whether there are no examples.
     pub fn is_empty(&self) -> bool {
         self.samples.is_empty()
     }
 
+    /// Each example's length in tokens.
     pub fn lengths(&self) -> Vec<usize> {
         self.samples.iter().map(|s| s.ids.len()).collect()
     }
@@ -312,13 +325,16 @@ impl Dataset {
 /// sequence); of those 80% become `[MASK]`, 10% a random regular token, 10% stay.
 #[derive(Clone, Debug)]
 pub struct MlmMasking {
+    /// The share of real tokens chosen for prediction.
     pub mask_prob: f64,
+    /// The id of the mask token.
     pub mask_id: u32,
     /// Ids a random replacement is drawn from (the vocabulary without special tokens).
     pub regular_ids: Vec<u32>,
 }
 
 impl MlmMasking {
+    /// MLM masking with `tokenizer`'s mask token; an error if it has none.
     pub fn new(mask_prob: f64, tokenizer: &TextTokenizer) -> Result<Self> {
         let mask_id = tokenizer.mask_id().ok_or_else(|| {
             Error::Input("MLM needs a mask token ([MASK] or <mask>) in the tokenizer".into())

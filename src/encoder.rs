@@ -303,14 +303,17 @@ impl Encoder {
         Ok((encoder, params))
     }
 
+    /// The config the encoder was built from.
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
+    /// The dtype of its weights and activations.
     pub fn dtype(&self) -> DType {
         self.tok_emb.embeddings().dtype()
     }
 
+    /// The device its weights live on.
     pub fn device(&self) -> &candle::Device {
         self.tok_emb.embeddings().device()
     }
@@ -377,6 +380,10 @@ impl Encoder {
 
     /// As [`Encoder::forward_t`], with the first token at position `start` (the shift test: a
     /// relative scheme should not care, an absolute one may).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`: `(b, t)`, as in [`Encoder::forward_t`]
+    /// - returns `(b, t, d_model)`
     pub fn forward_at(
         &self,
         input_ids: &Tensor,
@@ -515,9 +522,10 @@ impl Encoder {
     /// The residual stream is split as `(h - p) + p`, `p` the added positional vectors, which
     /// stay in it additively under pre-norm, so every layer is decomposed; under post-norm the
     /// first LayerNorm mixes them, so only the first layer is. An embedding LayerNorm (BERT's)
-    /// is split exactly the same way ([`crate::nn::LayerNorm::split`]: both parts over the sum's standard
-    /// deviation, the bias and the token-type row with the content), so a BERT's first layer is
-    /// decomposed too: TUPE's analysis of BERT. Layers are returned in order with their index.
+    /// is split exactly the same way ([`crate::nn::LayerNorm::split`]: both parts over the sum's
+    /// standard deviation, the bias and the token-type row with the content), so a BERT's first
+    /// layer is decomposed too: TUPE's analysis of BERT. Layers are returned in order with their
+    /// index.
     pub fn score_terms(
         &self,
         input_ids: &Tensor,

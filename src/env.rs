@@ -5,7 +5,9 @@
 
 /// A variable poslab reads: its name, what it accepts, and how a value is checked.
 pub struct Var {
+    /// The variable's name.
     pub name: &'static str,
+    /// The values it accepts, in words (for error messages and `poslab env`).
     pub accepts: &'static str,
     check: fn(&str) -> Result<(), String>,
 }

@@ -11,13 +11,21 @@ pub enum Error {
 
     /// A configuration file that could not be parsed (syntax, unknown field or option, wrong type).
     #[error("cannot parse config {path}: {message}")]
-    ConfigParse { path: PathBuf, message: String },
+    ConfigParse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        message: String,
+    },
 
     /// A data file with a problem, at a line where there is one.
     #[error("{}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
     Data {
+        /// The file.
         path: PathBuf,
+        /// The line (1-based), where the problem has one.
         line: Option<usize>,
+        /// What is wrong, and the fix.
         message: String,
     },
 
@@ -27,7 +35,12 @@ pub enum Error {
 
     /// A checkpoint that does not match the model or is not a readable safetensors file.
     #[error("checkpoint {path}: {message}")]
-    Checkpoint { path: PathBuf, message: String },
+    Checkpoint {
+        /// The checkpoint file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 
     /// A training run that cannot go on (a non-finite loss or gradient).
     #[error("training stopped: {0}")]
@@ -35,7 +48,12 @@ pub enum Error {
 
     /// A cell of an experiment failed; the source says how.
     #[error("cell {cell}: {source}")]
-    Cell { cell: String, source: Box<Error> },
+    Cell {
+        /// The cell, `task/variant/seedN`.
+        cell: String,
+        /// How it failed.
+        source: Box<Error>,
+    },
 
     /// A run stopped by a failed cell; the cells it finished are kept in its folder.
     #[error(
@@ -44,21 +62,33 @@ pub enum Error {
         dir.display()
     )]
     RunStopped {
+        /// The cell that failed, `task/variant/seedN`.
         cell: String,
+        /// How it failed.
         source: Box<Error>,
+        /// Cells finished and kept.
         done: usize,
+        /// Cells the run has.
         total: usize,
+        /// The run folder that keeps them.
         dir: PathBuf,
     },
 
     /// A plot could not be drawn.
     #[error("plot {path}: {message}")]
-    Plot { path: PathBuf, message: String },
+    Plot {
+        /// The image file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
 
     /// Filesystem failures, with the path involved (the message includes the cause).
     #[error("{path}: {error}")]
     Io {
+        /// The path involved.
         path: PathBuf,
+        /// The operating system's error.
         error: std::io::Error,
     },
 
@@ -87,6 +117,7 @@ pub(crate) fn without_backtrace(error: candle::Error) -> candle::Error {
     }
 }
 
+/// A result with poslab's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {

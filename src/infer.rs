@@ -19,7 +19,9 @@ const BATCH: usize = 32;
 /// A label and its probability.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Scored {
+    /// The label.
     pub label: String,
+    /// The model's probability for it.
     pub probability: f64,
 }
 
@@ -28,6 +30,7 @@ pub struct Scored {
 pub struct MaskFill {
     /// Index of the masked word in the text.
     pub word: usize,
+    /// The most probable fills, best first.
     pub fills: Vec<Scored>,
 }
 
@@ -37,28 +40,38 @@ pub struct MaskFill {
 pub enum Prediction {
     /// The most probable label, then every label by probability.
     Class {
+        /// The most probable label.
         label: String,
+        /// Every label, most probable first.
         probabilities: Vec<Scored>,
     },
     /// One tag per word.
     Tags {
+        /// The text's words.
         words: Vec<String>,
+        /// One tag per word.
         tags: Vec<String>,
     },
     /// Top fills for each mask token, in text order.
-    Fills { masks: Vec<MaskFill> },
+    Fills {
+        /// One entry per mask token.
+        masks: Vec<MaskFill>,
+    },
 }
 
 /// A text, what the model says, how many of its tokens the vocabulary did not know, and a note
 /// when the text was cut to fit.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Output<T> {
+    /// The text as given.
     pub text: String,
+    /// What the model says.
     #[serde(flatten)]
     pub value: T,
     /// Tokens read as the unknown token (`[UNK]`): words the model never saw, which it cannot
     /// tell apart. Many of them make any answer a guess.
     pub unknown_tokens: usize,
+    /// Set when the text was cut to the model's longest input.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
@@ -66,6 +79,7 @@ pub struct Output<T> {
 /// A pooled sentence vector.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Embedding {
+    /// The vector, `d_model` wide.
     pub embedding: Vec<f32>,
 }
 

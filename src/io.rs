@@ -176,6 +176,7 @@ pub struct FolderLock {
 }
 
 impl FolderLock {
+    /// The lock file's name inside the folder it guards.
     pub const FILE: &'static str = ".poslab-lock";
 
     /// The exclusive lock of a writer; `who` (`poslab compare`, ...) is written into the lock

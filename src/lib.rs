@@ -38,6 +38,8 @@
 //! The same from a TOML file: `ModelConfig::load("configs/encoder.toml")`, whose format is the
 //! command line's (see the README).
 
+#![warn(missing_docs)]
+
 pub mod analysis;
 pub mod bench;
 pub mod config;

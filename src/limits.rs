@@ -11,11 +11,17 @@ use crate::io::human_bytes;
 /// The sizes of a model that its limits are checked on.
 #[derive(Clone, Copy, Debug)]
 pub struct Sizes {
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Width of the feed-forward hidden layer.
     pub ffn_dim: usize,
+    /// Attention heads per layer.
     pub n_heads: usize,
+    /// Encoder layers.
     pub n_layers: usize,
+    /// Token ids of the embedding table.
     pub vocab_size: usize,
+    /// Longest sequence the position tables are built for.
     pub max_len: usize,
 }
 

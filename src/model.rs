@@ -30,9 +30,17 @@ pub enum Pooling {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum HeadConfig {
     /// A pooled vector to `classes` logits.
-    Classify { classes: usize, pooling: Pooling },
+    Classify {
+        /// Number of classes.
+        classes: usize,
+        /// How the sequence is pooled to one vector.
+        pooling: Pooling,
+    },
     /// Every token to `classes` logits.
-    Tag { classes: usize },
+    Tag {
+        /// Number of tags.
+        classes: usize,
+    },
     /// Every token to logits over the vocabulary.
     Mlm,
 }
@@ -66,6 +74,8 @@ pub struct TaskModel {
 }
 
 impl TaskModel {
+    /// The encoder of `model` with `head` on top, its variables taken from `vb`; an error for a
+    /// head with no class.
     pub fn new(model: &ModelConfig, head: &HeadConfig, vb: VarBuilder) -> Result<Self> {
         let out = match head {
             HeadConfig::Classify { classes, .. } | HeadConfig::Tag { classes } => *classes,
@@ -81,10 +91,12 @@ impl TaskModel {
         })
     }
 
+    /// The encoder under the head.
     pub fn encoder(&self) -> &Encoder {
         &self.encoder
     }
 
+    /// The head's config.
     pub fn head_config(&self) -> &HeadConfig {
         &self.config
     }
@@ -110,7 +122,12 @@ impl TaskModel {
         })
     }
 
-    /// Logits: `(b, classes)` for sentence labels, `(b, t, classes)` for token labels.
+    /// Logits of the head over the encoder's output, every token at its `positions`.
+    ///
+    /// # Shapes
+    /// - `ids`, `mask`: `(b, t)`; `positions`: `(1 or b, t)`
+    /// - returns `(b, classes)` for sentence labels, `(b, t, classes)` for token labels and
+    ///   `(b, t, vocab_size)` for MLM
     pub fn logits(
         &self,
         ids: &Tensor,

@@ -15,10 +15,13 @@ use crate::error::{Error, Result};
 use crate::rng;
 
 /// A variable that must stay at or above `min`: declared by the module that creates it (KERPLE's
-/// `r1`, `r2`), applied by the optimizer after every step ([`crate::train::optim::AdamW::from_store`]).
+/// `r1`, `r2`), applied by the optimizer after every step
+/// ([`crate::train::optim::AdamW::from_store`]).
 #[derive(Clone, Debug)]
 pub struct LowerBound {
+    /// The bounded variable.
     pub var: Tensor,
+    /// Its least value.
     pub min: f64,
 }
 
@@ -37,6 +40,7 @@ pub struct ParamStore {
 }
 
 impl ParamStore {
+    /// An empty store whose variables will be drawn from `seed`.
     pub fn new(seed: u64) -> Self {
         Self {
             seed,
@@ -79,6 +83,7 @@ impl ParamStore {
             .copied()
     }
 
+    /// The seed variables are drawn from.
     pub fn seed(&self) -> u64 {
         self.seed
     }
@@ -113,6 +118,7 @@ impl ParamStore {
         self.lock().values().cloned().collect()
     }
 
+    /// The variable `name`, if the store holds it.
     pub fn get(&self, name: &str) -> Option<Var> {
         self.lock().get(name).cloned()
     }

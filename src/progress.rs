@@ -13,7 +13,10 @@ pub enum Progress {
     /// Progress bars (standard error is a terminal).
     Bars,
     /// A line every `every` (standard error is a log file or a pipe).
-    Lines { every: Duration },
+    Lines {
+        /// The interval between lines.
+        every: Duration,
+    },
     /// Neither: only a line per finished cell.
     Quiet,
 }
@@ -34,6 +37,7 @@ impl Progress {
         }
     }
 
+    /// Whether this shows bars.
     pub fn bars(self) -> bool {
         self == Self::Bars
     }

@@ -14,21 +14,29 @@ use crate::params::ParamStore;
 use crate::tasks::Objective;
 use crate::text::TextTokenizer;
 
+/// The saved model's format, written in its config.
 pub const FORMAT: &str = "poslab-model/1";
+/// The weights' file name in a saved model's folder.
 pub const WEIGHTS: &str = "model.safetensors";
+/// The config's file name ([`SavedConfig`]).
 pub const CONFIG: &str = "config.json";
+/// The tokenizer's file name.
 pub const TOKENIZER: &str = "tokenizer.json";
 
 /// `config.json` of a saved model: everything needed to rebuild it and read its outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SavedConfig {
+    /// [`FORMAT`].
     pub format: String,
+    /// The encoder's config.
     pub model: ModelConfig,
+    /// The head's config.
     pub head: HeadConfig,
     /// What the outputs mean (label names for classification and tagging).
     pub objective: Objective,
     /// The task it was trained on and the training seed, for the record.
     pub task: String,
+    /// The training seed.
     pub seed: u64,
     /// The task as configured, so its evaluation text can be made again (`poslab analyze`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -72,9 +80,13 @@ pub fn save(
 
 /// A loaded model with its variables, tokenizer and config.
 pub struct Loaded {
+    /// The model.
     pub model: TaskModel,
+    /// Its variables, by name.
     pub params: ParamStore,
+    /// Its tokenizer.
     pub tokenizer: TextTokenizer,
+    /// Its config.
     pub config: SavedConfig,
 }
 

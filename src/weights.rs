@@ -24,6 +24,7 @@ const MAX_HEADER: u64 = 100_000_000;
 pub struct Entry {
     /// As safetensors names it: `F32`, `BF16`, `F8_E4M3`, ...
     pub dtype: String,
+    /// The tensor's shape.
     pub shape: Vec<usize>,
     /// Byte range in the data section.
     begin: u64,
@@ -31,6 +32,7 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// The number of elements (as u128: a header may claim any shape).
     pub fn elements(&self) -> u128 {
         self.shape.iter().map(|&d| d as u128).product()
     }
@@ -175,6 +177,7 @@ impl WeightsFile {
         })
     }
 
+    /// The file.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -192,6 +195,7 @@ impl WeightsFile {
             .collect()
     }
 
+    /// The header's `__metadata__` strings.
     pub fn metadata(&self) -> &HashMap<String, String> {
         &self.metadata
     }

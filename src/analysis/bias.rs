@@ -71,7 +71,9 @@ impl HeadBias {
 /// Biases of every head (and layer, where they differ), `(1, h, P, P)` tensors flattened.
 #[derive(Clone, Debug)]
 pub struct BiasAnalysis {
+    /// What the biases are, for plot titles and the report.
     pub title: String,
+    /// One entry per head (and layer, where they differ).
     pub heads: Vec<HeadBias>,
     /// Whether the scheme is absolute (TUPE): heatmaps are drawn, not only offset curves.
     pub absolute: bool,

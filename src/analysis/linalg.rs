@@ -6,17 +6,22 @@
 /// A row-major matrix.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Matrix {
+    /// Rows.
     pub rows: usize,
+    /// Columns.
     pub cols: usize,
+    /// The values, row after row.
     pub data: Vec<f64>,
 }
 
 impl Matrix {
+    /// A `rows × cols` matrix; panics if `data` has another length (a programming error).
     pub fn new(rows: usize, cols: usize, data: Vec<f64>) -> Self {
         assert_eq!(data.len(), rows * cols, "matrix data");
         Self { rows, cols, data }
     }
 
+    /// Row `r`.
     pub fn row(&self, r: usize) -> &[f64] {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }

@@ -37,22 +37,29 @@ pub struct Pairs {
     pub interleaved: bool,
     /// Sinusoids store `(sin, cos)`; RoPE's rotation of a unit vector gives `(cos, sin)`.
     pub sin_first: bool,
+    /// The base of the angles: pair `i` turns at `base^(-2i/d)` per position.
     pub base: f64,
 }
 
 /// A position table: row `r` is position `start + r`.
 #[derive(Clone, Debug)]
 pub struct Table {
+    /// What the table is, for plot titles and the report.
     pub title: String,
+    /// The position of row 0.
     pub start: usize,
+    /// How many positions.
     pub rows: usize,
+    /// The width of a row.
     pub dim: usize,
+    /// Row-major values, `rows × dim`.
     pub values: Vec<f64>,
     /// Set for tables built from angles (sinusoids, RoPE).
     pub pairs: Option<Pairs>,
 }
 
 impl Table {
+    /// Row `r`: position `start + r`.
     pub fn row(&self, r: usize) -> &[f64] {
         &self.values[r * self.dim..(r + 1) * self.dim]
     }
@@ -162,8 +169,11 @@ pub fn fixed_table(
 /// Min, max and mean of some values.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Spread {
+    /// The smallest value.
     pub min: f64,
+    /// The largest value.
     pub max: f64,
+    /// The mean.
     pub mean: f64,
 }
 
@@ -188,14 +198,19 @@ impl Spread {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Metric {
+    /// `1 - cos(a, b)`.
     Cosine,
+    /// `|a - b|`.
     L2,
+    /// `a · b`.
     Dot,
 }
 
 impl Metric {
+    /// The three metrics, in report order.
     pub const ALL: [Metric; 3] = [Metric::Cosine, Metric::L2, Metric::Dot];
 
+    /// The metric in words, for titles.
     pub fn name(self) -> &'static str {
         match self {
             Metric::Cosine => "cosine distance",
@@ -204,6 +219,7 @@ impl Metric {
         }
     }
 
+    /// The metric in file names.
     pub fn file(self) -> &'static str {
         match self {
             Metric::Cosine => "cosine",
@@ -212,6 +228,7 @@ impl Metric {
         }
     }
 
+    /// The metric between two rows of the same width.
     pub fn between(self, a: &[f64], b: &[f64]) -> f64 {
         let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
         match self {
@@ -263,7 +280,9 @@ pub fn distance_matrix(table: &Table, metric: Metric) -> Matrix {
 /// `metric` against the offset `k`: from one reference row, and over all pairs `(p, p + k)`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct OffsetCurve {
+    /// The metric.
     pub metric: Metric,
+    /// The reference row of `from_reference`.
     pub reference: usize,
     /// `metric(reference, reference + k)` for `k = 0, 1, ...`.
     pub from_reference: Vec<f64>,
@@ -272,6 +291,7 @@ pub struct OffsetCurve {
     /// The last `k` up to which `from_reference` moves one way only (rises for distances,
     /// falls for the dot product), and the first `k` where it turns.
     pub monotone_until: usize,
+    /// The first `k` where `from_reference` turns; `None` if it never does.
     pub first_turn: Option<usize>,
 }
 
@@ -307,6 +327,7 @@ fn offset_curve(table: &Table, metric: Metric, reference: usize) -> OffsetCurve 
 /// One offset's relative-shift check.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ShiftRow {
+    /// The offset.
     pub k: usize,
     /// `max over p, j of |M(k) PE(p) - PE(p + k)|` with the block rotation `M(k)`, for tables
     /// built from angles.
@@ -397,6 +418,7 @@ fn shift_check(table: &Table, seed: u64) -> Vec<ShiftRow> {
 /// How well a linear map reads the position back from a row.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Probe {
+    /// Cross-validation folds.
     pub folds: usize,
     /// Mean absolute error of the rounded prediction, in positions, on held-out rows.
     pub mae: f64,
@@ -443,6 +465,7 @@ fn probe(table: &Table, seed: u64) -> Probe {
 /// Every pair's wavelength and the first position at which its angle wraps, for one base.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Wavelengths {
+    /// The base.
     pub base: f64,
     /// `2 pi / w_i` in positions, pair `i = 0, 1, ...`.
     pub wavelength: Vec<f64>,
@@ -450,6 +473,7 @@ pub struct Wavelengths {
     pub first_wrap: Vec<usize>,
 }
 
+/// The wavelengths of a `dim`-wide table of angles with `base` (`dim / 2` pairs).
 pub fn wavelengths(dim: usize, base: f64) -> Wavelengths {
     let w = inverse_frequencies(dim, base);
     Wavelengths {
@@ -522,15 +546,23 @@ fn rope_decay(head_dim: usize, base: f64, distances: usize, seed: u64) -> RopeDe
 /// Everything measured on one table.
 #[derive(Clone, Debug, Serialize)]
 pub struct Analysis {
+    /// What the table is.
     pub title: String,
+    /// The position of row 0.
     pub start: usize,
+    /// How many positions.
     pub rows: usize,
+    /// The width of a row.
     pub dim: usize,
+    /// The spread of the table's values.
     pub values: Spread,
     /// `L2(p, p + 1)` over the table.
     pub consecutive_l2: Spread,
+    /// Each metric against the offset.
     pub offsets: Vec<OffsetCurve>,
+    /// The relative-shift check at each offset measured.
     pub shift: Vec<ShiftRow>,
+    /// The linear position probe.
     pub probe: Probe,
     /// Wang & Chen's relative-order probe.
     pub order: order::OrderProbe,
@@ -538,6 +570,7 @@ pub struct Analysis {
     pub geometry: pca::RowGeometry,
     /// For tables built from angles: the sweep of bases (the table's own first).
     pub wavelengths: Vec<Wavelengths>,
+    /// RoPE's q·k against distance, for RoPE tables.
     pub rope_decay: Option<RopeDecay>,
 }
 

@@ -27,7 +27,9 @@ const INTERCEPT_PENALTY: f64 = 1e-4;
 /// The probe's result.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct OrderProbe {
+    /// Position pairs probed.
     pub pairs: usize,
+    /// Cross-validation folds.
     pub folds: usize,
     /// Held-out pairs whose order is predicted right, over all pairs.
     pub accuracy: f64,

@@ -121,7 +121,9 @@ pub fn write_wavelengths(
 /// One head's share of its squared q or k norm in each frequency pair.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PairEnergy {
+    /// The layer.
     pub layer: usize,
+    /// The head.
     pub head: usize,
     /// `q` or `k`.
     pub side: &'static str,

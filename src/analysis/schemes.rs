@@ -18,9 +18,11 @@ use crate::Encoder;
 /// FIRE's bias by offset per head, at several sequence lengths (spans `n - 1`).
 #[derive(Clone, Debug)]
 pub struct FireCurves {
+    /// What the curves are, for plot titles and the report.
     pub title: String,
     /// `(n, per head the bias at offsets -(n-1) ..= n-1)`.
     pub curves: Vec<(usize, Vec<Vec<f64>>)>,
+    /// Lines of facts for the report (the learned threshold, the curves' ranges).
     pub notes: Vec<String>,
 }
 
@@ -239,6 +241,7 @@ pub struct FoxGateAnalysis {
     pub by_token: Vec<Vec<(String, usize, f64, f64)>>,
     /// The query of the decay: its index in text 0, and text 0's tokens.
     pub query: usize,
+    /// Text 0's tokens.
     pub tokens: Vec<String>,
     /// Per layer and head, the bias from the query to every real key of text 0 (its log decay).
     pub decay: Vec<Vec<Vec<f64>>>,

@@ -23,7 +23,9 @@ pub const TERMS: [&str; 4] = [
 /// One head's terms over a batch of real token pairs.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HeadTerms {
+    /// The layer.
     pub layer: usize,
+    /// The head.
     pub head: usize,
     /// Mean absolute value of each term.
     pub mean_abs: [f64; 4],

@@ -20,9 +20,10 @@ const MAX_DIM: usize = 8192;
 const MAX_TABLE_VALUES: usize = 1 << 24;
 
 /// What a positional scheme encodes: the table as CSV and heatmap, row norms and principal
-/// components, distance matrices, distance against offset, the relative-shift property, a linear position probe, wavelengths, RoPE's
-/// decay; an attention bias by offset, per head; for a trained model (--run) its table, its
-/// learned score biases, and how its attention logits split into content and position terms.
+/// components, distance matrices, distance against offset, the relative-shift property, a linear
+/// position probe, wavelengths, RoPE's decay; an attention bias by offset, per head; for a
+/// trained model (--run) its table, its learned score biases, and how its attention logits split
+/// into content and position terms.
 #[derive(clap::Args)]
 pub struct Args {
     /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an

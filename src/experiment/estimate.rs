@@ -16,6 +16,7 @@ pub struct CellEstimate {
     pub name: String,
     /// The encoder's parameters (the head's are few).
     pub params: u128,
+    /// Training steps planned.
     pub steps: usize,
     /// Real tokens of a training step (batch size x mean training length).
     pub tokens_per_step: f64,
@@ -26,6 +27,7 @@ pub struct CellEstimate {
 }
 
 impl CellEstimate {
+    /// Floating-point operations in all: training and evaluation.
     pub fn flop(&self) -> f64 {
         self.train_flop + self.eval_flop
     }

@@ -28,7 +28,9 @@ use crate::io::{is_temporary_of, write_atomic, FolderLock};
 pub const MANIFEST: &str = "run.json";
 /// The experiment config as run, every default filled in.
 pub const CONFIG_TOML: &str = "config.toml";
+/// The results' file name (deterministic: the same cells give the same bytes).
 pub const RESULTS_JSON: &str = "results.json";
+/// The timings' file name (wall clock: varies between runs).
 pub const TIMING_JSON: &str = "timing.json";
 /// Where finished cells' records go.
 pub const CELLS: &str = "cells";
@@ -75,10 +77,13 @@ impl FolderKind {
 /// A selection as the command line gave it (empty lists: all), kept in the manifest.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SelectionRecord {
+    /// Task names selected.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tasks: Vec<String>,
+    /// Variant names selected.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub variants: Vec<String>,
+    /// Seeds selected.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub seeds: Vec<u64>,
     /// `K/N`.
@@ -87,6 +92,7 @@ pub struct SelectionRecord {
 }
 
 impl SelectionRecord {
+    /// The record of a selection.
     pub fn of(selection: &Selection) -> Self {
         Self {
             tasks: selection.tasks.clone(),
@@ -96,6 +102,7 @@ impl SelectionRecord {
         }
     }
 
+    /// The selection back (an error for a shard the manifest cannot have written).
     pub fn selection(&self) -> Result<Selection> {
         Ok(Selection {
             tasks: self.tasks.clone(),
@@ -144,8 +151,11 @@ impl SelectionRecord {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// The manifest's format, `poslab-run/1`.
     pub format: String,
+    /// What the folder holds.
     pub kind: FolderKind,
+    /// The experiment's name.
     pub experiment: String,
     /// SHA-256 of the experiment config as run (`config.toml`, every default filled in).
     pub config_sha256: String,
@@ -223,19 +233,26 @@ pub fn report_files(config: &ExperimentConfig) -> Vec<String> {
 
 /// What a command is about to write into a folder.
 pub struct Plan<'a> {
+    /// What the folder will hold.
     pub kind: FolderKind,
+    /// The experiment as run.
     pub config: &'a ExperimentConfig,
+    /// The cells selected, as the command line gave them.
     pub selection: SelectionRecord,
     /// The cells, as [`ExperimentConfig::cells`] gives them (compare).
     pub cells: Vec<(usize, usize, u64)>,
+    /// The device the run uses (compare: a resumed run must use the same).
     pub device: Option<String>,
+    /// The run folders a merge reads (report).
     pub sources: Vec<String>,
+    /// Every file the command writes, relative to the folder.
     pub files: Vec<String>,
 }
 
 /// A folder opened for writing: locked until this is dropped.
 #[derive(Debug)]
 pub struct Opened {
+    /// The lock that makes this process the folder's one writer.
     pub lock: FolderLock,
     /// The folder already held this run (same config, cells and device): its finished cells
     /// are kept.
@@ -474,7 +491,9 @@ pub fn remove_listed(dir: &Path, files: &[String]) -> Result<()> {
 /// One variant row a cell's model was re-scored as (`rope + yarn`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Rescored {
+    /// The re-scored variant row.
     pub variant: VariantInfo,
+    /// The model's results under it.
     pub result: CellResult,
 }
 
@@ -483,17 +502,23 @@ pub struct Rescored {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CellRecord {
+    /// The record's format, `poslab-cell/1`.
     pub format: String,
+    /// The task.
     pub task: TaskInfo,
+    /// The variant.
     pub variant: VariantInfo,
+    /// The cell's results.
     pub result: CellResult,
     /// The same model re-scored under each `[eval] rope_scaling`, each a row of its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rescored: Vec<Rescored>,
+    /// Its wall-clock measurements.
     pub timing: Timing,
 }
 
 impl CellRecord {
+    /// A record in the current format.
     pub fn new(
         task: TaskInfo,
         variant: VariantInfo,

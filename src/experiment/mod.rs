@@ -51,23 +51,33 @@ fn d_shift() -> usize {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelShape {
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Attention heads per layer.
     pub n_heads: usize,
+    /// Encoder layers.
     pub n_layers: usize,
+    /// Width of the feed-forward hidden layer.
     pub ffn_dim: usize,
     /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
     #[serde(default, skip_serializing_if = "Activation::is_gelu")]
     pub activation: Activation,
+    /// Where LayerNorm sits: `pre` (default) or `post`.
     #[serde(default)]
     pub norm: NormPlacement,
+    /// Dropout on the embeddings and both residual branches.
     #[serde(default = "d_dropout")]
     pub dropout: f64,
+    /// Dropout on the attention weights.
     #[serde(default = "d_dropout")]
     pub attention_dropout: f64,
+    /// Token embeddings are multiplied by this (see [`ModelConfig::embed_scale`]).
     #[serde(default = "d_scale")]
     pub embed_scale: Scale,
+    /// The token embeddings' initial standard deviation (see [`ModelConfig::token_init_std`]).
     #[serde(default = "d_scale")]
     pub token_init_std: Scale,
+    /// The LayerNorms' epsilon.
     #[serde(default = "d_eps")]
     pub layer_norm_eps: f64,
     /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
@@ -118,13 +128,17 @@ impl ModelShape {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VariantSpec {
+    /// The variant's name: a column of the report.
     pub name: String,
+    /// The positional scheme and its options.
     pub positional: PositionalConfig,
     /// Encoder width, if not the shared `d_model` (a wider concatenation, say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub d_model: Option<usize>,
+    /// Token embedding scale, if not the shared one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub embed_scale: Option<Scale>,
+    /// Token initialisation's standard deviation, if not the shared one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_init_std: Option<Scale>,
     /// Rows of a learned table; default: the longest training input (or `random_positions`).
@@ -169,18 +183,25 @@ impl Default for EvalConfig {
 pub struct ExperimentConfig {
     /// Names the run folder `runs/<name>-<timestamp>`.
     pub name: String,
+    /// What the experiment asks, in words (for the report).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub description: String,
     /// How many seeds: `first_seed .. first_seed + seeds`.
     #[serde(default = "d_seeds")]
     pub seeds: u64,
+    /// The first seed.
     #[serde(default)]
     pub first_seed: u64,
+    /// The shape every variant shares, `[model]`.
     pub model: ModelShape,
+    /// How each cell trains, `[train]`.
     pub train: TrainConfig,
+    /// How cells are tested, `[eval]`.
     #[serde(default)]
     pub eval: EvalConfig,
+    /// The tasks, `[[tasks]]`.
     pub tasks: Vec<TaskSpec>,
+    /// The variants, `[[variants]]`.
     pub variants: Vec<VariantSpec>,
 }
 
@@ -229,8 +250,11 @@ pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
 /// Which cells of an experiment to run; empty lists mean all.
 #[derive(Clone, Debug, Default)]
 pub struct Selection {
+    /// Task names to run; empty: all.
     pub tasks: Vec<String>,
+    /// Variant names to run; empty: all.
     pub variants: Vec<String>,
+    /// Seeds to run; empty: all.
     pub seeds: Vec<u64>,
     /// One deterministic slice of the selected cells, for a cluster array.
     pub shard: Option<Shard>,
@@ -242,7 +266,9 @@ pub struct Selection {
 /// machine; `poslab report` merges their run folders.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
+    /// Which slice, from 0.
     pub index: usize,
+    /// How many slices.
     pub count: usize,
 }
 
@@ -307,6 +333,7 @@ pub(crate) fn check_name(kind: &str, name: &str) -> Result<()> {
 }
 
 impl ExperimentConfig {
+    /// Parses and validates an experiment from TOML text.
     pub fn from_toml_str(text: &str) -> Result<Self> {
         let config: Self = crate::config::parse_toml(text)?;
         config.validate()?;
@@ -330,10 +357,12 @@ impl ExperimentConfig {
         })
     }
 
+    /// The experiment as TOML, the form a run folder keeps.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("an experiment config serializes")
     }
 
+    /// The seeds, `first_seed .. first_seed + seeds`.
     pub fn seed_list(&self) -> Vec<u64> {
         (self.first_seed..self.first_seed + self.seeds).collect()
     }

@@ -12,6 +12,7 @@ use plotters::prelude::*;
 use super::results::{Outcome, Results, TaskInfo};
 use crate::error::{Error, Result};
 
+/// The family name the embedded DejaVu Sans is registered under for every plot.
 pub const FONT: &str = "sans-serif";
 
 static REGISTER: Once = Once::new();

@@ -672,8 +672,11 @@ pub fn load_run(dir: &Path) -> Result<(Results, Vec<Timing>)> {
 /// What `poslab report` merged: the results (their `partial` set when cells are missing), the
 /// timings, and the config every folder was run with.
 pub struct Merged {
+    /// The merged results.
     pub results: Results,
+    /// Every cell's timing.
     pub timings: Vec<Timing>,
+    /// The experiment config the folders share.
     pub config: ExperimentConfig,
 }
 

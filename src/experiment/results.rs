@@ -25,18 +25,26 @@ pub struct TestInfo {
     pub lengths: [usize; 2],
 }
 
+/// A task as the results record it: what it measures, at which lengths, and which columns it has.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TaskInfo {
+    /// The task's name in the experiment config.
     pub name: String,
+    /// Its kind: a built-in task's name, `classify_file`, a length-suite task's name, ...
     pub kind: String,
+    /// What `accuracy` counts: per sentence, per token, per masked token or per output.
     pub metric: String,
+    /// Inclusive range of the training lengths (words, or the length suite's input lengths).
     pub train_lengths: [usize; 2],
+    /// The test sets, in report order.
     pub tests: Vec<TestInfo>,
     /// The shift test's offset, `None` where it is not run.
     pub shift: Option<usize>,
     /// Whether the shuffle test applies (sentence labels only).
     pub shuffle_test: bool,
+    /// The best accuracy a model blind to word order could reach, where the task defines one.
     pub order_blind_ceiling: Option<OrderBlindCeiling>,
+    /// The size of the task's vocabulary (its tokenizer's).
     pub vocab_size: usize,
     /// What was done to the data (truncation), for the report.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -64,23 +72,30 @@ impl TaskInfo {
     }
 }
 
+/// The shuffle test's column: accuracy on test sentences with their words shuffled.
 pub const SHUFFLED: &str = "shuffled";
 
 /// The length suite's score column: mean accuracy over every test length past training.
 pub const SCORE: &str = "score";
 
+/// The shift test's column name for an offset: `shift+N`.
 pub fn shift_column(shift: usize) -> String {
     format!("shift+{shift}")
 }
 
+/// A variant as the results record it: its scheme and the widths it gives the model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VariantInfo {
+    /// The variant's name in the experiment config.
     pub name: String,
+    /// Its positional scheme, with every option spelled out.
     pub positional: PositionalConfig,
     /// `nowhere`, `input`, `attention` or `attention bias`, and `, random N` with randomized
     /// positions drawn from `[0, N)`.
     pub placement: String,
+    /// The model width.
     pub d_model: usize,
+    /// The width of the token embedding (below `d_model` when positions are concatenated).
     pub token_dim: usize,
     /// How the width is made: `64`, `64 = 48+16` (concatenated), `64+16->64` (projected).
     pub width: String,
@@ -93,8 +108,11 @@ pub struct VariantInfo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
+    /// Accuracy and loss on a test set.
     Scored {
+        /// The share of counted outputs that are right (see [`TaskInfo::metric`]).
         accuracy: f64,
+        /// The mean cross-entropy over counted outputs.
         loss: f64,
         /// Length-suite tests: the share of examples whose every counted output is right (the
         /// mean over lengths, as `accuracy`).
@@ -105,7 +123,9 @@ pub enum Outcome {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         by_length: Vec<LengthScore>,
     },
+    /// The test could not run for this cell.
     Unavailable {
+        /// Why, in words (for example: lengths beyond a learned table).
         reason: String,
     },
 }
@@ -135,30 +155,45 @@ impl Outcome {
     }
 }
 
+/// One test set's outcome for one cell.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Evaluation {
+    /// The column: a test set's name, [`SCORE`], [`SHUFFLED`] or a [`shift_column`].
     pub name: String,
+    /// The score, or why there is none.
     pub outcome: Outcome,
 }
 
 /// One trained model: a task, a variant and a seed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CellResult {
+    /// The task's name.
     pub task: String,
+    /// The variant's name.
     pub variant: String,
+    /// The training seed.
     pub seed: u64,
+    /// Trainable parameters of the model (encoder, scheme and head).
     pub params: usize,
+    /// The model width.
     pub d_model: usize,
+    /// The longest input the model was built for, in tokens.
     pub max_len: usize,
+    /// Optimizer steps taken.
     pub steps: usize,
+    /// Tokens seen in training, padding excluded.
     pub tokens: usize,
+    /// The step whose weights were kept and tested (the best validation step).
     pub kept_step: usize,
+    /// Whether early stopping ended training before its last step.
     pub stopped_early: bool,
+    /// The mean training loss over the last window of steps.
     pub final_train_loss: f64,
     /// `(step, mean training loss)` over windows of steps.
     pub loss_curve: Vec<[f64; 2]>,
     /// `(step, validation accuracy)`.
     pub validation: Vec<[f64; 2]>,
+    /// One outcome per column of the task, in report order.
     pub evaluations: Vec<Evaluation>,
     /// The saved model, relative to the run folder.
     pub model_dir: String,
@@ -175,10 +210,12 @@ impl CellResult {
         cell_name(&self.task, &self.variant, self.seed)
     }
 
+    /// The key cells are sorted, merged and matched by: `(task, variant, seed)`.
     pub fn key(&self) -> (String, String, u64) {
         (self.task.clone(), self.variant.clone(), self.seed)
     }
 
+    /// The outcome in column `name`, if the cell has that column.
     pub fn evaluation(&self, name: &str) -> Option<&Outcome> {
         self.evaluations
             .iter()
@@ -190,11 +227,17 @@ impl CellResult {
 /// Wall-clock measurements of one cell.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
+    /// The task's name.
     pub task: String,
+    /// The variant's name.
     pub variant: String,
+    /// The seed.
     pub seed: u64,
+    /// The device it ran on and its threads, as `device_name (threads)`.
     pub device: String,
+    /// Seconds spent in training steps.
     pub train_seconds: f64,
+    /// Training tokens per second of `train_seconds`.
     pub tokens_per_second: f64,
     /// Training, evaluation and saving.
     pub wall_seconds: f64,
@@ -203,14 +246,20 @@ pub struct Timing {
 /// Mean, sample standard deviation, min and max over seeds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Stat {
+    /// How many values.
     pub n: usize,
+    /// Their mean.
     pub mean: f64,
+    /// Their sample standard deviation (0 for one value).
     pub std: f64,
+    /// The smallest.
     pub min: f64,
+    /// The largest.
     pub max: f64,
 }
 
 impl Stat {
+    /// The statistics of `values`; `None` when there are none.
     pub fn of(values: &[f64]) -> Option<Stat> {
         let n = values.len();
         if n == 0 {
@@ -236,12 +285,16 @@ impl Stat {
 /// could not.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Aggregate {
+    /// The column's name.
     pub name: String,
+    /// Accuracy over the seeds that scored it.
     pub accuracy: Option<Stat>,
+    /// Loss over the seeds that scored it.
     pub loss: Option<Stat>,
     /// Length-suite columns: whole-sequence accuracy over seeds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sequence_accuracy: Option<Stat>,
+    /// Why the column is missing for some seeds, if it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unavailable: Option<String>,
 }
@@ -249,12 +302,19 @@ pub struct Aggregate {
 /// A task x variant row over seeds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SummaryRow {
+    /// The task's name.
     pub task: String,
+    /// The variant's name.
     pub variant: String,
+    /// The seeds aggregated.
     pub seeds: Vec<u64>,
+    /// Trainable parameters (the same for every seed).
     pub params: usize,
+    /// The model width.
     pub d_model: usize,
+    /// The final training loss over seeds.
     pub final_train_loss: Stat,
+    /// One aggregate per column of the task, in report order.
     pub columns: Vec<Aggregate>,
 }
 
@@ -263,6 +323,7 @@ pub struct SummaryRow {
 pub struct Partial {
     /// Cells merged, of the `of` the experiment has.
     pub cells: usize,
+    /// Cells the experiment has.
     pub of: usize,
     /// The missing cells, `task/variant/seedN`.
     pub missing: Vec<String>,
@@ -277,13 +338,18 @@ impl std::fmt::Display for Partial {
 /// Everything deterministic a comparison produced.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Results {
+    /// The experiment's name.
     pub experiment: String,
     /// Set when the results lack cells of the experiment (a partial merge); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial: Option<Partial>,
+    /// The tasks, in config order.
     pub tasks: Vec<TaskInfo>,
+    /// The variants, in config order (re-scorings after the variant they score).
     pub variants: Vec<VariantInfo>,
+    /// Every cell, in task order, then variant order, then seed.
     pub cells: Vec<CellResult>,
+    /// One row per task and variant.
     pub summary: Vec<SummaryRow>,
 }
 

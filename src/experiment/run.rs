@@ -29,11 +29,14 @@ use crate::train::{evaluate, evaluate_by_length, planned_steps, TrainData, Train
 
 /// Where and how to run.
 pub struct RunOptions {
+    /// Where the cells train.
     pub device: Device,
     /// The run folder: the manifest (`run.json`), finished cells' records under `cells/`,
     /// trained models under `models/`, and the report (see [`folder`]).
     pub dir: PathBuf,
+    /// Which cells to run.
     pub selection: Selection,
+    /// How progress is shown.
     pub progress: Progress,
     /// Cells trained at the same time. Each cell has its own variables and generators, so the
     /// results do not depend on this; on a CPU with small models, one single-threaded job per
@@ -65,7 +68,9 @@ impl RunOptions {
 
 /// Records of a run.
 pub struct RunOutput {
+    /// The results.
     pub results: Results,
+    /// Every cell's timing.
     pub timings: Vec<Timing>,
     /// The printed report.
     pub table: String,

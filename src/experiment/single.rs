@@ -29,8 +29,11 @@ use crate::tasks::TaskSpec;
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use crate::train::{Checkpoint, TrainConfig, TrainState, Trainer};
 
+/// The run's config, as written when it started.
 pub const TRAIN_CONFIG: &str = "train.toml";
+/// The finished run's record ([`Metrics`]).
 pub const METRICS: &str = "metrics.json";
+/// The folder of checkpoints.
 pub const CHECKPOINTS: &str = "checkpoints";
 const LATEST: &str = "latest";
 /// The run's config as each checkpoint was saved under it.
@@ -80,16 +83,21 @@ fn d_checkpoint_every() -> usize {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainRunConfig {
+    /// Names the run folder.
     pub name: String,
+    /// The seed of the weights, the data order and dropout.
     #[serde(default)]
     pub seed: u64,
+    /// Steps between checkpoints.
     #[serde(default = "d_checkpoint_every")]
     pub checkpoint_every: usize,
     /// Start from a pretrained encoder (instead of `[model]` and `[positional]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<InitConfig>,
+    /// The model shape, `[model]` (without `init`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelShape>,
+    /// The positional scheme, `[positional]` (without `init`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub positional: Option<PositionalConfig>,
     /// Rows of a learned table; default: the longest training input (or the task's max_tokens).
@@ -98,9 +106,12 @@ pub struct TrainRunConfig {
     /// Randomized positions drawn from `[0, N)` (Ruoss et al. 2023).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_positions: Option<usize>,
+    /// How to train, `[train]`.
     pub train: TrainConfig,
+    /// How to test, `[eval]`.
     #[serde(default)]
     pub eval: EvalConfig,
+    /// The task, `[task]`.
     pub task: TaskSpec,
 }
 
@@ -190,6 +201,7 @@ impl TrainRunConfig {
         }
     }
 
+    /// Checks the whole run (name, training, task and model) before anything is written.
     pub fn validate(&self) -> Result<()> {
         super::check_name("run", &self.name)?;
         self.train.validate()?;
@@ -209,18 +221,21 @@ impl TrainRunConfig {
         }
     }
 
+    /// Parses and validates a run config from TOML text.
     pub fn from_toml_str(text: &str) -> Result<Self> {
         let config: Self = crate::config::parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }
 
+    /// Reads and validates a run config file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
         Self::from_toml_str(&text).map_err(|e| e.in_file(path))
     }
 
+    /// The config as TOML, the form the run folder keeps.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a train config serializes")
     }
@@ -230,33 +245,49 @@ impl TrainRunConfig {
 pub struct TrainOptions {
     /// The run folder.
     pub dir: PathBuf,
+    /// Where to train.
     pub device: Device,
+    /// How progress is shown.
     pub progress: crate::progress::Progress,
     /// Stop (after saving a checkpoint) once this many steps are done: what a kill between
     /// checkpoints would leave, on purpose.
     pub stop_after: Option<usize>,
+    /// Where `init`'s Hub models are found (cache, offline).
     pub hub: HubSource,
 }
 
 /// The record of a finished run, `metrics.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
+    /// The run's name.
     pub name: String,
+    /// The task's name.
     pub task: String,
+    /// The positional scheme.
     pub positional: PositionalConfig,
+    /// The seed.
     pub seed: u64,
+    /// Trainable parameters.
     pub params: usize,
+    /// Optimizer steps taken.
     pub steps: usize,
+    /// Training tokens seen, padding excluded.
     pub tokens: usize,
+    /// The step whose weights were kept (the best validation step).
     pub kept_step: usize,
+    /// Whether early stopping ended training.
     pub stopped_early: bool,
+    /// The mean training loss over the last window of steps.
     pub final_train_loss: f64,
     /// `(step, validation accuracy)`.
     pub validation: Vec<[f64; 2]>,
     /// Test scores: by length, shuffled, shifted (as in `poslab compare`).
     pub evaluations: Vec<Evaluation>,
+    /// Seconds spent in training steps.
     pub train_seconds: f64,
+    /// Training tokens per second of `train_seconds`.
     pub tokens_per_second: f64,
+    /// What was done to the data (truncation).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
 }
@@ -264,9 +295,11 @@ pub struct Metrics {
 /// How a call ended.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TrainEnd {
+    /// The run finished; its record.
     Finished(Box<Metrics>),
     /// Stopped by `stop_after`, a checkpoint saved at `step`.
     Stopped {
+        /// The last step done.
         step: usize,
     },
 }

@@ -18,15 +18,19 @@ pub struct Gain {
     pub scheme: String,
     /// The variant without and the variant with randomized positions.
     pub plain: String,
+    /// The variant with randomized positions.
     pub random: String,
     /// Mean over tasks of (random - plain) score, in points; the extremes over tasks.
     pub mean: f64,
     /// The same with each variant's best seed (the paper reports the best model).
     pub best: f64,
+    /// The smallest gain of a task, in points.
     pub min: f64,
+    /// The largest gain of a task, in points.
     pub max: f64,
     /// Tasks where random scored above / below plain.
     pub better: usize,
+    /// Tasks where random scored below plain.
     pub worse: usize,
     /// Tasks both variants have a score on.
     pub tasks: usize,
@@ -35,11 +39,14 @@ pub struct Gain {
 /// Scores by task and variant, and the gains of randomized positions.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SuiteSummary {
+    /// The length-suite tasks, in config order.
     pub tasks: Vec<String>,
+    /// The variants, in config order.
     pub variants: Vec<String>,
     /// `scores[task][variant]`: the score over seeds, `None` where it was not run or could not
     /// be scored.
     pub scores: Vec<Vec<Option<Stat>>>,
+    /// One gain per scheme run both with and without randomized positions.
     pub gains: Vec<Gain>,
 }
 

@@ -97,6 +97,7 @@ impl SelfAttention {
         })
     }
 
+    /// Attention heads.
     pub fn n_heads(&self) -> usize {
         self.n_heads
     }

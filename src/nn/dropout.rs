@@ -23,6 +23,7 @@ pub struct Dropout {
 }
 
 impl Dropout {
+    /// Dropout with probability `p`, its masks drawn from `rng` (seeded, so runs repeat).
     pub fn new(p: f64, rng: SharedRng) -> Self {
         Self { p, rng }
     }
@@ -65,6 +66,11 @@ impl Dropout {
 }
 
 impl ModuleT for Dropout {
+    /// `xs` with each entry zeroed with probability `p` and the rest scaled by `1 / (1 - p)` in
+    /// training; `xs` unchanged otherwise.
+    ///
+    /// # Shapes
+    /// Any shape; the output has the input's.
     fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         match self.multipliers(xs.shape(), xs.dtype(), xs.device(), train)? {
             Some(mask) => xs.mul(&mask),

@@ -19,6 +19,7 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The name configs use: `gelu` or `relu`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Gelu => "gelu",
@@ -26,6 +27,7 @@ impl Activation {
         }
     }
 
+    /// Whether this is GELU, the default (configs omit it then).
     pub fn is_gelu(&self) -> bool {
         *self == Self::Gelu
     }
@@ -59,10 +61,12 @@ impl FeedForward {
         &self.down
     }
 
+    /// The nonlinearity.
     pub fn activation(&self) -> Activation {
         self.activation
     }
 
+    /// A feed-forward block of `d_model → ffn_dim → d_model`, weights under `vb` (`up`, `down`).
     pub fn new(
         d_model: usize,
         ffn_dim: usize,

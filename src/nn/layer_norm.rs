@@ -20,14 +20,17 @@ pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
 }
 
 impl LayerNorm {
+    /// The scale, `(d,)`.
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
 
+    /// The shift, `(d,)`.
     pub fn bias(&self) -> &Tensor {
         &self.bias
     }
 
+    /// The epsilon added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps
     }

@@ -36,9 +36,9 @@ use std::sync::OnceLock;
 use candle::{DType, Tensor};
 
 /// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
-/// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation with poslab's
-/// backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU in half
-/// precision) always [`Kernels::Reference`].
+/// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation
+/// with poslab's backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU
+/// in half precision) always [`Kernels::Reference`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
     /// Compositions of differentiable candle tensor ops: the specification the others are
@@ -73,6 +73,7 @@ impl Kernels {
             .find(|k| k.name() == name)
     }
 
+    /// The name the command line and bench records use: `reference`, `ops` or `layer`.
     pub fn name(self) -> &'static str {
         match self {
             Kernels::Reference => "reference",

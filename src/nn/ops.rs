@@ -13,6 +13,7 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// A linear map `x Wᵀ + b` with weight `(out, in)` and optional bias `(out,)`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self { weight, bias }
     }
@@ -187,6 +188,10 @@ pub fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
     lower.where_cond(&before, &after)
 }
 
+/// GELU, `x · Φ(x)` in its exact (erf) form, fused where the fused kernels run.
+///
+/// # Shapes
+/// Any shape; the output has the input's.
 pub fn gelu(xs: &Tensor) -> Result<Tensor> {
     if super::fused_for(xs) {
         return super::fused::gelu(xs);

@@ -79,12 +79,14 @@ pub struct Alibi {
 }
 
 impl Alibi {
+    /// ALiBi for `heads` heads, with the paper's geometric slopes.
     pub fn new(heads: usize) -> Self {
         Self {
             slopes: alibi_slopes(heads),
         }
     }
 
+    /// Each head's slope `m_h`, head 0 first.
     pub fn slopes(&self) -> &[f64] {
         &self.slopes
     }

@@ -54,8 +54,11 @@ pub const MAX_FIRE_WIDTH: usize = 1024;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FireOptions {
+    /// The length `L` from which distances are divided by the query's position instead (default
+    /// 512).
     #[serde(default = "default_threshold")]
     pub threshold: f64,
+    /// The hidden width of the MLP `f_θ` (default 32).
     #[serde(default = "default_width")]
     pub width: usize,
 }
@@ -155,6 +158,7 @@ impl Fire {
         })
     }
 
+    /// The interpolation threshold `L`.
     pub fn threshold(&self) -> f64 {
         self.threshold
     }

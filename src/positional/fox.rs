@@ -96,6 +96,8 @@ pub struct FoxGates {
 }
 
 impl FoxGates {
+    /// The gates of `heads` heads over a `d_model`-wide input, weights under `vb` (`fox.weight`,
+    /// `fox.bias`).
     pub fn new(d_model: usize, heads: usize, vb: VarBuilder) -> Result<Self> {
         let bound = 1.0 / (d_model as f64).sqrt();
         let weight = vb.get_with_hints(

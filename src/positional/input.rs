@@ -20,7 +20,9 @@ pub enum InputPositions {
     /// `[x ; PE]`, the table `pos_dim` wide; tokens `d_model - pos_dim` wide, or `d_model` wide
     /// with `projection` (`pos_proj`) mapping the `d_model + pos_dim` concatenation back.
     Concat {
+        /// The sinusoid, `pos_dim` wide.
         table: PositionTable,
+        /// `pos_proj`, mapping `d_model + pos_dim` back to `d_model`, with `project = true`.
         projection: Option<Linear>,
     },
     /// `x + P`, a trained `max_len x d_model` table.
@@ -34,6 +36,8 @@ pub struct LearnedPositions {
 }
 
 impl LearnedPositions {
+    /// A `(max_len, d_model)` table drawn from a normal of standard deviation `init_std`, under
+    /// `vb` (`weight`).
     pub fn new(max_len: usize, d_model: usize, init_std: f64, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get_with_hints(
             (max_len, d_model),
@@ -51,6 +55,7 @@ impl LearnedPositions {
         &self.weight
     }
 
+    /// The rows the table holds: the longest position it has plus one.
     pub fn max_len(&self) -> usize {
         self.weight.dim(0).unwrap_or(0)
     }

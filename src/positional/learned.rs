@@ -1,4 +1,12 @@
-//! `learned`: a trained `max_len x d_model` table added to the token embeddings (BERT's).
+//! `learned`: a trained `max_len x d_model` table added to the token embeddings, as in BERT
+//! (Devlin et al. 2019) and GPT (Radford et al. 2018):
+//!
+//! ```text
+//! h_0[t] = embed_scale · E[x_t] + P[p_t],  P: (max_len, d_model), P ~ N(0, init_std²)
+//! ```
+//!
+//! Positions at or past `max_len` have no row: longer inputs are refused (or, with randomized
+//! positions, the table has `N` rows and any length up to `N` reads trained rows).
 
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};

@@ -83,19 +83,24 @@ pub const DEFAULT_LEARNED_INIT_STD: f64 = std::f64::consts::FRAC_1_SQRT_2;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TableLayout {
+    /// Sine and cosine of each frequency side by side (the default).
     #[default]
     Interleaved,
+    /// Every sine, then every cosine.
     Half,
 }
 
-/// Which coordinates of a head RoPE rotates together, by angle `t * w_i`, `w_i = base^(-2i/d_head)`.
+/// Which coordinates of a head RoPE rotates together, by angle `t * w_i`,
+/// `w_i = base^(-2i/d_head)`.
 /// - `interleaved`: pairs `(x[2i], x[2i+1])`, as in RoFormer;
 /// - `half`: pairs `(x[i], x[i + d_head/2])`, the "rotate-half" form of GPT-NeoX and LLaMA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RopePairing {
+    /// Pairs `(x[2i], x[2i+1])` (the default).
     #[default]
     Interleaved,
+    /// Pairs `(x[i], x[i + d_head/2])`.
     Half,
 }
 
@@ -267,6 +272,7 @@ impl PositionalConfig {
         self.scheme().name()
     }
 
+    /// Where the scheme acts: the input, a rotation inside attention, or a bias on the scores.
     pub fn placement(&self) -> Placement {
         self.scheme().placement()
     }

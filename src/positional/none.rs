@@ -1,5 +1,14 @@
 //! `none`: token embeddings only, the bag-of-words control. An encoder without positions sees
 //! a set of tokens: every permutation of the input permutes its outputs the same way.
+//!
+//! ```text
+//! h_0[t] = embed_scale · E[x_t]
+//! ```
+//!
+//! Decoders learn order without positions through the causal mask (Haviv et al. 2022,
+//! "Transformer Language Models without Positional Encodings Still Learn Positional
+//! Information"; Kazemnejad et al. 2023, "NoPE"); a bidirectional encoder cannot, which is what
+//! this control shows.
 
 use candle_nn::VarBuilder;
 

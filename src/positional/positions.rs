@@ -119,6 +119,7 @@ impl Positions {
         self.t
     }
 
+    /// Whether there are no tokens.
     pub fn is_empty(&self) -> bool {
         self.t == 0
     }

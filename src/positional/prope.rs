@@ -53,10 +53,13 @@ impl<'de> Deserialize<'de> for Refused {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PropeOptions {
+    /// The base of the frequencies (default 10,000).
     #[serde(default = "default_base")]
     pub base: f64,
+    /// Which coordinates rotate together (default `interleaved`).
     #[serde(default)]
     pub pairing: RopePairing,
+    /// The share of the frequency pairs that rotate, in (0, 1] (default 0.75): the fastest ones.
     #[serde(default = "default_keep")]
     pub keep: f64,
     /// Refused: `rope`'s partial rotation is another scheme.

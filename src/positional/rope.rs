@@ -52,12 +52,16 @@ fn is_one(v: &f64) -> bool {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RopeOptions {
+    /// The base of the frequencies (default 10,000).
     #[serde(default = "default_base")]
     pub base: f64,
+    /// Which coordinates rotate together (default `interleaved`).
     #[serde(default)]
     pub pairing: RopePairing,
+    /// The share of each head that rotates, in (0, 1] (default 1).
     #[serde(default = "default_fraction", skip_serializing_if = "is_one")]
     pub fraction: f64,
+    /// How frequencies are rescaled for lengths past training; `None`: as trained.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scaling: Option<RopeScaling>,
 }
@@ -256,10 +260,12 @@ impl Rope {
         })
     }
 
+    /// Which coordinates rotate together.
     pub fn pairing(&self) -> RopePairing {
         self.pairing
     }
 
+    /// The width of one head.
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
@@ -269,6 +275,7 @@ impl Rope {
         self.rotary_dim
     }
 
+    /// The base of the frequencies.
     pub fn base(&self) -> f64 {
         self.base
     }

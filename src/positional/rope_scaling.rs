@@ -24,7 +24,9 @@ use serde::{Deserialize, Serialize};
 /// (`[eval] rope_scaling`, `--rope-scaling`); a model's own config holds numbers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Factor {
+    /// A number, at least 1.
     Value(f64),
+    /// The longest input over the training's longest, resolved where the inputs are known.
     Auto,
 }
 
@@ -98,12 +100,19 @@ fn default_beta_slow() -> f64 {
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
     /// Position interpolation (Chen et al. 2023): every frequency divided by `factor`.
-    Linear { factor: Factor },
+    Linear {
+        /// Every frequency is divided by it.
+        factor: Factor,
+    },
     /// NTK-aware scaling: the base raised to `base · factor^(d/(d-2))`.
-    Ntk { factor: Factor },
+    Ntk {
+        /// The length ratio the base is raised for.
+        factor: Factor,
+    },
     /// NTK-aware scaling whose base grows with the length read (the batch's largest position
     /// plus one), from `original_max_len` on.
     DynamicNtk {
+        /// The length ratio.
         factor: Factor,
         /// Default: the training's longest input (a model's `max_len`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,11 +121,16 @@ pub enum RopeScaling {
     /// YaRN (Peng et al. 2023): a per-frequency ramp between interpolation and extrapolation,
     /// and cos and sin multiplied by `0.1 ln(factor) + 1`.
     Yarn {
+        /// The length ratio.
         factor: Factor,
+        /// Default: the training's longest input (a model's `max_len`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         original_max_len: Option<usize>,
+        /// Frequencies making more than this many turns over the original length keep their values
+        /// (default 32).
         #[serde(default = "default_beta_fast")]
         beta_fast: f64,
+        /// Frequencies making fewer than this many turns are fully interpolated (default 1).
         #[serde(default = "default_beta_slow")]
         beta_slow: f64,
     },
@@ -126,6 +140,7 @@ impl RopeScaling {
     /// Every kind's name.
     pub const KINDS: [&'static str; 4] = ["linear", "ntk", "dynamic_ntk", "yarn"];
 
+    /// The kind's name, as configs write it.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Linear { .. } => "linear",
@@ -135,6 +150,7 @@ impl RopeScaling {
         }
     }
 
+    /// The factor.
     pub fn factor(&self) -> Factor {
         match self {
             Self::Linear { factor }
@@ -153,6 +169,7 @@ impl RopeScaling {
         }
     }
 
+    /// The original length, for the kinds that have one.
     pub fn original_max_len(&self) -> Option<usize> {
         match self {
             Self::DynamicNtk {

@@ -11,8 +11,11 @@ use crate::error::Result;
 /// The sizes a scheme's modules are built for.
 #[derive(Clone, Copy, Debug)]
 pub struct SchemeShape {
+    /// Width of the residual stream.
     pub d_model: usize,
+    /// Attention heads per layer.
     pub n_heads: usize,
+    /// Encoder layers.
     pub n_layers: usize,
     /// Rows of a learned table; the initial rows of fixed ones.
     pub max_len: usize,

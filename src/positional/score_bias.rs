@@ -23,6 +23,7 @@ pub struct BiasBatch<'a> {
     pub mask: Option<&'a Tensor>,
     /// The parameters' dtype, in which the bias is returned.
     pub dtype: DType,
+    /// The device the bias is made on.
     pub device: &'a Device,
 }
 
@@ -95,6 +96,7 @@ impl LayerBiases {
 pub struct ScoreBias(Box<dyn BiasModule>);
 
 impl ScoreBias {
+    /// Wraps a scheme's bias module.
     pub fn new(module: impl BiasModule + 'static) -> Self {
         Self(Box::new(module))
     }

@@ -1,5 +1,13 @@
-//! `sinusoidal_add`: the sinusoid of Vaswani et al. (2017), as wide as the model, added to the
-//! token embeddings.
+//! `sinusoidal_add`: the sinusoid of Vaswani et al. (2017, "Attention Is All You Need"), as
+//! wide as the model, added to the token embeddings:
+//!
+//! ```text
+//! h_0[t] = embed_scale · E[x_t] + PE[p_t]
+//! PE[p, 2i] = sin(p · w_i),  PE[p, 2i + 1] = cos(p · w_i),  w_i = base^(-2i/d_model)
+//! ```
+//!
+//! (`layout = "half"` puts every sine first, then every cosine). Nothing is learned, and any
+//! position has a row: the table extends itself past `max_len`.
 
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -18,8 +26,10 @@ fn default_base() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinusoidalOptions {
+    /// The base of the frequencies (default 10,000).
     #[serde(default = "default_base")]
     pub base: f64,
+    /// The order of sines and cosines in a row (default `interleaved`).
     #[serde(default)]
     pub layout: TableLayout,
 }

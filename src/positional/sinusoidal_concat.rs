@@ -1,5 +1,15 @@
 //! `sinusoidal_concat`: a `pos_dim`-wide sinusoid concatenated after the token embeddings,
-//! which are narrower by as much (or as wide as the model, with a trained projection back).
+//! which are narrower by as much (or as wide as the model, with a trained projection back):
+//!
+//! ```text
+//! h_0[t] = [embed_scale · E[x_t] ; PE[p_t]]                  (project = false)
+//! h_0[t] = W_proj [embed_scale · E[x_t] ; PE[p_t]] + b_proj  (project = true)
+//! ```
+//!
+//! with `PE` Vaswani et al.'s sinusoid (see `sinusoidal_add`) at width `pos_dim`. Concatenation
+//! keeps content and position in separate coordinates, where addition mixes them (the
+//! comparison of Ke et al. 2021, "Rethinking Positional Encoding in Language Pre-training", and
+//! of Wang & Chen 2020, "What Do Position Embeddings Learn?").
 
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -23,11 +33,15 @@ fn default_base() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConcatOptions {
+    /// The sinusoid's width (even, below `d_model` unless projected).
     pub pos_dim: usize,
+    /// The base of the frequencies (default 10,000).
     #[serde(default = "default_base")]
     pub base: f64,
+    /// The order of sines and cosines in a row (default `interleaved`).
     #[serde(default)]
     pub layout: TableLayout,
+    /// Whether a trained layer maps the wider concatenation back to `d_model` (default false).
     #[serde(default)]
     pub project: bool,
 }

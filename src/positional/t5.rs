@@ -159,10 +159,12 @@ impl T5Bias {
         &self.table
     }
 
+    /// The number of distance buckets.
     pub fn buckets(&self) -> usize {
         self.buckets
     }
 
+    /// The distance from which every offset shares the last bucket.
     pub fn max_distance(&self) -> usize {
         self.max_distance
     }

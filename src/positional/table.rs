@@ -56,6 +56,7 @@ impl PositionTable {
         })
     }
 
+    /// The width of a row.
     pub fn width(&self) -> usize {
         self.width
     }

@@ -40,12 +40,16 @@ pub enum UntiedSource {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UntiedOptions {
+    /// Where the position vectors come from: `learned` (default) or `sinusoidal`.
     #[serde(default)]
     pub source: UntiedSource,
+    /// A sinusoidal source's base (default 10,000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<f64>,
+    /// A sinusoidal source's layout (default `interleaved`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<TableLayout>,
+    /// A learned source's initial standard deviation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_std: Option<f64>,
 }
@@ -162,7 +166,9 @@ impl Scheme for UntiedOptions {
 /// Where the position vectors come from.
 #[derive(Debug)]
 pub enum UntiedRows {
+    /// A trained table, `pos_emb.weight`.
     Learned(LearnedPositions),
+    /// A fixed sinusoid.
     Sinusoidal(PositionTable),
 }
 
@@ -176,6 +182,8 @@ pub struct Untied {
 }
 
 impl Untied {
+    /// TUPE's term for `heads` heads: the position rows and their own query and key maps
+    /// (`pos_attn.q`, `pos_attn.k`) under `vb`.
     pub fn new(
         options: &UntiedOptions,
         d_model: usize,
@@ -209,6 +217,7 @@ impl Untied {
         })
     }
 
+    /// Where the position vectors come from.
     pub fn rows(&self) -> &UntiedRows {
         &self.rows
     }

@@ -16,6 +16,8 @@ pub struct MlmHead {
 }
 
 impl MlmHead {
+    /// The head for a `d_model`-wide encoder and `vocab` tokens, weights under `vb` (`dense`,
+    /// `norm`, `bias`).
     pub fn new(d_model: usize, vocab: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             dense: linear(d_model, d_model, vb.pp("dense"))?,

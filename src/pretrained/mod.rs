@@ -41,31 +41,46 @@ pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...), `roberta` and `distilbe
 /// `attention_dropout`) are read as their BERT equivalents.
 #[derive(Clone, Debug, Deserialize)]
 pub struct HfConfig {
+    /// `bert`, `roberta` or `distilbert`.
     pub model_type: String,
+    /// Token ids of the embedding table.
     pub vocab_size: usize,
+    /// Width of the residual stream (DistilBERT: `dim`).
     #[serde(alias = "dim")]
     pub hidden_size: usize,
+    /// Encoder layers (DistilBERT: `n_layers`).
     #[serde(alias = "n_layers")]
     pub num_hidden_layers: usize,
+    /// Attention heads per layer (DistilBERT: `n_heads`).
     #[serde(alias = "n_heads")]
     pub num_attention_heads: usize,
+    /// Width of the feed-forward hidden layer (DistilBERT: `hidden_dim`).
     #[serde(alias = "hidden_dim")]
     pub intermediate_size: usize,
+    /// The feed-forward nonlinearity (default `gelu`).
     #[serde(default = "default_act", alias = "activation")]
     pub hidden_act: String,
+    /// Rows of the learned position table.
     pub max_position_embeddings: usize,
+    /// Rows of the token-type table (default 2).
     #[serde(default = "default_type_vocab")]
     pub type_vocab_size: usize,
+    /// The LayerNorms' epsilon (default 1e-12).
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
+    /// The padding token's id (RoBERTa numbers positions from it).
     #[serde(default)]
     pub pad_token_id: Option<usize>,
+    /// Whether the masked-LM decoder reuses the token embeddings (default true).
     #[serde(default = "default_true")]
     pub tie_word_embeddings: bool,
+    /// Only `absolute` is read; other values are refused.
     #[serde(default)]
     pub position_embedding_type: Option<String>,
+    /// Dropout on embeddings and residual branches (DistilBERT: `dropout`).
     #[serde(default, alias = "dropout")]
     pub hidden_dropout_prob: f64,
+    /// Dropout on the attention weights (DistilBERT: `attention_dropout`).
     #[serde(default, alias = "attention_dropout")]
     pub attention_probs_dropout_prob: f64,
 }
@@ -89,7 +104,10 @@ pub enum Family {
     /// Positions `0..t` for every sequence.
     Bert,
     /// Real tokens at `padding_idx + 1, + 2, ...`, padded tokens at `padding_idx`.
-    Roberta { padding_idx: usize },
+    Roberta {
+        /// The padding token's id, the position of padding.
+        padding_idx: usize,
+    },
     /// Positions `0..t`, no token types, its own tensor names (and LayerNorm eps 1e-12).
     DistilBert,
 }
@@ -224,12 +242,19 @@ pub fn is_hf_folder(dir: &Path) -> bool {
 
 /// A pretrained encoder, its masked-LM head when the file has one, and its tokenizer.
 pub struct Pretrained {
+    /// The folder's `config.json`.
     pub hf: HfConfig,
+    /// How the family numbers positions.
     pub family: Family,
+    /// The encoder, in poslab's form.
     pub encoder: Encoder,
+    /// The masked-LM head, when the weights have one.
     pub mlm: Option<MlmHead>,
+    /// The tokenizer.
     pub tokenizer: TextTokenizer,
+    /// The variables, by poslab's names (for `init` and fine-tuning).
     pub params: ParamStore,
+    /// The folder it was read from.
     pub dir: PathBuf,
 }
 
@@ -239,6 +264,7 @@ pub struct Batch {
     pub ids: Tensor,
     /// `(b, t)` f32, 1 for real tokens
     pub mask: Tensor,
+    /// Each text's length in tokens.
     pub lengths: Vec<usize>,
     /// Each token's word in its text (`None` for special tokens), as the tokenizer splits it.
     pub word_ids: Vec<Vec<Option<u32>>>,
@@ -248,13 +274,19 @@ pub struct Batch {
 /// the tensors under poslab's names ([`names`]), and the tokenizer. What [`Pretrained::load`]
 /// builds a model from, and what `train`'s `init = { model = ... }` starts from.
 pub struct Folder {
+    /// The folder.
     pub dir: PathBuf,
+    /// Its `config.json`.
     pub hf: HfConfig,
+    /// How the family numbers positions.
     pub family: Family,
+    /// The same encoder as a poslab config.
     pub config: ModelConfig,
     /// Under poslab's names; the masked-LM head's, when the file has one, under `mlm.`.
     pub tensors: HashMap<String, Tensor>,
+    /// Whether the weights hold a masked-LM head.
     pub has_mlm: bool,
+    /// The tokenizer.
     pub tokenizer: TextTokenizer,
     /// `model.safetensors`, for messages.
     pub weights: PathBuf,

@@ -55,13 +55,16 @@ pub const END: &str = "end";
 /// Where a task sits in the Chomsky hierarchy (Delétang et al.'s grouping).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
+    /// Regular languages: a finite-state machine solves them.
     Regular,
     /// Deterministic context-free.
     ContextFree,
+    /// Context-sensitive: a linear-bounded tape solves them.
     ContextSensitive,
 }
 
 impl Level {
+    /// The level in words.
     pub fn name(self) -> &'static str {
         match self {
             Self::Regular => "regular",
@@ -74,20 +77,35 @@ impl Level {
 /// One of the fifteen tasks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Algorithmic {
+    /// Whether `#01 + #10` in a bit string is odd.
     EvenPairs,
+    /// Whether the number of 1s is odd.
     ParityCheck,
+    /// The final position on a 5-cycle after moves left, stay, right.
     CycleNavigation,
+    /// The value mod 5 of `d op d op ... d`, `op` in `+ - *`.
     ModularArithmetic,
+    /// The bits reversed.
     ReverseString,
+    /// The final stack after pops and pushes, top first.
     StackManipulation,
+    /// The value mod 5 of a bracketed expression.
     ModularArithmeticBrackets,
+    /// The digit `x` stands for in a bracketed `+ -` equation mod 5.
     SolveEquation,
+    /// The bits twice.
     DuplicateString,
+    /// The bit replaced by `?` in a string written twice.
     MissingDuplicateString,
+    /// The bits at odd indices, then at even ones.
     OddsFirst,
+    /// The sum of two little-endian binary numbers.
     BinaryAddition,
+    /// The product of two little-endian binary numbers.
     BinaryMultiplication,
+    /// The integer square root of a big-endian binary number.
     ComputeSqrt,
+    /// The symbols (below 5) sorted.
     BucketSort,
 }
 
@@ -132,6 +150,7 @@ const BITS_END: &[&str] = &["0", "1", END];
 const MODULUS: usize = 5;
 
 impl Algorithmic {
+    /// The fifteen tasks, in the paper's order.
     pub const ALL: [Self; 15] = [
         Self::EvenPairs,
         Self::ParityCheck,
@@ -150,6 +169,7 @@ impl Algorithmic {
         Self::BucketSort,
     ];
 
+    /// The name configs write in `kind`.
     pub fn name(self) -> &'static str {
         match self {
             Self::EvenPairs => "even_pairs",
@@ -170,10 +190,12 @@ impl Algorithmic {
         }
     }
 
+    /// The task named `name`, if there is one.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.name() == name)
     }
 
+    /// Where the task sits in the Chomsky hierarchy.
     pub fn level(self) -> Level {
         match self {
             Self::EvenPairs

@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataFormat {
+    /// By the file's extension (the default).
     #[default]
     Auto,
     /// `text<TAB>label` per line; a first line naming the two fields is a header.
@@ -28,31 +29,42 @@ pub enum DataFormat {
 /// What a record holds besides its words.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RecordLabel {
+    /// A sentence label.
     Class(String),
+    /// One label per word.
     Tags(Vec<String>),
+    /// No label (MLM text).
     Unlabelled,
 }
 
 /// What to read from each record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
+    /// A sentence label per record.
     Class,
+    /// A label per word.
     Tags,
+    /// Text alone.
     Text,
 }
 
 /// A record and where it came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Record {
+    /// Where the record is.
     pub source: Source,
+    /// Its words, split on whitespace (or as given, for tags).
     pub words: Vec<String>,
+    /// Its label.
     pub label: RecordLabel,
 }
 
 /// A file and a 1-based line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Source {
+    /// The file.
     pub path: Arc<Path>,
+    /// The line, from 1.
     pub line: usize,
 }
 
@@ -63,6 +75,7 @@ impl std::fmt::Display for Source {
 }
 
 impl Source {
+    /// A data error at this file and line.
     pub fn error(&self, message: impl Into<String>) -> Error {
         Error::Data {
             path: self.path.to_path_buf(),
@@ -414,10 +427,13 @@ pub struct FileOptions {
     /// A test file; without one, `test_fraction` of `train` is held out.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test: Option<PathBuf>,
+    /// The share of `train` held out for validation without a `valid` file (default 0.1).
     #[serde(default = "default_fraction")]
     pub valid_fraction: f64,
+    /// The share of `train` held out for testing without a `test` file (default 0.1).
     #[serde(default = "default_fraction")]
     pub test_fraction: f64,
+    /// How the files are written (default `auto`, by extension).
     #[serde(default)]
     pub format: DataFormat,
     /// CSV column or JSON key of the text (for tags: the word list, or a string); default
@@ -434,6 +450,7 @@ fn default_fraction() -> f64 {
 }
 
 impl FileOptions {
+    /// Checks the fractions; the error says which is wrong and what to give instead.
     pub fn validate(&self) -> std::result::Result<(), String> {
         for (name, f) in [
             ("valid_fraction", self.valid_fraction),
@@ -456,6 +473,7 @@ impl FileOptions {
         Ok(())
     }
 
+    /// The text and label field names for `kind`, defaults filled in.
     pub fn fields(&self, kind: RecordKind) -> (String, String) {
         let (text, label) = match kind {
             RecordKind::Tags => ("words", "labels"),

@@ -15,6 +15,7 @@ use rand::Rng as _;
 
 use crate::rng::Rng;
 
+/// The entities, the answers of `word_order`.
 pub const ENTITIES: [&str; 8] = ["fox", "dog", "cat", "bear", "wolf", "owl", "hare", "crow"];
 /// (past tense, past participle)
 pub const VERBS: [(&str, &str); 8] = [
@@ -27,9 +28,11 @@ pub const VERBS: [(&str, &str); 8] = [
     ("found", "found"),
     ("watched", "watched"),
 ];
+/// Adjectives that may precede an entity.
 pub const ADJECTIVES: [&str; 8] = [
     "red", "big", "old", "small", "quick", "lazy", "brown", "young",
 ];
+/// Adverbs that may follow a verb.
 pub const ADVERBS: [&str; 4] = ["quickly", "slowly", "quietly", "suddenly"];
 /// Prepositional phrases that pad a sentence without naming an entity, by length.
 pub const FILLERS_2: [&[&str]; 4] = [
@@ -38,6 +41,7 @@ pub const FILLERS_2: [&[&str]; 4] = [
     &["last", "week"],
     &["every", "day"],
 ];
+/// Prepositional phrases of three words that pad a sentence without naming an entity.
 pub const FILLERS_3: [&[&str]; 5] = [
     &["in", "the", "park"],
     &["near", "the", "river"],

@@ -60,28 +60,35 @@ pub enum TaskKind {
     /// Number words below `max_number`; label 1 if ascending. Half the negatives differ from a
     /// sorted sequence by one adjacent swap.
     Sorted {
+        /// Numbers are drawn from `0..max_number` (default 64).
         #[serde(default = "default_max_number")]
         max_number: usize,
     },
     /// Random symbols; each token is tagged with the symbol `k` positions before it.
     PrevToken {
+        /// How far back the tagged symbol is (default 1).
         #[serde(default = "default_k")]
         k: usize,
+        /// How many distinct symbols (default 16).
         #[serde(default = "default_symbols")]
         symbols: usize,
     },
     /// Random symbols; each token is tagged with its position modulo `modulus`.
     PositionIndex {
+        /// The modulus of the tagged position (default 4).
         #[serde(default = "default_modulus")]
         modulus: usize,
+        /// How many distinct symbols (default 16).
         #[serde(default = "default_symbols")]
         symbols: usize,
     },
     /// Masked language modelling on generated sentences, or on `text_file` (one document per
     /// line, words split on whitespace).
     Mlm {
+        /// The share of tokens masked (default 0.15).
         #[serde(default = "default_mask_prob")]
         mask_prob: f64,
+        /// A text file to mask instead of generated sentences.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         text_file: Option<PathBuf>,
     },
@@ -96,6 +103,7 @@ pub enum TaskKind {
 }
 
 impl TaskKind {
+    /// The name configs write in `kind`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::WordOrder {} => "word_order",
@@ -181,25 +189,33 @@ const COMMON_FIELDS: [&str; 10] = [
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct TaskSpec {
+    /// The task's name: a row of the report.
     pub name: String,
+    /// What the task is, with its options.
     pub kind: TaskKind,
     /// Generated tasks only.
     pub lengths: Option<[usize; 2]>,
+    /// Training examples (generated tasks; a built-in default otherwise).
     pub train_examples: Option<usize>,
+    /// Examples per validation and test set (generated tasks).
     pub eval_examples: Option<usize>,
     /// Test sets at multiples of `lengths` (empty when `test_lengths` names them).
     pub eval_factors: Vec<usize>,
     /// Test sets by explicit inclusive length ranges, after one at the training lengths; every
     /// length of a range equally often. Empty when `eval_factors` names them.
     pub test_lengths: Vec<[usize; 2]>,
+    /// The seed the examples are generated and split with.
     pub data_seed: u64,
+    /// How texts become token ids.
     pub tokenizer: TokenizerSpec,
+    /// What to do with inputs that are too long.
     pub limit: TokenLimit,
 }
 
 /// What to do with inputs longer than a model should take.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TokenLimit {
+    /// The most tokens an input may have; `None`: no limit of the task's own.
     pub max_tokens: Option<usize>,
     /// Keep the first `max_tokens` tokens instead of refusing (the run says how many were cut).
     pub truncate: bool,
@@ -322,11 +338,20 @@ impl Serialize for TaskSpec {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Objective {
     /// One label per sentence.
-    Classify { labels: Vec<String> },
+    Classify {
+        /// The label names, in class-id order.
+        labels: Vec<String>,
+    },
     /// One label per word (sub-word tokens after a word's first are not scored).
-    Tag { labels: Vec<String> },
+    Tag {
+        /// The tag names, in class-id order.
+        labels: Vec<String>,
+    },
     /// Masked tokens predicted over the vocabulary.
-    Mlm { mask_prob: f64 },
+    Mlm {
+        /// The share of tokens masked.
+        mask_prob: f64,
+    },
 }
 
 impl Objective {
@@ -343,14 +368,18 @@ impl Objective {
 /// An example: words, labels per sentence or per word, and where it came from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Example {
+    /// The words.
     pub words: Vec<String>,
+    /// What the words are labelled with.
     pub label: Label,
     /// File and line, for examples read from files.
     pub source: Option<Source>,
 }
 
+/// An example's label.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Label {
+    /// A class id for the sentence.
     Class(usize),
     /// Per word; `None` is not scored.
     Tags(Vec<Option<usize>>),
@@ -360,13 +389,17 @@ pub enum Label {
     /// labelled with its target; the loss covers them all, the accuracy the first `counted`.
     /// `length` is the task's input length (what scores are reported by).
     Outputs {
+        /// The task's input length.
         length: usize,
+        /// One target per blank.
         targets: Vec<usize>,
+        /// How many leading blanks the accuracy counts.
         counted: usize,
     },
 }
 
 impl Example {
+    /// An example not read from a file.
     pub fn new(words: Vec<String>, label: Label) -> Self {
         Self {
             words,
@@ -375,6 +408,7 @@ impl Example {
         }
     }
 
+    /// The words joined by spaces.
     pub fn text(&self) -> String {
         self.words.join(" ")
     }
@@ -410,22 +444,30 @@ pub struct TestSet {
     pub factor: Option<usize>,
     /// Inclusive range of lengths in words.
     pub lengths: [usize; 2],
+    /// The examples.
     pub examples: Vec<Example>,
 }
 
 /// A task, generated or read: tokenizer, objective and every split.
 #[derive(Clone, Debug)]
 pub struct TaskData {
+    /// The task's name.
     pub name: String,
+    /// What the task is.
     pub kind: TaskKind,
+    /// What the model predicts, with the label names.
     pub objective: Objective,
+    /// The tokenizer the task's texts are read with.
     pub tokenizer: TextTokenizer,
+    /// The training examples.
     pub train: Vec<Example>,
     /// Same distribution as `train`: periodic evaluation and early stopping.
     pub valid: Vec<Example>,
+    /// The test sets, in report order.
     pub tests: Vec<TestSet>,
     /// The best accuracy any order-blind model can reach, where the task makes that a number.
     pub order_blind_ceiling: Option<OrderBlindCeiling>,
+    /// What to do with inputs that are too long.
     pub limit: TokenLimit,
 }
 
@@ -445,7 +487,9 @@ impl TaskData {
 /// The accuracy a model that sees only the bag of words cannot beat, and why.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OrderBlindCeiling {
+    /// The ceiling, in [0, 1].
     pub accuracy: f64,
+    /// Why no order-blind model beats it.
     pub reason: String,
 }
 

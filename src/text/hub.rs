@@ -16,11 +16,14 @@ use crate::error::{Error, Result};
 /// A model repository and revision: `org/name` (revision `main`) or `org/name@revision`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RepoRef {
+    /// The repository, `org/name`.
     pub id: String,
+    /// The revision: a branch, tag or commit (default `main`).
     pub revision: String,
 }
 
 impl RepoRef {
+    /// Reads `name`, `org/name` or `org/name@revision`; an error says the accepted forms.
     pub fn parse(spec: &str) -> Result<Self> {
         let (id, revision) = match spec.split_once('@') {
             Some((id, rev)) => (id, rev),
@@ -59,7 +62,9 @@ impl std::fmt::Display for RepoRef {
 /// Where Hub files are looked up, and whether the network may be used.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HubSource {
+    /// The Hugging Face cache folder (`HF_HUB_CACHE` layout).
     pub cache_dir: PathBuf,
+    /// Whether only the cache may be read (`HF_HUB_OFFLINE`).
     pub offline: bool,
 }
 

@@ -26,9 +26,13 @@ pub use hub::{HubSource, RepoRef};
 
 /// Special tokens of the built-in word-level tokenizers, in id order.
 pub const PAD: &str = "[PAD]";
+/// The unknown token.
 pub const UNK: &str = "[UNK]";
+/// The classification token, first in a sequence.
 pub const CLS: &str = "[CLS]";
+/// The separator token.
 pub const SEP: &str = "[SEP]";
+/// The mask token of MLM.
 pub const MASK: &str = "[MASK]";
 
 /// A tokenizer and the ids of its special tokens, looked up by name in the tokenizer itself
@@ -46,7 +50,9 @@ pub struct TextTokenizer {
 /// from (`None` for tokens no word produced).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Encoded {
+    /// The token ids.
     pub ids: Vec<u32>,
+    /// Each token's word index.
     pub word_ids: Vec<Option<u32>>,
 }
 
@@ -91,23 +97,36 @@ pub enum TokenizerSpec {
     /// texts' words seen at least `min_frequency` times, most frequent first, at most
     /// `max_vocab` of them (the rest map to `[UNK]`).
     WordLevel {
+        /// Words seen fewer times in training get `[UNK]` (default 1).
         #[serde(default = "default_min_frequency")]
         min_frequency: usize,
+        /// The most words kept, most frequent first.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_vocab: Option<usize>,
+        /// Whether words are lowercased first (default false).
         #[serde(default)]
         lowercase: bool,
     },
     /// A `tokenizer.json` file.
-    File { path: PathBuf },
+    File {
+        /// The file.
+        path: PathBuf,
+    },
     /// `tokenizer.json` of a Hub model: `org/name` or `org/name@revision`.
-    Hub { repo: String },
+    Hub {
+        /// `org/name` or `org/name@revision`.
+        repo: String,
+    },
     /// A subword tokenizer trained on the training texts (saved with every run).
     Train {
+        /// The subword algorithm.
         model: SubwordModel,
+        /// The vocabulary size to train to.
         vocab_size: usize,
+        /// Pairs or pieces seen fewer times are not merged (default 2).
         #[serde(default = "default_subword_min_frequency")]
         min_frequency: u64,
+        /// Whether texts are lowercased first (default true).
         #[serde(default = "default_true")]
         lowercase: bool,
     },
@@ -124,6 +143,7 @@ impl Default for TokenizerSpec {
 }
 
 impl TokenizerSpec {
+    /// Checks the options; the error names the bad one.
     pub fn validate(&self) -> Result<()> {
         match self {
             Self::WordLevel {
@@ -401,6 +421,7 @@ impl TextTokenizer {
         crate::io::write_atomic(path.as_ref(), json.as_bytes())
     }
 
+    /// The `tokenizers` tokenizer inside.
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
     }
@@ -410,26 +431,32 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The padding token's id.
     pub fn pad_id(&self) -> u32 {
         self.pad
     }
 
+    /// The unknown token's id, if the tokenizer has one.
     pub fn unk_id(&self) -> Option<u32> {
         self.unk
     }
 
+    /// The classification token's id (`[CLS]`, `<s>`), if there is one.
     pub fn cls_id(&self) -> Option<u32> {
         self.cls
     }
 
+    /// The mask token's id (`[MASK]`, `<mask>`), if there is one.
     pub fn mask_id(&self) -> Option<u32> {
         self.mask
     }
 
+    /// The id of `token`, if it is in the vocabulary.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
+    /// The token of `id`, if the vocabulary has it.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }

@@ -68,6 +68,7 @@ impl Learner {
         Ok(self)
     }
 
+    /// The model being trained.
     pub fn model(&self) -> &TaskModel {
         &self.model
     }

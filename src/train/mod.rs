@@ -36,7 +36,9 @@ pub enum Budget {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EarlyStopping {
+    /// Evaluations without improvement before training stops.
     pub patience: usize,
+    /// The least rise in validation accuracy that counts as an improvement (default 0).
     #[serde(default)]
     pub min_delta: f64,
 }
@@ -75,15 +77,19 @@ fn d_eval_every() -> usize {
 pub struct TrainConfig {
     /// `{ steps = N }` or `{ tokens = N }`.
     pub budget: Budget,
+    /// Sequences per step (default 32).
     #[serde(default = "d_batch_size")]
     pub batch_size: usize,
     /// Peak learning rate.
     #[serde(default = "d_lr")]
     pub lr: f64,
+    /// AdamW's decoupled weight decay (default 0.01).
     #[serde(default = "d_weight_decay")]
     pub weight_decay: f64,
+    /// AdamW's `β1, β2` (default `[0.9, 0.999]`).
     #[serde(default = "d_betas")]
     pub betas: [f64; 2],
+    /// AdamW's epsilon (default 1e-8).
     #[serde(default = "d_adam_eps")]
     pub adam_eps: f64,
     /// Fraction of the planned steps spent warming up linearly from 0 to `lr`.
@@ -98,11 +104,14 @@ pub struct TrainConfig {
     /// Steps between validation evaluations (and one at the end).
     #[serde(default = "d_eval_every")]
     pub eval_every: usize,
+    /// Stop when validation stops improving, and keep the best weights; `None`: train the whole
+    /// budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
 }
 
 impl TrainConfig {
+    /// Checks every field; the error names the field and its allowed range.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(format!("[train] {m}")));
         match self.budget {
@@ -184,8 +193,11 @@ impl TrainConfig {
 
 /// What a model trains and validates on.
 pub struct TrainData<'a> {
+    /// The training examples.
     pub train: &'a Dataset,
+    /// The validation examples.
     pub valid: &'a Dataset,
+    /// The padding token's id.
     pub pad_id: u32,
     /// For MLM.
     pub masking: Option<&'a MlmMasking>,
@@ -206,7 +218,9 @@ impl TrainData<'_> {
 /// Loss and accuracy over a dataset.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Score {
+    /// Mean cross-entropy over scored labels.
     pub loss: f64,
+    /// The share of scored labels predicted right.
     pub accuracy: f64,
     /// Labels scored.
     pub scored: usize,
@@ -215,6 +229,7 @@ pub struct Score {
 /// The record of a training run.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainOutcome {
+    /// Optimizer steps taken.
     pub steps: usize,
     /// Real tokens trained on.
     pub tokens: usize,
@@ -226,6 +241,7 @@ pub struct TrainOutcome {
     pub validation: Vec<(usize, Score)>,
     /// The step whose weights were kept (the last, or the best under early stopping).
     pub kept_step: usize,
+    /// Whether early stopping ended the run.
     pub stopped_early: bool,
 }
 
@@ -293,7 +309,9 @@ pub fn evaluate(
 /// A length-suite test's scores at one input length.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LengthScore {
+    /// The input length.
     pub length: usize,
+    /// Examples of that length.
     pub examples: usize,
     /// Counted outputs right, over counted outputs.
     pub accuracy: f64,
@@ -310,9 +328,11 @@ pub struct TapeResult {
     pub length: usize,
     /// Counted outputs predicted right, of `counted`.
     pub right: usize,
+    /// Outputs the accuracy counts.
     pub counted: usize,
     /// Cross-entropy summed over every output (counted or not), of `outputs`.
     pub nll: f64,
+    /// Every output of the tape.
     pub outputs: usize,
 }
 
@@ -424,17 +444,25 @@ pub fn evaluate_by_length(
 /// exactly where it stopped.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainState {
+    /// Optimizer steps taken.
     pub steps: usize,
+    /// Real tokens trained on.
     pub tokens: usize,
+    /// Seconds spent in training steps.
     pub train_seconds: f64,
+    /// Loss of every step.
     pub losses: Vec<f64>,
+    /// `(step, validation score)` of every evaluation so far.
     pub validation: Vec<(usize, Score)>,
     /// Position in the batch order: the epoch and the next batch in it.
     pub epoch: u64,
+    /// The next batch of the epoch.
     pub cursor: usize,
     /// Early stopping: the best validation accuracy and its step, evaluations since.
     pub best: Option<(f64, usize)>,
+    /// Evaluations since the best.
     pub since_best: usize,
+    /// Whether early stopping ended the run.
     pub stopped_early: bool,
     /// The dynamic loss scale of a model computing in f16; none otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -448,6 +476,7 @@ pub struct TrainState {
 /// with its defaults.)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LossScale {
+    /// The factor the loss is multiplied by.
     pub scale: f64,
     /// Good steps since the scale last changed.
     pub good_steps: usize,
@@ -456,7 +485,9 @@ pub struct LossScale {
 }
 
 impl LossScale {
+    /// The first scale, 2^16.
     pub const INITIAL: f64 = 65536.0;
+    /// Good steps in a row after which the scale doubles.
     pub const GROWTH_INTERVAL: usize = 2000;
     /// Below this the overflow is not the scale's doing: the run stops as an f32 run would.
     pub const MIN: f64 = 1.0;
@@ -494,9 +525,13 @@ impl LossScale {
 /// early stopping would restore. The model's own weights are saved beside it.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
+    /// The run's state.
     pub state: TrainState,
+    /// AdamW's moments, by variable name.
     pub optimizer: std::collections::HashMap<String, candle::Tensor>,
+    /// AdamW's step count (its bias corrections depend on it).
     pub optimizer_step: u64,
+    /// The best weights so far under early stopping.
     pub best_weights: Option<std::collections::HashMap<String, candle::Tensor>>,
 }
 
@@ -575,6 +610,7 @@ impl<'a> Trainer<'a> {
         rng::stream(derive_seed(seed, "batches", epoch), "epoch")
     }
 
+    /// Where the run stands.
     pub fn state(&self) -> &TrainState {
         &self.state
     }

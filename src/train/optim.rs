@@ -10,9 +10,13 @@ use crate::error::{Error, Result};
 /// AdamW's constants; the learning rate comes per step from the schedule.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
+    /// The first moment's decay (default 0.9).
     pub beta1: f64,
+    /// The second moment's decay (default 0.999).
     pub beta2: f64,
+    /// Added to the root of the second moment (default 1e-8).
     pub eps: f64,
+    /// Decoupled weight decay, times the learning rate (default 0.01).
     pub weight_decay: f64,
 }
 
@@ -68,6 +72,8 @@ pub fn decays(name: &str) -> bool {
 }
 
 impl AdamW {
+    /// AdamW over `vars` (name, variable) with `config`; biases and norms get no weight decay
+    /// ([`decays`]), and no bound applies (see [`AdamW::from_store`]).
     pub fn new(vars: Vec<(String, Var)>, config: AdamWConfig) -> Result<Self> {
         let slots = vars
             .into_iter()

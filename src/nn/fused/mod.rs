@@ -132,6 +132,7 @@ pub enum SimdLevel {
 }
 
 impl SimdLevel {
+    /// The level's name: `baseline`, `avx2` or `avx512`.
     pub fn name(self) -> &'static str {
         match self {
             SimdLevel::Baseline => "baseline",
