@@ -4,7 +4,7 @@
 //!
 //! Three variants of the sinusoid (added, concatenated at the same width, concatenated and
 //! projected) on a relative-position task, 2 seeds each, then the report. The full version is
-//! `cargo run --release -- compare configs/add_vs_concat.toml`.
+//! `poslab compare configs/add_vs_concat.toml`.
 
 use anyhow::Result;
 use poslab::experiment::report::text_report;

@@ -150,8 +150,9 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(hex(&hasher.finalize()))
 }
 
-/// Whether `name` is a temporary file of [`write_atomic`] (or of a plot, or a checkpoint
-/// folder) for a file called `of`: `.{of}.{pid}.tmp`, `.{of}.{pid}.tmp.png`.
+/// Whether `name` is a temporary file of [`write_atomic`] (or of a checkpoint folder) for a file
+/// called `of`: `.{of}.{pid}.tmp`, or `.{of}.{pid}.tmp.png`, which plots left behind before they
+/// were written through [`write_atomic`] (recognised so that old folders are cleaned too).
 pub fn is_temporary_of(name: &str, of: &str) -> bool {
     name.strip_prefix('.')
         .and_then(|rest| rest.strip_prefix(of))

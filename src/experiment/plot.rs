@@ -50,7 +50,9 @@ pub fn palette(i: usize) -> RGBColor {
 
 type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
-/// Renders a `width x height` PNG at `path`: drawn to a temporary file beside it, then renamed.
+/// Renders a `width x height` PNG at `path`: drawn into memory, encoded as an 8-bit RGB PNG
+/// (the `png` crate; plotters' own encoder would bring the whole `image` crate into the build)
+/// and written atomically.
 pub fn render_png(
     path: &Path,
     (width, height): (u32, u32),
@@ -61,23 +63,25 @@ pub fn render_png(
         path: path.into(),
         message,
     };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.{}.tmp.png", std::process::id()));
+    let mut rgb = vec![0u8; width as usize * height as usize * 3];
     {
-        let area = BitMapBackend::new(&tmp, (width, height)).into_drawing_area();
+        let area = BitMapBackend::with_buffer(&mut rgb, (width, height)).into_drawing_area();
         area.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
         draw(&area).map_err(|e| fail(e.to_string()))?;
         area.present().map_err(|e| fail(e.to_string()))?;
     }
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::io(path, e)
-    })
+    let mut bytes = Vec::new();
+    let mut encoder = png::Encoder::new(&mut bytes, width, height);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    encoder
+        .write_header()
+        .and_then(|mut writer| writer.write_image_data(&rgb))
+        .map_err(|e| fail(e.to_string()))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    crate::io::write_atomic(path, &bytes)
 }
 
 /// Every plot of `results` into `dir`.

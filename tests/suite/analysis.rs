@@ -179,10 +179,23 @@ fn attention_terms_rebuild_the_scores_exactly() {
 
 /// Asserts that a PNG has dark (text) pixels in a horizontal band: its title or axis labels.
 fn has_text(path: &Path, band: std::ops::Range<u32>) -> bool {
-    let img = image::open(path).unwrap().to_luma8();
-    let (w, _) = img.dimensions();
+    let mut reader = png::Decoder::new(std::fs::File::open(path).unwrap())
+        .read_info()
+        .unwrap();
+    let mut rgb = vec![0; reader.output_buffer_size()];
+    let frame = reader.next_frame(&mut rgb).unwrap();
+    assert_eq!(
+        (frame.color_type, frame.bit_depth),
+        (png::ColorType::Rgb, png::BitDepth::Eight)
+    );
+    let w = frame.width;
+    // Rec. 709 luma of pixel (x, y).
+    let luma = |x: u32, y: u32| {
+        let i = 3 * (y * w + x) as usize;
+        0.2126 * f64::from(rgb[i]) + 0.7152 * f64::from(rgb[i + 1]) + 0.0722 * f64::from(rgb[i + 2])
+    };
     band.flat_map(|y| (w / 5..4 * w / 5).map(move |x| (x, y)))
-        .filter(|&(x, y)| img.get_pixel(x, y)[0] < 90)
+        .filter(|&(x, y)| luma(x, y) < 90.0)
         .count()
         > 30
 }
