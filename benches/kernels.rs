@@ -231,6 +231,7 @@ mod attention {
                         key_padding: &bias,
                         rotary: rotary.as_ref(),
                         score_bias: None,
+                        max_offset: None,
                     };
                     attn.forward_t(x, inputs, true).unwrap()
                 })
@@ -278,6 +279,7 @@ mod encoder_layer {
             random_positions: None,
             embeddings: Default::default(),
             positional,
+            layers: None,
         };
         let params = ParamStore::new(0);
         let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu)).unwrap();

@@ -154,6 +154,7 @@ impl Shape {
             dtype: self.dtype,
             random_positions: None,
             embeddings: Default::default(),
+            layers: None,
             positional: self.positional(variant)?,
         };
         config.validate()?;

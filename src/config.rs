@@ -5,8 +5,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::layers::{LayerPlan, LayerSet, LayerSpec};
 use crate::nn::Activation;
-use crate::positional::PositionalConfig;
+use crate::positional::{Placement, PositionalConfig, DEFAULT_BASE as DEFAULT_ROPE_BASE};
 
 /// Parses a TOML document; the error carries the line, the column and serde's message (an
 /// unknown field lists the valid ones). [`Error::in_file`] names the file.
@@ -308,6 +309,11 @@ pub struct ModelConfig {
     pub embeddings: EmbeddingExtras,
     /// The positional scheme and its options: the `[positional]` table, `kind = "..."`.
     pub positional: PositionalConfig,
+    /// What each layer does, `[layers]`: a pattern of `global`, `local` (a sliding window),
+    /// `none` (no positions) and `local_none` entries, a window and a rotation's base per kind
+    /// (see [`crate::layers`]). `None`: every layer global with the scheme.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<LayerPlan>,
 }
 
 /// Options of the embedding layer that BERT-family models use and any model may: a table of
@@ -368,6 +374,7 @@ impl Default for ModelConfig {
             random_positions: None,
             embeddings: EmbeddingExtras::default(),
             positional: PositionalConfig::SinusoidalAdd(Default::default()),
+            layers: None,
         }
     }
 }
@@ -391,6 +398,13 @@ impl ModelConfig {
     pub fn with_width(mut self, d_model: usize, n_heads: usize) -> Self {
         self.d_model = d_model;
         self.n_heads = n_heads;
+        self
+    }
+
+    /// What each layer does: a pattern of global, local and position-free layers (see
+    /// [`crate::layers`]).
+    pub fn with_layer_plan(mut self, plan: LayerPlan) -> Self {
+        self.layers = Some(plan);
         self
     }
 
@@ -451,7 +465,18 @@ impl ModelConfig {
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             max_len: self.max_len,
+            layers: self
+                .layers
+                .as_ref()
+                .map_or(LayerSet::ALL, LayerPlan::positional_layers),
         }
+    }
+
+    /// What layer `i` does: positions or not, a window, the local base.
+    pub fn layer_spec(&self, i: usize) -> LayerSpec {
+        self.layers
+            .as_ref()
+            .map_or(LayerSpec::GLOBAL, |plan| LayerSpec::of(plan, i))
     }
 
     /// The sizes the limits are checked on.
@@ -571,6 +596,9 @@ impl ModelConfig {
             ));
         }
         self.positional.validate(&self.scheme_shape())?;
+        if let Some(plan) = &self.layers {
+            self.check_layers(plan)?;
+        }
         // Sizes last: a clearer message about a wrong option comes first.
         crate::limits::check_params(self.param_count(), &self.sizes())?;
         let widest = self.d_model.max(self.head_dim());
@@ -585,6 +613,59 @@ impl ModelConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Checks `[layers]` against the scheme: position-free layers need a scheme that acts inside
+    /// attention, bases a rotation that has one.
+    fn check_layers(&self, plan: &LayerPlan) -> std::result::Result<(), String> {
+        plan.check()?;
+        let kind = self.positional.name();
+        if let Some(i) = plan.first_without_positions(self.n_layers) {
+            if self.positional.placement() == Placement::Input {
+                return Err(format!(
+                    "[layers] layer {i} is `{}` (no positions), but `{kind}` acts on the input: \
+                     its positions reach every layer through the residual stream and cannot be \
+                     turned off in one. Use a scheme inside attention (rope, prope, alibi, t5, \
+                     kerple, fire, untied, fox) or make every entry global or local",
+                    plan.kind(i).name()
+                ));
+            }
+        }
+        let shape = self.scheme_shape();
+        if shape.layers.count(self.n_layers) == 0 && self.positional.param_count(&shape) > 0 {
+            return Err(format!(
+                "[layers] no layer has positions, so `{kind}`'s parameters would never be used: \
+                 give some layer a `global` or `local` entry, or use kind = \"none\" for an \
+                 encoder without positions"
+            ));
+        }
+        if let Some(bases) = &plan.rope_base {
+            let base = bases.global.or(bases.local).unwrap_or(DEFAULT_ROPE_BASE);
+            match self.positional.with_base(base) {
+                None => {
+                    return Err(format!(
+                        "[layers] rope_base is set, but `{kind}` has no rotation base: it applies \
+                         to rope and prope"
+                    ))
+                }
+                Some(rebased) => rebased.validate(&self.scheme_shape())?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The scheme of layer kind `local` (`true`) or `global`, with its `[layers] rope_base`.
+    pub fn layer_positional(&self, local: bool) -> PositionalConfig {
+        let base = self
+            .layers
+            .as_ref()
+            .and_then(|p| p.rope_base)
+            .and_then(|b| match local {
+                true => b.local,
+                false => b.global,
+            });
+        base.and_then(|b| self.positional.with_base(b))
+            .unwrap_or_else(|| self.positional.clone())
     }
 
     /// Parses and validates a TOML document.

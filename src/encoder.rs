@@ -22,6 +22,7 @@ use rand::SeedableRng;
 
 use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
+use crate::layers::LayerSpec;
 use crate::nn::{
     encoder_layer, kernels_for, key_padding_bias, layer_norm, AttentionInputs, Dropout,
     FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
@@ -42,19 +43,28 @@ pub struct EncoderLayer {
     ffn: FeedForward,
     dropout: Dropout,
     norm: NormPlacement,
+    /// What the layer does with positions and which keys it sees.
+    spec: LayerSpec,
 }
 
 impl EncoderLayer {
-    fn new(config: &ModelConfig, rng: &SharedRng, vb: VarBuilder) -> Result<Self> {
+    fn new(config: &ModelConfig, i: usize, rng: &SharedRng, vb: VarBuilder) -> Result<Self> {
         let d = config.d_model;
         let eps = config.layer_norm_eps;
+        let spec = config.layer_spec(i);
+        // A key bias only where q and k are rotated: elsewhere softmax cancels it.
+        let rotated = config.positional.placement() == Placement::Attention && spec.positions;
         Ok(Self {
             attn_norm: layer_norm(d, eps, vb.pp("attn_norm"))?,
             attn: SelfAttention::new(
                 d,
                 config.n_heads,
-                config.positional.placement() == Placement::Attention,
-                config.positional.score_scale(config.head_dim()),
+                rotated,
+                // TUPE's scale makes room for its positional term, absent without positions.
+                match spec.positions {
+                    true => config.positional.score_scale(config.head_dim()),
+                    false => None,
+                },
                 Dropout::new(config.attention_dropout, rng.clone()),
                 vb.pp("attn"),
             )?,
@@ -62,7 +72,13 @@ impl EncoderLayer {
             ffn: FeedForward::new(d, config.ffn_dim, config.activation, vb.pp("ffn"))?,
             dropout: Dropout::new(config.dropout, rng.clone()),
             norm: config.norm,
+            spec,
         })
+    }
+
+    /// What the layer does with positions (from `[layers]`; every layer global without it).
+    pub fn spec(&self) -> LayerSpec {
+        self.spec
     }
 
     /// The layer's parameters packed in the order of the fused layer kernel:
@@ -194,6 +210,8 @@ impl EncoderLayer {
 /// What a rotation or score-bias scheme gives every layer for one batch.
 struct Placed {
     rotary: Option<Rotary>,
+    /// The rotation of local layers, where `[layers] rope_base` gives them their own base.
+    local_rotary: Option<Rotary>,
     biases: Option<LayerBiases>,
 }
 
@@ -215,6 +233,8 @@ pub struct Encoder {
     config: ModelConfig,
     tok_emb: Embedding,
     positional: PositionalModule,
+    /// The rotation of local layers with their own base (`[layers] rope_base.local`).
+    local_rotation: Option<PositionalModule>,
     /// The token-type table `(token_types, d_model)`; its row 0 is added to every token.
     type_emb: Option<Tensor>,
     embed_norm: Option<LayerNorm>,
@@ -242,8 +262,20 @@ impl Encoder {
             },
         )?;
         let tok_emb = Embedding::new(tok_weight, d_tok);
-        let positional =
-            PositionalModule::new(&config.positional, config.scheme_shape(), vb.clone())?;
+        let positional = PositionalModule::new(
+            &config.layer_positional(false),
+            config.scheme_shape(),
+            vb.clone(),
+        )?;
+        let local = config.layer_positional(true);
+        let local_rotation = match (0..config.n_layers).any(|i| config.layer_spec(i).local_base) {
+            true if local != config.layer_positional(false) => Some(PositionalModule::new(
+                &local,
+                config.scheme_shape(),
+                vb.clone(),
+            )?),
+            _ => None,
+        };
         let extras = &config.embeddings;
         let type_emb = match extras.token_types {
             0 => None,
@@ -265,7 +297,7 @@ impl Encoder {
             false => None,
         };
         let layers = (0..config.n_layers)
-            .map(|i| EncoderLayer::new(config, &dropout_rng, vb.pp(format!("layers.{i}"))))
+            .map(|i| EncoderLayer::new(config, i, &dropout_rng, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = match config.norm {
             NormPlacement::Pre => Some(layer_norm(
@@ -279,6 +311,7 @@ impl Encoder {
             config: config.clone(),
             tok_emb,
             positional,
+            local_rotation,
             type_emb,
             embed_norm,
             embed_dropout: Dropout::new(config.dropout, dropout_rng.clone()),
@@ -447,8 +480,12 @@ impl Encoder {
     fn place(&self, x: Tensor, positions: &Positions, mask: &Tensor) -> Result<(Tensor, Placed)> {
         let mut placed = Placed {
             rotary: None,
+            local_rotary: None,
             biases: None,
         };
+        if let Some(PositionalModule::Rotation(rope)) = &self.local_rotation {
+            placed.local_rotary = Some(rope.rotary(positions)?);
+        }
         let x = match &self.positional {
             PositionalModule::Input(input) => input.join(&x, positions)?,
             PositionalModule::Rotation(rope) => {
@@ -476,10 +513,24 @@ impl Encoder {
         padding: &'a Tensor,
         i: usize,
     ) -> (AttentionInputs<'a>, Option<OwnBias<'a>>) {
+        let spec = self.layers[i].spec;
+        let max_offset = spec.window.map(|w| w / 2);
+        if !spec.positions {
+            let inputs = AttentionInputs {
+                max_offset,
+                ..AttentionInputs::padding(padding)
+            };
+            return (inputs, None);
+        }
+        let rotary = match (spec.local_base, &placed.local_rotary) {
+            (true, Some(local)) => Some(local),
+            _ => placed.rotary.as_ref(),
+        };
         let inputs = AttentionInputs {
             key_padding: padding,
-            rotary: placed.rotary.as_ref(),
+            rotary,
             score_bias: placed.biases.as_ref().and_then(|b| b.layer(i)),
+            max_offset,
         };
         let own = match (&self.positional, &placed.biases) {
             (PositionalModule::ScoreBias(module), Some(LayerBiases::FromInput)) => {
@@ -501,7 +552,9 @@ impl Encoder {
     /// of TUPE's position-to-position term and the learned KERPLE, T5 and FIRE biases.
     pub fn score_bias(&self, layer: usize, positions: &Positions) -> Result<Option<Tensor>> {
         match &self.positional {
-            PositionalModule::ScoreBias(bias) if layer < self.layers.len() => {
+            PositionalModule::ScoreBias(bias)
+                if layer < self.layers.len() && self.layers[layer].spec.positions =>
+            {
                 let biases = bias.layer_biases(&BiasBatch {
                     positions,
                     mask: None,

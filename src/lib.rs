@@ -51,6 +51,7 @@ pub mod error;
 pub mod experiment;
 pub mod infer;
 pub mod io;
+pub mod layers;
 pub mod limits;
 pub mod model;
 pub mod nn;
@@ -66,6 +67,7 @@ pub mod train;
 pub mod weights;
 
 pub use config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};
+pub use layers::{LayerKind, LayerPlan, RopeBases};
 pub use model::{HeadConfig, Pooling, TaskModel};
 pub use nn::Activation;
 pub use train::Learner;

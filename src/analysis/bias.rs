@@ -269,6 +269,7 @@ pub fn module_by_name(
         n_heads: heads,
         n_layers: 1,
         max_len,
+        layers: crate::layers::LayerSet::ALL,
     };
     let vb = params.var_builder(DType::F64, &Device::Cpu);
     match PositionalModule::new(positional, shape, vb)? {

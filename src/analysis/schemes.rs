@@ -268,7 +268,12 @@ pub fn fox_gates(
     let mut by_token = Vec::new();
     let mut decay = Vec::new();
     for (layer, x) in encoder.attention_inputs(ids, mask)?.iter().enumerate() {
-        let gates = &fox.0[layer];
+        let Some(gates) = &fox.0[layer] else {
+            // A layer without positions (`[layers]`'s `none`) has no gates.
+            by_token.push(Vec::new());
+            decay.push(Vec::new());
+            continue;
+        };
         let g = gates.log_gates(x)?.exp()?.to_dtype(DType::F64)?; // (b, t, 2h)
         let heads = g.dim(2)? / 2;
         let g = g.to_vec3::<f64>()?;
@@ -311,6 +316,10 @@ impl FoxGateAnalysis {
             "FoX forget gates on the text (mean sigmoid gate per token; 1 forgets nothing):\n",
         );
         for (layer, rows) in self.by_token.iter().enumerate() {
+            if rows.is_empty() {
+                let _ = writeln!(s, "  layer {layer}: no positions (no gates)");
+                continue;
+            }
             let show =
                 |r: &(String, usize, f64, f64)| format!("{} {:.3}/{:.3} (x{})", r.0, r.2, r.3, r.1);
             let most: Vec<String> = rows.iter().take(5).map(show).collect();

@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use poslab::experiment::folder::{self, FolderKind};
 use poslab::experiment::{report, single, ExperimentConfig, Selection};
+use poslab::positional::DEFAULT_BASE;
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 /// Validate a config and say what it holds: a model config (its shape, where positions act,
@@ -359,6 +360,42 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
         config.positional.scheme().describe(&config.scheme_shape())
     );
     outln!("where: {}", config.positional.placement());
+    if let Some(plan) = &config.layers {
+        outln!(
+            "layers: {} of {} with positions; pattern [{}] repeated",
+            config.scheme_shape().layers.count(config.n_layers),
+            config.n_layers,
+            plan.pattern
+                .iter()
+                .map(|k| k.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if plan.rope_base.is_some() {
+            for (kind, local) in [("global", false), ("local", true)] {
+                let scheme = config.layer_positional(local);
+                outln!(
+                    "  {kind} layers: {}",
+                    scheme.scheme().describe(&config.scheme_shape())
+                );
+            }
+        }
+        for i in 0..config.n_layers {
+            let spec = config.layer_spec(i);
+            let scheme = match spec.positions {
+                true => config.positional.name(),
+                false => "no positions",
+            };
+            let keys = match spec.window {
+                Some(w) => format!("keys within {} (window {w})", w / 2),
+                None => "every key".into(),
+            };
+            outln!(
+                "  layer {i:>2}  {:<10}  {scheme}; {keys}",
+                plan.kind(i).name()
+            );
+        }
+    }
     let extras = &config.embeddings;
     if !extras.is_none() {
         outln!(
@@ -411,8 +448,16 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
             " "
         };
         let where_ = positional.placement();
+        // The same layer plan, without a rotation's bases for a scheme that has none.
+        let layers = config.layers.clone().map(|mut plan| {
+            if positional.with_base(DEFAULT_BASE).is_none() {
+                plan.rope_base = None;
+            }
+            plan
+        });
         let variant = ModelConfig {
             positional,
+            layers,
             ..config.clone()
         };
         match variant.validate() {

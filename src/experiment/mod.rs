@@ -119,6 +119,7 @@ impl ModelShape {
             random_positions: variant.random_positions,
             embeddings: Default::default(),
             positional: variant.positional.clone(),
+            layers: variant.layers.clone(),
         }
     }
 }
@@ -147,6 +148,10 @@ pub struct VariantSpec {
     /// Randomized positions drawn from `[0, N)` (Ruoss et al. 2023), on any scheme.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_positions: Option<usize>,
+    /// What each layer does (see [`crate::layers`]): `layers = { pattern = ["global",
+    /// "none"] }` for NoPE every other layer, `local` entries with a `local_window`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<crate::layers::LayerPlan>,
 }
 
 /// `[eval]`: how trained models are tested.

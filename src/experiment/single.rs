@@ -106,6 +106,9 @@ pub struct TrainRunConfig {
     /// Randomized positions drawn from `[0, N)` (Ruoss et al. 2023).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_positions: Option<usize>,
+    /// What each layer does, `[layers]` (without `init`; see [`crate::layers`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<crate::layers::LayerPlan>,
     /// How to train, `[train]`.
     pub train: TrainConfig,
     /// How to test, `[eval]`.
@@ -189,6 +192,7 @@ impl TrainRunConfig {
             token_init_std: None,
             max_len: self.max_len,
             random_positions: self.random_positions,
+            layers: self.layers.clone(),
         }
     }
 

@@ -11,7 +11,7 @@ use super::{linear, linear_no_bias, masked_softmax, Dropout, Rotary};
 
 /// The score given to a padded key before the softmax: far enough below any real score that its
 /// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
-const MASKED_SCORE: f64 = -1e9;
+pub(crate) const MASKED_SCORE: f64 = -1e9;
 
 /// The additive attention bias of a key-padding mask.
 ///
@@ -22,12 +22,41 @@ pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
     (mask.to_dtype(dtype)? - 1.0)? * -MASKED_SCORE
 }
 
+/// The additive bias of a sliding window: 0 where `|i - j| <= max_offset`, a large negative
+/// score beyond; `None` when the window holds all `t` keys of every query (nothing to mask).
+///
+/// # Shapes
+/// - returns `(1, 1, t, t)` in `dtype`
+pub fn window_bias(
+    t: usize,
+    max_offset: usize,
+    dtype: DType,
+    device: &candle::Device,
+) -> Result<Option<Tensor>> {
+    if max_offset + 1 >= t {
+        return Ok(None);
+    }
+    let values: Vec<f64> = (0..t * t)
+        .map(|n| match (n / t).abs_diff(n % t) > max_offset {
+            true => MASKED_SCORE,
+            false => 0.0,
+        })
+        .collect();
+    Ok(Some(
+        Tensor::from_vec(values, (1, 1, t, t), device)?.to_dtype(dtype)?,
+    ))
+}
+
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
 /// positional scheme (`nn` knows none).
 ///
 /// ```text
-/// S = scale · rot(q) rot(k)ᵀ + score_bias;   P = softmax(S + key_padding)
+/// S = scale · rot(q) rot(k)ᵀ + score_bias + window;   P = softmax(S + key_padding)
 /// ```
+///
+/// `window` is a large negative score for keys more than `max_offset` from the query (a local
+/// layer), 0 otherwise; the fused kernels apply it in place, the composition as a
+/// [`window_bias`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionInputs<'a> {
     /// `(b, t)` from [`key_padding_bias`].
@@ -36,6 +65,8 @@ pub struct AttentionInputs<'a> {
     pub rotary: Option<&'a Rotary>,
     /// `(r, h, t, t)` added to the scaled scores, `r` 1 (the same for every sequence) or `b`.
     pub score_bias: Option<&'a Tensor>,
+    /// A sliding window: keys more than this many tokens from the query get no weight.
+    pub max_offset: Option<usize>,
 }
 
 impl<'a> AttentionInputs<'a> {
@@ -45,6 +76,7 @@ impl<'a> AttentionInputs<'a> {
             key_padding,
             rotary: None,
             score_bias: None,
+            max_offset: None,
         }
     }
 }
@@ -219,12 +251,23 @@ impl SelfAttention {
             k = rotary.apply(&k)?;
         }
         let scores = (super::matmul(&q, &k.t()?)? * self.scale)?; // (b, h, t, t)
+
+        // The window after the score bias, as the fused kernels add them.
+        let window = |s: Tensor| -> Result<Tensor> {
+            match inputs.max_offset {
+                Some(m) => match window_bias(t, m, s.dtype(), xs.device())? {
+                    Some(w) => s.broadcast_add(&w), // (1, 1, t, t)
+                    None => Ok(s),
+                },
+                None => Ok(s),
+            }
+        };
         let weights = match inputs.score_bias {
-            None => masked_softmax(&scores, inputs.key_padding)?,
+            None => masked_softmax(&window(scores)?, inputs.key_padding)?,
             Some(bias) => {
                 // The bias is added in its own dtype (the parameters', f32 under mixed
                 // precision), where the softmax runs anyway.
-                let biased = scores.to_dtype(bias.dtype())?.broadcast_add(bias)?;
+                let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(bias)?)?;
                 masked_softmax(&biased, inputs.key_padding)?.to_dtype(scores.dtype())?
             }
         };
@@ -242,6 +285,7 @@ impl SelfAttention {
             inputs.key_padding,
             inputs.rotary,
             inputs.score_bias,
+            inputs.max_offset,
         )
     }
 }

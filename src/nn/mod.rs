@@ -18,7 +18,7 @@ mod layer_norm;
 mod ops;
 mod rotary;
 
-pub use attention::{key_padding_bias, AttentionInputs, SelfAttention};
+pub use attention::{key_padding_bias, window_bias, AttentionInputs, SelfAttention};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};

@@ -55,10 +55,11 @@ impl Scheme for FoxScheme {
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
+        // Layers without positions (`[layers]`'s `none`) have no gates.
         let (h, d, l) = (
             shape.n_heads as u128,
             shape.d_model as u128,
-            shape.n_layers as u128,
+            shape.layers.count(shape.n_layers) as u128,
         );
         l * (2 * h * d + 2 * h)
     }
@@ -75,13 +76,20 @@ impl Scheme for FoxScheme {
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        // Layers without positions (`[layers]`'s `none`) get no gates.
         let layers = (0..shape.n_layers)
             .map(|i| {
-                FoxGates::new(
-                    shape.d_model,
-                    shape.n_heads,
-                    vb.pp(format!("layers.{i}.attn.fox")),
-                )
+                shape
+                    .layers
+                    .contains(i)
+                    .then(|| {
+                        FoxGates::new(
+                            shape.d_model,
+                            shape.n_heads,
+                            vb.pp(format!("layers.{i}.attn.fox")),
+                        )
+                    })
+                    .transpose()
             })
             .collect::<Result<_>>()?;
         Ok(PositionalModule::ScoreBias(ScoreBias::new(Fox(layers))))
@@ -156,9 +164,9 @@ impl FoxGates {
     }
 }
 
-/// Every layer's gates.
+/// Every layer's gates; `None` for a layer without positions.
 #[derive(Clone, Debug)]
-pub struct Fox(pub Vec<FoxGates>);
+pub struct Fox(pub Vec<Option<FoxGates>>);
 
 impl BiasModule for Fox {
     fn layer_biases(&self, _batch: &BiasBatch) -> Result<LayerBiases> {
@@ -166,7 +174,11 @@ impl BiasModule for Fox {
     }
 
     fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<Tensor>> {
-        self.0.get(layer).map(|g| g.bias(x)).transpose()
+        self.0
+            .get(layer)
+            .and_then(Option::as_ref)
+            .map(|g| g.bias(x))
+            .transpose()
     }
 
     fn per_layer(&self) -> bool {
@@ -178,6 +190,9 @@ impl BiasModule for Fox {
             .iter()
             .enumerate()
             .map(|(l, g)| {
+                let Some(g) = g else {
+                    return Ok(format!("layer {l}: no positions"));
+                };
                 let bias = match g.params().1 {
                     Some(b) => b.to_dtype(candle::DType::F64)?.to_vec1::<f64>()?,
                     None => Vec::new(),
@@ -193,6 +208,7 @@ impl BiasModule for Fox {
     fn parameters(&self) -> Vec<Tensor> {
         self.0
             .iter()
+            .flatten()
             .flat_map(|g| {
                 let (w, b) = g.params();
                 std::iter::once(w.clone()).chain(b.cloned())

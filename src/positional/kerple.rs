@@ -40,7 +40,7 @@ impl Scheme for KerpleScheme {
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
-        2 * shape.n_heads as u128 * shape.n_layers as u128
+        2 * shape.n_heads as u128 * shape.layers.count(shape.n_layers) as u128
     }
 
     fn describe(&self, shape: &SchemeShape) -> String {
@@ -52,8 +52,15 @@ impl Scheme for KerpleScheme {
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        // Layers without positions (`[layers]`'s `none`) get no parameters.
         let layers = (0..shape.n_layers)
-            .map(|i| Kerple::new(shape.n_heads, vb.pp(format!("layers.{i}.attn.kerple"))))
+            .map(|i| {
+                shape
+                    .layers
+                    .contains(i)
+                    .then(|| Kerple::new(shape.n_heads, vb.pp(format!("layers.{i}.attn.kerple"))))
+                    .transpose()
+            })
             .collect::<Result<_>>()?;
         Ok(PositionalModule::ScoreBias(ScoreBias::new(KerpleLayers(
             layers,
@@ -61,9 +68,9 @@ impl Scheme for KerpleScheme {
     }
 }
 
-/// Every layer's KERPLE parameters.
+/// Every layer's KERPLE parameters; `None` for a layer without positions.
 #[derive(Clone, Debug)]
-pub struct KerpleLayers(pub Vec<Kerple>);
+pub struct KerpleLayers(pub Vec<Option<Kerple>>);
 
 impl BiasModule for KerpleLayers {
     fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
@@ -71,7 +78,7 @@ impl BiasModule for KerpleLayers {
         Ok(LayerBiases::PerLayer(
             self.0
                 .iter()
-                .map(|k| k.bias(&distances))
+                .map(|k| k.as_ref().map(|k| k.bias(&distances)).transpose())
                 .collect::<Result<_>>()?,
         ))
     }
@@ -85,12 +92,13 @@ impl BiasModule for KerpleLayers {
         self.0
             .iter()
             .enumerate()
-            .map(|(l, k)| {
-                Ok(format!(
+            .map(|(l, k)| match k {
+                Some(k) => Ok(format!(
                     "layer {l}: r1 = [{}], r2 = [{}]",
                     super::list(&v(&k.r1)?),
                     super::list(&v(&k.r2)?)
-                ))
+                )),
+                None => Ok(format!("layer {l}: no positions")),
             })
             .collect()
     }
@@ -98,6 +106,7 @@ impl BiasModule for KerpleLayers {
     fn parameters(&self) -> Vec<Tensor> {
         self.0
             .iter()
+            .flatten()
             .flat_map(|k| [k.r1.clone(), k.r2.clone()])
             .collect()
     }

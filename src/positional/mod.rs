@@ -272,6 +272,12 @@ impl PositionalConfig {
         self.scheme().name()
     }
 
+    /// The same scheme with its rotation's base set to `base`, where it has one (see
+    /// [`Scheme::with_base`]).
+    pub fn with_base(&self, base: f64) -> Option<PositionalConfig> {
+        self.scheme().with_base(base)
+    }
+
     /// Where the scheme acts: the input, a rotation inside attention, or a bias on the scores.
     pub fn placement(&self) -> Placement {
         self.scheme().placement()
@@ -313,6 +319,7 @@ impl PositionalConfig {
             n_heads: d_model / head_dim.max(1),
             n_layers: 1,
             max_len: 1,
+            layers: crate::layers::LayerSet::ALL,
         })
     }
 

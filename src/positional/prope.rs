@@ -121,6 +121,13 @@ impl Scheme for PropeOptions {
         "prope"
     }
 
+    fn with_base(&self, base: f64) -> Option<super::PositionalConfig> {
+        Some(super::PositionalConfig::Prope(Self {
+            base,
+            ..self.clone()
+        }))
+    }
+
     fn placement(&self) -> Placement {
         Placement::Attention
     }

@@ -89,6 +89,13 @@ impl Scheme for RopeOptions {
         "rope"
     }
 
+    fn with_base(&self, base: f64) -> Option<super::PositionalConfig> {
+        Some(super::PositionalConfig::Rope(Self {
+            base,
+            ..self.clone()
+        }))
+    }
+
     fn placement(&self) -> Placement {
         Placement::Attention
     }

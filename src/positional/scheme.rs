@@ -7,6 +7,7 @@ use candle_nn::VarBuilder;
 
 use super::{Placement, PositionalModule};
 use crate::error::Result;
+use crate::layers::LayerSet;
 
 /// The sizes a scheme's modules are built for.
 #[derive(Clone, Copy, Debug)]
@@ -19,6 +20,9 @@ pub struct SchemeShape {
     pub n_layers: usize,
     /// Rows of a learned table; the initial rows of fixed ones.
     pub max_len: usize,
+    /// The layers that apply the scheme (all but a plan's `none` entries): a scheme with
+    /// parameters per layer makes them for these only.
+    pub layers: LayerSet,
 }
 
 impl SchemeShape {
@@ -76,6 +80,12 @@ pub trait Scheme: Sync {
 
     /// What attention multiplies `q kᵀ` by, where the scheme changes it (`None`: `1/sqrt(d_head)`).
     fn score_scale(&self, _head_dim: usize) -> Option<f64> {
+        None
+    }
+
+    /// The same scheme with its rotation's base set to `base`, for a scheme that has one
+    /// (`[layers] rope_base`: another base in global and local layers); `None` otherwise.
+    fn with_base(&self, _base: f64) -> Option<super::PositionalConfig> {
         None
     }
 

@@ -74,8 +74,8 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
 pub enum LayerBiases {
     /// The same `(r, h, t, t)` tensor for every layer.
     Shared(Tensor),
-    /// One `(r, h, t, t)` tensor per layer.
-    PerLayer(Vec<Tensor>),
+    /// One `(r, h, t, t)` tensor per layer; `None` for a layer without positions.
+    PerLayer(Vec<Option<Tensor>>),
     /// Each layer computes its own from its attention input ([`BiasModule::input_bias`]).
     FromInput,
 }
@@ -85,7 +85,7 @@ impl LayerBiases {
     pub fn layer(&self, i: usize) -> Option<&Tensor> {
         match self {
             Self::Shared(t) => Some(t),
-            Self::PerLayer(v) => v.get(i),
+            Self::PerLayer(v) => v.get(i).and_then(Option::as_ref),
             Self::FromInput => None,
         }
     }

@@ -188,6 +188,7 @@ impl HfConfig {
             layer_norm_eps: self.layer_norm_eps,
             dtype: Precision::default(),
             random_positions: None,
+            layers: None,
             embeddings: EmbeddingExtras {
                 token_types: match family {
                     Family::DistilBert => 0,

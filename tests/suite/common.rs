@@ -153,6 +153,7 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
         random_positions: None,
         embeddings: Default::default(),
         positional,
+        layers: None,
     })
 }
 
@@ -285,6 +286,7 @@ pub fn tiny_config(positional: PositionalConfig, norm: NormPlacement) -> ModelCo
         random_positions: None,
         embeddings: Default::default(),
         positional,
+        layers: None,
     }
 }
 

@@ -515,3 +515,57 @@ fn embedding_extras_match_the_reference() {
         assert!(relative_error(&a.hidden, &b.hidden) > 1e-3);
     }
 }
+
+/// Sliding windows (`[layers]` local entries) in the fused kernels, applied in place, match the
+/// composition's materialised window bias, forward and backward, for a scheme of each place,
+/// with position-free layers among them.
+#[test]
+fn local_windows_match_the_reference() {
+    use poslab::{LayerKind, LayerPlan};
+    let plan = LayerPlan {
+        local_window: Some(4),
+        ..LayerPlan::new(vec![
+            LayerKind::Local,
+            LayerKind::Global,
+            LayerKind::LocalNone,
+        ])
+    };
+    for name in ["rope", "alibi", "kerple", "fox", "none"] {
+        let positional = all_schemes()
+            .into_iter()
+            .find(|p| p.name() == name)
+            .unwrap();
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            for dropout in [0.0, 0.2] {
+                let mut config = ModelConfig {
+                    n_layers: 3,
+                    ..medium_config(positional.clone(), norm)
+                }
+                .with_layer_plan(plan.clone());
+                config.dropout = dropout;
+                config.attention_dropout = dropout;
+                for dtype in [DType::F32, DType::F64] {
+                    let train = dropout > 0.0;
+                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    for kernels in [Kernels::Ops, Kernels::Layer] {
+                        let what = format!(
+                            "{name} {norm:?} dropout {dropout} {dtype:?} {}",
+                            kernels.name()
+                        );
+                        let fast = run_encoder(&config, dtype, kernels, train);
+                        compare(&fast, &reference, tolerance(dtype), &what);
+                    }
+                    let (gpu_ops, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                        run_encoder(&config, dtype, Kernels::Ops, train)
+                    });
+                    compare(
+                        &gpu_ops,
+                        &reference,
+                        tolerance(dtype),
+                        &format!("{name} gpu ops"),
+                    );
+                }
+            }
+        }
+    }
+}

@@ -11,6 +11,7 @@ mod finetune;
 mod fused;
 mod gradients;
 mod hardening;
+mod layers;
 mod length_suite;
 mod precision;
 mod pretrained;

@@ -49,6 +49,8 @@ pub(crate) struct Attention {
     rope: Option<(Tensor, Tensor, bool)>,
     /// `(r, h, t, t)` added to the scaled scores; `r` is 1 (shared by the batch) or `b`.
     score_bias: Option<Tensor>,
+    /// A sliding window: keys further than this from the query get the masked score.
+    max_offset: Option<usize>,
 }
 
 /// A raw pointer that tasks writing disjoint parts of one buffer may share.
@@ -78,6 +80,7 @@ struct Fixed<T> {
     /// Blocks of `(h, t, t)` in the score bias (1 or b).
     bias_rows: usize,
     scale: T,
+    max_offset: Option<usize>,
 }
 
 impl<T: Real> Fixed<T> {
@@ -169,6 +172,22 @@ fn add_bias_body<T: Real>(s: &mut [T], bias: &[T]) {
 }
 simd_dispatch!(fn add_bias = add_bias_body(s: &mut [T], bias: &[T]));
 
+/// Adds the masked score to every score of a `(t, t)` block whose key is more than `max_offset`
+/// from its query (row `i`, columns `j` with `|i - j| > max_offset`): a sliding window, with
+/// no `(t, t)` mask kept anywhere. The masked weights are exactly 0 after the softmax, so their
+/// gradients are too.
+fn mask_outside_window<T: Real>(s: &mut [T], t: usize, max_offset: usize) {
+    let masked = T::lit(crate::nn::attention::MASKED_SCORE);
+    for (i, row) in s.chunks_exact_mut(t).enumerate() {
+        let (lo, hi) = (i.saturating_sub(max_offset), (i + max_offset + 1).min(t));
+        let (before, rest) = row.split_at_mut(lo);
+        let after = &mut rest[hi - lo..];
+        for v in before.iter_mut().chain(after) {
+            *v += masked;
+        }
+    }
+}
+
 /// One task's scratch space.
 struct Scratch<T> {
     /// rotated q and k
@@ -244,6 +263,9 @@ impl<T: Real> Scratch<T> {
         };
         if let Some(bias) = fixed.score_bias(n, bi, hd) {
             add_bias(&mut self.s, bias);
+        }
+        if let Some(m) = fixed.max_offset {
+            mask_outside_window(&mut self.s, n.t, m);
         }
         softmax_rows(
             &self.s,
@@ -337,6 +359,7 @@ impl Attention {
         key_bias: &Tensor,
         rotary: Option<&Rotary>,
         score_bias: Option<&Tensor>,
+        max_offset: Option<usize>,
     ) -> Self {
         Self {
             heads,
@@ -347,6 +370,7 @@ impl Attention {
                 (c.clone(), s.clone(), i)
             }),
             score_bias: score_bias.cloned(),
+            max_offset,
         }
     }
 
@@ -442,6 +466,7 @@ impl Attention {
             score_bias,
             bias_rows,
             scale: T::lit(self.scale),
+            max_offset: self.max_offset,
         })
     }
 
