@@ -251,6 +251,20 @@ impl LayerSpec {
         local_base: false,
     };
 
+    /// The layer in words, for analyses: `global`, `local, keys within 4`, `no positions`, ...
+    pub fn describe(&self) -> String {
+        let positions = match self.positions {
+            true => "",
+            false => "no positions",
+        };
+        match (self.window, self.positions) {
+            (None, true) => "global".into(),
+            (None, false) => positions.into(),
+            (Some(w), true) => format!("local, keys within {}", w / 2),
+            (Some(w), false) => format!("{positions}, keys within {}", w / 2),
+        }
+    }
+
     /// Layer `i` of `plan`.
     pub fn of(plan: &LayerPlan, i: usize) -> Self {
         let kind = plan.kind(i);

@@ -123,6 +123,9 @@ pub fn write_wavelengths(
 pub struct PairEnergy {
     /// The layer.
     pub layer: usize,
+    /// What the layer does with positions ([`crate::layers::LayerSpec::describe`]): `global`,
+    /// `local, keys within 4`, `no positions` (whose q and k are not rotated).
+    pub plan: String,
     /// The head.
     pub head: usize,
     /// `q` or `k`.
@@ -175,6 +178,7 @@ pub fn pair_energy(loaded: &Loaded, ids: &Tensor, mask: &Tensor) -> Result<Vec<P
                 let total: f64 = pair.iter().sum::<f64>().max(1e-300);
                 out.push(PairEnergy {
                     layer,
+                    plan: encoder.config().layer_spec(layer).describe(),
                     head,
                     side,
                     share: pair.iter().map(|v| v / total).collect(),
@@ -214,10 +218,11 @@ pub fn energy_summary(energy: &[PairEnergy]) -> String {
                     i.to_string()
                 })
                 .collect();
+            let plan = rows.first().map_or("", |e| e.plan.as_str());
             let _ = writeln!(
                 s,
-                "  layer {layer} {side}: {:.1}% in the slowest quarter of {} pairs (mean over heads); \
-                 the pair with the most, per head: {}",
+                "  layer {layer} ({plan}) {side}: {:.1}% in the slowest quarter of {} pairs (mean \
+                 over heads); the pair with the most, per head: {}",
                 100.0 * quarter,
                 rows.first().map_or(0, |e| e.share.len()),
                 peaks.join(", ")
@@ -257,9 +262,13 @@ pub fn write_energy(energy: &[PairEnergy], dir: &Path) -> Result<Vec<String>> {
             })
             .collect();
         let name = format!("rope_energy_layer{layer}.png");
+        let plan = energy
+            .iter()
+            .find(|e| e.layer == layer)
+            .map_or("", |e| e.plan.as_str());
         line_chart(
             &dir.join(&name),
-            &format!("layer {layer}: share of q and k energy per RoPE pair"),
+            &format!("layer {layer} ({plan}): share of q and k energy per RoPE pair"),
             (
                 "frequency pair i (0 = fastest, right = slowest)",
                 "share of the head's energy (%)",

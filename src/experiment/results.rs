@@ -102,6 +102,9 @@ pub struct VariantInfo {
     /// Randomized positions drawn from `[0, N)`, if the variant uses them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_positions: Option<usize>,
+    /// What each layer does, if the variant has a `[layers]` plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<crate::layers::LayerPlan>,
 }
 
 /// A score, or why there is none.

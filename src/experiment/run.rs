@@ -597,6 +597,7 @@ fn run_cell(
         token_dim: model_config.token_dim(),
         width: variant.positional.scheme().width(model_config.d_model),
         random_positions: variant.random_positions,
+        layers: variant.layers.clone(),
     };
     let result = CellResult {
         task: task.spec.name.clone(),

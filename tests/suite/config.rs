@@ -247,6 +247,7 @@ fn shipped_configs_are_valid() {
             "add_vs_concat.toml",
             "compare.toml",
             "compare_reviews.toml",
+            "layers.toml",
             "length_generalization.toml",
             "length_suite.toml",
             "length_suite_longer.toml",
