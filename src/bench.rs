@@ -144,6 +144,8 @@ impl Shape {
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
             activation: Default::default(),
+            bias: true,
+            first_attn_norm: true,
             max_len: self.seq,
             norm: NormPlacement::Pre,
             dropout: 0.0,

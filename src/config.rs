@@ -230,6 +230,12 @@ fn default_token_init_std() -> Scale {
     Scale::Value(1.0)
 }
 
+fn default_true() -> bool {
+    true
+}
+fn is_true(b: &bool) -> bool {
+    *b
+}
 fn default_layer_norm_eps() -> f64 {
     1e-5
 }
@@ -268,9 +274,17 @@ pub struct ModelConfig {
     pub n_layers: usize,
     /// Width of the feed-forward hidden layer.
     pub ffn_dim: usize,
-    /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
+    /// The feed-forward nonlinearity: `gelu` (default), `relu` or `geglu` (ModernBERT's gated
+    /// GELU: the up projection `2 · ffn_dim` wide).
     #[serde(default, skip_serializing_if = "Activation::is_gelu")]
     pub activation: Activation,
+    /// Whether linear layers and LayerNorms have biases (default true; ModernBERT's have none).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub bias: bool,
+    /// Whether layer 0 normalises its attention input (default true). ModernBERT's does not:
+    /// its embeddings end in a LayerNorm already. Pre-norm only.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub first_attn_norm: bool,
     /// Longest sequence the learned table holds; the initial size of fixed tables, which grow
     /// on demand (sinusoids and RoPE extrapolate to any length).
     pub max_len: usize,
@@ -363,6 +377,8 @@ impl Default for ModelConfig {
             n_layers: 2,
             ffn_dim: 256,
             activation: Activation::default(),
+            bias: true,
+            first_attn_norm: true,
             max_len: 512,
             norm: NormPlacement::default(),
             dropout: default_dropout(),
@@ -501,9 +517,14 @@ impl ModelConfig {
         );
         let tokens = self.vocab_size as u128 * self.token_dim() as u128;
         let positions = self.positional.param_count(&self.scheme_shape());
-        // q, k, v, o with biases; two LayerNorms; the feed-forward; a final LayerNorm.
-        let layer = 4 * d * d + 4 * d + 4 * d + 2 * d * f + f + d;
-        tokens + positions + l * layer + 2 * d
+        let b = u128::from(self.bias);
+        let up = f * self.activation.up_factor() as u128;
+        let norm = d * (1 + b);
+        // q, k, v, o (with biases, when any); two LayerNorms; the feed-forward; a final
+        // LayerNorm; less layer 0's attention norm where it has none.
+        let layer = 4 * d * d + 4 * d * b + 2 * norm + d * up + up * b + f * d + d * b;
+        let first = if self.first_attn_norm { 0 } else { norm };
+        tokens + positions + l * layer - first + norm
     }
 
     /// Checks every field; the message names the field, the value and a fix.
@@ -598,6 +619,13 @@ impl ModelConfig {
         self.positional.validate(&self.scheme_shape())?;
         if let Some(plan) = &self.layers {
             self.check_layers(plan)?;
+        }
+        if !self.first_attn_norm && self.norm != NormPlacement::Pre {
+            return Err(
+                "first_attn_norm = false needs norm = \"pre\": a post-norm layer's \
+                        attention norm is its output norm"
+                    .into(),
+            );
         }
         // Sizes last: a clearer message about a wrong option comes first.
         crate::limits::check_params(self.param_count(), &self.sizes())?;

@@ -24,8 +24,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm, AttentionInputs, Dropout,
-    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm, layer_norm_no_bias, AttentionInputs,
+    Dropout, FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention,
+    SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -37,7 +38,8 @@ use crate::rng;
 /// before (`pre`) or after (`post`) it.
 #[derive(Debug)]
 pub struct EncoderLayer {
-    attn_norm: LayerNorm,
+    /// `None` in a first layer without attention norm (ModernBERT's).
+    attn_norm: Option<LayerNorm>,
     attn: SelfAttention,
     ffn_norm: LayerNorm,
     ffn: FeedForward,
@@ -54,12 +56,20 @@ impl EncoderLayer {
         let spec = config.layer_spec(i);
         // A key bias only where q and k are rotated: elsewhere softmax cancels it.
         let rotated = config.positional.placement() == Placement::Attention && spec.positions;
+        let norm = |name: &str| match config.bias {
+            true => layer_norm(d, eps, vb.pp(name)),
+            false => layer_norm_no_bias(d, eps, vb.pp(name)),
+        };
         Ok(Self {
-            attn_norm: layer_norm(d, eps, vb.pp("attn_norm"))?,
+            attn_norm: match i == 0 && !config.first_attn_norm {
+                true => None,
+                false => Some(norm("attn_norm")?),
+            },
             attn: SelfAttention::new(
                 d,
                 config.n_heads,
                 rotated,
+                config.bias,
                 // TUPE's scale makes room for its positional term, absent without positions.
                 match spec.positions {
                     true => config.positional.score_scale(config.head_dim()),
@@ -68,8 +78,14 @@ impl EncoderLayer {
                 Dropout::new(config.attention_dropout, rng.clone()),
                 vb.pp("attn"),
             )?,
-            ffn_norm: layer_norm(d, eps, vb.pp("ffn_norm"))?,
-            ffn: FeedForward::new(d, config.ffn_dim, config.activation, vb.pp("ffn"))?,
+            ffn_norm: norm("ffn_norm")?,
+            ffn: FeedForward::new(
+                d,
+                config.ffn_dim,
+                config.activation,
+                config.bias,
+                vb.pp("ffn"),
+            )?,
             dropout: Dropout::new(config.dropout, rng.clone()),
             norm: config.norm,
             spec,
@@ -81,32 +97,42 @@ impl EncoderLayer {
         self.spec
     }
 
+    /// The attention input under pre-norm: `xs` normalised, or as it is in a first layer
+    /// without attention norm.
+    fn pre_norm_input(&self, xs: &Tensor) -> Result<Tensor> {
+        Ok(match &self.attn_norm {
+            Some(norm) => norm.forward(xs)?,
+            None => xs.clone(),
+        })
+    }
+
+    /// Whether the fused layer kernel computes this layer: it normalises the attention input
+    /// and runs a GELU or ReLU feed-forward.
+    fn fusable(&self) -> bool {
+        self.attn_norm.is_some() && self.ffn.activation() != crate::nn::Activation::Geglu
+    }
+
     /// The layer's parameters packed in the order of the fused layer kernel:
-    /// `attn_norm.{weight,bias}`, `attn.{q,k,v}.weight`, `attn.{q,k,v}.bias` (zeros for a key
-    /// without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`, `ffn.up.{weight,bias}`,
-    /// `ffn.down.{weight,bias}`, each flattened.
-    fn packed_params(&self) -> Result<Tensor> {
+    /// `attn_norm.{weight,bias}`, `attn.{q,k,v}.weight`, `attn.{q,k,v}.bias` (zeros for a
+    /// projection without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`,
+    /// `ffn.up.{weight,bias}`, `ffn.down.{weight,bias}`, each flattened.
+    fn packed_params(&self, attn_norm: &LayerNorm) -> Result<Tensor> {
         let (wqkv, bqkv) = self.attn.packed_qkv()?;
         let [_, _, _, o] = self.attn.projections();
         let (up, down) = (self.ffn.up(), self.ffn.down());
-        let bias = |l: &crate::nn::Linear| {
-            l.bias()
-                .expect("linear layers of a layer have biases")
-                .clone()
-        };
         let parts = [
-            self.attn_norm.weight().clone(),
-            self.attn_norm.bias().clone(),
+            attn_norm.weight().clone(),
+            attn_norm.bias().clone(),
             wqkv,
             bqkv,
             o.weight().clone(),
-            bias(o),
+            o.bias_or_zeros()?,
             self.ffn_norm.weight().clone(),
             self.ffn_norm.bias().clone(),
             up.weight().clone(),
-            bias(up),
+            up.bias_or_zeros()?,
             down.weight().clone(),
-            bias(down),
+            down.bias_or_zeros()?,
         ]
         .map(|p| p.flatten_all());
         let parts = parts.into_iter().collect::<candle::Result<Vec<_>>>()?;
@@ -115,7 +141,13 @@ impl EncoderLayer {
 
     /// The layer as one fused node ([`Kernels::Layer`]); dropout masks are drawn in the order
     /// the composition draws them, so both paths see the same masks.
-    fn forward_fused(&self, xs: &Tensor, inputs: AttentionInputs, train: bool) -> Result<Tensor> {
+    fn forward_fused(
+        &self,
+        xs: &Tensor,
+        attn_norm: &LayerNorm,
+        inputs: AttentionInputs,
+        train: bool,
+    ) -> Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
         let (dtype, device) = (xs.dtype(), xs.device());
         let heads = self.attn.n_heads();
@@ -136,13 +168,13 @@ impl EncoderLayer {
         let shape = LayerShape {
             d,
             ffn: self.ffn.up().weight().dim(0)?,
-            eps: self.attn_norm.eps(),
+            eps: attn_norm.eps(),
             pre_norm: self.norm == NormPlacement::Pre,
             activation: self.ffn.activation(),
         };
         Ok(encoder_layer(
             xs,
-            &self.packed_params()?,
+            &self.packed_params(attn_norm)?,
             shape,
             self.attn.fused_core(inputs),
             masks,
@@ -168,19 +200,21 @@ impl EncoderLayer {
                 None => Ok(None),
             }
         };
-        if kernels_for(xs) == Kernels::Layer {
+        if let (Kernels::Layer, Some(attn_norm), true) =
+            (kernels_for(xs), &self.attn_norm, self.fusable())
+        {
             // The fused layer normalises its input inside; a bias of that input (FoX's) needs
             // it outside too: the LayerNorm runs twice, a `(b, t, d)` pass beside the layer's.
             let bias = match (own, self.norm) {
                 (None, _) => None,
-                (Some(_), NormPlacement::Pre) => own_bias(&self.attn_norm.forward(xs)?)?,
+                (Some(_), NormPlacement::Pre) => own_bias(&attn_norm.forward(xs)?)?,
                 (Some(_), NormPlacement::Post) => own_bias(xs)?,
             };
             let inputs = AttentionInputs {
                 score_bias: bias.as_ref().or(inputs.score_bias),
                 ..inputs
             };
-            return self.forward_fused(xs, inputs, train);
+            return self.forward_fused(xs, attn_norm, inputs, train);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;
@@ -196,11 +230,16 @@ impl EncoderLayer {
         };
         Ok(match self.norm {
             NormPlacement::Pre => {
-                let xs = (xs + attn(&self.attn_norm.forward(xs)?)?)?;
+                let xs = (xs + attn(&self.pre_norm_input(xs)?)?)?;
                 (&xs + ffn(&self.ffn_norm.forward(&xs)?)?)?
             }
             NormPlacement::Post => {
-                let xs = self.attn_norm.forward(&(xs + attn(xs)?)?)?;
+                // Post-norm layers always have their attention norm (validated).
+                let sum = (xs + attn(xs)?)?;
+                let xs = match &self.attn_norm {
+                    Some(norm) => norm.forward(&sum)?,
+                    None => sum,
+                };
                 self.ffn_norm.forward(&(&xs + ffn(&xs)?)?)?
             }
         })
@@ -289,22 +328,24 @@ impl Encoder {
             )?),
         };
         let embed_norm = match extras.norm {
-            true => Some(layer_norm(
-                config.d_model,
-                config.layer_norm_eps,
-                vb.pp("embed_norm"),
-            )?),
+            true => Some(match config.bias {
+                true => layer_norm(config.d_model, config.layer_norm_eps, vb.pp("embed_norm"))?,
+                false => {
+                    layer_norm_no_bias(config.d_model, config.layer_norm_eps, vb.pp("embed_norm"))?
+                }
+            }),
             false => None,
         };
         let layers = (0..config.n_layers)
             .map(|i| EncoderLayer::new(config, i, &dropout_rng, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = match config.norm {
-            NormPlacement::Pre => Some(layer_norm(
-                config.d_model,
-                config.layer_norm_eps,
-                vb.pp("final_norm"),
-            )?),
+            NormPlacement::Pre => Some(match config.bias {
+                true => layer_norm(config.d_model, config.layer_norm_eps, vb.pp("final_norm"))?,
+                false => {
+                    layer_norm_no_bias(config.d_model, config.layer_norm_eps, vb.pp("final_norm"))?
+                }
+            }),
             NormPlacement::Post => None,
         };
         Ok(Self {
@@ -621,7 +662,10 @@ impl Encoder {
             let content = (&h - &positions)?;
             match self.config.norm {
                 NormPlacement::Pre => {
-                    let (c, p) = layer.attn_norm.split(&content, &positions)?;
+                    let (c, p) = match &layer.attn_norm {
+                        Some(norm) => norm.split(&content, &positions)?,
+                        None => (content, positions.clone()),
+                    };
                     let (scores, terms) = layer.attn.score_terms(&c, &p)?;
                     out.push((i, scores, terms));
                 }
@@ -667,7 +711,7 @@ impl Encoder {
         let mut out = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let attn_in = match self.config.norm {
-                NormPlacement::Pre => layer.attn_norm.forward(&x)?,
+                NormPlacement::Pre => layer.pre_norm_input(&x)?,
                 NormPlacement::Post => x.clone(),
             };
             out.push(attn_in);

@@ -103,6 +103,8 @@ impl ModelShape {
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
             activation: self.activation,
+            bias: true,
+            first_attn_norm: true,
             max_len: variant.max_len.unwrap_or(
                 variant
                     .random_positions

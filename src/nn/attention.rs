@@ -103,25 +103,26 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
-    /// `score_scale` multiplies `q kᵀ`; `None` is the usual `1/sqrt(d_head)`.
+    /// `score_scale` multiplies `q kᵀ`; `None` is the usual `1/sqrt(d_head)`. The projections
+    /// have biases when `bias` (the key's only when `key_bias` too).
     pub fn new(
         d_model: usize,
         n_heads: usize,
         key_bias: bool,
+        bias: bool,
         score_scale: Option<f64>,
         dropout: Dropout,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let k = if key_bias {
-            linear(d_model, d_model, vb.pp("k"))?
-        } else {
-            linear_no_bias(d_model, d_model, vb.pp("k"))?
+        let make = |with_bias: bool, name: &str| match with_bias {
+            true => linear(d_model, d_model, vb.pp(name)),
+            false => linear_no_bias(d_model, d_model, vb.pp(name)),
         };
         Ok(Self {
-            q: linear(d_model, d_model, vb.pp("q"))?,
-            k,
-            v: linear(d_model, d_model, vb.pp("v"))?,
-            o: linear(d_model, d_model, vb.pp("o"))?,
+            q: make(bias, "q")?,
+            k: make(bias && key_bias, "k")?,
+            v: make(bias, "v")?,
+            o: make(bias, "o")?,
             n_heads,
             head_dim: d_model / n_heads,
             scale: score_scale.unwrap_or(1.0 / ((d_model / n_heads) as f64).sqrt()),
@@ -149,17 +150,15 @@ impl SelfAttention {
         [&self.q, &self.k, &self.v, &self.o]
     }
 
-    /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for `b_k` when the key
-    /// projection has no bias: the packed projection of the fused kernels.
+    /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for a projection
+    /// without bias: the packed projection of the fused kernels.
     pub(crate) fn packed_qkv(&self) -> Result<(Tensor, Tensor)> {
         let weight = Tensor::cat(&[self.q.weight(), self.k.weight(), self.v.weight()], 0)?;
-        let q_bias = self.q.bias().expect("q has a bias");
-        let k_bias = match self.k.bias() {
-            Some(bias) => bias.clone(),
-            None => q_bias.zeros_like()?,
-        };
-        let bias = Tensor::cat(&[q_bias, &k_bias, self.v.bias().expect("v has a bias")], 0)?;
-        Ok((weight, bias))
+        let biases = [&self.q, &self.k, &self.v]
+            .map(|l| l.bias_or_zeros())
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        Ok((weight, Tensor::cat(&biases, 0)?))
     }
 
     /// The queries and keys of `xs` before any rotation, each `(b, h, t, d_head)`: what

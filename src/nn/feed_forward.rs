@@ -1,11 +1,11 @@
 //! The position-wise feed-forward block.
 
-use candle::{Module, Result, Tensor};
+use candle::{Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use super::Linear;
 
-use super::{gelu, linear};
+use super::{gelu, linear, linear_no_bias};
 
 /// The feed-forward block's nonlinearity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -16,6 +16,10 @@ pub enum Activation {
     Gelu,
     /// `max(x, 0)`, as in Vaswani et al. and the DeepMind length-generalization models.
     Relu,
+    /// GeGLU (Shazeer 2020, "GLU Variants Improve Transformer"), ModernBERT's: the up
+    /// projection is `2 · ffn_dim` wide, split into an input and a gate, and the block computes
+    /// `gelu(input) ⊙ gate`.
+    Geglu,
 }
 
 impl Activation {
@@ -24,6 +28,15 @@ impl Activation {
         match self {
             Self::Gelu => "gelu",
             Self::Relu => "relu",
+            Self::Geglu => "geglu",
+        }
+    }
+
+    /// How many times `ffn_dim` the up projection is wide: 2 for GeGLU's input and gate, else 1.
+    pub fn up_factor(self) -> usize {
+        match self {
+            Self::Geglu => 2,
+            _ => 1,
         }
     }
 
@@ -33,10 +46,18 @@ impl Activation {
     }
 
     /// The activation applied to `xs`, fused where the fused kernels run.
+    ///
+    /// # Shapes
+    /// - `xs`: `(.., n)`; returns `(.., n)`, and for GeGLU `(.., n / 2)`: `gelu` of the first
+    ///   half times the second
     pub fn apply(self, xs: &Tensor) -> Result<Tensor> {
         match self {
             Self::Gelu => gelu(xs),
             Self::Relu => xs.relu(),
+            Self::Geglu => {
+                let n = xs.dim(D::Minus1)? / 2;
+                gelu(&xs.narrow(D::Minus1, 0, n)?)? * xs.narrow(D::Minus1, n, n)?
+            }
         }
     }
 }
@@ -66,16 +87,22 @@ impl FeedForward {
         self.activation
     }
 
-    /// A feed-forward block of `d_model → ffn_dim → d_model`, weights under `vb` (`up`, `down`).
+    /// A feed-forward block of `d_model → ffn_dim → d_model` (the up projection twice as wide
+    /// for GeGLU), weights under `vb` (`up`, `down`), with biases when `bias`.
     pub fn new(
         d_model: usize,
         ffn_dim: usize,
         activation: Activation,
+        bias: bool,
         vb: VarBuilder,
     ) -> Result<Self> {
+        let make = match bias {
+            true => linear,
+            false => linear_no_bias,
+        };
         Ok(Self {
-            up: linear(d_model, ffn_dim, vb.pp("up"))?,
-            down: linear(ffn_dim, d_model, vb.pp("down"))?,
+            up: make(d_model, activation.up_factor() * ffn_dim, vb.pp("up"))?,
+            down: make(ffn_dim, d_model, vb.pp("down"))?,
             activation,
         })
     }

@@ -19,6 +19,14 @@ pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm { weight, bias, eps })
 }
 
+/// A LayerNorm without a bias (ModernBERT's): its `weight` under `vb`, and a bias fixed at 0
+/// that is no variable.
+pub fn layer_norm_no_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+    let weight = vb.get_with_hints(size, "weight", Init::Const(1.0))?;
+    let bias = Tensor::zeros(size, vb.dtype(), vb.device())?;
+    Ok(LayerNorm { weight, bias, eps })
+}
+
 impl LayerNorm {
     /// The scale, `(d,)`.
     pub fn weight(&self) -> &Tensor {

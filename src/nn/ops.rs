@@ -18,6 +18,19 @@ impl Linear {
         Self { weight, bias }
     }
 
+    /// The bias, or zeros `(out,)` (not a variable) for a layer without one: what a fused
+    /// kernel that always adds a bias reads.
+    pub fn bias_or_zeros(&self) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) => Ok(b.clone()),
+            None => Tensor::zeros(
+                self.weight.dim(0)?,
+                self.weight.dtype(),
+                self.weight.device(),
+            ),
+        }
+    }
+
     /// `(out, in)`
     pub fn weight(&self) -> &Tensor {
         &self.weight

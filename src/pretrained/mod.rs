@@ -179,6 +179,8 @@ impl HfConfig {
             n_layers: self.num_hidden_layers,
             ffn_dim: self.intermediate_size,
             activation,
+            bias: true,
+            first_attn_norm: true,
             max_len: self.max_position_embeddings,
             norm: NormPlacement::Post,
             dropout: self.hidden_dropout_prob,

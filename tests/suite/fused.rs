@@ -569,3 +569,62 @@ fn local_windows_match_the_reference() {
         }
     }
 }
+
+/// ModernBERT's block options (no biases, GeGLU, no attention norm in layer 0): the fused
+/// kernels (the layer kernel with zero biases where it applies, the fused ops elsewhere) match
+/// the composition, forward and backward.
+#[test]
+fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
+    use poslab::{Activation, LayerKind, LayerPlan};
+    let windows = LayerPlan {
+        local_window: Some(4),
+        ..LayerPlan::new(vec![LayerKind::Global, LayerKind::Local])
+    };
+    for name in ["rope", "alibi", "sinusoidal_add"] {
+        let positional = all_schemes()
+            .into_iter()
+            .find(|p| p.name() == name)
+            .unwrap();
+        for (activation, first_attn_norm) in [
+            (Activation::Gelu, true),
+            (Activation::Geglu, true),
+            (Activation::Gelu, false),
+            (Activation::Geglu, false),
+        ] {
+            for dropout in [0.0, 0.2] {
+                let mut config = ModelConfig {
+                    bias: false,
+                    activation,
+                    first_attn_norm,
+                    dropout,
+                    attention_dropout: dropout,
+                    embeddings: poslab::EmbeddingExtras {
+                        norm: true,
+                        ..Default::default()
+                    },
+                    ..medium_config(positional.clone(), NormPlacement::Pre)
+                };
+                if name != "sinusoidal_add" {
+                    config = config.with_layer_plan(windows.clone());
+                }
+                for dtype in [DType::F32, DType::F64] {
+                    let train = dropout > 0.0;
+                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    assert!(
+                        reference.grads.iter().all(|(n, _)| !n.ends_with(".bias")),
+                        "{name}: a bias variable exists without biases"
+                    );
+                    for kernels in [Kernels::Ops, Kernels::Layer] {
+                        let what = format!(
+                            "{name} {activation:?} first_attn_norm {first_attn_norm} dropout \
+                             {dropout} {dtype:?} {}",
+                            kernels.name()
+                        );
+                        let fast = run_encoder(&config, dtype, kernels, train);
+                        compare(&fast, &reference, tolerance(dtype), &what);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! poslab's integration tests, one binary (linking a release test binary per file is slow).
 
 mod analysis;
+mod blocks;
 mod checkpoint;
 mod cli;
 mod common;

@@ -810,6 +810,7 @@ pub(crate) fn activation_par<T: Real>(x: &[T], activation: crate::nn::Activation
     match activation {
         crate::nn::Activation::Gelu => gelu_par(x),
         crate::nn::Activation::Relu => relu_par(x),
+        crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
 }
 
@@ -822,6 +823,7 @@ pub(crate) fn activation_grad_par<T: Real>(
     match activation {
         crate::nn::Activation::Gelu => gelu_grad_par(x, g),
         crate::nn::Activation::Relu => relu_grad_par(x, g),
+        crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
 }
 
@@ -1065,6 +1067,9 @@ pub(crate) fn encoder_layer(
     masks: LayerMasks,
     keep_activations: bool,
 ) -> Result<Tensor> {
+    if shape.activation == crate::nn::Activation::Geglu {
+        candle::bail!("the fused layer computes GELU and ReLU feed-forwards; GeGLU runs as ops");
+    }
     let bias = attention.score_bias_input(x)?;
     let op = layer::LayerOp::new(shape, attention, masks, keep_activations);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
