@@ -694,6 +694,34 @@ impl Encoder {
             .collect()
     }
 
+    /// The hidden states at every depth, with the tokens at `0..t` and no dropout: the
+    /// embeddings (positions joined, the embedding LayerNorm applied), then each layer's output
+    /// (the last before the final LayerNorm): transformers' `hidden_states` (whose last entry
+    /// is after the final norm for ModernBERT: the last hidden state).
+    ///
+    /// # Shapes
+    /// - `input_ids`, `attention_mask`: `(b, t)`; returns `n_layers + 1` tensors `(b, t, d_model)`
+    pub fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Vec<Tensor>> {
+        let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
+        let x = self.tok_emb.forward(input_ids)?;
+        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
+        let (x, placed) = self.place(x, &positions, attention_mask)?;
+        let mut x = self.embedding_extras(x)?;
+        let padding = key_padding_bias(attention_mask, x.dtype())?;
+        let mut out = vec![x.clone()];
+        for i in 0..self.layers.len() {
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            x = self.layers[i].forward_t(&x, inputs, own, false)?;
+            out.push(x.clone());
+        }
+        Ok(out)
+    }
+
     /// Every layer's attention input (after its LayerNorm under pre-norm), `(b, t, d_model)`,
     /// with the tokens at `0..t`: what q, k, v (and FoX's gates) are computed from.
     pub fn attention_inputs(

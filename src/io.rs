@@ -192,10 +192,24 @@ impl FolderLock {
             .write(true)
             .open(&path)
             .map_err(|e| Error::io(&path, e))?;
-        match file.try_lock_exclusive() {
-            Ok(true) => {}
-            Ok(false) => return Err(Self::busy(dir, &path, "another")),
-            Err(e) => return Err(Error::io(&path, e)),
+        // A lock this process released can outlive it for an instant: a child process another
+        // thread is spawning holds a copy of the descriptor between fork and exec. So when the
+        // recorded holder is this process, try again for up to a second before refusing.
+        let ours = format!("pid {} (", std::process::id());
+        let mut tries = 0;
+        loop {
+            match file.try_lock_exclusive() {
+                Ok(true) => break,
+                Ok(false) => {
+                    let recorded = std::fs::read_to_string(&path).unwrap_or_default();
+                    if !recorded.starts_with(&ours) || tries == 50 {
+                        return Err(Self::busy(dir, &path, "another"));
+                    }
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(e) => return Err(Error::io(&path, e)),
+            }
         }
         let holder = format!("pid {} ({who})\n", std::process::id());
         let written = file

@@ -18,7 +18,7 @@ use crate::io::write_atomic;
 use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
 };
-use crate::saved::Loaded;
+use crate::Encoder;
 
 /// Wavelengths `2π / w_i` (in positions) of every pair, unscaled and under each scaling at
 /// `factor`, for a rotated width `rotary_dim` trained at `original` positions (dynamic NTK
@@ -142,10 +142,9 @@ impl PairEnergy {
     }
 }
 
-/// For a trained rope model: every layer's and head's share of q and k energy per pair, over
-/// the real tokens of `ids`.
-pub fn pair_energy(loaded: &Loaded, ids: &Tensor, mask: &Tensor) -> Result<Vec<PairEnergy>> {
-    let encoder = loaded.model.encoder();
+/// For a trained rope model (a run's, or a pretrained one's such as ModernBERT): every layer's
+/// and head's share of q and k energy per pair, over the real tokens of `ids`.
+pub fn pair_energy(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Vec<PairEnergy>> {
     let PositionalModule::Rotation(rope) = encoder.positional() else {
         return Err(Error::Input(format!(
             "frequency pairs exist in rope models; this one is `{}`",

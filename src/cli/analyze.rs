@@ -185,32 +185,50 @@ pub fn run(a: Args) -> Result<()> {
                 dtype: None,
             };
             let model = super::load_pretrained(spec, &cpu)?;
-            let w = model
-                .params
-                .get("pos_emb.weight")
-                .context("the model's position table")?;
-            // RoBERTa's first real token reads row padding_idx + 1: the table from there.
-            let offset = model.encoder.config().embeddings.first_position;
-            let w = w.narrow(0, offset, model.max_tokens())?;
-            let (rows, dim) = w.dims2()?;
-            let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-            let title = match offset {
-                0 => format!("learned table of {spec}"),
-                o => format!("learned table of {spec} (rows from {o}, where its positions start)"),
-            };
             let label = Path::new(spec)
                 .file_name()
                 .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            let table = Table {
-                title,
-                start: 0,
-                rows,
-                dim,
-                values,
-                pairs: None,
-            };
-            pretrained = Some(model);
-            (Some(table), label, None)
+            let config = model.encoder.config();
+            if config.positional.placement() == poslab::Placement::Attention {
+                // No table (ModernBERT): its rotation's own table, at the global base.
+                let table = analysis::fixed_table(
+                    &config.positional,
+                    config.d_model,
+                    config.head_dim(),
+                    a.positions,
+                );
+                pretrained = Some(model);
+                (table, label, None)
+            } else {
+                let w = model
+                    .params
+                    .get("pos_emb.weight")
+                    .context("the model's position table")?;
+                // RoBERTa's first real token reads row padding_idx + 1: the table from there.
+                let offset = model.encoder.config().embeddings.first_position;
+                let w = w.narrow(0, offset, model.max_tokens())?;
+                let (rows, dim) = w.dims2()?;
+                let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                let title = match offset {
+                    0 => format!("learned table of {spec}"),
+                    o => format!(
+                        "learned table of {spec} (rows from {o}, where its positions start)"
+                    ),
+                };
+                let label = Path::new(spec)
+                    .file_name()
+                    .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+                let table = Table {
+                    title,
+                    start: 0,
+                    rows,
+                    dim,
+                    values,
+                    pairs: None,
+                };
+                pretrained = Some(model);
+                (Some(table), label, None)
+            }
         }
         (_, Some(dir)) => {
             let loaded = load_model(
@@ -349,7 +367,24 @@ pub fn run(a: Args) -> Result<()> {
                 .join(", ")
         ));
     }
-    if let Some(model) = &pretrained {
+    if let Some(model) = pretrained
+        .as_ref()
+        .filter(|m| m.encoder.config().positional.placement() == poslab::Placement::Attention)
+    {
+        // A rotation in every layer (ModernBERT): which frequency pairs each layer's queries
+        // and keys use, global layers beside local ones (Barbero et al. 2025).
+        let (texts, source) = analysis::terms::pretrained_texts(a.texts, a.text.as_deref())?;
+        let batch = model.batch(&texts, true)?;
+        let energy = analysis::rope::pair_energy(&model.encoder, &batch.ids, &batch.mask)?;
+        summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
+        summary.push_str(&analysis::rope::energy_summary(&energy));
+        files.extend(analysis::rope::write_energy(&energy, &dir)?);
+        summary.push_str(
+            "attention terms: not split for a rotation (positions are not added to the token \
+             embeddings)\n",
+        );
+        poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    } else if let Some(model) = &pretrained {
         // TUPE's analysis of BERT: the first layer's logits on real text, split exactly.
         let (texts, source) = analysis::terms::pretrained_texts(a.texts, a.text.as_deref())?;
         let batch = model.batch(&texts, true)?;
@@ -388,7 +423,7 @@ pub fn run(a: Args) -> Result<()> {
                             serde_json::to_string(&loaded.config.model.positional)?
                         ));
                     }
-                    let energy = analysis::rope::pair_energy(loaded, &ids, &mask)?;
+                    let energy = analysis::rope::pair_energy(loaded.model.encoder(), &ids, &mask)?;
                     summary.push_str(&analysis::rope::energy_summary(&energy));
                     files.extend(analysis::rope::write_energy(&energy, &dir)?);
                 }

@@ -298,9 +298,15 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
         dtype: None,
     };
     let model = super::load_pretrained(spec, &compute)?;
+    let modern = model.family == poslab::pretrained::Family::ModernBert;
     outln!(
-        "{spec}: a `{}` model, every tensor of model.safetensors mapped (src/pretrained/names.rs)",
-        model.hf.model_type
+        "{spec}: a `{}` model, every tensor of model.safetensors mapped ({})",
+        model.hf.model_type,
+        if modern {
+            "src/pretrained/modernbert.rs: Wqkv split into q, k and v"
+        } else {
+            "src/pretrained/names.rs"
+        }
     );
     match model.family {
         poslab::pretrained::Family::Bert | poslab::pretrained::Family::DistilBert => {
@@ -309,6 +315,10 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
         poslab::pretrained::Family::Roberta { padding_idx } => outln!(
             "positions: from {} (padding_idx + 1), padded tokens at {padding_idx}",
             padding_idx + 1
+        ),
+        poslab::pretrained::Family::ModernBert => outln!(
+            "positions: no table; q and k rotated (RoPE, half pairing) in every layer, a base \
+             per kind of layer (src/pretrained/modernbert.rs)"
         ),
     }
     outln!(
@@ -324,9 +334,13 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
         }
     );
     outln!(
-        "parameters: {} loaded (the file's pooler and attention key biases change no output \
-         and are left out)\n",
-        model.params.num_params()
+        "parameters: {} loaded{}\n",
+        model.params.num_params(),
+        if modern {
+            " (no biases; GeGLU feed-forwards; no attention norm in layer 0)"
+        } else {
+            " (the file's pooler and attention key biases change no output and are left out)"
+        }
     );
     describe_config(model.encoder.config().clone(), "as a poslab encoder".into())
 }

@@ -4,7 +4,7 @@ use candle::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::Result;
-use crate::nn::{gelu, layer_norm, linear, LayerNorm, Linear};
+use crate::nn::{gelu, layer_norm, layer_norm_no_bias, linear, linear_no_bias, LayerNorm, Linear};
 
 /// `logits = LN(gelu(dense(h))) · E^T + bias`, `E` the word embeddings (the decoder is tied):
 /// `mlm.dense`, `mlm.norm`, `mlm.bias`.
@@ -17,11 +17,18 @@ pub struct MlmHead {
 
 impl MlmHead {
     /// The head for a `d_model`-wide encoder and `vocab` tokens, weights under `vb` (`dense`,
-    /// `norm`, `bias`).
-    pub fn new(d_model: usize, vocab: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+    /// `norm`, `bias`); `dense` and `norm` without biases unless `bias` (ModernBERT's have
+    /// none; the decoder's `bias` is always there).
+    pub fn new(d_model: usize, vocab: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            dense: linear(d_model, d_model, vb.pp("dense"))?,
-            norm: layer_norm(d_model, eps, vb.pp("norm"))?,
+            dense: match bias {
+                true => linear(d_model, d_model, vb.pp("dense"))?,
+                false => linear_no_bias(d_model, d_model, vb.pp("dense"))?,
+            },
+            norm: match bias {
+                true => layer_norm(d_model, eps, vb.pp("norm"))?,
+                false => layer_norm_no_bias(d_model, eps, vb.pp("norm"))?,
+            },
             bias: vb.get_with_hints(vocab, "bias", Init::Const(0.0))?,
         })
     }

@@ -14,6 +14,7 @@
 //! ```
 
 mod mlm_head;
+pub mod modernbert;
 pub mod names;
 
 use std::collections::HashMap;
@@ -34,7 +35,7 @@ use crate::positional::{LearnedOptions, PositionalConfig, Positions};
 use crate::text::TextTokenizer;
 
 /// The model types poslab loads.
-pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...), `roberta` and `distilbert`";
+pub const SUPPORTED: &str = "`bert` (BERT, MiniLM, ...), `roberta`, `distilbert` and `modernbert`";
 
 /// The fields of a Hugging Face `config.json` poslab reads (others are ignored). DistilBERT's
 /// own names (`dim`, `n_layers`, `n_heads`, `hidden_dim`, `activation`, `dropout`,
@@ -58,7 +59,11 @@ pub struct HfConfig {
     #[serde(alias = "hidden_dim")]
     pub intermediate_size: usize,
     /// The feed-forward nonlinearity (default `gelu`).
-    #[serde(default = "default_act", alias = "activation")]
+    #[serde(
+        default = "default_act",
+        alias = "activation",
+        alias = "hidden_activation"
+    )]
     pub hidden_act: String,
     /// Rows of the learned position table.
     pub max_position_embeddings: usize,
@@ -66,7 +71,7 @@ pub struct HfConfig {
     #[serde(default = "default_type_vocab")]
     pub type_vocab_size: usize,
     /// The LayerNorms' epsilon (default 1e-12).
-    #[serde(default = "default_eps")]
+    #[serde(default = "default_eps", alias = "norm_eps")]
     pub layer_norm_eps: f64,
     /// The padding token's id (RoBERTa numbers positions from it).
     #[serde(default)]
@@ -83,6 +88,9 @@ pub struct HfConfig {
     /// Dropout on the attention weights (DistilBERT: `attention_dropout`).
     #[serde(default, alias = "attention_dropout")]
     pub attention_probs_dropout_prob: f64,
+    /// ModernBERT's own keys (see [`modernbert`]).
+    #[serde(flatten)]
+    pub modernbert: modernbert::ModernBertKeys,
 }
 
 fn default_act() -> String {
@@ -110,6 +118,9 @@ pub enum Family {
     },
     /// Positions `0..t`, no token types, its own tensor names (and LayerNorm eps 1e-12).
     DistilBert,
+    /// No position table: RoPE in every layer, global and sliding-window layers, no biases,
+    /// GeGLU (see [`modernbert`]).
+    ModernBert,
 }
 
 impl HfConfig {
@@ -121,6 +132,7 @@ impl HfConfig {
                 padding_idx: self.pad_token_id.unwrap_or(1),
             }),
             "distilbert" => Ok(Family::DistilBert),
+            "modernbert" => Ok(Family::ModernBert),
             other => Err(Error::Config(format!(
                 "model_type `{other}` is not supported: poslab loads {SUPPORTED}"
             ))),
@@ -130,6 +142,9 @@ impl HfConfig {
     /// poslab's config of the same encoder.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let family = self.family()?;
+        if family == Family::ModernBert {
+            return modernbert::model_config(self);
+        }
         // Ids must name a row of the tables they index: a pad_token_id of 2^64 - 1 would wrap
         // RoBERTa's first position to 0.
         if let Some(pad) = self.pad_token_id.filter(|&p| p >= self.vocab_size) {
@@ -199,7 +214,7 @@ impl HfConfig {
                 norm: true,
                 first_position: match family {
                     Family::Roberta { padding_idx } => padding_idx + 1,
-                    Family::Bert | Family::DistilBert => 0,
+                    _ => 0,
                 },
             },
             positional: PositionalConfig::Learned(LearnedOptions { init_std: 0.02 }),
@@ -319,14 +334,23 @@ impl Folder {
         // is built at the config's size), and only the tensors poslab maps are read.
         let mut file = crate::weights::WeightsFile::open(&weights)?;
         file.check_holds(config.param_count(), "config.json")?;
-        let (mapping, has_mlm) =
-            rename(&file.shapes(), &hf, family).map_err(|message| Error::Checkpoint {
-                path: weights.clone(),
-                message,
-            })?;
+        let (mapping, has_mlm) = match family {
+            Family::ModernBert => modernbert::rename(&file.shapes(), hf.hidden_size),
+            _ => rename(&file.shapes(), &hf, family),
+        }
+        .map_err(|message| Error::Checkpoint {
+            path: weights.clone(),
+            message,
+        })?;
         let tensors = mapping
             .into_iter()
-            .map(|(ours, theirs)| Ok((ours, file.read(&theirs)?)))
+            .map(|(ours, theirs)| {
+                let tensor = file.read(&theirs.name)?;
+                Ok(match theirs.rows {
+                    Some((first, rows)) => (ours, tensor.narrow(0, first, rows)?.contiguous()?),
+                    None => (ours, tensor),
+                })
+            })
             .collect::<Result<HashMap<_, _>>>()?;
         let tokenizer = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
         if tokenizer.vocab_size() > hf.vocab_size {
@@ -363,6 +387,7 @@ impl Pretrained {
                 hf.hidden_size,
                 hf.vocab_size,
                 hf.layer_norm_eps,
+                folder.config.bias,
                 vb.pp("mlm"),
             )?),
             false => None,
@@ -467,6 +492,7 @@ impl Pretrained {
                     Family::Bert => "Bert",
                     Family::Roberta { .. } => "Roberta",
                     Family::DistilBert => "DistilBert",
+                    Family::ModernBert => "ModernBert",
                 }
             ))
         })?;
@@ -582,7 +608,7 @@ fn rename(
     tensors: &HashMap<String, Vec<usize>>,
     hf: &HfConfig,
     family: Family,
-) -> std::result::Result<(HashMap<String, String>, bool), String> {
+) -> std::result::Result<(HashMap<String, modernbert::Source>, bool), String> {
     let (prefix, embeddings, layers, layer, mlm_table) = match family {
         Family::Bert => (
             "bert.",
@@ -598,7 +624,7 @@ fn rename(
             names::LAYER,
             names::ROBERTA_MLM,
         ),
-        Family::DistilBert => (
+        Family::DistilBert | Family::ModernBert => (
             "distilbert.",
             names::DISTILBERT_EMBEDDINGS,
             "transformer.layer.",
@@ -632,7 +658,13 @@ fn rename(
             });
         match mapped {
             Some(ours) => {
-                out.insert(ours, name.clone());
+                out.insert(
+                    ours,
+                    modernbert::Source {
+                        name: name.clone(),
+                        rows: None,
+                    },
+                );
             }
             None => {
                 let ignored = names::IGNORED

@@ -14,6 +14,7 @@ mod gradients;
 mod hardening;
 mod layers;
 mod length_suite;
+mod modernbert;
 mod precision;
 mod pretrained;
 mod properties;
