@@ -297,3 +297,85 @@ fn pretrained_starts_that_cannot_work_are_refused_with_the_fix() {
     );
     assert!(e.contains("model_type `gpt2` is not supported"), "{e}");
 }
+
+fn tiny_modernbert() -> String {
+    format!(
+        "init = {{ model = {:?} }}",
+        fixture_path("pretrained/tiny-modernbert")
+            .display()
+            .to_string()
+    )
+}
+
+/// The tiny ModernBERT (RoPE, windows, GeGLU, no biases) fine-tunes as the BERT does: the loss
+/// falls, the saved model scores its test set exactly as its report says, and a stopped run
+/// resumes bit for bit.
+#[test]
+fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
+    let root = tempfile::tempdir().unwrap();
+    let data = order_task(root.path());
+    let config = TrainRunConfig::from_toml_str(&config(&data, &tiny_modernbert(), "")).unwrap();
+    let dir = root.path().join("run");
+    let metrics = finished(single::start(&config, &options(&dir, None)).unwrap());
+    let test = match &metrics.evaluations[0].outcome {
+        Outcome::Scored { accuracy, loss, .. } => (*accuracy, *loss),
+        other => panic!("{other:?}"),
+    };
+    eprintln!(
+        "tiny ModernBERT fine-tuned: final train loss {:.3}, validation {:?}, test accuracy {:.3}",
+        metrics.final_train_loss, metrics.validation, test.0
+    );
+    assert!(
+        metrics.final_train_loss < 0.9 * 5f64.ln(),
+        "the loss did not fall: {}",
+        metrics.final_train_loss
+    );
+    assert_eq!(metrics.positional.name(), "rope");
+    let loaded = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let model = &loaded.config.model;
+    assert!(!model.bias && !model.first_attn_norm);
+    assert_eq!(model.layers.as_ref().unwrap().local_window, Some(6));
+    let framing = loaded.config.framing(&loaded.tokenizer).unwrap();
+    let spec = loaded.config.task_spec.clone().unwrap();
+    let mut task = spec
+        .generate_with(&options(&dir, None).hub, Some(loaded.tokenizer.clone()))
+        .unwrap();
+    task.limit.max_tokens = Some(64);
+    let set = poslab::data::Dataset::encode(
+        &task.tests[0].examples,
+        &loaded.tokenizer,
+        framing,
+        task.limit,
+    )
+    .unwrap();
+    let score = poslab::train::evaluate(
+        &loaded.model,
+        &set,
+        loaded.tokenizer.pad_id(),
+        None,
+        0,
+        32,
+        0,
+    )
+    .unwrap();
+    assert_eq!((score.accuracy, score.loss), test);
+
+    // Stopped after a checkpoint, resumed: the same weights as the run above, bit for bit.
+    let text = self::config(&data, &tiny_modernbert(), "")
+        .replace("checkpoint_every = 0", "checkpoint_every = 50");
+    let config = TrainRunConfig::from_toml_str(&text).unwrap();
+    let whole = root.path().join("whole");
+    finished(single::start(&config, &options(&whole, None)).unwrap());
+    let parts = root.path().join("parts");
+    assert!(matches!(
+        single::start(&config, &options(&parts, Some(60))).unwrap(),
+        TrainEnd::Stopped { step: 60 }
+    ));
+    finished(single::resume(&options(&parts, None)).unwrap());
+    let a = poslab::saved::load(&whole, DType::F32, &Device::Cpu).unwrap();
+    let b = poslab::saved::load(&parts, DType::F32, &Device::Cpu).unwrap();
+    for (name, var) in a.params.vars() {
+        let other = b.params.get(&name).unwrap();
+        assert_eq!(bits(var.as_tensor()), bits(&other), "{name}");
+    }
+}
