@@ -680,6 +680,42 @@ impl Encoder {
         Ok(out)
     }
 
+    /// Every layer's attention scores with and without its rotation, over the tokens at `0..t`:
+    /// `c rot(q) rot(k)ᵀ` and `c q kᵀ` (`c` the score scale), each `(b, h, t, t)`, their
+    /// difference what the rotation (the position) adds to the content's score. A layer without
+    /// a rotation (no positions, or a scheme that does not rotate) gives the same tensor twice.
+    pub fn rotation_scores(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
+        let x = self.tok_emb.forward(input_ids)?;
+        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
+        let (x, placed) = self.place(x, &positions, attention_mask)?;
+        let mut x = self.embedding_extras(x)?;
+        let padding = key_padding_bias(attention_mask, x.dtype())?;
+        let mut out = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let attn_in = match self.config.norm {
+                NormPlacement::Pre => layer.pre_norm_input(&x)?,
+                NormPlacement::Post => x.clone(),
+            };
+            let (q, k) = layer.attn.queries_keys(&attn_in)?; // (b, h, t, d_head)
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            let c = layer.attn.score_scale();
+            let plain = (q.matmul(&k.t()?)? * c)?;
+            let rotated = match inputs.rotary {
+                Some(r) => (r.apply(&q)?.matmul(&r.apply(&k)?.t()?)? * c)?,
+                None => plain.clone(),
+            };
+            out.push((rotated, plain));
+            x = layer.forward_t(&x, inputs, own, false)?;
+        }
+        Ok(out)
+    }
+
     /// Every layer's queries and keys before any rotation, `(b, h, t, d_head)` each, with the
     /// tokens at `0..t`: what RoPE's frequency pairs carry in a trained model.
     pub fn queries_keys(

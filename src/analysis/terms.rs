@@ -214,3 +214,134 @@ pub fn summary(terms: &[HeadTerms]) -> String {
     }
     s
 }
+
+/// One head's attention scores split by what its rotation adds: `c q kᵀ` (the content's score,
+/// as if unrotated) and `c (rot(q) rot(k)ᵀ - q kᵀ)` (the rotation's, the position term of a
+/// RoPE layer), over the real token pairs of a batch.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RotationTerms {
+    /// The layer.
+    pub layer: usize,
+    /// What the layer does with positions ([`crate::layers::LayerSpec::describe`]).
+    pub plan: String,
+    /// The head.
+    pub head: usize,
+    /// Mean absolute content score.
+    pub content: f64,
+    /// Mean absolute rotation term.
+    pub rotation: f64,
+    /// `rotation / (content + rotation)`.
+    pub share: f64,
+}
+
+/// The rotation split per layer and head (see [`RotationTerms`]).
+pub fn rotation_terms(
+    encoder: &Encoder,
+    ids: &Tensor,
+    mask: &Tensor,
+) -> Result<Vec<RotationTerms>> {
+    let m = mask.to_dtype(DType::F64)?;
+    let pairs = m
+        .unsqueeze(2)?
+        .broadcast_mul(&m.unsqueeze(1)?)?
+        .unsqueeze(1)?; // (b, 1, t, t)
+    let count = pairs.sum_all()?.to_scalar::<f64>()?.max(1.0);
+    let per_head = |x: &Tensor| -> Result<Vec<f64>> {
+        Ok((x
+            .to_dtype(DType::F64)?
+            .abs()?
+            .broadcast_mul(&pairs)?
+            .sum(D::Minus1)?
+            .sum(D::Minus1)?
+            .sum(0)?
+            / count)?
+            .to_vec1::<f64>()?)
+    };
+    let mut out = Vec::new();
+    for (layer, (rotated, plain)) in encoder.rotation_scores(ids, mask)?.into_iter().enumerate() {
+        let content = per_head(&plain)?;
+        let rotation = per_head(&(rotated - &plain)?)?;
+        let plan = encoder.config().layer_spec(layer).describe();
+        for (head, (c, r)) in content.iter().zip(&rotation).enumerate() {
+            out.push(RotationTerms {
+                layer,
+                plan: plan.clone(),
+                head,
+                content: *c,
+                rotation: *r,
+                share: r / (c + r).max(1e-300),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Per layer, the rotation's mean share over heads, as printed lines.
+pub fn rotation_summary(terms: &[RotationTerms]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::from(
+        "attention scores split into the content's (q·k unrotated) and what the rotation adds \
+         (the position term), mean |term| over real token pairs:\n",
+    );
+    let layers: std::collections::BTreeSet<usize> = terms.iter().map(|t| t.layer).collect();
+    for layer in layers {
+        let heads: Vec<&RotationTerms> = terms.iter().filter(|t| t.layer == layer).collect();
+        let share = 100.0 * heads.iter().map(|t| t.share).sum::<f64>() / heads.len() as f64;
+        let per_head: Vec<String> = heads
+            .iter()
+            .map(|t| format!("{:.0}%", 100.0 * t.share))
+            .collect();
+        let _ = writeln!(
+            s,
+            "  layer {layer} ({}): rotation {share:.1}% of the score (per head: {})",
+            heads[0].plan,
+            per_head.join(", ")
+        );
+    }
+    s
+}
+
+/// `rotation_terms.csv`, and `rotation_terms.png`: each head's rotation share by layer.
+pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<String>> {
+    use std::fmt::Write as _;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut csv = String::from("layer,plan,head,content,rotation,share\n");
+    for t in terms {
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{}",
+            t.layer,
+            t.plan.replace(',', ";"),
+            t.head,
+            t.content,
+            t.rotation,
+            t.share
+        );
+    }
+    crate::io::write_atomic(&dir.join("rotation_terms.csv"), csv.as_bytes())?;
+    let heads = terms.iter().map(|t| t.head).max().map_or(0, |h| h + 1);
+    let series: Vec<super::plots::Line> = (0..heads)
+        .map(|h| {
+            (
+                format!("H{h}"),
+                terms
+                    .iter()
+                    .filter(|t| t.head == h)
+                    .map(|t| (t.layer as f64, 100.0 * t.share))
+                    .collect(),
+                false,
+            )
+        })
+        .collect();
+    super::plots::line_chart(
+        &dir.join("rotation_terms.png"),
+        "what the rotation adds to each head's attention scores, by layer",
+        ("layer", "rotation's share of the score (%)"),
+        &series,
+        false,
+    )?;
+    Ok(vec![
+        "rotation_terms.csv".into(),
+        "rotation_terms.png".into(),
+    ])
+}

@@ -379,10 +379,9 @@ pub fn run(a: Args) -> Result<()> {
         summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
         summary.push_str(&analysis::rope::energy_summary(&energy));
         files.extend(analysis::rope::write_energy(&energy, &dir)?);
-        summary.push_str(
-            "attention terms: not split for a rotation (positions are not added to the token \
-             embeddings)\n",
-        );
+        let terms = analysis::terms::rotation_terms(&model.encoder, &batch.ids, &batch.mask)?;
+        summary.push_str(&analysis::terms::rotation_summary(&terms));
+        files.extend(analysis::terms::write_rotation_terms(&terms, &dir)?);
         poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     } else if let Some(model) = &pretrained {
         // TUPE's analysis of BERT: the first layer's logits on real text, split exactly.
@@ -423,9 +422,13 @@ pub fn run(a: Args) -> Result<()> {
                             serde_json::to_string(&loaded.config.model.positional)?
                         ));
                     }
-                    let energy = analysis::rope::pair_energy(loaded.model.encoder(), &ids, &mask)?;
+                    let encoder = loaded.model.encoder();
+                    let energy = analysis::rope::pair_energy(encoder, &ids, &mask)?;
                     summary.push_str(&analysis::rope::energy_summary(&energy));
                     files.extend(analysis::rope::write_energy(&energy, &dir)?);
+                    let terms = analysis::terms::rotation_terms(encoder, &ids, &mask)?;
+                    summary.push_str(&analysis::terms::rotation_summary(&terms));
+                    files.extend(analysis::terms::write_rotation_terms(&terms, &dir)?);
                 }
             }
         }

@@ -327,3 +327,31 @@ fn plans_that_cannot_work_are_refused_naming_the_layer_or_key() {
         ]
     );
 }
+
+#[test]
+fn the_rotation_split_is_zero_in_position_free_layers_and_labels_each_layer() {
+    let config = ModelConfig {
+        n_layers: 3,
+        ..tiny_config(
+            PositionalConfig::Rope(RopeOptions::default()),
+            NormPlacement::Pre,
+        )
+    }
+    .with_layer_plan(plan(
+        &[LayerKind::Global, LayerKind::Local, LayerKind::None],
+        Some(4),
+    ));
+    let (encoder, _) = Encoder::seeded(&config, 5, &Device::Cpu).unwrap();
+    let (ids, mask) = padded_batch(3, 10, 40);
+    let terms = poslab::analysis::terms::rotation_terms(&encoder, &ids, &mask).unwrap();
+    assert_eq!(terms.len(), 3 * config.n_heads);
+    for t in &terms {
+        let expected = ["global", "local, keys within 2", "no positions"][t.layer];
+        assert_eq!(t.plan, expected);
+        match t.layer {
+            2 => assert_eq!((t.rotation, t.share), (0.0, 0.0), "{t:?}"),
+            _ => assert!(t.share > 0.01 && t.share < 1.0, "{t:?}"),
+        }
+        assert!(t.content > 0.0, "{t:?}");
+    }
+}

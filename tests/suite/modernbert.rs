@@ -220,3 +220,41 @@ fn tiny_modernbert_loads_through_a_hub_cache_layout() {
     let model = Pretrained::load(&dir, &Device::Cpu).unwrap();
     check(&model, "the hub cache");
 }
+
+#[test]
+fn analyze_model_draws_the_per_layer_energy_and_rotation_split() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("a");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args([
+            "analyze",
+            "--model",
+            folder().to_str().unwrap(),
+            "--out",
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    for needle in [
+        "layer 0 (global) q:",
+        "layer 1 (local, keys within 3) k:",
+        "layer 3 (global): rotation",
+    ] {
+        assert!(stdout.contains(needle), "{needle}: {stdout}");
+    }
+    for file in [
+        "rope_energy_layer0.png",
+        "rope_energy_layer3.png",
+        "rope_energy.csv",
+        "rotation_terms.csv",
+        "rotation_terms.png",
+    ] {
+        assert!(dir.join(file).is_file(), "{file}");
+    }
+}
