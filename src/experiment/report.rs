@@ -312,7 +312,9 @@ fn sections<'a>(results: &'a Results, timings: &[Timing]) -> Vec<Section<'a>> {
 
 /// The length suite's two summary tables: every task's score by variant (mean ± std over
 /// seeds), and the gain of randomized positions for each scheme; `None` without suite tasks.
-fn suite_tables(results: &Results) -> Option<(Table, Table)> {
+/// The length suite's score table, and the randomized-positions gain table where the
+/// experiment runs a scheme both with and without randomized positions.
+fn suite_tables(results: &Results) -> Option<(Table, Option<Table>)> {
     let summary = super::suite::summarize(results)?;
     let mut scores = Table {
         header: std::iter::once("task".to_string())
@@ -360,6 +362,9 @@ fn suite_tables(results: &Results) -> Option<(Table, Table)> {
             format!("{:+.1} .. {:+.1}", g.min, g.max),
         ]);
     }
+    if summary.gains.is_empty() {
+        return Some((scores, None));
+    }
     let blank = String::new;
     if let Some((mean, best)) = summary.overall_gain() {
         gains.rows.push(vec![
@@ -381,7 +386,7 @@ fn suite_tables(results: &Results) -> Option<(Table, Table)> {
         blank(),
         blank(),
     ]);
-    Some((scores, gains))
+    Some((scores, Some(gains)))
 }
 
 const SUITE_SCORES: &str = "length suite: score (accuracy in % averaged over every test length \
@@ -413,8 +418,10 @@ pub fn text_report(results: &Results, timings: &[Timing]) -> String {
     if let Some((scores, gains)) = suite_tables(results) {
         let _ = writeln!(out, "\n== {SUITE_SCORES}\n");
         out.push_str(&scores.text());
-        let _ = writeln!(out, "\n== {SUITE_GAINS}\n");
-        out.push_str(&gains.text());
+        if let Some(gains) = gains {
+            let _ = writeln!(out, "\n== {SUITE_GAINS}\n");
+            out.push_str(&gains.text());
+        }
     }
     out
 }
@@ -462,8 +469,10 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
     if let Some((scores, gains)) = suite_tables(results) {
         let _ = write!(md, "\n## Length suite\n\n{SUITE_SCORES}.\n\n");
         md.push_str(&scores.markdown());
-        let _ = write!(md, "\n{SUITE_GAINS}.\n\n");
-        md.push_str(&gains.markdown());
+        if let Some(gains) = gains {
+            let _ = write!(md, "\n{SUITE_GAINS}.\n\n");
+            md.push_str(&gains.markdown());
+        }
         md.push_str("\n![length suite](plots/length_suite.png)\n");
     }
     for s in sections(results, timings) {
@@ -1112,14 +1121,17 @@ fn check_outcome(
         Some(t) if t.factor.is_none() && !by_length.is_empty() => {
             Some((t.lengths[0]..=t.lengths[1]).collect())
         }
-        None if name == SCORE => task.score_above.map(|above| {
-            task.tests
-                .iter()
-                .filter(|t| t.factor.is_none())
-                .flat_map(|t| t.lengths[0]..=t.lengths[1])
-                .filter(|&l| l > above)
-                .collect()
-        }),
+        // Tests at a factor of the training lengths sample their lengths, so a score over them
+        // names no fixed set (its lengths are still checked in order, each once, above).
+        None if name == SCORE && task.tests.iter().all(|t| t.factor.is_none()) => {
+            task.score_above.map(|above| {
+                task.tests
+                    .iter()
+                    .flat_map(|t| t.lengths[0]..=t.lengths[1])
+                    .filter(|&l| l > above)
+                    .collect()
+            })
+        }
         _ => None,
     };
     if let Some(expected) = expected {

@@ -338,17 +338,21 @@ impl Prepared<'_> {
     }
 
     /// `evaluations` with the length suite's score inserted after the tests by length: the
-    /// mean over every tested length above the training maximum (each length weighs the same).
+    /// mean over every tested length above the training maximum (each length weighs the same,
+    /// and counts once: where test sets overlap, as `eval_factors` 2 and 4 do, a length is
+    /// scored by the first test that has it).
     fn with_score(&self, mut evaluations: Vec<Evaluation>) -> Vec<Evaluation> {
         let Some(above) = self.info.score_above else {
             return evaluations;
         };
-        let mut lengths = Vec::new();
+        let mut lengths = std::collections::BTreeMap::new();
         let mut unavailable = None;
         for e in evaluations.iter().take(self.info.tests.len()) {
             match &e.outcome {
                 Outcome::Scored { by_length, .. } => {
-                    lengths.extend(by_length.iter().filter(|s| s.length > above).copied())
+                    for s in by_length.iter().filter(|s| s.length > above) {
+                        lengths.entry(s.length).or_insert(*s);
+                    }
                 }
                 Outcome::Unavailable { reason } if reaches_above(&self.info, &e.name, above) => {
                     unavailable = Some(format!("test {}: {reason}", e.name));
@@ -361,7 +365,7 @@ impl Prepared<'_> {
             None if lengths.is_empty() => Outcome::Unavailable {
                 reason: format!("no test length is above the training lengths (up to {above})"),
             },
-            None => Outcome::by_length(lengths),
+            None => Outcome::by_length(lengths.into_values().collect()),
         };
         evaluations.insert(
             self.info.tests.len(),

@@ -1214,3 +1214,38 @@ fn the_cluster_examples_shard_and_merge() {
         "{log}"
     );
 }
+
+/// With `eval_factors` the tests overlap (2x: 2-8 and 4x: 4-16 of lengths 1-4): the score
+/// counts each length above training once, from the first test that has it, so the folder
+/// merges (`report` checks the lengths are in order, each once; before, it refused the folder
+/// compare had just written).
+#[test]
+fn overlapping_factor_tests_score_each_length_once_and_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = TINY.split("[[tasks]]").next().unwrap().to_string()
+        + "[[tasks]]\nkind = \"parity_check\"\nlengths = [1, 4]\neval_factors = [1, 2, 4]\n\
+           train_examples = 64\neval_examples = 12\n\n[[variants]]\nname = \"rope\"\n\
+           positional = { kind = \"rope\" }\n";
+    std::fs::write(d.join("factors.toml"), config).unwrap();
+    let (ok, log) = poslab(d, &["compare", "factors.toml", "--out", "run", "-q"]);
+    assert!(ok, "{log}");
+    let (ok, log) = poslab(d, &["report", "run", "--out", "merged"]);
+    assert!(ok, "{log}");
+    let results: poslab::experiment::results::Results =
+        serde_json::from_str(&std::fs::read_to_string(d.join("run/results.json")).unwrap())
+            .unwrap();
+    for cell in &results.cells {
+        let Some(poslab::experiment::results::Outcome::Scored { by_length, .. }) =
+            cell.evaluation(poslab::experiment::results::SCORE)
+        else {
+            panic!("{}: no score", cell.name())
+        };
+        let lengths: Vec<usize> = by_length.iter().map(|s| s.length).collect();
+        assert!(
+            lengths.windows(2).all(|w| w[0] < w[1]) && lengths[0] >= 5 && lengths.len() > 4,
+            "{}: {lengths:?}",
+            cell.name()
+        );
+    }
+}
