@@ -24,9 +24,8 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm, layer_norm_no_bias, AttentionInputs,
-    Dropout, FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention,
-    SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionInputs, Dropout,
+    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -56,10 +55,7 @@ impl EncoderLayer {
         let spec = config.layer_spec(i);
         // A key bias only where q and k are rotated: elsewhere softmax cancels it.
         let rotated = config.positional.placement() == Placement::Attention && spec.positions;
-        let norm = |name: &str| match config.bias {
-            true => layer_norm(d, eps, vb.pp(name)),
-            false => layer_norm_no_bias(d, eps, vb.pp(name)),
-        };
+        let norm = |name: &str| layer_norm_with_bias(d, eps, config.bias, vb.pp(name));
         Ok(Self {
             attn_norm: match i == 0 && !config.first_attn_norm {
                 true => None,
@@ -104,6 +100,15 @@ impl EncoderLayer {
             Some(norm) => norm.forward(xs)?,
             None => xs.clone(),
         })
+    }
+
+    /// What attention reads: the input normalised under pre-norm (as it is in a first layer
+    /// without attention norm), the input itself under post-norm.
+    fn attention_input(&self, xs: &Tensor) -> Result<Tensor> {
+        match self.norm {
+            NormPlacement::Pre => self.pre_norm_input(xs),
+            NormPlacement::Post => Ok(xs.clone()),
+        }
     }
 
     /// Whether the fused layer kernel computes this layer: it normalises the attention input
@@ -327,25 +332,23 @@ impl Encoder {
                 },
             )?),
         };
+        let norm = |name: &str| {
+            layer_norm_with_bias(
+                config.d_model,
+                config.layer_norm_eps,
+                config.bias,
+                vb.pp(name),
+            )
+        };
         let embed_norm = match extras.norm {
-            true => Some(match config.bias {
-                true => layer_norm(config.d_model, config.layer_norm_eps, vb.pp("embed_norm"))?,
-                false => {
-                    layer_norm_no_bias(config.d_model, config.layer_norm_eps, vb.pp("embed_norm"))?
-                }
-            }),
+            true => Some(norm("embed_norm")?),
             false => None,
         };
         let layers = (0..config.n_layers)
             .map(|i| EncoderLayer::new(config, i, &dropout_rng, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let final_norm = match config.norm {
-            NormPlacement::Pre => Some(match config.bias {
-                true => layer_norm(config.d_model, config.layer_norm_eps, vb.pp("final_norm"))?,
-                false => {
-                    layer_norm_no_bias(config.d_model, config.layer_norm_eps, vb.pp("final_norm"))?
-                }
-            }),
+            NormPlacement::Pre => Some(norm("final_norm")?),
             NormPlacement::Post => None,
         };
         Ok(Self {
@@ -680,6 +683,31 @@ impl Encoder {
         Ok(out)
     }
 
+    /// Runs the batch through every layer with the tokens at `0..t` and no dropout, calling
+    /// `visit(layer, its input x, its attention inputs)` before each;
+    /// returns the last layer's output (before the final LayerNorm). What the analyses below
+    /// read, from one walk.
+    fn walk(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        mut visit: impl FnMut(&EncoderLayer, &Tensor, &AttentionInputs) -> Result<()>,
+    ) -> Result<Tensor> {
+        let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
+        let x = self.tok_emb.forward(input_ids)?;
+        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
+        let (x, placed) = self.place(x, &positions, attention_mask)?;
+        let mut x = self.embedding_extras(x)?;
+        let padding = key_padding_bias(attention_mask, x.dtype())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            visit(layer, &x, &inputs)?;
+            x = layer.forward_t(&x, inputs, own, false)?;
+        }
+        Ok(x)
+    }
+
     /// Every layer's attention scores with and without its rotation, over the tokens at `0..t`:
     /// `c rot(q) rot(k)ᵀ` and `c q kᵀ` (`c` the score scale), each `(b, h, t, t)`, their
     /// difference what the rotation (the position) adds to the content's score. A layer without
@@ -689,21 +717,9 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        let (_, t) = self.check_input(input_ids, attention_mask)?;
-        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
-        let x = self.tok_emb.forward(input_ids)?;
-        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
-        let (x, placed) = self.place(x, &positions, attention_mask)?;
-        let mut x = self.embedding_extras(x)?;
-        let padding = key_padding_bias(attention_mask, x.dtype())?;
         let mut out = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            let attn_in = match self.config.norm {
-                NormPlacement::Pre => layer.pre_norm_input(&x)?,
-                NormPlacement::Post => x.clone(),
-            };
-            let (q, k) = layer.attn.queries_keys(&attn_in)?; // (b, h, t, d_head)
-            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+        self.walk(input_ids, attention_mask, |layer, x, inputs| {
+            let (q, k) = layer.attn.queries_keys(&layer.attention_input(x)?)?; // (b, h, t, d_head)
             let c = layer.attn.score_scale();
             let plain = (q.matmul(&k.t()?)? * c)?;
             let rotated = match inputs.rotary {
@@ -711,8 +727,8 @@ impl Encoder {
                 None => plain.clone(),
             };
             out.push((rotated, plain));
-            x = layer.forward_t(&x, inputs, own, false)?;
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 
@@ -723,11 +739,12 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
-        self.attention_inputs(input_ids, attention_mask)?
-            .iter()
-            .enumerate()
-            .map(|(i, x)| Ok(self.layers[i].attn.queries_keys(x)?))
-            .collect()
+        let mut out = Vec::with_capacity(self.layers.len());
+        self.walk(input_ids, attention_mask, |layer, x, _| {
+            out.push(layer.attn.queries_keys(&layer.attention_input(x)?)?);
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// The hidden states at every depth, with the tokens at `0..t` and no dropout: the
@@ -742,19 +759,12 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<Tensor>> {
-        let (_, t) = self.check_input(input_ids, attention_mask)?;
-        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
-        let x = self.tok_emb.forward(input_ids)?;
-        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
-        let (x, placed) = self.place(x, &positions, attention_mask)?;
-        let mut x = self.embedding_extras(x)?;
-        let padding = key_padding_bias(attention_mask, x.dtype())?;
-        let mut out = vec![x.clone()];
-        for i in 0..self.layers.len() {
-            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
-            x = self.layers[i].forward_t(&x, inputs, own, false)?;
+        let mut out = Vec::with_capacity(self.layers.len() + 1);
+        let last = self.walk(input_ids, attention_mask, |_, x, _| {
             out.push(x.clone());
-        }
+            Ok(())
+        })?;
+        out.push(last);
         Ok(out)
     }
 
@@ -765,24 +775,11 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<Tensor>> {
-        let (b, t) = self.check_input(input_ids, attention_mask)?;
-        let positions = self.starting_at_first(&Positions::range(0, t)?)?;
-        let x = self.tok_emb.forward(input_ids)?;
-        let x = (x * self.config.embed_scale.value(self.config.d_model))?;
-        let (x, placed) = self.place(x, &positions, attention_mask)?;
-        let mut x = self.embedding_extras(x)?;
-        let padding = key_padding_bias(attention_mask, x.dtype())?;
         let mut out = Vec::with_capacity(self.layers.len());
-        for (i, layer) in self.layers.iter().enumerate() {
-            let attn_in = match self.config.norm {
-                NormPlacement::Pre => layer.pre_norm_input(&x)?,
-                NormPlacement::Post => x.clone(),
-            };
-            out.push(attn_in);
-            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
-            x = layer.forward_t(&x, inputs, own, false)?;
-        }
-        debug_assert_eq!(out.first().map(|x| x.dim(0).unwrap_or(0)), Some(b));
+        self.walk(input_ids, attention_mask, |layer, x, _| {
+            out.push(layer.attention_input(x)?);
+            Ok(())
+        })?;
         Ok(out)
     }
 

@@ -132,30 +132,51 @@ pub fn pretrained_texts(n: usize, text_file: Option<&Path>) -> Result<(Vec<Strin
 
 const REVIEWS: &str = include_str!("../../examples/data/reviews.tsv");
 
-/// The four terms per layer and head, over the real token pairs of a batch.
-pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
-    let layers = encoder.score_terms(ids, mask)?;
-    let m = mask.to_dtype(DType::F64)?;
-    let pairs = m
-        .unsqueeze(2)?
-        .broadcast_mul(&m.unsqueeze(1)?)?
-        .unsqueeze(1)?; // (b, 1, t, t)
-    let count = pairs.sum_all()?.to_scalar::<f64>()?;
-    // Mean over (b, i, j) of |x| at real pairs, per head.
-    let per_head = |x: &Tensor| -> Result<Vec<f64>> {
+/// The (query, key) pairs of a batch where both tokens are real.
+struct RealPairs {
+    /// `(b, 1, t, t)`: 1 where both are real.
+    pairs: Tensor,
+    /// How many there are.
+    count: f64,
+}
+
+impl RealPairs {
+    /// # Shapes
+    /// - `mask`: `(b, t)`, 1 for real tokens
+    fn of(mask: &Tensor) -> Result<Self> {
+        let m = mask.to_dtype(DType::F64)?;
+        let pairs = m
+            .unsqueeze(2)?
+            .broadcast_mul(&m.unsqueeze(1)?)?
+            .unsqueeze(1)?; // (b, 1, t, t)
+        let count = pairs.sum_all()?.to_scalar::<f64>()?;
+        Ok(Self { pairs, count })
+    }
+
+    /// Mean over `(b, i, j)` of `|x|` at real pairs, per head: `x` `(b, h, t, t)` to `(h)`.
+    fn mean_abs_per_head(&self, x: &Tensor) -> Result<Vec<f64>> {
         Ok((x
             .to_dtype(DType::F64)?
             .abs()?
-            .broadcast_mul(&pairs)?
+            .broadcast_mul(&self.pairs)?
             .sum(D::Minus1)?
             .sum(D::Minus1)?
             .sum(0)?
-            / count)?
-            .to_vec1::<f64>()?)
-    };
+            / self.count.max(1.0))?
+        .to_vec1::<f64>()?)
+    }
+}
+
+/// The four terms per layer and head, over the real token pairs of a batch.
+pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
+    let layers = encoder.score_terms(ids, mask)?;
+    let real = RealPairs::of(mask)?;
     let mut out = Vec::new();
     for (layer, scores, terms) in layers {
-        let means: Vec<Vec<f64>> = terms.iter().map(per_head).collect::<Result<_>>()?;
+        let means: Vec<Vec<f64>> = terms
+            .iter()
+            .map(|t| real.mean_abs_per_head(t))
+            .collect::<Result<_>>()?;
         let rebuilt = terms
             .iter()
             .skip(1)
@@ -163,7 +184,7 @@ pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result
         let err = (rebuilt - &scores)?
             .to_dtype(DType::F64)?
             .abs()?
-            .broadcast_mul(&pairs)?;
+            .broadcast_mul(&real.pairs)?;
         let err = err
             .max(D::Minus1)?
             .max(D::Minus1)?
@@ -240,27 +261,11 @@ pub fn rotation_terms(
     ids: &Tensor,
     mask: &Tensor,
 ) -> Result<Vec<RotationTerms>> {
-    let m = mask.to_dtype(DType::F64)?;
-    let pairs = m
-        .unsqueeze(2)?
-        .broadcast_mul(&m.unsqueeze(1)?)?
-        .unsqueeze(1)?; // (b, 1, t, t)
-    let count = pairs.sum_all()?.to_scalar::<f64>()?.max(1.0);
-    let per_head = |x: &Tensor| -> Result<Vec<f64>> {
-        Ok((x
-            .to_dtype(DType::F64)?
-            .abs()?
-            .broadcast_mul(&pairs)?
-            .sum(D::Minus1)?
-            .sum(D::Minus1)?
-            .sum(0)?
-            / count)?
-            .to_vec1::<f64>()?)
-    };
+    let real = RealPairs::of(mask)?;
     let mut out = Vec::new();
     for (layer, (rotated, plain)) in encoder.rotation_scores(ids, mask)?.into_iter().enumerate() {
-        let content = per_head(&plain)?;
-        let rotation = per_head(&(rotated - &plain)?)?;
+        let content = real.mean_abs_per_head(&plain)?;
+        let rotation = real.mean_abs_per_head(&(rotated - &plain)?)?;
         let plan = encoder.config().layer_spec(layer).describe();
         for (head, (c, r)) in content.iter().zip(&rotation).enumerate() {
             out.push(RotationTerms {

@@ -375,13 +375,15 @@ pub fn run(a: Args) -> Result<()> {
         // and keys use, global layers beside local ones (Barbero et al. 2025).
         let (texts, source) = analysis::terms::pretrained_texts(a.texts, a.text.as_deref())?;
         let batch = model.batch(&texts, true)?;
-        let energy = analysis::rope::pair_energy(&model.encoder, &batch.ids, &batch.mask)?;
         summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
-        summary.push_str(&analysis::rope::energy_summary(&energy));
-        files.extend(analysis::rope::write_energy(&energy, &dir)?);
-        let terms = analysis::terms::rotation_terms(&model.encoder, &batch.ids, &batch.mask)?;
-        summary.push_str(&analysis::terms::rotation_summary(&terms));
-        files.extend(analysis::terms::write_rotation_terms(&terms, &dir)?);
+        rotation_analysis(
+            &model.encoder,
+            &batch.ids,
+            &batch.mask,
+            &dir,
+            &mut summary,
+            &mut files,
+        )?;
         poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     } else if let Some(model) = &pretrained {
         // TUPE's analysis of BERT: the first layer's logits on real text, split exactly.
@@ -423,12 +425,7 @@ pub fn run(a: Args) -> Result<()> {
                         ));
                     }
                     let encoder = loaded.model.encoder();
-                    let energy = analysis::rope::pair_energy(encoder, &ids, &mask)?;
-                    summary.push_str(&analysis::rope::energy_summary(&energy));
-                    files.extend(analysis::rope::write_energy(&energy, &dir)?);
-                    let terms = analysis::terms::rotation_terms(encoder, &ids, &mask)?;
-                    summary.push_str(&analysis::terms::rotation_summary(&terms));
-                    files.extend(analysis::terms::write_rotation_terms(&terms, &dir)?);
+                    rotation_analysis(encoder, &ids, &mask, &dir, &mut summary, &mut files)?;
                 }
             }
         }
@@ -461,6 +458,26 @@ pub fn run(a: Args) -> Result<()> {
     }
     out!("{summary}");
     outln!("files in {}: {}", dir.display(), files.join(", "));
+    Ok(())
+}
+
+/// A rotation's analysis of a model on a batch: each layer's q and k energy per RoPE frequency
+/// pair, and what the rotation adds to its scores, as text and files.
+fn rotation_analysis(
+    encoder: &poslab::Encoder,
+    ids: &candle::Tensor,
+    mask: &candle::Tensor,
+    dir: &Path,
+    summary: &mut String,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    use poslab::analysis;
+    let energy = analysis::rope::pair_energy(encoder, ids, mask)?;
+    summary.push_str(&analysis::rope::energy_summary(&energy));
+    files.extend(analysis::rope::write_energy(&energy, dir)?);
+    let terms = analysis::terms::rotation_terms(encoder, ids, mask)?;
+    summary.push_str(&analysis::terms::rotation_summary(&terms));
+    files.extend(analysis::terms::write_rotation_terms(&terms, dir)?);
     Ok(())
 }
 

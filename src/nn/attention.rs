@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 
 use super::Linear;
 
-use super::{linear, linear_no_bias, masked_softmax, Dropout, Rotary};
+use super::{linear_with_bias, masked_softmax, Dropout, Rotary};
 
 /// The score given to a padded key before the softmax: far enough below any real score that its
 /// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
@@ -114,9 +114,8 @@ impl SelfAttention {
         dropout: Dropout,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let make = |with_bias: bool, name: &str| match with_bias {
-            true => linear(d_model, d_model, vb.pp(name)),
-            false => linear_no_bias(d_model, d_model, vb.pp(name)),
+        let make = |with_bias: bool, name: &str| {
+            linear_with_bias(d_model, d_model, with_bias, vb.pp(name))
         };
         Ok(Self {
             q: make(bias, "q")?,

@@ -5,7 +5,7 @@ use candle_nn::VarBuilder;
 
 use super::Linear;
 
-use super::{gelu, linear, linear_no_bias};
+use super::{gelu, linear_with_bias};
 
 /// The feed-forward block's nonlinearity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -96,13 +96,10 @@ impl FeedForward {
         bias: bool,
         vb: VarBuilder,
     ) -> Result<Self> {
-        let make = match bias {
-            true => linear,
-            false => linear_no_bias,
-        };
+        let up = activation.up_factor() * ffn_dim;
         Ok(Self {
-            up: make(d_model, activation.up_factor() * ffn_dim, vb.pp("up"))?,
-            down: make(ffn_dim, d_model, vb.pp("down"))?,
+            up: linear_with_bias(d_model, up, bias, vb.pp("up"))?,
+            down: linear_with_bias(ffn_dim, d_model, bias, vb.pp("down"))?,
             activation,
         })
     }

@@ -19,6 +19,19 @@ pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
     Ok(LayerNorm { weight, bias, eps })
 }
 
+/// [`layer_norm`] with a bias, or [`layer_norm_no_bias`] without one (`bias = false` models).
+pub fn layer_norm_with_bias(
+    size: usize,
+    eps: f64,
+    bias: bool,
+    vb: VarBuilder,
+) -> Result<LayerNorm> {
+    match bias {
+        true => layer_norm(size, eps, vb),
+        false => layer_norm_no_bias(size, eps, vb),
+    }
+}
+
 /// A LayerNorm without a bias (ModernBERT's): its `weight` under `vb`, and a bias fixed at 0
 /// that is no variable.
 pub fn layer_norm_no_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {

@@ -23,10 +23,10 @@ pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
 pub use fused::{cap_simd, simd_level, SimdLevel};
-pub use layer_norm::{layer_norm, layer_norm_no_bias, LayerNorm};
+pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
-    gelu, linear, linear_no_bias, log_softmax_last_dim, masked_softmax, rope_rotate,
-    sided_differences, softmax_last_dim, Linear,
+    gelu, linear, linear_no_bias, linear_with_bias, log_softmax_last_dim, masked_softmax,
+    rope_rotate, sided_differences, softmax_last_dim, Linear,
 };
 pub use rotary::Rotary;
 

@@ -66,6 +66,19 @@ impl Module for Linear {
     }
 }
 
+/// [`linear`] with a bias, or [`linear_no_bias`] without one (`bias = false` models).
+pub fn linear_with_bias(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+) -> Result<Linear> {
+    match bias {
+        true => linear(in_dim, out_dim, vb),
+        false => linear_no_bias(in_dim, out_dim, vb),
+    }
+}
+
 /// A [`Linear`] layer initialised like PyTorch's `nn.Linear`: weight and bias uniform in
 /// `±1/sqrt(in)`.
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {

@@ -4,7 +4,7 @@ use candle::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::Result;
-use crate::nn::{gelu, layer_norm, layer_norm_no_bias, linear, linear_no_bias, LayerNorm, Linear};
+use crate::nn::{gelu, layer_norm_with_bias, linear_with_bias, LayerNorm, Linear};
 
 /// `logits = LN(gelu(dense(h))) · E^T + bias`, `E` the word embeddings (the decoder is tied):
 /// `mlm.dense`, `mlm.norm`, `mlm.bias`.
@@ -21,14 +21,8 @@ impl MlmHead {
     /// none; the decoder's `bias` is always there).
     pub fn new(d_model: usize, vocab: usize, eps: f64, bias: bool, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            dense: match bias {
-                true => linear(d_model, d_model, vb.pp("dense"))?,
-                false => linear_no_bias(d_model, d_model, vb.pp("dense"))?,
-            },
-            norm: match bias {
-                true => layer_norm(d_model, eps, vb.pp("norm"))?,
-                false => layer_norm_no_bias(d_model, eps, vb.pp("norm"))?,
-            },
+            dense: linear_with_bias(d_model, d_model, bias, vb.pp("dense"))?,
+            norm: layer_norm_with_bias(d_model, eps, bias, vb.pp("norm"))?,
             bias: vb.get_with_hints(vocab, "bias", Init::Const(0.0))?,
         })
     }

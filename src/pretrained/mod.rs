@@ -334,14 +334,11 @@ impl Folder {
         // is built at the config's size), and only the tensors poslab maps are read.
         let mut file = crate::weights::WeightsFile::open(&weights)?;
         file.check_holds(config.param_count(), "config.json")?;
-        let (mapping, has_mlm) = match family {
-            Family::ModernBert => modernbert::rename(&file.shapes(), hf.hidden_size),
-            _ => rename(&file.shapes(), &hf, family),
-        }
-        .map_err(|message| Error::Checkpoint {
-            path: weights.clone(),
-            message,
-        })?;
+        let (mapping, has_mlm) =
+            rename(&file.shapes(), &hf, family).map_err(|message| Error::Checkpoint {
+                path: weights.clone(),
+                message,
+            })?;
         let tensors = mapping
             .into_iter()
             .map(|(ours, theirs)| {
@@ -600,10 +597,9 @@ pub fn unit_rows(x: &Tensor) -> Result<Tensor> {
     Ok(x.broadcast_div(&norm)?)
 }
 
-/// Maps a checkpoint's tensors to poslab's names ([`names`]); returns them and whether the file
-/// holds a masked-LM head. The error lists every problem.
-/// poslab's name of every tensor of a checkpoint (by its shapes) that poslab reads, mapped to
-/// the file's name, and whether the file has a masked-LM head.
+/// Maps a checkpoint's tensors (by their shapes) to poslab's names ([`names`]; ModernBERT's in
+/// [`modernbert::rename`]): each name poslab reads, to the file's tensor it comes from, and
+/// whether the file holds a masked-LM head. The error lists every problem.
 fn rename(
     tensors: &HashMap<String, Vec<usize>>,
     hf: &HfConfig,
@@ -624,7 +620,8 @@ fn rename(
             names::LAYER,
             names::ROBERTA_MLM,
         ),
-        Family::DistilBert | Family::ModernBert => (
+        Family::ModernBert => return modernbert::rename(tensors, hf.hidden_size),
+        Family::DistilBert => (
             "distilbert.",
             names::DISTILBERT_EMBEDDINGS,
             "transformer.layer.",

@@ -64,6 +64,53 @@ fn finished(end: TrainEnd) -> Metrics {
     }
 }
 
+/// The test score a run's metrics report: `(accuracy, loss)`.
+fn test_score(metrics: &Metrics) -> (f64, f64) {
+    match &metrics.evaluations[0].outcome {
+        Outcome::Scored { accuracy, loss, .. } => (*accuracy, *loss),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The saved model of `dir` on its task's test set, remade from its config and framed as in
+/// training: the encoded set and `(accuracy, loss)`.
+fn rescore(loaded: &poslab::saved::Loaded, dir: &Path) -> (poslab::data::Dataset, (f64, f64)) {
+    let framing = loaded.config.framing(&loaded.tokenizer).unwrap();
+    let spec = loaded.config.task_spec.clone().unwrap();
+    let mut task = spec
+        .generate_with(&options(dir, None).hub, Some(loaded.tokenizer.clone()))
+        .unwrap();
+    task.limit.max_tokens = Some(64);
+    let set = poslab::data::Dataset::encode(
+        &task.tests[0].examples,
+        &loaded.tokenizer,
+        framing,
+        task.limit,
+    )
+    .unwrap();
+    let score = poslab::train::evaluate(
+        &loaded.model,
+        &set,
+        loaded.tokenizer.pad_id(),
+        None,
+        0,
+        32,
+        0,
+    )
+    .unwrap();
+    (set, (score.accuracy, score.loss))
+}
+
+/// Asserts two saved runs hold the same weights, bit for bit.
+fn assert_same_weights(a: &Path, b: &Path) {
+    let a = poslab::saved::load(a, DType::F32, &Device::Cpu).unwrap();
+    let b = poslab::saved::load(b, DType::F32, &Device::Cpu).unwrap();
+    for (name, var) in a.params.vars() {
+        let other = b.params.get(&name).unwrap();
+        assert_eq!(bits(var.as_tensor()), bits(&other), "{name}");
+    }
+}
+
 #[test]
 fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says() {
     let root = tempfile::tempdir().unwrap();
@@ -74,10 +121,7 @@ fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says(
 
     // The loss falls from ln 5 = 1.61 (a fresh head's near-uniform guess over five labels).
     let first = metrics.validation.first().unwrap()[1];
-    let test = match &metrics.evaluations[0].outcome {
-        Outcome::Scored { accuracy, loss, .. } => (*accuracy, *loss),
-        other => panic!("{other:?}"),
-    };
+    let test = test_score(&metrics);
     eprintln!(
         "tiny BERT fine-tuned: final train loss {:.3}, validation {:?}, test accuracy {:.3}",
         metrics.final_train_loss, metrics.validation, test.0
@@ -105,31 +149,10 @@ fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says(
         framing,
         poslab::data::Framing::Template { front: 1, back: 1 }
     );
-    let spec = loaded.config.task_spec.clone().unwrap();
-    let mut task = spec
-        .generate_with(&options(&dir, None).hub, Some(loaded.tokenizer.clone()))
-        .unwrap();
-    task.limit.max_tokens = Some(64);
-    let set = poslab::data::Dataset::encode(
-        &task.tests[0].examples,
-        &loaded.tokenizer,
-        framing,
-        task.limit,
-    )
-    .unwrap();
+    let (set, score) = rescore(&loaded, &dir);
     assert_eq!(set.samples[0].ids[0], 2, "[CLS] first");
     assert_eq!(*set.samples[0].ids.last().unwrap(), 3, "[SEP] last");
-    let score = poslab::train::evaluate(
-        &loaded.model,
-        &set,
-        loaded.tokenizer.pad_id(),
-        None,
-        0,
-        32,
-        0,
-    )
-    .unwrap();
-    assert_eq!((score.accuracy, score.loss), test);
+    assert_eq!(score, test);
 
     // predict --run reads a text the same way.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
@@ -231,12 +254,7 @@ fn a_stopped_fine_tuning_resumes_bit_for_bit() {
         TrainEnd::Stopped { step: 19 }
     ));
     finished(single::resume(&options(&parts, None)).unwrap());
-    let a = poslab::saved::load(&whole, DType::F32, &Device::Cpu).unwrap();
-    let b = poslab::saved::load(&parts, DType::F32, &Device::Cpu).unwrap();
-    for (name, var) in a.params.vars() {
-        let other = b.params.get(&name).unwrap();
-        assert_eq!(bits(var.as_tensor()), bits(&other), "{name}");
-    }
+    assert_same_weights(&whole, &parts);
 }
 
 #[test]
@@ -317,10 +335,7 @@ fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
     let config = TrainRunConfig::from_toml_str(&config(&data, &tiny_modernbert(), "")).unwrap();
     let dir = root.path().join("run");
     let metrics = finished(single::start(&config, &options(&dir, None)).unwrap());
-    let test = match &metrics.evaluations[0].outcome {
-        Outcome::Scored { accuracy, loss, .. } => (*accuracy, *loss),
-        other => panic!("{other:?}"),
-    };
+    let test = test_score(&metrics);
     eprintln!(
         "tiny ModernBERT fine-tuned: final train loss {:.3}, validation {:?}, test accuracy {:.3}",
         metrics.final_train_loss, metrics.validation, test.0
@@ -335,30 +350,7 @@ fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
     let model = &loaded.config.model;
     assert!(!model.bias && !model.first_attn_norm);
     assert_eq!(model.layers.as_ref().unwrap().local_window, Some(6));
-    let framing = loaded.config.framing(&loaded.tokenizer).unwrap();
-    let spec = loaded.config.task_spec.clone().unwrap();
-    let mut task = spec
-        .generate_with(&options(&dir, None).hub, Some(loaded.tokenizer.clone()))
-        .unwrap();
-    task.limit.max_tokens = Some(64);
-    let set = poslab::data::Dataset::encode(
-        &task.tests[0].examples,
-        &loaded.tokenizer,
-        framing,
-        task.limit,
-    )
-    .unwrap();
-    let score = poslab::train::evaluate(
-        &loaded.model,
-        &set,
-        loaded.tokenizer.pad_id(),
-        None,
-        0,
-        32,
-        0,
-    )
-    .unwrap();
-    assert_eq!((score.accuracy, score.loss), test);
+    assert_eq!(rescore(&loaded, &dir).1, test);
 
     // Stopped after a checkpoint, resumed: the same weights as the run above, bit for bit.
     let text = self::config(&data, &tiny_modernbert(), "")
@@ -372,10 +364,5 @@ fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
         TrainEnd::Stopped { step: 60 }
     ));
     finished(single::resume(&options(&parts, None)).unwrap());
-    let a = poslab::saved::load(&whole, DType::F32, &Device::Cpu).unwrap();
-    let b = poslab::saved::load(&parts, DType::F32, &Device::Cpu).unwrap();
-    for (name, var) in a.params.vars() {
-        let other = b.params.get(&name).unwrap();
-        assert_eq!(bits(var.as_tensor()), bits(&other), "{name}");
-    }
+    assert_same_weights(&whole, &parts);
 }
