@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use poslab::experiment::results::Outcome;
-use poslab::experiment::single::{self, TrainEnd, TrainOptions, TrainRunConfig};
+use poslab::train_run::{self, TrainEnd, TrainOptions, TrainRunConfig};
 
 pub const MODEL_DIR: &str = "runs/examples/reviews";
 
@@ -33,14 +33,17 @@ fn main() -> Result<()> {
         stop_after: None,
         hub: poslab::text::HubSource::from_env(),
     };
-    let TrainEnd::Finished(metrics) = single::start(&config, &options)? else {
+    let TrainEnd::Finished(metrics) = train_run::start(&config, &options)? else {
         unreachable!("no stop was asked for");
     };
     println!(
         "trained {} parameters for {} steps ({:.0} tokens/s); final train loss {:.4}",
-        metrics.params, metrics.steps, metrics.tokens_per_second, metrics.final_train_loss
+        metrics.summary.params,
+        metrics.summary.steps,
+        metrics.tokens_per_second,
+        metrics.summary.final_train_loss
     );
-    for e in &metrics.evaluations {
+    for e in &metrics.summary.evaluations {
         if let Outcome::Scored { accuracy, .. } = e.outcome {
             println!("  {:<10} {:5.1}%", e.name, 100.0 * accuracy);
         }

@@ -9,47 +9,6 @@ use crate::layers::{LayerPlan, LayerSet, LayerSpec};
 use crate::nn::Activation;
 use crate::positional::{Placement, PositionalConfig, DEFAULT_BASE as DEFAULT_ROPE_BASE};
 
-/// Parses a TOML document; the error carries the line, the column and serde's message (an
-/// unknown field lists the valid ones). [`Error::in_file`] names the file.
-pub(crate) fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
-    toml::from_str(text).map_err(|e| Error::ConfigParse {
-        path: "<toml>".into(),
-        message: e.to_string(),
-    })
-}
-
-/// The first place two TOML values differ, as `path: a vs b`.
-pub(crate) fn first_difference(path: &str, a: &toml::Value, b: &toml::Value) -> Option<String> {
-    use toml::Value;
-    let at = |key: &str| {
-        if path.is_empty() {
-            key.to_string()
-        } else {
-            format!("{path}.{key}")
-        }
-    };
-    match (a, b) {
-        (Value::Table(x), Value::Table(y)) => {
-            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
-            keys.sort();
-            keys.dedup();
-            keys.into_iter().find_map(|k| match (x.get(k), y.get(k)) {
-                (Some(u), Some(v)) => first_difference(&at(k), u, v),
-                (Some(u), None) => Some(format!("{}: {u} vs (unset)", at(k))),
-                (None, Some(v)) => Some(format!("{}: (unset) vs {v}", at(k))),
-                (None, None) => None,
-            })
-        }
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
-            .iter()
-            .zip(y)
-            .enumerate()
-            .find_map(|(i, (u, v))| first_difference(&format!("{path}[{i}]"), u, v)),
-        _ if a == b => None,
-        _ => Some(format!("{path}: {a} vs {b}")),
-    }
-}
-
 /// Where LayerNorm sits around each sub-layer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -698,7 +657,7 @@ impl ModelConfig {
 
     /// Parses and validates a TOML document.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let config: Self = parse_toml(text)?;
+        let config: Self = crate::io::parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }

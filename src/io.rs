@@ -251,6 +251,93 @@ impl FolderLock {
     }
 }
 
+// TOML documents: configs, manifests.
+
+/// Parses a TOML document; the error carries the line, the column and serde's message (an
+/// unknown field lists the valid ones). [`Error::in_file`] names the file.
+pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| Error::ConfigParse {
+        path: "<toml>".into(),
+        message: e.to_string(),
+    })
+}
+
+/// The first place two TOML values differ, as `path: a vs b`.
+pub fn first_difference(path: &str, a: &toml::Value, b: &toml::Value) -> Option<String> {
+    use toml::Value;
+    let at = |key: &str| {
+        if path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{path}.{key}")
+        }
+    };
+    match (a, b) {
+        (Value::Table(x), Value::Table(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter().find_map(|k| match (x.get(k), y.get(k)) {
+                (Some(u), Some(v)) => first_difference(&at(k), u, v),
+                (Some(u), None) => Some(format!("{}: {u} vs (unset)", at(k))),
+                (None, Some(v)) => Some(format!("{}: (unset) vs {v}", at(k))),
+                (None, None) => None,
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (u, v))| first_difference(&format!("{path}[{i}]"), u, v)),
+        _ if a == b => None,
+        _ => Some(format!("{path}: {a} vs {b}")),
+    }
+}
+
+// Run folders.
+
+/// `YYYYMMDD-HHMMSS` in UTC.
+pub fn utc_timestamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60
+    )
+}
+
+/// A new folder `root/<name>-<timestamp>` (with `-2`, `-3`, ... if taken), created.
+pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
+    let stamp = utc_timestamp();
+    for n in 1.. {
+        let dir = if n == 1 {
+            root.join(format!("{name}-{stamp}"))
+        } else {
+            root.join(format!("{name}-{stamp}-{n}"))
+        };
+        match std::fs::create_dir_all(root).and_then(|_| std::fs::create_dir(&dir)) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io(&dir, e)),
+        }
+    }
+    unreachable!("an unbounded search ends by returning")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,6 +56,7 @@ pub mod limits;
 pub mod model;
 pub mod nn;
 pub mod params;
+pub mod plot;
 pub mod positional;
 pub mod pretrained;
 pub mod progress;
@@ -64,6 +65,7 @@ pub mod saved;
 pub mod tasks;
 pub mod text;
 pub mod train;
+pub mod train_run;
 pub mod weights;
 
 pub use config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};

@@ -22,6 +22,8 @@ pub const WEIGHTS: &str = "model.safetensors";
 pub const CONFIG: &str = "config.json";
 /// The tokenizer's file name.
 pub const TOKENIZER: &str = "tokenizer.json";
+/// The training config of a folder `poslab train` wrote, as the run started.
+pub const TRAIN_CONFIG: &str = "train.toml";
 
 /// `config.json` of a saved model: everything needed to rebuild it and read its outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

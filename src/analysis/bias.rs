@@ -13,11 +13,12 @@ use std::path::Path;
 use candle::{DType, Device, Tensor};
 
 use super::linalg::Matrix;
-use super::plots::{heatmap, line_chart, write_matrix_csv};
+use super::plots::{heatmap, write_matrix_csv};
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
 use crate::params::ParamStore;
+use crate::plot::line_chart;
 use crate::positional::{
     t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };

@@ -9,39 +9,8 @@ use plotters::prelude::*;
 use super::linalg::Matrix;
 use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
-use crate::experiment::plot::{palette, render_png, FONT};
 use crate::io::write_atomic;
-
-type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
-
-/// Blue (negative) through white to red (positive), for `v` in `[-1, 1]`.
-pub fn diverging(v: f64) -> RGBColor {
-    let v = v.clamp(-1.0, 1.0);
-    let (end, t) = if v < 0.0 {
-        ((33.0, 102.0, 172.0), -v)
-    } else {
-        ((178.0, 24.0, 43.0), v)
-    };
-    let mix = |e: f64| (255.0 + (e - 255.0) * t).round() as u8;
-    RGBColor(mix(end.0), mix(end.1), mix(end.2))
-}
-
-/// Viridis, sampled at five points and interpolated, for `v` in `[0, 1]`.
-pub fn sequential(v: f64) -> RGBColor {
-    const STOPS: [(f64, f64, f64); 5] = [
-        (68.0, 1.0, 84.0),
-        (59.0, 82.0, 139.0),
-        (33.0, 145.0, 140.0),
-        (94.0, 201.0, 98.0),
-        (253.0, 231.0, 37.0),
-    ];
-    let x = v.clamp(0.0, 1.0) * 4.0;
-    let i = (x.floor() as usize).min(3);
-    let t = x - i as f64;
-    let (a, b) = (STOPS[i], STOPS[i + 1]);
-    let lerp = |p: f64, q: f64| (p + (q - p) * t).round() as u8;
-    RGBColor(lerp(a.0, b.0), lerp(a.1, b.1), lerp(a.2, b.2))
-}
+use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, FONT};
 
 pub(super) fn write_matrix_csv(
     path: &Path,
@@ -143,104 +112,6 @@ pub(super) fn heatmap(
             (FONT, 14).into_font().color(&BLACK.mix(0.75)),
         ))?;
         Ok(())
-    })
-}
-
-/// A short tick label: `1e8` for large values, two decimals for small ones.
-fn tick(v: &f64) -> String {
-    let a = v.abs();
-    if a >= 1e5 {
-        format!("{v:.0e}")
-    } else if a >= 10.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-/// One line of a chart: name, points, dashed.
-pub(super) type Line = (String, Vec<(f64, f64)>, bool);
-
-/// Series of a line chart.
-pub(super) type Series = [Line];
-
-/// Draws the mesh, the series and their legend on a chart of any y coordinate.
-fn draw_lines<'a, Y>(
-    chart: &mut ChartContext<
-        'a,
-        BitMapBackend<'a>,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
-    >,
-    axes: (&str, &str),
-    series: &Series,
-) -> DrawResult
-where
-    Y: Ranged<ValueType = f64> + plotters::coord::ranged1d::ValueFormatter<f64>,
-{
-    chart
-        .configure_mesh()
-        .x_desc(axes.0)
-        .y_desc(axes.1)
-        .axis_desc_style((FONT, 17))
-        .label_style((FONT, 13))
-        .x_label_formatter(&|x| match x.fract() == 0.0 {
-            true => format!("{x:.0}"),
-            false => format!("{x:.2}"),
-        })
-        .y_label_formatter(&tick)
-        .draw()?;
-    for (i, (name, pts, dashed)) in series.iter().enumerate() {
-        let color = palette(i);
-        let style = color.stroke_width(2);
-        if *dashed {
-            chart.draw_series(DashedLineSeries::new(pts.clone(), 6, 4, style))?
-        } else {
-            chart.draw_series(LineSeries::new(pts.clone(), style))?
-        }
-        .label(name.as_str())
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .label_font((FONT, 14))
-        .draw()?;
-    Ok(())
-}
-
-pub(super) fn line_chart(
-    path: &Path,
-    title: &str,
-    axes: (&str, &str),
-    series: &Series,
-    log_y: bool,
-) -> Result<()> {
-    let points = series.iter().flat_map(|s| s.1.iter());
-    let x_max = points.clone().map(|p| p.0).fold(1.0, f64::max);
-    let x_min = points.clone().map(|p| p.0).fold(0.0, f64::min);
-    let (lo, hi) = points
-        .map(|p| p.1)
-        .filter(|v| v.is_finite() && (!log_y || *v > 0.0))
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-            (a.min(v), b.max(v))
-        });
-    let pad = ((hi - lo) * 0.05).max(1e-9);
-    render_png(path, (960, 600), |area| {
-        let mut builder = ChartBuilder::on(area);
-        builder
-            .caption(title, (FONT, 22))
-            .margin(16)
-            .x_label_area_size(50)
-            .y_label_area_size(76);
-        if log_y {
-            let mut chart =
-                builder.build_cartesian_2d(x_min..x_max, (lo * 0.8..hi * 1.25).log_scale())?;
-            draw_lines(&mut chart, axes, series)
-        } else {
-            let mut chart = builder.build_cartesian_2d(x_min..x_max, (lo - pad)..(hi + pad))?;
-            draw_lines(&mut chart, axes, series)
-        }
     })
 }
 

@@ -12,9 +12,9 @@ use std::path::Path;
 use candle::{DType, Tensor};
 use serde::Serialize;
 
-use super::plots::{line_chart, Line};
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
+use crate::plot::{line_chart, Line};
 use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
 };

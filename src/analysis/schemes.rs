@@ -9,9 +9,9 @@ use candle::{DType, Tensor};
 
 use super::bias::HeadBias;
 use super::linalg::Matrix;
-use super::plots::{line_chart, Line};
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
+use crate::plot::{line_chart, Line};
 use crate::positional::{rope_frequencies, rotary_dim, Fox, PositionalModule, PropeOptions};
 use crate::Encoder;
 

@@ -325,7 +325,7 @@ pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<S
     }
     crate::io::write_atomic(&dir.join("rotation_terms.csv"), csv.as_bytes())?;
     let heads = terms.iter().map(|t| t.head).max().map_or(0, |h| h + 1);
-    let series: Vec<super::plots::Line> = (0..heads)
+    let series: Vec<crate::plot::Line> = (0..heads)
         .map(|h| {
             (
                 format!("H{h}"),
@@ -338,7 +338,7 @@ pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<S
             )
         })
         .collect();
-    super::plots::line_chart(
+    crate::plot::line_chart(
         &dir.join("rotation_terms.png"),
         "what the rotation adds to each head's attention scores, by layer",
         ("layer", "rotation's share of the score (%)"),

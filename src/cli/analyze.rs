@@ -4,7 +4,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle::DType;
-use poslab::experiment;
 use poslab::PositionalConfig;
 
 use super::{load_model, parse_option, Compute};
@@ -328,7 +327,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let dir = match &a.out {
         Some(dir) => dir.clone(),
-        None => experiment::new_run_dir(Path::new("runs"), &format!("analysis-{label}"))?,
+        None => poslab::io::new_run_dir(Path::new("runs"), &format!("analysis-{label}"))?,
     };
     match &table {
         Some(table) => {
@@ -576,7 +575,7 @@ fn fire_by_name(a: &Args) -> Result<()> {
     );
     let dir = match &a.out {
         Some(dir) => dir.clone(),
-        None => experiment::new_run_dir(Path::new("runs"), "analysis-fire")?,
+        None => poslab::io::new_run_dir(Path::new("runs"), "analysis-fire")?,
     };
     let summary = curves.summary();
     let files = curves.write(&dir)?;
@@ -600,7 +599,7 @@ fn prope_by_name(a: &Args) -> Result<()> {
     let spectra = poslab::analysis::schemes::rotation_spectra(a.dim, a.base, a.keep);
     let dir = match &a.out {
         Some(dir) => dir.clone(),
-        None => experiment::new_run_dir(Path::new("runs"), "analysis-prope")?,
+        None => poslab::io::new_run_dir(Path::new("runs"), "analysis-prope")?,
     };
     let (summary, files) = poslab::analysis::schemes::write_spectra(&spectra, a.dim, &dir)?;
     poslab::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
@@ -629,7 +628,7 @@ fn bias_by_name(scheme: &str, a: &Args, positions: usize) -> Result<()> {
     let bias = poslab::analysis::bias::scheme_biases(&positional, a.heads, positions)?;
     let dir = match &a.out {
         Some(dir) => dir.clone(),
-        None => experiment::new_run_dir(Path::new("runs"), &format!("analysis-{scheme}"))?,
+        None => poslab::io::new_run_dir(Path::new("runs"), &format!("analysis-{scheme}"))?,
     };
     let summary = bias.summary();
     let files = bias.write(&dir)?;

@@ -135,7 +135,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let dir = match out {
         Some(dir) => dir,
-        None => experiment::new_run_dir(&runs_dir, &config.name)?,
+        None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
     };
     eprintln!(
         "poslab compare: {source}{} on {} -> {}",

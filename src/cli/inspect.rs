@@ -5,8 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use poslab::experiment::folder::{self, FolderKind};
-use poslab::experiment::{report, single, ExperimentConfig, Selection};
+use poslab::experiment::{report, ExperimentConfig, Selection};
 use poslab::positional::DEFAULT_BASE;
+use poslab::train_run;
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 /// Validate a config and say what it holds: a model config (its shape, where positions act,
@@ -146,7 +147,7 @@ fn describe_experiment(path: &Path) -> Result<()> {
 
 /// A `poslab train` config.
 fn describe_train_config(path: &Path) -> Result<()> {
-    let config = single::TrainRunConfig::load(path)?;
+    let config = train_run::TrainRunConfig::load(path)?;
     outln!(
         "{}: a valid train config (for poslab train), run `{}`, seed {}",
         path.display(),
@@ -158,7 +159,7 @@ fn describe_train_config(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn describe_train(config: &single::TrainRunConfig) {
+fn describe_train(config: &train_run::TrainRunConfig) {
     use std::io::Write as _;
     let mut out = std::io::stdout();
     let model = match (&config.init, &config.positional) {
@@ -228,16 +229,16 @@ fn describe_folder(dir: &Path) -> Result<()> {
                 }
             }
         }
-    } else if dir.join(single::TRAIN_CONFIG).is_file() {
-        let config = single::TrainRunConfig::load(dir.join(single::TRAIN_CONFIG))?;
+    } else if dir.join(train_run::TRAIN_CONFIG).is_file() {
+        let config = train_run::TrainRunConfig::load(dir.join(train_run::TRAIN_CONFIG))?;
         outln!("{}: a poslab train run, `{}`", dir.display(), config.name);
         describe_train(&config);
-        if dir.join(single::METRICS).is_file() {
+        if dir.join(train_run::METRICS).is_file() {
             outln!("finished: metrics.json and the model (config.json, model.safetensors)");
         } else {
             outln!(
                 "unfinished: {}; continue it with poslab train --resume {}",
-                match single::latest_checkpoint_step(dir) {
+                match train_run::latest_checkpoint_step(dir) {
                     Some(step) => format!("latest checkpoint at step {step}"),
                     None => "no checkpoint yet".into(),
                 },

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use poslab::experiment::folder::{self, FolderKind, Plan, SelectionRecord};
-use poslab::experiment::{self, report};
+use poslab::experiment::report;
 
 /// Merge the results of run folders (cells split across machines with --shard, --task,
 /// --variant, --seed) into one report. The merge is strict: folders of different configs,
@@ -71,7 +71,7 @@ pub fn run(args: Args) -> Result<()> {
     let dir = match out {
         Some(dir) => dir,
         None => {
-            experiment::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
+            poslab::io::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
         }
     };
     let plan = Plan {

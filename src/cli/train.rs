@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use poslab::experiment::results::Outcome;
-use poslab::experiment::{self, single};
+use poslab::train_run;
 
 use super::Compute;
 
@@ -60,7 +60,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let device = poslab::device::parse_device(&compute.device)?;
-    let options = |dir: PathBuf| single::TrainOptions {
+    let options = |dir: PathBuf| train_run::TrainOptions {
         dir,
         device: device.clone(),
         progress: poslab::progress::Progress::for_stderr(quiet, every),
@@ -76,43 +76,43 @@ pub fn run(args: Args) -> Result<()> {
                 );
             }
             eprintln!("poslab train: resuming {}", dir.display());
-            (single::resume(&options(dir.clone()))?, dir)
+            (train_run::resume(&options(dir.clone()))?, dir)
         }
         (Some(path), None) => {
-            let mut config = single::TrainRunConfig::load(&path)?;
+            let mut config = train_run::TrainRunConfig::load(&path)?;
             if let Some(dtype) = compute.dtype {
                 config.set_dtype(dtype);
             }
             let dir = match out {
                 Some(dir) => dir,
-                None => experiment::new_run_dir(runs_dir, &config.name)?,
+                None => poslab::io::new_run_dir(runs_dir, &config.name)?,
             };
             eprintln!("poslab train: {} -> {}", path.display(), dir.display());
-            (single::start(&config, &options(dir.clone()))?, dir)
+            (train_run::start(&config, &options(dir.clone()))?, dir)
         }
         (None, None) => unreachable!("clap requires --config or --resume"),
     };
     match end {
-        single::TrainEnd::Stopped { step } => outln!(
+        train_run::TrainEnd::Stopped { step } => outln!(
             "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
             dir.display()
         ),
-        single::TrainEnd::Finished(m) => {
+        train_run::TrainEnd::Finished(m) => {
             outln!(
                 "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
                 m.name,
-                m.steps,
-                m.tokens,
-                m.final_train_loss,
+                m.summary.steps,
+                m.summary.tokens,
+                m.summary.final_train_loss,
                 m.tokens_per_second,
-                m.params,
-                if m.stopped_early {
-                    format!(", stopped early (kept step {})", m.kept_step)
+                m.summary.params,
+                if m.summary.stopped_early {
+                    format!(", stopped early (kept step {})", m.summary.kept_step)
                 } else {
                     String::new()
                 }
             );
-            for e in &m.evaluations {
+            for e in &m.summary.evaluations {
                 match &e.outcome {
                     Outcome::Scored { accuracy, loss, .. } => {
                         outln!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::results::{CellResult, TaskInfo, Timing, VariantInfo};
+use super::results::{CellResult, Results, TaskInfo, Timing, VariantInfo};
 use super::{ExperimentConfig, Selection, Shard};
 use crate::error::{Error, Result};
 use crate::io::{is_temporary_of, write_atomic, FolderLock};
@@ -287,11 +287,11 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
 pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let lock = FolderLock::exclusive(dir, plan.kind.command())?;
-    if dir.join(super::single::TRAIN_CONFIG).exists() {
+    if dir.join(crate::saved::TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(
             "{} holds a `poslab train` run ({}): choose another folder",
             dir.display(),
-            super::single::TRAIN_CONFIG
+            crate::saved::TRAIN_CONFIG
         )));
     }
     let manifest = Manifest {
@@ -390,7 +390,7 @@ pub fn describe(m: &Manifest) -> String {
 
 fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig) -> Error {
     let diff = load_run_config(dir).ok().and_then(|theirs| {
-        crate::config::first_difference(
+        crate::io::first_difference(
             "",
             &toml::Value::try_from(&theirs).expect("a config is TOML"),
             &toml::Value::try_from(config).expect("a config is TOML"),
@@ -619,6 +619,36 @@ pub fn read_cell(dir: &Path, task: &str, variant: &str, seed: u64) -> Result<Opt
         )));
     }
     Ok(Some(record))
+}
+
+/// The results and timings of finished cells (in the selection's order), as `results.json` and
+/// `timing.json` hold them: the same records give the same bytes, however many runs wrote them.
+pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results, Vec<Timing>) {
+    let mut results = Results {
+        experiment: config.name.clone(),
+        tasks: Vec::new(),
+        variants: Vec::new(),
+        cells: Vec::new(),
+        summary: Vec::new(),
+        partial: None,
+    };
+    let mut timings = Vec::new();
+    for record in records {
+        if !results.tasks.iter().any(|t| t.name == record.task.name) {
+            results.tasks.push(record.task);
+        }
+        let rows = std::iter::once((record.variant, record.result))
+            .chain(record.rescored.into_iter().map(|r| (r.variant, r.result)));
+        for (variant, result) in rows {
+            if !results.variants.iter().any(|v| v.name == variant.name) {
+                results.variants.push(variant);
+            }
+            results.cells.push(result);
+        }
+        timings.push(record.timing);
+    }
+    results.order_as(config);
+    (results, timings)
 }
 
 #[cfg(test)]

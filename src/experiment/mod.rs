@@ -7,11 +7,12 @@
 
 pub mod estimate;
 pub mod folder;
+pub mod job;
 pub mod plot;
+pub mod prepare;
 pub mod report;
 pub mod results;
 pub mod run;
-pub mod single;
 pub mod suite;
 pub mod suite_plot;
 
@@ -212,48 +213,6 @@ pub struct ExperimentConfig {
     pub variants: Vec<VariantSpec>,
 }
 
-/// `YYYYMMDD-HHMMSS` in UTC.
-pub fn utc_timestamp() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}{month:02}{day:02}-{:02}{:02}{:02}",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60
-    )
-}
-
-/// A new folder `root/<name>-<timestamp>` (with `-2`, `-3`, ... if taken), created.
-pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
-    let stamp = utc_timestamp();
-    for n in 1.. {
-        let dir = if n == 1 {
-            root.join(format!("{name}-{stamp}"))
-        } else {
-            root.join(format!("{name}-{stamp}-{n}"))
-        };
-        match std::fs::create_dir_all(root).and_then(|_| std::fs::create_dir(&dir)) {
-            Ok(()) => return Ok(dir),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(Error::io(&dir, e)),
-        }
-    }
-    unreachable!("an unbounded search ends by returning")
-}
-
 /// Which cells of an experiment to run; empty lists mean all.
 #[derive(Clone, Debug, Default)]
 pub struct Selection {
@@ -342,7 +301,7 @@ pub(crate) fn check_name(kind: &str, name: &str) -> Result<()> {
 impl ExperimentConfig {
     /// Parses and validates an experiment from TOML text.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let config: Self = crate::config::parse_toml(text)?;
+        let config: Self = crate::io::parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }

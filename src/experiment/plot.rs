@@ -1,88 +1,12 @@
 //! PNG plots of a comparison: training loss per variant, score against input length.
-//!
-//! Text is drawn with DejaVu Sans embedded in the binary, so labels render on machines without
-//! system fonts.
 
 use std::path::Path;
-use std::sync::Once;
 
-use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::results::{Outcome, Results, TaskInfo};
-use crate::error::{Error, Result};
-
-/// The family name the embedded DejaVu Sans is registered under for every plot.
-pub const FONT: &str = "sans-serif";
-
-static REGISTER: Once = Once::new();
-
-/// Makes the embedded DejaVu Sans the `sans-serif` of every plot.
-pub fn register_fonts() {
-    REGISTER.call_once(|| {
-        let regular =
-            plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
-        let bold = plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold());
-        assert!(
-            regular.is_ok() && bold.is_ok(),
-            "the embedded DejaVu fonts are valid TrueType"
-        );
-    });
-}
-
-/// Tableau 10: distinct, colour-blind-friendlier than pure hues.
-pub fn palette(i: usize) -> RGBColor {
-    const COLORS: [(u8, u8, u8); 10] = [
-        (31, 119, 180),
-        (255, 127, 14),
-        (44, 160, 44),
-        (214, 39, 40),
-        (148, 103, 189),
-        (140, 86, 75),
-        (227, 119, 194),
-        (127, 127, 127),
-        (188, 189, 34),
-        (23, 190, 207),
-    ];
-    let (r, g, b) = COLORS[i % COLORS.len()];
-    RGBColor(r, g, b)
-}
-
-type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
-
-/// Renders a `width x height` PNG at `path`: drawn into memory, encoded as an 8-bit RGB PNG
-/// (the `png` crate; plotters' own encoder would bring the whole `image` crate into the build)
-/// and written atomically.
-pub fn render_png(
-    path: &Path,
-    (width, height): (u32, u32),
-    draw: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> DrawResult,
-) -> Result<()> {
-    register_fonts();
-    let fail = |message: String| Error::Plot {
-        path: path.into(),
-        message,
-    };
-    let mut rgb = vec![0u8; width as usize * height as usize * 3];
-    {
-        let area = BitMapBackend::with_buffer(&mut rgb, (width, height)).into_drawing_area();
-        area.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
-        draw(&area).map_err(|e| fail(e.to_string()))?;
-        area.present().map_err(|e| fail(e.to_string()))?;
-    }
-    let mut bytes = Vec::new();
-    let mut encoder = png::Encoder::new(&mut bytes, width, height);
-    encoder.set_color(png::ColorType::Rgb);
-    encoder.set_depth(png::BitDepth::Eight);
-    encoder
-        .write_header()
-        .and_then(|mut writer| writer.write_image_data(&rgb))
-        .map_err(|e| fail(e.to_string()))?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    }
-    crate::io::write_atomic(path, &bytes)
-}
+use crate::error::Result;
+use crate::plot::{palette, render_png, FONT};
 
 /// Every plot of `results` into `dir`.
 pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
@@ -110,7 +34,7 @@ fn mean_curves(task: &TaskInfo, results: &Results) -> Vec<(String, Vec<(f64, f64
                 .cells
                 .iter()
                 .filter(|c| c.task == task.name && c.variant == v.name)
-                .map(|c| &c.loss_curve)
+                .map(|c| &c.summary.loss_curve)
                 .collect();
             let n = curves.iter().map(|c| c.len()).min()?;
             let mean = (0..n)
@@ -216,7 +140,7 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
         .cells
         .iter()
         .filter(|c| c.task == task.name)
-        .flat_map(|c| c.evaluations.iter().map(move |e| (c, e)))
+        .flat_map(|c| c.summary.evaluations.iter().map(move |e| (c, e)))
         .filter(|(_, e)| {
             matches!(e.outcome, Outcome::Unavailable { .. })
                 && task.tests.iter().any(|t| t.name == e.name)

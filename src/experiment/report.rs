@@ -543,7 +543,7 @@ fn results_csv(results: &Results, timings: &[Timing]) -> String {
         let t = timings
             .iter()
             .find(|t| t.task == c.task && t.variant == c.variant && t.seed == c.seed);
-        for e in &c.evaluations {
+        for e in &c.summary.evaluations {
             let (acc, loss, why) = match &e.outcome {
                 Outcome::Scored { accuracy, loss, .. } => {
                     (accuracy.to_string(), loss.to_string(), String::new())
@@ -554,12 +554,12 @@ fn results_csv(results: &Results, timings: &[Timing]) -> String {
                 c.task.clone(),
                 c.variant.clone(),
                 c.seed.to_string(),
-                c.d_model.to_string(),
-                c.params.to_string(),
-                c.max_len.to_string(),
-                c.steps.to_string(),
-                c.tokens.to_string(),
-                c.final_train_loss.to_string(),
+                c.summary.d_model.to_string(),
+                c.summary.params.to_string(),
+                c.summary.max_len.to_string(),
+                c.summary.steps.to_string(),
+                c.summary.tokens.to_string(),
+                c.summary.final_train_loss.to_string(),
                 e.name.clone(),
                 acc,
                 loss,
@@ -714,7 +714,7 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
         locks.push(FolderLock::shared(dir)?);
         let other = load_run_config(dir)?;
         let value = toml::Value::try_from(&other).expect("a config is TOML");
-        if let Some(diff) = crate::config::first_difference("", &reference, &value) {
+        if let Some(diff) = crate::io::first_difference("", &reference, &value) {
             return Err(Error::Input(format!(
                 "{} and {} were run with different configs ({diff}): only runs of one \
                  experiment, split by --task, --variant, --seed or --shard, can be merged",
@@ -852,7 +852,7 @@ fn unfinished(
             m.selection.flags()
         )));
     }
-    let (results, timings) = super::run::assemble(config, records);
+    let (results, timings) = folder::assemble(config, records);
     for c in &results.cells {
         let name = c.name();
         check_cell(config, &results, c, &dir.join(folder::CELLS), &name)?;
@@ -1025,7 +1025,12 @@ fn check_cell(
         ));
     }
     let columns = task.columns();
-    let names: Vec<&str> = c.evaluations.iter().map(|e| e.name.as_str()).collect();
+    let names: Vec<&str> = c
+        .summary
+        .evaluations
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
     if names != columns.iter().map(String::as_str).collect::<Vec<_>>() {
         return bad(format!(
             "its tests are [{}], its task's columns are [{}]",
@@ -1033,19 +1038,19 @@ fn check_cell(
             columns.join(", ")
         ));
     }
-    if !(c.final_train_loss.is_finite() && c.final_train_loss >= 0.0)
-        || c.steps == 0
-        || c.params == 0
+    if !(c.summary.final_train_loss.is_finite() && c.summary.final_train_loss >= 0.0)
+        || c.summary.steps == 0
+        || c.summary.params == 0
     {
         return bad(format!(
             "training loss {}, {} steps, {} parameters",
-            c.final_train_loss, c.steps, c.params
+            c.summary.final_train_loss, c.summary.steps, c.summary.params
         ));
     }
     if c.model_dir != folder::model_dir(&c.task, base, c.seed) {
         return bad(format!("its model folder is `{}`", c.model_dir));
     }
-    for e in &c.evaluations {
+    for e in &c.summary.evaluations {
         let test = task.tests.iter().find(|t| t.name == e.name);
         if let Err(why) = check_outcome(task, test, &e.name, &e.outcome) {
             return bad(format!("test `{}`: {why}", e.name));

@@ -167,15 +167,10 @@ pub struct Evaluation {
     pub outcome: Outcome,
 }
 
-/// One trained model: a task, a variant and a seed.
+/// What training and testing one model came to: the part a cell's record (`results.json`) and
+/// a `poslab train` run's `metrics.json` share.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct CellResult {
-    /// The task's name.
-    pub task: String,
-    /// The variant's name.
-    pub variant: String,
-    /// The training seed.
-    pub seed: u64,
+pub struct TrainSummary {
     /// Trainable parameters of the model (encoder, scheme and head).
     pub params: usize,
     /// The model width.
@@ -196,8 +191,22 @@ pub struct CellResult {
     pub loss_curve: Vec<[f64; 2]>,
     /// `(step, validation accuracy)`.
     pub validation: Vec<[f64; 2]>,
-    /// One outcome per column of the task, in report order.
+    /// One outcome per column of the task, in report order: by length, shuffled, shifted.
     pub evaluations: Vec<Evaluation>,
+}
+
+/// One trained model: a task, a variant and a seed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CellResult {
+    /// The task's name.
+    pub task: String,
+    /// The variant's name.
+    pub variant: String,
+    /// The training seed.
+    pub seed: u64,
+    /// Training and test scores.
+    #[serde(flatten)]
+    pub summary: TrainSummary,
     /// The saved model, relative to the run folder.
     pub model_dir: String,
 }
@@ -220,7 +229,8 @@ impl CellResult {
 
     /// The outcome in column `name`, if the cell has that column.
     pub fn evaluation(&self, name: &str) -> Option<&Outcome> {
-        self.evaluations
+        self.summary
+            .evaluations
             .iter()
             .find(|e| e.name == name)
             .map(|e| &e.outcome)
@@ -441,13 +451,13 @@ impl Results {
                         }
                     })
                     .collect();
-                let losses: Vec<f64> = cells.iter().map(|c| c.final_train_loss).collect();
+                let losses: Vec<f64> = cells.iter().map(|c| c.summary.final_train_loss).collect();
                 summary.push(SummaryRow {
                     task: task.name.clone(),
                     variant: variant.name.clone(),
                     seeds: cells.iter().map(|c| c.seed).collect(),
-                    params: cells[0].params,
-                    d_model: cells[0].d_model,
+                    params: cells[0].summary.params,
+                    d_model: cells[0].summary.d_model,
                     final_train_loss: Stat::of(&losses).expect("at least one cell"),
                     columns,
                 });

@@ -5,27 +5,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use candle::{DType, Device};
+use candle::Device;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::folder::{self, CellRecord, FolderKind, Rescored, SelectionRecord, CONFIG_TOML};
-use super::results::{
-    shift_column, CellResult, Evaluation, Outcome, Results, TaskInfo, TestInfo, Timing,
-    VariantInfo, SCORE, SHUFFLED,
-};
+use super::job::{Job, JobEnd, Steps, Trained};
+use super::prepare::{prepare, Prepared};
+use super::results::{CellResult, Evaluation, Outcome, Results, Timing, TrainSummary, VariantInfo};
 use super::{ExperimentConfig, Selection, VariantSpec};
 use crate::config::ModelConfig;
-use crate::data::{Dataset, MlmMasking};
 use crate::device::device_name;
 use crate::error::{Error, Result};
-use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::progress::{self, Board, Progress};
-use crate::rng::{self, derive_seed};
-use crate::saved::{self, SavedConfig};
-use crate::tasks::{Objective, TaskData, TaskSpec};
-use crate::train::{evaluate, evaluate_by_length, planned_steps, TrainData, Trainer};
+use crate::train::{planned_steps, Trainer};
 
 /// Where and how to run.
 pub struct RunOptions {
@@ -76,394 +70,6 @@ pub struct RunOutput {
     pub table: String,
 }
 
-/// At most this many points per loss curve.
-const CURVE_POINTS: usize = 200;
-
-fn downsample(losses: &[f64]) -> Vec<[f64; 2]> {
-    let window = losses.len().div_ceil(CURVE_POINTS).max(1);
-    losses
-        .chunks(window)
-        .enumerate()
-        .map(|(i, w)| {
-            let step = (i * window + w.len()) as f64;
-            [step, w.iter().sum::<f64>() / w.len() as f64]
-        })
-        .collect()
-}
-
-/// A test the model can run: data, position offset, MLM mask seed.
-struct Test {
-    name: String,
-    /// Index into [`Prepared::sets`].
-    set: usize,
-    start: usize,
-    mask_seed: u64,
-}
-
-/// A task generated and tokenized once, shared by all of its cells (and by `poslab train`).
-pub(crate) struct Prepared<'a> {
-    pub(crate) spec: &'a TaskSpec,
-    pub(crate) data: TaskData,
-    pub(crate) head: HeadConfig,
-    pub(crate) masking: Option<MlmMasking>,
-    pub(crate) train: Dataset,
-    pub(crate) valid: Dataset,
-    /// The test sets by length, then the shuffled copy of the base test set if any.
-    sets: Vec<Dataset>,
-    tests: Vec<Test>,
-    pub(crate) info: TaskInfo,
-}
-
-/// Tokenizes `data` of `spec` into the splits, the head and the tests (by length, shuffled for
-/// sentence labels, shifted by `shift`). With `template`, every text is framed by the
-/// tokenizer's special tokens (`[CLS] ... [SEP]`), as a pretrained encoder reads it; first-token
-/// pooling then reads its `[CLS]`.
-pub(crate) fn prepare(
-    spec: &TaskSpec,
-    data: TaskData,
-    pooling: Pooling,
-    shift: usize,
-    template: bool,
-) -> Result<Prepared<'_>> {
-    let tok = &data.tokenizer;
-    let head = match &data.objective {
-        Objective::Classify { labels } => HeadConfig::Classify {
-            classes: labels.len(),
-            pooling,
-        },
-        Objective::Tag { labels } => HeadConfig::Tag {
-            classes: labels.len(),
-        },
-        Objective::Mlm { .. } => HeadConfig::Mlm,
-    };
-    let framing = head.framing(tok, template)?;
-    let masking = match &data.objective {
-        Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
-        _ => None,
-    };
-    let train = Dataset::encode(&data.train, tok, framing, data.limit)?;
-    let valid = Dataset::encode(&data.valid, tok, framing, data.limit)?;
-    let mut sets = data
-        .tests
-        .iter()
-        .map(|t| Dataset::encode(&t.examples, tok, framing, data.limit))
-        .collect::<Result<Vec<_>>>()?;
-    let mut notes = Vec::new();
-    for (what, set) in [("training", &train), ("validation", &valid)]
-        .into_iter()
-        .chain(sets.iter().map(|s| ("test", s)))
-    {
-        if set.truncated > 0 {
-            notes.push(format!(
-                "{} of {} {what} examples were cut to max_tokens = {} (truncate = true)",
-                set.truncated,
-                set.samples.len(),
-                data.limit.max_tokens.unwrap_or(0)
-            ));
-        }
-    }
-    // MLM masks (and randomized positions) of a test, the same for every model.
-    let mask_seed = |t: &crate::tasks::TestSet| match t.factor {
-        Some(factor) => derive_seed(spec.data_seed, "test masks", factor as u64),
-        None => derive_seed(spec.data_seed, &format!("test masks {}", t.name), 0),
-    };
-    let mut tests: Vec<Test> = data
-        .tests
-        .iter()
-        .enumerate()
-        .map(|(i, t)| Test {
-            name: t.name.clone(),
-            set: i,
-            start: 0,
-            mask_seed: mask_seed(t),
-        })
-        .collect();
-    // The order tests run on the test set at the training lengths (the first of a range list).
-    let base = data
-        .tests
-        .iter()
-        .position(|t| t.factor == Some(1))
-        .unwrap_or(0);
-    let base_seed = mask_seed(&data.tests[base]);
-    let shuffle_test = matches!(data.objective, Objective::Classify { .. });
-    if shuffle_test {
-        let shuffled = sets[base]
-            .with_shuffled_tokens(framing, &mut rng::stream(spec.data_seed, "shuffle test"));
-        sets.push(shuffled);
-        tests.push(Test {
-            name: SHUFFLED.into(),
-            set: sets.len() - 1,
-            start: 0,
-            mask_seed: base_seed,
-        });
-    }
-    tests.push(Test {
-        name: shift_column(shift),
-        set: base,
-        start: shift,
-        mask_seed: base_seed,
-    });
-    let info = TaskInfo {
-        name: spec.name.clone(),
-        kind: spec.kind.name().into(),
-        metric: data.objective.metric().into(),
-        train_lengths: spec.lengths.unwrap_or_else(|| data.train_lengths()),
-        tests: data
-            .tests
-            .iter()
-            .map(|t| TestInfo {
-                name: t.name.clone(),
-                factor: t.factor,
-                lengths: t.tested_lengths(),
-            })
-            .collect(),
-        shift: Some(shift),
-        shuffle_test,
-        order_blind_ceiling: data.order_blind_ceiling.clone(),
-        vocab_size: tok.vocab_size(),
-        notes,
-        score_above: matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_))
-            .then(|| spec.lengths.map_or(0, |l| l[1])),
-    };
-    Ok(Prepared {
-        spec,
-        data,
-        head,
-        masking,
-        train,
-        valid,
-        sets,
-        tests,
-        info,
-    })
-}
-
-impl Prepared<'_> {
-    /// Rows a learned table gets: the longest training input, or `max_tokens` when set.
-    pub(crate) fn table_rows(&self) -> usize {
-        self.train
-            .max_len()
-            .max(self.data.limit.max_tokens.unwrap_or(0))
-    }
-
-    /// The longest input of any split (training, validation, every test).
-    pub(crate) fn longest_input(&self) -> usize {
-        [&self.train, &self.valid]
-            .into_iter()
-            .chain(&self.sets)
-            .map(Dataset::max_len)
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Refuses randomized positions drawn from fewer than the longest input's positions.
-    pub(crate) fn check_random_positions(
-        &self,
-        random_positions: Option<usize>,
-        what: &str,
-    ) -> Result<()> {
-        match random_positions {
-            Some(n) if n < self.longest_input() => Err(Error::Config(format!(
-                "{what}: random_positions = {n}, but task `{}` has inputs of {} tokens, which \
-                 need as many distinct positions: set random_positions to at least {}",
-                self.spec.name,
-                self.longest_input(),
-                self.longest_input()
-            ))),
-            _ => Ok(()),
-        }
-    }
-
-    /// Refuses a model whose training or test batches would not fit the memory limit (see
-    /// [`crate::limits`]), before anything trains.
-    pub(crate) fn check_memory(
-        &self,
-        config: &ModelConfig,
-        train_batch: usize,
-        eval_batch: usize,
-        what: &str,
-    ) -> Result<()> {
-        let training = [&self.train, &self.valid]
-            .map(|s| s.max_len())
-            .into_iter()
-            .max()
-            .unwrap_or(0);
-        crate::limits::check_batch(
-            &config.sizes(),
-            train_batch,
-            training,
-            true,
-            &format!("{what}: training"),
-        )
-        .map_err(Error::Config)?;
-        let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
-        crate::limits::check_batch(
-            &config.sizes(),
-            eval_batch,
-            testing,
-            false,
-            &format!("{what}: testing"),
-        )
-        .map_err(Error::Config)
-    }
-
-    /// The token count of every example each test reads, test after test (the shift test
-    /// reads its set again), and the validation set's.
-    pub(crate) fn eval_lengths(&self) -> (Vec<usize>, Vec<usize>) {
-        let tests = self
-            .tests
-            .iter()
-            .flat_map(|t| self.sets[t.set].lengths())
-            .collect();
-        (tests, self.valid.lengths())
-    }
-
-    /// The data `train` needs.
-    pub(crate) fn train_data(&self) -> TrainData<'_> {
-        TrainData {
-            train: &self.train,
-            valid: &self.valid,
-            pad_id: self.data.tokenizer.pad_id(),
-            masking: self.masking.as_ref(),
-        }
-    }
-
-    /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
-    /// marked unavailable with the reason.
-    pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
-        let evaluations = (0..self.tests.len())
-            .map(|i| self.evaluate_test(model, i, eval_batch))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(self.with_score(evaluations))
-    }
-
-    /// `evaluations` with the length suite's score inserted after the tests by length: the
-    /// mean over every tested length above the training maximum (each length weighs the same,
-    /// and counts once: where test sets overlap, as `eval_factors` 2 and 4 do, a length is
-    /// scored by the first test that has it).
-    fn with_score(&self, mut evaluations: Vec<Evaluation>) -> Vec<Evaluation> {
-        let Some(above) = self.info.score_above else {
-            return evaluations;
-        };
-        let mut lengths = std::collections::BTreeMap::new();
-        let mut unavailable = None;
-        for e in evaluations.iter().take(self.info.tests.len()) {
-            match &e.outcome {
-                Outcome::Scored { by_length, .. } => {
-                    for s in by_length.iter().filter(|s| s.length > above) {
-                        lengths.entry(s.length).or_insert(*s);
-                    }
-                }
-                Outcome::Unavailable { reason } if reaches_above(&self.info, &e.name, above) => {
-                    unavailable = Some(format!("test {}: {reason}", e.name));
-                }
-                Outcome::Unavailable { .. } => {}
-            }
-        }
-        let outcome = match unavailable {
-            Some(reason) => Outcome::Unavailable { reason },
-            None if lengths.is_empty() => Outcome::Unavailable {
-                reason: format!("no test length is above the training lengths (up to {above})"),
-            },
-            None => Outcome::by_length(lengths.into_values().collect()),
-        };
-        evaluations.insert(
-            self.info.tests.len(),
-            Evaluation {
-                name: SCORE.into(),
-                outcome,
-            },
-        );
-        evaluations
-    }
-
-    /// The largest position (plus one) test `i` reads without randomized positions.
-    fn reach(&self, i: usize) -> usize {
-        let test = &self.tests[i];
-        test.start + self.sets[test.set].max_len()
-    }
-
-    /// Test `i` on `model`.
-    fn evaluate_test(&self, model: &TaskModel, i: usize, eval_batch: usize) -> Result<Evaluation> {
-        let table_rows = model.encoder().max_positions();
-        let pad = self.data.tokenizer.pad_id();
-        let test = &self.tests[i];
-        {
-            {
-                let set = &self.sets[test.set];
-                // Randomized positions may reach any position below N.
-                let reach = match model.encoder().config().random_positions {
-                    Some(n) => test.start + n,
-                    None => self.reach(i),
-                };
-                let outcome = match table_rows {
-                    Some(rows) if reach > rows => Outcome::Unavailable {
-                        reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
-                    },
-                    _ if set.samples.iter().any(|s| s.tape.is_some()) => Outcome::by_length(
-                        evaluate_by_length(model, set, pad, test.mask_seed, eval_batch, test.start)?,
-                    ),
-                    _ => {
-                        let s = evaluate(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
-                        Outcome::scored(s.accuracy, s.loss)
-                    }
-                };
-                Ok(Evaluation {
-                    name: test.name.clone(),
-                    outcome,
-                })
-            }
-        }
-    }
-
-    /// Every test of a trained `rope` model re-scored under `scaling`, without retraining: the
-    /// same weights, the frequencies rescaled per test (`factor = "auto"`: the test's largest
-    /// position plus one over the training's longest input).
-    pub(crate) fn evaluate_scaled(
-        &self,
-        model_config: &ModelConfig,
-        params: &ParamStore,
-        scaling: &RopeScaling,
-        eval_batch: usize,
-    ) -> Result<Vec<Evaluation>> {
-        let PositionalConfig::Rope(options) = &model_config.positional else {
-            return Err(Error::Config(format!(
-                "rope scaling applies to rope models, not `{}`",
-                model_config.positional.name()
-            )));
-        };
-        let trained = self.train.max_len().max(1);
-        let device = params
-            .vars()
-            .first()
-            .map_or(Device::Cpu, |(_, v)| v.device().clone());
-        (0..self.tests.len())
-            .map(|i| {
-                let auto = self.reach(i) as f64 / trained as f64;
-                let scaled = ModelConfig {
-                    positional: PositionalConfig::Rope(RopeOptions {
-                        scaling: Some(scaling.resolved(auto, trained)),
-                        ..options.clone()
-                    }),
-                    ..model_config.clone()
-                };
-                // Built from the same store: the trained variables, shared.
-                let model =
-                    TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?;
-                self.evaluate_test(&model, i, eval_batch)
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(|e| self.with_score(e))
-    }
-}
-
-/// Whether test `name` of `info` holds lengths above `above` (so the score needs it).
-fn reaches_above(info: &TaskInfo, name: &str, above: usize) -> bool {
-    info.tests
-        .iter()
-        .any(|t| t.name == name && t.lengths[1] > above)
-}
-
 /// What the cells of a run share.
 struct Shared<'a> {
     config: &'a ExperimentConfig,
@@ -492,8 +98,58 @@ fn kill_point(options: &RunOptions, point: impl FnOnce() -> String) {
     }
 }
 
-/// Trains, tests and saves cell `index` (its number in the run's selection); the record is
-/// written by the caller, after the model.
+/// A cell's steps: its bar among the run's, the progress board, the kill points.
+struct CellSteps<'a> {
+    shared: &'a Shared<'a>,
+    name: &'a str,
+    index: usize,
+}
+
+impl Steps for CellSteps<'_> {
+    fn begin(&mut self, trainer: &mut Trainer<'_>, _: &ParamStore) -> Result<ProgressBar> {
+        // Styled and sized before it is added: a bar drawn at length 0 shows full.
+        let bar = ProgressBar::new(trainer.planned_steps() as u64)
+            .with_style(self.shared.style.clone())
+            .with_prefix(self.name.to_string());
+        let bar = self.shared.multi.add(bar);
+        self.shared
+            .board
+            .start(self.name, 0, trainer.planned_steps());
+        Ok(bar)
+    }
+
+    fn after_step(&mut self, trainer: &Trainer<'_>, _: &ParamStore) -> Result<bool> {
+        let state = trainer.state();
+        let loss = state.losses.last().copied().unwrap_or(f64::NAN);
+        self.shared.board.step(self.name, state.steps, loss);
+        let index = self.index;
+        kill_point(self.shared.options, || {
+            format!("cell-{index}-step-{}", state.steps)
+        });
+        Ok(true)
+    }
+
+    fn testing(&mut self, bar: &ProgressBar) {
+        bar.finish_and_clear();
+        self.shared.multi.remove(bar);
+        self.shared.board.testing(self.name);
+    }
+}
+
+/// Test scores as a log line's part: `name 97.5%, ...`.
+fn scores_line(evaluations: &[Evaluation]) -> String {
+    evaluations
+        .iter()
+        .map(|e| match &e.outcome {
+            Outcome::Scored { accuracy, .. } => format!("{} {:.1}%", e.name, 100.0 * accuracy),
+            Outcome::Unavailable { .. } => format!("{} n/a", e.name),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Trains, tests and saves cell `index` (its number in the run's selection) as one [`Job`];
+/// the record is written by the caller, after the model.
 fn run_cell(
     shared: &Shared,
     index: usize,
@@ -502,95 +158,74 @@ fn run_cell(
     seed: u64,
 ) -> Result<(CellRecord, String)> {
     let Shared {
-        config,
-        options,
-        board,
-        ..
+        config, options, ..
     } = shared;
-    let device = &options.device;
-    let tok = &task.data.tokenizer;
     let name = super::results::cell_name(&task.spec.name, &variant.name, seed);
     let started = Instant::now();
-    let model_config = config.model_config(variant, tok.vocab_size(), task.table_rows());
-    let params = ParamStore::new(seed);
-    let model = TaskModel::new(
-        &model_config,
-        &task.head,
-        params.var_builder(DType::F32, device),
-    )?;
-    let data = task.train_data();
-    let mut trainer = Trainer::new(&model, &params, &data, &config.train, seed)?;
-    // Styled and sized before it is added: a bar drawn at length 0 shows full.
-    let bar = ProgressBar::new(trainer.planned_steps() as u64)
-        .with_style(shared.style.clone())
-        .with_prefix(name.clone());
-    let bar = shared.multi.add(bar);
-    board.start(&name, 0, trainer.planned_steps());
-    while !trainer.finished() {
-        trainer.step(&bar)?;
-        let state = trainer.state();
-        board.step(
-            &name,
-            state.steps,
-            state.losses.last().copied().unwrap_or(f64::NAN),
-        );
-        kill_point(options, || format!("cell-{index}-step-{}", state.steps));
-    }
-    let outcome = trainer.finish()?;
-    bar.finish_and_clear();
-    shared.multi.remove(&bar);
-    board.testing(&name);
-
-    let eval_batch = config
-        .eval
-        .batch_size
-        .unwrap_or(2 * config.train.batch_size);
-    let evaluations = task.evaluate(&model, eval_batch)?;
-
+    let model_config =
+        config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
+    let job = Job {
+        task,
+        model: &model_config,
+        train: &config.train,
+        seed,
+        eval_batch: config
+            .eval
+            .batch_size
+            .unwrap_or(2 * config.train.batch_size),
+        device: &options.device,
+    };
+    let mut steps = CellSteps {
+        shared,
+        name: &name,
+        index,
+    };
+    let JobEnd::Trained(trained) = job.run(None, &mut steps)? else {
+        unreachable!("a cell's steps never stop it early")
+    };
     let model_dir = folder::model_dir(&task.spec.name, &variant.name, seed);
-    saved::save(
-        &options.dir.join(&model_dir),
-        &params,
-        tok,
-        &SavedConfig {
-            format: saved::FORMAT.into(),
-            model: model_config.clone(),
-            head: task.head.clone(),
-            objective: task.data.objective.clone(),
-            task: task.spec.name.clone(),
-            seed,
-            task_spec: Some(task.spec.clone()),
-            init: None,
-            special_tokens: false,
-        },
-    )?;
-
-    let mut rescored = Vec::new();
-    if matches!(variant.positional, PositionalConfig::Rope(_)) {
-        for scaling in &config.eval.rope_scaling {
-            let evaluations = task.evaluate_scaled(&model_config, &params, scaling, eval_batch)?;
-            rescored.push((scaling.clone(), evaluations));
-        }
-    }
+    job.save(&options.dir.join(&model_dir), &trained, None)?;
+    let rescored = rescore(&job, variant, &config.eval.rope_scaling, &trained)?;
 
     let wall = started.elapsed().as_secs_f64();
+    let outcome = &trained.outcome;
     let tokens_per_second = outcome.tokens as f64 / outcome.train_seconds.max(1e-9);
-    let scores = |evaluations: &[Evaluation]| {
-        evaluations
-            .iter()
-            .map(|e| match &e.outcome {
-                Outcome::Scored { accuracy, .. } => format!("{} {:.1}%", e.name, 100.0 * accuracy),
-                Outcome::Unavailable { .. } => format!("{} n/a", e.name),
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     let mut line = format!(
         "{name}: {}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
-        scores(&evaluations),
+        scores_line(&trained.summary.evaluations),
         outcome.final_loss()
     );
-    let info = VariantInfo {
+    for r in &rescored {
+        line.push_str(&format!(
+            "\n  {}: {}",
+            r.variant.name,
+            scores_line(&r.result.summary.evaluations)
+        ));
+    }
+    let info = variant_info(variant, &model_config);
+    let result = CellResult {
+        task: task.spec.name.clone(),
+        variant: variant.name.clone(),
+        seed,
+        summary: trained.summary.clone(),
+        model_dir,
+    };
+    let timing = Timing {
+        task: task.spec.name.clone(),
+        variant: variant.name.clone(),
+        seed,
+        device: format!("{} ({})", device_name(&options.device), shared.threads),
+        train_seconds: outcome.train_seconds,
+        tokens_per_second,
+        wall_seconds: wall,
+    };
+    let record = CellRecord::new(task.info.clone(), info, result, rescored, timing);
+    Ok((record, line))
+}
+
+/// How a variant is described in the results.
+fn variant_info(variant: &VariantSpec, model_config: &ModelConfig) -> VariantInfo {
+    VariantInfo {
         name: variant.name.clone(),
         positional: variant.positional.clone(),
         placement: match variant.random_positions {
@@ -602,66 +237,50 @@ fn run_cell(
         width: variant.positional.scheme().width(model_config.d_model),
         random_positions: variant.random_positions,
         layers: variant.layers.clone(),
+    }
+}
+
+/// A RoPE cell's model tested again under each of `[eval] rope_scaling`: each a row of its
+/// own, the same model with its rotation rescaled. Nothing for other schemes.
+fn rescore(
+    job: &Job,
+    variant: &VariantSpec,
+    scalings: &[RopeScaling],
+    trained: &Trained,
+) -> Result<Vec<Rescored>> {
+    let PositionalConfig::Rope(options) = &variant.positional else {
+        return Ok(Vec::new());
     };
-    let result = CellResult {
-        task: task.spec.name.clone(),
-        variant: variant.name.clone(),
-        seed,
-        params: params.num_params(),
-        d_model: model_config.d_model,
-        max_len: model_config.max_len,
-        steps: outcome.steps,
-        tokens: outcome.tokens,
-        kept_step: outcome.kept_step,
-        stopped_early: outcome.stopped_early,
-        final_train_loss: outcome.final_loss(),
-        loss_curve: downsample(&outcome.losses),
-        validation: outcome
-            .validation
-            .iter()
-            .map(|(s, v)| [*s as f64, v.accuracy])
-            .collect(),
-        evaluations,
-        model_dir,
-    };
-    // Each re-scoring is a row of its own: the same model, a rescaled RoPE.
-    let rescored = rescored
-        .into_iter()
-        .map(|(scaling, evaluations)| {
-            let name = format!("{} + {}", variant.name, scaling.label());
-            line.push_str(&format!("\n  {name}: {}", scores(&evaluations)));
-            let positional = match &variant.positional {
-                PositionalConfig::Rope(o) => PositionalConfig::Rope(RopeOptions {
-                    scaling: Some(scaling),
-                    ..o.clone()
-                }),
-                other => other.clone(),
-            };
-            Rescored {
-                variant: VariantInfo {
-                    name: name.clone(),
-                    positional,
-                    ..info.clone()
-                },
-                result: CellResult {
-                    variant: name,
+    let (task, seed) = (job.task, job.seed);
+    let info = variant_info(variant, job.model);
+    let mut rows = Vec::new();
+    for scaling in scalings {
+        let evaluations =
+            task.evaluate_scaled(job.model, &trained.params, scaling, job.eval_batch)?;
+        let name = format!("{} + {}", variant.name, scaling.label());
+        let positional = PositionalConfig::Rope(RopeOptions {
+            scaling: Some(scaling.clone()),
+            ..options.clone()
+        });
+        rows.push(Rescored {
+            variant: VariantInfo {
+                name: name.clone(),
+                positional,
+                ..info.clone()
+            },
+            result: CellResult {
+                task: task.spec.name.clone(),
+                variant: name,
+                seed,
+                summary: TrainSummary {
                     evaluations,
-                    ..result.clone()
+                    ..trained.summary.clone()
                 },
-            }
-        })
-        .collect();
-    let timing = Timing {
-        task: task.spec.name.clone(),
-        variant: variant.name.clone(),
-        seed,
-        device: format!("{} ({})", device_name(device), shared.threads),
-        train_seconds: outcome.train_seconds,
-        tokens_per_second,
-        wall_seconds: wall,
-    };
-    let record = CellRecord::new(task.info.clone(), info, result, rescored, timing);
-    Ok((record, line))
+                model_dir: folder::model_dir(&task.spec.name, &variant.name, seed),
+            },
+        });
+    }
+    Ok(rows)
 }
 
 /// `cpu` or `cuda` (the device's name without its ordinal): what a run folder's cells must all
@@ -669,36 +288,6 @@ fn run_cell(
 fn device_kind(device: &Device) -> String {
     let name = device_name(device);
     name.split(':').next().unwrap_or(&name).to_string()
-}
-
-/// The results and timings of finished cells (in the selection's order), as `results.json` and
-/// `timing.json` hold them: the same records give the same bytes, however many runs wrote them.
-pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results, Vec<Timing>) {
-    let mut results = Results {
-        experiment: config.name.clone(),
-        tasks: Vec::new(),
-        variants: Vec::new(),
-        cells: Vec::new(),
-        summary: Vec::new(),
-        partial: None,
-    };
-    let mut timings = Vec::new();
-    for record in records {
-        if !results.tasks.iter().any(|t| t.name == record.task.name) {
-            results.tasks.push(record.task);
-        }
-        let rows = std::iter::once((record.variant, record.result))
-            .chain(record.rescored.into_iter().map(|r| (r.variant, r.result)));
-        for (variant, result) in rows {
-            if !results.variants.iter().any(|v| v.name == variant.name) {
-                results.variants.push(variant);
-            }
-            results.cells.push(result);
-        }
-        timings.push(record.timing);
-    }
-    results.order_as(config);
-    (results, timings)
 }
 
 /// Trains and tests every selected cell into `options.dir`, `options.jobs` at a time, and
@@ -773,7 +362,7 @@ pub fn run(
         }
     }
     let records: Vec<CellRecord> = records.into_iter().flatten().collect();
-    let (results, timings) = assemble(config, records);
+    let (results, timings) = folder::assemble(config, records);
     let table = super::report::write_report_with(dir, &results, &timings, &[], &|| {
         kill_point(options, || "report".into())
     })?;
@@ -955,19 +544,4 @@ fn train_cells(
         return Err(e);
     }
     Ok(outputs.into_inner().expect("lock"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn curves_keep_their_mean_and_length() {
-        let losses: Vec<f64> = (0..1000).map(|i| i as f64).collect();
-        let d = downsample(&losses);
-        assert_eq!(d.len(), 200);
-        assert_eq!(d[0], [5.0, 2.0]);
-        assert_eq!(d[199], [1000.0, 997.0]);
-        assert_eq!(downsample(&[1.0, 3.0]), vec![[1.0, 1.0], [2.0, 3.0]]);
-    }
 }

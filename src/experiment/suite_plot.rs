@@ -11,9 +11,9 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::plot::{palette, render_png, FONT};
 use super::results::{Outcome, Results, TaskInfo};
 use crate::error::Result;
+use crate::plot::{palette, render_png, FONT};
 
 /// Lengths per plotted point: about 40 points over the tested lengths.
 fn bin_width(max_length: usize) -> usize {
@@ -30,6 +30,7 @@ fn curve(results: &Results, task: &TaskInfo, variant: &str) -> Vec<(f64, f64)> {
         .filter(|c| c.task == task.name && c.variant == variant)
     {
         for e in c
+            .summary
             .evaluations
             .iter()
             .filter(|e| task.tests.iter().any(|t| t.name == e.name))

@@ -7,11 +7,7 @@ use candle_nn::VarBuilder;
 
 use super::Linear;
 
-use super::{linear_with_bias, masked_softmax, Dropout, Rotary};
-
-/// The score given to a padded key before the softmax: far enough below any real score that its
-/// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
-pub(crate) const MASKED_SCORE: f64 = -1e9;
+use super::{linear_with_bias, masked_softmax, Dropout, Rotary, MASKED_SCORE};
 
 /// The additive attention bias of a key-padding mask.
 ///

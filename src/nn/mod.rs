@@ -35,6 +35,10 @@ use std::sync::OnceLock;
 
 use candle::{DType, Tensor};
 
+/// The score given to a padded key before the softmax: far enough below any real score that its
+/// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
+pub(crate) const MASKED_SCORE: f64 = -1e9;
+
 /// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
 /// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation
 /// with poslab's backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU

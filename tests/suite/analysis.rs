@@ -320,7 +320,7 @@ fn the_command_writes_files_and_pictures_with_their_text() {
 fn a_learned_table_from_a_trained_run_loads_and_analyses() {
     let root = tempfile::tempdir().unwrap();
     let run = root.path().join("run");
-    let config = poslab::experiment::single::TrainRunConfig::from_toml_str(
+    let config = poslab::train_run::TrainRunConfig::from_toml_str(
         "name = \"t\"\ncheckpoint_every = 0\nmax_len = 24\n\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
          [positional]\nkind = \"learned\"\n\
@@ -328,14 +328,14 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
          [task]\nkind = \"word_order\"\nlengths = [5, 10]\ntrain_examples = 400\neval_examples = 40\n",
     )
     .unwrap();
-    let options = poslab::experiment::single::TrainOptions {
+    let options = poslab::train_run::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
         progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
     };
-    poslab::experiment::single::start(&config, &options).unwrap();
+    poslab::train_run::start(&config, &options).unwrap();
     let out = root.path().join("analysis");
     let (ok, stdout, stderr) = poslab(&[
         "analyze",
@@ -406,7 +406,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
 /// Trains a tiny model of `positional` (TOML inline table) into `dir` and returns it.
 fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path::PathBuf {
     let run = dir.join("run");
-    let config = poslab::experiment::single::TrainRunConfig::from_toml_str(&format!(
+    let config = poslab::train_run::TrainRunConfig::from_toml_str(&format!(
         "name = \"t\"\ncheckpoint_every = 0\n{}\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
          [positional]\n{positional}\n\
@@ -415,14 +415,14 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
         max_len.map_or(String::new(), |m| format!("max_len = {m}\n"))
     ))
     .unwrap();
-    let options = poslab::experiment::single::TrainOptions {
+    let options = poslab::train_run::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
         progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
     };
-    poslab::experiment::single::start(&config, &options).unwrap();
+    poslab::train_run::start(&config, &options).unwrap();
     run
 }
 

@@ -229,8 +229,7 @@ fn shipped_configs_are_valid() {
         }
         let table: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
         if table.contains_key("task") {
-            poslab::experiment::single::TrainRunConfig::load(&path)
-                .unwrap_or_else(|e| panic!("{e}"));
+            poslab::train_run::TrainRunConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             trains.push(path.file_name().unwrap().to_string_lossy().into_owned());
         } else if table.contains_key("variants") {
             poslab::experiment::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));

@@ -670,7 +670,7 @@ fn scores_and_gains_follow_from_the_cells(results: &poslab::experiment::results:
     let mut scores: Vec<(String, String, f64)> = Vec::new();
     for cell in &results.cells {
         let mut above = Vec::new();
-        for e in cell.evaluations.iter().filter(|e| e.name != SCORE) {
+        for e in cell.summary.evaluations.iter().filter(|e| e.name != SCORE) {
             if let Outcome::Scored {
                 accuracy,
                 sequence_accuracy,
@@ -708,7 +708,12 @@ fn scores_and_gains_follow_from_the_cells(results: &poslab::experiment::results:
         lengths.sort_unstable();
         assert_eq!(lengths, [7, 8, 9], "{}/{}", cell.task, cell.variant);
         let expected = above.iter().map(|s| s.accuracy).sum::<f64>() / 3.0;
-        let score = cell.evaluations.iter().find(|e| e.name == SCORE).unwrap();
+        let score = cell
+            .summary
+            .evaluations
+            .iter()
+            .find(|e| e.name == SCORE)
+            .unwrap();
         let got = accuracy_of(&score.outcome);
         assert!((got - expected).abs() < 1e-12, "{got} {expected}");
         scores.push((cell.task.clone(), cell.variant.clone(), got));

@@ -460,8 +460,8 @@ fn eval_rope_scaling_rescores_every_rope_variant_as_its_own_row() {
     );
     let cell = |v: &str| results.cells.iter().find(|c| c.variant == v).unwrap();
     assert_eq!(
-        cell("rope + yarn x2").final_train_loss,
-        cell("rope").final_train_loss
+        cell("rope + yarn x2").summary.final_train_loss,
+        cell("rope").summary.final_train_loss
     );
     assert_eq!(cell("rope + yarn x2").model_dir, cell("rope").model_dir);
     // Scalings are checked at load: a bad one is refused before anything trains.
@@ -475,15 +475,15 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
     use poslab::infer::Predictor;
     // Train a tiny rope classifier, save it, and embed a text 4x its training length.
     let dir = tempfile::tempdir().unwrap();
-    let config = poslab::experiment::single::TrainRunConfig::from_toml_str(
+    let config = poslab::train_run::TrainRunConfig::from_toml_str(
         "name = \"r\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
          [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 10 }\nbatch_size = 16\n\
          [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 40\n",
     )
     .unwrap();
-    poslab::experiment::single::start(
+    poslab::train_run::start(
         &config,
-        &poslab::experiment::single::TrainOptions {
+        &poslab::train_run::TrainOptions {
             dir: dir.path().join("run"),
             device: Device::Cpu,
             progress: poslab::progress::Progress::Quiet,

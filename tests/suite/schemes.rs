@@ -369,7 +369,8 @@ fn randomized_and_bias_variants_train_test_and_reproduce_in_compare() {
         r.cells
             .iter()
             .flat_map(|c| {
-                c.evaluations
+                c.summary
+                    .evaluations
                     .iter()
                     .map(|e| format!("{}/{}: {:?}", c.variant, e.name, e.outcome))
             })
@@ -388,7 +389,7 @@ fn randomized_and_bias_variants_train_test_and_reproduce_in_compare() {
     assert_eq!(where_("kerple"), "attention bias");
     let cell = |v: &str| a.cells.iter().find(|c| c.variant == v).unwrap();
     // A learned table of 40 rows, every one of them reachable in training.
-    assert_eq!(cell("learned_random").max_len, 40);
+    assert_eq!(cell("learned_random").summary.max_len, 40);
     for v in ["t5_random", "learned_random", "kerple"] {
         let two_x = cell(v).evaluation("2x").unwrap();
         assert!(matches!(two_x, Outcome::Scored { .. }), "{v} 2x: {two_x:?}");

@@ -7,9 +7,9 @@ use std::process::Command;
 use candle::{DType, Device};
 use poslab::data::Dataset;
 use poslab::experiment::results::Outcome;
-use poslab::experiment::single::{self, Metrics, TrainEnd, TrainRunConfig};
 use poslab::text::hub::place_in_cache;
 use poslab::text::{HubSource, RepoRef, SubwordModel, TextTokenizer, TokenizerSpec};
+use poslab::train_run::{self, Metrics, TrainEnd, TrainRunConfig};
 
 use crate::common::*;
 use crate::training::task;
@@ -309,29 +309,43 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
     for (i, config) in cases.iter().enumerate() {
         let whole = root.path().join(format!("whole{i}"));
         let parts = root.path().join(format!("parts{i}"));
-        let full = finished(single::start(config, &options(&whole, None)).unwrap());
+        let full = finished(train_run::start(config, &options(&whole, None)).unwrap());
         // Stop between checkpoints (23), resume, stop again at a checkpoint (30), resume to the end.
         assert_eq!(
-            single::start(config, &options(&parts, Some(23))).unwrap(),
+            train_run::start(config, &options(&parts, Some(23))).unwrap(),
             TrainEnd::Stopped { step: 23 }
         );
         assert!(parts.join("checkpoints/step-00000023").is_dir());
         assert_eq!(
-            single::resume(&options(&parts, Some(30))).unwrap(),
+            train_run::resume(&options(&parts, Some(30))).unwrap(),
             TrainEnd::Stopped { step: 30 }
         );
-        let resumed = finished(single::resume(&options(&parts, None)).unwrap());
+        let resumed = finished(train_run::resume(&options(&parts, None)).unwrap());
         let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
         assert_eq!(
             bytes(&whole),
             bytes(&parts),
             "case {i}: the resumed weights differ"
         );
-        assert_eq!(resumed.evaluations, full.evaluations, "case {i}");
-        assert_eq!(resumed.validation, full.validation, "case {i}");
         assert_eq!(
-            (resumed.steps, resumed.tokens, resumed.final_train_loss),
-            (full.steps, full.tokens, full.final_train_loss)
+            resumed.summary.evaluations, full.summary.evaluations,
+            "case {i}"
+        );
+        assert_eq!(
+            resumed.summary.validation, full.summary.validation,
+            "case {i}"
+        );
+        assert_eq!(
+            (
+                resumed.summary.steps,
+                resumed.summary.tokens,
+                resumed.summary.final_train_loss
+            ),
+            (
+                full.summary.steps,
+                full.summary.tokens,
+                full.summary.final_train_loss
+            )
         );
         // Two checkpoints are kept at most.
         let kept = std::fs::read_dir(parts.join("checkpoints"))
@@ -346,11 +360,11 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
             .count();
         assert!(kept <= 2, "{kept} checkpoints kept");
         // A finished run is not resumed, and a folder holding a run is not overwritten.
-        assert!(single::resume(&options(&parts, None))
+        assert!(train_run::resume(&options(&parts, None))
             .unwrap_err()
             .to_string()
             .contains("already finished"));
-        assert!(single::start(config, &options(&parts, None))
+        assert!(train_run::start(config, &options(&parts, None))
             .unwrap_err()
             .to_string()
             .contains("--resume"));
@@ -366,7 +380,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
         "kind = \"sinusoidal_concat\"\npos_dim = 6",
         "checkpoint_every = 0",
     );
-    let metrics = finished(single::start(&config, &options(&dir, None)).unwrap());
+    let metrics = finished(train_run::start(&config, &options(&dir, None)).unwrap());
     let loaded = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let again = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let data = config
@@ -385,7 +399,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
         0,
     )
     .unwrap();
-    match &metrics.evaluations[0].outcome {
+    match &metrics.summary.evaluations[0].outcome {
         Outcome::Scored { accuracy, loss, .. } => {
             assert_eq!((score.accuracy, score.loss), (*accuracy, *loss))
         }
@@ -423,7 +437,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
     // Weights of another model (a learned table, another token width): every mismatch listed.
     let other = root.path().join("other");
     finished(
-        single::start(
+        train_run::start(
             &train_config(
                 &reviews_task(),
                 "kind = \"learned\"",

@@ -33,7 +33,8 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::linear::{by_dtype, matmul};
-use super::{contiguous, softmax_grad_rows, softmax_rows, zeros, Real, Rotation};
+use super::softmax::{softmax_grad_rows, softmax_rows};
+use super::{contiguous, zeros, Real, Rotation};
 use crate::nn::Rotary;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -177,7 +178,7 @@ simd_dispatch!(fn add_bias = add_bias_body(s: &mut [T], bias: &[T]));
 /// no `(t, t)` mask kept anywhere. The masked weights are exactly 0 after the softmax, so their
 /// gradients are too.
 fn mask_outside_window<T: Real>(s: &mut [T], t: usize, max_offset: usize) {
-    let masked = T::lit(crate::nn::attention::MASKED_SCORE);
+    let masked = T::lit(crate::nn::MASKED_SCORE);
     for (i, row) in s.chunks_exact_mut(t).enumerate() {
         let (lo, hi) = (i.saturating_sub(max_offset), (i + max_offset + 1).min(t));
         let (before, rest) = row.split_at_mut(lo);

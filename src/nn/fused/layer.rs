@@ -28,11 +28,9 @@ use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::Attention;
+use super::layer_norm::{LayerNormGradInput, LayerNormGradParams, LayerNormOp};
 use super::linear::{by_dtype, column_sum, grad_input, grad_weight, linear_out, residual_linear};
-use super::{
-    activation_grad_par, activation_par, contiguous, zeros, LayerNormGradInput,
-    LayerNormGradParams, LayerNormOp, Real,
-};
+use super::{activation_grad_par, activation_par, contiguous, zeros, Real};
 
 /// The widths of a layer and where each parameter sits in the packed vector.
 #[derive(Clone, Copy, Debug)]

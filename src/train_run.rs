@@ -10,27 +10,26 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle::{DType, Device};
+use candle::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use super::results::Evaluation;
-use super::run::{prepare, Prepared};
-use super::{EvalConfig, ModelShape, VariantSpec};
 use crate::config::Precision;
 use crate::error::{Error, Result};
+use crate::experiment::job::{Job, JobEnd, Steps};
+use crate::experiment::prepare::{prepare, Prepared};
+use crate::experiment::results::TrainSummary;
+use crate::experiment::{EvalConfig, ModelShape, VariantSpec};
 use crate::io::write_atomic;
 use crate::model::Pooling;
-use crate::model::TaskModel;
 use crate::params::{load_tensors, save_tensors, ParamStore};
 use crate::positional::PositionalConfig;
-use crate::saved::{self, SavedConfig};
+use crate::saved;
 use crate::tasks::TaskSpec;
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use crate::train::{Checkpoint, TrainConfig, TrainState, Trainer};
 
-/// The run's config, as written when it started.
-pub const TRAIN_CONFIG: &str = "train.toml";
+pub use crate::saved::TRAIN_CONFIG;
 /// The finished run's record ([`Metrics`]).
 pub const METRICS: &str = "metrics.json";
 /// The folder of checkpoints.
@@ -207,7 +206,7 @@ impl TrainRunConfig {
 
     /// Checks the whole run (name, training, task and model) before anything is written.
     pub fn validate(&self) -> Result<()> {
-        super::check_name("run", &self.name)?;
+        crate::experiment::check_name("run", &self.name)?;
         self.train.validate()?;
         self.task.validate()?;
         if self.eval.shift > crate::positional::MAX_POSITION {
@@ -227,7 +226,7 @@ impl TrainRunConfig {
 
     /// Parses and validates a run config from TOML text.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        let config: Self = crate::config::parse_toml(text)?;
+        let config: Self = crate::io::parse_toml(text)?;
         config.validate()?;
         Ok(config)
     }
@@ -271,22 +270,9 @@ pub struct Metrics {
     pub positional: PositionalConfig,
     /// The seed.
     pub seed: u64,
-    /// Trainable parameters.
-    pub params: usize,
-    /// Optimizer steps taken.
-    pub steps: usize,
-    /// Training tokens seen, padding excluded.
-    pub tokens: usize,
-    /// The step whose weights were kept (the best validation step).
-    pub kept_step: usize,
-    /// Whether early stopping ended training.
-    pub stopped_early: bool,
-    /// The mean training loss over the last window of steps.
-    pub final_train_loss: f64,
-    /// `(step, validation accuracy)`.
-    pub validation: Vec<[f64; 2]>,
-    /// Test scores: by length, shuffled, shifted (as in `poslab compare`).
-    pub evaluations: Vec<Evaluation>,
+    /// Training and test scores, as a cell of `poslab compare` records them.
+    #[serde(flatten)]
+    pub summary: TrainSummary,
     /// Seconds spent in training steps.
     pub train_seconds: f64,
     /// Training tokens per second of `train_seconds`.
@@ -587,6 +573,66 @@ fn ready<'a>(
     })
 }
 
+/// A run's steps: resumed from the latest checkpoint, a bar on standard error, the progress
+/// board, a checkpoint every `checkpoint_every` steps, and `stop_after`.
+struct RunSteps<'a> {
+    config: &'a TrainRunConfig,
+    options: &'a TrainOptions,
+    board: &'a crate::progress::Board,
+    resuming: bool,
+}
+
+impl Steps for RunSteps<'_> {
+    fn begin(&mut self, trainer: &mut Trainer<'_>, params: &ParamStore) -> Result<ProgressBar> {
+        if self.resuming {
+            if let Some(checkpoint) = load_latest(&self.options.dir, params, self.config)? {
+                trainer.restore(&checkpoint)?;
+            }
+        }
+        let bar = if self.options.progress.bars() {
+            ProgressBar::with_draw_target(
+                Some(trainer.planned_steps() as u64),
+                ProgressDrawTarget::stderr(),
+            )
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{prefix} [{bar:40}] {pos}/{len} steps, {elapsed} elapsed, about {eta} left {msg}",
+            )
+            .expect("template")
+            .progress_chars("=> "),
+        );
+        bar.set_prefix(self.config.name.clone());
+        let first = trainer.state().steps;
+        bar.set_position(first as u64);
+        self.board
+            .start(&self.config.name, first, trainer.planned_steps());
+        Ok(bar)
+    }
+
+    fn after_step(&mut self, trainer: &Trainer<'_>, params: &ParamStore) -> Result<bool> {
+        let (config, options) = (self.config, self.options);
+        let state = trainer.state();
+        let steps = state.steps;
+        let loss = state.losses.last().copied().unwrap_or(f64::NAN);
+        self.board.step(&config.name, steps, loss);
+        let stop = options.stop_after.is_some_and(|n| steps >= n);
+        let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
+        if (due || stop) && !trainer.finished() {
+            save_checkpoint(&options.dir, params, &trainer.checkpoint(), config)?;
+        }
+        Ok(!stop)
+    }
+
+    fn testing(&mut self, bar: &ProgressBar) {
+        bar.finish_and_clear();
+        self.board.testing(&self.config.name);
+    }
+}
+
+/// Trains, tests and saves the run as one [`Job`], and writes its `metrics.json`.
 fn run(
     config: &TrainRunConfig,
     ready: Ready,
@@ -600,115 +646,49 @@ fn run(
         eval_batch,
         start,
     } = ready;
-    let tok = &task.data.tokenizer;
-    let params = ParamStore::new(config.seed);
-    let model = TaskModel::new(
-        &model_config,
-        &task.head,
-        params.var_builder(DType::F32, &options.device),
-    )?;
-    params.constrain(&model.encoder().constraints())?;
-    if let Some(start) = &start {
-        start.assign(&params)?;
-    }
-    let train_data = task.train_data();
-    let mut trainer = Trainer::new(&model, &params, &train_data, &config.train, config.seed)?;
-    if resuming {
-        if let Some(checkpoint) = load_latest(dir, &params, config)? {
-            trainer.restore(&checkpoint)?;
-        }
-    }
-
-    let bar = if options.progress.bars() {
-        ProgressBar::with_draw_target(
-            Some(trainer.planned_steps() as u64),
-            ProgressDrawTarget::stderr(),
-        )
-    } else {
-        ProgressBar::hidden()
+    let job = Job {
+        task: &task,
+        model: &model_config,
+        train: &config.train,
+        seed: config.seed,
+        eval_batch,
+        device: &options.device,
     };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{prefix} [{bar:40}] {pos}/{len} steps, {elapsed} elapsed, about {eta} left {msg}",
-        )
-        .expect("template")
-        .progress_chars("=> "),
-    );
-    bar.set_prefix(config.name.clone());
-    bar.set_position(trainer.state().steps as u64);
-    let first = trainer.state().steps;
-    let board = crate::progress::Board::new(
-        &config.name,
-        0,
-        trainer.planned_steps().saturating_sub(first) as u64,
-    );
-    board.start(&config.name, first, trainer.planned_steps());
-    let trained = crate::progress::with_lines(
+    // The board's count of steps left, for its time estimate: from the checkpoint resumed.
+    let first = match resuming {
+        true => latest_checkpoint_step(dir).unwrap_or(0),
+        false => 0,
+    };
+    let planned = crate::train::planned_steps(&config.train, &task.train);
+    let board = crate::progress::Board::new(&config.name, 0, planned.saturating_sub(first) as u64);
+    let mut steps = RunSteps {
+        config,
+        options,
+        board: &board,
+        resuming,
+    };
+    let assign = |params: &ParamStore| match &start {
+        Some(start) => start.assign(params),
+        None => Ok(()),
+    };
+    let end = crate::progress::with_lines(
         options.progress,
         &board,
         &|line| eprintln!("{line}"),
-        // Ok(finished run) or Err(the step a --stop-after stopped at).
-        || -> Result<std::result::Result<_, usize>> {
-            while !trainer.finished() {
-                trainer.step(&bar)?;
-                let state = trainer.state();
-                let steps = state.steps;
-                let loss = state.losses.last().copied().unwrap_or(f64::NAN);
-                board.step(&config.name, steps, loss);
-                let stop = options.stop_after.is_some_and(|n| steps >= n);
-                let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
-                if (due || stop) && !trainer.finished() {
-                    save_checkpoint(dir, &params, &trainer.checkpoint(), config)?;
-                }
-                if stop && !trainer.finished() {
-                    return Ok(Err(steps));
-                }
-            }
-            bar.finish_and_clear();
-            board.testing(&config.name);
-            let outcome = trainer.finish()?;
-            let evaluations = task.evaluate(&model, eval_batch)?;
-            Ok(Ok((outcome, evaluations)))
-        },
+        || job.run(Some(&assign), &mut steps),
     )?;
-    bar.finish_and_clear();
-    let (outcome, evaluations) = match trained {
-        Ok(done) => done,
-        Err(step) => return Ok(TrainEnd::Stopped { step }),
+    let trained = match end {
+        JobEnd::Trained(trained) => trained,
+        JobEnd::Stopped { step } => return Ok(TrainEnd::Stopped { step }),
     };
-    saved::save(
-        dir,
-        &params,
-        tok,
-        &SavedConfig {
-            format: saved::FORMAT.into(),
-            model: model_config.clone(),
-            head: task.head.clone(),
-            objective: task.data.objective.clone(),
-            task: config.task.name.clone(),
-            seed: config.seed,
-            task_spec: Some(config.task.clone()),
-            init: config.init.as_ref().map(|i| i.model.clone()),
-            special_tokens: start.is_some(),
-        },
-    )?;
+    job.save(dir, &trained, config.init.as_ref().map(|i| i.model.clone()))?;
+    let outcome = &trained.outcome;
     let metrics = Metrics {
         name: config.name.clone(),
         task: config.task.name.clone(),
         positional: model_config.positional.clone(),
         seed: config.seed,
-        params: params.num_params(),
-        steps: outcome.steps,
-        tokens: outcome.tokens,
-        kept_step: outcome.kept_step,
-        stopped_early: outcome.stopped_early,
-        final_train_loss: outcome.final_loss(),
-        validation: outcome
-            .validation
-            .iter()
-            .map(|(s, v)| [*s as f64, v.accuracy])
-            .collect(),
-        evaluations,
+        summary: trained.summary.clone(),
         train_seconds: outcome.train_seconds,
         tokens_per_second: outcome.tokens as f64 / outcome.train_seconds.max(1e-9),
         notes: task.info.notes.clone(),
@@ -859,7 +839,7 @@ fn load_checkpoint(
             toml::Value::try_from(&saved).expect("a config is TOML"),
             toml::Value::try_from(config).expect("a config is TOML"),
         );
-        if let Some(diff) = crate::config::first_difference("", &a, &b) {
+        if let Some(diff) = crate::io::first_difference("", &a, &b) {
             return Err(Error::Config(format!(
                 "{TRAIN_CONFIG} was edited after the run started ({diff}: checkpoint vs now): \
                  a resumed run must keep its settings; restore them, or start a new run with \

@@ -1,0 +1,389 @@
+//! A task prepared once for every model trained on it: generated, tokenized into its
+//! training, validation and test sets (by length, shuffled, shifted), with its head; and the
+//! tests run on a trained model.
+
+use candle::{DType, Device};
+
+use super::results::{shift_column, Evaluation, Outcome, TaskInfo, TestInfo, SCORE, SHUFFLED};
+use crate::config::ModelConfig;
+use crate::data::{Dataset, MlmMasking};
+use crate::error::{Error, Result};
+use crate::model::{HeadConfig, Pooling, TaskModel};
+use crate::params::ParamStore;
+use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
+use crate::rng::{self, derive_seed};
+use crate::tasks::{Objective, TaskData, TaskSpec};
+use crate::train::{evaluate, evaluate_by_length, TrainData};
+
+/// A test the model can run: data, position offset, MLM mask seed.
+struct Test {
+    name: String,
+    /// Index into [`Prepared::sets`].
+    set: usize,
+    start: usize,
+    mask_seed: u64,
+}
+
+/// A task generated and tokenized once, shared by all of its cells (and by `poslab train`).
+pub(crate) struct Prepared<'a> {
+    pub(crate) spec: &'a TaskSpec,
+    pub(crate) data: TaskData,
+    pub(crate) head: HeadConfig,
+    pub(crate) masking: Option<MlmMasking>,
+    pub(crate) train: Dataset,
+    pub(crate) valid: Dataset,
+    /// The test sets by length, then the shuffled copy of the base test set if any.
+    sets: Vec<Dataset>,
+    tests: Vec<Test>,
+    pub(crate) info: TaskInfo,
+}
+
+/// Tokenizes `data` of `spec` into the splits, the head and the tests (by length, shuffled for
+/// sentence labels, shifted by `shift`). With `template`, every text is framed by the
+/// tokenizer's special tokens (`[CLS] ... [SEP]`), as a pretrained encoder reads it; first-token
+/// pooling then reads its `[CLS]`.
+pub(crate) fn prepare(
+    spec: &TaskSpec,
+    data: TaskData,
+    pooling: Pooling,
+    shift: usize,
+    template: bool,
+) -> Result<Prepared<'_>> {
+    let tok = &data.tokenizer;
+    let head = match &data.objective {
+        Objective::Classify { labels } => HeadConfig::Classify {
+            classes: labels.len(),
+            pooling,
+        },
+        Objective::Tag { labels } => HeadConfig::Tag {
+            classes: labels.len(),
+        },
+        Objective::Mlm { .. } => HeadConfig::Mlm,
+    };
+    let framing = head.framing(tok, template)?;
+    let masking = match &data.objective {
+        Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
+        _ => None,
+    };
+    let train = Dataset::encode(&data.train, tok, framing, data.limit)?;
+    let valid = Dataset::encode(&data.valid, tok, framing, data.limit)?;
+    let mut sets = data
+        .tests
+        .iter()
+        .map(|t| Dataset::encode(&t.examples, tok, framing, data.limit))
+        .collect::<Result<Vec<_>>>()?;
+    let mut notes = Vec::new();
+    for (what, set) in [("training", &train), ("validation", &valid)]
+        .into_iter()
+        .chain(sets.iter().map(|s| ("test", s)))
+    {
+        if set.truncated > 0 {
+            notes.push(format!(
+                "{} of {} {what} examples were cut to max_tokens = {} (truncate = true)",
+                set.truncated,
+                set.samples.len(),
+                data.limit.max_tokens.unwrap_or(0)
+            ));
+        }
+    }
+    // MLM masks (and randomized positions) of a test, the same for every model.
+    let mask_seed = |t: &crate::tasks::TestSet| match t.factor {
+        Some(factor) => derive_seed(spec.data_seed, "test masks", factor as u64),
+        None => derive_seed(spec.data_seed, &format!("test masks {}", t.name), 0),
+    };
+    let mut tests: Vec<Test> = data
+        .tests
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Test {
+            name: t.name.clone(),
+            set: i,
+            start: 0,
+            mask_seed: mask_seed(t),
+        })
+        .collect();
+    // The order tests run on the test set at the training lengths (the first of a range list).
+    let base = data
+        .tests
+        .iter()
+        .position(|t| t.factor == Some(1))
+        .unwrap_or(0);
+    let base_seed = mask_seed(&data.tests[base]);
+    let shuffle_test = matches!(data.objective, Objective::Classify { .. });
+    if shuffle_test {
+        let shuffled = sets[base]
+            .with_shuffled_tokens(framing, &mut rng::stream(spec.data_seed, "shuffle test"));
+        sets.push(shuffled);
+        tests.push(Test {
+            name: SHUFFLED.into(),
+            set: sets.len() - 1,
+            start: 0,
+            mask_seed: base_seed,
+        });
+    }
+    tests.push(Test {
+        name: shift_column(shift),
+        set: base,
+        start: shift,
+        mask_seed: base_seed,
+    });
+    let info = TaskInfo {
+        name: spec.name.clone(),
+        kind: spec.kind.name().into(),
+        metric: data.objective.metric().into(),
+        train_lengths: spec.lengths.unwrap_or_else(|| data.train_lengths()),
+        tests: data
+            .tests
+            .iter()
+            .map(|t| TestInfo {
+                name: t.name.clone(),
+                factor: t.factor,
+                lengths: t.tested_lengths(),
+            })
+            .collect(),
+        shift: Some(shift),
+        shuffle_test,
+        order_blind_ceiling: data.order_blind_ceiling.clone(),
+        vocab_size: tok.vocab_size(),
+        notes,
+        score_above: matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_))
+            .then(|| spec.lengths.map_or(0, |l| l[1])),
+    };
+    Ok(Prepared {
+        spec,
+        data,
+        head,
+        masking,
+        train,
+        valid,
+        sets,
+        tests,
+        info,
+    })
+}
+
+impl Prepared<'_> {
+    /// Rows a learned table gets: the longest training input, or `max_tokens` when set.
+    pub(crate) fn table_rows(&self) -> usize {
+        self.train
+            .max_len()
+            .max(self.data.limit.max_tokens.unwrap_or(0))
+    }
+
+    /// The longest input of any split (training, validation, every test).
+    pub(crate) fn longest_input(&self) -> usize {
+        [&self.train, &self.valid]
+            .into_iter()
+            .chain(&self.sets)
+            .map(Dataset::max_len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Refuses randomized positions drawn from fewer than the longest input's positions.
+    pub(crate) fn check_random_positions(
+        &self,
+        random_positions: Option<usize>,
+        what: &str,
+    ) -> Result<()> {
+        match random_positions {
+            Some(n) if n < self.longest_input() => Err(Error::Config(format!(
+                "{what}: random_positions = {n}, but task `{}` has inputs of {} tokens, which \
+                 need as many distinct positions: set random_positions to at least {}",
+                self.spec.name,
+                self.longest_input(),
+                self.longest_input()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Refuses a model whose training or test batches would not fit the memory limit (see
+    /// [`crate::limits`]), before anything trains.
+    pub(crate) fn check_memory(
+        &self,
+        config: &ModelConfig,
+        train_batch: usize,
+        eval_batch: usize,
+        what: &str,
+    ) -> Result<()> {
+        let training = [&self.train, &self.valid]
+            .map(|s| s.max_len())
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        crate::limits::check_batch(
+            &config.sizes(),
+            train_batch,
+            training,
+            true,
+            &format!("{what}: training"),
+        )
+        .map_err(Error::Config)?;
+        let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
+        crate::limits::check_batch(
+            &config.sizes(),
+            eval_batch,
+            testing,
+            false,
+            &format!("{what}: testing"),
+        )
+        .map_err(Error::Config)
+    }
+
+    /// The token count of every example each test reads, test after test (the shift test
+    /// reads its set again), and the validation set's.
+    pub(crate) fn eval_lengths(&self) -> (Vec<usize>, Vec<usize>) {
+        let tests = self
+            .tests
+            .iter()
+            .flat_map(|t| self.sets[t.set].lengths())
+            .collect();
+        (tests, self.valid.lengths())
+    }
+
+    /// The data `train` needs.
+    pub(crate) fn train_data(&self) -> TrainData<'_> {
+        TrainData {
+            train: &self.train,
+            valid: &self.valid,
+            pad_id: self.data.tokenizer.pad_id(),
+            masking: self.masking.as_ref(),
+        }
+    }
+
+    /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is
+    /// marked unavailable with the reason.
+    pub(crate) fn evaluate(&self, model: &TaskModel, eval_batch: usize) -> Result<Vec<Evaluation>> {
+        let evaluations = (0..self.tests.len())
+            .map(|i| self.evaluate_test(model, i, eval_batch))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.with_score(evaluations))
+    }
+
+    /// `evaluations` with the length suite's score inserted after the tests by length: the
+    /// mean over every tested length above the training maximum (each length weighs the same,
+    /// and counts once: where test sets overlap, as `eval_factors` 2 and 4 do, a length is
+    /// scored by the first test that has it).
+    fn with_score(&self, mut evaluations: Vec<Evaluation>) -> Vec<Evaluation> {
+        let Some(above) = self.info.score_above else {
+            return evaluations;
+        };
+        let mut lengths = std::collections::BTreeMap::new();
+        let mut unavailable = None;
+        for e in evaluations.iter().take(self.info.tests.len()) {
+            match &e.outcome {
+                Outcome::Scored { by_length, .. } => {
+                    for s in by_length.iter().filter(|s| s.length > above) {
+                        lengths.entry(s.length).or_insert(*s);
+                    }
+                }
+                Outcome::Unavailable { reason } if reaches_above(&self.info, &e.name, above) => {
+                    unavailable = Some(format!("test {}: {reason}", e.name));
+                }
+                Outcome::Unavailable { .. } => {}
+            }
+        }
+        let outcome = match unavailable {
+            Some(reason) => Outcome::Unavailable { reason },
+            None if lengths.is_empty() => Outcome::Unavailable {
+                reason: format!("no test length is above the training lengths (up to {above})"),
+            },
+            None => Outcome::by_length(lengths.into_values().collect()),
+        };
+        evaluations.insert(
+            self.info.tests.len(),
+            Evaluation {
+                name: SCORE.into(),
+                outcome,
+            },
+        );
+        evaluations
+    }
+
+    /// The largest position (plus one) test `i` reads without randomized positions.
+    fn reach(&self, i: usize) -> usize {
+        let test = &self.tests[i];
+        test.start + self.sets[test.set].max_len()
+    }
+
+    /// Test `i` on `model`.
+    fn evaluate_test(&self, model: &TaskModel, i: usize, eval_batch: usize) -> Result<Evaluation> {
+        let table_rows = model.encoder().max_positions();
+        let pad = self.data.tokenizer.pad_id();
+        let test = &self.tests[i];
+        {
+            {
+                let set = &self.sets[test.set];
+                // Randomized positions may reach any position below N.
+                let reach = match model.encoder().config().random_positions {
+                    Some(n) => test.start + n,
+                    None => self.reach(i),
+                };
+                let outcome = match table_rows {
+                    Some(rows) if reach > rows => Outcome::Unavailable {
+                        reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
+                    },
+                    _ if set.samples.iter().any(|s| s.tape.is_some()) => Outcome::by_length(
+                        evaluate_by_length(model, set, pad, test.mask_seed, eval_batch, test.start)?,
+                    ),
+                    _ => {
+                        let s = evaluate(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
+                        Outcome::scored(s.accuracy, s.loss)
+                    }
+                };
+                Ok(Evaluation {
+                    name: test.name.clone(),
+                    outcome,
+                })
+            }
+        }
+    }
+
+    /// Every test of a trained `rope` model re-scored under `scaling`, without retraining: the
+    /// same weights, the frequencies rescaled per test (`factor = "auto"`: the test's largest
+    /// position plus one over the training's longest input).
+    pub(crate) fn evaluate_scaled(
+        &self,
+        model_config: &ModelConfig,
+        params: &ParamStore,
+        scaling: &RopeScaling,
+        eval_batch: usize,
+    ) -> Result<Vec<Evaluation>> {
+        let PositionalConfig::Rope(options) = &model_config.positional else {
+            return Err(Error::Config(format!(
+                "rope scaling applies to rope models, not `{}`",
+                model_config.positional.name()
+            )));
+        };
+        let trained = self.train.max_len().max(1);
+        let device = params
+            .vars()
+            .first()
+            .map_or(Device::Cpu, |(_, v)| v.device().clone());
+        (0..self.tests.len())
+            .map(|i| {
+                let auto = self.reach(i) as f64 / trained as f64;
+                let scaled = ModelConfig {
+                    positional: PositionalConfig::Rope(RopeOptions {
+                        scaling: Some(scaling.resolved(auto, trained)),
+                        ..options.clone()
+                    }),
+                    ..model_config.clone()
+                };
+                // Built from the same store: the trained variables, shared.
+                let model =
+                    TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?;
+                self.evaluate_test(&model, i, eval_batch)
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(|e| self.with_score(e))
+    }
+}
+
+/// Whether test `name` of `info` holds lengths above `above` (so the score needs it).
+fn reaches_above(info: &TaskInfo, name: &str, above: usize) -> bool {
+    info.tests
+        .iter()
+        .any(|t| t.name == name && t.lengths[1] > above)
+}

@@ -1,0 +1,251 @@
+//! LayerNorm over the last axis, fused, with its backward (input and parameter gradients).
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::*;
+
+#[inline(always)]
+fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [T]) {
+    let d = w.len();
+    let n = T::lit(d as f64);
+    for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+        let mean = sum(xr) / n;
+        for (o, v) in yr.iter_mut().zip(xr) {
+            *o = *v - mean;
+        }
+        let rstd = (dot(yr, yr) / n + eps).sqrt().recip();
+        for ((o, wi), bi) in yr.iter_mut().zip(w).zip(b) {
+            *o = *o * rstd * *wi + *bi;
+        }
+    }
+}
+simd_dispatch!(fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [T]));
+
+/// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`.
+#[inline(always)]
+fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [T]) {
+    let d = w.len();
+    let n = T::lit(d as f64);
+    let mut xhat = vec![T::zero(); d];
+    let mut dxhat = vec![T::zero(); d];
+    for ((xr, gr), out) in x
+        .chunks_exact(d)
+        .zip(g.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+    {
+        let mean = sum(xr) / n;
+        for (h, v) in xhat.iter_mut().zip(xr) {
+            *h = *v - mean;
+        }
+        let rstd = (dot(&xhat, &xhat) / n + eps).sqrt().recip();
+        for h in xhat.iter_mut() {
+            *h *= rstd;
+        }
+        for ((o, gi), wi) in dxhat.iter_mut().zip(gr).zip(w) {
+            *o = *gi * *wi;
+        }
+        let mean_dxhat = sum(&dxhat) / n;
+        let mean_dxhat_xhat = dot(&dxhat, &xhat) / n;
+        for ((o, dh), h) in out.iter_mut().zip(&dxhat).zip(&xhat) {
+            *o = rstd * (*dh - mean_dxhat - *h * mean_dxhat_xhat);
+        }
+    }
+}
+simd_dispatch!(fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [T]));
+
+/// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values).
+#[inline(always)]
+fn ln_grad_params_body<T: Real>(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]) {
+    let n = T::lit(d as f64);
+    let (dw, db) = out.split_at_mut(d);
+    let mut xhat = vec![T::zero(); d];
+    for (xr, gr) in x.chunks_exact(d).zip(g.chunks_exact(d)) {
+        let mean = sum(xr) / n;
+        for (h, v) in xhat.iter_mut().zip(xr) {
+            *h = *v - mean;
+        }
+        let rstd = (dot(&xhat, &xhat) / n + eps).sqrt().recip();
+        for (((w, b), h), gi) in dw.iter_mut().zip(db.iter_mut()).zip(&xhat).zip(gr) {
+            *w += *gi * *h * rstd;
+            *b += *gi;
+        }
+    }
+}
+simd_dispatch!(fn ln_grad_params = ln_grad_params_body(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]));
+
+/// LayerNorm over the last axis: `(x, weight, bias) -> y`.
+pub(super) struct LayerNormOp {
+    pub(super) eps: f64,
+}
+
+impl LayerNormOp {
+    pub(super) fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let d = w.len();
+        let mut y = zeros(x.len());
+        let rows = rows_per_task(d) * d;
+        y.par_chunks_mut(rows)
+            .zip(x.par_chunks(rows))
+            .for_each(|(yc, xc)| ln_forward(xc, w, b, T::lit(self.eps), yc));
+        y
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "poslab-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let storage = match s1.dtype() {
+            DType::F32 => f32::to_cpu_storage_owned(self.forward(
+                contiguous::<f32>(s1, l1, "layer norm")?,
+                contiguous(s2, l2, "layer norm")?,
+                contiguous(s3, l3, "layer norm")?,
+            )),
+            DType::F64 => f64::to_cpu_storage_owned(self.forward(
+                contiguous::<f64>(s1, l1, "layer norm")?,
+                contiguous(s2, l2, "layer norm")?,
+                contiguous(s3, l3, "layer norm")?,
+            )),
+            dt => return Err(unsupported("layer norm", dt)),
+        };
+        Ok((storage, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = g.contiguous()?;
+        let dx = x.apply_op3_no_bwd(w, &g, &LayerNormGradInput { eps: self.eps })?;
+        let params = x.apply_op2_no_bwd(&g, &LayerNormGradParams { eps: self.eps })?; // (2, d)
+        Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
+    }
+}
+
+pub(super) struct LayerNormGradInput {
+    pub(super) eps: f64,
+}
+
+impl LayerNormGradInput {
+    pub(super) fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
+        let d = w.len();
+        let mut dx = zeros(x.len());
+        let rows = rows_per_task(d) * d;
+        dx.par_chunks_mut(rows)
+            .zip(x.par_chunks(rows).zip(g.par_chunks(rows)))
+            .for_each(|(o, (xc, gc))| ln_grad_input(xc, w, gc, T::lit(self.eps), o));
+        dx
+    }
+}
+
+impl CustomOp3 for LayerNormGradInput {
+    fn name(&self) -> &'static str {
+        "poslab-layer-norm-grad-input"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "layer norm backward";
+        let storage = match s1.dtype() {
+            DType::F32 => f32::to_cpu_storage_owned(self.run(
+                contiguous::<f32>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                contiguous(s3, l3, what)?,
+            )),
+            DType::F64 => f64::to_cpu_storage_owned(self.run(
+                contiguous::<f64>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                contiguous(s3, l3, what)?,
+            )),
+            dt => return Err(unsupported(what, dt)),
+        };
+        Ok((storage, l1.shape().clone()))
+    }
+}
+
+pub(super) struct LayerNormGradParams {
+    pub(super) eps: f64,
+}
+
+/// Rows per chunk of the parameter-gradient sums: fixed, so the order of additions (and the
+/// result) does not depend on the thread count.
+const PARAM_CHUNK_ROWS: usize = 64;
+
+impl LayerNormGradParams {
+    pub(super) fn run<T: Real>(&self, x: &[T], g: &[T], d: usize) -> Vec<T> {
+        let partials: Vec<Vec<T>> = x
+            .par_chunks(PARAM_CHUNK_ROWS * d)
+            .zip(g.par_chunks(PARAM_CHUNK_ROWS * d))
+            .map(|(xc, gc)| {
+                let mut out = vec![T::zero(); 2 * d];
+                ln_grad_params(xc, gc, d, T::lit(self.eps), &mut out);
+                out
+            })
+            .collect();
+        let mut total = vec![T::zero(); 2 * d];
+        for p in partials {
+            for (t, v) in total.iter_mut().zip(p) {
+                *t += v;
+            }
+        }
+        total
+    }
+}
+
+impl CustomOp2 for LayerNormGradParams {
+    fn name(&self) -> &'static str {
+        "poslab-layer-norm-grad-params"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "layer norm backward";
+        let d = *l1.dims().last().unwrap_or(&1);
+        let storage = match s1.dtype() {
+            DType::F32 => f32::to_cpu_storage_owned(self.run(
+                contiguous::<f32>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                d,
+            )),
+            DType::F64 => f64::to_cpu_storage_owned(self.run(
+                contiguous::<f64>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                d,
+            )),
+            dt => return Err(unsupported(what, dt)),
+        };
+        Ok((storage, Shape::from((2, d))))
+    }
+}
+
+/// LayerNorm of `x` over its last axis, fused (CPU, f32/f64, contiguous `x`).
+pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(weight, bias, LayerNormOp { eps })
+}

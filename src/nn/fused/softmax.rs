@@ -1,0 +1,166 @@
+//! Softmax over the last axis with an additive key-padding bias, fused, with its backward.
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::*;
+
+/// `y = softmax(x + bias)` per row of length `t`.
+#[inline(always)]
+fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [T]) {
+    let t = bias.len();
+    for (xr, yr) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)) {
+        for ((o, v), b) in yr.iter_mut().zip(xr).zip(bias) {
+            *o = *v + *b;
+        }
+        let max = max_of(yr);
+        for o in yr.iter_mut() {
+            *o = (*o - max).exp_();
+        }
+        let inv = sum(yr).recip();
+        for o in yr.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+simd_dispatch!(pub(super) fn softmax_rows = softmax_body(x: &[T], bias: &[T], y: &mut [T]));
+
+/// `dx = y (g - sum(g y))` per row.
+#[inline(always)]
+fn softmax_grad_body<T: Real>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
+    for ((yr, gr), o) in y
+        .chunks_exact(t)
+        .zip(g.chunks_exact(t))
+        .zip(dx.chunks_exact_mut(t))
+    {
+        let s = dot(yr, gr);
+        for ((o, yi), gi) in o.iter_mut().zip(yr).zip(gr) {
+            *o = *yi * (*gi - s);
+        }
+    }
+}
+simd_dispatch!(pub(super) fn softmax_grad_rows = softmax_grad_body(y: &[T], g: &[T], t: usize, dx: &mut [T]));
+
+/// `softmax(scores + bias)` over the last axis, `scores` `(b, h, t, t)`, `bias` `(b, t)` added
+/// to every row of batch element `b`.
+struct MaskedSoftmax;
+
+impl MaskedSoftmax {
+    fn forward<T: Real>(x: &[T], bias: &[T], dims: &[usize]) -> Vec<T> {
+        let t = dims[dims.len() - 1];
+        let per_batch = x.len() / dims[0].max(1);
+        let mut y = zeros(x.len());
+        // Rows per task: as many as suit the work size and divide a batch element's rows, so
+        // no task straddles two batch elements (whose biases differ).
+        let rows_per_batch = per_batch / t;
+        let mut k = rows_per_task(t).min(rows_per_batch).max(1);
+        while rows_per_batch % k != 0 {
+            k -= 1;
+        }
+        let chunk = k * t;
+        y.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .enumerate()
+            .for_each(|(i, (yc, xc))| {
+                let batch = i * chunk / per_batch;
+                softmax_rows(xc, &bias[batch * t..(batch + 1) * t], yc)
+            });
+        y
+    }
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "poslab-masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "softmax";
+        let dims = l1.dims();
+        let storage = match s1.dtype() {
+            DType::F32 => f32::to_cpu_storage_owned(Self::forward(
+                contiguous::<f32>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                dims,
+            )),
+            DType::F64 => f64::to_cpu_storage_owned(Self::forward(
+                contiguous::<f64>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                dims,
+            )),
+            dt => return Err(unsupported(what, dt)),
+        };
+        Ok((storage, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _bias: &Tensor,
+        y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            Some(y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad)?),
+            None,
+        ))
+    }
+}
+
+struct SoftmaxGrad;
+
+impl SoftmaxGrad {
+    fn run<T: Real>(y: &[T], g: &[T], t: usize) -> Vec<T> {
+        let mut dx = zeros(y.len());
+        let rows = rows_per_task(t) * t;
+        dx.par_chunks_mut(rows)
+            .zip(y.par_chunks(rows).zip(g.par_chunks(rows)))
+            .for_each(|(o, (yc, gc))| softmax_grad_rows(yc, gc, t, o));
+        dx
+    }
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "poslab-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "softmax backward";
+        let t = *l1.dims().last().unwrap_or(&1);
+        let storage = match s1.dtype() {
+            DType::F32 => f32::to_cpu_storage_owned(Self::run(
+                contiguous::<f32>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                t,
+            )),
+            DType::F64 => f64::to_cpu_storage_owned(Self::run(
+                contiguous::<f64>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                t,
+            )),
+            dt => return Err(unsupported(what, dt)),
+        };
+        Ok((storage, l1.shape().clone()))
+    }
+}
+
+/// `softmax(scores + bias)` with `scores` `(b, h, t, t)` and a key bias `(b, t)`, fused.
+pub(crate) fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+    scores
+        .contiguous()?
+        .apply_op2(&key_bias.contiguous()?, MaskedSoftmax)
+}
