@@ -24,8 +24,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionInputs, Dropout,
-    FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionInputs, Backend,
+    Dropout, FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention,
+    SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -286,6 +287,8 @@ pub struct Encoder {
     layers: Vec<EncoderLayer>,
     final_norm: Option<LayerNorm>,
     dropout_rng: SharedRng,
+    /// The kernels and instruction sets its passes compute with.
+    backend: Backend,
 }
 
 impl Encoder {
@@ -362,7 +365,20 @@ impl Encoder {
             layers,
             final_norm,
             dropout_rng,
+            backend: Backend::from_env(),
         })
+    }
+
+    /// This encoder computing with `backend` (by default [`Backend::from_env`]: the fused
+    /// layer kernel, or the kernels `POSLAB_KERNELS` names, at the CPU's best SIMD level).
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// The kernels and instruction sets this encoder's passes compute with.
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     /// The encoder of `config` with its weights drawn from `seed` (the same seed, the same
@@ -411,6 +427,11 @@ impl Encoder {
             PositionalModule::Input(input) => Some(input),
             _ => None,
         }
+    }
+
+    /// The learned position table `(max_len, d_model)` of a `learned` or `untied` scheme.
+    pub fn learned_table(&self) -> Option<&Tensor> {
+        self.positional.learned_table()
     }
 
     /// The most tokens a sequence may have, where a learned table bounds it: its rows, less
@@ -485,6 +506,7 @@ impl Encoder {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
+        let _backend = self.backend.enter();
         let (b, t) = self.check_input(input_ids, attention_mask)?;
         positions.check_batch(b, t)?;
         let positions = &self.starting_at_first(positions)?;
@@ -693,6 +715,7 @@ impl Encoder {
         attention_mask: &Tensor,
         mut visit: impl FnMut(&EncoderLayer, &Tensor, &AttentionInputs) -> Result<()>,
     ) -> Result<Tensor> {
+        let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let positions = self.starting_at_first(&Positions::range(0, t)?)?;
         let x = self.tok_emb.forward(input_ids)?;

@@ -91,6 +91,12 @@ impl TaskModel {
         })
     }
 
+    /// This model computing with `backend` (see [`Encoder::with_backend`]).
+    pub fn with_backend(mut self, backend: crate::nn::Backend) -> Self {
+        self.encoder = self.encoder.with_backend(backend);
+        self
+    }
+
     /// The encoder under the head.
     pub fn encoder(&self) -> &Encoder {
         &self.encoder
@@ -135,6 +141,7 @@ impl TaskModel {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
+        let _backend = self.encoder.backend().enter();
         let hidden = self.encoder.forward_with(ids, mask, positions, train)?; // (b, t, d)
         let features = match self.config {
             HeadConfig::Classify { .. } => self.pool(&hidden, mask)?, // (b, d)
@@ -146,6 +153,7 @@ impl TaskModel {
     /// Mean cross-entropy over the scored labels of `batch`, and the logits; positions are the
     /// batch's (see [`Batch::positions`]), moved by `shift`.
     pub fn loss(&self, batch: &Batch, shift: usize, train: bool) -> Result<(Tensor, Tensor)> {
+        let _backend = self.encoder.backend().enter();
         let positions = batch.positions(shift)?;
         let logits = self.logits(&batch.ids, &batch.mask, &positions, train)?;
         let loss = cross_entropy(&logits, &batch.targets, batch.weights.as_ref())?;

@@ -8,6 +8,7 @@
 //! model with added positions, how the attention logits split into content and position terms.
 
 pub mod bias;
+pub mod command;
 pub mod linalg;
 pub mod order;
 pub mod pca;

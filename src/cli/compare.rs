@@ -1,7 +1,7 @@
 //! `poslab compare`: every variant of an experiment trained under identical conditions, and
 //! the report.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -72,90 +72,50 @@ pub struct Args {
     pub kill_at: Option<String>,
 }
 
-pub fn run(args: Args) -> Result<()> {
-    let Args {
-        config: path,
-        compute,
-        tasks,
-        variants,
-        seeds,
-        shard,
-        runs_dir,
-        out,
-        overwrite,
-        jobs,
-        quiet,
-        log_every,
-        dry_run,
-        gflops,
-        kill_at,
-    } = args;
+pub fn run(a: Args) -> Result<()> {
     let selection = Selection {
-        tasks,
-        variants,
-        seeds,
-        shard,
+        tasks: a.tasks,
+        variants: a.variants,
+        seeds: a.seeds,
+        shard: a.shard,
     };
-    let every = super::log_interval(log_every)?;
+    let every = super::log_interval(a.log_every)?;
     let started = Instant::now();
-    let (mut config, source) = match path.as_deref() {
-        Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
-        None => (
-            ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
-                .context("the embedded configs/compare.toml")?,
-            "configs/compare.toml (embedded default)".to_string(),
-        ),
-    };
-    if let Some(dtype) = compute.dtype {
-        config.model.dtype = dtype;
-    }
+    let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();
-    let device = poslab::device::parse_device(&compute.device)?;
-    let cores = super::cores();
-    if dry_run {
-        if !(gflops.is_finite() && gflops > 0.0) {
-            anyhow::bail!("--gflops {gflops}: give a training rate above 0 GFLOP/s");
+    let device = poslab::device::parse_device(&a.compute.device)?;
+    if a.dry_run {
+        if !(a.gflops.is_finite() && a.gflops > 0.0) {
+            anyhow::bail!(
+                "--gflops {}: give a training rate above 0 GFLOP/s",
+                a.gflops
+            );
         }
-        return print_estimate(&config, &selection, &source, gflops, jobs.unwrap_or(cores));
+        let jobs = a.jobs.unwrap_or(super::cores());
+        return print_estimate(&config, &selection, &source, a.gflops, jobs);
     }
-    // Small models train fastest as one single-threaded job per core; a lone cell gets every
-    // core for its matrix multiplies. candle reads RAYON_NUM_THREADS at each multiply, so this
-    // is set before any tensor work.
-    if let Some(j) = jobs {
-        super::check_workers("--jobs", j, "cells at once")?;
-    }
-    let jobs = match (jobs, device.is_cpu()) {
-        (Some(j), _) => j,
-        (None, true) => cores,
-        (None, false) => 1,
-    }
-    .min(cells.max(1));
-    if device.is_cpu() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", (cores / jobs).max(1).to_string());
-    }
-    let dir = match out {
+    let jobs = jobs(a.jobs, &device, cells)?;
+    let dir = match a.out {
         Some(dir) => dir,
-        None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
+        None => poslab::io::new_run_dir(&a.runs_dir, &config.name)?,
     };
+    let shard = selection.shard;
     eprintln!(
         "poslab compare: {source}{} on {} -> {}",
         shard.map_or(String::new(), |s| format!(", shard {s} ({cells} cells)")),
         poslab::device::device_name(&device),
         dir.display()
     );
-    let output = run::run(
-        &config,
-        &run::RunOptions {
-            device,
-            dir: dir.clone(),
-            selection,
-            progress: Progress::for_stderr(quiet, every),
-            jobs,
-            overwrite,
-            kill_at,
-        },
-        &|line| eprintln!("{line}"),
-    )?;
+    let options = run::RunOptions {
+        device,
+        dir: dir.clone(),
+        selection,
+        progress: Progress::for_stderr(a.quiet, every),
+        jobs,
+        overwrite: a.overwrite,
+        kill_at: a.kill_at,
+    };
+    let output = run::run(&config, &options, &|line| eprintln!("{line}"))?;
     outln!("{}", output.table);
     outln!(
         "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
@@ -170,6 +130,45 @@ pub fn run(args: Args) -> Result<()> {
     }
     outln!("total time: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// The experiment at `path` (default: the embedded configs/compare.toml), with `--dtype`, and
+/// how to name it.
+fn load(
+    path: Option<&Path>,
+    dtype: Option<poslab::Precision>,
+) -> Result<(ExperimentConfig, String)> {
+    let (mut config, source) = match path {
+        Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
+        None => (
+            ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
+                .context("the embedded configs/compare.toml")?,
+            "configs/compare.toml (embedded default)".to_string(),
+        ),
+    };
+    if let Some(dtype) = dtype {
+        config.model.dtype = dtype;
+    }
+    Ok((config, source))
+}
+
+/// Cells trained at once. Small models train fastest as one single-threaded job per core; a
+/// lone cell gets every core for its matrix multiplies.
+fn jobs(asked: Option<usize>, device: &candle::Device, cells: usize) -> Result<usize> {
+    if let Some(j) = asked {
+        super::check_workers("--jobs", j, "cells at once")?;
+    }
+    let cores = super::cores();
+    let jobs = match (asked, device.is_cpu()) {
+        (Some(j), _) => j,
+        (None, true) => cores,
+        (None, false) => 1,
+    }
+    .min(cells.max(1));
+    if device.is_cpu() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        super::set_matmul_threads((cores / jobs).max(1));
+    }
+    Ok(jobs)
 }
 
 /// `--dry-run`: the experiment checked, and its cells with their estimated costs.

@@ -97,28 +97,7 @@ fn describe_experiment(path: &Path) -> Result<()> {
         config.train.lr
     );
     for task in &config.tasks {
-        let ranges = task.test_ranges();
-        outln!(
-            "task {}{}{}",
-            task.name,
-            if task.kind.name() == task.name {
-                String::new()
-            } else {
-                format!(" ({})", task.kind.name())
-            },
-            if ranges.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    ": tested at lengths {}",
-                    ranges
-                        .iter()
-                        .map(|[a, b]| format!("{a}-{b}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }
-        );
+        outln!("task {}", task_line(task));
     }
     for v in &config.variants {
         outln!(
@@ -143,6 +122,32 @@ fn describe_experiment(path: &Path) -> Result<()> {
         path.display()
     );
     Ok(())
+}
+
+/// A task's name, its kind where that differs, and the lengths it is tested at.
+fn task_line(task: &poslab::tasks::TaskSpec) -> String {
+    let ranges = task.test_ranges();
+    format!(
+        "{}{}{}",
+        task.name,
+        if task.kind.name() == task.name {
+            String::new()
+        } else {
+            format!(" ({})", task.kind.name())
+        },
+        if ranges.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ": tested at lengths {}",
+                ranges
+                    .iter()
+                    .map(|[a, b]| format!("{a}-{b}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    )
 }
 
 /// A `poslab train` config.
@@ -184,67 +189,9 @@ fn describe_folder(dir: &Path) -> Result<()> {
         Err(e) => Some(e.to_string()),
     };
     if let Some(manifest) = folder::read_manifest(dir)? {
-        let config = folder::load_run_config(dir)?;
-        outln!(
-            "{}: {} of experiment `{}` (config SHA-256 {:.16}…)",
-            dir.display(),
-            folder::describe(&manifest),
-            config.name,
-            manifest.config_sha256
-        );
-        match manifest.kind {
-            FolderKind::Compare => {
-                let cells = config.cells(&manifest.selection.selection()?)?;
-                let done = folder::cells_done(dir, &config, &cells);
-                let finished = dir.join(report::RESULTS_JSON).is_file();
-                outln!(
-                    "cells: {done} of {} done{}",
-                    cells.len(),
-                    if finished {
-                        "; finished (results.json, report.md)"
-                    } else {
-                        ""
-                    }
-                );
-                if !finished {
-                    outln!(
-                        "unfinished: continue it with poslab compare {} --out {}{} (the same \
-                         command continues it)",
-                        dir.join(report::CONFIG_TOML).display(),
-                        dir.display(),
-                        manifest.selection.flags()
-                    );
-                }
-            }
-            FolderKind::Report => {
-                for s in &manifest.sources {
-                    outln!("  merged: {s}");
-                }
-                match report::load_run(dir) {
-                    Ok((results, _)) => match &results.partial {
-                        Some(p) => outln!("{p}: missing {}", p.missing.join(", ")),
-                        None => outln!("complete: {} cells", results.cells.len()),
-                    },
-                    Err(_) => outln!("unfinished: no results.json (run the merge again)"),
-                }
-            }
-        }
+        describe_run_folder(dir, &manifest)?;
     } else if dir.join(train_run::TRAIN_CONFIG).is_file() {
-        let config = train_run::TrainRunConfig::load(dir.join(train_run::TRAIN_CONFIG))?;
-        outln!("{}: a poslab train run, `{}`", dir.display(), config.name);
-        describe_train(&config);
-        if dir.join(train_run::METRICS).is_file() {
-            outln!("finished: metrics.json and the model (config.json, model.safetensors)");
-        } else {
-            outln!(
-                "unfinished: {}; continue it with poslab train --resume {}",
-                match train_run::latest_checkpoint_step(dir) {
-                    Some(step) => format!("latest checkpoint at step {step}"),
-                    None => "no checkpoint yet".into(),
-                },
-                dir.display()
-            );
-        }
+        describe_train_folder(dir)?;
     } else if dir.join(poslab::saved::CONFIG).is_file() && !poslab::pretrained::is_hf_folder(dir) {
         let loaded = poslab::saved::load(dir, DType::F32, &Device::Cpu)?;
         let c = &loaded.config;
@@ -272,6 +219,76 @@ fn describe_folder(dir: &Path) -> Result<()> {
     }
     if let Some(busy) = busy {
         outln!("now: {busy}");
+    }
+    Ok(())
+}
+
+/// A compare run folder or a report, as its manifest describes it.
+fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
+    let config = folder::load_run_config(dir)?;
+    outln!(
+        "{}: {} of experiment `{}` (config SHA-256 {:.16}…)",
+        dir.display(),
+        folder::describe(manifest),
+        config.name,
+        manifest.config_sha256
+    );
+    match manifest.kind {
+        FolderKind::Compare => {
+            let cells = config.cells(&manifest.selection.selection()?)?;
+            let done = folder::cells_done(dir, &config, &cells);
+            let finished = dir.join(report::RESULTS_JSON).is_file();
+            outln!(
+                "cells: {done} of {} done{}",
+                cells.len(),
+                if finished {
+                    "; finished (results.json, report.md)"
+                } else {
+                    ""
+                }
+            );
+            if !finished {
+                outln!(
+                    "unfinished: continue it with poslab compare {} --out {}{} (the same \
+                     command continues it)",
+                    dir.join(report::CONFIG_TOML).display(),
+                    dir.display(),
+                    manifest.selection.flags()
+                );
+            }
+        }
+        FolderKind::Report => {
+            for s in &manifest.sources {
+                outln!("  merged: {s}");
+            }
+            match report::load_run(dir) {
+                Ok((results, _)) => match &results.partial {
+                    Some(p) => outln!("{p}: missing {}", p.missing.join(", ")),
+                    None => outln!("complete: {} cells", results.cells.len()),
+                },
+                Err(_) => outln!("unfinished: no results.json (run the merge again)"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A `poslab train` run folder: finished, or where it would resume.
+fn describe_train_folder(dir: &Path) -> Result<()> {
+    let config = train_run::TrainRunConfig::load(dir.join(train_run::TRAIN_CONFIG))?;
+    outln!("{}: a poslab train run, `{}`", dir.display(), config.name);
+    describe_train(&config);
+    if dir.join(train_run::METRICS).is_file() {
+        outln!("finished: metrics.json and the model (config.json, model.safetensors)");
+    } else {
+        outln!(
+            "unfinished: {}; continue it with poslab train --resume {}",
+            match train_run::latest_checkpoint_step(dir) {
+                Some(step) => format!("latest checkpoint at step {step}"),
+                None => "no checkpoint yet".into(),
+            },
+            dir.display()
+        );
     }
     Ok(())
 }
@@ -349,6 +366,16 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
 /// The shape, where positions act, and the parameters of this shape under every scheme.
 fn describe_config(config: ModelConfig, source: String) -> Result<()> {
     outln!("{source}: valid");
+    describe_shape(&config)?;
+    if let Some(plan) = &config.layers {
+        describe_layers(&config, plan)?;
+    }
+    describe_inputs(&config)?;
+    scheme_table(&config)
+}
+
+/// Sizes, dropout, dtype, the scheme and where it acts.
+fn describe_shape(config: &ModelConfig) -> Result<()> {
     outln!(
         "shape: {} layers, d_model {}, {} heads of {}, FFN {}, {}-norm, vocab {}, max_len {}",
         config.n_layers,
@@ -375,42 +402,50 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
         config.positional.scheme().describe(&config.scheme_shape())
     );
     outln!("where: {}", config.positional.placement());
-    if let Some(plan) = &config.layers {
-        outln!(
-            "layers: {} of {} with positions; pattern [{}] repeated",
-            config.scheme_shape().layers.count(config.n_layers),
-            config.n_layers,
-            plan.pattern
-                .iter()
-                .map(|k| k.name())
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        if plan.rope_base.is_some() {
-            for (kind, local) in [("global", false), ("local", true)] {
-                let scheme = config.layer_positional(local);
-                outln!(
-                    "  {kind} layers: {}",
-                    scheme.scheme().describe(&config.scheme_shape())
-                );
-            }
-        }
-        for i in 0..config.n_layers {
-            let spec = config.layer_spec(i);
-            let scheme = match spec.positions {
-                true => config.positional.name(),
-                false => "no positions",
-            };
-            let keys = match spec.window {
-                Some(w) => format!("keys within {} (window {w})", w / 2),
-                None => "every key".into(),
-            };
+    Ok(())
+}
+
+/// The layer plan, layer by layer.
+fn describe_layers(config: &ModelConfig, plan: &poslab::layers::LayerPlan) -> Result<()> {
+    outln!(
+        "layers: {} of {} with positions; pattern [{}] repeated",
+        config.scheme_shape().layers.count(config.n_layers),
+        config.n_layers,
+        plan.pattern
+            .iter()
+            .map(|k| k.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if plan.rope_base.is_some() {
+        for (kind, local) in [("global", false), ("local", true)] {
+            let scheme = config.layer_positional(local);
             outln!(
-                "  layer {i:>2}  {:<10}  {scheme}; {keys}",
-                plan.kind(i).name()
+                "  {kind} layers: {}",
+                scheme.scheme().describe(&config.scheme_shape())
             );
         }
     }
+    for i in 0..config.n_layers {
+        let spec = config.layer_spec(i);
+        let scheme = match spec.positions {
+            true => config.positional.name(),
+            false => "no positions",
+        };
+        let keys = match spec.window {
+            Some(w) => format!("keys within {} (window {w})", w / 2),
+            None => "every key".into(),
+        };
+        outln!(
+            "  layer {i:>2}  {:<10}  {scheme}; {keys}",
+            plan.kind(i).name()
+        );
+    }
+    Ok(())
+}
+
+/// Token types, an embedding norm, randomized positions.
+fn describe_inputs(config: &ModelConfig) -> Result<()> {
     let extras = &config.embeddings;
     if !extras.is_none() {
         outln!(
@@ -428,7 +463,11 @@ fn describe_config(config: ModelConfig, source: String) -> Result<()> {
             "positions: randomized, each sequence's drawn from [0, {n}) and sorted (Ruoss et al. 2023)"
         );
     }
+    Ok(())
+}
 
+/// The parameters of this shape under every scheme, the configured one marked.
+fn scheme_table(config: &ModelConfig) -> Result<()> {
     // The same shape under each scheme, with the configured options where they apply.
     let pos_dim = match &config.positional {
         PositionalConfig::SinusoidalConcat(o) => o.pos_dim,

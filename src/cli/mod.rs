@@ -72,6 +72,14 @@ pub fn check_workers(flag: &str, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Sets the threads of candle's matrix multiplies to `n`, before any tensor work. candle 0.11
+/// takes its thread count from one place only, the `RAYON_NUM_THREADS` variable it reads at
+/// every multiply (`candle::utils::get_num_threads`); this is the one place poslab sets it,
+/// for candle. poslab's own choices (kernels, SIMD level) are values: [`poslab::nn::Backend`].
+pub fn set_matmul_threads(n: usize) {
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+}
+
 /// The interval of progress lines, checked: `--log-every`.
 pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
     if !(seconds.is_finite() && (0.05..=86_400.0).contains(&seconds)) {
@@ -160,12 +168,6 @@ pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded
     let device = poslab::device::parse_device(&compute.device)?;
     poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
         .with_context(|| format!("loading the model in {}", dir.display()))
-}
-
-/// A `snake_case` option parsed like the configs parse it (same names, same error).
-pub fn parse_option<T: serde::de::DeserializeOwned>(what: &str, value: &str) -> Result<T> {
-    serde_json::from_value(serde_json::Value::String(value.into()))
-        .with_context(|| format!("--{what} {value}"))
 }
 
 /// `--rope-scaling KIND[:FACTOR]`, as clap parses it.

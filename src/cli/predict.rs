@@ -72,60 +72,66 @@ pub fn run(args: Args) -> Result<()> {
         if let Some(note) = &out.note {
             eprintln!("text {}: {note}", i + 1);
         }
-        if out.unknown_tokens > 0 && !json {
-            eprintln!(
-                "text {}: {} token{} not in the model's vocabulary (all read as one unknown \
-                 token); the answer is less sure than it looks",
-                i + 1,
-                out.unknown_tokens,
-                if out.unknown_tokens == 1 {
-                    " is"
-                } else {
-                    "s are"
-                }
-            );
-        }
         if json {
             outln!("{}", serde_json::to_string(out)?);
-            continue;
+        } else {
+            print_one(i, out)?;
         }
-        match &out.value {
-            Prediction::Class {
-                label,
-                probabilities,
-            } => {
-                let others: Vec<String> = probabilities
-                    .iter()
-                    .skip(1)
-                    .take(3)
-                    .map(|s| format!("{} {:.3}", s.label, s.probability))
-                    .collect();
-                outln!(
-                    "{label}\t{:.3}\t{}\t({})",
-                    probabilities[0].probability,
-                    out.text,
-                    others.join(", ")
-                );
+    }
+    Ok(())
+}
+
+/// Text `i`'s prediction as lines: the label and its probability, tagged words, or fills.
+fn print_one(i: usize, out: &poslab::infer::Output<Prediction>) -> Result<()> {
+    if out.unknown_tokens > 0 {
+        eprintln!(
+            "text {}: {} token{} not in the model's vocabulary (all read as one unknown \
+             token); the answer is less sure than it looks",
+            i + 1,
+            out.unknown_tokens,
+            if out.unknown_tokens == 1 {
+                " is"
+            } else {
+                "s are"
             }
-            Prediction::Tags { words, tags } => {
-                let pairs: Vec<String> = words
+        );
+    }
+    match &out.value {
+        Prediction::Class {
+            label,
+            probabilities,
+        } => {
+            let others: Vec<String> = probabilities
+                .iter()
+                .skip(1)
+                .take(3)
+                .map(|s| format!("{} {:.3}", s.label, s.probability))
+                .collect();
+            outln!(
+                "{label}\t{:.3}\t{}\t({})",
+                probabilities[0].probability,
+                out.text,
+                others.join(", ")
+            );
+        }
+        Prediction::Tags { words, tags } => {
+            let pairs: Vec<String> = words
+                .iter()
+                .zip(tags)
+                .map(|(w, t)| format!("{w}/{t}"))
+                .collect();
+            outln!("{}", pairs.join(" "));
+        }
+        Prediction::Fills { masks } => {
+            outln!("{}", out.text);
+            for m in masks {
+                let fills: Vec<String> = m
+                    .fills
                     .iter()
-                    .zip(tags)
-                    .map(|(w, t)| format!("{w}/{t}"))
+                    .map(|f| format!("{} {:.3}", f.label, f.probability))
                     .collect();
-                outln!("{}", pairs.join(" "));
-            }
-            Prediction::Fills { masks } => {
-                outln!("{}", out.text);
-                for m in masks {
-                    let fills: Vec<String> = m
-                        .fills
-                        .iter()
-                        .map(|f| format!("{} {:.3}", f.label, f.probability))
-                        .collect();
-                    // Words count from 0, as in --json.
-                    outln!("  word {}: {}", m.word, fills.join(", "));
-                }
+                // Words count from 0, as in --json.
+                outln!("  word {}: {}", m.word, fills.join(", "));
             }
         }
     }

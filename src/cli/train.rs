@@ -1,6 +1,6 @@
 //! `poslab train`: one model, checkpointed and resumable.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use poslab::experiment::results::Outcome;
@@ -52,7 +52,6 @@ pub fn run(args: Args) -> Result<()> {
         log_every,
     } = args;
     let every = super::log_interval(log_every)?;
-    let (runs_dir, compute) = (&runs_dir, &compute);
     if stop_after == Some(0) {
         anyhow::bail!(
             "--stop-after 0 would stop before the first step: give the number of steps to train \
@@ -85,7 +84,7 @@ pub fn run(args: Args) -> Result<()> {
             }
             let dir = match out {
                 Some(dir) => dir,
-                None => poslab::io::new_run_dir(runs_dir, &config.name)?,
+                None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
             };
             eprintln!("poslab train: {} -> {}", path.display(), dir.display());
             (train_run::start(&config, &options(dir.clone()))?, dir)
@@ -97,35 +96,49 @@ pub fn run(args: Args) -> Result<()> {
             "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
             dir.display()
         ),
-        train_run::TrainEnd::Finished(m) => {
-            outln!(
-                "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
-                m.name,
-                m.summary.steps,
-                m.summary.tokens,
-                m.summary.final_train_loss,
-                m.tokens_per_second,
-                m.summary.params,
-                if m.summary.stopped_early {
-                    format!(", stopped early (kept step {})", m.summary.kept_step)
-                } else {
-                    String::new()
-                }
-            );
-            for e in &m.summary.evaluations {
-                match &e.outcome {
-                    Outcome::Scored { accuracy, loss, .. } => {
-                        outln!("  test {:<10} accuracy {:5.1}%  loss {loss:.4}", e.name, 100.0 * accuracy)
-                    }
-                    Outcome::Unavailable { reason } => outln!("  test {:<10} n/a: {reason}", e.name),
-                }
+        train_run::TrainEnd::Finished(m) => print_finished(&m, &dir)?,
+    }
+    Ok(())
+}
+
+/// A finished run's record: its training, its test scores, where its model is.
+fn print_finished(m: &train_run::Metrics, dir: &Path) -> Result<()> {
+    outln!(
+        "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
+        m.name,
+        m.summary.steps,
+        m.summary.tokens,
+        m.summary.final_train_loss,
+        m.tokens_per_second,
+        m.summary.params,
+        if m.summary.stopped_early {
+            format!(", stopped early (kept step {})", m.summary.kept_step)
+        } else {
+            String::new()
+        }
+    );
+    for e in &m.summary.evaluations {
+        match &e.outcome {
+            Outcome::Scored { accuracy, loss, .. } => {
+                outln!(
+                    "  test {:<10} accuracy {:5.1}%  loss {loss:.4}",
+                    e.name,
+                    100.0 * accuracy
+                )
             }
-            for note in &m.notes {
-                outln!("  note: {note}");
-            }
-            outln!("model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)", dir.display());
-            outln!("try it: poslab predict --run {} \"your text here\"", dir.display());
+            Outcome::Unavailable { reason } => outln!("  test {:<10} n/a: {reason}", e.name),
         }
     }
+    for note in &m.notes {
+        outln!("  note: {note}");
+    }
+    outln!(
+        "model folder: {} (config.json, model.safetensors, tokenizer.json, metrics.json)",
+        dir.display()
+    );
+    outln!(
+        "try it: poslab predict --run {} \"your text here\"",
+        dir.display()
+    );
     Ok(())
 }

@@ -88,11 +88,7 @@ pub(crate) enum JobEnd {
 impl Job<'_> {
     /// Builds the model from the seed (with `start` writing its weights over the seeded ones,
     /// if given), trains it with `steps` around each step, and tests it.
-    pub(crate) fn run(
-        &self,
-        start: Option<Start>,
-        steps: &mut dyn Steps,
-    ) -> Result<JobEnd> {
+    pub(crate) fn run(&self, start: Option<Start>, steps: &mut dyn Steps) -> Result<JobEnd> {
         let params = ParamStore::new(self.seed);
         let model = TaskModel::new(
             self.model,

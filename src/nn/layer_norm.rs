@@ -94,7 +94,7 @@ impl Module for LayerNorm {
             return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
         if super::gpu_ops_for(xs) && xs.dtype() == self.weight.dtype() {
-            return super::gpu::layer_norm(xs, &self.weight, &self.bias, self.eps);
+            return super::cuda_ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
         let mean = xs.mean_keepdim(D::Minus1)?;
         let centered = xs.broadcast_sub(&mean)?;

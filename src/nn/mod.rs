@@ -10,10 +10,10 @@
 //! [`Kernels`]. The tests hold every path to the reference, forward and backward.
 
 mod attention;
+mod cuda_ops;
 mod dropout;
 mod feed_forward;
 mod fused;
-mod gpu;
 mod layer_norm;
 mod ops;
 mod rotary;
@@ -22,7 +22,7 @@ pub use attention::{key_padding_bias, window_bias, AttentionInputs, SelfAttentio
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
-pub use fused::{cap_simd, simd_level, SimdLevel};
+pub use fused::{simd_dispatches, SimdLevel};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, linear_with_bias, log_softmax_last_dim, masked_softmax,
@@ -41,9 +41,9 @@ pub(crate) const MASKED_SCORE: f64 = -1e9;
 
 /// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
 /// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation
-/// with poslab's backward passes (`gpu.rs`), and `reference` the compositions; elsewhere (the CPU
-/// in half precision) always [`Kernels::Reference`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// with poslab's backward passes (`cuda_ops.rs`), and `reference` the compositions; elsewhere
+/// (the CPU in half precision) always [`Kernels::Reference`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kernels {
     /// Compositions of differentiable candle tensor ops: the specification the others are
     /// tested against.
@@ -56,7 +56,8 @@ pub enum Kernels {
 }
 
 impl Kernels {
-    /// From `POSLAB_KERNELS` (`reference`, `ops` or `layer`), else [`Kernels::Layer`].
+    /// From `POSLAB_KERNELS` (`reference`, `ops` or `layer`), else [`Kernels::Layer`]: the
+    /// user's choice for every encoder the process builds, read once.
     pub fn from_env() -> Self {
         static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
         *FROM_ENV.get_or_init(|| match std::env::var("POSLAB_KERNELS") {
@@ -87,43 +88,140 @@ impl Kernels {
     }
 }
 
+/// How an encoder computes: which kernels, and the instruction sets poslab's fused CPU kernels
+/// may use. Chosen once, when the encoder is built ([`crate::Encoder::with_backend`]; by
+/// default [`Backend::from_env`]), and in force for everything its forward passes, its model's
+/// head, and a training step on it compute ([`Backend::run`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backend {
+    /// Which implementation the layers run.
+    pub kernels: Kernels,
+    /// The instruction sets the fused kernels use (never above what the CPU has: see
+    /// [`Backend::with_simd`]). The same source compiled for each level gives the same bits
+    /// (Rust never fuses a multiply and an add on its own), so it changes speed only.
+    pub simd: SimdLevel,
+}
+
+impl Default for Backend {
+    /// The fused layer kernel at the best level the CPU has.
+    fn default() -> Self {
+        Self {
+            kernels: Kernels::Layer,
+            simd: SimdLevel::detected(),
+        }
+    }
+}
+
+impl Backend {
+    /// [`Backend::default`] with the kernels `POSLAB_KERNELS` names, if it is set.
+    pub fn from_env() -> Self {
+        Self {
+            kernels: Kernels::from_env(),
+            ..Self::default()
+        }
+    }
+
+    /// This backend with `kernels`.
+    pub fn with_kernels(self, kernels: Kernels) -> Self {
+        Self { kernels, ..self }
+    }
+
+    /// This backend with its fused kernels capped at `simd` (or at what the CPU has, if lower).
+    pub fn with_simd(self, simd: SimdLevel) -> Self {
+        Self {
+            simd: simd.min(SimdLevel::detected()),
+            ..self
+        }
+    }
+
+    /// Runs `f` with the layers' ops on this thread computing with this backend (restoring the
+    /// one before after). A test override ([`with_kernels`]) takes precedence.
+    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        let _in_force = self.enter();
+        f()
+    }
+
+    /// This backend in force on this thread until the guard is dropped (then the one before
+    /// it again): how an encoder's forward pass, its model's head and a training step compute
+    /// with the encoder's backend.
+    pub fn enter(self) -> InForce {
+        InForce {
+            before: IN_FORCE.with(|b| b.replace(Some(self))),
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+/// A [`Backend`] in force on this thread, until dropped ([`Backend::enter`]).
+#[must_use = "the backend is in force only while the guard lives"]
+pub struct InForce {
+    before: Option<Backend>,
+    /// The backend is in force on the thread that entered it: the guard stays there.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for InForce {
+    fn drop(&mut self) {
+        IN_FORCE.with(|b| b.set(self.before));
+    }
+}
+
 thread_local! {
-    static KERNELS: Cell<Option<Kernels>> = const { Cell::new(None) };
+    static IN_FORCE: Cell<Option<Backend>> = const { Cell::new(None) };
+    static TEST_OVERRIDE: Cell<Option<Backend>> = const { Cell::new(None) };
     static GPU_OPS_ON_CPU: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `f` with the layers on this thread computed by `kernels` (overriding
-/// `POSLAB_KERNELS`): how the tests hold the fast paths to the reference, and how the
-/// benchmarks measure each.
-pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
-    let before = KERNELS.with(|k| k.replace(Some(kernels)));
+/// The backend in force on this thread: a test's override, else the one a [`Backend::run`]
+/// installed (an encoder's), else [`Backend::from_env`].
+pub fn backend() -> Backend {
+    TEST_OVERRIDE
+        .with(Cell::get)
+        .or_else(|| IN_FORCE.with(Cell::get))
+        .unwrap_or_else(Backend::from_env)
+}
+
+/// For tests and benchmarks of the kernels: runs `f` with the layers on this thread computed
+/// by `backend`, overriding every encoder's own. How the tests hold the fast paths to the
+/// reference at every SIMD level.
+#[doc(hidden)]
+pub fn with_backend<R>(backend: Backend, f: impl FnOnce() -> R) -> R {
+    let before = TEST_OVERRIDE.with(|k| k.replace(Some(backend)));
     let out = f();
-    KERNELS.with(|k| k.set(before));
+    TEST_OVERRIDE.with(|k| k.set(before));
     out
 }
 
-/// Runs `f` with the layers on this thread computing on the CPU as they do on CUDA under
-/// [`Kernels::Ops`]: the ops of `gpu.rs` (one kernel each for softmax, LayerNorm, GELU and
-/// RoPE's rotation, poslab's backward passes), computed by their CPU forward passes, and
-/// compositions elsewhere. How the tests check the CUDA path's wiring without a GPU;
-/// [`Kernels::Reference`] still means the compositions. Returns `f`'s value and how many of
-/// those ops it ran (forward passes), so a test can tell that the path was taken.
-pub fn with_gpu_ops_on_cpu<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    let before = GPU_OPS_ON_CPU.with(|g| g.replace(true));
-    let calls = gpu::calls();
-    let out = f();
-    GPU_OPS_ON_CPU.with(|g| g.set(before));
-    (out, gpu::calls() - calls)
+/// For tests and benchmarks: [`with_backend`] with `kernels` (and the SIMD level in force).
+#[doc(hidden)]
+pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
+    with_backend(backend().with_kernels(kernels), f)
 }
 
-/// [`with_kernels`] with [`Kernels::Reference`].
+/// For tests: runs `f` with the layers on this thread computing on the CPU as they do on CUDA
+/// under [`Kernels::Ops`]: the ops of `cuda_ops.rs` (one kernel each for softmax, LayerNorm,
+/// GELU and RoPE's rotation, poslab's backward passes), computed by their CPU forward passes,
+/// and compositions elsewhere. How the tests check the CUDA path's wiring without a GPU;
+/// [`Kernels::Reference`] still means the compositions. Returns `f`'s value and how many of
+/// those ops it ran (forward passes), so a test can tell that the path was taken.
+#[doc(hidden)]
+pub fn with_gpu_ops_on_cpu<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = GPU_OPS_ON_CPU.with(|g| g.replace(true));
+    let calls = cuda_ops::calls();
+    let out = f();
+    GPU_OPS_ON_CPU.with(|g| g.set(before));
+    (out, cuda_ops::calls() - calls)
+}
+
+/// For tests: [`with_kernels`] with [`Kernels::Reference`].
+#[doc(hidden)]
 pub fn with_reference_ops<R>(f: impl FnOnce() -> R) -> R {
     with_kernels(Kernels::Reference, f)
 }
 
 /// The kernels in force on this thread (ignoring the tensor's device and dtype).
 pub fn current_kernels() -> Kernels {
-    KERNELS.with(Cell::get).unwrap_or_else(Kernels::from_env)
+    backend().kernels
 }
 
 /// The kernels activations of `dtype` on `device` are computed with: [`current_kernels`] on
@@ -154,7 +252,7 @@ pub(crate) fn fused_for(x: &Tensor) -> bool {
     x.device().is_cpu() && !GPU_OPS_ON_CPU.with(Cell::get) && kernels_for(x) != Kernels::Reference
 }
 
-/// Whether `x` goes through the one-kernel CUDA ops of `gpu.rs` (on the CPU only under
+/// Whether `x` goes through the one-kernel CUDA ops of `cuda_ops.rs` (on the CPU only under
 /// [`with_gpu_ops_on_cpu`]).
 pub(crate) fn gpu_ops_for(x: &Tensor) -> bool {
     let device = x.device();

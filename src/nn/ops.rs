@@ -139,7 +139,7 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
     let (b, t) = key_bias.dims2()?;
     let biased = scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?;
     if super::gpu_ops_for(scores) {
-        return super::gpu::softmax_last_dim(&biased);
+        return super::cuda_ops::softmax_last_dim(&biased);
     }
     softmax_last_dim(&biased)
 }
@@ -223,7 +223,7 @@ pub fn gelu(xs: &Tensor) -> Result<Tensor> {
         return super::fused::gelu(xs);
     }
     if super::gpu_ops_for(xs) {
-        return super::gpu::gelu(xs);
+        return super::cuda_ops::gelu(xs);
     }
     let cdf = ((xs * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)? * 0.5;
     xs * cdf?

@@ -29,7 +29,7 @@ pub struct Rotary {
     /// `(r, t, width)`
     sin: Tensor,
     interleaved: bool,
-    /// `(r, t, width/2)` cos and sin, one entry per pair, for the CUDA kernel (`gpu::rope`):
+    /// `(r, t, width/2)` cos and sin, one entry per pair, for the CUDA kernel (`cuda_ops::rope`):
     /// made at the first layer that needs them, shared by the rest.
     half: OnceLock<(Tensor, Tensor)>,
 }
@@ -96,17 +96,17 @@ impl Rotary {
             Some(half) => half,
             None => {
                 let half = (
-                    super::gpu::half_table(&self.cos, self.interleaved)?,
-                    super::gpu::half_table(&self.sin, self.interleaved)?,
+                    super::cuda_ops::half_table(&self.cos, self.interleaved)?,
+                    super::cuda_ops::half_table(&self.sin, self.interleaved)?,
                 );
                 self.half.get_or_init(|| half)
             }
         };
         let (d, w) = (x.dim(D::Minus1)?, self.width());
         if w == d {
-            return super::gpu::rope(x, &half.0, &half.1, self.interleaved);
+            return super::cuda_ops::rope(x, &half.0, &half.1, self.interleaved);
         }
-        let rotated = super::gpu::rope(
+        let rotated = super::cuda_ops::rope(
             &x.narrow(D::Minus1, 0, w)?,
             &half.0,
             &half.1,

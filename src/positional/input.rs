@@ -120,6 +120,14 @@ impl InputPositions {
         }
     }
 
+    /// The learned table `(max_len, d_model)`, for a `learned` scheme.
+    pub fn learned_table(&self) -> Option<&Tensor> {
+        match self {
+            Self::Learned(l) => Some(l.weight()),
+            _ => None,
+        }
+    }
+
     /// The longest input this scheme can take, where there is a limit (a learned table).
     pub fn max_positions(&self) -> Option<usize> {
         match self {

@@ -80,7 +80,7 @@ pub const DEFAULT_LEARNED_INIT_STD: f64 = std::f64::consts::FRAC_1_SQRT_2;
 /// - `interleaved`: `[sin w0 p, cos w0 p, sin w1 p, cos w1 p, ...]`, as in the paper;
 /// - `half`: `[sin w0 p, ..., sin w(d/2-1) p, cos w0 p, ..., cos w(d/2-1) p]`, as in
 ///   tensor2tensor and fairseq.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum TableLayout {
     /// Sine and cosine of each frequency side by side (the default).
@@ -94,7 +94,7 @@ pub enum TableLayout {
 /// `w_i = base^(-2i/d_head)`.
 /// - `interleaved`: pairs `(x[2i], x[2i+1])`, as in RoFormer;
 /// - `half`: pairs `(x[i], x[i + d_head/2])`, the "rotate-half" form of GPT-NeoX and LLaMA.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum RopePairing {
     /// Pairs `(x[2i], x[2i+1])` (the default).
@@ -342,6 +342,15 @@ pub enum PositionalModule {
 }
 
 impl PositionalModule {
+    /// The learned position table `(max_len, d_model)` of a `learned` or `untied` scheme.
+    pub fn learned_table(&self) -> Option<&Tensor> {
+        match self {
+            Self::Input(input) => input.learned_table(),
+            Self::ScoreBias(bias) => bias.learned_table(),
+            Self::Rotation(_) => None,
+        }
+    }
+
     /// Builds the module of `config` under `vb` (each scheme names its own weights: see its
     /// file).
     pub fn new(config: &PositionalConfig, shape: SchemeShape, vb: VarBuilder) -> Result<Self> {

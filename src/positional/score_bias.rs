@@ -60,6 +60,11 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
     /// The trainable tensors the module holds.
     fn parameters(&self) -> Vec<Tensor>;
 
+    /// A learned position table `(max_len, d_model)` the module holds (TUPE's), if any.
+    fn learned_table(&self) -> Option<&Tensor> {
+        None
+    }
+
     /// Bounds its variables must stay within, applied by the optimizer after every step.
     fn constraints(&self) -> Vec<LowerBound> {
         Vec::new()
@@ -99,6 +104,11 @@ impl ScoreBias {
     /// Wraps a scheme's bias module.
     pub fn new(module: impl BiasModule + 'static) -> Self {
         Self(Box::new(module))
+    }
+
+    /// The learned position table the module holds, if any.
+    pub fn learned_table(&self) -> Option<&Tensor> {
+        self.0.learned_table()
     }
 
     /// The scheme's module as its own type, if it is `T`.

@@ -287,6 +287,13 @@ impl BiasModule for Untied {
         out
     }
 
+    fn learned_table(&self) -> Option<&Tensor> {
+        match &self.rows {
+            UntiedRows::Learned(l) => Some(l.weight()),
+            UntiedRows::Sinusoidal(_) => None,
+        }
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }

@@ -113,6 +113,8 @@ impl Learner {
         positions: &Positions,
         targets: &Tensor,
     ) -> Result<f64> {
+        // The model's backend for the whole step: forward, backward and the optimizer.
+        let _backend = self.model.encoder().backend().enter();
         let step = self.optimizer.steps_taken();
         self.model
             .encoder()

@@ -631,6 +631,8 @@ impl<'a> Trainer<'a> {
 
     /// One optimizer step, and a validation evaluation when one is due.
     pub fn step(&mut self, progress: &ProgressBar) -> Result<()> {
+        // The model's backend for the whole step: forward, backward and the optimizer.
+        let _backend = self.model.encoder().backend().enter();
         let device = self.model.encoder().device().clone();
         if self.state.cursor == self.batches.len() {
             self.state.epoch += 1;

@@ -311,7 +311,8 @@ fn the_command_writes_files_and_pictures_with_their_text() {
     assert!(!ok && stderr.contains("must be even"), "{stderr}");
     let (ok, _, stderr) = poslab(&["analyze", "sinusoidal", "--layout", "spiral"]);
     assert!(
-        !ok && stderr.contains("unknown variant `spiral`"),
+        !ok && stderr.contains("invalid value 'spiral'")
+            && stderr.contains("possible values: interleaved, half"),
         "{stderr}"
     );
 }

@@ -6,7 +6,7 @@
 //!
 //! On the GPU the layers run either as differentiable compositions (`Kernels::Reference`) or,
 //! by default, with one candle kernel per softmax, LayerNorm, GELU and RoPE rotation and poslab's backward
-//! passes (`Kernels::Ops`, `src/nn/gpu.rs`); the fixture and gradient tests run both. poslab's
+//! passes (`Kernels::Ops`, `src/nn/cuda_ops.rs`); the fixture and gradient tests run both. poslab's
 //! fused CPU kernels are CPU code. So these tests are what proves those paths learn on CUDA.
 
 use candle::{DType, Device};

@@ -169,7 +169,7 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                                 &what,
                             ));
                         }
-                        // The CUDA path's ops (nn/gpu.rs), wired as on a GPU, computed here.
+                        // The CUDA path's ops (nn/cuda_ops.rs), wired as on a GPU, computed here.
                         let what = format!(
                             "{} {norm:?} {size} dropout {dropout} {dtype:?} gpu ops on the cpu",
                             positional.name()
@@ -440,14 +440,7 @@ fn every_instruction_set_level_gives_the_same_bits() {
     // The kernels are compiled for AVX-512, for AVX2 + FMA and for the baseline target, chosen
     // at run time: a machine without AVX-512 runs the other two. Capping the level here runs
     // them on this machine; all must agree to the bit (and so with the reference, tested above).
-    use poslab::nn::{cap_simd, simd_level, SimdLevel};
-    struct Uncap;
-    impl Drop for Uncap {
-        fn drop(&mut self) {
-            cap_simd(None);
-        }
-    }
-    let _uncap = Uncap;
+    use poslab::nn::{simd_dispatches, with_backend, Backend, SimdLevel};
     let detected = SimdLevel::detected();
     let levels: Vec<SimdLevel> = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512]
         .into_iter()
@@ -467,13 +460,14 @@ fn every_instruction_set_level_gives_the_same_bits() {
     for (i, config) in configs.iter().enumerate() {
         let mut runs = Vec::new();
         for &level in &levels {
-            cap_simd(Some(level));
-            assert_eq!(simd_level(), level);
             let batch = if i == 0 { WIDE_BATCH } else { (5, 13) };
-            runs.push((
-                level,
-                run_encoder_on(config, DType::F32, Kernels::Layer, true, batch),
-            ));
+            let before = simd_dispatches()[level as usize];
+            let run = with_backend(Backend::default().with_simd(level), || {
+                run_encoder_on(config, DType::F32, Kernels::Layer, true, batch)
+            });
+            // The level reached the kernels (forward and backward).
+            assert!(simd_dispatches()[level as usize] > before, "{level:?}");
+            runs.push((level, run));
         }
         let (first_level, first) = &runs[0];
         for (level, run) in &runs[1..] {
@@ -483,6 +477,42 @@ fn every_instruction_set_level_gives_the_same_bits() {
             }
         }
     }
+}
+
+#[test]
+fn an_encoder_computes_with_its_own_backend() {
+    // The backend is a value the encoder is built with: its SIMD level reaches every kernel of
+    // its forward pass and of the backward pass after it, outside any scope.
+    use poslab::nn::{simd_dispatches, Backend, SimdLevel};
+    let config = medium_config(
+        poslab::PositionalConfig::Rope(poslab::RopeOptions::default()),
+        NormPlacement::Pre,
+    );
+    let store = ParamStore::new(7);
+    let level = SimdLevel::Baseline;
+    let backend = Backend::default().with_simd(level);
+    let encoder = Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu))
+        .unwrap()
+        .with_backend(backend);
+    assert_eq!(encoder.backend(), backend);
+    let (ids, mask) = padded_batch(3, 9, config.vocab_size as u32);
+    let before = simd_dispatches()[level as usize];
+    let hidden = encoder.forward_t(&ids, &mask, false).unwrap();
+    let forward = simd_dispatches()[level as usize];
+    assert!(
+        forward > before,
+        "the forward pass ran no kernel at {level:?}"
+    );
+    hidden.sum_all().unwrap().backward().unwrap();
+    assert!(
+        simd_dispatches()[level as usize] > forward,
+        "the backward pass ran no kernel at {level:?}"
+    );
+    // The same bits as at the machine's own level.
+    let native = Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    assert_eq!(native.backend().simd, SimdLevel::detected());
+    let again = native.forward_t(&ids, &mask, false).unwrap();
+    assert_eq!(values(&hidden), values(&again));
 }
 
 #[test]

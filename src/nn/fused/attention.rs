@@ -34,7 +34,7 @@ use rayon::prelude::*;
 
 use super::linear::{by_dtype, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
-use super::{contiguous, zeros, Real, Rotation};
+use super::{contiguous, simd_level, zeros, Real, Rotation, SimdLevel};
 use crate::nn::Rotary;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -52,6 +52,8 @@ pub(crate) struct Attention {
     score_bias: Option<Tensor>,
     /// A sliding window: keys further than this from the query get the masked score.
     max_offset: Option<usize>,
+    /// The instruction sets the kernels use (the backend's when the op was made).
+    simd: SimdLevel,
 }
 
 /// A raw pointer that tasks writing disjoint parts of one buffer may share.
@@ -82,6 +84,7 @@ struct Fixed<T> {
     bias_rows: usize,
     scale: T,
     max_offset: Option<usize>,
+    simd: SimdLevel,
 }
 
 impl<T: Real> Fixed<T> {
@@ -233,8 +236,15 @@ impl<T: Real> Scratch<T> {
         let v = View::rows(block(2 * n.d).as_ptr(), row);
         match fixed.rotation(T::one(), bi, n.t) {
             Some(rotation) => {
-                gather(block(0), row, n.dh, Some(rotation), &mut self.q);
-                gather(block(n.d), row, n.dh, Some(rotation), &mut self.k);
+                gather(fixed.simd, block(0), row, n.dh, Some(rotation), &mut self.q);
+                gather(
+                    fixed.simd,
+                    block(n.d),
+                    row,
+                    n.dh,
+                    Some(rotation),
+                    &mut self.k,
+                );
                 Heads {
                     q: View::rows(self.q.as_ptr(), n.dh),
                     k: View::rows(self.k.as_ptr(), n.dh),
@@ -263,12 +273,13 @@ impl<T: Real> Scratch<T> {
             )
         };
         if let Some(bias) = fixed.score_bias(n, bi, hd) {
-            add_bias(&mut self.s, bias);
+            add_bias(fixed.simd, &mut self.s, bias);
         }
         if let Some(m) = fixed.max_offset {
             mask_outside_window(&mut self.s, n.t, m);
         }
         softmax_rows(
+            fixed.simd,
             &self.s,
             &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
             &mut self.p,
@@ -372,6 +383,7 @@ impl Attention {
             }),
             score_bias: score_bias.cloned(),
             max_offset,
+            simd: simd_level(),
         }
     }
 
@@ -382,6 +394,11 @@ impl Attention {
             Some(b) => b.contiguous(),
             None => absent(like),
         }
+    }
+
+    /// The instruction sets this op's kernels (and a layer's around it) use.
+    pub(super) fn simd(&self) -> SimdLevel {
+        self.simd
     }
 
     /// Whether a gradient is owed to the score bias (it is computed from trained variables).
@@ -468,6 +485,7 @@ impl Attention {
             bias_rows,
             scale: T::lit(self.scale),
             max_offset: self.max_offset,
+            simd: self.simd,
         })
     }
 
@@ -593,7 +611,7 @@ impl Attention {
                         *dp *= *mi;
                     }
                 }
-                softmax_grad_rows(p, &w.dp, n.t, &mut w.ds);
+                softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds);
                 if bias_grad {
                     // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
                     unsafe { std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * tt), tt) }

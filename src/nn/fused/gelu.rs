@@ -28,23 +28,23 @@ simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [T]
 const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// `GELU(x)`, in parallel chunks.
-fn gelu_par<T: Real>(x: &[T]) -> Vec<T> {
+fn gelu_par<T: Real>(simd: SimdLevel, x: &[T]) -> Vec<T> {
     let mut y = zeros(x.len());
     y.par_chunks_mut(ELEMENTS_PER_TASK)
         .zip(x.par_chunks(ELEMENTS_PER_TASK))
-        .for_each(|(o, i)| gelu_rows(i, o));
+        .for_each(|(o, i)| gelu_rows(simd, i, o));
     y
 }
 
 /// `g GELU'(x)`, in parallel chunks.
-fn gelu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
+fn gelu_grad_par<T: Real>(simd: SimdLevel, x: &[T], g: &[T]) -> Vec<T> {
     let mut dx = zeros(x.len());
     dx.par_chunks_mut(ELEMENTS_PER_TASK)
         .zip(
             x.par_chunks(ELEMENTS_PER_TASK)
                 .zip(g.par_chunks(ELEMENTS_PER_TASK)),
         )
-        .for_each(|(o, (xc, gc))| gelu_grad_rows(xc, gc, o));
+        .for_each(|(o, (xc, gc))| gelu_grad_rows(simd, xc, gc, o));
     dx
 }
 
@@ -79,9 +79,13 @@ fn relu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
 }
 
 /// The feed-forward activation of the fused layer.
-pub(crate) fn activation_par<T: Real>(x: &[T], activation: crate::nn::Activation) -> Vec<T> {
+pub(crate) fn activation_par<T: Real>(
+    simd: SimdLevel,
+    x: &[T],
+    activation: crate::nn::Activation,
+) -> Vec<T> {
     match activation {
-        crate::nn::Activation::Gelu => gelu_par(x),
+        crate::nn::Activation::Gelu => gelu_par(simd, x),
         crate::nn::Activation::Relu => relu_par(x),
         crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
@@ -89,18 +93,21 @@ pub(crate) fn activation_par<T: Real>(x: &[T], activation: crate::nn::Activation
 
 /// `g act'(x)` for the fused layer's backward.
 pub(crate) fn activation_grad_par<T: Real>(
+    simd: SimdLevel,
     x: &[T],
     g: &[T],
     activation: crate::nn::Activation,
 ) -> Vec<T> {
     match activation {
-        crate::nn::Activation::Gelu => gelu_grad_par(x, g),
+        crate::nn::Activation::Gelu => gelu_grad_par(simd, x, g),
         crate::nn::Activation::Relu => relu_grad_par(x, g),
         crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
 }
 
-struct Gelu;
+struct Gelu {
+    simd: SimdLevel,
+}
 
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
@@ -109,19 +116,28 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let storage = match s.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(gelu_par(contiguous::<f32>(s, l, "gelu")?)),
-            DType::F64 => f64::to_cpu_storage_owned(gelu_par(contiguous::<f64>(s, l, "gelu")?)),
+            DType::F32 => {
+                f32::to_cpu_storage_owned(gelu_par(self.simd, contiguous::<f32>(s, l, "gelu")?))
+            }
+            DType::F64 => {
+                f64::to_cpu_storage_owned(gelu_par(self.simd, contiguous::<f64>(s, l, "gelu")?))
+            }
             dt => return Err(unsupported("gelu", dt)),
         };
         Ok((storage, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&g.contiguous()?, &GeluGrad)?))
+        Ok(Some(x.apply_op2_no_bwd(
+            &g.contiguous()?,
+            &GeluGrad { simd: self.simd },
+        )?))
     }
 }
 
-struct GeluGrad;
+struct GeluGrad {
+    simd: SimdLevel,
+}
 
 impl CustomOp2 for GeluGrad {
     fn name(&self) -> &'static str {
@@ -138,10 +154,12 @@ impl CustomOp2 for GeluGrad {
         let what = "gelu backward";
         let storage = match s1.dtype() {
             DType::F32 => f32::to_cpu_storage_owned(gelu_grad_par(
+                self.simd,
                 contiguous::<f32>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
             )),
             DType::F64 => f64::to_cpu_storage_owned(gelu_grad_par(
+                self.simd,
                 contiguous::<f64>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
             )),
@@ -153,5 +171,5 @@ impl CustomOp2 for GeluGrad {
 
 /// Exact GELU, fused.
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(Gelu)
+    x.contiguous()?.apply_op1(Gelu { simd: simd_level() })
 }

@@ -246,10 +246,11 @@ impl LayerOp {
         keep_probs: bool,
     ) -> Result<(Vec<T>, Saved<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
+        let simd = self.attention.simd();
         let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
         let ln = |x: &[T], at: usize| {
-            LayerNormOp { eps }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
+            LayerNormOp { eps, simd }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
         };
         let dims = self.attention.dims_of(b, t, 3 * d)?;
 
@@ -283,7 +284,7 @@ impl LayerOp {
 
         let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
         let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
-        let act = activation_par(&u, self.shape.activation);
+        let act = activation_par(simd, &u, self.shape.activation);
         // pre: y = h + m2 ⊙ (act(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
         let res = if self.shape.pre_norm {
             &h_or_s1
@@ -330,6 +331,7 @@ impl LayerOp {
         (b, t, d): (usize, usize, usize),
     ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
+        let simd = self.attention.simd();
         let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
         let dims = self.attention.dims_of(b, t, 3 * d)?;
@@ -337,8 +339,8 @@ impl LayerOp {
         // LayerNorm backward: returns dx, writes [dw; db] at `at`.
         let ln_back = |x: &[T], g: &[T], at: usize, dp: &mut [T]| -> Vec<T> {
             let w = &p[at..at + d];
-            dp[at..at + 2 * d].copy_from_slice(&LayerNormGradParams { eps }.run(x, g, d));
-            LayerNormGradInput { eps }.run(x, w, g)
+            dp[at..at + 2 * d].copy_from_slice(&LayerNormGradParams { eps, simd }.run(x, g, d));
+            LayerNormGradInput { eps, simd }.run(x, w, g)
         };
         // The gradient of the sum closing the feed-forward residual: pre y itself, post s2.
         let g_res: Cow<'_, [T]> = if self.shape.pre_norm {
@@ -353,7 +355,7 @@ impl LayerOp {
         let mut g_act = zeros(n * f);
         grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_act, false);
         drop(gz);
-        let gu = activation_grad_par(&s.u, &g_act, self.shape.activation);
+        let gu = activation_grad_par(simd, &s.u, &g_act, self.shape.activation);
         drop(g_act);
         grad_weight(&gu, &s.ffn_in, (n, f, d), &mut dp[o.wup..o.bup]);
         column_sum(&gu, &mut dp[o.bup..o.wdown]);

@@ -78,6 +78,7 @@ simd_dispatch!(fn ln_grad_params = ln_grad_params_body(x: &[T], g: &[T], d: usiz
 /// LayerNorm over the last axis: `(x, weight, bias) -> y`.
 pub(super) struct LayerNormOp {
     pub(super) eps: f64,
+    pub(super) simd: SimdLevel,
 }
 
 impl LayerNormOp {
@@ -87,7 +88,7 @@ impl LayerNormOp {
         let rows = rows_per_task(d) * d;
         y.par_chunks_mut(rows)
             .zip(x.par_chunks(rows))
-            .for_each(|(yc, xc)| ln_forward(xc, w, b, T::lit(self.eps), yc));
+            .for_each(|(yc, xc)| ln_forward(self.simd, xc, w, b, T::lit(self.eps), yc));
         y
     }
 }
@@ -131,14 +132,28 @@ impl CustomOp3 for LayerNormOp {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
-        let dx = x.apply_op3_no_bwd(w, &g, &LayerNormGradInput { eps: self.eps })?;
-        let params = x.apply_op2_no_bwd(&g, &LayerNormGradParams { eps: self.eps })?; // (2, d)
+        let dx = x.apply_op3_no_bwd(
+            w,
+            &g,
+            &LayerNormGradInput {
+                eps: self.eps,
+                simd: self.simd,
+            },
+        )?;
+        let params = x.apply_op2_no_bwd(
+            &g,
+            &LayerNormGradParams {
+                eps: self.eps,
+                simd: self.simd,
+            },
+        )?; // (2, d)
         Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
     }
 }
 
 pub(super) struct LayerNormGradInput {
     pub(super) eps: f64,
+    pub(super) simd: SimdLevel,
 }
 
 impl LayerNormGradInput {
@@ -148,7 +163,7 @@ impl LayerNormGradInput {
         let rows = rows_per_task(d) * d;
         dx.par_chunks_mut(rows)
             .zip(x.par_chunks(rows).zip(g.par_chunks(rows)))
-            .for_each(|(o, (xc, gc))| ln_grad_input(xc, w, gc, T::lit(self.eps), o));
+            .for_each(|(o, (xc, gc))| ln_grad_input(self.simd, xc, w, gc, T::lit(self.eps), o));
         dx
     }
 }
@@ -187,6 +202,7 @@ impl CustomOp3 for LayerNormGradInput {
 
 pub(super) struct LayerNormGradParams {
     pub(super) eps: f64,
+    pub(super) simd: SimdLevel,
 }
 
 /// Rows per chunk of the parameter-gradient sums: fixed, so the order of additions (and the
@@ -200,7 +216,7 @@ impl LayerNormGradParams {
             .zip(g.par_chunks(PARAM_CHUNK_ROWS * d))
             .map(|(xc, gc)| {
                 let mut out = vec![T::zero(); 2 * d];
-                ln_grad_params(xc, gc, d, T::lit(self.eps), &mut out);
+                ln_grad_params(self.simd, xc, gc, d, T::lit(self.eps), &mut out);
                 out
             })
             .collect();
@@ -247,5 +263,12 @@ impl CustomOp2 for LayerNormGradParams {
 
 /// LayerNorm of `x` over its last axis, fused (CPU, f32/f64, contiguous `x`).
 pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(weight, bias, LayerNormOp { eps })
+    x.contiguous()?.apply_op3(
+        weight,
+        bias,
+        LayerNormOp {
+            eps,
+            simd: simd_level(),
+        },
+    )
 }

@@ -13,7 +13,6 @@
 //! AVX2 and AVX-512, chosen at run time.
 
 use candle::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -118,7 +117,7 @@ fn erf_poly(a: f32) -> f32 {
 }
 
 /// The instruction sets the fused kernels may use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum SimdLevel {
     /// The build's baseline target (SSE2 on x86-64).
     Baseline,
@@ -138,54 +137,61 @@ impl SimdLevel {
         }
     }
 
-    /// The best level this CPU supports (checked at run time).
+    /// The best level this CPU supports (checked at run time, once).
     pub fn detected() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
+        static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
             {
-                return SimdLevel::Avx512;
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return SimdLevel::Avx512;
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    return SimdLevel::Avx2;
+                }
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return SimdLevel::Avx2;
-            }
-        }
-        SimdLevel::Baseline
+            SimdLevel::Baseline
+        })
     }
 }
 
-/// A cap on the level the kernels use (`u8::MAX`: none): how the tests run the AVX2 and
-/// baseline code on an AVX-512 machine. The same source compiled for each level gives the same
-/// bits (Rust never fuses a multiply and an add on its own), so the cap changes speed only.
-static SIMD_CAP: AtomicU8 = AtomicU8::new(u8::MAX);
-
-/// Caps the instruction sets the fused kernels use, process-wide (gemm's own dispatch is not
-/// affected). `None` lifts the cap.
-pub fn cap_simd(level: Option<SimdLevel>) {
-    SIMD_CAP.store(level.map_or(u8::MAX, |l| l as u8), Ordering::Relaxed);
+/// The level the fused kernels launched on this thread run at: that of the backend in force
+/// (see [`crate::nn::Backend`]). An op reads it when it is created, on the thread that creates
+/// it, and passes it to the kernels it runs, on whichever threads they run.
+pub(crate) fn simd_level() -> SimdLevel {
+    crate::nn::backend().simd
 }
 
-/// The level the fused kernels run at: the detected one, under the cap.
-pub fn simd_level() -> SimdLevel {
-    static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
-    let detected = *DETECTED.get_or_init(SimdLevel::detected);
-    match SIMD_CAP.load(Ordering::Relaxed) {
-        0 => SimdLevel::Baseline,
-        1 => detected.min(SimdLevel::Avx2),
-        _ => detected,
-    }
+/// Kernel calls run at each level (baseline, AVX2, AVX-512) in this process.
+static DISPATCHES: [std::sync::atomic::AtomicUsize; 3] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 3];
+
+/// Counts a kernel call at `level`.
+#[inline(always)]
+pub(crate) fn count_dispatch(level: SimdLevel) {
+    DISPATCHES[level as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Defines `$name`, which runs `$body` compiled for AVX-512 or AVX2 + FMA when the CPU has them
-/// (checked at run time, see [`simd_level`]) and for the baseline target otherwise.
+/// For tests: how many fused-kernel calls ran at each level (baseline, AVX2, AVX-512), so a
+/// test can tell that a backend's level reached the kernels.
+#[doc(hidden)]
+pub fn simd_dispatches() -> [usize; 3] {
+    DISPATCHES
+        .each_ref()
+        .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Defines `$name`, which runs `$body` compiled for AVX-512 or AVX2 + FMA when `level` (its
+/// first argument) asks for them and the CPU has them, and for the baseline target otherwise.
 macro_rules! simd_dispatch {
     ($vis:vis fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
-        $vis fn $name<T: Real>($($arg: $ty),*) {
+        $vis fn $name<T: Real>(level: $crate::nn::SimdLevel, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
@@ -196,7 +202,9 @@ macro_rules! simd_dispatch {
                 unsafe fn narrow<T: Real>($($arg: $ty),*) {
                     $body::<T>($($arg),*)
                 }
-                match $crate::nn::fused::simd_level() {
+                let level = level.min($crate::nn::SimdLevel::detected());
+                $crate::nn::fused::count_dispatch(level);
+                match level {
                     // SAFETY: the CPU has the features `wide` is compiled for.
                     $crate::nn::fused::SimdLevel::Avx512 => return unsafe { wide::<T>($($arg),*) },
                     // SAFETY: the CPU has the features `narrow` is compiled for.

@@ -12,6 +12,7 @@ struct RopeOp {
     interleaved: bool,
     /// Rotate by minus the angle: the gradient of the forward rotation.
     inverse: bool,
+    simd: SimdLevel,
 }
 
 /// RoPE's rotation of head rows by the angles of their positions, with cos and sin tables of
@@ -102,7 +103,7 @@ impl RopeOp {
                     interleaved: self.interleaved,
                     sign,
                 };
-                rope_rows(xc, rotation, (h, t, d), i * rows, o)
+                rope_rows(self.simd, xc, rotation, (h, t, d), i * rows, o)
             });
         out
     }
@@ -152,6 +153,7 @@ impl CustomOp3 for RopeOp {
         let back = RopeOp {
             interleaved: self.interleaved,
             inverse: !self.inverse,
+            simd: self.simd,
         };
         Ok((
             Some(g.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?),
@@ -169,6 +171,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
         RopeOp {
             interleaved,
             inverse: false,
+            simd: simd_level(),
         },
     )
 }

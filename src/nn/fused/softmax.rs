@@ -44,10 +44,12 @@ simd_dispatch!(pub(super) fn softmax_grad_rows = softmax_grad_body(y: &[T], g: &
 
 /// `softmax(scores + bias)` over the last axis, `scores` `(b, h, t, t)`, `bias` `(b, t)` added
 /// to every row of batch element `b`.
-struct MaskedSoftmax;
+struct MaskedSoftmax {
+    simd: SimdLevel,
+}
 
 impl MaskedSoftmax {
-    fn forward<T: Real>(x: &[T], bias: &[T], dims: &[usize]) -> Vec<T> {
+    fn forward<T: Real>(&self, x: &[T], bias: &[T], dims: &[usize]) -> Vec<T> {
         let t = dims[dims.len() - 1];
         let per_batch = x.len() / dims[0].max(1);
         let mut y = zeros(x.len());
@@ -64,7 +66,7 @@ impl MaskedSoftmax {
             .enumerate()
             .for_each(|(i, (yc, xc))| {
                 let batch = i * chunk / per_batch;
-                softmax_rows(xc, &bias[batch * t..(batch + 1) * t], yc)
+                softmax_rows(self.simd, xc, &bias[batch * t..(batch + 1) * t], yc)
             });
         y
     }
@@ -85,12 +87,12 @@ impl CustomOp2 for MaskedSoftmax {
         let what = "softmax";
         let dims = l1.dims();
         let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(Self::forward(
+            DType::F32 => f32::to_cpu_storage_owned(self.forward(
                 contiguous::<f32>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
                 dims,
             )),
-            DType::F64 => f64::to_cpu_storage_owned(Self::forward(
+            DType::F64 => f64::to_cpu_storage_owned(self.forward(
                 contiguous::<f64>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
                 dims,
@@ -108,21 +110,23 @@ impl CustomOp2 for MaskedSoftmax {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((
-            Some(y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad)?),
+            Some(y.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad { simd: self.simd })?),
             None,
         ))
     }
 }
 
-struct SoftmaxGrad;
+struct SoftmaxGrad {
+    simd: SimdLevel,
+}
 
 impl SoftmaxGrad {
-    fn run<T: Real>(y: &[T], g: &[T], t: usize) -> Vec<T> {
+    fn run<T: Real>(&self, y: &[T], g: &[T], t: usize) -> Vec<T> {
         let mut dx = zeros(y.len());
         let rows = rows_per_task(t) * t;
         dx.par_chunks_mut(rows)
             .zip(y.par_chunks(rows).zip(g.par_chunks(rows)))
-            .for_each(|(o, (yc, gc))| softmax_grad_rows(yc, gc, t, o));
+            .for_each(|(o, (yc, gc))| softmax_grad_rows(self.simd, yc, gc, t, o));
         dx
     }
 }
@@ -142,12 +146,12 @@ impl CustomOp2 for SoftmaxGrad {
         let what = "softmax backward";
         let t = *l1.dims().last().unwrap_or(&1);
         let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(Self::run(
+            DType::F32 => f32::to_cpu_storage_owned(self.run(
                 contiguous::<f32>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
                 t,
             )),
-            DType::F64 => f64::to_cpu_storage_owned(Self::run(
+            DType::F64 => f64::to_cpu_storage_owned(self.run(
                 contiguous::<f64>(s1, l1, what)?,
                 contiguous(s2, l2, what)?,
                 t,
@@ -160,7 +164,8 @@ impl CustomOp2 for SoftmaxGrad {
 
 /// `softmax(scores + bias)` with `scores` `(b, h, t, t)` and a key bias `(b, t)`, fused.
 pub(crate) fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
-    scores
-        .contiguous()?
-        .apply_op2(&key_bias.contiguous()?, MaskedSoftmax)
+    scores.contiguous()?.apply_op2(
+        &key_bias.contiguous()?,
+        MaskedSoftmax { simd: simd_level() },
+    )
 }

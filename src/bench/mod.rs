@@ -19,6 +19,10 @@ use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
 use crate::train::optim::{AdamW, AdamWConfig};
 
+mod plan;
+
+pub use plan::{Outcome, Plan, Torch};
+
 /// The model and batch measured.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Shape {
@@ -71,6 +75,19 @@ pub const TORCH_VARIANTS: [&str; 5] = [
 ];
 
 impl Shape {
+    /// The shape as the flags of `poslab bench` (benches/torch_at_shape.py takes the same).
+    pub fn flags(&self) -> [(&'static str, usize); 7] {
+        [
+            ("--vocab", self.vocab),
+            ("--d-model", self.d_model),
+            ("--heads", self.n_heads),
+            ("--layers", self.n_layers),
+            ("--ffn", self.ffn_dim),
+            ("--batch", self.batch),
+            ("--seq", self.seq),
+        ]
+    }
+
     /// Every variant measured, named: each scheme of [`PositionalConfig::catalog`] with its
     /// default options, under the PyTorch reference's names where it has the variant. Its RoPE
     /// rotates halves (GPT-NeoX / LLaMA), so poslab's does here too, and RoPE on half of each
@@ -283,6 +300,8 @@ pub struct Options {
     pub train_reps: usize,
     /// Where to run.
     pub device: Device,
+    /// The kernels and instruction sets the models compute with.
+    pub backend: crate::nn::Backend,
 }
 
 /// `VmRSS` or `VmHWM` of this process in MiB.
@@ -384,6 +403,8 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         pooling: Pooling::Mean,
     };
     let mut records = Vec::new();
+    // The models' backend for everything measured, backward passes and optimizer included.
+    let _backend = options.backend.enter();
     for variant in &options.variants {
         let config = shape.model_config(variant)?;
         let (forward_flops, train_flops) = shape.flops(variant);
@@ -392,7 +413,8 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             &config,
             &head,
             params.var_builder(DType::F32, &options.device),
-        )?;
+        )?
+        .with_backend(options.backend);
         let batch = batch(shape, &options.device)?;
 
         // Forward without gradients: the same weights as plain tensors, so no graph is kept.
@@ -401,7 +423,8 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             &config,
             &head,
             params.frozen_var_builder(DType::F32, &options.device),
-        )?;
+        )?
+        .with_backend(options.backend);
         let (mut forward_cpu, mut forward_foreign, mut train_cpu, mut train_foreign) =
             (None, None, None, None);
         let forward = if options.forward_reps > 0 {
@@ -646,37 +669,44 @@ pub struct TorchRecord {
     pub train_foreign_cores: Option<f64>,
 }
 
+/// The JSON line the PyTorch script prints (the keys of `shared/bench/torch_reference.py`).
+#[derive(serde::Deserialize)]
+struct TorchLine {
+    variant: String,
+    fwd_tokens_per_s_median: f64,
+    train_tokens_per_s_median: f64,
+    train_part_medians_ms: Option<TorchParts>,
+    peak_rss_train_phase_mib: Option<f64>,
+    peak_gpu_train_phase_mib: Option<f64>,
+    fwd_foreign_cores: Option<f64>,
+    train_foreign_cores: Option<f64>,
+}
+
+/// A training step's parts as the PyTorch script names them, ms.
+#[derive(serde::Deserialize)]
+struct TorchParts {
+    fwd: f64,
+    bwd: f64,
+    opt: f64,
+}
+
 impl TorchRecord {
     /// From the JSON line the reference script prints.
-    pub fn from_json(line: &serde_json::Value) -> Result<Self> {
-        let num = |key: &str| line.get(key).and_then(serde_json::Value::as_f64);
-        let need = |key: &str| {
-            num(key).ok_or_else(|| {
-                Error::Input(format!("the PyTorch reference's output lacks `{key}`"))
-            })
-        };
-        let parts = line.get("train_part_medians_ms").and_then(|p| {
-            Some([
-                p.get("fwd")?.as_f64()?,
-                p.get("bwd")?.as_f64()?,
-                p.get("opt")?.as_f64()?,
-            ])
-        });
+    pub fn from_json(line: &str) -> Result<Self> {
+        let line: TorchLine = serde_json::from_str(line).map_err(|e| {
+            Error::Input(format!(
+                "the PyTorch reference printed an unexpected line: {e}"
+            ))
+        })?;
         Ok(Self {
-            variant: line
-                .get("variant")
-                .and_then(|v| v.as_str())
-                .ok_or_else(|| {
-                    Error::Input("the PyTorch reference's output lacks `variant`".into())
-                })?
-                .to_string(),
-            forward_tokens_per_s: need("fwd_tokens_per_s_median")?,
-            train_tokens_per_s: need("train_tokens_per_s_median")?,
-            train_parts_ms: parts,
-            train_peak_rss_mib: num("peak_rss_train_phase_mib"),
-            train_peak_gpu_mib: num("peak_gpu_train_phase_mib"),
-            forward_foreign_cores: num("fwd_foreign_cores"),
-            train_foreign_cores: num("train_foreign_cores"),
+            variant: line.variant,
+            forward_tokens_per_s: line.fwd_tokens_per_s_median,
+            train_tokens_per_s: line.train_tokens_per_s_median,
+            train_parts_ms: line.train_part_medians_ms.map(|p| [p.fwd, p.bwd, p.opt]),
+            train_peak_rss_mib: line.peak_rss_train_phase_mib,
+            train_peak_gpu_mib: line.peak_gpu_train_phase_mib,
+            forward_foreign_cores: line.fwd_foreign_cores,
+            train_foreign_cores: line.train_foreign_cores,
         })
     }
 }

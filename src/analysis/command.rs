@@ -1,0 +1,791 @@
+//! `poslab analyze`: what a positional scheme encodes, by name, in a model poslab trained, or
+//! in a pretrained encoder. [`Request`] is the command's flags; [`Request::run`] writes the
+//! files and returns the summary.
+
+use std::path::{Path, PathBuf};
+
+use candle::DType;
+
+use crate::analysis::{self, Table};
+use crate::error::{Error, Result};
+use crate::positional::{RopePairing, TableLayout};
+use crate::PositionalConfig;
+
+/// Returns an input error with a formatted message.
+macro_rules! bail {
+    ($($t:tt)*) => {
+        return Err(Error::Input(format!($($t)*)))
+    };
+}
+
+/// The most positions an analysis takes: tables and their distance matrices grow with its
+/// square.
+const MAX_POSITIONS: usize = 8192;
+/// The most positions of an attention-bias analysis: a `P x P` matrix per head and layer.
+const MAX_BIAS_POSITIONS: usize = 1024;
+/// The widest table or head analysed by name.
+const MAX_DIM: usize = 8192;
+/// The most values of a table analysed by name (`--positions x --dim`): 2^24, 128 MiB of f64.
+const MAX_TABLE_VALUES: usize = 1 << 24;
+
+/// What a positional scheme encodes: the table as CSV and heatmap, row norms and principal
+/// components, distance matrices, distance against offset, the relative-shift property, a linear
+/// position probe, wavelengths, RoPE's decay; an attention bias by offset, per head; for a
+/// trained model (--run) its table, its learned score biases, and how its attention logits split
+/// into content and position terms.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Request {
+    /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an
+    /// attention bias: `alibi`, `t5`, `kerple`, `fire` (at two lengths: its interpolation); or
+    /// give --run (FoX's gates exist only in a trained model).
+    #[arg(value_parser = ["sinusoidal", "rope", "prope", "alibi", "t5", "kerple", "fire", "fox"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
+    pub scheme: Option<String>,
+    /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
+    /// table, with the same measures, pictures and CSVs as a trained model's.
+    #[arg(long, value_name = "PATH_OR_HUB_ID", conflicts_with = "run")]
+    pub model: Option<String>,
+    /// Heads of an attention bias (alibi, kerple).
+    #[arg(long, default_value_t = 8)]
+    pub heads: usize,
+    /// T5: buckets.
+    #[arg(long, default_value_t = 32)]
+    pub buckets: usize,
+    /// T5: the distance from which offsets share the last bucket.
+    #[arg(long, default_value_t = 128)]
+    pub max_distance: usize,
+    /// RoPE: the share of each head rotated (its first int(dim x fraction) coordinates).
+    #[arg(long, default_value_t = 1.0)]
+    pub fraction: f64,
+    /// p-RoPE: the share of a head's frequency pairs that rotate (the fastest).
+    #[arg(long, default_value_t = 0.75)]
+    pub keep: f64,
+    /// FIRE: the threshold L (default: --positions, standing for the training length); its
+    /// bias is drawn at --positions and at 4 times as many.
+    #[arg(long)]
+    pub threshold: Option<f64>,
+    /// RoPE: the factor of the scalings whose wavelengths are compared.
+    #[arg(long, default_value_t = 4.0)]
+    pub factor: f64,
+    /// RoPE: the training length the scalings start from (default: --positions, or a trained
+    /// model's max_len).
+    #[arg(long)]
+    pub original_max_len: Option<usize>,
+    /// With --run of a rope model: read the text with RoPE's frequencies rescaled,
+    /// KIND[:FACTOR] (see `predict --help`); its factor also sets the wavelengths compared.
+    #[arg(long, value_name = "KIND[:FACTOR]", value_parser = crate::positional::RopeScaling::parse_spec, requires = "run")]
+    pub rope_scaling: Option<crate::positional::RopeScaling>,
+    /// A trained model's folder.
+    #[arg(long, value_name = "DIR")]
+    pub run: Option<PathBuf>,
+    /// Width of the table (sinusoidal) or of a head (rope).
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// The base of the sinusoid's or rotation's frequencies.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub base: f64,
+    /// Sinusoidal layout.
+    #[arg(long, value_enum, default_value_t = TableLayout::Interleaved)]
+    pub layout: TableLayout,
+    /// RoPE pairing.
+    #[arg(long, value_enum, default_value_t = RopePairing::Interleaved)]
+    pub pairing: RopePairing,
+    /// Positions analysed (a learned table: all its rows); at most 8192, 1024 for attention
+    /// biases.
+    #[arg(long, default_value_t = 128)]
+    pub positions: usize,
+    /// First position (sinusoidal).
+    #[arg(long, default_value_t = 0)]
+    pub start: usize,
+    /// Reference position (row) of the offset curves.
+    #[arg(long, default_value_t = 0)]
+    pub reference: usize,
+    /// Bases compared in the wavelength plot.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![100.0, 10_000.0, 100_000_000.0])]
+    pub bases: Vec<f64>,
+    /// Evaluation text for the attention terms of --run, one text per line (default: the
+    /// model's own test set, remade from its config.json).
+    #[arg(long, value_name = "FILE")]
+    pub text: Option<PathBuf>,
+    /// Texts used for the attention terms.
+    #[arg(long, default_value_t = 64)]
+    pub texts: usize,
+    /// Output folder (default: runs/analysis-<what>-<timestamp>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// What an analysis wrote, and its summary.
+pub struct Report {
+    /// The folder of its files.
+    pub dir: PathBuf,
+    /// The summary (also in `summary.txt`).
+    pub summary: String,
+    /// The files written, by name.
+    pub files: Vec<String>,
+}
+
+/// What is analysed: a table, and what comes with it.
+struct Subject {
+    /// The position table, if the scheme has one.
+    table: Option<Table>,
+    /// Names the default output folder.
+    label: String,
+    /// A model poslab trained (`--run`).
+    loaded: Option<crate::saved::Loaded>,
+    /// A pretrained encoder (`--model`).
+    pretrained: Option<crate::pretrained::Pretrained>,
+    /// RoPE's (rotated width, base, trained length), for the scaled-wavelengths plot.
+    wavelengths: Option<(usize, f64, usize)>,
+    /// Whether the table is RoPE's (its analysis adds the decay of its scores).
+    rope: bool,
+}
+
+impl Request {
+    /// Analyses what was asked into `--out` (default `runs/analysis-<what>-<timestamp>`):
+    /// CSVs, PNGs and `summary.txt`.
+    pub fn run(&self) -> Result<Report> {
+        self.check()?;
+        let bias_positions = self.positions.min(MAX_BIAS_POSITIONS);
+        match self.scheme.as_deref() {
+            Some(scheme @ ("alibi" | "t5" | "kerple")) => {
+                return bias_by_name(scheme, self, bias_positions)
+            }
+            Some("fire") => return fire_by_name(self),
+            Some("prope") => return prope_by_name(self),
+            Some("fox") => bail!(
+                "fox: FoX's bias comes from the content (forget gates of each layer's input), \
+                 so it exists only in a trained model: give --run DIR of a fox model"
+            ),
+            _ => {}
+        }
+        let mut subject = self.subject()?;
+        self.check_table(subject.table.as_ref())?;
+        let dir = self.out_dir(&subject.label)?;
+        let mut summary = String::new();
+        let mut files = Vec::new();
+        let options = analysis::Options {
+            reference: self.reference,
+            bases: self.bases.clone(),
+            seed: 0,
+            rope: subject.rope,
+        };
+        match &subject.table {
+            Some(table) => {
+                let result = analysis::analyze(table, &options);
+                summary.push_str(&result.summary());
+                files.extend(result.write(table, &dir)?);
+            }
+            None => summary.push_str(&no_table(subject.loaded.as_ref())),
+        }
+        if let Some((rd, base, original)) = subject.wavelengths {
+            self.wavelengths(rd, base, original, &dir, &mut summary, &mut files)?;
+        }
+        if let Some(model) = &subject.pretrained {
+            self.pretrained_terms(model, &dir, &mut summary, &mut files)?;
+        }
+        if let Some(loaded) = &mut subject.loaded {
+            self.trained(loaded, bias_positions, &dir, &mut summary, &mut files)?;
+        }
+        crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+        Ok(Report {
+            dir,
+            summary,
+            files,
+        })
+    }
+
+    /// The flags' bounds, before anything is read or written.
+    fn check(&self) -> Result<()> {
+        let a = self;
+        if a.positions < 2 || a.positions > MAX_POSITIONS {
+            bail!(
+                "--positions {} is out of range: analyse between 2 and {MAX_POSITIONS} positions",
+                a.positions
+            );
+        }
+        if a.reference >= a.positions {
+            bail!(
+                "--reference {} is not among the {} positions analysed: use a row below {}",
+                a.reference,
+                a.positions,
+                a.positions
+            );
+        }
+        if a.dim > MAX_DIM || a.positions * a.dim.min(MAX_DIM) > MAX_TABLE_VALUES {
+            bail!(
+                "--dim {} x --positions {}: a table of at most {MAX_DIM} columns and \
+                 {MAX_TABLE_VALUES} values in all is analysed; lower --dim or --positions",
+                a.dim,
+                a.positions
+            );
+        }
+        if a.start > crate::positional::MAX_POSITION - a.positions {
+            bail!(
+                "--start {}: positions from there would pass the largest supported, {}; start \
+                 at most at {}",
+                a.start,
+                crate::positional::MAX_POSITION,
+                crate::positional::MAX_POSITION - a.positions
+            );
+        }
+        if a.texts == 0 || a.texts > 100_000 {
+            bail!(
+                "--texts {}: give the number of texts for the attention terms, from 1 to 100000",
+                a.texts
+            );
+        }
+        if a.scheme.is_some() && !matches!(a.scheme.as_deref(), Some("sinusoidal" | "rope")) {
+            return Ok(());
+        }
+        if !(a.base.is_finite() && a.base > 1.0)
+            || a.bases.iter().any(|b| !(b.is_finite() && *b > 1.0))
+        {
+            bail!("bases must be finite numbers greater than 1");
+        }
+        if !(a.factor.is_finite() && a.factor >= 1.0) || a.original_max_len == Some(0) {
+            bail!(
+                "--factor {} must be a number of at least 1, and --original-max-len at least 1",
+                a.factor
+            );
+        }
+        Ok(())
+    }
+
+    /// A table needs 2 rows, and the reference row among them.
+    fn check_table(&self, table: Option<&Table>) -> Result<()> {
+        let Some(table) = table else {
+            return Ok(());
+        };
+        if table.rows < 2 {
+            bail!(
+                "{}: {} row: distances, offsets and fits need at least 2 positions",
+                table.title,
+                table.rows
+            );
+        }
+        if self.reference >= table.rows {
+            bail!(
+                "--reference {} is not among the {} rows of the {}: use a row below {}",
+                self.reference,
+                table.rows,
+                table.title,
+                table.rows
+            );
+        }
+        Ok(())
+    }
+
+    /// `--out`, or a new `runs/analysis-<label>-<timestamp>`.
+    fn out_dir(&self, label: &str) -> Result<PathBuf> {
+        match &self.out {
+            Some(dir) => Ok(dir.clone()),
+            None => crate::io::new_run_dir(Path::new("runs"), &format!("analysis-{label}")),
+        }
+    }
+
+    /// What `--model`, `--run` or the scheme's name gives to analyse.
+    fn subject(&self) -> Result<Subject> {
+        if let Some(spec) = &self.model {
+            return self.pretrained_subject(spec);
+        }
+        if let Some(dir) = &self.run {
+            return self.trained_subject(dir);
+        }
+        let scheme = self.scheme.as_deref().unwrap_or("sinusoidal");
+        let a = self;
+        if a.dim < 2 || a.dim % 2 != 0 {
+            bail!(
+                "--dim {} must be even (a table of (sin, cos) pairs) and at least 2",
+                a.dim
+            );
+        }
+        let mut subject = Subject {
+            table: None,
+            label: scheme.into(),
+            loaded: None,
+            pretrained: None,
+            wavelengths: None,
+            rope: scheme == "rope",
+        };
+        subject.table = Some(if scheme == "rope" {
+            let rd = crate::positional::rotary_dim(a.dim, a.fraction);
+            if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || rd % 2 != 0 {
+                bail!(
+                    "--fraction {} of --dim {} rotates int({} x {}) = {rd} coordinates: it must \
+                     be in (0, 1] and leave an even number, at least 2",
+                    a.fraction,
+                    a.dim,
+                    a.dim,
+                    a.fraction
+                );
+            }
+            let original = a.original_max_len.unwrap_or(a.positions);
+            subject.wavelengths = Some((rd, a.base, original));
+            Table::rope(rd, a.base, a.pairing, a.positions)
+        } else {
+            Table::sinusoidal(a.dim, a.base, a.layout, a.positions, a.start)
+        });
+        Ok(subject)
+    }
+
+    /// A pretrained encoder's learned table (from the row its positions start at), or its
+    /// rotation's table (ModernBERT).
+    fn pretrained_subject(&self, spec: &str) -> Result<Subject> {
+        let dir = crate::pretrained::resolve(spec, &crate::text::HubSource::from_env())?;
+        let model = crate::pretrained::Pretrained::load(&dir, &candle::Device::Cpu)?;
+        let label = Path::new(spec)
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        let config = model.encoder.config();
+        let table = match model.encoder.learned_table() {
+            None => analysis::fixed_table(
+                &config.positional,
+                config.d_model,
+                config.head_dim(),
+                self.positions,
+            ),
+            Some(w) => {
+                // RoBERTa's first real token reads row padding_idx + 1: the table from there.
+                let offset = config.embeddings.first_position;
+                let w = w.narrow(0, offset, model.max_tokens())?;
+                let (rows, dim) = w.dims2()?;
+                let values = w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+                let title = match offset {
+                    0 => format!("learned table of {spec}"),
+                    o => format!(
+                        "learned table of {spec} (rows from {o}, where its positions start)"
+                    ),
+                };
+                Some(Table {
+                    title,
+                    start: 0,
+                    rows,
+                    dim,
+                    values,
+                    pairs: None,
+                })
+            }
+        };
+        Ok(Subject {
+            table,
+            label,
+            loaded: None,
+            pretrained: Some(model),
+            wavelengths: None,
+            rope: false,
+        })
+    }
+
+    /// A trained model's learned table, or its scheme's fixed one.
+    fn trained_subject(&self, dir: &Path) -> Result<Subject> {
+        if crate::pretrained::is_hf_folder(dir) {
+            bail!(
+                "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
+                 (supported: {})",
+                dir.display(),
+                dir.display(),
+                crate::pretrained::SUPPORTED
+            );
+        }
+        let loaded = crate::saved::load_as(
+            dir,
+            DType::F32,
+            &candle::Device::Cpu,
+            Some(crate::Precision::F32),
+        )?;
+        let m = &loaded.config.model;
+        let table = match loaded.model.encoder().learned_table() {
+            Some(w) => Some(Table {
+                title: format!("learned table of {}", dir.display()),
+                start: 0,
+                rows: m.max_len,
+                dim: m.d_model,
+                values: w.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                pairs: None,
+            }),
+            None => analysis::fixed_table(&m.positional, m.d_model, m.head_dim(), self.positions),
+        };
+        let wavelengths = match &m.positional {
+            PositionalConfig::Rope(o) => Some((
+                o.rotary_dim(m.head_dim()),
+                o.base,
+                self.original_max_len.unwrap_or(m.max_len),
+            )),
+            _ => None,
+        };
+        let label = dir
+            .file_name()
+            .map_or("run".into(), |n| n.to_string_lossy().into_owned());
+        Ok(Subject {
+            table,
+            label,
+            rope: wavelengths.is_some(),
+            loaded: Some(loaded),
+            pretrained: None,
+            wavelengths,
+        })
+    }
+
+    /// RoPE's wavelengths under each scaling at the factor asked for.
+    fn wavelengths(
+        &self,
+        rd: usize,
+        base: f64,
+        original: usize,
+        dir: &Path,
+        summary: &mut String,
+        files: &mut Vec<String>,
+    ) -> Result<()> {
+        let factor = match self.rope_scaling.as_ref().map(|s| s.factor()) {
+            Some(crate::positional::Factor::Value(f)) => f,
+            _ => self.factor,
+        };
+        let curves = analysis::rope::scaled_wavelengths(rd, base, factor, original);
+        files.extend(analysis::rope::write_wavelengths(
+            &curves, original, factor, dir,
+        )?);
+        summary.push_str(&format!(
+            "RoPE wavelengths of {} pairs, trained length {original}, factor {factor}: fastest \
+             {:.1} positions; slowest {}\n",
+            rd / 2,
+            curves[0].1[0],
+            curves
+                .iter()
+                .map(|(label, w)| format!("{label} {:.0}", w[w.len() - 1]))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        Ok(())
+    }
+
+    /// A pretrained encoder on real text: with a rotation in every layer (ModernBERT), which
+    /// frequency pairs each layer uses (Barbero et al. 2025); else TUPE's split of the first
+    /// layer's logits.
+    fn pretrained_terms(
+        &self,
+        model: &crate::pretrained::Pretrained,
+        dir: &Path,
+        summary: &mut String,
+        files: &mut Vec<String>,
+    ) -> Result<()> {
+        let (texts, source) = analysis::terms::pretrained_texts(self.texts, self.text.as_deref())?;
+        let batch = model.batch(&texts, true)?;
+        let encoder = &model.encoder;
+        if encoder.config().positional.placement() == crate::Placement::Attention {
+            summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
+            return rotation_analysis(encoder, &batch.ids, &batch.mask, dir, summary, files);
+        }
+        summary.push_str(&format!(
+            "attention logits of the first layer (W_q(x+p))·(W_k(y+p')) split into four terms \
+             (the embedding LayerNorm split exactly), on {} texts of {source}:\n",
+            texts.len()
+        ));
+        write_terms(encoder, &batch.ids, &batch.mask, dir, summary, files)
+    }
+
+    /// What only a trained model has: its score biases, its scheme's own measures, RoPE's pair
+    /// energy, and the split of its logits into content and position terms.
+    fn trained(
+        &self,
+        loaded: &mut crate::saved::Loaded,
+        bias_positions: usize,
+        dir: &Path,
+        summary: &mut String,
+        files: &mut Vec<String>,
+    ) -> Result<()> {
+        if let Some(bias) = analysis::bias::encoder_biases(loaded.model.encoder(), bias_positions)?
+        {
+            summary.push_str(&bias.summary());
+            files.extend(bias.write(dir)?);
+        }
+        scheme_analysis(loaded, self, dir, summary, files)?;
+        let text = self.text.as_deref();
+        if loaded.config.model.positional.placement() == crate::Placement::Attention {
+            match analysis::terms::evaluation_batch(loaded, self.texts, text) {
+                // Without --text, a model that cannot remake its evaluation text still gets
+                // its table analysed.
+                Err(e) if text.is_none() => {
+                    summary.push_str(&format!("RoPE pair energy skipped: {e}\n"))
+                }
+                Err(e) => return Err(e),
+                Ok((ids, mask, _)) => {
+                    if let Some(scaling) = &self.rope_scaling {
+                        rescale(loaded, scaling, ids.dim(1)?)?;
+                        summary.push_str(&format!(
+                            "read with rope scaling {}\n",
+                            serde_json::to_string(&loaded.config.model.positional)
+                                .expect("configs serialize")
+                        ));
+                    }
+                    let encoder = loaded.model.encoder();
+                    rotation_analysis(encoder, &ids, &mask, dir, summary, files)?;
+                }
+            }
+        }
+        let positional = &loaded.config.model.positional;
+        if !matches!(
+            positional,
+            PositionalConfig::SinusoidalAdd(_) | PositionalConfig::Learned(_)
+        ) {
+            summary.push_str(&format!(
+                "attention terms: not defined for `{}` (positions are not added to the token \
+                 embeddings)\n",
+                positional.name()
+            ));
+            return Ok(());
+        }
+        let (ids, mask, cut) = match analysis::terms::evaluation_batch(loaded, self.texts, text) {
+            Err(e) if text.is_none() => {
+                summary.push_str(&format!("attention terms skipped: {e}\n"));
+                return Ok(());
+            }
+            batch => batch?,
+        };
+        summary.push_str(&format!(
+            "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms, on {} texts{}:\n",
+            ids.dim(0)?,
+            match cut {
+                0 => String::new(),
+                cut => format!(" ({cut} cut to the learned table)"),
+            }
+        ));
+        write_terms(loaded.model.encoder(), &ids, &mask, dir, summary, files)
+    }
+}
+
+/// The line for a subject without a table.
+fn no_table(loaded: Option<&crate::saved::Loaded>) -> String {
+    match loaded {
+        Some(l) if l.config.model.positional.name() != "none" => format!(
+            "no position table: `{}` acts as an {} (see below)\n",
+            l.config.model.positional.name(),
+            l.config.model.positional.placement()
+        ),
+        _ => "no position table: this model has no positional scheme (`none`)\n".into(),
+    }
+}
+
+/// The split of an encoder's logits into content and position terms, as text and files.
+fn write_terms(
+    encoder: &crate::Encoder,
+    ids: &candle::Tensor,
+    mask: &candle::Tensor,
+    dir: &Path,
+    summary: &mut String,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    let terms = analysis::terms::attention_terms(encoder, ids, mask)?;
+    summary.push_str(&analysis::terms::summary(&terms));
+    files.extend(analysis::write_terms(
+        &terms,
+        "attention logits: content and position terms per head",
+        dir,
+    )?);
+    Ok(())
+}
+
+/// A rotation's analysis of a model on a batch: each layer's q and k energy per RoPE frequency
+/// pair, and what the rotation adds to its scores, as text and files.
+fn rotation_analysis(
+    encoder: &crate::Encoder,
+    ids: &candle::Tensor,
+    mask: &candle::Tensor,
+    dir: &Path,
+    summary: &mut String,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    use crate::analysis;
+    let energy = analysis::rope::pair_energy(encoder, ids, mask)?;
+    summary.push_str(&analysis::rope::energy_summary(&energy));
+    files.extend(analysis::rope::write_energy(&energy, dir)?);
+    let terms = analysis::terms::rotation_terms(encoder, ids, mask)?;
+    summary.push_str(&analysis::terms::rotation_summary(&terms));
+    files.extend(analysis::terms::write_rotation_terms(&terms, dir)?);
+    Ok(())
+}
+
+/// What only a trained FIRE, p-RoPE or FoX model has: FIRE's curves at the training length and
+/// 4x; p-RoPE's spectrum; FoX's gates on the evaluation text.
+fn scheme_analysis(
+    loaded: &crate::saved::Loaded,
+    a: &Request,
+    dir: &Path,
+    summary: &mut String,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    use crate::analysis::{self, schemes};
+    let encoder = loaded.model.encoder();
+    let model = &loaded.config.model;
+    match &model.positional {
+        PositionalConfig::Fire(_) => {
+            let trained = model.max_len.clamp(2, MAX_BIAS_POSITIONS);
+            let lengths = [trained, (4 * trained).min(MAX_BIAS_POSITIONS)];
+            let mut curves = schemes::fire_curves(
+                "fire: the learned bias per head, at the training length and 4x".into(),
+                &lengths,
+                |n| {
+                    Ok(encoder
+                        .score_bias(0, &crate::Positions::range(0, n)?)?
+                        .expect("fire has a score bias"))
+                },
+            )?;
+            if let crate::positional::PositionalModule::ScoreBias(bias) = encoder.positional() {
+                curves.notes = bias.notes()?;
+            }
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        PositionalConfig::Prope(o) => {
+            let spectra = schemes::rotation_spectra(model.head_dim(), o.base, o.keep);
+            let (text, written) = schemes::write_spectra(&spectra, model.head_dim(), dir)?;
+            summary.push_str(&text);
+            files.extend(written);
+        }
+        PositionalConfig::Fox(_) => {
+            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
+                Err(e) if a.text.is_none() => {
+                    summary.push_str(&format!("FoX gates skipped: {e}\n"))
+                }
+                Err(e) => return Err(e),
+                Ok((ids, mask, _)) => {
+                    let tokenizer = &loaded.tokenizer;
+                    let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
+                        tokenizer
+                            .id_to_token(id)
+                            .unwrap_or_else(|| format!("#{id}"))
+                    })?;
+                    summary.push_str(&gates.summary());
+                    files.extend(gates.write(dir)?);
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// `analyze fire`: FIRE at initialisation (seed 0) at --positions and 4x as many, with the
+/// threshold at --positions: past the threshold, the longer sequence's curve is the shorter's
+/// stretched over its span.
+fn fire_by_name(a: &Request) -> Result<Report> {
+    use crate::positional::FireOptions;
+    if a.heads == 0 || a.heads > 64 {
+        bail!("--heads {} must be between 1 and 64", a.heads);
+    }
+    let short = a.positions.min(MAX_BIAS_POSITIONS / 4);
+    let threshold = a.threshold.unwrap_or(short as f64);
+    let positional = PositionalConfig::Fire(FireOptions::threshold(threshold));
+    positional
+        .validate_options(2 * a.heads, 2)
+        .map_err(Error::Config)?;
+    let (module, _store) = crate::analysis::bias::module_by_name(&positional, a.heads, short)?;
+    let mut curves = crate::analysis::schemes::fire_curves(
+        format!(
+            "fire, {} heads, threshold {threshold}: the bias at initialisation (seed 0)",
+            a.heads
+        ),
+        &[short, 4 * short],
+        |n| {
+            let positions = crate::Positions::range(0, n)?;
+            crate::analysis::bias::shared_bias(&module, &positions, "fire")
+        },
+    )?;
+    curves.notes = module.notes()?;
+    curves.notes.push(
+        "inputs sign(j - i) ln(|c| |j - i| + 1) / ln(|c| max(L, span) + 1): up to the threshold \
+         the curve is the raw one; at 4x the span it is stretched to the same [-1, 1] \
+         (fire_by_relative_offset.png)"
+            .into(),
+    );
+    let dir = a.out_dir("fire")?;
+    let summary = curves.summary();
+    let files = curves.write(&dir)?;
+    crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    Ok(Report {
+        dir,
+        summary,
+        files,
+    })
+}
+
+/// `analyze prope`: p-RoPE's spectrum at --keep beside RoPE's and `fraction`'s at the same
+/// share, for a head of --dim.
+fn prope_by_name(a: &Request) -> Result<Report> {
+    let positional = PositionalConfig::Prope(crate::positional::PropeOptions {
+        base: a.base,
+        keep: a.keep,
+        ..Default::default()
+    });
+    positional
+        .validate_options(a.dim, a.dim)
+        .map_err(Error::Config)?;
+    let spectra = crate::analysis::schemes::rotation_spectra(a.dim, a.base, a.keep);
+    let dir = a.out_dir("prope")?;
+    let (summary, files) = analysis::schemes::write_spectra(&spectra, a.dim, &dir)?;
+    crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    Ok(Report {
+        dir,
+        summary,
+        files,
+    })
+}
+
+/// `analyze alibi | t5 | kerple`: the bias by offset, per head.
+fn bias_by_name(scheme: &str, a: &Request, positions: usize) -> Result<Report> {
+    use crate::positional::{NoOptions, T5Options};
+    if a.heads == 0 || a.heads > 64 {
+        bail!("--heads {} must be between 1 and 64", a.heads);
+    }
+    let positional = match scheme {
+        "alibi" => PositionalConfig::Alibi(NoOptions {}),
+        "kerple" => PositionalConfig::Kerple(NoOptions {}),
+        _ => PositionalConfig::T5(T5Options {
+            buckets: a.buckets,
+            max_distance: a.max_distance,
+        }),
+    };
+    positional
+        .validate_options(2 * a.heads, 2)
+        .map_err(Error::Config)?;
+    let bias = crate::analysis::bias::scheme_biases(&positional, a.heads, positions)?;
+    let dir = a.out_dir(scheme)?;
+    let summary = bias.summary();
+    let files = bias.write(&dir)?;
+    crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    Ok(Report {
+        dir,
+        summary,
+        files,
+    })
+}
+
+/// Rebuilds a loaded rope model with its frequencies rescaled (the same weights); an `auto`
+/// factor is the text's length `longest` over the model's `max_len`, at least 1.
+fn rescale(
+    loaded: &mut crate::saved::Loaded,
+    scaling: &crate::positional::RopeScaling,
+    longest: usize,
+) -> Result<()> {
+    let model = &loaded.config.model;
+    let PositionalConfig::Rope(options) = &model.positional else {
+        bail!(
+            "--rope-scaling applies to rope models; this one's scheme is `{}`",
+            model.positional.name()
+        );
+    };
+    let config = crate::ModelConfig {
+        positional: PositionalConfig::Rope(crate::RopeOptions {
+            scaling: Some(scaling.resolved(
+                longest as f64 / model.max_len.max(1) as f64,
+                model.max_len.max(1),
+            )),
+            ..options.clone()
+        }),
+        ..model.clone()
+    };
+    let encoder = loaded.model.encoder();
+    let vb = loaded.params.var_builder(encoder.dtype(), encoder.device());
+    loaded.model = crate::model::TaskModel::new(&config, &loaded.config.head, vb)?;
+    loaded.config.model = config;
+    Ok(())
+}

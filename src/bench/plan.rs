@@ -1,0 +1,344 @@
+//! What `poslab bench` runs: every variant in a child process of its own (so its peak memory
+//! is its own), interleaved rounds of variants or of poslab and PyTorch, and what they come to.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::{costs, ratios, Cost, Options, Ratio, Record, Shape, TorchRecord, TORCH_VARIANTS};
+use crate::device::{device_name, gpu_name};
+use crate::error::{Error, Result};
+
+/// A bench: what to measure, and how.
+pub struct Plan {
+    /// The shape, variants, repetitions, device and backend of each measurement.
+    pub options: Options,
+    /// The device as the command line gave it (`auto`, `cpu`, `cuda:1`), passed on to children.
+    pub device_flag: String,
+    /// Threads for matrix multiplies.
+    pub threads: usize,
+    /// Measure every variant in this process instead of a child each.
+    pub in_process: bool,
+    /// Interleaved rounds: of poslab and PyTorch with [`Plan::torch`], else of the variants.
+    pub rounds: Option<usize>,
+    /// The PyTorch script to run beside poslab.
+    pub torch: Option<Torch>,
+}
+
+/// The PyTorch side of a bench: a script, and the Python that runs it.
+pub struct Torch {
+    /// `shared/bench/torch_reference.py`, or `benches/torch_at_shape.py`.
+    pub script: PathBuf,
+    /// A Python with torch installed.
+    pub python: PathBuf,
+    /// Whether the script runs any shape, device and dtype (it takes `--d-model`); the shared
+    /// reference runs one fixed shape in f32 on the CPU.
+    takes_shape: bool,
+}
+
+impl Torch {
+    /// `script` run by `python`, checked before anything runs: it must exist, and a
+    /// fixed-shape script is refused for another shape, device or dtype (the ratios would
+    /// compare different work).
+    pub fn new(
+        script: &Path,
+        python: &Path,
+        shape: &Shape,
+        device: &candle::Device,
+    ) -> Result<Self> {
+        if !script.exists() {
+            return Err(Error::Input(format!(
+                "--torch {}: no such file (shared/bench/torch_reference.py, or \
+                 benches/torch_at_shape.py for other shapes, devices and dtypes)",
+                script.display()
+            )));
+        }
+        if !script.is_file() {
+            return Err(Error::Input(format!(
+                "--torch {}: not a regular file (a folder, device or pipe): give the path of \
+                 the PyTorch script",
+                script.display()
+            )));
+        }
+        let takes_shape =
+            crate::io::read_text_bounded(script, crate::io::MAX_CONFIG_BYTES, "PyTorch script")?
+                .contains("--d-model");
+        let reference_setting = *shape == Shape::default() && device.is_cpu();
+        if !takes_shape && !reference_setting {
+            return Err(Error::Input(format!(
+                "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
+                 heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
+                 width {}, {} heads, {} layers, FFN {}, batch {} x {}: the ratios would compare \
+                 different work. Use --torch benches/torch_at_shape.py, which runs that \
+                 script's model at this shape, device and dtype (it finds the script through \
+                 POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
+                script.display(),
+                device_name(device),
+                shape.dtype.name(),
+                shape.d_model,
+                shape.n_heads,
+                shape.n_layers,
+                shape.ffn_dim,
+                shape.batch,
+                shape.seq
+            )));
+        }
+        Ok(Self {
+            script: script.into(),
+            python: python.into(),
+            takes_shape,
+        })
+    }
+}
+
+/// What a bench measured.
+pub enum Outcome {
+    /// One record per variant.
+    Records(Vec<Record>),
+    /// Each variant's cost over the first, from interleaved rounds of the variants.
+    Costs {
+        /// Per variant.
+        costs: Vec<Cost>,
+        /// Every round's records.
+        rounds: Vec<Vec<Record>>,
+    },
+    /// poslab over PyTorch per variant, from interleaved rounds of the two.
+    Ratios {
+        /// Per variant.
+        ratios: Vec<Ratio>,
+        /// Every round's pairs.
+        rounds: Vec<Vec<(Record, TorchRecord)>>,
+    },
+}
+
+impl Outcome {
+    /// The printed table.
+    pub fn table(&self) -> String {
+        match self {
+            Outcome::Records(records) => super::table(records),
+            Outcome::Costs { costs, .. } => super::cost_table(costs),
+            Outcome::Ratios { ratios, .. } => super::ratio_table(ratios),
+        }
+    }
+
+    /// The JSON document: `header` (see [`Plan::header`]) with the results.
+    pub fn json(&self, mut header: serde_json::Value) -> serde_json::Value {
+        match self {
+            Outcome::Records(records) => header["results"] = value(records),
+            Outcome::Costs { costs, rounds } => {
+                header["costs"] = value(costs);
+                header["rounds"] = value(rounds);
+            }
+            Outcome::Ratios { ratios, rounds } => {
+                header["ratios"] = value(ratios);
+                header["rounds"] = value(rounds);
+            }
+        }
+        header
+    }
+}
+
+fn value<T: serde::Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).expect("bench records serialize")
+}
+
+impl Plan {
+    /// The variants a bench runs when none are named: every scheme with its default options
+    /// but `none` (with PyTorch, the five its reference has).
+    pub fn default_variants(shape: &Shape, torch: bool) -> Vec<String> {
+        let pool: Vec<String> = match torch {
+            true => TORCH_VARIANTS.map(String::from).to_vec(),
+            false => shape.variant_names(),
+        };
+        pool.into_iter().filter(|v| v != "none").collect()
+    }
+
+    /// Every variant known at this shape, and run by the PyTorch script if there is one.
+    pub fn check(&self) -> Result<()> {
+        for v in &self.options.variants {
+            self.options.shape.positional(v)?;
+            if self.torch.is_some() && !TORCH_VARIANTS.contains(&v.as_str()) {
+                return Err(Error::Input(format!(
+                    "--torch: the PyTorch reference has no `{v}` variant; it runs {}",
+                    TORCH_VARIANTS.join(", ")
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn kernels(&self) -> &'static str {
+        let dtype = self.options.shape.dtype.compute_dtype(candle::DType::F32);
+        crate::nn::Backend::run(self.options.backend, || {
+            crate::nn::kernels_on(&self.options.device, dtype).name()
+        })
+    }
+
+    /// The line that says what runs: device, threads, kernels, SIMD level and shape.
+    pub fn banner(&self) -> String {
+        let (device, shape) = (&self.options.device, &self.options.shape);
+        let device = match gpu_name(device) {
+            Some(gpu) => format!("{} ({gpu})", device_name(device)),
+            None => device_name(device),
+        };
+        format!(
+            "poslab bench on {device} ({} thread{}, {} kernels, {:?} SIMD, {}): vocab {}, width \
+             {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            self.threads,
+            if self.threads == 1 { "" } else { "s" },
+            self.kernels(),
+            self.options.backend.simd,
+            shape.dtype.name(),
+            shape.vocab,
+            shape.d_model,
+            shape.n_heads,
+            shape.n_layers,
+            shape.ffn_dim,
+            shape.batch,
+            shape.seq
+        )
+    }
+
+    /// What the JSON document says about the run before its results.
+    pub fn header(&self) -> serde_json::Value {
+        let device = &self.options.device;
+        serde_json::json!({
+            "device": device_name(device),
+            "gpu": gpu_name(device),
+            "threads": self.threads,
+            "kernels": self.kernels(),
+            "simd": format!("{:?}", self.options.backend.simd),
+            "shape": self.options.shape,
+        })
+    }
+
+    /// Runs the bench; `log` gets each phase and round.
+    pub fn run(&self, log: &mut dyn FnMut(&str)) -> Result<Outcome> {
+        let variants = &self.options.variants;
+        if let Some(torch) = &self.torch {
+            let n = self.rounds.unwrap_or(3).max(1);
+            let mut rounds = Vec::new();
+            for round in 0..n {
+                log(&format!("round {} of {n}", round + 1));
+                let mut pairs = Vec::new();
+                for variant in variants {
+                    // Alternate which goes first, so a drift in machine speed favours neither.
+                    let pair = if round % 2 == 0 {
+                        let p = self.in_child(variant)?;
+                        (p, self.torch_run(torch, variant, log)?)
+                    } else {
+                        let t = self.torch_run(torch, variant, log)?;
+                        (self.in_child(variant)?, t)
+                    };
+                    pairs.push(pair);
+                }
+                rounds.push(pairs);
+            }
+            let ratios = ratios(variants, &rounds);
+            return Ok(Outcome::Ratios { ratios, rounds });
+        }
+        if let Some(n) = self.rounds.filter(|&n| n > 1 && !self.in_process) {
+            // The order reversed every other round, so a drift in machine speed favours no
+            // variant.
+            let mut rounds = Vec::new();
+            for round in 0..n {
+                log(&format!("round {} of {n}", round + 1));
+                let mut order: Vec<&String> = variants.iter().collect();
+                if round % 2 == 1 {
+                    order.reverse();
+                }
+                let mut records = order
+                    .into_iter()
+                    .map(|v| self.in_child(v))
+                    .collect::<Result<Vec<_>>>()?;
+                records.sort_by_key(|r| variants.iter().position(|v| *v == r.variant));
+                rounds.push(records);
+            }
+            let costs = costs(variants, &rounds);
+            return Ok(Outcome::Costs { costs, rounds });
+        }
+        let records = if self.in_process || variants.len() == 1 {
+            super::run(&self.options, &mut |phase| log(&format!("  {phase}")))?
+        } else {
+            variants
+                .iter()
+                .map(|v| self.in_child(v))
+                .collect::<Result<Vec<_>>>()?
+        };
+        Ok(Outcome::Records(records))
+    }
+
+    /// `variant` measured by `poslab bench --in-process --json` in a child process.
+    fn in_child(&self, variant: &str) -> Result<Record> {
+        let (options, shape) = (&self.options, &self.options.shape);
+        let exe = std::env::current_exe().map_err(|e| Error::io(Path::new("poslab"), e))?;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("bench");
+        for (flag, value) in shape.flags().into_iter().chain([
+            ("--warmup", options.warmup),
+            ("--forward-reps", options.forward_reps),
+            ("--train-reps", options.train_reps),
+            ("--threads", self.threads),
+        ]) {
+            cmd.args([flag.to_string(), value.to_string()]);
+        }
+        cmd.args(["--device", &self.device_flag, "--dtype", shape.dtype.name()])
+            .args(["--kernels", options.backend.kernels.name()])
+            .args(["--simd", options.backend.simd.name()])
+            .args(["--json", "--in-process", "--variants", variant]);
+        let out = cmd
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| Error::io(&exe, e))?;
+        if !out.status.success() {
+            return Err(Error::Input(format!("the bench of {variant} failed")));
+        }
+        let bad = |e: String| Error::Input(format!("a bench child's JSON: {e}"));
+        let doc: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| bad(e.to_string()))?;
+        let mut records: Vec<Record> =
+            serde_json::from_value(doc["results"].clone()).map_err(|e| bad(e.to_string()))?;
+        records.pop().ok_or_else(|| bad("no result".into()))
+    }
+
+    /// `variant` measured by the PyTorch script.
+    fn torch_run(
+        &self,
+        torch: &Torch,
+        variant: &str,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TorchRecord> {
+        log(&format!("  {variant}: PyTorch"));
+        let (options, shape) = (&self.options, &self.options.shape);
+        let mut cmd = Command::new(&torch.python);
+        cmd.arg(&torch.script).arg(variant);
+        if torch.takes_shape {
+            for (flag, value) in shape.flags() {
+                cmd.args([flag.to_string(), value.to_string()]);
+            }
+            cmd.args(["--dtype", shape.dtype.name()]);
+            cmd.args(["--device", &device_name(&options.device)]);
+        }
+        let out = cmd
+            .args(["--fwd-iters", &options.forward_reps.max(1).to_string()])
+            .args(["--train-iters", &options.train_reps.max(1).to_string()])
+            .args(["--warm", &options.warmup.to_string()])
+            .args(["--threads", &self.threads.to_string()])
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| Error::io(&torch.python, e))?;
+        if !out.status.success() {
+            return Err(Error::Input(format!(
+                "the PyTorch reference failed for {variant} (is torch installed for {}? pass \
+                 --python)",
+                torch.python.display()
+            )));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .rev()
+            .find(|l| l.trim_start().starts_with('{'))
+            .ok_or_else(|| Error::Input("the PyTorch reference printed no JSON line".into()))?;
+        TorchRecord::from_json(line)
+    }
+}
