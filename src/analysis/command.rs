@@ -171,7 +171,7 @@ impl Request {
         };
         match &subject.table {
             Some(table) => {
-                let result = analysis::analyze(table, &options);
+                let result = analysis::analyze(table, &options)?;
                 summary.push_str(&result.summary());
                 files.extend(result.write(table, &dir)?);
             }

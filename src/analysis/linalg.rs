@@ -1,7 +1,10 @@
-//! Ridge regression for the analyses (a Cholesky solve of the normal equations), in f64.
-//!
-//! Written here instead of pulling in a linear-algebra crate: the analyses need exactly one
-//! solver, for systems no wider than a model's width.
+//! Linear algebra for the analyses, on nalgebra: the row-major matrix the analyses pass
+//! around, ridge regression by a Cholesky solve that refuses a system that is not positive
+//! definite, and the folds of a cross-validation.
+
+use nalgebra::DMatrix;
+
+use crate::error::{Error, Result};
 
 /// A row-major matrix.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,23 +51,18 @@ impl Matrix {
     /// `self * other`.
     pub fn matmul(&self, other: &Matrix) -> Matrix {
         assert_eq!(self.cols, other.rows, "matmul shapes");
-        let mut out = vec![0.0; self.rows * other.cols];
-        for i in 0..self.rows {
-            for k in 0..self.cols {
-                let a = self.data[i * self.cols + k];
-                if a == 0.0 {
-                    continue;
-                }
-                let row = &other.data[k * other.cols..(k + 1) * other.cols];
-                for (o, b) in out[i * other.cols..(i + 1) * other.cols]
-                    .iter_mut()
-                    .zip(row)
-                {
-                    *o += a * b;
-                }
-            }
-        }
-        Matrix::new(self.rows, other.cols, out)
+        Self::from_nalgebra(&(self.to_nalgebra() * other.to_nalgebra()))
+    }
+
+    /// As an nalgebra matrix.
+    pub fn to_nalgebra(&self) -> DMatrix<f64> {
+        DMatrix::from_row_slice(self.rows, self.cols, &self.data)
+    }
+
+    /// From an nalgebra matrix.
+    pub fn from_nalgebra(m: &DMatrix<f64>) -> Self {
+        // nalgebra stores columns; the transpose's columns are this matrix's rows.
+        Self::new(m.nrows(), m.ncols(), m.transpose().as_slice().to_vec())
     }
 }
 
@@ -74,112 +72,37 @@ impl Matrix {
 /// fewer rows than columns the dual form is solved, `w = xᵀ (x xᵀ + λI)⁻¹ y`, an `n x n` system
 /// instead of `d x d` (the same `w`): a 1024-wide table over 128 positions is a 128 x 128 solve,
 /// not a 1024 x 1024 one.
-pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Matrix {
+pub fn ridge(x: &Matrix, y: &Matrix, lambda: f64) -> Result<Matrix> {
     assert_eq!(x.rows, y.rows, "ridge: x and y rows");
-    let (n, d, m) = (x.rows, x.cols, y.cols);
+    let (n, d) = (x.rows, x.cols);
+    let (xm, ym) = (x.to_nalgebra(), y.to_nalgebra());
     // trace(xᵀx) = trace(x xᵀ) = the sum of squares.
     let trace: f64 = x.data.iter().map(|v| v * v).sum();
     let ridge = lambda * (trace / d.max(1) as f64).max(f64::MIN_POSITIVE);
-    if n < d {
+    let w = if n < d {
         // Dual: (x xᵀ + λI) α = y, then w = xᵀ α.
-        let mut k = vec![0.0; n * n];
-        for i in 0..n {
-            for j in 0..=i {
-                let v: f64 = x.row(i).iter().zip(x.row(j)).map(|(a, b)| a * b).sum();
-                k[i * n + j] = v;
-                k[j * n + i] = v;
-            }
-            k[i * n + i] += ridge;
-        }
-        let alpha = cholesky_solve(k, y.data.clone(), n, m);
-        let mut w = vec![0.0; d * m];
-        for r in 0..n {
-            let (xr, ar) = (x.row(r), &alpha[r * m..(r + 1) * m]);
-            for (i, xi) in xr.iter().enumerate() {
-                for (wik, ak) in w[i * m..(i + 1) * m].iter_mut().zip(ar) {
-                    *wik += xi * ak;
-                }
-            }
-        }
-        return Matrix::new(d, m, w);
-    }
-    // Normal equations: (xᵀx + λI) w = xᵀy.
-    let mut a = vec![0.0; d * d];
-    let mut b = vec![0.0; d * m];
-    for r in 0..n {
-        let xr = x.row(r);
-        let yr = y.row(r);
-        for i in 0..d {
-            let xi = xr[i];
-            if xi == 0.0 {
-                continue;
-            }
-            for (aij, xj) in a[i * d + i..(i + 1) * d].iter_mut().zip(&xr[i..]) {
-                *aij += xi * xj;
-            }
-            for (bik, yk) in b[i * m..(i + 1) * m].iter_mut().zip(yr) {
-                *bik += xi * yk;
-            }
-        }
-    }
-    for i in 0..d {
-        for j in 0..i {
-            a[i * d + j] = a[j * d + i];
-        }
-        a[i * d + i] += ridge;
-    }
-    Matrix::new(d, m, cholesky_solve(a, b, d, m))
+        let k = &xm * xm.transpose() + DMatrix::identity(n, n) * ridge;
+        xm.transpose() * solve_spd(k, ym, "ridge regression (dual)")?
+    } else {
+        // Normal equations: (xᵀx + λI) w = xᵀy.
+        let a = xm.transpose() * &xm + DMatrix::identity(d, d) * ridge;
+        solve_spd(a, xm.transpose() * ym, "ridge regression")?
+    };
+    Ok(Matrix::from_nalgebra(&w))
 }
 
-/// Solves `a x = b` for a symmetric positive definite `a` (`d x d`) and `b` (`d x m`), by
-/// Cholesky, `a = L Lᵀ`.
-pub(crate) fn cholesky_solve(a: Vec<f64>, b: Vec<f64>, d: usize, m: usize) -> Vec<f64> {
-    let mut l = vec![0.0; d * d];
-    for i in 0..d {
-        for j in 0..=i {
-            let s: f64 = l[i * d..i * d + j]
-                .iter()
-                .zip(&l[j * d..j * d + j])
-                .map(|(a, b)| a * b)
-                .sum();
-            if i == j {
-                l[i * d + i] = (a[i * d + i] - s).max(1e-300).sqrt();
-            } else {
-                l[i * d + j] = (a[i * d + j] - s) / l[j * d + j];
-            }
-        }
+/// Solves `a x = b` for a symmetric positive definite `a`, by Cholesky; a matrix that is not
+/// positive definite (to working precision) is an error naming `what`, never a clamped answer.
+pub(crate) fn solve_spd(a: DMatrix<f64>, b: DMatrix<f64>, what: &str) -> Result<DMatrix<f64>> {
+    let n = a.nrows();
+    let finite = a.iter().chain(b.iter()).all(|v| v.is_finite());
+    match a.cholesky().filter(|_| finite) {
+        Some(l) => Ok(l.solve(&b)),
+        None => Err(Error::Input(format!(
+            "{what}: the {n} x {n} system is not positive definite (the table's rows are \
+             degenerate or not finite), so it has no fit"
+        ))),
     }
-    // Solve L z = b, then Lᵀ x = z, for all columns of b at once: row operations, so every
-    // inner loop runs over contiguous memory.
-    let mut z = b;
-    for i in 0..d {
-        for k in 0..i {
-            let lik = l[i * d + k];
-            if lik != 0.0 {
-                let (done, rest) = z.split_at_mut(i * m);
-                for (zi, zk) in rest[..m].iter_mut().zip(&done[k * m..(k + 1) * m]) {
-                    *zi -= lik * zk;
-                }
-            }
-        }
-        let inv = 1.0 / l[i * d + i];
-        z[i * m..(i + 1) * m].iter_mut().for_each(|v| *v *= inv);
-    }
-    let mut w = z;
-    for i in (0..d).rev() {
-        for k in i + 1..d {
-            let lki = l[k * d + i];
-            if lki != 0.0 {
-                let (head, tail) = w.split_at_mut(k * m);
-                for (wi, wk) in head[i * m..(i + 1) * m].iter_mut().zip(&tail[..m]) {
-                    *wi -= lki * wk;
-                }
-            }
-        }
-        let inv = 1.0 / l[i * d + i];
-        w[i * m..(i + 1) * m].iter_mut().for_each(|v| *v *= inv);
-    }
-    w
 }
 
 /// Indices `0..n` in `folds` contiguous-free interleaved folds: fold `f` holds `f, f + k, ...`.
@@ -208,14 +131,14 @@ mod tests {
             m,
             (0..n * m).map(|_| rng.random_range(-1.0..1.0)).collect(),
         );
-        let dual = ridge(&x, &y, 1e-3); // n < d: dual
-                                        // The primal on the same data, with rows padded by zeros so that n >= d (zero rows add
-                                        // nothing to xᵀx or xᵀy).
+        let dual = ridge(&x, &y, 1e-3).unwrap(); // n < d: dual
+                                                 // The primal on the same data, with rows padded by zeros so that n >= d (zero rows add
+                                                 // nothing to xᵀx or xᵀy).
         let mut xp = x.data.clone();
         xp.extend(vec![0.0; (d - n) * d]);
         let mut yp = y.data.clone();
         yp.extend(vec![0.0; (d - n) * m]);
-        let primal = ridge(&Matrix::new(d, d, xp), &Matrix::new(d, m, yp), 1e-3);
+        let primal = ridge(&Matrix::new(d, d, xp), &Matrix::new(d, m, yp), 1e-3).unwrap();
         for (a, b) in dual.data.iter().zip(&primal.data) {
             assert!((a - b).abs() < 1e-9, "{a} vs {b}");
         }
@@ -231,16 +154,30 @@ mod tests {
         );
         let w = Matrix::new(3, 2, vec![1., -1., 0.5, 2., -2., 0.25]);
         let y = x.matmul(&w);
-        let got = ridge(&x, &y, 1e-12);
+        let got = ridge(&x, &y, 1e-12).unwrap();
         for (a, b) in got.data.iter().zip(&w.data) {
             assert!((a - b).abs() < 1e-8, "{:?}", got.data);
         }
         // A large ridge shrinks the answer toward zero.
-        let shrunk = ridge(&x, &y, 1e3);
+        let shrunk = ridge(&x, &y, 1e3).unwrap();
         assert!(
             shrunk.data.iter().map(|v| v.abs()).sum::<f64>()
                 < 0.1 * w.data.iter().map(|v| v.abs()).sum::<f64>()
         );
         assert_eq!(folds(7, 3), vec![vec![0, 3, 6], vec![1, 4], vec![2, 5]]);
+    }
+
+    #[test]
+    fn a_system_that_is_not_positive_definite_fails() {
+        // Once clamped to a tiny pivot and "solved"; now refused, naming the fit.
+        let a = DMatrix::from_row_slice(2, 2, &[1.0, 2.0, 2.0, 1.0]); // eigenvalues 3 and -1
+        let b = DMatrix::from_row_slice(2, 1, &[1.0, 1.0]);
+        let e = solve_spd(a, b, "a test fit").unwrap_err().to_string();
+        assert!(
+            e.contains("a test fit") && e.contains("not positive definite"),
+            "{e}"
+        );
+        let nan = Matrix::new(2, 2, vec![f64::NAN, 0.0, 0.0, 1.0]);
+        assert!(ridge(&nan, &nan, 1e-3).is_err());
     }
 }

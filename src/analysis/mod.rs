@@ -363,7 +363,7 @@ const MAX_FIT_ROWS: usize = 512;
 
 /// Held-out relative residual of the best linear map from rows `p` to rows `p + k` (at most
 /// [`MAX_FIT_ROWS`] evenly spaced `p`).
-fn linear_residual(table: &Table, k: usize) -> f64 {
+fn linear_residual(table: &Table, k: usize) -> Result<f64> {
     let step = (table.rows - k).div_ceil(MAX_FIT_ROWS);
     let starts: Vec<usize> = (0..table.rows - k).step_by(step).collect();
     let n = starts.len();
@@ -376,7 +376,7 @@ fn linear_residual(table: &Table, k: usize) -> f64 {
             continue;
         }
         let fit: Vec<usize> = (0..n).filter(|i| !held.contains(i)).collect();
-        let w = ridge(&x.select(&fit), &y.select(&fit), 1e-10);
+        let w = ridge(&x.select(&fit), &y.select(&fit), 1e-10)?;
         let predicted = x.select(&held).matmul(&w);
         let target = y.select(&held);
         err += predicted
@@ -387,31 +387,33 @@ fn linear_residual(table: &Table, k: usize) -> f64 {
             .sum::<f64>();
         norm += target.data.iter().map(|b| b * b).sum::<f64>();
     }
-    (err / norm.max(1e-300)).sqrt()
+    Ok((err / norm.max(1e-300)).sqrt())
 }
 
-fn shift_check(table: &Table, seed: u64) -> Vec<ShiftRow> {
+fn shift_check(table: &Table, seed: u64) -> Result<Vec<ShiftRow>> {
     let random = table.random_like(seed);
     // Offsets 1, 2, 4, ... while enough rows remain to fit and test a map.
     let ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2))
         .take_while(|&k| table.rows >= k + 10)
         .collect();
     ks.into_iter()
-        .map(|k| ShiftRow {
-            k,
-            rotation_error: table.pairs.as_ref().map(|pairs| {
-                (0..table.rows - k)
-                    .flat_map(|p| {
-                        rotate(pairs, table.dim, table.row(p), k)
-                            .into_iter()
-                            .zip(table.row(p + k))
-                            .map(|(a, b)| (a - b).abs())
-                            .collect::<Vec<_>>()
-                    })
-                    .fold(0.0, f64::max)
-            }),
-            linear_residual: linear_residual(table, k),
-            random_residual: linear_residual(&random, k),
+        .map(|k| {
+            Ok(ShiftRow {
+                k,
+                rotation_error: table.pairs.as_ref().map(|pairs| {
+                    (0..table.rows - k)
+                        .flat_map(|p| {
+                            rotate(pairs, table.dim, table.row(p), k)
+                                .into_iter()
+                                .zip(table.row(p + k))
+                                .map(|(a, b)| (a - b).abs())
+                                .collect::<Vec<_>>()
+                        })
+                        .fold(0.0, f64::max)
+                }),
+                linear_residual: linear_residual(table, k)?,
+                random_residual: linear_residual(&random, k)?,
+            })
         })
         .collect()
 }
@@ -429,7 +431,7 @@ pub struct Probe {
     pub random_mae: f64,
 }
 
-fn probe_mae(table: &Table, k: usize) -> (f64, f64) {
+fn probe_mae(table: &Table, k: usize) -> Result<(f64, f64)> {
     let x = table.matrix().with_ones();
     let y = Matrix::new(
         table.rows,
@@ -439,7 +441,7 @@ fn probe_mae(table: &Table, k: usize) -> (f64, f64) {
     let (mut abs_err, mut exact, mut n) = (0.0, 0usize, 0usize);
     for held in folds(table.rows, k) {
         let fit: Vec<usize> = (0..table.rows).filter(|i| !held.contains(i)).collect();
-        let w = ridge(&x.select(&fit), &y.select(&fit), 1e-8);
+        let w = ridge(&x.select(&fit), &y.select(&fit), 1e-8)?;
         let predicted = x.select(&held).matmul(&w);
         for (p, &i) in predicted.data.iter().zip(&held) {
             let e = (p.round() - y.data[i]).abs();
@@ -448,19 +450,19 @@ fn probe_mae(table: &Table, k: usize) -> (f64, f64) {
             n += 1;
         }
     }
-    (abs_err / n.max(1) as f64, exact as f64 / n.max(1) as f64)
+    Ok((abs_err / n.max(1) as f64, exact as f64 / n.max(1) as f64))
 }
 
-fn probe(table: &Table, seed: u64) -> Probe {
+fn probe(table: &Table, seed: u64) -> Result<Probe> {
     let folds = 5.min(table.rows).max(2);
-    let (mae, exact) = probe_mae(table, folds);
-    let (random_mae, _) = probe_mae(&table.random_like(seed), folds);
-    Probe {
+    let (mae, exact) = probe_mae(table, folds)?;
+    let (random_mae, _) = probe_mae(&table.random_like(seed), folds)?;
+    Ok(Probe {
         folds,
         mae,
         exact,
         random_mae,
-    }
+    })
 }
 
 /// Every pair's wavelength and the first position at which its angle wraps, for one base.
@@ -600,7 +602,7 @@ impl Default for Options {
 }
 
 /// Measures `table`.
-pub fn analyze(table: &Table, options: &Options) -> Analysis {
+pub fn analyze(table: &Table, options: &Options) -> Result<Analysis> {
     let wavelengths = match &table.pairs {
         Some(p) => std::iter::once(p.base)
             .chain(options.bases.iter().copied().filter(|b| *b != p.base))
@@ -608,7 +610,7 @@ pub fn analyze(table: &Table, options: &Options) -> Analysis {
             .collect(),
         None => Vec::new(),
     };
-    Analysis {
+    Ok(Analysis {
         title: table.title.clone(),
         start: table.start,
         rows: table.rows,
@@ -622,16 +624,16 @@ pub fn analyze(table: &Table, options: &Options) -> Analysis {
             .iter()
             .map(|&m| offset_curve(table, m, options.reference))
             .collect(),
-        shift: shift_check(table, options.seed),
-        probe: probe(table, options.seed),
-        order: order::order_probe(table, options.seed),
-        geometry: pca::row_geometry(table, options.seed),
+        shift: shift_check(table, options.seed)?,
+        probe: probe(table, options.seed)?,
+        order: order::order_probe(table, options.seed)?,
+        geometry: pca::row_geometry(table),
         wavelengths,
         rope_decay: match (&table.pairs, options.rope) {
             (Some(p), true) => Some(rope_decay(table.dim, p.base, table.rows, options.seed)),
             _ => None,
         },
-    }
+    })
 }
 
 impl Analysis {
@@ -860,7 +862,8 @@ mod tests {
                 rope: true,
                 ..Default::default()
             },
-        );
+        )
+        .unwrap();
         assert!(a.rotation_error().unwrap() < 1e-12);
         let d = a.rope_decay.unwrap();
         assert!(

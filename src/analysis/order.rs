@@ -11,8 +11,9 @@
 use rand::Rng as _;
 use serde::Serialize;
 
-use super::linalg::{cholesky_solve, folds};
+use super::linalg::{folds, solve_spd};
 use super::Table;
+use crate::error::Result;
 use crate::rng;
 
 /// Pairs drawn per probe (PE-Study's count for a 512-row table).
@@ -38,14 +39,14 @@ pub struct OrderProbe {
 }
 
 /// Runs the probe on `table` and on a random table like it; pairs from `seed`.
-pub fn order_probe(table: &Table, seed: u64) -> OrderProbe {
+pub fn order_probe(table: &Table, seed: u64) -> Result<OrderProbe> {
     let pairs = draw_pairs(table.rows, seed);
-    OrderProbe {
+    Ok(OrderProbe {
         pairs: pairs.len(),
         folds: FOLDS,
-        accuracy: cross_validated(table, &pairs),
-        random_accuracy: cross_validated(&table.random_like(seed), &pairs),
-    }
+        accuracy: cross_validated(table, &pairs)?,
+        random_accuracy: cross_validated(&table.random_like(seed), &pairs)?,
+    })
 }
 
 /// [`PAIRS`] pairs of distinct rows, uniform (none when the table has one row).
@@ -65,9 +66,9 @@ fn draw_pairs(rows: usize, seed: u64) -> Vec<(usize, usize)> {
 }
 
 /// The share of held-out pairs classified right over the folds.
-fn cross_validated(table: &Table, pairs: &[(usize, usize)]) -> f64 {
+fn cross_validated(table: &Table, pairs: &[(usize, usize)]) -> Result<f64> {
     if pairs.is_empty() {
-        return f64::NAN;
+        return Ok(f64::NAN);
     }
     let features: Vec<Vec<f64>> = pairs
         .iter()
@@ -88,13 +89,13 @@ fn cross_validated(table: &Table, pairs: &[(usize, usize)]) -> f64 {
         let fit: Vec<usize> = (0..pairs.len()).filter(|k| !held.contains(k)).collect();
         let x: Vec<&[f64]> = fit.iter().map(|&k| features[k].as_slice()).collect();
         let y: Vec<f64> = fit.iter().map(|&k| labels[k]).collect();
-        let w = logistic(&x, &y);
+        let w = logistic(&x, &y)?;
         right += held
             .iter()
             .filter(|&&k| (dot(&features[k], &w) > 0.0) == (labels[k] > 0.5))
             .count();
     }
-    right as f64 / pairs.len() as f64
+    Ok(right as f64 / pairs.len() as f64)
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -108,7 +109,7 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 /// Each Newton step solves `(Λ + Xᵀ S X) Δ = g` through the Woodbury identity,
 /// `Δ = Λ⁻¹g - Λ⁻¹Xᵀ (S⁻¹ + X Λ⁻¹ Xᵀ)⁻¹ X Λ⁻¹ g`: an `n x n` system for `n` pairs, however wide
 /// the rows (a 768-wide table has 1537 features).
-fn logistic(x: &[&[f64]], y: &[f64]) -> Vec<f64> {
+fn logistic(x: &[&[f64]], y: &[f64]) -> Result<Vec<f64>> {
     let (n, d) = (x.len(), x.first().map_or(0, |r| r.len()));
     let inv_penalty: Vec<f64> = (0..d)
         .map(|k| match k + 1 == d {
@@ -163,7 +164,11 @@ fn logistic(x: &[&[f64]], y: &[f64]) -> Vec<f64> {
         for (k, pk) in p.iter().enumerate() {
             m[k * n + k] += 1.0 / (pk * (1.0 - pk)).max(1e-12);
         }
-        let a = cholesky_solve(m, v, n, 1);
+        let a = solve_spd(
+            nalgebra::DMatrix::from_row_slice(n, n, &m),
+            nalgebra::DMatrix::from_column_slice(n, 1, &v),
+            "the order probe's Newton step",
+        )?;
         let mut step = u;
         for (row, ak) in x.iter().zip(&a) {
             step.iter_mut()
@@ -192,7 +197,7 @@ fn logistic(x: &[&[f64]], y: &[f64]) -> Vec<f64> {
             break;
         }
     }
-    w
+    Ok(w)
 }
 
 fn sigmoid(z: f64) -> f64 {
@@ -223,7 +228,7 @@ mod tests {
             .iter()
             .map(|p| f64::from(u8::from(p[0] > p[1])))
             .collect();
-        let w = logistic(&x, &y);
+        let w = logistic(&x, &y).unwrap();
         assert!(w[0] > 0.0 && w[1] < 0.0, "{w:?}");
         let right = x
             .iter()
@@ -258,15 +263,15 @@ mod tests {
             values: (0..rows).flat_map(|r| [r as f64 / 8.0, 1.0]).collect(),
             pairs: None,
         };
-        let probe = order_probe(&table, 0);
+        let probe = order_probe(&table, 0).unwrap();
         assert_eq!((probe.pairs, probe.folds), (PAIRS, FOLDS));
         assert!(probe.accuracy > 0.97, "{probe:?}");
         assert!((0.35..0.65).contains(&probe.random_accuracy), "{probe:?}");
         // Seeded: the same numbers again.
-        assert_eq!(order_probe(&table, 0), probe);
+        assert_eq!(order_probe(&table, 0).unwrap(), probe);
         // Sinusoids carry order too (Wang & Chen report the same for their tables).
         let sin = Table::sinusoidal(64, 1e4, Default::default(), 128, 0);
-        let probe = order_probe(&sin, 1);
+        let probe = order_probe(&sin, 1).unwrap();
         assert!(probe.accuracy > 0.9, "{probe:?}");
     }
 }

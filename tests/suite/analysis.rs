@@ -15,7 +15,7 @@ use crate::common::*;
 fn consecutive_positions_of_a_sinusoid_are_equally_far_apart() {
     for layout in [TableLayout::Interleaved, TableLayout::Half] {
         let t = Table::sinusoidal(512, 10_000.0, layout, 128, 0);
-        let a = analyze(&t, &Options::default());
+        let a = analyze(&t, &Options::default()).unwrap();
         let c = a.consecutive_l2;
         assert!(c.max - c.min < 1e-9, "{layout:?}: {c:?}");
         // Each pair contributes |e^{i w}| - 1 in L2: sum_i 2 - 2 cos(w_i).
@@ -38,7 +38,9 @@ fn consecutive_positions_of_a_sinusoid_are_equally_far_apart() {
         values: (0..64 * 32).map(|_| rng.random_range(-1.0..1.0)).collect(),
         pairs: None,
     };
-    let c = analyze(&random, &Options::default()).consecutive_l2;
+    let c = analyze(&random, &Options::default())
+        .unwrap()
+        .consecutive_l2;
     assert!(c.max - c.min > 0.5, "{c:?}");
 }
 
@@ -51,7 +53,7 @@ fn the_shift_is_a_rotation_for_sinusoids_and_rope_and_not_for_a_random_table() {
         Table::rope(32, 500_000.0, RopePairing::Half, 200),
     ];
     for t in &tables {
-        let a = analyze(t, &Options::default());
+        let a = analyze(t, &Options::default()).unwrap();
         let rotation = a.rotation_error().unwrap();
         assert!(rotation < 1e-12, "{}: rotation error {rotation:e}", t.title);
         let (fit, random) = a.linear_residuals();
@@ -72,6 +74,7 @@ fn the_shift_is_a_rotation_for_sinusoids_and_rope_and_not_for_a_random_table() {
     broken.values[10 * 64 + 3] += 0.5;
     assert!(
         analyze(&broken, &Options::default())
+            .unwrap()
             .rotation_error()
             .unwrap()
             > 0.4
