@@ -91,31 +91,33 @@ pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Resul
     let name = path
         .file_name()
         .ok_or_else(|| Error::io(path, std::io::Error::other("not a file path")))?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
+    // `.name.XXXXXXXX.tmp` beside the file (see [`is_temporary_of`]); removed if the write
+    // fails, left for the next run's clean-up if the process is killed.
+    let mut file = tempfile::Builder::new()
+        .prefix(&format!(".{}.", name.to_string_lossy()))
+        .suffix(".tmp")
+        .rand_bytes(TEMP_RANDOM)
+        .tempfile_in(dir)
+        .map_err(|e| Error::io(dir, e))?;
+    let (first, second) = bytes.split_at(bytes.len() / 2);
     let written = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        let (first, second) = bytes.split_at(bytes.len() / 2);
         file.write_all(first)?;
         file.flush()?;
         halfway();
         file.write_all(second)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
+        file.as_file().sync_all()
     })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
+    written.map_err(|e| Error::io(path, e))?;
+    file.persist(path).map_err(|e| Error::io(path, e.error))?;
     // Make the rename itself durable where the platform allows opening a folder.
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
     Ok(())
 }
+
+/// The random characters in the name of [`write_atomic`]'s temporary file.
+const TEMP_RANDOM: usize = 8;
 
 /// The SHA-256 of `bytes`, in hex.
 pub fn sha256(bytes: &[u8]) -> String {
@@ -158,10 +160,15 @@ pub fn is_temporary_of(name: &str, of: &str) -> bool {
         .and_then(|rest| rest.strip_prefix(of))
         .and_then(|rest| rest.strip_prefix('.'))
         .is_some_and(|rest| {
-            let pid = rest
+            let middle = rest
                 .strip_suffix(".tmp")
                 .or_else(|| rest.strip_suffix(".tmp.png"));
-            pid.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            // A process id (the files of earlier versions) or write_atomic's random name.
+            middle.is_some_and(|p| {
+                let digits = !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+                let random = p.len() == TEMP_RANDOM && p.bytes().all(|b| b.is_ascii_alphanumeric());
+                digits || random
+            })
         })
 }
 
@@ -370,6 +377,14 @@ mod tests {
         assert!(!is_temporary_of(".results.json.tmp", "results.json"));
         assert!(!is_temporary_of("results.json", "results.json"));
         assert!(!is_temporary_of(".results.json.12a.tmp", "results.json"));
+        assert!(is_temporary_of(
+            ".results.json.aB3dE9xZ.tmp",
+            "results.json"
+        ));
+        assert!(!is_temporary_of(
+            ".results.json.aB3d-9xZ.tmp",
+            "results.json"
+        ));
         assert!(!is_temporary_of(".results.jsonx.1.tmp", "results.json"));
     }
 

@@ -501,120 +501,114 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
     md
 }
 
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
+/// Typed rows as CSV (a header from the row's fields, fields quoted where they must be).
+fn csv<R: serde::Serialize>(rows: impl IntoIterator<Item = R>) -> String {
+    let mut w = ::csv::Writer::from_writer(Vec::new());
+    for row in rows {
+        w.serialize(row).expect("report rows serialize to memory");
     }
+    String::from_utf8(w.into_inner().expect("CSV in memory")).expect("CSV of UTF-8 fields")
 }
 
-fn csv(rows: Vec<Vec<String>>) -> String {
-    rows.into_iter()
-        .map(|r| r.iter().map(|f| csv_field(f)).collect::<Vec<_>>().join(","))
-        .collect::<Vec<_>>()
-        .join("\n")
-        + "\n"
+/// `v` rounded to `decimals` places (what a timing is worth).
+fn rounded(v: f64, decimals: i32) -> f64 {
+    let scale = 10f64.powi(decimals);
+    (v * scale).round() / scale
+}
+
+/// A row of `results.csv`: a cell's test, with the cell's timing.
+#[derive(serde::Serialize)]
+struct ResultRow<'a> {
+    task: &'a str,
+    variant: &'a str,
+    seed: u64,
+    d_model: usize,
+    params: usize,
+    max_len: usize,
+    steps: usize,
+    tokens: usize,
+    final_train_loss: f64,
+    evaluation: &'a str,
+    accuracy: Option<f64>,
+    loss: Option<f64>,
+    unavailable: Option<&'a str>,
+    train_seconds: Option<f64>,
+    tokens_per_second: Option<f64>,
+    wall_seconds: Option<f64>,
 }
 
 /// One row per cell and evaluation, with the cell's timing.
 fn results_csv(results: &Results, timings: &[Timing]) -> String {
-    let mut rows = vec![[
-        "task",
-        "variant",
-        "seed",
-        "d_model",
-        "params",
-        "max_len",
-        "steps",
-        "tokens",
-        "final_train_loss",
-        "evaluation",
-        "accuracy",
-        "loss",
-        "unavailable",
-        "train_seconds",
-        "tokens_per_second",
-        "wall_seconds",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for c in &results.cells {
+    csv(results.cells.iter().flat_map(|c| {
         let t = timings
             .iter()
             .find(|t| t.task == c.task && t.variant == c.variant && t.seed == c.seed);
-        for e in &c.summary.evaluations {
-            let (acc, loss, why) = match &e.outcome {
-                Outcome::Scored { accuracy, loss, .. } => {
-                    (accuracy.to_string(), loss.to_string(), String::new())
-                }
-                Outcome::Unavailable { reason } => (String::new(), String::new(), reason.clone()),
+        let s = &c.summary;
+        s.evaluations.iter().map(move |e| {
+            let (accuracy, loss, unavailable) = match &e.outcome {
+                Outcome::Scored { accuracy, loss, .. } => (Some(*accuracy), Some(*loss), None),
+                Outcome::Unavailable { reason } => (None, None, Some(reason.as_str())),
             };
-            rows.push(vec![
-                c.task.clone(),
-                c.variant.clone(),
-                c.seed.to_string(),
-                c.summary.d_model.to_string(),
-                c.summary.params.to_string(),
-                c.summary.max_len.to_string(),
-                c.summary.steps.to_string(),
-                c.summary.tokens.to_string(),
-                c.summary.final_train_loss.to_string(),
-                e.name.clone(),
-                acc,
+            ResultRow {
+                task: &c.task,
+                variant: &c.variant,
+                seed: c.seed,
+                d_model: s.d_model,
+                params: s.params,
+                max_len: s.max_len,
+                steps: s.steps,
+                tokens: s.tokens,
+                final_train_loss: s.final_train_loss,
+                evaluation: &e.name,
+                accuracy,
                 loss,
-                why,
-                t.map_or(String::new(), |t| format!("{:.3}", t.train_seconds)),
-                t.map_or(String::new(), |t| format!("{:.1}", t.tokens_per_second)),
-                t.map_or(String::new(), |t| format!("{:.3}", t.wall_seconds)),
-            ]);
-        }
-    }
-    csv(rows)
+                unavailable,
+                train_seconds: t.map(|t| rounded(t.train_seconds, 3)),
+                tokens_per_second: t.map(|t| rounded(t.tokens_per_second, 1)),
+                wall_seconds: t.map(|t| rounded(t.wall_seconds, 3)),
+            }
+        })
+    }))
+}
+
+/// A row of `summary.csv`: a task, variant and evaluation over seeds.
+#[derive(serde::Serialize)]
+struct SummaryCsvRow<'a> {
+    task: &'a str,
+    variant: &'a str,
+    seeds: usize,
+    d_model: usize,
+    params: usize,
+    evaluation: &'a str,
+    n: usize,
+    mean: Option<f64>,
+    std: Option<f64>,
+    min: Option<f64>,
+    max: Option<f64>,
+    unavailable: Option<&'a str>,
 }
 
 /// One row per task, variant and evaluation, over seeds.
 fn summary_csv(results: &Results) -> String {
-    let mut rows = vec![[
-        "task",
-        "variant",
-        "seeds",
-        "d_model",
-        "params",
-        "evaluation",
-        "n",
-        "mean",
-        "std",
-        "min",
-        "max",
-        "unavailable",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for r in &results.summary {
-        for c in &r.columns {
-            let stat = |f: fn(&Stat) -> f64| {
-                c.accuracy
-                    .as_ref()
-                    .map_or(String::new(), |s| f(s).to_string())
-            };
-            rows.push(vec![
-                r.task.clone(),
-                r.variant.clone(),
-                r.seeds.len().to_string(),
-                r.d_model.to_string(),
-                r.params.to_string(),
-                c.name.clone(),
-                c.accuracy.as_ref().map_or(0, |s| s.n).to_string(),
-                stat(|s| s.mean),
-                stat(|s| s.std),
-                stat(|s| s.min),
-                stat(|s| s.max),
-                c.unavailable.clone().unwrap_or_default(),
-            ]);
-        }
-    }
-    csv(rows)
+    csv(results.summary.iter().flat_map(|r| {
+        r.columns.iter().map(move |c| {
+            let stat = |f: fn(&Stat) -> f64| c.accuracy.as_ref().map(f);
+            SummaryCsvRow {
+                task: &r.task,
+                variant: &r.variant,
+                seeds: r.seeds.len(),
+                d_model: r.d_model,
+                params: r.params,
+                evaluation: &c.name,
+                n: c.accuracy.as_ref().map_or(0, |s| s.n),
+                mean: stat(|s| s.mean),
+                std: stat(|s| s.std),
+                min: stat(|s| s.min),
+                max: stat(|s| s.max),
+                unavailable: c.unavailable.as_deref(),
+            }
+        })
+    }))
 }
 
 /// Writes every report file into `dir` and returns the printed report.
