@@ -81,6 +81,22 @@ impl From<Option<u32>> for Framing {
 }
 
 impl Framing {
+    /// How a model reads its texts: framed by the tokenizer's template (`template`: a model
+    /// fine-tuned from a pretrained encoder), with a `[CLS]` first (`first_token`: a head that
+    /// pools the first token), or as they are.
+    pub fn of(tokenizer: &TextTokenizer, template: bool, first_token: bool) -> Result<Self> {
+        if template {
+            return Self::template(tokenizer);
+        }
+        if !first_token {
+            return Ok(Self::Plain);
+        }
+        let cls = tokenizer.cls_id().ok_or_else(|| {
+            Error::Config("first-token pooling needs a [CLS] token in the tokenizer".into())
+        })?;
+        Ok(Self::Cls(cls))
+    }
+
     /// The template of `tokenizer`, measured on a one-word text; an error when it adds no
     /// special tokens.
     pub fn template(tokenizer: &TextTokenizer) -> Result<Self> {

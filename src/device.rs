@@ -4,44 +4,86 @@ use candle::Device;
 
 use crate::error::{Error, Result};
 
-/// Parses a device name. `auto` is the first CUDA GPU when this build has the `cuda` feature and
-/// a GPU is present, else the CPU. Asking for CUDA from a CPU-only build says how to get it.
-pub fn parse_device(spec: &str) -> Result<Device> {
-    let spec = spec.trim().to_ascii_lowercase();
-    let ordinal = match spec.as_str() {
-        "cpu" => return Ok(Device::Cpu),
-        "auto" => {
-            return Ok(
-                if cfg!(feature = "cuda") && candle::utils::cuda_is_available() {
-                    Device::new_cuda(0).unwrap_or(Device::Cpu)
-                } else {
-                    Device::Cpu
-                },
-            )
-        }
-        "cuda" | "gpu" => 0,
-        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-            Some(Ok(n)) => n,
-            _ => {
-                return Err(Error::Config(format!(
-                    "unknown device `{spec}`: use cpu, cuda, cuda:N or auto"
-                )))
-            }
-        },
-    };
-    if !cfg!(feature = "cuda") {
-        return Err(Error::Config(format!(
-            "`{spec}` asks for CUDA, but this poslab was built without it: rebuild with \
-             `cargo build --release --features cuda` (needs the CUDA toolkit; see the README), \
-             or use --device cpu"
-        )));
+/// A device as the command line names it: `cpu`, `cuda`, `cuda:N` or `auto`. Parsing checks
+/// the name; [`DeviceSpec::open`] opens the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU.
+    Cpu,
+    /// CUDA GPU number N (`cuda` is `cuda:0`).
+    Cuda(usize),
+    /// The first CUDA GPU when this build has the `cuda` feature and a GPU is present, else the
+    /// CPU.
+    #[default]
+    Auto,
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = Error;
+
+    fn from_str(spec: &str) -> Result<Self> {
+        let spec = spec.trim().to_ascii_lowercase();
+        Ok(match spec.as_str() {
+            "cpu" => Self::Cpu,
+            "auto" => Self::Auto,
+            "cuda" | "gpu" => Self::Cuda(0),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Self::Cuda(n),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown device `{spec}`: use cpu, cuda, cuda:N or auto"
+                    )))
+                }
+            },
+        })
     }
-    Device::new_cuda(ordinal).map_err(|e| {
-        Error::Config(format!(
-            "cannot open CUDA device {ordinal} ({}); check `nvidia-smi`, or use --device cpu",
-            crate::error::without_backtrace(e)
-        ))
-    })
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// Opens the device. Asking for CUDA from a CPU-only build says how to get it.
+    pub fn open(self) -> Result<Device> {
+        let ordinal = match self {
+            Self::Cpu => return Ok(Device::Cpu),
+            Self::Auto => {
+                return Ok(
+                    if cfg!(feature = "cuda") && candle::utils::cuda_is_available() {
+                        Device::new_cuda(0).unwrap_or(Device::Cpu)
+                    } else {
+                        Device::Cpu
+                    },
+                )
+            }
+            Self::Cuda(n) => n,
+        };
+        if !cfg!(feature = "cuda") {
+            return Err(Error::Config(format!(
+                "`{self}` asks for CUDA, but this poslab was built without it: rebuild with \
+                 `cargo build --release --features cuda` (needs the CUDA toolkit; see the \
+                 README), or use --device cpu"
+            )));
+        }
+        Device::new_cuda(ordinal).map_err(|e| {
+            Error::Config(format!(
+                "cannot open CUDA device {ordinal} ({}); check `nvidia-smi`, or use --device cpu",
+                crate::error::without_backtrace(e)
+            ))
+        })
+    }
+}
+
+/// Parses a device name and opens the device (see [`DeviceSpec`]).
+pub fn parse_device(spec: &str) -> Result<Device> {
+    spec.parse::<DeviceSpec>()?.open()
 }
 
 /// A short name for reports.

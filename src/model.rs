@@ -7,12 +7,11 @@ use crate::nn::Linear;
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
-use crate::data::{Batch, Framing};
+use crate::data::Batch;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::nn::{linear, log_softmax_last_dim};
 use crate::positional::Positions;
-use crate::text::TextTokenizer;
 
 /// How a sentence label reads the hidden states.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,22 +45,16 @@ pub enum HeadConfig {
 }
 
 impl HeadConfig {
-    /// How a model with this head reads its texts: framed by the tokenizer's template
-    /// (`template`: a model fine-tuned from a pretrained encoder), with a `[CLS]` first
-    /// (first-token pooling), or as they are.
-    pub fn framing(&self, tok: &TextTokenizer, template: bool) -> Result<Framing> {
-        if template {
-            return Framing::template(tok);
-        }
-        Ok(match self {
+    /// Whether the head reads the first token (first-token pooling): its texts start with a
+    /// `[CLS]` ([`crate::data::Framing::of`]).
+    pub fn reads_first_token(&self) -> bool {
+        matches!(
+            self,
             Self::Classify {
                 pooling: Pooling::First,
                 ..
-            } => Framing::Cls(tok.cls_id().ok_or_else(|| {
-                Error::Config("first-token pooling needs a [CLS] token in the tokenizer".into())
-            })?),
-            _ => Framing::Plain,
-        })
+            }
+        )
     }
 }
 

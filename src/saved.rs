@@ -54,9 +54,9 @@ pub struct SavedConfig {
 }
 
 impl SavedConfig {
-    /// How this model reads a text (see [`HeadConfig::framing`]).
+    /// How this model reads a text (see [`crate::data::Framing::of`]).
     pub fn framing(&self, tok: &TextTokenizer) -> Result<crate::data::Framing> {
-        self.head.framing(tok, self.special_tokens)
+        crate::data::Framing::of(tok, self.special_tokens, self.head.reads_first_token())
     }
 }
 

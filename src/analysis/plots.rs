@@ -12,6 +12,18 @@ use crate::error::Result;
 use crate::io::write_atomic;
 use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, FONT};
 
+/// Typed rows as a CSV file (a header from the row's fields), written atomically.
+pub(super) fn write_rows<R: serde::Serialize>(
+    path: &Path,
+    rows: impl IntoIterator<Item = R>,
+) -> Result<()> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    for row in rows {
+        w.serialize(row).expect("analysis rows serialize to memory");
+    }
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+}
+
 pub(super) fn write_matrix_csv(
     path: &Path,
     m: &Matrix,
@@ -19,20 +31,16 @@ pub(super) fn write_matrix_csv(
     row_label: impl Fn(usize) -> String,
     col_label: impl Fn(usize) -> String,
 ) -> Result<()> {
-    let mut out = String::with_capacity(m.data.len() * 10);
-    out.push_str(first);
-    for c in 0..m.cols {
-        let _ = write!(out, ",{}", col_label(c));
-    }
-    out.push('\n');
+    let mut w = csv::Writer::from_writer(Vec::with_capacity(m.data.len() * 10));
+    let header = std::iter::once(first.to_string()).chain((0..m.cols).map(col_label));
+    let fail = |e: csv::Error| crate::error::Error::io(path, e.into());
+    w.write_record(header).map_err(fail)?;
     for r in 0..m.rows {
-        out.push_str(&row_label(r));
-        for v in m.row(r) {
-            let _ = write!(out, ",{v}");
-        }
-        out.push('\n');
+        let values = m.row(r).iter().map(|v| v.to_string());
+        w.write_record(std::iter::once(row_label(r)).chain(values))
+            .map_err(fail)?;
     }
-    write_atomic(path, out.as_bytes())
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
 }
 
 /// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
@@ -176,8 +184,40 @@ fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
 pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<String>> {
     std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
     let mut files = Vec::new();
-    let position = |r: usize| (table.start + r).to_string();
+    write_table(table, dir, &mut files)?;
+    write_distances(table, dir, &mut files)?;
+    write_offsets(analysis, table, dir, &mut files)?;
+    files.extend(write_geometry(analysis, dir)?);
+    write_shift(analysis, dir, &mut files)?;
+    if table.pairs.is_some() {
+        write_wavelengths(analysis, table, dir, &mut files)?;
+    }
+    if let Some(d) = &analysis.rope_decay {
+        write_rope_decay(d, dir, &mut files)?;
+    }
+    write_atomic(&dir.join("summary.txt"), analysis.summary().as_bytes())?;
+    let json =
+        serde_json::to_string_pretty(&analysis_json(analysis)).expect("analysis serializes") + "\n";
+    write_atomic(&dir.join("summary.json"), json.as_bytes())?;
+    files.extend(["summary.txt".to_string(), "summary.json".to_string()]);
+    Ok(files)
+}
 
+/// Pictures and distance matrices of a long table read every `step`-th position: the step,
+/// and the axis label that says so.
+fn position_step(table: &Table) -> (usize, String) {
+    let step = super::matrix_step(table.rows);
+    let axis = match step {
+        1 => "position".to_string(),
+        s => format!("position (every {s} positions)"),
+    };
+    (step, axis)
+}
+
+/// The table as CSV and heatmap.
+fn write_table(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result<()> {
+    let position = |r: usize| (table.start + r).to_string();
+    let (step, position_axis) = position_step(table);
     write_matrix_csv(
         &dir.join("table.csv"),
         &table.matrix(),
@@ -185,12 +225,6 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
         position,
         |c| format!("d{c}"),
     )?;
-    // Pictures and distance matrices of a long table read every `step`-th position.
-    let step = super::matrix_step(table.rows);
-    let position_axis = match step {
-        1 => "position".to_string(),
-        s => format!("position (every {s} positions)"),
-    };
     heatmap(
         &dir.join("table.png"),
         &format!("{} (positions x dimensions)", table.title),
@@ -201,7 +235,12 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
         (step, 1),
     )?;
     files.extend(["table.csv".to_string(), "table.png".to_string()]);
+    Ok(())
+}
 
+/// The distance matrices between positions, one per metric, as CSV and heatmap.
+fn write_distances(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result<()> {
+    let (step, position_axis) = position_step(table);
     for metric in Metric::ALL {
         let m = distance_matrix(table, metric);
         let name = format!("distance_{}", metric.file());
@@ -225,24 +264,37 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
         files.push(format!("{name}.csv"));
         files.push(format!("{name}.png"));
     }
+    Ok(())
+}
 
-    let mut csv = String::from(
-        "metric,offset,from_reference,mean_over_pairs,min_over_pairs,max_over_pairs\n",
-    );
+/// Distance against offset, from the reference row and over all pairs, per metric.
+fn write_offsets(
+    analysis: &Analysis,
+    table: &Table,
+    dir: &Path,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    /// A row of `offsets.csv`.
+    #[derive(serde::Serialize)]
+    struct OffsetRow<'a> {
+        metric: &'a str,
+        offset: usize,
+        from_reference: Option<f64>,
+        mean_over_pairs: f64,
+        min_over_pairs: f64,
+        max_over_pairs: f64,
+    }
+    let mut rows = Vec::new();
     for curve in &analysis.offsets {
         for (k, s) in curve.over_pairs.iter().enumerate() {
-            let from_ref = curve
-                .from_reference
-                .get(k)
-                .map_or(String::new(), |v| v.to_string());
-            let _ = writeln!(
-                csv,
-                "{},{k},{from_ref},{},{},{}",
-                curve.metric.file(),
-                s.mean,
-                s.min,
-                s.max
-            );
+            rows.push(OffsetRow {
+                metric: curve.metric.file(),
+                offset: k,
+                from_reference: curve.from_reference.get(k).copied(),
+                mean_over_pairs: s.mean,
+                min_over_pairs: s.min,
+                max_over_pairs: s.max,
+            });
         }
         let pts = |f: &dyn Fn(usize) -> Option<f64>| -> Vec<(f64, f64)> {
             (0..curve.over_pairs.len())
@@ -279,102 +331,125 @@ pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<S
         )?;
         files.push(format!("offset_{}.png", curve.metric.file()));
     }
-    write_atomic(&dir.join("offsets.csv"), csv.as_bytes())?;
+    write_rows(&dir.join("offsets.csv"), rows)?;
     files.push("offsets.csv".into());
-    files.extend(write_geometry(analysis, dir)?);
+    Ok(())
+}
 
-    let mut csv = String::from("k,rotation_error,linear_residual,random_residual\n");
-    for r in &analysis.shift {
-        let rot = r.rotation_error.map_or(String::new(), |e| e.to_string());
-        let _ = writeln!(
-            csv,
-            "{},{rot},{},{}",
-            r.k, r.linear_residual, r.random_residual
-        );
-    }
-    write_atomic(&dir.join("relative_shift.csv"), csv.as_bytes())?;
+/// The relative-shift check per offset.
+fn write_shift(analysis: &Analysis, dir: &Path, files: &mut Vec<String>) -> Result<()> {
+    write_rows(&dir.join("relative_shift.csv"), &analysis.shift)?;
     files.push("relative_shift.csv".into());
+    Ok(())
+}
 
-    if table.pairs.is_some() {
-        clock(&dir.join("clock.png"), table, analysis)?;
-        files.push("clock.png".into());
-        let mut csv = String::from("base,pair,wavelength,first_wrap\n");
-        let mut series = Vec::new();
-        for w in &analysis.wavelengths {
-            for (i, (l, f)) in w.wavelength.iter().zip(&w.first_wrap).enumerate() {
-                let _ = writeln!(csv, "{},{i},{l},{f}", w.base);
-            }
-            series.push((
-                format!("base {}", w.base),
-                w.wavelength
-                    .iter()
-                    .enumerate()
-                    .map(|(i, l)| (i as f64, *l))
-                    .collect(),
-                false,
-            ));
+/// The clock plot and each pair's wavelength, for tables built from angles.
+fn write_wavelengths(
+    analysis: &Analysis,
+    table: &Table,
+    dir: &Path,
+    files: &mut Vec<String>,
+) -> Result<()> {
+    clock(&dir.join("clock.png"), table, analysis)?;
+    files.push("clock.png".into());
+    /// A row of `wavelengths.csv`.
+    #[derive(serde::Serialize)]
+    struct PairRow {
+        base: f64,
+        pair: usize,
+        wavelength: f64,
+        first_wrap: usize,
+    }
+    let mut rows = Vec::new();
+    let mut series = Vec::new();
+    for w in &analysis.wavelengths {
+        for (pair, (&wavelength, &first_wrap)) in w.wavelength.iter().zip(&w.first_wrap).enumerate()
+        {
+            rows.push(PairRow {
+                base: w.base,
+                pair,
+                wavelength,
+                first_wrap,
+            });
         }
-        let horizon = (table.start + table.rows) as f64;
         series.push((
-            format!("positions analysed ({horizon})"),
-            vec![(0.0, horizon), ((table.dim / 2 - 1).max(1) as f64, horizon)],
-            true,
-        ));
-        write_atomic(&dir.join("wavelengths.csv"), csv.as_bytes())?;
-        line_chart(
-            &dir.join("wavelengths.png"),
-            "wavelength of each (sin, cos) pair: positions before its angle wraps",
-            ("pair i", "wavelength 2 pi / w_i (positions, log scale)"),
-            &series,
-            true,
-        )?;
-        files.extend(["wavelengths.csv".to_string(), "wavelengths.png".to_string()]);
-    }
-
-    if let Some(d) = &analysis.rope_decay {
-        let mut csv = String::from("distance,ones,random_abs,roformer_bound\n");
-        for k in 0..d.ones.len() {
-            let _ = writeln!(csv, "{k},{},{},{}", d.ones[k], d.random[k], d.bound[k]);
-        }
-        write_atomic(&dir.join("rope_decay.csv"), csv.as_bytes())?;
-        let pts = |v: &[f64]| {
-            v.iter()
+            format!("base {}", w.base),
+            w.wavelength
+                .iter()
                 .enumerate()
-                .map(|(k, y)| (k as f64, *y))
-                .collect::<Vec<_>>()
-        };
-        line_chart(
-            &dir.join("rope_decay.png"),
-            "RoPE: q·k against relative distance (divided by the head width)",
-            ("relative distance", "score / head width"),
-            &[
-                (
-                    "q = k = all ones (= E[q·k] for q = k)".into(),
-                    pts(&d.ones),
-                    false,
-                ),
-                (
-                    "|q·k|, independent random q, k".into(),
-                    pts(&d.random),
-                    false,
-                ),
-                (
-                    "RoFormer bound, (1/(d/2)) sum_j |S_j|".into(),
-                    pts(&d.bound),
-                    true,
-                ),
-            ],
+                .map(|(i, l)| (i as f64, *l))
+                .collect(),
             false,
-        )?;
-        files.extend(["rope_decay.csv".to_string(), "rope_decay.png".to_string()]);
+        ));
     }
+    let horizon = (table.start + table.rows) as f64;
+    series.push((
+        format!("positions analysed ({horizon})"),
+        vec![(0.0, horizon), ((table.dim / 2 - 1).max(1) as f64, horizon)],
+        true,
+    ));
+    write_rows(&dir.join("wavelengths.csv"), rows)?;
+    line_chart(
+        &dir.join("wavelengths.png"),
+        "wavelength of each (sin, cos) pair: positions before its angle wraps",
+        ("pair i", "wavelength 2 pi / w_i (positions, log scale)"),
+        &series,
+        true,
+    )?;
+    files.extend(["wavelengths.csv".to_string(), "wavelengths.png".to_string()]);
+    Ok(())
+}
 
-    write_atomic(&dir.join("summary.txt"), analysis.summary().as_bytes())?;
-    let json =
-        serde_json::to_string_pretty(&analysis_json(analysis)).expect("analysis serializes") + "\n";
-    write_atomic(&dir.join("summary.json"), json.as_bytes())?;
-    files.extend(["summary.txt".to_string(), "summary.json".to_string()]);
-    Ok(files)
+/// RoPE's score against distance.
+fn write_rope_decay(d: &super::RopeDecay, dir: &Path, files: &mut Vec<String>) -> Result<()> {
+    /// A row of `rope_decay.csv`.
+    #[derive(serde::Serialize)]
+    struct DecayRow {
+        distance: usize,
+        ones: f64,
+        random_abs: f64,
+        roformer_bound: f64,
+    }
+    write_rows(
+        &dir.join("rope_decay.csv"),
+        (0..d.ones.len()).map(|k| DecayRow {
+            distance: k,
+            ones: d.ones[k],
+            random_abs: d.random[k],
+            roformer_bound: d.bound[k],
+        }),
+    )?;
+    let pts = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .map(|(k, y)| (k as f64, *y))
+            .collect::<Vec<_>>()
+    };
+    line_chart(
+        &dir.join("rope_decay.png"),
+        "RoPE: q·k against relative distance (divided by the head width)",
+        ("relative distance", "score / head width"),
+        &[
+            (
+                "q = k = all ones (= E[q·k] for q = k)".into(),
+                pts(&d.ones),
+                false,
+            ),
+            (
+                "|q·k|, independent random q, k".into(),
+                pts(&d.random),
+                false,
+            ),
+            (
+                "RoFormer bound, (1/(d/2)) sum_j |S_j|".into(),
+                pts(&d.bound),
+                true,
+            ),
+        ],
+        false,
+    )?;
+    files.extend(["rope_decay.csv".to_string(), "rope_decay.png".to_string()]);
+    Ok(())
 }
 
 /// The analysis without its long per-offset curves (those are in the CSVs).

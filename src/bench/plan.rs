@@ -13,7 +13,7 @@ pub struct Plan {
     /// The shape, variants, repetitions, device and backend of each measurement.
     pub options: Options,
     /// The device as the command line gave it (`auto`, `cpu`, `cuda:1`), passed on to children.
-    pub device_flag: String,
+    pub device_flag: crate::device::DeviceSpec,
     /// Threads for matrix multiplies.
     pub threads: usize,
     /// Measure every variant in this process instead of a child each.
@@ -281,10 +281,15 @@ impl Plan {
         ]) {
             cmd.args([flag.to_string(), value.to_string()]);
         }
-        cmd.args(["--device", &self.device_flag, "--dtype", shape.dtype.name()])
-            .args(["--kernels", options.backend.kernels.name()])
-            .args(["--simd", options.backend.simd.name()])
-            .args(["--json", "--in-process", "--variants", variant]);
+        cmd.args([
+            "--device",
+            &self.device_flag.to_string(),
+            "--dtype",
+            shape.dtype.name(),
+        ])
+        .args(["--kernels", options.backend.kernels.name()])
+        .args(["--simd", options.backend.simd.name()])
+        .args(["--json", "--in-process", "--variants", variant]);
         let out = cmd
             .stderr(Stdio::inherit())
             .output()

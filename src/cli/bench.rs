@@ -40,8 +40,9 @@ pub struct Args {
     /// Threads for matrix multiplies (default: every core).
     #[arg(long)]
     pub threads: Option<usize>,
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    /// cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value_t = poslab::device::DeviceSpec::Auto)]
+    pub device: poslab::device::DeviceSpec,
     /// One JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -99,7 +100,7 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(simd) = a.simd {
         backend = backend.with_simd(simd);
     }
-    let device = poslab::device::parse_device(&a.device)?;
+    let device = a.device.open()?;
     let torch = match &a.torch {
         Some(script) => Some(poslab::bench::Torch::new(
             script, &a.python, &shape, &device,

@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
     let started = Instant::now();
     let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();
-    let device = poslab::device::parse_device(&a.compute.device)?;
+    let device = a.compute.device.open()?;
     if a.dry_run {
         if !(a.gflops.is_finite() && a.gflops > 0.0) {
             anyhow::bail!(

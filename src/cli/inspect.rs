@@ -312,7 +312,7 @@ fn plural(n: usize) -> &'static str {
 /// `--model`: a pretrained encoder, loaded and described.
 fn inspect_pretrained(spec: &str) -> Result<()> {
     let compute = super::Compute {
-        device: "cpu".into(),
+        device: poslab::device::DeviceSpec::Cpu,
         dtype: None,
     };
     let model = super::load_pretrained(spec, &compute)?;

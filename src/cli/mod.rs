@@ -94,8 +94,8 @@ pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
 #[derive(clap::Args, Clone, Debug)]
 pub struct Compute {
     /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    #[arg(long, default_value_t = poslab::device::DeviceSpec::Auto)]
+    pub device: poslab::device::DeviceSpec,
     /// Activations in f32, bf16 or f16: mixed precision, meant for CUDA. Weights, gradients,
     /// optimizer state, positional tables, RoPE angles and softmax / LayerNorm statistics stay
     /// f32. Default: the config's `[model] dtype` (f32 if absent), or as a saved model was trained.
@@ -165,7 +165,7 @@ pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded
             poslab::pretrained::SUPPORTED
         );
     }
-    let device = poslab::device::parse_device(&compute.device)?;
+    let device = compute.device.open()?;
     poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
         .with_context(|| format!("loading the model in {}", dir.display()))
 }
@@ -190,7 +190,7 @@ pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrain
     {
         anyhow::bail!("--dtype applies to poslab's own models; a pretrained encoder runs in f32");
     }
-    let device = poslab::device::parse_device(&compute.device)?;
+    let device = compute.device.open()?;
     let dir = poslab::pretrained::resolve(spec, &poslab::text::HubSource::from_env())?;
     poslab::pretrained::Pretrained::load(&dir, &device)
         .with_context(|| format!("loading the pretrained model {spec}"))

@@ -58,7 +58,7 @@ pub fn run(args: Args) -> Result<()> {
              before stopping (at least 1)"
         );
     }
-    let device = poslab::device::parse_device(&compute.device)?;
+    let device = compute.device.open()?;
     let options = |dir: PathBuf| train_run::TrainOptions {
         dir,
         device: device.clone(),

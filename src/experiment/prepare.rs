@@ -60,7 +60,7 @@ pub(crate) fn prepare(
         },
         Objective::Mlm { .. } => HeadConfig::Mlm,
     };
-    let framing = head.framing(tok, template)?;
+    let framing = crate::data::Framing::of(tok, template, head.reads_first_token())?;
     let masking = match &data.objective {
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
         _ => None,

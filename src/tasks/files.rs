@@ -167,225 +167,19 @@ pub fn read_records(
     text_field: &str,
     label_field: &str,
 ) -> Result<Vec<Record>> {
-    let format = resolve_format(path, format)?;
-    let shared: Arc<Path> = Arc::from(path);
-    let at = |line: usize| Source {
-        path: shared.clone(),
-        line,
+    let file = DataFile {
+        path: Arc::from(path),
+        kind,
+        text_field,
+        label_field,
     };
-    let text_only = |kind: RecordKind, what: &str| -> Result<()> {
-        if kind == RecordKind::Tags {
-            return Err(file_error(
-                path,
-                format!("per-word labels are read from JSONL only, not {what}: write one {{\"words\": [...], \"labels\": [...]}} per line"),
-            ));
-        }
-        Ok(())
+    let records = match resolve_format(path, format)? {
+        DataFormat::Auto => unreachable!("resolve_format picks a format"),
+        DataFormat::Text => file.read_text()?,
+        DataFormat::Tsv => file.read_tsv()?,
+        DataFormat::Csv => file.read_csv()?,
+        DataFormat::Jsonl => file.read_jsonl()?,
     };
-    let mut records = Vec::new();
-    match format {
-        DataFormat::Auto => unreachable!("resolved above"),
-        DataFormat::Text => {
-            for (n, line) in lines(path)? {
-                if !line.trim().is_empty() {
-                    records.push(Record {
-                        source: at(n),
-                        words: words_of(&line),
-                        label: RecordLabel::Unlabelled,
-                    });
-                }
-            }
-        }
-        DataFormat::Tsv => {
-            text_only(kind, "TSV")?;
-            let mut first = true;
-            for (n, line) in lines(path)? {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let header = format!("{text_field}\t{label_field}");
-                if std::mem::take(&mut first) && line.trim().eq_ignore_ascii_case(&header) {
-                    continue;
-                }
-                let source = at(n);
-                let tabs = line.matches('\t').count();
-                let (text, label) = match (kind, line.rsplit_once('\t')) {
-                    (RecordKind::Text, _) => (line.as_str(), ""),
-                    (_, Some(_)) if tabs > 1 => {
-                        return Err(source.error(format!(
-                            "{} fields where `text<TAB>label` has 2: remove the tabs inside the \
-                             text, or write the file as CSV or JSONL",
-                            tabs + 1
-                        )))
-                    }
-                    (_, Some((t, l))) => (t, l.trim()),
-                    (_, None) => {
-                        return Err(
-                            source.error("missing label: expected `text<TAB>label`, found no tab")
-                        )
-                    }
-                };
-                records.push(labelled(source, text, label, kind)?);
-            }
-        }
-        DataFormat::Csv => {
-            text_only(kind, "CSV")?;
-            let text = lines(path)?
-                .into_iter()
-                .map(|(_, l)| l)
-                .collect::<Vec<_>>()
-                .join("\n");
-            let mut reader = csv::ReaderBuilder::new()
-                .has_headers(true)
-                .flexible(false)
-                .from_reader(text.as_bytes());
-            let header = reader
-                .headers()
-                .map_err(|e| file_error(path, format!("cannot read the header row: {e}")))?
-                .clone();
-            if header.is_empty() {
-                return Err(file_error(path, "no examples: the file is empty"));
-            }
-            let column = |name: &str| {
-                header.iter().position(|h| h.trim() == name).ok_or_else(|| {
-                    let names: Vec<String> = header.iter().map(|h| format!("`{h}`")).collect();
-                    Error::Data {
-                        path: path.into(),
-                        line: Some(1),
-                        message: format!(
-                            "unknown column `{name}`: the header has {}; set text_field / label_field",
-                            names.join(", ")
-                        ),
-                    }
-                })
-            };
-            let text_col = column(text_field)?;
-            let label_col = if kind == RecordKind::Class {
-                Some(column(label_field)?)
-            } else {
-                None
-            };
-            for row in reader.records() {
-                let row = row.map_err(|e| {
-                    let line = e.position().map(|p| p.line() as usize);
-                    Error::Data {
-                        path: path.into(),
-                        line,
-                        message: format!("malformed CSV row: {e}"),
-                    }
-                })?;
-                let n = row.position().map_or(0, |p| p.line() as usize);
-                let label = label_col.and_then(|c| row.get(c)).unwrap_or("").trim();
-                records.push(labelled(
-                    at(n),
-                    row.get(text_col).unwrap_or(""),
-                    label,
-                    kind,
-                )?);
-            }
-        }
-        DataFormat::Jsonl => {
-            for (n, line) in lines(path)? {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let source = at(n);
-                let value: serde_json::Value = serde_json::from_str(&line)
-                    .map_err(|e| source.error(format!("not a JSON object: {e}")))?;
-                let object = value
-                    .as_object()
-                    .ok_or_else(|| source.error("each line must be a JSON object"))?;
-                let scalar = |v: &serde_json::Value| match v {
-                    serde_json::Value::String(s) => Some(s.clone()),
-                    serde_json::Value::Number(x) => Some(x.to_string()),
-                    serde_json::Value::Bool(b) => Some(b.to_string()),
-                    _ => None,
-                };
-                let missing =
-                    |field: &str| {
-                        let keys: Vec<String> = object.keys().map(|k| format!("`{k}`")).collect();
-                        source.error(format!(
-                        "missing field `{field}` (this line has {}); set text_field / label_field",
-                        if keys.is_empty() { "none".to_string() } else { keys.join(", ") }
-                    ))
-                    };
-                match kind {
-                    RecordKind::Tags => {
-                        let words = match object.get(text_field) {
-                            Some(serde_json::Value::Array(a)) => a
-                                .iter()
-                                .map(|w| {
-                                    scalar(w).ok_or_else(|| {
-                                        source.error(format!("`{text_field}` must list strings"))
-                                    })
-                                })
-                                .collect::<Result<Vec<_>>>()?,
-                            Some(serde_json::Value::String(t)) => words_of(t),
-                            Some(_) => {
-                                return Err(source.error(format!(
-                                    "`{text_field}` must be a list of words or a string"
-                                )))
-                            }
-                            None => return Err(missing(text_field)),
-                        };
-                        let labels = match object.get(label_field) {
-                            Some(serde_json::Value::Array(a)) => a
-                                .iter()
-                                .map(|l| {
-                                    scalar(l).ok_or_else(|| {
-                                        source.error(format!(
-                                            "`{label_field}` must list strings or numbers"
-                                        ))
-                                    })
-                                })
-                                .collect::<Result<Vec<_>>>()?,
-                            Some(_) => {
-                                return Err(source.error(format!(
-                                    "`{label_field}` must be a list, one label per word"
-                                )))
-                            }
-                            None => return Err(missing(label_field)),
-                        };
-                        if words.is_empty() {
-                            return Err(source.error("empty text"));
-                        }
-                        if words.len() != labels.len() {
-                            return Err(source.error(format!(
-                                "{} words but {} labels: give one label per word",
-                                words.len(),
-                                labels.len()
-                            )));
-                        }
-                        records.push(Record {
-                            source,
-                            words,
-                            label: RecordLabel::Tags(labels),
-                        });
-                    }
-                    RecordKind::Class | RecordKind::Text => {
-                        let text = object.get(text_field).ok_or_else(|| missing(text_field))?;
-                        let text = text.as_str().ok_or_else(|| {
-                            source.error(format!("`{text_field}` must be a string"))
-                        })?;
-                        let label = match kind {
-                            RecordKind::Class => {
-                                let l = object
-                                    .get(label_field)
-                                    .ok_or_else(|| missing(label_field))?;
-                                scalar(l).ok_or_else(|| {
-                                    source.error(format!(
-                                        "`{label_field}` must be a string or a number"
-                                    ))
-                                })?
-                            }
-                            _ => String::new(),
-                        };
-                        records.push(labelled(source, text, &label, kind)?);
-                    }
-                }
-            }
-        }
-    }
     if records.is_empty() {
         return Err(file_error(
             path,
@@ -393,6 +187,267 @@ pub fn read_records(
         ));
     }
     Ok(records)
+}
+
+/// A data file being read: where, what its records hold, and the fields that hold it.
+struct DataFile<'a> {
+    path: Arc<Path>,
+    kind: RecordKind,
+    text_field: &'a str,
+    label_field: &'a str,
+}
+
+impl DataFile<'_> {
+    /// Line `line` of the file.
+    fn at(&self, line: usize) -> Source {
+        Source {
+            path: self.path.clone(),
+            line,
+        }
+    }
+
+    /// Refuses per-word labels in a format other than JSONL.
+    fn text_only(&self, what: &str) -> Result<()> {
+        if self.kind == RecordKind::Tags {
+            return Err(file_error(
+                &self.path,
+                format!("per-word labels are read from JSONL only, not {what}: write one {{\"words\": [...], \"labels\": [...]}} per line"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Plain text: one unlabelled example per non-blank line.
+    fn read_text(&self) -> Result<Vec<Record>> {
+        Ok(lines(&self.path)?
+            .into_iter()
+            .filter(|(_, line)| !line.trim().is_empty())
+            .map(|(n, line)| Record {
+                source: self.at(n),
+                words: words_of(&line),
+                label: RecordLabel::Unlabelled,
+            })
+            .collect())
+    }
+
+    /// `text<TAB>label` per line, an optional header line naming the two fields.
+    fn read_tsv(&self) -> Result<Vec<Record>> {
+        self.text_only("TSV")?;
+        let header = format!("{}\t{}", self.text_field, self.label_field);
+        let mut records = Vec::new();
+        let mut first = true;
+        for (n, line) in lines(&self.path)? {
+            if line.trim().is_empty() {
+                continue;
+            }
+            if std::mem::take(&mut first) && line.trim().eq_ignore_ascii_case(&header) {
+                continue;
+            }
+            let source = self.at(n);
+            let tabs = line.matches('\t').count();
+            let (text, label) = match (self.kind, line.rsplit_once('\t')) {
+                (RecordKind::Text, _) => (line.as_str(), ""),
+                (_, Some(_)) if tabs > 1 => {
+                    return Err(source.error(format!(
+                        "{} fields where `text<TAB>label` has 2: remove the tabs inside the \
+                         text, or write the file as CSV or JSONL",
+                        tabs + 1
+                    )))
+                }
+                (_, Some((t, l))) => (t, l.trim()),
+                (_, None) => {
+                    return Err(
+                        source.error("missing label: expected `text<TAB>label`, found no tab")
+                    )
+                }
+            };
+            records.push(labelled(source, text, label, self.kind)?);
+        }
+        Ok(records)
+    }
+
+    /// CSV with a header row naming the text (and label) columns.
+    fn read_csv(&self) -> Result<Vec<Record>> {
+        self.text_only("CSV")?;
+        let path = &*self.path;
+        let text = lines(path)?
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(true)
+            .flexible(false)
+            .from_reader(text.as_bytes());
+        let header = reader
+            .headers()
+            .map_err(|e| file_error(path, format!("cannot read the header row: {e}")))?
+            .clone();
+        if header.is_empty() {
+            return Err(file_error(path, "no examples: the file is empty"));
+        }
+        let column = |name: &str| {
+            header.iter().position(|h| h.trim() == name).ok_or_else(|| {
+                let names: Vec<String> = header.iter().map(|h| format!("`{h}`")).collect();
+                Error::Data {
+                    path: path.into(),
+                    line: Some(1),
+                    message: format!(
+                        "unknown column `{name}`: the header has {}; set text_field / label_field",
+                        names.join(", ")
+                    ),
+                }
+            })
+        };
+        let text_col = column(self.text_field)?;
+        let label_col = match self.kind {
+            RecordKind::Class => Some(column(self.label_field)?),
+            _ => None,
+        };
+        let mut records = Vec::new();
+        for row in reader.records() {
+            let row = row.map_err(|e| Error::Data {
+                path: path.into(),
+                line: e.position().map(|p| p.line() as usize),
+                message: format!("malformed CSV row: {e}"),
+            })?;
+            let n = row.position().map_or(0, |p| p.line() as usize);
+            let label = label_col.and_then(|c| row.get(c)).unwrap_or("").trim();
+            let text = row.get(text_col).unwrap_or("");
+            records.push(labelled(self.at(n), text, label, self.kind)?);
+        }
+        Ok(records)
+    }
+
+    /// One JSON object per line.
+    fn read_jsonl(&self) -> Result<Vec<Record>> {
+        let mut records = Vec::new();
+        for (n, line) in lines(&self.path)? {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let source = self.at(n);
+            let value: serde_json::Value = serde_json::from_str(&line)
+                .map_err(|e| source.error(format!("not a JSON object: {e}")))?;
+            let object = value
+                .as_object()
+                .ok_or_else(|| source.error("each line must be a JSON object"))?;
+            let line = JsonLine { object, source };
+            records.push(match self.kind {
+                RecordKind::Tags => self.json_tags(line)?,
+                RecordKind::Class | RecordKind::Text => self.json_text(line)?,
+            });
+        }
+        Ok(records)
+    }
+
+    /// A line's words (a list, or a string split on whitespace) and one label per word.
+    fn json_tags(&self, line: JsonLine) -> Result<Record> {
+        let (text_field, label_field) = (self.text_field, self.label_field);
+        let words = match line.object.get(text_field) {
+            Some(serde_json::Value::Array(a)) => line.scalars(a, text_field, "strings")?,
+            Some(serde_json::Value::String(t)) => words_of(t),
+            Some(_) => {
+                return Err(line.error(format!(
+                    "`{text_field}` must be a list of words or a string"
+                )))
+            }
+            None => return Err(line.missing(text_field)),
+        };
+        let labels = match line.object.get(label_field) {
+            Some(serde_json::Value::Array(a)) => {
+                line.scalars(a, label_field, "strings or numbers")?
+            }
+            Some(_) => {
+                return Err(line.error(format!(
+                    "`{label_field}` must be a list, one label per word"
+                )))
+            }
+            None => return Err(line.missing(label_field)),
+        };
+        if words.is_empty() {
+            return Err(line.error("empty text"));
+        }
+        if words.len() != labels.len() {
+            return Err(line.error(format!(
+                "{} words but {} labels: give one label per word",
+                words.len(),
+                labels.len()
+            )));
+        }
+        Ok(Record {
+            source: line.source,
+            words,
+            label: RecordLabel::Tags(labels),
+        })
+    }
+
+    /// A line's text, and its label for a classification.
+    fn json_text(&self, line: JsonLine) -> Result<Record> {
+        let (text_field, label_field) = (self.text_field, self.label_field);
+        let text = line
+            .object
+            .get(text_field)
+            .ok_or_else(|| line.missing(text_field))?;
+        let text = text
+            .as_str()
+            .ok_or_else(|| line.error(format!("`{text_field}` must be a string")))?;
+        let label = match self.kind {
+            RecordKind::Class => {
+                let l = line
+                    .object
+                    .get(label_field)
+                    .ok_or_else(|| line.missing(label_field))?;
+                scalar(l).ok_or_else(|| {
+                    line.error(format!("`{label_field}` must be a string or a number"))
+                })?
+            }
+            _ => String::new(),
+        };
+        labelled(line.source, text, &label, self.kind)
+    }
+}
+
+/// A JSONL line's object and where it is.
+struct JsonLine<'a> {
+    object: &'a serde_json::Map<String, serde_json::Value>,
+    source: Source,
+}
+
+impl JsonLine<'_> {
+    fn error(&self, message: impl Into<String>) -> Error {
+        self.source.error(message)
+    }
+
+    /// A field the line lacks, with the fields it has.
+    fn missing(&self, field: &str) -> Error {
+        let keys: Vec<String> = self.object.keys().map(|k| format!("`{k}`")).collect();
+        self.error(format!(
+            "missing field `{field}` (this line has {}); set text_field / label_field",
+            if keys.is_empty() {
+                "none".to_string()
+            } else {
+                keys.join(", ")
+            }
+        ))
+    }
+
+    /// A list of scalars as strings; anything else in it is an error naming `field`.
+    fn scalars(&self, list: &[serde_json::Value], field: &str, what: &str) -> Result<Vec<String>> {
+        list.iter()
+            .map(|v| scalar(v).ok_or_else(|| self.error(format!("`{field}` must list {what}"))))
+            .collect()
+    }
+}
+
+/// A string, number or boolean as text.
+fn scalar(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(x) => Some(x.to_string()),
+        serde_json::Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
 }
 
 fn labelled(source: Source, text: &str, label: &str, kind: RecordKind) -> Result<Record> {

@@ -13,6 +13,7 @@ mod fused;
 mod gradients;
 mod hardening;
 mod layers;
+mod layout;
 mod length_suite;
 mod modernbert;
 mod precision;

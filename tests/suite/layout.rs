@@ -1,0 +1,162 @@
+//! The code's layout, as the README draws it: no two modules import each other, and the core
+//! (the encoder, its layers and schemes) imports nothing above it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// A file's module path (`experiment::run`; `mod.rs` is its folder's module).
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src).unwrap().with_extension("");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The code of a file without its tests and comments.
+fn code(file: &Path) -> String {
+    let text = std::fs::read_to_string(file).unwrap();
+    let text = text.split("#[cfg(test)]").next().unwrap_or("");
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The modules each module names through `crate::` or `super::` paths (longest known prefix).
+fn imports() -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
+    let resolve = |path: &[String]| {
+        (1..=path.len())
+            .rev()
+            .map(|k| path[..k].to_vec())
+            .find(|p| modules.contains(p))
+    };
+    let mut graph = BTreeMap::new();
+    for file in &files {
+        let module = module_of(&src, file);
+        let parent: Vec<String> = module[..module.len().saturating_sub(1)].to_vec();
+        let code = code(file);
+        let mut named = BTreeSet::new();
+        for (root, base) in [("crate::", Vec::new()), ("super::", parent.clone())] {
+            for (at, _) in code.match_indices(root) {
+                let before = code[..at].chars().last();
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                    continue;
+                }
+                let rest = &code[at + root.len()..];
+                let mut heads: Vec<String> = Vec::new();
+                if let Some(list) = rest.strip_prefix('{') {
+                    let list = &list[..list.find('}').unwrap_or(list.len())];
+                    heads.extend(list.split(',').map(|s| s.trim().to_string()));
+                } else {
+                    let end = rest
+                        .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                        .unwrap_or(rest.len());
+                    heads.push(rest[..end].to_string());
+                }
+                for head in heads {
+                    let mut path = base.clone();
+                    path.extend(head.split("::").filter(|s| !s.is_empty()).map(String::from));
+                    if let Some(target) = resolve(&path) {
+                        if target != module {
+                            named.insert(target);
+                        }
+                    }
+                }
+            }
+        }
+        graph.insert(module, named);
+    }
+    graph
+}
+
+#[test]
+fn no_two_modules_import_each_other() {
+    let graph = imports();
+    assert!(graph.len() > 100, "found {} modules", graph.len());
+    let mut mutual = Vec::new();
+    for (a, targets) in &graph {
+        for b in targets {
+            let related = a.starts_with(b) || b.starts_with(a);
+            if a < b && !related && graph.get(b).is_some_and(|t| t.contains(a)) {
+                mutual.push(format!("{} <-> {}", a.join("::"), b.join("::")));
+            }
+        }
+    }
+    assert!(
+        mutual.is_empty(),
+        "modules that import each other: {mutual:?}"
+    );
+    // The check sees real imports: the encoder names the positional schemes.
+    let encoder = &graph[&vec!["encoder".to_string()]];
+    assert!(
+        encoder.contains(&vec!["positional".to_string()]),
+        "{encoder:?}"
+    );
+}
+
+#[test]
+fn the_core_imports_nothing_above_it() {
+    let core = [
+        "encoder",
+        "model",
+        "layers",
+        "positional",
+        "nn",
+        "params",
+        "config",
+    ];
+    let above = [
+        "experiment",
+        "train_run",
+        "train",
+        "analysis",
+        "bench",
+        "cli",
+        "tasks",
+        "text",
+        "pretrained",
+        "saved",
+        "infer",
+        "plot",
+        "progress",
+    ];
+    let mut wrong = Vec::new();
+    for (module, targets) in imports() {
+        if !module.first().is_some_and(|m| core.contains(&m.as_str())) {
+            continue;
+        }
+        for t in targets {
+            if t.first().is_some_and(|t| above.contains(&t.as_str())) {
+                wrong.push(format!("{} -> {}", module.join("::"), t.join("::")));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the core imports from above it: {wrong:?}"
+    );
+}
