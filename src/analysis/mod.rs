@@ -692,6 +692,16 @@ impl Analysis {
             c.mean,
             if constant { " (constant)" } else { "" }
         );
+        self.summary_offsets(&mut s);
+        self.summary_probes(&mut s);
+        self.summary_geometry(&mut s);
+        self.summary_frequencies(&mut s);
+        s
+    }
+
+    /// Distance against offset, and the relative-shift check.
+    fn summary_offsets(&self, s: &mut String) {
+        use std::fmt::Write as _;
         for curve in &self.offsets {
             let _ = writeln!(
                 s,
@@ -744,6 +754,11 @@ impl Analysis {
                 "  best linear map PE(p) -> PE(p + k), held out: residual at most {fit:.2e}, {verdict}"
             );
         }
+    }
+
+    /// The position and order probes.
+    fn summary_probes(&self, s: &mut String) {
+        use std::fmt::Write as _;
         let p = &self.probe;
         let _ = writeln!(
             s,
@@ -764,6 +779,11 @@ impl Analysis {
                 100.0 * o.random_accuracy
             );
         }
+    }
+
+    /// Row norms and principal components.
+    fn summary_geometry(&self, s: &mut String) {
+        use std::fmt::Write as _;
         let g = &self.geometry;
         if !g.norms.is_empty() {
             let mut sorted = g.norms.clone();
@@ -799,6 +819,11 @@ impl Analysis {
                 shares.join(", ")
             );
         }
+    }
+
+    /// Wavelengths and RoPE's decay.
+    fn summary_frequencies(&self, s: &mut String) {
+        use std::fmt::Write as _;
         for w in &self.wavelengths {
             let longest = w.wavelength.last().copied().unwrap_or(0.0);
             let unwrapped = w
@@ -828,7 +853,6 @@ impl Analysis {
                 at(last)
             );
         }
-        s
     }
 
     /// Writes every table and plot into `dir`.

@@ -1,6 +1,5 @@
 //! The files of an analysis: CSVs of every number, PNGs of every picture.
 
-use std::fmt::Write as _;
 use std::path::Path;
 
 use plotters::coord::Shift;
@@ -486,17 +485,29 @@ pub fn write_terms(
 ) -> Result<Vec<String>> {
     use super::terms::TERMS;
     std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
-    let mut csv = String::from("layer,head,term,mean_abs,share,reconstruction_error\n");
-    for t in terms {
-        for (i, name) in TERMS.iter().enumerate() {
-            let _ = writeln!(
-                csv,
-                "{},{},{name},{},{},{}",
-                t.layer, t.head, t.mean_abs[i], t.share[i], t.reconstruction_error
-            );
-        }
+    /// A row of `attention_terms.csv`.
+    #[derive(serde::Serialize)]
+    struct TermRow<'a> {
+        layer: usize,
+        head: usize,
+        term: &'a str,
+        mean_abs: f64,
+        share: f64,
+        reconstruction_error: f64,
     }
-    write_atomic(&dir.join("attention_terms.csv"), csv.as_bytes())?;
+    write_rows(
+        &dir.join("attention_terms.csv"),
+        terms.iter().flat_map(|t| {
+            TERMS.iter().enumerate().map(move |(i, name)| TermRow {
+                layer: t.layer,
+                head: t.head,
+                term: name,
+                mean_abs: t.mean_abs[i],
+                share: t.share[i],
+                reconstruction_error: t.reconstruction_error,
+            })
+        }),
+    )?;
     render_png(&dir.join("attention_terms.png"), (1000, 600), |area| {
         let n = terms.len() as f64;
         let mut chart = ChartBuilder::on(area)
@@ -555,19 +566,26 @@ pub fn write_terms(
 /// `pca.png` (the rows on the first two components, joined in position order).
 fn write_geometry(analysis: &Analysis, dir: &Path) -> Result<Vec<String>> {
     let g = &analysis.geometry;
-    let mut csv = String::from("position,norm");
-    for i in 0..g.explained.len() {
-        csv.push_str(&format!(",pc{}", i + 1));
-    }
-    csv.push('\n');
-    for (r, (norm, p)) in g.norms.iter().zip(&g.projections).enumerate() {
-        csv.push_str(&format!("{},{norm}", analysis.start + r));
-        for v in p {
-            csv.push_str(&format!(",{v}"));
-        }
-        csv.push('\n');
-    }
-    write_atomic(&dir.join("rows.csv"), csv.as_bytes())?;
+    // Position, norm, and the coordinates on each component.
+    let rows = Matrix::new(
+        g.norms.len(),
+        1 + g.explained.len(),
+        g.norms
+            .iter()
+            .zip(&g.projections)
+            .flat_map(|(norm, p)| std::iter::once(*norm).chain(p.iter().copied()))
+            .collect(),
+    );
+    write_matrix_csv(
+        &dir.join("rows.csv"),
+        &rows,
+        "position",
+        |r| (analysis.start + r).to_string(),
+        |c| match c {
+            0 => "norm".to_string(),
+            c => format!("pc{c}"),
+        },
+    )?;
     let mut files = vec!["rows.csv".to_string()];
     let norms: Vec<(f64, f64)> = g
         .norms

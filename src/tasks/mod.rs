@@ -501,6 +501,16 @@ fn length_range(lengths: &[Vec<String>]) -> [usize; 2] {
 /// The longest length a generated task takes, in words (or a length-suite input length).
 pub const MAX_GENERATED_LENGTH: usize = 100_000;
 
+/// A task's examples split for training and testing, what they are scored on, and the task's
+/// own vocabulary (for a word-level tokenizer).
+struct Splits {
+    train: Vec<Example>,
+    valid: Vec<Example>,
+    tests: Vec<TestSet>,
+    objective: Objective,
+    vocabulary: Option<Vec<String>>,
+}
+
 impl TaskSpec {
     /// The length ranges of a generated task's test sets, in order: `lengths` times each
     /// factor, or the training range and then each of `test_lengths`.
@@ -700,7 +710,13 @@ impl TaskSpec {
         tokenizer: Option<TextTokenizer>,
     ) -> Result<TaskData> {
         self.validate()?;
-        let (train, valid, tests, objective, vocabulary) = match &self.kind {
+        let Splits {
+            train,
+            valid,
+            tests,
+            objective,
+            vocabulary,
+        } = match &self.kind {
             TaskKind::Classify(o) => self.read_files(o, RecordKind::Class)?,
             TaskKind::Tag(o) => self.read_files(o, RecordKind::Tags)?,
             TaskKind::Mlm {
@@ -708,15 +724,15 @@ impl TaskSpec {
                 mask_prob,
             } => {
                 let (train, valid, tests) = self.split_text_file(path)?;
-                (
+                Splits {
                     train,
                     valid,
                     tests,
-                    Objective::Mlm {
+                    objective: Objective::Mlm {
                         mask_prob: *mask_prob,
                     },
-                    None,
-                )
+                    vocabulary: None,
+                }
             }
             _ => self.generated()?,
         };
@@ -761,16 +777,7 @@ impl TaskSpec {
     }
 
     /// The splits of a generated task, its objective and its own vocabulary.
-    #[allow(clippy::type_complexity)]
-    fn generated(
-        &self,
-    ) -> Result<(
-        Vec<Example>,
-        Vec<Example>,
-        Vec<TestSet>,
-        Objective,
-        Option<Vec<String>>,
-    )> {
+    fn generated(&self) -> Result<Splits> {
         let [lo, hi] = self
             .lengths
             .expect("validated: generated tasks have lengths");
@@ -868,7 +875,13 @@ impl TaskSpec {
             ),
             TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
         };
-        Ok((train, valid, tests, objective, Some(vocabulary)))
+        Ok(Splits {
+            train,
+            valid,
+            tests,
+            objective,
+            vocabulary: Some(vocabulary),
+        })
     }
 
     /// One generated example of `len` words.
@@ -946,18 +959,7 @@ impl TaskSpec {
 
     /// Records of a file split into train / valid / test: given files stand, the rest are held
     /// out of train by the fractions, shuffled by `data_seed`.
-    #[allow(clippy::type_complexity)]
-    fn read_files(
-        &self,
-        o: &FileOptions,
-        kind: RecordKind,
-    ) -> Result<(
-        Vec<Example>,
-        Vec<Example>,
-        Vec<TestSet>,
-        Objective,
-        Option<Vec<String>>,
-    )> {
+    fn read_files(&self, o: &FileOptions, kind: RecordKind) -> Result<Splits> {
         let (text_field, label_field) = o.fields(kind);
         let read = |p: &PathBuf| read_records(p, o.format, kind, &text_field, &label_field);
         let mut train = read(&o.train)?;
@@ -1056,18 +1058,18 @@ impl TaskSpec {
             RecordKind::Class => Objective::Classify { labels },
             _ => Objective::Tag { labels },
         };
-        Ok((
+        Ok(Splits {
             train,
             valid,
-            vec![TestSet {
+            tests: vec![TestSet {
                 name: "1x".into(),
                 factor: Some(1),
                 lengths,
                 examples: test,
             }],
             objective,
-            None,
-        ))
+            vocabulary: None,
+        })
     }
 
     /// A user's text file for MLM: lines shuffled by `data_seed`, then split train / valid /
