@@ -57,6 +57,9 @@ fn main() -> poslab::Result<()> {
         // Your own head, its weights in the same store (so the optimizer sees them).
         let vb = params.var_builder(DType::F32, &device);
         let head = candle_nn::linear(config.d_model, 2, vb.pp("my_head"))?;
+        // Like the encoder's biases (Encoder::seeded declared them), the head's bias is not
+        // weight-decayed: the store holds that, and the optimizer reads it from there.
+        params.exempt_from_decay(&head.bias().into_iter().cloned().collect::<Vec<_>>());
         let mut adamw = AdamW::from_store(&params, AdamWConfig::default())?;
         let forward = |ids: &Tensor, mask: &Tensor, train: bool| -> poslab::Result<Tensor> {
             let hidden = encoder.forward_t(ids, mask, train)?; // (b, t, d)

@@ -50,6 +50,21 @@ pub struct EncoderLayer {
 }
 
 impl EncoderLayer {
+    /// What weight decay leaves alone: the norms and the biases.
+    fn undecayed(&self) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = self
+            .attn_norm
+            .iter()
+            .flat_map(LayerNorm::undecayed)
+            .collect();
+        out.extend(self.attn.undecayed());
+        out.extend(self.ffn_norm.undecayed());
+        out.extend(self.ffn.undecayed());
+        out
+    }
+}
+
+impl EncoderLayer {
     fn new(config: &ModelConfig, i: usize, rng: &SharedRng, vb: VarBuilder) -> Result<Self> {
         let d = config.d_model;
         let eps = config.layer_norm_eps;
@@ -393,6 +408,7 @@ impl Encoder {
         let params = crate::ParamStore::new(seed);
         let encoder = Self::new(config, params.var_builder(DType::F32, device))?;
         params.constrain(&encoder.constraints())?;
+        params.exempt_from_decay(&encoder.undecayed());
         Ok((encoder, params))
     }
 
@@ -611,6 +627,23 @@ impl Encoder {
     /// applies them after every step ([`crate::train::optim::AdamW::from_store`]).
     pub fn constraints(&self) -> Vec<LowerBound> {
         self.positional.constraints()
+    }
+
+    /// The variables weight decay leaves alone, as the modules that made them declare them:
+    /// LayerNorm gains and shifts, and biases (decaying them pulls normalisation gains toward 0
+    /// and shifts the activations' means). Held by [`ParamStore::exempt_from_decay`].
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = self
+            .embed_norm
+            .iter()
+            .flat_map(LayerNorm::undecayed)
+            .collect();
+        out.extend(self.positional.undecayed());
+        for layer in &self.layers {
+            out.extend(layer.undecayed());
+        }
+        out.extend(self.final_norm.iter().flat_map(LayerNorm::undecayed));
+        out
     }
 
     /// Layer `i`'s score bias for `positions` of sequences with no padding (an attention-bias

@@ -90,6 +90,13 @@ impl TaskModel {
         self
     }
 
+    /// The variables weight decay leaves alone: the encoder's and the head's bias.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        let mut out = self.encoder.undecayed();
+        out.extend(self.head.undecayed());
+        out
+    }
+
     /// The encoder under the head.
     pub fn encoder(&self) -> &Encoder {
         &self.encoder

@@ -37,6 +37,8 @@ pub struct ParamStore {
     vars: Arc<Mutex<BTreeMap<String, Var>>>,
     /// The least value of each bounded variable, by name, as its module declared it.
     bounds: Arc<Mutex<BTreeMap<String, f64>>>,
+    /// The variables weight decay leaves alone, by name, as their modules declared them.
+    undecayed: Arc<Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl ParamStore {
@@ -46,6 +48,7 @@ impl ParamStore {
             seed,
             vars: Arc::default(),
             bounds: Arc::default(),
+            undecayed: Arc::default(),
         }
     }
 
@@ -72,6 +75,34 @@ impl ParamStore {
             held.insert(name, bound.min);
         }
         Ok(())
+    }
+
+    /// Holds `tensors` (a model's [`crate::model::TaskModel::undecayed`] or
+    /// [`crate::Encoder::undecayed`]) as variables weight decay leaves alone; tensors that are
+    /// no variables of this store (a model without biases reads fixed zeros) are skipped.
+    pub fn exempt_from_decay(&self, tensors: &[Tensor]) {
+        let vars = self.lock();
+        let mut held = self
+            .undecayed
+            .lock()
+            .expect("decay exemptions lock poisoned");
+        for t in tensors {
+            if let Some((name, _)) = vars.iter().find(|(_, v)| v.as_tensor().id() == t.id()) {
+                held.insert(name.clone());
+            }
+        }
+    }
+
+    /// Whether weight decay applies to variable `name`: not to a variable its module exempted
+    /// ([`ParamStore::exempt_from_decay`]), nor to a bounded one (its size is not a capacity to
+    /// shrink).
+    pub fn decays(&self, name: &str) -> bool {
+        let exempt = self
+            .undecayed
+            .lock()
+            .expect("decay exemptions lock poisoned")
+            .contains(name);
+        !exempt && self.bound(name).is_none()
     }
 
     /// The least value of the variable `name`, if it is bounded.

@@ -147,6 +147,7 @@ pub fn load_as(
         params.var_builder(dtype, device),
     )?;
     params.constrain(&model.encoder().constraints())?;
+    params.exempt_from_decay(&model.undecayed());
     params.load_file(&mut weights)?;
     Ok(Loaded {
         model,

@@ -459,6 +459,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             reset_peak_rss();
             crate::device::reset_peak_memory(&options.device);
             params.constrain(&model.encoder().constraints())?;
+            params.exempt_from_decay(&model.undecayed());
             let mut optimizer = AdamW::from_store(
                 &params,
                 AdamWConfig {

@@ -96,6 +96,7 @@ impl Job<'_> {
             params.var_builder(DType::F32, self.device),
         )?;
         params.constrain(&model.encoder().constraints())?;
+        params.exempt_from_decay(&model.undecayed());
         if let Some(start) = start {
             start(&params)?;
         }

@@ -99,6 +99,16 @@ pub struct SelfAttention {
 }
 
 impl SelfAttention {
+    /// What weight decay leaves alone: the projections' biases.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        [&self.q, &self.k, &self.v, &self.o]
+            .iter()
+            .flat_map(|l| l.undecayed())
+            .collect()
+    }
+}
+
+impl SelfAttention {
     /// `score_scale` multiplies `q kᵀ`; `None` is the usual `1/sqrt(d_head)`. The projections
     /// have biases when `bias` (the key's only when `key_bias` too).
     pub fn new(

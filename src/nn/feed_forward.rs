@@ -72,6 +72,16 @@ pub struct FeedForward {
 }
 
 impl FeedForward {
+    /// What weight decay leaves alone: the projections' biases.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        [&self.up, &self.down]
+            .iter()
+            .flat_map(|l| l.undecayed())
+            .collect()
+    }
+}
+
+impl FeedForward {
     /// `ffn.up`, `(ffn_dim, d_model)`
     pub fn up(&self) -> &Linear {
         &self.up

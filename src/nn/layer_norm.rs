@@ -51,6 +51,12 @@ impl LayerNorm {
         &self.bias
     }
 
+    /// What weight decay leaves alone: the gain and the shift (a model without biases has no
+    /// shift variable, only zeros).
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+
     /// The epsilon added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps

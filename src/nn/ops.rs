@@ -40,6 +40,11 @@ impl Linear {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+
+    /// What weight decay leaves alone: the bias.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        self.bias.iter().cloned().collect()
+    }
 }
 
 impl Module for Linear {

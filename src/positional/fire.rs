@@ -309,6 +309,12 @@ impl BiasModule for Fire {
         Ok(LayerBiases::Shared(self.bias(batch)?))
     }
 
+    fn undecayed(&self) -> Vec<Tensor> {
+        let mut out = self.mlp1.undecayed();
+        out.extend(self.mlp2.undecayed());
+        out
+    }
+
     fn notes(&self) -> Result<Vec<String>> {
         let (c, l) = self.scalars()?;
         Ok(vec![format!(

@@ -173,6 +173,14 @@ impl BiasModule for Fox {
         Ok(LayerBiases::FromInput)
     }
 
+    fn undecayed(&self) -> Vec<Tensor> {
+        self.0
+            .iter()
+            .flatten()
+            .flat_map(|g| g.gates.undecayed())
+            .collect()
+    }
+
     fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<Tensor>> {
         self.0
             .get(layer)

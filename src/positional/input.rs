@@ -120,6 +120,17 @@ impl InputPositions {
         }
     }
 
+    /// Its variables that weight decay leaves alone: the concatenation projection's bias.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        match self {
+            Self::Concat {
+                projection: Some(p),
+                ..
+            } => p.undecayed(),
+            _ => Vec::new(),
+        }
+    }
+
     /// The learned table `(max_len, d_model)`, for a `learned` scheme.
     pub fn learned_table(&self) -> Option<&Tensor> {
         match self {

@@ -342,6 +342,15 @@ pub enum PositionalModule {
 }
 
 impl PositionalModule {
+    /// Its variables that weight decay leaves alone (biases).
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        match self {
+            Self::Input(input) => input.undecayed(),
+            Self::ScoreBias(bias) => bias.undecayed(),
+            Self::Rotation(_) => Vec::new(),
+        }
+    }
+
     /// The learned position table `(max_len, d_model)` of a `learned` or `untied` scheme.
     pub fn learned_table(&self) -> Option<&Tensor> {
         match self {

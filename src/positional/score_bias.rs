@@ -65,6 +65,11 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
         None
     }
 
+    /// Its variables that weight decay leaves alone (biases).
+    fn undecayed(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
     /// Bounds its variables must stay within, applied by the optimizer after every step.
     fn constraints(&self) -> Vec<LowerBound> {
         Vec::new()
@@ -104,6 +109,11 @@ impl ScoreBias {
     /// Wraps a scheme's bias module.
     pub fn new(module: impl BiasModule + 'static) -> Self {
         Self(Box::new(module))
+    }
+
+    /// Its variables that weight decay leaves alone.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        self.0.undecayed()
     }
 
     /// The learned position table the module holds, if any.

@@ -51,6 +51,7 @@ impl Learner {
         let params = ParamStore::new(seed);
         let model = TaskModel::new(config, head, params.var_builder(candle::DType::F32, device))?;
         params.constrain(&model.encoder().constraints())?;
+        params.exempt_from_decay(&model.undecayed());
         let optimizer = AdamW::from_store(&params, AdamWConfig::default())?;
         Ok(Self {
             model,

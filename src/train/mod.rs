@@ -569,6 +569,7 @@ impl<'a> Trainer<'a> {
         let planned = planned_steps(config, data.train);
         let [beta1, beta2] = config.betas;
         params.constrain(&model.encoder().constraints())?;
+        params.exempt_from_decay(&model.undecayed());
         let optimizer = AdamW::from_store(
             params,
             AdamWConfig {

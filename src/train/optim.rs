@@ -44,8 +44,9 @@ struct Slot {
 
 /// AdamW as in PyTorch: `w <- w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`.
 ///
-/// Biases and LayerNorm parameters are not decayed (decaying them pulls normalisation gains
-/// toward zero for no regularising benefit); weights and embeddings are. Variables without a
+/// Built from a store ([`AdamW::from_store`]), it leaves biases and LayerNorm parameters
+/// undecayed, as the modules that made them declare ([`crate::Encoder::undecayed`]); weights
+/// and embeddings are decayed. Variables without a
 /// gradient in a step are left as they are.
 pub struct AdamW {
     slots: Vec<Slot>,
@@ -64,16 +65,9 @@ impl Slot {
     }
 }
 
-/// Whether a variable is decayed, by name: not biases or LayerNorm parameters. Variables kept
-/// inside a range ([`AdamW::from_store`]) are not decayed either: their size is not a capacity
-/// to shrink.
-pub fn decays(name: &str) -> bool {
-    !(name.ends_with(".bias") || name.contains("norm."))
-}
-
 impl AdamW {
-    /// AdamW over `vars` (name, variable) with `config`; biases and norms get no weight decay
-    /// ([`decays`]), and no bound applies (see [`AdamW::from_store`]).
+    /// AdamW over `vars` (name, variable) with `config`, every one decayed and none bounded;
+    /// [`AdamW::from_store`] applies what a store holds (exemptions from decay, bounds).
     pub fn new(vars: Vec<(String, Var)>, config: AdamWConfig) -> Result<Self> {
         let slots = vars
             .into_iter()
@@ -81,7 +75,7 @@ impl AdamW {
                 let mut shape = vec![2];
                 shape.extend_from_slice(var.dims());
                 Ok(Slot {
-                    decay: decays(&name),
+                    decay: true,
                     lower_bound: None,
                     moments: Tensor::zeros(shape, var.dtype(), var.device())?,
                     name,
@@ -101,10 +95,8 @@ impl AdamW {
     pub fn from_store(store: &crate::ParamStore, config: AdamWConfig) -> Result<Self> {
         let mut optimizer = Self::new(store.vars(), config)?;
         for slot in &mut optimizer.slots {
-            if let Some(lo) = store.bound(&slot.name) {
-                slot.lower_bound = Some(lo);
-                slot.decay = false;
-            }
+            slot.lower_bound = store.bound(&slot.name);
+            slot.decay = store.decays(&slot.name);
         }
         Ok(optimizer)
     }
@@ -254,9 +246,6 @@ mod tests {
         let expected = 1.0 * (1.0 - 0.01 * 0.1) - 0.01 * 3.0 / (3.0 + 1e-8);
         let got = w.to_vec1::<f64>().unwrap()[0];
         assert!((got - expected).abs() < 1e-15, "{got} vs {expected}");
-        // A bias is not decayed.
-        assert!(!decays("layers.0.attn.q.bias") && !decays("final_norm.weight"));
-        assert!(decays("tok_emb.weight") && decays("layers.0.ffn.up.weight"));
         let (state, step) = opt.state();
         assert_eq!(step, 1);
         let m = state["m.w.weight"].to_vec1::<f64>().unwrap()[0];

@@ -504,3 +504,65 @@ fn kerple_parameters_stay_positive_in_training_and_unusable_files_are_refused() 
         assert_eq!(values(other.get(name).unwrap().as_tensor()), before);
     }
 }
+
+#[test]
+fn weight_decay_skips_what_the_modules_declare_and_only_that() {
+    // The modules that make biases and LayerNorm parameters declare them; the optimizer reads
+    // that from the store, never a variable's name. Over every scheme, with and without biases,
+    // pre and post norm, a task head on top, the declared set is exactly biases and norms (what
+    // a name rule would pick), and bounded variables (KERPLE's r1, r2) are not decayed either.
+    use poslab::model::{HeadConfig, Pooling, TaskModel};
+    let mut models = 0;
+    for positional in PositionalConfig::catalog(8) {
+        for (bias, norm) in [(true, NormPlacement::Pre), (false, NormPlacement::Post)] {
+            let config = ModelConfig {
+                vocab_size: 30,
+                d_model: 32,
+                n_heads: 4,
+                n_layers: 2,
+                ffn_dim: 48,
+                max_len: 16,
+                norm,
+                bias,
+                positional: positional.clone(),
+                ..ModelConfig::default()
+            };
+            if config.validate().is_err() {
+                continue;
+            }
+            let store = ParamStore::new(3);
+            let head = HeadConfig::Classify {
+                classes: 3,
+                pooling: Pooling::Mean,
+            };
+            let model = TaskModel::new(&config, &head, store.var_builder(DType::F32, &Device::Cpu))
+                .unwrap();
+            store.constrain(&model.encoder().constraints()).unwrap();
+            store.exempt_from_decay(&model.undecayed());
+            let mut exempt = 0;
+            for (name, _) in store.vars() {
+                let by_role = name.ends_with(".bias") || name.contains("norm.");
+                let bounded = store.bound(&name).is_some();
+                assert_eq!(
+                    store.decays(&name),
+                    !(by_role || bounded),
+                    "{} (bias {bias}): `{name}`",
+                    positional.name()
+                );
+                exempt += usize::from(!store.decays(&name));
+            }
+            // Norms (2 per layer, and a final one before the head under pre-norm) at least.
+            assert!(exempt >= 2 * config.n_layers, "{}", positional.name());
+            models += 1;
+        }
+    }
+    assert!(models >= 24, "{models} models checked");
+    // Without the declarations, everything would be decayed.
+    let store = ParamStore::new(3);
+    Encoder::new(
+        &ModelConfig::default(),
+        store.var_builder(DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    assert!(store.vars().iter().all(|(name, _)| store.decays(name)));
+}
