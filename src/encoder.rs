@@ -631,7 +631,7 @@ impl Encoder {
 
     /// The variables weight decay leaves alone, as the modules that made them declare them:
     /// LayerNorm gains and shifts, and biases (decaying them pulls normalisation gains toward 0
-    /// and shifts the activations' means). Held by [`ParamStore::exempt_from_decay`].
+    /// and shifts the activations' means). Held by [`crate::ParamStore::exempt_from_decay`].
     pub fn undecayed(&self) -> Vec<Tensor> {
         let mut out: Vec<Tensor> = self
             .embed_norm

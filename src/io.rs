@@ -261,7 +261,7 @@ impl FolderLock {
 // TOML documents: configs, manifests.
 
 /// Parses a TOML document; the error carries the line, the column and serde's message (an
-/// unknown field lists the valid ones). [`Error::in_file`] names the file.
+/// unknown field lists the valid ones); the caller names the file.
 pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
     toml::from_str(text).map_err(|e| Error::ConfigParse {
         path: "<toml>".into(),

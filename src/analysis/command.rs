@@ -71,7 +71,7 @@ pub struct Request {
     #[arg(long)]
     pub original_max_len: Option<usize>,
     /// With --run of a rope model: read the text with RoPE's frequencies rescaled,
-    /// KIND[:FACTOR] (see `predict --help`); its factor also sets the wavelengths compared.
+    /// `KIND[:FACTOR]` (see `predict --help`); its factor also sets the wavelengths compared.
     #[arg(long, value_name = "KIND[:FACTOR]", value_parser = crate::positional::RopeScaling::parse_spec, requires = "run")]
     pub rope_scaling: Option<crate::positional::RopeScaling>,
     /// A trained model's folder.
@@ -109,7 +109,7 @@ pub struct Request {
     /// Texts used for the attention terms.
     #[arg(long, default_value_t = 64)]
     pub texts: usize,
-    /// Output folder (default: runs/analysis-<what>-<timestamp>).
+    /// Output folder (default: `runs/analysis-<what>-<timestamp>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
