@@ -115,6 +115,14 @@ pub fn sequential(v: f64) -> RGBColor {
     RGBColor(lerp(a.0, b.0), lerp(a.1, b.1), lerp(a.2, b.2))
 }
 
+/// An x tick label: a whole number as it is, else two decimals.
+pub fn x_label(x: &f64) -> String {
+    match x.fract() == 0.0 {
+        true => format!("{x:.0}"),
+        false => format!("{x:.2}"),
+    }
+}
+
 /// A short tick label: `1e8` for large values, two decimals for small ones.
 pub fn tick(v: &f64) -> String {
     let a = v.abs();
@@ -152,10 +160,7 @@ where
         .y_desc(axes.1)
         .axis_desc_style((FONT, 17))
         .label_style((FONT, 13))
-        .x_label_formatter(&|x| match x.fract() == 0.0 {
-            true => format!("{x:.0}"),
-            false => format!("{x:.2}"),
-        })
+        .x_label_formatter(&x_label)
         .y_label_formatter(&tick)
         .draw()?;
     for (i, (name, pts, dashed)) in series.iter().enumerate() {

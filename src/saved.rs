@@ -105,6 +105,15 @@ pub fn load_as(
     device: &Device,
     precision: Option<Precision>,
 ) -> Result<Loaded> {
+    if crate::pretrained::is_hf_folder(dir) {
+        return Err(Error::Input(format!(
+            "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
+             (supported: {})",
+            dir.display(),
+            dir.display(),
+            crate::pretrained::SUPPORTED
+        )));
+    }
     let config_path = dir.join(CONFIG);
     let text =
         crate::io::read_text_bounded(&config_path, crate::io::MAX_CONFIG_BYTES, "config.json")?;

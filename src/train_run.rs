@@ -690,7 +690,7 @@ fn run(
         seed: config.seed,
         summary: trained.summary.clone(),
         train_seconds: outcome.train_seconds,
-        tokens_per_second: outcome.tokens as f64 / outcome.train_seconds.max(1e-9),
+        tokens_per_second: outcome.tokens_per_second(),
         notes: task.info.notes.clone(),
     };
     let json = serde_json::to_string_pretty(&metrics).expect("metrics serialize") + "\n";

@@ -331,8 +331,7 @@ impl Request {
     /// A pretrained encoder's learned table (from the row its positions start at), or its
     /// rotation's table (ModernBERT).
     fn pretrained_subject(&self, spec: &str) -> Result<Subject> {
-        let dir = crate::pretrained::resolve(spec, &crate::text::HubSource::from_env())?;
-        let model = crate::pretrained::Pretrained::load(&dir, &candle::Device::Cpu)?;
+        let model = crate::pretrained::Pretrained::open(spec, &candle::Device::Cpu)?;
         let label = Path::new(spec)
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned());
@@ -378,15 +377,6 @@ impl Request {
 
     /// A trained model's learned table, or its scheme's fixed one.
     fn trained_subject(&self, dir: &Path) -> Result<Subject> {
-        if crate::pretrained::is_hf_folder(dir) {
-            bail!(
-                "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
-                 (supported: {})",
-                dir.display(),
-                dir.display(),
-                crate::pretrained::SUPPORTED
-            );
-        }
         let loaded = crate::saved::load_as(
             dir,
             DType::F32,

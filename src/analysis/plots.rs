@@ -9,7 +9,7 @@ use super::linalg::Matrix;
 use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
 use crate::io::write_atomic;
-use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, FONT};
+use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, x_label, FONT};
 
 /// Typed rows as a CSV file (a header from the row's fields), written atomically.
 pub(super) fn write_rows<R: serde::Serialize>(
@@ -97,10 +97,7 @@ pub(super) fn heatmap(
             .y_desc(axes.1)
             .axis_desc_style((FONT, 17))
             .label_style((FONT, 13))
-            .x_label_formatter(&|x| match x.fract() == 0.0 {
-                true => format!("{x:.0}"),
-                false => format!("{x:.2}"),
-            })
+            .x_label_formatter(&x_label)
             .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()?;
         chart.draw_series((0..m.rows).flat_map(|r| {

@@ -75,6 +75,14 @@ pub const TORCH_VARIANTS: [&str; 5] = [
 ];
 
 impl Shape {
+    /// `width 256, 4 heads, 4 layers, FFN 1024, batch 32 x 128`.
+    pub fn describe(&self) -> String {
+        format!(
+            "width {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            self.d_model, self.n_heads, self.n_layers, self.ffn_dim, self.batch, self.seq
+        )
+    }
+
     /// The shape as the flags of `poslab bench` (benches/torch_at_shape.py takes the same).
     pub fn flags(&self) -> [(&'static str, usize); 7] {
         [

@@ -67,19 +67,13 @@ impl Torch {
             return Err(Error::Input(format!(
                 "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
                  heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
-                 width {}, {} heads, {} layers, FFN {}, batch {} x {}: the ratios would compare \
-                 different work. Use --torch benches/torch_at_shape.py, which runs that \
+                 {}: the ratios would compare different work. Use --torch benches/torch_at_shape.py, which runs that \
                  script's model at this shape, device and dtype (it finds the script through \
                  POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
                 script.display(),
                 device_name(device),
                 shape.dtype.name(),
-                shape.d_model,
-                shape.n_heads,
-                shape.n_layers,
-                shape.ffn_dim,
-                shape.batch,
-                shape.seq
+                shape.describe()
             )));
         }
         Ok(Self {
@@ -181,20 +175,14 @@ impl Plan {
             None => device_name(device),
         };
         format!(
-            "poslab bench on {device} ({} thread{}, {} kernels, {:?} SIMD, {}): vocab {}, width \
-             {}, {} heads, {} layers, FFN {}, batch {} x {}",
+            "poslab bench on {device} ({} thread{}, {} kernels, {:?} SIMD, {}): vocab {}, {}",
             self.threads,
             if self.threads == 1 { "" } else { "s" },
             self.kernels(),
             self.options.backend.simd,
             shape.dtype.name(),
             shape.vocab,
-            shape.d_model,
-            shape.n_heads,
-            shape.n_layers,
-            shape.ffn_dim,
-            shape.batch,
-            shape.seq
+            shape.describe()
         )
     }
 

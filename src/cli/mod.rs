@@ -156,15 +156,6 @@ pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Ve
 }
 
 pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
-    if poslab::pretrained::is_hf_folder(dir) {
-        anyhow::bail!(
-            "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
-             (supported: {})",
-            dir.display(),
-            dir.display(),
-            poslab::pretrained::SUPPORTED
-        );
-    }
     let device = compute.device.open()?;
     poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
         .with_context(|| format!("loading the model in {}", dir.display()))
@@ -191,7 +182,6 @@ pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrain
         anyhow::bail!("--dtype applies to poslab's own models; a pretrained encoder runs in f32");
     }
     let device = compute.device.open()?;
-    let dir = poslab::pretrained::resolve(spec, &poslab::text::HubSource::from_env())?;
-    poslab::pretrained::Pretrained::load(&dir, &device)
+    poslab::pretrained::Pretrained::open(spec, &device)
         .with_context(|| format!("loading the pretrained model {spec}"))
 }

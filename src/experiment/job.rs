@@ -95,8 +95,9 @@ impl Job<'_> {
             &self.task.head,
             params.var_builder(DType::F32, self.device),
         )?;
+        // Bounds first: a start's weights are checked against them (Trainer::new holds the
+        // bounds and the decay exemptions for the optimizer).
         params.constrain(&model.encoder().constraints())?;
-        params.exempt_from_decay(&model.undecayed());
         if let Some(start) = start {
             start(&params)?;
         }

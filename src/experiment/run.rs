@@ -9,7 +9,7 @@ use candle::Device;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::folder::{self, CellRecord, FolderKind, Rescored, SelectionRecord, CONFIG_TOML};
-use super::job::{Job, JobEnd, Steps, Trained};
+use super::job::{Job, JobEnd, Steps};
 use super::prepare::{prepare, Prepared};
 use super::results::{CellResult, Evaluation, Outcome, Results, Timing, TrainSummary, VariantInfo};
 use super::{ExperimentConfig, Selection, VariantSpec};
@@ -185,11 +185,20 @@ fn run_cell(
     };
     let model_dir = folder::model_dir(&task.spec.name, &variant.name, seed);
     job.save(&options.dir.join(&model_dir), &trained, None)?;
-    let rescored = rescore(&job, variant, &config.eval.rope_scaling, &trained)?;
+    let info = variant_info(variant, &model_config);
+    let result = CellResult {
+        task: task.spec.name.clone(),
+        variant: variant.name.clone(),
+        seed,
+        summary: trained.summary.clone(),
+        model_dir,
+    };
+    let scalings = &config.eval.rope_scaling;
+    let rescored = rescore(&job, variant, scalings, &trained.params, &info, &result)?;
 
     let wall = started.elapsed().as_secs_f64();
     let outcome = &trained.outcome;
-    let tokens_per_second = outcome.tokens as f64 / outcome.train_seconds.max(1e-9);
+    let tokens_per_second = outcome.tokens_per_second();
     let mut line = format!(
         "{name}: {}; loss {:.3}, {tokens_per_second:.0} tok/s, {wall:.1} s",
         scores_line(&trained.summary.evaluations),
@@ -202,14 +211,6 @@ fn run_cell(
             scores_line(&r.result.summary.evaluations)
         ));
     }
-    let info = variant_info(variant, &model_config);
-    let result = CellResult {
-        task: task.spec.name.clone(),
-        variant: variant.name.clone(),
-        seed,
-        summary: trained.summary.clone(),
-        model_dir,
-    };
     let timing = Timing {
         task: task.spec.name.clone(),
         variant: variant.name.clone(),
@@ -241,22 +242,24 @@ fn variant_info(variant: &VariantSpec, model_config: &ModelConfig) -> VariantInf
 }
 
 /// A RoPE cell's model tested again under each of `[eval] rope_scaling`: each a row of its
-/// own, the same model with its rotation rescaled. Nothing for other schemes.
+/// own (`info` and `result` with the scaling's name and scores), the same weights with the
+/// rotation rescaled. Nothing for other schemes.
 fn rescore(
     job: &Job,
     variant: &VariantSpec,
     scalings: &[RopeScaling],
-    trained: &Trained,
+    params: &ParamStore,
+    info: &VariantInfo,
+    result: &CellResult,
 ) -> Result<Vec<Rescored>> {
     let PositionalConfig::Rope(options) = &variant.positional else {
         return Ok(Vec::new());
     };
-    let (task, seed) = (job.task, job.seed);
-    let info = variant_info(variant, job.model);
     let mut rows = Vec::new();
     for scaling in scalings {
-        let evaluations =
-            task.evaluate_scaled(job.model, &trained.params, scaling, job.eval_batch)?;
+        let evaluations = job
+            .task
+            .evaluate_scaled(job.model, params, scaling, job.eval_batch)?;
         let name = format!("{} + {}", variant.name, scaling.label());
         let positional = PositionalConfig::Rope(RopeOptions {
             scaling: Some(scaling.clone()),
@@ -269,14 +272,12 @@ fn rescore(
                 ..info.clone()
             },
             result: CellResult {
-                task: task.spec.name.clone(),
                 variant: name,
-                seed,
                 summary: TrainSummary {
                     evaluations,
-                    ..trained.summary.clone()
+                    ..result.summary.clone()
                 },
-                model_dir: folder::model_dir(&task.spec.name, &variant.name, seed),
+                ..result.clone()
             },
         });
     }

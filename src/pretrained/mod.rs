@@ -372,6 +372,13 @@ impl Folder {
 }
 
 impl Pretrained {
+    /// The encoder `spec` names, a folder or a Hub id read from the Hugging Face cache
+    /// ([`resolve`], with [`crate::text::HubSource::from_env`]), loaded by [`Pretrained::load`].
+    pub fn open(spec: &str, device: &Device) -> Result<Self> {
+        let dir = resolve(spec, &crate::text::HubSource::from_env())?;
+        Self::load(&dir, device)
+    }
+
     /// Loads `dir`, checking every tensor of `model.safetensors` against the config.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let folder = Folder::read(dir)?;

@@ -251,6 +251,11 @@ impl TrainOutcome {
         let n = (self.losses.len() / 10).max(1).min(self.losses.len());
         self.losses[self.losses.len() - n..].iter().sum::<f64>() / n.max(1) as f64
     }
+
+    /// Training tokens per second of the time spent in training steps.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.train_seconds.max(1e-9)
+    }
 }
 
 fn scalar(t: &candle::Tensor) -> Result<f64> {

@@ -1,7 +1,7 @@
 //! Exact (erf) GELU and ReLU, fused, with their backward passes.
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::*;
@@ -115,15 +115,10 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let storage = match s.dtype() {
-            DType::F32 => {
-                f32::to_cpu_storage_owned(gelu_par(self.simd, contiguous::<f32>(s, l, "gelu")?))
-            }
-            DType::F64 => {
-                f64::to_cpu_storage_owned(gelu_par(self.simd, contiguous::<f64>(s, l, "gelu")?))
-            }
-            dt => return Err(unsupported("gelu", dt)),
-        };
+        let storage = by_dtype!(s.dtype(), "gelu", |T| gelu_par(
+            self.simd,
+            contiguous::<T>(s, l, "gelu")?
+        ));
         Ok((storage, l.shape().clone()))
     }
 
@@ -152,19 +147,11 @@ impl CustomOp2 for GeluGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let what = "gelu backward";
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(gelu_grad_par(
-                self.simd,
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(gelu_grad_par(
-                self.simd,
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| gelu_grad_par(
+            self.simd,
+            contiguous::<T>(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+        ));
         Ok((storage, l1.shape().clone()))
     }
 }

@@ -1,7 +1,7 @@
 //! LayerNorm over the last axis, fused, with its backward (input and parameter gradients).
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::*;
@@ -107,19 +107,11 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.forward(
-                contiguous::<f32>(s1, l1, "layer norm")?,
-                contiguous(s2, l2, "layer norm")?,
-                contiguous(s3, l3, "layer norm")?,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.forward(
-                contiguous::<f64>(s1, l1, "layer norm")?,
-                contiguous(s2, l2, "layer norm")?,
-                contiguous(s3, l3, "layer norm")?,
-            )),
-            dt => return Err(unsupported("layer norm", dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), "layer norm", |T| self.forward(
+            contiguous::<T>(s1, l1, "layer norm")?,
+            contiguous(s2, l2, "layer norm")?,
+            contiguous(s3, l3, "layer norm")?,
+        ));
         Ok((storage, l1.shape().clone()))
     }
 
@@ -183,19 +175,11 @@ impl CustomOp3 for LayerNormGradInput {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let what = "layer norm backward";
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.run(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.run(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| self.run(
+            contiguous::<T>(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            contiguous(s3, l3, what)?,
+        ));
         Ok((storage, l1.shape().clone()))
     }
 }
@@ -244,19 +228,11 @@ impl CustomOp2 for LayerNormGradParams {
     ) -> Result<(CpuStorage, Shape)> {
         let what = "layer norm backward";
         let d = *l1.dims().last().unwrap_or(&1);
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.run(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                d,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.run(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                d,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| self.run(
+            contiguous::<T>(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            d,
+        ));
         Ok((storage, Shape::from((2, d))))
     }
 }

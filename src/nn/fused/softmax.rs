@@ -1,7 +1,7 @@
 //! Softmax over the last axis with an additive key-padding bias, fused, with its backward.
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::*;
@@ -86,19 +86,11 @@ impl CustomOp2 for MaskedSoftmax {
     ) -> Result<(CpuStorage, Shape)> {
         let what = "softmax";
         let dims = l1.dims();
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.forward(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                dims,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.forward(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                dims,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| self.forward(
+            contiguous::<T>(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            dims,
+        ));
         Ok((storage, l1.shape().clone()))
     }
 
@@ -145,19 +137,11 @@ impl CustomOp2 for SoftmaxGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let what = "softmax backward";
         let t = *l1.dims().last().unwrap_or(&1);
-        let storage = match s1.dtype() {
-            DType::F32 => f32::to_cpu_storage_owned(self.run(
-                contiguous::<f32>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                t,
-            )),
-            DType::F64 => f64::to_cpu_storage_owned(self.run(
-                contiguous::<f64>(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                t,
-            )),
-            dt => return Err(unsupported(what, dt)),
-        };
+        let storage = by_dtype!(s1.dtype(), what, |T| self.run(
+            contiguous::<T>(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            t,
+        ));
         Ok((storage, l1.shape().clone()))
     }
 }
