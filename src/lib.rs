@@ -62,6 +62,7 @@ pub mod pretrained;
 pub mod progress;
 pub mod rng;
 pub mod saved;
+pub mod table;
 pub mod tasks;
 pub mod text;
 pub mod train;

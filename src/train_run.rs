@@ -701,9 +701,17 @@ fn run(
 /// The step of a run folder's latest checkpoint, as `checkpoints/latest` names it (`None`
 /// before the first, or when the pointer is unreadable).
 pub fn latest_checkpoint_step(dir: &Path) -> Option<usize> {
-    let name =
-        crate::io::read_text_bounded(&dir.join(CHECKPOINTS).join(LATEST), 1024, "pointer").ok()?;
-    name.trim().strip_prefix("step-")?.parse().ok()
+    let name = read_pointer(&dir.join(CHECKPOINTS)).ok()??;
+    name.strip_prefix("step-")?.parse().ok()
+}
+
+/// The name `checkpoints/latest` holds, trimmed; `None` before the first checkpoint.
+fn read_pointer(root: &Path) -> Result<Option<String>> {
+    match crate::io::read_text_bounded(&root.join(LATEST), 1024, "checkpoint pointer") {
+        Ok(n) => Ok(Some(n.trim().to_string())),
+        Err(Error::Io { error, .. }) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn step_dir_name(step: usize) -> String {
@@ -770,12 +778,8 @@ fn load_latest(
 ) -> Result<Option<Checkpoint>> {
     let root = dir.join(CHECKPOINTS);
     let latest = root.join(LATEST);
-    let name = match crate::io::read_text_bounded(&latest, 1024, "checkpoint pointer") {
-        Ok(n) => n.trim().to_string(),
-        Err(Error::Io { error, .. }) if error.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(None)
-        }
-        Err(e) => return Err(e),
+    let Some(name) = read_pointer(&root)? else {
+        return Ok(None);
     };
     let valid = |n: &str| {
         n.strip_prefix("step-")

@@ -12,16 +12,17 @@ use std::path::Path;
 
 use candle::{DType, Device, Tensor};
 
+use super::csv_files::{write_columns_csv, write_matrix_csv};
 use super::linalg::Matrix;
-use super::plots::{heatmap, write_matrix_csv};
+use super::plots::heatmap;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
-use crate::io::write_atomic;
 use crate::params::ParamStore;
 use crate::plot::line_chart;
 use crate::positional::{
     t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
+use crate::table::TextTable;
 
 /// One head's bias over positions `0..P`.
 #[derive(Clone, Debug)]
@@ -130,21 +131,26 @@ impl BiasAnalysis {
             .into_iter()
             .filter(|k| k.abs() < p)
             .collect();
-        let _ = write!(s, "  {:<8}", "head");
-        for k in &offsets {
-            let _ = write!(s, " {:>9}", format!("j-i={k}"));
-        }
-        let _ = writeln!(s, "  offset share");
+        let mut table = TextTable::new(
+            std::iter::once("  head".to_string())
+                .chain(offsets.iter().map(|k| format!("j-i={k}")))
+                .chain(["offset share".to_string()]),
+            std::iter::once(false).chain(std::iter::repeat_n(true, offsets.len() + 1)),
+        );
         for head in &self.heads {
             let curve = head.by_offset();
-            let _ = write!(s, "  {:<8}", head.label);
-            for k in &offsets {
-                // `+ 0.0` turns a -0 into 0, so the table never reads "-0.0000".
-                let _ = write!(s, " {:>9.4}", curve[(k + p - 1) as usize] + 0.0);
-            }
-            let _ = writeln!(s, "  {:>6.1}%", 100.0 * head.offset_share());
+            table.push(
+                std::iter::once(format!("  {}", head.label))
+                    // `+ 0.0` turns a -0 into 0, so the table never reads "-0.0000".
+                    .chain(
+                        offsets
+                            .iter()
+                            .map(|k| format!("{:.4}", curve[(k + p - 1) as usize] + 0.0)),
+                    )
+                    .chain([format!("{:.1}%", 100.0 * head.offset_share())]),
+            );
         }
-        s
+        s + &table.text()
     }
 
     /// `bias_by_offset.csv` and `.png`, and for an absolute scheme a heatmap per head
@@ -153,23 +159,19 @@ impl BiasAnalysis {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let p = self.heads.first().map_or(0, |h| h.matrix.rows) as i64;
         let curves: Vec<Vec<f64>> = self.heads.iter().map(HeadBias::by_offset).collect();
-        let mut csv = String::from("offset");
-        for h in &self.heads {
-            let _ = write!(csv, ",{}", h.label.replace(' ', "_"));
-        }
-        csv.push('\n');
-        for (i, k) in (-(p - 1)..p).enumerate() {
-            let _ = write!(csv, "{k}");
-            for c in &curves {
-                let _ = write!(csv, ",{}", c[i]);
-            }
-            csv.push('\n');
-        }
         let mut files = vec![
             "bias_by_offset.csv".to_string(),
             "bias_by_offset.png".into(),
         ];
-        write_atomic(&dir.join(&files[0]), csv.as_bytes())?;
+        write_columns_csv(
+            &dir.join(&files[0]),
+            "offset",
+            (-(p - 1)..p).map(|k| k.to_string()),
+            self.heads
+                .iter()
+                .zip(&curves)
+                .map(|(h, c)| (h.label.replace(' ', "_"), c.as_slice())),
+        )?;
         let series: Vec<_> = self
             .heads
             .iter()

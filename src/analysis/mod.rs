@@ -9,6 +9,7 @@
 
 pub mod bias;
 pub mod command;
+mod csv_files;
 pub mod linalg;
 pub mod order;
 pub mod pca;

@@ -5,42 +5,12 @@ use std::path::Path;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use super::csv_files::{write_matrix_csv, write_rows};
 use super::linalg::Matrix;
 use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
 use crate::io::write_atomic;
 use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, x_label, FONT};
-
-/// Typed rows as a CSV file (a header from the row's fields), written atomically.
-pub(super) fn write_rows<R: serde::Serialize>(
-    path: &Path,
-    rows: impl IntoIterator<Item = R>,
-) -> Result<()> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    for row in rows {
-        w.serialize(row).expect("analysis rows serialize to memory");
-    }
-    write_atomic(path, &w.into_inner().expect("CSV in memory"))
-}
-
-pub(super) fn write_matrix_csv(
-    path: &Path,
-    m: &Matrix,
-    first: &str,
-    row_label: impl Fn(usize) -> String,
-    col_label: impl Fn(usize) -> String,
-) -> Result<()> {
-    let mut w = csv::Writer::from_writer(Vec::with_capacity(m.data.len() * 10));
-    let header = std::iter::once(first.to_string()).chain((0..m.cols).map(col_label));
-    let fail = |e: csv::Error| crate::error::Error::io(path, e.into());
-    w.write_record(header).map_err(fail)?;
-    for r in 0..m.rows {
-        let values = m.row(r).iter().map(|v| v.to_string());
-        w.write_record(std::iter::once(row_label(r)).chain(values))
-            .map_err(fail)?;
-    }
-    write_atomic(path, &w.into_inner().expect("CSV in memory"))
-}
 
 /// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
 /// Row `r` sits at `offset.0 + r * step.0` on its axis, column `c` at `offset.1 + c * step.1`.

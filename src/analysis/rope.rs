@@ -12,8 +12,8 @@ use std::path::Path;
 use candle::{DType, Tensor};
 use serde::Serialize;
 
+use super::csv_files::{write_columns_csv, write_rows};
 use crate::error::{Error, Result};
-use crate::io::write_atomic;
 use crate::plot::{line_chart, Line};
 use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
@@ -67,20 +67,15 @@ pub fn write_wavelengths(
     dir: &Path,
 ) -> Result<Vec<String>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut csv = String::from("pair");
-    for (label, _) in curves {
-        let _ = write!(csv, ",{}", label.replace(' ', "_"));
-    }
-    csv.push('\n');
     let pairs = curves.first().map_or(0, |c| c.1.len());
-    for i in 0..pairs {
-        let _ = write!(csv, "{i}");
-        for (_, w) in curves {
-            let _ = write!(csv, ",{}", w[i]);
-        }
-        csv.push('\n');
-    }
-    write_atomic(&dir.join("rope_scaling_wavelengths.csv"), csv.as_bytes())?;
+    write_columns_csv(
+        &dir.join("rope_scaling_wavelengths.csv"),
+        "pair",
+        (0..pairs).map(|i| i.to_string()),
+        curves
+            .iter()
+            .map(|(label, w)| (label.replace(' ', "_"), w.as_slice())),
+    )?;
     let mut series: Vec<Line> = curves
         .iter()
         .map(|(label, w)| {
@@ -235,13 +230,26 @@ pub fn energy_summary(energy: &[PairEnergy]) -> String {
 /// (dashed) share per pair.
 pub fn write_energy(energy: &[PairEnergy], dir: &Path) -> Result<Vec<String>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut csv = String::from("layer,head,side,pair,share\n");
-    for e in energy {
-        for (i, v) in e.share.iter().enumerate() {
-            let _ = writeln!(csv, "{},{},{},{i},{v}", e.layer, e.head, e.side);
-        }
+    #[derive(serde::Serialize)]
+    struct Row {
+        layer: usize,
+        head: usize,
+        side: &'static str,
+        pair: usize,
+        share: f64,
     }
-    write_atomic(&dir.join("rope_energy.csv"), csv.as_bytes())?;
+    write_rows(
+        &dir.join("rope_energy.csv"),
+        energy.iter().flat_map(|e| {
+            e.share.iter().enumerate().map(|(pair, &share)| Row {
+                layer: e.layer,
+                head: e.head,
+                side: e.side,
+                pair,
+                share,
+            })
+        }),
+    )?;
     let mut files = vec!["rope_energy.csv".to_string()];
     let layers = energy.iter().map(|e| e.layer).max().map_or(0, |l| l + 1);
     for layer in 0..layers {

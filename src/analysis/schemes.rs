@@ -8,9 +8,9 @@ use std::path::Path;
 use candle::{DType, Tensor};
 
 use super::bias::HeadBias;
+use super::csv_files::{write_columns_csv, write_records_csv, write_rows};
 use super::linalg::Matrix;
 use crate::error::{Error, Result};
-use crate::io::write_atomic;
 use crate::plot::{line_chart, Line};
 use crate::positional::{rope_frequencies, rotary_dim, Fox, PositionalModule, PropeOptions};
 use crate::Encoder;
@@ -90,21 +90,19 @@ impl FireCurves {
     /// the span (where FIRE's interpolation makes the lengths' curves meet).
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let mut csv = String::from("length,offset,relative_offset");
         let heads = self.curves.first().map_or(0, |c| c.1.len());
-        for h in 0..heads {
-            let _ = write!(csv, ",H{h}");
-        }
-        csv.push('\n');
+        let mut rows: Vec<Vec<String>> = Vec::new();
         let mut lines: Vec<(usize, usize, Line, Line)> = Vec::new();
         for (index, (n, curves)) in self.curves.iter().enumerate() {
             let m = *n as i64 - 1;
             for (i, k) in (-m..=m).enumerate() {
-                let _ = write!(csv, "{n},{k},{}", k as f64 / m.max(1) as f64);
-                for c in curves {
-                    let _ = write!(csv, ",{}", c[i]);
-                }
-                csv.push('\n');
+                let relative = k as f64 / m.max(1) as f64;
+                rows.push(
+                    [n.to_string(), k.to_string(), relative.to_string()]
+                        .into_iter()
+                        .chain(curves.iter().map(|c| c[i].to_string()))
+                        .collect(),
+                );
             }
             for (h, c) in curves.iter().enumerate() {
                 let points = |scale: f64| -> Vec<(f64, f64)> {
@@ -127,7 +125,11 @@ impl FireCurves {
             "fire_by_offset.png".into(),
             "fire_by_relative_offset.png".into(),
         ];
-        write_atomic(&dir.join(&files[0]), csv.as_bytes())?;
+        let header = ["length", "offset", "relative_offset"]
+            .map(String::from)
+            .into_iter()
+            .chain((0..heads).map(|h| format!("H{h}")));
+        write_records_csv(&dir.join(&files[0]), header, rows)?;
         line_chart(
             &dir.join(&files[1]),
             &format!("{}: bias by offset", self.title),
@@ -177,18 +179,6 @@ pub fn write_spectra(
     dir: &Path,
 ) -> Result<(String, Vec<String>)> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut csv = String::from("pair");
-    for (label, _) in spectra {
-        let _ = write!(csv, ",{}", label.replace(' ', "_"));
-    }
-    csv.push('\n');
-    for i in 0..head_dim / 2 {
-        let _ = write!(csv, "{i}");
-        for (_, w) in spectra {
-            let _ = write!(csv, ",{}", w[i]);
-        }
-        csv.push('\n');
-    }
     let mut summary = format!(
         "rotation spectra of a head of {head_dim} ({} pairs): angular frequency per pair, 0 \
          where a pair is not rotated\n",
@@ -221,7 +211,14 @@ pub fn write_spectra(
         })
         .collect();
     let files = vec!["spectrum.csv".to_string(), "spectrum.png".into()];
-    write_atomic(&dir.join(&files[0]), csv.as_bytes())?;
+    write_columns_csv(
+        &dir.join(&files[0]),
+        "pair",
+        (0..head_dim / 2).map(|i| i.to_string()),
+        spectra
+            .iter()
+            .map(|(label, w)| (label.replace(' ', "_"), w.as_slice())),
+    )?;
     line_chart(
         &dir.join(&files[1]),
         &format!("rotation frequencies of a head of {head_dim}: the pairs each scheme rotates"),
@@ -357,21 +354,36 @@ impl FoxGateAnalysis {
     /// `fox_gates.csv` (per layer and token) and `fox_decay.csv` / `.png` (from one query).
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let mut gates = String::from("layer,token,count,forward_gate,backward_gate\n");
-        for (layer, rows) in self.by_token.iter().enumerate() {
-            for (token, n, f, b) in rows {
-                let token = token.replace(['"', ','], " ");
-                let _ = writeln!(gates, "{layer},{token},{n},{f},{b}");
-            }
+        #[derive(serde::Serialize)]
+        struct Gate<'a> {
+            layer: usize,
+            token: &'a str,
+            count: usize,
+            forward_gate: f64,
+            backward_gate: f64,
         }
-        let mut csv = String::from("layer,head,key,token,offset,bias\n");
+        #[derive(serde::Serialize)]
+        struct Decay<'a> {
+            layer: usize,
+            head: usize,
+            key: usize,
+            token: &'a str,
+            offset: i64,
+            bias: f64,
+        }
+        let mut decay = Vec::new();
         let mut series: Vec<Line> = Vec::new();
         for (layer, heads) in self.decay.iter().enumerate() {
             for (head, row) in heads.iter().enumerate() {
-                for (j, v) in row.iter().enumerate() {
-                    let token = self.tokens[j].replace(['"', ','], " ");
-                    let offset = j as i64 - self.query as i64;
-                    let _ = writeln!(csv, "{layer},{head},{j},{token},{offset},{v}");
+                for (key, &bias) in row.iter().enumerate() {
+                    decay.push(Decay {
+                        layer,
+                        head,
+                        key,
+                        token: &self.tokens[key],
+                        offset: key as i64 - self.query as i64,
+                        bias,
+                    });
                 }
                 let pts = row
                     .iter()
@@ -386,8 +398,19 @@ impl FoxGateAnalysis {
             "fox_decay.csv".into(),
             "fox_decay.png".into(),
         ];
-        write_atomic(&dir.join(&files[0]), gates.as_bytes())?;
-        write_atomic(&dir.join(&files[1]), csv.as_bytes())?;
+        write_rows(
+            &dir.join(&files[0]),
+            self.by_token.iter().enumerate().flat_map(|(layer, rows)| {
+                rows.iter().map(move |(token, count, f, b)| Gate {
+                    layer,
+                    token,
+                    count: *count,
+                    forward_gate: *f,
+                    backward_gate: *b,
+                })
+            }),
+        )?;
+        write_rows(&dir.join(&files[1]), decay)?;
         line_chart(
             &dir.join(&files[2]),
             &format!(

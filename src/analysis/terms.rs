@@ -308,22 +308,8 @@ pub fn rotation_summary(terms: &[RotationTerms]) -> String {
 
 /// `rotation_terms.csv`, and `rotation_terms.png`: each head's rotation share by layer.
 pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<String>> {
-    use std::fmt::Write as _;
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let mut csv = String::from("layer,plan,head,content,rotation,share\n");
-    for t in terms {
-        let _ = writeln!(
-            csv,
-            "{},{},{},{},{},{}",
-            t.layer,
-            t.plan.replace(',', ";"),
-            t.head,
-            t.content,
-            t.rotation,
-            t.share
-        );
-    }
-    crate::io::write_atomic(&dir.join("rotation_terms.csv"), csv.as_bytes())?;
+    super::csv_files::write_rows(&dir.join("rotation_terms.csv"), terms)?;
     let heads = terms.iter().map(|t| t.head).max().map_or(0, |h| h + 1);
     let series: Vec<crate::plot::Line> = (0..heads)
         .map(|h| {

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
+use crate::table::TextTable;
 use crate::train::optim::{AdamW, AdamWConfig};
 
 mod plan;
@@ -405,7 +406,6 @@ fn sync(t: &Tensor) -> Result<()> {
 /// Measures every variant of `options`, calling `progress` before each phase.
 pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Record>> {
     let shape = &options.shape;
-    let tokens = (shape.batch * shape.seq) as f64;
     let head = HeadConfig::Classify {
         classes: shape.classes,
         pooling: Pooling::Mean,
@@ -433,109 +433,150 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             params.frozen_var_builder(DType::F32, &options.device),
         )?
         .with_backend(options.backend);
-        let (mut forward_cpu, mut forward_foreign, mut train_cpu, mut train_foreign) =
-            (None, None, None, None);
-        let forward = if options.forward_reps > 0 {
-            reset_peak_rss();
-            crate::device::reset_peak_memory(&options.device);
-            let mut ms = Vec::new();
-            for i in 0..options.warmup + options.forward_reps {
-                if i == options.warmup {
-                    forward_cpu = cpu_snap();
-                }
-                let started = Instant::now();
-                let logits = frozen.logits(&batch.ids, &batch.mask, &batch.positions(0)?, false)?;
-                sync(&logits)?;
-                if i >= options.warmup {
-                    ms.push(started.elapsed().as_secs_f64() * 1e3);
-                }
-            }
-            forward_foreign = foreign_cores(forward_cpu, cpu_snap());
-            Some(Timing::of(ms, tokens, forward_flops))
-        } else {
-            None
-        };
-        let forward_peak = forward.as_ref().and(proc_status_mib("VmHWM"));
-        let forward_peak_gpu = forward
-            .as_ref()
-            .and_then(|_| crate::device::peak_memory_mib(&options.device));
+        let forward = time_forward(options, &frozen, &batch, forward_flops)?;
         drop(frozen);
 
         progress(&format!("{variant}: training step"));
-        let mut train_parts = None;
-        let train = if options.train_reps > 0 {
-            reset_peak_rss();
-            crate::device::reset_peak_memory(&options.device);
-            params.constrain(&model.encoder().constraints())?;
-            params.exempt_from_decay(&model.undecayed());
-            let mut optimizer = AdamW::from_store(
-                &params,
-                AdamWConfig {
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: 0.01,
-                },
-            )?;
-            let (mut ms, mut parts) = (Vec::new(), [Vec::new(), Vec::new(), Vec::new()]);
-            for i in 0..options.warmup + options.train_reps {
-                if i == options.warmup {
-                    train_cpu = cpu_snap();
-                }
-                let started = Instant::now();
-                let (loss, _) = model.loss(&batch, 0, true)?;
-                sync(&loss)?;
-                let forward_done = Instant::now();
-                let grads = loss.backward()?;
-                if !options.device.is_cpu() {
-                    // Wait for the queued backward kernels, so the parts split where they ran.
-                    if let Some(g) = params
-                        .vars()
-                        .iter()
-                        .find_map(|(_, v)| grads.get(v.as_tensor()))
-                    {
-                        sync(g)?;
-                    }
-                }
-                let backward_done = Instant::now();
-                optimizer.step(&grads, 1e-4, 1.0)?;
-                sync(&params.vars()[0].1)?;
-                let done = Instant::now();
-                if i >= options.warmup {
-                    ms.push((done - started).as_secs_f64() * 1e3);
-                    parts[0].push((forward_done - started).as_secs_f64() * 1e3);
-                    parts[1].push((backward_done - forward_done).as_secs_f64() * 1e3);
-                    parts[2].push((done - backward_done).as_secs_f64() * 1e3);
-                }
-            }
-            train_foreign = foreign_cores(train_cpu, cpu_snap());
-            train_parts = Some(parts.map(|p| Timing::of(p, tokens, 0.0).median_ms));
-            Some(Timing::of(ms, tokens, train_flops))
-        } else {
-            None
-        };
+        let train = time_training(options, &model, &params, &batch, train_flops)?;
         records.push(Record {
             variant: variant.clone(),
             params: params.num_params(),
             forward_gflop: forward_flops / 1e9,
             train_gflop: train_flops / 1e9,
-            forward,
-            forward_peak_rss_mib: forward_peak,
-            train_peak_rss_mib: train.as_ref().and(proc_status_mib("VmHWM")),
-            forward_peak_gpu_mib: forward_peak_gpu,
-            train_peak_gpu_mib: train
-                .as_ref()
-                .and_then(|_| crate::device::peak_memory_mib(&options.device)),
-            train,
-            train_parts_ms: train_parts,
-            forward_foreign_cores: forward_foreign,
-            train_foreign_cores: train_foreign,
+            forward: forward.timing,
+            forward_peak_rss_mib: forward.peak_rss_mib,
+            train_peak_rss_mib: train.peak_rss_mib,
+            forward_peak_gpu_mib: forward.peak_gpu_mib,
+            train_peak_gpu_mib: train.peak_gpu_mib,
+            train: train.timing,
+            train_parts_ms: train.parts_ms,
+            forward_foreign_cores: forward.foreign_cores,
+            train_foreign_cores: train.foreign_cores,
             kernels: crate::nn::kernels_on(&options.device, shape.dtype.compute_dtype(DType::F32))
                 .name()
                 .to_string(),
         });
     }
     Ok(records)
+}
+
+/// What one phase (forward or training step) measured; all `None` when it ran no repetitions.
+#[derive(Default)]
+struct Phase {
+    timing: Option<Timing>,
+    peak_rss_mib: Option<f64>,
+    peak_gpu_mib: Option<f64>,
+    foreign_cores: Option<f64>,
+    parts_ms: Option<[f64; 3]>,
+}
+
+impl Phase {
+    /// Repetitions of `rep` after `warmup` unmeasured ones, with the peak memory and the other
+    /// processes' use of the cores over the measured ones.
+    fn measure(
+        options: &Options,
+        reps: usize,
+        mut rep: impl FnMut() -> Result<f64>,
+    ) -> Result<(Vec<f64>, Self)> {
+        if reps == 0 {
+            return Ok((Vec::new(), Self::default()));
+        }
+        reset_peak_rss();
+        crate::device::reset_peak_memory(&options.device);
+        let mut cpu = None;
+        let mut ms = Vec::new();
+        for i in 0..options.warmup + reps {
+            if i == options.warmup {
+                cpu = cpu_snap();
+            }
+            let t = rep()?;
+            if i >= options.warmup {
+                ms.push(t);
+            }
+        }
+        let phase = Self {
+            foreign_cores: foreign_cores(cpu, cpu_snap()),
+            peak_rss_mib: proc_status_mib("VmHWM"),
+            peak_gpu_mib: crate::device::peak_memory_mib(&options.device),
+            ..Self::default()
+        };
+        Ok((ms, phase))
+    }
+}
+
+/// Forward passes of `model` (no gradients) on `batch`.
+fn time_forward(options: &Options, model: &TaskModel, batch: &Batch, flops: f64) -> Result<Phase> {
+    let tokens = (options.shape.batch * options.shape.seq) as f64;
+    let positions = batch.positions(0)?;
+    let (ms, mut phase) = Phase::measure(options, options.forward_reps, || {
+        let started = Instant::now();
+        let logits = model.logits(&batch.ids, &batch.mask, &positions, false)?;
+        sync(&logits)?;
+        Ok(started.elapsed().as_secs_f64() * 1e3)
+    })?;
+    if !ms.is_empty() {
+        phase.timing = Some(Timing::of(ms, tokens, flops));
+    }
+    Ok(phase)
+}
+
+/// Training steps of `model` on `batch`: forward with the loss, backward, AdamW; each part
+/// timed.
+fn time_training(
+    options: &Options,
+    model: &TaskModel,
+    params: &ParamStore,
+    batch: &Batch,
+    flops: f64,
+) -> Result<Phase> {
+    if options.train_reps == 0 {
+        return Ok(Phase::default());
+    }
+    let tokens = (options.shape.batch * options.shape.seq) as f64;
+    params.constrain(&model.encoder().constraints())?;
+    params.exempt_from_decay(&model.undecayed());
+    let mut optimizer = AdamW::from_store(
+        params,
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+    )?;
+    let mut parts = [Vec::new(), Vec::new(), Vec::new()];
+    let mut rep = 0;
+    let (ms, mut phase) = Phase::measure(options, options.train_reps, || {
+        let started = Instant::now();
+        let (loss, _) = model.loss(batch, 0, true)?;
+        sync(&loss)?;
+        let forward_done = Instant::now();
+        let grads = loss.backward()?;
+        if !options.device.is_cpu() {
+            // Wait for the queued backward kernels, so the parts split where they ran.
+            if let Some(g) = params
+                .vars()
+                .iter()
+                .find_map(|(_, v)| grads.get(v.as_tensor()))
+            {
+                sync(g)?;
+            }
+        }
+        let backward_done = Instant::now();
+        optimizer.step(&grads, 1e-4, 1.0)?;
+        sync(&params.vars()[0].1)?;
+        let done = Instant::now();
+        if rep >= options.warmup {
+            parts[0].push((forward_done - started).as_secs_f64() * 1e3);
+            parts[1].push((backward_done - forward_done).as_secs_f64() * 1e3);
+            parts[2].push((done - backward_done).as_secs_f64() * 1e3);
+        }
+        rep += 1;
+        Ok((done - started).as_secs_f64() * 1e3)
+    })?;
+    phase.parts_ms = Some(parts.map(|p| Timing::of(p, tokens, 0.0).median_ms));
+    phase.timing = Some(Timing::of(ms, tokens, flops));
+    Ok(phase)
 }
 
 /// Milliseconds with the digits that matter at their size (a GPU step can take 3 ms).
@@ -564,16 +605,25 @@ pub fn table(records: &[Record]) -> String {
             [r.forward_peak_rss_mib, r.train_peak_rss_mib]
         }
     };
-    let _ = writeln!(
-        out,
-        "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
-        "variant", "params", "forward tok/s (ms)", "train tok/s (ms)", memory, memory
-    );
-    let _ = writeln!(
-        out,
-        "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
-        "", "", "median, min..max ms", "median, min..max ms", "forward", "train"
-    );
+    let mut main = TextTable::new(
+        [
+            "variant",
+            "params",
+            "forward tok/s (ms)",
+            "train tok/s (ms)",
+            memory,
+            memory,
+        ],
+        [false, true, true, true, true, true],
+    )
+    .with_units([
+        "",
+        "",
+        "median, min..max ms",
+        "median, min..max ms",
+        "forward",
+        "train",
+    ]);
     let cell = |t: &Option<Timing>| match t {
         Some(t) => format!(
             "{:.0} ({}, {}..{})",
@@ -587,17 +637,16 @@ pub fn table(records: &[Record]) -> String {
     let mib = |m: Option<f64>| m.map_or("-".into(), |m| format!("{m:.0} MiB"));
     for r in records {
         let [forward, train] = memory_of(r);
-        let _ = writeln!(
-            out,
-            "{:<16} {:>9} {:>28} {:>28} {:>10} {:>10}",
-            r.variant,
-            r.params,
+        main.push([
+            r.variant.clone(),
+            r.params.to_string(),
             cell(&r.forward),
             cell(&r.train),
             mib(forward),
-            mib(train)
-        );
+            mib(train),
+        ]);
     }
+    out.push_str(&main.text());
     let busy: Vec<String> = records
         .iter()
         .filter_map(|r| {
@@ -620,37 +669,33 @@ pub fn table(records: &[Record]) -> String {
         out,
         "\ntraining step, median of each part: forward with the loss / backward / optimizer"
     );
+    let mut parts = TextTable::new(["variant", "parts"], [false, false]);
     for r in records {
         if let Some([f, b, o]) = r.train_parts_ms {
-            let _ = writeln!(
-                out,
-                "  {:<16} {} / {} / {} ms",
-                r.variant,
-                ms(f),
-                ms(b),
-                ms(o)
-            );
+            parts.push([
+                r.variant.clone(),
+                format!("{} / {} / {} ms", ms(f), ms(b), ms(o)),
+            ]);
         }
     }
+    out.push_str(&parts.list(2));
     let _ = writeln!(
         out,
         "\nFLOPs per step (forward / training = 3 x forward) and effective rates at the median:"
     );
+    let rate = |t: &Option<Timing>| {
+        t.as_ref()
+            .map_or("-".into(), |t| format!("{:.1} GFLOP/s", t.gflops))
+    };
+    let mut flops = TextTable::new(["variant", "GFLOP", "rates"], [false, true, false]);
     for r in records {
-        let rate = |t: &Option<Timing>| {
-            t.as_ref()
-                .map_or("-".into(), |t| format!("{:.1} GFLOP/s", t.gflops))
-        };
-        let _ = writeln!(
-            out,
-            "  {:<16} {:.2} / {:.2} GFLOP   forward {}, training {}",
-            r.variant,
-            r.forward_gflop,
-            r.train_gflop,
-            rate(&r.forward),
-            rate(&r.train)
-        );
+        flops.push([
+            r.variant.clone(),
+            format!("{:.2} / {:.2} GFLOP", r.forward_gflop, r.train_gflop),
+            format!("forward {}, training {}", rate(&r.forward), rate(&r.train)),
+        ]);
     }
+    out.push_str(&flops.list(2));
     out
 }
 
@@ -939,51 +984,117 @@ pub fn cost_table(costs: &[Cost]) -> String {
         "cost over {base}, {rounds} interleaved round{} (best round of each; paired: this / {base} in the same round, median lowest..highest)",
         if rounds == 1 { "" } else { "s" }
     );
-    let _ = writeln!(
-        out,
-        "{:<14} {:>14} {:>10} {:>16} {:>10} {:>26}",
-        "variant", "train ms/step", "cost", "forward ms/step", "cost", "train cost paired"
+    let mut table = TextTable::new(
+        [
+            "variant",
+            "train ms/step",
+            "cost",
+            "forward ms/step",
+            "cost",
+            "train cost paired",
+        ],
+        [false, true, true, true, true, true],
     );
+    let pct = |v: f64| format!("{:+.1}%", 100.0 * v);
     for c in costs {
-        let pct = |v: f64| format!("{:+.1}%", 100.0 * v);
         let [m, lo, hi] = c.train_cost_paired;
-        let _ = writeln!(
-            out,
-            "{:<14} {:>14.0} {:>10} {:>16.0} {:>10} {:>26}",
-            c.variant,
-            c.best_train_ms,
+        table.push([
+            c.variant.clone(),
+            format!("{:.0}", c.best_train_ms),
             pct(c.train_cost),
-            c.best_forward_ms,
+            format!("{:.0}", c.best_forward_ms),
             pct(c.forward_cost),
-            format!("{} ({}..{})", pct(m), pct(lo), pct(hi))
-        );
+            format!("{} ({}..{})", pct(m), pct(lo), pct(hi)),
+        ]);
     }
+    out.push_str(&table.text());
     out
 }
 
-/// The side-by-side table of [`ratios`], with the positional overheads of each framework.
+/// The side-by-side report of [`ratios`]: the throughput table, then each framework's step
+/// parts, best rounds and positional overheads, then what made the figures unsteady.
 pub fn ratio_table(ratios: &[Ratio]) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::new();
     let rounds = ratios.first().map_or(0, |r| r.rounds);
-    let _ = writeln!(
-        out,
-        "poslab vs PyTorch, {rounds} interleaved round{} (medians of the rounds' medians; ratio = poslab / PyTorch, lowest..highest round)",
+    let mut out = format!(
+        "poslab vs PyTorch, {rounds} interleaved round{} (medians of the rounds' medians; ratio = \
+         poslab / PyTorch, lowest..highest round)\n",
         if rounds == 1 { "" } else { "s" }
     );
-    let gpu = ratios.iter().any(|r| r.poslab_train_peak_gpu_mib.is_some());
-    let _ = writeln!(
-        out,
-        "{:<16} {:>34} {:>34} {:>22}",
-        "variant",
-        "forward tok/s poslab | torch",
-        "train tok/s poslab | torch",
-        if gpu {
-            "train peak GPU MiB"
-        } else {
-            "train peak RSS MiB"
-        }
+    out.push_str(&ratio_main(ratios).text());
+    out.push_str("\ntraining step parts, ms (forward / backward / optimizer), poslab | torch\n");
+    let parts = |p: Option<[f64; 3]>| {
+        p.map_or("-".into(), |[a, b, c]| {
+            format!("{} / {} / {}", ms(a), ms(b), ms(c))
+        })
+    };
+    out.push_str(&ratio_list(ratios, |r| {
+        vec![
+            parts(r.poslab_train_parts_ms),
+            "|".into(),
+            parts(r.torch_train_parts_ms),
+        ]
+    }));
+    out.push_str(
+        "\nbest round of each side (the least contended: a shared host only ever slows a run)\n",
     );
+    out.push_str(&ratio_list(ratios, |r| {
+        let [f, t] = [r.best_forward, r.best_train];
+        vec![
+            format!("forward {:.0} | {:.0}", f[0], f[1]),
+            format!("{:.2}x", f[0] / f[1]),
+            format!("train {:.0} | {:.0}", t[0], t[1]),
+            format!("{:.2}x", t[0] / t[1]),
+        ]
+    }));
+    if let Some(base) = ratios.iter().find(|r| r.variant == "sin_add") {
+        out.push_str(
+            "\ntraining cost over sin_add (time per step), poslab | torch: medians; best rounds\n",
+        );
+        let others: Vec<Ratio> = ratios
+            .iter()
+            .filter(|r| r.variant != "sin_add")
+            .cloned()
+            .collect();
+        let pct = |a: f64, b: f64| format!("{:+.1}%", (a / b - 1.0) * 100.0);
+        out.push_str(&ratio_list(&others, |r| {
+            vec![
+                format!(
+                    "{} | {};",
+                    pct(base.poslab_train, r.poslab_train),
+                    pct(base.torch_train, r.torch_train)
+                ),
+                format!(
+                    "{} | {}",
+                    pct(base.best_train[0], r.best_train[0]),
+                    pct(base.best_train[1], r.best_train[1])
+                ),
+            ]
+        }));
+    }
+    out.push_str(&ratio_warnings(ratios));
+    out
+}
+
+/// Throughput of both sides with their ratio, and peak memory, per variant.
+fn ratio_main(ratios: &[Ratio]) -> TextTable {
+    let gpu = ratios.iter().any(|r| r.poslab_train_peak_gpu_mib.is_some());
+    let memory = if gpu {
+        "train peak GPU MiB"
+    } else {
+        "train peak RSS MiB"
+    };
+    let mut table = TextTable::new(
+        [
+            "variant",
+            "forward tok/s poslab | torch",
+            "train tok/s poslab | torch",
+            memory,
+        ],
+        [false, true, true, true],
+    );
+    let side = |p: f64, t: f64, ratio: f64, [lo, hi]: [f64; 2]| {
+        format!("{p:.0} | {t:.0}  {ratio:.2}x ({lo:.2}..{hi:.2})")
+    };
     for r in ratios {
         let memory = if gpu {
             (r.poslab_train_peak_gpu_mib, r.torch_train_peak_gpu_mib)
@@ -995,82 +1106,43 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
             (Some(a), None) => format!("{a:.0} | -"),
             _ => "-".into(),
         };
-        let _ = writeln!(
-            out,
-            "{:<16} {:>34} {:>34} {:>22}",
-            r.variant,
-            format!(
-                "{:.0} | {:.0}  {:.2}x ({:.2}..{:.2})",
+        table.push([
+            r.variant.clone(),
+            side(
                 r.poslab_forward,
                 r.torch_forward,
                 r.forward_ratio,
-                r.forward_ratio_range[0],
-                r.forward_ratio_range[1]
+                r.forward_ratio_range,
             ),
-            format!(
-                "{:.0} | {:.0}  {:.2}x ({:.2}..{:.2})",
+            side(
                 r.poslab_train,
                 r.torch_train,
                 r.train_ratio,
-                r.train_ratio_range[0],
-                r.train_ratio_range[1]
+                r.train_ratio_range,
             ),
-            rss
-        );
+            rss,
+        ]);
     }
-    let _ = writeln!(
-        out,
-        "\ntraining step parts, ms (forward / backward / optimizer), poslab | torch"
-    );
-    for r in ratios {
-        let fmt = |p: Option<[f64; 3]>| {
-            p.map_or("-".into(), |[a, b, c]| {
-                format!("{} / {} / {}", ms(a), ms(b), ms(c))
-            })
-        };
-        let _ = writeln!(
-            out,
-            "  {:<16} {} | {}",
-            r.variant,
-            fmt(r.poslab_train_parts_ms),
-            fmt(r.torch_train_parts_ms)
-        );
+    table
+}
+
+/// An indented list with a line per variant: its name, then `cells` of it, aligned.
+fn ratio_list(ratios: &[Ratio], cells: impl Fn(&Ratio) -> Vec<String>) -> String {
+    let rows: Vec<Vec<String>> = ratios
+        .iter()
+        .map(|r| std::iter::once(r.variant.clone()).chain(cells(r)).collect())
+        .collect();
+    let columns = rows.first().map_or(1, Vec::len);
+    let mut list = TextTable::new(vec![String::new(); columns], vec![false; columns]);
+    for row in rows {
+        list.push(row);
     }
-    let _ = writeln!(
-        out,
-        "\nbest round of each side (the least contended: a shared host only ever slows a run)"
-    );
-    for r in ratios {
-        let _ = writeln!(
-            out,
-            "  {:<16} forward {:.0} | {:.0}  {:.2}x    train {:.0} | {:.0}  {:.2}x",
-            r.variant,
-            r.best_forward[0],
-            r.best_forward[1],
-            r.best_forward[0] / r.best_forward[1],
-            r.best_train[0],
-            r.best_train[1],
-            r.best_train[0] / r.best_train[1]
-        );
-    }
-    let find = |name: &str| ratios.iter().find(|r| r.variant == name);
-    if let Some(base) = find("sin_add") {
-        let _ = writeln!(
-            out,
-            "\ntraining cost over sin_add (time per step), poslab | torch: medians; best rounds"
-        );
-        for r in ratios.iter().filter(|r| r.variant != "sin_add") {
-            let _ = writeln!(
-                out,
-                "  {:<16} {:+.1}% | {:+.1}%;  {:+.1}% | {:+.1}%",
-                r.variant,
-                (base.poslab_train / r.poslab_train - 1.0) * 100.0,
-                (base.torch_train / r.torch_train - 1.0) * 100.0,
-                (base.best_train[0] / r.best_train[0] - 1.0) * 100.0,
-                (base.best_train[1] / r.best_train[1] - 1.0) * 100.0
-            );
-        }
-    }
+    list.list(2)
+}
+
+/// Notes on rounds that differed, and warnings on other processes that were busy.
+fn ratio_warnings(ratios: &[Ratio]) -> String {
+    let mut out = String::new();
     let unsteady: Vec<String> = ratios
         .iter()
         .filter(|r| r.train_spread.iter().any(|s| *s > 1.25))
@@ -1082,12 +1154,11 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
         })
         .collect();
     if !unsteady.is_empty() {
-        let _ = writeln!(
-            out,
+        out.push_str(&format!(
             "\nnote: rounds differed by more than 25% for {}; where nothing in this machine was \
-             busy, the host was (steal or a sibling hyperthread): read the best-round ratios",
+             busy, the host was (steal or a sibling hyperthread): read the best-round ratios\n",
             unsteady.join(", ")
-        );
+        ));
     }
     let busy: Vec<String> = ratios
         .iter()
@@ -1095,11 +1166,10 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
         .map(|r| format!("{} ({:.2} cores)", r.variant, r.worst_foreign_cores))
         .collect();
     if !busy.is_empty() {
-        let _ = writeln!(
-            out,
-            "\nwarning: other processes were busy during {}; rerun when the machine is idle",
+        out.push_str(&format!(
+            "\nwarning: other processes were busy during {}; rerun when the machine is idle\n",
             busy.join(", ")
-        );
+        ));
     }
     out
 }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use poslab::experiment::{self, estimate, run, ExperimentConfig, Selection};
 use poslab::progress::{human_duration, Progress};
+use poslab::table::TextTable;
 
 use super::Compute;
 
@@ -202,35 +203,30 @@ fn print_estimate(
          and the default compare reach on one core of this project's AMD EPYC machine, 13-18; \
          --gflops sets it):\n"
     );
-    let width = e
-        .cells
-        .iter()
-        .map(|c| c.name.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    outln!(
-        "{:<width$}  {:>9}  {:>6}  {:>11}  {:>11}  {:>10}  {:>9}",
-        "cell",
-        "params",
-        "steps",
-        "tokens/step",
-        "train GFLOP",
-        "test GFLOP",
-        "est. time"
+    let mut table = TextTable::new(
+        [
+            "cell",
+            "params",
+            "steps",
+            "tokens/step",
+            "train GFLOP",
+            "test GFLOP",
+            "est. time",
+        ],
+        [false, true, true, true, true, true, true],
     );
     for c in &e.cells {
-        outln!(
-            "{:<width$}  {:>9}  {:>6}  {:>11.0}  {:>11.1}  {:>10.1}  {:>9}",
-            c.name,
-            c.params,
-            c.steps,
-            c.tokens_per_step,
-            c.train_flop / 1e9,
-            c.eval_flop / 1e9,
-            human_duration(seconds(c.flop()))
-        );
+        table.push([
+            c.name.clone(),
+            c.params.to_string(),
+            c.steps.to_string(),
+            format!("{:.0}", c.tokens_per_step),
+            format!("{:.1}", c.train_flop / 1e9),
+            format!("{:.1}", c.eval_flop / 1e9),
+            human_duration(seconds(c.flop())),
+        ]);
     }
+    out!("{}", table.text());
     let total: f64 = e.cells.iter().map(|c| c.flop()).sum();
     let jobs = jobs.clamp(1, e.cells.len().max(1));
     outln!(

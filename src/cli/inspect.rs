@@ -7,6 +7,7 @@ use candle::{DType, Device};
 use poslab::experiment::folder::{self, FolderKind};
 use poslab::experiment::{report, ExperimentConfig, Selection};
 use poslab::positional::DEFAULT_BASE;
+use poslab::table::TextTable;
 use poslab::train_run;
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
@@ -484,15 +485,18 @@ fn scheme_table(config: &ModelConfig) -> Result<()> {
         None => schemes.push(config.positional.clone()),
     }
     outln!("\nparameters of this shape under each scheme:");
-    outln!(
-        "  {:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  where",
-        "scheme",
-        "tokens",
-        "positions",
-        "attention",
-        "ffn",
-        "norms",
-        "total"
+    let mut table = TextTable::new(
+        [
+            "  scheme",
+            "tokens",
+            "positions",
+            "attention",
+            "ffn",
+            "norms",
+            "total",
+            "where",
+        ],
+        [false, true, true, true, true, true, true, false],
     );
     for positional in schemes {
         let label = label(&positional);
@@ -514,24 +518,28 @@ fn scheme_table(config: &ModelConfig) -> Result<()> {
             layers,
             ..config.clone()
         };
+        let name = format!("{marker} {label}");
         match variant.validate() {
-            Err(e) => outln!("{marker} {label:<40} cannot be built at this shape: {e}"),
+            Err(e) => table.push(
+                [name]
+                    .into_iter()
+                    .chain(std::iter::repeat_n("-".to_string(), 6))
+                    .chain([format!("cannot be built at this shape: {e}")]),
+            ),
             Ok(()) => {
                 let groups =
                     parameter_groups(&variant).with_context(|| format!("building {label}"))?;
                 let total: usize = groups.iter().map(|g| g.1).sum();
-                outln!(
-                    "{marker} {label:<40} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11}  {where_}",
-                    groups[0].1,
-                    groups[1].1,
-                    groups[2].1,
-                    groups[3].1,
-                    groups[4].1,
-                    total
+                table.push(
+                    [name]
+                        .into_iter()
+                        .chain(groups.iter().map(|g| g.1.to_string()))
+                        .chain([total.to_string(), where_.to_string()]),
                 );
             }
         }
     }
+    out!("{}", table.text());
     outln!(
         "\nFixed tables (sinusoids, RoPE and p-RoPE cos/sin, ALiBi's slopes) are computed, not \
          trained, and are not counted. \"positions\" counts every weight a scheme's module holds: \

@@ -50,16 +50,7 @@ pub(crate) fn prepare(
     template: bool,
 ) -> Result<Prepared<'_>> {
     let tok = &data.tokenizer;
-    let head = match &data.objective {
-        Objective::Classify { labels } => HeadConfig::Classify {
-            classes: labels.len(),
-            pooling,
-        },
-        Objective::Tag { labels } => HeadConfig::Tag {
-            classes: labels.len(),
-        },
-        Objective::Mlm { .. } => HeadConfig::Mlm,
-    };
+    let head = head_of(&data.objective, pooling);
     let framing = crate::data::Framing::of(tok, template, head.reads_first_token())?;
     let masking = match &data.objective {
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
@@ -72,20 +63,19 @@ pub(crate) fn prepare(
         .iter()
         .map(|t| Dataset::encode(&t.examples, tok, framing, data.limit))
         .collect::<Result<Vec<_>>>()?;
-    let mut notes = Vec::new();
-    for (what, set) in [("training", &train), ("validation", &valid)]
+    let notes: Vec<String> = [("training", &train), ("validation", &valid)]
         .into_iter()
         .chain(sets.iter().map(|s| ("test", s)))
-    {
-        if set.truncated > 0 {
-            notes.push(format!(
+        .filter(|(_, set)| set.truncated > 0)
+        .map(|(what, set)| {
+            format!(
                 "{} of {} {what} examples were cut to max_tokens = {} (truncate = true)",
                 set.truncated,
                 set.samples.len(),
                 data.limit.max_tokens.unwrap_or(0)
-            ));
-        }
-    }
+            )
+        })
+        .collect();
     // MLM masks (and randomized positions) of a test, the same for every model.
     let mask_seed = |t: &crate::tasks::TestSet| match t.factor {
         Some(factor) => derive_seed(spec.data_seed, "test masks", factor as u64),
@@ -127,7 +117,43 @@ pub(crate) fn prepare(
         start: shift,
         mask_seed: base_seed,
     });
-    let info = TaskInfo {
+    let info = task_info(spec, &data, shift, shuffle_test, notes);
+    Ok(Prepared {
+        spec,
+        data,
+        head,
+        masking,
+        train,
+        valid,
+        sets,
+        tests,
+        info,
+    })
+}
+
+/// The head a task's objective needs.
+fn head_of(objective: &Objective, pooling: Pooling) -> HeadConfig {
+    match objective {
+        Objective::Classify { labels } => HeadConfig::Classify {
+            classes: labels.len(),
+            pooling,
+        },
+        Objective::Tag { labels } => HeadConfig::Tag {
+            classes: labels.len(),
+        },
+        Objective::Mlm { .. } => HeadConfig::Mlm,
+    }
+}
+
+/// What the report says of a task: its lengths, its tests and its notes.
+fn task_info(
+    spec: &TaskSpec,
+    data: &TaskData,
+    shift: usize,
+    shuffle_test: bool,
+    notes: Vec<String>,
+) -> TaskInfo {
+    TaskInfo {
         name: spec.name.clone(),
         kind: spec.kind.name().into(),
         metric: data.objective.metric().into(),
@@ -144,22 +170,11 @@ pub(crate) fn prepare(
         shift: Some(shift),
         shuffle_test,
         order_blind_ceiling: data.order_blind_ceiling.clone(),
-        vocab_size: tok.vocab_size(),
+        vocab_size: data.tokenizer.vocab_size(),
         notes,
         score_above: matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_))
             .then(|| spec.lengths.map_or(0, |l| l[1])),
-    };
-    Ok(Prepared {
-        spec,
-        data,
-        head,
-        masking,
-        train,
-        valid,
-        sets,
-        tests,
-        info,
-    })
+    }
 }
 
 impl Prepared<'_> {

@@ -13,6 +13,7 @@ use super::results::{
 use super::{ExperimentConfig, Selection, Shard};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, FolderLock};
+use crate::table::TextTable;
 
 pub use super::folder::{load_run_config, CONFIG_TOML, RESULTS_JSON, TIMING_JSON};
 
@@ -78,62 +79,6 @@ fn timing_stats(timings: &[Timing]) -> BTreeMap<(&str, &str), (Stat, Stat)> {
         .collect()
 }
 
-/// A table: header, rows, and which columns align right.
-struct Table {
-    header: Vec<String>,
-    rows: Vec<Vec<String>>,
-    right: Vec<bool>,
-}
-
-impl Table {
-    fn text(&self) -> String {
-        let widths: Vec<usize> = (0..self.header.len())
-            .map(|c| {
-                std::iter::once(&self.header)
-                    .chain(&self.rows)
-                    .map(|r| r[c].chars().count())
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let line = |r: &[String]| {
-            let cells: Vec<String> = r
-                .iter()
-                .enumerate()
-                .map(|(c, v)| {
-                    if self.right[c] {
-                        format!("{v:>w$}", w = widths[c])
-                    } else {
-                        format!("{v:<w$}", w = widths[c])
-                    }
-                })
-                .collect();
-            cells.join("  ").trim_end().to_string()
-        };
-        let mut out = line(&self.header);
-        out.push('\n');
-        for r in &self.rows {
-            out.push_str(&line(r));
-            out.push('\n');
-        }
-        out
-    }
-
-    fn markdown(&self) -> String {
-        let mut out = format!("| {} |\n", self.header.join(" | "));
-        let rule: Vec<&str> = self
-            .right
-            .iter()
-            .map(|&r| if r { "---:" } else { "---" })
-            .collect();
-        out.push_str(&format!("| {} |\n", rule.join(" | ")));
-        for r in &self.rows {
-            out.push_str(&format!("| {} |\n", r.join(" | ")));
-        }
-        out
-    }
-}
-
 /// The tables of a task (scores by length; order tests and cost; for the length suite,
 /// whole-sequence accuracy) and their notes.
 fn task_tables(
@@ -141,16 +86,16 @@ fn task_tables(
     rows: &[&SummaryRow],
     results: &Results,
     timings: &[Timing],
-) -> (Table, Table, Option<Table>, Vec<String>) {
+) -> (TextTable, TextTable, Option<TextTable>, Vec<String>) {
     let mut notes = Notes::default();
     let times = timing_stats(timings);
     let variant = |name: &str| results.variants.iter().find(|v| v.name == name);
-    let mut scores = Table {
+    let mut scores = TextTable {
         header: ["variant", "where", "width", "params"]
             .map(String::from)
             .to_vec(),
-        rows: Vec::new(),
         right: vec![false, false, true, true],
+        ..TextTable::default()
     };
     for t in &task.tests {
         scores.header.push(match t.factor {
@@ -160,7 +105,7 @@ fn task_tables(
         scores.right.push(true);
     }
     // Length-suite tasks: whole-sequence accuracy beside the per-output one.
-    let mut sequences = task.score_above.map(|_| Table {
+    let mut sequences = task.score_above.map(|_| TextTable {
         header: std::iter::once("variant".to_string())
             .chain(
                 task.tests
@@ -169,21 +114,21 @@ fn task_tables(
             )
             .chain([super::results::SCORE.to_string()])
             .collect(),
-        rows: Vec::new(),
         right: std::iter::once(false)
             .chain(std::iter::repeat_n(true, task.tests.len() + 1))
             .collect(),
+        ..TextTable::default()
     });
     let order_cols: Vec<String> = task.columns().into_iter().skip(task.tests.len()).collect();
-    let mut tests = Table {
+    let mut tests = TextTable {
         header: std::iter::once("variant".to_string())
             .chain(order_cols.iter().cloned())
             .chain(["train loss", "tokens/s", "s/run"].map(String::from))
             .collect(),
-        rows: Vec::new(),
         right: std::iter::once(false)
             .chain(std::iter::repeat_n(true, order_cols.len() + 3))
             .collect(),
+        ..TextTable::default()
     };
     for row in rows {
         let info = variant(&row.variant);
@@ -277,9 +222,9 @@ fn task_heading(task: &TaskInfo, rows: &[&SummaryRow]) -> String {
 struct Section<'a> {
     task: &'a TaskInfo,
     heading: String,
-    scores: Table,
-    tests: Table,
-    sequences: Option<Table>,
+    scores: TextTable,
+    tests: TextTable,
+    sequences: Option<TextTable>,
     notes: Vec<String>,
 }
 
@@ -314,16 +259,16 @@ fn sections<'a>(results: &'a Results, timings: &[Timing]) -> Vec<Section<'a>> {
 /// seeds), and the gain of randomized positions for each scheme; `None` without suite tasks.
 /// The length suite's score table, and the randomized-positions gain table where the
 /// experiment runs a scheme both with and without randomized positions.
-fn suite_tables(results: &Results) -> Option<(Table, Option<Table>)> {
+fn suite_tables(results: &Results) -> Option<(TextTable, Option<TextTable>)> {
     let summary = super::suite::summarize(results)?;
-    let mut scores = Table {
+    let mut scores = TextTable {
         header: std::iter::once("task".to_string())
             .chain(summary.variants.iter().cloned())
             .collect(),
-        rows: Vec::new(),
         right: std::iter::once(false)
             .chain(std::iter::repeat_n(true, summary.variants.len()))
             .collect(),
+        ..TextTable::default()
     };
     for (task, row) in summary.tasks.iter().zip(&summary.scores) {
         scores.rows.push(
@@ -336,7 +281,7 @@ fn suite_tables(results: &Results) -> Option<(Table, Option<Table>)> {
                 .collect(),
         );
     }
-    let mut gains = Table {
+    let mut gains = TextTable {
         header: [
             "scheme",
             "plain",
@@ -348,8 +293,8 @@ fn suite_tables(results: &Results) -> Option<(Table, Option<Table>)> {
         ]
         .map(String::from)
         .to_vec(),
-        rows: Vec::new(),
         right: vec![false, false, false, true, true, true, true],
+        ..TextTable::default()
     };
     for g in &summary.gains {
         gains.rows.push(vec![

@@ -421,6 +421,65 @@ pub(crate) fn prepare_checked<'a>(
     Ok((task_ids, prepared))
 }
 
+/// Writes a trained cell's record into the run folder (with the kill points a test stops
+/// at), and gives back the record and its report line.
+fn commit_cell(
+    options: &RunOptions,
+    i: usize,
+    (record, line): (CellRecord, String),
+) -> Result<(CellRecord, String)> {
+    kill_point(options, || format!("cell-{i}-saved"));
+    folder::write_cell(&options.dir, &record, &|| {
+        kill_point(options, || format!("cell-{i}-record"))
+    })?;
+    kill_point(options, || format!("cell-{i}-done"));
+    Ok((record, line))
+}
+
+/// The bar over all cells.
+fn overall_bar(multi: &MultiProgress, cells: usize) -> ProgressBar {
+    let overall = multi.add(ProgressBar::new(cells as u64));
+    overall.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>12} [{bar:30}] {pos}/{len} cells, {elapsed} elapsed{msg}",
+        )
+        .expect("template")
+        .progress_chars("=> "),
+    );
+    overall.set_prefix("compare");
+    overall
+}
+
+/// `2 jobs x 1 thread`: how the cells share the machine.
+fn threads_label(jobs: usize) -> String {
+    let threads = candle::utils::get_num_threads();
+    let s = |n: usize| if n == 1 { "" } else { "s" };
+    format!("{jobs} job{} x {threads} thread{}", s(jobs), s(threads))
+}
+
+/// A cell is done: the overall bar moves on with the time left, and its line is printed.
+fn cell_finished(
+    overall: &ProgressBar,
+    multi: &MultiProgress,
+    log: &(dyn Fn(&str) + Sync),
+    line: &str,
+) {
+    overall.inc(1);
+    // The time left, once a cell has finished to estimate it from.
+    let (done, total) = (overall.position(), overall.length().unwrap_or(0));
+    if done > 0 && done < total {
+        // Wall time per finished cell, parallel jobs included.
+        let per = overall.elapsed().as_secs_f64() / done as f64;
+        let left = per * (total - done) as f64;
+        overall.set_message(format!(", about {}s left", left.round()));
+    }
+    if multi.is_hidden() {
+        log(line);
+    } else {
+        let _ = multi.println(line);
+    }
+}
+
 /// Trains the `pending` cells (indices into `selected`), committing each as it finishes;
 /// returns their records by index.
 fn train_cells(
@@ -455,15 +514,7 @@ fn train_cells(
     } else {
         ProgressDrawTarget::hidden()
     });
-    let overall = multi.add(ProgressBar::new(cells.len() as u64));
-    overall.set_style(
-        ProgressStyle::with_template(
-            "{prefix:>12} [{bar:30}] {pos}/{len} cells, {elapsed} elapsed{msg}",
-        )
-        .expect("template")
-        .progress_chars("=> "),
-    );
-    overall.set_prefix("compare");
+    let overall = overall_bar(&multi, cells.len());
     let jobs = options.jobs.clamp(1, cells.len().max(1));
     let shared = Shared {
         config,
@@ -473,22 +524,12 @@ fn train_cells(
         style: ProgressStyle::with_template("{prefix:>40} [{bar:30}] {pos}/{len} steps {msg}")
             .expect("template")
             .progress_chars("=> "),
-        threads: format!(
-            "{jobs} job{} x {} thread{}",
-            if jobs == 1 { "" } else { "s" },
-            candle::utils::get_num_threads(),
-            if candle::utils::get_num_threads() == 1 {
-                ""
-            } else {
-                "s"
-            }
-        ),
+        threads: threads_label(jobs),
     };
 
     let next = AtomicUsize::new(0);
     let outputs: Mutex<Vec<(usize, CellRecord)>> = Mutex::new(Vec::new());
     let failure: Mutex<Option<Error>> = Mutex::new(None);
-    let dir = &options.dir;
     progress::with_lines(options.progress, &board, log, || {
         std::thread::scope(|scope| {
             for _ in 0..jobs {
@@ -500,33 +541,12 @@ fn train_cells(
                     let (i, t, variant, seed) = cells[n];
                     let name =
                         super::results::cell_name(&prepared[t].spec.name, &variant.name, seed);
-                    let committed = run_cell(&shared, i, &prepared[t], variant, seed).and_then(
-                        |(record, line)| {
-                            kill_point(options, || format!("cell-{i}-saved"));
-                            folder::write_cell(dir, &record, &|| {
-                                kill_point(options, || format!("cell-{i}-record"))
-                            })?;
-                            kill_point(options, || format!("cell-{i}-done"));
-                            Ok((record, line))
-                        },
-                    );
+                    let committed = run_cell(&shared, i, &prepared[t], variant, seed)
+                        .and_then(|done| commit_cell(options, i, done));
                     board.finish(&name, committed.is_ok());
                     match committed {
                         Ok((record, line)) => {
-                            overall.inc(1);
-                            // The time left, once a cell has finished to estimate it from.
-                            let (done, total) = (overall.position(), overall.length().unwrap_or(0));
-                            if done > 0 && done < total {
-                                // Wall time per finished cell, parallel jobs included.
-                                let per = overall.elapsed().as_secs_f64() / done as f64;
-                                let left = per * (total - done) as f64;
-                                overall.set_message(format!(", about {}s left", left.round()));
-                            }
-                            if multi.is_hidden() {
-                                log(&line);
-                            } else {
-                                let _ = multi.println(&line);
-                            }
+                            cell_finished(&overall, &multi, log, &line);
                             outputs.lock().expect("lock").push((i, record));
                         }
                         Err(e) => {

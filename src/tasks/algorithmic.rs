@@ -44,6 +44,7 @@
 use num_bigint::BigUint;
 use rand::Rng as _;
 
+use super::{Example, Generator, Label, Objective};
 use crate::rng::Rng;
 
 /// The blank output token that fills the output half of every tape.
@@ -751,6 +752,54 @@ fn big_endian(n: &BigUint, bits: usize) -> Vec<usize> {
     let mut d = padded_little_endian(n, bits);
     d.reverse();
     d
+}
+
+/// A task of the suite as a generated task: its tape of inputs then blanks, tagged at the
+/// blanks with the output symbols.
+impl Generator for Algorithmic {
+    fn check(&self, _shortest: usize, _longest: usize) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn objective(&self) -> (Objective, Vec<String>) {
+        (
+            Objective::Tag {
+                labels: self
+                    .output_symbols()
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
+            },
+            self.input_symbols()
+                .iter()
+                .chain([&BLANK])
+                .map(|s| s.to_string())
+                .collect(),
+        )
+    }
+
+    fn example(&self, rng: &mut Rng, len: usize) -> Example {
+        let tape = self.sample(rng, len);
+        let words = tape
+            .input
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(BLANK, tape.output.len()))
+            .map(String::from)
+            .collect();
+        Example::new(
+            words,
+            Label::Outputs {
+                length: len,
+                targets: tape.output,
+                counted: tape.counted,
+            },
+        )
+    }
+
+    fn words_at(&self, len: usize) -> usize {
+        self.tape_len(len)
+    }
 }
 
 #[cfg(test)]

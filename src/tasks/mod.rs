@@ -18,80 +18,44 @@
 pub mod algorithmic;
 pub mod files;
 pub mod grammar;
+mod labelled;
+pub mod mlm;
+pub mod sorted;
+pub mod symbols;
+pub mod word_order;
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use rand::seq::SliceRandom;
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::rng::{self, Rng};
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
-use algorithmic::{Algorithmic, BLANK};
-use files::{read_records, FileOptions, Record, RecordKind, RecordLabel, Source};
+use algorithmic::Algorithmic;
+use files::{FileOptions, RecordKind, Source};
+use mlm::Mlm;
+use sorted::Sorted;
+use symbols::{PositionIndex, PrevToken};
+use word_order::WordOrder;
 
 const DEFAULT_TRAIN_EXAMPLES: usize = 4000;
 const DEFAULT_EVAL_EXAMPLES: usize = 500;
-
-fn default_k() -> usize {
-    1
-}
-fn default_modulus() -> usize {
-    4
-}
-fn default_symbols() -> usize {
-    16
-}
-fn default_max_number() -> usize {
-    64
-}
-fn default_mask_prob() -> f64 {
-    0.15
-}
 
 /// What to generate or read, with the options of each task.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum TaskKind {
-    /// Sentences from the [`grammar`]; the label is the entity that did the action.
-    WordOrder {},
-    /// Number words below `max_number`; label 1 if ascending. Half the negatives differ from a
-    /// sorted sequence by one adjacent swap.
-    Sorted {
-        /// Numbers are drawn from `0..max_number` (default 64).
-        #[serde(default = "default_max_number")]
-        max_number: usize,
-    },
-    /// Random symbols; each token is tagged with the symbol `k` positions before it.
-    PrevToken {
-        /// How far back the tagged symbol is (default 1).
-        #[serde(default = "default_k")]
-        k: usize,
-        /// How many distinct symbols (default 16).
-        #[serde(default = "default_symbols")]
-        symbols: usize,
-    },
-    /// Random symbols; each token is tagged with its position modulo `modulus`.
-    PositionIndex {
-        /// The modulus of the tagged position (default 4).
-        #[serde(default = "default_modulus")]
-        modulus: usize,
-        /// How many distinct symbols (default 16).
-        #[serde(default = "default_symbols")]
-        symbols: usize,
-    },
-    /// Masked language modelling on generated sentences, or on `text_file` (one document per
-    /// line, words split on whitespace).
-    Mlm {
-        /// The share of tokens masked (default 0.15).
-        #[serde(default = "default_mask_prob")]
-        mask_prob: f64,
-        /// A text file to mask instead of generated sentences.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        text_file: Option<PathBuf>,
-    },
+    /// Which entity of a generated sentence did the action ([`word_order`]).
+    WordOrder(WordOrder),
+    /// Is a sequence of number words ascending ([`sorted`]).
+    Sorted(Sorted),
+    /// Each symbol tagged with the one `k` before it ([`symbols`]).
+    PrevToken(PrevToken),
+    /// Each symbol tagged with its position modulo `modulus` ([`symbols`]).
+    PositionIndex(PositionIndex),
+    /// Masked language modelling on generated sentences or a text file ([`mlm`]).
+    Mlm(Mlm),
     /// Sentence labels from the user's files: TSV, CSV with a header, or JSONL.
     Classify(FileOptions),
     /// Per-word labels from the user's JSONL files.
@@ -106,11 +70,11 @@ impl TaskKind {
     /// The name configs write in `kind`.
     pub fn name(&self) -> &'static str {
         match self {
-            Self::WordOrder {} => "word_order",
-            Self::Sorted { .. } => "sorted",
-            Self::PrevToken { .. } => "prev_token",
-            Self::PositionIndex { .. } => "position_index",
-            Self::Mlm { .. } => "mlm",
+            Self::WordOrder(_) => "word_order",
+            Self::Sorted(_) => "sorted",
+            Self::PrevToken(_) => "prev_token",
+            Self::PositionIndex(_) => "position_index",
+            Self::Mlm(_) => "mlm",
             Self::Classify(_) => "classify",
             Self::Tag(_) => "tag",
             Self::Algorithmic(a) => a.name(),
@@ -119,15 +83,40 @@ impl TaskKind {
 
     /// Whether the examples come from files (with their own lengths) rather than a generator.
     pub fn from_files(&self) -> bool {
-        matches!(
-            self,
-            Self::Classify(_)
-                | Self::Tag(_)
-                | Self::Mlm {
-                    text_file: Some(_),
-                    ..
-                }
-        )
+        self.generator().is_none()
+    }
+
+    /// The generator of a built-in task (`None` for one read from files).
+    pub fn generator(&self) -> Option<&dyn Generator> {
+        match self {
+            Self::WordOrder(g) => Some(g),
+            Self::Sorted(g) => Some(g),
+            Self::PrevToken(g) => Some(g),
+            Self::PositionIndex(g) => Some(g),
+            Self::Mlm(g) if g.text_file.is_none() => Some(g),
+            Self::Algorithmic(g) => Some(g),
+            Self::Mlm(_) | Self::Classify(_) | Self::Tag(_) => None,
+        }
+    }
+}
+
+/// A built-in task generated from a seed. Each lives in a file of its own, with its options;
+/// [`TaskSpec`] does what they share (lengths, test sets, splits, the tokenizer).
+pub trait Generator {
+    /// Checks the options against the lengths the task is generated at, `shortest` to
+    /// `longest` (training and test); the message names the option and the fix.
+    fn check(&self, shortest: usize, longest: usize) -> std::result::Result<(), String>;
+    /// What the model predicts, and every word the examples use (a word-level vocabulary).
+    fn objective(&self) -> (Objective, Vec<String>);
+    /// One example of length `len`, drawn from `rng`.
+    fn example(&self, rng: &mut Rng, len: usize) -> Example;
+    /// The words of an example of length `len` (a length-suite tape holds its blanks too).
+    fn words_at(&self, len: usize) -> usize {
+        len
+    }
+    /// The best accuracy a model blind to order can reach, where the task makes that a number.
+    fn order_blind_ceiling(&self) -> Option<OrderBlindCeiling> {
+        None
     }
 }
 
@@ -424,6 +413,17 @@ impl Example {
 }
 
 impl TestSet {
+    /// The one test set of a task read from files, at the lengths its examples have.
+    fn of_file(examples: Vec<Example>) -> Self {
+        let lengths = length_range(&examples);
+        Self {
+            name: "1x".into(),
+            factor: Some(1),
+            lengths,
+            examples,
+        }
+    }
+
     /// The shortest and longest length actually tested (`lengths` names what was asked for).
     pub fn tested_lengths(&self) -> [usize; 2] {
         let lengths = self.examples.iter().map(Example::length);
@@ -474,13 +474,7 @@ pub struct TaskData {
 impl TaskData {
     /// The range of training lengths in words.
     pub fn train_lengths(&self) -> [usize; 2] {
-        length_range(
-            &self
-                .train
-                .iter()
-                .map(|e| e.words.clone())
-                .collect::<Vec<_>>(),
-        )
+        length_range(&self.train)
     }
 }
 
@@ -493,8 +487,9 @@ pub struct OrderBlindCeiling {
     pub reason: String,
 }
 
-fn length_range(lengths: &[Vec<String>]) -> [usize; 2] {
-    let lens = lengths.iter().map(Vec::len);
+/// The shortest and longest example, in words.
+fn length_range(examples: &[Example]) -> [usize; 2] {
+    let lens = examples.iter().map(|e| e.words.len());
     [lens.clone().min().unwrap_or(0), lens.max().unwrap_or(0)]
 }
 
@@ -537,19 +532,16 @@ impl TaskSpec {
                 .chain(o.valid.clone())
                 .chain(o.test.clone())
                 .collect(),
-            TaskKind::Mlm {
+            TaskKind::Mlm(Mlm {
                 text_file: Some(f), ..
-            } => vec![f.clone()],
+            }) => vec![f.clone()],
             _ => Vec::new(),
         }
     }
 
     /// Words of an example of length `len`: a length-suite tape holds its blanks too.
     fn words_at(&self, len: usize) -> usize {
-        match self.kind {
-            TaskKind::Algorithmic(a) => a.tape_len(len),
-            _ => len,
-        }
+        self.kind.generator().map_or(len, |g| g.words_at(len))
     }
 
     /// The most words the splits of a generated task can hold (0 for files).
@@ -595,41 +587,9 @@ impl TaskSpec {
                 "test_lengths is for generated tasks: files are tested at their own lengths".into(),
             );
         }
-        for (i, &[a, b]) in self.test_lengths.iter().enumerate() {
-            if a == 0 || a > b || b > MAX_GENERATED_LENGTH {
-                return err(format!(
-                    "test_lengths[{i}] = [{a}, {b}] must be a range [min, max] with 1 <= min <= \
-                     max <= {MAX_GENERATED_LENGTH}"
-                ));
-            }
-            if let Some(&[_, prev]) = i.checked_sub(1).map(|j| &self.test_lengths[j]) {
-                if a <= prev {
-                    return err(format!(
-                        "test_lengths[{i}] = [{a}, {b}] starts at or before the end of the range \
-                         before it ({prev}): list the ranges in ascending order, without overlap"
-                    ));
-                }
-            }
-        }
+        self.check_test_lengths().or_else(err)?;
         if self.kind.from_files() {
-            if self.lengths.is_some() {
-                return err(
-                    "`lengths` is for generated tasks; a file's examples have their own \
-                            lengths (bound them with max_tokens)"
-                        .into(),
-                );
-            }
-            if self.eval_factors != [1] {
-                return err(
-                    "eval_factors is for generated tasks: files are tested at their own lengths"
-                        .into(),
-                );
-            }
-            return match &self.kind {
-                TaskKind::Classify(o) | TaskKind::Tag(o) => o.validate().or_else(err),
-                TaskKind::Mlm { mask_prob, .. } => check_mask_prob(*mask_prob).or_else(err),
-                _ => Ok(()),
-            };
+            return self.check_files().or_else(err);
         }
         let Some([lo, hi]) = self.lengths else {
             return err(
@@ -675,23 +635,50 @@ impl TaskSpec {
         let lo = lo.min(shortest);
         crate::limits::check_generated(self.max_words(), &format!("task `{}`", self.name))
             .or_else(err)?;
+        match self.kind.generator() {
+            Some(g) => g.check(lo, longest).or_else(err),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks `test_lengths`: ranges within bounds, ascending, without overlap.
+    fn check_test_lengths(&self) -> std::result::Result<(), String> {
+        for (i, &[a, b]) in self.test_lengths.iter().enumerate() {
+            if a == 0 || a > b || b > MAX_GENERATED_LENGTH {
+                return Err(format!(
+                    "test_lengths[{i}] = [{a}, {b}] must be a range [min, max] with 1 <= min <= \
+                     max <= {MAX_GENERATED_LENGTH}"
+                ));
+            }
+            if let Some(&[_, prev]) = i.checked_sub(1).map(|j| &self.test_lengths[j]) {
+                if a <= prev {
+                    return Err(format!(
+                        "test_lengths[{i}] = [{a}, {b}] starts at or before the end of the range \
+                         before it ({prev}): list the ranges in ascending order, without overlap"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a task read from files: no generated-task fields, its own options.
+    fn check_files(&self) -> std::result::Result<(), String> {
+        if self.lengths.is_some() {
+            return Err(
+                "`lengths` is for generated tasks; a file's examples have their own \
+                        lengths (bound them with max_tokens)"
+                    .into(),
+            );
+        }
+        if self.eval_factors != [1] {
+            return Err(
+                "eval_factors is for generated tasks: files are tested at their own lengths".into(),
+            );
+        }
         match &self.kind {
-            TaskKind::WordOrder {} if lo < grammar::SHORTEST => err(format!(
-                "word_order sentences have at least {} words: a length of {lo} is too short",
-                grammar::SHORTEST
-            )),
-            TaskKind::Sorted { max_number } if *max_number < longest.max(2) || *max_number > NUMBER_WORDS_LIMIT => err(format!(
-                "sorted draws distinct numbers, so max_number = {max_number} must be at least the \
-                 longest test length {longest} (and at most {NUMBER_WORDS_LIMIT})"
-            )),
-            TaskKind::Sorted { .. } if lo < 2 => err("sorted needs sequences of at least 2 numbers".into()),
-            TaskKind::PrevToken { k, symbols } if *k == 0 || *k >= lo || *symbols < 2 => err(format!(
-                "prev_token needs 1 <= k < the shortest length (k = {k}, shortest = {lo}) and at least 2 symbols"
-            )),
-            TaskKind::PositionIndex { modulus, symbols } if *modulus < 2 || *symbols < 1 => err(format!(
-                "position_index needs modulus >= 2 (got {modulus}) and at least 1 symbol"
-            )),
-            TaskKind::Mlm { mask_prob, .. } => check_mask_prob(*mask_prob).or_else(err),
+            TaskKind::Classify(o) | TaskKind::Tag(o) => o.validate(),
+            TaskKind::Mlm(m) => m.check_options(),
             _ => Ok(()),
         }
     }
@@ -716,25 +703,27 @@ impl TaskSpec {
             tests,
             objective,
             vocabulary,
-        } = match &self.kind {
-            TaskKind::Classify(o) => self.read_files(o, RecordKind::Class)?,
-            TaskKind::Tag(o) => self.read_files(o, RecordKind::Tags)?,
-            TaskKind::Mlm {
-                text_file: Some(path),
-                mask_prob,
-            } => {
-                let (train, valid, tests) = self.split_text_file(path)?;
-                Splits {
-                    train,
-                    valid,
-                    tests,
-                    objective: Objective::Mlm {
-                        mask_prob: *mask_prob,
-                    },
-                    vocabulary: None,
-                }
+        } = match (&self.kind, self.kind.generator()) {
+            (_, Some(g)) => self.generated(g)?,
+            (TaskKind::Classify(o), _) => {
+                labelled::splits(o, RecordKind::Class, self.data_seed, self.train_examples)?
             }
-            _ => self.generated()?,
+            (TaskKind::Tag(o), _) => {
+                labelled::splits(o, RecordKind::Tags, self.data_seed, self.train_examples)?
+            }
+            (TaskKind::Mlm(m), _) => {
+                let path = m
+                    .text_file
+                    .as_deref()
+                    .expect("an MLM task without a generator reads a file");
+                m.split_text_file(
+                    path,
+                    self.data_seed,
+                    self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES),
+                    self.train_examples,
+                )?
+            }
+            (kind, None) => unreachable!("`{}` is generated", kind.name()),
         };
         let texts: Vec<Vec<String>> = train.iter().map(|e| e.words.clone()).collect();
         let vocabulary = match self.tokenizer {
@@ -748,21 +737,7 @@ impl TaskSpec {
                 .build(vocabulary.as_deref(), &texts, hub)
                 .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?,
         };
-        let order_blind_ceiling = match self.kind {
-            TaskKind::WordOrder {} => Some(OrderBlindCeiling {
-                accuracy: 0.5,
-                reason: "every sentence has an equally likely twin with the same words and the \
-                         roles swapped"
-                    .into(),
-            }),
-            TaskKind::Sorted { .. } => Some(OrderBlindCeiling {
-                accuracy: 0.5,
-                reason: "each set of numbers is ascending in half the examples and shuffled or \
-                         swapped in the other half"
-                    .into(),
-            }),
-            _ => None,
-        };
+        let order_blind_ceiling = self.kind.generator().and_then(|g| g.order_blind_ceiling());
         Ok(TaskData {
             name: self.name.clone(),
             kind: self.kind.clone(),
@@ -777,7 +752,7 @@ impl TaskSpec {
     }
 
     /// The splits of a generated task, its objective and its own vocabulary.
-    fn generated(&self) -> Result<Splits> {
+    fn generated(&self, g: &dyn Generator) -> Result<Splits> {
         let [lo, hi] = self
             .lengths
             .expect("validated: generated tasks have lengths");
@@ -786,7 +761,7 @@ impl TaskSpec {
             (0..n)
                 .map(|_| {
                     let len = rng.random_range(lengths[0]..=lengths[1]);
-                    self.example(&mut rng, len)
+                    g.example(&mut rng, len)
                 })
                 .collect()
         };
@@ -795,7 +770,7 @@ impl TaskSpec {
         let make_even = |split: &str, n: usize, [a, b]: [usize; 2]| -> Vec<Example> {
             let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
             (0..n)
-                .map(|i| self.example(&mut rng, a + i % (b - a + 1)))
+                .map(|i| g.example(&mut rng, a + i % (b - a + 1)))
                 .collect()
         };
         let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
@@ -832,49 +807,7 @@ impl TaskSpec {
             [lo, hi],
         );
         let valid = make("valid", n_eval, [lo, hi]);
-        let (objective, vocabulary) = match &self.kind {
-            TaskKind::WordOrder {} => (
-                Objective::Classify {
-                    labels: grammar::ENTITIES.iter().map(|s| s.to_string()).collect(),
-                },
-                grammar::vocabulary(),
-            ),
-            TaskKind::Sorted { max_number } => (
-                Objective::Classify {
-                    labels: vec!["not_ascending".into(), "ascending".into()],
-                },
-                (0..*max_number).map(number_word).collect(),
-            ),
-            TaskKind::PrevToken { symbols, .. } => (
-                Objective::Tag {
-                    labels: symbol_words(*symbols),
-                },
-                symbol_words(*symbols),
-            ),
-            TaskKind::PositionIndex { modulus, symbols } => (
-                Objective::Tag {
-                    labels: (0..*modulus).map(|m| m.to_string()).collect(),
-                },
-                symbol_words(*symbols),
-            ),
-            TaskKind::Mlm { mask_prob, .. } => (
-                Objective::Mlm {
-                    mask_prob: *mask_prob,
-                },
-                grammar::vocabulary(),
-            ),
-            TaskKind::Algorithmic(a) => (
-                Objective::Tag {
-                    labels: a.output_symbols().iter().map(|s| s.to_string()).collect(),
-                },
-                a.input_symbols()
-                    .iter()
-                    .chain([&BLANK])
-                    .map(|s| s.to_string())
-                    .collect(),
-            ),
-            TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
-        };
+        let (objective, vocabulary) = g.objective();
         Ok(Splits {
             train,
             valid,
@@ -883,303 +816,12 @@ impl TaskSpec {
             vocabulary: Some(vocabulary),
         })
     }
-
-    /// One generated example of `len` words.
-    fn example(&self, rng: &mut Rng, len: usize) -> Example {
-        match &self.kind {
-            TaskKind::WordOrder {} => {
-                let (words, agent) = grammar::sentence(rng, len);
-                Example::new(
-                    words.into_iter().map(String::from).collect(),
-                    Label::Class(agent),
-                )
-            }
-            TaskKind::Sorted { max_number } => {
-                let mut numbers: Vec<usize> =
-                    rand::seq::index::sample(rng, *max_number, len).into_vec();
-                numbers.sort_unstable();
-                let ascending = rng.random_bool(0.5);
-                if !ascending {
-                    if rng.random_bool(0.5) {
-                        // Hard negative: one adjacent pair swapped.
-                        let i = rng.random_range(0..len - 1);
-                        numbers.swap(i, i + 1);
-                    } else {
-                        while numbers.windows(2).all(|w| w[0] < w[1]) {
-                            numbers.shuffle(rng);
-                        }
-                    }
-                }
-                Example::new(
-                    numbers.into_iter().map(number_word).collect(),
-                    Label::Class(usize::from(ascending)),
-                )
-            }
-            TaskKind::PrevToken { k, symbols } => {
-                let ids: Vec<usize> = (0..len).map(|_| rng.random_range(0..*symbols)).collect();
-                let tags = (0..len)
-                    .map(|i| i.checked_sub(*k).map(|j| ids[j]))
-                    .collect();
-                Example::new(
-                    ids.iter().map(|&i| symbol_word(i)).collect(),
-                    Label::Tags(tags),
-                )
-            }
-            TaskKind::PositionIndex { modulus, symbols } => Example::new(
-                (0..len)
-                    .map(|_| symbol_word(rng.random_range(0..*symbols)))
-                    .collect(),
-                Label::Tags((0..len).map(|i| Some(i % modulus)).collect()),
-            ),
-            TaskKind::Mlm { .. } => {
-                let (words, _) = grammar::sentence(rng, len.max(grammar::SHORTEST));
-                Example::new(words.into_iter().map(String::from).collect(), Label::Masked)
-            }
-            TaskKind::Algorithmic(a) => {
-                let tape = a.sample(rng, len);
-                let words = tape
-                    .input
-                    .iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(BLANK, tape.output.len()))
-                    .map(String::from)
-                    .collect();
-                Example::new(
-                    words,
-                    Label::Outputs {
-                        length: len,
-                        targets: tape.output,
-                        counted: tape.counted,
-                    },
-                )
-            }
-            TaskKind::Classify(_) | TaskKind::Tag(_) => unreachable!("file tasks are read"),
-        }
-    }
-
-    /// Records of a file split into train / valid / test: given files stand, the rest are held
-    /// out of train by the fractions, shuffled by `data_seed`.
-    fn read_files(&self, o: &FileOptions, kind: RecordKind) -> Result<Splits> {
-        let (text_field, label_field) = o.fields(kind);
-        let read = |p: &PathBuf| read_records(p, o.format, kind, &text_field, &label_field);
-        let mut train = read(&o.train)?;
-        train.shuffle(&mut rng::stream(self.data_seed, "task/files/split"));
-        // Both fractions are of the whole training file.
-        let total = train.len();
-        let mut hold_out = |fraction: f64,
-                            file: &Option<PathBuf>,
-                            what: &str|
-         -> Result<Vec<Record>> {
-            match file {
-                Some(p) => read(p),
-                None => {
-                    let n = ((total as f64 * fraction).round() as usize).max(1);
-                    if n >= train.len() {
-                        return Err(Error::Data {
-                            path: o.train.clone(),
-                            line: None,
-                            message: format!(
-                                "{total} examples are too few to hold out a {what} split: give a {what} file"
-                            ),
-                        });
-                    }
-                    Ok(train.split_off(train.len() - n))
-                }
-            }
-        };
-        let test = hold_out(o.test_fraction, &o.test, "test")?;
-        let valid = hold_out(o.valid_fraction, &o.valid, "valid")?;
-        if let Some(n) = self.train_examples {
-            train.truncate(n);
-        }
-        // Labels: the training data's, sorted; valid and test may not bring new ones.
-        let mut names = std::collections::BTreeSet::new();
-        for r in &train {
-            match &r.label {
-                RecordLabel::Class(c) => {
-                    names.insert(c.clone());
-                }
-                RecordLabel::Tags(t) => names.extend(t.iter().cloned()),
-                RecordLabel::Unlabelled => {}
-            }
-        }
-        let labels: Vec<String> = names.into_iter().collect();
-        if kind != RecordKind::Text && labels.len() < 2 {
-            return Err(Error::Data {
-                path: o.train.clone(),
-                line: None,
-                message: format!(
-                    "the training data has {} label{}{}: a model of one class learns nothing \
-                     and scores 100%; give examples of at least two labels",
-                    labels.len(),
-                    if labels.len() == 1 { "" } else { "s" },
-                    labels
-                        .first()
-                        .map_or(String::new(), |l| format!(" (`{l}`)"))
-                ),
-            });
-        }
-        let index: BTreeMap<&str, usize> = labels
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (l.as_str(), i))
-            .collect();
-        let convert = |records: Vec<Record>| -> Result<Vec<Example>> {
-            records
-                .into_iter()
-                .map(|r| {
-                    let id = |l: &str| {
-                        index.get(l).copied().ok_or_else(|| {
-                            r.source.error(format!(
-                                "label `{l}` does not occur in the training data (which has {}): \
-                                 a model cannot learn it",
-                                labels.len()
-                            ))
-                        })
-                    };
-                    let label = match &r.label {
-                        RecordLabel::Class(c) => Label::Class(id(c)?),
-                        RecordLabel::Tags(t) => {
-                            Label::Tags(t.iter().map(|l| id(l).map(Some)).collect::<Result<_>>()?)
-                        }
-                        RecordLabel::Unlabelled => Label::Masked,
-                    };
-                    Ok(Example {
-                        words: r.words,
-                        label,
-                        source: Some(r.source),
-                    })
-                })
-                .collect()
-        };
-        let (train, valid, test) = (convert(train)?, convert(valid)?, convert(test)?);
-        let lengths = length_range(&test.iter().map(|e| e.words.clone()).collect::<Vec<_>>());
-        let objective = match kind {
-            RecordKind::Class => Objective::Classify { labels },
-            _ => Objective::Tag { labels },
-        };
-        Ok(Splits {
-            train,
-            valid,
-            tests: vec![TestSet {
-                name: "1x".into(),
-                factor: Some(1),
-                lengths,
-                examples: test,
-            }],
-            objective,
-            vocabulary: None,
-        })
-    }
-
-    /// A user's text file for MLM: lines shuffled by `data_seed`, then split train / valid /
-    /// test (`eval_examples` each, at most a fifth of the lines).
-    fn split_text_file(&self, path: &Path) -> Result<(Vec<Example>, Vec<Example>, Vec<TestSet>)> {
-        let mut lines: Vec<Example> = read_records(
-            path,
-            files::DataFormat::Text,
-            RecordKind::Text,
-            "text",
-            "label",
-        )?
-        .into_iter()
-        .map(|r| Example {
-            words: r.words,
-            label: Label::Masked,
-            source: Some(r.source),
-        })
-        .collect();
-        if lines.len() < 3 {
-            return Err(Error::Data {
-                path: path.into(),
-                line: None,
-                message: format!(
-                    "{} non-empty lines; an MLM split needs at least 3",
-                    lines.len()
-                ),
-            });
-        }
-        lines.shuffle(&mut rng::stream(self.data_seed, "task/text_file/shuffle"));
-        let n_eval = self
-            .eval_examples
-            .unwrap_or(DEFAULT_EVAL_EXAMPLES)
-            .min(lines.len() / 5)
-            .max(1);
-        let test = lines.split_off(lines.len() - n_eval);
-        let valid = lines.split_off(lines.len() - n_eval);
-        if let Some(n) = self.train_examples {
-            lines.truncate(n);
-        }
-        let lengths = length_range(&test.iter().map(|e| e.words.clone()).collect::<Vec<_>>());
-        Ok((
-            lines,
-            valid,
-            vec![TestSet {
-                name: "1x".into(),
-                factor: Some(1),
-                lengths,
-                examples: test,
-            }],
-        ))
-    }
-}
-
-fn check_mask_prob(mask_prob: f64) -> std::result::Result<(), String> {
-    if mask_prob > 0.0 && mask_prob < 1.0 {
-        Ok(())
-    } else {
-        Err(format!("mlm: mask_prob = {mask_prob} must be in (0, 1)"))
-    }
-}
-
-const NUMBER_WORDS_LIMIT: usize = 1000;
-
-/// English number words with underscores: `twenty_one`, `one_hundred_five`.
-pub fn number_word(n: usize) -> String {
-    const ONES: [&str; 20] = [
-        "zero",
-        "one",
-        "two",
-        "three",
-        "four",
-        "five",
-        "six",
-        "seven",
-        "eight",
-        "nine",
-        "ten",
-        "eleven",
-        "twelve",
-        "thirteen",
-        "fourteen",
-        "fifteen",
-        "sixteen",
-        "seventeen",
-        "eighteen",
-        "nineteen",
-    ];
-    const TENS: [&str; 10] = [
-        "", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety",
-    ];
-    match n {
-        0..=19 => ONES[n].to_string(),
-        20..=99 if n % 10 == 0 => TENS[n / 10].to_string(),
-        20..=99 => format!("{}_{}", TENS[n / 10], ONES[n % 10]),
-        _ if n % 100 == 0 => format!("{}_hundred", ONES[n / 100]),
-        _ => format!("{}_hundred_{}", ONES[n / 100], number_word(n % 100)),
-    }
-}
-
-fn symbol_word(i: usize) -> String {
-    format!("s{i}")
-}
-
-fn symbol_words(n: usize) -> Vec<String> {
-    (0..n).map(symbol_word).collect()
 }
 
 #[cfg(test)]
 mod tests {
+    use super::sorted::number_word;
+    use super::symbols::symbol_word;
     use super::*;
 
     fn spec(toml_text: &str) -> Result<TaskSpec> {
@@ -1196,7 +838,7 @@ mod tests {
     #[test]
     fn flat_task_tables_parse_round_trip_and_refuse_strays() {
         let t = spec("[[tasks]]\nkind = \"prev_token\"\nk = 2\nlengths = [4, 9]\n").unwrap();
-        assert_eq!(t.kind, TaskKind::PrevToken { k: 2, symbols: 16 });
+        assert_eq!(t.kind, TaskKind::PrevToken(PrevToken { k: 2, symbols: 16 }));
         assert_eq!(
             (t.name.as_str(), t.eval_factors.as_slice()),
             ("prev_token", &[1, 2, 4][..])
@@ -1231,6 +873,58 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("longest test length 32"), "{e}");
+    }
+
+    #[test]
+    fn every_generator_makes_examples_of_the_words_it_promises() {
+        let kinds: Vec<TaskKind> = [
+            TaskKind::WordOrder(WordOrder {}),
+            TaskKind::Sorted(Sorted { max_number: 64 }),
+            TaskKind::PrevToken(PrevToken { k: 2, symbols: 5 }),
+            TaskKind::PositionIndex(PositionIndex {
+                modulus: 3,
+                symbols: 5,
+            }),
+            TaskKind::Mlm(Mlm {
+                mask_prob: 0.15,
+                text_file: None,
+            }),
+        ]
+        .into_iter()
+        .chain(Algorithmic::ALL.map(TaskKind::Algorithmic))
+        .collect();
+        let mut rng = rng::stream(7, "generators");
+        for kind in &kinds {
+            let g = kind.generator().expect("built in");
+            assert!(!kind.from_files());
+            let (objective, vocabulary) = g.objective();
+            let classes = match &objective {
+                Objective::Classify { labels } | Objective::Tag { labels } => labels.len(),
+                Objective::Mlm { .. } => usize::MAX,
+            };
+            for len in [5, 8, 13] {
+                g.check(len, len).unwrap();
+                let e = g.example(&mut rng, len);
+                assert_eq!(e.words.len(), g.words_at(len), "{} at {len}", kind.name());
+                assert!(
+                    e.words.iter().all(|w| vocabulary.contains(w)),
+                    "{}: a word outside its vocabulary",
+                    kind.name()
+                );
+                let ids: Vec<usize> = match &e.label {
+                    Label::Class(c) => vec![*c],
+                    Label::Tags(t) => t.iter().flatten().copied().collect(),
+                    Label::Outputs { targets, .. } => targets.clone(),
+                    Label::Masked => Vec::new(),
+                };
+                assert!(ids.iter().all(|&i| i < classes), "{}", kind.name());
+            }
+        }
+        let files = TaskKind::Mlm(Mlm {
+            mask_prob: 0.15,
+            text_file: Some("lines.txt".into()),
+        });
+        assert!(files.from_files() && files.generator().is_none());
     }
 
     #[test]

@@ -1,0 +1,74 @@
+//! The analysis's CSV files, written atomically through `csv::Writer`: typed rows, a key
+//! column beside one column per series, or a matrix with labelled rows and columns.
+
+use std::path::Path;
+
+use super::linalg::Matrix;
+use crate::error::{Error, Result};
+use crate::io::write_atomic;
+
+/// Typed rows as a CSV file (a header from the row's fields), written atomically.
+pub(super) fn write_rows<R: serde::Serialize>(
+    path: &Path,
+    rows: impl IntoIterator<Item = R>,
+) -> Result<()> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    for row in rows {
+        w.serialize(row).expect("analysis rows serialize to memory");
+    }
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+}
+
+/// A CSV of a key column (`first`, then `keys`) and one column of numbers per named series,
+/// each as long as `keys`.
+pub(super) fn write_columns_csv<'a>(
+    path: &Path,
+    first: &str,
+    keys: impl IntoIterator<Item = String>,
+    series: impl IntoIterator<Item = (String, &'a [f64])> + Clone,
+) -> Result<()> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let fail = |e: csv::Error| Error::io(path, e.into());
+    let header = std::iter::once(first.to_string()).chain(series.clone().into_iter().map(|s| s.0));
+    w.write_record(header).map_err(fail)?;
+    for (i, key) in keys.into_iter().enumerate() {
+        let values = series.clone().into_iter().map(|s| s.1[i].to_string());
+        w.write_record(std::iter::once(key).chain(values))
+            .map_err(fail)?;
+    }
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+}
+
+/// A CSV of a header and rows of cells.
+pub(super) fn write_records_csv(
+    path: &Path,
+    header: impl IntoIterator<Item = String>,
+    rows: impl IntoIterator<Item = Vec<String>>,
+) -> Result<()> {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let fail = |e: csv::Error| Error::io(path, e.into());
+    w.write_record(header).map_err(fail)?;
+    for row in rows {
+        w.write_record(row).map_err(fail)?;
+    }
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+}
+
+pub(super) fn write_matrix_csv(
+    path: &Path,
+    m: &Matrix,
+    first: &str,
+    row_label: impl Fn(usize) -> String,
+    col_label: impl Fn(usize) -> String,
+) -> Result<()> {
+    let mut w = csv::Writer::from_writer(Vec::with_capacity(m.data.len() * 10));
+    let header = std::iter::once(first.to_string()).chain((0..m.cols).map(col_label));
+    let fail = |e: csv::Error| Error::io(path, e.into());
+    w.write_record(header).map_err(fail)?;
+    for r in 0..m.rows {
+        let values = m.row(r).iter().map(|v| v.to_string());
+        w.write_record(std::iter::once(row_label(r)).chain(values))
+            .map_err(fail)?;
+    }
+    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+}
