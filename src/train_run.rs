@@ -675,7 +675,12 @@ fn run(
         options.progress,
         &board,
         &|line| eprintln!("{line}"),
-        || job.run(Some(&assign), &mut steps),
+        // On a pool of its own, as compare's jobs (see nn::with_threads).
+        || {
+            crate::nn::with_threads(candle::utils::get_num_threads(), || {
+                job.run(Some(&assign), &mut steps)
+            })
+        },
     )?;
     let trained = match end {
         JobEnd::Trained(trained) => trained,

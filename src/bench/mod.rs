@@ -411,8 +411,15 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         pooling: Pooling::Mean,
     };
     let mut records = Vec::new();
-    // The models' backend for everything measured, backward passes and optimizer included.
-    let _backend = options.backend.enter();
+    // Each phase runs on a pool of its own, as compare's jobs do (see nn::with_threads), with
+    // the models' backend in force for everything measured, backward and optimizer included.
+    let threads = candle::utils::get_num_threads();
+    let measured = |f: &(dyn Fn() -> Result<Phase> + Sync)| {
+        crate::nn::with_threads(threads, || {
+            let _backend = options.backend.enter();
+            f()
+        })
+    };
     for variant in &options.variants {
         let config = shape.model_config(variant)?;
         let (forward_flops, train_flops) = shape.flops(variant);
@@ -433,11 +440,11 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             params.frozen_var_builder(DType::F32, &options.device),
         )?
         .with_backend(options.backend);
-        let forward = time_forward(options, &frozen, &batch, forward_flops)?;
+        let forward = measured(&|| time_forward(options, &frozen, &batch, forward_flops))?;
         drop(frozen);
 
         progress(&format!("{variant}: training step"));
-        let train = time_training(options, &model, &params, &batch, train_flops)?;
+        let train = measured(&|| time_training(options, &model, &params, &batch, train_flops))?;
         records.push(Record {
             variant: variant.clone(),
             params: params.num_params(),

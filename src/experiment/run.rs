@@ -34,7 +34,8 @@ pub struct RunOptions {
     pub progress: Progress,
     /// Cells trained at the same time. Each cell has its own variables and generators, so the
     /// results do not depend on this; on a CPU with small models, one single-threaded job per
-    /// core is fastest (set `RAYON_NUM_THREADS=1`, as the `poslab` binary does).
+    /// core is fastest (set `RAYON_NUM_THREADS=1`, as the `poslab` binary does). Each job
+    /// computes on a rayon pool of its own that wide ([`crate::nn::with_threads`]).
     pub jobs: usize,
     /// Replace the run already in `dir` (only the files it wrote) instead of continuing it.
     pub overwrite: bool,
@@ -527,35 +528,39 @@ fn train_cells(
         threads: threads_label(jobs),
     };
 
+    let threads = candle::utils::get_num_threads();
     let next = AtomicUsize::new(0);
     let outputs: Mutex<Vec<(usize, CellRecord)>> = Mutex::new(Vec::new());
     let failure: Mutex<Option<Error>> = Mutex::new(None);
     progress::with_lines(options.progress, &board, log, || {
         std::thread::scope(|scope| {
             for _ in 0..jobs {
-                scope.spawn(|| loop {
-                    let n = next.fetch_add(1, Ordering::SeqCst);
-                    if n >= cells.len() || failure.lock().expect("lock").is_some() {
-                        break;
-                    }
-                    let (i, t, variant, seed) = cells[n];
-                    let name =
-                        super::results::cell_name(&prepared[t].spec.name, &variant.name, seed);
-                    let committed = run_cell(&shared, i, &prepared[t], variant, seed)
-                        .and_then(|done| commit_cell(options, i, done));
-                    board.finish(&name, committed.is_ok());
-                    match committed {
-                        Ok((record, line)) => {
-                            cell_finished(&overall, &multi, log, &line);
-                            outputs.lock().expect("lock").push((i, record));
+                // Each job computes on a pool of its own, `threads` wide (see with_threads).
+                scope.spawn(|| {
+                    crate::nn::with_threads(threads, || loop {
+                        let n = next.fetch_add(1, Ordering::SeqCst);
+                        if n >= cells.len() || failure.lock().expect("lock").is_some() {
+                            break;
                         }
-                        Err(e) => {
-                            failure.lock().expect("lock").get_or_insert(Error::Cell {
-                                cell: name,
-                                source: Box::new(e),
-                            });
+                        let (i, t, variant, seed) = cells[n];
+                        let name =
+                            super::results::cell_name(&prepared[t].spec.name, &variant.name, seed);
+                        let committed = run_cell(&shared, i, &prepared[t], variant, seed)
+                            .and_then(|done| commit_cell(options, i, done));
+                        board.finish(&name, committed.is_ok());
+                        match committed {
+                            Ok((record, line)) => {
+                                cell_finished(&overall, &multi, log, &line);
+                                outputs.lock().expect("lock").push((i, record));
+                            }
+                            Err(e) => {
+                                failure.lock().expect("lock").get_or_insert(Error::Cell {
+                                    cell: name,
+                                    source: Box::new(e),
+                                });
+                            }
                         }
-                    }
+                    })
                 });
             }
         })

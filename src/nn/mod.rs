@@ -39,6 +39,23 @@ use candle::{DType, Tensor};
 /// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
 pub(crate) const MASKED_SCORE: f64 = -1e9;
 
+/// Runs `f` on a rayon pool of `threads` threads of its own (at least one), the calling thread
+/// waiting for it. The fused kernels and gemm split their work over the pool `f` runs on: on a
+/// pool of its own with one thread they run inline, where from a thread outside any pool each
+/// op would be handed to the process-wide pool and waited for (which several jobs at once
+/// share, one op at a time). The kernels' results do not depend on the thread count, so
+/// neither do `f`'s. If the pool cannot be built, `f` runs here.
+pub fn with_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("poslab-compute-{i}"))
+        .build()
+    {
+        Ok(pool) => pool.install(f),
+        Err(_) => f(),
+    }
+}
+
 /// Which implementation the layers compute with. On the CPU (f32 and f64) all three; on CUDA,
 /// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation
 /// with poslab's backward passes (`cuda_ops.rs`), and `reference` the compositions; elsewhere

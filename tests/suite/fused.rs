@@ -658,3 +658,40 @@ fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
         }
     }
 }
+
+#[test]
+fn a_pool_of_its_own_gives_the_same_bits_at_any_width() {
+    // nn::with_threads runs a job on a rayon pool of its own: the kernels split their work over
+    // it, and the results (forward and every gradient) do not depend on its width, nor on
+    // whether the caller was outside any pool. A batch big enough that the kernels and gemm do
+    // split (gemm at 2^18 multiply-adds, the fused loops by chunks).
+    use poslab::nn::with_threads;
+    let config = medium_config(
+        poslab::PositionalConfig::Rope(poslab::RopeOptions::default()),
+        NormPlacement::Pre,
+    );
+    let store = ParamStore::new(11);
+    let encoder = Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    let (ids, mask) = padded_batch(16, 33, config.vocab_size as u32);
+    let run = || {
+        let hidden = encoder.forward_t(&ids, &mask, false).unwrap();
+        let grads = hidden.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        let mut bits = values(&hidden);
+        for (_, var) in store.vars() {
+            bits.extend(values(grads.get(var.as_tensor()).expect("a gradient")));
+        }
+        bits
+    };
+    let outside = run();
+    assert!(outside.iter().any(|v| *v != 0.0));
+    for threads in [1, 2, 3] {
+        let inside = with_threads(threads, run);
+        assert!(
+            outside
+                .iter()
+                .zip(&inside)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{threads} threads"
+        );
+    }
+}
