@@ -499,45 +499,12 @@ fn scheme_table(config: &ModelConfig) -> Result<()> {
         [false, true, true, true, true, true, true, false],
     );
     for positional in schemes {
-        let label = label(&positional);
         let marker = if positional == config.positional {
             "*"
         } else {
             " "
         };
-        let where_ = positional.placement();
-        // The same layer plan, without a rotation's bases for a scheme that has none.
-        let layers = config.layers.clone().map(|mut plan| {
-            if positional.with_base(DEFAULT_BASE).is_none() {
-                plan.rope_base = None;
-            }
-            plan
-        });
-        let variant = ModelConfig {
-            positional,
-            layers,
-            ..config.clone()
-        };
-        let name = format!("{marker} {label}");
-        match variant.validate() {
-            Err(e) => table.push(
-                [name]
-                    .into_iter()
-                    .chain(std::iter::repeat_n("-".to_string(), 6))
-                    .chain([format!("cannot be built at this shape: {e}")]),
-            ),
-            Ok(()) => {
-                let groups =
-                    parameter_groups(&variant).with_context(|| format!("building {label}"))?;
-                let total: usize = groups.iter().map(|g| g.1).sum();
-                table.push(
-                    [name]
-                        .into_iter()
-                        .chain(groups.iter().map(|g| g.1.to_string()))
-                        .chain([total.to_string(), where_.to_string()]),
-                );
-            }
-        }
+        table.push(scheme_row(config, positional, marker)?);
     }
     out!("{}", table.text());
     outln!(
@@ -548,6 +515,46 @@ fn scheme_table(config: &ModelConfig) -> Result<()> {
          rotation (rope, prope): without one softmax cancels a key bias exactly."
     );
     Ok(())
+}
+
+/// A row of [`scheme_table`]: `config`'s shape under `positional`, its parameters by group, or
+/// why it cannot be built.
+fn scheme_row(
+    config: &ModelConfig,
+    positional: PositionalConfig,
+    marker: &str,
+) -> Result<Vec<String>> {
+    let label = positional.scheme().label();
+    let where_ = positional.placement();
+    // The same layer plan, without a rotation's bases for a scheme that has none.
+    let layers = config.layers.clone().map(|mut plan| {
+        if positional.with_base(DEFAULT_BASE).is_none() {
+            plan.rope_base = None;
+        }
+        plan
+    });
+    let variant = ModelConfig {
+        positional,
+        layers,
+        ..config.clone()
+    };
+    let name = format!("{marker} {label}");
+    Ok(match variant.validate() {
+        Err(e) => [name]
+            .into_iter()
+            .chain(std::iter::repeat_n("-".to_string(), 6))
+            .chain([format!("cannot be built at this shape: {e}")])
+            .collect(),
+        Ok(()) => {
+            let groups = parameter_groups(&variant).with_context(|| format!("building {label}"))?;
+            let total: usize = groups.iter().map(|g| g.1).sum();
+            [name]
+                .into_iter()
+                .chain(groups.iter().map(|g| g.1.to_string()))
+                .chain([total.to_string(), where_.to_string()])
+                .collect()
+        }
+    })
 }
 
 /// Parameters by group: the scheme's own (as its module holds them), then the others by the
