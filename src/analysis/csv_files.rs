@@ -27,19 +27,16 @@ pub(super) fn write_columns_csv<'a>(
     keys: impl IntoIterator<Item = String>,
     series: impl IntoIterator<Item = (String, &'a [f64])> + Clone,
 ) -> Result<()> {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    let fail = |e: csv::Error| Error::io(path, e.into());
     let header = std::iter::once(first.to_string()).chain(series.clone().into_iter().map(|s| s.0));
-    w.write_record(header).map_err(fail)?;
-    for (i, key) in keys.into_iter().enumerate() {
-        let values = series.clone().into_iter().map(|s| s.1[i].to_string());
-        w.write_record(std::iter::once(key).chain(values))
-            .map_err(fail)?;
-    }
-    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+    let rows = keys.into_iter().enumerate().map(|(i, key)| {
+        std::iter::once(key)
+            .chain(series.clone().into_iter().map(|s| s.1[i].to_string()))
+            .collect()
+    });
+    write_records_csv(path, header, rows)
 }
 
-/// A CSV of a header and rows of cells.
+/// A CSV of a header and rows of cells: the one writer the others go through.
 pub(super) fn write_records_csv(
     path: &Path,
     header: impl IntoIterator<Item = String>,
@@ -54,6 +51,7 @@ pub(super) fn write_records_csv(
     write_atomic(path, &w.into_inner().expect("CSV in memory"))
 }
 
+/// A matrix as a CSV: a header of `first` and the column labels, then each row under its label.
 pub(super) fn write_matrix_csv(
     path: &Path,
     m: &Matrix,
@@ -61,14 +59,11 @@ pub(super) fn write_matrix_csv(
     row_label: impl Fn(usize) -> String,
     col_label: impl Fn(usize) -> String,
 ) -> Result<()> {
-    let mut w = csv::Writer::from_writer(Vec::with_capacity(m.data.len() * 10));
     let header = std::iter::once(first.to_string()).chain((0..m.cols).map(col_label));
-    let fail = |e: csv::Error| Error::io(path, e.into());
-    w.write_record(header).map_err(fail)?;
-    for r in 0..m.rows {
-        let values = m.row(r).iter().map(|v| v.to_string());
-        w.write_record(std::iter::once(row_label(r)).chain(values))
-            .map_err(fail)?;
-    }
-    write_atomic(path, &w.into_inner().expect("CSV in memory"))
+    let rows = (0..m.rows).map(|r| {
+        std::iter::once(row_label(r))
+            .chain(m.row(r).iter().map(|v| v.to_string()))
+            .collect()
+    });
+    write_records_csv(path, header, rows)
 }

@@ -478,12 +478,13 @@ struct Phase {
 }
 
 impl Phase {
-    /// Repetitions of `rep` after `warmup` unmeasured ones, with the peak memory and the other
-    /// processes' use of the cores over the measured ones.
+    /// Repetitions of `rep` after `warmup` unmeasured ones (`rep` is told whether it is
+    /// measured), with the peak memory and the other processes' use of the cores over the
+    /// measured ones.
     fn measure(
         options: &Options,
         reps: usize,
-        mut rep: impl FnMut() -> Result<f64>,
+        mut rep: impl FnMut(bool) -> Result<f64>,
     ) -> Result<(Vec<f64>, Self)> {
         if reps == 0 {
             return Ok((Vec::new(), Self::default()));
@@ -496,8 +497,9 @@ impl Phase {
             if i == options.warmup {
                 cpu = cpu_snap();
             }
-            let t = rep()?;
-            if i >= options.warmup {
+            let measured = i >= options.warmup;
+            let t = rep(measured)?;
+            if measured {
                 ms.push(t);
             }
         }
@@ -515,7 +517,7 @@ impl Phase {
 fn time_forward(options: &Options, model: &TaskModel, batch: &Batch, flops: f64) -> Result<Phase> {
     let tokens = (options.shape.batch * options.shape.seq) as f64;
     let positions = batch.positions(0)?;
-    let (ms, mut phase) = Phase::measure(options, options.forward_reps, || {
+    let (ms, mut phase) = Phase::measure(options, options.forward_reps, |_| {
         let started = Instant::now();
         let logits = model.logits(&batch.ids, &batch.mask, &positions, false)?;
         sync(&logits)?;
@@ -552,8 +554,7 @@ fn time_training(
         },
     )?;
     let mut parts = [Vec::new(), Vec::new(), Vec::new()];
-    let mut rep = 0;
-    let (ms, mut phase) = Phase::measure(options, options.train_reps, || {
+    let (ms, mut phase) = Phase::measure(options, options.train_reps, |measured| {
         let started = Instant::now();
         let (loss, _) = model.loss(batch, 0, true)?;
         sync(&loss)?;
@@ -573,12 +574,11 @@ fn time_training(
         optimizer.step(&grads, 1e-4, 1.0)?;
         sync(&params.vars()[0].1)?;
         let done = Instant::now();
-        if rep >= options.warmup {
+        if measured {
             parts[0].push((forward_done - started).as_secs_f64() * 1e3);
             parts[1].push((backward_done - forward_done).as_secs_f64() * 1e3);
             parts[2].push((done - backward_done).as_secs_f64() * 1e3);
         }
-        rep += 1;
         Ok((done - started).as_secs_f64() * 1e3)
     })?;
     phase.parts_ms = Some(parts.map(|p| Timing::of(p, tokens, 0.0).median_ms));
@@ -1057,13 +1057,9 @@ pub fn ratio_table(ratios: &[Ratio]) -> String {
         out.push_str(
             "\ntraining cost over sin_add (time per step), poslab | torch: medians; best rounds\n",
         );
-        let others: Vec<Ratio> = ratios
-            .iter()
-            .filter(|r| r.variant != "sin_add")
-            .cloned()
-            .collect();
+        let others: Vec<&Ratio> = ratios.iter().filter(|r| r.variant != "sin_add").collect();
         let pct = |a: f64, b: f64| format!("{:+.1}%", (a / b - 1.0) * 100.0);
-        out.push_str(&ratio_list(&others, |r| {
+        out.push_str(&ratio_list(others, |r| {
             vec![
                 format!(
                     "{} | {};",
@@ -1134,9 +1130,12 @@ fn ratio_main(ratios: &[Ratio]) -> TextTable {
 }
 
 /// An indented list with a line per variant: its name, then `cells` of it, aligned.
-fn ratio_list(ratios: &[Ratio], cells: impl Fn(&Ratio) -> Vec<String>) -> String {
+fn ratio_list<'a>(
+    ratios: impl IntoIterator<Item = &'a Ratio>,
+    cells: impl Fn(&Ratio) -> Vec<String>,
+) -> String {
     let rows: Vec<Vec<String>> = ratios
-        .iter()
+        .into_iter()
         .map(|r| std::iter::once(r.variant.clone()).chain(cells(r)).collect())
         .collect();
     let columns = rows.first().map_or(1, Vec::len);

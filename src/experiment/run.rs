@@ -452,8 +452,7 @@ fn overall_bar(multi: &MultiProgress, cells: usize) -> ProgressBar {
 }
 
 /// `2 jobs x 1 thread`: how the cells share the machine.
-fn threads_label(jobs: usize) -> String {
-    let threads = candle::utils::get_num_threads();
+fn threads_label(jobs: usize, threads: usize) -> String {
     let s = |n: usize| if n == 1 { "" } else { "s" };
     format!("{jobs} job{} x {threads} thread{}", s(jobs), s(threads))
 }
@@ -517,6 +516,8 @@ fn train_cells(
     });
     let overall = overall_bar(&multi, cells.len());
     let jobs = options.jobs.clamp(1, cells.len().max(1));
+    // The matmul threads per job (candle reads RAYON_NUM_THREADS), and each job's pool width.
+    let threads = candle::utils::get_num_threads();
     let shared = Shared {
         config,
         options,
@@ -525,10 +526,9 @@ fn train_cells(
         style: ProgressStyle::with_template("{prefix:>40} [{bar:30}] {pos}/{len} steps {msg}")
             .expect("template")
             .progress_chars("=> "),
-        threads: threads_label(jobs),
+        threads: threads_label(jobs, threads),
     };
 
-    let threads = candle::utils::get_num_threads();
     let next = AtomicUsize::new(0);
     let outputs: Mutex<Vec<(usize, CellRecord)>> = Mutex::new(Vec::new());
     let failure: Mutex<Option<Error>> = Mutex::new(None);
