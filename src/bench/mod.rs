@@ -292,6 +292,21 @@ pub struct Record {
     /// The kernels the layers ran with (`layer`, `ops` or `reference`).
     #[serde(default)]
     pub kernels: String,
+    /// The f32 matrix-multiply peak measured right after the training phase, on the same
+    /// threads, in GFLOP/s (CPU; see [`matmul_peak`]).
+    #[serde(default)]
+    pub matmul_peak_gflops: Option<f64>,
+}
+
+/// The matrix-multiply peak of this machine at these threads, in GFLOP/s: the best of a
+/// 1024³ product and the step's largest (tokens × FFN × width), through the gemm call the
+/// layers make, best of a few repetitions. A training step's share of it is the headline of
+/// `bench` at small shapes, where the step is far from the matmul library's speed.
+pub fn matmul_peak(shape: &Shape) -> f64 {
+    let tokens = shape.batch * shape.seq;
+    let square = crate::nn::matmul_gflops(1024, 1024, 1024, 5);
+    let step = crate::nn::matmul_gflops(tokens, shape.ffn_dim, shape.d_model, 5);
+    square.max(step)
 }
 
 /// What to run.
@@ -445,6 +460,8 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
 
         progress(&format!("{variant}: training step"));
         let train = measured(&|| time_training(options, &model, &params, &batch, train_flops))?;
+        let matmul_peak_gflops = (options.device.is_cpu() && options.train_reps > 0)
+            .then(|| crate::nn::with_threads(threads, || matmul_peak(shape)));
         records.push(Record {
             variant: variant.clone(),
             params: params.num_params(),
@@ -462,6 +479,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             kernels: crate::nn::kernels_on(&options.device, shape.dtype.compute_dtype(DType::F32))
                 .name()
                 .to_string(),
+            matmul_peak_gflops,
         });
     }
     Ok(records)
@@ -703,6 +721,26 @@ pub fn table(records: &[Record]) -> String {
         ]);
     }
     out.push_str(&flops.list(2));
+    let shares: Vec<_> = records
+        .iter()
+        .filter_map(|r| Some((r, r.train.as_ref()?, r.matmul_peak_gflops?)))
+        .collect();
+    if !shares.is_empty() {
+        let _ = writeln!(
+            out,
+            "\ntraining rate as a share of the f32 matmul peak measured right after it \
+             (gemm, same threads; best of 1024^3 and tokens x FFN x width):"
+        );
+        let mut table = TextTable::new(["variant", "peak", "share"], [false, true, true]);
+        for (r, t, peak) in shares {
+            table.push([
+                r.variant.clone(),
+                format!("{peak:.1} GFLOP/s"),
+                format!("{:.0}%", 100.0 * t.gflops / peak),
+            ]);
+        }
+        out.push_str(&table.list(2));
+    }
     out
 }
 
@@ -1212,6 +1250,7 @@ mod tests {
                 forward_foreign_cores: Some(0.0),
                 train_foreign_cores: Some(0.0),
                 kernels: "layer".into(),
+                matmul_peak_gflops: None,
             },
             TorchRecord {
                 variant: variant.into(),

@@ -22,7 +22,7 @@ pub use attention::{key_padding_bias, window_bias, AttentionInputs, SelfAttentio
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
-pub use fused::{simd_dispatches, SimdLevel};
+pub use fused::{matmul_gflops, simd_dispatches, SimdLevel};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, linear_with_bias, log_softmax_last_dim, masked_softmax,

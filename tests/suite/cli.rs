@@ -130,6 +130,64 @@ fn rough_edges_a_new_user_meets() {
 }
 
 #[test]
+fn bench_measures_the_matmul_peak_beside_the_step_and_the_share_of_it() {
+    // The peak is measured in the same run, on the same threads, and each variant's training
+    // rate is printed as a share of it: a rate above the peak or a missing peak is a bug.
+    let tiny = [
+        "bench",
+        "--vocab",
+        "64",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--ffn",
+        "32",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--warmup",
+        "0",
+        "--forward-reps",
+        "1",
+        "--train-reps",
+        "2",
+        "--threads",
+        "1",
+        "--in-process",
+        "--variants",
+        "sin_add",
+    ];
+    let (ok, out, err) = poslab(&[&tiny[..], &["--json"]].concat());
+    assert!(ok, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let record = &doc["results"][0];
+    let peak = record["matmul_peak_gflops"]
+        .as_f64()
+        .expect("a measured peak");
+    let rate = record["train"]["gflops"].as_f64().unwrap();
+    assert!(peak.is_finite() && peak > 0.1, "peak {peak} GFLOP/s");
+    assert!(
+        rate > 0.0 && rate < peak,
+        "training {rate} GFLOP/s against a peak of {peak}"
+    );
+    let (ok, table, err) = poslab(&tiny);
+    assert!(ok, "{err}");
+    let share = table
+        .lines()
+        .skip_while(|l| !l.contains("share of the f32 matmul peak"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no share table:\n{table}"));
+    assert!(
+        share.contains("sin_add") && share.contains("GFLOP/s") && share.ends_with('%'),
+        "{share}"
+    );
+}
+
+#[test]
 fn bench_refuses_pytorch_ratios_of_different_work() {
     // A fixed-shape PyTorch script (like shared/bench/torch_reference.py: no --d-model) beside
     // a bench at another shape or dtype would compare different work: refused before anything

@@ -34,7 +34,7 @@ use rayon::prelude::*;
 
 use super::linear::{by_dtype, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
-use super::{contiguous, simd_level, zeros, Real, Rotation, SimdLevel};
+use super::{contiguous, simd_level, written, zeros, Real, Rotation, SimdLevel};
 use crate::nn::Rotary;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -489,33 +489,27 @@ impl Attention {
         })
     }
 
-    /// The heads' outputs `(b, t, d)`; with `probs` (`b h t²` values), also the attention
-    /// weights before dropout, for [`Attention::backward`].
+    /// The heads' outputs `(b, t, d)`; with `keep_probs`, also the attention weights before
+    /// dropout (`b h t²` values, else none), for [`Attention::backward`].
     pub(super) fn forward<T: Real>(
         &self,
         qkv: &[T],
         mask: Option<&[T]>,
         n: Dims,
-        probs: Option<&mut [T]>,
-    ) -> Result<Vec<T>> {
+        keep_probs: bool,
+    ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed::<T>()?;
         let tt = n.t * n.t;
-        let mut out = zeros::<T>(n.b * n.t * n.d);
-        let dst = Shared(out.as_mut_ptr());
-        let probs = probs.map(|p| {
-            assert_eq!(p.len(), n.b * n.h * tt, "attention weights buffer");
-            Shared(p.as_mut_ptr())
-        });
-        (0..n.b * n.h).into_par_iter().for_each_init(
-            || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), false),
-            |w, task| {
+        let one_task =
+            |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);
                 w.probabilities(heads, n, bi, hd, &fixed);
                 if let Some(probs) = probs {
                     // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
-                    unsafe { std::slice::from_raw_parts_mut(probs.ptr().add(task * tt), tt) }
-                        .copy_from_slice(&w.p);
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(w.p.as_ptr(), probs.ptr().add(task * tt), tt)
+                    };
                 }
                 if let Some(m) = mask {
                     for (p, mi) in w.p.iter_mut().zip(&m[task * tt..(task + 1) * tt]) {
@@ -534,9 +528,32 @@ impl Attention {
                         T::one(),
                     )
                 };
-            },
-        );
-        Ok(out)
+            };
+        let run = |dst: *mut T, probs: Option<*mut T>| {
+            let (dst, probs) = (Shared(dst), probs.map(Shared));
+            (0..n.b * n.h).into_par_iter().for_each_init(
+                || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), false),
+                |w, task| one_task(w, task, dst, probs),
+            )
+        };
+        // SAFETY (both): the (batch, head) tasks together write every value of the output (the
+        // heads' columns side by side, all rows) and every (t, t) block of the weights; nothing
+        // reads either before.
+        let (out, probs) = if keep_probs {
+            let mut out = Vec::new();
+            let probs = unsafe {
+                written(n.b * n.h * tt, |probs| {
+                    out = written(n.b * n.t * n.d, |dst| run(dst, Some(probs)));
+                })
+            };
+            (out, probs)
+        } else {
+            (
+                unsafe { written(n.b * n.t * n.d, |dst| run(dst, None)) },
+                Vec::new(),
+            )
+        };
+        Ok((out, probs))
     }
 
     /// `d(qkv)` from `d(out)`, and the score bias's gradient when one is owed (see
@@ -557,112 +574,115 @@ impl Attention {
                 candle::bail!("fused attention backward: {} saved weights for (b, h, t, t) = ({}, {}, {}, {})", p.len(), n.b, n.h, n.t, n.t);
             }
         }
-        let mut dqkv = zeros::<T>(n.b * n.t * row);
-        let dst = Shared(dqkv.as_mut_ptr());
         // dS of every (batch, head), when the score bias is owed a gradient.
         let bias_grad = self.bias_needs_grad();
         let mut ds_all = zeros::<T>(if bias_grad { n.b * n.h * tt } else { 0 });
         let ds_dst = Shared(ds_all.as_mut_ptr());
-        (0..n.b * n.h).into_par_iter().for_each_init(
-            || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), true),
-            |w, task| {
-                let (bi, hd) = (task / n.h, task % n.h);
-                let heads = w.heads(qkv, n, bi, hd, &fixed);
-                let p: &[T] = match probs {
-                    Some(probs) => &probs[task * tt..(task + 1) * tt],
-                    None => {
-                        w.probabilities(heads, n, bi, hd, &fixed);
-                        &w.p
-                    }
-                };
-                let dout = View::rows(g[bi * n.t * n.d + hd * n.dh..].as_ptr(), n.d);
-                let m = mask.map(|m| &m[task * tt..(task + 1) * tt]);
-                if let Some(m) = m {
-                    for ((pm, p), mi) in w.pm.iter_mut().zip(p).zip(m) {
-                        *pm = *p * *mi;
-                    }
-                }
-                let pm = if m.is_some() { &w.pm } else { p };
-                let block = bi * n.t * row + hd * n.dh;
-                let one = T::one();
-                // SAFETY (all products): the scratch buffers and views have the shapes named;
-                // the destination blocks of dqkv (b, t, 3d) belong to this (batch, head) alone.
-                unsafe {
-                    // dv = (P ⊙ M)ᵀ dout; dP = dout vᵀ
-                    product(
-                        (n.t, n.dh, n.t),
-                        dst.ptr().add(block + 2 * n.d),
-                        row,
-                        View::rows(pm.as_ptr(), n.t).t(),
-                        dout,
-                        one,
-                    );
-                    product(
-                        (n.t, n.t, n.dh),
-                        w.dp.as_mut_ptr(),
-                        n.t,
-                        dout,
-                        heads.v.t(),
-                        one,
-                    );
-                }
-                if let Some(m) = m {
-                    for (dp, mi) in w.dp.iter_mut().zip(m) {
-                        *dp *= *mi;
-                    }
-                }
-                softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds);
-                if bias_grad {
-                    // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
-                    unsafe { std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * tt), tt) }
-                        .copy_from_slice(&w.ds);
-                }
-                let ds = View::rows(w.ds.as_ptr(), n.t);
-                // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
-                unsafe {
-                    match fixed.rotation(-one, bi, n.t) {
+        let tasks = |dst: Shared<T>| {
+            (0..n.b * n.h).into_par_iter().for_each_init(
+                || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), true),
+                |w, task| {
+                    let (bi, hd) = (task / n.h, task % n.h);
+                    let heads = w.heads(qkv, n, bi, hd, &fixed);
+                    let p: &[T] = match probs {
+                        Some(probs) => &probs[task * tt..(task + 1) * tt],
                         None => {
-                            product(
-                                (n.t, n.dh, n.t),
-                                dst.ptr().add(block),
-                                row,
-                                ds,
-                                heads.k,
-                                fixed.scale,
-                            );
-                            product(
-                                (n.t, n.dh, n.t),
-                                dst.ptr().add(block + n.d),
-                                row,
-                                ds.t(),
-                                heads.q,
-                                fixed.scale,
-                            );
+                            w.probabilities(heads, n, bi, hd, &fixed);
+                            &w.p
                         }
-                        Some(back) => {
-                            product(
-                                (n.t, n.dh, n.t),
-                                w.dq.as_mut_ptr(),
-                                n.dh,
-                                ds,
-                                heads.k,
-                                fixed.scale,
-                            );
-                            product(
-                                (n.t, n.dh, n.t),
-                                w.dk.as_mut_ptr(),
-                                n.dh,
-                                ds.t(),
-                                heads.q,
-                                fixed.scale,
-                            );
-                            scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
-                            scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
+                    };
+                    let dout = View::rows(g[bi * n.t * n.d + hd * n.dh..].as_ptr(), n.d);
+                    let m = mask.map(|m| &m[task * tt..(task + 1) * tt]);
+                    if let Some(m) = m {
+                        for ((pm, p), mi) in w.pm.iter_mut().zip(p).zip(m) {
+                            *pm = *p * *mi;
                         }
                     }
-                }
-            },
-        );
+                    let pm = if m.is_some() { &w.pm } else { p };
+                    let block = bi * n.t * row + hd * n.dh;
+                    let one = T::one();
+                    // SAFETY (all products): the scratch buffers and views have the shapes named;
+                    // the destination blocks of dqkv (b, t, 3d) belong to this (batch, head) alone.
+                    unsafe {
+                        // dv = (P ⊙ M)ᵀ dout; dP = dout vᵀ
+                        product(
+                            (n.t, n.dh, n.t),
+                            dst.ptr().add(block + 2 * n.d),
+                            row,
+                            View::rows(pm.as_ptr(), n.t).t(),
+                            dout,
+                            one,
+                        );
+                        product(
+                            (n.t, n.t, n.dh),
+                            w.dp.as_mut_ptr(),
+                            n.t,
+                            dout,
+                            heads.v.t(),
+                            one,
+                        );
+                    }
+                    if let Some(m) = m {
+                        for (dp, mi) in w.dp.iter_mut().zip(m) {
+                            *dp *= *mi;
+                        }
+                    }
+                    softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds);
+                    if bias_grad {
+                        // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
+                        unsafe { std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * tt), tt) }
+                            .copy_from_slice(&w.ds);
+                    }
+                    let ds = View::rows(w.ds.as_ptr(), n.t);
+                    // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
+                    unsafe {
+                        match fixed.rotation(-one, bi, n.t) {
+                            None => {
+                                product(
+                                    (n.t, n.dh, n.t),
+                                    dst.ptr().add(block),
+                                    row,
+                                    ds,
+                                    heads.k,
+                                    fixed.scale,
+                                );
+                                product(
+                                    (n.t, n.dh, n.t),
+                                    dst.ptr().add(block + n.d),
+                                    row,
+                                    ds.t(),
+                                    heads.q,
+                                    fixed.scale,
+                                );
+                            }
+                            Some(back) => {
+                                product(
+                                    (n.t, n.dh, n.t),
+                                    w.dq.as_mut_ptr(),
+                                    n.dh,
+                                    ds,
+                                    heads.k,
+                                    fixed.scale,
+                                );
+                                product(
+                                    (n.t, n.dh, n.t),
+                                    w.dk.as_mut_ptr(),
+                                    n.dh,
+                                    ds.t(),
+                                    heads.q,
+                                    fixed.scale,
+                                );
+                                scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
+                                scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
+                            }
+                        }
+                    }
+                },
+            );
+        };
+        // SAFETY: the (batch, head) tasks together write all of dqkv (each its q, k and v
+        // columns, every row), and nothing reads it before.
+        let dqkv = unsafe { written(n.b * n.t * row, |dst| tasks(Shared(dst))) };
         let dbias = if bias_grad && fixed.bias_rows == 1 {
             // A bias shared by the batch: its gradient sums dS over the batch, in a fixed order.
             let per = n.h * tt;
@@ -722,16 +742,18 @@ impl CustomOp3 for Attention {
             check_mask(l2, n)?;
         }
         let what = "attention";
-        let storage = by_dtype!(s1.dtype(), what, |T| self.forward::<T>(
-            contiguous(s1, l1, what)?,
-            if masked {
-                Some(contiguous(s2, l2, what)?)
-            } else {
-                None
-            },
-            n,
-            None
-        )?);
+        let storage = by_dtype!(s1.dtype(), what, |T| self
+            .forward::<T>(
+                contiguous(s1, l1, what)?,
+                if masked {
+                    Some(contiguous(s2, l2, what)?)
+                } else {
+                    None
+                },
+                n,
+                false
+            )?
+            .0);
         Ok((storage, Shape::from((n.b, n.t, n.d))))
     }
 

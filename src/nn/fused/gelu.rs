@@ -3,49 +3,51 @@
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use super::*;
 
 #[inline(always)]
-fn gelu_body<T: Real>(x: &[T], y: &mut [T]) {
+fn gelu_body<T: Real>(x: &[T], y: &mut [MaybeUninit<T>]) {
     let (half, inv_sqrt2) = (T::lit(0.5), T::lit(std::f64::consts::FRAC_1_SQRT_2));
     for (o, v) in y.iter_mut().zip(x) {
-        *o = half * *v * (T::one() + (*v * inv_sqrt2).erf_());
+        o.write(half * *v * (T::one() + (*v * inv_sqrt2).erf_()));
     }
 }
-simd_dispatch!(fn gelu_rows = gelu_body(x: &[T], y: &mut [T]));
+simd_dispatch!(fn gelu_rows = gelu_body(x: &[T], y: &mut [MaybeUninit<T>]));
 
 /// `dx = g (Phi(x) + x phi(x))`.
 #[inline(always)]
-fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [T]) {
+fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
     for ((o, v), gi) in dx.iter_mut().zip(x).zip(g) {
         let (cdf, pdf) = v.normal_cdf_pdf();
-        *o = *gi * (cdf + *v * pdf);
+        o.write(*gi * (cdf + *v * pdf));
     }
 }
-simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [T]));
+simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]));
 
 const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// `GELU(x)`, in parallel chunks.
 fn gelu_par<T: Real>(simd: SimdLevel, x: &[T]) -> Vec<T> {
-    let mut y = zeros(x.len());
-    y.par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(x.par_chunks(ELEMENTS_PER_TASK))
-        .for_each(|(o, i)| gelu_rows(simd, i, o));
-    y
+    let chunk = |i: usize| &x[i * ELEMENTS_PER_TASK..((i + 1) * ELEMENTS_PER_TASK).min(x.len())];
+    // SAFETY: gelu_rows writes every value of its output, as long as its input chunk.
+    unsafe {
+        par_written(x.len(), ELEMENTS_PER_TASK, |i, o| {
+            gelu_rows(simd, chunk(i), o)
+        })
+    }
 }
 
 /// `g GELU'(x)`, in parallel chunks.
 fn gelu_grad_par<T: Real>(simd: SimdLevel, x: &[T], g: &[T]) -> Vec<T> {
-    let mut dx = zeros(x.len());
-    dx.par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(
-            x.par_chunks(ELEMENTS_PER_TASK)
-                .zip(g.par_chunks(ELEMENTS_PER_TASK)),
-        )
-        .for_each(|(o, (xc, gc))| gelu_grad_rows(simd, xc, gc, o));
-    dx
+    let range = |i: usize| i * ELEMENTS_PER_TASK..((i + 1) * ELEMENTS_PER_TASK).min(x.len());
+    // SAFETY: gelu_grad_rows writes every value of its output, as long as its input chunks.
+    unsafe {
+        par_written(x.len(), ELEMENTS_PER_TASK, |i, o| {
+            gelu_grad_rows(simd, &x[range(i)], &g[range(i)], o)
+        })
+    }
 }
 
 /// `max(x, 0)`, in parallel chunks.

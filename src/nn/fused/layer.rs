@@ -29,7 +29,9 @@ use rayon::prelude::*;
 
 use super::attention::Attention;
 use super::layer_norm::{LayerNormGradInput, LayerNormGradParams, LayerNormOp};
-use super::linear::{by_dtype, column_sum, grad_input, grad_weight, linear_out, residual_linear};
+use super::linear::{
+    by_dtype, column_sum, grad_input, grad_input_of, grad_weight, linear_out, residual_linear,
+};
 use super::{activation_grad_par, activation_par, contiguous, zeros, Real};
 
 /// The widths of a layer and where each parameter sits in the packed vector.
@@ -261,18 +263,10 @@ impl LayerOp {
         };
         let attn_in = if self.shape.pre_norm { &a[..] } else { x };
         let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d)); // (n, 3d)
-        let mut probs = if keep_probs {
-            zeros(b * dims.h * t * t)
-        } else {
-            Vec::new()
-        };
-        let c = self.attention.forward(
-            &qkv,
-            masks.attention.as_deref(),
-            dims,
-            keep_probs.then_some(&mut probs[..]),
-        )?; // (n, d)
-            // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
+        let (c, probs) =
+            self.attention
+                .forward(&qkv, masks.attention.as_deref(), dims, keep_probs)?; // (n, d)
+                                                                               // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
         let h_or_s1 = residual_linear(
             x,
             &c,
@@ -352,8 +346,7 @@ impl LayerOp {
         let gz = masked(&g_res, &masks.ffn_out);
         grad_weight(&gz, &s.act, (n, d, f), &mut dp[o.wdown..o.bdown]);
         column_sum(&gz, &mut dp[o.bdown..o.len]);
-        let mut g_act = zeros(n * f);
-        grad_input(&gz, &p[o.wdown..o.bdown], (n, d, f), &mut g_act, false);
+        let g_act = grad_input_of(&gz, &p[o.wdown..o.bdown], (n, d, f));
         drop(gz);
         let gu = activation_grad_par(simd, &s.u, &g_act, self.shape.activation);
         drop(g_act);
@@ -363,8 +356,7 @@ impl LayerOp {
         let mut g_ffn_in = g_res.into_owned();
         let g_ffn_in = if self.shape.pre_norm {
             // e = LN2(h): gh = g_res + LN2'(gu Wup)
-            let mut ge = zeros(n * d);
-            grad_input(&gu, &p[o.wup..o.bup], (n, f, d), &mut ge, false);
+            let ge = grad_input_of(&gu, &p[o.wup..o.bup], (n, f, d));
             add_into(&mut g_ffn_in, &ln_back(&s.h_or_s1, &ge, o.ln2, &mut dp));
             g_ffn_in
         } else {
@@ -380,8 +372,7 @@ impl LayerOp {
         let go = masked(&g_mid, &masks.attention_out);
         grad_weight(&go, &s.c, (n, d, d), &mut dp[o.wo..o.bo]);
         column_sum(&go, &mut dp[o.bo..o.ln2]);
-        let mut gc = zeros(n * d);
-        grad_input(&go, &p[o.wo..o.bo], (n, d, d), &mut gc, false);
+        let gc = grad_input_of(&go, &p[o.wo..o.bo], (n, d, d));
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
         let (gqkv, gbias) =
@@ -394,8 +385,7 @@ impl LayerOp {
 
         let mut gx = g_mid;
         if self.shape.pre_norm {
-            let mut ga = zeros(n * d);
-            grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut ga, false);
+            let ga = grad_input_of(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d));
             add_into(&mut gx, &ln_back(x, &ga, o.ln1, &mut dp));
         } else {
             grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut gx, true);

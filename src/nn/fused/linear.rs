@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::{contiguous, zeros, Real};
+use super::{contiguous, written, zeros, Real};
 
 /// gemm's parallelism for an `m x n x k` product: every thread candle would use, for products
 /// big enough to share.
@@ -228,12 +228,32 @@ pub(super) fn grad_input<T: Real>(
     dx: &mut [T],
     accumulate: bool,
 ) {
-    debug_assert!(g.len() == rows * out && w.len() == out * inp && dx.len() == rows * inp);
-    // SAFETY: dx rows x in, g rows x out, W out x in.
+    debug_assert!(dx.len() == rows * inp);
+    // SAFETY: dx holds rows x in values.
+    unsafe { grad_input_at(g, w, (rows, out, inp), dx.as_mut_ptr(), accumulate) }
+}
+
+/// [`grad_input`] into a new buffer, written without being zeroed first.
+pub(super) fn grad_input_of<T: Real>(g: &[T], w: &[T], dims: (usize, usize, usize)) -> Vec<T> {
+    // SAFETY: gemm writes all of dx (rows x in) when it does not accumulate, reading none of it.
+    unsafe { written(dims.0 * dims.2, |dx| grad_input_at(g, w, dims, dx, false)) }
+}
+
+/// # Safety
+/// `dx` must be valid for `rows x in` values (initialised when `accumulate`).
+unsafe fn grad_input_at<T: Real>(
+    g: &[T],
+    w: &[T],
+    (rows, out, inp): (usize, usize, usize),
+    dx: *mut T,
+    accumulate: bool,
+) {
+    debug_assert!(g.len() == rows * out && w.len() == out * inp);
+    // SAFETY: dx rows x in (per the contract), g rows x out, W out x in.
     unsafe {
         matmul(
             (rows, inp, out),
-            dx.as_mut_ptr(),
+            dx,
             (inp as isize, 1),
             accumulate,
             g.as_ptr(),
@@ -468,9 +488,7 @@ impl CustomOp2 for GradInput {
     ) -> Result<(CpuStorage, Shape)> {
         let ((rows, out), (_, inp)) = (dims2(l1, "g")?, dims2(l2, "W")?);
         fn run<T: Real>(g: &[T], w: &[T], rows: usize, out: usize, inp: usize) -> Vec<T> {
-            let mut dx = zeros(rows * inp);
-            grad_input(g, w, (rows, out, inp), &mut dx, false);
-            dx
+            grad_input_of(g, w, (rows, out, inp))
         }
         let what = "linear backward";
         let storage = by_dtype!(s1.dtype(), what, |T| run::<T>(
@@ -556,4 +574,39 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resu
     let mut out_dims = dims;
     *out_dims.last_mut().expect("x has an axis") = weight.dim(0)?;
     y.reshape(out_dims)
+}
+
+/// The best rate, in GFLOP/s, of `reps` f32 products `(m x k) · (k x n)` through the gemm call
+/// the fused layers make, on the current rayon pool: the matrix-multiply peak a training step's
+/// rate is measured against (`poslab bench`).
+pub fn matmul_gflops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
+    let fill = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
+            .collect()
+    };
+    let (a, b) = (fill(m * k, 1), fill(k * n, 2));
+    let mut c = vec![0f32; m * n];
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        // SAFETY: c is m x n, a m x k, b k x n, all row-major and contiguous.
+        unsafe {
+            matmul(
+                (m, n, k),
+                c.as_mut_ptr(),
+                (n as isize, 1),
+                false,
+                a.as_ptr(),
+                (k as isize, 1),
+                b.as_ptr(),
+                (n as isize, 1),
+                1.0,
+                parallelism(m, n, k),
+            )
+        };
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&c);
+    2.0 * (m * n * k) as f64 / best / 1e9
 }
