@@ -206,6 +206,8 @@ struct Scratch<T> {
     ds: Vec<T>,
     dq: Vec<T>,
     dk: Vec<T>,
+    /// a product's right operand in contiguous rows (see [`product`])
+    pack: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
@@ -223,6 +225,7 @@ impl<T: Real> Scratch<T> {
             ds: z(tt, backward),
             dq: z(th, rope && backward),
             dk: z(th, rope && backward),
+            pack: z(th, true),
         }
     }
 
@@ -270,6 +273,7 @@ impl<T: Real> Scratch<T> {
                 heads.q,
                 heads.k.t(),
                 fixed.scale,
+                Some((fixed.simd, &mut self.pack)),
             )
         };
         if let Some(bias) = fixed.score_bias(n, bi, hd) {
@@ -325,8 +329,15 @@ struct Heads<T> {
 
 /// `dst (m x n) = scale · lhs (m x k) · rhs (k x n)`, on this thread; `dst` rows of `dst_rs`.
 ///
+/// A head's products are tiny (`t x t x d_head`, `d_head` often 8), where gemm's packing and
+/// dispatch cost more than the arithmetic. Those [`small_products`] can take run here in
+/// register tiles instead, each value summed in order of `k` by fused multiply-adds from zero
+/// and then scaled, as gemm's kernels sum within one depth block, so both give the same bits
+/// (`rhs` is packed to contiguous rows into `pack` first when its rows are strided).
+///
 /// # Safety
-/// Every pointer must be valid for the rows, columns and strides it is used with.
+/// Every pointer must be valid for the rows, columns and strides it is used with, and `pack`
+/// must hold at least `k n` values when `rhs`'s columns are not adjacent.
 unsafe fn product<T: Real>(
     dims: (usize, usize, usize),
     dst: *mut T,
@@ -334,7 +345,36 @@ unsafe fn product<T: Real>(
     lhs: View<T>,
     rhs: View<T>,
     scale: T,
+    small: Option<(SimdLevel, &mut [T])>,
 ) {
+    let (m, n, k) = dims;
+    if let Some((simd, pack)) = small.filter(|_| small_products(dims)) {
+        let (rhs_ptr, rhs_rs) = if rhs.cs == 1 {
+            (rhs.ptr, rhs.rs as usize)
+        } else {
+            for kk in 0..k {
+                for j in 0..n {
+                    // SAFETY: rhs is valid for k x n through its strides, per the contract.
+                    pack[kk * n + j] =
+                        unsafe { *rhs.ptr.offset(kk as isize * rhs.rs + j as isize * rhs.cs) };
+                }
+            }
+            (pack.as_ptr(), n)
+        };
+        let tiles = Tiles {
+            m,
+            n,
+            k,
+            dst,
+            dst_rs,
+            lhs,
+            rhs: rhs_ptr,
+            rhs_rs,
+            scale,
+        };
+        // SAFETY: per the contract, and rhs now has contiguous rows of rhs_rs.
+        return unsafe { tiled_product(simd, tiles) };
+    }
     // SAFETY: per the contract.
     unsafe {
         matmul(
@@ -350,6 +390,121 @@ unsafe fn product<T: Real>(
             Parallelism::None,
         )
     }
+}
+
+/// Whether a head's product runs in [`tiled_product`] rather than gemm: where gemm would take
+/// its plain kernels over one depth block (more than 256 outputs, depth 3 to 256, neither side
+/// a single row or column), so that the two agree bit for bit.
+fn small_products((m, n, k): (usize, usize, usize)) -> bool {
+    m * n > 256 && m > 1 && n > 1 && (3..=256).contains(&k)
+}
+
+/// The operands of one [`tiled_product`]: `rhs` in contiguous rows of `rhs_rs`.
+#[derive(Clone, Copy)]
+struct Tiles<T> {
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: *const T,
+    rhs_rs: usize,
+    scale: T,
+}
+
+/// `R x C` outputs from `(i0, j0)`, kept in registers over the whole depth.
+///
+/// # Safety
+/// As [`tiled_product`]'s, for the tile's rows and columns.
+#[inline(always)]
+unsafe fn tile<T: Real, const R: usize, const C: usize>(p: Tiles<T>, i0: usize, j0: usize) {
+    let mut acc = [[T::zero(); C]; R];
+    for kk in 0..p.k {
+        // SAFETY: row kk of rhs has columns j0..j0 + C; lhs rows i0..i0 + R have column kk.
+        let b = unsafe { &*(p.rhs.add(kk * p.rhs_rs + j0) as *const [T; C]) };
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let a = unsafe {
+                *p.lhs
+                    .ptr
+                    .offset((i0 + r) as isize * p.lhs.rs + kk as isize * p.lhs.cs)
+            };
+            for c in 0..C {
+                acc[c] = a.mul_add(b[c], acc[c]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (c, v) in acc.iter().enumerate() {
+            // SAFETY: dst holds rows i0..i0 + R, columns j0..j0 + C.
+            unsafe { *p.dst.add((i0 + r) * p.dst_rs + j0 + c) = p.scale * *v };
+        }
+    }
+}
+
+/// Columns `j0..j0 + C` of every row: tiles of 4 rows, then single rows.
+#[inline(always)]
+unsafe fn column_block<T: Real, const C: usize>(p: Tiles<T>, j0: usize) {
+    let mut i = 0;
+    while i + 4 <= p.m {
+        // SAFETY: per the contract.
+        unsafe { tile::<T, 4, C>(p, i, j0) };
+        i += 4;
+    }
+    while i < p.m {
+        unsafe { tile::<T, 1, C>(p, i, j0) };
+        i += 1;
+    }
+}
+
+/// `dst = scale · lhs · rhs` in register tiles (16, then 8, then 1 column wide).
+///
+/// # Safety
+/// Every pointer of `p` must be valid for its rows, columns and strides.
+#[inline(always)]
+unsafe fn tiled_body<T: Real>(p: Tiles<T>) {
+    let mut j = 0;
+    // SAFETY (all): per the contract; each block stays within the n columns.
+    while j + 16 <= p.n {
+        unsafe { column_block::<T, 16>(p, j) };
+        j += 16;
+    }
+    while j + 8 <= p.n {
+        unsafe { column_block::<T, 8>(p, j) };
+        j += 8;
+    }
+    while j < p.n {
+        unsafe { column_block::<T, 1>(p, j) };
+        j += 1;
+    }
+}
+
+/// [`tiled_body`] compiled for each instruction set.
+///
+/// # Safety
+/// As [`tiled_body`]'s.
+unsafe fn tiled_product<T: Real>(simd: SimdLevel, p: Tiles<T>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+        unsafe fn wide<T: Real>(p: Tiles<T>) {
+            unsafe { tiled_body(p) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn narrow<T: Real>(p: Tiles<T>) {
+            unsafe { tiled_body(p) }
+        }
+        // Not counted (count_dispatch): a relaxed atomic per product, on every core, is
+        // contention; the softmax beside each product is counted.
+        let level = simd.min(SimdLevel::detected());
+        // SAFETY: the CPU has the features each is compiled for; the rest per the contract.
+        match level {
+            SimdLevel::Avx512 => return unsafe { wide(p) },
+            SimdLevel::Avx2 => return unsafe { narrow(p) },
+            SimdLevel::Baseline => {}
+        }
+    }
+    unsafe { tiled_body(p) }
 }
 
 /// A tensor standing for an absent op input (no dropout mask, no score bias).
@@ -526,6 +681,7 @@ impl Attention {
                         View::rows(w.p.as_ptr(), n.t),
                         heads.v,
                         T::one(),
+                        Some((fixed.simd, &mut w.pack)),
                     )
                 };
             };
@@ -612,6 +768,7 @@ impl Attention {
                             View::rows(pm.as_ptr(), n.t).t(),
                             dout,
                             one,
+                            Some((fixed.simd, &mut w.pack)),
                         );
                         product(
                             (n.t, n.t, n.dh),
@@ -620,6 +777,7 @@ impl Attention {
                             dout,
                             heads.v.t(),
                             one,
+                            Some((fixed.simd, &mut w.pack)),
                         );
                     }
                     if let Some(m) = m {
@@ -645,6 +803,7 @@ impl Attention {
                                     ds,
                                     heads.k,
                                     fixed.scale,
+                                    Some((fixed.simd, &mut w.pack)),
                                 );
                                 product(
                                     (n.t, n.dh, n.t),
@@ -653,6 +812,7 @@ impl Attention {
                                     ds.t(),
                                     heads.q,
                                     fixed.scale,
+                                    Some((fixed.simd, &mut w.pack)),
                                 );
                             }
                             Some(back) => {
@@ -663,6 +823,7 @@ impl Attention {
                                     ds,
                                     heads.k,
                                     fixed.scale,
+                                    Some((fixed.simd, &mut w.pack)),
                                 );
                                 product(
                                     (n.t, n.dh, n.t),
@@ -671,6 +832,7 @@ impl Attention {
                                     ds.t(),
                                     heads.q,
                                     fixed.scale,
+                                    Some((fixed.simd, &mut w.pack)),
                                 );
                                 scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
                                 scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
@@ -838,4 +1000,83 @@ pub(crate) fn attention(
     };
     let bias = op.score_bias_input(&qkv)?;
     qkv.apply_op3(&mask, &bias, op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) from a fixed linear congruential sequence.
+    fn values<T: Real>(len: usize, seed: u64) -> Vec<T> {
+        let mut x = seed;
+        (0..len)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                T::lit((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
+            })
+            .collect()
+    }
+
+    fn bits_agree<T: Real>() {
+        // Head shapes (t x t x d_head and t x d_head x t), ragged tiles, a long depth; the
+        // left operand in rows of a wider buffer (as q in qkv), the right one in rows or
+        // transposed (as kᵀ and vᵀ, which the tiles pack first).
+        for (m, n, k) in [
+            (64, 64, 8),
+            (64, 8, 64),
+            (17, 23, 5),
+            (33, 9, 40),
+            (20, 20, 256),
+            (100, 16, 3),
+        ] {
+            assert!(small_products((m, n, k)));
+            let lhs_rs = k + 3;
+            let lhs = values::<T>(m * lhs_rs, 1);
+            let rhs = values::<T>(k * n + n * k, 2);
+            let scale = T::lit(0.353_553_390_593_273_8);
+            for transposed in [false, true] {
+                let rhs_view = if transposed {
+                    View::rows(rhs.as_ptr(), k).t()
+                } else {
+                    View::rows(rhs.as_ptr(), n)
+                };
+                let run = |small: Option<SimdLevel>| {
+                    let mut dst = vec![T::zero(); m * (n + 1)];
+                    let mut pack = vec![T::zero(); k * n];
+                    // SAFETY: dst m rows of n + 1, lhs m x k in rows of lhs_rs, rhs k x n in
+                    // rows of n or (transposed) columns of k; pack k x n.
+                    unsafe {
+                        product(
+                            (m, n, k),
+                            dst.as_mut_ptr(),
+                            n + 1,
+                            View::rows(lhs.as_ptr(), lhs_rs),
+                            rhs_view,
+                            scale,
+                            small.map(|s| (s, &mut pack[..])),
+                        )
+                    };
+                    dst
+                };
+                let gemm = run(None);
+                assert!(gemm.iter().any(|v| *v != T::zero()));
+                for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                    let tiled = run(Some(level));
+                    let differ = gemm.iter().zip(&tiled).filter(|(a, b)| a != b).count();
+                    assert_eq!(
+                        differ, 0,
+                        "{m} x {n} x {k} (rhs transposed: {transposed}) at {level:?}: {differ} values differ from gemm's"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiled_head_products_give_gemms_bits_at_every_level() {
+        bits_agree::<f32>();
+        bits_agree::<f64>();
+    }
 }
