@@ -793,50 +793,22 @@ impl Attention {
                     }
                     let ds = View::rows(w.ds.as_ptr(), n.t);
                     // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
+                    let back = fixed.rotation(-one, bi, n.t);
+                    let (dims, simd) = ((n.t, n.dh, n.t), fixed.simd);
+                    // SAFETY: the blocks of dqkv (b, t, 3d) written belong to this (batch,
+                    // head) alone; the scratch buffers are t x dh.
                     unsafe {
-                        match fixed.rotation(-one, bi, n.t) {
-                            None => {
-                                product(
-                                    (n.t, n.dh, n.t),
-                                    dst.ptr().add(block),
-                                    row,
-                                    ds,
-                                    heads.k,
-                                    fixed.scale,
-                                    Some((fixed.simd, &mut w.pack)),
-                                );
-                                product(
-                                    (n.t, n.dh, n.t),
-                                    dst.ptr().add(block + n.d),
-                                    row,
-                                    ds.t(),
-                                    heads.q,
-                                    fixed.scale,
-                                    Some((fixed.simd, &mut w.pack)),
-                                );
-                            }
-                            Some(back) => {
-                                product(
-                                    (n.t, n.dh, n.t),
-                                    w.dq.as_mut_ptr(),
-                                    n.dh,
-                                    ds,
-                                    heads.k,
-                                    fixed.scale,
-                                    Some((fixed.simd, &mut w.pack)),
-                                );
-                                product(
-                                    (n.t, n.dh, n.t),
-                                    w.dk.as_mut_ptr(),
-                                    n.dh,
-                                    ds.t(),
-                                    heads.q,
-                                    fixed.scale,
-                                    Some((fixed.simd, &mut w.pack)),
-                                );
-                                scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
-                                scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
-                            }
+                        let (dq_at, dk_at, rs) = match back {
+                            None => (dst.ptr().add(block), dst.ptr().add(block + n.d), row),
+                            Some(_) => (w.dq.as_mut_ptr(), w.dk.as_mut_ptr(), n.dh),
+                        };
+                        let pack = Some((simd, &mut w.pack[..]));
+                        product(dims, dq_at, rs, ds, heads.k, fixed.scale, pack);
+                        let pack = Some((simd, &mut w.pack[..]));
+                        product(dims, dk_at, rs, ds.t(), heads.q, fixed.scale, pack);
+                        if let Some(back) = back {
+                            scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
+                            scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
                         }
                     }
                 },
