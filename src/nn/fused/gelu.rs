@@ -30,22 +30,16 @@ const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// `GELU(x)`, in parallel chunks.
 fn gelu_par<T: Real>(simd: SimdLevel, x: &[T]) -> Vec<T> {
-    let chunk = |i: usize| &x[i * ELEMENTS_PER_TASK..((i + 1) * ELEMENTS_PER_TASK).min(x.len())];
     // SAFETY: gelu_rows writes every value of its output, as long as its input chunk.
-    unsafe {
-        par_written(x.len(), ELEMENTS_PER_TASK, |i, o| {
-            gelu_rows(simd, chunk(i), o)
-        })
-    }
+    unsafe { par_written(x.len(), ELEMENTS_PER_TASK, |r, o| gelu_rows(simd, &x[r], o)) }
 }
 
 /// `g GELU'(x)`, in parallel chunks.
 fn gelu_grad_par<T: Real>(simd: SimdLevel, x: &[T], g: &[T]) -> Vec<T> {
-    let range = |i: usize| i * ELEMENTS_PER_TASK..((i + 1) * ELEMENTS_PER_TASK).min(x.len());
     // SAFETY: gelu_grad_rows writes every value of its output, as long as its input chunks.
     unsafe {
-        par_written(x.len(), ELEMENTS_PER_TASK, |i, o| {
-            gelu_grad_rows(simd, &x[range(i)], &g[range(i)], o)
+        par_written(x.len(), ELEMENTS_PER_TASK, |r, o| {
+            gelu_grad_rows(simd, &x[r.clone()], &g[r], o)
         })
     }
 }

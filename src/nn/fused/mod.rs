@@ -306,17 +306,12 @@ pub(super) fn zeros<T: Real>(len: usize) -> Vec<T> {
     if len < 4 * CHUNK {
         return vec![T::zero(); len];
     }
-    let mut v: Vec<T> = Vec::with_capacity(len);
-    v.spare_capacity_mut()[..len]
-        .par_chunks_mut(CHUNK)
-        .for_each(|c| {
-            for x in c {
-                x.write(T::zero());
-            }
-        });
-    // SAFETY: every one of the `len` elements was written above.
-    unsafe { v.set_len(len) };
-    v
+    // SAFETY: every value of every chunk is written.
+    unsafe {
+        par_written(len, CHUNK, |_, c| {
+            c.fill(std::mem::MaybeUninit::new(T::zero()))
+        })
+    }
 }
 
 /// A buffer of `len` values that `fill` writes in full, never zeroed first: at the paper's
@@ -333,21 +328,21 @@ pub(super) unsafe fn written<T: Real>(len: usize, fill: impl FnOnce(*mut T)) -> 
     v
 }
 
-/// `len` values written by `fill` in parallel chunks of `chunk` (the chunk's index and its
-/// uninitialised values), never zeroed first.
+/// `len` values written by `fill` in parallel chunks of `chunk` values (the chunk's range of
+/// indices and its uninitialised values), never zeroed first.
 ///
 /// # Safety
 /// `fill` must initialise every value of each chunk it is given.
 pub(super) unsafe fn par_written<T: Real>(
     len: usize,
     chunk: usize,
-    fill: impl Fn(usize, &mut [std::mem::MaybeUninit<T>]) + Sync,
+    fill: impl Fn(std::ops::Range<usize>, &mut [std::mem::MaybeUninit<T>]) + Sync,
 ) -> Vec<T> {
     let mut v = Vec::<T>::with_capacity(len);
     v.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk)
         .enumerate()
-        .for_each(|(i, c)| fill(i, c));
+        .for_each(|(i, c)| fill(i * chunk..i * chunk + c.len(), c));
     // SAFETY: every chunk was initialised, per the contract.
     unsafe { v.set_len(len) };
     v
