@@ -1,28 +1,43 @@
-"""The PyTorch reference encoder at any shape, on the CPU or a CUDA GPU, in f32 or half precision.
+"""poslab's bench encoder in PyTorch, at any shape, on the CPU or a CUDA GPU, in f32 or half precision.
 
-`shared/bench/torch_reference.py` measures its encoder on the CPU at one fixed shape (width 256,
-4 heads, 4 layers, FFN 1024, batch 32 x 128, f32). This script imports that file's model
-unchanged (`Encoder`, `Block`, the sinusoid and RoPE tables), sets the shape, and times it the
-same way (forward under inference_mode; a training step of forward, cross-entropy, backward and
-AdamW(lr 1e-4, weight decay 0.01)) wherever it is asked to run, so `poslab bench --torch
-benches/torch_at_shape.py` compares like with like at any shape and on any device:
+`poslab bench --torch` runs this script beside poslab (it is built into the binary, so a fresh
+clone or an installed poslab needs only a Python with torch). The model is the one
+`poslab bench` builds (src/bench/mod.rs, `Shape::model_config`), written out in plain PyTorch:
 
-  * on CUDA every timed segment ends with torch.cuda.synchronize(), and the peak GPU memory is
-    torch.cuda.max_memory_allocated() per phase (weights included);
-  * bf16 / f16 run under torch.autocast (weights and AdamW stay f32; matrix multiplies in the half
-    type, softmax and LayerNorm in f32), which is poslab's mixed precision; f16 trains with a
-    GradScaler, as poslab trains f16 with a dynamic loss scale;
-  * f32 matrix multiplies stay full f32 (no TF32), as candle's cuBLAS calls are.
+  * token embedding (vocab x width) and the variant's positions (below);
+  * `layers` pre-LayerNorm blocks: x + proj(attention(LN(x))), then x + fc2(GELU(fc1(LN(x))))
+    with the exact (erf) GELU, biases on every linear layer, LayerNorm eps 1e-5, no dropout;
+    attention is softmax(q k^T / sqrt(d_head) + bias) v over all positions (no mask);
+  * a final LayerNorm, the mean over positions, and a linear head to 2 classes.
 
-It prints one JSON line with the reference's field names (fwd_tokens_per_s_median,
-train_tokens_per_s_median, train_part_medians_ms, peak_rss_train_phase_mib) plus
-peak_gpu_fwd_phase_mib, peak_gpu_train_phase_mib, the GPU's name and the shape.
+Variants, under `poslab bench`'s names:
+  sin_add          token embedding + the fixed sinusoid table (sin on even, cos on odd columns)
+  sin_concat       token embedding of width - 64, then 64 sinusoid columns
+  sin_concat_proj  token embedding of width ++ 64 sinusoid columns, then Linear(width + 64 -> width)
+  learned          token embedding + a learned table of `seq` rows
+  rope             rotary positions on q and k in every layer, halves rotated (GPT-NeoX / LLaMA),
+                   theta 10000, the whole head
+  alibi            -slope_h |i - j| added to every head's scaled scores (Press et al.'s slopes)
+  none             token embedding only
 
-The reference is found at --reference, else $POSLAB_TORCH_REFERENCE, else
-../shared/bench/torch_reference.py from the repository root.
+It is timed as `poslab bench` times poslab: a forward under inference_mode; a training step of
+forward, cross-entropy, backward and AdamW (lr 1e-4, weight decay 0.01), the loss read every
+step. On CUDA every timed segment ends with torch.cuda.synchronize() and the peak GPU memory is
+torch.cuda.max_memory_allocated() per phase; bf16 / f16 run under torch.autocast (weights and
+AdamW in f32; f16 with a GradScaler), f32 matrix multiplies stay full f32 (no TF32).
+
+It prints one JSON line (fwd_tokens_per_s_median, train_tokens_per_s_median,
+train_part_medians_ms, peak_rss_train_phase_mib, peak_gpu_train_phase_mib, the cores other
+processes used while it ran, ...).
+
+Cross-check against another PyTorch encoder of the same architecture (the lab's shared
+`torch_reference.py`): `--cross-check PATH` builds that file's model at this shape, copies this
+model's weights into it, and compares logits and every gradient (f32 on the CPU), then exits.
 
 Usage: python benches/torch_at_shape.py VARIANT [--device cuda] [--dtype bf16] [--d-model 768
        --heads 12 --layers 12 --ffn 3072 --batch 32 --seq 512] [--attn manual|sdpa]
+       python benches/torch_at_shape.py --probe          (torch's version and the variants)
+       python benches/torch_at_shape.py rope --cross-check ../shared/bench/torch_reference.py
 """
 import argparse
 import importlib.util
@@ -33,20 +48,133 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = ["sin_add", "sin_concat", "sin_concat_proj", "learned", "rope", "alibi", "none"]
+POS_DIM = 64  # the concatenated sinusoid's width
+CLASSES = 2
+CLK = os.sysconf("SC_CLK_TCK")
 
 
-def load_reference(path):
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        sys.exit(f"torch_at_shape.py: no reference at {path}: pass --reference "
-                 "PATH/torch_reference.py or set POSLAB_TORCH_REFERENCE")
-    sys.path.insert(0, os.path.dirname(path))  # its cpumon.py
-    spec = importlib.util.spec_from_file_location("torch_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# --- the model -----------------------------------------------------------------------------
 
+def build_model(torch, variant, vocab, d_model, heads, layers, ffn, seq, attn="manual"):
+    """The bench encoder (see the module's doc) as a torch.nn.Module mapping ids [B, T] to
+    logits [B, 2]."""
+    nn, F = torch.nn, torch.nn.functional
+    d_head = d_model // heads
+
+    def sinusoid(n, dim):
+        """[n, dim]: sin(p w_i) in column 2i, cos(p w_i) in 2i + 1, w_i = 10000^(-2i / dim)."""
+        pos = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+        w = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+        table = torch.empty(n, dim)
+        table[:, 0::2] = torch.sin(pos * w)
+        table[:, 1::2] = torch.cos(pos * w)
+        return table
+
+    def alibi_slopes(h):
+        """Press et al.'s geometric slopes; for h not a power of two, the closest power's
+        slopes then every other slope of twice it (as poslab's alibi_slopes)."""
+        def power_of_two(n):
+            return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+        if h & (h - 1) == 0:
+            return power_of_two(h)
+        closest = 1 << (h.bit_length() - 1)
+        return power_of_two(closest) + alibi_slopes(2 * closest)[0::2][:h - closest]
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self.proj = nn.Linear(d_model, d_model)
+
+        def forward(self, x, rotary, bias):
+            b, t, _ = x.shape
+            q, k, v = (z.view(b, t, heads, d_head).transpose(1, 2)
+                       for z in self.qkv(x).split(d_model, dim=-1))
+            if rotary is not None:
+                cos, sin = rotary
+                q, k = (z * cos + torch.cat([-z[..., d_head // 2:], z[..., :d_head // 2]], -1) * sin
+                        for z in (q, k))
+            if attn == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            else:
+                scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d_head))
+                if bias is not None:
+                    scores = scores + bias
+                y = scores.softmax(dim=-1) @ v
+            return self.proj(y.transpose(1, 2).reshape(b, t, d_model))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+            self.attn = Attention()
+            self.fc1, self.fc2 = nn.Linear(d_model, ffn), nn.Linear(ffn, d_model)
+
+        def forward(self, x, rotary, bias):
+            x = x + self.attn(self.ln1(x), rotary, bias)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d_model - POS_DIM if variant == "sin_concat" else d_model)
+            if variant == "sin_add":
+                self.register_buffer("table", sinusoid(seq, d_model), persistent=False)
+            elif variant in ("sin_concat", "sin_concat_proj"):
+                self.register_buffer("table", sinusoid(seq, POS_DIM), persistent=False)
+                if variant == "sin_concat_proj":
+                    self.in_proj = nn.Linear(d_model + POS_DIM, d_model)
+            elif variant == "learned":
+                self.pos = nn.Embedding(seq, d_model)
+            elif variant == "rope":
+                w = 10000.0 ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
+                angles = torch.arange(seq, dtype=torch.float32).unsqueeze(1) * w
+                angles = torch.cat([angles, angles], dim=-1)  # [seq, d_head]: halves rotate
+                self.register_buffer("cos", angles.cos(), persistent=False)
+                self.register_buffer("sin", angles.sin(), persistent=False)
+            elif variant == "alibi":
+                p = torch.arange(seq, dtype=torch.float32)
+                distance = (p.unsqueeze(0) - p.unsqueeze(1)).abs()
+                slopes = torch.tensor(alibi_slopes(heads), dtype=torch.float32)
+                self.register_buffer("bias", -slopes.view(heads, 1, 1) * distance,
+                                     persistent=False)
+            elif variant != "none":
+                raise ValueError(f"unknown variant {variant!r}: use {', '.join(VARIANTS)}")
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d_model)
+            self.head = nn.Linear(d_model, CLASSES)
+
+        def forward(self, ids):
+            b, t = ids.shape
+            x = self.tok(ids)
+            if variant == "sin_add":
+                x = x + self.table[:t]
+            elif variant in ("sin_concat", "sin_concat_proj"):
+                x = torch.cat([x, self.table[:t].expand(b, t, POS_DIM)], dim=-1)
+                if variant == "sin_concat_proj":
+                    x = self.in_proj(x)
+            elif variant == "learned":
+                x = x + self.pos.weight[:t]
+            rotary = (self.cos[:t], self.sin[:t]) if variant == "rope" else None
+            bias = self.bias[:, :t, :t].to(x.dtype) if variant == "alibi" else None
+            for block in self.blocks:
+                x = block(x, rotary, bias)
+            return self.head(self.ln_f(x).mean(dim=1))
+
+    return Encoder()
+
+
+def forward_flops(variant, batch, seq, d_model, layers, ffn):
+    """poslab bench's count: 2 per multiply-add of every matrix multiply (projections, FFN,
+    the concat projection, the head) plus 4 L T^2 d B for the two attention products."""
+    proj = (d_model + POS_DIM) * d_model if variant == "sin_concat_proj" else 0
+    tokens = batch * seq
+    return (2 * (layers * (4 * d_model * d_model + 2 * d_model * ffn) + proj) * tokens
+            + 2 * d_model * CLASSES * batch + 4 * layers * seq * seq * d_model * batch)
+
+
+# --- measuring -----------------------------------------------------------------------------
 
 def proc_mib(field):
     try:
@@ -60,6 +188,7 @@ def proc_mib(field):
 
 
 def reset_peak_rss():
+    """Linux 4.0 and later: writing 5 to clear_refs resets VmHWM to the current RSS."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -67,9 +196,81 @@ def reset_peak_rss():
         pass
 
 
+def cpu_snapshot():
+    """(time, every core's busy ticks, this process's ticks), from /proc; None where absent."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        own = int(fields[11]) + int(fields[12])  # utime + stime, every thread
+        return time.perf_counter(), sum(ticks) - ticks[3] - ticks[4], own
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def foreign_cores(a, b):
+    """Cores' worth of CPU that other processes used between two snapshots."""
+    if a is None or b is None or b[0] <= a[0]:
+        return None
+    return max((b[1] - a[1]) - (b[2] - a[2]), 0) / CLK / (b[0] - a[0])
+
+
+def cross_check(torch, args, variant):
+    """This model against the encoder of `args.cross_check` (a file whose module globals
+    VOCAB, D, H, L, FFN, B, T, DH set its shape and whose Encoder(variant, attn) builds it),
+    with the same weights: logits and every gradient, f32 on the CPU."""
+    path = os.path.abspath(args.cross_check)
+    if not os.path.isfile(path):
+        sys.exit(f"torch_at_shape.py: --cross-check {path}: no such file")
+    sys.path.insert(0, os.path.dirname(path))
+    spec = importlib.util.spec_from_file_location("other_encoder", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    other.VOCAB, other.D, other.H, other.L, other.FFN = (args.vocab, args.d_model, args.heads,
+                                                         args.layers, args.ffn)
+    other.B, other.T, other.DH = args.batch, args.seq, args.d_model // args.heads
+    torch.manual_seed(0)
+    mine = build_model(torch, variant, args.vocab, args.d_model, args.heads, args.layers,
+                       args.ffn, args.seq, args.attn)
+    theirs = other.Encoder(variant, args.attn)
+    # Their names differ only in the attention's two linear layers.
+    rename = {".attn.qkv.": ".qkv.", ".attn.proj.": ".proj."}
+    state = {}
+    for name, value in mine.state_dict().items():
+        for a, b in rename.items():
+            name = name.replace(a, b)
+        state[name] = value
+    theirs.load_state_dict(state, strict=True)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    labels = torch.randint(0, CLASSES, (args.batch,))
+    worst = {}
+    outs = []
+    for model in (mine, theirs):
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        outs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (l1, g1), (l2, g2) = outs
+    worst["logits"] = ((l1 - l2).abs().max() / l2.abs().max().clamp_min(1e-30)).item()
+    for name, grad in g1.items():
+        for a, b in rename.items():
+            name = name.replace(a, b)
+        ref = g2[name]
+        worst[name] = ((grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    name, err = max(worst.items(), key=lambda kv: kv[1])
+    ok = err <= 1e-4
+    print(json.dumps(dict(cross_check=path, variant=variant, params=len(g1), ok=ok,
+                          largest_relative_difference=err, at=name)))
+    if not ok:
+        sys.exit(f"torch_at_shape.py: {variant} differs from {path} at {name}: {err:.3e} of "
+                 "the largest value (allowed 1e-4)")
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("variant")
+    ap = argparse.ArgumentParser(description="poslab's bench encoder in PyTorch, timed.")
+    ap.add_argument("variant", nargs="?", help=", ".join(VARIANTS))
+    ap.add_argument("--probe", action="store_true",
+                    help="print torch's version and the variants as JSON, then exit")
     ap.add_argument("--attn", default="manual", choices=["manual", "sdpa"])
     ap.add_argument("--fwd-iters", type=int, default=20)
     ap.add_argument("--train-iters", type=int, default=12)
@@ -84,24 +285,35 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
-    ap.add_argument("--reference", default=os.environ.get(
-        "POSLAB_TORCH_REFERENCE",
-        os.path.join(HERE, "..", "..", "shared", "bench", "torch_reference.py")))
+    ap.add_argument("--cross-check", metavar="PATH",
+                    help="compare this model with another file's encoder, then exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        import torch
+    except ImportError as e:
+        sys.exit(f"torch_at_shape.py: {sys.executable} cannot import torch ({e}): install it "
+                 "(pip install torch) or run a Python that has it")
+    if args.probe:
+        print(json.dumps(dict(torch=torch.__version__, variants=VARIANTS)))
+        return
+    if args.variant not in VARIANTS:
+        sys.exit(f"torch_at_shape.py: unknown variant {args.variant!r}: use {', '.join(VARIANTS)}")
+    sizes = dict(vocab=args.vocab, d_model=args.d_model, heads=args.heads, layers=args.layers,
+                 ffn=args.ffn, batch=args.batch, seq=args.seq)
+    for name, value in sizes.items():
+        if value < 1:
+            sys.exit(f"torch_at_shape.py: --{name.replace('_', '-')} must be at least 1")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         sys.exit(f"torch_at_shape.py: width {args.d_model} must split into {args.heads} heads "
                  "of an even width")
+    if args.variant == "sin_concat" and args.d_model <= POS_DIM:
+        sys.exit(f"torch_at_shape.py: sin_concat needs a width above {POS_DIM}")
+    if args.cross_check:
+        cross_check(torch, args, args.variant)
+        return
 
-    ref = load_reference(args.reference)
-    torch, F = ref.torch, ref.F
-    # The reference's model reads these module globals when it is built and run.
-    ref.VOCAB, ref.D, ref.H, ref.L, ref.FFN = (args.vocab, args.d_model, args.heads, args.layers,
-                                               args.ffn)
-    ref.B, ref.T, ref.DH = args.batch, args.seq, args.d_model // args.heads
-    if args.variant == "sin_concat" and args.d_model <= ref.DPOS:
-        sys.exit(f"torch_at_shape.py: sin_concat needs a width above {ref.DPOS}")
-
+    F = torch.nn.functional
     device = torch.device("cuda" if args.device.startswith("gpu") else args.device)
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -119,10 +331,11 @@ def main():
         return torch.autocast(device_type=device.type, dtype=half, enabled=half is not None)
 
     torch.manual_seed(0)
-    model = ref.Encoder(args.variant, args.attn).to(device)
+    model = build_model(torch, args.variant, args.vocab, args.d_model, args.heads, args.layers,
+                        args.ffn, args.seq, args.attn).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    labels = torch.randint(0, ref.NCLS, (args.batch,), device=device)
+    labels = torch.randint(0, CLASSES, (args.batch,), device=device)
     tokens = args.batch * args.seq
 
     def timed(fn, warm, iters):
@@ -130,13 +343,13 @@ def main():
             fn()
         sync()
         times = []
-        a = ref.cpumon.snap()
+        a = cpu_snapshot()
         for _ in range(iters):
             t = time.perf_counter()
             fn()
             sync()
             times.append(time.perf_counter() - t)
-        return times, ref.cpumon.foreign_cores(a, ref.cpumon.snap())
+        return times, foreign_cores(a, cpu_snapshot())
 
     # (a) inference forward
     model.eval()
@@ -180,35 +393,30 @@ def main():
     tt, t_foreign = timed(step, args.warm, args.train_iters)
     peak_gpu_train = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
     timed_parts = parts[args.warm:]
+    if not all(math.isfinite(x) for x in losses):
+        sys.exit(f"torch_at_shape.py: the loss was not finite: {losses}")
 
-    d, f, t, layers = args.d_model, args.ffn, args.seq, args.layers
-    proj = (d + ref.DPOS) * d if args.variant == "sin_concat_proj" else 0
-    flops_fwd = (2 * (layers * (4 * d * d + 2 * d * f) + proj) * tokens
-                 + 4 * layers * t * t * d * args.batch)
+    flops_fwd = forward_flops(args.variant, args.batch, args.seq, args.d_model, args.layers,
+                              args.ffn)
+    median = statistics.median
     res = dict(
-        framework="pytorch", torch=torch.__version__, variant=args.variant, attn=args.attn,
-        device=str(device), gpu=torch.cuda.get_device_name(device) if cuda else None,
-        dtype=args.dtype, tf32=False, threads=torch.get_num_threads(),
-        shape=dict(vocab=args.vocab, d_model=d, heads=args.heads, layers=layers, ffn=f,
-                   batch=args.batch, seq=t),
-        n_params=n_params, flops_fwd=flops_fwd, flops_train_approx=3 * flops_fwd,
-        fwd_s=dict(min=min(ft), median=statistics.median(ft), max=max(ft), n=len(ft)),
-        fwd_tokens_per_s_median=tokens / statistics.median(ft),
-        fwd_tokens_per_s_best=tokens / min(ft),
-        train_ms=dict(min=min(tt) * 1e3, median=statistics.median(tt) * 1e3, max=max(tt) * 1e3,
-                      n=len(tt)),
-        train_tokens_per_s_median=tokens / statistics.median(tt),
-        train_tokens_per_s_best=tokens / min(tt),
-        train_part_medians_ms=dict(fwd=statistics.median(p[0] for p in timed_parts) * 1e3,
-                                   bwd=statistics.median(p[1] for p in timed_parts) * 1e3,
-                                   opt=statistics.median(p[2] for p in timed_parts) * 1e3),
+        framework="pytorch", torch=torch.__version__, model="poslab bench encoder",
+        variant=args.variant, attn=args.attn, device=str(device),
+        gpu=torch.cuda.get_device_name(device) if cuda else None, dtype=args.dtype, tf32=False,
+        threads=torch.get_num_threads(), shape=sizes, n_params=n_params, flops_fwd=flops_fwd,
+        flops_train_approx=3 * flops_fwd,
+        fwd_s=dict(min=min(ft), median=median(ft), max=max(ft), n=len(ft)),
+        fwd_tokens_per_s_median=tokens / median(ft), fwd_tokens_per_s_best=tokens / min(ft),
+        train_ms=dict(min=min(tt) * 1e3, median=median(tt) * 1e3, max=max(tt) * 1e3, n=len(tt)),
+        train_tokens_per_s_median=tokens / median(tt), train_tokens_per_s_best=tokens / min(tt),
+        train_part_medians_ms=dict(fwd=median(p[0] for p in timed_parts) * 1e3,
+                                   bwd=median(p[1] for p in timed_parts) * 1e3,
+                                   opt=median(p[2] for p in timed_parts) * 1e3),
         loss_first=losses[0], loss_last=losses[-1],
         fwd_foreign_cores=f_foreign, train_foreign_cores=t_foreign,
         peak_rss_fwd_phase_mib=peak_rss_fwd, peak_rss_train_phase_mib=proc_mib("VmHWM"),
         peak_gpu_fwd_phase_mib=peak_gpu_fwd, peak_gpu_train_phase_mib=peak_gpu_train,
     )
-    if not all(math.isfinite(x) for x in losses):
-        sys.exit(f"torch_at_shape.py: the loss was not finite: {losses}")
     line = json.dumps(res)
     print(line)
     if args.out:

@@ -7,9 +7,9 @@
 #
 # It builds a snapshot of HEAD (git archive) so that editing the working tree meanwhile cannot
 # race the build; commit first. Stages: gpu/poslab.xz, gpu/suite.xz (the integration-test
-# binary), both stripped and compressed; gpu/torch_reference.py and gpu/cpumon.py (the PyTorch reference, which
-# benches/torch_at_shape.py imports); gpu/manifest-dir (the snapshot's path, which the test
-# binary has compiled in, for its fixtures). Then carry `gpu` in the device tool's run.
+# binary), both stripped and compressed (the PyTorch model `bench --torch` runs is built into
+# poslab); gpu/manifest-dir (the snapshot's path, which the test binary has compiled in, for its
+# fixtures). Then carry `gpu` in the device tool's run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SHARED=${POSLAB_SHARED:-$ROOT/../shared}
@@ -27,7 +27,6 @@ strip "$OUT/poslab" "$OUT/suite"
 # About 66 MiB each stripped (candle's kernels are in them), 10 MiB each in xz: the device tool
 # carries 64 MiB with the tree. session.sh unpacks them (Python's lzma, no xz needed there).
 xz -9 -T2 "$OUT/poslab" "$OUT/suite"
-cp "$SHARED/bench/torch_reference.py" "$SHARED/bench/cpumon.py" "$OUT/"
 echo "$SRC" > "$OUT/manifest-dir"
 git -C "$ROOT" rev-parse HEAD > "$OUT/commit"
 du -sh "$OUT"/*

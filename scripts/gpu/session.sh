@@ -27,7 +27,6 @@ ROUNDS=${ROUNDS:-2}
 # libcuda.so.1 from the system.
 LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))')
 export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
-export POSLAB_TORCH_REFERENCE=$ROOT/gpu/torch_reference.py
 # The test binary reads tests/fixtures under the folder it was built in: point that here.
 BUILT=$(cat "$ROOT/gpu/manifest-dir")
 if [ ! -e "$BUILT" ]; then mkdir -p "$(dirname "$BUILT")" && ln -s "$ROOT" "$BUILT"; fi
@@ -46,7 +45,7 @@ bench() { # bench FILE [bench args...]: f32 then bf16, the same shape, beside Py
   for dtype in f32 bf16; do
     stamp "bench $* --dtype $dtype"
     "$P" bench --device cuda --dtype "$dtype" --rounds "$ROUNDS" \
-      --torch benches/torch_at_shape.py --python python3 "$@"
+      --torch --python python3 "$@"
     stamp "bench, every poslab variant, $* --dtype $dtype"
     "$P" bench --device cuda --dtype "$dtype" "$@"
   done 2>&1 | tee -a "$OUT/$file"

@@ -24,21 +24,57 @@ pub struct Plan {
     pub torch: Option<Torch>,
 }
 
+/// The project's own PyTorch encoder and its timer (`benches/torch_at_shape.py`), built into
+/// the binary: `poslab bench --torch` with no path runs it from a temporary file.
+pub const TORCH_SCRIPT: &str = include_str!("../../benches/torch_at_shape.py");
+
 /// The PyTorch side of a bench: a script, and the Python that runs it.
 pub struct Torch {
-    /// `shared/bench/torch_reference.py`, or `benches/torch_at_shape.py`.
+    /// The script: the built-in one's temporary file, `benches/torch_at_shape.py`, or the
+    /// fixed-shape `shared/bench/torch_reference.py`.
     pub script: PathBuf,
     /// A Python with torch installed.
     pub python: PathBuf,
     /// Whether the script runs any shape, device and dtype (it takes `--d-model`); the shared
     /// reference runs one fixed shape in f32 on the CPU.
     takes_shape: bool,
+    /// The variants the script runs, under `poslab bench`'s names.
+    pub variants: Vec<String>,
+    /// torch's version, as the script reported it (scripts that take the shape answer
+    /// `--probe`).
+    pub version: Option<String>,
+    /// The built-in script's temporary file, removed when the bench is done.
+    _built_in: Option<tempfile::TempPath>,
+}
+
+/// What `torch_at_shape.py --probe` prints.
+#[derive(serde::Deserialize)]
+struct Probe {
+    torch: String,
+    variants: Vec<String>,
 }
 
 impl Torch {
-    /// `script` run by `python`, checked before anything runs: it must exist, and a
-    /// fixed-shape script is refused for another shape, device or dtype (the ratios would
-    /// compare different work).
+    /// The built-in script (`benches/torch_at_shape.py`) run by `python`, probed before anything
+    /// runs.
+    pub fn built_in(python: &Path, shape: &Shape, device: &candle::Device) -> Result<Self> {
+        let mut file = tempfile::Builder::new()
+            .prefix("poslab-torch-")
+            .suffix(".py")
+            .tempfile()
+            .map_err(|e| Error::io(std::env::temp_dir(), e))?;
+        std::io::Write::write_all(&mut file, TORCH_SCRIPT.as_bytes())
+            .map_err(|e| Error::io(file.path(), e))?;
+        let path = file.into_temp_path();
+        let mut torch = Self::new(&path, python, shape, device)?;
+        torch._built_in = Some(path);
+        Ok(torch)
+    }
+
+    /// `script` run by `python`, checked before anything runs: it must exist, a script that
+    /// takes the shape must import torch (it is asked for its variants), and a fixed-shape
+    /// script is refused for another shape, device or dtype (the ratios would compare
+    /// different work).
     pub fn new(
         script: &Path,
         python: &Path,
@@ -47,8 +83,8 @@ impl Torch {
     ) -> Result<Self> {
         if !script.exists() {
             return Err(Error::Input(format!(
-                "--torch {}: no such file (shared/bench/torch_reference.py, or \
-                 benches/torch_at_shape.py for other shapes, devices and dtypes)",
+                "--torch {}: no such file (give no path for poslab's own PyTorch model, \
+                 benches/torch_at_shape.py; or shared/bench/torch_reference.py)",
                 script.display()
             )));
         }
@@ -67,20 +103,69 @@ impl Torch {
             return Err(Error::Input(format!(
                 "--torch {} runs PyTorch on the CPU in f32 at its own fixed shape (width 256, 4 \
                  heads, 4 layers, FFN 1024, batch 32 x 128), but this bench runs {} in {} at \
-                 {}: the ratios would compare different work. Use --torch benches/torch_at_shape.py, which runs that \
-                 script's model at this shape, device and dtype (it finds the script through \
-                 POSLAB_TORCH_REFERENCE or ../shared/bench/torch_reference.py)",
+                 {}: the ratios would compare different work. Use --torch with no path, which \
+                 runs poslab's own PyTorch model (benches/torch_at_shape.py) at this shape, \
+                 device and dtype",
                 script.display(),
                 device_name(device),
                 shape.dtype.name(),
                 shape.describe()
             )));
         }
+        let (version, variants) = match takes_shape {
+            true => {
+                let probe = Self::probe(script, python)?;
+                (Some(probe.torch), probe.variants)
+            }
+            false => (None, TORCH_VARIANTS.map(String::from).to_vec()),
+        };
         Ok(Self {
             script: script.into(),
             python: python.into(),
             takes_shape,
+            variants,
+            version,
+            _built_in: None,
         })
+    }
+
+    /// `script --probe`: torch's version and the script's variants, or the script's own words
+    /// on why not (torch missing, most often).
+    fn probe(script: &Path, python: &Path) -> Result<Probe> {
+        let out = Command::new(python)
+            .arg(script)
+            .arg("--probe")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                Error::Input(format!(
+                    "--python {}: cannot run it ({e}): pass a Python with torch installed",
+                    python.display()
+                ))
+            })?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let why = stderr
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("no message");
+            return Err(Error::Input(format!(
+                "--torch: {} {} --probe failed: {why} (pass --python for another Python)",
+                python.display(),
+                script.display()
+            )));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));
+        line.and_then(|l| serde_json::from_str::<Probe>(l).ok())
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "--torch {}: its --probe printed no {{\"torch\": ..., \"variants\": [...]}} \
+                     line",
+                    script.display()
+                ))
+            })
     }
 }
 
@@ -137,23 +222,25 @@ fn value<T: serde::Serialize>(v: &T) -> serde_json::Value {
 
 impl Plan {
     /// The variants a bench runs when none are named: every scheme with its default options
-    /// but `none` (with PyTorch, the five its reference has).
-    pub fn default_variants(shape: &Shape, torch: bool) -> Vec<String> {
+    /// but `none` (with PyTorch, those its script runs), where the shape allows it.
+    pub fn default_variants(shape: &Shape, torch: Option<&Torch>) -> Vec<String> {
         let pool: Vec<String> = match torch {
-            true => TORCH_VARIANTS.map(String::from).to_vec(),
-            false => shape.variant_names(),
+            Some(torch) => torch.variants.clone(),
+            None => shape.variant_names(),
         };
-        pool.into_iter().filter(|v| v != "none").collect()
+        pool.into_iter()
+            .filter(|v| v != "none" && shape.model_config(v).is_ok())
+            .collect()
     }
 
     /// Every variant known at this shape, and run by the PyTorch script if there is one.
     pub fn check(&self) -> Result<()> {
         for v in &self.options.variants {
             self.options.shape.positional(v)?;
-            if self.torch.is_some() && !TORCH_VARIANTS.contains(&v.as_str()) {
+            if let Some(torch) = self.torch.as_ref().filter(|t| !t.variants.contains(v)) {
                 return Err(Error::Input(format!(
-                    "--torch: the PyTorch reference has no `{v}` variant; it runs {}",
-                    TORCH_VARIANTS.join(", ")
+                    "--torch: the PyTorch script has no `{v}` variant; it runs {}",
+                    torch.variants.join(", ")
                 )));
             }
         }
@@ -196,6 +283,7 @@ impl Plan {
             "kernels": self.kernels(),
             "simd": format!("{:?}", self.options.backend.simd),
             "shape": self.options.shape,
+            "torch": self.torch.as_ref().and_then(|t| t.version.clone()),
         })
     }
 
@@ -321,9 +409,9 @@ impl Plan {
             .map_err(|e| Error::io(&torch.python, e))?;
         if !out.status.success() {
             return Err(Error::Input(format!(
-                "the PyTorch reference failed for {variant} (is torch installed for {}? pass \
-                 --python)",
-                torch.python.display()
+                "the PyTorch script {} failed for {variant} ({}): its own message is above",
+                torch.script.display(),
+                out.status
             )));
         }
         let text = String::from_utf8_lossy(&out.stdout);

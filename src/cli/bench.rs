@@ -11,7 +11,7 @@ use anyhow::Result;
 pub struct Args {
     /// Variants: every scheme with its default options (sin_add, sin_concat, sin_concat_proj,
     /// learned, rope, rope_partial, prope, alibi, t5, kerple, fire, untied, untied_sinusoidal,
-    /// fox, none); default all but none (with --torch: the five the PyTorch reference has).
+    /// fox, none); default all but none (with --torch: those the PyTorch script runs).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     #[arg(long, default_value_t = 8192)]
@@ -60,10 +60,12 @@ pub struct Args {
     /// time.
     #[arg(long, value_enum)]
     pub simd: Option<poslab::nn::SimdLevel>,
-    /// The PyTorch reference script (shared/bench/torch_reference.py): run it beside
-    /// poslab, interleaved per variant, and report the ratios.
-    #[arg(long)]
-    pub torch: Option<PathBuf>,
+    /// Run PyTorch beside poslab, interleaved per variant, and report the ratios: with no
+    /// path, poslab's own PyTorch model of the bench encoder (benches/torch_at_shape.py, built
+    /// in), at this shape, device and dtype; or a script's path (the fixed-shape
+    /// shared/bench/torch_reference.py runs only the default shape).
+    #[arg(long, num_args = 0..=1, value_name = "SCRIPT")]
+    pub torch: Option<Option<PathBuf>>,
     /// The Python that runs --torch (one with torch installed).
     #[arg(long, default_value = "python3")]
     pub python: PathBuf,
@@ -102,13 +104,14 @@ pub fn run(a: Args) -> Result<()> {
     }
     let device = a.device.open()?;
     let torch = match &a.torch {
-        Some(script) => Some(poslab::bench::Torch::new(
+        Some(Some(script)) => Some(poslab::bench::Torch::new(
             script, &a.python, &shape, &device,
         )?),
+        Some(None) => Some(poslab::bench::Torch::built_in(&a.python, &shape, &device)?),
         None => None,
     };
     let variants = match a.variants.is_empty() {
-        true => poslab::bench::Plan::default_variants(&shape, torch.is_some()),
+        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref()),
         false => a.variants,
     };
     let plan = poslab::bench::Plan {

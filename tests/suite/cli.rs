@@ -187,6 +187,131 @@ fn bench_measures_the_matmul_peak_beside_the_step_and_the_share_of_it() {
     );
 }
 
+/// An executable shell script at `path`.
+fn write_executable(path: &std::path::Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, body).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[test]
+fn bench_torch_with_no_path_runs_the_built_in_pytorch_model_at_the_benchs_shape() {
+    // A stand-in for Python (these tests have no torch): it checks that it was handed the
+    // built-in script (poslab's own PyTorch model), answers its probe with three variants, and
+    // reports fixed throughputs, logging its arguments.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("args.log");
+    let python = dir.path().join("python");
+    write_executable(
+        &python,
+        &format!(
+            r#"#!/bin/sh
+grep -q "poslab's bench encoder in PyTorch" "$1" || {{ echo "not the built-in script: $1" >&2; exit 3; }}
+echo "$@" >> {log}
+if [ "$2" = "--probe" ]; then echo '{{"torch": "9.9-fake", "variants": ["sin_add", "alibi", "none"]}}'; exit 0; fi
+echo '{{"variant": "'$2'", "fwd_tokens_per_s_median": 1000.0, "train_tokens_per_s_median": 500.0, "train_part_medians_ms": {{"fwd": 1.0, "bwd": 2.0, "opt": 0.5}}, "peak_rss_train_phase_mib": 100.0, "fwd_foreign_cores": 0.0, "train_foreign_cores": 0.0}}'
+"#,
+            log = log.display()
+        ),
+    );
+    let python = python.to_str().unwrap();
+    let shape: Vec<&str> = "--vocab 50 --d-model 16 --heads 2 --layers 1 --ffn 32 --batch 2 \
+        --seq 8 --threads 1 --warmup 0 --forward-reps 1 --train-reps 1 --rounds 1"
+        .split_whitespace()
+        .collect();
+    let mut args = vec!["bench", "--torch", "--python", python, "--json"];
+    args.extend_from_slice(&shape);
+    let (ok, stdout, stderr) = poslab(&args);
+    assert!(ok, "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["torch"], "9.9-fake", "{stdout}");
+    // The script's variants but none, where the shape allows them: sin_concat is not asked for.
+    let ratios = doc["ratios"].as_array().unwrap();
+    let names: Vec<&str> = ratios
+        .iter()
+        .map(|r| r["variant"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["sin_add", "alibi"], "{stdout}");
+    for r in ratios {
+        assert_eq!(r["torch_train"], 500.0, "{r}");
+        let ratio = r["train_ratio"].as_f64().unwrap();
+        let poslab_train = r["poslab_train"].as_f64().unwrap();
+        assert!(
+            ratio > 0.0 && (ratio - poslab_train / 500.0).abs() < 1e-9,
+            "{r}"
+        );
+    }
+    // The shape, threads and reps went to the script; its temporary file is gone.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let runs: Vec<&str> = calls.lines().filter(|l| !l.contains("--probe")).collect();
+    assert_eq!(runs.len(), 2, "{calls}");
+    for run in &runs {
+        for flags in [
+            "--d-model 16",
+            "--heads 2",
+            "--seq 8",
+            "--threads 1",
+            "--device cpu",
+        ] {
+            assert!(run.contains(flags), "{flags}: {run}");
+        }
+    }
+    let script = runs[0].split(' ').next().unwrap();
+    assert!(
+        !std::path::Path::new(script).exists(),
+        "{script} left behind"
+    );
+    // A variant the script does not run is refused before anything is measured.
+    let mut args = vec!["bench", "--torch", "--python", python, "--variants", "rope"];
+    args.extend_from_slice(&shape);
+    let (ok, _, stderr) = poslab(&args);
+    assert!(
+        !ok && stderr.contains("has no `rope` variant; it runs sin_add, alibi, none")
+            && !stderr.contains("poslab bench on"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bench_torch_without_torch_says_so_before_measuring_anything() {
+    // A real Python whose `import torch` fails (a stand-in package first on its path), so the
+    // built-in script's own check speaks: torch is named, with the fix.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("torch")).unwrap();
+    std::fs::write(
+        dir.path().join("torch/__init__.py"),
+        "raise ImportError('no torch in this test')\n",
+    )
+    .unwrap();
+    let python = dir.path().join("python");
+    write_executable(
+        &python,
+        &format!(
+            "#!/bin/sh\nPYTHONPATH={} exec python3 \"$@\"\n",
+            dir.path().display()
+        ),
+    );
+    let (ok, _, stderr) = poslab(&[
+        "bench",
+        "--torch",
+        "--python",
+        python.to_str().unwrap(),
+        "--variants",
+        "sin_add",
+    ]);
+    assert!(
+        !ok && stderr.contains("cannot import torch (no torch in this test)")
+            && stderr.contains("pip install torch")
+            && stderr.contains("--python")
+            && !stderr.contains("poslab bench on"),
+        "{stderr}"
+    );
+    // A Python that is not there.
+    let missing = dir.path().join("no-such-python");
+    let (ok, _, stderr) = poslab(&["bench", "--torch", "--python", missing.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("cannot run it"), "{stderr}");
+}
+
 #[test]
 fn bench_refuses_pytorch_ratios_of_different_work() {
     // A fixed-shape PyTorch script (like shared/bench/torch_reference.py: no --d-model) beside
