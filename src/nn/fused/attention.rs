@@ -479,33 +479,13 @@ unsafe fn tiled_body<T: Real>(p: Tiles<T>) {
     }
 }
 
-/// [`tiled_body`] compiled for each instruction set.
-///
-/// # Safety
-/// As [`tiled_body`]'s.
-unsafe fn tiled_product<T: Real>(simd: SimdLevel, p: Tiles<T>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-        unsafe fn wide<T: Real>(p: Tiles<T>) {
-            unsafe { tiled_body(p) }
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn narrow<T: Real>(p: Tiles<T>) {
-            unsafe { tiled_body(p) }
-        }
-        // Not counted (count_dispatch): a relaxed atomic per product, on every core, is
-        // contention; the softmax beside each product is counted.
-        let level = simd.min(SimdLevel::detected());
-        // SAFETY: the CPU has the features each is compiled for; the rest per the contract.
-        match level {
-            SimdLevel::Avx512 => return unsafe { wide(p) },
-            SimdLevel::Avx2 => return unsafe { narrow(p) },
-            SimdLevel::Baseline => {}
-        }
-    }
-    unsafe { tiled_body(p) }
-}
+simd_dispatch!(
+    /// [`tiled_body`] compiled for each instruction set.
+    ///
+    /// # Safety
+    /// As [`tiled_body`]'s.
+    unsafe fn tiled_product = tiled_body(p: Tiles<T>)
+);
 
 /// A tensor standing for an absent op input (no dropout mask, no score bias).
 pub(super) fn absent(like: &Tensor) -> Result<Tensor> {

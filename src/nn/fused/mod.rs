@@ -189,32 +189,54 @@ pub fn simd_dispatches() -> [usize; 3] {
 
 /// Defines `$name`, which runs `$body` compiled for AVX-512 or AVX2 + FMA when `level` (its
 /// first argument) asks for them and the CPU has them, and for the baseline target otherwise.
+///
+/// `fn` takes a safe body and counts the call ([`count_dispatch`]); `unsafe fn` takes an unsafe
+/// one (raw pointers), is itself unsafe with the body's contract, and is not counted: the
+/// attention's tiled head products run once per head, where a shared atomic on every core is
+/// contention (the softmax beside each product is counted).
 macro_rules! simd_dispatch {
     ($vis:vis fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
         $vis fn $name<T: Real>(level: $crate::nn::SimdLevel, $($arg: $ty),*) {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-                unsafe fn wide<T: Real>($($arg: $ty),*) {
-                    $body::<T>($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn narrow<T: Real>($($arg: $ty),*) {
-                    $body::<T>($($arg),*)
-                }
-                let level = level.min($crate::nn::SimdLevel::detected());
-                $crate::nn::fused::count_dispatch(level);
-                match level {
-                    // SAFETY: the CPU has the features `wide` is compiled for.
-                    $crate::nn::fused::SimdLevel::Avx512 => return unsafe { wide::<T>($($arg),*) },
-                    // SAFETY: the CPU has the features `narrow` is compiled for.
-                    $crate::nn::fused::SimdLevel::Avx2 => return unsafe { narrow::<T>($($arg),*) },
-                    $crate::nn::fused::SimdLevel::Baseline => {}
-                }
+            let level = level.min($crate::nn::SimdLevel::detected());
+            $crate::nn::fused::count_dispatch(level);
+            // SAFETY: the body is safe; the level is one the CPU has.
+            #[allow(unused_unsafe)]
+            unsafe {
+                simd_dispatch!(@at level, $body ($($arg: $ty),*))
             }
-            $body::<T>($($arg),*)
         }
     };
+    ($(#[$doc:meta])* $vis:vis unsafe fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
+        $(#[$doc])*
+        $vis unsafe fn $name<T: Real>(level: $crate::nn::SimdLevel, $($arg: $ty),*) {
+            let level = level.min($crate::nn::SimdLevel::detected());
+            // SAFETY: the caller keeps the body's contract; the level is one the CPU has.
+            unsafe { simd_dispatch!(@at level, $body ($($arg: $ty),*)) }
+        }
+    };
+    // `$body` at `$level` (already capped at the CPU's): the one place the instruction sets
+    // are named. Expands inside an unsafe block.
+    (@at $level:ident, $body:ident ($($arg:ident : $ty:ty),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn wide<T: Real>($($arg: $ty),*) {
+                #[allow(unused_unsafe)]
+                unsafe { $body::<T>($($arg),*) }
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn narrow<T: Real>($($arg: $ty),*) {
+                #[allow(unused_unsafe)]
+                unsafe { $body::<T>($($arg),*) }
+            }
+            match $level {
+                $crate::nn::fused::SimdLevel::Avx512 => return wide::<T>($($arg),*),
+                $crate::nn::fused::SimdLevel::Avx2 => return narrow::<T>($($arg),*),
+                $crate::nn::fused::SimdLevel::Baseline => {}
+            }
+        }
+        $body::<T>($($arg),*)
+    }};
 }
 
 mod adamw;
