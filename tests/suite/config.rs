@@ -249,6 +249,7 @@ fn shipped_configs_are_valid() {
             "layers.toml",
             "length_generalization.toml",
             "length_suite.toml",
+            "length_suite_laptop.toml",
             "length_suite_longer.toml",
             "length_suite_small.toml",
             "prope.toml",

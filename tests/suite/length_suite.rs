@@ -625,6 +625,46 @@ fn the_shipped_suites_run_the_protocol() {
             .iter()
             .any(|u| u.name == t.name && u.lengths == t.lengths));
     }
+    // The laptop suite: tasks of all three classes at the protocol's lengths, tested up to 200,
+    // one pass over its training set, and each scheme plain and with randomized positions from
+    // the protocol's range.
+    let laptop = ExperimentConfig::load(repo("configs/length_suite_laptop.toml")).unwrap();
+    let names: Vec<&str> = laptop.tasks.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "even_pairs",
+            "cycle_navigation",
+            "reverse_string",
+            "stack_manipulation",
+            "duplicate_string",
+            "bucket_sort"
+        ]
+    );
+    let steps = match laptop.train.budget {
+        poslab::train::Budget::Steps(n) => n,
+        other => panic!("{other:?}"),
+    };
+    for t in &laptop.tasks {
+        assert_eq!(t.lengths, Some([1, 40]), "{}", t.name);
+        assert_eq!(t.test_lengths, [[41, 100], [101, 200]], "{}", t.name);
+        assert_eq!(t.train_examples, Some(steps * laptop.train.batch_size));
+    }
+    assert_eq!(laptop.model.norm, poslab::NormPlacement::Post);
+    assert_eq!(laptop.model.embed_scale, poslab::Scale::SqrtDModel);
+    let randomized: Vec<&str> = laptop
+        .variants
+        .iter()
+        .filter(|v| v.random_positions == Some(2048))
+        .map(|v| v.name.as_str())
+        .collect();
+    assert_eq!(randomized, ["sinusoidal_add_random", "rope_random"]);
+    for v in &laptop.variants {
+        let plain = v.name.trim_end_matches("_random");
+        assert!(laptop.variants.iter().any(|p| p.name == plain
+            && p.random_positions.is_none()
+            && p.positional.name() == v.positional.name()));
+    }
 }
 
 /// A tiny suite: 2 tasks x 2 variants x 2 seeds, a few steps.
