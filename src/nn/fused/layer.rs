@@ -262,11 +262,13 @@ impl LayerOp {
             Vec::new()
         };
         let attn_in = if self.shape.pre_norm { &a[..] } else { x };
-        let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d)); // (n, 3d)
-        let (c, probs) =
-            self.attention
-                .forward(&qkv, masks.attention.as_deref(), dims, keep_probs)?; // (n, d)
-                                                                               // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
+        // qkv: (n, 3d); c: (n, d), and the attention weights when kept
+        let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d));
+        let attention_mask = masks.attention.as_deref();
+        let (c, probs) = self
+            .attention
+            .forward(&qkv, attention_mask, dims, keep_probs)?;
+        // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
         let h_or_s1 = residual_linear(
             x,
             &c,

@@ -590,21 +590,8 @@ pub fn matmul_gflops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..reps.max(1) {
         let start = std::time::Instant::now();
-        // SAFETY: c is m x n, a m x k, b k x n, all row-major and contiguous.
-        unsafe {
-            matmul(
-                (m, n, k),
-                c.as_mut_ptr(),
-                (n as isize, 1),
-                false,
-                a.as_ptr(),
-                (k as isize, 1),
-                b.as_ptr(),
-                (n as isize, 1),
-                1.0,
-                parallelism(m, n, k),
-            )
-        };
+        // c (m x n) = a (m x k) · b (k x n): a linear layer's input gradient is this product.
+        grad_input(&a, &b, (m, k, n), &mut c, false);
         best = best.min(start.elapsed().as_secs_f64());
     }
     std::hint::black_box(&c);
