@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 17's runs on a GPU machine (the device tool's `run`), from the repository root, with
 # gpu/ carried (made here by scripts/gpu/prepare.sh). Each stage writes one file to $OUT (at
-# most 8 files come back); GPU time is short, so give one call the stages that fit 10 minutes:
+# most 8 files come back) and runs its commands under a time limit, so one call can be given
+# the stages in order of need and still come back with what finished:
 #
-#   scripts/gpu/session.sh info tests compare       # GPU tests; compare f32 and bf16
-#   scripts/gpu/session.sh bench-ref bench-large    # bench vs PyTorch, both shapes, f32 + bf16
+#   scripts/gpu/session.sh info tests bench-ref bench-large        # first call
+#   scripts/gpu/session.sh compare variants kernels                # second, on the warm machine
 #
 # Stages:
 #   info         nvidia-smi, torch, the libraries the binary resolves        -> info.txt
@@ -14,15 +15,24 @@
 #                                                                             -> suite.txt
 #   compare      `compare --device cuda` on the default config, f32 then bf16
 #                                     -> compare-f32.tar.gz, compare-bf16.tar.gz (run folders)
-#   bench-ref    bench at the reference shape, f32 and bf16, beside PyTorch  -> bench-ref.txt
-#   bench-large  width 768, 12 heads, 12 layers, FFN 3072, batch 32 x 512    -> bench-large.txt
-# ROUNDS (default 2) sets the interleaved poslab/PyTorch rounds; JOBS the compare's --jobs.
+#   bench-ref    bench at the reference shape beside PyTorch, f32 and bf16    -> bench-ref.txt
+#   bench-large  width 768, 12 heads, 12 layers, FFN 3072, batch 32 x 512, the same
+#                                                                             -> bench-large.txt
+#   variants     every poslab variant at both shapes, f32 and bf16, one process per shape
+#                                                                             -> variants.txt
+#   kernels      --kernels reference against the default (one CUDA kernel per op), both shapes
+#                                                                             -> kernels.txt
+# Environment: ROUNDS (default 2) interleaved poslab/PyTorch rounds at the reference shape,
+# LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 4); LIMIT_<STAGE>
+# (seconds) caps each command of a stage (defaults below); a command cut off says so.
 set -uo pipefail
 OUT=${OUT:-/tmp/poslab-gpu-out}
 mkdir -p "$OUT"
 ROOT=$(pwd)
 P=$ROOT/gpu/poslab
 ROUNDS=${ROUNDS:-2}
+LARGE_ROUNDS=${LARGE_ROUNDS:-1}
+JOBS=${JOBS:-4}
 # CUDA 13's cuBLAS, cuRAND, NVRTC and runtime from the wheels beside PyTorch; the driver's
 # libcuda.so.1 from the system.
 LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))')
@@ -40,14 +50,21 @@ for bin in poslab suite; do
 done
 
 stamp() { echo "== $* ($(date +%T))"; }
-bench() { # bench FILE [bench args...]: f32 then bf16, the same shape, beside PyTorch
-  local file=$1; shift
+# limited SECONDS CMD...: runs CMD, killed (with its children) after SECONDS; says so.
+limited() {
+  local s=$1; shift
+  timeout -k 5 "$s" "$@"
+  local rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "!! cut off after ${s}s: $*"; fi
+  return $rc
+}
+LARGE=(--d-model 768 --heads 12 --layers 12 --ffn 3072 --batch 32 --seq 512)
+torch_bench() { # torch_bench FILE LIMIT ROUNDS [bench args...]: f32 then bf16, beside PyTorch
+  local file=$1 limit=$2 rounds=$3; shift 3
   for dtype in f32 bf16; do
-    stamp "bench $* --dtype $dtype"
-    "$P" bench --device cuda --dtype "$dtype" --rounds "$ROUNDS" \
+    stamp "bench $* --dtype $dtype --rounds $rounds --torch"
+    limited "$limit" "$P" bench --device cuda --dtype "$dtype" --rounds "$rounds" \
       --torch --python python3 "$@"
-    stamp "bench, every poslab variant, $* --dtype $dtype"
-    "$P" bench --device cuda --dtype "$dtype" "$@"
   done 2>&1 | tee -a "$OUT/$file"
 }
 
@@ -55,25 +72,43 @@ for stage in "$@"; do
   case $stage in
     info)
       { stamp info; cat gpu/commit; nvidia-smi
-        python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
+        python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'
         ldd "$P" | grep -E 'cuda|cublas|curand|nvrtc|not found'
         "$P" --version; } 2>&1 | tee "$OUT/info.txt" ;;
     tests)
-      { stamp tests; time gpu/suite cuda:: --test-threads=1 --nocapture; } 2>&1 | tee "$OUT/tests.txt" ;;
+      { stamp tests; time limited "${LIMIT_TESTS:-240}" gpu/suite cuda:: --test-threads=1 --nocapture; } \
+        2>&1 | tee "$OUT/tests.txt" ;;
     suite)
-      { stamp suite; time gpu/suite; } 2>&1 | tee "$OUT/suite.txt" ;;
+      { stamp suite; time limited "${LIMIT_SUITE:-600}" gpu/suite; } 2>&1 | tee "$OUT/suite.txt" ;;
     compare)
       for dtype in f32 bf16; do
-        stamp "compare $dtype"
-        ( time "$P" compare --device cuda --dtype "$dtype" --quiet ${JOBS:+--jobs $JOBS} \
-            --out "/tmp/compare-$dtype" --overwrite ) 2>&1 | tail -40
+        stamp "compare $dtype --jobs $JOBS"
+        ( time limited "${LIMIT_COMPARE:-300}" "$P" compare --device cuda --dtype "$dtype" --quiet \
+            --jobs "$JOBS" --out "/tmp/compare-$dtype" --overwrite ) 2>&1 | tail -40
         tar -czf "$OUT/compare-$dtype.tar.gz" -C /tmp "compare-$dtype"
       done ;;
     bench-ref)
-      bench bench-ref.txt ;;
+      torch_bench bench-ref.txt "${LIMIT_BENCH_REF:-120}" "$ROUNDS" ;;
     bench-large)
-      bench bench-large.txt --d-model 768 --heads 12 --layers 12 --ffn 3072 --batch 32 --seq 512 \
+      torch_bench bench-large.txt "${LIMIT_BENCH_LARGE:-150}" "$LARGE_ROUNDS" "${LARGE[@]}" \
         --warmup 2 --forward-reps 5 --train-reps 5 ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large)"; exit 2 ;;
+    variants)
+      for dtype in f32 bf16; do
+        stamp "bench, every variant, reference shape, --dtype $dtype"
+        limited "${LIMIT_VARIANTS:-60}" "$P" bench --device cuda --dtype "$dtype" --in-process
+        stamp "bench, every variant, large shape, --dtype $dtype"
+        limited "${LIMIT_VARIANTS:-60}" "$P" bench --device cuda --dtype "$dtype" --in-process \
+          "${LARGE[@]}" --warmup 1 --forward-reps 3 --train-reps 3
+      done 2>&1 | tee -a "$OUT/variants.txt" ;;
+    kernels)
+      for shape in ref large; do
+        args=(); [ $shape = large ] && args=("${LARGE[@]}" --warmup 1 --forward-reps 3 --train-reps 3)
+        for kernels in reference ops; do
+          stamp "bench --kernels $kernels, $shape shape, sin_add and rope"
+          limited "${LIMIT_KERNELS:-45}" "$P" bench --device cuda --kernels "$kernels" \
+            --variants sin_add,rope --in-process "${args[@]}"
+        done
+      done 2>&1 | tee -a "$OUT/kernels.txt" ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels)"; exit 2 ;;
   esac
 done

@@ -298,6 +298,33 @@ pub struct Record {
     pub matmul_peak_gflops: Option<f64>,
 }
 
+impl Record {
+    /// Training tokens/s at the median step (0 when the phase did not run).
+    pub fn train_rate(&self) -> f64 {
+        self.train.as_ref().map_or(0.0, |t| t.tokens_per_s)
+    }
+
+    /// Forward tokens/s at the median pass (0 when the phase did not run).
+    pub fn forward_rate(&self) -> f64 {
+        self.forward.as_ref().map_or(0.0, |t| t.tokens_per_s)
+    }
+
+    /// The figures on a line, logged as soon as they are in: a bench cut short still says what
+    /// it measured.
+    pub fn line(&self) -> String {
+        let mut line = format!(
+            "{}: training {:.0} tok/s, forward {:.0} tok/s",
+            self.variant,
+            self.train_rate(),
+            self.forward_rate()
+        );
+        if let Some(mib) = self.train_peak_gpu_mib {
+            line += &format!(", training peak GPU {mib:.0} MiB");
+        }
+        line
+    }
+}
+
 /// The matrix-multiply peak of this machine at these threads, in GFLOP/s: the best of a
 /// 1024³ product and the step's largest (tokens × FFN × width), through the gemm call the
 /// layers make, best of a few repetitions. A training step's share of it is the headline of
@@ -481,6 +508,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
                 .to_string(),
             matmul_peak_gflops,
         });
+        progress(&records[records.len() - 1].line());
     }
     Ok(records)
 }

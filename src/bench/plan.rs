@@ -305,6 +305,7 @@ impl Plan {
                         let t = self.torch_run(torch, variant, log)?;
                         (self.in_child(variant)?, t)
                     };
+                    log(&pair_line(&pair.0, &pair.1));
                     pairs.push(pair);
                 }
                 rounds.push(pairs);
@@ -422,4 +423,19 @@ impl Plan {
             .ok_or_else(|| Error::Input("the PyTorch reference printed no JSON line".into()))?;
         TorchRecord::from_json(line)
     }
+}
+
+/// A poslab / PyTorch pair of one round on a line, logged as soon as both are in.
+fn pair_line(p: &Record, t: &TorchRecord) -> String {
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let (train, forward) = (p.train_rate(), p.forward_rate());
+    format!(
+        "  {}: training tok/s poslab {train:.0} / PyTorch {:.0} ({:.2}x), forward {forward:.0} / \
+         {:.0} ({:.2}x)",
+        p.variant,
+        t.train_tokens_per_s,
+        ratio(train, t.train_tokens_per_s),
+        t.forward_tokens_per_s,
+        ratio(forward, t.forward_tokens_per_s),
+    )
 }
