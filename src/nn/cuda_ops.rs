@@ -15,6 +15,14 @@
 //! f64 (half-precision activations are cast up first, as everywhere: statistics and rotations
 //! stay f32).
 //!
+//! **Backward passes compute from detached inputs.** candle's backward detaches the gradient
+//! of every node it passes through, but not a variable's: a gradient an op hands straight to
+//! a variable (LayerNorm's weight and bias) keeps the graph of whatever it was computed from.
+//! Built from the tracked input, it held the whole step's forward graph, and an optimizer
+//! moment made from it held it across steps: on a GPU this leaked about a gigabyte per step
+//! at `bench`'s reference shape (2026-11-26, H100) until the memory ran out. Detached inputs
+//! give gradients with no graph.
+//!
 //! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
 //! `reference` keeps the compositions.
 
@@ -138,6 +146,7 @@ impl CustomOp1 for SoftmaxLastDim {
 
     /// `dx = y * (dy - sum(dy * y))` along the last axis.
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let res = &res.detach(); // see the module's note on backward passes
         let dot = (grad_res * res)?.sum_keepdim(D::Minus1)?;
         Ok(Some((grad_res.broadcast_sub(&dot)? * res)?))
     }
@@ -182,6 +191,7 @@ impl CustomOp1 for Gelu {
     /// backward rounds 1/sqrt(2 pi) to 0.398942).
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         use std::f64::consts::{FRAC_1_SQRT_2, PI};
+        let arg = &arg.detach(); // see the module's note on backward passes
         let cdf = (arg * FRAC_1_SQRT_2)?.erf()?.affine(0.5, 0.5)?;
         let pdf = arg
             .sqr()?
@@ -304,6 +314,10 @@ impl CustomOp3 for LayerNormOp {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The weight and bias are variables, whose gradients are not detached by candle's
+        // backward: built from tracked tensors they would hold this step's graph for as long as
+        // anything holds them (see the module's note on backward passes).
+        let (x, weight) = (&x.detach(), &weight.detach());
         let width = x.dim(D::Minus1)?;
         let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
         let inv_std = (centered.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
@@ -712,6 +726,11 @@ mod tests {
             (y, g)
         };
         let (y1, g1) = run(fused);
+        // Every input here is a variable, whose gradient candle does not detach: the op's
+        // backward must hand back gradients with no graph (see the module's note).
+        for (i, g) in g1.iter().enumerate() {
+            assert!(!g.track_op(), "{what}: gradient {i} carries a graph");
+        }
         let (y2, g2) = run(reference);
         assert_eq!(y1.dims(), y2.dims(), "{what}");
         let e = max_diff(&y1, &y2);

@@ -122,6 +122,10 @@ impl AdamW {
             let Some(g) = grads.get(slot.var.as_tensor()) else {
                 continue;
             };
+            // A variable's gradient may carry the graph it was computed from (candle detaches
+            // the gradients of intermediate nodes only); the moments made from it would hold
+            // that graph, and with it every step's activations, from step to step.
+            let g = &g.detach();
             let decay_factor = if slot.decay && weight_decay > 0.0 {
                 1.0 - lr * weight_decay
             } else {
@@ -250,6 +254,36 @@ mod tests {
         assert_eq!(step, 1);
         let m = state["m.w.weight"].to_vec1::<f64>().unwrap()[0];
         assert!((m - 0.3).abs() < 1e-15, "first moment {m}");
+    }
+
+    #[test]
+    fn the_moments_hold_no_graph_when_a_gradient_carries_one() {
+        // candle leaves a variable's gradient undetached: one built from tracked tensors (as a
+        // custom op's backward may hand it) carries their graph. The moments must not keep it
+        // from step to step, in the composed update (the GPU's) or the fused one.
+        for kernels in [crate::nn::Kernels::Reference, crate::nn::Kernels::Ops] {
+            crate::nn::with_kernels(kernels, || {
+                let w = Var::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
+                let mut opt =
+                    AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default()).unwrap();
+                for _ in 0..2 {
+                    let mut grads = (w.as_tensor() * 3.0)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let tracked = (w.as_tensor() * 2.0).unwrap();
+                    assert!(tracked.track_op());
+                    grads.insert(w.as_tensor(), tracked);
+                    opt.step(&grads, 0.01, 0.5).unwrap();
+                }
+                for (name, moment) in opt.state().0 {
+                    assert!(!moment.track_op(), "{kernels:?}: {name} holds a graph");
+                }
+                assert!(!w.as_detached_tensor().track_op());
+            });
+        }
     }
 
     #[test]
