@@ -7,6 +7,11 @@
 #   scripts/gpu/session.sh info tests bench-ref bench-large        # first call
 #   scripts/gpu/session.sh compare variants kernels                # second, on the warm machine
 #
+# The first run (2026-11-26, H100, 15 minutes of device time) took: unpacking and info 5 s,
+# tests 24 s, bench-ref about 70 s a dtype for one round, compare 4.3 s a cell (45 cells), the
+# variants 30 s a dtype. Fire the second call as soon as the first returns: the machine stays
+# warm 30 s.
+#
 # Stages:
 #   info         nvidia-smi, torch, the libraries the binary resolves        -> info.txt
 #   tests        tests/suite/cuda.rs: fixtures f32/bf16/f16, gradients vs the CPU, training
@@ -23,7 +28,8 @@
 #   kernels      --kernels reference against the default (one CUDA kernel per op), both shapes
 #                                                                             -> kernels.txt
 # Environment: ROUNDS (default 2) interleaved poslab/PyTorch rounds at the reference shape,
-# LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 4); LIMIT_<STAGE>
+# LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 1: on an H100 four
+# jobs on the one GPU were 2.5x slower in all than one, 2026-11-26); LIMIT_<STAGE>
 # (seconds) caps each command of a stage (defaults below); a command cut off says so.
 set -uo pipefail
 OUT=${OUT:-/tmp/poslab-gpu-out}
@@ -32,7 +38,7 @@ ROOT=$(pwd)
 P=$ROOT/gpu/poslab
 ROUNDS=${ROUNDS:-2}
 LARGE_ROUNDS=${LARGE_ROUNDS:-1}
-JOBS=${JOBS:-4}
+JOBS=${JOBS:-1}
 # CUDA 13's cuBLAS, cuRAND, NVRTC and runtime from the wheels beside PyTorch; the driver's
 # libcuda.so.1 from the system.
 LIB=$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "lib"))')
