@@ -24,9 +24,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionInputs, Backend,
-    Dropout, FeedForward, Kernels, LayerMasks, LayerNorm, LayerShape, Rotary, SelfAttention,
-    SharedRng,
+    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionBias,
+    AttentionInputs, Backend, Dropout, FeedForward, Kernels, LayerBias, LayerMasks, LayerNorm,
+    LayerShape, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -215,7 +215,7 @@ impl EncoderLayer {
         own: Option<OwnBias>,
         train: bool,
     ) -> Result<Tensor> {
-        let own_bias = |attn_input: &Tensor| -> Result<Option<Tensor>> {
+        let own_bias = |attn_input: &Tensor| -> Result<Option<LayerBias>> {
             match own {
                 Some(OwnBias { module, layer }) => module.input_bias(layer, attn_input),
                 None => Ok(None),
@@ -232,7 +232,7 @@ impl EncoderLayer {
                 (Some(_), NormPlacement::Post) => own_bias(xs)?,
             };
             let inputs = AttentionInputs {
-                score_bias: bias.as_ref().or(inputs.score_bias),
+                score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
                 ..inputs
             };
             return self.forward_fused(xs, attn_norm, inputs, train);
@@ -240,7 +240,7 @@ impl EncoderLayer {
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;
             let inputs = AttentionInputs {
-                score_bias: bias.as_ref().or(inputs.score_bias),
+                score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
                 ..inputs
             };
             let y = self.attn.forward_t(x, inputs, train)?;
@@ -611,7 +611,11 @@ impl Encoder {
         let inputs = AttentionInputs {
             key_padding: padding,
             rotary,
-            score_bias: placed.biases.as_ref().and_then(|b| b.layer(i)),
+            score_bias: placed
+                .biases
+                .as_ref()
+                .and_then(|b| b.layer(i))
+                .map(AttentionBias::Table),
             max_offset,
         };
         let own = match (&self.positional, &placed.biases) {

@@ -43,6 +43,60 @@ pub fn window_bias(
     ))
 }
 
+/// An additive bias on the attention scores, in one of two forms.
+#[derive(Clone, Copy, Debug)]
+pub enum AttentionBias<'a> {
+    /// `(r, h, t, t)`, added as it is; `r` is 1 (the same for every sequence) or `b`.
+    Table(&'a Tensor),
+    /// `(2, b, h, t)`: two running sums `f` and `g` of per-token values along each sequence,
+    /// whose differences are the bias:
+    ///
+    /// ```text
+    /// bias[h, i, j] = f[h, i] - f[h, j]     j <= i
+    ///               = g[h, j] - g[h, i]     j > i
+    /// ```
+    ///
+    /// (the sum between key `j` and query `i`, from `f` to the query's left and `g` to its
+    /// right: a content-set decay). The fused kernels build it in place per head and reduce its
+    /// gradient to the sums' there, so no `(b, h, t, t)` bias or gradient is ever stored; the
+    /// compositions build the table ([`AttentionBias::table`]).
+    SidedSums(&'a Tensor),
+}
+
+impl AttentionBias<'_> {
+    /// The bias as a `(r, h, t, t)` table.
+    pub fn table(&self) -> Result<Tensor> {
+        match *self {
+            Self::Table(t) => Ok(t.clone()),
+            Self::SidedSums(sums) => {
+                let (_, b, h, t) = sums.dims4()?;
+                let f = sums.get(0)?.reshape((b * h, t))?;
+                let g = sums.get(1)?.reshape((b * h, t))?;
+                super::sided_differences(&f, &g)?.reshape((b, h, t, t))
+            }
+        }
+    }
+}
+
+/// An [`AttentionBias`] a layer computes from its own input, owned.
+#[derive(Clone, Debug)]
+pub enum LayerBias {
+    /// See [`AttentionBias::Table`].
+    Table(Tensor),
+    /// See [`AttentionBias::SidedSums`].
+    SidedSums(Tensor),
+}
+
+impl LayerBias {
+    /// The bias as attention reads it.
+    pub fn as_input(&self) -> AttentionBias<'_> {
+        match self {
+            Self::Table(t) => AttentionBias::Table(t),
+            Self::SidedSums(s) => AttentionBias::SidedSums(s),
+        }
+    }
+}
+
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
 /// positional scheme (`nn` knows none).
 ///
@@ -59,8 +113,8 @@ pub struct AttentionInputs<'a> {
     pub key_padding: &'a Tensor,
     /// A rotation of q and k by their tokens' positions.
     pub rotary: Option<&'a Rotary>,
-    /// `(r, h, t, t)` added to the scaled scores, `r` 1 (the same for every sequence) or `b`.
-    pub score_bias: Option<&'a Tensor>,
+    /// Added to the scaled scores.
+    pub score_bias: Option<AttentionBias<'a>>,
     /// A sliding window: keys more than this many tokens from the query get no weight.
     pub max_offset: Option<usize>,
 }
@@ -271,7 +325,8 @@ impl SelfAttention {
             Some(bias) => {
                 // The bias is added in its own dtype (the parameters', f32 under mixed
                 // precision), where the softmax runs anyway.
-                let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(bias)?)?;
+                let bias = bias.table()?;
+                let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(&bias)?)?;
                 masked_softmax(&biased, inputs.key_padding)?.to_dtype(scores.dtype())?
             }
         };

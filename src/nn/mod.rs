@@ -18,15 +18,17 @@ mod layer_norm;
 mod ops;
 mod rotary;
 
-pub use attention::{key_padding_bias, window_bias, AttentionInputs, SelfAttention};
+pub use attention::{
+    key_padding_bias, window_bias, AttentionBias, AttentionInputs, LayerBias, SelfAttention,
+};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
 pub use fused::{matmul_gflops, simd_dispatches, SimdLevel};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
-    gelu, linear, linear_no_bias, linear_with_bias, log_softmax_last_dim, masked_softmax,
-    rope_rotate, sided_differences, softmax_last_dim, Linear,
+    gelu, linear, linear_no_bias, linear_with_bias, log_sigmoid, log_softmax_last_dim,
+    masked_softmax, rope_rotate, sided_differences, softmax_last_dim, Linear,
 };
 pub use rotary::Rotary;
 

@@ -28,7 +28,7 @@ use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
-use crate::nn::{sided_differences, Linear};
+use crate::nn::{log_sigmoid, AttentionBias, LayerBias, Linear};
 
 /// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
 pub const FOX_GATE_BIAS: f64 = 5.0;
@@ -132,7 +132,7 @@ impl FoxGates {
         })
     }
 
-    /// `log sigmoid(x Wᵀ + b)`, computed as `-(relu(-z) + ln(1 + e^(-|z|)))`, exact for any `z`.
+    /// `log sigmoid(x Wᵀ + b)` ([`crate::nn::log_sigmoid`]: exact for any `z`).
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
@@ -141,21 +141,29 @@ impl FoxGates {
         let z = self
             .gates
             .forward(&x.to_dtype(self.gates.weight().dtype())?)?;
-        let soft = (z.abs()?.neg()?.exp()? + 1.0)?.log()?;
-        Ok((z.neg()?.relu()? + soft)?.neg()?)
+        Ok(log_sigmoid(&z)?)
     }
 
+    /// The gates' running sums `[G; G']` along the tokens, whose two-sided differences are the
+    /// bias (`G[i] - G[j]` for keys at or before the query, `G'[j] - G'[i]` after it): what
+    /// attention reads ([`AttentionBias::SidedSums`]).
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
+    pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.heads;
+        let g = self.log_gates(x)?.transpose(1, 2)?.contiguous()?; // (b, 2h, t)
+        let sums = g.cumsum(D::Minus1)?; // (b, 2h, t): G, then G'
+        let (b, _, t) = sums.dims3()?;
+        Ok(sums.reshape((b, 2, h, t))?.transpose(0, 1)?.contiguous()?)
+    }
+
+    /// The bias as a table.
+    ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, h, t, t)`; differentiable in the gates and `x`
     pub fn bias(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.heads;
-        let g = self.log_gates(x)?.transpose(1, 2)?.contiguous()?; // (b, 2h, t)
-        let sums = g.cumsum(D::Minus1)?; // (b, 2h, t)
-        let (b, _, t) = sums.dims3()?;
-        let forward = sums.narrow(1, 0, h)?.reshape((b * h, t))?; // G
-        let backward = sums.narrow(1, h, h)?.reshape((b * h, t))?; // G'
-                                                                   // G[i] - G[j] for keys at or before the query, G'[j] - G'[i] after it.
-        Ok(sided_differences(&forward, &backward)?.reshape((b, h, t, t))?)
+        Ok(AttentionBias::SidedSums(&self.sums(x)?).table()?)
     }
 
     /// `(weight (2h, d), bias (2h))`.
@@ -181,11 +189,11 @@ impl BiasModule for Fox {
             .collect()
     }
 
-    fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<Tensor>> {
+    fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<LayerBias>> {
         self.0
             .get(layer)
             .and_then(Option::as_ref)
-            .map(|g| g.bias(x))
+            .map(|g| g.sums(x).map(LayerBias::SidedSums))
             .transpose()
     }
 

@@ -33,9 +33,10 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
     fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases>;
 
     /// Layer `layer`'s bias computed from its attention input `x` (`(b, t, d_model)`), for a
-    /// contextual scheme whose [`BiasModule::layer_biases`] is [`LayerBiases::FromInput`].
-    /// Returns `(b, h, t, t)`.
-    fn input_bias(&self, _layer: usize, _x: &Tensor) -> Result<Option<Tensor>> {
+    /// contextual scheme whose [`BiasModule::layer_biases`] is [`LayerBiases::FromInput`]: a
+    /// `(b, h, t, t)` table, or running sums whose two-sided differences are the bias (see
+    /// [`crate::nn::AttentionBias`]).
+    fn input_bias(&self, _layer: usize, _x: &Tensor) -> Result<Option<crate::nn::LayerBias>> {
         Ok(None)
     }
 

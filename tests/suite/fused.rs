@@ -387,6 +387,9 @@ fn fused_ops_match_their_compositions_forward_and_backward() {
         // GELU over a range wide enough to reach both tails.
         let x = (random(&[7, 37], 3, dtype) * 6.0).unwrap();
         assert_op_matches("gelu", &x, &|x| poslab::nn::gelu(x).unwrap());
+        // log sigmoid (FoX's gates), both tails.
+        let z = (random(&[5, 41], 10, dtype) * 30.0).unwrap();
+        assert_op_matches("log sigmoid", &z, &|z| poslab::nn::log_sigmoid(z).unwrap());
         // LayerNorm with non-trivial weight and bias.
         let x = random(&[4, 5, 40], 4, dtype).affine(3.0, 0.5).unwrap();
         let ln_params = ParamStore::new(5);
@@ -436,6 +439,47 @@ fn fused_f32_gelu_and_its_derivative_are_within_3e7_of_the_exact_values() {
 }
 
 #[test]
+fn fused_f32_log_sigmoid_and_its_derivative_are_within_3e7_relative_of_the_exact_values() {
+    // The f32 kernel uses a polynomial exp and ln (each about 1 ulp) and ln(1 + u) corrected
+    // for the rounding of 1 + u; the exact values come from f64. Relative bounds, since FoX's
+    // gates live near 0 (log sigmoid(5) = -0.0067) and in the far tail the value is e^z.
+    let mut zs: Vec<f32> = (-8000..=8000).map(|i| i as f32 * 0.005).collect();
+    zs.extend([-80.0, -30.0, 30.0, 80.0, 0.0, -0.0, 1e-6, -1e-6]);
+    let z = Tensor::from_vec(zs.clone(), zs.len(), &Device::Cpu).unwrap();
+    let (y, g) = with_kernels(Kernels::Ops, || {
+        let var = Var::from_tensor(&z).unwrap();
+        let y = poslab::nn::log_sigmoid(var.as_tensor()).unwrap();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        (values(&y), values(grads.get(var.as_tensor()).unwrap()))
+    });
+    let mut worst = (0.0f64, 0.0f64);
+    for (i, &z) in zs.iter().enumerate() {
+        let z = f64::from(z);
+        let exact = if z >= 0.0 {
+            -(-z).exp().ln_1p()
+        } else {
+            z - z.exp().ln_1p()
+        };
+        let slope = 1.0 / (1.0 + z.exp());
+        assert!(y[i] <= 0.0, "log sigmoid({z}) = {} > 0", y[i]);
+        let (ey, eg) = (
+            (y[i] - exact).abs() / exact.abs(),
+            (g[i] - slope).abs() / slope.max(f64::MIN_POSITIVE),
+        );
+        worst = (
+            worst.0.max(ey),
+            worst.1.max(if slope > 1e-30 { eg } else { 0.0 }),
+        );
+    }
+    eprintln!(
+        "f32 log sigmoid vs exact, relative: value {:.2e}, derivative {:.2e}",
+        worst.0, worst.1
+    );
+    assert!(worst.0 < 3e-7, "log sigmoid error {:e}", worst.0);
+    assert!(worst.1 < 3e-7, "log sigmoid derivative error {:e}", worst.1);
+}
+
+#[test]
 fn every_instruction_set_level_gives_the_same_bits() {
     // The kernels are compiled for AVX-512, for AVX2 + FMA and for the baseline target, chosen
     // at run time: a machine without AVX-512 runs the other two. Capping the level here runs
@@ -455,6 +499,11 @@ fn every_instruction_set_level_gives_the_same_bits() {
         medium_config(
             poslab::PositionalConfig::SinusoidalAdd(Default::default()),
             NormPlacement::Post,
+        ),
+        // FoX: its gates (log sigmoid) and its bias built from running sums in the attention.
+        medium_config(
+            poslab::PositionalConfig::Fox(Default::default()),
+            NormPlacement::Pre,
         ),
     ];
     for (i, config) in configs.iter().enumerate() {

@@ -303,7 +303,11 @@ fn fox_bias_is_zero_on_the_diagonal_and_never_positive() {
         .unwrap()
         .to_dtype(DType::F64)
         .unwrap();
-    let bias = module.input_bias(1, &x).unwrap().unwrap();
+    // The layer hands attention the gates' running sums; their two-sided differences are the
+    // bias.
+    let sums = module.input_bias(1, &x).unwrap().unwrap();
+    assert!(matches!(sums, poslab::nn::LayerBias::SidedSums(_)));
+    let bias = sums.as_input().table().unwrap();
     let (b, h, t, _) = bias.dims4().unwrap();
     let v = values(&bias);
     for n in 0..b * h {

@@ -24,6 +24,8 @@ pub(crate) trait Real:
     fn erf_(self) -> Self;
     /// `e^x`, exactly 0 below the smallest normal result.
     fn exp_(self) -> Self;
+    /// `ln(1 + x)` for `x >= 0`, accurate for small `x` too.
+    fn ln_1p_(self) -> Self;
     fn lit(v: f64) -> Self;
     /// The standard normal's `(Phi(x), phi(x))`: GELU's CDF and density.
     fn normal_cdf_pdf(self) -> (Self, Self);
@@ -37,6 +39,9 @@ impl Real for f64 {
     }
     fn exp_(self) -> Self {
         self.exp()
+    }
+    fn ln_1p_(self) -> Self {
+        self.ln_1p()
     }
     fn lit(v: f64) -> Self {
         v
@@ -55,6 +60,10 @@ impl Real for f32 {
     #[inline(always)]
     fn exp_(self) -> Self {
         exp_f32(self)
+    }
+    #[inline(always)]
+    fn ln_1p_(self) -> Self {
+        ln_1p_f32(self)
     }
     #[inline(always)]
     fn lit(v: f64) -> Self {
@@ -98,6 +107,41 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     } else {
         y * scale
     }
+}
+
+/// `ln(x)` in f32 to about 1 ulp for a positive normal `x`: the exponent from the bits, the
+/// mantissa brought to `[sqrt(1/2), sqrt(2))` and Cephes' `logf` polynomial, branch-free so
+/// loops of it vectorise.
+#[inline(always)]
+pub(crate) fn ln_f32(x: f32) -> f32 {
+    const SQRT_HALF: f32 = std::f32::consts::FRAC_1_SQRT_2;
+    let bits = x.to_bits();
+    // x = m 2^e with m in [0.5, 1)
+    let e = ((bits >> 23) & 0xff) as i32 - 126;
+    let m = f32::from_bits((bits & 0x007f_ffff) | 0x3f00_0000);
+    let low = m < SQRT_HALF;
+    let e = (e - i32::from(low)) as f32;
+    let r = if low { m + m - 1.0 } else { m - 1.0 };
+    let z = r * r;
+    let mut p = 7.037_683_6e-2_f32;
+    p = p * r - 1.151_461e-1;
+    p = p * r + 1.167_699_9e-1;
+    p = p * r - 1.242_014_1e-1;
+    p = p * r + 1.424_932_3e-1;
+    p = p * r - 1.666_805_8e-1;
+    p = p * r + 2.000_071_5e-1;
+    p = p * r - 2.499_999_4e-1;
+    p = p * r + 3.333_333e-1;
+    let y = p * r * z - 2.121_944_4e-4 * e - 0.5 * z;
+    r + y + 0.693_359_4 * e
+}
+
+/// `ln(1 + x)` in f32 for `x >= 0`: `ln(w)` of `w = 1 + x`, corrected for the rounding of `w`
+/// (`((w - 1) - x) / w`), so that a small `x` keeps its digits.
+#[inline(always)]
+pub(crate) fn ln_1p_f32(x: f32) -> f32 {
+    let w = 1.0 + x;
+    ln_f32(w) - ((w - 1.0) - x) / w
 }
 
 /// `erf(x)` in f32 with an absolute error below 1.5e-7 (Abramowitz & Stegun 7.1.26, the form
@@ -246,6 +290,7 @@ mod gelu;
 mod layer;
 mod layer_norm;
 mod linear;
+mod log_sigmoid;
 mod rope;
 mod softmax;
 
@@ -259,6 +304,7 @@ pub(crate) use layer::{LayerMasks, LayerShape};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
 pub use linear::matmul_gflops;
+pub(crate) use log_sigmoid::log_sigmoid;
 pub(crate) use rope::{rope, Rotation};
 pub(crate) use softmax::masked_softmax;
 
