@@ -1,10 +1,10 @@
 //! Exact (erf) GELU and ReLU, fused, with their backward passes.
 
-use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle::{Result, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
+use super::pointwise::{self, Pointwise};
 use super::*;
 
 #[inline(always)]
@@ -28,19 +28,17 @@ simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [Ma
 
 const ELEMENTS_PER_TASK: usize = 16_384;
 
-/// `GELU(x)`, in parallel chunks.
-fn gelu_par<T: Real>(simd: SimdLevel, x: &[T]) -> Vec<T> {
-    // SAFETY: gelu_rows writes every value of its output, as long as its input chunk.
-    unsafe { par_written(x.len(), ELEMENTS_PER_TASK, |r, o| gelu_rows(simd, &x[r], o)) }
-}
+/// Exact GELU as a [`Pointwise`] function.
+#[derive(Clone, Copy)]
+struct Gelu;
 
-/// `g GELU'(x)`, in parallel chunks.
-fn gelu_grad_par<T: Real>(simd: SimdLevel, x: &[T], g: &[T]) -> Vec<T> {
-    // SAFETY: gelu_grad_rows writes every value of its output, as long as its input chunks.
-    unsafe {
-        par_written(x.len(), ELEMENTS_PER_TASK, |r, o| {
-            gelu_grad_rows(simd, &x[r.clone()], &g[r], o)
-        })
+impl Pointwise for Gelu {
+    const NAME: &'static str = "gelu";
+    fn rows<T: Real>(simd: SimdLevel, x: &[T], y: &mut [MaybeUninit<T>]) {
+        gelu_rows(simd, x, y)
+    }
+    fn grad_rows<T: Real>(simd: SimdLevel, x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
+        gelu_grad_rows(simd, x, g, dx)
     }
 }
 
@@ -81,7 +79,7 @@ pub(crate) fn activation_par<T: Real>(
     activation: crate::nn::Activation,
 ) -> Vec<T> {
     match activation {
-        crate::nn::Activation::Gelu => gelu_par(simd, x),
+        crate::nn::Activation::Gelu => pointwise::forward_par::<Gelu, T>(simd, x),
         crate::nn::Activation::Relu => relu_par(x),
         crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
@@ -95,64 +93,13 @@ pub(crate) fn activation_grad_par<T: Real>(
     activation: crate::nn::Activation,
 ) -> Vec<T> {
     match activation {
-        crate::nn::Activation::Gelu => gelu_grad_par(simd, x, g),
+        crate::nn::Activation::Gelu => pointwise::grad_par::<Gelu, T>(simd, x, g),
         crate::nn::Activation::Relu => relu_grad_par(x, g),
         crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
     }
 }
 
-struct Gelu {
-    simd: SimdLevel,
-}
-
-impl CustomOp1 for Gelu {
-    fn name(&self) -> &'static str {
-        "poslab-gelu"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let storage = by_dtype!(s.dtype(), "gelu", |T| gelu_par(
-            self.simd,
-            contiguous::<T>(s, l, "gelu")?
-        ));
-        Ok((storage, l.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(
-            &g.contiguous()?,
-            &GeluGrad { simd: self.simd },
-        )?))
-    }
-}
-
-struct GeluGrad {
-    simd: SimdLevel,
-}
-
-impl CustomOp2 for GeluGrad {
-    fn name(&self) -> &'static str {
-        "poslab-gelu-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let what = "gelu backward";
-        let storage = by_dtype!(s1.dtype(), what, |T| gelu_grad_par(
-            self.simd,
-            contiguous::<T>(s1, l1, what)?,
-            contiguous(s2, l2, what)?,
-        ));
-        Ok((storage, l1.shape().clone()))
-    }
-}
-
 /// Exact GELU, fused.
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(Gelu { simd: simd_level() })
+    pointwise::apply::<Gelu>(x)
 }

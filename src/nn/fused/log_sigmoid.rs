@@ -8,10 +8,10 @@
 //! The composition of candle ops (`nn::log_sigmoid` off the fused path) takes eight passes and
 //! eight temporaries forward, a dozen more backward; this is one pass each way.
 
-use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle::{Result, Tensor};
 use std::mem::MaybeUninit;
 
+use super::pointwise::{self, Pointwise};
 use super::*;
 
 #[inline(always)]
@@ -37,73 +37,21 @@ fn log_sigmoid_grad_body<T: Real>(z: &[T], g: &[T], dz: &mut [MaybeUninit<T>]) {
 }
 simd_dispatch!(fn log_sigmoid_grad_rows = log_sigmoid_grad_body(z: &[T], g: &[T], dz: &mut [MaybeUninit<T>]));
 
-const ELEMENTS_PER_TASK: usize = 16_384;
+/// `log σ` as a [`Pointwise`] function.
+#[derive(Clone, Copy)]
+struct LogSigmoid;
 
-struct LogSigmoid {
-    simd: SimdLevel,
-}
-
-impl CustomOp1 for LogSigmoid {
-    fn name(&self) -> &'static str {
-        "poslab-log-sigmoid"
+impl Pointwise for LogSigmoid {
+    const NAME: &'static str = "log sigmoid";
+    fn rows<T: Real>(simd: SimdLevel, z: &[T], y: &mut [MaybeUninit<T>]) {
+        log_sigmoid_rows(simd, z, y)
     }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let what = "log sigmoid";
-        let storage = by_dtype!(s.dtype(), what, |T| {
-            let z = contiguous::<T>(s, l, what)?;
-            // SAFETY: log_sigmoid_rows writes every value of its output chunk.
-            unsafe {
-                par_written(z.len(), ELEMENTS_PER_TASK, |r, o| {
-                    log_sigmoid_rows(self.simd, &z[r], o)
-                })
-            }
-        });
-        Ok((storage, l.shape().clone()))
-    }
-
-    fn bwd(&self, z: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(z.apply_op2_no_bwd(
-            &g.contiguous()?,
-            &LogSigmoidGrad { simd: self.simd },
-        )?))
-    }
-}
-
-struct LogSigmoidGrad {
-    simd: SimdLevel,
-}
-
-impl CustomOp2 for LogSigmoidGrad {
-    fn name(&self) -> &'static str {
-        "poslab-log-sigmoid-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let what = "log sigmoid backward";
-        let storage = by_dtype!(s1.dtype(), what, |T| {
-            let (z, g) = (
-                contiguous::<T>(s1, l1, what)?,
-                contiguous::<T>(s2, l2, what)?,
-            );
-            // SAFETY: log_sigmoid_grad_rows writes every value of its output chunk.
-            unsafe {
-                par_written(z.len(), ELEMENTS_PER_TASK, |r, o| {
-                    log_sigmoid_grad_rows(self.simd, &z[r.clone()], &g[r], o)
-                })
-            }
-        });
-        Ok((storage, l1.shape().clone()))
+    fn grad_rows<T: Real>(simd: SimdLevel, z: &[T], g: &[T], dz: &mut [MaybeUninit<T>]) {
+        log_sigmoid_grad_rows(simd, z, g, dz)
     }
 }
 
 /// `log σ(z)`, fused.
 pub(crate) fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
-    z.contiguous()?.apply_op1(LogSigmoid { simd: simd_level() })
+    pointwise::apply::<LogSigmoid>(z)
 }

@@ -291,6 +291,7 @@ mod layer;
 mod layer_norm;
 mod linear;
 mod log_sigmoid;
+mod pointwise;
 mod rope;
 mod softmax;
 
