@@ -64,6 +64,14 @@ pub enum AttentionBias<'a> {
 }
 
 impl AttentionBias<'_> {
+    /// The same bias, owning its tensor.
+    pub fn owned(&self) -> LayerBias {
+        match *self {
+            Self::Table(t) => LayerBias::Table(t.clone()),
+            Self::SidedSums(s) => LayerBias::SidedSums(s.clone()),
+        }
+    }
+
     /// The bias as a `(r, h, t, t)` table.
     pub fn table(&self) -> Result<Tensor> {
         match *self {

@@ -43,6 +43,7 @@ use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::differences::sided_grad;
 use super::linear::{by_dtype, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{contiguous, simd_level, written, zeros, Real, Rotation, SimdLevel};
@@ -160,77 +161,6 @@ fn add_sided_body<T: Real>(s: &mut [T], f: &[T], g: &[T]) {
 }
 
 simd_dispatch!(fn add_sided = add_sided_body(s: &mut [T], f: &[T], g: &[T]));
-
-/// The sums' gradient `[df; dg]` `(2 t)` from `dS` `(t, t)`.
-///
-/// Each value is summed in the order of the two-sided differences' own backward
-/// (`fused::differences`, one pass over `dS` row by row), so the bits are those of the path
-/// through the table: `df[k]` takes row `k`'s terms `dS[k, j]` (`j <= k`) and then the column's
-/// `-dS[i, k]` (`i >= k`); `dg[k]` the column's `dS[i, k]` (`i < k`), then row `k`'s
-/// `-dS[k, j]` (`j > k`). The column terms run along contiguous rows of `dS`; the row terms,
-/// each row's own serial sum, eight rows side by side.
-#[inline(always)]
-fn sided_grad_body<T: Real>(ds: &[T], t: usize, dfg: &mut [T]) {
-    const R: usize = 8;
-    let (df, dg) = dfg.split_at_mut(t);
-    // `acc[r] += sign * dS[k0 + r, j]` for j in `js` where row `k0 + r` takes it (`keep`):
-    // full blocks of R rows keep the R sums in registers over the range where every row takes
-    // the term.
-    let rows_sum =
-        |acc: &mut [T; R], k0: usize, rows: usize, js: std::ops::Range<usize>, neg: bool| {
-            for j in js {
-                for (r, a) in acc[..rows].iter_mut().enumerate() {
-                    let v = ds[(k0 + r) * t + j];
-                    *a += if neg { -v } else { v };
-                }
-            }
-        };
-    for k0 in (0..t).step_by(R) {
-        // row terms of df: dS[k, j] for j <= k
-        let rows = R.min(t - k0);
-        let mut acc = [T::zero(); R];
-        if rows == R {
-            rows_sum(&mut acc, k0, R, 0..k0 + 1, false);
-        } else {
-            rows_sum(&mut acc, k0, rows, 0..k0 + 1, false);
-        }
-        for j in k0 + 1..k0 + rows {
-            for (r, a) in acc[..rows].iter_mut().enumerate().skip(j - k0) {
-                *a += ds[(k0 + r) * t + j];
-            }
-        }
-        df[k0..k0 + rows].copy_from_slice(&acc[..rows]);
-    }
-    dg.fill(T::zero());
-    for (i, row) in ds.chunks_exact(t).enumerate() {
-        // column terms: -dS[i, k] into df[k] (k <= i), dS[i, k] into dg[k] (k > i)
-        for (d, v) in df[..=i].iter_mut().zip(row) {
-            *d += -*v;
-        }
-        for (d, v) in dg[i + 1..].iter_mut().zip(&row[i + 1..]) {
-            *d += *v;
-        }
-    }
-    for k0 in (0..t).step_by(R) {
-        // row terms of dg: -dS[k, j] for j > k
-        let rows = R.min(t - k0);
-        let mut acc = [T::zero(); R];
-        acc[..rows].copy_from_slice(&dg[k0..k0 + rows]);
-        for j in k0 + 1..k0 + rows {
-            for (r, a) in acc[..j - k0].iter_mut().enumerate() {
-                *a += -ds[(k0 + r) * t + j];
-            }
-        }
-        if rows == R {
-            rows_sum(&mut acc, k0, R, k0 + R..t, true);
-        } else {
-            rows_sum(&mut acc, k0, rows, k0 + rows..t, true);
-        }
-        dg[k0..k0 + rows].copy_from_slice(&acc[..rows]);
-    }
-}
-
-simd_dispatch!(fn sided_grad = sided_grad_body(ds: &[T], t: usize, dfg: &mut [T]));
 
 /// Shapes of one call.
 #[derive(Clone, Copy)]
@@ -639,10 +569,7 @@ impl Attention {
                 let (c, s, i) = r.tables();
                 (c.clone(), s.clone(), i)
             }),
-            score_bias: score_bias.map(|b| match b {
-                AttentionBias::Table(t) => LayerBias::Table(t.clone()),
-                AttentionBias::SidedSums(s) => LayerBias::SidedSums(s.clone()),
-            }),
+            score_bias: score_bias.as_ref().map(AttentionBias::owned),
             max_offset,
             simd: simd_level(),
         }

@@ -4,7 +4,7 @@ use candle::{Result, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-use super::pointwise::{self, Pointwise};
+use super::pointwise::{self, Pointwise, ELEMENTS_PER_TASK};
 use super::*;
 
 #[inline(always)]
@@ -25,8 +25,6 @@ fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
     }
 }
 simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]));
-
-const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// Exact GELU as a [`Pointwise`] function.
 #[derive(Clone, Copy)]

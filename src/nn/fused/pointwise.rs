@@ -7,8 +7,8 @@ use std::mem::MaybeUninit;
 
 use super::*;
 
-/// Values per parallel task.
-const ELEMENTS_PER_TASK: usize = 16_384;
+/// Values per parallel task (the fused layer's ReLU uses it too).
+pub(super) const ELEMENTS_PER_TASK: usize = 16_384;
 
 /// `y = f(x)` and `dx = g f'(x)`, elementwise, each writing every value of its output.
 pub(super) trait Pointwise: Copy + Send + Sync + 'static {
