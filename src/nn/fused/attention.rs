@@ -48,6 +48,7 @@ use super::linear::{by_dtype, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{contiguous, simd_level, written, zeros, Real, Rotation, SimdLevel};
 use crate::nn::{AttentionBias, LayerBias, Rotary};
+use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
 /// input) the score bias, which are the op's arguments.
@@ -81,6 +82,15 @@ impl<T> Shared<T> {
     fn ptr(self) -> *mut T {
         self.0
     }
+}
+
+/// `x` as storage a kernel writes through.
+///
+/// # Safety
+/// Whoever writes through the result must write only initialised values.
+unsafe fn uninit<T>(x: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout; the writer keeps the values initialised.
+    unsafe { &mut *(x as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 /// The host values of the fixed inputs, in the dtype of `qkv`.
@@ -313,8 +323,15 @@ impl<T: Real> Scratch<T> {
         }
     }
 
-    /// `P = softmax(c q kᵀ + score_bias + key_bias)` into `self.p`.
-    fn probabilities(&mut self, heads: Heads<T>, n: Dims, bi: usize, hd: usize, fixed: &Fixed<T>) {
+    /// `P = softmax(c q kᵀ + score_bias + key_bias)` into `into` (`t x t`, written in full,
+    /// perhaps uninitialised before), or `self.p`.
+    fn probabilities(
+        &mut self,
+        heads: Heads<T>,
+        (n, bi, hd): (Dims, usize, usize),
+        fixed: &Fixed<T>,
+        into: Option<&mut [MaybeUninit<T>]>,
+    ) {
         // SAFETY: s is t x t; the heads are valid t x dh operands.
         unsafe {
             product(
@@ -339,7 +356,8 @@ impl<T: Real> Scratch<T> {
             fixed.simd,
             &self.s,
             &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
-            &mut self.p,
+            // SAFETY: the softmax writes values only.
+            into.unwrap_or_else(|| unsafe { uninit(&mut self.p) }),
         );
     }
 }
@@ -405,8 +423,10 @@ unsafe fn product<T: Real>(
         let (rhs_ptr, rhs_rs) = if rhs.cs == 1 {
             (rhs.ptr, rhs.rs as usize)
         } else {
-            for kk in 0..k {
-                for j in 0..n {
+            // Column by column: a column of rhs is a row of the operand it transposes (k's or
+            // v's `d_head` values, adjacent in qkv), so it is read from one cache line.
+            for j in 0..n {
+                for kk in 0..k {
                     // SAFETY: rhs is valid for k x n through its strides, per the contract.
                     pack[kk * n + j] =
                         unsafe { *rhs.ptr.offset(kk as isize * rhs.rs + j as isize * rhs.cs) };
@@ -495,10 +515,19 @@ unsafe fn tile<T: Real, const R: usize, const C: usize>(p: Tiles<T>, i0: usize, 
     }
 }
 
-/// Columns `j0..j0 + C` of every row: tiles of 4 rows, then single rows.
+/// Columns `j0..j0 + C` of every row: tiles of 8 rows when the columns are few (a head's
+/// `d_head`, as in `P v`: more rows per loaded row of `rhs`), then of 4 rows, then single rows.
+/// (Wider tiles of more rows measured far slower: their accumulators leave the registers.)
 #[inline(always)]
 unsafe fn column_block<T: Real, const C: usize>(p: Tiles<T>, j0: usize) {
     let mut i = 0;
+    if C <= 8 {
+        while i + 8 <= p.m {
+            // SAFETY: per the contract.
+            unsafe { tile::<T, 8, C>(p, i, j0) };
+            i += 8;
+        }
+    }
     while i + 4 <= p.m {
         // SAFETY: per the contract.
         unsafe { tile::<T, 4, C>(p, i, j0) };
@@ -711,18 +740,37 @@ impl Attention {
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);
-                w.probabilities(heads, n, bi, hd, &fixed);
-                if let Some(probs) = probs {
-                    // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(w.p.as_ptr(), probs.ptr().add(task * tt), tt)
-                    };
-                }
-                if let Some(m) = mask {
-                    for (p, mi) in w.p.iter_mut().zip(&m[task * tt..(task + 1) * tt]) {
-                        *p *= *mi;
+                // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone, and
+                // nothing reads it before it is written here.
+                let kept = probs.map(|probs| unsafe {
+                    std::slice::from_raw_parts_mut(
+                        probs.ptr().add(task * tt) as *mut MaybeUninit<T>,
+                        tt,
+                    )
+                });
+                // The weights go straight into the kept block, unless dropout is to change them
+                // after: then they are computed here and copied.
+                let p: &[T] = match (kept, mask) {
+                    (Some(kept), None) => {
+                        w.probabilities(heads, (n, bi, hd), &fixed, Some(&mut *kept));
+                        // SAFETY: probabilities wrote every value of the block.
+                        unsafe { &*(kept as *const [MaybeUninit<T>] as *const [T]) }
                     }
-                }
+                    (kept, mask) => {
+                        w.probabilities(heads, (n, bi, hd), &fixed, None);
+                        if let Some(kept) = kept {
+                            for (k, p) in kept.iter_mut().zip(&w.p) {
+                                k.write(*p);
+                            }
+                        }
+                        if let Some(m) = mask {
+                            for (p, mi) in w.p.iter_mut().zip(&m[task * tt..(task + 1) * tt]) {
+                                *p *= *mi;
+                            }
+                        }
+                        &w.p
+                    }
+                };
                 // SAFETY: out (b, t, d) gets rows t x dh of this (batch, head) block, which no
                 // other task writes; p is t x t, v a t x dh operand.
                 unsafe {
@@ -730,7 +778,7 @@ impl Attention {
                         (n.t, n.dh, n.t),
                         dst.ptr().add(bi * n.t * n.d + hd * n.dh),
                         n.d,
-                        View::rows(w.p.as_ptr(), n.t),
+                        View::rows(p.as_ptr(), n.t),
                         heads.v,
                         T::one(),
                         Some((fixed.simd, &mut w.pack)),
@@ -801,7 +849,7 @@ impl Attention {
                     let p: &[T] = match probs {
                         Some(probs) => &probs[task * tt..(task + 1) * tt],
                         None => {
-                            w.probabilities(heads, n, bi, hd, &fixed);
+                            w.probabilities(heads, (n, bi, hd), &fixed, None);
                             &w.p
                         }
                     };

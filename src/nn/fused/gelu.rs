@@ -26,6 +26,20 @@ fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
 }
 simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]));
 
+/// `y = GELU(x)` and `d = GELU'(x) = Phi(x) + x phi(x)` in one pass, with one `erf` and one
+/// `exp` for both: `y` has [`gelu_body`]'s bits, and `g d` those of [`gelu_grad_body`].
+#[inline(always)]
+fn gelu_with_grad_body<T: Real>(x: &[T], y: &mut [MaybeUninit<T>], d: &mut [MaybeUninit<T>]) {
+    let half = T::lit(0.5);
+    for ((o, dv), v) in y.iter_mut().zip(d.iter_mut()).zip(x) {
+        let (erf, gauss) = v.erf_gauss();
+        o.write(half * *v * (T::one() + erf));
+        let (cdf, pdf) = (half * (T::one() + erf), T::lit(INV_SQRT_2PI) * gauss);
+        dv.write(cdf + *v * pdf);
+    }
+}
+simd_dispatch!(fn gelu_with_grad_rows = gelu_with_grad_body(x: &[T], y: &mut [MaybeUninit<T>], d: &mut [MaybeUninit<T>]));
+
 /// Exact GELU as a [`Pointwise`] function.
 #[derive(Clone, Copy)]
 struct Gelu;
@@ -53,23 +67,6 @@ fn relu_par<T: Real>(x: &[T]) -> Vec<T> {
     y
 }
 
-/// `g ReLU'(x)`, with candle's convention at 0 (`x >= 0` passes the gradient), so the fused
-/// layer and the composition agree everywhere.
-fn relu_grad_par<T: Real>(x: &[T], g: &[T]) -> Vec<T> {
-    let mut dx = zeros(x.len());
-    dx.par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(
-            x.par_chunks(ELEMENTS_PER_TASK)
-                .zip(g.par_chunks(ELEMENTS_PER_TASK)),
-        )
-        .for_each(|(o, (xc, gc))| {
-            for ((o, v), gi) in o.iter_mut().zip(xc).zip(gc) {
-                *o = if *v >= T::zero() { *gi } else { T::zero() };
-            }
-        });
-    dx
-}
-
 /// The feed-forward activation of the fused layer.
 pub(crate) fn activation_par<T: Real>(
     simd: SimdLevel,
@@ -83,21 +80,126 @@ pub(crate) fn activation_par<T: Real>(
     }
 }
 
-/// `g act'(x)` for the fused layer's backward.
-pub(crate) fn activation_grad_par<T: Real>(
+/// The feed-forward activation `act(x)` and its derivative `act'(x)`, for a forward whose
+/// backward is to come: the backward then multiplies by the derivative
+/// ([`times_grad_par`]) instead of recomputing it from `x`, with the bits of the pointwise
+/// op's backward. ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes
+/// the gradient), so the fused layer and the composition agree everywhere.
+pub(crate) fn activation_with_grad_par<T: Real>(
     simd: SimdLevel,
     x: &[T],
+    activation: crate::nn::Activation,
+) -> (Vec<T>, Vec<T>) {
+    let len = x.len();
+    let (mut y, mut d) = (Vec::<T>::with_capacity(len), Vec::<T>::with_capacity(len));
+    y.spare_capacity_mut()[..len]
+        .par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(d.spare_capacity_mut()[..len].par_chunks_mut(ELEMENTS_PER_TASK))
+        .zip(x.par_chunks(ELEMENTS_PER_TASK))
+        .for_each(|((yc, dc), xc)| match activation {
+            crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc, dc),
+            crate::nn::Activation::Relu => {
+                for ((o, dv), v) in yc.iter_mut().zip(dc.iter_mut()).zip(xc) {
+                    o.write(if *v > T::zero() { *v } else { T::zero() });
+                    dv.write(if *v >= T::zero() { T::one() } else { T::zero() });
+                }
+            }
+            crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
+        });
+    // SAFETY: the chunks together cover all `len` values of both, and each writes all of its own.
+    unsafe {
+        y.set_len(len);
+        d.set_len(len);
+    }
+    (y, d)
+}
+
+/// `g act'(x)` from the derivative [`activation_with_grad_par`] kept: `g d` for GELU, and for
+/// ReLU `g` where `d` is 1 and 0 elsewhere.
+pub(crate) fn times_grad_par<T: Real>(
+    d: &[T],
     g: &[T],
     activation: crate::nn::Activation,
 ) -> Vec<T> {
-    match activation {
-        crate::nn::Activation::Gelu => pointwise::grad_par::<Gelu, T>(simd, x, g),
-        crate::nn::Activation::Relu => relu_grad_par(x, g),
-        crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
+    let relu = activation == crate::nn::Activation::Relu;
+    // SAFETY: every value of each chunk is written.
+    unsafe {
+        par_written(d.len(), ELEMENTS_PER_TASK, |r, o| {
+            for ((o, dv), gi) in o.iter_mut().zip(&d[r.clone()]).zip(&g[r]) {
+                o.write(match relu {
+                    true if *dv == T::zero() => T::zero(),
+                    true => *gi,
+                    false => *gi * *dv,
+                });
+            }
+        })
     }
 }
 
 /// Exact GELU, fused.
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     pointwise::apply::<Gelu>(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::Activation;
+
+    /// Values across GELU's range: both signs, zeros, the tails where `erf` saturates and the
+    /// density underflows, and every width of a ragged last chunk.
+    fn inputs<T: Real>() -> Vec<T> {
+        let mut x: Vec<T> = (0..3 * ELEMENTS_PER_TASK + 37)
+            .map(|i| T::lit(((i * 7_919) % 20_001) as f64 / 1_000.0 - 10.0))
+            .collect();
+        for (i, v) in [0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 1e30, -1e30]
+            .iter()
+            .enumerate()
+        {
+            x[i * 5] = T::lit(*v);
+        }
+        x
+    }
+
+    fn bits<T: Real>(v: &[T]) -> Vec<u64> {
+        v.iter().map(|x| WithDType::to_f64(*x).to_bits()).collect()
+    }
+
+    fn same_bits<T: Real>() {
+        let x = inputs::<T>();
+        let g: Vec<T> = x
+            .iter()
+            .rev()
+            .map(|v| *v * T::lit(0.37) - T::lit(0.5))
+            .collect();
+        for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+            // GELU: the pointwise op's forward and backward.
+            let (y, d) = activation_with_grad_par(level, &x, Activation::Gelu);
+            let want_y = pointwise::forward_par::<Gelu, T>(level, &x);
+            let want_dx = pointwise::grad_par::<Gelu, T>(level, &x, &g);
+            let dx = times_grad_par(&d, &g, Activation::Gelu);
+            assert_eq!(bits(&y), bits(&want_y), "GELU forward at {level:?}");
+            assert_eq!(bits(&dx), bits(&want_dx), "GELU backward at {level:?}");
+            assert!(want_dx.iter().any(|v| *v != T::zero()));
+            // ReLU: max(x, 0), and g where x >= 0 (candle's convention at 0).
+            let (y, d) = activation_with_grad_par(level, &x, Activation::Relu);
+            assert_eq!(bits(&y), bits(&relu_par(&x)), "ReLU forward at {level:?}");
+            let dx = times_grad_par(&d, &g, Activation::Relu);
+            for ((xv, gv), got) in x.iter().zip(&g).zip(&dx) {
+                let want = if *xv >= T::zero() { *gv } else { T::zero() };
+                assert_eq!(
+                    bits(&[*got]),
+                    bits(&[want]),
+                    "ReLU backward at x = {}",
+                    WithDType::to_f64(*xv)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_kept_derivative_gives_the_pointwise_ops_bits_forward_and_backward() {
+        same_bits::<f32>();
+        same_bits::<f64>();
+    }
 }

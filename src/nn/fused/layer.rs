@@ -32,7 +32,7 @@ use super::layer_norm::{LayerNormGradInput, LayerNormGradParams, LayerNormOp};
 use super::linear::{
     by_dtype, column_sum, grad_input, grad_input_of, grad_weight, linear_out, residual_linear,
 };
-use super::{activation_grad_par, activation_par, contiguous, zeros, Real};
+use super::{activation_par, activation_with_grad_par, contiguous, times_grad_par, zeros, Real};
 
 /// The widths of a layer and where each parameter sits in the packed vector.
 #[derive(Clone, Copy, Debug)]
@@ -127,9 +127,10 @@ struct Saved<T> {
     h_or_s1: Vec<T>,
     /// pre-norm: `LN2(h)`; post-norm: `h = LN1(s1)`
     ffn_in: Vec<T>,
-    u: Vec<T>,
     /// `act(u)`
     act: Vec<T>,
+    /// `act'(u)`, so the backward needs neither `u` nor the activation's derivative again
+    act_grad: Vec<T>,
     /// post-norm: `s2`
     s2: Vec<T>,
 }
@@ -238,14 +239,14 @@ impl LayerOp {
         })
     }
 
-    /// The layer's output and the activations its backward needs; the attention weights are
-    /// kept only with `keep_probs`.
+    /// The layer's output and, `for_backward`, the activations its backward needs (else only
+    /// some of them, which the caller drops).
     fn forward<T: Real>(
         &self,
         x: &[T],
         p: &[T],
         (b, t, d): (usize, usize, usize),
-        keep_probs: bool,
+        for_backward: bool,
     ) -> Result<(Vec<T>, Saved<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
@@ -267,7 +268,7 @@ impl LayerOp {
         let attention_mask = masks.attention.as_deref();
         let (c, probs) = self
             .attention
-            .forward(&qkv, attention_mask, dims, keep_probs)?;
+            .forward(&qkv, attention_mask, dims, for_backward)?;
         // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
         let h_or_s1 = residual_linear(
             x,
@@ -280,7 +281,12 @@ impl LayerOp {
 
         let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
         let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
-        let act = activation_par(simd, &u, self.shape.activation);
+        let (act, act_grad) = if for_backward {
+            activation_with_grad_par(simd, &u, self.shape.activation)
+        } else {
+            (activation_par(simd, &u, self.shape.activation), Vec::new())
+        };
+        drop(u);
         // pre: y = h + m2 ⊙ (act(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
         let res = if self.shape.pre_norm {
             &h_or_s1
@@ -309,8 +315,8 @@ impl LayerOp {
                 c,
                 h_or_s1,
                 ffn_in,
-                u,
                 act,
+                act_grad,
                 s2,
             },
         ))
@@ -350,7 +356,7 @@ impl LayerOp {
         column_sum(&gz, &mut dp[o.bdown..o.len]);
         let g_act = grad_input_of(&gz, &p[o.wdown..o.bdown], (n, d, f));
         drop(gz);
-        let gu = activation_grad_par(simd, &s.u, &g_act, self.shape.activation);
+        let gu = times_grad_par(&s.act_grad, &g_act, self.shape.activation);
         drop(g_act);
         grad_weight(&gu, &s.ffn_in, (n, f, d), &mut dp[o.wup..o.bup]);
         column_sum(&gu, &mut dp[o.bup..o.wdown]);

@@ -27,8 +27,17 @@ pub(crate) trait Real:
     /// `ln(1 + x)` for `x >= 0`, accurate for small `x` too.
     fn ln_1p_(self) -> Self;
     fn lit(v: f64) -> Self;
+    /// `(erf(x/√2), exp(-x²/2))`: what the standard normal's CDF and density are made of.
+    fn erf_gauss(self) -> (Self, Self);
     /// The standard normal's `(Phi(x), phi(x))`: GELU's CDF and density.
-    fn normal_cdf_pdf(self) -> (Self, Self);
+    #[inline(always)]
+    fn normal_cdf_pdf(self) -> (Self, Self) {
+        let (erf, gauss) = self.erf_gauss();
+        (
+            Self::lit(0.5) * (Self::one() + erf),
+            Self::lit(INV_SQRT_2PI) * gauss,
+        )
+    }
 }
 
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
@@ -46,9 +55,11 @@ impl Real for f64 {
     fn lit(v: f64) -> Self {
         v
     }
-    fn normal_cdf_pdf(self) -> (Self, Self) {
-        let cdf = 0.5 * (1.0 + libm::erf(self * std::f64::consts::FRAC_1_SQRT_2));
-        (cdf, INV_SQRT_2PI * (-0.5 * self * self).exp())
+    fn erf_gauss(self) -> (Self, Self) {
+        (
+            libm::erf(self * std::f64::consts::FRAC_1_SQRT_2),
+            (-0.5 * self * self).exp(),
+        )
     }
 }
 
@@ -69,14 +80,14 @@ impl Real for f32 {
     fn lit(v: f64) -> Self {
         v as f32
     }
-    /// One `exp` for both: the `exp(-a²)` of `erf(a)`, `a = x/√2`, is the density's `exp(-x²/2)`.
+    /// One `exp` for both: the `exp(-a²)` of `erf(a)`, `a = |x|/√2`, is the density's
+    /// `exp(-x²/2)`. `erf` has the bits of [`erf_f32`]`(x/√2)`: `|x|/√2` rounds as `|x/√2|` does.
     #[inline(always)]
-    fn normal_cdf_pdf(self) -> (Self, Self) {
+    fn erf_gauss(self) -> (Self, Self) {
         let a = self.abs() * std::f32::consts::FRAC_1_SQRT_2;
         let e = exp_f32(-a * a);
         let erf_abs = 1.0 - erf_poly(a) * e;
-        let erf = erf_abs.copysign(self);
-        (0.5 * (1.0 + erf), INV_SQRT_2PI as f32 * e)
+        (erf_abs.copysign(self), e)
     }
 }
 
@@ -300,7 +311,7 @@ use linear::by_dtype;
 
 pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
-pub(crate) use gelu::{activation_grad_par, activation_par, gelu};
+pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad_par};
 pub(crate) use layer::{LayerMasks, LayerShape};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;

@@ -3,17 +3,21 @@
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use super::*;
 
-/// `y = softmax(x + bias)` per row of length `t`.
+/// `y = softmax(x + bias)` per row of length `t`; `y` may come uninitialised (every value is
+/// written before it is read).
 #[inline(always)]
-fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [T]) {
+fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
     let t = bias.len();
     for (xr, yr) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)) {
         for ((o, v), b) in yr.iter_mut().zip(xr).zip(bias) {
-            *o = *v + *b;
+            o.write(*v + *b);
         }
+        // SAFETY: every value of the row was just written.
+        let yr = unsafe { &mut *(yr as *mut [MaybeUninit<T>] as *mut [T]) };
         let max = max_of(yr);
         for o in yr.iter_mut() {
             *o = (*o - max).exp_();
@@ -24,7 +28,7 @@ fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [T]) {
         }
     }
 }
-simd_dispatch!(pub(super) fn softmax_rows = softmax_body(x: &[T], bias: &[T], y: &mut [T]));
+simd_dispatch!(pub(super) fn softmax_rows = softmax_body(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]));
 
 /// `dx = y (g - sum(g y))` per row.
 #[inline(always)]
@@ -52,7 +56,6 @@ impl MaskedSoftmax {
     fn forward<T: Real>(&self, x: &[T], bias: &[T], dims: &[usize]) -> Vec<T> {
         let t = dims[dims.len() - 1];
         let per_batch = x.len() / dims[0].max(1);
-        let mut y = zeros(x.len());
         // Rows per task: as many as suit the work size and divide a batch element's rows, so
         // no task straddles two batch elements (whose biases differ).
         let rows_per_batch = per_batch / t;
@@ -61,14 +64,13 @@ impl MaskedSoftmax {
             k -= 1;
         }
         let chunk = k * t;
-        y.par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk))
-            .enumerate()
-            .for_each(|(i, (yc, xc))| {
-                let batch = i * chunk / per_batch;
-                softmax_rows(self.simd, xc, &bias[batch * t..(batch + 1) * t], yc)
-            });
-        y
+        // SAFETY: softmax_rows writes every value of its chunk.
+        unsafe {
+            par_written(x.len(), chunk, |r, yc| {
+                let batch = r.start / per_batch;
+                softmax_rows(self.simd, &x[r], &bias[batch * t..(batch + 1) * t], yc)
+            })
+        }
     }
 }
 
