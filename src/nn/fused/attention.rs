@@ -400,11 +400,8 @@ struct Heads<T> {
 
 /// `dst (m x n) = scale · lhs (m x k) · rhs (k x n)`, on this thread; `dst` rows of `dst_rs`.
 ///
-/// A head's products are tiny (`t x t x d_head`, `d_head` often 8), where gemm's packing and
-/// dispatch cost more than the arithmetic. Those [`small_products`] can take run here in
-/// register tiles instead, each value summed in order of `k` by fused multiply-adds from zero
-/// and then scaled, as gemm's kernels sum within one depth block, so both give the same bits
-/// (`rhs` is packed to contiguous rows into `pack` first when its rows are strided).
+/// Given `small` (the SIMD level and a buffer to pack into), the products [`tiles_pay`] for run
+/// in register tiles ([`tiled`]), the others through gemm; both give the same bits.
 ///
 /// # Safety
 /// Every pointer must be valid for the rows, columns and strides it is used with, and `pack`
@@ -418,35 +415,9 @@ unsafe fn product<T: Real>(
     scale: T,
     small: Option<(SimdLevel, &mut [T])>,
 ) {
-    let (m, n, k) = dims;
-    if let Some((simd, pack)) = small.filter(|_| small_products(dims)) {
-        let (rhs_ptr, rhs_rs) = if rhs.cs == 1 {
-            (rhs.ptr, rhs.rs as usize)
-        } else {
-            // Column by column: a column of rhs is a row of the operand it transposes (k's or
-            // v's `d_head` values, adjacent in qkv), so it is read from one cache line.
-            for j in 0..n {
-                for kk in 0..k {
-                    // SAFETY: rhs is valid for k x n through its strides, per the contract.
-                    pack[kk * n + j] =
-                        unsafe { *rhs.ptr.offset(kk as isize * rhs.rs + j as isize * rhs.cs) };
-                }
-            }
-            (pack.as_ptr(), n)
-        };
-        let tiles = Tiles {
-            m,
-            n,
-            k,
-            dst,
-            dst_rs,
-            lhs,
-            rhs: rhs_ptr,
-            rhs_rs,
-            scale,
-        };
-        // SAFETY: per the contract, and rhs now has contiguous rows of rhs_rs.
-        return unsafe { tiled_product(simd, tiles) };
+    if let Some((simd, pack)) = small.filter(|_| tiles_pay(dims)) {
+        // SAFETY: per the contract.
+        return unsafe { tiled(dims, dst, dst_rs, lhs, rhs, scale, simd, pack) };
     }
     // SAFETY: per the contract.
     unsafe {
@@ -465,11 +436,71 @@ unsafe fn product<T: Real>(
     }
 }
 
-/// Whether a head's product runs in [`tiled_product`] rather than gemm: where gemm would take
-/// its plain kernels over one depth block (more than 256 outputs, depth 3 to 256, neither side
-/// a single row or column), so that the two agree bit for bit.
+/// [`product`] in register tiles, for the products of a head too small for gemm to run at
+/// speed (`t x t x d_head`, `d_head` 8, where its packing and dispatch cost more than the
+/// arithmetic). Each value is summed in order of `k` by fused multiply-adds from zero and then
+/// scaled, as gemm's kernels sum within one depth block, so where [`small_products`] holds
+/// both give the same bits. `rhs` is packed to contiguous rows into `pack` first when its rows
+/// are strided.
+///
+/// # Safety
+/// As [`product`]'s.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiled<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: View<T>,
+    scale: T,
+    simd: SimdLevel,
+    pack: &mut [T],
+) {
+    let (rhs_ptr, rhs_rs) = if rhs.cs == 1 {
+        (rhs.ptr, rhs.rs as usize)
+    } else {
+        // Column by column: a column of rhs is a row of the operand it transposes (k's or v's
+        // `d_head` values, adjacent in qkv), so it is read from one cache line.
+        for j in 0..n {
+            for kk in 0..k {
+                // SAFETY: rhs is valid for k x n through its strides, per the contract.
+                pack[kk * n + j] =
+                    unsafe { *rhs.ptr.offset(kk as isize * rhs.rs + j as isize * rhs.cs) };
+            }
+        }
+        (pack.as_ptr(), n)
+    };
+    let tiles = Tiles {
+        m,
+        n,
+        k,
+        dst,
+        dst_rs,
+        lhs,
+        rhs: rhs_ptr,
+        rhs_rs,
+        scale,
+    };
+    // SAFETY: per the contract, and rhs now has contiguous rows of rhs_rs.
+    unsafe { tiled_product(simd, tiles) }
+}
+
+/// Whether a head's product may run in [`tiled`]: where gemm would take its plain kernels over
+/// one depth block (more than 256 outputs, depth 3 to 256, neither side a single row or
+/// column), so that the two agree bit for bit.
 fn small_products((m, n, k): (usize, usize, usize)) -> bool {
     m * n > 256 && m > 1 && n > 1 && (3..=256).contains(&k)
+}
+
+/// Whether [`tiled`] is the faster way to a product [`small_products`] allows: when its depth
+/// or its width is at most 8 (`q kᵀ`, `P v` and their gradients with heads 8 wide). Wider
+/// heads go to gemm, whose larger kernels then win. Measured 2026-11-26 (one thread, AVX-512,
+/// one head's product, tiles against gemm): `t` 64 and `d_head` 8, 741-783 ns against 855-1,669;
+/// `d_head` 16, 1,108-1,697 against 1,259-1,309; `d_head` 32, 2,227-2,892 against 1,850-2,294;
+/// `t` 128 and `d_head` 64, 22.7-27.7 µs against 11.3-15.1.
+fn tiles_pay(dims: (usize, usize, usize)) -> bool {
+    let (_, n, k) = dims;
+    small_products(dims) && (n <= 8 || k <= 8)
 }
 
 /// The operands of one [`tiled_product`]: `rhs` in contiguous rows of `rhs_rs`.
@@ -1137,18 +1168,16 @@ mod tests {
                 let run = |small: Option<SimdLevel>| {
                     let mut dst = vec![T::zero(); m * (n + 1)];
                     let mut pack = vec![T::zero(); k * n];
+                    let (d, lhs) = (dst.as_mut_ptr(), View::rows(lhs.as_ptr(), lhs_rs));
                     // SAFETY: dst m rows of n + 1, lhs m x k in rows of lhs_rs, rhs k x n in
-                    // rows of n or (transposed) columns of k; pack k x n.
+                    // rows of n or (transposed) columns of k; pack k x n; small_products holds.
                     unsafe {
-                        product(
-                            (m, n, k),
-                            dst.as_mut_ptr(),
-                            n + 1,
-                            View::rows(lhs.as_ptr(), lhs_rs),
-                            rhs_view,
-                            scale,
-                            small.map(|s| (s, &mut pack[..])),
-                        )
+                        match small {
+                            Some(simd) => {
+                                tiled((m, n, k), d, n + 1, lhs, rhs_view, scale, simd, &mut pack)
+                            }
+                            None => product((m, n, k), d, n + 1, lhs, rhs_view, scale, None),
+                        }
                     };
                     dst
                 };

@@ -51,7 +51,10 @@ fn forward<T: Real>(f: &[T], g: &[T], t: usize) -> Vec<T> {
 #[inline(always)]
 fn sided_grad_body<T: Real>(ds: &[T], t: usize, dfg: &mut [T]) {
     const R: usize = 8;
-    assert!(ds.len() >= t * t && dfg.len() >= 2 * t, "sided_grad: buffers too short");
+    assert!(
+        ds.len() >= t * t && dfg.len() >= 2 * t,
+        "sided_grad: buffers too short"
+    );
     let (df, dg) = dfg.split_at_mut(t);
     // `acc[r] += dS[k0 + r, j]` (`-dS` when `neg`) for every row of the block and `j` in `js`:
     // the range where every row takes the term. Full blocks call it with the constant R, so
