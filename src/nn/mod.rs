@@ -28,7 +28,7 @@ pub use fused::{matmul_gflops, simd_dispatches, SimdLevel};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, linear_with_bias, log_sigmoid, log_softmax_last_dim,
-    masked_softmax, rope_rotate, sided_differences, softmax_last_dim, Linear,
+    masked_softmax, rope_rotate, running_sums, sided_differences, softmax_last_dim, Linear,
 };
 pub use rotary::Rotary;
 

@@ -208,6 +208,27 @@ pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
     (z.neg()?.relu()? + soft)?.neg()
 }
 
+/// Running sums along the tokens, laid out group by group: `out[s, b, c, i]` is the sum of
+/// `x[b, j, s · C + c]` over the tokens `j <= i` (FoX's gates, forward and backward, are two
+/// groups of `heads` channels). Fused where the fused kernels run and give the composition's
+/// bits (all but the smallest and the longest: see `fused::running_sums`).
+///
+/// # Shapes
+/// - `x`: `(b, t, groups · C)`; returns `(groups, b, C, t)`
+pub fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
+    let (b, t, width) = x.dims3()?;
+    if super::fused_for(x) && super::fused::running_sums_in_order((b, t, width)) {
+        return super::fused::running_sums(x, groups);
+    }
+    if groups == 0 || width % groups != 0 {
+        candle::bail!("running sums: {width} channels do not split into {groups} groups");
+    }
+    let sums = x.transpose(1, 2)?.contiguous()?.cumsum(candle::D::Minus1)?; // (b, S C, t)
+    sums.reshape((b, groups, width / groups, t))?
+        .transpose(0, 1)?
+        .contiguous()
+}
+
 /// Two-sided differences: `out[n, i, j] = f[n, i] - f[n, j]` for `j <= i` and
 /// `g[n, j] - g[n, i]` for `j > i` (of running sums, the sum between token `j` and token `i`,
 /// taken from `f` to the left of `i` and from `g` to its right).

@@ -21,14 +21,14 @@
 //! positions. The paper's model is causal (forward gates only); an encoder needs both
 //! directions, which is why there are two gates per head.
 
-use candle::{Module, Tensor, D};
+use candle::{Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
-use crate::nn::{log_sigmoid, AttentionBias, LayerBias, Linear};
+use crate::nn::{log_sigmoid, running_sums, AttentionBias, LayerBias, Linear};
 
 /// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
 pub const FOX_GATE_BIAS: f64 = 5.0;
@@ -99,8 +99,8 @@ impl Scheme for FoxScheme {
 /// One layer's forget gates: `2 · heads` of them, from the attention input.
 #[derive(Clone, Debug)]
 pub struct FoxGates {
+    /// `(2h, d)`: the forward gates' rows, then the backward gates'
     gates: Linear,
-    heads: usize,
 }
 
 impl FoxGates {
@@ -119,16 +119,13 @@ impl FoxGates {
         let bias = vb.get_with_hints(2 * heads, "bias", Init::Const(FOX_GATE_BIAS))?;
         Ok(Self {
             gates: Linear::new(weight, Some(bias)),
-            heads,
         })
     }
 
     /// From given weights `(2h, d)` and bias `(2h)` (for tests and analysis).
     pub fn from_tensors(weight: Tensor, bias: Tensor) -> Result<Self> {
-        let heads = weight.dim(0)? / 2;
         Ok(Self {
             gates: Linear::new(weight, Some(bias)),
-            heads,
         })
     }
 
@@ -151,11 +148,8 @@ impl FoxGates {
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
     pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.heads;
-        let g = self.log_gates(x)?.transpose(1, 2)?.contiguous()?; // (b, 2h, t)
-        let sums = g.cumsum(D::Minus1)?; // (b, 2h, t): G, then G'
-        let (b, _, t) = sums.dims3()?;
-        Ok(sums.reshape((b, 2, h, t))?.transpose(0, 1)?.contiguous()?)
+        // (b, t, 2h) -> (2, b, h, t): G, then G'
+        Ok(running_sums(&self.log_gates(x)?, 2)?)
     }
 
     /// The bias as a table.

@@ -44,7 +44,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::differences::sided_grad;
-use super::linear::{by_dtype, matmul};
+use super::linear::{by_dtype, gemm_sums_in_order, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{contiguous, simd_level, written, zeros, Real, Rotation, SimdLevel};
 use crate::nn::{AttentionBias, LayerBias, Rotary};
@@ -439,7 +439,7 @@ unsafe fn product<T: Real>(
 /// [`product`] in register tiles, for the products of a head too small for gemm to run at
 /// speed (`t x t x d_head`, `d_head` 8, where its packing and dispatch cost more than the
 /// arithmetic). Each value is summed in order of `k` by fused multiply-adds from zero and then
-/// scaled, as gemm's kernels sum within one depth block, so where [`small_products`] holds
+/// scaled, as gemm's kernels sum within one depth block, so where [`gemm_sums_in_order`] holds
 /// both give the same bits. `rhs` is packed to contiguous rows into `pack` first when its rows
 /// are strided.
 ///
@@ -485,14 +485,8 @@ unsafe fn tiled<T: Real>(
     unsafe { tiled_product(simd, tiles) }
 }
 
-/// Whether a head's product may run in [`tiled`]: where gemm would take its plain kernels over
-/// one depth block (more than 256 outputs, depth 3 to 256, neither side a single row or
-/// column), so that the two agree bit for bit.
-fn small_products((m, n, k): (usize, usize, usize)) -> bool {
-    m * n > 256 && m > 1 && n > 1 && (3..=256).contains(&k)
-}
-
-/// Whether [`tiled`] is the faster way to a product [`small_products`] allows: when its depth
+/// Whether a product runs in [`tiled`]: where it gives gemm's bits ([`gemm_sums_in_order`]) and
+/// is the faster of the two: when its depth
 /// or its width is at most 8 (`q kᵀ`, `P v` and their gradients with heads 8 wide). Wider
 /// heads go to gemm, whose larger kernels then win. Measured 2026-11-26 (one thread, AVX-512,
 /// one head's product, tiles against gemm): `t` 64 and `d_head` 8, 741-783 ns against 855-1,669;
@@ -500,7 +494,7 @@ fn small_products((m, n, k): (usize, usize, usize)) -> bool {
 /// `t` 128 and `d_head` 64, 22.7-27.7 µs against 11.3-15.1.
 fn tiles_pay(dims: (usize, usize, usize)) -> bool {
     let (_, n, k) = dims;
-    small_products(dims) && (n <= 8 || k <= 8)
+    gemm_sums_in_order(dims) && (n <= 8 || k <= 8)
 }
 
 /// The operands of one [`tiled_product`]: `rhs` in contiguous rows of `rhs_rs`.
@@ -1154,7 +1148,7 @@ mod tests {
             (20, 20, 256),
             (100, 16, 3),
         ] {
-            assert!(small_products((m, n, k)));
+            assert!(gemm_sums_in_order((m, n, k)));
             let lhs_rs = k + 3;
             let lhs = values::<T>(m * lhs_rs, 1);
             let rhs = values::<T>(k * n + n * k, 2);
@@ -1170,7 +1164,7 @@ mod tests {
                     let mut pack = vec![T::zero(); k * n];
                     let (d, lhs) = (dst.as_mut_ptr(), View::rows(lhs.as_ptr(), lhs_rs));
                     // SAFETY: dst m rows of n + 1, lhs m x k in rows of lhs_rs, rhs k x n in
-                    // rows of n or (transposed) columns of k; pack k x n; small_products holds.
+                    // rows of n or (transposed) columns of k; pack k x n; gemm_sums_in_order holds.
                     unsafe {
                         match small {
                             Some(simd) => {

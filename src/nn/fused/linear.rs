@@ -72,6 +72,15 @@ pub(super) unsafe fn matmul<T: Real>(
     )
 }
 
+/// Whether gemm computes an `m x n x k` product with its plain kernels over one depth block
+/// (more than 256 outputs, depth 3 to 256, neither side a single row or column): each value
+/// then summed from zero by fused multiply-adds in order of `k`, and scaled. Loops that sum in
+/// that order reproduce gemm's bits exactly there (and not always elsewhere: gemm's kernels
+/// for small products sum in another order).
+pub(super) fn gemm_sums_in_order((m, n, k): (usize, usize, usize)) -> bool {
+    m * n > 256 && m > 1 && n > 1 && (3..=256).contains(&k)
+}
+
 /// `y = x Wᵀ (+ b)`: `x` `(n, in)`, `W` `(out, in)`, `b` `(out)`.
 fn forward<T: Real>(
     x: &[T],

@@ -304,6 +304,7 @@ mod linear;
 mod log_sigmoid;
 mod pointwise;
 mod rope;
+mod running_sums;
 mod softmax;
 
 pub(crate) use differences::sided_differences;
@@ -318,6 +319,7 @@ pub(crate) use linear::linear;
 pub use linear::matmul_gflops;
 pub(crate) use log_sigmoid::log_sigmoid;
 pub(crate) use rope::{rope, Rotation};
+pub(crate) use running_sums::{in_order as running_sums_in_order, running_sums};
 pub(crate) use softmax::masked_softmax;
 
 /// A sum in 16 independent lanes, so it vectorises (a single accumulator would not).

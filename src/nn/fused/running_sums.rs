@@ -1,0 +1,274 @@
+//! Running sums along the tokens, laid out group by group, fused, with the backward:
+//!
+//! ```text
+//! out[s, b, c, i] = Σ_{j <= i} x[b, j, s C + c]        x (b, t, S C) -> out (S, b, C, t)
+//! dx[b, j, s C + c] = Σ_{i >= j} dout[s, b, c, i]
+//! ```
+//!
+//! The composition (`nn::running_sums` off the fused path) transposes, runs candle's `cumsum`
+//! (a product with a `t x t` triangle of ones) and transposes again: about ten nodes with their
+//! copies and gradient buffers. Here it is one pass each way, with the composition's bits
+//! wherever gemm sums that product in order ([`in_order`]): each output from zero in order of
+//! the tokens (the triangle's zeros add nothing to a sum that starts at `+0`), as these loops
+//! do, forward and backward. Elsewhere (a few rows, or one or two tokens, or more than 256)
+//! `nn::running_sums` keeps the composition.
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::linear::{by_dtype, gemm_sums_in_order};
+use super::{contiguous, Real};
+
+/// `(S, b, C, t)` running sums of `x` `(b, t, S C)`.
+fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
+    let width = groups * c;
+    // Each batch element's sums, as (t, S C), then laid out group by group.
+    let per_batch: Vec<Vec<T>> = x
+        .par_chunks(t * width)
+        .map(|xb| {
+            let mut acc = vec![T::zero(); width];
+            let mut out = Vec::with_capacity(t * width);
+            for row in xb.chunks_exact(width) {
+                for (a, v) in acc.iter_mut().zip(row) {
+                    *a += *v;
+                }
+                out.extend_from_slice(&acc);
+            }
+            out
+        })
+        .collect();
+    let mut out = vec![T::zero(); b * t * width];
+    for (bi, sums) in per_batch.iter().enumerate() {
+        for (i, row) in sums.chunks_exact(width).enumerate() {
+            for (ch, v) in row.iter().enumerate() {
+                let (s, cc) = (ch / c, ch % c);
+                out[((s * b + bi) * c + cc) * t + i] = *v;
+            }
+        }
+    }
+    out
+}
+
+/// `dx` `(b, t, S C)` from `dout` `(S, b, C, t)`: each value the sum of `dout` from its token
+/// to the last, in order of the tokens.
+fn backward<T: Real>(g: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
+    let width = groups * c;
+    let mut dx = vec![T::zero(); b * t * width];
+    dx.par_chunks_mut(t * width)
+        .enumerate()
+        .for_each(|(bi, dxb)| {
+            // this batch element's gradient as (t, S C)
+            let mut rows = vec![T::zero(); t * width];
+            for ch in 0..width {
+                let (s, cc) = (ch / c, ch % c);
+                let at = ((s * b + bi) * c + cc) * t;
+                for (i, v) in g[at..at + t].iter().enumerate() {
+                    rows[i * width + ch] = *v;
+                }
+            }
+            for (j, out) in dxb.chunks_exact_mut(width).enumerate() {
+                for row in rows[j * width..].chunks_exact(width) {
+                    for (o, v) in out.iter_mut().zip(row) {
+                        *o += *v;
+                    }
+                }
+            }
+        });
+    dx
+}
+
+/// The op on `x` `(b, t, S C)`.
+struct RunningSums {
+    groups: usize,
+}
+
+impl RunningSums {
+    fn dims(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
+        let (b, t, width) = l.shape().dims3()?;
+        if self.groups == 0 || width % self.groups != 0 {
+            candle::bail!(
+                "running sums: {width} channels do not split into {} groups",
+                self.groups
+            );
+        }
+        Ok((b, t, self.groups, width / self.groups))
+    }
+}
+
+impl CustomOp1 for RunningSums {
+    fn name(&self) -> &'static str {
+        "poslab-running-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let what = "running sums";
+        let dims = self.dims(l)?;
+        let storage = by_dtype!(s.dtype(), what, |T| forward::<T>(
+            contiguous(s, l, what)?,
+            dims
+        ));
+        let (b, t, groups, c) = dims;
+        Ok((storage, Shape::from((groups, b, c, t))))
+    }
+
+    fn bwd(&self, x: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let op = RunningSumsGrad {
+            dims: self.dims(x.layout())?,
+        };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&op)?))
+    }
+}
+
+struct RunningSumsGrad {
+    dims: (usize, usize, usize, usize),
+}
+
+impl CustomOp1 for RunningSumsGrad {
+    fn name(&self) -> &'static str {
+        "poslab-running-sums-grad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let what = "running sums backward";
+        let (b, t, groups, c) = self.dims;
+        if l.dims() != [groups, b, c, t] {
+            candle::bail!(
+                "running sums backward: gradient {:?}, expected {:?}",
+                l.dims(),
+                [groups, b, c, t]
+            );
+        }
+        let storage = by_dtype!(s.dtype(), what, |T| backward::<T>(
+            contiguous(s, l, what)?,
+            self.dims
+        ));
+        Ok((storage, Shape::from((b, t, groups * c))))
+    }
+}
+
+/// Whether the fused op gives the composition's bits for `x` `(b, t, width)`: where gemm sums
+/// the composition's product (`b · width` rows, a `t x t` triangle) in order, forward and
+/// backward.
+pub(crate) fn in_order((b, t, width): (usize, usize, usize)) -> bool {
+    gemm_sums_in_order((b * width, t, t))
+}
+
+/// Running sums along the tokens of `x` `(b, t, groups · c)`, as `(groups, b, c, t)`.
+pub(crate) fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(RunningSums { groups })
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{DType, Device, Tensor, Var};
+
+    /// Values in [-1, 1) from a fixed linear congruential sequence, with a few zeros of both
+    /// signs and a few large values.
+    fn values(len: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed;
+        (0..len)
+            .map(|i| {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                match i % 29 {
+                    3 => -0.0,
+                    7 => 0.0,
+                    11 => 1e6,
+                    _ => (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0,
+                }
+            })
+            .collect()
+    }
+
+    /// The sums and the input's gradient under a weighted sum of them, as bits.
+    fn sums_and_grad(
+        dtype: DType,
+        dims: (usize, usize, usize),
+        groups: usize,
+    ) -> (Vec<u64>, Vec<u64>) {
+        let (b, t, w) = dims;
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(
+            &Tensor::from_vec(values(b * t * w, 1), dims, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap(),
+        )
+        .unwrap();
+        let y = crate::nn::running_sums(x.as_tensor(), groups).unwrap();
+        assert_eq!(y.dims(), [groups, b, w / groups, t]);
+        let weights = Tensor::from_vec(values(b * t * w, 2), y.shape(), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let grads = (&y * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let bits = |t: &Tensor| -> Vec<u64> {
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        (bits(&y), bits(grads.get(&x).unwrap()))
+    }
+
+    #[test]
+    fn fused_running_sums_give_the_compositions_bits_forward_and_backward() {
+        for dtype in [DType::F32, DType::F64] {
+            // In order (fused) and not (the composition both ways: still equal).
+            for (dims, groups) in [
+                ((3, 37, 10), 2),
+                ((2, 64, 16), 2),
+                ((32, 3, 16), 2),
+                ((1, 5, 3), 3),
+                ((4, 1, 4), 1),
+            ] {
+                let fused = sums_and_grad(dtype, dims, groups);
+                let composed = crate::nn::with_reference_ops(|| sums_and_grad(dtype, dims, groups));
+                assert!(fused.0.iter().any(|v| f64::from_bits(*v) != 0.0));
+                assert!(fused.1.iter().any(|v| f64::from_bits(*v) != 0.0));
+                assert_eq!(fused.0, composed.0, "{dtype:?} {dims:?} / {groups}: sums");
+                assert_eq!(
+                    fused.1, composed.1,
+                    "{dtype:?} {dims:?} / {groups}: gradient"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_fused_op_runs_where_gemm_sums_in_order_and_only_there() {
+        assert!(super::in_order((3, 37, 10)) && super::in_order((2, 64, 16)));
+        assert!(super::in_order((32, 3, 16)));
+        assert!(!super::in_order((1, 5, 3)) && !super::in_order((4, 1, 4)));
+        assert!(!super::in_order((2, 300, 16)));
+    }
+
+    #[test]
+    fn running_sums_refuse_channels_that_do_not_split_into_the_groups() {
+        let x = Tensor::zeros((2, 3, 5), DType::F32, &Device::Cpu).unwrap();
+        let err = crate::nn::running_sums(&x, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("5 channels do not split into 2 groups"),
+            "{err}"
+        );
+        let err = crate::nn::with_reference_ops(|| crate::nn::running_sums(&x, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("5 channels do not split into 2 groups"),
+            "{err}"
+        );
+    }
+}
