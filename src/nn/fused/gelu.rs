@@ -27,18 +27,20 @@ fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
 simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]));
 
 /// `y = GELU(x)` and `d = GELU'(x) = Phi(x) + x phi(x)` in one pass, with one `erf` and one
-/// `exp` for both: `y` has [`gelu_body`]'s bits, and `g d` those of [`gelu_grad_body`].
+/// `exp` for both, `d` written over `x`: `y` has [`gelu_body`]'s bits, and `g d` those of
+/// [`gelu_grad_body`].
 #[inline(always)]
-fn gelu_with_grad_body<T: Real>(x: &[T], y: &mut [MaybeUninit<T>], d: &mut [MaybeUninit<T>]) {
+fn gelu_with_grad_body<T: Real>(x: &mut [T], y: &mut [MaybeUninit<T>]) {
     let half = T::lit(0.5);
-    for ((o, dv), v) in y.iter_mut().zip(d.iter_mut()).zip(x) {
+    for (o, xv) in y.iter_mut().zip(x.iter_mut()) {
+        let v = *xv;
         let (erf, gauss) = v.erf_gauss();
-        o.write(half * *v * (T::one() + erf));
+        o.write(half * v * (T::one() + erf));
         let (cdf, pdf) = (half * (T::one() + erf), T::lit(INV_SQRT_2PI) * gauss);
-        dv.write(cdf + *v * pdf);
+        *xv = cdf + v * pdf;
     }
 }
-simd_dispatch!(fn gelu_with_grad_rows = gelu_with_grad_body(x: &[T], y: &mut [MaybeUninit<T>], d: &mut [MaybeUninit<T>]));
+simd_dispatch!(fn gelu_with_grad_rows = gelu_with_grad_body(x: &mut [T], y: &mut [MaybeUninit<T>]));
 
 /// Exact GELU as a [`Pointwise`] function.
 #[derive(Clone, Copy)]
@@ -80,38 +82,36 @@ pub(crate) fn activation_par<T: Real>(
     }
 }
 
-/// The feed-forward activation `act(x)` and its derivative `act'(x)`, for a forward whose
-/// backward is to come: the backward then multiplies by the derivative
-/// ([`times_grad_par`]) instead of recomputing it from `x`, with the bits of the pointwise
-/// op's backward. ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes
-/// the gradient), so the fused layer and the composition agree everywhere.
+/// The feed-forward activation `act(x)` and its derivative `act'(x)`, the derivative written
+/// over `x` (which the layer needs no more), for a forward whose backward is to come: the
+/// backward then multiplies by the derivative ([`times_grad_par`]) instead of recomputing it
+/// from `x`, with the bits of the pointwise op's backward, and no more memory than keeping `x`.
+/// ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes the gradient),
+/// so the fused layer and the composition agree everywhere.
 pub(crate) fn activation_with_grad_par<T: Real>(
     simd: SimdLevel,
-    x: &[T],
+    mut x: Vec<T>,
     activation: crate::nn::Activation,
 ) -> (Vec<T>, Vec<T>) {
     let len = x.len();
-    let (mut y, mut d) = (Vec::<T>::with_capacity(len), Vec::<T>::with_capacity(len));
+    let mut y = Vec::<T>::with_capacity(len);
     y.spare_capacity_mut()[..len]
         .par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(d.spare_capacity_mut()[..len].par_chunks_mut(ELEMENTS_PER_TASK))
-        .zip(x.par_chunks(ELEMENTS_PER_TASK))
-        .for_each(|((yc, dc), xc)| match activation {
-            crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc, dc),
+        .zip(x.par_chunks_mut(ELEMENTS_PER_TASK))
+        .for_each(|(yc, xc)| match activation {
+            crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc),
             crate::nn::Activation::Relu => {
-                for ((o, dv), v) in yc.iter_mut().zip(dc.iter_mut()).zip(xc) {
-                    o.write(if *v > T::zero() { *v } else { T::zero() });
-                    dv.write(if *v >= T::zero() { T::one() } else { T::zero() });
+                for (o, xv) in yc.iter_mut().zip(xc.iter_mut()) {
+                    let v = *xv;
+                    o.write(if v > T::zero() { v } else { T::zero() });
+                    *xv = if v >= T::zero() { T::one() } else { T::zero() };
                 }
             }
             crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
         });
-    // SAFETY: the chunks together cover all `len` values of both, and each writes all of its own.
-    unsafe {
-        y.set_len(len);
-        d.set_len(len);
-    }
-    (y, d)
+    // SAFETY: the chunks together cover all `len` values, and each writes all of its own.
+    unsafe { y.set_len(len) };
+    (y, x)
 }
 
 /// `g act'(x)` from the derivative [`activation_with_grad_par`] kept: `g d` for GELU, and for
@@ -174,7 +174,7 @@ mod tests {
             .collect();
         for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
             // GELU: the pointwise op's forward and backward.
-            let (y, d) = activation_with_grad_par(level, &x, Activation::Gelu);
+            let (y, d) = activation_with_grad_par(level, x.clone(), Activation::Gelu);
             let want_y = pointwise::forward_par::<Gelu, T>(level, &x);
             let want_dx = pointwise::grad_par::<Gelu, T>(level, &x, &g);
             let dx = times_grad_par(&d, &g, Activation::Gelu);
@@ -182,7 +182,7 @@ mod tests {
             assert_eq!(bits(&dx), bits(&want_dx), "GELU backward at {level:?}");
             assert!(want_dx.iter().any(|v| *v != T::zero()));
             // ReLU: max(x, 0), and g where x >= 0 (candle's convention at 0).
-            let (y, d) = activation_with_grad_par(level, &x, Activation::Relu);
+            let (y, d) = activation_with_grad_par(level, x.clone(), Activation::Relu);
             assert_eq!(bits(&y), bits(&relu_par(&x)), "ReLU forward at {level:?}");
             let dx = times_grad_par(&d, &g, Activation::Relu);
             for ((xv, gv), got) in x.iter().zip(&g).zip(&dx) {

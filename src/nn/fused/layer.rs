@@ -282,11 +282,10 @@ impl LayerOp {
         let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
         let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
         let (act, act_grad) = if for_backward {
-            activation_with_grad_par(simd, &u, self.shape.activation)
+            activation_with_grad_par(simd, u, self.shape.activation)
         } else {
             (activation_par(simd, &u, self.shape.activation), Vec::new())
         };
-        drop(u);
         // pre: y = h + m2 ⊙ (act(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
         let res = if self.shape.pre_norm {
             &h_or_s1
