@@ -3,29 +3,32 @@
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use super::*;
 
 #[inline(always)]
-fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [T]) {
+fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]) {
     let d = w.len();
     let n = T::lit(d as f64);
     for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
         let mean = sum(xr) / n;
         for (o, v) in yr.iter_mut().zip(xr) {
-            *o = *v - mean;
+            o.write(*v - mean);
         }
+        // SAFETY: every value of the row was just written.
+        let yr = unsafe { &mut *(yr as *mut [MaybeUninit<T>] as *mut [T]) };
         let rstd = (dot(yr, yr) / n + eps).sqrt().recip();
         for ((o, wi), bi) in yr.iter_mut().zip(w).zip(b) {
             *o = *o * rstd * *wi + *bi;
         }
     }
 }
-simd_dispatch!(fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [T]));
+simd_dispatch!(fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]));
 
 /// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`.
 #[inline(always)]
-fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [T]) {
+fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]) {
     let d = w.len();
     let n = T::lit(d as f64);
     let mut xhat = vec![T::zero(); d];
@@ -49,11 +52,11 @@ fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [T]) 
         let mean_dxhat = sum(&dxhat) / n;
         let mean_dxhat_xhat = dot(&dxhat, &xhat) / n;
         for ((o, dh), h) in out.iter_mut().zip(&dxhat).zip(&xhat) {
-            *o = rstd * (*dh - mean_dxhat - *h * mean_dxhat_xhat);
+            o.write(rstd * (*dh - mean_dxhat - *h * mean_dxhat_xhat));
         }
     }
 }
-simd_dispatch!(fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [T]));
+simd_dispatch!(fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]));
 
 /// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values).
 #[inline(always)]
@@ -81,15 +84,26 @@ pub(super) struct LayerNormOp {
     pub(super) simd: SimdLevel,
 }
 
+/// The input `(.., d)` against the weight `(d)`: the kernels write whole rows of `d`.
+fn check_width(x: &Layout, w: &Layout, what: &str) -> Result<()> {
+    let d = w.shape().elem_count();
+    if d == 0 || x.dims().last() != Some(&d) {
+        candle::bail!("fused {what}: input {:?} for a weight of {d}", x.dims());
+    }
+    Ok(())
+}
+
 impl LayerNormOp {
     pub(super) fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let d = w.len();
-        let mut y = zeros(x.len());
+        assert!(d > 0 && x.len() % d == 0, "layer norm: rows of {d}");
         let rows = rows_per_task(d) * d;
-        y.par_chunks_mut(rows)
-            .zip(x.par_chunks(rows))
-            .for_each(|(yc, xc)| ln_forward(self.simd, xc, w, b, T::lit(self.eps), yc));
-        y
+        // SAFETY: ln_forward writes every value of its rows.
+        unsafe {
+            par_written(x.len(), rows, |r, yc| {
+                ln_forward(self.simd, &x[r], w, b, T::lit(self.eps), yc)
+            })
+        }
     }
 }
 
@@ -107,6 +121,7 @@ impl CustomOp3 for LayerNormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        check_width(l1, l2, "layer norm")?;
         let storage = by_dtype!(s1.dtype(), "layer norm", |T| self.forward(
             contiguous::<T>(s1, l1, "layer norm")?,
             contiguous(s2, l2, "layer norm")?,
@@ -151,12 +166,17 @@ pub(super) struct LayerNormGradInput {
 impl LayerNormGradInput {
     pub(super) fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
         let d = w.len();
-        let mut dx = zeros(x.len());
+        assert!(
+            d > 0 && x.len() % d == 0 && g.len() == x.len(),
+            "layer norm: rows of {d}"
+        );
         let rows = rows_per_task(d) * d;
-        dx.par_chunks_mut(rows)
-            .zip(x.par_chunks(rows).zip(g.par_chunks(rows)))
-            .for_each(|(o, (xc, gc))| ln_grad_input(self.simd, xc, w, gc, T::lit(self.eps), o));
-        dx
+        // SAFETY: ln_grad_input writes every value of its rows.
+        unsafe {
+            par_written(x.len(), rows, |r, o| {
+                ln_grad_input(self.simd, &x[r.clone()], w, &g[r], T::lit(self.eps), o)
+            })
+        }
     }
 }
 
@@ -175,6 +195,14 @@ impl CustomOp3 for LayerNormGradInput {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let what = "layer norm backward";
+        check_width(l1, l2, what)?;
+        if l3.dims() != l1.dims() {
+            candle::bail!(
+                "fused {what}: gradient {:?} for input {:?}",
+                l3.dims(),
+                l1.dims()
+            );
+        }
         let storage = by_dtype!(s1.dtype(), what, |T| self.run(
             contiguous::<T>(s1, l1, what)?,
             contiguous(s2, l2, what)?,
