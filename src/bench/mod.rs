@@ -749,6 +749,37 @@ pub fn table(records: &[Record]) -> String {
         ]);
     }
     out.push_str(&flops.list(2));
+    out.push_str(&share_table(records, ""));
+    out
+}
+
+/// Each variant's training rate as a share of the matmul peak measured beside it, from the
+/// round where it trained fastest (the least disturbed), or nothing when no peak was measured.
+pub fn best_round_shares<'a>(
+    variants: &[String],
+    rounds: impl Iterator<Item = &'a Record>,
+) -> String {
+    let rounds: Vec<&Record> = rounds.collect();
+    let best: Vec<Record> = variants
+        .iter()
+        .filter_map(|v| {
+            rounds
+                .iter()
+                .filter(|r| &r.variant == v && r.train.is_some())
+                .min_by(|a, b| {
+                    let ms = |r: &Record| r.train.as_ref().map_or(f64::NAN, |t| t.median_ms);
+                    ms(a).total_cmp(&ms(b))
+                })
+                .map(|r| (*r).clone())
+        })
+        .collect();
+    share_table(&best, ", in each variant's fastest round")
+}
+
+/// The share table of [`table`] and [`best_round_shares`].
+fn share_table(records: &[Record], which: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
     let shares: Vec<_> = records
         .iter()
         .filter_map(|r| Some((r, r.train.as_ref()?, r.matmul_peak_gflops?)))
@@ -756,7 +787,7 @@ pub fn table(records: &[Record]) -> String {
     if !shares.is_empty() {
         let _ = writeln!(
             out,
-            "\ntraining rate as a share of the f32 matmul peak measured right after it \
+            "\ntraining rate as a share of the f32 matmul peak measured right after it{which} \
              (gemm, same threads; best of 1024^3 and tokens x FFN x width):"
         );
         let mut table = TextTable::new(["variant", "peak", "share"], [false, true, true]);

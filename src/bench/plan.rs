@@ -194,8 +194,16 @@ impl Outcome {
     pub fn table(&self) -> String {
         match self {
             Outcome::Records(records) => super::table(records),
-            Outcome::Costs { costs, .. } => super::cost_table(costs),
-            Outcome::Ratios { ratios, .. } => super::ratio_table(ratios),
+            Outcome::Costs { costs, rounds } => {
+                let variants: Vec<String> = costs.iter().map(|c| c.variant.clone()).collect();
+                super::cost_table(costs)
+                    + &super::best_round_shares(&variants, rounds.iter().flatten())
+            }
+            Outcome::Ratios { ratios, rounds } => {
+                let variants: Vec<String> = ratios.iter().map(|r| r.variant.clone()).collect();
+                let poslab = rounds.iter().flatten().map(|(r, _)| r);
+                super::ratio_table(ratios) + &super::best_round_shares(&variants, poslab)
+            }
         }
     }
 

@@ -185,6 +185,29 @@ fn bench_measures_the_matmul_peak_beside_the_step_and_the_share_of_it() {
         share.contains("sin_add") && share.contains("GFLOP/s") && share.ends_with('%'),
         "{share}"
     );
+    // Interleaved rounds (child processes) print it too, from each variant's fastest round.
+    let rounds: Vec<&str> = tiny
+        .iter()
+        .copied()
+        .filter(|a| *a != "--in-process")
+        .map(|a| if a == "sin_add" { "sin_add,alibi" } else { a })
+        .chain(["--rounds", "2"])
+        .collect();
+    let (ok, table, err) = poslab(&rounds);
+    assert!(ok, "{err}");
+    let shares: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.contains("share of the f32 matmul peak"))
+        .skip(1)
+        .take(2)
+        .collect();
+    assert!(
+        shares.len() == 2
+            && shares[0].contains("sin_add")
+            && shares[1].contains("alibi")
+            && shares.iter().all(|l| l.ends_with('%')),
+        "no share table for the rounds:\n{table}"
+    );
 }
 
 /// An executable shell script at `path`.
