@@ -220,11 +220,9 @@ pub fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
     if super::fused_for(x) && super::fused::running_sums_in_order((b, t, width)) {
         return super::fused::running_sums(x, groups);
     }
-    if groups == 0 || width % groups != 0 {
-        candle::bail!("running sums: {width} channels do not split into {groups} groups");
-    }
+    let channels = super::fused::running_sums_channels(width, groups)?;
     let sums = x.transpose(1, 2)?.contiguous()?.cumsum(candle::D::Minus1)?; // (b, S C, t)
-    sums.reshape((b, groups, width / groups, t))?
+    sums.reshape((b, groups, channels, t))?
         .transpose(0, 1)?
         .contiguous()
 }

@@ -46,7 +46,9 @@ use rayon::prelude::*;
 use super::differences::sided_grad;
 use super::linear::{by_dtype, gemm_sums_in_order, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
-use super::{contiguous, simd_level, written, zeros, Real, Rotation, SimdLevel};
+use super::{
+    assume_written, contiguous, simd_level, uninit, written, zeros, Real, Rotation, SimdLevel,
+};
 use crate::nn::{AttentionBias, LayerBias, Rotary};
 use std::mem::MaybeUninit;
 
@@ -82,15 +84,6 @@ impl<T> Shared<T> {
     fn ptr(self) -> *mut T {
         self.0
     }
-}
-
-/// `x` as storage a kernel writes through.
-///
-/// # Safety
-/// Whoever writes through the result must write only initialised values.
-unsafe fn uninit<T>(x: &mut [T]) -> &mut [MaybeUninit<T>] {
-    // SAFETY: MaybeUninit<T> has T's layout; the writer keeps the values initialised.
-    unsafe { &mut *(x as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 /// The host values of the fixed inputs, in the dtype of `qkv`.
@@ -779,7 +772,7 @@ impl Attention {
                     (Some(kept), None) => {
                         w.probabilities(heads, (n, bi, hd), &fixed, Some(&mut *kept));
                         // SAFETY: probabilities wrote every value of the block.
-                        unsafe { &*(kept as *const [MaybeUninit<T>] as *const [T]) }
+                        unsafe { &*assume_written(kept) }
                     }
                     (kept, mask) => {
                         w.probabilities(heads, (n, bi, hd), &fixed, None);

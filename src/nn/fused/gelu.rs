@@ -7,11 +7,23 @@ use std::mem::MaybeUninit;
 use super::pointwise::{self, Pointwise, ELEMENTS_PER_TASK};
 use super::*;
 
+/// `GELU(x) = x/2 (1 + erf(x/√2))` from `erf(x/√2)`.
+#[inline(always)]
+fn gelu_of<T: Real>(x: T, erf: T) -> T {
+    T::lit(0.5) * x * (T::one() + erf)
+}
+
+/// `GELU'(x) = Phi(x) + x phi(x)` from the normal's `(Phi(x), phi(x))`.
+#[inline(always)]
+fn gelu_slope<T: Real>(x: T, (cdf, pdf): (T, T)) -> T {
+    cdf + x * pdf
+}
+
 #[inline(always)]
 fn gelu_body<T: Real>(x: &[T], y: &mut [MaybeUninit<T>]) {
-    let (half, inv_sqrt2) = (T::lit(0.5), T::lit(std::f64::consts::FRAC_1_SQRT_2));
+    let inv_sqrt2 = T::lit(std::f64::consts::FRAC_1_SQRT_2);
     for (o, v) in y.iter_mut().zip(x) {
-        o.write(half * *v * (T::one() + (*v * inv_sqrt2).erf_()));
+        o.write(gelu_of(*v, (*v * inv_sqrt2).erf_()));
     }
 }
 simd_dispatch!(fn gelu_rows = gelu_body(x: &[T], y: &mut [MaybeUninit<T>]));
@@ -20,8 +32,7 @@ simd_dispatch!(fn gelu_rows = gelu_body(x: &[T], y: &mut [MaybeUninit<T>]));
 #[inline(always)]
 fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
     for ((o, v), gi) in dx.iter_mut().zip(x).zip(g) {
-        let (cdf, pdf) = v.normal_cdf_pdf();
-        o.write(*gi * (cdf + *v * pdf));
+        o.write(*gi * gelu_slope(*v, v.normal_cdf_pdf()));
     }
 }
 simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]));
@@ -31,13 +42,11 @@ simd_dispatch!(fn gelu_grad_rows = gelu_grad_body(x: &[T], g: &[T], dx: &mut [Ma
 /// [`gelu_grad_body`].
 #[inline(always)]
 fn gelu_with_grad_body<T: Real>(x: &mut [T], y: &mut [MaybeUninit<T>]) {
-    let half = T::lit(0.5);
     for (o, xv) in y.iter_mut().zip(x.iter_mut()) {
         let v = *xv;
         let (erf, gauss) = v.erf_gauss();
-        o.write(half * v * (T::one() + erf));
-        let (cdf, pdf) = (half * (T::one() + erf), T::lit(INV_SQRT_2PI) * gauss);
-        *xv = cdf + v * pdf;
+        o.write(gelu_of(v, erf));
+        *xv = gelu_slope(v, cdf_pdf(erf, gauss));
     }
 }
 simd_dispatch!(fn gelu_with_grad_rows = gelu_with_grad_body(x: &mut [T], y: &mut [MaybeUninit<T>]));

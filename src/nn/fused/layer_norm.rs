@@ -17,7 +17,7 @@ fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUni
             o.write(*v - mean);
         }
         // SAFETY: every value of the row was just written.
-        let yr = unsafe { &mut *(yr as *mut [MaybeUninit<T>] as *mut [T]) };
+        let yr = unsafe { assume_written(yr) };
         let rstd = (dot(yr, yr) / n + eps).sqrt().recip();
         for ((o, wi), bi) in yr.iter_mut().zip(w).zip(b) {
             *o = *o * rstd * *wi + *bi;

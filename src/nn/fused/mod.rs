@@ -33,11 +33,14 @@ pub(crate) trait Real:
     #[inline(always)]
     fn normal_cdf_pdf(self) -> (Self, Self) {
         let (erf, gauss) = self.erf_gauss();
-        (
-            Self::lit(0.5) * (Self::one() + erf),
-            Self::lit(INV_SQRT_2PI) * gauss,
-        )
+        cdf_pdf(erf, gauss)
     }
+}
+
+/// The standard normal's `(Phi(x), phi(x))` from [`Real::erf_gauss`]'s `(erf(x/√2), exp(-x²/2))`.
+#[inline(always)]
+pub(super) fn cdf_pdf<T: Real>(erf: T, gauss: T) -> (T, T) {
+    (T::lit(0.5) * (T::one() + erf), T::lit(INV_SQRT_2PI) * gauss)
 }
 
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
@@ -319,7 +322,9 @@ pub(crate) use linear::linear;
 pub use linear::matmul_gflops;
 pub(crate) use log_sigmoid::log_sigmoid;
 pub(crate) use rope::{rope, Rotation};
-pub(crate) use running_sums::{in_order as running_sums_in_order, running_sums};
+pub(crate) use running_sums::{
+    group_channels as running_sums_channels, in_order as running_sums_in_order, running_sums,
+};
 pub(crate) use softmax::masked_softmax;
 
 /// A sum in 16 independent lanes, so it vectorises (a single accumulator would not).
@@ -408,6 +413,24 @@ pub(super) unsafe fn written<T: Real>(len: usize, fill: impl FnOnce(*mut T)) -> 
     // SAFETY: the `len` values are initialised, per the contract.
     unsafe { v.set_len(len) };
     v
+}
+
+/// `x` as storage a kernel writes through.
+///
+/// # Safety
+/// Whoever writes through the result must write only initialised values.
+pub(super) unsafe fn uninit<T>(x: &mut [T]) -> &mut [std::mem::MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout; the writer keeps the values initialised.
+    unsafe { &mut *(x as *mut [T] as *mut [std::mem::MaybeUninit<T>]) }
+}
+
+/// Storage a kernel has written, as its values.
+///
+/// # Safety
+/// Every value of `x` must have been written.
+pub(super) unsafe fn assume_written<T>(x: &mut [std::mem::MaybeUninit<T>]) -> &mut [T] {
+    // SAFETY: MaybeUninit<T> has T's layout, and every value is initialised, per the contract.
+    unsafe { &mut *(x as *mut [std::mem::MaybeUninit<T>] as *mut [T]) }
 }
 
 /// `len` values written by `fill` in parallel chunks of `chunk` values (the chunk's range of

@@ -20,6 +20,21 @@ use rayon::prelude::*;
 use super::linear::{by_dtype, gemm_sums_in_order};
 use super::{contiguous, Real};
 
+/// Where channel `ch` of batch element `bi` starts in the `(S, b, C, t)` layout.
+#[inline(always)]
+fn group_major(ch: usize, bi: usize, (b, t, c): (usize, usize, usize)) -> usize {
+    let (s, cc) = (ch / c, ch % c);
+    ((s * b + bi) * c + cc) * t
+}
+
+/// The channels `C` of each of `groups` groups in `width`, or an error naming the mismatch.
+pub(crate) fn group_channels(width: usize, groups: usize) -> Result<usize> {
+    if groups == 0 || width % groups != 0 {
+        candle::bail!("running sums: {width} channels do not split into {groups} groups");
+    }
+    Ok(width / groups)
+}
+
 /// `(S, b, C, t)` running sums of `x` `(b, t, S C)`.
 fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
     let width = groups * c;
@@ -42,8 +57,7 @@ fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) ->
     for (bi, sums) in per_batch.iter().enumerate() {
         for (i, row) in sums.chunks_exact(width).enumerate() {
             for (ch, v) in row.iter().enumerate() {
-                let (s, cc) = (ch / c, ch % c);
-                out[((s * b + bi) * c + cc) * t + i] = *v;
+                out[group_major(ch, bi, (b, t, c)) + i] = *v;
             }
         }
     }
@@ -61,8 +75,7 @@ fn backward<T: Real>(g: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -
             // this batch element's gradient as (t, S C)
             let mut rows = vec![T::zero(); t * width];
             for ch in 0..width {
-                let (s, cc) = (ch / c, ch % c);
-                let at = ((s * b + bi) * c + cc) * t;
+                let at = group_major(ch, bi, (b, t, c));
                 for (i, v) in g[at..at + t].iter().enumerate() {
                     rows[i * width + ch] = *v;
                 }
@@ -86,13 +99,7 @@ struct RunningSums {
 impl RunningSums {
     fn dims(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
         let (b, t, width) = l.shape().dims3()?;
-        if self.groups == 0 || width % self.groups != 0 {
-            candle::bail!(
-                "running sums: {width} channels do not split into {} groups",
-                self.groups
-            );
-        }
-        Ok((b, t, self.groups, width / self.groups))
+        Ok((b, t, self.groups, group_channels(width, self.groups)?))
     }
 }
 

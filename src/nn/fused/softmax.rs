@@ -17,7 +17,7 @@ fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
             o.write(*v + *b);
         }
         // SAFETY: every value of the row was just written.
-        let yr = unsafe { &mut *(yr as *mut [MaybeUninit<T>] as *mut [T]) };
+        let yr = unsafe { assume_written(yr) };
         let max = max_of(yr);
         for o in yr.iter_mut() {
             *o = (*o - max).exp_();
