@@ -7,76 +7,161 @@ use std::mem::MaybeUninit;
 
 use super::*;
 
+/// Each of `R` rows' mean, and its centred values into `xc` (perhaps uninitialised before).
 #[inline(always)]
-fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]) {
-    let d = w.len();
+fn centre<'a, T: Real, const R: usize>(
+    x: &[T],
+    d: usize,
+    xc: &'a mut [MaybeUninit<T>],
+) -> &'a mut [T] {
     let n = T::lit(d as f64);
-    for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-        let mean = sum(xr) / n;
-        for (o, v) in yr.iter_mut().zip(xr) {
+    let sums = sums::<T, R>(x, d);
+    for ((xr, o), s) in x.chunks_exact(d).zip(xc.chunks_exact_mut(d)).zip(sums) {
+        let mean = s / n;
+        for (o, v) in o.iter_mut().zip(xr) {
             o.write(*v - mean);
         }
-        // SAFETY: every value of the row was just written.
-        let yr = unsafe { assume_written(yr) };
-        let rstd = (dot(yr, yr) / n + eps).sqrt().recip();
+    }
+    // SAFETY: every value was just written.
+    unsafe { assume_written(xc) }
+}
+
+/// `1 / sqrt(mean(xc²) + eps)` of each of `R` centred rows.
+#[inline(always)]
+fn rstds<T: Real, const R: usize>(xc: &[T], d: usize, eps: T) -> [T; R] {
+    let n = T::lit(d as f64);
+    dots::<T, R>(xc, xc, d).map(|v| (v / n + eps).sqrt().recip())
+}
+
+#[inline(always)]
+fn ln_forward_block<T: Real, const R: usize>(
+    x: &[T],
+    w: &[T],
+    b: &[T],
+    eps: T,
+    y: &mut [MaybeUninit<T>],
+) {
+    let d = w.len();
+    let y = centre::<T, R>(x, d, y);
+    let rstd = rstds::<T, R>(y, d, eps);
+    for (yr, rstd) in y.chunks_exact_mut(d).zip(rstd) {
         for ((o, wi), bi) in yr.iter_mut().zip(w).zip(b) {
             *o = *o * rstd * *wi + *bi;
         }
     }
 }
-simd_dispatch!(fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]));
 
-/// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`.
+/// Rows of `d` (`w.len()`) in blocks of [`FOLD_ROWS`], then one by one.
 #[inline(always)]
-fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]) {
+fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]) {
+    let d = w.len();
+    let split = whole_blocks(x.len(), d);
+    let (yb, yr) = y.split_at_mut(split);
+    for (xc, yc) in x[..split]
+        .chunks_exact(FOLD_ROWS * d)
+        .zip(yb.chunks_exact_mut(FOLD_ROWS * d))
+    {
+        ln_forward_block::<T, FOLD_ROWS>(xc, w, b, eps, yc);
+    }
+    for (xc, yc) in x[split..].chunks_exact(d).zip(yr.chunks_exact_mut(d)) {
+        ln_forward_block::<T, 1>(xc, w, b, eps, yc);
+    }
+}
+simd_dispatch!(pub(super) fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]));
+
+/// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`, for `R` rows;
+/// `xhat` and `dxhat` are scratch of `R d`.
+#[inline(always)]
+fn ln_grad_input_block<T: Real, const R: usize>(
+    (x, w, g): (&[T], &[T], &[T]),
+    eps: T,
+    dx: &mut [MaybeUninit<T>],
+    (xhat, dxhat): (&mut [MaybeUninit<T>], &mut [T]),
+) {
     let d = w.len();
     let n = T::lit(d as f64);
-    let mut xhat = vec![T::zero(); d];
-    let mut dxhat = vec![T::zero(); d];
-    for ((xr, gr), out) in x
-        .chunks_exact(d)
-        .zip(g.chunks_exact(d))
-        .zip(dx.chunks_exact_mut(d))
-    {
-        let mean = sum(xr) / n;
-        for (h, v) in xhat.iter_mut().zip(xr) {
-            *h = *v - mean;
-        }
-        let rstd = (dot(&xhat, &xhat) / n + eps).sqrt().recip();
-        for h in xhat.iter_mut() {
+    let xhat = centre::<T, R>(x, d, xhat);
+    let rstd = rstds::<T, R>(xhat, d, eps);
+    for (h, rstd) in xhat.chunks_exact_mut(d).zip(rstd) {
+        for h in h.iter_mut() {
             *h *= rstd;
         }
-        for ((o, gi), wi) in dxhat.iter_mut().zip(gr).zip(w) {
+    }
+    for (o, gr) in dxhat.chunks_exact_mut(d).zip(g.chunks_exact(d)) {
+        for ((o, gi), wi) in o.iter_mut().zip(gr).zip(w) {
             *o = *gi * *wi;
         }
-        let mean_dxhat = sum(&dxhat) / n;
-        let mean_dxhat_xhat = dot(&dxhat, &xhat) / n;
-        for ((o, dh), h) in out.iter_mut().zip(&dxhat).zip(&xhat) {
-            o.write(rstd * (*dh - mean_dxhat - *h * mean_dxhat_xhat));
+    }
+    let sum_dxhat = sums::<T, R>(dxhat, d);
+    let sum_dxhat_xhat = dots::<T, R>(dxhat, xhat, d);
+    for (r, out) in dx.chunks_exact_mut(d).enumerate() {
+        let (mean_dxhat, mean_dxhat_xhat) = (sum_dxhat[r] / n, sum_dxhat_xhat[r] / n);
+        let rows = r * d..(r + 1) * d;
+        for ((o, dh), h) in out.iter_mut().zip(&dxhat[rows.clone()]).zip(&xhat[rows]) {
+            o.write(rstd[r] * (*dh - mean_dxhat - *h * mean_dxhat_xhat));
         }
     }
 }
-simd_dispatch!(fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]));
 
-/// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values).
+/// Rows of `d` (`w.len()`) in blocks of [`FOLD_ROWS`], then one by one.
 #[inline(always)]
-fn ln_grad_params_body<T: Real>(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]) {
-    let n = T::lit(d as f64);
-    let (dw, db) = out.split_at_mut(d);
-    let mut xhat = vec![T::zero(); d];
-    for (xr, gr) in x.chunks_exact(d).zip(g.chunks_exact(d)) {
-        let mean = sum(xr) / n;
-        for (h, v) in xhat.iter_mut().zip(xr) {
-            *h = *v - mean;
-        }
-        let rstd = (dot(&xhat, &xhat) / n + eps).sqrt().recip();
-        for (((w, b), h), gi) in dw.iter_mut().zip(db.iter_mut()).zip(&xhat).zip(gr) {
+fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]) {
+    let d = w.len();
+    let mut xhat = vec![MaybeUninit::uninit(); FOLD_ROWS * d];
+    let mut dxhat = vec![T::zero(); FOLD_ROWS * d];
+    let split = whole_blocks(x.len(), d);
+    let (db, dr) = dx.split_at_mut(split);
+    let block = FOLD_ROWS * d;
+    for (i, o) in db.chunks_exact_mut(block).enumerate() {
+        let r = i * block..(i + 1) * block;
+        let rows = (&x[r.clone()], w, &g[r]);
+        ln_grad_input_block::<T, FOLD_ROWS>(rows, eps, o, (&mut xhat, &mut dxhat));
+    }
+    for (i, o) in dr.chunks_exact_mut(d).enumerate() {
+        let r = split + i * d..split + (i + 1) * d;
+        let rows = (&x[r.clone()], w, &g[r]);
+        let scratch = (&mut xhat[..d], &mut dxhat[..d]);
+        ln_grad_input_block::<T, 1>(rows, eps, o, scratch);
+    }
+}
+simd_dispatch!(pub(super) fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]));
+
+/// Adds `[sum g xhat ; sum g]` over `R` rows, in row order, to `(dw, db)`; `xhat` is scratch of
+/// `R d`.
+#[inline(always)]
+fn ln_grad_params_block<T: Real, const R: usize>(
+    (x, g): (&[T], &[T]),
+    eps: T,
+    (dw, db): (&mut [T], &mut [T]),
+    xhat: &mut [MaybeUninit<T>],
+) {
+    let d = dw.len();
+    let xhat = centre::<T, R>(x, d, xhat);
+    let rstd = rstds::<T, R>(xhat, d, eps);
+    for ((h, gr), rstd) in xhat.chunks_exact(d).zip(g.chunks_exact(d)).zip(rstd) {
+        for (((w, b), h), gi) in dw.iter_mut().zip(db.iter_mut()).zip(h).zip(gr) {
             *w += *gi * *h * rstd;
             *b += *gi;
         }
     }
 }
-simd_dispatch!(fn ln_grad_params = ln_grad_params_body(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]));
+
+/// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values); rows in
+/// blocks of [`FOLD_ROWS`], then one by one.
+#[inline(always)]
+fn ln_grad_params_body<T: Real>(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]) {
+    let (dw, db) = out.split_at_mut(d);
+    let mut xhat = vec![MaybeUninit::uninit(); FOLD_ROWS * d];
+    let split = whole_blocks(x.len(), d);
+    let block = FOLD_ROWS * d;
+    for (xc, gc) in x[..split].chunks_exact(block).zip(g.chunks_exact(block)) {
+        ln_grad_params_block::<T, FOLD_ROWS>((xc, gc), eps, (dw, db), &mut xhat);
+    }
+    for (xc, gc) in x[split..].chunks_exact(d).zip(g[split..].chunks_exact(d)) {
+        ln_grad_params_block::<T, 1>((xc, gc), eps, (dw, db), &mut xhat[..d]);
+    }
+}
+simd_dispatch!(pub(super) fn ln_grad_params = ln_grad_params_body(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]));
 
 /// LayerNorm over the last axis: `(x, weight, bias) -> y`.
 pub(super) struct LayerNormOp {

@@ -327,64 +327,86 @@ pub(crate) use running_sums::{
 };
 pub(crate) use softmax::masked_softmax;
 
-/// A sum in 16 independent lanes, so it vectorises (a single accumulator would not).
+/// Rows the row-wise kernels (softmax, LayerNorm) reduce together: see [`row_folds`]. One
+/// thread, AVX-512, f32, a 64 x 64 head's softmax (2026-11-26): 3.56 µs one row at a time, 2.89
+/// with 4 rows, 2.78 with 8, 2.29 with 16, 2.37 with 32.
+pub(super) const FOLD_ROWS: usize = 16;
+
+/// One reduction of each of `R` rows of `t` values (`a` and `b` hold them in turn):
+/// `value(a_i, b_i)` accumulated by `step` from `init` in 16 independent lanes (so it
+/// vectorises), the lanes then folded in order by `step` from `init`, then the row's last `t % 16`
+/// values. Each row's result has the bits of that row reduced alone (`R` = 1); with `R` > 1 the
+/// rows' serial folds are interleaved, `R` independent chains the core runs side by side,
+/// instead of one 16-step chain after another (with rows of 64, those chains were most of a
+/// softmax's time).
 #[inline(always)]
-fn sum<T: Real>(x: &[T]) -> T {
-    let mut acc = [T::zero(); 16];
-    let chunks = x.chunks_exact(16);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..16 {
-            acc[i] += c[i];
+fn row_folds<T: Real, const R: usize>(
+    (a, b): (&[T], &[T]),
+    t: usize,
+    init: T,
+    value: impl Fn(T, T) -> T,
+    step: impl Fn(T, T) -> T,
+) -> [T; R] {
+    assert!(
+        a.len() >= R * t && b.len() >= R * t,
+        "row folds: {R} rows of {t}"
+    );
+    let mut lanes = [[init; 16]; R];
+    for (r, acc) in lanes.iter_mut().enumerate() {
+        let (ar, br) = (&a[r * t..(r + 1) * t], &b[r * t..(r + 1) * t]);
+        for (ca, cb) in ar.chunks_exact(16).zip(br.chunks_exact(16)) {
+            for i in 0..16 {
+                acc[i] = step(acc[i], value(ca[i], cb[i]));
+            }
         }
     }
-    let mut s = T::zero();
-    for a in acc {
-        s += a;
+    // Lane i of every row, then lane i + 1: each row's chain in its own order, the rows side
+    // by side. (Storing the lanes transposed instead, so that this reads whole vectors, was
+    // slower: the lane-by-lane stores stall the vector loads after them.)
+    let mut s = [init; R];
+    #[allow(clippy::needless_range_loop)]
+    for i in 0..16 {
+        for r in 0..R {
+            s[r] = step(s[r], lanes[r][i]);
+        }
     }
-    for v in rest {
-        s += *v;
+    for e in t / 16 * 16..t {
+        for (r, s) in s.iter_mut().enumerate() {
+            *s = step(*s, value(a[r * t + e], b[r * t + e]));
+        }
     }
     s
 }
 
-/// The largest value, in lanes (-inf for an empty slice).
+/// The sum of each of `R` rows of `t` values, in lanes ([`row_folds`]).
 #[inline(always)]
-fn max_of<T: Real>(x: &[T]) -> T {
-    let mut acc = [T::neg_infinity(); 16];
-    let chunks = x.chunks_exact(16);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..16 {
-            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
-        }
-    }
-    let mut m = T::neg_infinity();
-    for v in acc.iter().chain(rest) {
-        m = if *v > m { *v } else { m };
-    }
-    m
+fn sums<T: Real, const R: usize>(x: &[T], t: usize) -> [T; R] {
+    row_folds((x, x), t, T::zero(), |v, _| v, |s, v| s + v)
 }
 
-/// `sum_i a_i b_i`, in lanes.
+/// The largest value of each of `R` rows of `t` values (-inf for empty rows), in lanes.
 #[inline(always)]
-fn dot<T: Real>(a: &[T], b: &[T]) -> T {
-    let mut acc = [T::zero(); 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = T::zero();
-    for v in acc {
-        s += v;
-    }
-    for (x, y) in ra.iter().zip(rb) {
-        s += *x * *y;
-    }
-    s
+fn maxes<T: Real, const R: usize>(x: &[T], t: usize) -> [T; R] {
+    row_folds(
+        (x, x),
+        t,
+        T::neg_infinity(),
+        |v, _| v,
+        |m, v| if v > m { v } else { m },
+    )
+}
+
+/// `sum_i a_i b_i` of each of `R` rows of `t` values, in lanes.
+#[inline(always)]
+fn dots<T: Real, const R: usize>(a: &[T], b: &[T], t: usize) -> [T; R] {
+    row_folds((a, b), t, T::zero(), |x, y| x * y, |s, v| s + v)
+}
+
+/// Where `len` values in rows of `t` split: the rows in whole blocks of [`FOLD_ROWS`] end at
+/// the returned index; the rest are taken one by one.
+#[inline(always)]
+fn whole_blocks(len: usize, t: usize) -> usize {
+    len / (FOLD_ROWS * t).max(1) * FOLD_ROWS * t
 }
 
 /// `len` zeros, written in parallel: a large `vec![0; len]` is a memset on one thread.
@@ -493,4 +515,137 @@ pub(crate) fn encoder_layer(
     let bias = attention.score_bias_input(x)?;
     let op = layer::LayerOp::new(shape, attention, masks, keep_activations);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layer_norm::{ln_forward, ln_grad_input, ln_grad_params};
+    use super::softmax::{softmax_grad_rows, softmax_rows};
+    use super::*;
+
+    /// Values whose sums depend on the order they are taken in: both signs, magnitudes from
+    /// `spread`^-3 to `spread`^3, and masked entries (-inf) now and then when `masked`.
+    fn values<T: Real>(n: usize, seed: u64, spread: f64, masked: bool) -> Vec<T> {
+        let mut s = seed;
+        (0..n)
+            .map(|i| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let u = (s >> 11) as f64 / (1u64 << 53) as f64;
+                if masked && i % 23 == 7 {
+                    T::neg_infinity()
+                } else {
+                    T::lit((u - 0.5) * spread.powi((i % 7) as i32 - 3))
+                }
+            })
+            .collect()
+    }
+
+    fn bits<T: Real>(v: &[T]) -> Vec<u64> {
+        v.iter().map(|x| WithDType::to_f64(*x).to_bits()).collect()
+    }
+
+    /// Every row-wise kernel, over `rows` rows of `t`, against itself one row at a time (the
+    /// single-row path, [`FOLD_ROWS`] rows never folded together), at `level`.
+    fn blocks_against_single_rows<T: Real>(level: SimdLevel, rows: usize, t: usize) -> Vec<u64> {
+        let n = rows * t;
+        let x = values::<T>(n, 1 + n as u64, 10.0, false);
+        let g = values::<T>(n, 2 + n as u64, 10.0, false);
+        let w = values::<T>(t, 3, 10.0, false);
+        let b = values::<T>(t, 4, 10.0, false);
+        // scores: exponentials of comparable size, so their sum depends on its order
+        let scores = values::<T>(n, 5 + n as u64, 1.5, false);
+        let key_bias = values::<T>(t, 6, 1.0, true);
+        let eps = T::lit(1e-5);
+        let one_by_one = |f: &mut dyn FnMut(std::ops::Range<usize>)| {
+            for r in 0..rows {
+                f(r * t..(r + 1) * t);
+            }
+        };
+        let mut all = Vec::new();
+        // softmax
+        let mut y = vec![T::zero(); n];
+        // SAFETY (all `uninit`): the kernels write values only.
+        softmax_rows(level, &scores, &key_bias, unsafe { uninit(&mut y) });
+        let mut want = vec![T::zero(); n];
+        one_by_one(&mut |r| {
+            softmax_rows(level, &scores[r.clone()], &key_bias, unsafe {
+                uninit(&mut want[r])
+            })
+        });
+        assert!(bits(&y) == bits(&want), "softmax, {rows} rows of {t}");
+        all.extend(bits(&y));
+        // its gradient
+        let mut dx = vec![T::zero(); n];
+        softmax_grad_rows(level, &y, &g, t, &mut dx);
+        one_by_one(&mut |r| {
+            softmax_grad_rows(level, &y[r.clone()], &g[r.clone()], t, &mut want[r])
+        });
+        assert!(
+            bits(&dx) == bits(&want),
+            "softmax gradient, {rows} rows of {t}"
+        );
+        all.extend(bits(&dx));
+        // LayerNorm forward, input gradient and parameter gradients (summed over the rows)
+        ln_forward(level, &x, &w, &b, eps, unsafe { uninit(&mut y) });
+        one_by_one(&mut |r| {
+            ln_forward(level, &x[r.clone()], &w, &b, eps, unsafe {
+                uninit(&mut want[r])
+            })
+        });
+        assert!(bits(&y) == bits(&want), "layer norm, {rows} rows of {t}");
+        all.extend(bits(&y));
+        ln_grad_input(level, &x, &w, &g, eps, unsafe { uninit(&mut dx) });
+        one_by_one(&mut |r| {
+            let o = unsafe { uninit(&mut want[r.clone()]) };
+            ln_grad_input(level, &x[r.clone()], &w, &g[r], eps, o)
+        });
+        assert!(
+            bits(&dx) == bits(&want),
+            "layer norm gradient, {rows} rows of {t}"
+        );
+        all.extend(bits(&dx));
+        let mut params = vec![T::zero(); 2 * t];
+        ln_grad_params(level, &x, &g, t, eps, &mut params);
+        let mut want_params = vec![T::zero(); 2 * t];
+        one_by_one(&mut |r| ln_grad_params(level, &x[r.clone()], &g[r], t, eps, &mut want_params));
+        assert!(
+            bits(&params) == bits(&want_params),
+            "layer norm parameters, {rows} rows of {t}"
+        );
+        all.extend(bits(&params));
+        all
+    }
+
+    fn rows_in_blocks<T: Real>() {
+        let levels: Vec<SimdLevel> = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512]
+            .into_iter()
+            .filter(|l| *l <= SimdLevel::detected())
+            .collect();
+        // Whole blocks and rows left over, rows of whole lane chunks and ragged ones.
+        for (rows, t) in [
+            (37, 64),
+            (2 * FOLD_ROWS, 17),
+            (FOLD_ROWS + 3, 5),
+            (3, 1),
+            (40, 33),
+        ] {
+            let first = blocks_against_single_rows::<T>(levels[0], rows, t);
+            for &level in &levels[1..] {
+                let other = blocks_against_single_rows::<T>(level, rows, t);
+                assert!(
+                    other == first,
+                    "{level:?} against {:?}, {rows} rows of {t}",
+                    levels[0]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rows_reduced_in_blocks_keep_each_rows_own_bits_at_every_level() {
+        rows_in_blocks::<f32>();
+        rows_in_blocks::<f64>();
+    }
 }

@@ -7,41 +7,94 @@ use std::mem::MaybeUninit;
 
 use super::*;
 
-/// `y = softmax(x + bias)` per row of length `t`; `y` may come uninitialised (every value is
-/// written before it is read).
+/// `y = softmax(x + bias)` for `R` rows of length `t` (`bias.len()`); `y` may come
+/// uninitialised (every value is written before it is read).
 #[inline(always)]
-fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
+fn softmax_block<T: Real, const R: usize>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
     let t = bias.len();
     for (xr, yr) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)) {
         for ((o, v), b) in yr.iter_mut().zip(xr).zip(bias) {
             o.write(*v + *b);
         }
-        // SAFETY: every value of the row was just written.
-        let yr = unsafe { assume_written(yr) };
-        let max = max_of(yr);
+    }
+    // SAFETY: every value of the rows was just written.
+    let y = unsafe { assume_written(y) };
+    let max = maxes::<T, R>(y, t);
+    for (yr, max) in y.chunks_exact_mut(t).zip(max) {
         for o in yr.iter_mut() {
             *o = (*o - max).exp_();
         }
-        let inv = sum(yr).recip();
+    }
+    let sums = sums::<T, R>(y, t);
+    for (yr, s) in y.chunks_exact_mut(t).zip(sums) {
+        let inv = s.recip();
         for o in yr.iter_mut() {
             *o *= inv;
         }
     }
 }
+
+/// `y = softmax(x + bias)` per row of length `t` (`bias.len()`), rows in blocks of
+/// [`FOLD_ROWS`] (each row's bits as alone); `y` may come uninitialised.
+#[inline(always)]
+fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
+    let t = bias.len();
+    if t == 0 {
+        return;
+    }
+    let split = whole_blocks(x.len(), t);
+    let (xb, xr) = x.split_at(split);
+    let (yb, yr) = y.split_at_mut(split);
+    for (xc, yc) in xb
+        .chunks_exact(FOLD_ROWS * t)
+        .zip(yb.chunks_exact_mut(FOLD_ROWS * t))
+    {
+        softmax_block::<T, FOLD_ROWS>(xc, bias, yc);
+    }
+    for (xc, yc) in xr.chunks_exact(t).zip(yr.chunks_exact_mut(t)) {
+        softmax_block::<T, 1>(xc, bias, yc);
+    }
+}
 simd_dispatch!(pub(super) fn softmax_rows = softmax_body(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]));
 
-/// `dx = y (g - sum(g y))` per row.
+/// `dx = y (g - sum(g y))` for `R` rows of `t`.
 #[inline(always)]
-fn softmax_grad_body<T: Real>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
-    for ((yr, gr), o) in y
-        .chunks_exact(t)
+fn softmax_grad_block<T: Real, const R: usize>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
+    let s = dots::<T, R>(y, g, t);
+    for (((o, yr), gr), s) in dx
+        .chunks_exact_mut(t)
+        .zip(y.chunks_exact(t))
         .zip(g.chunks_exact(t))
-        .zip(dx.chunks_exact_mut(t))
+        .zip(s)
     {
-        let s = dot(yr, gr);
         for ((o, yi), gi) in o.iter_mut().zip(yr).zip(gr) {
             *o = *yi * (*gi - s);
         }
+    }
+}
+
+/// `dx = y (g - sum(g y))` per row, rows in blocks of [`FOLD_ROWS`].
+#[inline(always)]
+fn softmax_grad_body<T: Real>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
+    if t == 0 {
+        return;
+    }
+    let split = whole_blocks(y.len(), t);
+    let (dxb, dxr) = dx.split_at_mut(split);
+    let block = FOLD_ROWS * t;
+    for ((o, yc), gc) in dxb
+        .chunks_exact_mut(block)
+        .zip(y.chunks_exact(block))
+        .zip(g.chunks_exact(block))
+    {
+        softmax_grad_block::<T, FOLD_ROWS>(yc, gc, t, o);
+    }
+    for ((o, yc), gc) in dxr
+        .chunks_exact_mut(t)
+        .zip(y[split..].chunks_exact(t))
+        .zip(g[split..].chunks_exact(t))
+    {
+        softmax_grad_block::<T, 1>(yc, gc, t, o);
     }
 }
 simd_dispatch!(pub(super) fn softmax_grad_rows = softmax_grad_body(y: &[T], g: &[T], t: usize, dx: &mut [T]));
