@@ -1133,6 +1133,8 @@ mod tests {
         // Head shapes (t x t x d_head and t x d_head x t), ragged tiles, a long depth; the
         // left operand in rows of a wider buffer (as q in qkv), the right one in rows or
         // transposed (as kᵀ and vᵀ, which the tiles pack first).
+        // And products 8 wide (P v and its kin) over more rows and depths, whole tiles and
+        // ragged ones.
         for (m, n, k) in [
             (64, 64, 8),
             (64, 8, 64),
@@ -1140,13 +1142,18 @@ mod tests {
             (33, 9, 40),
             (20, 20, 256),
             (100, 16, 3),
+            (48, 8, 3),
+            (70, 8, 37),
+            (128, 8, 128),
+            (40, 8, 256),
         ] {
             assert!(gemm_sums_in_order((m, n, k)));
             let lhs_rs = k + 3;
-            let lhs = values::<T>(m * lhs_rs, 1);
+            let lhs = values::<T>(m * lhs_rs + k * (m + 3), 1);
             let rhs = values::<T>(k * n + n * k, 2);
             let scale = T::lit(0.353_553_390_593_273_8);
-            for transposed in [false, true] {
+            // The left operand in rows (as P, dS) or transposed, its rows adjacent (as Pᵀ, dSᵀ).
+            for (transposed, lhs_transposed) in [(false, false), (true, false), (false, true)] {
                 let rhs_view = if transposed {
                     View::rows(rhs.as_ptr(), k).t()
                 } else {
@@ -1155,7 +1162,13 @@ mod tests {
                 let run = |small: Option<SimdLevel>| {
                     let mut dst = vec![T::zero(); m * (n + 1)];
                     let mut pack = vec![T::zero(); k * n];
-                    let (d, lhs) = (dst.as_mut_ptr(), View::rows(lhs.as_ptr(), lhs_rs));
+                    let lhs = if lhs_transposed {
+                        // its columns in rows of m + 3
+                        View::rows(lhs.as_ptr(), m + 3).t()
+                    } else {
+                        View::rows(lhs.as_ptr(), lhs_rs)
+                    };
+                    let d = dst.as_mut_ptr();
                     // SAFETY: dst m rows of n + 1, lhs m x k in rows of lhs_rs, rhs k x n in
                     // rows of n or (transposed) columns of k; pack k x n; gemm_sums_in_order holds.
                     unsafe {
@@ -1175,7 +1188,7 @@ mod tests {
                     let differ = gemm.iter().zip(&tiled).filter(|(a, b)| a != b).count();
                     assert_eq!(
                         differ, 0,
-                        "{m} x {n} x {k} (rhs transposed: {transposed}) at {level:?}: {differ} values differ from gemm's"
+                        "{m} x {n} x {k} (rhs transposed: {transposed}, lhs: {lhs_transposed}) at {level:?}: {differ} values differ from gemm's"
                     );
                 }
             }
@@ -1264,3 +1277,4 @@ mod tests {
         }
     }
 }
+
