@@ -28,6 +28,16 @@ fn gelu_body<T: Real>(x: &[T], y: &mut [MaybeUninit<T>]) {
 }
 simd_dispatch!(fn gelu_rows = gelu_body(x: &[T], y: &mut [MaybeUninit<T>]));
 
+/// [`gelu_body`] in place.
+#[inline(always)]
+fn gelu_in_place_body<T: Real>(x: &mut [T]) {
+    let inv_sqrt2 = T::lit(std::f64::consts::FRAC_1_SQRT_2);
+    for v in x.iter_mut() {
+        *v = gelu_of(*v, (*v * inv_sqrt2).erf_());
+    }
+}
+simd_dispatch!(fn gelu_in_place_rows = gelu_in_place_body(x: &mut [T]));
+
 /// `dx = g (Phi(x) + x phi(x))`.
 #[inline(always)]
 fn gelu_grad_body<T: Real>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
@@ -65,58 +75,92 @@ impl Pointwise for Gelu {
     }
 }
 
-/// `max(x, 0)`, in parallel chunks.
-fn relu_par<T: Real>(x: &[T]) -> Vec<T> {
-    let mut y = zeros(x.len());
-    y.par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(x.par_chunks(ELEMENTS_PER_TASK))
-        .for_each(|(o, i)| {
-            for (o, v) in o.iter_mut().zip(i) {
-                *o = if *v > T::zero() { *v } else { T::zero() };
-            }
-        });
-    y
+/// Values per task over rows of `width` (whole rows, so that a bias lines up with them).
+fn row_chunk(width: usize) -> usize {
+    let width = width.max(1);
+    (ELEMENTS_PER_TASK / width).max(1) * width
 }
 
-/// The feed-forward activation of the fused layer.
-pub(crate) fn activation_par<T: Real>(
-    simd: SimdLevel,
-    x: &[T],
-    activation: crate::nn::Activation,
-) -> Vec<T> {
-    match activation {
-        crate::nn::Activation::Gelu => pointwise::forward_par::<Gelu, T>(simd, x),
-        crate::nn::Activation::Relu => relu_par(x),
-        crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
+/// `x += bias` on every row of a chunk of whole rows of `bias.len()`: `fl(x + b)`, the value
+/// gemm writes when it adds a product `x` onto rows holding the bias.
+#[inline(always)]
+fn add_bias_rows<T: Real>(x: &mut [T], bias: &[T]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += *b;
+        }
     }
 }
 
-/// The feed-forward activation `act(x)` and its derivative `act'(x)`, the derivative written
-/// over `x` (which the layer needs no more), for a forward whose backward is to come: the
-/// backward then multiplies by the derivative ([`times_grad_par`]) instead of recomputing it
-/// from `x`, with the bits of the pointwise op's backward, and no more memory than keeping `x`.
-/// ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes the gradient),
-/// so the fused layer and the composition agree everywhere.
-pub(crate) fn activation_with_grad_par<T: Real>(
+/// `max(x, 0)`.
+#[inline(always)]
+fn relu<T: Real>(v: T) -> T {
+    if v > T::zero() {
+        v
+    } else {
+        T::zero()
+    }
+}
+
+/// The feed-forward activation of the fused layer, `act(x + bias)`, `bias` added to each row of
+/// its length, or `act(x)`: written over `x`, for a forward with no backward to come (which
+/// keeps neither).
+pub(crate) fn activation_par<T: Real>(
     simd: SimdLevel,
     mut x: Vec<T>,
+    bias: Option<&[T]>,
     activation: crate::nn::Activation,
-) -> (Vec<T>, Vec<T>) {
-    let len = x.len();
-    let mut y = Vec::<T>::with_capacity(len);
-    y.spare_capacity_mut()[..len]
-        .par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(x.par_chunks_mut(ELEMENTS_PER_TASK))
-        .for_each(|(yc, xc)| match activation {
-            crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc),
+) -> Vec<T> {
+    let chunk = row_chunk(bias.map_or(1, <[T]>::len));
+    x.par_chunks_mut(chunk).for_each(|xc| {
+        if let Some(b) = bias {
+            add_bias_rows(xc, b);
+        }
+        match activation {
+            crate::nn::Activation::Gelu => gelu_in_place_rows(simd, xc),
             crate::nn::Activation::Relu => {
-                for (o, xv) in yc.iter_mut().zip(xc.iter_mut()) {
-                    let v = *xv;
-                    o.write(if v > T::zero() { v } else { T::zero() });
-                    *xv = if v >= T::zero() { T::one() } else { T::zero() };
+                for v in xc.iter_mut() {
+                    *v = relu(*v);
                 }
             }
             crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
+        }
+    });
+    x
+}
+
+/// The feed-forward activation `act(x + bias)` (or `act(x)`) and its derivative there, the
+/// derivative written over `x` (which the layer needs no more), for a forward whose backward is
+/// to come: the backward then multiplies by the derivative ([`times_grad_par`]) instead of
+/// recomputing it, with the bits of the pointwise op's backward, and no more memory than keeping
+/// `x`. ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes the
+/// gradient), so the fused layer and the composition agree everywhere.
+pub(crate) fn activation_with_grad_par<T: Real>(
+    simd: SimdLevel,
+    mut x: Vec<T>,
+    bias: Option<&[T]>,
+    activation: crate::nn::Activation,
+) -> (Vec<T>, Vec<T>) {
+    let (len, chunk) = (x.len(), row_chunk(bias.map_or(1, <[T]>::len)));
+    let mut y = Vec::<T>::with_capacity(len);
+    y.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk)
+        .zip(x.par_chunks_mut(chunk))
+        .for_each(|(yc, xc)| {
+            if let Some(b) = bias {
+                add_bias_rows(xc, b);
+            }
+            match activation {
+                crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc),
+                crate::nn::Activation::Relu => {
+                    for (o, xv) in yc.iter_mut().zip(xc.iter_mut()) {
+                        let v = *xv;
+                        o.write(relu(v));
+                        *xv = if v >= T::zero() { T::one() } else { T::zero() };
+                    }
+                }
+                crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
+            }
         });
     // SAFETY: the chunks together cover all `len` values, and each writes all of its own.
     unsafe { y.set_len(len) };
@@ -181,18 +225,36 @@ mod tests {
             .rev()
             .map(|v| *v * T::lit(0.37) - T::lit(0.5))
             .collect();
+        // A bias of 37 per row, over the rows that fit.
+        let width = 37;
+        let rows = x.len() / width;
+        let bias: Vec<T> = (0..width).map(|j| T::lit(j as f64 * 0.25 - 4.0)).collect();
+        let xr = &x[..rows * width];
+        let biased: Vec<T> = xr
+            .chunks_exact(width)
+            .flat_map(|row| row.iter().zip(&bias).map(|(v, b)| *v + *b))
+            .collect();
+        let relu_of = |x: &[T]| -> Vec<T> { x.iter().map(|v| relu(*v)).collect() };
         for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
             // GELU: the pointwise op's forward and backward.
-            let (y, d) = activation_with_grad_par(level, x.clone(), Activation::Gelu);
+            let (y, d) = activation_with_grad_par(level, x.clone(), None, Activation::Gelu);
             let want_y = pointwise::forward_par::<Gelu, T>(level, &x);
             let want_dx = pointwise::grad_par::<Gelu, T>(level, &x, &g);
             let dx = times_grad_par(&d, &g, Activation::Gelu);
             assert_eq!(bits(&y), bits(&want_y), "GELU forward at {level:?}");
             assert_eq!(bits(&dx), bits(&want_dx), "GELU backward at {level:?}");
             assert!(want_dx.iter().any(|v| *v != T::zero()));
+            let y = activation_par(level, x.clone(), None, Activation::Gelu);
+            assert_eq!(bits(&y), bits(&want_y), "GELU forward alone at {level:?}");
             // ReLU: max(x, 0), and g where x >= 0 (candle's convention at 0).
-            let (y, d) = activation_with_grad_par(level, x.clone(), Activation::Relu);
-            assert_eq!(bits(&y), bits(&relu_par(&x)), "ReLU forward at {level:?}");
+            let (y, d) = activation_with_grad_par(level, x.clone(), None, Activation::Relu);
+            assert_eq!(bits(&y), bits(&relu_of(&x)), "ReLU forward at {level:?}");
+            let y = activation_par(level, x.clone(), None, Activation::Relu);
+            assert_eq!(
+                bits(&y),
+                bits(&relu_of(&x)),
+                "ReLU forward alone at {level:?}"
+            );
             let dx = times_grad_par(&d, &g, Activation::Relu);
             for ((xv, gv), got) in x.iter().zip(&g).zip(&dx) {
                 let want = if *xv >= T::zero() { *gv } else { T::zero() };
@@ -201,6 +263,19 @@ mod tests {
                     bits(&[want]),
                     "ReLU backward at x = {}",
                     WithDType::to_f64(*xv)
+                );
+            }
+            // The bias added in the pass: the bits of the activation of x + bias, added first.
+            for act in [Activation::Gelu, Activation::Relu] {
+                let (y, d) = activation_with_grad_par(level, xr.to_vec(), Some(&bias), act);
+                let (want_y, want_d) = activation_with_grad_par(level, biased.clone(), None, act);
+                assert_eq!(bits(&y), bits(&want_y), "{act:?} with a bias at {level:?}");
+                assert_eq!(bits(&d), bits(&want_d), "{act:?}' with a bias at {level:?}");
+                let y = activation_par(level, xr.to_vec(), Some(&bias), act);
+                assert_eq!(
+                    bits(&y),
+                    bits(&want_y),
+                    "{act:?} alone with a bias at {level:?}"
                 );
             }
         }

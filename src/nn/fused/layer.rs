@@ -30,7 +30,8 @@ use rayon::prelude::*;
 use super::attention::Attention;
 use super::layer_norm::{LayerNormGradInput, LayerNormGradParams, LayerNormOp};
 use super::linear::{
-    by_dtype, column_sum, grad_input, grad_input_of, grad_weight, linear_out, residual_linear,
+    by_dtype, column_sum, gemm_sums_in_order, grad_input, grad_input_of, grad_weight, linear_out,
+    linear_product, residual_linear,
 };
 use super::{activation_par, activation_with_grad_par, contiguous, times_grad_par, zeros, Real};
 
@@ -280,11 +281,19 @@ impl LayerOp {
         );
 
         let ffn_in = ln(&h_or_s1, if self.shape.pre_norm { o.ln2 } else { o.ln1 });
-        let u = linear_out(&ffn_in, &p[o.wup..o.bup], &p[o.bup..o.wdown], (n, d, f)); // (n, ffn)
-        let (act, act_grad) = if for_backward {
-            activation_with_grad_par(simd, u, self.shape.activation)
+        // u = ffn_in Wupᵀ + bup (n, ffn): the activation's pass adds the bias as it reads u, with
+        // gemm's bits where gemm sums u's values from zero; elsewhere gemm adds onto the bias.
+        let (w_up, b_up) = (&p[o.wup..o.bup], &p[o.bup..o.wdown]);
+        let (u, up_bias) = if gemm_sums_in_order((n, f, d)) {
+            (linear_product(&ffn_in, w_up, (n, d, f)), Some(b_up))
         } else {
-            (activation_par(simd, &u, self.shape.activation), Vec::new())
+            (linear_out(&ffn_in, w_up, b_up, (n, d, f)), None)
+        };
+        let activation = self.shape.activation;
+        let (act, act_grad) = if for_backward {
+            activation_with_grad_par(simd, u, up_bias, activation)
+        } else {
+            (activation_par(simd, u, up_bias, activation), Vec::new())
         };
         // pre: y = h + m2 ⊙ (act(u) Wdownᵀ + bdown); post: s2, the same sum from h = LN1(s1)
         let res = if self.shape.pre_norm {

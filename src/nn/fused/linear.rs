@@ -121,6 +121,39 @@ pub(super) fn linear_out<T: Real>(
     y
 }
 
+/// `x Wᵀ` `(n, out)` without a bias, written by gemm with no fill first: for a consumer that
+/// adds the bias itself as it reads the rows. Where [`gemm_sums_in_order`] holds, gemm sums each
+/// value from zero and then adds it onto what the row held, so `fl(product + b)` computed by the
+/// consumer has the bits [`linear_out`] gives.
+pub(super) fn linear_product<T: Real>(
+    x: &[T],
+    w: &[T],
+    (rows, inp, out): (usize, usize, usize),
+) -> Vec<T> {
+    assert!(
+        x.len() == rows * inp && w.len() == out * inp,
+        "linear: operand sizes"
+    );
+    // SAFETY: gemm writes all of y (rows x out) without reading it (no accumulation); x is
+    // rows x in, W out x in (read as its transpose through strides).
+    unsafe {
+        written(rows * out, |y| {
+            matmul(
+                (rows, out, inp),
+                y,
+                (out as isize, 1),
+                false,
+                x.as_ptr(),
+                (inp as isize, 1),
+                w.as_ptr(),
+                (1, inp as isize),
+                T::one(),
+                parallelism(rows, out, inp),
+            )
+        })
+    }
+}
+
 /// A `(rows, width)` buffer whose every row `fill(i, row)` writes, filled in parallel and
 /// without zeroing it first.
 ///
