@@ -4,6 +4,7 @@ use candle::{Result, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
+use super::linear::{add_partials, column_partial, SUM_CHUNK_ROWS};
 use super::pointwise::{self, Pointwise, ELEMENTS_PER_TASK};
 use super::*;
 
@@ -131,7 +132,7 @@ pub(crate) fn activation_par<T: Real>(
 
 /// The feed-forward activation `act(x + bias)` (or `act(x)`) and its derivative there, the
 /// derivative written over `x` (which the layer needs no more), for a forward whose backward is
-/// to come: the backward then multiplies by the derivative ([`times_grad_par`]) instead of
+/// to come: the backward then multiplies by the derivative ([`times_grad_summed_par`]) instead of
 /// recomputing it, with the bits of the pointwise op's backward, and no more memory than keeping
 /// `x`. ReLU's derivative is 1 or 0, with candle's convention at 0 (`x >= 0` passes the
 /// gradient), so the fused layer and the composition agree everywhere.
@@ -167,26 +168,49 @@ pub(crate) fn activation_with_grad_par<T: Real>(
     (y, x)
 }
 
-/// `g act'(x)` from the derivative [`activation_with_grad_par`] kept: `g d` for GELU, and for
-/// ReLU `g` where `d` is 1 and 0 elsewhere.
-pub(crate) fn times_grad_par<T: Real>(
+/// `g act'(x)` for one chunk, from the derivative [`activation_with_grad_par`] kept: `g d` for
+/// GELU, and for ReLU `g` where `d` is 1 and 0 elsewhere.
+#[inline(always)]
+fn times_grad_chunk<T: Real>(d: &[T], g: &[T], relu: bool, o: &mut [MaybeUninit<T>]) {
+    for ((o, dv), gi) in o.iter_mut().zip(d).zip(g) {
+        o.write(match relu {
+            true if *dv == T::zero() => T::zero(),
+            true => *gi,
+            false => *gi * *dv,
+        });
+    }
+}
+
+/// `g act'(x)` from the derivative [`activation_with_grad_par`] kept, and its column sums
+/// (`db.len()` columns) written into `db` with the bits of [`super::linear::column_sum`]: each chunk of rows summed right after it is written, while it is in the
+/// cache, instead of in a second pass over the whole result.
+pub(crate) fn times_grad_summed_par<T: Real>(
     d: &[T],
     g: &[T],
     activation: crate::nn::Activation,
+    db: &mut [T],
 ) -> Vec<T> {
     let relu = activation == crate::nn::Activation::Relu;
-    // SAFETY: every value of each chunk is written.
-    unsafe {
-        par_written(d.len(), ELEMENTS_PER_TASK, |r, o| {
-            for ((o, dv), gi) in o.iter_mut().zip(&d[r.clone()]).zip(&g[r]) {
-                o.write(match relu {
-                    true if *dv == T::zero() => T::zero(),
-                    true => *gi,
-                    false => *gi * *dv,
-                });
-            }
+    let (len, cols) = (d.len(), db.len());
+    assert!(
+        cols > 0 && len % cols == 0 && g.len() == len,
+        "rows of {cols}"
+    );
+    let chunk = SUM_CHUNK_ROWS * cols;
+    let mut out = Vec::<T>::with_capacity(len);
+    let partials: Vec<Vec<T>> = out.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk)
+        .zip(d.par_chunks(chunk).zip(g.par_chunks(chunk)))
+        .map(|(o, (dc, gc))| {
+            times_grad_chunk(dc, gc, relu, o);
+            // SAFETY: every value of the chunk was just written.
+            column_partial(unsafe { assume_written(o) }, cols)
         })
-    }
+        .collect();
+    // SAFETY: the chunks together cover all `len` values, each written in full.
+    unsafe { out.set_len(len) };
+    add_partials(partials, db);
+    out
 }
 
 /// Exact GELU, fused.
@@ -196,8 +220,20 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::linear::column_sum;
     use super::*;
     use crate::nn::Activation;
+
+    /// `g act'(x)` through the fused pass, its column sums (`cols` of them) checked against
+    /// [`column_sum`]'s of the result, bit for bit.
+    fn times_grad<T: Real>(d: &[T], g: &[T], act: Activation, cols: usize) -> Vec<T> {
+        let mut db = vec![T::zero(); cols];
+        let dx = times_grad_summed_par(d, g, act, &mut db);
+        let mut want = vec![T::lit(7.0); cols];
+        column_sum(&dx, &mut want);
+        assert_eq!(bits(&db), bits(&want), "{act:?}: column sums of {cols}");
+        dx
+    }
 
     /// Values across GELU's range: both signs, zeros, the tails where `erf` saturates and the
     /// density underflows, and every width of a ragged last chunk.
@@ -240,7 +276,7 @@ mod tests {
             let (y, d) = activation_with_grad_par(level, x.clone(), None, Activation::Gelu);
             let want_y = pointwise::forward_par::<Gelu, T>(level, &x);
             let want_dx = pointwise::grad_par::<Gelu, T>(level, &x, &g);
-            let dx = times_grad_par(&d, &g, Activation::Gelu);
+            let dx = times_grad(&d, &g, Activation::Gelu, 1);
             assert_eq!(bits(&y), bits(&want_y), "GELU forward at {level:?}");
             assert_eq!(bits(&dx), bits(&want_dx), "GELU backward at {level:?}");
             assert!(want_dx.iter().any(|v| *v != T::zero()));
@@ -255,7 +291,7 @@ mod tests {
                 bits(&relu_of(&x)),
                 "ReLU forward alone at {level:?}"
             );
-            let dx = times_grad_par(&d, &g, Activation::Relu);
+            let dx = times_grad(&d, &g, Activation::Relu, 1);
             for ((xv, gv), got) in x.iter().zip(&g).zip(&dx) {
                 let want = if *xv >= T::zero() { *gv } else { T::zero() };
                 assert_eq!(
@@ -277,6 +313,9 @@ mod tests {
                     bits(&want_y),
                     "{act:?} alone with a bias at {level:?}"
                 );
+                // and the bias's gradient, summed in the backward's pass
+                let dx = times_grad(&d, &g[..rows * width], act, width);
+                assert!(dx.iter().any(|v| *v != T::zero()));
             }
         }
     }

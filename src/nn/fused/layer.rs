@@ -33,7 +33,9 @@ use super::linear::{
     by_dtype, column_sum, gemm_sums_in_order, grad_input, grad_input_of, grad_weight, linear_out,
     linear_product, residual_linear,
 };
-use super::{activation_par, activation_with_grad_par, contiguous, times_grad_par, zeros, Real};
+use super::{
+    activation_par, activation_with_grad_par, contiguous, times_grad_summed_par, zeros, Real,
+};
 
 /// The widths of a layer and where each parameter sits in the packed vector.
 #[derive(Clone, Copy, Debug)]
@@ -364,10 +366,15 @@ impl LayerOp {
         column_sum(&gz, &mut dp[o.bdown..o.len]);
         let g_act = grad_input_of(&gz, &p[o.wdown..o.bdown], (n, d, f));
         drop(gz);
-        let gu = times_grad_par(&s.act_grad, &g_act, self.shape.activation);
+        // gu = g_act ⊙ act'(u), and b_up's gradient summed from it in the same pass
+        let gu = times_grad_summed_par(
+            &s.act_grad,
+            &g_act,
+            self.shape.activation,
+            &mut dp[o.bup..o.wdown],
+        );
         drop(g_act);
         grad_weight(&gu, &s.ffn_in, (n, f, d), &mut dp[o.wup..o.bup]);
-        column_sum(&gu, &mut dp[o.bup..o.wdown]);
         // The gradient reaching the feed-forward input, plus the residual's.
         let mut g_ffn_in = g_res.into_owned();
         let g_ffn_in = if self.shape.pre_norm {

@@ -372,16 +372,24 @@ pub(super) fn column_sum<T: Real>(g: &[T], db: &mut [T]) {
     let cols = db.len();
     let partials: Vec<Vec<T>> = g
         .par_chunks(SUM_CHUNK_ROWS * cols)
-        .map(|chunk| {
-            let mut acc = vec![T::zero(); cols];
-            for row in chunk.chunks_exact(cols) {
-                for (a, v) in acc.iter_mut().zip(row) {
-                    *a += *v;
-                }
-            }
-            acc
-        })
+        .map(|chunk| column_partial(chunk, cols))
         .collect();
+    add_partials(partials, db);
+}
+
+/// The column sums of one chunk of [`column_sum`]'s: its rows of `cols` added in order from zero.
+pub(super) fn column_partial<T: Real>(chunk: &[T], cols: usize) -> Vec<T> {
+    let mut acc = vec![T::zero(); cols];
+    for row in chunk.chunks_exact(cols) {
+        for (a, v) in acc.iter_mut().zip(row) {
+            *a += *v;
+        }
+    }
+    acc
+}
+
+/// `db` = the chunks' column sums added in order from zero: [`column_sum`]'s last step.
+pub(super) fn add_partials<T: Real>(partials: Vec<Vec<T>>, db: &mut [T]) {
     db.fill(T::zero());
     for p in partials {
         for (t, v) in db.iter_mut().zip(p) {
@@ -579,7 +587,7 @@ impl CustomOp2 for GradWeight {
 
 /// Rows per chunk of a column sum: fixed, so the order of additions does not depend on the
 /// thread count.
-const SUM_CHUNK_ROWS: usize = 64;
+pub(super) const SUM_CHUNK_ROWS: usize = 64;
 
 /// `db = sum over rows of g`.
 struct ColumnSum;
