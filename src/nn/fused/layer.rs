@@ -28,7 +28,7 @@ use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::Attention;
-use super::layer_norm::{LayerNormGradInput, LayerNormGradParams, LayerNormOp};
+use super::layer_norm::{LayerNormGrad, LayerNormOp};
 use super::linear::{
     by_dtype, column_sum, gemm_sums_in_order, grad_input, grad_input_of, grad_weight, linear_out,
     linear_product, residual_linear,
@@ -350,9 +350,9 @@ impl LayerOp {
         let mut dp = zeros(o.len);
         // LayerNorm backward: returns dx, writes [dw; db] at `at`.
         let ln_back = |x: &[T], g: &[T], at: usize, dp: &mut [T]| -> Vec<T> {
-            let w = &p[at..at + d];
-            dp[at..at + 2 * d].copy_from_slice(&LayerNormGradParams { eps, simd }.run(x, g, d));
-            LayerNormGradInput { eps, simd }.run(x, w, g)
+            let (dx, params) = LayerNormGrad { eps, simd }.run(x, &p[at..at + d], g);
+            dp[at..at + 2 * d].copy_from_slice(&params);
+            dx
         };
         // The gradient of the sum closing the feed-forward residual: pre y itself, post s2.
         let g_res: Cow<'_, [T]> = if self.shape.pre_norm {

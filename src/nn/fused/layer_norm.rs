@@ -5,6 +5,7 @@ use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
+use super::linear::add_partials;
 use super::*;
 
 /// Each of `R` rows' mean, and its centred values into `xc` (perhaps uninitialised before).
@@ -69,19 +70,37 @@ fn ln_forward_body<T: Real>(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUni
 }
 simd_dispatch!(pub(super) fn ln_forward = ln_forward_body(x: &[T], w: &[T], b: &[T], eps: T, y: &mut [MaybeUninit<T>]));
 
-/// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`, for `R` rows;
-/// `xhat` and `dxhat` are scratch of `R d`.
+/// Adds `[sum g xhat ; sum g]` over centred rows `xc` (`xhat = xc rstd`), in row order, to
+/// `(dw, db)`.
+#[inline(always)]
+fn add_param_rows<T: Real>(xc: &[T], g: &[T], rstd: &[T], (dw, db): (&mut [T], &mut [T])) {
+    let d = dw.len();
+    for ((h, gr), rstd) in xc.chunks_exact(d).zip(g.chunks_exact(d)).zip(rstd) {
+        for (((w, b), h), gi) in dw.iter_mut().zip(db.iter_mut()).zip(h).zip(gr) {
+            *w += *gi * *h * *rstd;
+            *b += *gi;
+        }
+    }
+}
+
+/// `dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`, `dxhat = g w`, for `R` rows, and
+/// with `params` also their `[sum g xhat ; sum g]` added to it ([`add_param_rows`], from the
+/// same centred rows); `xhat` and `dxhat` are scratch of `R d`.
 #[inline(always)]
 fn ln_grad_input_block<T: Real, const R: usize>(
     (x, w, g): (&[T], &[T], &[T]),
     eps: T,
     dx: &mut [MaybeUninit<T>],
+    params: Option<(&mut [T], &mut [T])>,
     (xhat, dxhat): (&mut [MaybeUninit<T>], &mut [T]),
 ) {
     let d = w.len();
     let n = T::lit(d as f64);
     let xhat = centre::<T, R>(x, d, xhat);
     let rstd = rstds::<T, R>(xhat, d, eps);
+    if let Some(params) = params {
+        add_param_rows(xhat, g, &rstd, params);
+    }
     for (h, rstd) in xhat.chunks_exact_mut(d).zip(rstd) {
         for h in h.iter_mut() {
             *h *= rstd;
@@ -103,9 +122,15 @@ fn ln_grad_input_block<T: Real, const R: usize>(
     }
 }
 
-/// Rows of `d` (`w.len()`) in blocks of [`FOLD_ROWS`], then one by one.
+/// Rows of `d` (`w.len()`) in blocks of [`FOLD_ROWS`], then one by one; with `params` (`2 d`
+/// values), the rows' `[sum g xhat ; sum g]` added to it in row order as well.
 #[inline(always)]
-fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]) {
+fn ln_grad_input_body<T: Real>(
+    (x, w, g): (&[T], &[T], &[T]),
+    eps: T,
+    dx: &mut [MaybeUninit<T>],
+    mut params: Option<&mut [T]>,
+) {
     let d = w.len();
     let mut xhat = vec![MaybeUninit::uninit(); FOLD_ROWS * d];
     let mut dxhat = vec![T::zero(); FOLD_ROWS * d];
@@ -115,16 +140,18 @@ fn ln_grad_input_body<T: Real>(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [Mayb
     for (i, o) in db.chunks_exact_mut(block).enumerate() {
         let r = i * block..(i + 1) * block;
         let rows = (&x[r.clone()], w, &g[r]);
-        ln_grad_input_block::<T, FOLD_ROWS>(rows, eps, o, (&mut xhat, &mut dxhat));
+        let params = params.as_deref_mut().map(|p| p.split_at_mut(d));
+        ln_grad_input_block::<T, FOLD_ROWS>(rows, eps, o, params, (&mut xhat, &mut dxhat));
     }
     for (i, o) in dr.chunks_exact_mut(d).enumerate() {
         let r = split + i * d..split + (i + 1) * d;
         let rows = (&x[r.clone()], w, &g[r]);
+        let params = params.as_deref_mut().map(|p| p.split_at_mut(d));
         let scratch = (&mut xhat[..d], &mut dxhat[..d]);
-        ln_grad_input_block::<T, 1>(rows, eps, o, scratch);
+        ln_grad_input_block::<T, 1>(rows, eps, o, params, scratch);
     }
 }
-simd_dispatch!(pub(super) fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T], g: &[T], eps: T, dx: &mut [MaybeUninit<T>]));
+simd_dispatch!(pub(super) fn ln_grad_input = ln_grad_input_body(rows: (&[T], &[T], &[T]), eps: T, dx: &mut [MaybeUninit<T>], params: Option<&mut [T]>));
 
 /// Adds `[sum g xhat ; sum g]` over `R` rows, in row order, to `(dw, db)`; `xhat` is scratch of
 /// `R d`.
@@ -132,18 +159,13 @@ simd_dispatch!(pub(super) fn ln_grad_input = ln_grad_input_body(x: &[T], w: &[T]
 fn ln_grad_params_block<T: Real, const R: usize>(
     (x, g): (&[T], &[T]),
     eps: T,
-    (dw, db): (&mut [T], &mut [T]),
+    params: (&mut [T], &mut [T]),
     xhat: &mut [MaybeUninit<T>],
 ) {
-    let d = dw.len();
+    let d = params.0.len();
     let xhat = centre::<T, R>(x, d, xhat);
     let rstd = rstds::<T, R>(xhat, d, eps);
-    for ((h, gr), rstd) in xhat.chunks_exact(d).zip(g.chunks_exact(d)).zip(rstd) {
-        for (((w, b), h), gi) in dw.iter_mut().zip(db.iter_mut()).zip(h).zip(gr) {
-            *w += *gi * *h * rstd;
-            *b += *gi;
-        }
-    }
+    add_param_rows(xhat, g, &rstd, params);
 }
 
 /// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values); rows in
@@ -259,9 +281,51 @@ impl LayerNormGradInput {
         // SAFETY: ln_grad_input writes every value of its rows.
         unsafe {
             par_written(x.len(), rows, |r, o| {
-                ln_grad_input(self.simd, &x[r.clone()], w, &g[r], T::lit(self.eps), o)
+                ln_grad_input(
+                    self.simd,
+                    (&x[r.clone()], w, &g[r]),
+                    T::lit(self.eps),
+                    o,
+                    None,
+                )
             })
         }
+    }
+}
+
+/// LayerNorm's input and parameter gradients in one pass over `(x, g)`: `dx` with the bits of
+/// [`LayerNormGradInput`], `[dw; db]` with those of [`LayerNormGradParams`] (the same chunks of
+/// rows, summed in the same order), each row centred and scaled once for both.
+pub(super) struct LayerNormGrad {
+    pub(super) eps: f64,
+    pub(super) simd: SimdLevel,
+}
+
+impl LayerNormGrad {
+    /// `(dx, [dw; db])`.
+    pub(super) fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+        let (d, len) = (w.len(), x.len());
+        assert!(
+            d > 0 && len % d == 0 && g.len() == len,
+            "layer norm: rows of {d}"
+        );
+        let chunk = PARAM_CHUNK_ROWS * d;
+        let mut dx = Vec::<T>::with_capacity(len);
+        let partials: Vec<Vec<T>> = dx.spare_capacity_mut()[..len]
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk).zip(g.par_chunks(chunk)))
+            .map(|(o, (xc, gc))| {
+                let mut params = vec![T::zero(); 2 * d];
+                let eps = T::lit(self.eps);
+                ln_grad_input(self.simd, (xc, w, gc), eps, o, Some(&mut params));
+                params
+            })
+            .collect();
+        // SAFETY: the chunks cover all `len` values, and ln_grad_input writes each in full.
+        unsafe { dx.set_len(len) };
+        let mut total = vec![T::zero(); 2 * d];
+        add_partials(partials, &mut total);
+        (dx, total)
     }
 }
 
@@ -318,11 +382,7 @@ impl LayerNormGradParams {
             })
             .collect();
         let mut total = vec![T::zero(); 2 * d];
-        for p in partials {
-            for (t, v) in total.iter_mut().zip(p) {
-                *t += v;
-            }
-        }
+        add_partials(partials, &mut total);
         total
     }
 }

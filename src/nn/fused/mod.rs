@@ -596,10 +596,10 @@ mod tests {
         });
         assert!(bits(&y) == bits(&want), "layer norm, {rows} rows of {t}");
         all.extend(bits(&y));
-        ln_grad_input(level, &x, &w, &g, eps, unsafe { uninit(&mut dx) });
+        ln_grad_input(level, (&x, &w, &g), eps, unsafe { uninit(&mut dx) }, None);
         one_by_one(&mut |r| {
             let o = unsafe { uninit(&mut want[r.clone()]) };
-            ln_grad_input(level, &x[r.clone()], &w, &g[r], eps, o)
+            ln_grad_input(level, (&x[r.clone()], &w, &g[r]), eps, o, None)
         });
         assert!(
             bits(&dx) == bits(&want),
@@ -613,6 +613,19 @@ mod tests {
         assert!(
             bits(&params) == bits(&want_params),
             "layer norm parameters, {rows} rows of {t}"
+        );
+        // both gradients in one pass: each with its own kernel's bits
+        let mut both = vec![T::zero(); 2 * t];
+        ln_grad_input(
+            level,
+            (&x, &w, &g),
+            eps,
+            unsafe { uninit(&mut want) },
+            Some(&mut both),
+        );
+        assert!(
+            bits(&want) == bits(&dx) && bits(&both) == bits(&params),
+            "layer norm gradients in one pass, {rows} rows of {t}"
         );
         all.extend(bits(&params));
         all
@@ -641,6 +654,33 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The fused layer's LayerNorm backward ([`LayerNormGrad`]) against the two ops it stands
+    /// for, over more rows than a chunk of the parameter sums and a ragged last chunk.
+    fn layer_norm_grads_in_one_pass<T: Real>() {
+        use super::layer_norm::{LayerNormGrad, LayerNormGradInput, LayerNormGradParams};
+        for (rows, d) in [(200, 40), (64, 64), (7, 5)] {
+            let x = values::<T>(rows * d, 11, 10.0, false);
+            let g = values::<T>(rows * d, 12, 10.0, false);
+            let w = values::<T>(d, 13, 10.0, false);
+            for simd in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                let (dx, params) = LayerNormGrad { eps: 1e-5, simd }.run(&x, &w, &g);
+                let want_dx = LayerNormGradInput { eps: 1e-5, simd }.run(&x, &w, &g);
+                let want_params = LayerNormGradParams { eps: 1e-5, simd }.run(&x, &g, d);
+                assert!(bits(&dx) == bits(&want_dx), "dx, {rows} x {d}, {simd:?}");
+                assert!(
+                    bits(&params) == bits(&want_params),
+                    "params, {rows} x {d}, {simd:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn layer_norm_gradients_in_one_pass_have_each_ops_bits() {
+        layer_norm_grads_in_one_pass::<f32>();
+        layer_norm_grads_in_one_pass::<f64>();
     }
 
     #[test]
