@@ -1,7 +1,7 @@
 //! LayerNorm over the last axis, fused, with its backward (input and parameter gradients).
 
 use candle::backend::BackendStorage;
-use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
@@ -154,7 +154,8 @@ fn ln_grad_input_body<T: Real>(
 simd_dispatch!(pub(super) fn ln_grad_input = ln_grad_input_body(rows: (&[T], &[T], &[T]), eps: T, dx: &mut [MaybeUninit<T>], params: Option<&mut [T]>));
 
 /// Adds `[sum g xhat ; sum g]` over `R` rows, in row order, to `(dw, db)`; `xhat` is scratch of
-/// `R d`.
+/// `R d`. (The parameter gradients alone: what the one-pass kernel is tested against.)
+#[cfg(test)]
 #[inline(always)]
 fn ln_grad_params_block<T: Real, const R: usize>(
     (x, g): (&[T], &[T]),
@@ -170,6 +171,7 @@ fn ln_grad_params_block<T: Real, const R: usize>(
 
 /// Partial `[sum g xhat ; sum g]` over the rows of `x`, into `out` (`2 d` values); rows in
 /// blocks of [`FOLD_ROWS`], then one by one.
+#[cfg(test)]
 #[inline(always)]
 fn ln_grad_params_body<T: Real>(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]) {
     let (dw, db) = out.split_at_mut(d);
@@ -183,6 +185,7 @@ fn ln_grad_params_body<T: Real>(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T
         ln_grad_params_block::<T, 1>((xc, gc), eps, (dw, db), &mut xhat[..d]);
     }
 }
+#[cfg(test)]
 simd_dispatch!(pub(super) fn ln_grad_params = ln_grad_params_body(x: &[T], g: &[T], d: usize, eps: T, out: &mut [T]));
 
 /// LayerNorm over the last axis: `(x, weight, bias) -> y`.
@@ -245,31 +248,30 @@ impl CustomOp3 for LayerNormOp {
         _y: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = g.contiguous()?;
-        let dx = x.apply_op3_no_bwd(
+        // dx and [dw; db] from one pass, side by side in one buffer: (b t d + 2 d) values.
+        let both = x.apply_op3_no_bwd(
             w,
-            &g,
-            &LayerNormGradInput {
+            &g.contiguous()?,
+            &LayerNormGrad {
                 eps: self.eps,
                 simd: self.simd,
             },
         )?;
-        let params = x.apply_op2_no_bwd(
-            &g,
-            &LayerNormGradParams {
-                eps: self.eps,
-                simd: self.simd,
-            },
-        )?; // (2, d)
+        let (nx, d) = (x.elem_count(), w.elem_count());
+        let dx = both.narrow(0, 0, nx)?.reshape(x.shape())?;
+        let params = both.narrow(0, nx, 2 * d)?.reshape((2, d))?;
         Ok((Some(dx), Some(params.get(0)?), Some(params.get(1)?)))
     }
 }
 
+/// LayerNorm's input gradient alone: the reference [`LayerNormGrad`] is tested against.
+#[cfg(test)]
 pub(super) struct LayerNormGradInput {
     pub(super) eps: f64,
     pub(super) simd: SimdLevel,
 }
 
+#[cfg(test)]
 impl LayerNormGradInput {
     pub(super) fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
         let d = w.len();
@@ -329,11 +331,41 @@ impl LayerNormGrad {
     }
 }
 
-impl CustomOp3 for LayerNormGradInput {
+/// LayerNorm's parameter gradients alone: the reference [`LayerNormGrad`] is tested against.
+#[cfg(test)]
+pub(super) struct LayerNormGradParams {
+    pub(super) eps: f64,
+    pub(super) simd: SimdLevel,
+}
+
+/// Rows per chunk of the parameter-gradient sums: fixed, so the order of additions (and the
+/// result) does not depend on the thread count.
+const PARAM_CHUNK_ROWS: usize = 64;
+
+#[cfg(test)]
+impl LayerNormGradParams {
+    pub(super) fn run<T: Real>(&self, x: &[T], g: &[T], d: usize) -> Vec<T> {
+        let partials: Vec<Vec<T>> = x
+            .par_chunks(PARAM_CHUNK_ROWS * d)
+            .zip(g.par_chunks(PARAM_CHUNK_ROWS * d))
+            .map(|(xc, gc)| {
+                let mut out = vec![T::zero(); 2 * d];
+                ln_grad_params(self.simd, xc, gc, d, T::lit(self.eps), &mut out);
+                out
+            })
+            .collect();
+        let mut total = vec![T::zero(); 2 * d];
+        add_partials(partials, &mut total);
+        total
+    }
+}
+
+impl CustomOp3 for LayerNormGrad {
     fn name(&self) -> &'static str {
-        "poslab-layer-norm-grad-input"
+        "poslab-layer-norm-grad"
     }
 
+    /// `(x, w, g) -> [dx; dw; db]`, flat.
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -352,61 +384,17 @@ impl CustomOp3 for LayerNormGradInput {
                 l1.dims()
             );
         }
-        let storage = by_dtype!(s1.dtype(), what, |T| self.run(
-            contiguous::<T>(s1, l1, what)?,
-            contiguous(s2, l2, what)?,
-            contiguous(s3, l3, what)?,
-        ));
-        Ok((storage, l1.shape().clone()))
-    }
-}
-
-pub(super) struct LayerNormGradParams {
-    pub(super) eps: f64,
-    pub(super) simd: SimdLevel,
-}
-
-/// Rows per chunk of the parameter-gradient sums: fixed, so the order of additions (and the
-/// result) does not depend on the thread count.
-const PARAM_CHUNK_ROWS: usize = 64;
-
-impl LayerNormGradParams {
-    pub(super) fn run<T: Real>(&self, x: &[T], g: &[T], d: usize) -> Vec<T> {
-        let partials: Vec<Vec<T>> = x
-            .par_chunks(PARAM_CHUNK_ROWS * d)
-            .zip(g.par_chunks(PARAM_CHUNK_ROWS * d))
-            .map(|(xc, gc)| {
-                let mut out = vec![T::zero(); 2 * d];
-                ln_grad_params(self.simd, xc, gc, d, T::lit(self.eps), &mut out);
-                out
-            })
-            .collect();
-        let mut total = vec![T::zero(); 2 * d];
-        add_partials(partials, &mut total);
-        total
-    }
-}
-
-impl CustomOp2 for LayerNormGradParams {
-    fn name(&self) -> &'static str {
-        "poslab-layer-norm-grad-params"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let what = "layer norm backward";
-        let d = *l1.dims().last().unwrap_or(&1);
-        let storage = by_dtype!(s1.dtype(), what, |T| self.run(
-            contiguous::<T>(s1, l1, what)?,
-            contiguous(s2, l2, what)?,
-            d,
-        ));
-        Ok((storage, Shape::from((2, d))))
+        let len = l1.shape().elem_count() + 2 * l2.shape().elem_count();
+        let storage = by_dtype!(s1.dtype(), what, |T| {
+            let (mut dx, params) = self.run(
+                contiguous::<T>(s1, l1, what)?,
+                contiguous(s2, l2, what)?,
+                contiguous(s3, l3, what)?,
+            );
+            dx.extend_from_slice(&params);
+            dx
+        });
+        Ok((storage, Shape::from(len)))
     }
 }
 
