@@ -1118,14 +1118,8 @@ mod tests {
 
     /// Values in [-1, 1) from a fixed linear congruential sequence.
     fn values<T: Real>(len: usize, seed: u64) -> Vec<T> {
-        let mut x = seed;
-        (0..len)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                T::lit((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
-            })
+        super::super::test_uniform(len, seed)
+            .map(|u| T::lit(u * 2.0 - 1.0))
             .collect()
     }
 

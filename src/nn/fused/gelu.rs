@@ -196,19 +196,13 @@ pub(crate) fn times_grad_summed_par<T: Real>(
         cols > 0 && len % cols == 0 && g.len() == len,
         "rows of {cols}"
     );
-    let chunk = SUM_CHUNK_ROWS * cols;
-    let mut out = Vec::<T>::with_capacity(len);
-    let partials: Vec<Vec<T>> = out.spare_capacity_mut()[..len]
-        .par_chunks_mut(chunk)
-        .zip(d.par_chunks(chunk).zip(g.par_chunks(chunk)))
-        .map(|(o, (dc, gc))| {
-            times_grad_chunk(dc, gc, relu, o);
-            // SAFETY: every value of the chunk was just written.
-            column_partial(unsafe { assume_written(o) }, cols)
+    // SAFETY: each chunk of the result is written in full before its sums are taken.
+    let (out, partials) = unsafe {
+        par_written_with(len, SUM_CHUNK_ROWS * cols, |r, o| {
+            times_grad_chunk(&d[r.clone()], &g[r], relu, o);
+            column_partial(assume_written(o), cols)
         })
-        .collect();
-    // SAFETY: the chunks together cover all `len` values, each written in full.
-    unsafe { out.set_len(len) };
+    };
     add_partials(partials, db);
     out
 }

@@ -2,6 +2,7 @@
 
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+#[cfg(test)]
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
@@ -311,20 +312,15 @@ impl LayerNormGrad {
             d > 0 && len % d == 0 && g.len() == len,
             "layer norm: rows of {d}"
         );
-        let chunk = PARAM_CHUNK_ROWS * d;
-        let mut dx = Vec::<T>::with_capacity(len);
-        let partials: Vec<Vec<T>> = dx.spare_capacity_mut()[..len]
-            .par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk).zip(g.par_chunks(chunk)))
-            .map(|(o, (xc, gc))| {
+        // SAFETY: ln_grad_input writes every value of its chunk.
+        let (dx, partials) = unsafe {
+            par_written_with(len, PARAM_CHUNK_ROWS * d, |r, o| {
                 let mut params = vec![T::zero(); 2 * d];
-                let eps = T::lit(self.eps);
-                ln_grad_input(self.simd, (xc, w, gc), eps, o, Some(&mut params));
+                let rows = (&x[r.clone()], w, &g[r]);
+                ln_grad_input(self.simd, rows, T::lit(self.eps), o, Some(&mut params));
                 params
             })
-            .collect();
-        // SAFETY: the chunks cover all `len` values, and ln_grad_input writes each in full.
-        unsafe { dx.set_len(len) };
+        };
         let mut total = vec![T::zero(); 2 * d];
         add_partials(partials, &mut total);
         (dx, total)

@@ -134,24 +134,8 @@ pub(super) fn linear_product<T: Real>(
         x.len() == rows * inp && w.len() == out * inp,
         "linear: operand sizes"
     );
-    // SAFETY: gemm writes all of y (rows x out) without reading it (no accumulation); x is
-    // rows x in, W out x in (read as its transpose through strides).
-    unsafe {
-        written(rows * out, |y| {
-            matmul(
-                (rows, out, inp),
-                y,
-                (out as isize, 1),
-                false,
-                x.as_ptr(),
-                (inp as isize, 1),
-                w.as_ptr(),
-                (1, inp as isize),
-                T::one(),
-                parallelism(rows, out, inp),
-            )
-        })
-    }
+    // SAFETY: gemm writes all of y (rows x out) without reading it (no accumulation).
+    unsafe { written(rows * out, |y| forward_at(x, w, (rows, inp, out), y, false)) }
 }
 
 /// A `(rows, width)` buffer whose every row `fill(i, row)` writes, filled in parallel and
@@ -245,13 +229,38 @@ pub(super) fn forward_into<T: Real>(
             row.copy_from_slice(b);
         }
     }
-    // SAFETY: y is rows x out, x rows x in, W out x in (read as its transpose through strides).
+    // SAFETY: y holds rows x out values, initialised.
+    unsafe {
+        forward_at(
+            x,
+            w,
+            (rows, inp, out),
+            y.as_mut_ptr(),
+            b.is_some() || accumulate,
+        )
+    };
+}
+
+/// `y [+]= x Wᵀ` at `y` `(n, out)`.
+///
+/// # Safety
+/// `y` must be valid for `rows x out` values (initialised when `accumulate`).
+unsafe fn forward_at<T: Real>(
+    x: &[T],
+    w: &[T],
+    (rows, inp, out): (usize, usize, usize),
+    y: *mut T,
+    accumulate: bool,
+) {
+    debug_assert!(x.len() == rows * inp && w.len() == out * inp);
+    // SAFETY: y rows x out (per the contract), x rows x in, W out x in (read as its transpose
+    // through strides).
     unsafe {
         matmul(
             (rows, out, inp),
-            y.as_mut_ptr(),
+            y,
             (out as isize, 1),
-            b.is_some() || accumulate,
+            accumulate,
             x.as_ptr(),
             (inp as isize, 1),
             w.as_ptr(),

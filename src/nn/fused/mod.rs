@@ -465,14 +465,29 @@ pub(super) unsafe fn par_written<T: Real>(
     chunk: usize,
     fill: impl Fn(std::ops::Range<usize>, &mut [std::mem::MaybeUninit<T>]) + Sync,
 ) -> Vec<T> {
+    // SAFETY: per the contract.
+    unsafe { par_written_with(len, chunk, |r, c| fill(r, c)).0 }
+}
+
+/// [`par_written`], each chunk's `fill` also returning a value (a partial sum over the chunk,
+/// say): those come back in the chunks' order.
+///
+/// # Safety
+/// As [`par_written`]'s.
+pub(super) unsafe fn par_written_with<T: Real, P: Send>(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(std::ops::Range<usize>, &mut [std::mem::MaybeUninit<T>]) -> P + Sync,
+) -> (Vec<T>, Vec<P>) {
     let mut v = Vec::<T>::with_capacity(len);
-    v.spare_capacity_mut()[..len]
+    let parts = v.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk)
         .enumerate()
-        .for_each(|(i, c)| fill(i * chunk..i * chunk + c.len(), c));
+        .map(|(i, c)| fill(i * chunk..i * chunk + c.len(), c))
+        .collect();
     // SAFETY: every chunk was initialised, per the contract.
     unsafe { v.set_len(len) };
-    v
+    (v, parts)
 }
 
 /// Rows per parallel task: about 16 K values each.
@@ -517,6 +532,18 @@ pub(crate) fn encoder_layer(
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
 }
 
+/// `len` values in [0, 1) from a fixed linear congruential sequence: the kernels' tests' inputs.
+#[cfg(test)]
+pub(super) fn test_uniform(len: usize, seed: u64) -> impl Iterator<Item = f64> {
+    let mut x = seed;
+    (0..len).map(move |_| {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::layer_norm::{ln_forward, ln_grad_input, ln_grad_params};
@@ -526,13 +553,9 @@ mod tests {
     /// Values whose sums depend on the order they are taken in: both signs, magnitudes from
     /// `spread`^-3 to `spread`^3, and masked entries (-inf) now and then when `masked`.
     fn values<T: Real>(n: usize, seed: u64, spread: f64, masked: bool) -> Vec<T> {
-        let mut s = seed;
-        (0..n)
-            .map(|i| {
-                s = s
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                let u = (s >> 11) as f64 / (1u64 << 53) as f64;
+        test_uniform(n, seed)
+            .enumerate()
+            .map(|(i, u)| {
                 if masked && i % 23 == 7 {
                     T::neg_infinity()
                 } else {

@@ -173,18 +173,13 @@ mod tests {
     /// Values in [-1, 1) from a fixed linear congruential sequence, with a few zeros of both
     /// signs and a few large values.
     fn values(len: usize, seed: u64) -> Vec<f64> {
-        let mut x = seed;
-        (0..len)
-            .map(|i| {
-                x = x
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                match i % 29 {
-                    3 => -0.0,
-                    7 => 0.0,
-                    11 => 1e6,
-                    _ => (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0,
-                }
+        super::super::test_uniform(len, seed)
+            .enumerate()
+            .map(|(i, u)| match i % 29 {
+                3 => -0.0,
+                7 => 0.0,
+                11 => 1e6,
+                _ => u * 2.0 - 1.0,
             })
             .collect()
     }
