@@ -198,12 +198,12 @@ pub(crate) fn times_grad_summed_par<T: Real>(
     );
     // SAFETY: each chunk of the result is written in full before its sums are taken.
     let (out, partials) = unsafe {
-        par_written_with(len, SUM_CHUNK_ROWS * cols, |r, o| {
+        par_written_parts(len, SUM_CHUNK_ROWS * cols, cols, |r, o, sums| {
             times_grad_chunk(&d[r.clone()], &g[r], relu, o);
-            column_partial(assume_written(o), cols)
+            column_partial(assume_written(o), sums)
         })
     };
-    add_partials(partials, db);
+    add_partials(&partials, db);
     out
 }
 

@@ -314,15 +314,13 @@ impl LayerNormGrad {
         );
         // SAFETY: ln_grad_input writes every value of its chunk.
         let (dx, partials) = unsafe {
-            par_written_with(len, PARAM_CHUNK_ROWS * d, |r, o| {
-                let mut params = vec![T::zero(); 2 * d];
+            par_written_parts(len, PARAM_CHUNK_ROWS * d, 2 * d, |r, o, params| {
                 let rows = (&x[r.clone()], w, &g[r]);
-                ln_grad_input(self.simd, rows, T::lit(self.eps), o, Some(&mut params));
-                params
+                ln_grad_input(self.simd, rows, T::lit(self.eps), o, Some(params));
             })
         };
         let mut total = vec![T::zero(); 2 * d];
-        add_partials(partials, &mut total);
+        add_partials(&partials, &mut total);
         (dx, total)
     }
 }
@@ -341,17 +339,16 @@ const PARAM_CHUNK_ROWS: usize = 64;
 #[cfg(test)]
 impl LayerNormGradParams {
     pub(super) fn run<T: Real>(&self, x: &[T], g: &[T], d: usize) -> Vec<T> {
-        let partials: Vec<Vec<T>> = x
-            .par_chunks(PARAM_CHUNK_ROWS * d)
-            .zip(g.par_chunks(PARAM_CHUNK_ROWS * d))
-            .map(|(xc, gc)| {
-                let mut out = vec![T::zero(); 2 * d];
-                ln_grad_params(self.simd, xc, gc, d, T::lit(self.eps), &mut out);
-                out
-            })
-            .collect();
+        let chunk = PARAM_CHUNK_ROWS * d;
+        let mut partials = vec![T::zero(); x.len().div_ceil(chunk) * 2 * d];
+        x.par_chunks(chunk)
+            .zip(g.par_chunks(chunk))
+            .zip(partials.par_chunks_mut(2 * d))
+            .for_each(|((xc, gc), out)| {
+                ln_grad_params(self.simd, xc, gc, d, T::lit(self.eps), out)
+            });
         let mut total = vec![T::zero(); 2 * d];
-        add_partials(partials, &mut total);
+        add_partials(&partials, &mut total);
         total
     }
 }
