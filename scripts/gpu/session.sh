@@ -27,6 +27,9 @@
 #                                                                             -> variants.txt
 #   kernels      --kernels reference against the default (one CUDA kernel per op), both shapes
 #                                                                             -> kernels.txt
+#   parts        the large shape's step in parts, sin_add, f32 and bf16       -> parts.txt
+#   profile      ncu: each kernel's GPU time in one large-shape training step (batch 8), f32 and
+#                bf16, summed by kernel name              -> profile-f32.csv, profile-bf16.csv
 # Environment: ROUNDS (default 2) interleaved poslab/PyTorch rounds at the reference shape,
 # LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 1: on an H100 four
 # jobs on the one GPU were 2.5x slower in all than one, 2026-11-26); LIMIT_<STAGE>
@@ -115,6 +118,26 @@ for stage in "$@"; do
             --variants sin_add,rope --in-process "${args[@]}"
         done
       done 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels)"; exit 2 ;;
+    parts)
+      # The large shape's step in parts (forward with the loss / backward / optimizer), sin_add.
+      for dtype in ${PARTS_DTYPES:-f32 bf16}; do
+        stamp "bench parts, large shape, sin_add, --dtype $dtype"
+        limited "${LIMIT_PARTS:-45}" "$P" bench --device cuda --dtype "$dtype" --variants sin_add \
+          --in-process "${LARGE[@]}" --warmup 1 --forward-reps 3 --train-reps 3
+      done 2>&1 | tee -a "$OUT/parts.txt" ;;
+    profile)
+      # Nsight Compute: every kernel's GPU time in one training step at the large shape with
+      # batch 8 (the other dimensions as bench-large), summed by kernel name (per-kernel summary).
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for dtype in ${PROFILE_DTYPES:-f32 bf16}; do
+        stamp "ncu, one training step, large shape at batch 8, sin_add, --dtype $dtype" | tee -a "$OUT/profile.txt"
+        limited "${LIMIT_PROFILE:-120}" "$NCU" --metrics gpu__time_duration.sum --clock-control none \
+          --cache-control none --print-summary per-kernel --csv \
+          "$P" bench --device cuda --dtype "$dtype" --variants sin_add --in-process \
+          "${LARGE[@]:0:8}" --batch 8 --seq 512 --warmup 0 --forward-reps 0 --train-reps 1 \
+          > "$OUT/profile-$dtype.csv" 2>&1
+        tail -5 "$OUT/profile-$dtype.csv"
+      done 2>&1 | tee -a "$OUT/profile.txt" ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile)"; exit 2 ;;
   esac
 done
