@@ -25,8 +25,8 @@ use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
     encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionBias,
-    AttentionInputs, Backend, Dropout, FeedForward, Kernels, LayerBias, LayerMasks, LayerNorm,
-    LayerShape, Rotary, SelfAttention, SharedRng,
+    AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, Kernels, LayerBias, LayerMasks,
+    LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -137,7 +137,7 @@ impl EncoderLayer {
     /// `attn_norm.{weight,bias}`, `attn.{q,k,v}.weight`, `attn.{q,k,v}.bias` (zeros for a
     /// projection without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`,
     /// `ffn.up.{weight,bias}`, `ffn.down.{weight,bias}`, each flattened.
-    fn packed_params(&self, attn_norm: &LayerNorm) -> Result<Tensor> {
+    fn packed_params(&self, attn_norm: &LayerNorm, gates: Option<&ForgetGates>) -> Result<Tensor> {
         let (wqkv, bqkv) = self.attn.packed_qkv()?;
         let [_, _, _, o] = self.attn.projections();
         let (up, down) = (self.ffn.up(), self.ffn.down());
@@ -155,18 +155,26 @@ impl EncoderLayer {
             down.weight().clone(),
             down.bias_or_zeros()?,
         ]
+        .into_iter()
+        .chain(
+            gates
+                .into_iter()
+                .flat_map(|g| [g.weight.clone(), g.bias.clone()]),
+        )
         .map(|p| p.flatten_all());
-        let parts = parts.into_iter().collect::<candle::Result<Vec<_>>>()?;
+        let parts = parts.collect::<candle::Result<Vec<_>>>()?;
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// The layer as one fused node ([`Kernels::Layer`]); dropout masks are drawn in the order
-    /// the composition draws them, so both paths see the same masks.
+    /// The layer as one fused node ([`Kernels::Layer`]), computing `gates` inside; dropout
+    /// masks are drawn in the order the composition draws them, so both paths see the same
+    /// masks.
     fn forward_fused(
         &self,
         xs: &Tensor,
         attn_norm: &LayerNorm,
         inputs: AttentionInputs,
+        gates: Option<&ForgetGates>,
         train: bool,
     ) -> Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
@@ -192,10 +200,14 @@ impl EncoderLayer {
             eps: attn_norm.eps(),
             pre_norm: self.norm == NormPlacement::Pre,
             activation: self.ffn.activation(),
+            gates: match gates {
+                Some(g) => g.weight.dim(0)?,
+                None => 0,
+            },
         };
         Ok(encoder_layer(
             xs,
-            &self.packed_params(attn_norm)?,
+            &self.packed_params(attn_norm, gates)?,
             shape,
             self.attn.fused_core(inputs),
             masks,
@@ -224,18 +236,19 @@ impl EncoderLayer {
         if let (Kernels::Layer, Some(attn_norm), true) =
             (kernels_for(xs), &self.attn_norm, self.fusable())
         {
-            // The fused layer normalises its input inside; a bias of that input (FoX's) needs
-            // it outside too: the LayerNorm runs twice, a `(b, t, d)` pass beside the layer's.
-            let bias = match (own, self.norm) {
-                (None, _) => None,
-                (Some(_), NormPlacement::Pre) => own_bias(&attn_norm.forward(xs)?)?,
-                (Some(_), NormPlacement::Post) => own_bias(xs)?,
+            // A bias of the attention input: forget gates (FoX's) the layer computes inside;
+            // any other needs that input outside too, where the LayerNorm then runs twice.
+            let gates = own.and_then(|o| o.module.input_gates(o.layer));
+            let bias = match (own, &gates, self.norm) {
+                (None, _, _) | (Some(_), Some(_), _) => None,
+                (Some(_), None, NormPlacement::Pre) => own_bias(&attn_norm.forward(xs)?)?,
+                (Some(_), None, NormPlacement::Post) => own_bias(xs)?,
             };
             let inputs = AttentionInputs {
                 score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
                 ..inputs
             };
-            return self.forward_fused(xs, attn_norm, inputs, train);
+            return self.forward_fused(xs, attn_norm, inputs, gates.as_ref(), train);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;

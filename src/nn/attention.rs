@@ -105,6 +105,46 @@ impl LayerBias {
     }
 }
 
+/// Forget gates a layer computes from its attention input `a` `(b, t, d)`, whose running sums
+/// are its score bias ([`AttentionBias::SidedSums`]):
+///
+/// ```text
+/// z = a Wᵀ + b   (b, t, 2h): each head's forward gate, then each head's backward gate
+/// [f; g] = running sums along the tokens of log σ(z), laid out (2, b, h, t)
+/// ```
+///
+/// The fused encoder layer computes them inside itself, so the attention input is normalised
+/// once and the gates' gradient joins q, k and v's before its LayerNorm's backward.
+#[derive(Clone, Debug)]
+pub struct ForgetGates {
+    /// `(2h, d)`
+    pub weight: Tensor,
+    /// `(2h)`
+    pub bias: Tensor,
+}
+
+impl ForgetGates {
+    /// `log σ(x Wᵀ + b)` ([`super::log_sigmoid`]: exact for any `z`), in the weights' dtype
+    /// (under mixed precision the bias joins the f32 scores).
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
+    pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
+        let z = Linear::new(self.weight.clone(), Some(self.bias.clone()))
+            .forward(&x.to_dtype(self.weight.dtype())?)?;
+        super::log_sigmoid(&z)
+    }
+
+    /// The score bias: the gates' running sums `[f; g]` along the tokens, as compositions of
+    /// ops (the fused layer computes the same inside itself).
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
+    pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
+        super::running_sums(&self.log_gates(x)?, 2)
+    }
+}
+
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
 /// positional scheme (`nn` knows none).
 ///

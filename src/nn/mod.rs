@@ -19,7 +19,8 @@ mod ops;
 mod rotary;
 
 pub use attention::{
-    key_padding_bias, window_bias, AttentionBias, AttentionInputs, LayerBias, SelfAttention,
+    key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
+    SelfAttention,
 };
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};

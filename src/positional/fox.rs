@@ -21,14 +21,14 @@
 //! positions. The paper's model is causal (forward gates only); an encoder needs both
 //! directions, which is why there are two gates per head.
 
-use candle::{Module, Tensor};
+use candle::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
-use crate::nn::{log_sigmoid, running_sums, AttentionBias, LayerBias, Linear};
+use crate::nn::{AttentionBias, ForgetGates, LayerBias, Linear};
 
 /// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
 pub const FOX_GATE_BIAS: f64 = 5.0;
@@ -129,16 +129,24 @@ impl FoxGates {
         })
     }
 
-    /// `log sigmoid(x Wᵀ + b)` ([`crate::nn::log_sigmoid`]: exact for any `z`).
+    /// The gates as [`ForgetGates`]: their weights, and the composition every path shares.
+    pub fn forget_gates(&self) -> ForgetGates {
+        ForgetGates {
+            weight: self.gates.weight().clone(),
+            bias: self
+                .gates
+                .bias()
+                .expect("FoX's gates are built with a bias")
+                .clone(),
+        }
+    }
+
+    /// `log sigmoid(x Wᵀ + b)` ([`ForgetGates::log_gates`]).
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
     pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
-        // In the parameters' dtype under mixed precision: the bias joins the f32 scores.
-        let z = self
-            .gates
-            .forward(&x.to_dtype(self.gates.weight().dtype())?)?;
-        Ok(log_sigmoid(&z)?)
+        Ok(self.forget_gates().log_gates(x)?)
     }
 
     /// The gates' running sums `[G; G']` along the tokens, whose two-sided differences are the
@@ -148,8 +156,7 @@ impl FoxGates {
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
     pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
-        // (b, t, 2h) -> (2, b, h, t): G, then G'
-        Ok(running_sums(&self.log_gates(x)?, 2)?)
+        Ok(self.forget_gates().sums(x)?)
     }
 
     /// The bias as a table.
@@ -189,6 +196,10 @@ impl BiasModule for Fox {
             .and_then(Option::as_ref)
             .map(|g| g.sums(x).map(LayerBias::SidedSums))
             .transpose()
+    }
+
+    fn input_gates(&self, layer: usize) -> Option<ForgetGates> {
+        Some(self.0.get(layer)?.as_ref()?.forget_gates())
     }
 
     fn per_layer(&self) -> bool {

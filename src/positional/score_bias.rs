@@ -40,6 +40,13 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
         Ok(None)
     }
 
+    /// Layer `layer`'s [`BiasModule::input_bias`] as the forget gates a fused layer computes
+    /// inside itself, where the bias is exactly their running sums ([`crate::nn::ForgetGates`]);
+    /// `None` otherwise, and the layer is given [`BiasModule::input_bias`]'s bias.
+    fn input_gates(&self, _layer: usize) -> Option<crate::nn::ForgetGates> {
+        None
+    }
+
     /// The positions a learned table can read (TUPE's learned source).
     fn max_positions(&self) -> Option<usize> {
         None

@@ -643,6 +643,11 @@ impl Attention {
         }
     }
 
+    /// The number of heads.
+    pub(super) fn head_count(&self) -> usize {
+        self.heads
+    }
+
     /// The instruction sets this op's kernels (and a layer's around it) use.
     pub(super) fn simd(&self) -> SimdLevel {
         self.simd
@@ -743,16 +748,41 @@ impl Attention {
         })
     }
 
+    /// The fixed inputs, with `sums` `(2, b, h, t)`, when given, as the score bias's running
+    /// sums (a bias the caller computed itself, as the fused layer's gates).
+    fn fixed_with<T: Real>(&self, sums: Option<&[T]>, n: Dims) -> Result<Fixed<T>> {
+        let mut fixed = self.fixed::<T>()?;
+        if let Some(sums) = sums {
+            if self.score_bias.is_some() || sums.len() != 2 * n.b * n.h * n.t {
+                candle::bail!(
+                    "fused attention: {} running sums given for (2, b, h, t) = (2, {}, {}, {}), \
+                     beside a score bias of its own: {}",
+                    sums.len(),
+                    n.b,
+                    n.h,
+                    n.t,
+                    self.score_bias.is_some()
+                );
+            }
+            fixed.score_bias = sums.to_vec();
+            fixed.sided = true;
+        }
+        Ok(fixed)
+    }
+
     /// The heads' outputs `(b, t, d)`; with `keep_probs`, also the attention weights before
-    /// dropout (`b h t²` values, else none), for [`Attention::backward`].
+    /// dropout (`b h t²` values, else none), for [`Attention::backward`]. `sums`: running sums
+    /// `(2, b, h, t)` as the score bias (see [`AttentionBias::SidedSums`]), for an attention
+    /// made without one.
     pub(super) fn forward<T: Real>(
         &self,
         qkv: &[T],
         mask: Option<&[T]>,
+        sums: Option<&[T]>,
         n: Dims,
         keep_probs: bool,
     ) -> Result<(Vec<T>, Vec<T>)> {
-        let fixed = self.fixed::<T>()?;
+        let fixed = self.fixed_with::<T>(sums, n)?;
         let tt = n.t * n.t;
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
@@ -831,17 +861,19 @@ impl Attention {
     }
 
     /// `d(qkv)` from `d(out)`, and the score bias's gradient when one is owed (see
-    /// [`Attention::bias_grad_len`]); the attention weights are recomputed unless `probs` (from
+    /// [`Attention::bias_grad_len`]; always for `sums`, the running sums [`Attention::forward`]
+    /// was given); the attention weights are recomputed unless `probs` (from
     /// [`Attention::forward`]) has them.
     pub(super) fn backward<T: Real>(
         &self,
         qkv: &[T],
         mask: Option<&[T]>,
+        sums: Option<&[T]>,
         probs: Option<&[T]>,
         g: &[T],
         n: Dims,
     ) -> Result<(Vec<T>, Vec<T>)> {
-        let fixed = self.fixed::<T>()?;
+        let fixed = self.fixed_with::<T>(sums, n)?;
         let (row, tt) = (3 * n.d, n.t * n.t);
         if let Some(p) = probs {
             if p.len() != n.b * n.h * tt {
@@ -850,7 +882,7 @@ impl Attention {
         }
         // When the score bias is owed a gradient: dS of every (batch, head) for a table, or the
         // running sums' gradient `(2, b, h, t)` for sums.
-        let bias_grad = self.bias_needs_grad();
+        let bias_grad = self.bias_needs_grad() || sums.is_some();
         let sided = fixed.sided;
         let mut ds_all = zeros::<T>(match (bias_grad, sided) {
             (false, _) => 0,
@@ -1022,6 +1054,7 @@ impl CustomOp3 for Attention {
                 } else {
                     None
                 },
+                None,
                 n,
                 false
             )?
@@ -1080,6 +1113,7 @@ impl CustomOp3 for AttentionGrad {
                 } else {
                     None
                 },
+                None,
                 None,
                 contiguous(s3, l3, what)?,
                 n,

@@ -15,6 +15,16 @@
 //!             u = h Wupᵀ + bup; s2 = h + m2 ⊙ (act(u) Wdownᵀ + bdown); y = LN2(s2)
 //! ```
 //!
+//! With forget gates (`gates` = 2 × heads channels), the score bias is computed inside from the
+//! attention input `a` (pre-norm `LN1(x)`, post-norm `x`), as [`crate::nn::AttentionBias::SidedSums`]:
+//!
+//! ```text
+//! z = a Wgᵀ + bg (n, 2h);   [f; g] = running sums along the tokens of log σ(z)   (2, b, h, t)
+//! ```
+//!
+//! so the attention input is normalised once and its gradient (from q, k, v and the gates)
+//! reaches LN1's backward as one sum.
+//!
 //! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
 //! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values);
 //! if a backward comes without them (the forward ran in evaluation mode), it recomputes them.
@@ -33,9 +43,11 @@ use super::linear::{
     by_dtype, column_sum, gemm_sums_in_order, grad_input, grad_input_of, grad_weight, linear_out,
     linear_product, residual_linear,
 };
+use super::log_sigmoid::LogSigmoid;
 use super::{
     activation_par, activation_with_grad_par, contiguous, times_grad_summed_par, zeros, Real,
 };
+use super::{pointwise, running_sums};
 
 /// The widths of a layer and where each parameter sits in the packed vector.
 #[derive(Clone, Copy, Debug)]
@@ -46,11 +58,15 @@ pub(crate) struct LayerShape {
     pub pre_norm: bool,
     /// The feed-forward nonlinearity.
     pub activation: crate::nn::Activation,
+    /// Forget-gate channels computed from the attention input (2 × heads: forward gates, then
+    /// backward), whose running sums bias the scores; 0 for none.
+    pub gates: usize,
 }
 
 /// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
 /// `W_qkv` `(3d, d)` (q, k, v stacked), `b_qkv` `(3d)`, `W_o` `(d, d)`, `b_o`,
-/// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`.
+/// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`, and with
+/// gates `W_g` `(gates, d)`, `b_g` `(gates)`.
 #[derive(Clone, Copy, Debug)]
 struct Offsets {
     ln1: usize,
@@ -63,6 +79,8 @@ struct Offsets {
     bup: usize,
     wdown: usize,
     bdown: usize,
+    wg: usize,
+    bg: usize,
     len: usize,
 }
 
@@ -85,6 +103,8 @@ impl LayerShape {
         let bup = take(f);
         let wdown = take(d * f);
         let bdown = take(d);
+        let wg = take(self.gates * d);
+        let bg = take(self.gates);
         Offsets {
             ln1,
             wqkv,
@@ -96,6 +116,8 @@ impl LayerShape {
             bup,
             wdown,
             bdown,
+            wg,
+            bg,
             len: at,
         }
     }
@@ -136,6 +158,9 @@ struct Saved<T> {
     act_grad: Vec<T>,
     /// post-norm: `s2`
     s2: Vec<T>,
+    /// with gates: their pre-activations `z` `(n, gates)` and the running sums `(2, b, h, t)`
+    gate_z: Vec<T>,
+    sums: Vec<T>,
 }
 
 pub(crate) struct LayerOp {
@@ -268,10 +293,21 @@ impl LayerOp {
         let attn_in = if self.shape.pre_norm { &a[..] } else { x };
         // qkv: (n, 3d); c: (n, d), and the attention weights when kept
         let qkv = linear_out(attn_in, &p[o.wqkv..o.bqkv], &p[o.bqkv..o.wo], (n, d, 3 * d));
+        // The gates' pre-activations z (n, gates) and the score bias's running sums.
+        let (gate_z, sums) = match self.shape.gates {
+            0 => (Vec::new(), Vec::new()),
+            c => {
+                let z = linear_out(attn_in, &p[o.wg..o.bg], &p[o.bg..o.len], (n, d, c));
+                let log_gates = pointwise::forward_par::<LogSigmoid, T>(simd, &z);
+                let sums = running_sums::forward(&log_gates, (b, t, 2, c / 2));
+                (z, sums)
+            }
+        };
         let attention_mask = masks.attention.as_deref();
+        let given = (!sums.is_empty()).then_some(&sums[..]);
         let (c, probs) = self
             .attention
-            .forward(&qkv, attention_mask, dims, for_backward)?;
+            .forward(&qkv, attention_mask, given, dims, for_backward)?;
         // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
         let h_or_s1 = residual_linear(
             x,
@@ -307,7 +343,7 @@ impl LayerOp {
             res,
             &act,
             &p[o.wdown..o.bdown],
-            &p[o.bdown..o.len],
+            &p[o.bdown..o.wg],
             (n, f, d),
             masks.ffn_out.as_deref(),
         );
@@ -328,6 +364,8 @@ impl LayerOp {
                 act,
                 act_grad,
                 s2,
+                gate_z,
+                sums,
             },
         ))
     }
@@ -363,7 +401,7 @@ impl LayerOp {
         // Feed-forward branch.
         let gz = masked(&g_res, &masks.ffn_out);
         grad_weight(&gz, &s.act, (n, d, f), &mut dp[o.wdown..o.bdown]);
-        column_sum(&gz, &mut dp[o.bdown..o.len]);
+        column_sum(&gz, &mut dp[o.bdown..o.wg]);
         let g_act = grad_input_of(&gz, &p[o.wdown..o.bdown], (n, d, f));
         drop(gz);
         // gu = g_act ⊙ act'(u), and b_up's gradient summed from it in the same pass
@@ -398,20 +436,41 @@ impl LayerOp {
         let gc = grad_input_of(&go, &p[o.wo..o.bo], (n, d, d));
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
-        let (gqkv, gbias) =
+        let given = (!s.sums.is_empty()).then_some(&s.sums[..]);
+        let (gqkv, mut gbias) =
             self.attention
-                .backward(&s.qkv, masks.attention.as_deref(), probs, &gc, dims)?;
+                .backward(&s.qkv, masks.attention.as_deref(), given, probs, &gc, dims)?;
         drop(gc);
         let attn_in = if self.shape.pre_norm { &s.a[..] } else { x };
         grad_weight(&gqkv, attn_in, (n, 3 * d, d), &mut dp[o.wqkv..o.bqkv]);
         column_sum(&gqkv, &mut dp[o.bqkv..o.wo]);
+        // The gates: the running sums' gradient (from the attention) back to z.
+        let g_gates = match self.shape.gates {
+            0 => None,
+            c => {
+                let g_log = running_sums::backward(&gbias, (b, t, 2, c / 2));
+                gbias = Vec::new();
+                let gz = pointwise::grad_par::<LogSigmoid, T>(simd, &s.gate_z, &g_log);
+                grad_weight(&gz, attn_in, (n, c, d), &mut dp[o.wg..o.bg]);
+                column_sum(&gz, &mut dp[o.bg..o.len]);
+                Some((gz, c))
+            }
+        };
+        // d(attention input): from q, k and v, plus the gates' (gz Wg).
+        let gates_into = |ga: &mut [T]| {
+            if let Some((gz, c)) = &g_gates {
+                grad_input(gz, &p[o.wg..o.bg], (n, *c, d), ga, true);
+            }
+        };
 
         let mut gx = g_mid;
         if self.shape.pre_norm {
-            let ga = grad_input_of(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d));
+            let mut ga = grad_input_of(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d));
+            gates_into(&mut ga);
             add_into(&mut gx, &ln_back(x, &ga, o.ln1, &mut dp));
         } else {
             grad_input(&gqkv, &p[o.wqkv..o.bqkv], (n, 3 * d, d), &mut gx, true);
+            gates_into(&mut gx);
         }
         Ok((gx, dp, gbias))
     }
@@ -547,5 +606,136 @@ impl candle::CustomOp3 for LayerGrad<'_> {
                     + self.layer.attention.bias_grad_len(),
             ),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{encoder_layer, layer_norm, test_uniform, Attention};
+    use super::*;
+    use crate::nn::{AttentionBias, ForgetGates};
+    use candle::{DType, Device, Var};
+
+    fn uniform(len: usize, seed: u64, dims: &[usize]) -> Tensor {
+        let v: Vec<f64> = test_uniform(len, seed).map(|u| u - 0.5).collect();
+        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+    }
+
+    /// The forget gates computed inside the layer against the same layer given their running
+    /// sums from the composition ([`ForgetGates::sums`] of `LN1(x)`, or of `x` post-norm), in
+    /// f64: the output and the gradients of `x`, every layer parameter and the gates' weights
+    /// and bias. Fails when the gates' forward, their backward or the sum of their gradient
+    /// with q, k and v's into the attention input is wrong.
+    #[test]
+    fn gates_inside_the_layer_match_their_composition() {
+        let (b, t, d, h, f) = (2, 7, 8, 2, 12);
+        for pre_norm in [true, false] {
+            let base = LayerShape {
+                d,
+                ffn: f,
+                eps: 1e-5,
+                pre_norm,
+                activation: crate::nn::Activation::Gelu,
+                gates: 0,
+            };
+            let with_gates = LayerShape {
+                gates: 2 * h,
+                ..base
+            };
+            let (np, ng) = (base.packed_len(), with_gates.packed_len());
+            let x = Var::from_tensor(&uniform(b * t * d, 1, &[b, t, d])).unwrap();
+            let layer = Var::from_tensor(&uniform(np, 2, &[np])).unwrap();
+            // The gates' bias near FoX's start (5) so the sums stay in the gates' working range.
+            let weight = Var::from_tensor(&uniform(2 * h * d, 3, &[2 * h, d])).unwrap();
+            let bias = Var::from_tensor(&(uniform(2 * h, 4, &[2 * h]) + 3.0).unwrap()).unwrap();
+            let key_bias = Tensor::zeros((b, t), DType::F64, &Device::Cpu).unwrap();
+            let r = uniform(b * t * d, 5, &[b, t, d]);
+            let scale = 1.0 / ((d / h) as f64).sqrt();
+
+            // Inside: the gates packed after the layer's parameters.
+            let packed = Tensor::cat(
+                &[layer.as_tensor(), &weight.flatten_all().unwrap(), &bias],
+                0,
+            )
+            .unwrap();
+            let attention = Attention::new(h, scale, &key_bias, None, None, None);
+            let inside = encoder_layer(
+                &x,
+                &packed,
+                with_gates,
+                attention,
+                LayerMasks::default(),
+                true,
+            )
+            .unwrap();
+
+            // Outside: the composition's sums given as the score bias.
+            let attn_in = if pre_norm {
+                let p = layer.as_tensor();
+                layer_norm(
+                    &x,
+                    &p.narrow(0, 0, d).unwrap(),
+                    &p.narrow(0, d, d).unwrap(),
+                    1e-5,
+                )
+                .unwrap()
+            } else {
+                x.as_tensor().clone()
+            };
+            let gates = ForgetGates {
+                weight: weight.as_tensor().clone(),
+                bias: bias.as_tensor().clone(),
+            };
+            let sums = gates.sums(&attn_in).unwrap();
+            let attention = Attention::new(
+                h,
+                scale,
+                &key_bias,
+                None,
+                Some(AttentionBias::SidedSums(&sums)),
+                None,
+            );
+            let outside =
+                encoder_layer(&x, &layer, base, attention, LayerMasks::default(), true).unwrap();
+
+            let close = |a: &Tensor, b: &Tensor, what: &str| {
+                let (a, b) = (
+                    a.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                    b.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                );
+                let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                let err = a
+                    .iter()
+                    .zip(&b)
+                    .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+                assert!(scale > 1e-6, "{what}: zero (pre-norm {pre_norm})");
+                assert!(
+                    err <= 1e-12 * scale,
+                    "{what}: differs by {err:e} of {scale:e} (pre-norm {pre_norm})"
+                );
+            };
+            close(&inside, &outside, "output");
+            let gi = (&inside * &r)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let go = (&outside * &r)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            close(gi.get(&x).unwrap(), go.get(&x).unwrap(), "d x");
+            assert_eq!(ng, np + 2 * h * d + 2 * h);
+            for (var, what) in [
+                (&layer, "d layer"),
+                (&weight, "d gate weight"),
+                (&bias, "d gate bias"),
+            ] {
+                close(gi.get(var).unwrap(), go.get(var).unwrap(), what);
+            }
+        }
     }
 }

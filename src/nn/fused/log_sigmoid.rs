@@ -39,7 +39,7 @@ simd_dispatch!(fn log_sigmoid_grad_rows = log_sigmoid_grad_body(z: &[T], g: &[T]
 
 /// `log σ` as a [`Pointwise`] function.
 #[derive(Clone, Copy)]
-struct LogSigmoid;
+pub(super) struct LogSigmoid;
 
 impl Pointwise for LogSigmoid {
     const NAME: &'static str = "log sigmoid";

@@ -543,6 +543,13 @@ pub(crate) fn encoder_layer(
     if shape.activation == crate::nn::Activation::Geglu {
         candle::bail!("the fused layer computes GELU and ReLU feed-forwards; GeGLU runs as ops");
     }
+    if shape.gates != 0 && shape.gates != 2 * attention.head_count() {
+        candle::bail!(
+            "the fused layer's forget gates have {} channels, not 2 x {} heads",
+            shape.gates,
+            attention.head_count()
+        );
+    }
     let bias = attention.score_bias_input(x)?;
     let op = layer::LayerOp::new(shape, attention, masks, keep_activations);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)

@@ -36,7 +36,7 @@ pub(crate) fn group_channels(width: usize, groups: usize) -> Result<usize> {
 }
 
 /// `(S, b, C, t)` running sums of `x` `(b, t, S C)`.
-fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
+pub(super) fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
     let width = groups * c;
     // Each batch element's sums, as (t, S C), then laid out group by group.
     let per_batch: Vec<Vec<T>> = x
@@ -66,7 +66,10 @@ fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) ->
 
 /// `dx` `(b, t, S C)` from `dout` `(S, b, C, t)`: each value the sum of `dout` from its token
 /// to the last, in order of the tokens.
-fn backward<T: Real>(g: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {
+pub(super) fn backward<T: Real>(
+    g: &[T],
+    (b, t, groups, c): (usize, usize, usize, usize),
+) -> Vec<T> {
     let width = groups * c;
     let mut dx = vec![T::zero(); b * t * width];
     dx.par_chunks_mut(t * width)
