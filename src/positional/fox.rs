@@ -28,7 +28,7 @@ use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
-use crate::nn::{AttentionBias, ForgetGates, LayerBias, Linear};
+use crate::nn::{AttentionBias, ForgetGates, LayerBias};
 
 /// The gates' initial bias: `sigmoid(5) = 0.993`, little forgetting at the start (FoX's).
 pub const FOX_GATE_BIAS: f64 = 5.0;
@@ -99,8 +99,8 @@ impl Scheme for FoxScheme {
 /// One layer's forget gates: `2 · heads` of them, from the attention input.
 #[derive(Clone, Debug)]
 pub struct FoxGates {
-    /// `(2h, d)`: the forward gates' rows, then the backward gates'
-    gates: Linear,
+    /// `(2h, d)`: the forward gates' rows, then the backward gates'; and their bias `(2h)`
+    gates: ForgetGates,
 }
 
 impl FoxGates {
@@ -117,28 +117,19 @@ impl FoxGates {
             },
         )?;
         let bias = vb.get_with_hints(2 * heads, "bias", Init::Const(FOX_GATE_BIAS))?;
-        Ok(Self {
-            gates: Linear::new(weight, Some(bias)),
-        })
+        Self::from_tensors(weight, bias)
     }
 
     /// From given weights `(2h, d)` and bias `(2h)` (for tests and analysis).
     pub fn from_tensors(weight: Tensor, bias: Tensor) -> Result<Self> {
         Ok(Self {
-            gates: Linear::new(weight, Some(bias)),
+            gates: ForgetGates { weight, bias },
         })
     }
 
     /// The gates as [`ForgetGates`]: their weights, and the composition every path shares.
-    pub fn forget_gates(&self) -> ForgetGates {
-        ForgetGates {
-            weight: self.gates.weight().clone(),
-            bias: self
-                .gates
-                .bias()
-                .expect("FoX's gates are built with a bias")
-                .clone(),
-        }
+    pub fn forget_gates(&self) -> &ForgetGates {
+        &self.gates
     }
 
     /// `log sigmoid(x Wᵀ + b)` ([`ForgetGates::log_gates`]).
@@ -146,7 +137,7 @@ impl FoxGates {
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
     pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.forget_gates().log_gates(x)?)
+        Ok(self.gates.log_gates(x)?)
     }
 
     /// The gates' running sums `[G; G']` along the tokens, whose two-sided differences are the
@@ -156,7 +147,7 @@ impl FoxGates {
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
     pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.forget_gates().sums(x)?)
+        Ok(self.gates.sums(x)?)
     }
 
     /// The bias as a table.
@@ -169,7 +160,7 @@ impl FoxGates {
 
     /// `(weight (2h, d), bias (2h))`.
     pub fn params(&self) -> (&Tensor, Option<&Tensor>) {
-        (self.gates.weight(), self.gates.bias())
+        (&self.gates.weight, Some(&self.gates.bias))
     }
 }
 
@@ -186,7 +177,7 @@ impl BiasModule for Fox {
         self.0
             .iter()
             .flatten()
-            .flat_map(|g| g.gates.undecayed())
+            .map(|g| g.gates.bias.clone())
             .collect()
     }
 
@@ -199,7 +190,7 @@ impl BiasModule for Fox {
     }
 
     fn input_gates(&self, layer: usize) -> Option<ForgetGates> {
-        Some(self.0.get(layer)?.as_ref()?.forget_gates())
+        Some(self.0.get(layer)?.as_ref()?.forget_gates().clone())
     }
 
     fn per_layer(&self) -> bool {
