@@ -297,8 +297,9 @@ impl LayerNormGradInput {
 }
 
 /// LayerNorm's input and parameter gradients in one pass over `(x, g)`: `dx` with the bits of
-/// [`LayerNormGradInput`], `[dw; db]` with those of [`LayerNormGradParams`] (the same chunks of
-/// rows, summed in the same order), each row centred and scaled once for both.
+/// `LayerNormGradInput`, `[dw; db]` with those of `LayerNormGradParams` (the tests' separate
+/// references: the same chunks of rows, summed in the same order), each row centred and scaled
+/// once for both.
 pub(super) struct LayerNormGrad {
     pub(super) eps: f64,
     pub(super) simd: SimdLevel,
