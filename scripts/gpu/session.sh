@@ -10,7 +10,10 @@
 # The first run (2026-11-26, H100, 15 minutes of device time) took: unpacking and info 5 s,
 # tests 24 s, bench-ref about 70 s a dtype for one round, compare 4.3 s a cell (45 cells), the
 # variants 30 s a dtype. Fire the second call as soon as the first returns: the machine stays
-# warm 30 s.
+# warm 30 s. The second run (2026-11-26, evening, `ROUNDS=1`, `info tests bench-large kernels
+# bench-ref` in one call of 437 s, the start 34 s): tests 23 s, bench-large 105 and 90 s
+# (f32, bf16), kernels 80 s (its reference-kernel large run cut at 70 s), bench-ref 60 s a
+# dtype; then `parts` (bf16) 20 s and `profile` 28 s a dtype.
 #
 # Stages:
 #   info         nvidia-smi, torch, the libraries the binary resolves        -> info.txt
