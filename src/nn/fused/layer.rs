@@ -26,7 +26,8 @@
 //! reaches LN1's backward as one sum.
 //!
 //! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
-//! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values);
+//! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values,
+//! and `2 h` more per token with gates);
 //! if a backward comes without them (the forward ran in evaluation mode), it recomputes them.
 
 use std::any::Any;
@@ -437,29 +438,30 @@ impl LayerOp {
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
         let given = (!s.sums.is_empty()).then_some(&s.sums[..]);
-        let (gqkv, mut gbias) =
+        let (gqkv, g_sums) =
             self.attention
                 .backward(&s.qkv, masks.attention.as_deref(), given, probs, &gc, dims)?;
         drop(gc);
         let attn_in = if self.shape.pre_norm { &s.a[..] } else { x };
         grad_weight(&gqkv, attn_in, (n, 3 * d, d), &mut dp[o.wqkv..o.bqkv]);
         column_sum(&gqkv, &mut dp[o.bqkv..o.wo]);
-        // The gates: the running sums' gradient (from the attention) back to z.
-        let g_gates = match self.shape.gates {
-            0 => None,
-            c => {
-                let g_log = running_sums::backward(&gbias, (b, t, 2, c / 2));
-                gbias = Vec::new();
+        // The gates take the running sums' gradient (from the attention) back to z; without
+        // them it is the score bias input's, returned.
+        let c = self.shape.gates;
+        let (gz, gbias) = match c {
+            0 => (None, g_sums),
+            _ => {
+                let g_log = running_sums::backward(&g_sums, (b, t, 2, c / 2));
                 let gz = pointwise::grad_par::<LogSigmoid, T>(simd, &s.gate_z, &g_log);
                 grad_weight(&gz, attn_in, (n, c, d), &mut dp[o.wg..o.bg]);
                 column_sum(&gz, &mut dp[o.bg..o.len]);
-                Some((gz, c))
+                (Some(gz), Vec::new())
             }
         };
         // d(attention input): from q, k and v, plus the gates' (gz Wg).
         let gates_into = |ga: &mut [T]| {
-            if let Some((gz, c)) = &g_gates {
-                grad_input(gz, &p[o.wg..o.bg], (n, *c, d), ga, true);
+            if let Some(gz) = &gz {
+                grad_input(gz, &p[o.wg..o.bg], (n, c, d), ga, true);
             }
         };
 
