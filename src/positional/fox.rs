@@ -159,8 +159,8 @@ impl FoxGates {
     }
 
     /// `(weight (2h, d), bias (2h))`.
-    pub fn params(&self) -> (&Tensor, Option<&Tensor>) {
-        (&self.gates.weight, Some(&self.gates.bias))
+    pub fn params(&self) -> (&Tensor, &Tensor) {
+        (&self.gates.weight, &self.gates.bias)
     }
 }
 
@@ -205,10 +205,11 @@ impl BiasModule for Fox {
                 let Some(g) = g else {
                     return Ok(format!("layer {l}: no positions"));
                 };
-                let bias = match g.params().1 {
-                    Some(b) => b.to_dtype(candle::DType::F64)?.to_vec1::<f64>()?,
-                    None => Vec::new(),
-                };
+                let bias = g
+                    .params()
+                    .1
+                    .to_dtype(candle::DType::F64)?
+                    .to_vec1::<f64>()?;
                 Ok(format!(
                     "layer {l}: gate biases [{}] (forward, then backward)",
                     super::list(&bias)
@@ -223,7 +224,7 @@ impl BiasModule for Fox {
             .flatten()
             .flat_map(|g| {
                 let (w, b) = g.params();
-                std::iter::once(w.clone()).chain(b.cloned())
+                [w.clone(), b.clone()]
             })
             .collect()
     }
