@@ -34,9 +34,16 @@ Cross-check against another PyTorch encoder of the same architecture (the lab's 
 `torch_reference.py`): `--cross-check PATH` builds that file's model at this shape, copies this
 model's weights into it, and compares logits and every gradient (f32 on the CPU), then exits.
 
+`--products` times instead the matrix products of one encoder layer's training step, one by
+one, as PyTorch's autograd runs them (f32, CPU): each linear layer's output `F.linear(x, W, b)`,
+input gradient `g.mm(W)` and weight gradient `g.t().mm(x)`, over batch x seq rows, and a square
+1024^3 product. It prints {"torch": ..., "products": {"qkv.output": GFLOP/s, ...}}, the best of
+--train-iters runs after --warm (`poslab bench --products --torch`).
+
 Usage: python benches/torch_at_shape.py VARIANT [--device cuda] [--dtype bf16] [--d-model 768
        --heads 12 --layers 12 --ffn 3072 --batch 32 --seq 512] [--attn manual|sdpa]
        python benches/torch_at_shape.py --probe          (torch's version and the variants)
+       python benches/torch_at_shape.py --products [--d-model ... --batch ... --seq ...]
        python benches/torch_at_shape.py rope --cross-check ../shared/bench/torch_reference.py
 """
 import argparse
@@ -266,11 +273,47 @@ def cross_check(torch, args, variant):
                  "the largest value (allowed 1e-4)")
 
 
+def time_products(torch, args):
+    """Each matrix product of an encoder layer's training step, timed alone: GFLOP/s by name."""
+    F = torch.nn.functional
+    rows, d, f = args.batch * args.seq, args.d_model, args.ffn
+
+    def rate(flop, fn):
+        for _ in range(args.warm):
+            fn()
+        best = math.inf
+        for _ in range(max(args.train_iters, 1)):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return flop / best / 1e9
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    rates = {}
+    with torch.no_grad():
+        a, b = randn(1024, 1024), randn(1024, 1024)
+        rates["square"] = rate(2 * 1024 ** 3, lambda: a.mm(b))
+        for layer, inp, out in [("qkv", d, 3 * d), ("attn_out", d, d), ("ffn_up", d, f),
+                                ("ffn_down", f, d)]:
+            x, w, bias, g = randn(rows, inp), randn(out, inp), randn(out), randn(rows, out)
+            flop = 2 * rows * inp * out
+            rates[f"{layer}.output"] = rate(flop, lambda: F.linear(x, w, bias))
+            rates[f"{layer}.input_gradient"] = rate(flop, lambda: g.mm(w))
+            rates[f"{layer}.weight_gradient"] = rate(flop, lambda: g.t().mm(x))
+    return rates
+
+
 def main():
     ap = argparse.ArgumentParser(description="poslab's bench encoder in PyTorch, timed.")
     ap.add_argument("variant", nargs="?", help=", ".join(VARIANTS))
     ap.add_argument("--probe", action="store_true",
                     help="print torch's version and the variants as JSON, then exit")
+    ap.add_argument("--products", action="store_true",
+                    help="time the step's matrix products one by one (f32, CPU), then exit")
     ap.add_argument("--attn", default="manual", choices=["manual", "sdpa"])
     ap.add_argument("--fwd-iters", type=int, default=20)
     ap.add_argument("--train-iters", type=int, default=12)
@@ -296,6 +339,13 @@ def main():
                  "(pip install torch) or run a Python that has it")
     if args.probe:
         print(json.dumps(dict(torch=torch.__version__, variants=VARIANTS)))
+        return
+    if args.products:
+        for name in ("batch", "seq", "d_model", "ffn"):
+            if getattr(args, name) < 1:
+                sys.exit(f"torch_at_shape.py: --{name.replace('_', '-')} must be at least 1")
+        torch.set_num_threads(args.threads)
+        print(json.dumps(dict(torch=torch.__version__, products=time_products(torch, args))))
         return
     if args.variant not in VARIANTS:
         sys.exit(f"torch_at_shape.py: unknown variant {args.variant!r}: use {', '.join(VARIANTS)}")

@@ -21,6 +21,7 @@ use crate::table::TextTable;
 use crate::train::optim::{AdamW, AdamWConfig};
 
 mod plan;
+pub mod products;
 
 pub use plan::{Outcome, Plan, Torch};
 

@@ -169,6 +169,82 @@ impl Torch {
     }
 }
 
+impl Torch {
+    /// Whether the script times products (`--products`): the fixed-shape reference does not.
+    pub fn check_products(&self) -> Result<()> {
+        match self.takes_shape {
+            true => Ok(()),
+            false => Err(Error::Input(format!(
+                "--products --torch {}: that script runs one fixed model and has no --products \
+                 mode; give --torch no path (poslab's own benches/torch_at_shape.py)",
+                self.script.display()
+            ))),
+        }
+    }
+
+    /// One round of PyTorch's rates, in GFLOP/s by [`super::products::Product::name`], for the
+    /// step's matrix products at `shape` (`torch_at_shape.py --products`: `torch.matmul`'s
+    /// products as its autograd runs them, best of `reps` after `warm`), on `threads` threads.
+    pub fn products(
+        &self,
+        shape: &Shape,
+        threads: usize,
+        warm: usize,
+        reps: usize,
+    ) -> Result<std::collections::BTreeMap<String, f64>> {
+        self.check_products()?;
+        let mut cmd = Command::new(&self.python);
+        cmd.arg(&self.script).arg("--products");
+        for (flag, value) in shape.flags() {
+            cmd.args([flag.to_string(), value.to_string()]);
+        }
+        cmd.args(["--train-iters", &reps.max(1).to_string()])
+            .args(["--warm", &warm.to_string()])
+            .args(["--threads", &threads.to_string()]);
+        #[derive(serde::Deserialize)]
+        struct Rates {
+            products: std::collections::BTreeMap<String, f64>,
+        }
+        let line = self.json_line(&mut cmd, "with --products")?;
+        serde_json::from_str::<Rates>(&line)
+            .map(|r| r.products)
+            .map_err(|e| {
+                Error::Input(format!(
+                    "the PyTorch script {} --products printed no {{\"products\": {{...}}}} \
+                     line ({e})",
+                    self.script.display()
+                ))
+            })
+    }
+
+    /// Runs `cmd` (this script, its stderr shown) and returns the last line of its output that
+    /// opens a JSON object; `what` says which run in the errors.
+    fn json_line(&self, cmd: &mut Command, what: &str) -> Result<String> {
+        let out = cmd
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| Error::io(&self.python, e))?;
+        if !out.status.success() {
+            return Err(Error::Input(format!(
+                "the PyTorch script {} failed {what} ({}): its own message is above",
+                self.script.display(),
+                out.status
+            )));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .rev()
+            .find(|l| l.trim_start().starts_with('{'))
+            .map(str::to_string)
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "the PyTorch script {} printed no JSON line {what}",
+                    self.script.display()
+                ))
+            })
+    }
+}
+
 /// What a bench measured.
 pub enum Outcome {
     /// One record per variant.
@@ -408,28 +484,12 @@ impl Plan {
             cmd.args(["--dtype", shape.dtype.name()]);
             cmd.args(["--device", &device_name(&options.device)]);
         }
-        let out = cmd
-            .args(["--fwd-iters", &options.forward_reps.max(1).to_string()])
+        cmd.args(["--fwd-iters", &options.forward_reps.max(1).to_string()])
             .args(["--train-iters", &options.train_reps.max(1).to_string()])
             .args(["--warm", &options.warmup.to_string()])
-            .args(["--threads", &self.threads.to_string()])
-            .stderr(Stdio::inherit())
-            .output()
-            .map_err(|e| Error::io(&torch.python, e))?;
-        if !out.status.success() {
-            return Err(Error::Input(format!(
-                "the PyTorch script {} failed for {variant} ({}): its own message is above",
-                torch.script.display(),
-                out.status
-            )));
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .rev()
-            .find(|l| l.trim_start().starts_with('{'))
-            .ok_or_else(|| Error::Input("the PyTorch reference printed no JSON line".into()))?;
-        TorchRecord::from_json(line)
+            .args(["--threads", &self.threads.to_string()]);
+        let line = torch.json_line(&mut cmd, &format!("for {variant}"))?;
+        TorchRecord::from_json(&line)
     }
 }
 

@@ -77,6 +77,13 @@ pub struct Args {
     /// Activations in f32, bf16 or f16 (mixed precision; weights and optimizer stay f32).
     #[arg(long, default_value = "f32")]
     pub dtype: poslab::Precision,
+    /// Instead of the variants: time the matrix products of one encoder layer's training step
+    /// one by one (each linear layer's output, input gradient and weight gradient over batch x
+    /// seq rows) through the gemm calls the fused layers make, beside gemm at 1024^3; with
+    /// --torch, beside PyTorch's products as its autograd runs them, in interleaved --rounds
+    /// (default 3). CPU, f32; each rate the best of --train-reps runs after --warmup.
+    #[arg(long)]
+    pub products: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -103,6 +110,9 @@ pub fn run(a: Args) -> Result<()> {
         backend = backend.with_simd(simd);
     }
     let device = a.device.open()?;
+    if a.products {
+        check_products(&a, &shape, &device)?;
+    }
     let torch = match &a.torch {
         Some(Some(script)) => Some(poslab::bench::Torch::new(
             script, &a.python, &shape, &device,
@@ -110,6 +120,9 @@ pub fn run(a: Args) -> Result<()> {
         Some(None) => Some(poslab::bench::Torch::built_in(&a.python, &shape, &device)?),
         None => None,
     };
+    if a.products {
+        return products(&a, &shape, torch.as_ref());
+    }
     let variants = match a.variants.is_empty() {
         true => poslab::bench::Plan::default_variants(&shape, torch.as_ref()),
         false => a.variants,
@@ -142,6 +155,70 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::to_string_pretty(&outcome.json(plan.header()))?
         ),
         false => out!("{}", outcome.table()),
+    }
+    Ok(())
+}
+
+/// `--products` measures the CPU's f32 products of the encoder layers, the same for every
+/// variant.
+fn check_products(a: &Args, shape: &poslab::bench::Shape, device: &candle::Device) -> Result<()> {
+    let refuse = |why: &str| Err(poslab::Error::Input(format!("--products: {why}")).into());
+    if !device.is_cpu() {
+        return refuse("it times the CPU's matrix products (gemm); add --device cpu");
+    }
+    if a.dtype != poslab::Precision::F32 {
+        return refuse("it times f32 products; drop --dtype");
+    }
+    if !a.variants.is_empty() {
+        return refuse(
+            "the encoder layers' products are the same for every variant; drop --variants",
+        );
+    }
+    // The shape's own checks (heads, sizes, memory), as a bench of it would make them.
+    shape.model_config("sin_add")?;
+    Ok(())
+}
+
+fn products(
+    a: &Args,
+    shape: &poslab::bench::Shape,
+    torch: Option<&poslab::bench::Torch>,
+) -> Result<()> {
+    use poslab::bench::products;
+    if let Some(t) = torch {
+        t.check_products()?;
+    }
+    let threads = candle::utils::get_num_threads();
+    let list = products::step_products(shape);
+    let rounds = a.rounds.unwrap_or(if torch.is_some() { 3 } else { 1 });
+    let mut torch_round = torch.map(|t| move || t.products(shape, threads, a.warmup, a.train_reps));
+    let torch_fn = torch_round
+        .as_mut()
+        .map(|f| f as &mut dyn FnMut() -> poslab::Result<_>);
+    let rates = products::measure(
+        &list,
+        threads,
+        a.train_reps,
+        rounds,
+        torch_fn,
+        &mut |line| eprintln!("{line}"),
+    )?;
+    let rows = shape.batch * shape.seq;
+    match a.json {
+        true => outln!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "threads": threads,
+                "rows": rows,
+                "torch": torch.and_then(|t| t.version.clone()),
+                "products": rates,
+                "step_ms": {
+                    "poslab": products::step_ms(&rates, false),
+                    "torch": products::step_ms(&rates, true),
+                },
+            }))?
+        ),
+        false => out!("{}", products::table(&rates, rows, threads)),
     }
     Ok(())
 }

@@ -217,6 +217,31 @@ fn write_executable(path: &std::path::Path, body: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
+/// A stand-in for Python (these tests have no torch) in `dir`: it checks that it was handed the
+/// built-in script (poslab's own PyTorch model), logs its arguments to `log`, answers the probe
+/// with `variants` (JSON strings, comma-separated) and runs `body` (shell) for anything else.
+fn fake_built_in_python(
+    dir: &std::path::Path,
+    log: &std::path::Path,
+    variants: &str,
+    body: &str,
+) -> std::path::PathBuf {
+    let python = dir.join("python");
+    write_executable(
+        &python,
+        &format!(
+            r#"#!/bin/sh
+grep -q "poslab's bench encoder in PyTorch" "$1" || {{ echo "not the built-in script: $1" >&2; exit 3; }}
+echo "$@" >> {log}
+if [ "$2" = "--probe" ]; then echo '{{"torch": "9.9-fake", "variants": [{variants}]}}'; exit 0; fi
+{body}
+"#,
+            log = log.display()
+        ),
+    );
+    python
+}
+
 #[test]
 fn bench_torch_with_no_path_runs_the_built_in_pytorch_model_at_the_benchs_shape() {
     // A stand-in for Python (these tests have no torch): it checks that it was handed the
@@ -224,18 +249,11 @@ fn bench_torch_with_no_path_runs_the_built_in_pytorch_model_at_the_benchs_shape(
     // reports fixed throughputs, logging its arguments.
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("args.log");
-    let python = dir.path().join("python");
-    write_executable(
-        &python,
-        &format!(
-            r#"#!/bin/sh
-grep -q "poslab's bench encoder in PyTorch" "$1" || {{ echo "not the built-in script: $1" >&2; exit 3; }}
-echo "$@" >> {log}
-if [ "$2" = "--probe" ]; then echo '{{"torch": "9.9-fake", "variants": ["sin_add", "alibi", "none"]}}'; exit 0; fi
-echo '{{"variant": "'$2'", "fwd_tokens_per_s_median": 1000.0, "train_tokens_per_s_median": 500.0, "train_part_medians_ms": {{"fwd": 1.0, "bwd": 2.0, "opt": 0.5}}, "peak_rss_train_phase_mib": 100.0, "fwd_foreign_cores": 0.0, "train_foreign_cores": 0.0}}'
-"#,
-            log = log.display()
-        ),
+    let python = fake_built_in_python(
+        dir.path(),
+        &log,
+        r#""sin_add", "alibi", "none""#,
+        r#"echo '{"variant": "'$2'", "fwd_tokens_per_s_median": 1000.0, "train_tokens_per_s_median": 500.0, "train_part_medians_ms": {"fwd": 1.0, "bwd": 2.0, "opt": 0.5}, "peak_rss_train_phase_mib": 100.0, "fwd_foreign_cores": 0.0, "train_foreign_cores": 0.0}'"#,
     );
     let python = python.to_str().unwrap();
     let shape: Vec<&str> = "--vocab 50 --d-model 16 --heads 2 --layers 1 --ffn 32 --batch 2 \
@@ -291,6 +309,157 @@ echo '{{"variant": "'$2'", "fwd_tokens_per_s_median": 1000.0, "train_tokens_per_
     assert!(
         !ok && stderr.contains("has no `rope` variant; it runs sin_add, alibi, none")
             && !stderr.contains("poslab bench on"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bench_products_sets_each_product_of_the_step_beside_pytorchs() {
+    // A stand-in for Python: the built-in script's probe, then `--products` answered with 100
+    // GFLOP/s for every product but the square one (200), logging its arguments.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("args.log");
+    let names = [
+        "qkv.output",
+        "qkv.input_gradient",
+        "qkv.weight_gradient",
+        "attn_out.output",
+        "attn_out.input_gradient",
+        "attn_out.weight_gradient",
+        "ffn_up.output",
+        "ffn_up.input_gradient",
+        "ffn_up.weight_gradient",
+        "ffn_down.output",
+        "ffn_down.input_gradient",
+        "ffn_down.weight_gradient",
+    ];
+    let rates: Vec<String> = names.iter().map(|n| format!("\"{n}\": 100.0")).collect();
+    let python = fake_built_in_python(
+        dir.path(),
+        &log,
+        r#""sin_add""#,
+        &format!(
+            r#"[ "$2" = "--products" ] || {{ echo "not --products: $2" >&2; exit 4; }}
+echo '{{"torch": "9.9-fake", "products": {{"square": 200.0, {}}}}}'"#,
+            rates.join(", ")
+        ),
+    );
+    let python = python.to_str().unwrap();
+    // 16 x 8 rows, width 16, FFN 32, 3 layers.
+    let shape: Vec<&str> = "--vocab 50 --d-model 16 --heads 2 --layers 3 --ffn 32 --batch 16 \
+        --seq 8 --threads 1 --warmup 0 --train-reps 2 --rounds 2"
+        .split_whitespace()
+        .collect();
+    let mut args = vec![
+        "bench",
+        "--products",
+        "--torch",
+        "--python",
+        python,
+        "--json",
+    ];
+    args.extend_from_slice(&shape);
+    let (ok, stdout, stderr) = poslab(&args);
+    assert!(ok, "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["torch"], "9.9-fake", "{stdout}");
+    assert_eq!(doc["rows"], 128, "{stdout}");
+    let products = doc["products"].as_array().unwrap();
+    let got: Vec<&str> = products
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(got[0], "square");
+    assert_eq!(got[1..], names, "{stdout}");
+    let mut flop = 0.0;
+    for p in products {
+        let poslab = p["poslab"].as_array().unwrap();
+        assert_eq!(poslab.len(), 2, "a rate per round: {p}");
+        assert!(
+            poslab.iter().all(|r| r.as_f64().is_some_and(|r| r > 0.0)),
+            "{p}"
+        );
+        let torch: Vec<f64> = p["torch"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_f64().unwrap())
+            .collect();
+        let dims = [&p["m"], &p["n"], &p["k"]].map(|v| v.as_f64().unwrap());
+        if p["name"] == "square" {
+            assert_eq!(
+                (torch.as_slice(), p["per_step"].as_u64()),
+                (&[200.0, 200.0][..], Some(0))
+            );
+            assert_eq!(dims, [1024.0; 3]);
+            continue;
+        }
+        assert_eq!(
+            (torch.as_slice(), p["per_step"].as_u64()),
+            (&[100.0, 100.0][..], Some(3))
+        );
+        // Every product of a linear layer in or out of width 16 (FFN 32, q k v 48) over the
+        // 128 rows.
+        assert!(dims.contains(&128.0) && dims.contains(&16.0), "{p}");
+        flop += 3.0 * 2.0 * dims.iter().product::<f64>();
+    }
+    // PyTorch's step time: every product's FLOPs at 100 GFLOP/s.
+    let torch_ms = doc["step_ms"]["torch"].as_f64().unwrap();
+    assert!((torch_ms - flop / 100e9 * 1e3).abs() < 1e-12, "{stdout}");
+    assert!(doc["step_ms"]["poslab"].as_f64().unwrap() > 0.0, "{stdout}");
+    // The shape and threads went to the script, once per round.
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let runs: Vec<&str> = calls.lines().filter(|l| l.contains("--products")).collect();
+    assert_eq!(runs.len(), 2, "{calls}");
+    for flags in [
+        "--batch 16",
+        "--seq 8",
+        "--d-model 16",
+        "--ffn 32",
+        "--threads 1",
+    ] {
+        assert!(runs.iter().all(|r| r.contains(flags)), "{flags}: {calls}");
+    }
+    // The table: each product's ratio, and the step at both sides' rates.
+    let mut args = vec!["bench", "--products", "--torch", "--python", python];
+    args.extend_from_slice(&shape);
+    let (ok, stdout, stderr) = poslab(&args);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("ffn_down.weight_gradient")
+            && stdout.contains("the step's products at these rates: poslab")
+            && stdout.contains("PyTorch"),
+        "{stdout}"
+    );
+    // What it cannot measure is refused before anything runs.
+    for (extra, why) in [
+        (vec!["--dtype", "bf16"], "it times f32 products"),
+        (vec!["--variants", "rope"], "drop --variants"),
+    ] {
+        let mut args = vec!["bench", "--products"];
+        args.extend_from_slice(&shape);
+        args.extend(extra);
+        let (ok, _, stderr) = poslab(&args);
+        assert!(
+            !ok && stderr.contains(why) && !stderr.contains("round 1"),
+            "{stderr}"
+        );
+    }
+    // A Python whose script reports no rate for a product: named, and failed.
+    let partial = dir.path().join("partial");
+    write_executable(
+        &partial,
+        r#"#!/bin/sh
+if [ "$2" = "--probe" ]; then echo '{"torch": "9.9-fake", "variants": ["sin_add"]}'; exit 0; fi
+echo '{"torch": "9.9-fake", "products": {"square": 200.0}}'
+"#,
+    );
+    let mut args = vec!["bench", "--products", "--torch", "--python"];
+    args.push(partial.to_str().unwrap());
+    args.extend_from_slice(&shape);
+    let (ok, _, stderr) = poslab(&args);
+    assert!(
+        !ok && stderr.contains("reported no rate for `qkv.output`"),
         "{stderr}"
     );
 }
@@ -356,6 +525,13 @@ fn bench_refuses_pytorch_ratios_of_different_work() {
             "{extra:?}: {stderr}"
         );
     }
+    // It has no --products mode either, even at its own shape: refused before poslab's
+    // products are timed.
+    let (ok, _, stderr) = poslab(&["bench", "--products", "--torch", fixed]);
+    assert!(
+        !ok && stderr.contains("has no --products mode") && !stderr.contains("round 1"),
+        "{stderr}"
+    );
     let missing = dir.join("missing.py");
     let (ok, _, stderr) = poslab(&["bench", "--torch", missing.to_str().unwrap()]);
     assert!(!ok && stderr.contains("no such file"), "{stderr}");

@@ -659,3 +659,82 @@ pub fn matmul_gflops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
     std::hint::black_box(&c);
     2.0 * (m * n * k) as f64 / best / 1e9
 }
+
+/// One of the three matrix products of a linear layer `(rows, in) -> (rows, out)` in a training
+/// step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinearPass {
+    /// `y = x Wᵀ`: `rows x out x in`.
+    Output,
+    /// `dx = g W`: `rows x in x out`.
+    InputGradient,
+    /// `dW = gᵀ x`: `out x in x rows`, summed over every row.
+    WeightGradient,
+}
+
+impl LinearPass {
+    /// The product's `(m, n, k)`: output rows, output columns, depth.
+    pub fn dims(self, (rows, inp, out): (usize, usize, usize)) -> (usize, usize, usize) {
+        match self {
+            LinearPass::Output => (rows, out, inp),
+            LinearPass::InputGradient => (rows, inp, out),
+            LinearPass::WeightGradient => (out, inp, rows),
+        }
+    }
+}
+
+/// The best rate, in GFLOP/s, of `reps` runs of one pass of an f32 linear layer `(rows, inp) ->
+/// (rows, out)` through the calls the fused layers make, on the current rayon pool: the output
+/// onto rows it adds to (a bias or the residual) when `onto`, written fresh otherwise; the input
+/// gradient written fresh; the weight gradient as the layer sums it (two half-sums side
+/// by side from 512 rows on). `poslab bench --products` sets these against the
+/// matrix-multiply peak and against PyTorch's products.
+pub fn linear_pass_gflops(
+    pass: LinearPass,
+    (rows, inp, out): (usize, usize, usize),
+    onto: bool,
+    reps: usize,
+) -> f64 {
+    let fill = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
+            .collect()
+    };
+    let w = fill(out * inp, 1);
+    let (x, g) = (fill(rows * inp, 2), fill(rows * out, 3));
+    // What the output adds to, and the weight gradient's own buffer (the layer's is a part of
+    // its parameters' gradient, allocated once), made before the clock starts.
+    let mut onto_rows = fill(
+        if pass == LinearPass::Output && onto {
+            rows * out
+        } else {
+            0
+        },
+        4,
+    );
+    let mut dw = zeros(if pass == LinearPass::WeightGradient {
+        out * inp
+    } else {
+        0
+    });
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        match pass {
+            LinearPass::Output if onto => {
+                forward_into(&x, &w, None, (rows, inp, out), &mut onto_rows, true)
+            }
+            LinearPass::Output => {
+                std::hint::black_box(linear_product(&x, &w, (rows, inp, out)));
+            }
+            LinearPass::InputGradient => {
+                std::hint::black_box(grad_input_of(&g, &w, (rows, out, inp)));
+            }
+            LinearPass::WeightGradient => grad_weight(&g, &x, (rows, out, inp), &mut dw),
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box((&onto_rows, &dw));
+    2.0 * (rows * inp * out) as f64 / best / 1e9
+}

@@ -319,7 +319,7 @@ pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad
 pub(crate) use layer::{LayerMasks, LayerShape};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
-pub use linear::matmul_gflops;
+pub use linear::{linear_pass_gflops, matmul_gflops, LinearPass};
 pub(crate) use log_sigmoid::log_sigmoid;
 pub(crate) use rope::{rope, Rotation};
 pub(crate) use running_sums::{
