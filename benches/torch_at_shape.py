@@ -36,8 +36,9 @@ model's weights into it, and compares logits and every gradient (f32 on the CPU)
 
 `--products` times instead the matrix products of one encoder layer's training step, one by
 one, as PyTorch's autograd runs them (f32, CPU): each linear layer's output `F.linear(x, W, b)`,
-input gradient `g.mm(W)` and weight gradient `g.t().mm(x)`, over batch x seq rows, and a square
-1024^3 product. It prints {"torch": ..., "products": {"qkv.output": GFLOP/s, ...}}, the best of
+input gradient `g.mm(W)` and weight gradient `g.t().mm(x)`, over batch x seq rows; the
+attention's six products per (batch, head) (q k^T, P v, dout v^T, P^T dout, dS k, dS^T q) on the
+model's strided views of its heads; and a square 1024^3 product. It prints {"torch": ..., "products": {"qkv.output": GFLOP/s, ...}}, the best of
 --train-iters runs after --warm (`poslab bench --products --torch`).
 
 Usage: python benches/torch_at_shape.py VARIANT [--device cuda] [--dtype bf16] [--d-model 768
@@ -304,6 +305,21 @@ def time_products(torch, args):
             rates[f"{layer}.output"] = rate(flop, lambda: F.linear(x, w, bias))
             rates[f"{layer}.input_gradient"] = rate(flop, lambda: g.mm(w))
             rates[f"{layer}.weight_gradient"] = rate(flop, lambda: g.t().mm(x))
+        # The attention's products per (batch, head), on the views the model takes of the
+        # packed projections and of the heads' joined output, as autograd multiplies them.
+        b, t, h = args.batch, args.seq, args.heads
+        dh = d // h
+        qkv, dout = randn(b, t, 3 * d), randn(b, t, d).view(b, t, h, dh).transpose(1, 2)
+        q, k, v = (z.view(b, t, h, dh).transpose(1, 2) for z in qkv.split(d, dim=-1))
+        p = randn(b, h, t, t)
+        flop = 2 * b * h * t * t * dh
+        for name, fn in [("scores", lambda: q @ k.transpose(-2, -1)),
+                         ("outputs", lambda: p @ v),
+                         ("probs_gradient", lambda: dout @ v.transpose(-2, -1)),
+                         ("values_gradient", lambda: p.transpose(-2, -1) @ dout),
+                         ("queries_gradient", lambda: p @ k),
+                         ("keys_gradient", lambda: p.transpose(-2, -1) @ q)]:
+            rates[f"attention.{name}"] = rate(flop, fn)
     return rates
 
 
@@ -341,9 +357,11 @@ def main():
         print(json.dumps(dict(torch=torch.__version__, variants=VARIANTS)))
         return
     if args.products:
-        for name in ("batch", "seq", "d_model", "ffn"):
+        for name in ("batch", "seq", "d_model", "ffn", "heads"):
             if getattr(args, name) < 1:
                 sys.exit(f"torch_at_shape.py: --{name.replace('_', '-')} must be at least 1")
+        if args.d_model % args.heads:
+            sys.exit(f"torch_at_shape.py: width {args.d_model} must split into {args.heads} heads")
         torch.set_num_threads(args.threads)
         print(json.dumps(dict(torch=torch.__version__, products=time_products(torch, args))))
         return

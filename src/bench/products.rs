@@ -1,6 +1,7 @@
 //! `poslab bench --products`: the matrix products of an encoder layer's training step one by
-//! one, through the gemm calls the fused layers make, beside gemm's rate at 1024³ and
-//! (with `--torch`) beside `torch.matmul` on the same products, in interleaved rounds.
+//! one (the linear layers' and the attention core's per-head ones), through the calls the fused
+//! layers make, beside gemm's rate at 1024³ and (with `--torch`) beside `torch.matmul` on the
+//! same products, in interleaved rounds.
 //!
 //! It answers where a step at some shape is bound by the matrix-multiply library: a step whose
 //! products run at PyTorch's rate cannot train faster than PyTorch by more than its other parts
@@ -13,52 +14,77 @@ use serde::Serialize;
 
 use super::Shape;
 use crate::error::{Error, Result};
-use crate::nn::{linear_pass_gflops, matmul_gflops, LinearPass};
+use crate::nn::{head_product_gflops, linear_pass_gflops, matmul_gflops, HeadProduct, LinearPass};
 use crate::table::TextTable;
 
 /// The side of the square product measured beside the step's, `SQUARE`³.
 pub const SQUARE: usize = 1024;
 
+/// Which product: the square reference, a linear layer's, or the attention core's per head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// `SQUARE`³, the matrix-multiply peak's reference.
+    Square,
+    /// A linear layer's output, input gradient or weight gradient.
+    Linear(LinearPass),
+    /// One of the attention core's products, for each of `count` (batch, head) pairs.
+    Head(HeadProduct),
+}
+
 /// One matrix product of a training step.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Product {
-    /// `square` (the reference product), or the linear layer: `qkv`, `attn_out`, `ffn_up`,
-    /// `ffn_down`.
+    /// `square` (the reference product), the linear layer (`qkv`, `attn_out`, `ffn_up`,
+    /// `ffn_down`) or `attention`.
     pub layer: &'static str,
-    /// Which of the layer's products; none for the square one.
-    pub pass: Option<LinearPass>,
+    /// Which product.
+    pub kind: Kind,
     /// Output rows.
     pub m: usize,
     /// Output columns.
     pub n: usize,
     /// Depth: the multiply-adds summed into each output.
     pub k: usize,
-    /// How many a training step runs (one per encoder layer; the square one none).
+    /// Products of `m x n x k` in one call: `batch x heads` for the attention's, else 1.
+    pub count: usize,
+    /// How many calls a training step makes (one per encoder layer; the square one none).
     pub per_step: usize,
     /// Whether the output is added onto rows already there (a bias or the residual), as the
     /// fused layer writes it.
     pub onto: bool,
+    /// The attention's `(batch, heads, d_head)`, for its products (`count` is `batch x heads`).
+    pub heads: Option<(usize, usize, usize)>,
 }
 
 impl Product {
     /// `layer.pass`, the name both sides report rates under (`square` for the square one).
     pub fn name(&self) -> String {
-        match self.pass {
-            Some(pass) => format!("{}.{}", self.layer, pass_name(pass)),
-            None => self.layer.to_string(),
-        }
+        let what = match self.kind {
+            Kind::Square => return self.layer.to_string(),
+            Kind::Linear(LinearPass::Output) => "output",
+            Kind::Linear(LinearPass::InputGradient) => "input_gradient",
+            Kind::Linear(LinearPass::WeightGradient) => "weight_gradient",
+            Kind::Head(HeadProduct::Scores) => "scores",
+            Kind::Head(HeadProduct::Outputs) => "outputs",
+            Kind::Head(HeadProduct::ProbsGradient) => "probs_gradient",
+            Kind::Head(HeadProduct::ValuesGradient) => "values_gradient",
+            Kind::Head(HeadProduct::QueriesGradient) => "queries_gradient",
+            Kind::Head(HeadProduct::KeysGradient) => "keys_gradient",
+        };
+        format!("{}.{what}", self.layer)
     }
 
-    /// Floating-point operations: 2 per multiply-add.
+    /// Floating-point operations of one call: 2 per multiply-add.
     pub fn gflop(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k) as f64 / 1e9
+        2.0 * (self.m * self.n * self.k * self.count) as f64 / 1e9
     }
 
     /// poslab's best rate over `reps` runs, in GFLOP/s, on the current rayon pool.
     pub fn poslab_gflops(&self, reps: usize) -> f64 {
-        match self.pass {
-            None => matmul_gflops(self.m, self.n, self.k, reps),
-            Some(pass) => {
+        match self.kind {
+            Kind::Square => matmul_gflops(self.m, self.n, self.k, reps),
+            Kind::Linear(pass) => {
                 let (rows, inp, out) = match pass {
                     LinearPass::Output => (self.m, self.k, self.n),
                     LinearPass::InputGradient => (self.m, self.n, self.k),
@@ -66,32 +92,31 @@ impl Product {
                 };
                 linear_pass_gflops(pass, (rows, inp, out), self.onto, reps)
             }
+            Kind::Head(which) => {
+                let (batch, heads, d_head) = self.heads.unwrap_or((1, 1, self.n));
+                head_product_gflops(which, (batch, heads, self.m, d_head), reps)
+            }
         }
     }
 }
 
-fn pass_name(pass: LinearPass) -> &'static str {
-    match pass {
-        LinearPass::Output => "output",
-        LinearPass::InputGradient => "input_gradient",
-        LinearPass::WeightGradient => "weight_gradient",
-    }
-}
-
 /// The square product, then the output, input gradient and weight gradient of each linear
-/// layer of an encoder layer at `shape`, over `batch x seq` rows. (The embedding's, the
-/// concatenated sinusoid's projection and the head are outside the layers and left out.)
+/// layer of an encoder layer at `shape`, over `batch x seq` rows, then the attention core's six
+/// products per (batch, head). (The embedding's, the concatenated sinusoid's projection and the
+/// head are outside the layers and left out.)
 pub fn step_products(shape: &Shape) -> Vec<Product> {
     let rows = shape.batch * shape.seq;
     let (d, f) = (shape.d_model, shape.ffn_dim);
     let mut out = vec![Product {
         layer: "square",
-        pass: None,
+        kind: Kind::Square,
         m: SQUARE,
         n: SQUARE,
         k: SQUARE,
+        count: 1,
         per_step: 0,
         onto: false,
+        heads: None,
     }];
     // (layer, in, out, whether its output is added onto rows: the bias rows of q, k and v; the
     // residual for the attention's output projection and the FFN's down projection; the FFN's
@@ -110,14 +135,31 @@ pub fn step_products(shape: &Shape) -> Vec<Product> {
             let (m, n, k) = pass.dims((rows, inp, width));
             out.push(Product {
                 layer,
-                pass: Some(pass),
+                kind: Kind::Linear(pass),
                 m,
                 n,
                 k,
+                count: 1,
                 per_step: shape.n_layers,
                 onto: onto && pass == LinearPass::Output,
+                heads: None,
             });
         }
+    }
+    let d_head = shape.d_model / shape.n_heads.max(1);
+    for which in HeadProduct::ALL {
+        let (m, n, k) = which.dims(shape.seq, d_head);
+        out.push(Product {
+            layer: "attention",
+            kind: Kind::Head(which),
+            m,
+            n,
+            k,
+            count: shape.batch * shape.n_heads,
+            per_step: shape.n_layers,
+            onto: false,
+            heads: Some((shape.batch, shape.n_heads, d_head)),
+        });
     }
     out
 }
@@ -133,7 +175,9 @@ pub struct ProductRates {
     pub n: usize,
     /// [`Product::k`].
     pub k: usize,
-    /// How many a training step runs.
+    /// [`Product::count`].
+    pub count: usize,
+    /// How many calls a training step makes.
     pub per_step: usize,
     /// poslab's GFLOP/s, one per round.
     pub poslab: Vec<f64>,
@@ -157,7 +201,7 @@ impl ProductRates {
     }
 
     fn gflop(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k) as f64 / 1e9
+        2.0 * (self.m * self.n * self.k * self.count) as f64 / 1e9
     }
 }
 
@@ -180,6 +224,7 @@ pub fn measure(
             m: p.m,
             n: p.n,
             k: p.k,
+            count: p.count,
             per_step: p.per_step,
             poslab: Vec::new(),
             torch: Vec::new(),
@@ -249,9 +294,13 @@ pub fn table(rates: &[ProductRates], rows: usize, threads: usize) -> String {
             0 => "-".to_string(),
             _ => format!("{:.1}%", 100.0 * r.per_step as f64 * r.gflop() / total),
         };
+        let times = match r.count {
+            1 => String::new(),
+            c => format!(" (x{c})"),
+        };
         let mut row = vec![
             r.name.clone(),
-            format!("{}x{}x{}", r.m, r.n, r.k),
+            format!("{}x{}x{}{times}", r.m, r.n, r.k),
             share,
             fmt(r.poslab_best()),
         ];
@@ -267,7 +316,8 @@ pub fn table(rates: &[ProductRates], rows: usize, threads: usize) -> String {
     let rounds = rates.first().map_or(0, |r| r.poslab.len());
     let mut out = format!(
         "matrix products of one training step's encoder layers ({rows} rows, f32, {threads} \
-         thread{}), best of {rounds} round{}; share: of the layers' product FLOPs\n",
+         thread{}), best of {rounds} round{}; share: of the layers' product FLOPs; (xN): N \
+         (batch, head) products in one call\n",
         if threads == 1 { "" } else { "s" },
         if rounds == 1 { "" } else { "s" },
     );
@@ -298,6 +348,7 @@ mod tests {
             m: dims.0,
             n: dims.1,
             k: dims.2,
+            count: 1,
             per_step,
             poslab: p.to_vec(),
             torch: t.to_vec(),
@@ -305,7 +356,7 @@ mod tests {
     }
 
     #[test]
-    fn the_step_has_each_linear_layers_three_products_at_its_shape() {
+    fn the_step_has_each_linear_layers_three_products_and_the_attentions_six_at_its_shape() {
         let shape = Shape {
             d_model: 64,
             n_heads: 8,
@@ -317,12 +368,17 @@ mod tests {
         };
         let products = step_products(&shape);
         let names: Vec<String> = products.iter().map(Product::name).collect();
-        assert_eq!(names.len(), 13);
+        assert_eq!(names.len(), 19);
         assert_eq!(names[0], "square");
         assert_eq!(names[1], "qkv.output");
         assert_eq!(names[12], "ffn_down.weight_gradient");
+        assert_eq!(names[13], "attention.scores");
+        assert_eq!(names[18], "attention.keys_gradient");
         let dims = |name: &str| {
             let p = &products[names.iter().position(|n| n == name).unwrap()];
+            if let Some((b, h, _)) = p.heads {
+                assert_eq!(p.count, b * h, "{name}");
+            }
             (p.m, p.n, p.k, p.per_step, p.onto)
         };
         assert_eq!(dims("square"), (1024, 1024, 1024, 0, false));
@@ -332,6 +388,37 @@ mod tests {
         assert_eq!(dims("ffn_up.output"), (8192, 256, 64, 5, false));
         assert_eq!(dims("ffn_down.output"), (8192, 64, 256, 5, true));
         assert_eq!(dims("ffn_down.weight_gradient"), (64, 256, 8192, 5, false));
+        // Per (batch, head): 64 tokens, heads 8 wide, 128 x 8 of them per call.
+        assert_eq!(dims("attention.scores"), (64, 64, 8, 5, false));
+        assert_eq!(dims("attention.probs_gradient"), (64, 64, 8, 5, false));
+        for name in [
+            "outputs",
+            "values_gradient",
+            "queries_gradient",
+            "keys_gradient",
+        ] {
+            assert_eq!(dims(&format!("attention.{name}")), (64, 8, 64, 5, false));
+        }
+        let scores = &products[13];
+        assert_eq!(
+            (scores.count, scores.heads, scores.gflop()),
+            (
+                1024,
+                Some((128, 8, 8)),
+                2.0 * 1024.0 * 64.0 * 64.0 * 8.0 / 1e9
+            )
+        );
+        // Heads wider than the tape: d_head is the heads' width, not the smaller side.
+        let wide = step_products(&Shape {
+            d_model: 128,
+            n_heads: 2,
+            seq: 16,
+            ..shape
+        });
+        assert_eq!(
+            (wide[13].m, wide[13].n, wide[13].k, wide[13].heads),
+            (16, 16, 64, Some((128, 2, 64)))
+        );
         // Each layer's three products have the same FLOPs.
         let f: Vec<f64> = products[1..4].iter().map(Product::gflop).collect();
         assert!(f.iter().all(|&g| g == 2.0 * 8192.0 * 192.0 * 64.0 / 1e9));
@@ -380,23 +467,26 @@ mod tests {
     }
 
     #[test]
-    fn each_linear_pass_is_timed_at_a_positive_rate() {
-        for pass in [
-            LinearPass::Output,
-            LinearPass::InputGradient,
-            LinearPass::WeightGradient,
-        ] {
-            let p = Product {
-                layer: "x",
-                pass: Some(pass),
-                m: 64,
-                n: 32,
-                k: 48,
-                per_step: 1,
-                onto: pass == LinearPass::Output,
+    fn each_product_is_timed_at_a_positive_rate() {
+        // Heads 8 wide (register tiles) and 32 wide (gemm, and wider than the 20 tokens), and
+        // every linear pass.
+        for d_model in [16, 64] {
+            let shape = Shape {
+                d_model,
+                n_heads: 2,
+                n_layers: 1,
+                ffn_dim: 48,
+                batch: 3,
+                seq: if d_model == 64 { 20 } else { 24 },
+                ..Default::default()
             };
-            let rate = p.poslab_gflops(2);
-            assert!(rate.is_finite() && rate > 0.0, "{pass:?}: {rate}");
+            for p in step_products(&shape)
+                .iter()
+                .filter(|p| p.kind != Kind::Square)
+            {
+                let rate = p.poslab_gflops(2);
+                assert!(rate.is_finite() && rate > 0.0, "{}: {rate}", p.name());
+            }
         }
     }
 }

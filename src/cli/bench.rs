@@ -79,9 +79,10 @@ pub struct Args {
     pub dtype: poslab::Precision,
     /// Instead of the variants: time the matrix products of one encoder layer's training step
     /// one by one (each linear layer's output, input gradient and weight gradient over batch x
-    /// seq rows) through the gemm calls the fused layers make, beside gemm at 1024^3; with
-    /// --torch, beside PyTorch's products as its autograd runs them, in interleaved --rounds
-    /// (default 3). CPU, f32; each rate the best of --train-reps runs after --warmup.
+    /// seq rows, and the attention's six products per head) through the calls the fused
+    /// layers make, beside gemm at 1024^3; with --torch, beside PyTorch's products as its
+    /// autograd runs them, in interleaved --rounds (default 3). CPU, f32; each rate the best of
+    /// --train-reps runs.
     #[arg(long)]
     pub products: bool,
 }

@@ -25,7 +25,10 @@ pub use attention::{
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
-pub use fused::{linear_pass_gflops, matmul_gflops, simd_dispatches, LinearPass, SimdLevel};
+pub use fused::{
+    head_product_gflops, linear_pass_gflops, matmul_gflops, simd_dispatches, HeadProduct,
+    LinearPass, SimdLevel,
+};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
     gelu, linear, linear_no_bias, linear_with_bias, log_sigmoid, log_softmax_last_dim,

@@ -332,6 +332,12 @@ fn bench_products_sets_each_product_of_the_step_beside_pytorchs() {
         "ffn_down.output",
         "ffn_down.input_gradient",
         "ffn_down.weight_gradient",
+        "attention.scores",
+        "attention.outputs",
+        "attention.probs_gradient",
+        "attention.values_gradient",
+        "attention.queries_gradient",
+        "attention.keys_gradient",
     ];
     let rates: Vec<String> = names.iter().map(|n| format!("\"{n}\": 100.0")).collect();
     let python = fake_built_in_python(
@@ -398,10 +404,19 @@ echo '{{"torch": "9.9-fake", "products": {{"square": 200.0, {}}}}}'"#,
             (torch.as_slice(), p["per_step"].as_u64()),
             (&[100.0, 100.0][..], Some(3))
         );
-        // Every product of a linear layer in or out of width 16 (FFN 32, q k v 48) over the
-        // 128 rows.
-        assert!(dims.contains(&128.0) && dims.contains(&16.0), "{p}");
-        flop += 3.0 * 2.0 * dims.iter().product::<f64>();
+        let count = p["count"].as_f64().unwrap();
+        if p["name"].as_str().unwrap().starts_with("attention.") {
+            // 16 x 2 (batch, head) products of 8 tokens by heads 8 wide.
+            assert_eq!((dims, count), ([8.0; 3], 32.0), "{p}");
+        } else {
+            // Every product of a linear layer in or out of width 16 (FFN 32, q k v 48) over
+            // the 128 rows.
+            assert!(
+                dims.contains(&128.0) && dims.contains(&16.0) && count == 1.0,
+                "{p}"
+            );
+        }
+        flop += 3.0 * 2.0 * dims.iter().product::<f64>() * count;
     }
     // PyTorch's step time: every product's FLOPs at 100 GFLOP/s.
     let torch_ms = doc["step_ms"]["torch"].as_f64().unwrap();

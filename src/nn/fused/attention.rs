@@ -1305,3 +1305,120 @@ mod tests {
         }
     }
 }
+
+/// One of the attention core's per-head matrix products, for each (batch, head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadProduct {
+    /// `S = c q kᵀ`: `t x t x d_head`.
+    Scores,
+    /// `out = P v`: `t x d_head x t`.
+    Outputs,
+    /// `dP = dout vᵀ`: `t x t x d_head`.
+    ProbsGradient,
+    /// `dv = Pᵀ dout`: `t x d_head x t`.
+    ValuesGradient,
+    /// `dq = c dS k`: `t x d_head x t`.
+    QueriesGradient,
+    /// `dk = c dSᵀ q`: `t x d_head x t`.
+    KeysGradient,
+}
+
+impl HeadProduct {
+    /// Every one, in the order a training step runs them.
+    pub const ALL: [HeadProduct; 6] = [
+        HeadProduct::Scores,
+        HeadProduct::Outputs,
+        HeadProduct::ProbsGradient,
+        HeadProduct::ValuesGradient,
+        HeadProduct::QueriesGradient,
+        HeadProduct::KeysGradient,
+    ];
+
+    /// One head's `(m, n, k)` at `t` tokens and heads `d_head` wide.
+    pub fn dims(self, t: usize, d_head: usize) -> (usize, usize, usize) {
+        match self {
+            HeadProduct::Scores | HeadProduct::ProbsGradient => (t, t, d_head),
+            _ => (t, d_head, t),
+        }
+    }
+}
+
+/// The best rate, in GFLOP/s, of `reps` runs of one of the attention core's per-head products
+/// over every (batch, head) of `(b, h, t, d_head)`, as the core computes it: one task per head
+/// on the current rayon pool, the operands where the core finds them (q, k and v in the packed
+/// `(b, t, 3d)` projections, the output's gradient in `(b, t, d)` rows, `P` and `dS` as `t x t`
+/// blocks), the outputs where it writes them, and register tiles or gemm as
+/// the core chooses (f32, without RoPE). `poslab bench --products` sets these beside
+/// PyTorch's batched products.
+pub fn head_product_gflops(
+    which: HeadProduct,
+    (b, h, t, dh): (usize, usize, usize, usize),
+    reps: usize,
+) -> f64 {
+    let (d, tt) = (h * dh, t * t);
+    let row = 3 * d;
+    let fill = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
+            .collect()
+    };
+    let (qkv, g, p) = (
+        fill(b * t * row, 1),
+        fill(b * t * d, 2),
+        fill(b * h * tt, 3),
+    );
+    let mut out = zeros::<f32>(b * t * row);
+    let dst = Shared(out.as_mut_ptr());
+    let simd = simd_level();
+    let scale = 0.35f32;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        (0..b * h).into_par_iter().for_each_init(
+            || (zeros::<f32>(t * t.max(dh)), zeros::<f32>(tt)),
+            |(pack, s), task| {
+                let (bi, hd) = (task / h, task % h);
+                let base = bi * t * row + hd * dh;
+                let q = View::rows(qkv[base..].as_ptr(), row);
+                let k = View::rows(qkv[base + d..].as_ptr(), row);
+                let v = View::rows(qkv[base + 2 * d..].as_ptr(), row);
+                let dout = View::rows(g[bi * t * d + hd * dh..].as_ptr(), d);
+                let pm = View::rows(p[task * tt..].as_ptr(), t);
+                let small = Some((simd, &mut pack[..]));
+                let dims = which.dims(t, dh);
+                // SAFETY: every view is a t x dh or t x t operand inside its buffer; the t x dh
+                // outputs go to this (batch, head)'s own block of `out` ((b, t, d) rows for the
+                // output, (b, t, 3d) for the gradients), the t x t ones to the task's scratch.
+                unsafe {
+                    match which {
+                        HeadProduct::Scores => {
+                            product(dims, s.as_mut_ptr(), t, q, k.t(), scale, small)
+                        }
+                        HeadProduct::Outputs => {
+                            let at = dst.ptr().add(bi * t * d + hd * dh);
+                            product(dims, at, d, pm, v, 1.0, small)
+                        }
+                        HeadProduct::ProbsGradient => {
+                            product(dims, s.as_mut_ptr(), t, dout, v.t(), 1.0, small)
+                        }
+                        HeadProduct::ValuesGradient => {
+                            let at = dst.ptr().add(base + 2 * d);
+                            product(dims, at, row, pm.t(), dout, 1.0, small)
+                        }
+                        HeadProduct::QueriesGradient => {
+                            product(dims, dst.ptr().add(base), row, pm, k, scale, small)
+                        }
+                        HeadProduct::KeysGradient => {
+                            product(dims, dst.ptr().add(base + d), row, pm.t(), q, scale, small)
+                        }
+                    }
+                }
+                std::hint::black_box(&s);
+            },
+        );
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&out);
+    2.0 * (b * h * tt * dh) as f64 / best / 1e9
+}

@@ -315,6 +315,7 @@ use linear::by_dtype;
 
 pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
+pub use attention::{head_product_gflops, HeadProduct};
 pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad_summed_par};
 pub(crate) use layer::{LayerMasks, LayerShape};
 pub(crate) use layer_norm::layer_norm;
