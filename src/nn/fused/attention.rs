@@ -47,7 +47,8 @@ use super::differences::sided_grad;
 use super::linear::{by_dtype, gemm_sums_in_order, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{
-    assume_written, contiguous, simd_level, uninit, written, zeros, Real, Rotation, SimdLevel,
+    assume_written, best_rate, contiguous, simd_level, timing_operand, uninit, written, zeros,
+    Real, Rotation, SimdLevel,
 };
 use crate::nn::{AttentionBias, LayerBias, Rotary};
 use std::mem::MaybeUninit;
@@ -1358,23 +1359,17 @@ pub fn head_product_gflops(
 ) -> f64 {
     let (d, tt) = (h * dh, t * t);
     let row = 3 * d;
-    let fill = |len: usize, seed: usize| -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
-            .collect()
-    };
     let (qkv, g, p) = (
-        fill(b * t * row, 1),
-        fill(b * t * d, 2),
-        fill(b * h * tt, 3),
+        timing_operand(b * t * row, 1),
+        timing_operand(b * t * d, 2),
+        timing_operand(b * h * tt, 3),
     );
     let mut out = zeros::<f32>(b * t * row);
     let dst = Shared(out.as_mut_ptr());
     let simd = simd_level();
     let scale = 0.35f32;
-    let mut best = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let start = std::time::Instant::now();
+    let gflop = 2.0 * (b * h * tt * dh) as f64 / 1e9;
+    let rate = best_rate(gflop, reps, || {
         (0..b * h).into_par_iter().for_each_init(
             || (zeros::<f32>(t * t.max(dh)), zeros::<f32>(tt)),
             |(pack, s), task| {
@@ -1416,9 +1411,8 @@ pub fn head_product_gflops(
                 }
                 std::hint::black_box(&s);
             },
-        );
-        best = best.min(start.elapsed().as_secs_f64());
-    }
+        )
+    });
     std::hint::black_box(&out);
-    2.0 * (b * h * tt * dh) as f64 / best / 1e9
+    rate
 }

@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::{contiguous, written, zeros, Real};
+use super::{best_rate, contiguous, timing_operand, written, zeros, Real};
 
 /// gemm's parallelism for an `m x n x k` product: every thread candle would use, for products
 /// big enough to share.
@@ -642,22 +642,14 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resu
 /// the fused layers make, on the current rayon pool: the matrix-multiply peak a training step's
 /// rate is measured against (`poslab bench`).
 pub fn matmul_gflops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
-    let fill = |len: usize, seed: usize| -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
-            .collect()
-    };
-    let (a, b) = (fill(m * k, 1), fill(k * n, 2));
+    let (a, b) = (timing_operand(m * k, 1), timing_operand(k * n, 2));
     let mut c = vec![0f32; m * n];
-    let mut best = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let start = std::time::Instant::now();
-        // c (m x n) = a (m x k) · b (k x n): a linear layer's input gradient is this product.
-        grad_input(&a, &b, (m, k, n), &mut c, false);
-        best = best.min(start.elapsed().as_secs_f64());
-    }
+    // c (m x n) = a (m x k) · b (k x n): a linear layer's input gradient is this product.
+    let rate = best_rate(2.0 * (m * n * k) as f64 / 1e9, reps, || {
+        grad_input(&a, &b, (m, k, n), &mut c, false)
+    });
     std::hint::black_box(&c);
-    2.0 * (m * n * k) as f64 / best / 1e9
+    rate
 }
 
 /// One of the three matrix products of a linear layer `(rows, in) -> (rows, out)` in a training
@@ -696,16 +688,11 @@ pub fn linear_pass_gflops(
     onto: bool,
     reps: usize,
 ) -> f64 {
-    let fill = |len: usize, seed: usize| -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
-            .collect()
-    };
-    let w = fill(out * inp, 1);
-    let (x, g) = (fill(rows * inp, 2), fill(rows * out, 3));
+    let w = timing_operand(out * inp, 1);
+    let (x, g) = (timing_operand(rows * inp, 2), timing_operand(rows * out, 3));
     // What the output adds to, and the weight gradient's own buffer (the layer's is a part of
     // its parameters' gradient, allocated once), made before the clock starts.
-    let mut onto_rows = fill(
+    let mut onto_rows = timing_operand(
         if pass == LinearPass::Output && onto {
             rows * out
         } else {
@@ -718,23 +705,18 @@ pub fn linear_pass_gflops(
     } else {
         0
     });
-    let mut best = f64::INFINITY;
-    for _ in 0..reps.max(1) {
-        let start = std::time::Instant::now();
-        match pass {
-            LinearPass::Output if onto => {
-                forward_into(&x, &w, None, (rows, inp, out), &mut onto_rows, true)
-            }
-            LinearPass::Output => {
-                std::hint::black_box(linear_product(&x, &w, (rows, inp, out)));
-            }
-            LinearPass::InputGradient => {
-                std::hint::black_box(grad_input_of(&g, &w, (rows, out, inp)));
-            }
-            LinearPass::WeightGradient => grad_weight(&g, &x, (rows, out, inp), &mut dw),
+    let rate = best_rate(2.0 * (rows * inp * out) as f64 / 1e9, reps, || match pass {
+        LinearPass::Output if onto => {
+            forward_into(&x, &w, None, (rows, inp, out), &mut onto_rows, true)
         }
-        best = best.min(start.elapsed().as_secs_f64());
-    }
+        LinearPass::Output => {
+            std::hint::black_box(linear_product(&x, &w, (rows, inp, out)));
+        }
+        LinearPass::InputGradient => {
+            std::hint::black_box(grad_input_of(&g, &w, (rows, out, inp)));
+        }
+        LinearPass::WeightGradient => grad_weight(&g, &x, (rows, out, inp), &mut dw),
+    });
     std::hint::black_box((&onto_rows, &dw));
-    2.0 * (rows * inp * out) as f64 / best / 1e9
+    rate
 }

@@ -415,6 +415,25 @@ fn whole_blocks(len: usize, t: usize) -> usize {
     len / (FOLD_ROWS * t).max(1) * FOLD_ROWS * t
 }
 
+/// An operand for the timing functions ([`matmul_gflops`] and its kin): `len` small f32 values
+/// in a fixed pattern, one per `seed`.
+pub(super) fn timing_operand(len: usize, seed: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((i * 7 + seed) % 13) as f32 * 0.01 - 0.06)
+        .collect()
+}
+
+/// The rate, in GFLOP/s, of `gflop` at the fastest of `reps` (at least one) runs of `run`.
+pub(super) fn best_rate(gflop: f64, reps: usize, mut run: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let start = std::time::Instant::now();
+        run();
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    gflop / best
+}
+
 /// `len` zeros, written in parallel: a large `vec![0; len]` is a memset on one thread.
 pub(super) fn zeros<T: Real>(len: usize) -> Vec<T> {
     const CHUNK: usize = 1 << 15;
