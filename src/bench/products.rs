@@ -80,6 +80,11 @@ impl Product {
         2.0 * (self.m * self.n * self.k * self.count) as f64 / 1e9
     }
 
+    /// Floating-point operations of a training step's calls.
+    pub fn step_gflop(&self) -> f64 {
+        self.per_step as f64 * self.gflop()
+    }
+
     /// poslab's best rate over `reps` runs, in GFLOP/s, on the current rayon pool.
     pub fn poslab_gflops(&self, reps: usize) -> f64 {
         match self.kind {
@@ -169,16 +174,9 @@ pub fn step_products(shape: &Shape) -> Vec<Product> {
 pub struct ProductRates {
     /// [`Product::name`].
     pub name: String,
-    /// [`Product::m`].
-    pub m: usize,
-    /// [`Product::n`].
-    pub n: usize,
-    /// [`Product::k`].
-    pub k: usize,
-    /// [`Product::count`].
-    pub count: usize,
-    /// How many calls a training step makes.
-    pub per_step: usize,
+    /// The product measured.
+    #[serde(flatten)]
+    pub product: Product,
     /// poslab's GFLOP/s, one per round.
     pub poslab: Vec<f64>,
     /// PyTorch's, one per round (empty without `--torch`).
@@ -199,10 +197,6 @@ impl ProductRates {
     pub fn torch_best(&self) -> Option<f64> {
         Self::best(&self.torch)
     }
-
-    fn gflop(&self) -> f64 {
-        2.0 * (self.m * self.n * self.k * self.count) as f64 / 1e9
-    }
 }
 
 /// Measures `products` in `rounds` rounds of `reps` runs each (the best run of each round
@@ -221,11 +215,7 @@ pub fn measure(
         .iter()
         .map(|p| ProductRates {
             name: p.name(),
-            m: p.m,
-            n: p.n,
-            k: p.k,
-            count: p.count,
-            per_step: p.per_step,
+            product: p.clone(),
             poslab: Vec::new(),
             torch: Vec::new(),
         })
@@ -266,13 +256,13 @@ pub fn measure(
 pub fn step_ms(rates: &[ProductRates], torch: bool) -> Option<f64> {
     rates
         .iter()
-        .filter(|r| r.per_step > 0)
+        .filter(|r| r.product.per_step > 0)
         .map(|r| {
             let rate = match torch {
                 true => r.torch_best(),
                 false => r.poslab_best(),
             }?;
-            Some(r.per_step as f64 * r.gflop() / rate * 1e3)
+            Some(r.product.step_gflop() / rate * 1e3)
         })
         .sum()
 }
@@ -281,7 +271,7 @@ pub fn step_ms(rates: &[ProductRates], torch: bool) -> Option<f64> {
 /// ratio to PyTorch, and the step's products timed at those rates.
 pub fn table(rates: &[ProductRates], rows: usize, threads: usize) -> String {
     let torch = rates.iter().any(|r| !r.torch.is_empty());
-    let total: f64 = rates.iter().map(|r| r.per_step as f64 * r.gflop()).sum();
+    let total: f64 = rates.iter().map(|r| r.product.step_gflop()).sum();
     let mut header = vec!["product", "m x n x k", "share", "poslab GFLOP/s"];
     if torch {
         header.extend(["PyTorch GFLOP/s", "ratio"]);
@@ -290,17 +280,18 @@ pub fn table(rates: &[ProductRates], rows: usize, threads: usize) -> String {
     let mut t = TextTable::new(header, right);
     let fmt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     for r in rates {
-        let share = match r.per_step {
+        let p = &r.product;
+        let share = match p.per_step {
             0 => "-".to_string(),
-            _ => format!("{:.1}%", 100.0 * r.per_step as f64 * r.gflop() / total),
+            _ => format!("{:.1}%", 100.0 * p.step_gflop() / total),
         };
-        let times = match r.count {
+        let times = match p.count {
             1 => String::new(),
             c => format!(" (x{c})"),
         };
         let mut row = vec![
             r.name.clone(),
-            format!("{}x{}x{}{times}", r.m, r.n, r.k),
+            format!("{}x{}x{}{times}", p.m, p.n, p.k),
             share,
             fmt(r.poslab_best()),
         ];
@@ -345,11 +336,17 @@ mod tests {
     ) -> ProductRates {
         ProductRates {
             name: name.into(),
-            m: dims.0,
-            n: dims.1,
-            k: dims.2,
-            count: 1,
-            per_step,
+            product: Product {
+                layer: "a",
+                kind: Kind::Linear(LinearPass::Output),
+                m: dims.0,
+                n: dims.1,
+                k: dims.2,
+                count: 1,
+                per_step,
+                onto: false,
+                heads: None,
+            },
             poslab: p.to_vec(),
             torch: t.to_vec(),
         }
