@@ -9,7 +9,7 @@
 use anyhow::Result;
 use poslab::experiment::report::text_report;
 use poslab::experiment::run::{run, RunOptions};
-use poslab::experiment::{ExperimentConfig, Selection};
+use poslab::experiment::ExperimentConfig;
 
 const EXPERIMENT: &str = r#"
 name = "add_vs_concat_example"
@@ -52,16 +52,13 @@ fn main() -> Result<()> {
     let output = run(
         &config,
         &RunOptions {
-            device: candle::Device::Cpu,
-            dir: dir.clone(),
-            selection: Selection::default(),
             progress: poslab::progress::Progress::for_stderr(
                 false,
                 poslab::progress::Progress::DEFAULT_EVERY,
             ),
-            jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            overwrite: false,
-            kill_at: None,
+            // One job per core; each then gets one thread (the cores shared out).
+            jobs: poslab::nn::cores(),
+            ..RunOptions::new(candle::Device::Cpu, &dir)
         },
         &|line| eprintln!("{line}"),
     )?;

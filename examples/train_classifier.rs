@@ -32,6 +32,7 @@ fn main() -> Result<()> {
         ),
         stop_after: None,
         hub: poslab::text::HubSource::from_env(),
+        threads: None, // every core
     };
     let TrainEnd::Finished(metrics) = train_run::start(&config, &options)? else {
         unreachable!("no stop was asked for");

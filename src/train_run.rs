@@ -257,6 +257,9 @@ pub struct TrainOptions {
     pub stop_after: Option<usize>,
     /// Where `init`'s Hub models are found (cache, offline).
     pub hub: HubSource,
+    /// Threads to train with: the width of the run's own rayon pool
+    /// ([`crate::nn::with_threads`]). The results do not depend on it. `None`: every core.
+    pub threads: Option<usize>,
 }
 
 /// The record of a finished run, `metrics.json`.
@@ -677,7 +680,7 @@ fn run(
         &|line| eprintln!("{line}"),
         // On a pool of its own, as compare's jobs (see nn::with_threads).
         || {
-            crate::nn::with_threads(candle::utils::get_num_threads(), || {
+            crate::nn::with_threads(options.threads.unwrap_or_else(crate::nn::cores), || {
                 job.run(Some(&assign), &mut steps)
             })
         },

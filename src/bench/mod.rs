@@ -354,6 +354,8 @@ pub struct Options {
     pub device: Device,
     /// The kernels and instruction sets the models compute with.
     pub backend: crate::nn::Backend,
+    /// Threads: each phase runs on a rayon pool of its own this wide.
+    pub threads: usize,
 }
 
 /// `VmRSS` or `VmHWM` of this process in MiB.
@@ -456,7 +458,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
     let mut records = Vec::new();
     // Each phase runs on a pool of its own, as compare's jobs do (see nn::with_threads), with
     // the models' backend in force for everything measured, backward and optimizer included.
-    let threads = candle::utils::get_num_threads();
+    let threads = options.threads.max(1);
     let measured = |f: &(dyn Fn() -> Result<Phase> + Sync)| {
         crate::nn::with_threads(threads, || {
             let _backend = options.backend.enter();

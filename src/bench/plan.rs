@@ -14,8 +14,6 @@ pub struct Plan {
     pub options: Options,
     /// The device as the command line gave it (`auto`, `cpu`, `cuda:1`), passed on to children.
     pub device_flag: crate::device::DeviceSpec,
-    /// Threads for matrix multiplies.
-    pub threads: usize,
     /// Measure every variant in this process instead of a child each.
     pub in_process: bool,
     /// Interleaved rounds: of poslab and PyTorch with [`Plan::torch`], else of the variants.
@@ -347,8 +345,8 @@ impl Plan {
         };
         format!(
             "poslab bench on {device} ({} thread{}, {} kernels, {:?} SIMD, {}): vocab {}, {}",
-            self.threads,
-            if self.threads == 1 { "" } else { "s" },
+            self.options.threads,
+            if self.options.threads == 1 { "" } else { "s" },
             self.kernels(),
             self.options.backend.simd,
             shape.dtype.name(),
@@ -363,7 +361,7 @@ impl Plan {
         serde_json::json!({
             "device": device_name(device),
             "gpu": gpu_name(device),
-            "threads": self.threads,
+            "threads": self.options.threads,
             "kernels": self.kernels(),
             "simd": format!("{:?}", self.options.backend.simd),
             "shape": self.options.shape,
@@ -438,7 +436,7 @@ impl Plan {
             ("--warmup", options.warmup),
             ("--forward-reps", options.forward_reps),
             ("--train-reps", options.train_reps),
-            ("--threads", self.threads),
+            ("--threads", self.options.threads),
         ]) {
             cmd.args([flag.to_string(), value.to_string()]);
         }
@@ -487,7 +485,7 @@ impl Plan {
         cmd.args(["--fwd-iters", &options.forward_reps.max(1).to_string()])
             .args(["--train-iters", &options.train_reps.max(1).to_string()])
             .args(["--warm", &options.warmup.to_string()])
-            .args(["--threads", &self.threads.to_string()]);
+            .args(["--threads", &self.options.threads.to_string()]);
         let line = torch.json_line(&mut cmd, &format!("for {variant}"))?;
         TorchRecord::from_json(&line)
     }

@@ -37,7 +37,8 @@ pub struct Args {
     /// Timed training steps (0 skips them).
     #[arg(long, default_value_t = 6)]
     pub train_reps: usize,
-    /// Threads for matrix multiplies (default: every core).
+    /// Threads to compute with: the fused kernels and their matrix multiplies (default:
+    /// RAYON_NUM_THREADS when set, else every core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// cpu, cuda, cuda:N or auto.
@@ -99,10 +100,7 @@ pub fn run(a: Args) -> Result<()> {
         dtype: a.dtype,
         ..Default::default()
     };
-    if let Some(n) = a.threads {
-        super::check_workers("--threads", n, "threads")?;
-        super::set_matmul_threads(n);
-    }
+    let threads = super::threads(a.threads)?.unwrap_or_else(super::cores);
     let mut backend = poslab::nn::Backend::from_env();
     if let Some(kernels) = a.kernels {
         backend = backend.with_kernels(kernels);
@@ -122,7 +120,7 @@ pub fn run(a: Args) -> Result<()> {
         None => None,
     };
     if a.products {
-        return products(&a, &shape, torch.as_ref());
+        return products(&a, &shape, threads, torch.as_ref());
     }
     let variants = match a.variants.is_empty() {
         true => poslab::bench::Plan::default_variants(&shape, torch.as_ref()),
@@ -137,9 +135,9 @@ pub fn run(a: Args) -> Result<()> {
             train_reps: a.train_reps,
             device,
             backend,
+            threads,
         },
         device_flag: a.device,
-        threads: candle::utils::get_num_threads(),
         in_process: a.in_process,
         rounds: a.rounds,
         torch,
@@ -183,13 +181,13 @@ fn check_products(a: &Args, shape: &poslab::bench::Shape, device: &candle::Devic
 fn products(
     a: &Args,
     shape: &poslab::bench::Shape,
+    threads: usize,
     torch: Option<&poslab::bench::Torch>,
 ) -> Result<()> {
     use poslab::bench::products;
     if let Some(t) = torch {
         t.check_products()?;
     }
-    let threads = candle::utils::get_num_threads();
     let list = products::step_products(shape);
     let rounds = a.rounds.unwrap_or(if torch.is_some() { 3 } else { 1 });
     let mut torch_round = torch.map(|t| move || t.products(shape, threads, a.warmup, a.train_reps));

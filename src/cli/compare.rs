@@ -53,6 +53,10 @@ pub struct Args {
     /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).
     #[arg(long)]
     pub jobs: Option<usize>,
+    /// Threads per job (default: RAYON_NUM_THREADS when set, else the CPU cores shared out
+    /// among the jobs). The results do not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// No progress bars or progress lines.
     #[arg(long, short)]
     pub quiet: bool,
@@ -81,6 +85,7 @@ pub fn run(a: Args) -> Result<()> {
         shard: a.shard,
     };
     let every = super::log_interval(a.log_every)?;
+    let threads = super::threads(a.threads)?;
     let started = Instant::now();
     let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();
@@ -113,6 +118,7 @@ pub fn run(a: Args) -> Result<()> {
         selection,
         progress: Progress::for_stderr(a.quiet, every),
         jobs,
+        threads,
         overwrite: a.overwrite,
         kill_at: a.kill_at,
     };
@@ -166,9 +172,6 @@ fn jobs(asked: Option<usize>, device: &candle::Device, cells: usize) -> Result<u
         (None, false) => 1,
     }
     .min(cells.max(1));
-    if device.is_cpu() && std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        super::set_matmul_threads((cores / jobs).max(1));
-    }
     Ok(jobs)
 }
 

@@ -57,7 +57,7 @@ impl OutputFailed {
 
 /// The CPU cores this process may use.
 pub fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    poslab::nn::cores()
 }
 
 /// Refuses `flag n` (threads or jobs) outside 1..=4 per core: more only wait on each other.
@@ -72,12 +72,18 @@ pub fn check_workers(flag: &str, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Sets the threads of candle's matrix multiplies to `n`, before any tensor work. candle 0.11
-/// takes its thread count from one place only, the `RAYON_NUM_THREADS` variable it reads at
-/// every multiply (`candle::utils::get_num_threads`); this is the one place poslab sets it,
-/// for candle. poslab's own choices (kernels, SIMD level) are values: [`poslab::nn::Backend`].
-pub fn set_matmul_threads(n: usize) {
-    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+/// The threads a command computes with: `--threads` when given (checked), else
+/// `RAYON_NUM_THREADS` when you set it to a count, else `None` (the library's default). The
+/// count is passed on as a value; poslab never sets the variable.
+pub fn threads(flag: Option<usize>) -> Result<Option<usize>> {
+    if let Some(n) = flag {
+        check_workers("--threads", n, "threads")?;
+        return Ok(Some(n));
+    }
+    Ok(std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0))
 }
 
 /// The interval of progress lines, checked: `--log-every`.

@@ -38,6 +38,10 @@ pub struct Args {
     /// (step, loss, time spent and left) every this many seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = poslab::progress::Progress::DEFAULT_EVERY.as_secs_f64())]
     pub log_every: f64,
+    /// Threads to train with (default: RAYON_NUM_THREADS when set, else every core). The
+    /// results do not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -50,8 +54,10 @@ pub fn run(args: Args) -> Result<()> {
         stop_after,
         quiet,
         log_every,
+        threads,
     } = args;
     let every = super::log_interval(log_every)?;
+    let threads = super::threads(threads)?;
     if stop_after == Some(0) {
         anyhow::bail!(
             "--stop-after 0 would stop before the first step: give the number of steps to train \
@@ -65,6 +71,7 @@ pub fn run(args: Args) -> Result<()> {
         progress: poslab::progress::Progress::for_stderr(quiet, every),
         stop_after,
         hub: poslab::text::HubSource::from_env(),
+        threads,
     };
     let (end, dir) = match (config, resume) {
         (_, Some(dir)) => {

@@ -34,9 +34,13 @@ pub struct RunOptions {
     pub progress: Progress,
     /// Cells trained at the same time. Each cell has its own variables and generators, so the
     /// results do not depend on this; on a CPU with small models, one single-threaded job per
-    /// core is fastest (set `RAYON_NUM_THREADS=1`, as the `poslab` binary does). Each job
-    /// computes on a rayon pool of its own that wide ([`crate::nn::with_threads`]).
+    /// core is fastest.
     pub jobs: usize,
+    /// Threads per job: each job computes on a rayon pool of its own this wide
+    /// ([`crate::nn::with_threads`]), which the fused kernels and their matrix multiplies split
+    /// their work over. The results do not depend on it. `None`: the cores shared out among
+    /// the jobs, at least one each.
+    pub threads: Option<usize>,
     /// Replace the run already in `dir` (only the files it wrote) instead of continuing it.
     pub overwrite: bool,
     /// For tests: SIGKILL the process at this point (`cell-I-step-S`, `cell-I-saved`,
@@ -55,6 +59,7 @@ impl RunOptions {
             selection: Selection::default(),
             progress: Progress::Quiet,
             jobs: 1,
+            threads: None,
             overwrite: false,
             kill_at: None,
         }
@@ -516,8 +521,11 @@ fn train_cells(
     });
     let overall = overall_bar(&multi, cells.len());
     let jobs = options.jobs.clamp(1, cells.len().max(1));
-    // The matmul threads per job (candle reads RAYON_NUM_THREADS), and each job's pool width.
-    let threads = candle::utils::get_num_threads();
+    // Each job's pool width.
+    let threads = options
+        .threads
+        .unwrap_or_else(|| crate::nn::cores() / jobs)
+        .max(1);
     let shared = Shared {
         config,
         options,

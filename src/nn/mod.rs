@@ -45,6 +45,12 @@ use candle::{DType, Tensor};
 /// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
 pub(crate) const MASKED_SCORE: f64 = -1e9;
 
+/// The CPU cores this process may use (at least one): what the thread counts left to poslab
+/// share out.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 /// Runs `f` on a rayon pool of `threads` threads of its own (at least one), the calling thread
 /// waiting for it. The fused kernels and gemm split their work over the pool `f` runs on: on a
 /// pool of its own with one thread they run inline, where from a thread outside any pool each

@@ -338,6 +338,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
         progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+        threads: None,
     };
     poslab::train_run::start(&config, &options).unwrap();
     let out = root.path().join("analysis");
@@ -425,6 +426,7 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
         progress: poslab::progress::Progress::Quiet,
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+        threads: None,
     };
     poslab::train_run::start(&config, &options).unwrap();
     run

@@ -572,5 +572,6 @@ pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::train_run::Trai
         progress: poslab::progress::Progress::Quiet,
         stop_after,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+        threads: None,
     }
 }

@@ -1180,12 +1180,19 @@ fn errors_name_what_is_really_wrong() {
 }
 
 #[test]
-fn bench_threads_are_bounded() {
-    for n in ["0", "100000"] {
-        let (code, _, err) = poslab_bounded(&["bench", "--threads", n], &[]);
-        assert!(
-            code == Some(1) && err.contains(&format!("--threads {n}")),
-            "{err}"
-        );
+fn threads_are_bounded() {
+    for command in [
+        &["bench"][..],
+        &["compare", "--dry-run"],
+        &["train", "--config", "absent.toml"],
+    ] {
+        for n in ["0", "100000"] {
+            let args: Vec<&str> = command.iter().copied().chain(["--threads", n]).collect();
+            let (code, _, err) = poslab_bounded(&args, &[]);
+            assert!(
+                code == Some(1) && err.contains(&format!("--threads {n}")),
+                "{args:?}: {err}"
+            );
+        }
     }
 }

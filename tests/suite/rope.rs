@@ -409,7 +409,7 @@ fn rope_configs_round_trip_with_fraction_and_scaling() {
 fn eval_rope_scaling_rescores_every_rope_variant_as_its_own_row() {
     use poslab::experiment::results::Outcome;
     use poslab::experiment::run::{run, RunOptions};
-    use poslab::experiment::{ExperimentConfig, Selection};
+    use poslab::experiment::ExperimentConfig;
     let config = ExperimentConfig::from_toml_str(
         "name = \"tiny\"\nseeds = 1\n\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
@@ -424,13 +424,8 @@ fn eval_rope_scaling_rescores_every_rope_variant_as_its_own_row() {
     let results = run(
         &config,
         &RunOptions {
-            device: Device::Cpu,
-            dir: dir.path().to_path_buf(),
-            selection: Selection::default(),
-            progress: poslab::progress::Progress::Quiet,
             jobs: 1,
-            overwrite: false,
-            kill_at: None,
+            ..RunOptions::new(Device::Cpu, dir.path())
         },
         &|_| {},
     )
@@ -489,6 +484,7 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
             progress: poslab::progress::Progress::Quiet,
             stop_after: None,
             hub: poslab::text::HubSource::from_env(),
+            threads: None,
         },
     )
     .unwrap();

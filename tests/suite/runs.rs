@@ -110,6 +110,61 @@ fn setup() -> (tempfile::TempDir, Vec<u8>) {
     (root, whole)
 }
 
+/// The device and threads each cell's timing record names (`cpu (1 job x 2 threads)`).
+fn timing_devices(run: &Path) -> Vec<String> {
+    let timing: serde_json::Value = serde_json::from_slice(&read(run.join("timing.json"))).unwrap();
+    timing
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["device"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Each job's threads come from `--threads`, else `RAYON_NUM_THREADS` when set, else the cores
+/// shared out among the jobs; the timing records say which ran, and the results are the same
+/// bytes whatever it was.
+#[test]
+fn threads_per_job_show_in_the_timing_and_change_no_result() {
+    let (root, whole) = setup();
+    let d = root.path();
+    // setup's run: one job, RAYON_NUM_THREADS=1 (command's environment).
+    let all = |run: &str, label: &str| {
+        let devices = timing_devices(&d.join(run));
+        assert_eq!(devices.len(), 8, "{run}");
+        assert!(
+            devices.iter().all(|l| l == &format!("cpu ({label})")),
+            "{run}: {devices:?}"
+        );
+    };
+    all("whole", "1 job x 1 thread");
+    // --threads wins over the variable.
+    assert_ok(
+        &compare(d, "t3", &["--jobs", "2", "--threads", "3"]),
+        "--threads 3",
+    );
+    assert!(read(d.join("t3/results.json")) == whole);
+    all("t3", "2 jobs x 3 threads");
+    // Neither: the cores shared out (one job gets them all).
+    let out = command(
+        d,
+        &["compare", "run.toml", "--out", "cores", "-q", "--jobs", "1"],
+    )
+    .env_remove("RAYON_NUM_THREADS")
+    .output()
+    .unwrap();
+    assert_ok(&out, "no --threads, no RAYON_NUM_THREADS");
+    assert!(read(d.join("cores/results.json")) == whole);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    all(
+        "cores",
+        &format!(
+            "1 job x {cores} thread{}",
+            if cores == 1 { "" } else { "s" }
+        ),
+    );
+}
+
 #[test]
 fn a_compare_killed_anywhere_resumes_to_the_uninterrupted_results() {
     let (root, whole) = setup();

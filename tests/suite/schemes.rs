@@ -5,7 +5,7 @@
 use candle::{DType, Device, Tensor};
 use poslab::experiment::results::Outcome;
 use poslab::experiment::run::{run, RunOptions};
-use poslab::experiment::{ExperimentConfig, Selection};
+use poslab::experiment::ExperimentConfig;
 use poslab::positional::{random_batch_positions, random_positions, KERPLE_MIN};
 use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, Positions};
 
@@ -343,13 +343,8 @@ fn run_tiny(config: &ExperimentConfig) -> poslab::Result<poslab::experiment::res
     run(
         config,
         &RunOptions {
-            device: Device::Cpu,
-            dir: dir.path().to_path_buf(),
-            selection: Selection::default(),
-            progress: poslab::progress::Progress::Quiet,
             jobs: 2,
-            overwrite: false,
-            kill_at: None,
+            ..RunOptions::new(Device::Cpu, dir.path())
         },
         &|_| {},
     )
