@@ -72,18 +72,24 @@ pub fn check_workers(flag: &str, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The threads a command computes with: `--threads` when given (checked), else
-/// `RAYON_NUM_THREADS` when you set it to a count, else `None` (the library's default). The
-/// count is passed on as a value; poslab never sets the variable.
+/// The threads a command computes with: `--threads` when given, else `RAYON_NUM_THREADS` when
+/// you set it to a count (0 or not a number: unset, as rayon reads it), else `None` (the
+/// library's default); either is checked. The count is passed on as a value; poslab never sets
+/// the variable.
 pub fn threads(flag: Option<usize>) -> Result<Option<usize>> {
-    if let Some(n) = flag {
-        check_workers("--threads", n, "threads")?;
-        return Ok(Some(n));
-    }
-    Ok(std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0))
+    let (from, n) = match flag {
+        Some(n) => ("--threads", n),
+        None => match std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| *n > 0)
+        {
+            Some(n) => ("RAYON_NUM_THREADS", n),
+            None => return Ok(None),
+        },
+    };
+    check_workers(from, n, "threads")?;
+    Ok(Some(n))
 }
 
 /// The interval of progress lines, checked: `--log-every`.

@@ -496,9 +496,9 @@ fn poslab_bounded(args: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String,
         .arg("ulimit -v 8388608 && exec \"$0\" \"$@\"")
         .arg(env!("CARGO_BIN_EXE_poslab"))
         .args(args)
-        .envs(envs.iter().copied())
         .env("HF_HUB_OFFLINE", "1")
         .env("RAYON_NUM_THREADS", "1")
+        .envs(envs.iter().copied())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -1194,5 +1194,11 @@ fn threads_are_bounded() {
                 "{args:?}: {err}"
             );
         }
+        // The variable, when set, is held to the same bounds.
+        let (code, _, err) = poslab_bounded(command, &[("RAYON_NUM_THREADS", "100000")]);
+        assert!(
+            code == Some(1) && err.contains("RAYON_NUM_THREADS 100000"),
+            "{command:?}: {err}"
+        );
     }
 }
