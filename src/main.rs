@@ -63,8 +63,8 @@ fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::Compare(args) => cli::compare::run(args),
         Command::Train(args) => cli::train::run(args),
-        Command::Predict(args) => cli::predict::run(args),
-        Command::Embed(args) => cli::embed::run(args),
+        Command::Predict(args) => args.compute.clone().run(|| cli::predict::run(args)),
+        Command::Embed(args) => args.compute.clone().run(|| cli::embed::run(args)),
         Command::Analyze(args) => cli::analyze::run(args),
         Command::Bench(args) => cli::bench::run(args),
         Command::Report(args) => cli::report::run(args),

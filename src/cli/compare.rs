@@ -53,10 +53,6 @@ pub struct Args {
     /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).
     #[arg(long)]
     pub jobs: Option<usize>,
-    /// Threads per job (default: RAYON_NUM_THREADS when set, else the CPU cores shared out
-    /// among the jobs). The results do not depend on it.
-    #[arg(long)]
-    pub threads: Option<usize>,
     /// No progress bars or progress lines.
     #[arg(long, short)]
     pub quiet: bool,
@@ -85,7 +81,7 @@ pub fn run(a: Args) -> Result<()> {
         shard: a.shard,
     };
     let every = super::log_interval(a.log_every)?;
-    let threads = super::threads(a.threads)?;
+    let threads = a.compute.threads()?;
     let started = Instant::now();
     let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();

@@ -315,6 +315,7 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
     let compute = super::Compute {
         device: poslab::device::DeviceSpec::Cpu,
         dtype: None,
+        threads: None,
     };
     let model = super::load_pretrained(spec, &compute)?;
     let modern = model.family == poslab::pretrained::Family::ModernBert;

@@ -102,7 +102,7 @@ pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
-/// Where a model computes, and in what precision.
+/// Where a model computes, in what precision, and on how many threads.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Compute {
     /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
@@ -113,6 +113,24 @@ pub struct Compute {
     /// f32. Default: the config's `[model] dtype` (f32 if absent), or as a saved model was trained.
     #[arg(long)]
     pub dtype: Option<poslab::Precision>,
+    /// Threads to compute with, per job for `compare` (default: RAYON_NUM_THREADS when set,
+    /// else every core, shared out among `compare`'s jobs). The results do not depend on it.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl Compute {
+    /// `--threads` or `RAYON_NUM_THREADS`, checked ([`threads`]); `None` when neither is given.
+    pub fn threads(&self) -> Result<Option<usize>> {
+        threads(self.threads)
+    }
+
+    /// `f` on a rayon pool of its own, [`Compute::threads`] wide (every core by default): what
+    /// `predict` and `embed` compute on.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
+        let n = self.threads()?.unwrap_or_else(cores);
+        poslab::nn::with_threads(n, f)
+    }
 }
 
 /// The model `predict` and `embed` read: one poslab trained, or a pretrained encoder.

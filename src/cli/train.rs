@@ -38,10 +38,6 @@ pub struct Args {
     /// (step, loss, time spent and left) every this many seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = poslab::progress::Progress::DEFAULT_EVERY.as_secs_f64())]
     pub log_every: f64,
-    /// Threads to train with (default: RAYON_NUM_THREADS when set, else every core). The
-    /// results do not depend on it.
-    #[arg(long)]
-    pub threads: Option<usize>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -54,10 +50,9 @@ pub fn run(args: Args) -> Result<()> {
         stop_after,
         quiet,
         log_every,
-        threads,
     } = args;
     let every = super::log_interval(log_every)?;
-    let threads = super::threads(threads)?;
+    let threads = compute.threads()?;
     if stop_after == Some(0) {
         anyhow::bail!(
             "--stop-after 0 would stop before the first step: give the number of steps to train \

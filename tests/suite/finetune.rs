@@ -176,6 +176,31 @@ fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says(
             .any(|a| stdout.contains(a)),
         "{stdout}"
     );
+    // On a pool of one thread or of three, predict and embed print the same bytes.
+    for command in ["predict", "embed"] {
+        let at = |threads: &str| {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
+                .args([
+                    command,
+                    "--run",
+                    dir.to_str().unwrap(),
+                    "--threads",
+                    threads,
+                ])
+                .args(["the big fox chased the dog", "a dog"])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{command} --threads {threads}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out.stdout
+        };
+        let one = at("1");
+        assert!(!one.is_empty(), "{command}");
+        assert!(one == at("3"), "{command}");
+    }
 }
 
 #[test]

@@ -1185,6 +1185,8 @@ fn threads_are_bounded() {
         &["bench"][..],
         &["compare", "--dry-run"],
         &["train", "--config", "absent.toml"],
+        &["predict", "--run", "absent", "a text"],
+        &["embed", "--run", "absent", "a text"],
     ] {
         for n in ["0", "100000"] {
             let args: Vec<&str> = command.iter().copied().chain(["--threads", n]).collect();
