@@ -100,7 +100,7 @@ pub fn run(a: Args) -> Result<()> {
         dtype: a.dtype,
         ..Default::default()
     };
-    let threads = super::threads(a.threads)?.unwrap_or_else(super::cores);
+    let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
     let mut backend = poslab::nn::Backend::from_env();
     if let Some(kernels) = a.kernels {
         backend = backend.with_kernels(kernels);

@@ -93,7 +93,7 @@ pub fn run(a: Args) -> Result<()> {
                 a.gflops
             );
         }
-        let jobs = a.jobs.unwrap_or(super::cores());
+        let jobs = a.jobs.unwrap_or(poslab::nn::cores());
         return print_estimate(&config, &selection, &source, a.gflops, jobs);
     }
     let jobs = jobs(a.jobs, &device, cells)?;
@@ -161,7 +161,7 @@ fn jobs(asked: Option<usize>, device: &candle::Device, cells: usize) -> Result<u
     if let Some(j) = asked {
         super::check_workers("--jobs", j, "cells at once")?;
     }
-    let cores = super::cores();
+    let cores = poslab::nn::cores();
     let jobs = match (asked, device.is_cpu()) {
         (Some(j), _) => j,
         (None, true) => cores,

@@ -55,14 +55,9 @@ impl OutputFailed {
     }
 }
 
-/// The CPU cores this process may use.
-pub fn cores() -> usize {
-    poslab::nn::cores()
-}
-
 /// Refuses `flag n` (threads or jobs) outside 1..=4 per core: more only wait on each other.
 pub fn check_workers(flag: &str, n: usize, what: &str) -> Result<()> {
-    let most = 4 * cores();
+    let most = 4 * poslab::nn::cores();
     if n == 0 || n > most {
         anyhow::bail!(
             "{flag} {n}: give from 1 to {most} {what} (4 per CPU core here; more only wait on \
@@ -128,7 +123,7 @@ impl Compute {
     /// `f` on a rayon pool of its own, [`Compute::threads`] wide (every core by default): what
     /// `predict` and `embed` compute on.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> Result<R> + Send) -> Result<R> {
-        let n = self.threads()?.unwrap_or_else(cores);
+        let n = self.threads()?.unwrap_or_else(poslab::nn::cores);
         poslab::nn::with_threads(n, f)
     }
 }
