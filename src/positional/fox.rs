@@ -157,11 +157,6 @@ impl FoxGates {
     pub fn bias(&self, x: &Tensor) -> Result<Tensor> {
         Ok(AttentionBias::SidedSums(&self.sums(x)?).table()?)
     }
-
-    /// `(weight (2h, d), bias (2h))`.
-    pub fn params(&self) -> (&Tensor, &Tensor) {
-        (&self.gates.weight, &self.gates.bias)
-    }
 }
 
 /// Every layer's gates; `None` for a layer without positions.
@@ -206,8 +201,8 @@ impl BiasModule for Fox {
                     return Ok(format!("layer {l}: no positions"));
                 };
                 let bias = g
-                    .params()
-                    .1
+                    .forget_gates()
+                    .bias
                     .to_dtype(candle::DType::F64)?
                     .to_vec1::<f64>()?;
                 Ok(format!(
@@ -222,10 +217,7 @@ impl BiasModule for Fox {
         self.0
             .iter()
             .flatten()
-            .flat_map(|g| {
-                let (w, b) = g.params();
-                [w.clone(), b.clone()]
-            })
+            .flat_map(|g| [g.gates.weight.clone(), g.gates.bias.clone()])
             .collect()
     }
 

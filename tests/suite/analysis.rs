@@ -341,16 +341,15 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
         threads: None,
     };
     poslab::train_run::start(&config, &options).unwrap();
+    // `analyze --run` into `out`, with `threads` if given.
+    let analyze = |out: &Path, threads: Option<&str>| {
+        let mut args = vec!["analyze", "--run", run.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap(), "--texts", "16"]);
+        args.extend(threads.map(|n| ["--threads", n]).into_iter().flatten());
+        poslab(&args)
+    };
     let out = root.path().join("analysis");
-    let (ok, stdout, stderr) = poslab(&[
-        "analyze",
-        "--run",
-        run.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--texts",
-        "16",
-    ]);
+    let (ok, stdout, stderr) = analyze(&out, None);
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("learned table of") && stdout.contains("24 positions from 0, 16 wide"),
@@ -404,6 +403,19 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
             "reconstruction error {}",
             head[0][5]
         );
+    }
+    // The same files on one thread and on three: the logits' terms do not depend on the pool.
+    for threads in ["1", "3"] {
+        let again = root.path().join(format!("analysis-{threads}"));
+        let (ok, _, stderr) = analyze(&again, Some(threads));
+        assert!(ok, "{stderr}");
+        for f in ["attention_terms.csv", "table.csv", "distance_l2.csv"] {
+            assert_eq!(
+                std::fs::read(again.join(f)).unwrap(),
+                std::fs::read(out.join(f)).unwrap(),
+                "{f} on {threads} threads"
+            );
+        }
     }
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
 }

@@ -1187,6 +1187,7 @@ fn threads_are_bounded() {
         &["train", "--config", "absent.toml"],
         &["predict", "--run", "absent", "a text"],
         &["embed", "--run", "absent", "a text"],
+        &["analyze", "--run", "absent"],
     ] {
         for n in ["0", "100000"] {
             let args: Vec<&str> = command.iter().copied().chain(["--threads", n]).collect();
