@@ -46,26 +46,23 @@ pub enum Error {
     #[error("training stopped: {0}")]
     Training(String),
 
-    /// A cell of an experiment failed; the source says how.
-    #[error("cell {cell}: {source}")]
+    /// A cell of an experiment failed; `cause` says how. (Not a `source`: the message holds
+    /// it already, and a chain printed with `{:#}` would repeat it.)
+    #[error("cell {cell}: {cause}")]
     Cell {
         /// The cell, `task/variant/seedN`.
         cell: String,
         /// How it failed.
-        source: Box<Error>,
+        cause: Box<Error>,
     },
 
     /// A run stopped by a failed cell; the cells it finished are kept in its folder.
-    #[error(
-        "cell {cell}: {source} ({done} of {total} cells are done and kept in {}: fix the cause \
-         and run the same command again, which continues from them)",
-        dir.display()
-    )]
+    #[error("cell {cell}: {cause} ({})", stopped_advice(cause, *done, *total, dir))]
     RunStopped {
         /// The cell that failed, `task/variant/seedN`.
         cell: String,
         /// How it failed.
-        source: Box<Error>,
+        cause: Box<Error>,
         /// Cells finished and kept.
         done: usize,
         /// Cells the run has.
@@ -141,6 +138,30 @@ impl Error {
     }
 }
 
+/// What a stopped run keeps, and how to go on. Training is deterministic, so a cell that stopped
+/// in training ([`Error::Training`]) stops the same way under the same config: the config must
+/// change, and a changed config is another experiment, which a folder with finished cells does
+/// not take. Any other failure (a full disk, a file) can be fixed and the run continued.
+fn stopped_advice(cause: &Error, done: usize, total: usize, dir: &std::path::Path) -> String {
+    let dir = dir.display();
+    match (cause, done) {
+        (Error::Training(_), 0) => format!(
+            "no cell finished, of {total}: training is deterministic, so this config stops \
+             here again; change it, then run it with --overwrite to start {dir} over, or into \
+             another folder"
+        ),
+        (Error::Training(_), _) => format!(
+            "{done} of {total} cells are done and kept in {dir}: training is deterministic, so \
+             this config stops here again; a changed config is another experiment, so run it \
+             into another folder"
+        ),
+        _ => format!(
+            "{done} of {total} cells are done and kept in {dir}: fix the cause and run the same \
+             command again, which continues from them"
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +187,41 @@ mod tests {
             message.contains("bad header") && message.contains("model.safetensors"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn a_stopped_run_says_how_to_go_on_by_its_cause() {
+        let stopped = |cause: Error, done| Error::RunStopped {
+            cell: "t/v/seed0".into(),
+            cause: Box::new(cause),
+            done,
+            total: 4,
+            dir: "runs/r".into(),
+        };
+        let diverged = || Error::Training("the loss became NaN at step 3".into());
+        let first = stopped(diverged(), 0).to_string();
+        assert!(
+            first.contains("the loss became NaN at step 3 (no cell finished, of 4")
+                && first.contains("--overwrite to start runs/r over")
+                && !first.contains("same command again"),
+            "{first}"
+        );
+        let later = stopped(diverged(), 2).to_string();
+        assert!(
+            later.contains("2 of 4 cells are done and kept in runs/r")
+                && later.contains("into another folder")
+                && !later.contains("--overwrite")
+                && !later.contains("same command again"),
+            "{later}"
+        );
+        let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left");
+        let disk = stopped(Error::io("runs/r/cells/x.json", full), 2).to_string();
+        assert!(
+            disk.contains("2 of 4 cells are done") && disk.contains("same command again"),
+            "{disk}"
+        );
+        // The cause is in the message, and not a source too: `{:#}` shows it once.
+        let chained = format!("{:#}", anyhow::Error::from(stopped(diverged(), 0)));
+        assert_eq!(chained.matches("became NaN").count(), 1, "{chained}");
     }
 }

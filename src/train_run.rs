@@ -325,9 +325,43 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let inputs = Inputs::of(config, ready.start.as_ref(), dir)?;
     write_atomic(&dir.join(INPUTS), inputs.to_json().as_bytes())?;
     write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
-    let end = run(config, ready, options, false);
+    let end = run(config, ready, options, false).map_err(|e| diverged(dir, e));
     drop(lock);
     end
+}
+
+/// A run that stopped in training ([`Error::Training`]: a non-finite loss or gradient), with
+/// the way on. Training is deterministic, so `--resume` would stop at the same step: the config
+/// must change. A run with no checkpoint holds nothing a resume could use, so it is removed
+/// (its start marker first), and the fixed config starts in the same folder; one with
+/// checkpoints is kept, and the fixed config goes into another folder.
+fn diverged(dir: &Path, e: Error) -> Error {
+    let Error::Training(why) = e else {
+        return e;
+    };
+    let checkpointed = latest_checkpoint_step(dir).is_some();
+    let removed = !checkpointed
+        && [TRAIN_CONFIG, INPUTS, saved::TOKENIZER].iter().all(|f| {
+            match std::fs::remove_file(dir.join(f)) {
+                Ok(()) => true,
+                Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+            }
+        });
+    let way_on = match (checkpointed, removed) {
+        (false, true) => format!(
+            "no checkpoint was saved, so {} holds no run now: change the config and start it, \
+             into the same --out if you like",
+            dir.display()
+        ),
+        _ => format!(
+            "{} keeps the run, but --resume would stop here again: change the config and \
+             start it into another --out",
+            dir.display()
+        ),
+    };
+    Error::Training(format!(
+        "{why}; training is deterministic, so this config stops here every time ({way_on})"
+    ))
 }
 
 /// What a run reads besides its config, `inputs.json`: the SHA-256 of each data file, of the
@@ -436,7 +470,7 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;
     let ready = ready(&config, data, start)?;
-    let end = run(&config, ready, options, true);
+    let end = run(&config, ready, options, true).map_err(|e| diverged(dir, e));
     drop(lock);
     end
 }

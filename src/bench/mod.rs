@@ -186,6 +186,16 @@ impl Shape {
             layers: None,
             positional: self.positional(variant)?,
         };
+        for (flag, n, what) in [
+            ("--batch", self.batch, "sequences per batch"),
+            ("--seq", self.seq, "tokens per sequence"),
+        ] {
+            if n == 0 {
+                return Err(Error::Config(format!(
+                    "{flag} 0: give at least 1 of the {what}"
+                )));
+            }
+        }
         config.validate()?;
         crate::limits::check_batch(&config.sizes(), self.batch, self.seq, true, "bench")
             .map_err(Error::Config)?;
@@ -313,11 +323,15 @@ impl Record {
     /// The figures on a line, logged as soon as they are in: a bench cut short still says what
     /// it measured.
     pub fn line(&self) -> String {
+        let rate = |t: &Option<Timing>| match t {
+            Some(t) => format!("{:.0} tok/s", t.tokens_per_s),
+            None => "not measured".into(),
+        };
         let mut line = format!(
-            "{}: training {:.0} tok/s, forward {:.0} tok/s",
+            "{}: training {}, forward {}",
             self.variant,
-            self.train_rate(),
-            self.forward_rate()
+            rate(&self.train),
+            rate(&self.forward)
         );
         if let Some(mib) = self.train_peak_gpu_mib {
             line += &format!(", training peak GPU {mib:.0} MiB");

@@ -304,21 +304,43 @@ fn value<T: serde::Serialize>(v: &T) -> serde_json::Value {
 
 impl Plan {
     /// The variants a bench runs when none are named: every scheme with its default options
-    /// but `none` (with PyTorch, those its script runs), where the shape allows it.
-    pub fn default_variants(shape: &Shape, torch: Option<&Torch>) -> Vec<String> {
+    /// but `none` (with PyTorch, those its script runs), where the shape allows it. A shape
+    /// that no variant fits is refused with the first one's reason.
+    pub fn default_variants(shape: &Shape, torch: Option<&Torch>) -> Result<Vec<String>> {
         let pool: Vec<String> = match torch {
             Some(torch) => torch.variants.clone(),
             None => shape.variant_names(),
         };
-        pool.into_iter()
-            .filter(|v| v != "none" && shape.model_config(v).is_ok())
-            .collect()
+        let mut refusal = None;
+        let fit: Vec<String> = pool
+            .into_iter()
+            .filter(|v| v != "none")
+            .filter(|v| match shape.model_config(v) {
+                Ok(_) => true,
+                Err(e) => {
+                    refusal.get_or_insert(e);
+                    false
+                }
+            })
+            .collect();
+        match refusal {
+            Some(e) if fit.is_empty() => Err(e),
+            _ => Ok(fit),
+        }
     }
 
-    /// Every variant known at this shape, and run by the PyTorch script if there is one.
+    /// Every variant known and valid at this shape (before any runs), and run by the PyTorch
+    /// script if there is one.
     pub fn check(&self) -> Result<()> {
+        if self.options.variants.is_empty() {
+            return Err(Error::Input("no variants to measure".into()));
+        }
         for v in &self.options.variants {
             self.options.shape.positional(v)?;
+            self.options.shape.model_config(v).map_err(|e| match e {
+                Error::Config(why) => Error::Config(format!("bench variant `{v}`: {why}")),
+                e => e,
+            })?;
             if let Some(torch) = self.torch.as_ref().filter(|t| !t.variants.contains(v)) {
                 return Err(Error::Input(format!(
                     "--torch: the PyTorch script has no `{v}` variant; it runs {}",

@@ -101,6 +101,7 @@ pub fn run(a: Args) -> Result<()> {
         ..Default::default()
     };
     let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
+    check_repetitions(&a)?;
     let mut backend = poslab::nn::Backend::from_env();
     if let Some(kernels) = a.kernels {
         backend = backend.with_kernels(kernels);
@@ -123,7 +124,7 @@ pub fn run(a: Args) -> Result<()> {
         return products(&a, &shape, threads, torch.as_ref());
     }
     let variants = match a.variants.is_empty() {
-        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref()),
+        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref())?,
         false => a.variants,
     };
     let plan = poslab::bench::Plan {
@@ -154,6 +155,37 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::to_string_pretty(&outcome.json(plan.header()))?
         ),
         false => out!("{}", outcome.table()),
+    }
+    Ok(())
+}
+
+/// The most untimed steps before a phase, timed steps of a phase, and rounds: far past any
+/// measurement's need, and short of a run that never ends.
+const MAX_WARMUP: usize = 10_000;
+const MAX_REPS: usize = 100_000;
+const MAX_ROUNDS: usize = 100;
+
+/// Repetitions and rounds that measure something, and end.
+fn check_repetitions(a: &Args) -> Result<()> {
+    for (flag, n, max) in [
+        ("--warmup", a.warmup, MAX_WARMUP),
+        ("--forward-reps", a.forward_reps, MAX_REPS),
+        ("--train-reps", a.train_reps, MAX_REPS),
+    ] {
+        if n > max {
+            anyhow::bail!("{flag} {n}: give at most {max}");
+        }
+    }
+    if let Some(n) = a.rounds.filter(|n| !(1..=MAX_ROUNDS).contains(n)) {
+        anyhow::bail!("--rounds {n}: give from 1 to {MAX_ROUNDS} rounds");
+    }
+    if a.products && a.train_reps == 0 {
+        anyhow::bail!("--products --train-reps 0: each product's rate is the best of --train-reps runs; give at least 1");
+    }
+    if !a.products && a.forward_reps == 0 && a.train_reps == 0 {
+        anyhow::bail!(
+            "--forward-reps 0 --train-reps 0: nothing to measure; give either at least 1"
+        );
     }
     Ok(())
 }

@@ -47,7 +47,8 @@ pub struct Args {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// With --out: start the run over, removing the run already in the folder (only the files
-    /// it wrote; never another experiment's run).
+    /// it wrote; never another experiment's finished cells: another config takes the folder
+    /// only from a run that stopped before any cell finished).
     #[arg(long, requires = "out")]
     pub overwrite: bool,
     /// Cells trained at once (default: one per CPU core, one thread each; 1 on CUDA).

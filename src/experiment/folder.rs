@@ -279,7 +279,9 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
 ///
 /// - a folder without a manifest is new: refused if any file the plan writes is already there
 ///   (poslab did not write it), otherwise the manifest is written;
-/// - a folder of another experiment config is always refused, naming the first difference;
+/// - a folder of another experiment config is refused, naming the first difference, unless it
+///   is a compare run with no finished cell (one stopped at its first failure) and `overwrite`,
+///   which replaces it: it holds no result to lose;
 /// - a compare folder with this config, these cells and this device kind is resumed, unless
 ///   `overwrite`;
 /// - anything else of this config (other cells, a report) is refused unless `overwrite`, which
@@ -307,7 +309,12 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
     };
     if let Some(old) = read_manifest(dir)? {
         if old.config_sha256 != manifest.config_sha256 {
-            return Err(other_config(dir, &old, plan.config));
+            let finished = old.finished_cells(dir);
+            if !(overwrite && old.kind == FolderKind::Compare && finished == 0) {
+                return Err(other_config(dir, &old, plan.config, finished));
+            }
+            remove_listed(dir, &old.files)?;
+            return new_run(dir, lock, plan, &manifest);
         }
         let same_cells = old.kind == plan.kind
             && old.device == plan.device
@@ -333,6 +340,12 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
         }
         remove_listed(dir, &old.files)?;
     }
+    new_run(dir, lock, plan, &manifest)
+}
+
+/// A new run in `dir` (locked, and holding no run of its own): refused if a file the plan writes
+/// is there, which no manifest lists; otherwise the manifest is written.
+fn new_run(dir: &Path, lock: FolderLock, plan: &Plan, manifest: &Manifest) -> Result<Opened> {
     let taken: Vec<&String> = plan
         .files
         .iter()
@@ -353,12 +366,23 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
             if taken.len() == 1 { "it" } else { "them" }
         )));
     }
-    let json = serde_json::to_string_pretty(&manifest).expect("a manifest serializes") + "\n";
+    let json = serde_json::to_string_pretty(manifest).expect("a manifest serializes") + "\n";
     write_atomic(&dir.join(MANIFEST), json.as_bytes())?;
     Ok(Opened {
         lock,
         resumed: false,
     })
+}
+
+impl Manifest {
+    /// How many of the cells this run writes have their record in `dir`: a compare folder's
+    /// results.
+    pub fn finished_cells(&self, dir: &Path) -> usize {
+        self.files
+            .iter()
+            .filter(|f| f.starts_with(&format!("{CELLS}/")) && dir.join(f).is_file())
+            .count()
+    }
 }
 
 /// The cells a manifest's selection names under `config`.
@@ -388,7 +412,8 @@ pub fn describe(m: &Manifest) -> String {
     }
 }
 
-fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig) -> Error {
+/// The refusal of a folder of another experiment config, which holds `finished` cells.
+fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig, finished: usize) -> Error {
     let diff = load_run_config(dir).ok().and_then(|theirs| {
         crate::io::first_difference(
             "",
@@ -396,10 +421,26 @@ fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig) -> Error 
             &toml::Value::try_from(config).expect("a config is TOML"),
         )
     });
+    let way_out = if old.kind == FolderKind::Compare && finished == 0 {
+        "it has no finished cell, so --overwrite starts it over with this config; or choose \
+         another folder"
+            .to_string()
+    } else {
+        format!(
+            "choose another folder (--overwrite never replaces another experiment's results{}: \
+             delete the folder yourself if it is no longer wanted)",
+            match old.kind {
+                FolderKind::Compare => format!(
+                    ", and this run has {finished} finished cell{}",
+                    if finished == 1 { "" } else { "s" }
+                ),
+                FolderKind::Report => String::new(),
+            }
+        )
+    };
     Error::Input(format!(
         "{} holds {} of another experiment config ({}): one folder holds one experiment; \
-         choose another folder (--overwrite never replaces another experiment's run: delete \
-         the folder yourself if it is no longer wanted)",
+         {way_out}",
         dir.display(),
         describe(old),
         match diff {

@@ -354,9 +354,9 @@ pub fn run(
         let fresh = train_cells(config, options, &selected, &pending, log).map_err(|e| {
             let done = folder::cells_done(dir, config, &selected);
             match e {
-                Error::Cell { cell, source } => Error::RunStopped {
+                Error::Cell { cell, cause } => Error::RunStopped {
                     cell,
-                    source,
+                    cause,
                     done,
                     total: selected.len(),
                     dir: dir.clone(),
@@ -564,7 +564,7 @@ fn train_cells(
                             Err(e) => {
                                 failure.lock().expect("lock").get_or_insert(Error::Cell {
                                     cell: name,
-                                    source: Box::new(e),
+                                    cause: Box::new(e),
                                 });
                             }
                         }

@@ -1205,3 +1205,56 @@ fn threads_are_bounded() {
         );
     }
 }
+
+/// A bench whose shape no variant fits, or whose repetitions measure nothing or never end, is
+/// refused before it runs, naming the flag: not an empty table and exit status 0.
+#[test]
+fn bench_refuses_shapes_and_repetitions_that_measure_nothing() {
+    for (args, says) in [
+        (&["--seq", "0"][..], "--seq 0"),
+        (&["--batch", "0"], "--batch 0"),
+        (&["--heads", "0"], "n_heads = 0"),
+        (
+            &["--d-model", "7", "--heads", "2"],
+            "does not divide d_model = 7",
+        ),
+        (&["--layers", "0"], "n_layers = 0"),
+        (&["--ffn", "0"], "ffn_dim = 0"),
+        (&["--vocab", "0"], "vocab_size = 0"),
+        (&["--rounds", "0"], "--rounds 0"),
+        (&["--rounds", "1000"], "--rounds 1000"),
+        (&["--warmup", "1000000000"], "--warmup 1000000000"),
+        (&["--train-reps", "1000000000"], "--train-reps 1000000000"),
+        (
+            &["--forward-reps", "0", "--train-reps", "0"],
+            "nothing to measure",
+        ),
+        (
+            &["--products", "--train-reps", "0"],
+            "--products --train-reps 0",
+        ),
+        // A named variant that does not fit the shape is refused before any other runs.
+        (
+            &[
+                "--d-model",
+                "64",
+                "--heads",
+                "8",
+                "--variants",
+                "sin_add,sin_concat",
+            ],
+            "bench variant `sin_concat`: sinusoidal_concat: pos_dim = 64",
+        ),
+    ] {
+        let args: Vec<&str> = ["bench"].into_iter().chain(args.iter().copied()).collect();
+        let (code, out, err) = poslab_bounded(&args, &[]);
+        assert!(
+            code == Some(1) && err.contains(says) && out.is_empty(),
+            "{args:?}: {code:?} {out} {err}"
+        );
+        assert!(
+            !err.contains("tok/s"),
+            "{args:?} ran before its refusal: {err}"
+        );
+    }
+}

@@ -765,3 +765,50 @@ fn an_experiment_is_checked_and_costed_before_it_runs() {
         "{text}"
     );
 }
+
+/// A cell that diverges stops the run with advice that works: training is deterministic, so
+/// "run it again" would stop at the same step. The config changed, the folder (no cell finished)
+/// is started over with --overwrite, and ends as a fresh folder of the fixed config does.
+#[test]
+fn a_run_stopped_by_divergence_is_started_over_with_the_fixed_config() {
+    let (root, whole) = setup();
+    let d = root.path();
+    let diverging = RUN.replace(
+        "eval_every = 10",
+        "eval_every = 10\nlr = 1e30\nwarmup = 0.0\ngrad_clip = 0.0",
+    );
+    std::fs::write(d.join("bad.toml"), &diverging).unwrap();
+    let out = poslab(
+        d,
+        &["compare", "bad.toml", "--out", "r", "-q", "--jobs", "1"],
+    );
+    let e = stderr(&out);
+    assert!(!out.status.success(), "{e}");
+    assert_eq!(
+        e.matches("the loss became").count(),
+        1,
+        "the cause once: {e}"
+    );
+    assert!(
+        e.contains("no cell finished, of 8")
+            && e.contains("stops here again")
+            && e.contains("--overwrite to start r over")
+            && !e.contains("run the same command again"),
+        "{e}"
+    );
+    // The fixed config: refused without --overwrite, saying that it would start the folder over.
+    let out = compare(d, "r", &[]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("of another experiment config")
+            && e.contains("it has no finished cell, so --overwrite starts it over"),
+        "{e}"
+    );
+    assert_ok(
+        &compare(d, "r", &["--overwrite"]),
+        "the fixed config, --overwrite",
+    );
+    assert_eq!(read(d.join("r/results.json")), whole);
+    assert!(temporaries(&d.join("r")).is_empty());
+}

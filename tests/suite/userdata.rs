@@ -606,3 +606,53 @@ fn the_cli_trains_predicts_tags_embeds_and_truncates_only_when_asked() {
         "{stderr}"
     );
 }
+
+/// A run whose loss diverges says that resuming would stop at the same step (training is
+/// deterministic). Before its first checkpoint it leaves no run behind, so the fixed config
+/// starts in the same folder; after one, the run is kept and the advice is another folder.
+#[test]
+fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
+    let root = tempfile::tempdir().unwrap();
+    let config = |lr: &str, checkpoints: usize| {
+        TrainRunConfig::from_toml_str(&format!(
+            "name = \"t\"\ncheckpoint_every = {checkpoints}\n\
+             [model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+             [positional]\nkind = \"rope\"\n\
+             [train]\nbudget = {{ steps = 20 }}\nbatch_size = 16\nlr = {lr}\nwarmup = 0.0\n\
+             grad_clip = 0.0\neval_every = 10\n\
+             [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 20\n"
+        ))
+        .unwrap()
+    };
+    let dir = root.path().join("run");
+    let e = train_run::start(&config("1e30", 0), &options(&dir, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the loss became")
+            && e.contains("stops here every time")
+            && e.contains("holds no run now"),
+        "{e}"
+    );
+    for f in ["train.toml", "inputs.json", "tokenizer.json"] {
+        assert!(!dir.join(f).exists(), "{f} left behind");
+    }
+    let e = train_run::resume(&options(&dir, None))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("holds no started run"), "{e}");
+    finished(train_run::start(&config("3e-3", 0), &options(&dir, None)).unwrap());
+
+    // Checkpoints every step, and a rate that takes a few steps to blow up: the run is kept.
+    let kept = root.path().join("kept");
+    let e = train_run::start(&config("1e6", 1), &options(&kept, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("stops here every time")
+            && e.contains("keeps the run, but --resume would stop here again")
+            && e.contains("another --out"),
+        "{e}"
+    );
+    assert!(kept.join("train.toml").is_file() && kept.join("checkpoints/latest").is_file());
+}
