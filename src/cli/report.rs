@@ -51,6 +51,18 @@ pub fn run(args: Args) -> Result<()> {
         allow_partial,
     } = args;
     let runs = &runs;
+    // The same folder twice would merge each of its cells with itself.
+    let places: Vec<Option<std::path::PathBuf>> =
+        runs.iter().map(|r| r.canonicalize().ok()).collect();
+    for (i, place) in places.iter().enumerate() {
+        if let Some(j) = (0..i).find(|&j| place.is_some() && places[j] == *place) {
+            anyhow::bail!(
+                "{} and {} are the same folder: give each run folder once",
+                runs[j].display(),
+                runs[i].display()
+            );
+        }
+    }
     if let Some(dir) = &out {
         // Writing into a folder being merged would replace its own results with the merge's.
         let same = |a: &Path| match (a.canonicalize(), dir.canonicalize()) {
@@ -89,9 +101,11 @@ pub fn run(args: Args) -> Result<()> {
     drop(opened);
     outln!("{table}");
     outln!(
-        "merged {} run folders ({} cells) into {}",
+        "merged {} run folder{} ({} cell{}) into {}",
         runs.len(),
+        if runs.len() == 1 { "" } else { "s" },
         results.cells.len(),
+        if results.cells.len() == 1 { "" } else { "s" },
         dir.display()
     );
     if let Some(p) = &results.partial {

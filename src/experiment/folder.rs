@@ -453,6 +453,26 @@ fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig, finished:
     ))
 }
 
+/// What a folder without a model's `config.json` is instead, when poslab made it: a `train` run
+/// that has not finished, or a `compare` run (whose models are in `models/`); `None` otherwise.
+pub fn not_a_model(dir: &Path) -> Option<String> {
+    if dir.join(crate::saved::TRAIN_CONFIG).is_file() {
+        return Some(format!(
+            "a `poslab train` run that has not finished, so it holds no model yet: finish it \
+             with `poslab train --resume {}`",
+            dir.display()
+        ));
+    }
+    if dir.join(MANIFEST).is_file() && dir.join(CONFIG_TOML).is_file() {
+        return Some(format!(
+            "a `poslab compare` run folder, not a model: each cell's model is in \
+             {}/{MODELS}/<task>/<variant>/seed<N>",
+            dir.display()
+        ));
+    }
+    None
+}
+
 /// The experiment config a run folder was made with (`config.toml`, which `compare` writes).
 pub fn load_run_config(dir: &Path) -> Result<ExperimentConfig> {
     let path = dir.join(CONFIG_TOML);

@@ -812,3 +812,32 @@ fn a_run_stopped_by_divergence_is_started_over_with_the_fixed_config() {
     assert_eq!(read(d.join("r/results.json")), whole);
     assert!(temporaries(&d.join("r")).is_empty());
 }
+
+/// A compare folder given where a model is wanted says where its models are; the same folder
+/// twice to `report` is refused by name instead of as a cell found twice.
+#[test]
+fn run_folders_given_for_models_or_twice_say_so() {
+    let (root, _) = setup();
+    let d = root.path();
+    for args in [
+        &["predict", "--run", "whole", "a text"][..],
+        &["embed", "--run", "whole", "a text"],
+        &["analyze", "--run", "whole"],
+    ] {
+        let out = poslab(d, args);
+        let e = stderr(&out);
+        assert!(
+            !out.status.success()
+                && e.contains("a `poslab compare` run folder, not a model")
+                && e.contains("whole/models/<task>/<variant>/seed<N>"),
+            "{args:?}: {e}"
+        );
+    }
+    let out = poslab(d, &["report", "whole", "./whole", "--out", "merged"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success() && e.contains("whole and ./whole are the same folder"),
+        "{e}"
+    );
+    assert!(!d.join("merged").exists());
+}

@@ -655,4 +655,11 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
         "{e}"
     );
     assert!(kept.join("train.toml").is_file() && kept.join("checkpoints/latest").is_file());
+    // An unfinished run holds no model: predict says so, and how to finish it.
+    let (ok, _, e) = poslab(&["predict", "--run", kept.to_str().unwrap(), "a text"]);
+    assert!(
+        !ok && e.contains("a `poslab train` run that has not finished")
+            && e.contains("poslab train --resume"),
+        "{e}"
+    );
 }
