@@ -80,6 +80,28 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, bytes, &|| {})
 }
 
+/// Creates the folder `dir` and its parents. A file where a folder must be is named, with the
+/// fix, instead of the system's "File exists" or "Not a directory".
+pub fn create_folder(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        let blocking = dir
+            .ancestors()
+            .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir());
+        match blocking {
+            Some(file) if file == dir => Error::Input(format!(
+                "{} is a file, not a folder: give a folder's path",
+                dir.display()
+            )),
+            Some(file) => Error::Input(format!(
+                "{}: {} is a file, not a folder: give a folder's path",
+                dir.display(),
+                file.display()
+            )),
+            None => Error::io(dir, e),
+        }
+    })
+}
+
 /// [`write_atomic`], calling `halfway` once half of `bytes` is in the temporary file (a test
 /// kills the process there, to show that a torn write never replaces the file).
 pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Result<()> {
@@ -87,7 +109,7 @@ pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Resul
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    create_folder(dir)?;
     let name = path
         .file_name()
         .ok_or_else(|| Error::io(path, std::io::Error::other("not a file path")))?;
@@ -267,6 +289,13 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
         path: "<toml>".into(),
         message: e.to_string(),
     })
+}
+
+/// Whether `text` is a TOML document with `key` at its top level (which config a file is, when
+/// it does not parse as the one expected).
+pub fn toml_has_key(text: &str, key: &str) -> bool {
+    text.parse::<toml::Table>()
+        .is_ok_and(|table| table.contains_key(key))
 }
 
 /// The first place two TOML values differ, as `path: a vs b`.

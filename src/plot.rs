@@ -81,7 +81,7 @@ pub fn render_png(
         .and_then(|mut writer| writer.write_image_data(&rgb))
         .map_err(|e| fail(e.to_string()))?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::io::create_folder(dir)?;
     }
     crate::io::write_atomic(path, &bytes)
 }

@@ -67,7 +67,7 @@ pub fn save(
     tokenizer: &TextTokenizer,
     config: &SavedConfig,
 ) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let json = serde_json::to_string_pretty(config).expect("a saved config serializes");
     crate::io::write_atomic(&dir.join(CONFIG), json.as_bytes())?;
     tokenizer.save(dir.join(TOKENIZER))?;

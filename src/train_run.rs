@@ -235,7 +235,23 @@ impl TrainRunConfig {
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
-        Self::from_toml_str(&text).map_err(|e| e.in_file(path))
+        Self::from_toml_str(&text).map_err(|e| match e {
+            Error::ConfigParse { message, .. }
+                if ["tasks", "variants"]
+                    .iter()
+                    .any(|k| crate::io::toml_has_key(&text, k)) =>
+            {
+                Error::ConfigParse {
+                    path: path.into(),
+                    message: format!(
+                        "this is an experiment config ([[tasks]] x [[variants]] x seeds), not \
+                         one run: run it with `poslab compare {}`\n{message}",
+                        path.display()
+                    ),
+                }
+            }
+            other => other.in_file(path),
+        })
     }
 
     /// The config as TOML, the form the run folder keeps.
@@ -306,7 +322,7 @@ pub enum TrainEnd {
 pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd> {
     config.validate()?;
     let dir = &options.dir;
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let lock = crate::io::FolderLock::exclusive(dir, "poslab train")?;
     if dir.join(TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(
@@ -456,6 +472,14 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
         )));
     }
     if !dir.join(TRAIN_CONFIG).exists() {
+        if dir.join(crate::experiment::folder::MANIFEST).is_file() {
+            return Err(Error::Input(format!(
+                "{} holds a `poslab compare` run, not a `poslab train` one: the same compare \
+                 command into it (`poslab compare CONFIG --out {}`) continues it",
+                dir.display(),
+                dir.display()
+            )));
+        }
         return Err(Error::Input(format!(
             "{} holds no started run (no {TRAIN_CONFIG}): start one with `poslab train --config \
              FILE --out {}`",

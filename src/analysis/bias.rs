@@ -156,7 +156,7 @@ impl BiasAnalysis {
     /// `bias_by_offset.csv` and `.png`, and for an absolute scheme a heatmap per head
     /// (`bias_{label}.png`, `bias_{label}.csv`).
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::io::create_folder(dir)?;
         let p = self.heads.first().map_or(0, |h| h.matrix.rows) as i64;
         let curves: Vec<Vec<f64>> = self.heads.iter().map(HeadBias::by_offset).collect();
         let mut files = vec![

@@ -148,7 +148,7 @@ fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
 
 /// Writes the analysis: CSVs, PNGs and `summary.txt` / `summary.json`. Returns the file names.
 pub fn write_all(analysis: &Analysis, table: &Table, dir: &Path) -> Result<Vec<String>> {
-    std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let mut files = Vec::new();
     write_table(table, dir, &mut files)?;
     write_distances(table, dir, &mut files)?;
@@ -451,7 +451,7 @@ pub fn write_terms(
     dir: &Path,
 ) -> Result<Vec<String>> {
     use super::terms::TERMS;
-    std::fs::create_dir_all(dir).map_err(|e| crate::error::Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     /// A row of `attention_terms.csv`.
     #[derive(serde::Serialize)]
     struct TermRow<'a> {

@@ -66,7 +66,7 @@ pub fn write_wavelengths(
     factor: f64,
     dir: &Path,
 ) -> Result<Vec<String>> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let pairs = curves.first().map_or(0, |c| c.1.len());
     write_columns_csv(
         &dir.join("rope_scaling_wavelengths.csv"),
@@ -229,7 +229,7 @@ pub fn energy_summary(energy: &[PairEnergy]) -> String {
 /// `rope_energy.csv`, and `rope_energy_layer{l}.png` per layer: each head's q (solid) and k
 /// (dashed) share per pair.
 pub fn write_energy(energy: &[PairEnergy], dir: &Path) -> Result<Vec<String>> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     #[derive(serde::Serialize)]
     struct Row {
         layer: usize,

@@ -89,7 +89,7 @@ impl FireCurves {
     /// `fire_by_offset.csv`, and two charts: against the offset, and against the offset over
     /// the span (where FIRE's interpolation makes the lengths' curves meet).
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::io::create_folder(dir)?;
         let heads = self.curves.first().map_or(0, |c| c.1.len());
         let mut rows: Vec<Vec<String>> = Vec::new();
         let mut lines: Vec<(usize, usize, Line, Line)> = Vec::new();
@@ -178,7 +178,7 @@ pub fn write_spectra(
     head_dim: usize,
     dir: &Path,
 ) -> Result<(String, Vec<String>)> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let mut summary = format!(
         "rotation spectra of a head of {head_dim} ({} pairs): angular frequency per pair, 0 \
          where a pair is not rotated\n",
@@ -353,7 +353,7 @@ impl FoxGateAnalysis {
 
     /// `fox_gates.csv` (per layer and token) and `fox_decay.csv` / `.png` (from one query).
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        crate::io::create_folder(dir)?;
         #[derive(serde::Serialize)]
         struct Gate<'a> {
             layer: usize,

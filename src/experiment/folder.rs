@@ -287,7 +287,7 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
 /// - anything else of this config (other cells, a report) is refused unless `overwrite`, which
 ///   removes the files its manifest lists, and only those.
 pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    crate::io::create_folder(dir)?;
     let lock = FolderLock::exclusive(dir, plan.kind.command())?;
     if dir.join(crate::saved::TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(

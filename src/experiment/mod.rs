@@ -319,6 +319,16 @@ impl ExperimentConfig {
                      configs/compare.toml)\n{message}"
                 ),
             },
+            Error::ConfigParse { message, .. } if crate::io::toml_has_key(&text, "task") => {
+                Error::ConfigParse {
+                    path: path.into(),
+                    message: format!(
+                        "this is a `poslab train` config (one [task] and one [positional]), not \
+                         an experiment: run it with `poslab train --config {}`\n{message}",
+                        path.display()
+                    ),
+                }
+            }
             other => other.in_file(path),
         })
     }

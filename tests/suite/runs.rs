@@ -840,4 +840,54 @@ fn run_folders_given_for_models_or_twice_say_so() {
         "{e}"
     );
     assert!(!d.join("merged").exists());
+    // `train --resume` of a compare folder says which command continues it.
+    let out = poslab(d, &["train", "--resume", "whole"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("holds a `poslab compare` run, not a `poslab train` one"),
+        "{e}"
+    );
+}
+
+/// A config given to the other command, and a file where a run folder must go, are named with
+/// the fix, not as an unknown field or "File exists".
+#[test]
+fn configs_and_folders_in_the_wrong_place_say_where_they_go() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(d.join("run.toml"), RUN).unwrap();
+    let train = "name = \"t\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+                 [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 5 }\n\
+                 [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 50\neval_examples = 10\n";
+    std::fs::write(d.join("train.toml"), train).unwrap();
+    for (args, says) in [
+        (
+            &["train", "--config", "run.toml"][..],
+            "run it with `poslab compare run.toml`",
+        ),
+        (
+            &["compare", "train.toml", "--dry-run"],
+            "run it with `poslab train --config train.toml`",
+        ),
+    ] {
+        let out = poslab(d, args);
+        let e = stderr(&out);
+        assert!(!out.status.success() && e.contains(says), "{args:?}: {e}");
+    }
+    std::fs::write(d.join("afile"), "").unwrap();
+    for args in [
+        &["train", "--config", "train.toml", "--out", "afile"][..],
+        &["compare", "run.toml", "--out", "afile", "-q"],
+        &["analyze", "rope", "--out", "afile"],
+        &["analyze", "rope", "--out", "afile/sub"],
+    ] {
+        let out = poslab(d, args);
+        let e = stderr(&out);
+        assert!(
+            !out.status.success() && e.contains("afile is a file, not a folder"),
+            "{args:?}: {e}"
+        );
+    }
+    assert_eq!(std::fs::read(d.join("afile")).unwrap(), b"");
 }
