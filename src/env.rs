@@ -44,8 +44,9 @@ pub const VARS: &[Var] = &[
     },
     Var {
         name: "POSLAB_MAX_MEMORY",
-        accepts: "the most bytes a batch's activations may take: a whole number, optionally \
-                  followed by K, M, G or T (powers of 1024), such as 8G",
+        accepts: "the most bytes a batch's activations may take (default: 32G, or three \
+                  quarters of the memory the process may use where that is less): a whole \
+                  number, optionally followed by K, M, G or T (powers of 1024), such as 8G",
         check: size,
     },
     Var {

@@ -28,8 +28,78 @@ pub struct Sizes {
 /// Default most parameters: 2^31 (8 GiB of f32 weights; with gradients and AdamW's two
 /// moments, 32 GiB).
 pub const DEFAULT_MAX_PARAMS: u64 = 1 << 31;
-/// Default most memory a batch's activations may take: 32 GiB.
+/// The most memory a batch's activations may take by default on a machine with room for it:
+/// 32 GiB. A machine (or a container, or a Slurm job's cgroup) with less gets
+/// [`default_max_memory`].
 pub const DEFAULT_MAX_MEMORY: u64 = 32 << 30;
+
+/// The share of the memory this process may use that a batch's activations may take by
+/// default, in quarters: the rest is for the weights, the data and everything else.
+const MEMORY_QUARTERS: u64 = 3;
+
+/// The default most memory of a batch's activations: [`DEFAULT_MAX_MEMORY`], or three quarters
+/// of the memory this process may use ([`usable_memory`]) where that is less. A batch that fits
+/// the limit then fits the machine, and one that does not is refused with the figure instead of
+/// the process being killed for memory.
+pub fn default_max_memory() -> u64 {
+    match usable_memory() {
+        Some(m) => DEFAULT_MAX_MEMORY.min(m / 4 * MEMORY_QUARTERS),
+        None => DEFAULT_MAX_MEMORY,
+    }
+}
+
+/// The memory this process may use, where it can be read (Linux): the least of the machine's
+/// (`MemTotal` in /proc/meminfo) and the limits of its cgroup and the cgroup's parents (v2
+/// `memory.max`, v1 `memory.limit_in_bytes`): a container's, or a Slurm job's `--mem`.
+pub fn usable_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let total = meminfo.as_deref().and_then(mem_total);
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let limits = cgroup_limit_files(&cgroups)
+        .into_iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .filter_map(|v| v.trim().parse::<u64>().ok());
+    total.into_iter().chain(limits).min()
+}
+
+/// `MemTotal` of /proc/meminfo, in bytes.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The files that hold the memory limits of the cgroups in /proc/self/cgroup (`cgroups`), from
+/// the process's own up to the hierarchy's root: v2 (`0::/path`) and v1 (`N:...memory...:/path`).
+/// "max" (v2's no limit) does not parse as a number, and v1's no limit is a number near 2^63,
+/// so neither lowers the least.
+fn cgroup_limit_files(cgroups: &str) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for line in cgroups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (root, file) = if id == "0" && controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let mut at = std::path::Path::new(path.trim());
+        loop {
+            let relative = at.strip_prefix("/").unwrap_or(at);
+            files.push(std::path::Path::new(root).join(relative).join(file));
+            match at.parent() {
+                Some(parent) => at = parent,
+                None => break,
+            }
+        }
+    }
+    files
+}
 
 /// The most parameters a model may have (`POSLAB_MAX_PARAMS`, else [`DEFAULT_MAX_PARAMS`]); an
 /// unreadable value is an error saying the accepted forms.
@@ -38,9 +108,9 @@ pub fn max_params() -> std::result::Result<u64, String> {
 }
 
 /// The most memory a batch's activations may take (`POSLAB_MAX_MEMORY`, else
-/// [`DEFAULT_MAX_MEMORY`]); an unreadable value is an error saying the accepted forms.
+/// [`default_max_memory`]); an unreadable value is an error saying the accepted forms.
 pub fn max_memory() -> std::result::Result<u64, String> {
-    Ok(crate::env::size_var("POSLAB_MAX_MEMORY")?.unwrap_or(DEFAULT_MAX_MEMORY))
+    Ok(crate::env::size_var("POSLAB_MAX_MEMORY")?.unwrap_or_else(default_max_memory))
 }
 
 /// Bytes a batch of `batch` sequences of `t` tokens needs at its peak: in training, what every
@@ -126,7 +196,7 @@ pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), Strin
 /// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
 pub fn longest_fitting(config: &Sizes, batch: usize, training: bool) -> usize {
     let (mut lo, mut hi) = (1usize, 1usize << 24);
-    let max = max_memory().unwrap_or(DEFAULT_MAX_MEMORY) as u128;
+    let max = max_memory().unwrap_or_else(|_| default_max_memory()) as u128;
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
         if activation_bytes(config, batch, mid, training) <= max {
@@ -157,5 +227,46 @@ mod tests {
         assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(Some(3 << 30)));
         std::env::remove_var("POSLAB_TEST_LIMIT");
         assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(None));
+    }
+
+    #[test]
+    fn the_default_memory_limit_is_what_the_machine_and_its_cgroups_allow() {
+        use super::*;
+        let meminfo = "MemTotal:       24684084 kB\nMemFree:         1000 kB\n";
+        assert_eq!(mem_total(meminfo), Some(24684084 * 1024));
+        assert_eq!(mem_total("MemFree: 5 kB\n"), None);
+        // v2: the process's cgroup and each parent up to the root.
+        let v2 = cgroup_limit_files("0::/slurm/uid_1/job_7\n");
+        let v2: Vec<String> = v2.iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(
+            v2,
+            [
+                "/sys/fs/cgroup/slurm/uid_1/job_7/memory.max",
+                "/sys/fs/cgroup/slurm/uid_1/memory.max",
+                "/sys/fs/cgroup/slurm/memory.max",
+                "/sys/fs/cgroup/memory.max",
+            ]
+        );
+        // v1: only the memory controller's line counts.
+        let v1 = cgroup_limit_files("4:memory:/job\n3:cpuset:/other\n0::/\n");
+        let v1: Vec<String> = v1.iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(
+            v1,
+            [
+                "/sys/fs/cgroup/memory/job/memory.limit_in_bytes",
+                "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                "/sys/fs/cgroup/memory.max",
+            ]
+        );
+        // On this machine: within the machine's memory, and the default within both.
+        if let Some(total) = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| mem_total(&m))
+        {
+            let usable = usable_memory().unwrap();
+            assert!(usable > 0 && usable <= total, "{usable} of {total}");
+            let default = default_max_memory();
+            assert!(default <= DEFAULT_MAX_MEMORY && default <= usable / 4 * 3);
+        }
     }
 }
