@@ -156,14 +156,35 @@ pub fn check_batch(
     training: bool,
     what: &str,
 ) -> std::result::Result<(), String> {
-    let need = activation_bytes(config, batch, t, training);
+    check_batches(config, batch, t, training, what, 1)
+}
+
+/// [`check_batch`] for `at_once` such batches in memory together (`compare`'s jobs): each may
+/// take its share of [`max_memory`].
+pub fn check_batches(
+    config: &Sizes,
+    batch: usize,
+    t: usize,
+    training: bool,
+    what: &str,
+    at_once: usize,
+) -> std::result::Result<(), String> {
+    let at_once = at_once.max(1) as u128;
+    let need = activation_bytes(config, batch, t, training) * at_once;
     let max = max_memory()?;
     if need > max as u128 {
+        let (jobs, fewer) = match at_once {
+            1 => (String::new(), ""),
+            n => (
+                format!(" ({n} jobs at once: {n} such batches)"),
+                ", run fewer jobs at once (--jobs)",
+            ),
+        };
         return Err(format!(
-            "{what}: a batch of {batch} x {t} tokens needs about {} of activations ({} \
+            "{what}: a batch of {batch} x {t} tokens{jobs} needs about {} of activations ({} \
              attention weights per layer grow with the square of the length), more than the \
-             limit of {}: shorten the inputs (max_tokens, --truncate), lower the batch size, or \
-             set POSLAB_MAX_MEMORY",
+             limit of {}: shorten the inputs (max_tokens, --truncate), lower the batch size{fewer}, \
+             or set POSLAB_MAX_MEMORY",
             human(need),
             human(4 * batch as u128 * config.n_heads as u128 * (t as u128).pow(2)),
             human_bytes(max)

@@ -624,6 +624,7 @@ fn ready<'a>(
         config.train.batch_size,
         eval_batch,
         &config.name,
+        1,
     )?;
     task.train_data().check()?;
     Ok(Ready {

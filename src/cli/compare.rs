@@ -180,7 +180,7 @@ fn print_estimate(
     gflops: f64,
     jobs: usize,
 ) -> Result<()> {
-    let e = estimate::estimate(config, selection)?;
+    let e = estimate::estimate(config, selection, jobs)?;
     let rate = gflops * 1e9;
     let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
     outln!(

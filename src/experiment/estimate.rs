@@ -59,13 +59,14 @@ fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64
     2.0 * l * (4.0 * d * d + 2.0 * d * f) + 4.0 * l * t * d + 2.0 * d * out
 }
 
-/// Checks the selected cells of `config` as [`super::run::run`] would before training, and
-/// estimates each one's cost.
-pub fn estimate(config: &ExperimentConfig, selection: &Selection) -> Result<Estimate> {
+/// Checks the selected cells of `config` as [`super::run::run`] would before training them
+/// `jobs` at a time, and estimates each one's cost.
+pub fn estimate(config: &ExperimentConfig, selection: &Selection, jobs: usize) -> Result<Estimate> {
     config.validate()?;
     let cells = config.cells(selection)?;
     let experiment_cells = config.cells(&Selection::default())?.len();
-    let (task_ids, prepared) = prepare_checked(config, &cells)?;
+    let jobs = jobs.clamp(1, cells.len().max(1));
+    let (task_ids, prepared) = prepare_checked(config, &cells, jobs)?;
     let mut out = Vec::with_capacity(cells.len());
     for &(t, v, seed) in &cells {
         let task = &prepared[task_ids.iter().position(|&x| x == t).expect("prepared")];

@@ -213,35 +213,38 @@ impl Prepared<'_> {
         }
     }
 
-    /// Refuses a model whose training or test batches would not fit the memory limit (see
-    /// [`crate::limits`]), before anything trains.
+    /// Refuses a model whose training or test batches, `at_once` models at a time, would not
+    /// fit the memory limit (see [`crate::limits`]), before anything trains.
     pub(crate) fn check_memory(
         &self,
         config: &ModelConfig,
         train_batch: usize,
         eval_batch: usize,
         what: &str,
+        at_once: usize,
     ) -> Result<()> {
         let training = [&self.train, &self.valid]
             .map(|s| s.max_len())
             .into_iter()
             .max()
             .unwrap_or(0);
-        crate::limits::check_batch(
+        crate::limits::check_batches(
             &config.sizes(),
             train_batch,
             training,
             true,
             &format!("{what}: training"),
+            at_once,
         )
         .map_err(Error::Config)?;
         let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
-        crate::limits::check_batch(
+        crate::limits::check_batches(
             &config.sizes(),
             eval_batch,
             testing,
             false,
             &format!("{what}: testing"),
+            at_once,
         )
         .map_err(Error::Config)
     }

@@ -383,11 +383,12 @@ pub fn run(
 
 /// Generates the tasks of `cells` (indices into the config, as [`ExperimentConfig::cells`]
 /// gives them) and checks every variant they pair with against each: randomized positions that
-/// cover the inputs, a valid model, batches that fit the memory limit. Returns the task
-/// indices in the order prepared, and the prepared tasks.
+/// cover the inputs, a valid model, batches that fit the memory limit with `jobs` cells
+/// training at once. Returns the task indices in the order prepared, and the prepared tasks.
 pub(crate) fn prepare_checked<'a>(
     config: &'a ExperimentConfig,
     cells: &[(usize, usize, u64)],
+    jobs: usize,
 ) -> Result<(Vec<usize>, Vec<Prepared<'a>>)> {
     let mut task_ids: Vec<usize> = cells.iter().map(|c| c.0).collect();
     task_ids.dedup();
@@ -421,7 +422,7 @@ pub(crate) fn prepare_checked<'a>(
             model
                 .validate()
                 .map_err(|e| Error::Config(format!("{what}: {e}")))?;
-            task.check_memory(&model, config.train.batch_size, eval_batch, &what)?;
+            task.check_memory(&model, config.train.batch_size, eval_batch, &what, jobs)?;
         }
     }
     Ok((task_ids, prepared))
@@ -496,7 +497,8 @@ fn train_cells(
 ) -> Result<Vec<(usize, CellRecord)>> {
     // The tasks the pending cells need: only those are generated and checked.
     let cells_needed: Vec<(usize, usize, u64)> = pending.iter().map(|&i| selected[i]).collect();
-    let (task_ids, prepared) = prepare_checked(config, &cells_needed)?;
+    let jobs = options.jobs.clamp(1, cells_needed.len().max(1));
+    let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs)?;
     // Pending cells in report order: (index in the selection, index into `prepared`, variant,
     // seed).
     let cells: Vec<(usize, usize, &VariantSpec, u64)> = pending

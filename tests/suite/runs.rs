@@ -891,3 +891,39 @@ fn configs_and_folders_in_the_wrong_place_say_where_they_go() {
     }
     assert_eq!(std::fs::read(d.join("afile")).unwrap(), b"");
 }
+
+/// Jobs at once share the activation limit: a config whose batches fit the limit with one job
+/// is refused with two (which would hold two such batches), saying so, and fits twice the limit.
+#[test]
+fn jobs_at_once_share_the_memory_limit() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(d.join("run.toml"), RUN).unwrap();
+    let dry = |limit: u64, jobs: &str| {
+        command(d, &["compare", "run.toml", "--dry-run", "--jobs", jobs])
+            .env("POSLAB_MAX_MEMORY", limit.to_string())
+            .output()
+            .unwrap()
+    };
+    // The least limit one job fits, by bisection.
+    let (mut lo, mut hi) = (1u64, 1u64 << 32);
+    assert!(dry(hi, "1").status.success(), "{}", stderr(&dry(hi, "1")));
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if dry(mid, "1").status.success() {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    let out = dry(lo, "2");
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("(2 jobs at once: 2 such batches)")
+            && e.contains("run fewer jobs at once (--jobs)"),
+        "{e}"
+    );
+    assert!(dry(2 * lo, "2").status.success());
+    assert!(!dry(2 * lo - 1, "2").status.success());
+}
