@@ -892,13 +892,19 @@ fn configs_and_folders_in_the_wrong_place_say_where_they_go() {
     assert_eq!(std::fs::read(d.join("afile")).unwrap(), b"");
 }
 
-/// Jobs at once share the activation limit: a config whose batches fit the limit with one job
-/// is refused with two (which would hold two such batches), saying so, and fits twice the limit.
+/// Jobs at once share the activation limit in training: a config whose training batches fit the
+/// limit with one job is refused with two (which would hold two such batches), saying so, and
+/// fits twice the limit.
 #[test]
 fn jobs_at_once_share_the_memory_limit() {
     let root = tempfile::tempdir().unwrap();
     let d = root.path();
-    std::fs::write(d.join("run.toml"), RUN).unwrap();
+    // Batches of 64 in training and tests one text at a time, so that the training batches are
+    // what the limit binds (not the tests, nor the generated words).
+    let run = RUN
+        .replace("batch_size = 16", "batch_size = 64")
+        .replace("[eval]\n", "[eval]\nbatch_size = 1\n");
+    std::fs::write(d.join("run.toml"), run).unwrap();
     let dry = |limit: u64, jobs: &str| {
         command(d, &["compare", "run.toml", "--dry-run", "--jobs", jobs])
             .env("POSLAB_MAX_MEMORY", limit.to_string())
@@ -920,6 +926,7 @@ fn jobs_at_once_share_the_memory_limit() {
     let e = stderr(&out);
     assert!(
         !out.status.success()
+            && e.contains("training: a batch of 64 x")
             && e.contains("(2 jobs at once: 2 such batches)")
             && e.contains("run fewer jobs at once (--jobs)"),
         "{e}"
