@@ -256,11 +256,13 @@ mod tests {
         let meminfo = "MemTotal:       24684084 kB\nMemFree:         1000 kB\n";
         assert_eq!(mem_total(meminfo), Some(24684084 * 1024));
         assert_eq!(mem_total("MemFree: 5 kB\n"), None);
+        let files = |cgroups: &str| -> Vec<String> {
+            let found = cgroup_limit_files(cgroups);
+            found.iter().map(|p| p.display().to_string()).collect()
+        };
         // v2: the process's cgroup and each parent up to the root.
-        let v2 = cgroup_limit_files("0::/slurm/uid_1/job_7\n");
-        let v2: Vec<String> = v2.iter().map(|p| p.display().to_string()).collect();
         assert_eq!(
-            v2,
+            files("0::/slurm/uid_1/job_7\n"),
             [
                 "/sys/fs/cgroup/slurm/uid_1/job_7/memory.max",
                 "/sys/fs/cgroup/slurm/uid_1/memory.max",
@@ -269,10 +271,8 @@ mod tests {
             ]
         );
         // v1: only the memory controller's line counts.
-        let v1 = cgroup_limit_files("4:memory:/job\n3:cpuset:/other\n0::/\n");
-        let v1: Vec<String> = v1.iter().map(|p| p.display().to_string()).collect();
         assert_eq!(
-            v1,
+            files("4:memory:/job\n3:cpuset:/other\n0::/\n"),
             [
                 "/sys/fs/cgroup/memory/job/memory.limit_in_bytes",
                 "/sys/fs/cgroup/memory/memory.limit_in_bytes",
