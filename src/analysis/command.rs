@@ -377,10 +377,8 @@ impl Request {
 
     /// A trained model's learned table, or its scheme's fixed one.
     fn trained_subject(&self, dir: &Path) -> Result<Subject> {
-        if !dir.join(crate::saved::CONFIG).exists() {
-            if let Some(what) = crate::experiment::folder::not_a_model(dir) {
-                bail!("--run {}: {what}", dir.display());
-            }
+        if let Some(what) = crate::experiment::folder::not_a_model(dir) {
+            bail!("--run {}: {what}", dir.display());
         }
         let loaded = crate::saved::load_as(
             dir,

@@ -181,10 +181,8 @@ pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Ve
 }
 
 pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
-    if !dir.join(poslab::saved::CONFIG).exists() {
-        if let Some(what) = poslab::experiment::folder::not_a_model(dir) {
-            anyhow::bail!("{}: {what}", dir.display());
-        }
+    if let Some(what) = poslab::experiment::folder::not_a_model(dir) {
+        anyhow::bail!("{}: {what}", dir.display());
     }
     let device = compute.device.open()?;
     poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)

@@ -454,8 +454,12 @@ fn other_config(dir: &Path, old: &Manifest, config: &ExperimentConfig, finished:
 }
 
 /// What a folder without a model's `config.json` is instead, when poslab made it: a `train` run
-/// that has not finished, or a `compare` run (whose models are in `models/`); `None` otherwise.
+/// that has not finished, or a `compare` run (whose models are in `models/`); `None` otherwise,
+/// and for any folder that has a `config.json`.
 pub fn not_a_model(dir: &Path) -> Option<String> {
+    if dir.join(crate::saved::CONFIG).exists() {
+        return None;
+    }
     if dir.join(crate::saved::TRAIN_CONFIG).is_file() {
         return Some(format!(
             "a `poslab train` run that has not finished, so it holds no model yet: finish it \
