@@ -507,9 +507,9 @@ impl ModelConfig {
         if self.n_layers == 0 {
             return Err("n_layers = 0: an encoder needs at least one layer".into());
         }
-        if self.d_model % self.n_heads != 0 {
+        if !self.d_model.is_multiple_of(self.n_heads) {
             let divisors: Vec<String> = (1..=self.d_model.min(64))
-                .filter(|h| self.d_model % h == 0)
+                .filter(|h| self.d_model.is_multiple_of(*h))
                 .map(|h| h.to_string())
                 .collect();
             return Err(format!(

@@ -681,7 +681,7 @@ impl Steps for RunSteps<'_> {
         let loss = state.losses.last().copied().unwrap_or(f64::NAN);
         self.board.step(&config.name, steps, loss);
         let stop = options.stop_after.is_some_and(|n| steps >= n);
-        let due = config.checkpoint_every > 0 && steps % config.checkpoint_every == 0;
+        let due = config.checkpoint_every > 0 && steps.is_multiple_of(config.checkpoint_every);
         if (due || stop) && !trainer.finished() {
             save_checkpoint(&options.dir, params, &trainer.checkpoint(), config)?;
         }

@@ -293,7 +293,7 @@ impl Request {
         }
         let scheme = self.scheme.as_deref().unwrap_or("sinusoidal");
         let a = self;
-        if a.dim < 2 || a.dim % 2 != 0 {
+        if a.dim < 2 || !a.dim.is_multiple_of(2) {
             bail!(
                 "--dim {} must be even (a table of (sin, cos) pairs) and at least 2",
                 a.dim
@@ -309,7 +309,7 @@ impl Request {
         };
         subject.table = Some(if scheme == "rope" {
             let rd = crate::positional::rotary_dim(a.dim, a.fraction);
-            if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || rd % 2 != 0 {
+            if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || !rd.is_multiple_of(2) {
                 bail!(
                     "--fraction {} of --dim {} rotates int({} x {}) = {rd} coordinates: it must \
                      be in (0, 1] and leave an even number, at least 2",

@@ -158,7 +158,7 @@ impl Scheme for PropeOptions {
             ));
         }
         let head_dim = shape.head_dim();
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(format!(
                 "prope rotates pairs of coordinates, so the head width must be even, but d_model \
                  / n_heads = {head_dim} is odd: change d_model or n_heads"

@@ -111,13 +111,13 @@ impl Scheme for RopeOptions {
         }
         let head_dim = shape.head_dim();
         let rd = self.rotary_dim(head_dim);
-        if self.fraction == 1.0 && head_dim % 2 != 0 {
+        if self.fraction == 1.0 && !head_dim.is_multiple_of(2) {
             return Err(format!(
                 "rope rotates pairs of coordinates, so the head width must be even, but d_model \
                  / n_heads = {head_dim} is odd: change d_model or n_heads"
             ));
         }
-        if rd == 0 || rd % 2 != 0 {
+        if rd == 0 || !rd.is_multiple_of(2) {
             return Err(format!(
                 "rope rotates pairs of coordinates, so the rotated width int({head_dim} x {}) = \
                  {rd} must be even and positive: change fraction (or d_model, n_heads)",
@@ -190,7 +190,7 @@ impl Rope {
         device: &Device,
     ) -> Result<Self> {
         let rotary_dim = options.rotary_dim(head_dim);
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(Error::Config(format!(
                 "rope rotates an even, positive number of coordinates per head, at most \
                  {head_dim}; got {rotary_dim}"

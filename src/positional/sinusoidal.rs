@@ -66,7 +66,10 @@ pub fn sinusoidal_table(
     base: f64,
     layout: TableLayout,
 ) -> Vec<f64> {
-    debug_assert!(dim % 2 == 0, "sinusoidal width must be even, got {dim}");
+    debug_assert!(
+        dim.is_multiple_of(2),
+        "sinusoidal width must be even, got {dim}"
+    );
     let interleaved = layout == TableLayout::Interleaved;
     angle_table(start, len, dim, base, |row, i, angle| {
         let (sin_slot, cos_slot) = pair_slots(interleaved, i, dim);

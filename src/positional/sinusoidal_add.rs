@@ -55,7 +55,7 @@ impl Scheme for SinusoidalOptions {
     fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
         check_base("sinusoidal_add", self.base)?;
         let d_model = shape.d_model;
-        if d_model % 2 != 0 {
+        if !d_model.is_multiple_of(2) {
             return Err(format!(
                 "sinusoidal_add needs an even width for its (sin, cos) pairs, but d_model = \
                  {d_model} is odd: use an even width such as {}",

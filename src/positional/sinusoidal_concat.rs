@@ -67,7 +67,7 @@ impl Scheme for ConcatOptions {
                 self.pos_dim
             ));
         }
-        if self.pos_dim % 2 != 0 {
+        if !self.pos_dim.is_multiple_of(2) {
             return Err(format!(
                 "sinusoidal_concat: pos_dim = {} is odd, but a sinusoidal table needs an even \
                  width for its (sin, cos) pairs: use {} or {}",

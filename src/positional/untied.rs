@@ -100,7 +100,7 @@ impl Scheme for UntiedOptions {
                         .into());
                 }
                 check_base("untied", self.base())?;
-                if d_model % 2 != 0 {
+                if !d_model.is_multiple_of(2) {
                     return Err(format!(
                         "untied with source = \"sinusoidal\" needs an even width for its (sin, \
                          cos) pairs, but d_model = {d_model} is odd: use an even width such as \

@@ -266,7 +266,7 @@ impl Algorithmic {
     /// Tokens of a tape of length `length`: inputs then blanks.
     pub fn tape_len(self, length: usize) -> usize {
         let input = match self {
-            Self::ModularArithmetic if length % 2 == 0 => length - 1,
+            Self::ModularArithmetic if length.is_multiple_of(2) => length - 1,
             _ => length,
         };
         input + self.output_length(length)
@@ -560,7 +560,7 @@ fn words(symbols: &[usize], alphabet: &[&'static str]) -> Vec<&'static str> {
 /// operators uniform in `+ * -`; its value with `*` before `+` and `-`, mod 5 (DeepMind's
 /// `modular_arithmetic.py`: a `-` negates the term after it).
 fn modular_expression(rng: &mut Rng, l: usize) -> (Vec<&'static str>, usize) {
-    let l = if l % 2 == 0 { l - 1 } else { l };
+    let l = if l.is_multiple_of(2) { l - 1 } else { l };
     let m = MODULUS as i64;
     let mut input = Vec::with_capacity(l);
     let (mut total, mut sign, mut term) = (0i64, 1i64, 0i64);

@@ -110,9 +110,9 @@ pub fn number_word(n: usize) -> String {
     ];
     match n {
         0..=19 => ONES[n].to_string(),
-        20..=99 if n % 10 == 0 => TENS[n / 10].to_string(),
+        20..=99 if n.is_multiple_of(10) => TENS[n / 10].to_string(),
         20..=99 => format!("{}_{}", TENS[n / 10], ONES[n % 10]),
-        _ if n % 100 == 0 => format!("{}_hundred", ONES[n / 100]),
+        _ if n.is_multiple_of(100) => format!("{}_hundred", ONES[n / 100]),
         _ => format!("{}_hundred_{}", ONES[n / 100], number_word(n % 100)),
     }
 }

@@ -719,7 +719,7 @@ impl<'a> Trainer<'a> {
         self.state.losses.push(loss_value);
         progress.inc(1);
 
-        if self.state.steps % self.config.eval_every == 0 || self.finished() {
+        if self.state.steps.is_multiple_of(self.config.eval_every) || self.finished() {
             self.validate(loss_value, progress)?;
         }
         Ok(())

@@ -28,7 +28,7 @@ fn order_task(dir: &Path) -> PathBuf {
                     for y in adjectives {
                         // Every third sentence, in an order that mixes the labels.
                         n += 1;
-                        if n % 3 == 0 {
+                        if n.is_multiple_of(3) {
                             rows.push(format!("the {x}{a} {verb} the {y}{b}\t{a}"));
                         }
                     }

@@ -207,7 +207,10 @@ fn check_width(x: &Layout, w: &Layout, what: &str) -> Result<()> {
 impl LayerNormOp {
     pub(super) fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let d = w.len();
-        assert!(d > 0 && x.len() % d == 0, "layer norm: rows of {d}");
+        assert!(
+            d > 0 && x.len().is_multiple_of(d),
+            "layer norm: rows of {d}"
+        );
         let rows = rows_per_task(d) * d;
         // SAFETY: ln_forward writes every value of its rows.
         unsafe {
@@ -277,7 +280,7 @@ impl LayerNormGradInput {
     pub(super) fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
         let d = w.len();
         assert!(
-            d > 0 && x.len() % d == 0 && g.len() == x.len(),
+            d > 0 && x.len().is_multiple_of(d) && g.len() == x.len(),
             "layer norm: rows of {d}"
         );
         let rows = rows_per_task(d) * d;

@@ -29,7 +29,7 @@ fn group_major(ch: usize, bi: usize, (b, t, c): (usize, usize, usize)) -> usize 
 
 /// The channels `C` of each of `groups` groups in `width`, or an error naming the mismatch.
 pub(crate) fn group_channels(width: usize, groups: usize) -> Result<usize> {
-    if groups == 0 || width % groups != 0 {
+    if groups == 0 || !width.is_multiple_of(groups) {
         candle::bail!("running sums: {width} channels do not split into {groups} groups");
     }
     Ok(width / groups)

@@ -113,7 +113,7 @@ impl MaskedSoftmax {
         // no task straddles two batch elements (whose biases differ).
         let rows_per_batch = per_batch / t;
         let mut k = rows_per_task(t).min(rows_per_batch).max(1);
-        while rows_per_batch % k != 0 {
+        while !rows_per_batch.is_multiple_of(k) {
             k -= 1;
         }
         let chunk = k * t;
