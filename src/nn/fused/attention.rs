@@ -38,6 +38,9 @@
 //! Matrix products go through gemm, one thread per task; the rows of a head are read and written
 //! in place through strides, so no `(b, h, t, d_head)` copies are made.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use gemm::Parallelism;
@@ -435,7 +438,9 @@ unsafe fn product<T: Real>(
 /// arithmetic). Each value is summed in order of `k` by fused multiply-adds from zero and then
 /// scaled, as gemm's kernels sum within one depth block, so where [`gemm_sums_in_order`] holds
 /// both give the same bits. `rhs` is packed to contiguous rows into `pack` first when its rows
-/// are strided.
+/// are strided. For `f32` at AVX-512 the tiles are [`avx512`]'s, which name their registers
+/// (the same sums in the same order, so the same bits); other types and levels, and shapes
+/// those kernels do not take, use the portable tiles below.
 ///
 /// # Safety
 /// As [`product`]'s.
@@ -452,6 +457,20 @@ unsafe fn tiled<T: Real>(
 ) {
     let (rhs_ptr, rhs_rs) = if rhs.cs == 1 {
         (rhs.ptr, rhs.rs as usize)
+    } else if cfg!(target_arch = "x86_64")
+        && k == 8
+        && rhs.rs == 1
+        && rhs.cs >= 8
+        && avx512_f32::<T>(simd)
+    {
+        // kᵀ or vᵀ of a head 8 wide: its n rows transposed 16 at a time.
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: rhs is n rows (its columns) of 8 adjacent values, rhs.cs apart; pack holds 8 n
+        // values; the CPU has AVX-512 (`avx512_f32` checked it).
+        unsafe {
+            avx512::pack_transposed(rhs.ptr.cast(), rhs.cs as usize, n, pack.as_mut_ptr().cast())
+        };
+        (pack.as_ptr(), n)
     } else {
         // Column by column: a column of rhs is a row of the operand it transposes (k's or v's
         // `d_head` values, adjacent in qkv), so it is read from one cache line.
@@ -475,6 +494,13 @@ unsafe fn tiled<T: Real>(
         rhs_rs,
         scale,
     };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(p) = tiles.avx512(simd) {
+        // SAFETY: per the contract; the CPU has AVX-512 (`avx512` checked it).
+        if unsafe { avx512::product(p) } {
+            return;
+        }
+    }
     // SAFETY: per the contract, and rhs now has contiguous rows of rhs_rs.
     unsafe { tiled_product(simd, tiles) }
 }
@@ -503,6 +529,34 @@ struct Tiles<T> {
     rhs: *const T,
     rhs_rs: usize,
     scale: T,
+}
+
+/// Whether the head products of `T` run in [`avx512`]'s kernels at `simd`: `T` is `f32`, and
+/// `simd` (capped at the CPU's) is AVX-512.
+fn avx512_f32<T: Real>(simd: SimdLevel) -> bool {
+    std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+        && simd.min(SimdLevel::detected()) == SimdLevel::Avx512
+}
+
+impl<T: Real> Tiles<T> {
+    /// These operands for [`avx512::product`], when they are `f32` and `simd` (capped at the
+    /// CPU's) is AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    fn avx512(&self, simd: SimdLevel) -> Option<avx512::Product> {
+        avx512_f32::<T>(simd).then(|| avx512::Product {
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            dst: self.dst.cast(),
+            dst_rs: self.dst_rs,
+            lhs: self.lhs.ptr.cast(),
+            lhs_rs: self.lhs.rs,
+            lhs_cs: self.lhs.cs,
+            rhs: self.rhs.cast(),
+            rhs_rs: self.rhs_rs,
+            scale: self.scale.to_f32().unwrap_or(f32::NAN),
+        })
+    }
 }
 
 /// `R x C` outputs from `(i0, j0)`, kept in registers over the whole depth.
@@ -676,7 +730,7 @@ impl Attention {
 
     /// The shapes of a call on `qkv` `(b, t, d3)`, checked against the fixed inputs.
     pub(super) fn dims_of(&self, b: usize, t: usize, d3: usize) -> Result<Dims> {
-        if d3 % (3 * self.heads) != 0 {
+        if !d3.is_multiple_of(3 * self.heads) {
             candle::bail!(
                 "fused attention: qkv width {d3} is not 3 x heads ({}) x d_head",
                 self.heads
@@ -1175,6 +1229,14 @@ mod tests {
             (70, 8, 37),
             (128, 8, 128),
             (40, 8, 256),
+            // Ragged for the AVX-512 kernels: rows past whole tiles of 32, 16 and 4, columns
+            // past whole vectors of 32 and 16.
+            (37, 8, 64),
+            (50, 8, 11),
+            (35, 8, 7),
+            (50, 40, 8),
+            (7, 72, 8),
+            (19, 17, 6),
         ] {
             assert!(gemm_sums_in_order((m, n, k)));
             let lhs_rs = k + 3;
