@@ -24,6 +24,9 @@ pub const CONFIG: &str = "config.json";
 pub const TOKENIZER: &str = "tokenizer.json";
 /// The training config of a folder `poslab train` wrote, as the run started.
 pub const TRAIN_CONFIG: &str = "train.toml";
+/// Why a `poslab train` run stopped for good (its loss diverged after a checkpoint), in a folder
+/// that keeps the run: resuming it would stop at the same step.
+pub const STOPPED: &str = "stopped.txt";
 
 /// `config.json` of a saved model: everything needed to rebuild it and read its outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

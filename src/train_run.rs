@@ -29,7 +29,7 @@ use crate::tasks::TaskSpec;
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use crate::train::{Checkpoint, TrainConfig, TrainState, Trainer};
 
-pub use crate::saved::TRAIN_CONFIG;
+pub use crate::saved::{STOPPED, TRAIN_CONFIG};
 /// The finished run's record ([`Metrics`]).
 pub const METRICS: &str = "metrics.json";
 /// The folder of checkpoints.
@@ -369,15 +369,31 @@ fn diverged(dir: &Path, e: Error) -> Error {
              into the same --out if you like",
             dir.display()
         ),
-        _ => format!(
-            "{} keeps the run, but --resume would stop here again: change the config and \
-             start it into another --out",
-            dir.display()
-        ),
+        _ => {
+            // So that `--resume` and `inspect` can say so later. If this write fails, the
+            // message below still says it once.
+            let _ = write_atomic(&dir.join(STOPPED), format!("{why}\n").as_bytes());
+            format!(
+                "{} keeps the run, but --resume would stop here again: change the config and \
+                 start it into another --out",
+                dir.display()
+            )
+        }
     };
     Error::Training(format!(
         "{why}; training is deterministic, so this config stops here every time ({way_on})"
     ))
+}
+
+/// Why the run in `dir` stopped for good ([`STOPPED`]), if it did.
+pub fn stopped(dir: &Path) -> Option<String> {
+    let why = std::fs::read_to_string(dir.join(STOPPED)).ok()?;
+    let why = why.trim();
+    Some(if why.is_empty() || why.len() > 2000 {
+        "its loss diverged".to_string()
+    } else {
+        why.to_string()
+    })
 }
 
 /// What a run reads besides its config, `inputs.json`: the SHA-256 of each data file, of the
@@ -485,6 +501,15 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
              FILE --out {}`",
             dir.display(),
             dir.display()
+        )));
+    }
+    if let Some(why) = stopped(dir) {
+        return Err(Error::Input(format!(
+            "{} stopped for good: {why}. Training is deterministic, so --resume would stop at the \
+             same step: change the config and start it into another --out (or delete {} to try \
+             anyway, on a machine that computes differently)",
+            dir.display(),
+            dir.join(STOPPED).display()
         )));
     }
     let config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;

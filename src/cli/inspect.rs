@@ -281,6 +281,11 @@ fn describe_train_folder(dir: &Path) -> Result<()> {
     describe_train(&config);
     if dir.join(train_run::METRICS).is_file() {
         outln!("finished: metrics.json and the model (config.json, model.safetensors)");
+    } else if let Some(why) = train_run::stopped(dir) {
+        outln!(
+            "stopped for good: {why}; resuming would stop at the same step, so start a changed \
+             config into another --out"
+        );
     } else {
         outln!(
             "unfinished: {}; continue it with poslab train --resume {}",

@@ -460,6 +460,14 @@ pub fn not_a_model(dir: &Path) -> Option<String> {
     if dir.join(crate::saved::CONFIG).exists() {
         return None;
     }
+    if dir.join(crate::saved::STOPPED).is_file() {
+        return Some(
+            "a `poslab train` run that stopped for good before it finished (its loss \
+             diverged; `poslab inspect` on it says where), so it holds no model: train a changed \
+             config into another --out"
+                .to_string(),
+        );
+    }
     if dir.join(crate::saved::TRAIN_CONFIG).is_file() {
         return Some(format!(
             "a `poslab train` run that has not finished, so it holds no model yet: finish it \

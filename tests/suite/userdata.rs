@@ -655,8 +655,47 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
         "{e}"
     );
     assert!(kept.join("train.toml").is_file() && kept.join("checkpoints/latest").is_file());
-    // An unfinished run holds no model: predict says so, and how to finish it.
-    let (ok, _, e) = poslab(&["predict", "--run", kept.to_str().unwrap(), "a text"]);
+    // The kept run records why it stopped: resuming it is refused, inspect says so, and
+    // predict does not advise resuming it.
+    let why = std::fs::read_to_string(kept.join("stopped.txt")).unwrap();
+    assert!(why.contains("the loss became"), "{why}");
+    let e = train_run::resume(&options(&kept, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("stopped for good: the loss became")
+            && e.contains("--resume would stop at the same step")
+            && e.contains("another --out"),
+        "{e}"
+    );
+    let kept_s = kept.to_str().unwrap();
+    let (ok, out, e) = poslab(&["inspect", kept_s]);
+    assert!(ok, "{e}");
+    assert!(
+        out.contains("stopped for good: the loss became") && !out.contains("--resume"),
+        "{out}"
+    );
+    let (ok, _, e) = poslab(&["predict", "--run", kept_s, "a text"]);
+    assert!(
+        !ok && e.contains("stopped for good") && !e.contains("--resume"),
+        "{e}"
+    );
+    // Without the record, a resume runs again, stops at the same step, and records it again.
+    std::fs::remove_file(kept.join("stopped.txt")).unwrap();
+    let again = train_run::resume(&options(&kept, None))
+        .unwrap_err()
+        .to_string();
+    assert!(again.contains("stops here every time"), "{again}");
+    assert_eq!(
+        std::fs::read_to_string(kept.join("stopped.txt")).unwrap(),
+        why
+    );
+    // An unfinished run that did not stop holds no model either: predict says so, and how to
+    // finish it.
+    let unfinished = root.path().join("unfinished");
+    std::fs::create_dir(&unfinished).unwrap();
+    std::fs::copy(kept.join("train.toml"), unfinished.join("train.toml")).unwrap();
+    let (ok, _, e) = poslab(&["predict", "--run", unfinished.to_str().unwrap(), "a text"]);
     assert!(
         !ok && e.contains("a `poslab train` run that has not finished")
             && e.contains("poslab train --resume"),
