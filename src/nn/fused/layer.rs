@@ -27,7 +27,8 @@
 //!
 //! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
 //! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values,
-//! and `2 h` more per token with gates);
+//! and `2 h` more per token with gates), and the attention weights `b h t²` while they are small
+//! (`Attention::keeps_weights`; else the backward recomputes them);
 //! if a backward comes without them (the forward ran in evaluation mode), it recomputes them.
 
 use std::any::Any;
@@ -146,7 +147,8 @@ struct Saved<T> {
     /// pre-norm: `LN1(x)`; post-norm: unused (the layer input is `x` itself)
     a: Vec<T>,
     qkv: Vec<T>,
-    /// the attention weights `(b, h, t, t)` before dropout; empty when not kept
+    /// the attention weights `(b, h, t, t)` before dropout; empty when not kept (evaluation, or
+    /// too large: `Attention::keeps_weights`)
     probs: Vec<T>,
     c: Vec<T>,
     /// pre-norm: `h`; post-norm: `s1`
@@ -306,9 +308,10 @@ impl LayerOp {
         };
         let attention_mask = masks.attention.as_deref();
         let given = (!sums.is_empty()).then_some(&sums[..]);
+        let keep_weights = for_backward && self.attention.keeps_weights::<T>(dims);
         let (c, probs) = self
             .attention
-            .forward(&qkv, attention_mask, given, dims, for_backward)?;
+            .forward(&qkv, attention_mask, given, dims, keep_weights)?;
         // pre: h = x + m1 ⊙ (c Woᵀ + bo); post: s1, the same sum
         let h_or_s1 = residual_linear(
             x,
