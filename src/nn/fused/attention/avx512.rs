@@ -135,18 +135,29 @@ unsafe fn wide_columns<const V: usize>(p: &Product, j0: usize, last: usize) {
 /// As [`product`]'s.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn wide(p: Product) {
-    let mut j = 0;
-    // SAFETY (all): per the contract; the blocks stay within the n columns.
-    while j + 32 <= p.n {
-        unsafe { wide_columns::<2>(&p, j, 16) };
-        j += 32;
+    // SAFETY (both): per the contract; the blocks stay within the n columns.
+    in_vectors(
+        p.n,
+        |j| unsafe { wide_columns::<2>(&p, j, 16) },
+        |j, last| unsafe { wide_columns::<1>(&p, j, last) },
+    );
+}
+
+/// Splits `0..len` into blocks of two vectors (`two(at)`, 32 values), then one of a vector
+/// (`one(at, 16)`) and a masked one for the rest (`one(at, lanes)`).
+#[inline(always)]
+fn in_vectors(len: usize, mut two: impl FnMut(usize), mut one: impl FnMut(usize, usize)) {
+    let mut at = 0;
+    while at + 32 <= len {
+        two(at);
+        at += 32;
     }
-    if j + 16 <= p.n {
-        unsafe { wide_columns::<1>(&p, j, 16) };
-        j += 16;
+    if at + 16 <= len {
+        one(at, 16);
+        at += 16;
     }
-    if j < p.n {
-        unsafe { wide_columns::<1>(&p, j, p.n - j) };
+    if at < len {
+        one(at, len - at);
     }
 }
 
@@ -203,19 +214,12 @@ unsafe fn narrow(p: Product) {
 /// As [`product`]'s.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn tall(p: Product) {
-    let mut i = 0;
-    // SAFETY (all): per the contract; the tiles stay within the m rows.
-    while i + 32 <= p.m {
-        unsafe { tall_tile::<2>(&p, i, 16) };
-        i += 32;
-    }
-    if i + 16 <= p.m {
-        unsafe { tall_tile::<1>(&p, i, 16) };
-        i += 16;
-    }
-    if i < p.m {
-        unsafe { tall_tile::<1>(&p, i, p.m - i) };
-    }
+    // SAFETY (both): per the contract; the tiles stay within the m rows.
+    in_vectors(
+        p.m,
+        |i| unsafe { tall_tile::<2>(&p, i, 16) },
+        |i, last| unsafe { tall_tile::<1>(&p, i, last) },
+    );
 }
 
 /// `16 V` rows (the last vector `last` of them) by 8 columns from row `i0`.
