@@ -522,7 +522,6 @@ fn train_cells(
         ProgressDrawTarget::hidden()
     });
     let overall = overall_bar(&multi, cells.len());
-    let jobs = options.jobs.clamp(1, cells.len().max(1));
     // Each job's pool width.
     let threads = options
         .threads

@@ -1228,6 +1228,14 @@ mod tests {
             .collect()
     }
 
+    /// `len` values of [`values`] (`seed`) as a CPU tensor of `dims` in `dtype`.
+    fn tensor(len: usize, seed: u64, dims: &[usize], dtype: candle::DType) -> Tensor {
+        Tensor::from_vec(values::<f64>(len, seed), dims, &candle::Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
     fn bits_agree<T: Real>() {
         // Head shapes (t x t x d_head and t x d_head x t), ragged tiles, a long depth; the
         // left operand in rows of a wider buffer (as q in qkv), the right one in rows or
@@ -1316,12 +1324,7 @@ mod tests {
         (b, t, h, dh): (usize, usize, usize, usize),
     ) -> Vec<Vec<f64>> {
         use candle::{Device, Var};
-        let tensor = |len: usize, seed: u64, dims: &[usize]| {
-            Tensor::from_vec(values::<f64>(len, seed), dims, &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
+        let tensor = |len: usize, seed: u64, dims: &[usize]| tensor(len, seed, dims, dtype);
         let d = h * dh;
         let qkv = Var::from_tensor(&tensor(b * t * 3 * d, 11, &[b, t, 3 * d])).unwrap();
         // Running sums of per-token values at most 0, as FoX's are.
@@ -1361,20 +1364,11 @@ mod tests {
     /// d(qkv) and the score bias's gradient from the weights the forward kept, and from the
     /// weights the backward recomputes.
     fn kept_and_recomputed<T: Real>(level: SimdLevel, rope: bool) -> [Vec<T>; 4] {
-        use candle::{DType, Device};
+        use candle::Device;
         let (b, t, h, dh) = (2, 37, 3, 8);
         let (d, tt) = (h * dh, t * t);
-        let dtype = if std::mem::size_of::<T>() == 4 {
-            DType::F32
-        } else {
-            DType::F64
-        };
-        let tensor = |len: usize, seed: u64, dims: &[usize]| {
-            Tensor::from_vec(values::<f64>(len, seed), dims, &Device::Cpu)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
+        let dtype = T::DTYPE;
+        let tensor = |len: usize, seed: u64, dims: &[usize]| tensor(len, seed, dims, dtype);
         let mut padding = vec![1u32; b * t];
         padding[t - 4..t].fill(0);
         let padding = Tensor::from_vec(padding, (b, t), &Device::Cpu).unwrap();
