@@ -396,6 +396,9 @@ pub struct Batch {
     pub positions: Option<Positions>,
     /// Scored labels in the batch.
     pub scored: usize,
+    /// The largest token id, counted where the batch was built (the encoder's check reads it
+    /// instead of the ids, which may be on a GPU).
+    pub max_id: u32,
 }
 
 impl Batch {
@@ -529,6 +532,7 @@ pub fn make_batch(
     } else {
         None
     };
+    let max_id = ids.iter().copied().max().unwrap_or(0);
     Ok(Batch {
         ids: Tensor::from_vec(ids, (b, t), device)?,
         mask: Tensor::from_vec(mask, (b, t), device)?,
@@ -539,6 +543,7 @@ pub fn make_batch(
         lengths: samples.iter().map(|s| s.ids.len()).collect(),
         positions: None,
         scored,
+        max_id,
     })
 }
 

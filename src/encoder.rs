@@ -537,6 +537,47 @@ impl Encoder {
     ) -> Result<Tensor> {
         let _backend = self.backend.enter();
         let (b, t) = self.check_input(input_ids, attention_mask)?;
+        self.forward_checked(input_ids, attention_mask, positions, train, (b, t))
+    }
+
+    /// [`Encoder::forward_with`] of a batch built on the host (`crate::data::make_batch`),
+    /// checked from what was counted there (its largest id and its sequences' lengths) instead
+    /// of reading its ids and mask back from the device.
+    pub(crate) fn forward_built(
+        &self,
+        batch: &crate::data::Batch,
+        positions: &Positions,
+        train: bool,
+    ) -> Result<Tensor> {
+        let _backend = self.backend.enter();
+        let (b, t) = self.check_shapes(&batch.ids, &batch.mask)?;
+        if batch.max_id as usize >= self.config.vocab_size {
+            return Err(Error::Input(format!(
+                "token id {} is outside the vocabulary of {} ids: the tokenizer and the \
+                 model's vocab_size disagree",
+                batch.max_id, self.config.vocab_size
+            )));
+        }
+        if batch.lengths.len() != b || batch.lengths.iter().any(|&n| n == 0 || n > t) {
+            return Err(Error::Input(format!(
+                "a batch of {b} sequences of at most {t} tokens lists the lengths {:?}: every \
+                 sequence needs from 1 to {t} real tokens",
+                batch.lengths
+            )));
+        }
+        self.forward_checked(&batch.ids, &batch.mask, positions, train, (b, t))
+    }
+
+    /// The forward of inputs already checked, `(b, t)` their shape.
+    fn forward_checked(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        positions: &Positions,
+        train: bool,
+        (b, t): (usize, usize),
+    ) -> Result<Tensor> {
+        let _backend = self.backend.enter();
         positions.check_batch(b, t)?;
         let positions = &self.starting_at_first(positions)?;
 
@@ -871,8 +912,16 @@ impl Encoder {
         })
     }
 
-    /// Rejects inputs the model cannot take, with the reason and the fix.
+    /// Rejects inputs the model cannot take, with the reason and the fix: their shapes, then
+    /// their values (read back from the device).
     fn check_input(&self, ids: &Tensor, mask: &Tensor) -> Result<(usize, usize)> {
+        let (b, t) = self.check_shapes(ids, mask)?;
+        self.check_values(ids, mask, t)?;
+        Ok((b, t))
+    }
+
+    /// The checks of [`Encoder::check_input`] that read nothing back: shapes and dtypes.
+    fn check_shapes(&self, ids: &Tensor, mask: &Tensor) -> Result<(usize, usize)> {
         let (b, t) = ids.dims2().map_err(|_| {
             Error::Input(format!(
                 "input_ids must be (batch, seq_len), got shape {:?}",
@@ -898,6 +947,12 @@ impl Encoder {
                 ids.dtype()
             )));
         }
+        Ok((b, t))
+    }
+
+    /// The checks of [`Encoder::check_input`] on values: ids within the vocabulary, a mask of
+    /// 0 and 1 with a real token in every sequence.
+    fn check_values(&self, ids: &Tensor, mask: &Tensor, t: usize) -> Result<()> {
         let vocab = self.config.vocab_size as i64;
         let flat = ids.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
         if let Some((i, &id)) = flat
@@ -926,6 +981,6 @@ impl Encoder {
                 )));
             }
         }
-        Ok((b, t))
+        Ok(())
     }
 }

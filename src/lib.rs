@@ -49,6 +49,7 @@ pub mod encoder;
 pub mod env;
 pub mod error;
 pub mod experiment;
+pub mod heap;
 pub mod infer;
 pub mod io;
 pub mod layers;

@@ -7,6 +7,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// The system allocator, counting live bytes: `bench --launches` reads its high-water mark.
+#[global_allocator]
+static HEAP: poslab::heap::Counting = poslab::heap::Counting;
+
 #[derive(Parser)]
 #[command(
     name = "poslab",

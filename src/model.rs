@@ -155,8 +155,20 @@ impl TaskModel {
     pub fn loss(&self, batch: &Batch, shift: usize, train: bool) -> Result<(Tensor, Tensor)> {
         let _backend = self.encoder.backend().enter();
         let positions = batch.positions(shift)?;
-        let logits = self.logits(&batch.ids, &batch.mask, &positions, train)?;
-        let loss = cross_entropy(&logits, &batch.targets, batch.weights.as_ref())?;
+        // The batch was built on the host, where its ids and mask were known: the encoder's
+        // check takes them from there, and the loss its count of scored labels, so a step on a
+        // GPU reads nothing back before its loss.
+        let hidden = self.encoder.forward_built(batch, &positions, train)?; // (b, t, d)
+        let features = match self.config {
+            HeadConfig::Classify { .. } => self.pool(&hidden, &batch.mask)?, // (b, d)
+            HeadConfig::Tag { .. } | HeadConfig::Mlm => hidden,
+        };
+        let logits = self.head.forward(&features)?;
+        let loss = weighted_cross_entropy(
+            &logits,
+            &batch.targets,
+            batch.weights.as_ref().map(|w| (w, batch.scored)),
+        )?;
         Ok((loss, logits))
     }
 }
@@ -170,18 +182,40 @@ pub fn cross_entropy(
     targets: &Tensor,
     weights: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let total = match weights {
+        Some(w) => Some((w, w.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)),
+        None => None,
+    };
+    cross_entropy_over(logits, targets, total)
+}
+
+/// [`cross_entropy`] with 0/1 weights whose sum (the scored labels) the caller counted where
+/// it built them: nothing is read back from the device.
+fn weighted_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<(&Tensor, usize)>,
+) -> Result<Tensor> {
+    cross_entropy_over(logits, targets, weights.map(|(w, n)| (w, n as f64)))
+}
+
+/// The cross-entropy, weighted by `weights` over their total when given.
+fn cross_entropy_over(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<(&Tensor, f64)>,
+) -> Result<Tensor> {
     let c = logits.dim(D::Minus1)?;
     let logp = log_softmax_last_dim(&logits.reshape(((), c))?)?; // (n, c)
     let targets = targets.flatten_all()?;
     let nll = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?; // (n,)
     Ok(match weights {
         None => nll.mean_all()?,
-        Some(w) => {
-            let w = w.flatten_all()?.to_dtype(nll.dtype())?;
-            let total = w.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Some((w, total)) => {
             if total == 0.0 {
                 return Err(Error::Input("a batch with no scored labels".into()));
             }
+            let w = w.flatten_all()?.to_dtype(nll.dtype())?;
             ((nll * w)?.sum_all()? / total)?
         }
     })

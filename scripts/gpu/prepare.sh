@@ -17,6 +17,13 @@ SRC=/tmp/poslab-cuda-src
 rm -rf "$SRC" && mkdir -p "$SRC"
 git -C "$ROOT" archive HEAD | tar -x -C "$SRC"
 CARGO_TARGET_DIR=$ROOT/target-cuda "$SHARED/cuda/build-cuda.sh" "$SRC" --bins --tests
+# The device path's kernels compile with NVRTC here (no GPU needed): a kernel that does not
+# compile fails now, not on the GPU's time. The test binary links libcuda, which the build
+# stubs (the stub answers no call: the GPU tests then skip).
+WHEELS=${CUDA_WHEELS:-$HOME/.cache/poslab-cuda13}/nvidia/cu13/lib
+ln -sf libcuda.so "$WHEELS/stubs/libcuda.so.1"
+SUITE_BUILT=$(ls -t "$ROOT"/target-cuda/release/deps/suite-* | grep -v '\.d$' | head -1)
+LD_LIBRARY_PATH=$WHEELS:$WHEELS/stubs "$SUITE_BUILT" cuda::device_path_kernels_compile_with_nvrtc
 OUT=$ROOT/gpu
 rm -rf "$OUT" && mkdir -p "$OUT"
 cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab"

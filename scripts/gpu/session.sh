@@ -33,6 +33,13 @@
 #   parts        the large shape's step in parts, sin_add, f32 and bf16       -> parts.txt
 #   profile      ncu: each kernel's GPU time in one large-shape training step (batch 8), f32 and
 #                bf16, summed by kernel name              -> profile-f32.csv, profile-bf16.csv
+#   launches     bench --launches (issue 46): device operations and peak memory of one training
+#                step at the large shape, batch 2 and 32, f32 and bf16          -> launches.txt
+#
+# Issue 46's first GPU session (the device path, each encoder layer on cuBLAS and poslab's NVRTC
+# kernels, Kernels::Layer, the default on CUDA): `info tests bench-large launches`, then
+# `kernels bench-ref compare` on the warm machine. `tests` runs the device path through every
+# fixture and gradient check beside the Ops and Reference paths; `kernels` compares the three.
 # Environment: ROUNDS (default 2) interleaved poslab/PyTorch rounds at the reference shape,
 # LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 1: on an H100 four
 # jobs on the one GPU were 2.5x slower in all than one, 2026-11-26); LIMIT_<STAGE>
@@ -115,7 +122,7 @@ for stage in "$@"; do
     kernels)
       for shape in ref large; do
         args=(); [ $shape = large ] && args=("${LARGE[@]}" --warmup 1 --forward-reps 3 --train-reps 3)
-        for kernels in reference ops; do
+        for kernels in reference ops layer; do
           stamp "bench --kernels $kernels, $shape shape, sin_add and rope"
           limited "${LIMIT_KERNELS:-45}" "$P" bench --device cuda --kernels "$kernels" \
             --variants sin_add,rope --in-process "${args[@]}"
@@ -141,6 +148,18 @@ for stage in "$@"; do
           > "$OUT/profile-$dtype.csv" 2>&1
         tail -5 "$OUT/profile-$dtype.csv"
       done 2>&1 | tee -a "$OUT/profile.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile)"; exit 2 ;;
+    launches)
+      # Issue 46: what one training step asks of the GPU through the device path (kernel
+      # launches, cuBLAS calls, copies; an upper bound of candle's) and its peak pool memory,
+      # at the large shape with batch 2 (the CPU twin's figures are for the same shape) and 32,
+      # f32 and bf16.
+      for dtype in f32 bf16; do
+        for b in 2 32; do
+          stamp "bench --launches, large shape at batch $b, --dtype $dtype"
+          limited "${LIMIT_LAUNCHES:-60}" "$P" bench --device cuda --dtype "$dtype" --launches \
+            --variants sin_add,rope,alibi,fox "${LARGE[@]:0:8}" --batch "$b" --seq 512
+        done
+      done 2>&1 | tee -a "$OUT/launches.txt" ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile launches)"; exit 2 ;;
   esac
 done

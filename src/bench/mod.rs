@@ -20,6 +20,7 @@ use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
 use crate::table::TextTable;
 use crate::train::optim::{AdamW, AdamWConfig};
 
+pub mod launches;
 mod plan;
 pub mod products;
 
@@ -443,9 +444,11 @@ fn batch(shape: &Shape, device: &Device) -> Result<Batch> {
     let labels: Vec<u32> = (0..shape.batch)
         .map(|_| rng.random_range(0..shape.classes as u32))
         .collect();
+    let max_id = ids.iter().copied().max().unwrap_or(0);
     Ok(Batch {
         lengths: vec![shape.seq; shape.batch],
         positions: None,
+        max_id,
         ids: Tensor::from_vec(ids, (shape.batch, shape.seq), device)?,
         mask: Tensor::ones((shape.batch, shape.seq), DType::U32, device)?,
         targets: Tensor::from_vec(labels, shape.batch, device)?,

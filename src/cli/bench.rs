@@ -86,6 +86,11 @@ pub struct Args {
     /// --train-reps runs.
     #[arg(long)]
     pub products: bool,
+    /// Instead of timing: count what one training step asks of a GPU (kernel launches, cuBLAS
+    /// calls and copies) and its peak memory, through the CUDA path: on a GPU, or on the CPU by
+    /// the device path's twin. With --json: `launches_per_step` and `peak_device_bytes`.
+    #[arg(long, conflicts_with_all = ["products", "torch"])]
+    pub launches: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -127,6 +132,27 @@ pub fn run(a: Args) -> Result<()> {
         true => poslab::bench::Plan::default_variants(&shape, torch.as_ref())?,
         false => a.variants,
     };
+    if a.launches {
+        let options = poslab::bench::Options {
+            shape,
+            variants,
+            warmup: 0,
+            forward_reps: 0,
+            train_reps: 1,
+            device,
+            backend,
+            threads,
+        };
+        for v in &options.variants {
+            options.shape.model_config(v)?;
+        }
+        let counts = poslab::bench::launches::count(&options, &mut |l| eprintln!("{l}"))?;
+        match a.json {
+            true => outln!("{}", serde_json::to_string_pretty(&counts)?),
+            false => out!("{}", poslab::bench::launches::table(&counts)),
+        }
+        return Ok(());
+    }
     let plan = poslab::bench::Plan {
         options: poslab::bench::Options {
             shape,

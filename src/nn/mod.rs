@@ -11,6 +11,7 @@
 
 mod attention;
 mod cuda_ops;
+pub(crate) mod device;
 mod dropout;
 mod feed_forward;
 mod fused;
@@ -35,6 +36,14 @@ pub use ops::{
     masked_softmax, rope_rotate, running_sums, sided_differences, softmax_last_dim, Linear,
 };
 pub use rotary::Rotary;
+
+/// What the device path ([`Kernels::Layer`] on CUDA) issued and allocated on this thread:
+/// see `poslab bench --launches`.
+pub mod device_path {
+    #[cfg(feature = "cuda")]
+    pub use super::device::cuda::compile_check as compile_kernels;
+    pub use super::device::{counts, live_bytes, peak_bytes, reset_peak_bytes, Counts};
+}
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -227,12 +236,15 @@ pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
     with_backend(backend().with_kernels(kernels), f)
 }
 
-/// For tests: runs `f` with the layers on this thread computing on the CPU as they do on CUDA
-/// under [`Kernels::Ops`]: the ops of `cuda_ops.rs` (one kernel each for softmax, LayerNorm,
+/// For tests: runs `f` with the layers on this thread computing on the CPU as they do on CUDA:
+/// under [`Kernels::Ops`] the ops of `cuda_ops.rs` (one kernel each for softmax, LayerNorm,
 /// GELU and RoPE's rotation, poslab's backward passes), computed by their CPU forward passes,
-/// and compositions elsewhere. How the tests check the CUDA path's wiring without a GPU;
+/// and compositions elsewhere; under [`Kernels::Layer`] each encoder layer as the device
+/// path's sequence of operations (`nn/device/`), computed by its CPU twin, in f32,
+/// f64 and half precision alike. How the tests check the CUDA path's wiring without a GPU;
 /// [`Kernels::Reference`] still means the compositions. Returns `f`'s value and how many of
-/// those ops it ran (forward passes), so a test can tell that the path was taken.
+/// the one-kernel ops it ran (forward passes), so a test can tell that the path was taken
+/// ([`device_path::counts`] counts the layer's operations).
 #[doc(hidden)]
 pub fn with_gpu_ops_on_cpu<R>(f: impl FnOnce() -> R) -> (R, usize) {
     let before = GPU_OPS_ON_CPU.with(|g| g.replace(true));
@@ -254,21 +266,37 @@ pub fn current_kernels() -> Kernels {
 }
 
 /// The kernels activations of `dtype` on `device` are computed with: [`current_kernels`] on
-/// the CPU in f32 or f64; on CUDA [`Kernels::Ops`] unless the reference is asked for; else the
-/// reference compositions.
+/// the CPU in f32 or f64, and on CUDA (where [`Kernels::Layer`] is the device path's layer,
+/// `nn/device/`); else the reference compositions. Under [`with_gpu_ops_on_cpu`] the
+/// CPU computes as CUDA does, half precision included.
 pub fn kernels_on(device: &candle::Device, dtype: DType) -> Kernels {
     let chosen = current_kernels();
-    if device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) {
-        if GPU_OPS_ON_CPU.with(Cell::get) && chosen != Kernels::Reference {
-            Kernels::Ops
-        } else {
-            chosen
-        }
-    } else if device.is_cuda() && chosen != Kernels::Reference {
-        Kernels::Ops
+    let gpu_on_cpu = device.is_cpu() && GPU_OPS_ON_CPU.with(Cell::get);
+    if (device.is_cpu() && matches!(dtype, DType::F32 | DType::F64))
+        || (device.is_cuda() && self::device::supports(dtype))
+    {
+        chosen
+    } else if gpu_on_cpu && chosen == Kernels::Layer && self::device::supports(dtype) {
+        Kernels::Layer
     } else {
         Kernels::Reference
     }
+}
+
+/// Whether AdamW updates a variable with gradient `g` on the device path (one multi-tensor
+/// launch for all of them): on CUDA, and on the CPU under [`with_gpu_ops_on_cpu`], unless the
+/// reference compositions are asked for.
+pub(crate) fn device_optimizer_for(g: &Tensor) -> bool {
+    matches!(g.dtype(), DType::F32 | DType::F64)
+        && current_kernels() != Kernels::Reference
+        && (g.device().is_cuda() || (g.device().is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
+}
+
+/// Whether an encoder layer of `x` runs on the device path: on CUDA, and on the CPU under
+/// [`with_gpu_ops_on_cpu`] (its twin).
+pub(crate) fn device_layer_for(x: &Tensor) -> bool {
+    kernels_for(x) == Kernels::Layer
+        && (x.device().is_cuda() || (x.device().is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
 }
 
 /// The kernels `x` is computed with (see [`kernels_on`]).

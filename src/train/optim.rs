@@ -153,6 +153,8 @@ impl AdamW {
         // The variables the fused kernels do not update (a GPU's, the reference kernels'), with
         // their gradients, grouped by what their update shares: the decay, dtype and device.
         let mut groups: Vec<Vec<(usize, Tensor)>> = Vec::new();
+        // The variables the device path updates (CUDA's, or its CPU twin's), all at once.
+        let mut on_device: Vec<(usize, Tensor)> = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
             let Some(g) = grads.get(slot.var.as_tensor()) else {
                 continue;
@@ -161,6 +163,10 @@ impl AdamW {
             // the gradients of intermediate nodes only); the moments made from it would hold
             // that graph, and with it every step's activations, from step to step.
             let g = g.detach();
+            if crate::nn::device_optimizer_for(&g) {
+                on_device.push((i, g.contiguous()?));
+                continue;
+            }
             if crate::nn::fused_for(&g) {
                 crate::nn::adamw_step(
                     slot.var.as_tensor(),
@@ -184,6 +190,19 @@ impl AdamW {
                 None => groups.push(vec![(i, g)]),
             }
         }
+        self.device_update(
+            &on_device,
+            &crate::nn::device::AdamWStep {
+                beta1,
+                beta2,
+                eps,
+                bias1,
+                bias2,
+                lr,
+                grad_scale,
+            },
+            weight_decay,
+        )?;
         let constants = Constants {
             betas: (beta1, beta2),
             eps,
@@ -206,6 +225,59 @@ impl AdamW {
                 }
                 self.composed_update(&group[start..end], &constants)?;
                 start = end;
+            }
+        }
+        Ok(())
+    }
+
+    /// The update of `vars` (slot, gradient) on the device path: per device, every variable in
+    /// one multi-tensor launch, weights and moments in place; then the bounded ones projected.
+    fn device_update(
+        &mut self,
+        vars: &[(usize, Tensor)],
+        step: &crate::nn::device::AdamWStep,
+        weight_decay: f64,
+    ) -> Result<()> {
+        use crate::nn::device;
+        let mut devices: Vec<candle::DeviceLocation> = Vec::new();
+        for (_, g) in vars {
+            if !devices.contains(&g.device().location()) {
+                devices.push(g.device().location());
+            }
+        }
+        for location in devices {
+            let here: Vec<&(usize, Tensor)> = vars
+                .iter()
+                .filter(|(_, g)| g.device().location() == location)
+                .collect();
+            let slots = &self.slots;
+            let mut tensors = Vec::with_capacity(2 * here.len());
+            for (i, _) in &here {
+                tensors.push(slots[*i].var.as_tensor());
+                tensors.push(&slots[*i].moments);
+            }
+            let grads: Vec<device::Held<'_>> =
+                here.iter().map(|(_, g)| device::Held::of(g)).collect();
+            let stream = device::stream_for(here[0].1.device())?;
+            device::with_writable(&tensors, |mems| {
+                let parts = here
+                    .iter()
+                    .zip(mems.chunks_exact(2))
+                    .zip(&grads)
+                    .map(|(((i, _), wm), g)| {
+                        Ok(device::AdamWPart {
+                            w: wm[0],
+                            g: g.mem()?,
+                            mv: wm[1],
+                            decay_factor: slots[*i].decay_factor(step.lr, weight_decay),
+                        })
+                    })
+                    .collect::<candle::Result<Vec<_>>>()?;
+                stream.adamw(&parts, step)
+            })?;
+            drop(grads);
+            for (i, _) in &here {
+                self.slots[*i].project()?;
             }
         }
         Ok(())
@@ -409,106 +481,192 @@ mod tests {
             ("b.weight", vec![7]),
             ("c.scale", vec![3]),
         ];
-        for batch_values in [usize::MAX, 10] {
-            crate::nn::with_kernels(crate::nn::Kernels::Reference, || {
-                let mut rng = crate::rng::Rng::seed_from_u64(8);
-                let mut random = |dims: &[usize]| -> Tensor {
-                    let n: usize = dims.iter().product();
+        // The composition in one batch and in batches of 10 values, then the device path (its
+        // multi-tensor update, by its CPU twin): every one gives each variable's own bits.
+        for (batch_values, device) in [(usize::MAX, false), (10, false), (usize::MAX, true)] {
+            let kernels = match device {
+                false => crate::nn::Kernels::Reference,
+                true => crate::nn::Kernels::Layer,
+            };
+            let before = crate::nn::device::counts();
+            let run = || {
+                crate::nn::with_kernels(kernels, || {
+                    let mut rng = crate::rng::Rng::seed_from_u64(8);
+                    let mut random = |dims: &[usize]| -> Tensor {
+                        let n: usize = dims.iter().product();
+                        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+                        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+                    };
+                    let vars: Vec<(String, Var)> = sizes
+                        .iter()
+                        .map(|(name, dims)| {
+                            (name.to_string(), Var::from_tensor(&random(dims)).unwrap())
+                        })
+                        .collect();
+                    // The reference: each variable alone, as the composition did.
+                    let own: Vec<(Var, Tensor)> = vars
+                        .iter()
+                        .map(|(_, v)| {
+                            let copy = Var::from_tensor(&v.as_tensor().copy().unwrap()).unwrap();
+                            let mut dims = vec![2];
+                            dims.extend_from_slice(v.dims());
+                            (copy, Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap())
+                        })
+                        .collect();
+                    let mut own = own;
+                    let mut opt = AdamW::new(vars.clone(), config).unwrap();
+                    opt.batch_values = batch_values;
+                    opt.slots[1].decay = false; // a bias
+                    opt.slots[3].decay = false;
+                    opt.slots[3].lower_bound = Some(0.2);
+                    for step in 1..=4u64 {
+                        let (lr, scale) = (0.01 * step as f64, if step == 2 { 0.5 } else { 1.0 });
+                        let mut grads = (vars[0].1.as_tensor().sum_all().unwrap() * 0.0)
+                            .unwrap()
+                            .backward()
+                            .unwrap();
+                        let mut given = Vec::new();
+                        for (k, (_, v)) in vars.iter().enumerate() {
+                            // c.scale gets no gradient in step 3
+                            let g = random(v.dims());
+                            if !(k == 3 && step == 3) {
+                                grads.insert(v.as_tensor(), g.clone());
+                                given.push(Some(g));
+                            } else {
+                                grads.remove(v.as_tensor());
+                                given.push(None);
+                            }
+                        }
+                        opt.step(&grads, lr, scale).unwrap();
+                        let bias1 = 1.0 - 0.9f64.powi(step as i32);
+                        let bias2 = 1.0 - 0.98f64.powi(step as i32);
+                        for (k, ((w, mv), g)) in own.iter_mut().zip(given).enumerate() {
+                            let Some(g) = g else { continue };
+                            let g = if scale == 1.0 {
+                                g
+                            } else {
+                                (g * scale).unwrap()
+                            };
+                            let m = ((mv.get(0).unwrap() * 0.9).unwrap()
+                                + (&g * (1.0 - 0.9)).unwrap())
+                            .unwrap();
+                            let v = ((mv.get(1).unwrap() * 0.98).unwrap()
+                                + (g.sqr().unwrap() * (1.0 - 0.98)).unwrap())
+                            .unwrap();
+                            let update = ((&m / bias1).unwrap()
+                                / ((&v / bias2).unwrap().sqrt().unwrap() + 1e-6).unwrap())
+                            .unwrap();
+                            let decayed = k == 0 || k == 2;
+                            let x = w.as_detached_tensor();
+                            let x = if decayed {
+                                (x * (1.0 - lr * 0.05)).unwrap()
+                            } else {
+                                x
+                            };
+                            let mut x = (x - (update * lr).unwrap()).unwrap();
+                            if k == 3 {
+                                x = x.clamp(0.2, f64::MAX).unwrap();
+                            }
+                            w.set(&x).unwrap();
+                            *mv = Tensor::stack(&[m, v], 0).unwrap();
+                        }
+                    }
+                    let bits = |t: &Tensor| -> Vec<u32> {
+                        t.flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect()
+                    };
+                    // The device path divides by the bias corrections where the composition
+                    // multiplies by their reciprocals (candle's `tensor / scalar`): 1 ulp apart
+                    // now and then, so it is held to 1e-6 (and to the fused CPU update's bits in
+                    // `the_device_update_gives_the_fused_cpu_bits`).
+                    let close = |a: &Tensor, b: &Tensor, what: &str| {
+                        if !device {
+                            return assert_eq!(bits(a), bits(b), "{what}");
+                        }
+                        let (a, b) = (values(a), values(b));
+                        for (x, y) in a.iter().zip(&b) {
+                            assert!(
+                                (x - y).abs() <= 1e-6 * y.abs().max(1e-3),
+                                "{what}: {x} vs {y}"
+                            );
+                        }
+                    };
+                    for (k, ((name, v), (w, mv))) in vars.iter().zip(&own).enumerate() {
+                        let what = format!("{name}: weights (batches of {batch_values})");
+                        close(v.as_tensor(), w.as_tensor(), &what);
+                        close(&opt.slots[k].moments, mv, &format!("{name}: moments"));
+                    }
+                })
+            };
+            match device {
+                false => run(),
+                true => crate::nn::with_gpu_ops_on_cpu(run).0,
+            }
+            // The device path: one kernel a step (after one copy of the variables' addresses).
+            let launched = (crate::nn::device::counts() - before).kernels;
+            assert_eq!(launched, if device { 4 } else { 0 }, "device {device}");
+        }
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_device_update_gives_the_fused_cpu_bits() {
+        // The device path's multi-tensor AdamW (its CPU twin) and the CPU's fused update do the
+        // same arithmetic in the same order: the same bits, over steps with decay, clipping and
+        // a bound.
+        use rand::{Rng as _, SeedableRng};
+        let train = |device: bool| -> Vec<Vec<f32>> {
+            let run = || {
+                let mut rng = crate::rng::Rng::seed_from_u64(3);
+                let mut random = |n: usize| -> Tensor {
                     let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
-                    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+                    Tensor::from_vec(v, n, &Device::Cpu).unwrap()
                 };
-                let vars: Vec<(String, Var)> = sizes
+                let vars: Vec<(String, Var)> = [("w", 70_000), ("b", 5), ("s", 3)]
                     .iter()
-                    .map(|(name, dims)| {
-                        (name.to_string(), Var::from_tensor(&random(dims)).unwrap())
-                    })
+                    .map(|(name, n)| (name.to_string(), Var::from_tensor(&random(*n)).unwrap()))
                     .collect();
-                // The reference: each variable alone, as the composition did.
-                let own: Vec<(Var, Tensor)> = vars
-                    .iter()
-                    .map(|(_, v)| {
-                        let copy = Var::from_tensor(&v.as_tensor().copy().unwrap()).unwrap();
-                        let mut dims = vec![2];
-                        dims.extend_from_slice(v.dims());
-                        (copy, Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap())
-                    })
-                    .collect();
-                let mut own = own;
-                let mut opt = AdamW::new(vars.clone(), config).unwrap();
-                opt.batch_values = batch_values;
-                opt.slots[1].decay = false; // a bias
-                opt.slots[3].decay = false;
-                opt.slots[3].lower_bound = Some(0.2);
-                for step in 1..=4u64 {
-                    let (lr, scale) = (0.01 * step as f64, if step == 2 { 0.5 } else { 1.0 });
+                let mut opt = AdamW::new(vars.clone(), AdamWConfig::default()).unwrap();
+                opt.slots[1].decay = false;
+                opt.slots[2].lower_bound = Some(0.1);
+                for step in 1..=3 {
                     let mut grads = (vars[0].1.as_tensor().sum_all().unwrap() * 0.0)
                         .unwrap()
                         .backward()
                         .unwrap();
-                    let mut given = Vec::new();
-                    for (k, (_, v)) in vars.iter().enumerate() {
-                        // c.scale gets no gradient in step 3
-                        let g = random(v.dims());
-                        if !(k == 3 && step == 3) {
-                            grads.insert(v.as_tensor(), g.clone());
-                            given.push(Some(g));
-                        } else {
-                            grads.remove(v.as_tensor());
-                            given.push(None);
-                        }
+                    for (_, v) in &vars {
+                        grads.insert(v.as_tensor(), random(v.elem_count()));
                     }
-                    opt.step(&grads, lr, scale).unwrap();
-                    let bias1 = 1.0 - 0.9f64.powi(step as i32);
-                    let bias2 = 1.0 - 0.98f64.powi(step as i32);
-                    for (k, ((w, mv), g)) in own.iter_mut().zip(given).enumerate() {
-                        let Some(g) = g else { continue };
-                        let g = if scale == 1.0 {
-                            g
-                        } else {
-                            (g * scale).unwrap()
-                        };
-                        let m = ((mv.get(0).unwrap() * 0.9).unwrap() + (&g * (1.0 - 0.9)).unwrap())
-                            .unwrap();
-                        let v = ((mv.get(1).unwrap() * 0.98).unwrap()
-                            + (g.sqr().unwrap() * (1.0 - 0.98)).unwrap())
-                        .unwrap();
-                        let update = ((&m / bias1).unwrap()
-                            / ((&v / bias2).unwrap().sqrt().unwrap() + 1e-6).unwrap())
-                        .unwrap();
-                        let decayed = k == 0 || k == 2;
-                        let x = w.as_detached_tensor();
-                        let x = if decayed {
-                            (x * (1.0 - lr * 0.05)).unwrap()
-                        } else {
-                            x
-                        };
-                        let mut x = (x - (update * lr).unwrap()).unwrap();
-                        if k == 3 {
-                            x = x.clamp(0.2, f64::MAX).unwrap();
-                        }
-                        w.set(&x).unwrap();
-                        *mv = Tensor::stack(&[m, v], 0).unwrap();
-                    }
+                    let scale = if step == 2 { 0.7 } else { 1.0 };
+                    opt.step(&grads, 0.01, scale).unwrap();
                 }
-                let bits = |t: &Tensor| -> Vec<u32> {
-                    t.flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect()
-                };
-                for (k, ((name, v), (w, mv))) in vars.iter().zip(&own).enumerate() {
-                    assert_eq!(
-                        bits(v.as_tensor()),
-                        bits(w.as_tensor()),
-                        "{name}: weights (batches of {batch_values})"
-                    );
-                    assert_eq!(bits(&opt.slots[k].moments), bits(mv), "{name}: moments");
-                }
+                let mut out: Vec<Vec<f32>> = vars.iter().map(|(_, v)| values(v)).collect();
+                out.extend(opt.slots.iter().map(|s| values(&s.moments)));
+                out
+            };
+            let before = crate::nn::device::counts().kernels;
+            let out = crate::nn::with_kernels(crate::nn::Kernels::Layer, || match device {
+                false => run(),
+                true => crate::nn::with_gpu_ops_on_cpu(run).0,
             });
-        }
+            let launched = crate::nn::device::counts().kernels - before;
+            assert_eq!(launched, if device { 3 } else { 0 }, "device {device}");
+            out
+        };
+        let bits = |v: Vec<Vec<f32>>| -> Vec<Vec<u32>> {
+            v.into_iter()
+                .map(|v| v.into_iter().map(f32::to_bits).collect())
+                .collect()
+        };
+        assert_eq!(bits(train(true)), bits(train(false)));
     }
 
     #[test]

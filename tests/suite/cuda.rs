@@ -4,10 +4,12 @@
 //! feature, check a GPU: the reference fixtures in f32 and in half precision, gradients of every
 //! scheme against the CPU's, and training.
 //!
-//! On the GPU the layers run either as differentiable compositions (`Kernels::Reference`) or,
-//! by default, with one candle kernel per softmax, LayerNorm, GELU and RoPE rotation and poslab's backward
-//! passes (`Kernels::Ops`, `src/nn/cuda_ops.rs`); the fixture and gradient tests run both. poslab's
-//! fused CPU kernels are CPU code. So these tests are what proves those paths learn on CUDA.
+//! On the GPU the layers run as differentiable compositions (`Kernels::Reference`), with one
+//! candle kernel per softmax, LayerNorm, GELU and RoPE rotation and poslab's backward passes
+//! (`Kernels::Ops`, `src/nn/cuda_ops.rs`), or, by default, each encoder layer on the device path
+//! (`Kernels::Layer`, `src/nn/device/`: cuBLAS and poslab's NVRTC kernels); the fixture and
+//! gradient tests run all three. poslab's fused CPU kernels are CPU code. So these tests are
+//! what proves those paths learn on CUDA.
 
 use candle::{DType, Device};
 use poslab::nn::{with_kernels, Kernels};
@@ -35,12 +37,26 @@ fn gpu(test: &str) -> Option<Device> {
     }
 }
 
+/// The device path's kernels (`src/nn/device/kernels.cu`) compile with NVRTC and hold every
+/// kernel the stream launches, for every dtype: no GPU needed, only the `cuda` build and its
+/// NVRTC library (`scripts/gpu/prepare.sh` runs this on the build machine).
+#[test]
+fn device_path_kernels_compile_with_nvrtc() {
+    #[cfg(feature = "cuda")]
+    {
+        let kernels = poslab::nn::device_path::compile_kernels().unwrap();
+        assert_eq!(kernels, 4 * 12 + 16);
+    }
+    #[cfg(not(feature = "cuda"))]
+    eprintln!("device_path_kernels_compile_with_nvrtc: skipped: built without the `cuda` feature");
+}
+
 #[test]
 fn gpu_encoders_reproduce_the_float64_reference() {
     let Some(gpu) = gpu("gpu_encoders_reproduce_the_float64_reference") else {
         return;
     };
-    for kernels in [Kernels::Reference, Kernels::Ops] {
+    for kernels in [Kernels::Reference, Kernels::Ops, Kernels::Layer] {
         with_kernels(kernels, || fixtures_on(&gpu, kernels));
     }
 }
@@ -58,10 +74,17 @@ fn fixtures_on(gpu: &Device, kernels: Kernels) {
             let (encoder, _) = fx.encoder_on(DType::F32, gpu);
             let ids = fx.input_ids.to_device(gpu).unwrap();
             let mask = fx.attention_mask.to_device(gpu).unwrap();
+            let before = poslab::nn::device_path::counts().launches();
             let hidden = encoder
                 .forward_with(&ids, &mask, &fx.positions, false)
                 .unwrap();
             assert!(hidden.device().is_cuda(), "{name}: the output left the GPU");
+            let ran = poslab::nn::device_path::counts().launches() - before;
+            assert_eq!(
+                ran > 0,
+                kernels == Kernels::Layer,
+                "{name} {precision}: {ran} device-path operations under {kernels:?}"
+            );
             let hidden = hidden.to_device(&Device::Cpu).unwrap();
             let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
             let kernels = kernels.name();
@@ -90,7 +113,7 @@ fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
                 &Device::Cpu,
                 &format!("{} {norm:?} cpu", positional.name()),
             );
-            for kernels in [Kernels::Reference, Kernels::Ops] {
+            for kernels in [Kernels::Reference, Kernels::Ops, Kernels::Layer] {
                 let what = format!("{} {norm:?} {}", positional.name(), kernels.name());
                 let on_gpu = with_kernels(kernels, || {
                     training_gradients(&config, &gpu, &format!("{what} gpu"))

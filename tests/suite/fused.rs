@@ -198,6 +198,56 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
     );
 }
 
+/// The device path: each encoder layer as the CUDA path's sequence of device operations
+/// (`nn/device/`), computed by their CPU twin, against the reference compositions, forward and
+/// every gradient, for every scheme, both norm placements, two sizes, with and without dropout,
+/// in f32 and f64, at the fused kernels' tolerances; and that the path ran, by its count of
+/// operations.
+#[test]
+fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
+    use poslab::nn::device_path;
+    let mut worst = [0.0f64; 2];
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            for (size, mut config) in [
+                ("tiny", tiny_config(positional.clone(), norm)),
+                ("medium", medium_config(positional.clone(), norm)),
+            ] {
+                for dropout in [0.0, 0.2] {
+                    config.dropout = dropout;
+                    config.attention_dropout = dropout;
+                    for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
+                        let train = dropout > 0.0;
+                        let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                        let what = format!(
+                            "{} {norm:?} {size} dropout {dropout} {dtype:?} device path",
+                            positional.name()
+                        );
+                        let before = device_path::counts();
+                        let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                            run_encoder(&config, dtype, Kernels::Layer, train)
+                        });
+                        let ran = device_path::counts() - before;
+                        // forward (12 post-norm, 13 pre-norm), then the backward (at least 24)
+                        // with the forward kept (train) or recomputed
+                        let per_layer = if train { 12 + 24 } else { 2 * 12 + 24 };
+                        assert!(
+                            ran.launches() >= per_layer * config.n_layers,
+                            "{what}: {ran:?} device operations"
+                        );
+                        worst[slot] =
+                            worst[slot].max(compare(&device, &reference, tolerance(dtype), &what));
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "device path vs reference, worst relative error: f32 {:.1e}, f64 {:.1e}",
+        worst[0], worst[1]
+    );
+}
+
 /// ReLU in the feed-forward block (the DeepMind length-generalization models): the fused layer
 /// and the fused ops match the composition, forward and backward, for a scheme of each place,
 /// both norm placements, with and without dropout.
@@ -226,6 +276,11 @@ fn relu_layers_match_the_reference() {
                         let fast = run_encoder(&config, dtype, kernels, train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
+                    let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                        run_encoder(&config, dtype, Kernels::Layer, train)
+                    });
+                    let what = format!("relu {} {norm:?} {dtype:?} device", positional.name());
+                    compare(&device, &reference, tolerance(dtype), &what);
                 }
             }
             // GELU and ReLU are different models: the switch is not ignored.
@@ -250,11 +305,25 @@ fn layer_kernel_gives_the_same_bits_with_saved_or_recomputed_activations() {
     for positional in all_schemes() {
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
             let config = medium_config(positional.clone(), norm);
-            let kept = run_encoder(&config, DType::F32, Kernels::Layer, true);
-            let recomputed = run_encoder(&config, DType::F32, Kernels::Layer, false);
-            assert_eq!(kept.hidden, recomputed.hidden, "{}", positional.name());
-            for ((name, a), (_, b)) in kept.grads.iter().zip(&recomputed.grads) {
-                assert_eq!(a, b, "{} {norm:?}: `{name}`", positional.name());
+            // The CPU's layer, and the device path's (by its twin).
+            for device in [false, true] {
+                let run = |train| {
+                    let run = || run_encoder(&config, DType::F32, Kernels::Layer, train);
+                    match device {
+                        false => run(),
+                        true => poslab::nn::with_gpu_ops_on_cpu(run).0,
+                    }
+                };
+                let (kept, recomputed) = (run(true), run(false));
+                assert_eq!(kept.hidden, recomputed.hidden, "{}", positional.name());
+                for ((name, a), (_, b)) in kept.grads.iter().zip(&recomputed.grads) {
+                    assert_eq!(
+                        a,
+                        b,
+                        "{} {norm:?} device {device}: `{name}`",
+                        positional.name()
+                    );
+                }
             }
         }
     }
@@ -634,15 +703,13 @@ fn local_windows_match_the_reference() {
                         let fast = run_encoder(&config, dtype, kernels, train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
-                    let (gpu_ops, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                        run_encoder(&config, dtype, Kernels::Ops, train)
-                    });
-                    compare(
-                        &gpu_ops,
-                        &reference,
-                        tolerance(dtype),
-                        &format!("{name} gpu ops"),
-                    );
+                    for kernels in [Kernels::Ops, Kernels::Layer] {
+                        let (gpu, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                            run_encoder(&config, dtype, kernels, train)
+                        });
+                        let what = format!("{name} gpu {}", kernels.name());
+                        compare(&gpu, &reference, tolerance(dtype), &what);
+                    }
                 }
             }
         }
@@ -702,6 +769,12 @@ fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
                         let fast = run_encoder(&config, dtype, kernels, train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
+                    // The device path: its layer where it applies, the one-kernel ops elsewhere.
+                    let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                        run_encoder(&config, dtype, Kernels::Layer, train)
+                    });
+                    let what = format!("{name} {activation:?} {first_attn_norm} {dtype:?} device");
+                    compare(&device, &reference, tolerance(dtype), &what);
                 }
             }
         }

@@ -15,14 +15,32 @@ use crate::common::*;
 pub const BF16_TOL: f64 = 6e-2;
 pub const F16_TOL: f64 = 1e-2;
 
+/// Runs `f` as the CPU computes (`false`), or as CUDA does (`true`: the device path's layers,
+/// by their CPU twin), checking that the device path then ran.
+fn on_path<R>(device: bool, what: &str, f: impl FnOnce() -> R) -> R {
+    if !device {
+        return f();
+    }
+    let before = poslab::nn::device_path::counts().launches();
+    let (out, _) = poslab::nn::with_gpu_ops_on_cpu(f);
+    let ran = poslab::nn::device_path::counts().launches() - before;
+    assert!(ran > 0, "{what}: the device path did not run");
+    out
+}
+
 #[test]
 fn half_precision_encoders_track_the_float64_reference() {
-    for name in encoder_fixture_names() {
+    for (name, device) in encoder_fixture_names()
+        .into_iter()
+        .flat_map(|n| [(n.clone(), false), (n, true)])
+    {
         for (precision, tol) in [(Precision::Bf16, BF16_TOL), (Precision::F16, F16_TOL)] {
             let mut fx = load_encoder_fixture(&name);
             fx.config.dtype = precision;
+            let what = format!("{name} {precision} device path {device}");
             let (encoder, _) = fx.encoder(DType::F32);
-            let hidden = fx.hidden(&encoder);
+            let hidden = on_path(device, &what, || fx.hidden(&encoder));
+            let name = &what;
             // The output is handed back in the parameters' dtype, for f32 pooling and loss.
             assert_eq!(hidden.dtype(), DType::F32, "{name} {precision}");
             let err = max_abs_diff_real(&hidden, &fx.expected, &fx.attention_mask);
@@ -50,14 +68,24 @@ fn half_precision_gradients_reach_every_variable_and_match_f32() {
                 training_gradients(&config, &Device::Cpu, &what)
             };
             let reference = gradients(Precision::F32);
-            for (slot, precision) in [Precision::Bf16, Precision::F16].into_iter().enumerate() {
-                let what = format!("{} {norm:?} {precision}", positional.name());
+            let both = [Precision::Bf16, Precision::F16];
+            for (slot, (precision, device)) in both
+                .into_iter()
+                .flat_map(|p| [(p, false), (p, true)])
+                .enumerate()
+            {
+                let slot = slot / 2;
+                let what = format!(
+                    "{} {norm:?} {precision} device path {device}",
+                    positional.name()
+                );
                 let tol = if precision == Precision::Bf16 {
                     0.1
                 } else {
                     0.02
                 };
-                for ((name, _, g), (_, _, g32)) in gradients(precision).iter().zip(&reference) {
+                let half = on_path(device, &what, || gradients(precision));
+                for ((name, _, g), (_, _, g32)) in half.iter().zip(&reference) {
                     // FIRE's variables sum dS over every pair of tokens, whose rows sum to zero:
                     // the cancellation shows the half-precision scores' rounding 2.5x more.
                     let tol = if name.starts_with("fire.") {

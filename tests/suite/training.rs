@@ -445,3 +445,74 @@ fn the_learner_trains_any_scheme_with_its_bounds_and_repeats_itself() {
         }
     }
 }
+
+/// A training batch is checked where it was built (its largest id and its lengths, counted on
+/// the host) instead of by reading its ids and mask back from the device: the loss is the same
+/// bits as the encoder's own checked path, token labels included, and a batch whose counts are
+/// wrong is refused with what is wrong.
+#[test]
+fn batches_are_checked_from_what_was_counted_where_they_were_built() {
+    use candle::Tensor;
+    use poslab::data::Batch;
+    let config = tiny_config(
+        PositionalConfig::Rope(Default::default()),
+        NormPlacement::Pre,
+    );
+    let store = poslab::ParamStore::new(3);
+    let head = HeadConfig::Tag { classes: 5 };
+    let model =
+        TaskModel::new(&config, &head, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    let (b, t) = (3, 6);
+    let lengths = vec![6, 4, 1];
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 39) as u32).collect();
+    let mask: Vec<u32> = (0..b * t)
+        .map(|i| u32::from(i % t < lengths[i / t]))
+        .collect();
+    let weights: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| (i % 5) as u32).collect();
+    let scored = weights.iter().filter(|&&w| w > 0.0).count();
+    let batch = |max_id: u32, lengths: Vec<usize>| Batch {
+        ids: Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu).unwrap(),
+        mask: Tensor::from_vec(mask.clone(), (b, t), &Device::Cpu).unwrap(),
+        targets: Tensor::from_vec(targets.clone(), (b, t), &Device::Cpu).unwrap(),
+        weights: Some(Tensor::from_vec(weights.clone(), (b, t), &Device::Cpu).unwrap()),
+        counted: None,
+        real_tokens: scored,
+        lengths,
+        positions: None,
+        scored,
+        max_id,
+    };
+    let good = batch(*ids.iter().max().unwrap(), lengths.clone());
+    let (loss, _) = model.loss(&good, 0, false).unwrap();
+    // The encoder's own path: ids and mask read back and checked, the weights summed.
+    let positions = good.positions(0).unwrap();
+    let logits = model
+        .logits(&good.ids, &good.mask, &positions, false)
+        .unwrap();
+    let expected =
+        poslab::model::cross_entropy(&logits, &good.targets, good.weights.as_ref()).unwrap();
+    assert_eq!(
+        loss.to_scalar::<f32>().unwrap().to_bits(),
+        expected.to_scalar::<f32>().unwrap().to_bits()
+    );
+    for (bad, lengths, says) in [
+        (
+            40,
+            lengths.clone(),
+            "token id 40 is outside the vocabulary of 40",
+        ),
+        (
+            38,
+            vec![6, 4, 0],
+            "every sequence needs from 1 to 6 real tokens",
+        ),
+        (38, vec![6, 4], "a batch of 3 sequences"),
+    ] {
+        let err = model
+            .loss(&batch(bad, lengths), 0, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(says), "{err}");
+    }
+}

@@ -678,7 +678,7 @@ impl Attention {
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
-    fn bias_tensor(&self) -> Option<&Tensor> {
+    pub(super) fn bias_tensor(&self) -> Option<&Tensor> {
         self.score_bias.as_ref().map(|b| match b {
             LayerBias::Table(t) | LayerBias::SidedSums(t) => t,
         })
@@ -717,6 +717,40 @@ impl Attention {
     /// The number of heads.
     pub(super) fn head_count(&self) -> usize {
         self.heads
+    }
+
+    /// This attention with its fixed inputs (key bias, rotary tables, score bias) in `dtype`
+    /// and contiguous, as the device path reads them; the score bias stays differentiable.
+    pub(super) fn in_dtype(&self, dtype: candle::DType) -> Result<Self> {
+        let convert = |t: &Tensor| t.to_dtype(dtype)?.contiguous();
+        Ok(Self {
+            key_bias: convert(&self.key_bias)?,
+            rope: match &self.rope {
+                Some((c, s, i)) => Some((convert(c)?, convert(s)?, *i)),
+                None => None,
+            },
+            score_bias: match &self.score_bias {
+                Some(LayerBias::Table(t)) => Some(LayerBias::Table(convert(t)?)),
+                Some(LayerBias::SidedSums(t)) => Some(LayerBias::SidedSums(convert(t)?)),
+                None => None,
+            },
+            ..self.clone()
+        })
+    }
+
+    /// What the device path needs of this attention besides tensors' memory: the scale, the
+    /// window, whether the score bias is given as running sums, and its rows (1 or b).
+    pub(super) fn device_shape(&self) -> (f64, Option<usize>, Option<(bool, usize)>) {
+        let bias = self.bias_tensor().map(|b| (self.sided(), b.dims()[0]));
+        (self.scale, self.max_offset, bias)
+    }
+
+    /// The key bias `(b, t)` and the rotary tables `(cos, sin, interleaved)`.
+    pub(super) fn device_tensors(&self) -> (&Tensor, Option<(&Tensor, &Tensor, bool)>) {
+        (
+            &self.key_bias,
+            self.rope.as_ref().map(|(c, s, i)| (c, s, *i)),
+        )
     }
 
     /// The instruction sets this op's kernels (and a layer's around it) use.

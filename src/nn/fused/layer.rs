@@ -50,6 +50,7 @@ use super::{
     activation_par, activation_with_grad_par, contiguous, times_grad_summed_par, zeros, Real,
 };
 use super::{pointwise, running_sums};
+use crate::nn::device;
 
 /// The widths of a layer and where each parameter sits in the packed vector.
 #[derive(Clone, Copy, Debug)]
@@ -70,24 +71,24 @@ pub(crate) struct LayerShape {
 /// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`, and with
 /// gates `W_g` `(gates, d)`, `b_g` `(gates)`.
 #[derive(Clone, Copy, Debug)]
-struct Offsets {
-    ln1: usize,
-    wqkv: usize,
-    bqkv: usize,
-    wo: usize,
-    bo: usize,
-    ln2: usize,
-    wup: usize,
-    bup: usize,
-    wdown: usize,
-    bdown: usize,
-    wg: usize,
-    bg: usize,
-    len: usize,
+pub(crate) struct Offsets {
+    pub ln1: usize,
+    pub wqkv: usize,
+    pub bqkv: usize,
+    pub wo: usize,
+    pub bo: usize,
+    pub ln2: usize,
+    pub wup: usize,
+    pub bup: usize,
+    pub wdown: usize,
+    pub bdown: usize,
+    pub wg: usize,
+    pub bg: usize,
+    pub len: usize,
 }
 
 impl LayerShape {
-    fn offsets(&self) -> Offsets {
+    pub(crate) fn offsets(&self) -> Offsets {
         let (d, f) = (self.d, self.ffn);
         let mut at = 0;
         let mut take = |n: usize| {
@@ -172,6 +173,9 @@ pub(crate) struct LayerOp {
     masks: LayerMasks,
     /// Keep activations for the backward (training).
     keep: bool,
+    /// Computed as device operations ([`crate::nn::device`]): on CUDA always, on the CPU by
+    /// the twin (the tests' way to run the CUDA path's sequence without a GPU).
+    device: bool,
     saved: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
@@ -230,12 +234,14 @@ impl LayerOp {
         attention: Attention,
         masks: LayerMasks,
         keep: bool,
+        device: bool,
     ) -> Self {
         Self {
             shape,
             attention,
             masks,
             keep,
+            device,
             saved: Mutex::new(None),
         }
     }
@@ -481,6 +487,164 @@ impl LayerOp {
     }
 }
 
+/// The layer on the device path ([`crate::nn::device`]): its description, and its fixed inputs
+/// as device memory (the guards that keep them valid are `held`).
+impl LayerOp {
+    fn device_spec(&self) -> Result<device::layer::Spec> {
+        let heads = self.attention.head_count();
+        if self.shape.gates != 0 && self.shape.gates != 2 * heads {
+            candle::bail!(
+                "device path: {} gate channels for {heads} heads (2 a head)",
+                self.shape.gates
+            );
+        }
+        Ok(device::layer::Spec {
+            gates: self.shape.gates != 0,
+            d: self.shape.d,
+            ffn: self.shape.ffn,
+            eps: self.shape.eps,
+            pre_norm: self.shape.pre_norm,
+            act: match self.shape.activation {
+                crate::nn::Activation::Gelu => device::Act::Gelu,
+                crate::nn::Activation::Relu => device::Act::Relu,
+                crate::nn::Activation::Geglu => {
+                    candle::bail!("the fused layer computes GELU and ReLU feed-forwards")
+                }
+            },
+            offsets: self.shape.offsets(),
+        })
+    }
+
+    /// Read guards on every tensor the device path reads besides the op's inputs: the key
+    /// bias, RoPE's tables, the score bias and the dropout masks.
+    fn held(&self) -> Vec<Option<device::Held<'_>>> {
+        let (key_bias, rope) = self.attention.device_tensors();
+        let bias = self.attention.bias_tensor();
+        let m = &self.masks;
+        [
+            Some(key_bias),
+            rope.map(|r| r.0),
+            rope.map(|r| r.1),
+            bias,
+            m.attention.as_ref(),
+            m.attention_out.as_ref(),
+            m.ffn_out.as_ref(),
+        ]
+        .into_iter()
+        .map(|t| t.map(device::Held::of))
+        .collect()
+    }
+
+    fn device_fixed(
+        &self,
+        held: &[Option<device::Held<'_>>],
+        b: usize,
+        t: usize,
+    ) -> Result<device::layer::Fixed> {
+        let mem = |i: usize| held[i].as_ref().map(device::Held::mem).transpose();
+        let heads = self.attention.head_count();
+        let d = self.shape.d;
+        let (scale, window, bias_shape) = self.attention.device_shape();
+        let Some(key_bias) = mem(0)? else {
+            candle::bail!("device path: no key bias")
+        };
+        let rope = match (mem(1)?, mem(2)?, self.attention.device_tensors().1) {
+            (Some(cos), Some(sin), Some((c, _, interleaved))) => Some(device::Rope {
+                cos,
+                sin,
+                rows: c.dims()[0],
+                width: c.dims()[2],
+                interleaved,
+            }),
+            _ => None,
+        };
+        let bias = match (mem(3)?, bias_shape) {
+            (Some(sums), Some((true, _))) => device::ScoreBias::Sided { sums },
+            (Some(bias), Some((false, rows))) => device::ScoreBias::Table { bias, rows },
+            _ => device::ScoreBias::None,
+        };
+        Ok(device::layer::Fixed {
+            heads: device::Heads {
+                b,
+                t,
+                h: heads,
+                dh: d / heads,
+            },
+            scale,
+            key_bias,
+            rope,
+            bias,
+            bias_grad: self.attention.bias_needs_grad(),
+            window,
+            masks: device::layer::Masks {
+                attention: mem(4)?,
+                attention_out: mem(5)?,
+                ffn_out: mem(6)?,
+            },
+        })
+    }
+
+    /// The forward on `stream`: the output, and (training) the saved activations kept.
+    fn device_forward(
+        &self,
+        stream: &dyn device::Stream,
+        x: device::Mem,
+        p: device::Mem,
+        (b, t, _): (usize, usize, usize),
+    ) -> Result<device::Buf> {
+        let held = self.held();
+        let fixed = self.device_fixed(&held, b, t)?;
+        let (y, saved) =
+            device::layer::forward(stream, &self.device_spec()?, &fixed, x, p, self.keep)?;
+        if let Some(saved) = saved {
+            *self.saved.lock().expect("layer activations lock poisoned") = Some(Box::new(saved));
+        }
+        Ok(y)
+    }
+
+    /// `[dx | dparams | d(score bias)]` on `stream`, from what the forward kept (else it is
+    /// recomputed).
+    fn device_backward(
+        &self,
+        stream: &dyn device::Stream,
+        saved: Option<Box<dyn Any + Send>>,
+        (x, p, gy): (device::Mem, device::Mem, device::Mem),
+        (b, t, d): (usize, usize, usize),
+    ) -> Result<device::Buf> {
+        let held = self.held();
+        let fixed = self.device_fixed(&held, b, t)?;
+        let spec = self.device_spec()?;
+        let saved = match saved.and_then(|s| s.downcast::<device::layer::Saved>().ok()) {
+            Some(s) => *s,
+            None => match device::layer::forward(stream, &spec, &fixed, x, p, true)?.1 {
+                Some(s) => s,
+                None => candle::bail!("device path: a training forward kept nothing"),
+            },
+        };
+        let len = b * t * d + spec.offsets.len + fixed.bias_grad_len();
+        let out = stream.alloc(x.dtype, len)?;
+        device::layer::backward(stream, &spec, &fixed, x, p, &saved, gy, out.mem())?;
+        Ok(out)
+    }
+}
+
+/// A device buffer handed to candle as a CPU storage (the twin's).
+fn cpu_storage(buf: device::Buf) -> Result<CpuStorage> {
+    match buf.into_owner() {
+        device::Owner::Cpu(s) => Ok(s),
+        #[allow(unreachable_patterns)]
+        _ => candle::bail!("device path: a CUDA buffer where the twin computes"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_storage(buf: device::Buf) -> Result<candle::CudaStorage> {
+    match buf.into_owner() {
+        device::Owner::Cuda(s) => Ok(s),
+        device::Owner::Cpu(_) => candle::bail!("device path: a CPU buffer where CUDA computes"),
+    }
+}
+
 /// The layer as a candle op on `(x, packed parameters, score bias or empty)`.
 impl CustomOp3 for LayerOp {
     fn name(&self) -> &'static str {
@@ -497,6 +661,14 @@ impl CustomOp3 for LayerOp {
         _l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.rows(l1, l2)?;
+        if self.device {
+            let (x, p) = (
+                device::twin::Twin::mem(s1, l1)?,
+                device::twin::Twin::mem(s2, l2)?,
+            );
+            let y = self.device_forward(&device::twin::Twin, x, p, dims)?;
+            return Ok((cpu_storage(y)?, l1.shape().clone()));
+        }
         let what = "encoder layer";
         let storage = by_dtype!(s1.dtype(), what, |T| {
             let (y, saved) = self.forward::<T>(
@@ -512,6 +684,23 @@ impl CustomOp3 for LayerOp {
             y
         });
         Ok((storage, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        _s3: &candle::CudaStorage,
+        _l3: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        let dims = self.rows(l1, l2)?;
+        let stream = device::cuda::CudaStream::new(s1.device());
+        let (x, p) = (device::cuda::mem(s1, l1)?, device::cuda::mem(s2, l2)?);
+        let y = self.device_forward(&stream, x, p, dims)?;
+        Ok((cuda_storage(y)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -542,7 +731,12 @@ impl CustomOp3 for LayerOp {
         let dp = grads.narrow(0, nx, np)?;
         let dbias = match self.attention.bias_grad_len() {
             0 => None,
-            len => Some(grads.narrow(0, nx + np, len)?.reshape(bias.shape())?),
+            len => Some(
+                grads
+                    .narrow(0, nx + np, len)?
+                    .reshape(bias.shape())?
+                    .to_dtype(bias.dtype())?,
+            ),
         };
         Ok((Some(dx), Some(dp), dbias))
     }
@@ -556,6 +750,14 @@ struct LayerGrad<'a> {
 }
 
 impl LayerGrad<'_> {
+    /// What the forward kept, taken (once).
+    fn take_saved(&self) -> Option<Box<dyn Any + Send>> {
+        self.saved
+            .lock()
+            .expect("layer activations lock poisoned")
+            .take()
+    }
+
     fn run<T: Real>(
         &self,
         x: &[T],
@@ -596,6 +798,16 @@ impl candle::CustomOp3 for LayerGrad<'_> {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.layer.rows(l1, l2)?;
+        let len = l1.shape().elem_count()
+            + l2.shape().elem_count()
+            + self.layer.attention.bias_grad_len();
+        if self.layer.device {
+            let twin = device::twin::Twin;
+            let mems = (twin_mem(s1, l1)?, twin_mem(s2, l2)?, twin_mem(s3, l3)?);
+            let saved = self.take_saved();
+            let out = self.layer.device_backward(&twin, saved, mems, dims)?;
+            return Ok((cpu_storage(out)?, Shape::from(len)));
+        }
         let what = "encoder layer backward";
         let storage = by_dtype!(s1.dtype(), what, |T| self.run::<T>(
             contiguous(s1, l1, what)?,
@@ -603,15 +815,35 @@ impl candle::CustomOp3 for LayerGrad<'_> {
             contiguous(s3, l3, what)?,
             dims
         )?);
-        Ok((
-            storage,
-            Shape::from(
-                l1.shape().elem_count()
-                    + l2.shape().elem_count()
-                    + self.layer.attention.bias_grad_len(),
-            ),
-        ))
+        Ok((storage, Shape::from(len)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use device::cuda::mem;
+        let dims = self.layer.rows(l1, l2)?;
+        let len = l1.shape().elem_count()
+            + l2.shape().elem_count()
+            + self.layer.attention.bias_grad_len();
+        let stream = device::cuda::CudaStream::new(s1.device());
+        let mems = (mem(s1, l1)?, mem(s2, l2)?, mem(s3, l3)?);
+        let out = self
+            .layer
+            .device_backward(&stream, self.take_saved(), mems, dims)?;
+        Ok((cuda_storage(out)?, Shape::from(len)))
+    }
+}
+
+fn twin_mem(s: &CpuStorage, l: &Layout) -> Result<device::Mem> {
+    device::twin::Twin::mem(s, l)
 }
 
 #[cfg(test)]

@@ -317,7 +317,7 @@ pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
 pub use attention::{head_product_gflops, HeadProduct};
 pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad_summed_par};
-pub(crate) use layer::{LayerMasks, LayerShape};
+pub(crate) use layer::{LayerMasks, LayerShape, Offsets};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
 pub use linear::{linear_pass_gflops, matmul_gflops, LinearPass};
@@ -570,8 +570,17 @@ pub(crate) fn encoder_layer(
             attention.head_count()
         );
     }
+    if crate::nn::device_layer_for(x) {
+        // The device path: parameters in the activations' dtype (cast once per step, here),
+        // the fixed inputs in the dtype values are computed in.
+        let attention = attention.in_dtype(crate::nn::device::compute_dtype(x.dtype()))?;
+        let bias = attention.score_bias_input(x)?;
+        let params = params.to_dtype(x.dtype())?.contiguous()?;
+        let op = layer::LayerOp::new(shape, attention, masks, keep_activations, true);
+        return x.contiguous()?.apply_op3(&params, &bias, op);
+    }
     let bias = attention.score_bias_input(x)?;
-    let op = layer::LayerOp::new(shape, attention, masks, keep_activations);
+    let op = layer::LayerOp::new(shape, attention, masks, keep_activations, false);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
 }
 

@@ -1,0 +1,563 @@
+// poslab's device-path kernels (src/nn/device/): compiled by NVRTC the first time a process needs
+// them. Each kernel's CPU twin is in twin.rs and computes the same values in the same precision:
+// f64 storage in double, f32, bf16 and f16 storage in float, rounded to the storage type where
+// a value is stored. No headers: bf16 and f16 are converted by hand (bits) and by PTX's cvt.
+//
+// Every reduction (row sums, maxima) is taken in a fixed order within one block, so results do
+// not depend on scheduling: the same inputs give the same bits, launch after launch.
+//
+// Kernels are templates over the storage type S, instantiated as `extern "C"` functions named
+// `<kernel>_<f64|f32|bf16|f16>` by the macros at the end.
+
+typedef unsigned short u16;
+typedef long long i64;
+
+struct bf16_t {
+    u16 x;
+};
+struct f16_t {
+    u16 x;
+};
+
+template <typename S> struct E;
+
+template <> struct E<float> {
+    typedef float C;
+    __device__ static float get(float v) { return v; }
+    __device__ static float put(float c) { return c; }
+};
+
+template <> struct E<double> {
+    typedef double C;
+    __device__ static double get(double v) { return v; }
+    __device__ static double put(double c) { return c; }
+};
+
+template <> struct E<bf16_t> {
+    typedef float C;
+    __device__ static float get(bf16_t v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+    // round to nearest, ties to even; NaN stays NaN
+    __device__ static bf16_t put(float c) {
+        unsigned int u = __float_as_uint(c);
+        bf16_t r;
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            r.x = (u16)0x7fc0;
+            return r;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        r.x = (u16)(u >> 16);
+        return r;
+    }
+};
+
+template <> struct E<f16_t> {
+    typedef float C;
+    __device__ static float get(f16_t v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+        return f;
+    }
+    __device__ static f16_t put(float c) {
+        f16_t r;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(c));
+        return r;
+    }
+};
+
+__device__ inline float ex(float x) { return expf(x); }
+__device__ inline double ex(double x) { return exp(x); }
+__device__ inline float er(float x) { return erff(x); }
+__device__ inline double er(double x) { return erf(x); }
+__device__ inline float l1p(float x) { return log1pf(x); }
+__device__ inline double l1p(double x) { return log1p(x); }
+__device__ inline float sq(float x) { return sqrtf(x); }
+__device__ inline double sq(double x) { return sqrt(x); }
+__device__ inline float mx(float a, float b) { return fmaxf(a, b); }
+__device__ inline double mx(double a, double b) { return fmax(a, b); }
+
+template <typename C> __device__ C neg_inf();
+template <> __device__ float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ double neg_inf<double>() {
+    return __longlong_as_double((long long)0xfff0000000000000ULL);
+}
+
+// The masked score (poslab's MASKED_SCORE): weight exactly 0 after exp, finite.
+#define MASKED (-1e9)
+
+template <typename C> __device__ C warp_sum(C v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename C> __device__ C warp_max(C v) {
+    for (int o = 16; o > 0; o >>= 1) v = mx(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The sum over the block of every thread's `v`, in a fixed order, returned to every thread.
+// `red` holds 32 values of shared memory.
+template <typename C> __device__ C block_sum(C v, C* red) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < warps ? red[threadIdx.x] : (C)0;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) red[0] = v;
+    __syncthreads();
+    return red[0];
+}
+
+template <typename C> __device__ C block_max(C v, C* red) {
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = threadIdx.x < warps ? red[threadIdx.x] : neg_inf<C>();
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) red[0] = v;
+    __syncthreads();
+    return red[0];
+}
+
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+template <typename S> __device__ void fill(S* out, double value, i64 n) {
+    typedef typename E<S>::C C;
+    GRID_STRIDE(i, n) out[i] = E<S>::put((C)value);
+}
+
+template <typename S> __device__ void mul(const S* x, const S* m, S* out, i64 n) {
+    GRID_STRIDE(i, n) out[i] = E<S>::put(E<S>::get(x[i]) * E<S>::get(m[i]));
+}
+
+template <typename S, typename D> __device__ void convert(const S* x, D* out, i64 n) {
+    typedef typename E<D>::C C;
+    GRID_STRIDE(i, n) out[i] = E<D>::put((C)E<S>::get(x[i]));
+}
+
+// LayerNorm of the row at `x` (width values) into `y`, its [mean, rstd] into `stats`. Called by
+// the whole block; `x` may be a row this block has just written (its writes are visible after
+// the barrier in block_sum).
+template <typename S>
+__device__ void norm_row(const S* x, const S* w, const S* b, double eps, S* y,
+                         typename E<S>::C* stats, int width, typename E<S>::C* red) {
+    typedef typename E<S>::C C;
+    C s = 0;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) s += E<S>::get(x[j]);
+    const C mean = block_sum(s, red) / (C)width;
+    C v = 0;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        const C c = E<S>::get(x[j]) - mean;
+        v += c * c;
+    }
+    const C var = block_sum(v, red) / (C)width;
+    const C rstd = (C)1 / sq(var + (C)eps);
+    for (int j = threadIdx.x; j < width; j += blockDim.x)
+        y[j] = E<S>::put((E<S>::get(x[j]) - mean) * rstd * E<S>::get(w[j]) + E<S>::get(b[j]));
+    if (threadIdx.x == 0) {
+        stats[0] = mean;
+        stats[1] = rstd;
+    }
+}
+
+// One block per row.
+template <typename S>
+__device__ void layer_norm(const S* x, const S* w, const S* b, double eps, S* y,
+                           typename E<S>::C* stats, i64 rows, int width) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= rows) return;
+    norm_row(x + r * width, w, b, eps, y + r * width, stats + 2 * r, width, red);
+}
+
+// sum = res + m ⊙ (z + bias) by rows, then (when `out` is given) out = LN(sum). One block per row.
+template <typename S>
+__device__ void residual(const S* res, const S* z, const S* bias, const S* mask, S* sum,
+                         const S* w, const S* b, double eps, S* out, typename E<S>::C* stats,
+                         i64 rows, int width) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const i64 at = r * width;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        C v = E<S>::get(z[at + j]) + E<S>::get(bias[j]);
+        if (mask) v *= E<S>::get(mask[at + j]);
+        sum[at + j] = E<S>::put(E<S>::get(res[at + j]) + v);
+    }
+    if (out) norm_row(sum + at, w, b, eps, out + at, stats + 2 * r, width, red);
+}
+
+// LayerNorm's backward by rows: out = add + dx, masked = out ⊙ mask, params row = [g ⊙ x̂, g].
+template <typename S>
+__device__ void norm_back(const S* x, const typename E<S>::C* stats, const S* w, const S* g,
+                          const S* add, S* out, const S* mask, S* masked, S* params, i64 rows,
+                          int width) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const i64 at = r * width;
+    const C mean = stats[2 * r], rstd = stats[2 * r + 1];
+    C m1 = 0, m2 = 0;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        const C xh = (E<S>::get(x[at + j]) - mean) * rstd;
+        const C gw = E<S>::get(g[at + j]) * E<S>::get(w[j]);
+        m1 += gw;
+        m2 += gw * xh;
+    }
+    m1 = block_sum(m1, red) / (C)width;
+    m2 = block_sum(m2, red) / (C)width;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        const C xh = (E<S>::get(x[at + j]) - mean) * rstd;
+        const C gj = E<S>::get(g[at + j]);
+        C d = rstd * (gj * E<S>::get(w[j]) - m1 - xh * m2);
+        if (add) d += E<S>::get(add[at + j]);
+        params[2 * at + j] = E<S>::put(gj * xh);
+        params[2 * at + width + j] = E<S>::put(gj);
+        if (mask) masked[at + j] = E<S>::put(d * E<S>::get(mask[at + j]));
+        out[at + j] = E<S>::put(d);
+    }
+}
+
+// act(u + bias) in place and its derivative; act 0 = GELU (erf), 1 = ReLU.
+template <typename S>
+__device__ void bias_act(S* u, const S* bias, S* grad, i64 rows, int width, int act) {
+    typedef typename E<S>::C C;
+    const C inv_sqrt2 = (C)0.70710678118654752440, inv_sqrt_2pi = (C)0.39894228040143267794;
+    GRID_STRIDE(i, rows * width) {
+        const C x = E<S>::get(u[i]) + E<S>::get(bias[i % width]);
+        C a, d;
+        if (act == 0) {
+            const C cdf = (C)0.5 * ((C)1 + er(x * inv_sqrt2));
+            const C pdf = inv_sqrt_2pi * ex((C)-0.5 * x * x);
+            a = x * cdf;
+            d = cdf + x * pdf;
+        } else {
+            a = x > (C)0 ? x : (C)0;
+            d = x > (C)0 ? (C)1 : (C)0;
+        }
+        u[i] = E<S>::put(a);
+        grad[i] = E<S>::put(d);
+    }
+}
+
+// Between projections (n, 3d) and heads (3, b, h, t, dh): forward (back = 0) reads the
+// projection row plus its bias and writes the head row, q and k rotated; back (1) reads the head
+// row and writes the projection row, q and k rotated back. One thread per value.
+template <typename S>
+__device__ void heads(const S* src, const S* bias, const typename E<S>::C* cos_t,
+                      const typename E<S>::C* sin_t, S* out, int b, int t, int h, int dh,
+                      int rope_rows, int rope_width, int interleaved, int back) {
+    typedef typename E<S>::C C;
+    const int d = h * dh;
+    const i64 per = (i64)b * h * t * dh;
+    GRID_STRIDE(i, 3 * per) {
+        const int which = (int)(i / per);
+        i64 rest = i % per;
+        const int bi = (int)(rest / ((i64)h * t * dh));
+        rest %= (i64)h * t * dh;
+        const int hd = (int)(rest / ((i64)t * dh));
+        rest %= (i64)t * dh;
+        const int ti = (int)(rest / dh), c = (int)(rest % dh);
+        const i64 token = ((i64)bi * t + ti) * 3 * d + which * d + hd * dh;
+        const i64 head = i - c;  // start of this head row
+        const i64 from = back ? head : token, to = back ? token : head;
+        const int col = which * d + hd * dh;
+        // value j of the source row (the bias added going forward)
+#define VAL(j) (E<S>::get(src[from + (j)]) + (back || !bias ? (C)0 : E<S>::get(bias[col + (j)])))
+        C y;
+        if (which < 2 && cos_t && c < rope_width) {
+            const int half = rope_width / 2;
+            int ia, ib, it, first;
+            if (interleaved) {
+                it = c & ~1;
+                ia = it;
+                ib = it + 1;
+                first = (c & 1) == 0;
+            } else {
+                first = c < half;
+                it = first ? c : c - half;
+                ia = it;
+                ib = it + half;
+            }
+            const int row = rope_rows == 1 ? ti : bi * t + ti;
+            // forward rounds the biased value to S before rotating, as the twin does
+            C a = VAL(ia), bb = VAL(ib);
+            if (!back) {
+                a = E<S>::get(E<S>::put(a));
+                bb = E<S>::get(E<S>::put(bb));
+            }
+            const C co = cos_t[(i64)row * rope_width + it];
+            const C si = (back ? (C)-1 : (C)1) * sin_t[(i64)row * rope_width + it];
+            y = first ? a * co - bb * si : bb * co + a * si;
+        } else {
+            y = VAL(c);
+        }
+#undef VAL
+        out[to + c] = E<S>::put(y);
+    }
+}
+
+// (A, B, C, D) to (A, C, B, D); one thread per value.
+template <typename S> __device__ void transpose12(const S* x, S* out, i64 A, i64 B, i64 Cn, i64 D) {
+    GRID_STRIDE(i, A * B * Cn * D) {
+        const i64 dd = i % D;
+        i64 rest = i / D;
+        const i64 c = rest % Cn;
+        rest /= Cn;
+        const i64 bb = rest % B, a = rest / B;
+        out[((a * Cn + c) * B + bb) * D + dd] = x[i];
+    }
+}
+
+// The score of key j in row (bi, hd, i): scores plus bias, window and key bias.
+template <typename S>
+__device__ typename E<S>::C biased(const S* row, int j, int i, int bi, int hd, int h, int t,
+                                   const typename E<S>::C* key_bias, int bias_kind,
+                                   const typename E<S>::C* bias, int bias_rows, int window,
+                                   i64 half) {
+    typedef typename E<S>::C C;
+    C v = E<S>::get(row[j]);
+    if (bias_kind == 1) {
+        const int block = bias_rows == 1 ? 0 : bi;
+        v += bias[(((i64)block * h + hd) * t + i) * t + j];
+    } else if (bias_kind == 2) {
+        const i64 at = ((i64)bi * h + hd) * t;
+        v += j <= i ? bias[at + i] - bias[at + j] : bias[half + at + j] - bias[half + at + i];
+    }
+    if (window >= 0 && (j > i ? j - i : i - j) > window) v += (C)MASKED;
+    return v + key_bias[(i64)bi * t + j];
+}
+
+// Softmax of every row of scores in place; P ⊙ M into pm with a mask. One block per row.
+// bias_kind: 0 none, 1 a (bias_rows, h, t, t) table, 2 running sums (2, b, h, t).
+template <typename S>
+__device__ void softmax(S* sp, const typename E<S>::C* key_bias, int bias_kind,
+                        const typename E<S>::C* bias, int bias_rows, int window, const S* mask,
+                        S* pm, int b, int h, int t) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= (i64)b * h * t) return;
+    const int i = (int)(r % t);
+    const i64 bh = r / t;
+    const int bi = (int)(bh / h), hd = (int)(bh % h);
+    S* row = sp + r * t;
+    const i64 half = (i64)b * h * t;
+    C m = neg_inf<C>();
+    for (int j = threadIdx.x; j < t; j += blockDim.x)
+        m = mx(m, biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half));
+    m = block_max(m, red);
+    C s = 0;
+    for (int j = threadIdx.x; j < t; j += blockDim.x)
+        s += ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half) - m);
+    s = block_sum(s, red);  // (its barriers order every read of the row before the writes below)
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        const C e = ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half) - m);
+        const S p = E<S>::put(e / s);
+        if (mask) pm[r * t + j] = E<S>::put(E<S>::get(p) * E<S>::get(mask[r * t + j]));
+        row[j] = p;
+    }
+}
+
+// dS = P ⊙ (dP' - rowsum(dP' ⊙ P)), dP' = dP ⊙ M, in place of dp. One block per row.
+template <typename S>
+__device__ void softmax_back(const S* p, S* dp, const S* mask, i64 rows, int t) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= rows) return;
+    const i64 at = r * t;
+    C s = 0;
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        C g = E<S>::get(dp[at + j]);
+        if (mask) g *= E<S>::get(mask[at + j]);
+        s += g * E<S>::get(p[at + j]);
+    }
+    s = block_sum(s, red);
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        C g = E<S>::get(dp[at + j]);
+        if (mask) g *= E<S>::get(mask[at + j]);
+        dp[at + j] = E<S>::put(E<S>::get(p[at + j]) * (g - s));
+    }
+}
+
+// The running sums' gradient: df[i] = Σ_{j<=i} dS[i,j] - Σ_{r>=i} dS[r,i],
+// dg[i] = Σ_{r<i} dS[r,i] - Σ_{j>i} dS[i,j]. One block per (b h, i).
+template <typename S> __device__ void sided_back(const S* ds, S* out, int b, int h, int t) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 task = blockIdx.x;
+    if (task >= (i64)b * h * t) return;
+    const i64 bh = task / t;
+    const int i = (int)(task % t);
+    const S* block = ds + bh * t * t;
+    C row_le = 0, row_gt = 0, col_ge = 0, col_lt = 0;
+    for (int j = threadIdx.x; j < t; j += blockDim.x) {
+        const C v = E<S>::get(block[(i64)i * t + j]);
+        if (j <= i) row_le += v; else row_gt += v;
+        const C c = E<S>::get(block[(i64)j * t + i]);
+        if (j >= i) col_ge += c; else col_lt += c;
+    }
+    row_le = block_sum(row_le, red);
+    row_gt = block_sum(row_gt, red);
+    col_ge = block_sum(col_ge, red);
+    col_lt = block_sum(col_lt, red);
+    if (threadIdx.x == 0) {
+        out[bh * t + i] = E<S>::put(row_le - col_ge);
+        out[(i64)b * h * t + bh * t + i] = E<S>::put(col_lt - row_gt);
+    }
+}
+
+// FoX's gates: running sums along the tokens of log σ(z + bias) into sums (2, b, h, t), or
+// (back) dz = σ(-(z + bias)) times the sums' gradient summed from each token to the last. One
+// thread per (batch element, channel), along the tokens in order.
+template <typename S>
+__device__ void gates(const S* z, const S* bias, typename E<S>::C* sums, const S* dsums, S* dz,
+                      int b, int t, int h, int back) {
+    typedef typename E<S>::C C;
+    const int width = 2 * h;
+    const i64 task = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (task >= (i64)b * width) return;
+    const int bi = (int)(task / width), ch = (int)(task % width);
+    const int s = ch / h, c = ch % h;
+    const i64 at = (((i64)s * b + bi) * h + c) * t;
+    const C bch = E<S>::get(bias[ch]);
+    C acc = 0;
+    if (!back) {
+        for (int j = 0; j < t; ++j) {
+            const C x = E<S>::get(z[((i64)bi * t + j) * width + ch]) + bch;
+            const C u = ex(-(x < (C)0 ? -x : x));
+            acc += -((x < (C)0 ? -x : (C)0) + l1p(u));
+            sums[at + j] = acc;
+        }
+    } else {
+        for (int j = t - 1; j >= 0; --j) {
+            const C x = E<S>::get(z[((i64)bi * t + j) * width + ch]) + bch;
+            const C u = ex(-(x < (C)0 ? -x : x));
+            const C inv = (C)1 / ((C)1 + u);
+            acc += E<S>::get(dsums[at + j]);
+            dz[((i64)bi * t + j) * width + ch] = E<S>::put(acc * (x >= (C)0 ? u * inv : inv));
+        }
+    }
+}
+
+// AdamW over many variables in one launch. `parts` holds 6 values per variable: the addresses of
+// its weights, gradient, m and v, its length, and the bits of its decay factor (a double);
+// `chunks` 2 per block: the variable, and the first value of the block's ADAMW_CHUNK.
+#define ADAMW_CHUNK 65536
+template <typename S>
+__device__ void adamw(const unsigned long long* parts, const unsigned long long* chunks, double b1,
+                      double b2, double eps, double bias1, double bias2, double lr, double scale) {
+    typedef typename E<S>::C C;
+    const unsigned long long* ch = chunks + 2 * (i64)blockIdx.x;
+    const unsigned long long* p = parts + 6 * ch[0];
+    S* w = (S*)p[0];
+    const S* g = (const S*)p[1];
+    S* m = (S*)p[2];
+    S* v = (S*)p[3];
+    const i64 n = (i64)p[4];
+    const double keep_d = __longlong_as_double((long long)p[5]);
+    const i64 start = (i64)ch[1];
+    const i64 end = start + ADAMW_CHUNK < n ? start + ADAMW_CHUNK : n;
+    const C cb1 = (C)b1, cb2 = (C)b2, c1 = (C)(1.0 - b1), c2 = (C)(1.0 - b2), s = (C)scale;
+    const C clr = (C)lr, keep = (C)keep_d, ceps = (C)eps, cbias1 = (C)bias1, cbias2 = (C)bias2;
+    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        C gi = E<S>::get(g[i]);
+        if (scale != 1.0) gi = gi * s;
+        const C mi = E<S>::get(m[i]) * cb1 + gi * c1;
+        const C vi = E<S>::get(v[i]) * cb2 + gi * gi * c2;
+        const C update = (mi / cbias1) / (sq(vi / cbias2) + ceps);
+        const C wi = keep_d != 1.0 ? E<S>::get(w[i]) * keep : E<S>::get(w[i]);
+        m[i] = E<S>::put(mi);
+        v[i] = E<S>::put(vi);
+        w[i] = E<S>::put(wi - update * clr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The exported kernels, one per storage type.
+
+#define KERNELS(N, S)                                                                              \
+    extern "C" __global__ void fill_##N(S* out, double value, i64 n) { fill<S>(out, value, n); } \
+    extern "C" __global__ void mul_##N(const S* x, const S* m, S* out, i64 n) {                    \
+        mul<S>(x, m, out, n);                                                                      \
+    }                                                                                              \
+    extern "C" __global__ void layer_norm_##N(const S* x, const S* w, const S* b, double eps,     \
+                                              S* y, E<S>::C* stats, i64 rows, int width) {         \
+        layer_norm<S>(x, w, b, eps, y, stats, rows, width);                                        \
+    }                                                                                              \
+    extern "C" __global__ void residual_##N(const S* res, const S* z, const S* bias,              \
+                                            const S* mask, S* sum, const S* w, const S* b,         \
+                                            double eps, S* out, E<S>::C* stats, i64 rows,          \
+                                            int width) {                                           \
+        residual<S>(res, z, bias, mask, sum, w, b, eps, out, stats, rows, width);                  \
+    }                                                                                              \
+    extern "C" __global__ void norm_back_##N(const S* x, const E<S>::C* stats, const S* w,        \
+                                             const S* g, const S* add, S* out, const S* mask,      \
+                                             S* masked, S* params, i64 rows, int width) {          \
+        norm_back<S>(x, stats, w, g, add, out, mask, masked, params, rows, width);                 \
+    }                                                                                              \
+    extern "C" __global__ void bias_act_##N(S* u, const S* bias, S* grad, i64 rows, int width,    \
+                                            int act) {                                             \
+        bias_act<S>(u, bias, grad, rows, width, act);                                              \
+    }                                                                                              \
+    extern "C" __global__ void heads_##N(const S* src, const S* bias, const E<S>::C* cos_t,       \
+                                         const E<S>::C* sin_t, S* out, int b, int t, int h,        \
+                                         int dh, int rope_rows, int rope_width, int interleaved,   \
+                                         int back) {                                               \
+        heads<S>(src, bias, cos_t, sin_t, out, b, t, h, dh, rope_rows, rope_width, interleaved,    \
+                 back);                                                                            \
+    }                                                                                              \
+    extern "C" __global__ void transpose12_##N(const S* x, S* out, i64 a, i64 b, i64 c, i64 d) {  \
+        transpose12<S>(x, out, a, b, c, d);                                                        \
+    }                                                                                              \
+    extern "C" __global__ void softmax_##N(S* sp, const E<S>::C* key_bias, int bias_kind,         \
+                                           const E<S>::C* bias, int bias_rows, int window,         \
+                                           const S* mask, S* pm, int b, int h, int t) {            \
+        softmax<S>(sp, key_bias, bias_kind, bias, bias_rows, window, mask, pm, b, h, t);           \
+    }                                                                                              \
+    extern "C" __global__ void softmax_back_##N(const S* p, S* dp, const S* mask, i64 rows,       \
+                                                int t) {                                           \
+        softmax_back<S>(p, dp, mask, rows, t);                                                     \
+    }                                                                                              \
+    extern "C" __global__ void sided_back_##N(const S* ds, S* out, int b, int h, int t) {         \
+        sided_back<S>(ds, out, b, h, t);                                                           \
+    }                                                                                              \
+    extern "C" __global__ void gates_##N(const S* z, const S* bias, E<S>::C* sums,               \
+                                         const S* dsums, S* dz, int b, int t, int h, int back) {   \
+        gates<S>(z, bias, sums, dsums, dz, b, t, h, back);                                         \
+    }                                                                                              \
+    extern "C" __global__ void adamw_##N(const unsigned long long* parts,                          \
+                                         const unsigned long long* chunks, double b1, double b2,   \
+                                         double eps, double bias1, double bias2, double lr,        \
+                                         double scale) {                                           \
+        adamw<S>(parts, chunks, b1, b2, eps, bias1, bias2, lr, scale);                             \
+    }
+
+KERNELS(f64, double)
+KERNELS(f32, float)
+KERNELS(bf16, bf16_t)
+KERNELS(f16, f16_t)
+
+#define CONVERT(A, SA, B, SB)                                                                      \
+    extern "C" __global__ void convert_##A##_##B(const SA* x, SB* out, i64 n) {                   \
+        convert<SA, SB>(x, out, n);                                                                \
+    }
+#define CONVERT_FROM(A, SA)                                                                        \
+    CONVERT(A, SA, f64, double)                                                                    \
+    CONVERT(A, SA, f32, float)                                                                     \
+    CONVERT(A, SA, bf16, bf16_t)                                                                   \
+    CONVERT(A, SA, f16, f16_t)
+CONVERT_FROM(f64, double)
+CONVERT_FROM(f32, float)
+CONVERT_FROM(bf16, bf16_t)
+CONVERT_FROM(f16, f16_t)
