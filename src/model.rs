@@ -240,19 +240,42 @@ pub fn count_correct(
     targets: &Tensor,
     weights: Option<&Tensor>,
 ) -> Result<(usize, usize)> {
+    let rows = count_correct_by_row(logits, targets, weights, 1)?;
+    Ok(rows.iter().fold((0, 0), |(c, n), (rc, rn)| {
+        (c + *rc as usize, n + *rn as usize)
+    }))
+}
+
+/// [`count_correct`] for each of `rows` rows of the flattened targets (a batch's examples):
+/// each row's `(correct, scored)`.
+pub fn count_correct_by_row(
+    logits: &Tensor,
+    targets: &Tensor,
+    weights: Option<&Tensor>,
+    rows: usize,
+) -> Result<Vec<(u32, u32)>> {
     let predicted = logits.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?;
     let targets = targets.flatten_all()?.to_vec1::<u32>()?;
     let weights = match weights {
         Some(w) => w.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
         None => vec![1.0; targets.len()],
     };
-    let mut correct = 0;
-    let mut total = 0;
-    for ((p, t), w) in predicted.iter().zip(&targets).zip(&weights) {
+    let rows = rows.max(1);
+    if !targets.len().is_multiple_of(rows) || weights.len() != targets.len() {
+        return Err(Error::Input(format!(
+            "{} targets and {} weights do not split into {rows} examples",
+            targets.len(),
+            weights.len()
+        )));
+    }
+    let per = targets.len() / rows;
+    let mut out = vec![(0u32, 0u32); rows];
+    for (i, ((p, t), w)) in predicted.iter().zip(&targets).zip(&weights).enumerate() {
         if *w > 0.0 {
-            total += 1;
-            correct += usize::from(p == t);
+            let row = &mut out[i / per.max(1)];
+            row.1 += 1;
+            row.0 += u32::from(p == t);
         }
     }
-    Ok((correct, total))
+    Ok(out)
 }

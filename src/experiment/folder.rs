@@ -176,7 +176,12 @@ pub struct Manifest {
 
 /// The SHA-256 of a config's canonical TOML, in hex.
 pub fn config_sha256(config: &ExperimentConfig) -> String {
-    crate::io::sha256(config.to_toml().as_bytes())
+    // Of what shapes the cells: comparisons are the report's, and may change between runs.
+    let cells = ExperimentConfig {
+        comparisons: Vec::new(),
+        ..config.clone()
+    };
+    crate::io::sha256(cells.to_toml().as_bytes())
 }
 
 /// `cells/<task>/<variant>/seed<N>.json`.
@@ -704,6 +709,8 @@ pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results
         cells: Vec::new(),
         summary: Vec::new(),
         partial: None,
+        comparisons: Vec::new(),
+        comparisons_skipped: Vec::new(),
     };
     let mut timings = Vec::new();
     for record in records {

@@ -15,6 +15,7 @@ pub mod results;
 pub mod run;
 pub mod suite;
 pub mod suite_plot;
+pub mod verdict;
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -211,6 +212,21 @@ pub struct ExperimentConfig {
     pub tasks: Vec<TaskSpec>,
     /// The variants, `[[variants]]`.
     pub variants: Vec<VariantSpec>,
+    /// The pairs of variants (rows) the report states verdicts on, `[[comparisons]]`; without
+    /// any, each row against the first (see [`ExperimentConfig::comparison_pairs`]). They
+    /// shape no cell: a run may be reported with other comparisons.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comparisons: Vec<ComparisonSpec>,
+}
+
+/// `[[comparisons]]`: is `b` better than `a`? Differences are reported as `b - a`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComparisonSpec {
+    /// The baseline row (a variant's name, or a re-scoring's, `rope + yarn`).
+    pub a: String,
+    /// The row compared with it.
+    pub b: String,
 }
 
 /// Which cells of an experiment to run; empty lists mean all.
@@ -416,7 +432,51 @@ impl ExperimentConfig {
                 .validate()
                 .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
         }
+        let rows = self.variant_rows();
+        let mut pairs = HashSet::new();
+        for (i, c) in self.comparisons.iter().enumerate() {
+            for name in [&c.a, &c.b] {
+                if !rows.contains(name) {
+                    return Err(Error::Config(format!(
+                        "[[comparisons]] {}: `{name}` is not a variant of this experiment \
+                         (its rows: {})",
+                        i + 1,
+                        rows.join(", ")
+                    )));
+                }
+            }
+            if c.a == c.b {
+                return Err(Error::Config(format!(
+                    "[[comparisons]] {}: a and b are both `{}`: compare two different variants",
+                    i + 1,
+                    c.a
+                )));
+            }
+            if !pairs.insert((c.a.clone(), c.b.clone())) {
+                return Err(Error::Config(format!(
+                    "[[comparisons]] lists `{}` against `{}` twice",
+                    c.b, c.a
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// The comparisons `(a, b)` the report states verdicts on: `[[comparisons]]`, or each row
+    /// against the first.
+    pub fn comparison_pairs(&self) -> Vec<(String, String)> {
+        if !self.comparisons.is_empty() {
+            return self
+                .comparisons
+                .iter()
+                .map(|c| (c.a.clone(), c.b.clone()))
+                .collect();
+        }
+        let rows = self.variant_rows();
+        rows.iter()
+            .skip(1)
+            .map(|b| (rows[0].clone(), b.clone()))
+            .collect()
     }
 
     /// The rows a run of this config reports, in order: each variant, followed (for `rope`

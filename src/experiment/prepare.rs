@@ -4,7 +4,9 @@
 
 use candle::{DType, Device};
 
-use super::results::{shift_column, Evaluation, Outcome, TaskInfo, TestInfo, SCORE, SHUFFLED};
+use super::results::{
+    shift_column, Evaluation, Examples, Outcome, TaskInfo, TestInfo, SCORE, SHUFFLED,
+};
 use crate::config::ModelConfig;
 use crate::data::{Dataset, MlmMasking};
 use crate::error::{Error, Result};
@@ -13,7 +15,7 @@ use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed};
 use crate::tasks::{Objective, TaskData, TaskSpec};
-use crate::train::{evaluate, evaluate_by_length, TrainData};
+use crate::train::{evaluate_examples, evaluate_tapes, TrainData};
 
 /// A test the model can run: data, position offset, MLM mask seed.
 struct Test {
@@ -293,12 +295,24 @@ impl Prepared<'_> {
             return evaluations;
         };
         let mut lengths = std::collections::BTreeMap::new();
+        // The examples of each length counted, from the test that scores it.
+        let mut strata: std::collections::BTreeMap<usize, Vec<(u32, u32)>> = Default::default();
         let mut unavailable = None;
         for e in evaluations.iter().take(self.info.tests.len()) {
             match &e.outcome {
                 Outcome::Scored { by_length, .. } => {
+                    let unpacked = e.examples.as_ref().and_then(|x| x.unpack().ok());
                     for s in by_length.iter().filter(|s| s.length > above) {
-                        lengths.entry(s.length).or_insert(*s);
+                        if lengths.contains_key(&s.length) {
+                            continue;
+                        }
+                        lengths.insert(s.length, *s);
+                        if let Some(u) = &unpacked {
+                            let k = e.examples.as_ref().map_or(&[][..], |x| &x.strata[..]);
+                            if let Some(i) = k.iter().position(|[len, _]| *len == s.length) {
+                                strata.insert(s.length, u.strata[i].clone());
+                            }
+                        }
                     }
                 }
                 Outcome::Unavailable { reason } if reaches_above(&self.info, &e.name, above) => {
@@ -307,18 +321,29 @@ impl Prepared<'_> {
                 Outcome::Unavailable { .. } => {}
             }
         }
-        let outcome = match unavailable {
-            Some(reason) => Outcome::Unavailable { reason },
-            None if lengths.is_empty() => Outcome::Unavailable {
-                reason: format!("no test length is above the training lengths (up to {above})"),
-            },
-            None => Outcome::by_length(lengths.into_values().collect()),
+        let (outcome, examples) = match unavailable {
+            Some(reason) => (Outcome::Unavailable { reason }, None),
+            None if lengths.is_empty() => (
+                Outcome::Unavailable {
+                    reason: format!("no test length is above the training lengths (up to {above})"),
+                },
+                None,
+            ),
+            None => {
+                let examples = (strata.len() == lengths.len())
+                    .then(|| Examples::pack(&strata.into_iter().collect::<Vec<_>>()));
+                (
+                    Outcome::by_length(lengths.into_values().collect()),
+                    examples,
+                )
+            }
         };
         evaluations.insert(
             self.info.tests.len(),
             Evaluation {
                 name: SCORE.into(),
                 outcome,
+                examples,
             },
         );
         evaluations
@@ -343,21 +368,23 @@ impl Prepared<'_> {
                     Some(n) => test.start + n,
                     None => self.reach(i),
                 };
-                let outcome = match table_rows {
-                    Some(rows) if reach > rows => Outcome::Unavailable {
+                let (outcome, examples) = match table_rows {
+                    Some(rows) if reach > rows => (Outcome::Unavailable {
                         reason: format!("the learned table has {rows} rows; these inputs reach position {reach}"),
-                    },
-                    _ if set.samples.iter().any(|s| s.tape.is_some()) => Outcome::by_length(
-                        evaluate_by_length(model, set, pad, test.mask_seed, eval_batch, test.start)?,
-                    ),
+                    }, None),
+                    _ if set.samples.iter().any(|s| s.tape.is_some()) => {
+                        let (scores, tapes) = evaluate_tapes(model, set, pad, test.mask_seed, eval_batch, test.start)?;
+                        (Outcome::by_length(scores), Some(Examples::pack(&by_stratum(&tapes))))
+                    }
                     _ => {
-                        let s = evaluate(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
-                        Outcome::scored(s.accuracy, s.loss)
+                        let (s, examples) = evaluate_examples(model, set, pad, self.masking.as_ref(), test.mask_seed, eval_batch, test.start)?;
+                        (Outcome::scored(s.accuracy, s.loss), Some(Examples::pack(&[(0, examples)])))
                     }
                 };
                 Ok(Evaluation {
                     name: test.name.clone(),
                     outcome,
+                    examples,
                 })
             }
         }
@@ -409,4 +436,17 @@ fn reaches_above(info: &TaskInfo, name: &str, above: usize) -> bool {
     info.tests
         .iter()
         .any(|t| t.name == name && t.lengths[1] > above)
+}
+
+/// Tape results grouped by input length, in increasing order, each length's examples in the
+/// data set's order: the strata of a by-length test's [`Examples`].
+fn by_stratum(tapes: &[crate::train::TapeResult]) -> Vec<(usize, Vec<(u32, u32)>)> {
+    let mut strata: std::collections::BTreeMap<usize, Vec<(u32, u32)>> = Default::default();
+    for t in tapes {
+        strata
+            .entry(t.length)
+            .or_default()
+            .push((t.right as u32, t.counted as u32));
+    }
+    strata.into_iter().collect()
 }

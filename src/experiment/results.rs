@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::verdict::{Comparison, Skipped};
 use crate::positional::PositionalConfig;
 use crate::tasks::OrderBlindCeiling;
 pub use crate::train::LengthScore;
@@ -165,6 +166,137 @@ pub struct Evaluation {
     pub name: String,
     /// The score, or why there is none.
     pub outcome: Outcome,
+    /// Every example's outcome, when scored: what comparisons pair across variants and seeds
+    /// (see [`super::verdict`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples: Option<Examples>,
+}
+
+/// The most examples one evaluation records (a record claiming more is refused before it is
+/// unpacked).
+pub const MAX_EXAMPLES: usize = 50_000_000;
+
+/// Every example's outcome of one evaluation, packed: in the test set's order within each
+/// stratum (the length suite's input lengths, in increasing order; one stratum, labelled 0,
+/// elsewhere), each example's counted outputs right and counted outputs.
+///
+/// `right` and `counted` are unsigned LEB128 varints, one per example, in base64 (standard
+/// alphabet, padded): a sentence task's 500 examples take 668 characters. `counted` is absent
+/// when every example counts one output (a sentence label).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Examples {
+    /// `[stratum, examples]`, in order.
+    pub strata: Vec<[usize; 2]>,
+    /// Each example's right outputs.
+    pub right: String,
+    /// Each example's counted outputs; absent when all are 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub counted: Option<String>,
+}
+
+impl Examples {
+    /// Packs `(stratum, examples' (right, counted))` in order.
+    pub fn pack(strata: &[(usize, Vec<(u32, u32)>)]) -> Self {
+        use base64::Engine as _;
+        let varints = |f: fn(&(u32, u32)) -> u32| {
+            let mut bytes = Vec::new();
+            for (_, examples) in strata {
+                for e in examples {
+                    let mut v = f(e);
+                    loop {
+                        let low = (v & 0x7f) as u8;
+                        v >>= 7;
+                        if v == 0 {
+                            bytes.push(low);
+                            break;
+                        }
+                        bytes.push(low | 0x80);
+                    }
+                }
+            }
+            base64::engine::general_purpose::STANDARD.encode(bytes)
+        };
+        let all_one = strata.iter().all(|(_, e)| e.iter().all(|(_, c)| *c == 1));
+        Self {
+            strata: strata.iter().map(|(k, e)| [*k, e.len()]).collect(),
+            right: varints(|e| e.0),
+            counted: (!all_one).then(|| varints(|e| e.1)),
+        }
+    }
+
+    /// Examples in all (as the strata say).
+    pub fn len(&self) -> usize {
+        self.strata
+            .iter()
+            .map(|[_, n]| *n)
+            .fold(0, usize::saturating_add)
+    }
+
+    /// Whether there is no example.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The outcomes back, checked: as many as the strata say, none right beyond its counted
+    /// outputs, strata in increasing order; else what is wrong.
+    pub fn unpack(&self) -> std::result::Result<super::verdict::ExampleOutcomes, String> {
+        use base64::Engine as _;
+        let n = self.len();
+        if n == 0 || n > MAX_EXAMPLES {
+            return Err(format!("{n} examples (1 to {MAX_EXAMPLES} are recorded)"));
+        }
+        if self.strata.windows(2).any(|w| w[0][0] >= w[1][0]) {
+            return Err("strata out of order".into());
+        }
+        let decode = |s: &str, what: &str| -> std::result::Result<Vec<u32>, String> {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(s)
+                .map_err(|e| format!("{what}: not base64 ({e})"))?;
+            let mut out = Vec::with_capacity(n);
+            let (mut v, mut shift) = (0u64, 0u32);
+            for b in bytes {
+                v |= u64::from(b & 0x7f) << shift;
+                shift += 7;
+                if shift > 35 || v > u64::from(u32::MAX) {
+                    return Err(format!("{what}: a value beyond 32 bits"));
+                }
+                if b & 0x80 == 0 {
+                    out.push(v as u32);
+                    (v, shift) = (0, 0);
+                }
+            }
+            if shift != 0 || out.len() != n {
+                return Err(format!(
+                    "{what}: {} values for {n} examples{}",
+                    out.len(),
+                    if shift != 0 { " and a cut one" } else { "" }
+                ));
+            }
+            Ok(out)
+        };
+        let right = decode(&self.right, "right outputs")?;
+        let counted = match &self.counted {
+            Some(c) => decode(c, "counted outputs")?,
+            None => vec![1; n],
+        };
+        if let Some(i) = (0..n).find(|&i| right[i] > counted[i] || counted[i] == 0) {
+            return Err(format!(
+                "example {i}: {} right of {} counted outputs",
+                right[i], counted[i]
+            ));
+        }
+        let mut at = 0;
+        let strata = self
+            .strata
+            .iter()
+            .map(|[_, len]| {
+                let part = (at..at + len).map(|i| (right[i], counted[i])).collect();
+                at += len;
+                part
+            })
+            .collect();
+        Ok(super::verdict::ExampleOutcomes { strata })
+    }
 }
 
 /// What training and testing one model came to: the part a cell's record (`results.json`) and
@@ -364,6 +496,13 @@ pub struct Results {
     pub cells: Vec<CellResult>,
     /// One row per task and variant.
     pub summary: Vec<SummaryRow>,
+    /// Verdicts: each comparison of the config on each task and evaluation (see
+    /// [`super::verdict`]).
+    #[serde(default)]
+    pub comparisons: Vec<Comparison>,
+    /// Comparisons that could not be made, with the reason (a variant could not run a test).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comparisons_skipped: Vec<Skipped>,
 }
 
 impl Results {
@@ -380,6 +519,31 @@ impl Results {
         self.variants
             .sort_by_key(|v| rank(&rows, &v.name).unwrap_or(usize::MAX));
         self.finish();
+        self.compare(&config.comparison_pairs());
+    }
+
+    /// States the verdicts of `pairs` (`(a, b)`) on every task and evaluation column
+    /// ([`Results::comparisons`], [`Results::comparisons_skipped`]).
+    pub fn compare(&mut self, pairs: &[(String, String)]) {
+        let (comparisons, skipped) = compare(self, pairs);
+        self.comparisons = comparisons;
+        self.comparisons_skipped = skipped;
+    }
+
+    /// The pairs these results were compared by (stated or skipped), in order.
+    pub fn compared_pairs(&self) -> Vec<(String, String)> {
+        let mut pairs: Vec<(String, String)> = Vec::new();
+        let all = self
+            .comparisons
+            .iter()
+            .map(|c| (&c.a, &c.b))
+            .chain(self.comparisons_skipped.iter().map(|k| (&k.a, &k.b)));
+        for (a, b) in all {
+            if !pairs.iter().any(|(x, y)| x == a && y == b) {
+                pairs.push((a.clone(), b.clone()));
+            }
+        }
+        pairs
     }
 
     /// Sorts cells (task order, then variant order, then seed) and recomputes the summary.
@@ -478,5 +642,162 @@ mod tests {
         assert!((s.std - (5.0f64 / 3.0).sqrt()).abs() < 1e-15);
         assert_eq!(Stat::of(&[7.0]).unwrap().std, 0.0);
         assert!(Stat::of(&[]).is_none());
+    }
+}
+
+/// Every comparison `(a, b)` of `pairs` on every task and evaluation column of `results`, with
+/// Holm's correction over all of them; and those that could not be made, with the reason.
+fn compare(results: &Results, pairs: &[(String, String)]) -> (Vec<Comparison>, Vec<Skipped>) {
+    use super::verdict::{bootstrap, comparison, holm, resample_seed, RESAMPLES};
+    let mut estimates: Vec<(Comparison, super::verdict::Estimate)> = Vec::new();
+    let mut skipped = Vec::new();
+    for task in &results.tasks {
+        for column in task.columns() {
+            for (a, b) in pairs {
+                let skip = |reason: String| Skipped {
+                    task: task.name.clone(),
+                    evaluation: column.clone(),
+                    a: a.clone(),
+                    b: b.clone(),
+                    reason,
+                };
+                let cells = |v: &str| {
+                    results
+                        .cells
+                        .iter()
+                        .filter(|c| c.task == task.name && c.variant == *v)
+                        .collect::<Vec<_>>()
+                };
+                let (cells_a, cells_b) = (cells(a), cells(b));
+                if cells_a.is_empty() || cells_b.is_empty() {
+                    let missing = if cells_a.is_empty() { a } else { b };
+                    skipped.push(skip(format!("no cell of `{missing}` in these results")));
+                    continue;
+                }
+                let mut seeds = Vec::new();
+                let mut reason = None;
+                for ca in &cells_a {
+                    let Some(cb) = cells_b.iter().find(|c| c.seed == ca.seed) else {
+                        continue;
+                    };
+                    let ea = ca.summary.evaluations.iter().find(|e| e.name == column);
+                    let eb = cb.summary.evaluations.iter().find(|e| e.name == column);
+                    match (ea, eb) {
+                        (Some(ea), Some(eb)) => match (&ea.outcome, &eb.outcome) {
+                            (Outcome::Unavailable { reason: r }, _) => {
+                                reason = Some(format!("`{a}` cannot run it: {r}"));
+                            }
+                            (_, Outcome::Unavailable { reason: r }) => {
+                                reason = Some(format!("`{b}` cannot run it: {r}"));
+                            }
+                            _ => match (&ea.examples, &eb.examples) {
+                                (Some(xa), Some(xb)) => match (xa.unpack(), xb.unpack()) {
+                                    (Ok(oa), Ok(ob)) => seeds.push((oa, ob)),
+                                    (Err(e), _) | (_, Err(e)) => {
+                                        reason = Some(format!("damaged example outcomes: {e}"));
+                                    }
+                                },
+                                _ => {
+                                    reason = Some(
+                                        "the cells record no example outcomes (made by an \
+                                         older poslab: run them again)"
+                                            .into(),
+                                    );
+                                }
+                            },
+                        },
+                        _ => reason = Some("the column is missing from a cell".into()),
+                    }
+                }
+                if seeds.is_empty() {
+                    skipped.push(skip(
+                        reason.unwrap_or_else(|| "no seed has both variants' cells".into()),
+                    ));
+                    continue;
+                }
+                let examples = seeds[0].0.len();
+                let seed = resample_seed(&task.name, &column, a, b);
+                match bootstrap(&seeds, RESAMPLES, seed) {
+                    Ok(e) => estimates.push((
+                        comparison(
+                            (&task.name, &column),
+                            (a, b),
+                            &e,
+                            1.0,
+                            (seeds.len(), examples),
+                        ),
+                        e,
+                    )),
+                    Err(e) => skipped.push(skip(e.to_string())),
+                }
+            }
+        }
+    }
+    let adjusted = holm(&estimates.iter().map(|(_, e)| e.p).collect::<Vec<_>>());
+    let comparisons = estimates
+        .into_iter()
+        .zip(adjusted)
+        .map(|((c, e), p_holm)| {
+            comparison(
+                (&c.task, &c.evaluation),
+                (&c.a, &c.b),
+                &e,
+                p_holm,
+                (c.seeds, c.examples),
+            )
+        })
+        .collect();
+    (comparisons, skipped)
+}
+
+#[cfg(test)]
+mod example_tests {
+    use super::*;
+
+    #[test]
+    fn example_outcomes_pack_compactly_and_unpack_to_what_was_packed() {
+        let strata = vec![
+            (5, vec![(1, 1), (0, 1), (3, 4)]),
+            (9, vec![(200, 300), (0, 7)]),
+        ];
+        let packed = Examples::pack(&strata);
+        assert_eq!(packed.strata, vec![[5, 3], [9, 2]]);
+        assert!(packed.counted.is_some());
+        let back = packed.unpack().unwrap();
+        let expected: Vec<Vec<(u32, u32)>> = strata.into_iter().map(|(_, e)| e).collect();
+        assert_eq!(back.strata, expected);
+        // Sentence labels: counted left out, 500 examples in 668 characters.
+        let labels: Vec<(u32, u32)> = (0..500).map(|i| (i % 3 % 2, 1)).collect();
+        let packed = Examples::pack(&[(0, labels.clone())]);
+        assert!(packed.counted.is_none());
+        assert_eq!(packed.right.len(), 668);
+        assert_eq!(packed.unpack().unwrap().strata, vec![labels]);
+    }
+
+    #[test]
+    fn damaged_example_outcomes_say_what_is_wrong() {
+        let good = Examples::pack(&[(0, vec![(1, 2), (2, 2)])]);
+        let damaged = |f: &dyn Fn(&mut Examples)| {
+            let mut e = good.clone();
+            f(&mut e);
+            e.unpack().unwrap_err()
+        };
+        let err = damaged(&|e| e.right = "not base64!".into());
+        assert!(err.contains("not base64"), "{err}");
+        let err = damaged(&|e| e.strata = vec![[0, 3]]);
+        assert!(err.contains("2 values for 3 examples"), "{err}");
+        // right beyond counted
+        let err = damaged(&|e| e.right = Examples::pack(&[(0, vec![(3, 1), (2, 2)])]).right);
+        assert!(err.contains("3 right of 2 counted"), "{err}");
+        // a varint cut short: 0x80 continues into nothing
+        let err = damaged(&|e| {
+            use base64::Engine as _;
+            e.right = base64::engine::general_purpose::STANDARD.encode([1u8, 0x80]);
+        });
+        assert!(err.contains("a cut one"), "{err}");
+        let err = damaged(&|e| e.strata = vec![[0, MAX_EXAMPLES + 1]]);
+        assert!(err.contains("examples (1 to"), "{err}");
+        let err = damaged(&|e| e.strata = vec![[7, 1], [3, 1]]);
+        assert!(err.contains("out of order"), "{err}");
     }
 }

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::Precision;
 use crate::data::{epoch_batches, eval_batches, make_batch, Dataset, MlmMasking, Sample};
 use crate::error::{Error, Result};
-use crate::model::{count_correct, token_nll, TaskModel};
+use crate::model::{count_correct_by_row, token_nll, TaskModel};
 use crate::params::ParamStore;
 use crate::rng::{self, derive_seed};
 use optim::{global_grad_norm, AdamW, AdamWConfig};
@@ -274,11 +274,26 @@ pub fn evaluate(
     batch_size: usize,
     start: usize,
 ) -> Result<Score> {
+    evaluate_examples(model, data, pad_id, masking, mask_seed, batch_size, start).map(|(s, _)| s)
+}
+
+/// [`evaluate`], with each example's labels predicted right and labels scored, in the data
+/// set's order.
+pub fn evaluate_examples(
+    model: &TaskModel,
+    data: &Dataset,
+    pad_id: u32,
+    masking: Option<&MlmMasking>,
+    mask_seed: u64,
+    batch_size: usize,
+    start: usize,
+) -> Result<(Score, Vec<(u32, u32)>)> {
     let device = model.encoder().device().clone();
     let mut mask_rng = rng::stream(mask_seed, "eval masks");
     let mut position_rng = rng::stream(mask_seed, "eval positions");
     let random_positions = model.encoder().config().random_positions;
     let (mut loss_sum, mut correct, mut scored) = (0.0, 0, 0);
+    let mut examples = vec![(0u32, 0u32); data.len()];
     for idx in eval_batches(&data.lengths(), batch_size) {
         let samples: Vec<&Sample> = idx.iter().map(|&i| &data.samples[i]).collect();
         let mut batch = make_batch(
@@ -294,7 +309,13 @@ pub fn evaluate(
         // The loss is over the scored labels; the accuracy over those that count (a tape's
         // answer up to its end token).
         let weights = batch.counted.as_ref().or(batch.weights.as_ref());
-        let (c, n) = count_correct(&logits, &batch.targets, weights)?;
+        let rows = count_correct_by_row(&logits, &batch.targets, weights, idx.len())?;
+        let (c, n) = rows.iter().fold((0, 0), |(c, n), (rc, rn)| {
+            (c + *rc as usize, n + *rn as usize)
+        });
+        for (&i, row) in idx.iter().zip(rows) {
+            examples[i] = row;
+        }
         loss_sum += scalar(&loss)? * n as f64;
         correct += c;
         scored += n;
@@ -304,11 +325,14 @@ pub fn evaluate(
             "nothing to score: the evaluation set has no labels".into(),
         ));
     }
-    Ok(Score {
-        loss: loss_sum / scored as f64,
-        accuracy: correct as f64 / scored as f64,
-        scored,
-    })
+    Ok((
+        Score {
+            loss: loss_sum / scored as f64,
+            accuracy: correct as f64 / scored as f64,
+            scored,
+        },
+        examples,
+    ))
 }
 
 /// A length-suite test's scores at one input length.
@@ -414,10 +438,22 @@ pub fn evaluate_by_length(
     batch_size: usize,
     start: usize,
 ) -> Result<Vec<LengthScore>> {
+    evaluate_tapes(model, data, pad_id, seed, batch_size, start).map(|(scores, _)| scores)
+}
+
+/// [`evaluate_by_length`], with every example's result, in the data set's order.
+pub fn evaluate_tapes(
+    model: &TaskModel,
+    data: &Dataset,
+    pad_id: u32,
+    seed: u64,
+    batch_size: usize,
+    start: usize,
+) -> Result<(Vec<LengthScore>, Vec<TapeResult>)> {
     let device = model.encoder().device().clone();
     let mut position_rng = rng::stream(seed, "eval positions");
     let random_positions = model.encoder().config().random_positions;
-    let mut results = Vec::with_capacity(data.len());
+    let mut results: Vec<Option<TapeResult>> = vec![None; data.len()];
     for idx in eval_batches(&data.lengths(), batch_size) {
         let samples: Vec<&Sample> = idx.iter().map(|&i| &data.samples[i]).collect();
         let mut batch = make_batch(&samples, pad_id, None, &device)?;
@@ -435,14 +471,18 @@ pub fn evaluate_by_length(
         let nll = token_nll(&logits, &batch.targets)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        results.extend(tape_results(&samples, t, &predicted, &targets, &nll)?);
+        let tapes = tape_results(&samples, t, &predicted, &targets, &nll)?;
+        for (&i, tape) in idx.iter().zip(tapes) {
+            results[i] = Some(tape);
+        }
     }
-    if results.is_empty() {
+    let results: Vec<TapeResult> = results.into_iter().flatten().collect();
+    if results.is_empty() || results.len() != data.len() {
         return Err(Error::Input(
-            "nothing to score: the test set is empty".into(),
+            "nothing to score: the test set is empty, or holds examples without answers".into(),
         ));
     }
-    Ok(scores_by_length(&results))
+    Ok((scores_by_length(&results), results))
 }
 
 /// Everything besides the weights and the optimizer's moments that a run needs to continue

@@ -248,3 +248,146 @@ fn word_order_separates_positions_from_the_bag_of_words() {
     let ceiling = results.tasks[0].order_blind_ceiling.as_ref().unwrap();
     assert_eq!(ceiling.accuracy, 0.5);
 }
+
+/// A compare states its answer: the report and the terminal lead with the verdicts, each
+/// comparison's difference is the mean over seeds of the reported accuracies' difference, its
+/// interval holds it, the p-values are Holm-corrected upward, a test a variant cannot run is
+/// left out with the reason, and a merge of the run split by seed states the same verdicts.
+#[test]
+fn a_compare_leads_with_verdicts_that_agree_with_its_scores() {
+    let mut config = experiment(&["sinusoidal_add", "learned", "none"], 2, 40, 16);
+    config.comparisons = vec![poslab::experiment::ComparisonSpec {
+        a: "none".into(),
+        b: "sinusoidal_add".into(),
+    }];
+    config.comparisons.push(poslab::experiment::ComparisonSpec {
+        a: "sinusoidal_add".into(),
+        b: "learned".into(),
+    });
+    config.validate().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let full = root.path().join("full");
+    let results = run_into(&config, &full, Selection::default());
+    let columns = ["1x", "2x", "4x", "shuffled", "shift+8"];
+    // none vs add: every column; add vs learned: 1x and shuffled (learned's table is too short
+    // for the rest, which are left out with the reason).
+    assert_eq!(results.comparisons.len(), columns.len() + 2);
+    assert_eq!(results.comparisons_skipped.len(), 3);
+    for k in &results.comparisons_skipped {
+        assert!(k.reason.contains("`learned` cannot run it"), "{k:?}");
+    }
+    for c in &results.comparisons {
+        let mean_diff = (0..2)
+            .map(|s| {
+                accuracy(&results, &c.b, s, &c.evaluation)
+                    - accuracy(&results, &c.a, s, &c.evaluation)
+            })
+            .sum::<f64>()
+            / 2.0;
+        assert!((c.diff - 100.0 * mean_diff).abs() < 1e-9, "{c:?}");
+        assert!(c.ci_low <= c.diff && c.diff <= c.ci_high, "{c:?}");
+        assert!(c.p_holm >= c.p && c.p_holm <= 1.0, "{c:?}");
+        assert_eq!((c.seeds, c.examples), (2, 400), "{c:?}");
+        assert!(!c.verdict.is_empty());
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(full.join("results.json")).unwrap()).unwrap();
+    let first = &json["comparisons"][0];
+    for field in [
+        "task",
+        "evaluation",
+        "a",
+        "b",
+        "diff",
+        "ci_low",
+        "ci_high",
+        "p",
+        "p_holm",
+        "verdict",
+        "seeds",
+        "examples",
+    ] {
+        assert!(
+            !first[field].is_null(),
+            "results.json comparisons lack `{field}`"
+        );
+    }
+    let md = std::fs::read_to_string(full.join("report.md")).unwrap();
+    let verdicts = md
+        .find("## Verdicts")
+        .expect("report.md has a Verdicts section");
+    let first_task = md.find("## word_order").unwrap();
+    assert!(verdicts < first_task, "the verdicts lead report.md");
+    assert!(
+        md.contains("**word_order**, `sinusoidal_add` − `none`: 1x"),
+        "{md}"
+    );
+    assert!(md.contains("## Comparisons in full"), "{md}");
+
+    // Seeds split over two folders, merged: the same verdicts, bit for bit.
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    for (dir, seed) in [(&a, 0), (&b, 1)] {
+        run_into(
+            &config,
+            dir,
+            Selection {
+                seeds: vec![seed],
+                ..Default::default()
+            },
+        );
+    }
+    let parts = [a, b].map(|d| {
+        let (r, t) = load_run(&d).unwrap();
+        (d, r, t)
+    });
+    let (merged, _) = merge(parts.to_vec()).unwrap();
+    assert_eq!(merged.comparisons, results.comparisons);
+    // A part alone has one seed: its verdicts say so.
+    assert!(parts[0].1.comparisons.iter().all(|c| c.seeds == 1));
+}
+
+#[test]
+fn comparisons_name_two_different_variants_of_the_experiment() {
+    let config = experiment(&["none", "rope"], 1, 10, 16);
+    let with = |a: &str, b: &str| {
+        let mut c = config.clone();
+        c.comparisons = vec![poslab::experiment::ComparisonSpec {
+            a: a.into(),
+            b: b.into(),
+        }];
+        c.validate().map(|_| ()).map_err(|e| e.to_string())
+    };
+    assert!(with("none", "rope").is_ok());
+    let err = with("none", "alibi").unwrap_err();
+    assert!(
+        err.contains("`alibi` is not a variant") && err.contains("none, rope"),
+        "{err}"
+    );
+    let err = with("rope", "rope").unwrap_err();
+    assert!(err.contains("both `rope`"), "{err}");
+    let mut twice = config.clone();
+    twice.comparisons = vec![
+        poslab::experiment::ComparisonSpec {
+            a: "none".into(),
+            b: "rope".into(),
+        };
+        2
+    ];
+    let err = twice.validate().unwrap_err().to_string();
+    assert!(err.contains("twice"), "{err}");
+    // Without [[comparisons]], each variant against the first.
+    assert_eq!(
+        config.comparison_pairs(),
+        vec![("none".to_string(), "rope".to_string())]
+    );
+    // A config file names them in TOML.
+    let text = format!(
+        "{}\n[[comparisons]]\na = \"rope\"\nb = \"none\"\n",
+        config.to_toml()
+    );
+    let parsed = ExperimentConfig::from_toml_str(&text).unwrap();
+    assert_eq!(
+        parsed.comparison_pairs(),
+        vec![("rope".to_string(), "none".to_string())]
+    );
+}

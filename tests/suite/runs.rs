@@ -532,6 +532,35 @@ fn report_refuses_what_a_results_file_should_not_hold() {
             Box::new(|j| j["cells"] = serde_json::json!([])),
             &["holds no cells (an empty list)"],
         ),
+        // One example's outcome flipped: the outcomes no longer give the cell's accuracy.
+        (
+            "flipped_example",
+            Box::new(|j| {
+                let examples = &mut j["cells"][1]["evaluations"][0]["examples"];
+                let right = examples["right"].as_str().unwrap().to_string();
+                // The first byte (the first example's varint, 0 or 1) is the first base64
+                // character's 6 bits (0: `A`) and the top 2 of the second's: `A` for 0, `Q`
+                // for 1 (the second byte, 0 or 1, leaves its other 4 bits 0).
+                let flipped = match &right[1..2] {
+                    "A" => format!("{}Q{}", &right[..1], &right[2..]),
+                    _ => format!("{}A{}", &right[..1], &right[2..]),
+                };
+                examples["right"] = flipped.into();
+            }),
+            &[
+                "cell word_order/rope/seed1",
+                "test `1x`: accuracy",
+                "but its example outcomes give",
+            ],
+        ),
+        (
+            "damaged_examples",
+            Box::new(|j| j["cells"][1]["evaluations"][0]["examples"]["right"] = "%%".into()),
+            &[
+                "cell word_order/rope/seed1",
+                "its example outcomes are damaged: right outputs: not base64",
+            ],
+        ),
         (
             "untested_length",
             Box::new(|j| {
