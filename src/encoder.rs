@@ -325,6 +325,16 @@ impl Encoder {
     /// [`Encoder::set_dropout_seed`] is called.
     pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        if !matches!(
+            vb.dtype(),
+            DType::F32 | DType::F64 | DType::BF16 | DType::F16
+        ) {
+            return Err(Error::Config(format!(
+                "the encoder's weights are floats: a VarBuilder of {:?} cannot hold them; build \
+                 it with DType::F32 (half-precision activations come from the config's dtype)",
+                vb.dtype()
+            )));
+        }
         let dropout_rng: SharedRng = Arc::new(Mutex::new(rng::Rng::seed_from_u64(0)));
 
         let d_tok = config.token_dim();

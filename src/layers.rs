@@ -105,9 +105,13 @@ impl LayerPlan {
         }
     }
 
-    /// Layer `i`'s kind.
+    /// Layer `i`'s kind; `global` for every layer of an empty pattern (which
+    /// [`LayerPlan::check`] refuses).
     pub fn kind(&self, i: usize) -> LayerKind {
-        self.pattern[i % self.pattern.len()]
+        match self.pattern.len() {
+            0 => LayerKind::Global,
+            n => self.pattern[i % n],
+        }
     }
 
     /// Checks what does not depend on the scheme: a pattern of 1 to [`MAX_PATTERN`] entries, a
@@ -170,6 +174,25 @@ impl LayerPlan {
                 return Err(
                     "[layers] rope_base.local is set but no layer is local: add a \
                             `local` entry or remove rope_base.local"
+                        .into(),
+                );
+            }
+            // A base applies to the layers of its kind that rotate: none of a kind whose every
+            // layer is position-free.
+            let has = |kind: LayerKind| self.pattern.contains(&kind);
+            if bases.local.is_some() && !has(LayerKind::Local) {
+                return Err(
+                    "[layers] rope_base.local is set but every local layer is `local_none` \
+                     (without positions, nothing to rotate): make one `local`, or remove \
+                     rope_base.local"
+                        .into(),
+                );
+            }
+            if bases.global.is_some() && !has(LayerKind::Global) {
+                return Err(
+                    "[layers] rope_base.global is set but no layer is `global` (the others are \
+                     local or without positions): add a `global` entry, or remove \
+                     rope_base.global"
                         .into(),
                 );
             }

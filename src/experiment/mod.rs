@@ -410,6 +410,13 @@ impl ExperimentConfig {
         let mut names = HashSet::new();
         for task in &self.tasks {
             check_name("task", &task.name)?;
+            if task.name == "suite" {
+                return Err(Error::Config(
+                    "a task named `suite` would draw its plot (plots/length_suite.png) over the \
+                     length suite's overview of the same name: give it another `name`"
+                        .into(),
+                ));
+            }
             if !names.insert(task.name.clone()) {
                 return Err(Error::Config(format!(
                     "two tasks are named `{}`: give one a `name`",

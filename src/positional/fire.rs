@@ -92,11 +92,18 @@ impl Scheme for FireOptions {
     }
 
     fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
-        if !(self.threshold.is_finite() && self.threshold > 0.0) {
+        let most = super::MAX_POSITION as f64;
+        if !(self.threshold.is_finite() && self.threshold > 0.0 && self.threshold <= most) {
+            let t = self.threshold;
+            let shown = if t.abs() >= 1e9 {
+                format!("{t:e}")
+            } else {
+                format!("{t}")
+            };
             return Err(format!(
-                "fire: threshold = {} must be a finite, positive length: the length from which \
-                 inputs are interpolated (set it to the training length; 512 is the papers')",
-                self.threshold
+                "fire: threshold = {shown} must be a positive length up to {most} (the largest \
+                 position): the length from which inputs are interpolated (set it to the \
+                 training length; 512 is the papers')"
             ));
         }
         if self.width == 0 || self.width > MAX_FIRE_WIDTH {

@@ -318,7 +318,11 @@ impl Folder {
             crate::io::read_text_bounded(&config_path, crate::io::MAX_CONFIG_BYTES, "config.json")?;
         let hf: HfConfig = serde_json::from_str(&text).map_err(|e| Error::ConfigParse {
             path: config_path.clone(),
-            message: format!("not a BERT-family config.json ({e}); poslab loads {SUPPORTED}"),
+            message: match e.is_data().then(|| culprit_key(&text)).flatten() {
+                // A value of the wrong type: name the key (serde's message names the type only).
+                Some(key) => format!("key `{key}`: {e}; poslab loads {SUPPORTED}"),
+                None => format!("not a BERT-family config.json ({e}); poslab loads {SUPPORTED}"),
+            },
         })?;
         let family = hf.family()?;
         let config = hf.model_config()?;
@@ -578,6 +582,22 @@ impl Pretrained {
     }
 }
 
+/// The top-level key of a `config.json` that keeps it from reading as an [`HfConfig`] (a value
+/// of the wrong type): the one key without which it reads. serde's error cannot say where, as
+/// the family's keys are read from a buffered copy of the object.
+fn culprit_key(text: &str) -> Option<String> {
+    let serde_json::Value::Object(map) = serde_json::from_str(text).ok()? else {
+        return None;
+    };
+    map.keys().find_map(|key| {
+        let mut without = map.clone();
+        without.remove(key);
+        serde_json::from_value::<HfConfig>(serde_json::Value::Object(without))
+            .ok()
+            .map(|_| key.clone())
+    })
+}
+
 /// The mean of `hidden` over real tokens, optionally scaled to unit L2 norm (as
 /// sentence-transformers' `Normalize`).
 ///
@@ -587,6 +607,16 @@ pub fn mean_pool(hidden: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tens
     let m = mask.to_dtype(hidden.dtype())?.unsqueeze(2)?; // (b, t, 1)
     let sum = hidden.broadcast_mul(&m)?.sum(1)?; // (b, d)
     let count = m.sum(1)?; // (b, 1)
+    let counts = count
+        .flatten_all()?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()?;
+    if let Some(i) = counts.iter().position(|c| *c <= 0.0) {
+        return Err(Error::Input(format!(
+            "sequence {i} of the batch has no real tokens (its mask is all 0): there is nothing \
+             to pool; drop empty sequences before pooling"
+        )));
+    }
     let mean = sum.broadcast_div(&count)?;
     match normalize {
         true => unit_rows(&mean),

@@ -115,29 +115,61 @@ fn pattern(hf: &HfConfig) -> Result<Vec<LayerKind>> {
 
 /// The base of `kind` layers (`full_attention`, `sliding_attention`): from `rope_parameters`,
 /// else `global_rope_theta` / `local_rope_theta`, else transformers' defaults.
+///
+/// Each kind falls back to its own default, as transformers does (v4 and v5 alike): a file that
+/// gives the global layers' base and not the local layers' leaves the local ones at 10000.
 fn base(hf: &HfConfig, kind: &str) -> Result<f64> {
     let keys = &hf.modernbert;
     if let Some(params) = &keys.rope_parameters {
-        let entry = params.get(kind).unwrap_or(params);
-        if let Some(t) = entry.get("rope_type").and_then(|t| t.as_str()) {
-            if t != "default" {
-                return Err(refuse(format!(
-                    "rope_parameters.{kind}.rope_type = `{t}`: poslab runs `default` RoPE \
-                     (no scaling) for ModernBERT"
-                )));
+        // Per kind of layer (transformers 5), or one flat entry, which is the global layers'.
+        let (entry, key) = match params.get(kind) {
+            Some(entry) => (Some(entry), format!("rope_parameters.{kind}")),
+            None if kind == "full_attention" && params.get("rope_theta").is_some() => {
+                (Some(params), "rope_parameters".to_string())
+            }
+            None => (None, String::new()),
+        };
+        if let Some(entry) = entry {
+            match entry.get("rope_type") {
+                None => {}
+                Some(serde_json::Value::String(t)) if t == "default" => {}
+                Some(serde_json::Value::String(t)) => {
+                    return Err(refuse(format!(
+                        "{key}.rope_type = `{t}`: poslab runs `default` RoPE (no scaling) for \
+                         ModernBERT"
+                    )))
+                }
+                Some(t) => {
+                    return Err(refuse(format!(
+                        "{key}.rope_type = {t}: it must be a string, `default`"
+                    )))
+                }
+            }
+            match entry.get("rope_theta") {
+                None => {}
+                Some(t) => match t.as_f64() {
+                    Some(theta) if theta.is_finite() && theta > 1.0 => return Ok(theta),
+                    _ => {
+                        return Err(refuse(format!(
+                            "{key}.rope_theta = {t}: it must be a number above 1 (the RoPE \
+                             base), not a string or another type"
+                        )))
+                    }
+                },
             }
         }
-        if let Some(theta) = entry.get("rope_theta").and_then(|t| t.as_f64()) {
-            return Ok(theta);
-        }
     }
-    Ok(match kind {
-        "full_attention" => keys.global_rope_theta.unwrap_or(GLOBAL_BASE),
-        _ => keys
-            .local_rope_theta
-            .or(keys.global_rope_theta)
-            .unwrap_or(LOCAL_BASE),
-    })
+    let (value, key, default) = match kind {
+        "full_attention" => (keys.global_rope_theta, "global_rope_theta", GLOBAL_BASE),
+        _ => (keys.local_rope_theta, "local_rope_theta", LOCAL_BASE),
+    };
+    match value {
+        Some(theta) if !(theta.is_finite() && theta > 1.0) => Err(refuse(format!(
+            "{key} = {theta}: it must be a number above 1 (the RoPE base)"
+        ))),
+        Some(theta) => Ok(theta),
+        None => Ok(default),
+    }
 }
 
 /// poslab's config of a ModernBERT.
@@ -293,7 +325,27 @@ pub fn rename(
             };
         }
         if name == "decoder.weight" {
-            // The decoder is tied to the token embeddings (a file may store the copy).
+            // The decoder is tied to the token embeddings (a file may store the copy, which
+            // must then have the embeddings' shape).
+            let embeddings = tensors
+                .get("model.embeddings.tok_embeddings.weight")
+                .or_else(|| tensors.get("embeddings.tok_embeddings.weight"));
+            if let Some(e) = embeddings.filter(|e| **e != tensors[name]) {
+                problems.push(format!(
+                    "tensor `{name}` has shape {:?}, but the decoder is tied to the token \
+                     embeddings, {e:?}",
+                    tensors[name]
+                ));
+            }
+            continue;
+        }
+        if inner.ends_with("attn.Wqkv.weight") && tensors[name] != [3 * d_model, d_model] {
+            problems.push(format!(
+                "tensor `{name}` has shape {:?}, but the config describes {:?} (q, k and v \
+                 stacked: 3 x hidden_size rows of hidden_size)",
+                tensors[name],
+                [3 * d_model, d_model]
+            ));
             continue;
         }
         if mapped.is_empty() {

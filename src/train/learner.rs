@@ -22,7 +22,7 @@ use candle::{Device, Tensor};
 
 use super::optim::{AdamW, AdamWConfig};
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{cross_entropy, HeadConfig, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::Positions;
@@ -116,6 +116,7 @@ impl Learner {
     ) -> Result<f64> {
         // The model's backend for the whole step: forward, backward and the optimizer.
         let _backend = self.model.encoder().backend().enter();
+        self.check_targets(ids, targets)?;
         let step = self.optimizer.steps_taken();
         self.model
             .encoder()
@@ -132,5 +133,56 @@ impl Learner {
         let value = loss.to_dtype(candle::DType::F64)?.to_scalar::<f64>()?;
         self.optimizer.step(&loss.backward()?, self.lr, 1.0)?;
         Ok(value)
+    }
+
+    /// Refuses labels the head cannot score, naming the label and the fix: of the head's shape
+    /// (`(b)` for a sentence head, `(b, t)` for a token head), unsigned integers, each below the
+    /// head's classes.
+    fn check_targets(&self, ids: &Tensor, targets: &Tensor) -> Result<()> {
+        let (b, t) = ids.dims2().map_err(|_| {
+            Error::Input(format!(
+                "input ids must be (batch, seq_len), got {:?}",
+                ids.shape()
+            ))
+        })?;
+        let (classes, shape, what) = match self.model.head_config() {
+            HeadConfig::Classify { classes, .. } => (*classes, vec![b], "(batch)"),
+            HeadConfig::Tag { classes } => (*classes, vec![b, t], "(batch, seq_len)"),
+            HeadConfig::Mlm => (
+                self.model.encoder().config().vocab_size,
+                vec![b, t],
+                "(batch, seq_len)",
+            ),
+        };
+        if targets.dims() != shape.as_slice() {
+            return Err(Error::Input(format!(
+                "labels of shape {:?} for this head, which takes {what} = {shape:?}",
+                targets.shape()
+            )));
+        }
+        if !matches!(targets.dtype(), candle::DType::U8 | candle::DType::U32) {
+            return Err(Error::Input(format!(
+                "labels must be unsigned integers (u32), got {:?}: a label is a class index \
+                 from 0 to {}",
+                targets.dtype(),
+                classes.saturating_sub(1)
+            )));
+        }
+        let values = targets
+            .flatten_all()?
+            .to_dtype(candle::DType::U32)?
+            .to_vec1::<u32>()?;
+        if let Some((i, v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, v)| **v as usize >= classes)
+        {
+            return Err(Error::Input(format!(
+                "label {v} at flat index {i} is not a class of this head, which has {classes} \
+                 (0 to {})",
+                classes - 1
+            )));
+        }
+        Ok(())
     }
 }

@@ -164,6 +164,16 @@ fn names_that_would_escape_their_folders_are_refused() {
     };
     assert_error_mentions(experiment(".."), &["variant name", "not be `.` or `..`"]);
     experiment("rope.v2").unwrap();
+    // A task whose plot would overwrite the length suite's overview (issue 49, 15).
+    let named_suite = ExperimentConfig::from_toml_str(&format!(
+        "name = \"e\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+         [train]\nbudget = {{ steps = 2 }}\n[[tasks]]\nname = \"suite\"\n{WORD_ORDER}\n\
+         [[variants]]\nname = \"v\"\npositional = {{ kind = \"rope\" }}\n"
+    ));
+    assert_error_mentions(
+        named_suite,
+        &["named `suite`", "plots/length_suite.png", "another `name`"],
+    );
 }
 
 #[test]
@@ -1257,4 +1267,127 @@ fn bench_refuses_shapes_and_repetitions_that_measure_nothing() {
             "{args:?} ran before its refusal: {err}"
         );
     }
+}
+
+// Round 4 (issue 49): the ModernBERT loader.
+
+/// A ModernBERT config that leaves the local layers' base out gets transformers' default for
+/// them, 10000, not the global layers' 160000 (7); a base of the wrong type is refused by key
+/// (9); a fused Wqkv or a stored decoder of the wrong shape is refused, naming the tensor and
+/// the shape the config describes (8, 10).
+#[test]
+fn modernbert_folders_are_read_as_transformers_reads_them_or_refused_by_name() {
+    use poslab::pretrained::Folder;
+    let local_base = |config: serde_json::Value| -> Result<Option<f64>, String> {
+        let dir = pretrained_copy("tiny-modernbert");
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        Folder::read(dir.path())
+            .map(|f| f.config.layers.unwrap().rope_base.unwrap().local)
+            .map_err(|e| e.to_string())
+    };
+    let v4: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture_path("pretrained/tiny-modernbert/config_v4.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let mut without_local = v4.clone();
+    without_local
+        .as_object_mut()
+        .unwrap()
+        .remove("local_rope_theta");
+    assert!(without_local.get("global_rope_theta").is_some());
+    assert_eq!(local_base(without_local).unwrap(), Some(10_000.0));
+    // transformers 5's form with only the global layers' parameters.
+    let mut v5 = v4.clone();
+    let o = v5.as_object_mut().unwrap();
+    for k in ["local_rope_theta", "global_rope_theta"] {
+        o.remove(k);
+    }
+    o.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"full_attention": {"rope_theta": 160000.0, "rope_type": "default"}}),
+    );
+    assert_eq!(local_base(v5.clone()).unwrap(), Some(10_000.0));
+    // A string where a number goes.
+    v5["rope_parameters"]["full_attention"]["rope_theta"] = "5000.0".into();
+    let err = local_base(v5).unwrap_err();
+    assert!(
+        err.contains("rope_parameters.full_attention.rope_theta = \"5000.0\"")
+            && err.contains("number"),
+        "{err}"
+    );
+    let mut typed = v4.clone();
+    typed["global_rope_theta"] = "5000.0".into();
+    let err = local_base(typed).unwrap_err();
+    assert!(
+        err.contains("key `global_rope_theta`") && err.contains("string"),
+        "{err}"
+    );
+
+    // Tensors of shapes the config does not describe (hidden 32: Wqkv is 96 x 32).
+    for (tensor, rows, says) in [
+        (
+            "model.layers.0.attn.Wqkv.weight",
+            97,
+            "[97, 32], but the config describes [96, 32]",
+        ),
+        (
+            "model.layers.1.attn.Wqkv.weight",
+            128,
+            "[128, 32], but the config describes [96, 32]",
+        ),
+        (
+            "model.layers.0.attn.Wqkv.weight",
+            95,
+            "[95, 32], but the config describes [96, 32]",
+        ),
+    ] {
+        let dir = pretrained_copy("tiny-modernbert");
+        rewrite_safetensors(
+            &dir.path().join("model.safetensors"),
+            |name, (dtype, shape, bytes)| {
+                (name == tensor).then(|| {
+                    let row = bytes.len() / shape[0];
+                    let mut b = bytes.clone();
+                    b.resize(rows * row, 0);
+                    (dtype.clone(), vec![rows, shape[1]], b)
+                })
+            },
+        );
+        let err = Folder::read(dir.path())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains(tensor) && err.contains(says),
+            "{tensor} {rows}: {err}"
+        );
+    }
+    let dir = pretrained_copy("tiny-modernbert");
+    let path = dir.path().join("model.safetensors");
+    // Add a stored decoder of the wrong shape beside the tied embeddings.
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let end = bytes.len() - 8 - n;
+    header.insert(
+        "decoder.weight".into(),
+        serde_json::json!({"dtype": "F32", "shape": [7, 3], "data_offsets": [end, end + 84]}),
+    );
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    file.extend_from_slice(&bytes[8 + n..]);
+    file.extend_from_slice(&[0u8; 84]);
+    std::fs::write(&path, file).unwrap();
+    let err = Folder::read(dir.path())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("`decoder.weight` has shape [7, 3]")
+            && err.contains("tied to the token embeddings"),
+        "{err}"
+    );
 }

@@ -257,7 +257,7 @@ fn plans_that_cannot_work_are_refused_naming_the_layer_or_key() {
         ))
     };
     let rope = "kind = \"rope\"";
-    let refused: [(&str, &str, &[&str]); 9] = [
+    let refused: [(&str, &str, &[&str]); 11] = [
         (rope, "pattern = []", &["at least one entry"]),
         (
             rope,
@@ -299,6 +299,17 @@ fn plans_that_cannot_work_are_refused_naming_the_layer_or_key() {
             "pattern = [\"global\"]\nrope_base = { global = 0.5 }",
             &["rope_base.global = 0.5"],
         ),
+        // A base for a kind of layer none of which rotates (issue 49, 12).
+        (
+            rope,
+            "pattern = [\"global\", \"local_none\"]\nlocal_window = 4\nrope_base = { local = 5000.0 }",
+            &["rope_base.local", "every local layer is `local_none`"],
+        ),
+        (
+            rope,
+            "pattern = [\"local\", \"none\"]\nlocal_window = 4\nrope_base = { global = 5000.0 }",
+            &["rope_base.global", "no layer is `global`"],
+        ),
     ];
     for (positional, layers, needles) in refused {
         assert_error_mentions(model(positional, layers), needles);
@@ -325,6 +336,26 @@ fn plans_that_cannot_work_are_refused_naming_the_layer_or_key() {
             LayerKind::Global,
             LayerKind::Local
         ]
+    );
+}
+
+/// The library's plan and config answer an empty pattern without panicking (issue 49, 16): every
+/// layer global, as the plain stack; the config refuses the plan, naming the fix.
+#[test]
+fn an_empty_pattern_is_answered_not_a_panic() {
+    let empty = LayerPlan::new(vec![]);
+    assert_eq!(empty.kind(0), LayerKind::Global);
+    assert_eq!(empty.kind(7), LayerKind::Global);
+    let config = tiny_config(
+        PositionalConfig::Rope(Default::default()),
+        NormPlacement::Pre,
+    )
+    .with_layer_plan(empty);
+    assert_eq!(config.layer_spec(0), poslab::layers::LayerSpec::GLOBAL);
+    let err = config.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("pattern = []") && err.contains("at least one entry"),
+        "{err}"
     );
 }
 

@@ -364,6 +364,12 @@ fn the_new_schemes_refuse_bad_options_with_the_fix() {
             &["threshold = 0", "training length"],
         ),
         ("kind = \"fire\"\nthreshold = -3", "", &["threshold = -3"]),
+        // Beyond f32's range it would train to a NaN at step 0 (issue 49, 13).
+        (
+            "kind = \"fire\"\nthreshold = 1e300",
+            "",
+            &["threshold = 1e300", "up to 16777216"],
+        ),
         (
             "kind = \"fire\"\nwidth = 0",
             "",

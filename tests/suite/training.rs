@@ -516,3 +516,74 @@ fn batches_are_checked_from_what_was_counted_where_they_were_built() {
         assert!(err.contains(says), "{err}");
     }
 }
+
+/// The library's inputs answered with what is wrong, never a panic or a silent loss (issue 49,
+/// 16-19): a VarBuilder of integers, labels outside the head's classes or of the wrong type or
+/// shape, and pooling a sequence with no real token.
+#[test]
+fn the_library_refuses_what_it_cannot_compute_with_the_fix() {
+    use candle::Tensor;
+    use poslab::train::Learner;
+    let config = tiny_config(
+        PositionalConfig::Rope(Default::default()),
+        NormPlacement::Pre,
+    );
+    // Weights of u32: refused where the encoder is built (candle panicked in the forward).
+    let store = ParamStore::new(1);
+    let err = poslab::Encoder::new(&config, store.var_builder(DType::U32, &Device::Cpu))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("U32") && err.contains("DType::F32"), "{err}");
+
+    let head = HeadConfig::Classify {
+        classes: 3,
+        pooling: Pooling::Mean,
+    };
+    let mut learner = Learner::new(&config, &head, 3, &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap();
+    let mask = Tensor::ones((2, 3), DType::U32, &Device::Cpu).unwrap();
+    let labels = |v: Vec<u32>| Tensor::new(v, &Device::Cpu).unwrap();
+    let weights = |l: &Learner| -> Vec<f32> {
+        l.params()
+            .vars()
+            .iter()
+            .flat_map(|(_, v)| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    };
+    let before = weights(&learner);
+    for (targets, says) in [
+        (
+            labels(vec![0, u32::MAX]),
+            "label 4294967295 at flat index 1",
+        ),
+        (
+            labels(vec![3, 0]),
+            "label 3 at flat index 0 is not a class of this head, which has 3",
+        ),
+        (labels(vec![0, 1, 2]), "labels of shape [3]"),
+        (
+            Tensor::new(&[0i64, -1], &Device::Cpu).unwrap(),
+            "labels must be unsigned integers",
+        ),
+    ] {
+        let err = learner.step(&ids, &mask, &targets).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
+    }
+    // Nothing was trained on them.
+    assert_eq!(weights(&learner), before);
+    assert!(learner
+        .step(&ids, &mask, &labels(vec![2, 0]))
+        .unwrap()
+        .is_finite());
+
+    // Mean pooling over a sequence with no real token: refused, not NaN.
+    let hidden = Tensor::ones((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
+    let empty = Tensor::new(&[[1u32, 1, 0], [0, 0, 0]], &Device::Cpu).unwrap();
+    let err = poslab::pretrained::mean_pool(&hidden, &empty, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("sequence 1") && err.contains("no real tokens"),
+        "{err}"
+    );
+}
