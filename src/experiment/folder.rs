@@ -620,6 +620,14 @@ impl CellRecord {
     }
 }
 
+/// The first 12 hex digits of a fingerprint, for messages (`none` when empty).
+pub fn short(sha: &str) -> &str {
+    match sha {
+        "" => "none",
+        s => &s[..s.len().min(12)],
+    }
+}
+
 /// How many of `cells` (as [`ExperimentConfig::cells`] gives them) have a record in `dir`.
 pub fn cells_done(dir: &Path, config: &ExperimentConfig, cells: &[(usize, usize, u64)]) -> usize {
     cells
@@ -648,7 +656,7 @@ pub fn read_cells(
         .iter()
         .map(|&(t, v, seed)| {
             let (task, variant) = (&config.tasks[t].name, &config.variants[v].name);
-            read_cell(dir, task, variant, seed).unwrap_or_else(|e| {
+            read_cell(dir, config, task, variant, seed).unwrap_or_else(|e| {
                 unusable(config.cell_name((t, v, seed)), e);
                 None
             })
@@ -667,9 +675,15 @@ pub fn write_cell(dir: &Path, record: &CellRecord, halfway: &dyn Fn()) -> Result
     crate::io::write_atomic_with(&path, json.as_bytes(), halfway)
 }
 
-/// The record of a finished cell: `Ok(None)` when it has none yet, an error (saying why) when
-/// its record or its model is unusable.
-pub fn read_cell(dir: &Path, task: &str, variant: &str, seed: u64) -> Result<Option<CellRecord>> {
+/// The record of a finished cell of `config`: `Ok(None)` when it has none yet, an error
+/// (saying why) when its record or its model is unusable, or it was made by another config.
+pub fn read_cell(
+    dir: &Path,
+    config: &ExperimentConfig,
+    task: &str,
+    variant: &str,
+    seed: u64,
+) -> Result<Option<CellRecord>> {
     let path = dir.join(cell_path(task, variant, seed));
     if !path.exists() {
         return Ok(None);
@@ -687,6 +701,22 @@ pub fn read_cell(dir: &Path, task: &str, variant: &str, seed: u64) -> Result<Opt
             record.name(),
             record.format,
             super::results::cell_name(task, variant, seed)
+        )));
+    }
+    let expected = config_sha256(config);
+    let rows = std::iter::once(&record.result).chain(record.rescored.iter().map(|r| &r.result));
+    if let Some(foreign) = rows.map(|r| &r.config_sha256).find(|f| **f != expected) {
+        return Err(Error::Input(format!(
+            "{}: holds cell {} made by another config (its fingerprint `{}`, this run's `{}`{})",
+            path.display(),
+            record.name(),
+            short(foreign),
+            short(&expected),
+            if foreign.is_empty() {
+                ": a record of an older poslab, which carried none"
+            } else {
+                ""
+            }
         )));
     }
     let model = dir.join(model_dir(task, variant, seed));

@@ -928,10 +928,29 @@ fn unfinished(
         )));
     };
     let cells = config.cells(&m.selection.selection()?)?;
-    let records: Vec<_> = folder::read_cells(dir, config, &cells, &|_, _| {})
-        .into_iter()
-        .flatten()
-        .collect();
+    // A damaged or foreign record is damage, not absence: say which and why.
+    let damaged = std::sync::Mutex::new(Vec::new());
+    let records: Vec<_> = folder::read_cells(dir, config, &cells, &|cell, e| {
+        if let Ok(mut d) = damaged.lock() {
+            d.push(format!("cell {cell}: {e}"));
+        }
+    })
+    .into_iter()
+    .flatten()
+    .collect();
+    let damaged = damaged.into_inner().unwrap_or_default();
+    if !damaged.is_empty() {
+        return Err(Error::Input(format!(
+            "{} holds unusable cell records (damaged, or made by another config): {}; run those \
+             cells again (`poslab compare {} --out {}{}` continues the run and redoes them), or \
+             delete their records",
+            dir.display(),
+            damaged.join("; "),
+            dir.join(CONFIG_TOML).display(),
+            dir.display(),
+            m.selection.flags()
+        )));
+    }
     if !allow_partial {
         return Err(Error::Input(format!(
             "{} is an unfinished run ({}: {} of {} cells done): finish it with `poslab compare \
@@ -1033,6 +1052,30 @@ pub fn check_results(config: &ExperimentConfig, results: &Results, file: &Path) 
                 return bad(format!("cell {} lacks its row `{row}`", c.name()));
             }
         }
+    }
+    // The summary is a function of the cells: one that disagrees with them was edited.
+    let mut recomputed = results.clone();
+    recomputed.finish();
+    if recomputed.summary.len() != results.summary.len() {
+        return bad(format!(
+            "its summary has {} rows, its cells make {}",
+            results.summary.len(),
+            recomputed.summary.len()
+        ));
+    }
+    if let Some((ours, theirs)) = recomputed
+        .summary
+        .iter()
+        .zip(&results.summary)
+        .find(|(a, b)| a != b)
+    {
+        return bad(format!(
+            "its summary of {}/{} disagrees with its cells (the cells give {}, the summary {})",
+            theirs.task,
+            theirs.variant,
+            summary_digest(ours),
+            summary_digest(theirs)
+        ));
     }
     Ok(())
 }
@@ -1144,6 +1187,14 @@ fn check_cell(
     if c.model_dir != folder::model_dir(&c.task, base, c.seed) {
         return bad(format!("its model folder is `{}`", c.model_dir));
     }
+    let expected = folder::config_sha256(config);
+    if c.config_sha256 != expected {
+        return bad(format!(
+            "it was made by another config (its fingerprint `{}`, the folder's `{}`)",
+            folder::short(&c.config_sha256),
+            folder::short(&expected)
+        ));
+    }
     for e in &c.summary.evaluations {
         let test = task.tests.iter().find(|t| t.name == e.name);
         if let Err(why) = check_outcome(task, test, &e.name, &e.outcome)
@@ -1153,6 +1204,22 @@ fn check_cell(
         }
     }
     Ok(())
+}
+
+/// A summary row's scores in a few words, for a message.
+fn summary_digest(row: &super::results::SummaryRow) -> String {
+    row.columns
+        .iter()
+        .map(|c| match (&c.accuracy, &c.loss) {
+            (Some(a), Some(l)) => format!("{} {:.4}/{:.4}", c.name, a.mean, l.mean),
+            _ => format!("{} n/a", c.name),
+        })
+        .chain(std::iter::once(format!(
+            "train loss {:.4}",
+            row.final_train_loss.mean
+        )))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Example outcomes that unpack, and give the cell's score: its accuracy (the mean over

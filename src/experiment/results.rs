@@ -336,6 +336,11 @@ pub struct CellResult {
     pub variant: String,
     /// The training seed.
     pub seed: u64,
+    /// The fingerprint of the config that made the cell: the SHA-256 of the parts of the
+    /// experiment's config that shape cells (its `run.json`'s `config_sha256`), which resumes
+    /// and merges check.
+    #[serde(default)]
+    pub config_sha256: String,
     /// Training and test scores.
     #[serde(flatten)]
     pub summary: TrainSummary,

@@ -196,6 +196,7 @@ fn run_cell(
         task: task.spec.name.clone(),
         variant: variant.name.clone(),
         seed,
+        config_sha256: folder::config_sha256(config),
         summary: trained.summary.clone(),
         model_dir,
     };

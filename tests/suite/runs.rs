@@ -614,6 +614,176 @@ fn report_refuses_what_a_results_file_should_not_hold() {
     );
 }
 
+/// Copies `what` (a file or folder, relative to a run folder) from run `from` to run `to`.
+fn copy_into(from: &Path, to: &Path, what: &str) {
+    let (src, dst) = (from.join(what), to.join(what));
+    if src.is_dir() {
+        std::fs::create_dir_all(&dst).unwrap();
+        for e in std::fs::read_dir(&src).unwrap().flatten() {
+            copy_into(
+                from,
+                to,
+                &format!("{what}/{}", e.file_name().to_string_lossy()),
+            );
+        }
+    } else {
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(&src, &dst).unwrap();
+    }
+}
+
+/// Every cell carries the fingerprint of the config that made it: a cell of another config
+/// (another learning rate), in `cells/` or spliced into `results.json`, is refused by merges and
+/// run again by resumes; a summary that disagrees with its cells (an edited loss) is refused;
+/// and damaged records are reported as damage, naming the file, not as absence.
+#[test]
+fn a_cell_carries_the_fingerprint_of_the_config_that_made_it() {
+    let (root, whole) = setup();
+    let d = root.path();
+    std::fs::write(
+        d.join("other.toml"),
+        RUN.replace("batch_size = 16", "batch_size = 16\nlr = 5e-3"),
+    )
+    .unwrap();
+    let other = poslab(
+        d,
+        &[
+            "compare",
+            "other.toml",
+            "--out",
+            "other",
+            "-q",
+            "--jobs",
+            "1",
+        ],
+    );
+    assert_ok(&other, "the other config's run");
+    let foreign = "cells/word_order/none/seed1.json";
+    let foreign_model = "models/word_order/none/seed1";
+
+    // Resume: the foreign cell, placed where the killed run has not yet been, is run again.
+    let killed = compare(d, "r", &["--kill-at", "cell-2-done"]);
+    assert_eq!(killed.status.signal(), Some(9));
+    copy_into(&d.join("other"), &d.join("r"), foreign);
+    copy_into(&d.join("other"), &d.join("r"), foreign_model);
+    // Before it is resumed, a partial report calls it what it is.
+    let out = poslab(d, &["report", "r", "--out", "rm", "--allow-partial"]);
+    let e = stderr(&out);
+    assert!(
+        out.status.code() == Some(1)
+            && e.contains("unusable cell records")
+            && e.contains(foreign)
+            && e.contains("made by another config")
+            && !e.contains("missing"),
+        "{e}"
+    );
+    let resumed = compare(d, "r", &[]);
+    assert_ok(&resumed, "the resume");
+    let e = stderr(&resumed);
+    assert!(
+        e.contains("cell word_order/none/seed1: runs again")
+            && e.contains("made by another config")
+            && e.contains("3 of 8 cells were done before, 5 to run"),
+        "{e}"
+    );
+    assert!(
+        read(d.join("r/results.json")) == whole,
+        "the resumed results.json differs from the uninterrupted run's"
+    );
+
+    // A partial report: a truncated record, and a record copied over another cell's, are
+    // damage, named by file.
+    let killed = compare(d, "p", &["--kill-at", "cell-2-done"]);
+    assert_eq!(killed.status.signal(), Some(9));
+    let first = d.join("p/cells/word_order/rope/seed0.json");
+    let text = read(&first);
+    std::fs::write(&first, &text[..text.len() / 2]).unwrap();
+    let out = poslab(d, &["report", "p", "--out", "pm", "--allow-partial"]);
+    let e = stderr(&out);
+    assert!(
+        out.status.code() == Some(1)
+            && e.contains("cells/word_order/rope/seed0.json: unreadable")
+            && !e.contains("missing"),
+        "{e}"
+    );
+    std::fs::copy(d.join("p/cells/word_order/none/seed0.json"), &first).unwrap();
+    let out = poslab(d, &["report", "p", "--out", "pm", "--allow-partial"]);
+    let e = stderr(&out);
+    assert!(
+        out.status.code() == Some(1)
+            && e.contains("cells/word_order/rope/seed0.json: holds cell word_order/none/seed0")
+            && !d.join("pm").exists(),
+        "{e}"
+    );
+
+    // Merges: a foreign cell spliced into results.json, and an edited loss or score.
+    let theirs: serde_json::Value =
+        serde_json::from_slice(&read(d.join("other/results.json"))).unwrap();
+    let spliced = theirs["cells"][0].clone();
+    assert_eq!(spliced["task"], "word_order");
+    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
+        (
+            "spliced",
+            Box::new(move |j| j["cells"][0] = spliced),
+            &["cell word_order/rope/seed0", "made by another config"],
+        ),
+        (
+            "no_fingerprint",
+            Box::new(|j| {
+                j["cells"][0]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("config_sha256");
+            }),
+            &["cell word_order/rope/seed0", "fingerprint `none`"],
+        ),
+        (
+            "edited_loss",
+            Box::new(|j| {
+                j["cells"][1]["evaluations"][0]["outcome"]["scored"]["loss"] = 0.001.into()
+            }),
+            &[
+                "its summary of word_order/rope disagrees with its cells",
+                "1x",
+            ],
+        ),
+        (
+            "edited_train_loss",
+            Box::new(|j| j["cells"][2]["final_train_loss"] = 0.001.into()),
+            &["disagrees with its cells", "train loss"],
+        ),
+        (
+            "edited_score",
+            Box::new(|j| {
+                j["cells"][1]["evaluations"][0]["outcome"]["scored"]["accuracy"] = 0.999.into()
+            }),
+            &[
+                "cell word_order/rope/seed1",
+                "accuracy 0.999",
+                "example outcomes",
+            ],
+        ),
+    ];
+    for (name, edit, expected) in cases {
+        edited(d, name, edit);
+        let out = poslab(d, &["report", name, "--out", &format!("{name}-merged")]);
+        let e = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{name}: {e}");
+        assert!(
+            e.contains(&format!("{name}/results.json")) && expected.iter().all(|x| e.contains(x)),
+            "{name}: {e}"
+        );
+        assert!(!d.join(format!("{name}-merged")).exists(), "{name}");
+    }
+    // The untouched results merge (the checks refuse only what is wrong).
+    edited(d, "untouched", |_| {});
+    assert_ok(
+        &poslab(d, &["report", "untouched", "--out", "untouched-merged"]),
+        "the untouched results",
+    );
+}
+
 #[test]
 fn test_ranges_are_tested_at_every_length_their_columns_name() {
     let err =
