@@ -295,6 +295,20 @@ struct OwnBias<'a> {
     layer: usize,
 }
 
+/// One layer's attention scores split into four terms ([`Encoder::score_terms`]).
+#[derive(Clone, Debug)]
+pub struct ScoreTerms {
+    /// The layer.
+    pub layer: usize,
+    /// The layer's window: a query reads only keys at most this far away (`None`: every key).
+    pub max_offset: Option<usize>,
+    /// The scores, `(b, h, t, t)`.
+    pub scores: Tensor,
+    /// content·content, content·position, position·content, position·position, each like
+    /// `scores`; they sum to it.
+    pub terms: [Tensor; 4],
+}
+
 /// A transformer encoder with a swappable positional scheme.
 ///
 /// The scheme acts in exactly one of three places, and [`PositionalModule`] says which: joined
@@ -660,7 +674,7 @@ impl Encoder {
         i: usize,
     ) -> (AttentionInputs<'a>, Option<OwnBias<'a>>) {
         let spec = self.layers[i].spec;
-        let max_offset = spec.window.map(|w| w / 2);
+        let max_offset = spec.max_offset();
         if !spec.positions {
             let inputs = AttentionInputs {
                 max_offset,
@@ -745,17 +759,19 @@ impl Encoder {
     /// is split exactly the same way ([`crate::nn::LayerNorm::split`]: both parts over the sum's
     /// standard deviation, the bias and the token-type row with the content), so a BERT's first
     /// layer is decomposed too: TUPE's analysis of BERT. Layers are returned in order with their
-    /// index.
+    /// index and their window: a local layer's scores beyond it are never read, and each layer
+    /// runs as the model runs it (its window, a local layer's own rotation), so the next layer's
+    /// input is the model's.
     pub fn score_terms(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
-    ) -> Result<Vec<(usize, Tensor, [Tensor; 4])>> {
+    ) -> Result<Vec<ScoreTerms>> {
+        let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
+        let at = self.starting_at_first(&Positions::range(0, t)?)?;
         let added = match &self.positional {
-            PositionalModule::Input(input) => {
-                input.added(&self.starting_at_first(&Positions::range(0, t)?)?)?
-            }
+            PositionalModule::Input(input) => input.added(&at)?,
             _ => None,
         };
         let positions = added.ok_or_else(|| {
@@ -783,25 +799,30 @@ impl Encoder {
             ),
         };
         let padding = key_padding_bias(attention_mask, h.dtype())?;
+        // What each layer reads besides its input (a local layer's rotation), as the model has it.
+        let (_, placed) = self.place(tokens.clone(), &at, attention_mask)?;
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter().enumerate() {
             let content = (&h - &positions)?;
-            match self.config.norm {
+            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+            let split = match self.config.norm {
                 NormPlacement::Pre => {
                     let (c, p) = match &layer.attn_norm {
                         Some(norm) => norm.split(&content, &positions)?,
                         None => (content, positions.clone()),
                     };
-                    let (scores, terms) = layer.attn.score_terms(&c, &p)?;
-                    out.push((i, scores, terms));
+                    layer.attn.score_terms(&c, &p)?
                 }
-                NormPlacement::Post if i == 0 => {
-                    let (scores, terms) = layer.attn.score_terms(&content, &positions)?;
-                    out.push((i, scores, terms));
-                }
+                NormPlacement::Post if i == 0 => layer.attn.score_terms(&content, &positions)?,
                 NormPlacement::Post => break,
-            }
-            h = layer.forward_t(&h, AttentionInputs::padding(&padding), None, false)?;
+            };
+            out.push(ScoreTerms {
+                layer: i,
+                max_offset: inputs.max_offset,
+                scores: split.0,
+                terms: split.1,
+            });
+            h = layer.forward_t(&h, inputs, own, false)?;
         }
         Ok(out)
     }

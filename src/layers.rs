@@ -274,6 +274,11 @@ impl LayerSpec {
         local_base: false,
     };
 
+    /// How far a query reads: keys at most this far away (`None`: every key).
+    pub fn max_offset(&self) -> Option<usize> {
+        self.window.map(|w| w / 2)
+    }
+
     /// The layer in words, for analyses: `global`, `local, keys within 4`, `no positions`, ...
     pub fn describe(&self) -> String {
         let positions = match self.positions {
@@ -283,8 +288,11 @@ impl LayerSpec {
         match (self.window, self.positions) {
             (None, true) => "global".into(),
             (None, false) => positions.into(),
-            (Some(w), true) => format!("local, keys within {}", w / 2),
-            (Some(w), false) => format!("{positions}, keys within {}", w / 2),
+            (Some(_), true) => format!("local, keys within {}", self.max_offset().unwrap_or(0)),
+            (Some(_), false) => format!(
+                "{positions}, keys within {}",
+                self.max_offset().unwrap_or(0)
+            ),
         }
     }
 

@@ -52,6 +52,7 @@ pub mod experiment;
 pub mod heap;
 pub mod infer;
 pub mod io;
+mod keyed;
 pub mod layers;
 pub mod limits;
 pub mod model;

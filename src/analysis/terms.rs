@@ -20,7 +20,8 @@ pub const TERMS: [&str; 4] = [
     "position·position",
 ];
 
-/// One head's terms over a batch of real token pairs.
+/// One head's terms over the token pairs of a batch its layer reads (both real, within its
+/// window).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HeadTerms {
     /// The layer.
@@ -132,7 +133,8 @@ pub fn pretrained_texts(n: usize, text_file: Option<&Path>) -> Result<(Vec<Strin
 
 const REVIEWS: &str = include_str!("../../examples/data/reviews.tsv");
 
-/// The (query, key) pairs of a batch where both tokens are real.
+/// The (query, key) pairs of a batch that a layer reads: both tokens real, and the key within
+/// the layer's window.
 struct RealPairs {
     /// `(b, 1, t, t)`: 1 where both are real.
     pairs: Tensor,
@@ -143,12 +145,20 @@ struct RealPairs {
 impl RealPairs {
     /// # Shapes
     /// - `mask`: `(b, t)`, 1 for real tokens
-    fn of(mask: &Tensor) -> Result<Self> {
+    fn of(mask: &Tensor, max_offset: Option<usize>) -> Result<Self> {
         let m = mask.to_dtype(DType::F64)?;
-        let pairs = m
+        let mut pairs = m
             .unsqueeze(2)?
             .broadcast_mul(&m.unsqueeze(1)?)?
             .unsqueeze(1)?; // (b, 1, t, t)
+        if let Some(w) = max_offset {
+            let t = mask.dim(1)?;
+            let inside: Vec<f64> = (0..t * t)
+                .map(|n| f64::from(u8::from((n / t).abs_diff(n % t) <= w)))
+                .collect();
+            let inside = Tensor::from_vec(inside, (1, 1, t, t), mask.device())?;
+            pairs = pairs.broadcast_mul(&inside)?;
+        }
         let count = pairs.sum_all()?.to_scalar::<f64>()?;
         Ok(Self { pairs, count })
     }
@@ -167,12 +177,19 @@ impl RealPairs {
     }
 }
 
-/// The four terms per layer and head, over the real token pairs of a batch.
+/// The four terms per layer and head, over the token pairs of a batch each layer reads (both
+/// real, and within a local layer's window).
 pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Vec<HeadTerms>> {
     let layers = encoder.score_terms(ids, mask)?;
-    let real = RealPairs::of(mask)?;
     let mut out = Vec::new();
-    for (layer, scores, terms) in layers {
+    for crate::encoder::ScoreTerms {
+        layer,
+        max_offset,
+        scores,
+        terms,
+    } in layers
+    {
+        let real = RealPairs::of(mask, max_offset)?;
         let means: Vec<Vec<f64>> = terms
             .iter()
             .map(|t| real.mean_abs_per_head(t))
@@ -238,7 +255,7 @@ pub fn summary(terms: &[HeadTerms]) -> String {
 
 /// One head's attention scores split by what its rotation adds: `c q kᵀ` (the content's score,
 /// as if unrotated) and `c (rot(q) rot(k)ᵀ - q kᵀ)` (the rotation's, the position term of a
-/// RoPE layer), over the real token pairs of a batch.
+/// RoPE layer), over the token pairs of a batch the layer reads (both real, within its window).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RotationTerms {
     /// The layer.
@@ -261,12 +278,13 @@ pub fn rotation_terms(
     ids: &Tensor,
     mask: &Tensor,
 ) -> Result<Vec<RotationTerms>> {
-    let real = RealPairs::of(mask)?;
     let mut out = Vec::new();
     for (layer, (rotated, plain)) in encoder.rotation_scores(ids, mask)?.into_iter().enumerate() {
+        let spec = encoder.config().layer_spec(layer);
+        let real = RealPairs::of(mask, spec.max_offset())?;
         let content = real.mean_abs_per_head(&plain)?;
         let rotation = real.mean_abs_per_head(&(rotated - &plain)?)?;
-        let plan = encoder.config().layer_spec(layer).describe();
+        let plan = spec.describe();
         for (head, (c, r)) in content.iter().zip(&rotation).enumerate() {
             out.push(RotationTerms {
                 layer,
@@ -286,7 +304,7 @@ pub fn rotation_summary(terms: &[RotationTerms]) -> String {
     use std::fmt::Write as _;
     let mut s = String::from(
         "attention scores split into the content's (q·k unrotated) and what the rotation adds \
-         (the position term), mean |term| over real token pairs:\n",
+         (the position term), mean |term| over the token pairs each layer reads (both real, within its window):\n",
     );
     let layers: std::collections::BTreeSet<usize> = terms.iter().map(|t| t.layer).collect();
     for layer in layers {

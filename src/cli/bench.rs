@@ -146,6 +146,8 @@ pub fn run(a: Args) -> Result<()> {
         for v in &options.variants {
             options.shape.model_config(v)?;
         }
+        // The heap is counted from here: each model's parameters, moments and step.
+        poslab::heap::start_counting();
         let counts = poslab::bench::launches::count(&options, &mut |l| eprintln!("{l}"))?;
         match a.json {
             true => outln!("{}", serde_json::to_string_pretty(&counts)?),

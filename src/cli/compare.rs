@@ -95,7 +95,17 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
         let jobs = a.jobs.unwrap_or(poslab::nn::cores());
-        return print_estimate(&config, &selection, &source, a.gflops, jobs);
+        // The folder is looked at exactly as the run looks at it, before anything is costed.
+        let found = match &a.out {
+            Some(dir) => {
+                let mut options = run::RunOptions::new(device, dir.clone());
+                options.selection = selection.clone();
+                options.overwrite = a.overwrite;
+                Some((dir.clone(), run::preview(&config, &options)?))
+            }
+            None => None,
+        };
+        return print_estimate(&config, &selection, &source, a.gflops, jobs, found);
     }
     let jobs = jobs(a.jobs, &device, cells)?;
     let dir = match a.out {
@@ -172,15 +182,18 @@ fn jobs(asked: Option<usize>, device: &candle::Device, cells: usize) -> Result<u
     Ok(jobs)
 }
 
-/// `--dry-run`: the experiment checked, and its cells with their estimated costs.
+/// `--dry-run`: the experiment checked, what the run would find in its folder, and the cells
+/// it would train with their estimated costs.
 fn print_estimate(
     config: &ExperimentConfig,
     selection: &Selection,
     source: &str,
     gflops: f64,
     jobs: usize,
+    found: Option<(PathBuf, run::Preview)>,
 ) -> Result<()> {
-    let e = estimate::estimate(config, selection, jobs)?;
+    let mut e = estimate::estimate(config, selection, jobs)?;
+    let selected = e.cells.len();
     let rate = gflops * 1e9;
     let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
     outln!(
@@ -198,6 +211,42 @@ fn print_estimate(
             None => String::new(),
         }
     );
+    if let Some((dir, found)) = &found {
+        let done = found.done.iter().filter(|&&d| d).count();
+        outln!(
+            "--out {}: {}",
+            dir.display(),
+            match found.folder {
+                experiment::folder::Preview::NewFolder =>
+                    "a new folder: the run makes it".to_string(),
+                experiment::folder::Preview::New =>
+                    "holds no run: a new run starts there".to_string(),
+                experiment::folder::Preview::Replace => {
+                    "holds a run that --overwrite replaces (only the files it wrote)".to_string()
+                }
+                experiment::folder::Preview::Resume => format!(
+                    "holds this run, which continues: {done} of {selected} cells done, {} to run",
+                    selected - done
+                ),
+            }
+        );
+        for note in &found.notes {
+            outln!("note: {note}");
+        }
+        let mut keep = found.done.iter().map(|&d| !d);
+        e.cells.retain(|_| keep.next().unwrap_or(true));
+    }
+    if !e.sampled.is_empty() {
+        let [train, other] = estimate::DRY_RUN_SAMPLE;
+        outln!(
+            "costs of {} from a sample (each task's first {train} training examples and {other} \
+             of each other split, every length of a test range), scaled to the whole splits",
+            match e.sampled.len() == config.tasks.len() {
+                true => "every task".to_string(),
+                false => e.sampled.join(", "),
+            }
+        );
+    }
     outln!(
         "estimated cost at {gflops} GFLOP/s per job (the default is what the small length suite \
          and the default compare reach on one core of this project's AMD EPYC machine, 13-18; \

@@ -294,6 +294,80 @@ pub fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
 pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
     crate::io::create_folder(dir)?;
     let lock = FolderLock::exclusive(dir, plan.kind.command())?;
+    let manifest = Manifest::of(plan);
+    match opening(dir, plan, &manifest, overwrite)? {
+        Opening::Resume { files } => {
+            remove_temporaries(dir, &files);
+            remove_temporaries(dir, &[MANIFEST.to_string()]);
+            Ok(Opened {
+                lock,
+                resumed: true,
+            })
+        }
+        Opening::New { replaces } => {
+            remove_listed(dir, &replaces)?;
+            let json = serde_json::to_string_pretty(&manifest).expect("a manifest serializes");
+            write_atomic(&dir.join(MANIFEST), (json + "\n").as_bytes())?;
+            Ok(Opened {
+                lock,
+                resumed: false,
+            })
+        }
+    }
+}
+
+/// What [`open`] would do with `dir` for `plan`, found by the same rules but changing nothing:
+/// the error it would give (a writer at work in the folder included), or what it would start
+/// or continue there. A dry run says this before anything is spent.
+pub fn preview(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Preview> {
+    if dir.symlink_metadata().is_err() {
+        // `create_folder` refuses a path under a file; a path that is simply absent is new.
+        return match dir.ancestors().skip(1).find(|a| a.exists()) {
+            Some(a) if !a.is_dir() => Err(Error::Input(format!(
+                "{}: {} is a file, not a folder: give a folder's path",
+                dir.display(),
+                a.display()
+            ))),
+            _ => Ok(Preview::NewFolder),
+        };
+    }
+    if !dir.is_dir() {
+        return Err(Error::Input(format!(
+            "{} is a file, not a folder: give a folder's path",
+            dir.display()
+        )));
+    }
+    let _reading = FolderLock::shared(dir)?;
+    let manifest = Manifest::of(plan);
+    Ok(match opening(dir, plan, &manifest, overwrite)? {
+        Opening::Resume { .. } => Preview::Resume,
+        Opening::New { replaces } if replaces.is_empty() => Preview::New,
+        Opening::New { .. } => Preview::Replace,
+    })
+}
+
+/// What a run into a folder would find there ([`preview`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preview {
+    /// The folder does not exist yet: the run makes it.
+    NewFolder,
+    /// The folder holds no run: a new one starts there.
+    New,
+    /// The folder holds a run that `--overwrite` replaces (only the files it wrote).
+    Replace,
+    /// The folder holds this run, unfinished or finished: it continues.
+    Resume,
+}
+
+/// What opening a folder does: resume its run (whose files are these), or start a new one
+/// after removing the files of the run it replaces.
+enum Opening {
+    Resume { files: Vec<String> },
+    New { replaces: Vec<String> },
+}
+
+/// The rules of [`open`], reading `dir` and changing nothing.
+fn opening(dir: &Path, plan: &Plan, manifest: &Manifest, overwrite: bool) -> Result<Opening> {
     if dir.join(crate::saved::TRAIN_CONFIG).exists() {
         return Err(Error::Input(format!(
             "{} holds a `poslab train` run ({}): choose another folder",
@@ -301,60 +375,44 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
             crate::saved::TRAIN_CONFIG
         )));
     }
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        kind: plan.kind,
-        experiment: plan.config.name.clone(),
-        config_sha256: config_sha256(plan.config),
-        selection: plan.selection.clone(),
-        device: plan.device.clone(),
-        cells: plan.cells.len(),
-        sources: plan.sources.clone(),
-        files: plan.files.clone(),
-    };
+    let mut replaces = Vec::new();
     if let Some(old) = read_manifest(dir)? {
         if old.config_sha256 != manifest.config_sha256 {
             let finished = old.finished_cells(dir);
             if !(overwrite && old.kind == FolderKind::Compare && finished == 0) {
                 return Err(other_config(dir, &old, plan.config, finished));
             }
-            remove_listed(dir, &old.files)?;
-            return new_run(dir, lock, plan, &manifest);
+        } else {
+            let same_cells = old.kind == plan.kind
+                && old.device == plan.device
+                && old.sources == plan.sources
+                && cells_of(plan.config, &old)? == plan.cells;
+            if same_cells && plan.kind == FolderKind::Compare && !overwrite {
+                return Ok(Opening::Resume { files: old.files });
+            }
+            if !overwrite {
+                return Err(Error::Input(format!(
+                    "{} already holds {} of this experiment, and this is {}: give each its own \
+                     folder, or pass --overwrite to replace it (only the files that run wrote \
+                     are removed)",
+                    dir.display(),
+                    describe(&old),
+                    describe(manifest)
+                )));
+            }
         }
-        let same_cells = old.kind == plan.kind
-            && old.device == plan.device
-            && old.sources == plan.sources
-            && cells_of(plan.config, &old)? == plan.cells;
-        if same_cells && plan.kind == FolderKind::Compare && !overwrite {
-            remove_temporaries(dir, &old.files);
-            remove_temporaries(dir, &[MANIFEST.to_string()]);
-            return Ok(Opened {
-                lock,
-                resumed: true,
-            });
-        }
-        if !overwrite {
-            return Err(Error::Input(format!(
-                "{} already holds {} of this experiment, and this is {}: give each its own \
-                 folder, or pass --overwrite to replace it (only the files that run wrote are \
-                 removed)",
-                dir.display(),
-                describe(&old),
-                describe(&manifest)
-            )));
-        }
-        remove_listed(dir, &old.files)?;
+        check_listed(dir, &old.files)?;
+        replaces = old.files;
     }
-    new_run(dir, lock, plan, &manifest)
-}
-
-/// A new run in `dir` (locked, and holding no run of its own): refused if a file the plan writes
-/// is there, which no manifest lists; otherwise the manifest is written.
-fn new_run(dir: &Path, lock: FolderLock, plan: &Plan, manifest: &Manifest) -> Result<Opened> {
+    // A new run: refused if a file the plan writes is there, which no manifest lists (the
+    // files of the run it replaces are removed first).
     let taken: Vec<&String> = plan
         .files
         .iter()
-        .filter(|f| dir.join(f).symlink_metadata().is_ok())
+        .filter(|f| {
+            let there = dir.join(f).symlink_metadata();
+            there.is_ok() && !(replaces.contains(f) && there.is_ok_and(|m| m.is_file()))
+        })
         .collect();
     if !taken.is_empty() {
         let shown: Vec<&str> = taken.iter().take(3).map(|s| s.as_str()).collect();
@@ -371,15 +429,25 @@ fn new_run(dir: &Path, lock: FolderLock, plan: &Plan, manifest: &Manifest) -> Re
             if taken.len() == 1 { "it" } else { "them" }
         )));
     }
-    let json = serde_json::to_string_pretty(manifest).expect("a manifest serializes") + "\n";
-    write_atomic(&dir.join(MANIFEST), json.as_bytes())?;
-    Ok(Opened {
-        lock,
-        resumed: false,
-    })
+    Ok(Opening::New { replaces })
 }
 
 impl Manifest {
+    /// The manifest of a run of `plan`.
+    fn of(plan: &Plan) -> Self {
+        Manifest {
+            format: FORMAT.into(),
+            kind: plan.kind,
+            experiment: plan.config.name.clone(),
+            config_sha256: config_sha256(plan.config),
+            selection: plan.selection.clone(),
+            device: plan.device.clone(),
+            cells: plan.cells.len(),
+            sources: plan.sources.clone(),
+            files: plan.files.clone(),
+        }
+    }
+
     /// How many of the cells this run writes have their record in `dir`: a compare folder's
     /// results.
     pub fn finished_cells(&self, dir: &Path) -> usize {
@@ -528,19 +596,25 @@ fn remove_temporaries(dir: &Path, files: &[String]) {
     }
 }
 
-/// Removes `files` (plain files only) and their temporaries, then the folders that held them
-/// if that left them empty (never `dir` itself, never a folder that holds anything else).
-pub fn remove_listed(dir: &Path, files: &[String]) -> Result<()> {
-    if let Some(f) = files.iter().find(|f| {
+/// Refuses a manifest that lists a path outside its folder.
+fn check_listed(dir: &Path, files: &[String]) -> Result<()> {
+    match files.iter().find(|f| {
         f.split('/')
             .any(|part| part.is_empty() || part == "." || part == "..")
     }) {
-        return Err(Error::Input(format!(
+        Some(f) => Err(Error::Input(format!(
             "{}: lists `{f}`, which is not a path inside the folder: the manifest was edited, \
              so nothing was removed; choose another folder",
             dir.join(MANIFEST).display()
-        )));
+        ))),
+        None => Ok(()),
     }
+}
+
+/// Removes `files` (plain files only) and their temporaries, then the folders that held them
+/// if that left them empty (never `dir` itself, never a folder that holds anything else).
+pub fn remove_listed(dir: &Path, files: &[String]) -> Result<()> {
+    check_listed(dir, files)?;
     remove_temporaries(dir, files);
     let mut parents = BTreeSet::new();
     for f in files {

@@ -256,15 +256,13 @@ impl Prepared<'_> {
         .map_err(Error::Config)
     }
 
-    /// The token count of every example each test reads, test after test (the shift test
-    /// reads its set again), and the validation set's.
-    pub(crate) fn eval_lengths(&self) -> (Vec<usize>, Vec<usize>) {
-        let tests = self
-            .tests
-            .iter()
-            .flat_map(|t| self.sets[t.set].lengths())
-            .collect();
-        (tests, self.valid.lengths())
+    /// The set of every test run (in the order the tests run; a set tested twice, shifted,
+    /// appears twice), and the validation set.
+    pub(crate) fn eval_sets(&self) -> (Vec<&Dataset>, &Dataset) {
+        (
+            self.tests.iter().map(|t| &self.sets[t.set]).collect(),
+            &self.valid,
+        )
     }
 
     /// The data `train` needs.

@@ -298,6 +298,67 @@ fn device_kind(device: &Device) -> String {
     name.split(':').next().unwrap_or(&name).to_string()
 }
 
+/// The folder plan of a compare run of `selected` cells.
+fn plan<'a>(
+    config: &'a ExperimentConfig,
+    options: &RunOptions,
+    selected: &[(usize, usize, u64)],
+) -> folder::Plan<'a> {
+    folder::Plan {
+        kind: FolderKind::Compare,
+        config,
+        selection: SelectionRecord::of(&options.selection),
+        cells: selected.to_vec(),
+        device: Some(device_kind(&options.device)),
+        sources: Vec::new(),
+        files: folder::compare_files(config, selected),
+    }
+}
+
+/// What [`run`] would find in `options.dir`, looked at by the same rules and changing nothing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Preview {
+    /// A new folder, a new run, a run replaced, or a run continued.
+    pub folder: folder::Preview,
+    /// For each selected cell (as [`ExperimentConfig::cells`] gives them): whether a usable
+    /// record of it is there, so that the run would not train it.
+    pub done: Vec<bool>,
+    /// The records there that the run would not use, and why (it trains those cells again).
+    pub notes: Vec<String>,
+}
+
+/// What [`run`] would do with `options.dir`: the error it would give (another config's run,
+/// other cells, a running writer, files poslab did not write), or the cells it would find done
+/// there. `poslab compare --dry-run` says this before anything is spent.
+pub fn preview(config: &ExperimentConfig, options: &RunOptions) -> Result<Preview> {
+    config.validate()?;
+    let selected = config.cells(&options.selection)?;
+    let found = folder::preview(
+        &options.dir,
+        &plan(config, options, &selected),
+        options.overwrite,
+    )?;
+    let notes = Mutex::new(Vec::new());
+    let done = match found {
+        folder::Preview::Resume => {
+            folder::read_cells(&options.dir, config, &selected, &|cell, e| {
+                if let Ok(mut n) = notes.lock() {
+                    n.push(format!("cell {cell}: runs again ({e})"));
+                }
+            })
+            .iter()
+            .map(Option::is_some)
+            .collect()
+        }
+        _ => vec![false; selected.len()],
+    };
+    Ok(Preview {
+        folder: found,
+        done,
+        notes: notes.into_inner().unwrap_or_default(),
+    })
+}
+
 /// Trains and tests every selected cell into `options.dir`, `options.jobs` at a time, and
 /// writes the report there.
 ///
@@ -315,16 +376,7 @@ pub fn run(
     config.validate()?;
     let dir = &options.dir;
     let selected = config.cells(&options.selection)?;
-    let plan = folder::Plan {
-        kind: FolderKind::Compare,
-        config,
-        selection: SelectionRecord::of(&options.selection),
-        cells: selected.clone(),
-        device: Some(device_kind(&options.device)),
-        sources: Vec::new(),
-        files: folder::compare_files(config, &selected),
-    };
-    let opened = folder::open(dir, &plan, options.overwrite)?;
+    let opened = folder::open(dir, &plan(config, options, &selected), options.overwrite)?;
     crate::io::write_atomic(&dir.join(CONFIG_TOML), config.to_toml().as_bytes())?;
     // The cells an earlier run into this folder finished.
     let mut records: Vec<Option<CellRecord>> = if opened.resumed {
@@ -383,50 +435,69 @@ pub fn run(
 }
 
 /// Generates the tasks of `cells` (indices into the config, as [`ExperimentConfig::cells`]
-/// gives them) and checks every variant they pair with against each: randomized positions that
-/// cover the inputs, a valid model, batches that fit the memory limit with `jobs` cells
-/// training at once. Returns the task indices in the order prepared, and the prepared tasks.
+/// gives them) and checks every variant they pair with against each, as
+/// [`prepare_task_checked`]. Returns the task indices in the order prepared, and the prepared
+/// tasks.
 pub(crate) fn prepare_checked<'a>(
     config: &'a ExperimentConfig,
     cells: &[(usize, usize, u64)],
     jobs: usize,
 ) -> Result<(Vec<usize>, Vec<Prepared<'a>>)> {
+    let (task_ids, variants) = tasks_and_variants(config, cells);
+    let prepared = task_ids
+        .iter()
+        .map(|&t| prepare_task_checked(config, t, &variants, jobs, None))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((task_ids, prepared))
+}
+
+/// The tasks of `cells` in their order, and the variants among them (in the config's order).
+pub(crate) fn tasks_and_variants<'a>(
+    config: &'a ExperimentConfig,
+    cells: &[(usize, usize, u64)],
+) -> (Vec<usize>, Vec<&'a VariantSpec>) {
     let mut task_ids: Vec<usize> = cells.iter().map(|c| c.0).collect();
     task_ids.dedup();
     let mut variant_ids: Vec<usize> = cells.iter().map(|c| c.1).collect();
     variant_ids.sort_unstable();
     variant_ids.dedup();
-    let variants: Vec<&VariantSpec> = variant_ids.iter().map(|&v| &config.variants[v]).collect();
-    let prepared = task_ids
-        .iter()
-        .map(|&t| {
-            let spec = &config.tasks[t];
-            prepare(
-                spec,
-                spec.generate()?,
-                config.model.pooling,
-                config.eval.shift,
-                false,
-            )
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let variants = variant_ids.iter().map(|&v| &config.variants[v]).collect();
+    (task_ids, variants)
+}
+
+/// Generates task `t` of `config` and checks each of `variants` against it: randomized
+/// positions that cover the inputs, a valid model, batches that fit the memory limit with
+/// `jobs` cells training at once. With `sample`, the generated training split holds only its
+/// first `sample[0]` examples and each other split its first `sample[1]` (a dry run's
+/// [`crate::tasks::TaskSpec::generate_sample`]).
+pub(crate) fn prepare_task_checked<'a>(
+    config: &'a ExperimentConfig,
+    t: usize,
+    variants: &[&VariantSpec],
+    jobs: usize,
+    sample: Option<[usize; 2]>,
+) -> Result<Prepared<'a>> {
+    let spec = &config.tasks[t];
+    let data = match sample {
+        Some([train, eval]) => spec.generate_sample(train, eval)?,
+        None => spec.generate()?,
+    };
+    let task = prepare(spec, data, config.model.pooling, config.eval.shift, false)?;
     let eval_batch = config
         .eval
         .batch_size
         .unwrap_or(2 * config.train.batch_size);
-    for task in &prepared {
-        for variant in &variants {
-            let what = format!("variant `{}`", variant.name);
-            task.check_random_positions(variant.random_positions, &what)?;
-            let model =
-                config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
-            model
-                .validate()
-                .map_err(|e| Error::Config(format!("{what}: {e}")))?;
-            task.check_memory(&model, config.train.batch_size, eval_batch, &what, jobs)?;
-        }
+    for variant in variants {
+        let what = format!("variant `{}`", variant.name);
+        task.check_random_positions(variant.random_positions, &what)?;
+        let model =
+            config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
+        model
+            .validate()
+            .map_err(|e| Error::Config(format!("{what}: {e}")))?;
+        task.check_memory(&model, config.train.batch_size, eval_batch, &what, jobs)?;
     }
-    Ok((task_ids, prepared))
+    Ok(task)
 }
 
 /// Writes a trained cell's record into the run folder (with the kill points a test stops

@@ -138,8 +138,10 @@ pub struct NoOptions {}
 /// layout = "interleaved"
 /// ```
 ///
-/// Each variant's scheme, options and module live in the file the variant names.
+/// Each variant's scheme, options and module live in the file the variant names. An option of
+/// the wrong type is refused naming its key (`keyed.rs`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(remote = "Self")]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PositionalConfig {
     /// Token embeddings only: the bag-of-words control (`none.rs`).
@@ -174,6 +176,24 @@ pub enum PositionalConfig {
     /// FoX's data-dependent decay: forget gates from each layer's input, summed between query
     /// and key (`fox.rs`).
     Fox(NoOptions),
+}
+
+impl Serialize for PositionalConfig {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        // The derived (remote = "Self") serializer: `kind`, then the options.
+        PositionalConfig::serialize(self, serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for PositionalConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        crate::keyed::deserialize_naming_key(deserializer, PositionalConfig::deserialize)
+    }
 }
 
 /// Where a positional scheme acts.

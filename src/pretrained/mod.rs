@@ -334,15 +334,16 @@ impl Folder {
                 dir.display()
             )));
         }
-        // The header first: the config must describe no more than the file holds (the encoder
-        // is built at the config's size), and only the tensors poslab maps are read.
+        // The header first: every tensor the config needs, named where one is missing or of
+        // another shape; then the config must describe no more than the file holds (the
+        // encoder is built at the config's size), and only the tensors poslab maps are read.
         let mut file = crate::weights::WeightsFile::open(&weights)?;
-        file.check_holds(config.param_count(), "config.json")?;
         let (mapping, has_mlm) =
             rename(&file.shapes(), &hf, family).map_err(|message| Error::Checkpoint {
                 path: weights.clone(),
                 message,
             })?;
+        file.check_holds(config.param_count(), "config.json")?;
         let tensors = mapping
             .into_iter()
             .map(|(ours, theirs)| {
@@ -361,6 +362,21 @@ impl Folder {
                 tokenizer.vocab_size(),
                 hf.vocab_size
             )));
+        }
+        if config.embeddings.token_types > 0 {
+            // poslab reads one segment and adds the token-type table's row 0 to every token, as
+            // transformers does where the tokenizer's template types a single text 0.
+            let types = tokenizer.single_text_type_ids()?;
+            if let Some(&other) = types.iter().find(|&&t| t != 0) {
+                return Err(Error::Config(format!(
+                    "{}: the tokenizer's template gives a single text token type {other} (its \
+                     type ids: {types:?}), but poslab reads every token as type 0 (row 0 of \
+                     token_type_embeddings), as BERT's own template does: set the single \
+                     template's type ids to 0 in tokenizer.json's post_processor (\"$A\" with \
+                     \"type_id\": 0, and its special tokens likewise)",
+                    dir.join("tokenizer.json").display()
+                )));
+            }
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -657,7 +673,9 @@ fn rename(
             names::LAYER,
             names::ROBERTA_MLM,
         ),
-        Family::ModernBert => return modernbert::rename(tensors, hf.hidden_size),
+        Family::ModernBert => {
+            return modernbert::rename(tensors, hf.hidden_size, hf.num_hidden_layers)
+        }
         Family::DistilBert => (
             "distilbert.",
             names::DISTILBERT_EMBEDDINGS,
@@ -723,6 +741,27 @@ fn rename(
                     )),
                 }
             }
+        }
+    }
+    // Every tensor the config needs is there: a missing one is named, not only counted.
+    let needed = embeddings
+        .iter()
+        .filter(|(_, ours)| *ours != "type_emb.weight" || hf.type_vocab_size > 0)
+        .map(|&(theirs, ours)| (theirs.to_string(), ours.to_string()))
+        .chain((0..hf.num_hidden_layers).flat_map(|i| {
+            layer.iter().map(move |(theirs, ours)| {
+                (
+                    format!("{layers}{i}.{theirs}"),
+                    format!("layers.{i}.{ours}"),
+                )
+            })
+        }));
+    for (theirs, ours) in needed {
+        if !out.contains_key(&ours) {
+            problems.push(format!(
+                "lacks tensor `{prefix}{theirs}`, which the config's {} layers need",
+                hf.num_hidden_layers
+            ));
         }
     }
     if !problems.is_empty() {

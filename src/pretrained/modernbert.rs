@@ -278,6 +278,7 @@ pub struct Source {
 pub fn rename(
     tensors: &HashMap<String, Vec<usize>>,
     d_model: usize,
+    n_layers: usize,
 ) -> std::result::Result<(HashMap<String, Source>, bool), String> {
     let plain = |name: &str| Source {
         name: name.into(),
@@ -356,6 +357,40 @@ pub fn rename(
             ));
         }
         out.extend(mapped);
+    }
+    // Every tensor the config needs is there: a missing one is named, not only counted (the
+    // first layer has no attention norm: the embeddings' norm serves it).
+    let mut needed: Vec<(String, String)> = [
+        ("embeddings.tok_embeddings.weight", "tok_emb.weight"),
+        ("embeddings.norm.weight", "embed_norm.weight"),
+        ("final_norm.weight", "final_norm.weight"),
+    ]
+    .map(|(theirs, ours)| (theirs.to_string(), ours.to_string()))
+    .to_vec();
+    for i in 0..n_layers {
+        let per_layer = [
+            ("attn.Wqkv.weight", "attn.q.weight"),
+            ("attn.Wo.weight", "attn.o.weight"),
+            ("attn_norm.weight", "attn_norm.weight"),
+            ("mlp_norm.weight", "ffn_norm.weight"),
+            ("mlp.Wi.weight", "ffn.up.weight"),
+            ("mlp.Wo.weight", "ffn.down.weight"),
+        ];
+        needed.extend(
+            per_layer
+                .iter()
+                .filter(|(theirs, _)| i > 0 || *theirs != "attn_norm.weight")
+                .map(|(theirs, ours)| {
+                    (format!("layers.{i}.{theirs}"), format!("layers.{i}.{ours}"))
+                }),
+        );
+    }
+    for (theirs, ours) in needed {
+        if !out.contains_key(&ours) {
+            problems.push(format!(
+                "lacks tensor `model.{theirs}`, which the config's {n_layers} layers need"
+            ));
+        }
     }
     if !problems.is_empty() {
         problems.sort();

@@ -696,7 +696,43 @@ impl TaskSpec {
         hub: &HubSource,
         tokenizer: Option<TextTokenizer>,
     ) -> Result<TaskData> {
+        self.generate_sampled(hub, tokenizer, None)
+    }
+
+    /// What a dry run counts from: as [`TaskSpec::generate`], but a generated task's training
+    /// split holds at most `train` examples and each other split at most `eval`: the first of
+    /// the split [`TaskSpec::generate`] makes (the same streams, cut short; a test range's
+    /// lengths are taken in turn, and whole turns of them, so each length weighs the same). A
+    /// task read from files, or whose tokenizer is trained on its texts, is made whole. The
+    /// sizes of the whole splits are [`TaskSpec::generated_sizes`].
+    pub fn generate_sample(&self, train: usize, eval: usize) -> Result<TaskData> {
+        self.generate_sampled(
+            &HubSource::from_env(),
+            None,
+            Some([train, eval].map(|c| c.max(1))),
+        )
+    }
+
+    /// The sizes of a generated task's whole splits: training examples, and the examples of
+    /// the validation set and of each test set; `None` for a task read from files.
+    pub fn generated_sizes(&self) -> Option<(usize, usize)> {
+        self.kind.generator().map(|_| {
+            (
+                self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES),
+                self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES),
+            )
+        })
+    }
+
+    fn generate_sampled(
+        &self,
+        hub: &HubSource,
+        tokenizer: Option<TextTokenizer>,
+        caps: Option<[usize; 2]>,
+    ) -> Result<TaskData> {
         self.validate()?;
+        // A tokenizer trained on the training texts is that of the whole split: no sample then.
+        let caps = caps.filter(|_| !matches!(self.tokenizer, TokenizerSpec::Train { .. }));
         let Splits {
             train,
             valid,
@@ -704,7 +740,7 @@ impl TaskSpec {
             objective,
             vocabulary,
         } = match (&self.kind, self.kind.generator()) {
-            (_, Some(g)) => self.generated(g)?,
+            (_, Some(g)) => self.generated(g, caps.unwrap_or([usize::MAX; 2]))?,
             (TaskKind::Classify(o), _) => {
                 labelled::splits(o, RecordKind::Class, self.data_seed, self.train_examples)?
             }
@@ -751,14 +787,16 @@ impl TaskSpec {
         })
     }
 
-    /// The splits of a generated task, its objective and its own vocabulary.
-    fn generated(&self, g: &dyn Generator) -> Result<Splits> {
+    /// The splits of a generated task (cut to their first `train_cap` and `eval_cap` examples),
+    /// its objective and its own vocabulary.
+    fn generated(&self, g: &dyn Generator, [train_cap, cap]: [usize; 2]) -> Result<Splits> {
         let [lo, hi] = self
             .lengths
             .expect("validated: generated tasks have lengths");
         let make = |split: &str, n: usize, lengths: [usize; 2]| -> Vec<Example> {
             let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
-            (0..n)
+            let cap = if split == "train" { train_cap } else { cap };
+            (0..n.min(cap))
                 .map(|_| {
                     let len = rng.random_range(lengths[0]..=lengths[1]);
                     g.example(&mut rng, len)
@@ -769,9 +807,13 @@ impl TaskSpec {
         // mean over lengths, as the length suite reports it).
         let make_even = |split: &str, n: usize, [a, b]: [usize; 2]| -> Vec<Example> {
             let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
-            (0..n)
-                .map(|i| g.example(&mut rng, a + i % (b - a + 1)))
-                .collect()
+            // A sample holds whole turns of the range, so that every length weighs the same.
+            let width = b - a + 1;
+            let n = match n > cap {
+                true => cap.div_ceil(width).saturating_mul(width).min(n),
+                false => n,
+            };
+            (0..n).map(|i| g.example(&mut rng, a + i % width)).collect()
         };
         let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
         let tests = if self.test_lengths.is_empty() {
@@ -925,6 +967,41 @@ mod tests {
             text_file: Some("lines.txt".into()),
         });
         assert!(files.from_files() && files.generator().is_none());
+    }
+
+    /// A dry run's sample is the start of each split the run makes, a test range's sample whole
+    /// turns of its lengths; a tokenizer trained on the texts gets every example.
+    #[test]
+    fn a_sample_is_the_start_of_each_split() {
+        let t = spec(
+            "[[tasks]]\nkind = \"reverse_string\"\nlengths = [1, 10]\ntest_lengths = [[11, 17], [18, 40]]\ntrain_examples = 500\neval_examples = 100\n",
+        )
+        .unwrap();
+        let whole = t.generate().unwrap();
+        let sample = t.generate_sample(120, 30).unwrap();
+        assert_eq!(sample.train, whole.train[..120]);
+        assert_eq!(sample.valid, whole.valid[..30]);
+        // The training range's test first: 30 of [1, 10] is 3 whole turns; 30 of [11, 17] (7
+        // lengths) rounds up to 5 turns, 35; of [18, 40] (23), to 46.
+        let sizes: Vec<usize> = sample.tests.iter().map(|t| t.examples.len()).collect();
+        assert_eq!(sizes, [30, 35, 46]);
+        for (s, w) in sample.tests.iter().zip(&whole.tests) {
+            assert_eq!(s.examples, w.examples[..s.examples.len()]);
+        }
+        assert_eq!(t.generated_sizes(), Some((500, 100)));
+        // A cap above a split's size takes the whole split.
+        let all = t.generate_sample(10_000, 10_000).unwrap();
+        assert_eq!(all.train, whole.train);
+        assert!(all
+            .tests
+            .iter()
+            .zip(&whole.tests)
+            .all(|(a, b)| a.examples == b.examples));
+        let trained = spec(
+            "[[tasks]]\nkind = \"sorted\"\nlengths = [3, 6]\ntrain_examples = 300\ntokenizer = { kind = \"train\", model = \"wordpiece\", vocab_size = 80 }\n",
+        )
+        .unwrap();
+        assert_eq!(trained.generate_sample(10, 10).unwrap().train.len(), 300);
     }
 
     #[test]

@@ -519,6 +519,15 @@ impl TextTokenizer {
         self.encode_pretokenized(words, true)
     }
 
+    /// The token type of each token of a one-word text framed by the template: what a BERT
+    /// reads as its segment.
+    pub fn single_text_type_ids(&self) -> Result<Vec<u32>> {
+        self.inner
+            .encode(["a"].as_slice(), true)
+            .map(|e| e.get_type_ids().to_vec())
+            .map_err(|e| Error::Input(format!("cannot tokenize a one-word text: {e}")))
+    }
+
     fn encode_pretokenized<S: AsRef<str>>(&self, words: &[S], specials: bool) -> Result<Encoded> {
         let words: Vec<&str> = words.iter().map(AsRef::as_ref).collect();
         self.inner

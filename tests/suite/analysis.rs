@@ -90,6 +90,77 @@ fn wavelengths_and_first_wraps_are_the_closed_form() {
     assert!(w.wavelength.windows(2).all(|p| p[1] > p[0]));
 }
 
+/// A local layer's terms are averaged over the pairs it reads (keys within its window), and the
+/// layer after it reads what the window made: window 2 and window 1000 give other terms there.
+#[test]
+fn attention_terms_apply_each_layers_window() {
+    let config = |window: usize| {
+        let mut c = tiny_config(
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            NormPlacement::Pre,
+        );
+        c.layers = Some(poslab::LayerPlan {
+            local_window: Some(window),
+            ..poslab::LayerPlan::new(vec![poslab::LayerKind::Local, poslab::LayerKind::Global])
+        });
+        c
+    };
+    let (ids, mask) = padded_batch(3, 9, 40);
+    let terms_of = |window: usize| {
+        let store = ParamStore::new(3);
+        let encoder =
+            Encoder::new(&config(window), store.var_builder(DType::F64, &Device::Cpu)).unwrap();
+        let split = encoder.score_terms(&ids, &mask).unwrap();
+        let terms = poslab::analysis::terms::attention_terms(&encoder, &ids, &mask).unwrap();
+        (split, terms)
+    };
+    let (split, narrow) = terms_of(2);
+    let (_, wide) = terms_of(1000);
+    assert_eq!(split[0].max_offset, Some(1));
+    assert_eq!(split[1].max_offset, None);
+    // Layer 0, head 0, content·content by hand: the mean |term| over real pairs with |i-j| <= 1.
+    let cc: Vec<Vec<Vec<Vec<f64>>>> = (0..3)
+        .map(|b| split[0].terms[0].get(b).unwrap().to_vec3::<f64>().unwrap())
+        .collect();
+    let real: Vec<Vec<f64>> = mask.to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+    let (mut sum, mut count) = (0.0, 0.0);
+    for (b, rows) in real.iter().enumerate() {
+        for i in 0..9 {
+            for j in 0..9 {
+                if rows[i] > 0.0 && rows[j] > 0.0 && i.abs_diff(j) <= 1 {
+                    sum += cc[b][0][i][j].abs();
+                    count += 1.0;
+                }
+            }
+        }
+    }
+    let head0 = narrow.iter().find(|h| h.layer == 0 && h.head == 0).unwrap();
+    assert!(
+        (head0.mean_abs[0] - sum / count).abs() < 1e-12,
+        "{} vs {}",
+        head0.mean_abs[0],
+        sum / count
+    );
+    // The global layer after it: other inputs, other terms.
+    let layer1 = |terms: &[poslab::analysis::terms::HeadTerms]| -> Vec<f64> {
+        terms
+            .iter()
+            .filter(|h| h.layer == 1)
+            .flat_map(|h| h.mean_abs)
+            .collect()
+    };
+    let (a, b) = (layer1(&narrow), layer1(&wide));
+    let gap = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        gap > 1e-3,
+        "layer 1's terms do not depend on layer 0's window: {a:?}"
+    );
+}
+
 #[test]
 fn attention_terms_rebuild_the_scores_exactly() {
     // BERT's embedding extras (a token-type row, an embedding LayerNorm, RoBERTa's offset) are
@@ -117,10 +188,21 @@ fn attention_terms_rebuild_the_scores_exactly() {
             bert_like,
         ),
     ] {
-        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+        // Plain layers, and a local layer (keys within 1) before a global one: each layer runs
+        // as the model runs it, so the second layer's scores are the model's too.
+        let windowed = poslab::LayerPlan {
+            local_window: Some(2),
+            ..poslab::LayerPlan::new(vec![poslab::LayerKind::Local, poslab::LayerKind::Global])
+        };
+        for (norm, layers) in [
+            (NormPlacement::Pre, None),
+            (NormPlacement::Post, None),
+            (NormPlacement::Pre, Some(windowed)),
+        ] {
             let store = ParamStore::new(3);
             let mut config = tiny_config(positional.clone(), norm);
             config.embeddings = extras.clone();
+            config.layers = layers;
             let encoder =
                 Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
             let (ids, mask) = padded_batch(3, 9, 40);
@@ -134,7 +216,13 @@ fn attention_terms_rebuild_the_scores_exactly() {
             // queries and keys its forward pass computes.
             let qk = encoder.queries_keys(&ids, &mask).unwrap();
             let scale = 1.0 / (config.head_dim() as f64).sqrt();
-            for (i, scores, terms) in layers {
+            for poslab::encoder::ScoreTerms {
+                layer: i,
+                scores,
+                terms,
+                ..
+            } in layers
+            {
                 let sum = terms
                     .iter()
                     .skip(1)

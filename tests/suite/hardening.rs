@@ -567,6 +567,73 @@ fn bytes_of(dtype: &str, count: usize) -> Vec<u8> {
     vec![0u8; count * size]
 }
 
+/// A ModernBERT or BERT folder that lacks a tensor its config needs is refused naming the
+/// tensor, not only by its count of values.
+#[test]
+fn a_missing_tensor_is_named() {
+    for (folder, missing) in [
+        ("tiny-modernbert", "model.layers.1.mlp.Wi.weight"),
+        (
+            "tiny-bert",
+            "bert.encoder.layer.0.attention.self.query.weight",
+        ),
+    ] {
+        let dir = pretrained_copy(folder);
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        // Its bytes stay in the file, unlisted: only the header changes.
+        assert!(header.remove(missing).is_some(), "{folder} holds {missing}");
+        let header = serde_json::to_vec(&header).unwrap();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(&header);
+        file.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&path, file).unwrap();
+        let err = match poslab::pretrained::Pretrained::load(dir.path(), &Device::Cpu) {
+            Ok(_) => panic!("{folder} without {missing} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(missing) && !err.contains("values"),
+            "{folder}: {err}"
+        );
+    }
+}
+
+/// A BERT tokenizer whose template types a single text 1 is refused: poslab adds row 0 of the
+/// token-type table to every token, and would read such a text as a segment it is not. Type 0
+/// throughout (BERT's own template) loads.
+#[test]
+fn a_template_that_types_single_texts_other_than_zero_is_refused() {
+    let dir = pretrained_copy("tiny-bert");
+    let path = dir.path().join("tokenizer.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let single = json["post_processor"]["single"].as_array_mut().unwrap();
+    assert_eq!(single.len(), 3);
+    single[1]["Sequence"]["type_id"] = 1.into();
+    single[2]["SpecialToken"]["type_id"] = 1.into();
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let err = match poslab::pretrained::Pretrained::load(dir.path(), &Device::Cpu) {
+        Ok(_) => panic!("a template of type 1 loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("tokenizer.json")
+            && err.contains("gives a single text token type 1")
+            && err.contains("[0, 1, 1]")
+            && err.contains("\"type_id\": 0"),
+        "{err}"
+    );
+    assert!(poslab::pretrained::Pretrained::load(
+        &fixture_path("pretrained/tiny-bert"),
+        &Device::Cpu
+    )
+    .is_ok());
+}
+
 #[test]
 fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
     // One tensor of the tiny BERT in each dtype poslab does not load: refused, naming the

@@ -342,6 +342,17 @@ fn the_new_schemes_refuse_bad_options_with_the_fix() {
             &["keep = 1.5", "(0, 1]"],
         ),
         ("kind = \"prope\"\nkeep = nan", "", &["keep = NaN"]),
+        // A value of the wrong type names its key, not only the table (issue 49).
+        (
+            "kind = \"prope\"\nkeep = \"all\"",
+            "",
+            &["key `keep`: invalid type: string \"all\", expected f64"],
+        ),
+        (
+            "kind = \"fire\"\nwidth = -1",
+            "",
+            &["key `width`: invalid value: integer `-1`"],
+        ),
         // Heads of 8 have 4 pairs: 0.2 of them is none.
         (
             "kind = \"prope\"\nkeep = 0.2",

@@ -965,6 +965,165 @@ fn an_experiment_is_checked_and_costed_before_it_runs() {
     );
 }
 
+/// The dry run looks at `--out` exactly as the run does: a folder of another config is refused
+/// with the run's words; a finished run or shard has 0 cells to run; a killed run lists only the
+/// cells still to run, and a foreign record among them is named; a folder that does not exist is
+/// not made.
+#[test]
+fn a_dry_run_looks_at_its_folder_as_the_run_does() {
+    let (root, _) = setup();
+    let d = root.path();
+    let cells_listed = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.contains("/seed") && !l.starts_with("note"))
+            .map(|l| l.split_whitespace().next().unwrap().to_string())
+            .collect()
+    };
+    // A finished run, and a finished shard: nothing to run.
+    let out = poslab(d, &["compare", "run.toml", "--dry-run", "--out", "whole"]);
+    assert_ok(&out, "the finished run's dry run");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("--out whole: holds this run, which continues: 8 of 8 cells done, 0 to run")
+            && text.contains("total: 0 cells")
+            && cells_listed(&text).is_empty(),
+        "{text}"
+    );
+    let shard = ["compare", "run.toml", "--shard", "1/3", "--out", "s1", "-q"];
+    assert_ok(&poslab(d, &shard), "the shard");
+    let out = poslab(
+        d,
+        &[
+            "compare",
+            "run.toml",
+            "--shard",
+            "1/3",
+            "--out",
+            "s1",
+            "--dry-run",
+        ],
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("3 of 3 cells done, 0 to run"), "{text}");
+    // Another config into the finished run's folder: the run's refusal, word for word.
+    std::fs::write(
+        d.join("other.toml"),
+        RUN.replace("steps = 30", "steps = 31"),
+    )
+    .unwrap();
+    let dry = poslab(d, &["compare", "other.toml", "--out", "whole", "--dry-run"]);
+    let real = poslab(d, &["compare", "other.toml", "--out", "whole", "-q"]);
+    assert!(
+        !dry.status.success() && stderr(&dry).contains("of another experiment config"),
+        "{}",
+        stderr(&dry)
+    );
+    let last = |o: &Output| stderr(o).lines().last().unwrap_or("").to_string();
+    assert_eq!(last(&dry), last(&real));
+    // Other cells of the same config: refused as the run refuses them.
+    let dry = poslab(
+        d,
+        &[
+            "compare",
+            "run.toml",
+            "--out",
+            "s1",
+            "--dry-run",
+            "--shard",
+            "2/3",
+        ],
+    );
+    assert!(
+        !dry.status.success() && stderr(&dry).contains("(shard 1/3, 3 cells, on cpu)"),
+        "{}",
+        stderr(&dry)
+    );
+    // A killed run: the cells still to run, and a foreign record named as the run names it.
+    let killed = compare(d, "r", &["--kill-at", "cell-2-done"]);
+    assert_eq!(killed.status.signal(), Some(9));
+    let foreign = RUN.replace("batch_size = 16", "batch_size = 16\nlr = 5e-3");
+    std::fs::write(d.join("foreign.toml"), foreign).unwrap();
+    let f = poslab(
+        d,
+        &["compare", "foreign.toml", "--out", "f", "-q", "--seed", "0"],
+    );
+    assert_ok(&f, "the foreign run");
+    let record = "cells/word_order/rope/seed0.json";
+    std::fs::copy(d.join("f").join(record), d.join("r").join(record)).unwrap();
+    let out = poslab(d, &["compare", "run.toml", "--out", "r", "--dry-run"]);
+    assert_ok(&out, "the killed run's dry run");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("holds this run, which continues: 2 of 8 cells done, 6 to run")
+            && text.contains("note: cell word_order/rope/seed0: runs again")
+            && text.contains("made by another config"),
+        "{text}"
+    );
+    assert_eq!(cells_listed(&text).len(), 6, "{text}");
+    assert!(!cells_listed(&text).contains(&"word_order/none/seed0".to_string()));
+    // A folder not made yet is not made by a dry run.
+    let out = poslab(d, &["compare", "run.toml", "--out", "new/run", "--dry-run"]);
+    assert_ok(&out, "a new folder's dry run");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--out new/run: a new folder"));
+    assert!(!d.join("new").exists());
+}
+
+/// A dry run costs a sample of each generated task, one task at a time (the length suite's
+/// shard 0/110 went from 6 min 20 s and 13.5 GB to about 30 s and 0.2 GB on 2 cores): the
+/// same parameters and steps as from every example, and costs within 5%.
+#[test]
+fn a_dry_run_costs_a_sample_within_a_few_percent_of_every_example() {
+    let config = ExperimentConfig::from_toml_str(
+        r#"
+name = "sampled"
+seeds = 1
+[model]
+d_model = 16
+n_heads = 2
+n_layers = 1
+ffn_dim = 32
+[train]
+budget = { steps = 100 }
+batch_size = 32
+[[tasks]]
+kind = "reverse_string"
+lengths = [1, 40]
+test_lengths = [[41, 100], [101, 200]]
+train_examples = 40000
+eval_examples = 3000
+[[tasks]]
+kind = "binary_addition"
+lengths = [1, 40]
+test_lengths = [[41, 100]]
+train_examples = 20000
+eval_examples = 1500
+[[variants]]
+name = "learned"
+positional = { kind = "learned" }
+[[variants]]
+name = "rope"
+positional = { kind = "rope" }
+"#,
+    )
+    .unwrap();
+    let selection = poslab::experiment::Selection::default();
+    let sampled = poslab::experiment::estimate::estimate(&config, &selection, 1).unwrap();
+    let whole = poslab::experiment::estimate::estimate_from(&config, &selection, 1, None).unwrap();
+    assert_eq!(sampled.sampled, ["reverse_string", "binary_addition"]);
+    assert!(whole.sampled.is_empty());
+    assert_eq!(sampled.cells.len(), 4);
+    for (s, w) in sampled.cells.iter().zip(&whole.cells) {
+        assert_eq!((&s.name, s.params, s.steps), (&w.name, w.params, w.steps));
+        for (what, a, b) in [
+            ("tokens/step", s.tokens_per_step, w.tokens_per_step),
+            ("train", s.train_flop, w.train_flop),
+            ("test", s.eval_flop, w.eval_flop),
+        ] {
+            assert!((a / b - 1.0).abs() < 0.05, "{}: {what} {a} vs {b}", s.name);
+        }
+    }
+}
+
 /// A cell that diverges stops the run with advice that works: training is deterministic, so
 /// "run it again" would stop at the same step. The config changed, the folder (no cell finished)
 /// is started over with --overwrite, and ends as a fresh folder of the fixed config does.
