@@ -66,10 +66,11 @@ impl DeviceSpec {
             Self::Cuda(n) => n,
         };
         if !cfg!(feature = "cuda") {
-            return Err(Error::Config(format!(
-                "`{self}` asks for CUDA, but this poslab was built without it: rebuild with \
-                 `cargo build --release --features cuda` (needs the CUDA toolkit; see the \
-                 README), or use --device cpu"
+            return Err(Error::Input(format!(
+                "`{self}` asks for CUDA, but this poslab was built without it: install one with \
+                 CUDA, `cargo install --path . --locked --features cuda` (or build one in place, \
+                 `cargo build --release --features cuda`, and run target/release/poslab; both \
+                 need the CUDA toolkit, see the README's CUDA section), or use --device cpu"
             )));
         }
         Device::new_cuda(ordinal).map_err(|e| {
@@ -199,7 +200,9 @@ mod tests {
             for spec in ["cuda", "cuda:1", "CUDA:0"] {
                 let e = parse_device(spec).unwrap_err().to_string();
                 assert!(
-                    e.contains("--features cuda") && e.contains("--device cpu"),
+                    e.contains("cargo install --path . --locked --features cuda")
+                        && e.contains("--device cpu")
+                        && !e.contains("config"),
                     "{e}"
                 );
             }

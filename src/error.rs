@@ -80,8 +80,9 @@ pub enum Error {
         message: String,
     },
 
-    /// Filesystem failures, with the path involved (the message includes the cause).
-    #[error("{path}: {error}")]
+    /// Filesystem failures, with the path involved where poslab knows it (the message includes
+    /// the cause). A bare [`std::io::Error`] converts with `?` (an empty path: the error alone).
+    #[error("{}{error}", if path.as_os_str().is_empty() { String::new() } else { format!("{}: ", path.display()) })]
     Io {
         /// The path involved.
         path: PathBuf,
@@ -92,6 +93,17 @@ pub enum Error {
     /// Errors raised inside candle's tensor operations.
     #[error(transparent)]
     Candle(candle::Error),
+}
+
+impl From<std::io::Error> for Error {
+    /// An I/O error of the caller's, so that `?` works on it in a function returning
+    /// [`Result`]; poslab's own errors carry their path.
+    fn from(error: std::io::Error) -> Self {
+        Error::Io {
+            path: PathBuf::new(),
+            error,
+        }
+    }
 }
 
 impl From<candle::Error> for Error {

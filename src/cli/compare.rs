@@ -197,12 +197,16 @@ fn print_estimate(
     let rate = gflops * 1e9;
     let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
     outln!(
-        "{source}: valid; experiment `{}`: {} tasks x {} variants x {} seeds = {} cells{}",
+        "{source}: valid; experiment `{}`: {} task{} x {} variant{} x {} seed{} = {} cell{}{}",
         config.name,
         config.tasks.len(),
+        super::plural(config.tasks.len()),
         config.variants.len(),
+        super::plural(config.variants.len()),
         config.seeds,
+        super::plural(config.seeds as usize),
         e.experiment_cells,
+        super::plural(e.experiment_cells),
         match selection.shard {
             Some(s) => format!("; shard {s} holds {} of them", e.cells.len()),
             None if e.cells.len() < e.experiment_cells => {

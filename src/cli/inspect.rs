@@ -70,11 +70,11 @@ fn describe_experiment(path: &Path) -> Result<()> {
         path.display(),
         config.name,
         config.tasks.len(),
-        plural(config.tasks.len()),
+        super::plural(config.tasks.len()),
         config.variants.len(),
-        plural(config.variants.len()),
+        super::plural(config.variants.len()),
         config.seeds,
-        plural(config.seeds as usize)
+        super::plural(config.seeds as usize)
     );
     let m = &config.model;
     outln!(
@@ -304,14 +304,6 @@ fn budget(train: &poslab::train::TrainConfig) -> String {
     match train.budget {
         poslab::train::Budget::Steps(n) => format!("{n} steps"),
         poslab::train::Budget::Tokens(n) => format!("{n} tokens"),
-    }
-}
-
-fn plural(n: usize) -> &'static str {
-    if n == 1 {
-        ""
-    } else {
-        "s"
     }
 }
 

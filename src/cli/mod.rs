@@ -213,3 +213,11 @@ pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrain
     poslab::pretrained::Pretrained::open(spec, &device)
         .with_context(|| format!("loading the pretrained model {spec}"))
 }
+
+/// `s` for a count other than one: `1 task`, `2 tasks`.
+pub(crate) fn plural(n: usize) -> &'static str {
+    match n {
+        1 => "",
+        _ => "s",
+    }
+}

@@ -1458,3 +1458,17 @@ fn modernbert_folders_are_read_as_transformers_reads_them_or_refused_by_name() {
         "{err}"
     );
 }
+
+/// A user's `fn main() -> poslab::Result<()>` can use `?` on its own I/O errors; the message is
+/// the operating system's, with no empty path before it.
+#[test]
+fn io_errors_convert_with_question_mark() {
+    fn read(path: &Path) -> poslab::Result<String> {
+        Ok(std::fs::read_to_string(path)?)
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let err = read(&dir.path().join("absent.txt")).unwrap_err();
+    assert!(matches!(err, poslab::Error::Io { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.starts_with("No such file or directory"), "{text}");
+}

@@ -932,6 +932,14 @@ fn an_experiment_is_checked_and_costed_before_it_runs() {
     );
     assert!(text.contains("total: 3 cells"), "{text}");
     assert!(!d.join("runs").exists(), "a dry run writes nothing");
+    // One of a kind is counted in the singular.
+    std::fs::write(d.join("one.toml"), RUN.replace("seeds = 2", "seeds = 1")).unwrap();
+    let out = poslab(d, &["compare", "one.toml", "--dry-run"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("2 tasks x 2 variants x 1 seed = 4 cells"),
+        "{text}"
+    );
     // What only the data can show (randomized positions fewer than the inputs' tokens) is
     // found before anything runs.
     std::fs::write(
