@@ -83,22 +83,25 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// Creates the folder `dir` and its parents. A file where a folder must be is named, with the
 /// fix, instead of the system's "File exists" or "Not a directory".
 pub fn create_folder(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| {
-        let blocking = dir
-            .ancestors()
-            .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir());
-        match blocking {
-            Some(file) if file == dir => Error::Input(format!(
-                "{} is a file, not a folder: give a folder's path",
-                dir.display()
-            )),
-            Some(file) => Error::Input(format!(
-                "{}: {} is a file, not a folder: give a folder's path",
-                dir.display(),
-                file.display()
-            )),
-            None => Error::io(dir, e),
-        }
+    std::fs::create_dir_all(dir).map_err(|e| not_a_folder(dir).unwrap_or_else(|| Error::io(dir, e)))
+}
+
+/// The error of a folder path that is a file, or lies under one; `None` when it can be a
+/// folder (it is one, or could be made).
+pub fn not_a_folder(dir: &Path) -> Option<Error> {
+    let blocking = dir
+        .ancestors()
+        .find(|a| !a.as_os_str().is_empty() && a.exists() && !a.is_dir())?;
+    Some(match blocking == dir {
+        true => Error::Input(format!(
+            "{} is a file, not a folder: give a folder's path",
+            dir.display()
+        )),
+        false => Error::Input(format!(
+            "{}: {} is a file, not a folder: give a folder's path",
+            dir.display(),
+            blocking.display()
+        )),
     })
 }
 

@@ -320,18 +320,15 @@ pub fn open(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Opened> {
 /// the error it would give (a writer at work in the folder included), or what it would start
 /// or continue there. A dry run says this before anything is spent.
 pub fn preview(dir: &Path, plan: &Plan, overwrite: bool) -> Result<Preview> {
+    // What `create_folder` refuses; a path that is simply absent is a new folder.
+    if let Some(e) = crate::io::not_a_folder(dir) {
+        return Err(e);
+    }
     if dir.symlink_metadata().is_err() {
-        // `create_folder` refuses a path under a file; a path that is simply absent is new.
-        return match dir.ancestors().skip(1).find(|a| a.exists()) {
-            Some(a) if !a.is_dir() => Err(Error::Input(format!(
-                "{}: {} is a file, not a folder: give a folder's path",
-                dir.display(),
-                a.display()
-            ))),
-            _ => Ok(Preview::NewFolder),
-        };
+        return Ok(Preview::NewFolder);
     }
     if !dir.is_dir() {
+        // A link to nowhere, which `exists` does not see: no folder either.
         return Err(Error::Input(format!(
             "{} is a file, not a folder: give a folder's path",
             dir.display()

@@ -793,10 +793,10 @@ impl TaskSpec {
         let [lo, hi] = self
             .lengths
             .expect("validated: generated tasks have lengths");
+        // The first `n` examples of a split, lengths drawn at random.
         let make = |split: &str, n: usize, lengths: [usize; 2]| -> Vec<Example> {
             let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
-            let cap = if split == "train" { train_cap } else { cap };
-            (0..n.min(cap))
+            (0..n)
                 .map(|_| {
                     let len = rng.random_range(lengths[0]..=lengths[1]);
                     g.example(&mut rng, len)
@@ -825,7 +825,7 @@ impl TaskSpec {
                         name: format!("{f}x"),
                         factor: Some(f),
                         lengths,
-                        examples: make(&format!("test{f}x"), n_eval, lengths),
+                        examples: make(&format!("test{f}x"), n_eval.min(cap), lengths),
                     }
                 })
                 .collect()
@@ -843,12 +843,9 @@ impl TaskSpec {
                 })
                 .collect()
         };
-        let train = make(
-            "train",
-            self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES),
-            [lo, hi],
-        );
-        let valid = make("valid", n_eval, [lo, hi]);
+        let n_train = self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES);
+        let train = make("train", n_train.min(train_cap), [lo, hi]);
+        let valid = make("valid", n_eval.min(cap), [lo, hi]);
         let (objective, vocabulary) = g.objective();
         Ok(Splits {
             train,

@@ -478,12 +478,35 @@ fn edited(d: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Pa
     dir
 }
 
+/// An edit of a finished run's results.json.
+type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+
+/// Each `(name, edit, expected)`: the finished run's results edited into folder `name`, which
+/// `report` refuses (exit 1) in one line naming the file and holding every `expected`,
+/// writing nothing.
+fn refused_edits(d: &Path, cases: Vec<(&str, Edit, &[&str])>) {
+    for (name, edit, expected) in cases {
+        edited(d, name, edit);
+        let out = poslab(d, &["report", name, "--out", &format!("{name}-merged")]);
+        let e = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{name}: {e}");
+        let file = format!("{name}/results.json");
+        assert!(
+            e.contains(&file) && expected.iter().all(|x| e.contains(x)) && e.lines().count() == 1,
+            "{name}: {e}"
+        );
+        assert!(
+            !d.join(format!("{name}-merged")).exists(),
+            "{name}: nothing written"
+        );
+    }
+}
+
 #[test]
 fn report_refuses_what_a_results_file_should_not_hold() {
     let (root, _) = setup();
     let d = root.path();
     let cell = |j: &mut serde_json::Value, i: usize| j["cells"][i].clone();
-    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Edit, &[&str])> = vec![
         (
             "duplicated",
@@ -576,21 +599,7 @@ fn report_refuses_what_a_results_file_should_not_hold() {
             &["cell reverse_string/rope/seed0", "test `7-9`"],
         ),
     ];
-    for (name, edit, expected) in cases {
-        edited(d, name, edit);
-        let out = poslab(d, &["report", name, "--out", &format!("{name}-merged")]);
-        let e = stderr(&out);
-        assert_eq!(out.status.code(), Some(1), "{name}: {e}");
-        let file = format!("{name}/results.json");
-        assert!(
-            e.contains(&file) && expected.iter().all(|x| e.contains(x)) && e.lines().count() == 1,
-            "{name}: {e}"
-        );
-        assert!(
-            !d.join(format!("{name}-merged")).exists(),
-            "{name}: nothing written"
-        );
-    }
+    refused_edits(d, cases);
     // An unfinished run: refused, saying how to finish it; with --allow-partial its finished
     // cells are merged and the report says it is partial (exit status 3).
     let killed = compare(d, "unfinished", &["--kill-at", "cell-2-done"]);
@@ -721,7 +730,6 @@ fn a_cell_carries_the_fingerprint_of_the_config_that_made_it() {
         serde_json::from_slice(&read(d.join("other/results.json"))).unwrap();
     let spliced = theirs["cells"][0].clone();
     assert_eq!(spliced["task"], "word_order");
-    type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Edit, &[&str])> = vec![
         (
             "spliced",
@@ -765,17 +773,7 @@ fn a_cell_carries_the_fingerprint_of_the_config_that_made_it() {
             ],
         ),
     ];
-    for (name, edit, expected) in cases {
-        edited(d, name, edit);
-        let out = poslab(d, &["report", name, "--out", &format!("{name}-merged")]);
-        let e = stderr(&out);
-        assert_eq!(out.status.code(), Some(1), "{name}: {e}");
-        assert!(
-            e.contains(&format!("{name}/results.json")) && expected.iter().all(|x| e.contains(x)),
-            "{name}: {e}"
-        );
-        assert!(!d.join(format!("{name}-merged")).exists(), "{name}");
-    }
+    refused_edits(d, cases);
     // The untouched results merge (the checks refuse only what is wrong).
     edited(d, "untouched", |_| {});
     assert_ok(
