@@ -86,6 +86,19 @@ pub fn render_png(
     crate::io::write_atomic(path, &bytes)
 }
 
+/// A band between two curves, lightly filled: `(x, low, high)` by increasing `x`; `None`
+/// where there is nothing to fill (one point, or every `low` equal to its `high`).
+pub fn band(points: &[(f64, f64, f64)], color: RGBColor) -> Option<Polygon<(f64, f64)>> {
+    (points.len() > 1 && points.iter().any(|p| p.2 > p.1)).then(|| {
+        let upper = points.iter().map(|p| (p.0, p.2));
+        let lower = points.iter().rev().map(|p| (p.0, p.1));
+        Polygon::new(
+            upper.chain(lower).collect::<Vec<_>>(),
+            color.mix(0.15).filled(),
+        )
+    })
+}
+
 /// Blue (negative) through white to red (positive), for `v` in `[-1, 1]`.
 pub fn diverging(v: f64) -> RGBColor {
     let v = v.clamp(-1.0, 1.0);

@@ -132,7 +132,7 @@ pub fn run(a: Args) -> Result<()> {
     let output = run::run(&config, &options, &|line| eprintln!("{line}"))?;
     outln!("{}", output.table);
     outln!(
-        "run folder: {} (report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
+        "run folder: {} (report.html, report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",
         dir.display()
     );
     if let Some(s) = shard {

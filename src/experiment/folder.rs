@@ -46,12 +46,13 @@ const MODEL_FILES: [&str; 3] = [
 ];
 /// The report files every run and merge writes at the top of its folder (`results.json` last:
 /// its presence says the folder is complete).
-pub const REPORT_FILES: [&str; 6] = [
+pub const REPORT_FILES: [&str; 7] = [
     CONFIG_TOML,
     TIMING_JSON,
     "results.csv",
     "summary.csv",
     "report.md",
+    "report.html",
     RESULTS_JSON,
 ];
 

@@ -5,8 +5,10 @@
 //! embedding scale). [`run::run`] trains every selected cell (task x variant x seed) and
 //! [`report`] turns the records into tables, files and plots.
 
+pub mod curves;
 pub mod estimate;
 pub mod folder;
+pub mod html;
 pub mod job;
 pub mod plot;
 pub mod prepare;

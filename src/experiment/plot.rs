@@ -1,9 +1,11 @@
-//! PNG plots of a comparison: training loss per variant, score against input length.
+//! PNG plots of a comparison: training loss per variant, score against input length, each a
+//! mean over seeds with the band from the lowest seed to the highest ([`super::curves`]).
 
 use std::path::Path;
 
 use plotters::prelude::*;
 
+use super::curves::{self, Curve, LENGTHS};
 use super::results::{Outcome, Results, TaskInfo};
 use crate::error::Result;
 use crate::plot::{palette, render_png, FONT};
@@ -24,37 +26,12 @@ pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
     super::suite_plot::suite_plot(&dir.join("length_suite.png"), results)
 }
 
-/// Mean over seeds of each variant's training-loss curve.
-fn mean_curves(task: &TaskInfo, results: &Results) -> Vec<(String, Vec<(f64, f64)>)> {
-    results
-        .variants
-        .iter()
-        .filter_map(|v| {
-            let curves: Vec<&Vec<[f64; 2]>> = results
-                .cells
-                .iter()
-                .filter(|c| c.task == task.name && c.variant == v.name)
-                .map(|c| &c.summary.loss_curve)
-                .collect();
-            let n = curves.iter().map(|c| c.len()).min()?;
-            let mean = (0..n)
-                .map(|i| {
-                    let step = curves[0][i][0];
-                    let loss = curves.iter().map(|c| c[i][1]).sum::<f64>() / curves.len() as f64;
-                    (step, loss)
-                })
-                .collect();
-            Some((v.name.clone(), mean))
-        })
-        .collect()
-}
-
 fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
-    let curves = mean_curves(task, results);
-    let points = curves.iter().flat_map(|(_, c)| c.iter());
-    let max_step = points.clone().map(|p| p.0).fold(1.0, f64::max);
+    let curves = curves::loss_curves(results, task);
+    let points = curves.iter().flat_map(|c| c.points.iter());
+    let max_step = points.clone().map(|p| p.x).fold(1.0, f64::max);
     let (lo, hi) = points
-        .map(|p| p.1)
+        .flat_map(|p| [p.low, p.high])
         .filter(|l| l.is_finite() && *l > 0.0)
         .fold((f64::INFINITY, 0.0f64), |(lo, hi), l| {
             (lo.min(l), hi.max(l))
@@ -67,7 +44,10 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
     render_png(path, (960, 600), |area| {
         let mut chart = ChartBuilder::on(area)
             .caption(
-                format!("{}: training loss (mean over seeds)", task.name),
+                format!(
+                    "{}: training loss (mean over seeds; band: lowest to highest seed)",
+                    task.name
+                ),
                 (FONT, 26),
             )
             .margin(16)
@@ -82,14 +62,16 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
             .axis_desc_style((FONT, 18))
             .label_style((FONT, 14))
             .draw()?;
-        for (i, (name, curve)) in curves.iter().enumerate() {
+        for (i, curve) in curves.iter().enumerate() {
             let color = palette(i);
+            let floor = |v: f64| v.max(lo);
+            chart.draw_series(band(curve, color, floor))?;
             chart
                 .draw_series(LineSeries::new(
-                    curve.iter().copied(),
+                    curve.points.iter().map(|p| (p.x, floor(p.mean))),
                     color.stroke_width(2),
                 ))?
-                .label(name.as_str())
+                .label(curve.variant.as_str())
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
                 });
@@ -105,35 +87,40 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
     })
 }
 
-fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
-    // x: the middle of each test set's length range; y: score in %, mean with min..max whiskers.
-    let xs: Vec<f64> = task
-        .tests
+/// A curve's band, from its lowest seed to its highest (`clip` bounds a value to the chart).
+fn band(curve: &Curve, color: RGBColor, clip: impl Fn(f64) -> f64) -> Option<Polygon<(f64, f64)>> {
+    let points: Vec<(f64, f64, f64)> = curve
+        .points
         .iter()
-        .map(|t| (t.lengths[0] + t.lengths[1]) as f64 / 2.0)
+        .map(|p| (p.x, clip(p.low), clip(p.high)))
         .collect();
-    let x_max = xs.iter().copied().fold(1.0, f64::max) * 1.08;
-    // (variant, [(x, min, mean, max)])
-    type Series = Vec<(String, Vec<(f64, f64, f64, f64)>)>;
-    let series: Series = results
+    crate::plot::band(&points, color)
+}
+
+fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
+    // Each variant: its accuracy at every tested length, pooled over the test sets, mean over
+    // seeds with the seeds' band; the shuffle and shift tests as markers at the middle of the
+    // lengths they run at, with whiskers from the lowest seed to the highest.
+    let curves = curves::length_curves(results, task, LENGTHS);
+    let x_max = task.tests.iter().map(|t| t.lengths[1]).max().unwrap_or(1) as f64 * 1.04;
+    let base_x = task
+        .base_test()
+        .map_or(0.0, |t| (t.lengths[0] + t.lengths[1]) as f64 / 2.0);
+    let order_tests: Vec<String> = curves::evaluations(task).into_iter().skip(1).collect();
+    // (variant index, test index, min, mean, max)
+    let markers: Vec<(usize, usize, f64, f64, f64)> = results
         .variants
         .iter()
-        .map(|v| {
-            let summary = results
+        .enumerate()
+        .flat_map(|(i, v)| {
+            let row = results
                 .summary
                 .iter()
                 .find(|r| r.task == task.name && r.variant == v.name);
-            let points = task
-                .tests
-                .iter()
-                .zip(&xs)
-                .filter_map(|(t, &x)| {
-                    let col = summary?.columns.iter().find(|c| c.name == t.name)?;
-                    let s = col.accuracy?;
-                    Some((x, 100.0 * s.min, 100.0 * s.mean, 100.0 * s.max))
-                })
-                .collect();
-            (v.name.clone(), points)
+            order_tests.iter().enumerate().filter_map(move |(k, name)| {
+                let s = row?.columns.iter().find(|c| &c.name == name)?.accuracy?;
+                Some((i, k, 100.0 * s.min, 100.0 * s.mean, 100.0 * s.max))
+            })
         })
         .collect();
     let unavailable: Vec<String> = results
@@ -164,13 +151,20 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
             .build_cartesian_2d(0.0..x_max, 0.0..102.0)?;
         chart
             .configure_mesh()
-            .x_desc("input length of the test set: the middle of its range (words)")
+            .x_desc("input length (every test set; band: lowest to highest seed)")
             .y_desc(format!("{} (%)", task.metric))
             .x_label_formatter(&|x| format!("{x:.0}"))
             .y_label_formatter(&|y| format!("{y:.0}"))
             .axis_desc_style((FONT, 18))
             .label_style((FONT, 14))
             .draw()?;
+        let trained = task.train_lengths[1] as f64 + 0.5;
+        chart.draw_series(DashedLineSeries::new(
+            vec![(trained, 0.0), (trained, 102.0)],
+            6,
+            5,
+            BLACK.mix(0.5).stroke_width(1),
+        ))?;
         if let Some(c) = &task.order_blind_ceiling {
             let y = 100.0 * c.accuracy;
             chart
@@ -185,28 +179,41 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
                     PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.6).stroke_width(2))
                 });
         }
-        let n = series.len().max(1) as f64;
-        for (i, (name, points)) in series.iter().enumerate() {
-            let color = palette(i);
-            // Spread variants sideways a little so whiskers do not hide each other.
-            let dx = (i as f64 - (n - 1.0) / 2.0) * x_max * 0.006;
+        let index = |name: &str| results.variants.iter().position(|v| v.name == name);
+        for curve in &curves {
+            let color = palette(index(&curve.variant).unwrap_or(0));
+            chart.draw_series(band(curve, color, |v| v))?;
             chart
                 .draw_series(LineSeries::new(
-                    points.iter().map(|p| (p.0 + dx, p.2)),
+                    curve.points.iter().map(|p| (p.x, p.mean)),
                     color.stroke_width(2),
                 ))?
-                .label(name.as_str())
+                .label(curve.variant.as_str())
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
                 });
-            chart.draw_series(points.iter().map(|p| {
-                ErrorBar::new_vertical(p.0 + dx, p.1, p.2, p.3, color.stroke_width(2), 10)
-            }))?;
-            chart.draw_series(
-                points
-                    .iter()
-                    .map(|p| Circle::new((p.0 + dx, p.2), 4, color.filled())),
-            )?;
+        }
+        // Markers, spread sideways a little so whiskers do not hide each other.
+        let n = results.variants.len().max(1) as f64;
+        for &(i, k, lo, mean, hi) in &markers {
+            let color = palette(i);
+            let x = base_x + (i as f64 - (n - 1.0) / 2.0) * x_max * 0.008;
+            chart.draw_series([ErrorBar::new_vertical(
+                x,
+                lo,
+                mean,
+                hi,
+                color.stroke_width(2),
+                8,
+            )])?;
+            match k {
+                0 if task.shuffle_test => {
+                    chart.draw_series([TriangleMarker::new((x, mean), 6, color.filled())])?;
+                }
+                _ => {
+                    chart.draw_series([Cross::new((x, mean), 5, color.stroke_width(2))])?;
+                }
+            }
         }
         chart
             .configure_series_labels()
@@ -215,16 +222,29 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
             .label_font((FONT, 15))
             .position(SeriesLabelPosition::LowerLeft)
             .draw()?;
+        let mut foot = format!(
+            "dashed vertical: the longest trained length; at {base_x:.0}: {}",
+            order_tests
+                .iter()
+                .enumerate()
+                .map(|(k, t)| match k {
+                    0 if task.shuffle_test => format!("{t} (triangle)"),
+                    _ => format!("{t} (cross)"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         if !unavailable.is_empty() {
-            area.draw(&Text::new(
-                format!(
-                    "not runnable (learned table too short): {}",
-                    unavailable.join(", ")
-                ),
-                (90, 582),
-                (FONT, 13).into_font().color(&BLACK.mix(0.7)),
-            ))?;
+            foot.push_str(&format!(
+                "; not runnable (learned table too short): {}",
+                unavailable.join(", ")
+            ));
         }
+        area.draw(&Text::new(
+            foot,
+            (90, 582),
+            (FONT, 13).into_font().color(&BLACK.mix(0.7)),
+        ))?;
         Ok(())
     })
 }

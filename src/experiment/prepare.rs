@@ -5,7 +5,8 @@
 use candle::{DType, Device};
 
 use super::results::{
-    shift_column, Evaluation, Examples, Outcome, TaskInfo, TestInfo, SCORE, SHUFFLED,
+    base_test_index, shift_column, Evaluation, Examples, Outcome, TaskInfo, TestInfo, SCORE,
+    SHUFFLED,
 };
 use crate::config::ModelConfig;
 use crate::data::{Dataset, MlmMasking};
@@ -95,11 +96,7 @@ pub(crate) fn prepare(
         })
         .collect();
     // The order tests run on the test set at the training lengths (the first of a range list).
-    let base = data
-        .tests
-        .iter()
-        .position(|t| t.factor == Some(1))
-        .unwrap_or(0);
+    let base = base_test_index(data.tests.iter().map(|t| t.factor));
     let base_seed = mask_seed(&data.tests[base]);
     let shuffle_test = matches!(data.objective, Objective::Classify { .. });
     if shuffle_test {
@@ -155,6 +152,8 @@ fn task_info(
     shuffle_test: bool,
     notes: Vec<String>,
 ) -> TaskInfo {
+    // The length suite's outcomes are stratified by length; other tests record each example's.
+    let suite = matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_));
     TaskInfo {
         name: spec.name.clone(),
         kind: spec.kind.name().into(),
@@ -167,6 +166,10 @@ fn task_info(
                 name: t.name.clone(),
                 factor: t.factor,
                 lengths: t.tested_lengths(),
+                examples: t.examples.len(),
+                example_lengths: (!suite).then(|| {
+                    TestInfo::pack_lengths(t.examples.iter().map(crate::tasks::Example::length))
+                }),
             })
             .collect(),
         shift: Some(shift),
@@ -174,8 +177,7 @@ fn task_info(
         order_blind_ceiling: data.order_blind_ceiling.clone(),
         vocab_size: data.tokenizer.vocab_size(),
         notes,
-        score_above: matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_))
-            .then(|| spec.lengths.map_or(0, |l| l[1])),
+        score_above: suite.then(|| spec.lengths.map_or(0, |l| l[1])),
     }
 }
 

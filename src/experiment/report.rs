@@ -6,11 +6,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::folder::{self, FolderKind, Manifest};
-use super::plot;
 use super::results::{
     Aggregate, CellResult, Outcome, Partial, Results, Stat, SummaryRow, TaskInfo, Timing, SCORE,
 };
 use super::verdict;
+use super::{html, plot};
 use super::{ExperimentConfig, Selection, Shard};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, FolderLock};
@@ -98,10 +98,21 @@ fn task_tables(
         right: vec![false, false, true, true],
         ..TextTable::default()
     };
+    // A test set's size beside its name, where the record has it.
+    let size = |n: usize| match n {
+        0 => String::new(),
+        n => format!(", n={n}"),
+    };
     for t in &task.tests {
         scores.header.push(match t.factor {
-            Some(_) => format!("{} (len {}-{})", t.name, t.lengths[0], t.lengths[1]),
-            None => format!("len {}-{}", t.lengths[0], t.lengths[1]),
+            Some(_) => format!(
+                "{} (len {}-{}{})",
+                t.name,
+                t.lengths[0],
+                t.lengths[1],
+                size(t.examples)
+            ),
+            None => format!("len {}-{}{}", t.lengths[0], t.lengths[1], size(t.examples)),
         });
         scores.right.push(true);
     }
@@ -121,9 +132,14 @@ fn task_tables(
         ..TextTable::default()
     });
     let order_cols: Vec<String> = task.columns().into_iter().skip(task.tests.len()).collect();
+    let base = task.base_test().map_or(0, |t| t.examples);
     let mut tests = TextTable {
         header: std::iter::once("variant".to_string())
-            .chain(order_cols.iter().cloned())
+            .chain(order_cols.iter().map(|c| match c.as_str() {
+                super::results::SCORE => c.clone(),
+                _ if base > 0 => format!("{c} (n={base})"),
+                _ => c.clone(),
+            }))
             .chain(["train loss", "tokens/s", "s/run"].map(String::from))
             .collect(),
         right: std::iter::once(false)
@@ -740,10 +756,42 @@ pub fn write_report_with(
         &dir.join("report.md"),
         markdown_report(results, timings, sources).as_bytes(),
     )?;
+    write_atomic(
+        &dir.join("report.html"),
+        html_report(results, timings, sources).as_bytes(),
+    )?;
     plot::draw_all(&dir.join("plots"), results)?;
     before_results();
     write_atomic(&dir.join(RESULTS_JSON), pretty_json(results).as_bytes())?;
     Ok(text_report(results, timings))
+}
+
+/// `report.html`: the verdicts, and each task's tables as `report.md` lays them out, with its
+/// curves.
+fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> String {
+    let sections = sections(results, timings);
+    let tasks: Vec<html::TaskTables> = sections
+        .iter()
+        .map(|s| html::TaskTables {
+            task: s.task,
+            heading: s.heading.clone(),
+            tables: [
+                ("scores by test set", Some(&s.scores)),
+                ("order tests and cost", Some(&s.tests)),
+                ("whole-sequence accuracy in %", s.sequences.as_ref()),
+            ]
+            .into_iter()
+            .filter_map(|(title, t)| Some((title, t?)))
+            .collect(),
+            notes: s.notes.clone(),
+        })
+        .collect();
+    let texts = html::Texts {
+        legend: verdict_legend(results),
+        method: COMPARISON_METHOD,
+        sources,
+    };
+    html::page(results, &tasks, &texts)
 }
 
 fn pretty_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
@@ -1091,6 +1139,9 @@ fn rows_base<'a>(config: &'a ExperimentConfig, row: &str) -> Option<&'a str> {
 
 /// A task's tests as recorded against what its config asks for.
 fn check_task(spec: &crate::tasks::TaskSpec, task: &TaskInfo) -> std::result::Result<(), String> {
+    for test in &task.tests {
+        test.lengths_of_examples()?;
+    }
     let ranges = spec.test_ranges();
     if ranges.is_empty() {
         return Ok(()); // read from files: tested at the files' own lengths
@@ -1197,8 +1248,22 @@ fn check_cell(
     }
     for e in &c.summary.evaluations {
         let test = task.tests.iter().find(|t| t.name == e.name);
+        // The test set these examples are of: its own, or the one the shuffle and shift tests
+        // run on (the length suite's score gathers several).
+        let size = match test {
+            Some(t) => t.examples,
+            None if e.name == super::results::SCORE => 0,
+            None => task.base_test().map_or(0, |t| t.examples),
+        };
+        let sized = |()| match e.examples.as_ref().map(|x| x.len()) {
+            Some(n) if size > 0 && n != size => Err(format!(
+                "{n} example outcomes, but the test set has {size} examples"
+            )),
+            _ => Ok(()),
+        };
         if let Err(why) = check_outcome(task, test, &e.name, &e.outcome)
             .and_then(|()| check_examples(&e.outcome, e.examples.as_ref()))
+            .and_then(sized)
         {
             return bad(format!("test `{}`: {why}", e.name));
         }

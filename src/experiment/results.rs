@@ -24,6 +24,49 @@ pub struct TestInfo {
     /// Inclusive range of the lengths tested (in words, or the length suite's input lengths):
     /// the shortest and the longest example of the test set.
     pub lengths: [usize; 2],
+    /// How many examples the test set has (the shuffle and shift tests run on the first test
+    /// set's examples). `0` in records made before poslab counted them.
+    #[serde(default)]
+    pub examples: usize,
+    /// Every example's length, in the test set's order, where its outcomes do not say it
+    /// themselves (the length suite's do, by stratum): packed as [`Examples`] packs outcomes.
+    /// What the curves by length read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub example_lengths: Option<String>,
+}
+
+impl TestInfo {
+    /// Packs the lengths of a test set's examples, in order, for [`TestInfo::example_lengths`].
+    pub fn pack_lengths(lengths: impl Iterator<Item = usize>) -> String {
+        pack_varints(lengths.map(|l| u32::try_from(l).unwrap_or(u32::MAX)))
+    }
+
+    /// Each example's length, in order, checked against the test's size and its range; `None`
+    /// where they are not recorded.
+    pub fn lengths_of_examples(&self) -> std::result::Result<Option<Vec<usize>>, String> {
+        let Some(packed) = &self.example_lengths else {
+            return Ok(None);
+        };
+        if self.examples == 0 || self.examples > MAX_EXAMPLES {
+            return Err(format!(
+                "test `{}`: example lengths for {} examples (1 to {MAX_EXAMPLES} are recorded)",
+                self.name, self.examples
+            ));
+        }
+        let lengths = unpack_varints(packed, self.examples, "example lengths")
+            .map_err(|e| format!("test `{}`: {e}", self.name))?;
+        let [lo, hi] = self.lengths;
+        match lengths
+            .iter()
+            .find(|&&l| (l as usize) < lo || (l as usize) > hi)
+        {
+            Some(l) => Err(format!(
+                "test `{}`: an example of length {l} outside its lengths {lo}-{hi}",
+                self.name
+            )),
+            None => Ok(Some(lengths.into_iter().map(|l| l as usize).collect())),
+        }
+    }
 }
 
 /// A task as the results record it: what it measures, at which lengths, and which columns it has.
@@ -57,6 +100,13 @@ pub struct TaskInfo {
 }
 
 impl TaskInfo {
+    /// The test set the shuffle and shift tests run on: the one at the training lengths (the
+    /// first of a range list).
+    pub fn base_test(&self) -> Option<&TestInfo> {
+        let i = base_test_index(self.tests.iter().map(|t| t.factor));
+        self.tests.get(i)
+    }
+
     /// Every evaluation column, in report order.
     pub fn columns(&self) -> Vec<String> {
         let mut cols: Vec<String> = self.tests.iter().map(|t| t.name.clone()).collect();
@@ -71,6 +121,12 @@ impl TaskInfo {
         }
         cols
     }
+}
+
+/// Which of the test sets, with these factors in order, the shuffle and shift tests run on:
+/// the one at the training lengths (factor 1), else the first.
+pub fn base_test_index(factors: impl Iterator<Item = Option<usize>>) -> usize {
+    factors.into_iter().position(|f| f == Some(1)).unwrap_or(0)
 }
 
 /// The shuffle test's column: accuracy on test sentences with their words shuffled.
@@ -197,30 +253,12 @@ pub struct Examples {
 impl Examples {
     /// Packs `(stratum, examples' (right, counted))` in order.
     pub fn pack(strata: &[(usize, Vec<(u32, u32)>)]) -> Self {
-        use base64::Engine as _;
-        let varints = |f: fn(&(u32, u32)) -> u32| {
-            let mut bytes = Vec::new();
-            for (_, examples) in strata {
-                for e in examples {
-                    let mut v = f(e);
-                    loop {
-                        let low = (v & 0x7f) as u8;
-                        v >>= 7;
-                        if v == 0 {
-                            bytes.push(low);
-                            break;
-                        }
-                        bytes.push(low | 0x80);
-                    }
-                }
-            }
-            base64::engine::general_purpose::STANDARD.encode(bytes)
-        };
-        let all_one = strata.iter().all(|(_, e)| e.iter().all(|(_, c)| *c == 1));
+        let all = || strata.iter().flat_map(|(_, e)| e.iter());
+        let all_one = all().all(|(_, c)| *c == 1);
         Self {
             strata: strata.iter().map(|(k, e)| [*k, e.len()]).collect(),
-            right: varints(|e| e.0),
-            counted: (!all_one).then(|| varints(|e| e.1)),
+            right: pack_varints(all().map(|e| e.0)),
+            counted: (!all_one).then(|| pack_varints(all().map(|e| e.1))),
         }
     }
 
@@ -240,7 +278,6 @@ impl Examples {
     /// The outcomes back, checked: as many as the strata say, none right beyond its counted
     /// outputs, strata in increasing order; else what is wrong.
     pub fn unpack(&self) -> std::result::Result<super::verdict::ExampleOutcomes, String> {
-        use base64::Engine as _;
         let n = self.len();
         if n == 0 || n > MAX_EXAMPLES {
             return Err(format!("{n} examples (1 to {MAX_EXAMPLES} are recorded)"));
@@ -248,35 +285,9 @@ impl Examples {
         if self.strata.windows(2).any(|w| w[0][0] >= w[1][0]) {
             return Err("strata out of order".into());
         }
-        let decode = |s: &str, what: &str| -> std::result::Result<Vec<u32>, String> {
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(s)
-                .map_err(|e| format!("{what}: not base64 ({e})"))?;
-            let mut out = Vec::with_capacity(n);
-            let (mut v, mut shift) = (0u64, 0u32);
-            for b in bytes {
-                v |= u64::from(b & 0x7f) << shift;
-                shift += 7;
-                if shift > 35 || v > u64::from(u32::MAX) {
-                    return Err(format!("{what}: a value beyond 32 bits"));
-                }
-                if b & 0x80 == 0 {
-                    out.push(v as u32);
-                    (v, shift) = (0, 0);
-                }
-            }
-            if shift != 0 || out.len() != n {
-                return Err(format!(
-                    "{what}: {} values for {n} examples{}",
-                    out.len(),
-                    if shift != 0 { " and a cut one" } else { "" }
-                ));
-            }
-            Ok(out)
-        };
-        let right = decode(&self.right, "right outputs")?;
+        let right = unpack_varints(&self.right, n, "right outputs")?;
         let counted = match &self.counted {
-            Some(c) => decode(c, "counted outputs")?,
+            Some(c) => unpack_varints(c, n, "counted outputs")?,
             None => vec![1; n],
         };
         if let Some(i) = (0..n).find(|&i| right[i] > counted[i] || counted[i] == 0) {
@@ -297,6 +308,53 @@ impl Examples {
             .collect();
         Ok(super::verdict::ExampleOutcomes { strata })
     }
+}
+
+/// `values` as unsigned LEB128 varints, in base64 (standard alphabet, padded).
+fn pack_varints(values: impl Iterator<Item = u32>) -> String {
+    use base64::Engine as _;
+    let mut bytes = Vec::new();
+    for mut v in values {
+        loop {
+            let low = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                bytes.push(low);
+                break;
+            }
+            bytes.push(low | 0x80);
+        }
+    }
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The `n` values [`pack_varints`] packed into `s`, checked; `what` names them in an error.
+fn unpack_varints(s: &str, n: usize, what: &str) -> std::result::Result<Vec<u32>, String> {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| format!("{what}: not base64 ({e})"))?;
+    let mut out = Vec::with_capacity(n.min(bytes.len()));
+    let (mut v, mut shift) = (0u64, 0u32);
+    for b in bytes {
+        v |= u64::from(b & 0x7f) << shift;
+        shift += 7;
+        if shift > 35 || v > u64::from(u32::MAX) {
+            return Err(format!("{what}: a value beyond 32 bits"));
+        }
+        if b & 0x80 == 0 {
+            out.push(v as u32);
+            (v, shift) = (0, 0);
+        }
+    }
+    if shift != 0 || out.len() != n {
+        return Err(format!(
+            "{what}: {} values for {n} examples{}",
+            out.len(),
+            if shift != 0 { " and a cut one" } else { "" }
+        ));
+    }
+    Ok(out)
 }
 
 /// What training and testing one model came to: the part a cell's record (`results.json`) and

@@ -3,68 +3,18 @@
 //!
 //! Each variant is a line of the mean over seeds of the per-length accuracy, averaged over bins
 //! of lengths so that a few examples per length still read as a curve (bins never straddle the
-//! training maximum, drawn as a dashed vertical line). A scheme keeps its colour; its
+//! training maximum, drawn as a dashed vertical line; see [`super::curves`]), with the band
+//! from the lowest seed to the highest on a task's own plot. A scheme keeps its colour; its
 //! randomized-positions variant is the dashed line of the same colour.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::results::{Outcome, Results, TaskInfo};
+use super::curves::{length_curves, LENGTHS};
+use super::results::{Results, TaskInfo};
 use crate::error::Result;
 use crate::plot::{palette, render_png, FONT};
-
-/// Lengths per plotted point: about 40 points over the tested lengths.
-fn bin_width(max_length: usize) -> usize {
-    max_length.div_ceil(40).max(1)
-}
-
-/// The mean over seeds of `variant`'s accuracy at each tested length of `task`, binned: `(x, y
-/// in %)` with `x` the mean length of the bin.
-fn curve(results: &Results, task: &TaskInfo, variant: &str) -> Vec<(f64, f64)> {
-    let mut by_length: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-    for c in results
-        .cells
-        .iter()
-        .filter(|c| c.task == task.name && c.variant == variant)
-    {
-        for e in c
-            .summary
-            .evaluations
-            .iter()
-            .filter(|e| task.tests.iter().any(|t| t.name == e.name))
-        {
-            if let Outcome::Scored { by_length: b, .. } = &e.outcome {
-                for s in b {
-                    by_length.entry(s.length).or_default().push(s.accuracy);
-                }
-            }
-        }
-    }
-    let above = task.score_above.unwrap_or(usize::MAX);
-    let max = by_length.keys().next_back().copied().unwrap_or(1);
-    let w = bin_width(max);
-    // Bins of `w` lengths from 1, restarting after the training maximum.
-    let bin = |l: usize| {
-        if l <= above {
-            (0, (l - 1) / w)
-        } else {
-            (1, (l - above - 1) / w)
-        }
-    };
-    let mut bins: BTreeMap<(u8, usize), (f64, f64, usize)> = BTreeMap::new();
-    for (l, accs) in by_length {
-        let mean = accs.iter().sum::<f64>() / accs.len() as f64;
-        let b = bins.entry(bin(l)).or_default();
-        b.0 += l as f64;
-        b.1 += mean;
-        b.2 += 1;
-    }
-    bins.into_values()
-        .map(|(l, a, n)| (l / n as f64, 100.0 * a / n as f64))
-        .collect()
-}
 
 /// `(variant, colour index, dashed)` of every variant with results on `task`: colours by
 /// scheme in order of appearance, dashed for randomized positions.
@@ -140,9 +90,18 @@ fn draw_task(
         ))?;
     }
     let width = if small { 1 } else { 2 };
+    let curves = length_curves(results, task, LENGTHS);
     for (name, colour, dashed) in styles(results, &task.name) {
-        let points = curve(results, task, &name);
+        let Some(curve) = curves.iter().find(|c| c.variant == name) else {
+            continue;
+        };
         let color = palette(colour);
+        if !small {
+            let points: Vec<(f64, f64, f64)> =
+                curve.points.iter().map(|p| (p.x, p.low, p.high)).collect();
+            chart.draw_series(crate::plot::band(&points, color))?;
+        }
+        let points: Vec<(f64, f64)> = curve.points.iter().map(|p| (p.x, p.mean)).collect();
         let style = color.stroke_width(width);
         let series = if dashed {
             chart.draw_series(DashedLineSeries::new(points, 7, 4, style))?

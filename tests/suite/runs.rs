@@ -814,9 +814,12 @@ fn test_ranges_are_tested_at_every_length_their_columns_name() {
         for (test, set) in task.tests.iter().zip(&data.tests) {
             let [a, b] = test.lengths;
             assert_eq!([a, b], set.tested_lengths(), "{}", test.name);
+            // With the test set's size, which is its examples'.
+            assert_eq!(test.examples, set.examples.len(), "{}", test.name);
+            let n = set.examples.len();
             let header = match test.factor {
-                Some(_) => format!("{} (len {a}-{b})", test.name),
-                None => format!("len {a}-{b}"),
+                Some(_) => format!("{} (len {a}-{b}, n={n})", test.name),
+                None => format!("len {a}-{b}, n={n}"),
             };
             assert!(md.contains(&header), "{header}");
             for c in results.cells.iter().filter(|c| c.task == task.name) {
