@@ -50,6 +50,7 @@ pub mod env;
 pub mod error;
 pub mod experiment;
 pub mod heap;
+pub mod html;
 pub mod infer;
 pub mod io;
 mod keyed;

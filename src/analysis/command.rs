@@ -169,29 +169,34 @@ impl Request {
             seed: 0,
             rope: subject.rope,
         };
+        let mut page = analysis::html::Page::new(format!("poslab analyze: {}", subject.label));
         match &subject.table {
             Some(table) => {
                 let result = analysis::analyze(table, &options)?;
                 summary.push_str(&result.summary());
                 files.extend(result.write(table, &dir)?);
+                page.table(table, &self.bases);
+                page.analysis(&result);
             }
             None => summary.push_str(&no_table(subject.loaded.as_ref())),
         }
-        if let Some((rd, base, original)) = subject.wavelengths {
-            self.wavelengths(rd, base, original, &dir, &mut summary, &mut files)?;
+        if let Some(rope) = subject.wavelengths {
+            self.wavelengths(rope, &dir, &mut summary, &mut files, &mut page)?;
         }
         if let Some(model) = &subject.pretrained {
-            self.pretrained_terms(model, &dir, &mut summary, &mut files)?;
+            self.pretrained_terms(model, &dir, &mut summary, &mut files, &mut page)?;
         }
         if let Some(loaded) = &mut subject.loaded {
-            self.trained(loaded, bias_positions, &dir, &mut summary, &mut files)?;
+            self.trained(
+                loaded,
+                bias_positions,
+                &dir,
+                &mut summary,
+                &mut files,
+                &mut page,
+            )?;
         }
-        crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
-        Ok(Report {
-            dir,
-            summary,
-            files,
-        })
+        finish(dir, summary, files, page)
     }
 
     /// The flags' bounds, before anything is read or written.
@@ -422,18 +427,18 @@ impl Request {
     /// RoPE's wavelengths under each scaling at the factor asked for.
     fn wavelengths(
         &self,
-        rd: usize,
-        base: f64,
-        original: usize,
+        (rd, base, original): (usize, f64, usize),
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
+        page: &mut analysis::html::Page,
     ) -> Result<()> {
         let factor = match self.rope_scaling.as_ref().map(|s| s.factor()) {
             Some(crate::positional::Factor::Value(f)) => f,
             _ => self.factor,
         };
         let curves = analysis::rope::scaled_wavelengths(rd, base, factor, original);
+        page.scaled_wavelengths(&curves, original);
         files.extend(analysis::rope::write_wavelengths(
             &curves, original, factor, dir,
         )?);
@@ -460,6 +465,7 @@ impl Request {
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
+        page: &mut analysis::html::Page,
     ) -> Result<()> {
         let (texts, source) = analysis::terms::pretrained_texts(self.texts, self.text.as_deref())?;
         let batch = model.batch(&texts, true)?;
@@ -473,7 +479,7 @@ impl Request {
              (the embedding LayerNorm split exactly), on {} texts of {source}:\n",
             texts.len()
         ));
-        write_terms(encoder, &batch.ids, &batch.mask, dir, summary, files)
+        write_terms(encoder, &batch.ids, &batch.mask, dir, summary, files, page)
     }
 
     /// What only a trained model has: its score biases, its scheme's own measures, RoPE's pair
@@ -485,11 +491,13 @@ impl Request {
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
+        page: &mut analysis::html::Page,
     ) -> Result<()> {
         if let Some(bias) = analysis::bias::encoder_biases(loaded.model.encoder(), bias_positions)?
         {
             summary.push_str(&bias.summary());
             files.extend(bias.write(dir)?);
+            page.bias(&bias);
         }
         scheme_analysis(loaded, self, dir, summary, files)?;
         let text = self.text.as_deref();
@@ -542,7 +550,15 @@ impl Request {
                 cut => format!(" ({cut} cut to the learned table)"),
             }
         ));
-        write_terms(loaded.model.encoder(), &ids, &mask, dir, summary, files)
+        write_terms(
+            loaded.model.encoder(),
+            &ids,
+            &mask,
+            dir,
+            summary,
+            files,
+            page,
+        )
     }
 }
 
@@ -566,14 +582,13 @@ fn write_terms(
     dir: &Path,
     summary: &mut String,
     files: &mut Vec<String>,
+    page: &mut analysis::html::Page,
 ) -> Result<()> {
     let terms = analysis::terms::attention_terms(encoder, ids, mask)?;
     summary.push_str(&analysis::terms::summary(&terms));
-    files.extend(analysis::write_terms(
-        &terms,
-        "attention logits: content and position terms per head",
-        dir,
-    )?);
+    let title = "attention logits: content and position terms per head";
+    files.extend(analysis::write_terms(&terms, title, dir)?);
+    page.terms(&terms, title);
     Ok(())
 }
 
@@ -693,12 +708,9 @@ fn fire_by_name(a: &Request) -> Result<Report> {
     let dir = a.out_dir("fire")?;
     let summary = curves.summary();
     let files = curves.write(&dir)?;
-    crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
-    Ok(Report {
-        dir,
-        summary,
-        files,
-    })
+    let mut page = analysis::html::Page::new("poslab analyze: fire");
+    page.fire(&curves);
+    finish(dir, summary, files, page)
 }
 
 /// `analyze prope`: p-RoPE's spectrum at --keep beside RoPE's and `fraction`'s at the same
@@ -715,12 +727,12 @@ fn prope_by_name(a: &Request) -> Result<Report> {
     let spectra = crate::analysis::schemes::rotation_spectra(a.dim, a.base, a.keep);
     let dir = a.out_dir("prope")?;
     let (summary, files) = analysis::schemes::write_spectra(&spectra, a.dim, &dir)?;
-    crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
-    Ok(Report {
+    finish(
         dir,
         summary,
         files,
-    })
+        analysis::html::Page::new("poslab analyze: prope"),
+    )
 }
 
 /// `analyze alibi | t5 | kerple`: the bias by offset, per head.
@@ -744,7 +756,24 @@ fn bias_by_name(scheme: &str, a: &Request, positions: usize) -> Result<Report> {
     let dir = a.out_dir(scheme)?;
     let summary = bias.summary();
     let files = bias.write(&dir)?;
+    let mut page = analysis::html::Page::new(format!("poslab analyze: {scheme}"));
+    page.bias(&bias);
+    finish(dir, summary, files, page)
+}
+
+/// Writes `summary.txt` and `report.html` beside an analysis's `files` in `dir`.
+fn finish(
+    dir: PathBuf,
+    summary: String,
+    mut files: Vec<String>,
+    page: analysis::html::Page,
+) -> Result<Report> {
     crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
+    crate::io::write_atomic(
+        &dir.join("report.html"),
+        page.render(&summary, &files).as_bytes(),
+    )?;
+    files.push("report.html".into());
     Ok(Report {
         dir,
         summary,

@@ -10,6 +10,7 @@
 pub mod bias;
 pub mod command;
 mod csv_files;
+pub mod html;
 pub mod linalg;
 pub mod order;
 pub mod pca;
@@ -122,6 +123,34 @@ impl Table {
                 base,
             }),
         }
+    }
+
+    /// The same table of angles with another `base` (a sinusoid's or RoPE's); `None` for a
+    /// table not built from angles.
+    pub fn with_base(&self, base: f64) -> Option<Self> {
+        let pairs = self.pairs.as_ref()?;
+        Some(if pairs.sin_first {
+            let layout = match pairs.interleaved {
+                true => TableLayout::Interleaved,
+                false => TableLayout::Half,
+            };
+            Self::sinusoidal(self.dim, base, layout, self.rows, self.start)
+        } else {
+            let pairing = match pairs.interleaved {
+                true => RopePairing::Interleaved,
+                false => RopePairing::Half,
+            };
+            Self::rope(self.dim, base, pairing, self.rows)
+        })
+    }
+
+    /// The columns of each pair `i`: the sine and cosine of one frequency in a table of angles,
+    /// else columns `2i` and `2i + 1`.
+    pub fn pair_columns(&self) -> Vec<(usize, usize)> {
+        let interleaved = self.pairs.as_ref().is_none_or(|p| p.interleaved);
+        (0..self.dim / 2)
+            .map(|i| pair_slots(interleaved, i, self.dim))
+            .collect()
     }
 
     /// A table of independent standard normal entries of the same shape, for baselines.
@@ -870,6 +899,28 @@ pub fn write_terms(terms: &[terms::HeadTerms], title: &str, dir: &Path) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_table_with_its_own_base_is_itself_and_with_another_is_that_tables() {
+        for t in [
+            Table::sinusoidal(16, 10_000.0, TableLayout::Half, 30, 5),
+            Table::sinusoidal(16, 10_000.0, TableLayout::Interleaved, 30, 0),
+            Table::rope(8, 500.0, RopePairing::Half, 20),
+        ] {
+            assert_eq!(
+                t.with_base(t.pairs.as_ref().unwrap().base).unwrap().values,
+                t.values
+            );
+        }
+        let t = Table::sinusoidal(16, 10_000.0, TableLayout::Half, 30, 5);
+        let other = Table::sinusoidal(16, 100.0, TableLayout::Half, 30, 5);
+        assert_eq!(t.with_base(100.0).unwrap().values, other.values);
+        assert_eq!(t.pair_columns()[3], (3, 11));
+        assert_eq!(
+            Table::rope(8, 500.0, RopePairing::Interleaved, 4).pair_columns()[1],
+            (2, 3)
+        );
+    }
 
     #[test]
     fn rope_rows_are_unit_pairs_and_rotate_exactly() {

@@ -6,24 +6,16 @@
 //! evaluation can be chosen for the verdicts and for the curves, and hovering a chart shows
 //! every visible variant's values at that point.
 //!
-//! **Why poslab draws its own SVG.** A charting library (Plotly, Vega, Chart.js) is 200 KB to
-//! 3.5 MB of minified script to vendor, pin and license-check for four kinds of drawing: lines,
-//! bands, dashed guides and a tooltip. The page's script (`html/report.js`, about 300 lines of
-//! plain JavaScript, no dependency) draws them from the data poslab embeds as JSON, so the file
-//! works offline, from a `file://` URL, and stays small (the default compare's: 155 KB, most
-//! of it the loss curves). Every number the page prints comes from the same formatting as
-//! `report.md`, carried in the embedded data, so the page and `results.json` cannot disagree
-//! on rounding.
+//! The page's data is built here; `html/report.js` draws it with the shared pieces of
+//! [`crate::html`] (where the choice of poslab's own SVG over a charting library is explained).
 
 use serde::Serialize;
 
 use super::curves::{self, Curve};
 use super::results::{Results, TaskInfo};
 use super::verdict;
+use crate::html::significant;
 use crate::table::TextTable;
-
-/// The page's style sheet.
-const STYLE: &str = include_str!("html/report.css");
 
 /// The page's script: it draws the page from the embedded data.
 const SCRIPT: &str = include_str!("html/report.js");
@@ -129,15 +121,6 @@ fn chart(name: &str, curves: Vec<Curve>) -> Chart {
             })
             .collect(),
     }
-}
-
-/// `v` to 5 significant digits: what a chart can show, at a third of the page's bytes.
-fn significant(v: f64) -> f64 {
-    if v == 0.0 || !v.is_finite() {
-        return v;
-    }
-    let scale = 10f64.powi(4 - v.abs().log10().floor() as i32);
-    (v * scale).round() / scale
 }
 
 /// A task's tables as the report lays them out: what [`page`] shows of a task beside its curves.
@@ -279,28 +262,5 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
             })
             .collect(),
     };
-    // `<` only occurs inside JSON strings, where `\u003c` means the same: no `</script>` can
-    // end the data early.
-    let data = serde_json::to_string(&page)
-        .expect("the page's data serializes")
-        .replace('<', "\\u003c");
-    format!(
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n\
-         <title>{}</title>\n<style>\n{STYLE}</style>\n</head>\n<body>\n\
-         <main id=\"page\"><noscript>This report is drawn by its embedded script: open it in a \
-         browser with JavaScript on. Its numbers are also in report.md and results.json.\
-         </noscript></main>\n\
-         <script type=\"application/json\" id=\"data\">{data}</script>\n\
-         <script>\n{SCRIPT}</script>\n</body>\n</html>\n",
-        escape(&page.title)
-    )
-}
-
-/// `s` with the characters HTML gives a meaning escaped.
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
+    crate::html::document(&page.title, &page, SCRIPT)
 }

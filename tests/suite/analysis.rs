@@ -853,3 +853,58 @@ fn the_recent_schemes_are_analysed_by_name_and_in_trained_models() {
         assert!((0.0..=1.0).contains(&g), "{record:?}");
     }
 }
+
+#[test]
+fn analyze_report_html_draws_its_pictures_in_a_real_browser() {
+    let Some(browser) = crate::common::headless_browser() else {
+        return;
+    };
+    let root = tempfile::tempdir().unwrap();
+    let profile = root.path().join("profile");
+
+    // By name: the sinusoid at its base and at the two other bases of --bases.
+    let out = root.path().join("sinusoidal");
+    let (ok, _, stderr) = poslab(&["analyze", "sinusoidal", "--out", out.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    let page = out.join("report.html");
+    let dom = crate::common::drawn_page(&browser, &profile, &page);
+    assert_eq!(
+        dom.matches("<option value=").count(),
+        3 + 3,
+        "three tables (bases 10000, 100, 1e8) and three metrics to choose from"
+    );
+    for id in ["heatmap", "clock", "offset-metric", "clock-pair"] {
+        assert!(dom.contains(&format!("id=\"{id}\"")), "no #{id}");
+    }
+    // The clock: a point per position; the offsets (two lines) and wavelengths (three bases).
+    assert_eq!(dom.matches("<circle").count(), 128);
+    assert_eq!(dom.matches("<polyline").count(), 1 + 2 + 3);
+    let pixels = crate::common::screenshot(&browser, &profile, &page, root.path());
+    // The heatmap's reds and blues.
+    for rgb in [(178, 24, 43), (33, 102, 172)] {
+        let n = pixels
+            .iter()
+            .filter(|p| crate::common::near(p, rgb))
+            .count();
+        assert!(n > 2000, "the heatmap's {rgb:?} covers only {n} pixels");
+    }
+
+    // A trained model: its learned table, and the four terms of each head's logits.
+    let run = train_tiny(root.path(), "kind = \"sinusoidal_add\"", None);
+    let out = root.path().join("trained");
+    let (ok, _, stderr) = poslab(&[
+        "analyze",
+        "--run",
+        run.to_str().unwrap(),
+        "--texts",
+        "8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let dom = crate::common::drawn_page(&browser, &profile, &out.join("report.html"));
+    assert!(dom.contains("id=\"terms\""), "no terms chart");
+    // 2 layers x 2 heads, four terms each, each bar titled with its share.
+    assert_eq!(dom.matches("<title>layer ").count(), 4 * 4);
+    assert!(dom.contains("layer 0, head 1: content·content"), "{dom}");
+}

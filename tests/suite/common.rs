@@ -575,3 +575,133 @@ pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::train_run::Trai
         threads: None,
     }
 }
+
+/// A headless Chromium on `PATH`: Debian's `chromium-headless-shell` (what `.ci/run` installs),
+/// or another Chromium. Without one, a browser test fails under CI and is skipped, saying so,
+/// elsewhere (`None`).
+pub fn headless_browser() -> Option<std::path::PathBuf> {
+    let names = [
+        "chromium-headless-shell",
+        "chrome-headless-shell",
+        "chromium",
+        "google-chrome",
+    ];
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .flat_map(|dir| names.map(|n| dir.join(n)))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs a headless Chromium for the report.html tests: .ci/run installs \
+             chromium-headless-shell"
+        );
+        eprintln!(
+            "skipped: no headless Chromium on PATH (apt-get install chromium-headless-shell)"
+        );
+    }
+    found
+}
+
+/// Runs `browser` on `page` with `args`, at most 120 s: (stdout, stderr). Both go to files
+/// (a page's DOM fills a pipe, and a browser blocked on it never ends).
+pub fn browse(
+    browser: &std::path::Path,
+    profile: &std::path::Path,
+    page: &std::path::Path,
+    args: &[&str],
+) -> (String, String) {
+    use std::process::Command;
+    std::fs::create_dir_all(profile).unwrap();
+    let (out, err) = (profile.join("stdout"), profile.join("stderr"));
+    let mut child = Command::new(browser)
+        .args([
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=10000",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            profile.join("data").display()
+        ))
+        .args(args)
+        .arg(format!("file://{}", page.display()))
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("the browser starts");
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() > 120 {
+            child.kill().ok();
+            panic!("{} did not finish within 120 s", browser.display());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let read =
+        |p: &std::path::Path| String::from_utf8_lossy(&std::fs::read(p).unwrap()).into_owned();
+    (read(&out), read(&err))
+}
+
+/// The DOM of `page` as `browser` draws it, checked: no console message, and the page's script
+/// finished (`<body data-rendered="ok">`).
+pub fn drawn_page(
+    browser: &std::path::Path,
+    profile: &std::path::Path,
+    page: &std::path::Path,
+) -> String {
+    let (dom, log) = browse(browser, profile, page, &["--dump-dom"]);
+    let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(console.is_empty(), "console messages: {console:#?}");
+    assert!(
+        dom.contains("<body data-rendered=\"ok\">"),
+        "the page's script did not finish: {}",
+        &dom[..dom.len().min(2000)]
+    );
+    dom
+}
+
+/// A 1280 x 2400 screenshot of `page` (written into `dir`), as RGB(A) pixels; asserted not
+/// blank: more than 2% of its pixels are not white.
+pub fn screenshot(
+    browser: &std::path::Path,
+    profile: &std::path::Path,
+    page: &std::path::Path,
+    dir: &std::path::Path,
+) -> Vec<Vec<u8>> {
+    let shot = dir.join("shot.png");
+    browse(
+        browser,
+        profile,
+        page,
+        &[
+            "--window-size=1280,2400",
+            &format!("--screenshot={}", shot.display()),
+        ],
+    );
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let channels = info.color_type.samples();
+    let pixels: Vec<Vec<u8>> = buf[..info.buffer_size()]
+        .chunks(channels)
+        .map(<[u8]>::to_vec)
+        .collect();
+    let inked = pixels.iter().filter(|p| !near(p, (255, 255, 255))).count();
+    assert!(
+        inked * 50 > pixels.len(),
+        "the screenshot is nearly blank: {inked} of {} pixels inked",
+        pixels.len()
+    );
+    pixels
+}
+
+/// Whether pixel `p` is within 40 (summed over channels) of `rgb`.
+pub fn near(p: &[u8], (r, g, b): (i32, i32, i32)) -> bool {
+    (i32::from(p[0]) - r).abs() + (i32::from(p[1]) - g).abs() + (i32::from(p[2]) - b).abs() < 40
+}

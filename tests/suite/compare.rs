@@ -392,60 +392,6 @@ fn comparisons_name_two_different_variants_of_the_experiment() {
     );
 }
 
-/// A headless Chromium on `PATH`: Debian's `chromium-headless-shell` (what `.ci/run` installs),
-/// or another Chromium. Without one, the browser test fails under CI and is skipped, saying
-/// so, elsewhere.
-fn headless_browser() -> Option<std::path::PathBuf> {
-    let names = [
-        "chromium-headless-shell",
-        "chrome-headless-shell",
-        "chromium",
-        "google-chrome",
-    ];
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .flat_map(|dir| names.map(|n| dir.join(n)))
-        .find(|p| p.is_file())
-}
-
-/// Runs `browser` on `page` with `args`, at most 120 s: (stdout, stderr). Both go to files
-/// (a page's DOM fills a pipe, and a browser blocked on it never ends).
-fn browse(browser: &Path, profile: &Path, page: &Path, args: &[&str]) -> (String, String) {
-    use std::process::Command;
-    std::fs::create_dir_all(profile).unwrap();
-    let (out, err) = (profile.join("stdout"), profile.join("stderr"));
-    let mut child = Command::new(browser)
-        .args([
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            "--no-first-run",
-            "--enable-logging=stderr",
-            "--v=0",
-            "--virtual-time-budget=10000",
-        ])
-        .arg(format!(
-            "--user-data-dir={}",
-            profile.join("data").display()
-        ))
-        .args(args)
-        .arg(format!("file://{}", page.display()))
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .expect("the browser starts");
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed().as_secs() > 120 {
-            child.kill().ok();
-            panic!("{} did not finish within 120 s", browser.display());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    let read = |p: &Path| String::from_utf8_lossy(&std::fs::read(p).unwrap()).into_owned();
-    (read(&out), read(&err))
-}
-
 /// The text of the first `<td class="{class}">` after `from` in `dom`.
 fn cell_text<'a>(dom: &'a str, from: usize, class: &str) -> &'a str {
     let open = format!("<td class=\"{class}\">");
@@ -455,14 +401,7 @@ fn cell_text<'a>(dom: &'a str, from: usize, class: &str) -> &'a str {
 
 #[test]
 fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
-    let Some(browser) = headless_browser() else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs a headless Chromium for this test: .ci/run installs chromium-headless-shell"
-        );
-        eprintln!(
-            "skipped: no headless Chromium on PATH (apt-get install chromium-headless-shell)"
-        );
+    let Some(browser) = crate::common::headless_browser() else {
         return;
     };
     let mut config = experiment(&["none", "sinusoidal_add", "rope"], 2, 40, 16);
@@ -492,14 +431,7 @@ fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
     // The page as the browser draws it: no console message, drawn to the end, and every
     // comparison of results.json in the verdict table with results.json's numbers.
     let profile = root.path().join("profile");
-    let (dom, log) = browse(&browser, &profile, &page, &["--dump-dom"]);
-    let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE")).collect();
-    assert!(console.is_empty(), "console messages: {console:#?}");
-    assert!(
-        dom.contains("<body data-rendered=\"ok\">"),
-        "the page's script did not finish: {}",
-        &dom[..dom.len().min(2000)]
-    );
+    let dom = crate::common::drawn_page(&browser, &profile, &page);
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
     let comparisons = json["comparisons"].as_array().unwrap();
@@ -545,31 +477,8 @@ fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
 
     // A screenshot that is not blank: the variants' colours drawn over many pixels (their
     // lines, not only the toggles' swatches).
-    let shot = root.path().join("shot.png");
-    browse(
-        &browser,
-        &profile,
-        &page,
-        &[
-            "--window-size=1280,2400",
-            &format!("--screenshot={}", shot.display()),
-        ],
-    );
-    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&shot).unwrap()));
-    let mut reader = decoder.read_info().unwrap();
-    let mut buf = vec![0; reader.output_buffer_size()];
-    let info = reader.next_frame(&mut buf).unwrap();
-    let channels = info.color_type.samples();
-    let pixels: Vec<&[u8]> = buf[..info.buffer_size()].chunks(channels).collect();
-    let near = |p: &[u8], (r, g, b): (i32, i32, i32)| {
-        (i32::from(p[0]) - r).abs() + (i32::from(p[1]) - g).abs() + (i32::from(p[2]) - b).abs() < 40
-    };
-    let inked = pixels.iter().filter(|p| !near(p, (255, 255, 255))).count();
-    assert!(
-        inked * 50 > pixels.len(),
-        "the screenshot is nearly blank: {inked} of {} pixels inked",
-        pixels.len()
-    );
+    let pixels = crate::common::screenshot(&browser, &profile, &page, root.path());
+    let near = crate::common::near;
     // Tableau's first three colours: none, sinusoidal_add, rope.
     for (variant, rgb) in [
         ("none", (31, 119, 180)),
