@@ -189,16 +189,7 @@ impl Page {
             series: bias
                 .heads
                 .iter()
-                .map(|h| {
-                    let curve = h.by_offset();
-                    let p = h.matrix.rows as f64;
-                    let points = curve
-                        .iter()
-                        .enumerate()
-                        .map(|(i, v)| [i as f64 - (p - 1.0), significant(*v)])
-                        .collect();
-                    (h.label.clone(), points)
-                })
+                .map(|h| (h.label.clone(), by_offset(&h.by_offset(), h.matrix.rows)))
                 .collect(),
         });
     }
@@ -215,14 +206,7 @@ impl Page {
                 series: heads
                     .iter()
                     .enumerate()
-                    .map(|(h, curve)| {
-                        let points = curve
-                            .iter()
-                            .enumerate()
-                            .map(|(i, v)| [i as f64 - (*n as f64 - 1.0), significant(*v)])
-                            .collect();
-                        (format!("H{h}"), points)
-                    })
+                    .map(|(h, curve)| (format!("H{h}"), by_offset(curve, *n)))
                     .collect(),
             });
         }
@@ -254,6 +238,16 @@ fn by_pair(values: &[f64]) -> Vec<[f64; 2]> {
         .iter()
         .enumerate()
         .map(|(i, v)| [i as f64, significant(*v)])
+        .collect()
+}
+
+/// `[offset, value]` of a curve over the offsets `-(n - 1) ..= n - 1` of `n` positions.
+fn by_offset(curve: &[f64], n: usize) -> Vec<[f64; 2]> {
+    let first = -(n as f64 - 1.0);
+    curve
+        .iter()
+        .enumerate()
+        .map(|(i, v)| [first + i as f64, significant(*v)])
         .collect()
 }
 

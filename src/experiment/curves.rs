@@ -70,12 +70,14 @@ type Bin = (f64, f64, usize, usize);
 /// A bin's key: trained (0) or not (1), and its index.
 type BinKey = (u8, usize);
 
-/// Adds evaluation `name` of a cell's `evaluations` to `acc`, by length.
+/// Adds evaluation `name` of a cell's `evaluations` to `acc`, by length: each example at its
+/// length in `lengths` (its test set's, where recorded), else at its stratum's (the length
+/// suite's); a record without example outcomes by its scores by length.
 fn add_evaluation(
     acc: &mut ByLength,
-    task: &TaskInfo,
     evaluations: &[super::results::Evaluation],
     name: &str,
+    lengths: Option<&[usize]>,
 ) {
     let Some(e) = evaluations.iter().find(|e| e.name == name) else {
         return;
@@ -83,49 +85,47 @@ fn add_evaluation(
     let Outcome::Scored { by_length, .. } = &e.outcome else {
         return;
     };
-    // The test set whose examples these are: the named one, or the one the shuffle and shift
-    // tests run on.
-    let test = task
-        .tests
-        .iter()
-        .find(|t| t.name == name)
-        .or_else(|| task.base_test());
-    let outcomes = e.examples.as_ref().and_then(|x| x.unpack().ok());
-    match (outcomes, &e.examples) {
-        (Some(outcomes), Some(packed)) => {
-            let lengths = test.and_then(|t| t.lengths_of_examples().ok().flatten());
-            match lengths {
-                // One stratum, each example's length recorded with the test.
-                Some(lengths) if outcomes.len() == lengths.len() => {
-                    for ((r, c), l) in outcomes.strata.iter().flatten().zip(lengths) {
-                        let entry = acc.entry(l).or_default();
-                        entry.0 += f64::from(*r);
-                        entry.1 += f64::from(*c);
-                        entry.2 += 1;
-                    }
-                }
-                // Strata by length (the length suite).
-                _ if packed.strata.iter().all(|[k, _]| *k > 0) => {
-                    for ([l, _], stratum) in packed.strata.iter().zip(&outcomes.strata) {
-                        let entry = acc.entry(*l).or_default();
-                        for (r, c) in stratum {
-                            entry.0 += f64::from(*r);
-                            entry.1 += f64::from(*c);
-                            entry.2 += 1;
-                        }
-                    }
-                }
-                _ => {}
-            }
+    let (Some(packed), Some(outcomes)) = (
+        &e.examples,
+        e.examples.as_ref().and_then(|x| x.unpack().ok()),
+    ) else {
+        for s in by_length {
+            let entry = acc.entry(s.length).or_default();
+            entry.0 += s.accuracy * s.examples as f64;
+            entry.1 += s.examples as f64;
+            entry.2 += s.examples;
         }
-        _ => {
-            for s in by_length {
-                let entry = acc.entry(s.length).or_default();
-                entry.0 += s.accuracy * s.examples as f64;
-                entry.1 += s.examples as f64;
-                entry.2 += s.examples;
-            }
-        }
+        return;
+    };
+    // (length, right, counted) of every example.
+    let examples: Vec<(usize, u32, u32)> = match lengths {
+        Some(lengths) if outcomes.len() == lengths.len() => outcomes
+            .strata
+            .iter()
+            .flatten()
+            .zip(lengths)
+            .map(|(&(r, c), &l)| (l, r, c))
+            .collect(),
+        _ if packed.strata.iter().all(|[k, _]| *k > 0) => packed
+            .strata
+            .iter()
+            .zip(&outcomes.strata)
+            .flat_map(|([l, _], stratum)| stratum.iter().map(move |&(r, c)| (*l, r, c)))
+            .collect(),
+        _ => return,
+    };
+    for (l, r, c) in examples {
+        let entry = acc.entry(l).or_default();
+        entry.0 += f64::from(r);
+        entry.1 += f64::from(c);
+        entry.2 += 1;
+    }
+}
+
+impl Curve {
+    /// Its band, `(x, lowest seed, highest seed)` at each point.
+    pub fn band(&self) -> Vec<(f64, f64, f64)> {
+        self.points.iter().map(|p| (p.x, p.low, p.high)).collect()
     }
 }
 
@@ -137,6 +137,14 @@ pub fn length_curves(results: &Results, task: &TaskInfo, of: &str) -> Vec<Curve>
     } else {
         vec![of]
     };
+    // Each evaluation's example lengths, decoded once for every cell.
+    let lengths: Vec<Option<Vec<usize>>> = names
+        .iter()
+        .map(|n| {
+            task.test_of(n)
+                .and_then(|t| t.lengths_of_examples().ok().flatten())
+        })
+        .collect();
     let trained = task.train_lengths[1];
     let longest = task.tests.iter().map(|t| t.lengths[1]).max().unwrap_or(1);
     let width = longest.div_ceil(MAX_POINTS).max(1);
@@ -160,8 +168,8 @@ pub fn length_curves(results: &Results, task: &TaskInfo, of: &str) -> Vec<Curve>
                 .filter(|c| c.task == task.name && c.variant == v.name)
             {
                 let mut acc = ByLength::new();
-                for name in &names {
-                    add_evaluation(&mut acc, task, &c.summary.evaluations, name);
+                for (name, lengths) in names.iter().zip(&lengths) {
+                    add_evaluation(&mut acc, &c.summary.evaluations, name, lengths.as_deref());
                 }
                 let mut seed: BTreeMap<BinKey, Bin> = BTreeMap::new();
                 for (l, (r, n, examples)) in acc.into_iter().filter(|(_, (_, n, _))| *n > 0.0) {

@@ -90,9 +90,9 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
 /// A curve's band, from its lowest seed to its highest (`clip` bounds a value to the chart).
 fn band(curve: &Curve, color: RGBColor, clip: impl Fn(f64) -> f64) -> Option<Polygon<(f64, f64)>> {
     let points: Vec<(f64, f64, f64)> = curve
-        .points
-        .iter()
-        .map(|p| (p.x, clip(p.low), clip(p.high)))
+        .band()
+        .into_iter()
+        .map(|(x, low, high)| (x, clip(low), clip(high)))
         .collect();
     crate::plot::band(&points, color)
 }
@@ -107,6 +107,8 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
         .base_test()
         .map_or(0.0, |t| (t.lengths[0] + t.lengths[1]) as f64 / 2.0);
     let order_tests: Vec<String> = curves::evaluations(task).into_iter().skip(1).collect();
+    // The shuffle test (first, where it runs) is marked by a triangle, the shift test a cross.
+    let triangle = |k: usize| k == 0 && task.shuffle_test;
     // (variant index, test index, min, mean, max)
     let markers: Vec<(usize, usize, f64, f64, f64)> = results
         .variants
@@ -206,13 +208,10 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
                 color.stroke_width(2),
                 8,
             )])?;
-            match k {
-                0 if task.shuffle_test => {
-                    chart.draw_series([TriangleMarker::new((x, mean), 6, color.filled())])?;
-                }
-                _ => {
-                    chart.draw_series([Cross::new((x, mean), 5, color.stroke_width(2))])?;
-                }
+            if triangle(k) {
+                chart.draw_series([TriangleMarker::new((x, mean), 6, color.filled())])?;
+            } else {
+                chart.draw_series([Cross::new((x, mean), 5, color.stroke_width(2))])?;
             }
         }
         chart
@@ -227,9 +226,9 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
             order_tests
                 .iter()
                 .enumerate()
-                .map(|(k, t)| match k {
-                    0 if task.shuffle_test => format!("{t} (triangle)"),
-                    _ => format!("{t} (cross)"),
+                .map(|(k, t)| match triangle(k) {
+                    true => format!("{t} (triangle)"),
+                    false => format!("{t} (cross)"),
                 })
                 .collect::<Vec<_>>()
                 .join(", ")

@@ -1248,13 +1248,8 @@ fn check_cell(
     }
     for e in &c.summary.evaluations {
         let test = task.tests.iter().find(|t| t.name == e.name);
-        // The test set these examples are of: its own, or the one the shuffle and shift tests
-        // run on (the length suite's score gathers several).
-        let size = match test {
-            Some(t) => t.examples,
-            None if e.name == super::results::SCORE => 0,
-            None => task.base_test().map_or(0, |t| t.examples),
-        };
+        // The size of the test set these examples are of.
+        let size = task.test_of(&e.name).map_or(0, |t| t.examples);
         let sized = |()| match e.examples.as_ref().map(|x| x.len()) {
             Some(n) if size > 0 && n != size => Err(format!(
                 "{n} example outcomes, but the test set has {size} examples"

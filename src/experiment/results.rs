@@ -107,6 +107,17 @@ impl TaskInfo {
         self.tests.get(i)
     }
 
+    /// The test set evaluation column `name` runs on: its own for a test set, the base test
+    /// ([`TaskInfo::base_test`]) for the shuffle and shift tests, `None` for the length suite's
+    /// score (which gathers several).
+    pub fn test_of(&self, name: &str) -> Option<&TestInfo> {
+        match self.tests.iter().find(|t| t.name == name) {
+            Some(t) => Some(t),
+            None if name == SCORE => None,
+            None => self.base_test(),
+        }
+    }
+
     /// Every evaluation column, in report order.
     pub fn columns(&self) -> Vec<String> {
         let mut cols: Vec<String> = self.tests.iter().map(|t| t.name.clone()).collect();

@@ -97,9 +97,7 @@ fn draw_task(
         };
         let color = palette(colour);
         if !small {
-            let points: Vec<(f64, f64, f64)> =
-                curve.points.iter().map(|p| (p.x, p.low, p.high)).collect();
-            chart.draw_series(crate::plot::band(&points, color))?;
+            chart.draw_series(crate::plot::band(&curve.band(), color))?;
         }
         let points: Vec<(f64, f64)> = curve.points.iter().map(|p| (p.x, p.mean)).collect();
         let style = color.stroke_width(width);
