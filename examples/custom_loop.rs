@@ -53,7 +53,10 @@ fn main() -> poslab::Result<()> {
             .with_vocab_size(VOCAB as usize)
             .with_dropout(0.0, 0.0)
             .with_positional(scheme);
-        let (encoder, params) = Encoder::seeded(&config, 0, &device)?;
+        let (mut encoder, params) = Encoder::seeded(&config, 0, &device)?;
+        // Each layer's weights as one variable, as poslab's runs train them: the same numbers,
+        // one gradient a layer instead of a dozen (fewer kernel launches on a GPU).
+        encoder.pack(&params)?;
         // Your own head, its weights in the same store (so the optimizer sees them).
         let vb = params.var_builder(DType::F32, &device);
         let head = candle_nn::linear(config.d_model, 2, vb.pp("my_head"))?;

@@ -47,6 +47,11 @@ pub struct EncoderLayer {
     norm: NormPlacement,
     /// What the layer does with positions and which keys it sees.
     spec: LayerSpec,
+    /// Its parameters as one variable, in the fused kernel's order ([`EncoderLayer::pack`]);
+    /// the modules then read views of it.
+    packed: Option<Tensor>,
+    /// Whether `packed` ends with the forget gates the layer computes inside (FoX's).
+    packed_gates: bool,
 }
 
 impl EncoderLayer {
@@ -101,7 +106,71 @@ impl EncoderLayer {
             dropout: Dropout::new(config.dropout, rng.clone()),
             norm: config.norm,
             spec,
+            packed: None,
+            packed_gates: false,
         })
+    }
+
+    /// Packs the layer's parameters in `store` into one variable, in the order the fused layer
+    /// kernel reads them ([`EncoderLayer::packed_params`]), with the forget `gates` it computes
+    /// inside (FoX's) last; its modules then read views of it.
+    /// The fused node then takes that variable as it is, and its gradient lands there whole: no
+    /// concatenation forward, and no zero-fill and add per parameter backward. A layer the
+    /// fused kernel does not compute (no attention norm, GeGLU) stays as it is.
+    fn pack(&mut self, store: &crate::ParamStore, gates: Option<&mut ForgetGates>) -> Result<()> {
+        if !self.fusable() || self.packed.is_some() {
+            return Ok(());
+        }
+        use crate::params::PackPart::Tensor as Part;
+        let d = self.ffn_norm.weight().dim(0)?;
+        let ffn = self.ffn.up().weight().dim(0)?;
+        let Self {
+            attn_norm: Some(attn_norm),
+            attn,
+            ffn_norm,
+            ffn: feed_forward,
+            ..
+        } = self
+        else {
+            return Ok(());
+        };
+        fn bias(b: Option<&mut Tensor>, n: usize) -> crate::params::PackPart<'_> {
+            match b {
+                Some(b) => crate::params::PackPart::Tensor(b),
+                None => crate::params::PackPart::Zeros(n),
+            }
+        }
+        let (an_w, an_b) = attn_norm.params_mut();
+        let [q, k, v, o] = attn.projections_mut();
+        let ((q_w, q_b), (k_w, k_b), (v_w, v_b)) = (q.params_mut(), k.params_mut(), v.params_mut());
+        let (o_w, o_b) = o.params_mut();
+        let (fn_w, fn_b) = ffn_norm.params_mut();
+        let (up, down) = feed_forward.linears_mut();
+        let ((up_w, up_b), (down_w, down_b)) = (up.params_mut(), down.params_mut());
+        let mut parts = vec![
+            Part(an_w),
+            Part(an_b),
+            Part(q_w),
+            Part(k_w),
+            Part(v_w),
+            bias(q_b, d),
+            bias(k_b, d),
+            bias(v_b, d),
+            Part(o_w),
+            bias(o_b, d),
+            Part(fn_w),
+            Part(fn_b),
+            Part(up_w),
+            bias(up_b, ffn),
+            Part(down_w),
+            bias(down_b, d),
+        ];
+        self.packed_gates = gates.is_some();
+        if let Some(g) = gates {
+            parts.extend([Part(&mut g.weight), Part(&mut g.bias)]);
+        }
+        self.packed = Some(store.pack(parts)?);
+        Ok(())
     }
 
     /// What the layer does with positions (from `[layers]`; every layer global without it).
@@ -138,6 +207,20 @@ impl EncoderLayer {
     /// projection without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`,
     /// `ffn.up.{weight,bias}`, `ffn.down.{weight,bias}`, each flattened.
     fn packed_params(&self, attn_norm: &LayerNorm, gates: Option<&ForgetGates>) -> Result<Tensor> {
+        if let Some(packed) = &self.packed {
+            return Ok(match (gates, self.packed_gates) {
+                (None, false) | (Some(_), true) => packed.clone(),
+                (Some(g), false) => Tensor::cat(
+                    &[packed, &g.weight.flatten_all()?, &g.bias.flatten_all()?],
+                    0,
+                )?,
+                (None, true) => {
+                    return Err(Error::Config(
+                        "a layer packed with forget gates was run without them".into(),
+                    ))
+                }
+            });
+        }
         let (wqkv, bqkv) = self.attn.packed_qkv()?;
         let [_, _, _, o] = self.attn.projections();
         let (up, down) = (self.ffn.up(), self.ffn.down());
@@ -703,6 +786,18 @@ impl Encoder {
             _ => None,
         };
         (inputs, own)
+    }
+
+    /// Packs each layer's parameters in `store` (the store the encoder was built from) into one
+    /// variable a layer, in the order the fused layer kernel reads them: for training, where
+    /// each layer is then one node whose gradient lands in one variable (see
+    /// [`crate::ParamStore::pack`]). Names, values, saving, loading and every kernel's results
+    /// stay as they are; layers the fused kernel does not compute are left unpacked.
+    pub fn pack(&mut self, store: &crate::ParamStore) -> Result<()> {
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.pack(store, self.positional.input_gates_mut(i))?;
+        }
+        Ok(())
     }
 
     /// Bounds the model's variables must stay within, as its modules declare them: an optimizer

@@ -90,6 +90,11 @@ impl TaskModel {
         self
     }
 
+    /// Packs the encoder's layers in `store` for training ([`Encoder::pack`]).
+    pub fn pack(&mut self, store: &crate::ParamStore) -> Result<()> {
+        self.encoder.pack(store)
+    }
+
     /// The variables weight decay leaves alone: the encoder's and the head's bias.
     pub fn undecayed(&self) -> Vec<Tensor> {
         let mut out = self.encoder.undecayed();

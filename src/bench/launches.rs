@@ -76,12 +76,14 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
             let _backend = options.backend.enter();
             let config = shape.model_config(variant)?;
             let params = ParamStore::new(0);
-            let model = TaskModel::new(
+            let mut model = TaskModel::new(
                 &config,
                 &head,
                 params.var_builder(DType::F32, &options.device),
             )?
             .with_backend(options.backend);
+            // As training packs it: one variable a layer.
+            model.pack(&params)?;
             params.constrain(&model.encoder().constraints())?;
             params.exempt_from_decay(&model.undecayed());
             let mut optimizer = AdamW::from_store(

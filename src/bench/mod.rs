@@ -486,12 +486,14 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         let config = shape.model_config(variant)?;
         let (forward_flops, train_flops) = shape.flops(variant);
         let params = ParamStore::new(0);
-        let model = TaskModel::new(
+        let mut model = TaskModel::new(
             &config,
             &head,
             params.var_builder(DType::F32, &options.device),
         )?
         .with_backend(options.backend);
+        // As training packs it: one variable a layer.
+        model.pack(&params)?;
         let batch = batch(shape, &options.device)?;
 
         // Forward without gradients: the same weights as plain tensors, so no graph is kept.

@@ -90,11 +90,13 @@ impl Job<'_> {
     /// if given), trains it with `steps` around each step, and tests it.
     pub(crate) fn run(&self, start: Option<Start>, steps: &mut dyn Steps) -> Result<JobEnd> {
         let params = ParamStore::new(self.seed);
-        let model = TaskModel::new(
+        let mut model = TaskModel::new(
             self.model,
             &self.task.head,
             params.var_builder(DType::F32, self.device),
         )?;
+        // One variable a layer, as the fused layer kernel reads it (names and values unchanged).
+        model.pack(&params)?;
         // Bounds first: a start's weights are checked against them (Trainer::new holds the
         // bounds and the decay exemptions for the optimizer).
         params.constrain(&model.encoder().constraints())?;

@@ -257,6 +257,11 @@ impl SelfAttention {
         [&self.q, &self.k, &self.v, &self.o]
     }
 
+    /// The projections `(q, k, v, o)`, to be packed ([`crate::ParamStore::pack`]).
+    pub(crate) fn projections_mut(&mut self) -> [&mut Linear; 4] {
+        [&mut self.q, &mut self.k, &mut self.v, &mut self.o]
+    }
+
     /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for a projection
     /// without bias: the packed projection of the fused kernels.
     pub(crate) fn packed_qkv(&self) -> Result<(Tensor, Tensor)> {

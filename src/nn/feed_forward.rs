@@ -92,6 +92,11 @@ impl FeedForward {
         &self.down
     }
 
+    /// `ffn.up` and `ffn.down`, to be packed ([`crate::ParamStore::pack`]).
+    pub(crate) fn linears_mut(&mut self) -> (&mut Linear, &mut Linear) {
+        (&mut self.up, &mut self.down)
+    }
+
     /// The nonlinearity.
     pub fn activation(&self) -> Activation {
         self.activation

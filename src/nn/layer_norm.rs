@@ -57,6 +57,12 @@ impl LayerNorm {
         vec![self.weight.clone(), self.bias.clone()]
     }
 
+    /// The scale and the shift, to be replaced by views of a packed variable
+    /// ([`crate::ParamStore::pack`]).
+    pub(crate) fn params_mut(&mut self) -> (&mut Tensor, &mut Tensor) {
+        (&mut self.weight, &mut self.bias)
+    }
+
     /// The epsilon added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps

@@ -45,6 +45,12 @@ impl Linear {
     pub fn undecayed(&self) -> Vec<Tensor> {
         self.bias.iter().cloned().collect()
     }
+
+    /// The weight and the bias, to be replaced by views of a packed variable
+    /// ([`crate::ParamStore::pack`]).
+    pub(crate) fn params_mut(&mut self) -> (&mut Tensor, Option<&mut Tensor>) {
+        (&mut self.weight, self.bias.as_mut())
+    }
 }
 
 impl Module for Linear {

@@ -188,6 +188,10 @@ impl BiasModule for Fox {
         Some(self.0.get(layer)?.as_ref()?.forget_gates().clone())
     }
 
+    fn input_gates_mut(&mut self, layer: usize) -> Option<&mut ForgetGates> {
+        Some(&mut self.0.get_mut(layer)?.as_mut()?.gates)
+    }
+
     fn per_layer(&self) -> bool {
         true
     }

@@ -371,6 +371,15 @@ impl PositionalModule {
         }
     }
 
+    /// Layer `layer`'s forget gates, where the scheme computes its bias as gates a fused layer
+    /// runs inside itself (FoX's): to be packed with the layer ([`crate::Encoder::pack`]).
+    pub fn input_gates_mut(&mut self, layer: usize) -> Option<&mut crate::nn::ForgetGates> {
+        match self {
+            Self::ScoreBias(bias) => bias.input_gates_mut(layer),
+            Self::Input(_) | Self::Rotation(_) => None,
+        }
+    }
+
     /// The learned position table `(max_len, d_model)` of a `learned` or `untied` scheme.
     pub fn learned_table(&self) -> Option<&Tensor> {
         match self {

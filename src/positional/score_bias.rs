@@ -47,6 +47,12 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
         None
     }
 
+    /// Layer `layer`'s [`BiasModule::input_gates`] themselves, to be packed with the layer's
+    /// parameters ([`crate::Encoder::pack`]), which replaces their tensors by views.
+    fn input_gates_mut(&mut self, _layer: usize) -> Option<&mut crate::nn::ForgetGates> {
+        None
+    }
+
     /// The positions a learned table can read (TUPE's learned source).
     fn max_positions(&self) -> Option<usize> {
         None
@@ -139,6 +145,12 @@ impl std::ops::Deref for ScoreBias {
     type Target = dyn BiasModule;
     fn deref(&self) -> &Self::Target {
         self.0.as_ref()
+    }
+}
+
+impl std::ops::DerefMut for ScoreBias {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut()
     }
 }
 

@@ -49,7 +49,10 @@ impl Learner {
         device: &Device,
     ) -> Result<Self> {
         let params = ParamStore::new(seed);
-        let model = TaskModel::new(config, head, params.var_builder(candle::DType::F32, device))?;
+        let mut model =
+            TaskModel::new(config, head, params.var_builder(candle::DType::F32, device))?;
+        // One variable a layer, as the fused layer kernel reads it (names and values unchanged).
+        model.pack(&params)?;
         params.constrain(&model.encoder().constraints())?;
         params.exempt_from_decay(&model.undecayed());
         let optimizer = AdamW::from_store(&params, AdamWConfig::default())?;

@@ -8,7 +8,7 @@ pub use learner::Learner;
 
 use std::time::Instant;
 
-use candle::{DType, Var};
+use candle::{DType, Tensor};
 
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::model::{count_correct_by_row, token_nll, TaskModel};
 use crate::params::ParamStore;
 use crate::rng::{self, derive_seed};
-use optim::{global_grad_norm, AdamW, AdamWConfig};
+use optim::{grad_norm, AdamW, AdamWConfig};
 
 /// How long to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -590,13 +590,15 @@ pub struct Trainer<'a> {
     data: &'a TrainData<'a>,
     config: &'a TrainConfig,
     seed: u64,
-    vars: Vec<(String, Var)>,
+    /// The model's parameters (the gradient norm, early stopping's best weights).
+    params: ParamStore,
     optimizer: AdamW,
     planned: usize,
     lengths: Vec<usize>,
     batches: Vec<Vec<usize>>,
     state: TrainState,
-    best_weights: Option<Vec<candle::Tensor>>,
+    /// Early stopping's best weights so far, by name.
+    best_weights: Option<Vec<(String, candle::Tensor)>>,
 }
 
 impl<'a> Trainer<'a> {
@@ -630,7 +632,7 @@ impl<'a> Trainer<'a> {
             data,
             config,
             seed,
-            vars: params.vars(),
+            params: params.clone(),
             optimizer,
             planned,
             lengths,
@@ -727,8 +729,15 @@ impl<'a> Trainer<'a> {
         } else {
             (&loss * loss_scale)?.backward()?
         };
-        let vars: Vec<Var> = self.vars.iter().map(|(_, v)| v.clone()).collect();
-        let norm = global_grad_norm(&grads, &vars)? / loss_scale;
+        // Parameter by parameter in the order of their names, whether packed or not: the same
+        // sum, in the same order, either way.
+        let gradients: Vec<Tensor> = self
+            .params
+            .gradients(&grads)?
+            .into_iter()
+            .map(|(_, g)| g)
+            .collect();
+        let norm = grad_norm(&gradients)? / loss_scale;
         let overflow_skipped = !norm.is_finite()
             && self
                 .state
@@ -788,10 +797,11 @@ impl<'a> Trainer<'a> {
                 .is_none_or(|(acc, _)| score.accuracy > acc + rule.min_delta);
             if improved {
                 let snapshot = self
-                    .vars
-                    .iter()
-                    .map(|(_, v)| v.as_detached_tensor().copy())
-                    .collect::<candle::Result<Vec<_>>>()?;
+                    .params
+                    .params()
+                    .into_iter()
+                    .map(|(name, t)| Ok((name, t.detach().copy()?)))
+                    .collect::<Result<Vec<_>>>()?;
                 self.best_weights = Some(snapshot);
                 self.state.best = Some((score.accuracy, self.state.steps));
                 self.state.since_best = 0;
@@ -810,13 +820,10 @@ impl<'a> Trainer<'a> {
             state: self.state.clone(),
             optimizer,
             optimizer_step,
-            best_weights: self.best_weights.as_ref().map(|w| {
-                self.vars
-                    .iter()
-                    .map(|(n, _)| n.clone())
-                    .zip(w.iter().cloned())
-                    .collect()
-            }),
+            best_weights: self
+                .best_weights
+                .as_ref()
+                .map(|w| w.iter().cloned().collect()),
         }
     }
 
@@ -828,13 +835,15 @@ impl<'a> Trainer<'a> {
         self.best_weights = match &checkpoint.best_weights {
             None => None,
             Some(map) => Some(
-                self.vars
-                    .iter()
-                    .map(|(name, var)| {
-                        let t = map.get(name).ok_or_else(|| {
+                self.params
+                    .params()
+                    .into_iter()
+                    .map(|(name, value)| {
+                        let t = map.get(&name).ok_or_else(|| {
                             Error::Input(format!("the checkpoint's best weights lack `{name}`"))
                         })?;
-                        Ok(t.to_dtype(var.dtype())?.to_device(var.device())?)
+                        let t = t.to_dtype(value.dtype())?.to_device(value.device())?;
+                        Ok((name, t))
                     })
                     .collect::<Result<Vec<_>>>()?,
             ),
@@ -852,8 +861,8 @@ impl<'a> Trainer<'a> {
     pub fn finish(self) -> Result<TrainOutcome> {
         let mut kept_step = self.state.steps;
         if let (Some(weights), Some((_, step))) = (self.best_weights, self.state.best) {
-            for ((_, var), value) in self.vars.iter().zip(weights) {
-                var.set(&value)?;
+            for (name, value) in &weights {
+                self.params.set(name, value)?;
             }
             kept_step = step;
         }

@@ -32,14 +32,25 @@ impl Default for AdamWConfig {
     }
 }
 
-struct Slot {
+/// One of a variable's named parameters: all of it, or a part of a packed variable
+/// ([`crate::ParamStore::pack`]).
+struct Part {
     name: String,
-    var: Var,
-    /// First and second moment estimates `[m; v]`, `(2, ...var shape)`.
-    moments: Tensor,
+    /// Where it starts in the variable, flattened; its moments `[m; v]` start at twice that.
+    offset: usize,
+    shape: candle::Shape,
     decay: bool,
     /// Projected back to at least this after every step (see [`AdamW::from_store`]).
     lower_bound: Option<f64>,
+}
+
+struct Slot {
+    var: Var,
+    /// The named parameters the variable holds, in order of offset.
+    parts: Vec<Part>,
+    /// First and second moment estimates, flat: each part's `[m; v]` (`2 n` values) at twice
+    /// its offset.
+    moments: Tensor,
 }
 
 /// AdamW as in PyTorch: `w <- w (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`.
@@ -70,7 +81,11 @@ struct Constants {
     weight_decay: f64,
 }
 
-impl Slot {
+impl Part {
+    fn len(&self) -> usize {
+        self.shape.elem_count()
+    }
+
     /// What the weights are multiplied by before the update: `1 - lr wd` where decayed.
     fn decay_factor(&self, lr: f64, weight_decay: f64) -> f64 {
         if self.decay && weight_decay > 0.0 {
@@ -79,18 +94,44 @@ impl Slot {
             1.0
         }
     }
+}
 
-    /// Variables updated together by the composition share these: the decay, the dtype and
-    /// the device.
-    fn group_key(&self) -> (bool, DType, candle::DeviceLocation) {
-        (self.decay, self.var.dtype(), self.var.device().location())
+impl Slot {
+    /// The part's values in `t` (the variable, its gradient), flat.
+    fn of(t: &Tensor, part: &Part) -> Result<Tensor> {
+        Ok(t.flatten_all()?.narrow(0, part.offset, part.len())?)
     }
 
-    /// Sets values below the variable's lower bound to it.
-    fn project(&self) -> Result<()> {
-        if let Some(lo) = self.lower_bound {
-            let w = self.var.as_detached_tensor();
-            self.var.set(&w.clamp(lo, f64::MAX)?)?;
+    /// The part's moments `[m; v]`, flat (a view: writes reach the slot's moments).
+    fn moments_of(&self, part: &Part) -> Result<Tensor> {
+        Ok(self.moments.narrow(0, 2 * part.offset, 2 * part.len())?)
+    }
+
+    /// Writes `values` (flat) over the part of the variable.
+    fn write(&self, part: &Part, values: &Tensor) -> Result<()> {
+        if part.offset == 0 && part.len() == self.var.elem_count() {
+            self.var.set(&values.reshape(self.var.shape())?)?;
+        } else {
+            self.var.as_detached_tensor().flatten_all()?.slice_set(
+                &values.contiguous()?,
+                0,
+                part.offset,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Parts updated together by the composition share these: the decay, the dtype and the
+    /// device.
+    fn group_key(&self, part: &Part) -> (bool, DType, candle::DeviceLocation) {
+        (part.decay, self.var.dtype(), self.var.device().location())
+    }
+
+    /// Sets the part's values below its lower bound to it.
+    fn project(&self, part: &Part) -> Result<()> {
+        if let Some(lo) = part.lower_bound {
+            let w = Self::of(&self.var.as_detached_tensor(), part)?;
+            self.write(part, &w.clamp(lo, f64::MAX)?)?;
         }
         Ok(())
     }
@@ -100,16 +141,43 @@ impl AdamW {
     /// AdamW over `vars` (name, variable) with `config`, every one decayed and none bounded;
     /// [`AdamW::from_store`] applies what a store holds (exemptions from decay, bounds).
     pub fn new(vars: Vec<(String, Var)>, config: AdamWConfig) -> Result<Self> {
+        let vars = vars
+            .into_iter()
+            .map(|(name, var)| crate::params::StoredVar {
+                parts: vec![(name, 0, var.shape().clone())],
+                var,
+            })
+            .collect();
+        Self::over(vars, config, |_| (true, None))
+    }
+
+    /// AdamW over `vars`, each named parameter's decay and bound from `rules`.
+    fn over(
+        vars: Vec<crate::params::StoredVar>,
+        config: AdamWConfig,
+        rules: impl Fn(&str) -> (bool, Option<f64>),
+    ) -> Result<Self> {
         let slots = vars
             .into_iter()
-            .map(|(name, var)| {
-                let mut shape = vec![2];
-                shape.extend_from_slice(var.dims());
+            .map(|stored| {
+                let parts = stored
+                    .parts
+                    .into_iter()
+                    .map(|(name, offset, shape)| {
+                        let (decay, lower_bound) = rules(&name);
+                        Part {
+                            name,
+                            offset,
+                            shape,
+                            decay,
+                            lower_bound,
+                        }
+                    })
+                    .collect();
+                let var = stored.var;
                 Ok(Slot {
-                    decay: true,
-                    lower_bound: None,
-                    moments: Tensor::zeros(shape, var.dtype(), var.device())?,
-                    name,
+                    moments: Tensor::zeros(2 * var.elem_count(), var.dtype(), var.device())?,
+                    parts,
                     var,
                 })
             })
@@ -124,13 +192,13 @@ impl AdamW {
 
     /// AdamW over every variable of `store`, each bounded variable kept at or above the bound
     /// the store holds ([`crate::ParamStore::constrain`]) after every step, and not decayed.
+    /// A packed variable ([`crate::ParamStore::pack`]) is one slot whose named parameters keep
+    /// their own decay (and state names); what packing added, zeros and constants, is left as
+    /// it is.
     pub fn from_store(store: &crate::ParamStore, config: AdamWConfig) -> Result<Self> {
-        let mut optimizer = Self::new(store.vars(), config)?;
-        for slot in &mut optimizer.slots {
-            slot.lower_bound = store.bound(&slot.name);
-            slot.decay = store.decays(&slot.name);
-        }
-        Ok(optimizer)
+        Self::over(store.stored_vars(), config, |name| {
+            (store.decays(name), store.bound(name))
+        })
     }
 
     /// Updates taken so far.
@@ -150,9 +218,9 @@ impl AdamW {
         } = self.config;
         let bias1 = 1.0 - beta1.powi(self.step as i32);
         let bias2 = 1.0 - beta2.powi(self.step as i32);
-        // The variables the fused kernels do not update (a GPU's, the reference kernels'), with
+        // The parts the fused kernels do not update (a GPU's, the reference kernels'), with
         // their gradients, grouped by what their update shares: the decay, dtype and device.
-        let mut groups: Vec<Vec<(usize, Tensor)>> = Vec::new();
+        let mut groups: Vec<Vec<(usize, usize, Tensor)>> = Vec::new();
         // The variables the device path updates (CUDA's, or its CPU twin's), all at once.
         let mut on_device: Vec<(usize, Tensor)> = Vec::new();
         for (i, slot) in self.slots.iter().enumerate() {
@@ -168,26 +236,32 @@ impl AdamW {
                 continue;
             }
             if crate::nn::fused_for(&g) {
-                crate::nn::adamw_step(
-                    slot.var.as_tensor(),
-                    &slot.moments,
-                    &g,
-                    (beta1, beta2, eps),
-                    grad_scale,
-                    lr,
-                    slot.decay_factor(lr, weight_decay),
-                    (bias1, bias2),
-                )?;
-                slot.project()?;
+                let w = slot.var.as_detached_tensor();
+                for part in &slot.parts {
+                    crate::nn::adamw_step(
+                        &Slot::of(&w, part)?,
+                        &slot.moments_of(part)?,
+                        &Slot::of(&g, part)?,
+                        (beta1, beta2, eps),
+                        grad_scale,
+                        lr,
+                        part.decay_factor(lr, weight_decay),
+                        (bias1, bias2),
+                    )?;
+                    slot.project(part)?;
+                }
                 continue;
             }
-            let key = slot.group_key();
-            match groups
-                .iter_mut()
-                .find(|group| self.slots[group[0].0].group_key() == key)
-            {
-                Some(group) => group.push((i, g)),
-                None => groups.push(vec![(i, g)]),
+            for (j, part) in slot.parts.iter().enumerate() {
+                let key = slot.group_key(part);
+                let entry = (i, j, Slot::of(&g, part)?);
+                match groups.iter_mut().find(|group| {
+                    let (i, j, _) = group[0];
+                    self.slots[i].group_key(&self.slots[i].parts[j]) == key
+                }) {
+                    Some(group) => group.push(entry),
+                    None => groups.push(vec![entry]),
+                }
             }
         }
         self.device_update(
@@ -218,9 +292,9 @@ impl AdamW {
                 let mut end = start;
                 let mut values = 0;
                 while end < group.len()
-                    && (end == start || values + group[end].1.elem_count() <= self.batch_values)
+                    && (end == start || values + group[end].2.elem_count() <= self.batch_values)
                 {
-                    values += group[end].1.elem_count();
+                    values += group[end].2.elem_count();
                     end += 1;
                 }
                 self.composed_update(&group[start..end], &constants)?;
@@ -230,8 +304,9 @@ impl AdamW {
         Ok(())
     }
 
-    /// The update of `vars` (slot, gradient) on the device path: per device, every variable in
-    /// one multi-tensor launch, weights and moments in place; then the bounded ones projected.
+    /// The update of `vars` (slot, gradient) on the device path: per device, every named part
+    /// of every variable in one multi-tensor launch, weights and moments in place; then the
+    /// bounded ones projected.
     fn device_update(
         &mut self,
         vars: &[(usize, Tensor)],
@@ -260,54 +335,55 @@ impl AdamW {
                 here.iter().map(|(_, g)| device::Held::of(g)).collect();
             let stream = device::stream_for(here[0].1.device())?;
             device::with_writable(&tensors, |mems| {
-                let parts = here
-                    .iter()
-                    .zip(mems.chunks_exact(2))
-                    .zip(&grads)
-                    .map(|(((i, _), wm), g)| {
-                        Ok(device::AdamWPart {
-                            w: wm[0],
-                            g: g.mem()?,
-                            mv: wm[1],
-                            decay_factor: slots[*i].decay_factor(step.lr, weight_decay),
-                        })
-                    })
-                    .collect::<candle::Result<Vec<_>>>()?;
+                let mut parts = Vec::new();
+                for (((i, _), wm), g) in here.iter().zip(mems.chunks_exact(2)).zip(&grads) {
+                    let g = g.mem()?;
+                    for part in &slots[*i].parts {
+                        let (at, n) = (part.offset, part.len());
+                        parts.push(device::AdamWPart {
+                            w: wm[0].at(at, n)?,
+                            g: g.at(at, n)?,
+                            mv: wm[1].at(2 * at, 2 * n)?,
+                            decay_factor: part.decay_factor(step.lr, weight_decay),
+                        });
+                    }
+                }
                 stream.adamw(&parts, step)
             })?;
             drop(grads);
             for (i, _) in &here {
-                self.slots[*i].project()?;
+                let slot = &self.slots[*i];
+                for part in &slot.parts {
+                    slot.project(part)?;
+                }
             }
         }
         Ok(())
     }
 
-    /// AdamW as a composition of tensor ops over several variables at once, `(slot, gradient)`
-    /// of one group: their gradients, moments and weights laid end to end, the update computed
-    /// on those, and each variable's part written back. The same elementwise operations as one
-    /// variable at a time, so the same bits, in about a dozen kernel launches for the group
-    /// instead of about twenty per variable (on a GPU, where each launch costs more than the
-    /// arithmetic of a small variable).
-    fn composed_update(&mut self, group: &[(usize, Tensor)], c: &Constants) -> Result<()> {
+    /// AdamW as a composition of tensor ops over several parameters at once, `(slot, part,
+    /// gradient)` of one group: their gradients, moments and weights laid end to end, the
+    /// update computed on those, and each parameter's part written back. The same elementwise
+    /// operations as one parameter at a time, so the same bits, in about a dozen kernel
+    /// launches for the group instead of about twenty per parameter (on a GPU, where each
+    /// launch costs more than the arithmetic of a small variable).
+    fn composed_update(&mut self, group: &[(usize, usize, Tensor)], c: &Constants) -> Result<()> {
         let (beta1, beta2) = c.betas;
-        let end_to_end = |parts: Vec<Tensor>| -> Result<Tensor> {
-            let flat = parts
-                .iter()
-                .map(Tensor::flatten_all)
-                .collect::<candle::Result<Vec<_>>>()?;
-            Ok(Tensor::cat(&flat, 0)?)
-        };
+        let end_to_end = |parts: Vec<Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&parts, 0)?) };
         let slots = &self.slots;
         let moment = |k: usize| -> Result<Tensor> {
             end_to_end(
                 group
                     .iter()
-                    .map(|(i, _)| slots[*i].moments.get(k))
-                    .collect::<candle::Result<Vec<_>>>()?,
+                    .map(|(i, j, _)| {
+                        let part = &slots[*i].parts[*j];
+                        let n = part.len();
+                        Ok(slots[*i].moments_of(part)?.narrow(0, k * n, n)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?,
             )
         };
-        let g = end_to_end(group.iter().map(|(_, g)| g.clone()).collect())?;
+        let g = end_to_end(group.iter().map(|(_, _, g)| g.clone()).collect())?;
         let g = if c.grad_scale == 1.0 {
             g
         } else {
@@ -321,10 +397,13 @@ impl AdamW {
         let w = end_to_end(
             group
                 .iter()
-                .map(|(i, _)| slots[*i].var.as_detached_tensor())
-                .collect(),
+                .map(|(i, j, _)| {
+                    Slot::of(&slots[*i].var.as_detached_tensor(), &slots[*i].parts[*j])
+                })
+                .collect::<Result<Vec<_>>>()?,
         )?;
-        let decay_factor = slots[group[0].0].decay_factor(c.lr, c.weight_decay);
+        let (i0, j0, _) = group[0];
+        let decay_factor = slots[i0].parts[j0].decay_factor(c.lr, c.weight_decay);
         let w = if decay_factor != 1.0 {
             (w * decay_factor)?
         } else {
@@ -332,13 +411,14 @@ impl AdamW {
         };
         let w = (w - (update * c.lr)?)?;
         let mut at = 0;
-        for (i, _) in group {
-            let slot = &mut self.slots[*i];
-            let (n, shape) = (slot.var.elem_count(), slot.var.shape().clone());
-            let part = |t: &Tensor| t.narrow(0, at, n)?.reshape(&shape);
-            slot.var.set(&part(&w)?)?;
-            slot.moments = Tensor::stack(&[part(&m)?, part(&v)?], 0)?;
-            slot.project()?;
+        for (i, j, _) in group {
+            let slot = &self.slots[*i];
+            let part = &slot.parts[*j];
+            let n = part.len();
+            slot.write(part, &w.narrow(0, at, n)?)?;
+            let mv = Tensor::cat(&[m.narrow(0, at, n)?, v.narrow(0, at, n)?], 0)?;
+            slot.moments.slice_set(&mv, 0, 2 * part.offset)?;
+            slot.project(part)?;
             at += n;
         }
         Ok(())
@@ -348,9 +428,15 @@ impl AdamW {
     pub fn state(&self) -> (HashMap<String, Tensor>, u64) {
         let mut tensors = HashMap::new();
         for slot in &self.slots {
-            for (i, prefix) in ["m", "v"].into_iter().enumerate() {
-                let moment = slot.moments.get(i).expect("moments hold m and v");
-                tensors.insert(format!("{prefix}.{}", slot.name), moment);
+            for part in &slot.parts {
+                let mv = slot.moments_of(part).expect("moments hold every part");
+                for (k, prefix) in ["m", "v"].into_iter().enumerate() {
+                    let moment = mv
+                        .narrow(0, k * part.len(), part.len())
+                        .and_then(|t| t.reshape(&part.shape))
+                        .expect("moments hold m and v");
+                    tensors.insert(format!("{prefix}.{}", part.name), moment);
+                }
             }
         }
         (tensors, self.step)
@@ -359,36 +445,50 @@ impl AdamW {
     /// Restores [`AdamW::state`]; every moment must be present with its variable's shape.
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> Result<()> {
         for slot in &mut self.slots {
-            let mut moments = Vec::with_capacity(2);
-            for prefix in ["m", "v"] {
-                let key = format!("{prefix}.{}", slot.name);
-                let t = tensors
-                    .get(&key)
-                    .ok_or_else(|| Error::Input(format!("optimizer state lacks `{key}`")))?;
-                if t.dims() != slot.var.dims() {
-                    return Err(Error::Input(format!(
-                        "optimizer state `{key}` has shape {:?}, the variable {:?}",
-                        t.dims(),
-                        slot.var.dims()
-                    )));
+            let (dtype, device) = (slot.var.dtype(), slot.var.device().clone());
+            let moments = Tensor::zeros(2 * slot.var.elem_count(), dtype, &device)?;
+            for part in &slot.parts {
+                let mut mv = Vec::with_capacity(2);
+                for prefix in ["m", "v"] {
+                    let key = format!("{prefix}.{}", part.name);
+                    let t = tensors
+                        .get(&key)
+                        .ok_or_else(|| Error::Input(format!("optimizer state lacks `{key}`")))?;
+                    if t.dims() != part.shape.dims() {
+                        return Err(Error::Input(format!(
+                            "optimizer state `{key}` has shape {:?}, the variable {:?}",
+                            t.dims(),
+                            part.shape.dims()
+                        )));
+                    }
+                    mv.push(t.to_dtype(dtype)?.to_device(&device)?.flatten_all()?);
                 }
-                moments.push(t.to_dtype(slot.var.dtype())?.to_device(slot.var.device())?);
+                moments.slice_set(&Tensor::cat(&mv, 0)?, 0, 2 * part.offset)?;
             }
-            slot.moments = Tensor::stack(&moments, 0)?;
+            slot.moments = moments;
         }
         self.step = step;
         Ok(())
     }
 }
 
-/// The L2 norm of all gradients of `vars` together.
+/// The L2 norm of all gradients of `vars` together ([`grad_norm`] of those that have one).
+pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
+    let gradients: Vec<Tensor> = vars
+        .iter()
+        .filter_map(|var| grads.get(var.as_tensor()).cloned())
+        .collect();
+    grad_norm(&gradients)
+}
+
+/// The L2 norm of `gradients` together: each one's sum of squares (in its dtype), then their
+/// sum in f64, in the order given.
 ///
 /// The squares are summed on the gradients' device and read back once: on a GPU, one wait for
 /// the queued work per step instead of one per variable.
-pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
-    let squares = vars
+pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
+    let squares = gradients
         .iter()
-        .filter_map(|var| grads.get(var.as_tensor()))
         .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
         .collect::<candle::Result<Vec<_>>>()?;
     if squares.is_empty() {
@@ -516,9 +616,9 @@ mod tests {
                     let mut own = own;
                     let mut opt = AdamW::new(vars.clone(), config).unwrap();
                     opt.batch_values = batch_values;
-                    opt.slots[1].decay = false; // a bias
-                    opt.slots[3].decay = false;
-                    opt.slots[3].lower_bound = Some(0.2);
+                    opt.slots[1].parts[0].decay = false; // a bias
+                    opt.slots[3].parts[0].decay = false;
+                    opt.slots[3].parts[0].lower_bound = Some(0.2);
                     for step in 1..=4u64 {
                         let (lr, scale) = (0.01 * step as f64, if step == 2 { 0.5 } else { 1.0 });
                         let mut grads = (vars[0].1.as_tensor().sum_all().unwrap() * 0.0)
@@ -635,8 +735,8 @@ mod tests {
                     .map(|(name, n)| (name.to_string(), Var::from_tensor(&random(*n)).unwrap()))
                     .collect();
                 let mut opt = AdamW::new(vars.clone(), AdamWConfig::default()).unwrap();
-                opt.slots[1].decay = false;
-                opt.slots[2].lower_bound = Some(0.1);
+                opt.slots[1].parts[0].decay = false;
+                opt.slots[2].parts[0].lower_bound = Some(0.1);
                 for step in 1..=3 {
                     let mut grads = (vars[0].1.as_tensor().sum_all().unwrap() * 0.0)
                         .unwrap()

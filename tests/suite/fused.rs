@@ -817,3 +817,98 @@ fn a_pool_of_its_own_gives_the_same_bits_at_any_width() {
         );
     }
 }
+
+/// An encoder's hidden states and every named parameter's gradient, with its layers packed
+/// into one variable each (as training packs them) or not, and how many variables its store
+/// then holds.
+fn run_packed(config: &ModelConfig, kernels: Kernels, pack: bool) -> (Run, usize, usize) {
+    with_kernels(kernels, || {
+        let store = ParamStore::new(7);
+        let mut encoder =
+            Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        let unpacked = store.num_params();
+        if pack {
+            encoder.pack(&store).unwrap();
+        }
+        assert_eq!(store.num_params(), unpacked, "packing adds no parameter");
+        encoder.set_dropout_seed(11);
+        let (ids, mask) = padded_batch(4, 9, config.vocab_size as u32);
+        let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
+        let r = random(hidden.dims(), 3, DType::F32);
+        let grads = hidden
+            .mul(&r)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let grads: Vec<(String, Vec<f64>)> = store
+            .gradients(&grads)
+            .unwrap()
+            .into_iter()
+            .map(|(name, g)| (name, values(&g)))
+            .collect();
+        let run = Run {
+            hidden: values(&hidden),
+            grads,
+        };
+        (run, store.vars().len(), store.params().len())
+    })
+}
+
+/// Packing each layer's parameters into one variable (what training does, so that the fused
+/// layer reads them whole and its gradient lands in one place) changes no number: for every
+/// scheme, both norm placements, with and without biases (whose missing parts are packed as
+/// zeros), with dropout, under every kernels and on the device path (its CPU twin), the hidden
+/// states and every named parameter's gradient are the unpacked encoder's, bit for bit.
+#[test]
+fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path() {
+    for positional in all_schemes() {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            for bias in [true, false] {
+                let mut config = tiny_config(positional.clone(), norm);
+                config.bias = bias;
+                config.dropout = 0.1;
+                config.attention_dropout = 0.1;
+                for (kernels, device) in [
+                    (Kernels::Reference, false),
+                    (Kernels::Ops, false),
+                    (Kernels::Layer, false),
+                    (Kernels::Layer, true),
+                ] {
+                    let what = format!(
+                        "{} {norm:?} bias {bias} {} device {device}",
+                        positional.name(),
+                        kernels.name()
+                    );
+                    let run = |pack: bool| match device {
+                        false => run_packed(&config, kernels, pack),
+                        true => {
+                            poslab::nn::with_gpu_ops_on_cpu(|| run_packed(&config, kernels, pack)).0
+                        }
+                    };
+                    let ((plain, plain_vars, plain_params), (packed, packed_vars, packed_params)) =
+                        (run(false), run(true));
+                    assert_eq!(plain_params, packed_params, "{what}: named parameters");
+                    // Each layer's variables (8 without biases, 16 with) became one.
+                    assert!(
+                        packed_vars + 7 * config.n_layers <= plain_vars,
+                        "{what}: {packed_vars} variables packed, {plain_vars} not"
+                    );
+                    assert_eq!(packed.hidden, plain.hidden, "{what}: hidden states");
+                    assert_eq!(packed.grads.len(), plain.grads.len(), "{what}: gradients");
+                    for ((name, a), (other, b)) in packed.grads.iter().zip(&plain.grads) {
+                        assert_eq!(name, other, "{what}");
+                        if name.starts_with("layers.") {
+                            assert!(
+                                b.iter().any(|g| *g != 0.0),
+                                "{what}: `{name}` got no gradient"
+                            );
+                        }
+                        assert_eq!(a, b, "{what}: the gradient of `{name}`");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -587,3 +587,143 @@ fn the_library_refuses_what_it_cannot_compute_with_the_fix() {
         "{err}"
     );
 }
+
+/// A store whose layers are packed into one variable each (what training does) trains, saves
+/// and loads to the bits of one that is not: three AdamW steps with weight decay, its
+/// exemptions (norms, biases), a bound (KERPLE's) and gradient clipping by the norm of every
+/// named gradient, through the fused CPU update, the composed one (the reference kernels) and
+/// the device path's multi-tensor update (its CPU twin). The weights, the optimizer's state by
+/// name, the hidden states after training and the saved file's bytes all agree; the zeros
+/// packed for missing biases stay zeros; a packed store loads what an unpacked one saved.
+#[test]
+fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
+    use crate::common::{padded_batch, projection, values};
+    use poslab::nn::{with_kernels, Kernels};
+    use poslab::train::optim::{grad_norm, AdamW, AdamWConfig};
+    use poslab::Encoder;
+    let dir = tempfile::tempdir().unwrap();
+    struct Trained {
+        params: Vec<(String, Vec<f64>)>,
+        state: Vec<(String, Vec<f64>)>,
+        hidden: Vec<f64>,
+        file: Vec<u8>,
+    }
+    let train = |positional: PositionalConfig, bias: bool, (kernels, device), pack: bool| {
+        let mut config = tiny_config(positional, NormPlacement::Pre);
+        config.bias = bias;
+        config.dropout = 0.1;
+        let run = || {
+            with_kernels(kernels, || {
+                let store = ParamStore::new(5);
+                let mut encoder =
+                    Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+                store.constrain(&encoder.constraints()).unwrap();
+                store.exempt_from_decay(&encoder.undecayed());
+                if pack {
+                    encoder.pack(&store).unwrap();
+                }
+                let mut optimizer = AdamW::from_store(
+                    &store,
+                    AdamWConfig {
+                        weight_decay: 0.1,
+                        ..AdamWConfig::default()
+                    },
+                )
+                .unwrap();
+                let (ids, mask) = padded_batch(4, 9, config.vocab_size as u32);
+                for step in 0..3u64 {
+                    encoder.set_dropout_seed(step);
+                    let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
+                    let loss = hidden
+                        .mul(&projection(hidden.dims(), 2).to_dtype(DType::F32).unwrap())
+                        .unwrap()
+                        .sum_all()
+                        .unwrap();
+                    let grads = loss.backward().unwrap();
+                    let gradients: Vec<_> = store
+                        .gradients(&grads)
+                        .unwrap()
+                        .into_iter()
+                        .map(|(_, g)| g)
+                        .collect();
+                    let norm = grad_norm(&gradients).unwrap();
+                    optimizer.step(&grads, 1e-2, (0.5 / norm).min(1.0)).unwrap();
+                }
+                let hidden = values(&encoder.forward_t(&ids, &mask, false).unwrap());
+                let path = dir.path().join(format!("{pack}.safetensors"));
+                store.save(&path, Default::default()).unwrap();
+                let file = std::fs::read(&path).unwrap();
+                let mut state: Vec<(String, Vec<f64>)> = optimizer
+                    .state()
+                    .0
+                    .into_iter()
+                    .map(|(n, t)| (n, values(&t)))
+                    .collect();
+                state.sort_by(|a, b| a.0.cmp(&b.0));
+                let params = store
+                    .params()
+                    .into_iter()
+                    .map(|(n, t)| (n, values(&t)))
+                    .collect();
+                Trained {
+                    params,
+                    state,
+                    hidden,
+                    file,
+                }
+            })
+        };
+        match device {
+            true => poslab::nn::with_gpu_ops_on_cpu(run).0,
+            false => run(),
+        }
+    };
+    for positional in [
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        PositionalConfig::Kerple(poslab::positional::NoOptions {}),
+        PositionalConfig::Fox(poslab::positional::NoOptions {}),
+    ] {
+        for bias in [true, false] {
+            for kernels in [
+                (Kernels::Reference, false),
+                (Kernels::Layer, false),
+                (Kernels::Layer, true),
+            ] {
+                let what = format!("{} bias {bias} {kernels:?}", positional.name());
+                let (plain, packed) = (
+                    train(positional.clone(), bias, kernels, false),
+                    train(positional.clone(), bias, kernels, true),
+                );
+                assert_eq!(plain.params.len(), packed.params.len(), "{what}");
+                for ((name, a), (other, b)) in plain.params.iter().zip(&packed.params) {
+                    assert_eq!(name, other);
+                    assert_eq!(a, b, "{what}: `{name}` after training");
+                }
+                assert_eq!(plain.state, packed.state, "{what}: optimizer state");
+                assert_eq!(plain.hidden, packed.hidden, "{what}: hidden states");
+                assert!(plain.file == packed.file, "{what}: the saved files differ");
+            }
+        }
+    }
+    // A packed store loads an unpacked one's file, every parameter, by name.
+    let config = tiny_config(
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        NormPlacement::Post,
+    );
+    let saved = ParamStore::new(1);
+    Encoder::new(&config, saved.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    let path = dir.path().join("unpacked.safetensors");
+    saved.save(&path, Default::default()).unwrap();
+    let store = ParamStore::new(2);
+    let mut encoder = Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+    encoder.pack(&store).unwrap();
+    assert!(store.get("layers.0.attn.q.weight").is_none(), "packed");
+    store.load(&path).unwrap();
+    for (name, value) in saved.params() {
+        assert_eq!(
+            values(&store.value(&name).unwrap()),
+            values(&value),
+            "`{name}` loaded"
+        );
+    }
+}
