@@ -89,7 +89,10 @@ pub use candle_nn;
 pub mod prelude {
     pub use crate::candle::{DType, Device, Module, Tensor};
     pub use crate::model::{HeadConfig, Pooling, TaskModel};
-    pub use crate::positional::{FireOptions, NoOptions, PropeOptions, RopeOptions, T5Options};
+    pub use crate::positional::{
+        ConcatOptions, FireOptions, NoOptions, PropeOptions, RopeOptions, SinusoidalOptions,
+        T5Options,
+    };
     pub use crate::train::Learner;
     pub use crate::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, Positions};
 }

@@ -65,7 +65,11 @@ fn main() -> ExitCode {
         poslab::tune_allocator();
     }
     let result = match Cli::parse().command {
-        Command::Compare(args) => cli::compare::run(args),
+        Command::Compare(args) => {
+            // First, before any thread starts: Ctrl-C then says how to continue.
+            let interrupt = cli::interrupt::Interrupt::install();
+            cli::compare::run(args, &interrupt)
+        }
         Command::Train(args) => cli::train::run(args),
         Command::Predict(args) => args.compute.clone().run(|| cli::predict::run(args)),
         Command::Embed(args) => args.compute.clone().run(|| cli::embed::run(args)),

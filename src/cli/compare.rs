@@ -44,6 +44,8 @@ pub struct Args {
     pub runs_dir: PathBuf,
     /// The exact run folder (instead of runs/<name>-<timestamp>). The same command again into
     /// it continues the run there; a folder of another config or other cells is refused.
+    /// Without it, the same command continues this config's newest unfinished run (the same
+    /// cells) under --runs-dir, and starts a new folder only when there is none.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// With --out: start the run over, removing the run already in the folder (only the files
@@ -74,7 +76,7 @@ pub struct Args {
     pub kill_at: Option<String>,
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     let selection = Selection {
         tasks: a.tasks,
         variants: a.variants,
@@ -108,10 +110,43 @@ pub fn run(a: Args) -> Result<()> {
         return print_estimate(&config, &selection, &source, a.gflops, jobs, found);
     }
     let jobs = jobs(a.jobs, &device, cells)?;
+    // Without --out, the same command continues this experiment's unfinished run (one stopped
+    // by Ctrl-C, a kill or a crash) rather than starting over in a new folder.
+    let mut look = run::RunOptions::new(device.clone(), PathBuf::new());
+    look.selection = selection.clone();
+    let mut created = false;
     let dir = match a.out {
         Some(dir) => dir,
-        None => poslab::io::new_run_dir(&a.runs_dir, &config.name)?,
+        None => match run::unfinished_run(&config, &look, &a.runs_dir)? {
+            Some(dir) => {
+                let (done, all) = run::progress_of(&dir).unwrap_or((0, cells));
+                eprintln!(
+                    "poslab compare: continuing the unfinished run in {} ({done} of {all} cells \
+                     done); --out DIR runs elsewhere",
+                    dir.display()
+                );
+                dir
+            }
+            None => {
+                created = true;
+                poslab::io::new_run_dir(&a.runs_dir, &config.name)?
+            }
+        },
     };
+    let command = super::interrupt::this_command(&["--overwrite"]);
+    let at = dir.clone();
+    interrupt.says(move || match run::progress_of(&at) {
+        Some((done, all)) => format!(
+            "poslab compare: interrupted; {done} of {all} cells are done and kept in {}. The \
+             same command continues there:\n  {command}",
+            at.display()
+        ),
+        None => format!(
+            "poslab compare: interrupted before the run began in {}; the same command starts \
+             it:\n  {command}",
+            at.display()
+        ),
+    });
     let shard = selection.shard;
     eprintln!(
         "poslab compare: {source}{} on {} -> {}",
@@ -129,7 +164,16 @@ pub fn run(a: Args) -> Result<()> {
         overwrite: a.overwrite,
         kill_at: a.kill_at,
     };
-    let output = run::run(&config, &options, &|line| eprintln!("{line}"))?;
+    let output = match run::run(&config, &options, &|line| eprintln!("{line}")) {
+        Ok(output) => output,
+        Err(e) => {
+            // A start that failed (its data missing, say) leaves no folder behind.
+            if created {
+                super::discard_failed_start(&dir);
+            }
+            return Err(e.into());
+        }
+    };
     outln!("{}", output.table);
     outln!(
         "run folder: {} (report.html, report.md, results.csv, summary.csv, results.json, timing.json, plots/, models/)",

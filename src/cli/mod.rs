@@ -26,6 +26,7 @@ pub mod bench;
 pub mod compare;
 pub mod embed;
 pub mod inspect;
+pub mod interrupt;
 pub mod predict;
 pub mod report;
 pub mod train;
@@ -220,4 +221,41 @@ pub(crate) fn plural(n: usize) -> &'static str {
         1 => "",
         _ => "s",
     }
+}
+
+/// Removes a run folder this command made for a run that failed before it wrote anything but
+/// its start (the lock, the manifest, the config): a failed start leaves nothing behind that
+/// `inspect` would call unfinished. A folder holding anything else stays as it is.
+pub fn discard_failed_start(dir: &std::path::Path) {
+    const START: [&str; 4] = [
+        ".poslab-lock",
+        "run.json",
+        "config.toml",
+        poslab::saved::TRAIN_CONFIG,
+    ];
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files = Vec::new();
+    let mut folders = Vec::new();
+    for entry in entries {
+        let Ok(entry) = entry else { return };
+        let (path, name) = (entry.path(), entry.file_name());
+        match entry.file_type() {
+            Ok(t) if t.is_file() && START.iter().any(|s| name == *s) => files.push(path),
+            Ok(t)
+                if t.is_dir() && std::fs::read_dir(&path).is_ok_and(|mut d| d.next().is_none()) =>
+            {
+                folders.push(path)
+            }
+            _ => return,
+        }
+    }
+    for file in files {
+        let _ = std::fs::remove_file(file);
+    }
+    for folder in folders {
+        let _ = std::fs::remove_dir(folder);
+    }
+    let _ = std::fs::remove_dir(dir);
 }

@@ -84,12 +84,21 @@ pub fn run(args: Args) -> Result<()> {
             if let Some(dtype) = compute.dtype {
                 config.set_dtype(dtype);
             }
+            let created = out.is_none();
             let dir = match out {
                 Some(dir) => dir,
                 None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
             };
             eprintln!("poslab train: {} -> {}", path.display(), dir.display());
-            (train_run::start(&config, &options(dir.clone()))?, dir)
+            match train_run::start(&config, &options(dir.clone())) {
+                Ok(end) => (end, dir),
+                Err(e) => {
+                    if created {
+                        super::discard_failed_start(&dir);
+                    }
+                    return Err(e.into());
+                }
+            }
         }
         (None, None) => unreachable!("clap requires --config or --resume"),
     };

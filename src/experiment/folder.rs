@@ -456,6 +456,12 @@ impl Manifest {
     }
 }
 
+/// The finished cells of the run in `dir` and its cells, from its manifest.
+pub(crate) fn progress_of(dir: &Path) -> Option<(usize, usize)> {
+    let m = read_manifest(dir).ok()??;
+    Some((m.finished_cells(dir), m.cells))
+}
+
 /// The cells a manifest's selection names under `config`.
 fn cells_of(config: &ExperimentConfig, m: &Manifest) -> Result<Vec<(usize, usize, u64)>> {
     match m.kind {

@@ -45,7 +45,7 @@ pub struct RunOptions {
     pub overwrite: bool,
     /// For tests: SIGKILL the process at this point (`cell-I-step-S`, `cell-I-saved`,
     /// `cell-I-record` with the record half written, `cell-I-done`, `report`; `I` counts the
-    /// selection's cells from 0).
+    /// selection's cells from 0), or SIGINT it there (`int:` before the point).
     #[doc(hidden)]
     pub kill_at: Option<String>,
 }
@@ -86,16 +86,22 @@ struct Shared<'a> {
     threads: String,
 }
 
-/// SIGKILLs the process at `point` when `options.kill_at` names it: how the tests show that a
-/// run killed there resumes to the results of one that never stopped.
+/// SIGKILLs the process at `point` when `options.kill_at` names it (SIGINTs it, as a Ctrl-C,
+/// where it reads `int:POINT`): how the tests show that a run stopped there resumes to the
+/// results of one that never stopped.
 fn kill_point(options: &RunOptions, point: impl FnOnce() -> String) {
     #[cfg(unix)]
     if let Some(at) = &options.kill_at {
-        if *at == point() {
+        let (signal, at) = match at.strip_prefix("int:") {
+            Some(at) => (libc::SIGINT, at),
+            None => (libc::SIGKILL, at.as_str()),
+        };
+        if at == point() {
             // SAFETY: kill(2) on this process's own id has no memory effects; SIGKILL cannot be
-            // caught, so the process ends here as a `kill -9` from outside would end it.
+            // caught, so the process ends here as a `kill -9` from outside would end it; SIGINT
+            // ends it as a Ctrl-C would (or is handled by whoever waits for it).
             unsafe {
-                libc::kill(libc::getpid(), libc::SIGKILL);
+                libc::kill(libc::getpid(), signal);
             }
             loop {
                 std::thread::park();
@@ -325,6 +331,48 @@ pub struct Preview {
     pub done: Vec<bool>,
     /// The records there that the run would not use, and why (it trains those cells again).
     pub notes: Vec<String>,
+}
+
+/// The newest folder under `runs_dir` named `<config's name>-...` that holds this experiment's
+/// run (the same config, the same cells of `options`) unfinished: where `poslab compare`
+/// without `--out` continues instead of starting over in a new folder. Folders of another
+/// config or other cells, finished runs and folders a running writer holds are passed over.
+pub fn unfinished_run(
+    config: &ExperimentConfig,
+    options: &RunOptions,
+    runs_dir: &std::path::Path,
+) -> Result<Option<PathBuf>> {
+    let Ok(entries) = std::fs::read_dir(runs_dir) else {
+        return Ok(None);
+    };
+    let prefix = format!("{}-", config.name);
+    let mut candidates: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    // Named by their start, to the second: the newest last.
+    candidates.sort();
+    for dir in candidates.into_iter().rev() {
+        let mut look = RunOptions::new(options.device.clone(), dir.clone());
+        look.selection = options.selection.clone();
+        let Ok(found) = preview(config, &look) else {
+            continue;
+        };
+        let unfinished =
+            found.done.iter().any(|done| !done) || !dir.join(folder::RESULTS_JSON).exists();
+        if found.folder == folder::Preview::Resume && unfinished {
+            return Ok(Some(dir));
+        }
+    }
+    Ok(None)
+}
+
+/// How far the run in `dir` got: its finished cells and its cells, from its manifest (`None`
+/// where it has none yet).
+pub fn progress_of(dir: &std::path::Path) -> Option<(usize, usize)> {
+    folder::progress_of(dir)
 }
 
 /// What [`run`] would do with `options.dir`: the error it would give (another config's run,

@@ -24,6 +24,13 @@ fn default_base() -> f64 {
     DEFAULT_BASE
 }
 
+/// The sinusoid's width when a config does not say: a quarter of the default `d_model` (64).
+pub const DEFAULT_POS_DIM: usize = 16;
+
+fn default_pos_dim() -> usize {
+    DEFAULT_POS_DIM
+}
+
 /// Options of `sinusoidal_concat`: a `pos_dim` wide sinusoid appended after the token embeddings.
 ///
 /// - `project = false` (default): token embeddings `d_model - pos_dim` wide, so the concatenation
@@ -33,7 +40,9 @@ fn default_base() -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConcatOptions {
-    /// The sinusoid's width (even, below `d_model` unless projected).
+    /// The sinusoid's width (even, below `d_model` unless projected; default 16, a quarter of
+    /// the default `d_model`).
+    #[serde(default = "default_pos_dim")]
     pub pos_dim: usize,
     /// The base of the frequencies (default 10,000).
     #[serde(default = "default_base")]
@@ -44,6 +53,18 @@ pub struct ConcatOptions {
     /// Whether a trained layer maps the wider concatenation back to `d_model` (default false).
     #[serde(default)]
     pub project: bool,
+}
+
+impl Default for ConcatOptions {
+    /// A 16-wide interleaved sinusoid of base 10,000, not projected.
+    fn default() -> Self {
+        Self {
+            pos_dim: DEFAULT_POS_DIM,
+            base: DEFAULT_BASE,
+            layout: TableLayout::default(),
+            project: false,
+        }
+    }
 }
 
 impl Scheme for ConcatOptions {

@@ -159,9 +159,24 @@ fn unknown_names_and_options_are_refused_with_the_choices() {
         parse("", "kind = \"sinusoidal_add\"\nlayout = \"alternating\""),
         &["unknown variant `alternating`", "`interleaved` or `half`"],
     );
+    // Concatenation without its width takes the stated default, 16 (a quarter of the default
+    // d_model); a model too narrow for it says so, naming the value and the fix.
+    let concat = ModelConfig::from_toml_str(&format!(
+        "{}[positional]\nkind = \"sinusoidal_concat\"\n",
+        SHAPE.replace("d_model = 16", "d_model = 64")
+    ))
+    .unwrap();
+    assert_eq!(
+        concat.positional,
+        PositionalConfig::SinusoidalConcat(poslab::prelude::ConcatOptions::default())
+    );
+    match &concat.positional {
+        PositionalConfig::SinusoidalConcat(o) => assert_eq!(o.pos_dim, 16),
+        other => panic!("{other:?}"),
+    }
     assert_error(
-        parse("", "kind = \"sinusoidal_concat\""),
-        &["missing field `pos_dim`"],
+        parse("", "kind = \"sinusoidal_concat\"").and_then(|c| c.validate().map(|_| c)),
+        &["pos_dim = 16", "less than d_model = 16", "project = true"],
     );
     assert_error(parse("", "base = 3.0"), &["missing field `kind`"]);
     assert_error(

@@ -1301,3 +1301,85 @@ fn jobs_at_once_share_the_memory_limit() {
     assert!(dry(2 * lo, "2").status.success());
     assert!(!dry(2 * lo - 1, "2").status.success());
 }
+
+/// Ctrl-C (SIGINT) during a run without `--out` ends it with exit status 130, saying how many
+/// cells are kept where and the command that continues; that same command then continues the
+/// run in its folder (no second folder) and ends with the `results.json` of a run that never
+/// stopped. A finished run is not continued: the command once more starts a new folder.
+#[test]
+fn ctrl_c_says_how_to_continue_and_the_same_command_continues_in_the_same_folder() {
+    let (root, whole) = setup();
+    let d = root.path();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["compare", "run.toml", "-q", "--jobs", "1"];
+        args.extend_from_slice(extra);
+        poslab(d, &args)
+    };
+    let folders = || -> Vec<PathBuf> {
+        let mut found: Vec<PathBuf> = std::fs::read_dir(d.join("runs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        found.sort();
+        found
+    };
+    let stopped = run(&["--kill-at", "int:cell-2-done"]);
+    let said = stderr(&stopped);
+    assert_eq!(stopped.status.code(), Some(130), "{said}");
+    let [folder] = folders().try_into().unwrap();
+    let name = folder.strip_prefix(d).unwrap().display().to_string();
+    assert!(
+        said.contains(&format!("3 of 8 cells are done and kept in {name}.")),
+        "{said}"
+    );
+    assert!(
+        said.contains("The same command continues there:\n  poslab compare run.toml -q --jobs 1\n"),
+        "{said}"
+    );
+    assert!(!folder.join("results.json").exists());
+    let again = run(&[]);
+    assert_ok(&again, "the same command again");
+    assert!(
+        stderr(&again).contains(&format!(
+            "continuing the unfinished run in {name} (3 of 8 cells done)"
+        )),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(folders(), vec![folder.clone()], "no second folder");
+    assert_eq!(read(folder.join("results.json")), whole);
+    assert_ok(&run(&[]), "a third time");
+    assert_eq!(folders().len(), 2, "a finished run is not continued");
+}
+
+/// A run whose start fails (its TSV missing, or holding only a header) leaves no folder
+/// behind for `inspect` to call unfinished: `compare` and `train` into their default folders.
+#[test]
+fn a_failed_start_leaves_no_folder_behind() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    for name in ["compare_reviews.toml", "train_reviews.toml"] {
+        std::fs::copy(configs.join(name), d.join(name)).unwrap();
+    }
+    std::fs::create_dir_all(d.join("examples/data")).unwrap();
+    let runs =
+        || -> usize { std::fs::read_dir(d.join("runs")).map_or(0, |entries| entries.count()) };
+    let missing = poslab(d, &["compare", "compare_reviews.toml", "-q"]);
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("reviews.tsv"),
+        "{}",
+        stderr(&missing)
+    );
+    assert_eq!(runs(), 0, "compare left a folder");
+    std::fs::write(d.join("examples/data/reviews.tsv"), "text\tlabel\n").unwrap();
+    let header_only = poslab(d, &["train", "--config", "train_reviews.toml", "-q"]);
+    assert!(!header_only.status.success());
+    assert!(
+        stderr(&header_only).contains("no examples"),
+        "{}",
+        stderr(&header_only)
+    );
+    assert_eq!(runs(), 0, "train left a folder");
+}
