@@ -250,6 +250,15 @@ impl TrainRunConfig {
                     ),
                 }
             }
+            Error::ConfigParse { message, .. } if message.contains("unknown field `seeds`") => {
+                Error::ConfigParse {
+                    path: path.into(),
+                    message: format!(
+                        "`poslab train` trains one model from one seed: `seed = N`; `seeds = N` \
+                         (a count) is an experiment's, for `poslab compare`\n{message}"
+                    ),
+                }
+            }
             other => other.in_file(path),
         })
     }
@@ -337,6 +346,13 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let data = config.task.generate_with(&options.hub, tokenizer)?;
     // Every check before anything is written: a start that fails leaves no run behind.
     let ready = ready(config, data, start)?;
+    if let Some(note) = ready
+        .task
+        .data
+        .unknown_tokens_note(&config.task.tokenizer)?
+    {
+        eprintln!("note: {note}");
+    }
     ready.task.data.tokenizer.save(dir.join(saved::TOKENIZER))?;
     let inputs = Inputs::of(config, ready.start.as_ref(), dir)?;
     write_atomic(&dir.join(INPUTS), inputs.to_json().as_bytes())?;

@@ -411,9 +411,7 @@ impl Request {
             )),
             _ => None,
         };
-        let label = dir
-            .file_name()
-            .map_or("run".into(), |n| n.to_string_lossy().into_owned());
+        let label = run_label(dir);
         Ok(Subject {
             table,
             label,
@@ -810,4 +808,40 @@ fn rescale(
     loaded.model = crate::model::TaskModel::new(&config, &loaded.config.head, vb)?;
     loaded.config.model = config;
     Ok(())
+}
+
+/// How an analysis of the trained model in `dir` is named: its folder's name, or for a model of
+/// a compare run (`<run>/models/<task>/<variant>/seed<N>`) `<task>-<variant>-seed<N>`, which
+/// keeps what the bare `seed<N>` loses.
+fn run_label(dir: &Path) -> String {
+    let parts: Vec<String> = dir
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .filter(|c| c != ".")
+        .collect();
+    match parts.as_slice() {
+        [.., models, task, variant, seed] if models == "models" && seed.starts_with("seed") => {
+            format!("{task}-{variant}-{seed}")
+        }
+        [.., last] => last.clone(),
+        [] => "run".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_compare_models_analysis_keeps_its_task_and_variant() {
+        let label = |p: &str| run_label(Path::new(p));
+        assert_eq!(
+            label("runs/compare-1/models/word_order/rope/seed0/"),
+            "word_order-rope-seed0"
+        );
+        assert_eq!(label("./models/t/v/seed2"), "t-v-seed2");
+        assert_eq!(label("runs/reviews-20261127"), "reviews-20261127");
+        assert_eq!(label("runs/x/other/t/v/seed0"), "seed0");
+        assert_eq!(label("seed0"), "seed0");
+    }
 }

@@ -477,12 +477,15 @@ pub fn write_terms(
     )?;
     render_png(&dir.join("attention_terms.png"), (1000, 600), |area| {
         let n = terms.len() as f64;
+        // The bars fill the height (shares sum to 100%): room on the right for the legend,
+        // which would otherwise cover the last bars.
+        let room = (0.25 * n).max(1.2);
         let mut chart = ChartBuilder::on(area)
             .caption(title, (FONT, 20))
             .margin(16)
             .x_label_area_size(56)
             .y_label_area_size(64)
-            .build_cartesian_2d(-0.5..n - 0.5, 0.0..100.0)?;
+            .build_cartesian_2d(-0.5..n - 0.5 + room, 0.0..100.0)?;
         let labels: Vec<String> = terms
             .iter()
             .map(|t| format!("L{} H{}", t.layer, t.head))
@@ -495,7 +498,10 @@ pub fn write_terms(
             .axis_desc_style((FONT, 17))
             .label_style((FONT, 13))
             .x_labels(terms.len().min(32))
-            .x_label_formatter(&|x| labels.get(x.round() as usize).cloned().unwrap_or_default())
+            .x_label_formatter(&|x| match *x > n - 0.5 {
+                true => String::new(),
+                false => labels.get(x.round() as usize).cloned().unwrap_or_default(),
+            })
             .y_label_formatter(&|y| format!("{y:.0}"))
             .draw()?;
         for (i, name) in TERMS.iter().enumerate() {

@@ -347,6 +347,16 @@ impl ExperimentConfig {
                     ),
                 }
             }
+            Error::ConfigParse { message, .. } if message.contains("unknown field `seed`") => {
+                Error::ConfigParse {
+                    path: path.into(),
+                    message: format!(
+                        "an experiment trains every cell under several seeds: `seeds = N` runs N \
+                         of them, from `first_seed` (default 0); `seed = N` is a `poslab train` \
+                         config's one seed\n{message}"
+                    ),
+                }
+            }
             other => other.in_file(path),
         })
     }

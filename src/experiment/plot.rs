@@ -195,6 +195,23 @@ fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
                 });
         }
+        // A curve over fewer lengths than the others (a learned table that cannot read the
+        // longer tests) is drawn again on top, its points marked, so that it does not hide
+        // under curves that run along it.
+        let longest = curves.iter().map(|c| c.points.len()).max().unwrap_or(0);
+        for curve in curves.iter().filter(|c| c.points.len() < longest) {
+            let color = palette(index(&curve.variant).unwrap_or(0));
+            chart.draw_series(LineSeries::new(
+                curve.points.iter().map(|p| (p.x, p.mean)),
+                color.stroke_width(2),
+            ))?;
+            chart.draw_series(
+                curve
+                    .points
+                    .iter()
+                    .map(|p| Circle::new((p.x, p.mean), 3, color.filled())),
+            )?;
+        }
         // Markers, spread sideways a little so whiskers do not hide each other.
         let n = results.variants.len().max(1) as f64;
         for &(i, k, lo, mean, hi) in &markers {

@@ -471,7 +471,88 @@ pub struct TaskData {
     pub limit: TokenLimit,
 }
 
+/// How many of a split's tokens are the tokenizer's unknown token ([`TaskData::unknown_tokens`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownTokens {
+    /// `training`, `validation` or a test set's name.
+    pub split: String,
+    /// Tokens that are `[UNK]`.
+    pub unknown: usize,
+    /// Tokens in all.
+    pub tokens: usize,
+}
+
 impl TaskData {
+    /// For a task read from files, how many tokens of each split (training, validation, each
+    /// test set) the tokenizer maps to its unknown token: words the training texts did not have
+    /// (or had too rarely). Empty for a generated task (whose vocabulary is its own) and for a
+    /// tokenizer without an unknown token.
+    pub fn unknown_tokens(&self) -> Result<Vec<UnknownTokens>> {
+        let Some(unk) = self.tokenizer.unk_id() else {
+            return Ok(Vec::new());
+        };
+        if self.kind.generator().is_some() {
+            return Ok(Vec::new());
+        }
+        let count = |split: &str, examples: &[Example]| -> Result<UnknownTokens> {
+            let (mut unknown, mut tokens) = (0, 0);
+            for e in examples {
+                let ids = self.tokenizer.encode_words(&e.words)?.ids;
+                tokens += ids.len();
+                unknown += ids.iter().filter(|&&id| id == unk).count();
+            }
+            Ok(UnknownTokens {
+                split: split.into(),
+                unknown,
+                tokens,
+            })
+        };
+        let mut out = vec![
+            count("training", &self.train)?,
+            count("validation", &self.valid)?,
+        ];
+        for test in &self.tests {
+            out.push(count(&format!("test `{}`", test.name), &test.examples)?);
+        }
+        Ok(out)
+    }
+
+    /// One line on [`TaskData::unknown_tokens`] where any split has some, with the fix when
+    /// `spec` (the task's tokenizer) could lowercase and does not: `None` where all is known.
+    pub fn unknown_tokens_note(&self, spec: &crate::text::TokenizerSpec) -> Result<Option<String>> {
+        let counts = self.unknown_tokens()?;
+        if counts.iter().all(|c| c.unknown == 0) {
+            return Ok(None);
+        }
+        let parts: Vec<String> = counts
+            .iter()
+            .filter(|c| c.tokens > 0)
+            .map(|c| {
+                format!(
+                    "{} of {} {} tokens ({:.1}%)",
+                    c.unknown,
+                    c.tokens,
+                    c.split,
+                    100.0 * c.unknown as f64 / c.tokens as f64
+                )
+            })
+            .collect();
+        let fix = match spec {
+            crate::text::TokenizerSpec::WordLevel {
+                lowercase: false, ..
+            } => {
+                "; word_level keeps capitals apart (\"Dog\" is not \"dog\"): set `tokenizer = { \
+                 kind = \"word_level\", lowercase = true }` in [task] if they are the cause"
+            }
+            _ => "",
+        };
+        Ok(Some(format!(
+            "task `{}`: [UNK] (a word the training texts did not have, or had too rarely) is {}{fix}",
+            self.name,
+            parts.join(", ")
+        )))
+    }
+
     /// The range of training lengths in words.
     pub fn train_lengths(&self) -> [usize; 2] {
         length_range(&self.train)

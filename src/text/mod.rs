@@ -206,8 +206,6 @@ impl TokenizerSpec {
     }
 }
 
-/// Words of `texts` seen at least `min_frequency` times, most frequent first (ties in order of
-/// first use), at most `max_vocab`.
 /// A word split as BERT's pre-tokenizer splits it: every punctuation character its own piece
 /// (`"Kemal."` is `"Kemal"`, `"."`), the rest kept together.
 pub fn split_punctuation(word: &str) -> Vec<String> {
@@ -226,6 +224,8 @@ pub fn split_punctuation(word: &str) -> Vec<String> {
     }
 }
 
+/// Words of `texts` seen at least `min_frequency` times, most frequent first (ties in order of
+/// first use), at most `max_vocab`.
 fn count_words(
     texts: &[Vec<String>],
     lowercase: bool,

@@ -388,3 +388,31 @@ fn malformed_batches_are_refused() {
     let flat = ids.flatten_all().unwrap();
     input_error(&encoder, &flat, &flat, 0, &["(batch, seq_len)", "[12]"]);
 }
+
+/// `seed` in an experiment and `seeds` in a train config (each the other's word) are refused
+/// with what each means there.
+#[test]
+fn seed_and_seeds_are_refused_with_what_each_config_means() {
+    let dir = tempfile::tempdir().unwrap();
+    let experiment = dir.path().join("e.toml");
+    std::fs::write(
+        &experiment,
+        "name = \"x\"\nseed = 3\n[[tasks]]\nkind = \"word_order\"\n[[variants]]\nname = \"r\"\npositional = { kind = \"rope\" }\n",
+    )
+    .unwrap();
+    assert_error_mentions(
+        poslab::experiment::ExperimentConfig::load(&experiment),
+        &["`seeds = N` runs N", "`first_seed`", "unknown field `seed`"],
+    );
+    let train = dir.path().join("t.toml");
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/train_reviews.toml"),
+    )
+    .unwrap()
+    .replace("seed = 0", "seeds = 2");
+    std::fs::write(&train, text).unwrap();
+    assert_error_mentions(
+        poslab::train_run::TrainRunConfig::load(&train),
+        &["one seed: `seed = N`", "unknown field `seeds`"],
+    );
+}

@@ -1383,3 +1383,41 @@ fn a_failed_start_leaves_no_folder_behind() {
     );
     assert_eq!(runs(), 0, "train left a folder");
 }
+
+/// Words a test set has and the training texts do not (here capitals: word_level keeps "Dog"
+/// apart from "dog") are counted split by split where a run starts, with the fix; lowercasing
+/// then leaves nothing to report.
+#[test]
+fn a_run_counts_its_unknown_words_and_names_lowercasing() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    let mut train = String::from("text\tlabel\n");
+    for _ in 0..30 {
+        train.push_str("the dog barks\tpositive\nthe cat sleeps\tnegative\n");
+    }
+    std::fs::write(d.join("train.tsv"), train).unwrap();
+    std::fs::write(
+        d.join("test.tsv"),
+        "text\tlabel\nThe Dog barks\tpositive\nthe cat sleeps\tnegative\n",
+    )
+    .unwrap();
+    let config = |lowercase: bool| {
+        format!(
+            "name = \"unk\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+             [positional]\nkind = \"rope\"\n[train]\nbudget = {{ steps = 2 }}\nbatch_size = 8\n\
+             [task]\nkind = \"classify\"\nname = \"toy\"\ntrain = \"train.tsv\"\ntest = \"test.tsv\"\n\
+             valid_fraction = 0.1\ntokenizer = {{ kind = \"word_level\", lowercase = {lowercase} }}\n"
+        )
+    };
+    std::fs::write(d.join("cased.toml"), config(false)).unwrap();
+    std::fs::write(d.join("lower.toml"), config(true)).unwrap();
+    let cased = poslab(d, &["train", "--config", "cased.toml", "-q"]);
+    assert_ok(&cased, "cased");
+    let said = stderr(&cased);
+    assert!(said.contains("0 of 162 training tokens (0.0%)"), "{said}");
+    assert!(said.contains("2 of 6 test `1x` tokens (33.3%)"), "{said}");
+    assert!(said.contains("lowercase = true"), "{said}");
+    let lower = poslab(d, &["train", "--config", "lower.toml", "-q"]);
+    assert_ok(&lower, "lowercased");
+    assert!(!stderr(&lower).contains("[UNK]"), "{}", stderr(&lower));
+}
