@@ -89,8 +89,8 @@ pub enum PackPart<'a> {
 #[derive(Clone, Debug)]
 pub(crate) struct StoredVar {
     pub var: Var,
-    /// `(name, offset, shape)` of each parameter in the variable (flattened); one covering it
-    /// all for a variable of its own.
+    /// `(name, offset, shape)` of each parameter in the variable (flattened), in order of
+    /// offset; one covering it all for a variable of its own.
     pub parts: Vec<(String, usize, Shape)>,
 }
 
@@ -318,6 +318,9 @@ impl ParamStore {
                         .push((name.clone(), *offset, view.shape().clone()))
                 }
             }
+        }
+        for stored in &mut out {
+            stored.parts.sort_by_key(|(_, offset, _)| *offset);
         }
         out
     }
