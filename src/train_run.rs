@@ -346,11 +346,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let data = config.task.generate_with(&options.hub, tokenizer)?;
     // Every check before anything is written: a start that fails leaves no run behind.
     let ready = ready(config, data, start)?;
-    if let Some(note) = ready
-        .task
-        .data
-        .unknown_tokens_note(&config.task.tokenizer)?
-    {
+    if let Some(note) = ready.task.unknown_tokens_note() {
         eprintln!("note: {note}");
     }
     ready.task.data.tokenizer.save(dir.join(saved::TOKENIZER))?;

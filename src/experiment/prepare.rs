@@ -181,7 +181,92 @@ fn task_info(
     }
 }
 
+/// How many of a split's tokens are the tokenizer's unknown token ([`Prepared::unknown_tokens`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct UnknownTokens {
+    /// `training`, `validation` or a test set's name.
+    pub split: String,
+    /// Tokens that are `[UNK]`.
+    pub unknown: usize,
+    /// Tokens in all.
+    pub tokens: usize,
+}
+
 impl Prepared<'_> {
+    /// For a task read from files, how many of the tokens each split's inputs hold (training,
+    /// validation, each test set; as the model reads them, framing included) are the
+    /// tokenizer's unknown token: words the training texts did not have (or had too rarely).
+    /// Empty for a generated task (whose vocabulary is its own) and for a tokenizer without an
+    /// unknown token.
+    pub(crate) fn unknown_tokens(&self) -> Vec<UnknownTokens> {
+        let Some(unk) = self.data.tokenizer.unk_id() else {
+            return Vec::new();
+        };
+        if self.data.kind.generator().is_some() {
+            return Vec::new();
+        }
+        let count = |split: String, set: &Dataset| UnknownTokens {
+            split,
+            unknown: set
+                .samples
+                .iter()
+                .map(|s| s.ids.iter().filter(|&&id| id == unk).count())
+                .sum(),
+            tokens: set.samples.iter().map(|s| s.ids.len()).sum(),
+        };
+        // The test sets come first in `sets`, in the order of the task's tests.
+        [
+            ("training".to_string(), &self.train),
+            ("validation".into(), &self.valid),
+        ]
+        .into_iter()
+        .chain(
+            self.data
+                .tests
+                .iter()
+                .zip(&self.sets)
+                .map(|(t, set)| (format!("test `{}`", t.name), set)),
+        )
+        .map(|(split, set)| count(split, set))
+        .collect()
+    }
+
+    /// One line on [`Prepared::unknown_tokens`] where any split has some, with the fix when the
+    /// task's tokenizer could lowercase and does not: `None` where all is known.
+    pub(crate) fn unknown_tokens_note(&self) -> Option<String> {
+        let counts = self.unknown_tokens();
+        if counts.iter().all(|c| c.unknown == 0) {
+            return None;
+        }
+        let parts: Vec<String> = counts
+            .iter()
+            .filter(|c| c.tokens > 0)
+            .map(|c| {
+                format!(
+                    "{} of {} {} tokens ({:.1}%)",
+                    c.unknown,
+                    c.tokens,
+                    c.split,
+                    100.0 * c.unknown as f64 / c.tokens as f64
+                )
+            })
+            .collect();
+        let fix = match self.spec.tokenizer {
+            crate::text::TokenizerSpec::WordLevel {
+                lowercase: false, ..
+            } => {
+                "; word_level keeps capitals apart (\"Dog\" is not \"dog\"): set `tokenizer = { \
+                 kind = \"word_level\", lowercase = true }` in [task] if they are the cause"
+            }
+            _ => "",
+        };
+        Some(format!(
+            "task `{}`: [UNK] (a word the training texts did not have, or had too rarely) is {}{fix}",
+            self.data.name,
+            parts.join(", ")
+        ))
+    }
+
     /// Rows a learned table gets: the longest training input, or `max_tokens` when set.
     pub(crate) fn table_rows(&self) -> usize {
         self.train

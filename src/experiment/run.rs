@@ -619,10 +619,8 @@ fn train_cells(
     let cells_needed: Vec<(usize, usize, u64)> = pending.iter().map(|&i| selected[i]).collect();
     let jobs = options.jobs.clamp(1, cells_needed.len().max(1));
     let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs)?;
-    for (&t, task) in task_ids.iter().zip(&prepared) {
-        if let Some(note) = task.data.unknown_tokens_note(&config.tasks[t].tokenizer)? {
-            log(&format!("note: {note}"));
-        }
+    for note in prepared.iter().filter_map(Prepared::unknown_tokens_note) {
+        log(&format!("note: {note}"));
     }
     // Pending cells in report order: (index in the selection, index into `prepared`, variant,
     // seed).

@@ -369,21 +369,21 @@ impl AdamW {
     /// launch costs more than the arithmetic of a small variable).
     fn composed_update(&mut self, group: &[(usize, usize, Tensor)], c: &Constants) -> Result<()> {
         let (beta1, beta2) = c.betas;
-        let end_to_end = |parts: Vec<Tensor>| -> Result<Tensor> { Ok(Tensor::cat(&parts, 0)?) };
         let slots = &self.slots;
+        // The group's parts laid end to end.
         let moment = |k: usize| -> Result<Tensor> {
-            end_to_end(
-                group
-                    .iter()
-                    .map(|(i, j, _)| {
-                        let part = &slots[*i].parts[*j];
-                        let n = part.len();
-                        Ok(slots[*i].moments_of(part)?.narrow(0, k * n, n)?)
-                    })
-                    .collect::<Result<Vec<_>>>()?,
-            )
+            let parts = group
+                .iter()
+                .map(|(i, j, _)| {
+                    let part = &slots[*i].parts[*j];
+                    let n = part.len();
+                    Ok(slots[*i].moments_of(part)?.narrow(0, k * n, n)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Tensor::cat(&parts, 0)?)
         };
-        let g = end_to_end(group.iter().map(|(_, _, g)| g.clone()).collect())?;
+        let gradients: Vec<&Tensor> = group.iter().map(|(_, _, g)| g).collect();
+        let g = Tensor::cat(&gradients, 0)?;
         let g = if c.grad_scale == 1.0 {
             g
         } else {
@@ -394,14 +394,11 @@ impl AdamW {
         let m_hat = (&m / c.bias.0)?;
         let v_hat = (&v / c.bias.1)?;
         let update = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
-        let w = end_to_end(
-            group
-                .iter()
-                .map(|(i, j, _)| {
-                    Slot::of(&slots[*i].var.as_detached_tensor(), &slots[*i].parts[*j])
-                })
-                .collect::<Result<Vec<_>>>()?,
-        )?;
+        let weights = group
+            .iter()
+            .map(|(i, j, _)| Slot::of(&slots[*i].var.as_detached_tensor(), &slots[*i].parts[*j]))
+            .collect::<Result<Vec<_>>>()?;
+        let w = Tensor::cat(&weights, 0)?;
         let (i0, j0, _) = group[0];
         let decay_factor = slots[i0].parts[j0].decay_factor(c.lr, c.weight_decay);
         let w = if decay_factor != 1.0 {

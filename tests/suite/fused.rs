@@ -66,11 +66,30 @@ fn run_encoder_on(
     dtype: DType,
     kernels: Kernels,
     train: bool,
-    (b, t): (usize, usize),
+    shape: (usize, usize),
 ) -> Run {
+    run_encoder_packed(config, dtype, kernels, train, shape, false).0
+}
+
+/// [`run_encoder_on`] with the encoder's layers packed into one variable each (as training
+/// packs them) or not; also how many variables its store then holds, and how many named
+/// parameters. Gradients are by parameter name, packed or not.
+fn run_encoder_packed(
+    config: &ModelConfig,
+    dtype: DType,
+    kernels: Kernels,
+    train: bool,
+    (b, t): (usize, usize),
+    pack: bool,
+) -> (Run, usize, usize) {
     with_kernels(kernels, || {
         let store = ParamStore::new(7);
-        let encoder = Encoder::new(config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        let mut encoder = Encoder::new(config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        let unpacked = store.num_params();
+        if pack {
+            encoder.pack(&store).unwrap();
+        }
+        assert_eq!(store.num_params(), unpacked, "packing adds no parameter");
         encoder.set_dropout_seed(11);
         let (ids, mask) = padded_batch(b, t, config.vocab_size as u32);
         let hidden = encoder.forward_t(&ids, &mask, train).unwrap();
@@ -82,19 +101,23 @@ fn run_encoder_on(
             .unwrap()
             .backward()
             .unwrap();
-        Run {
-            hidden: values(&hidden),
-            grads: store
-                .vars()
-                .into_iter()
-                .map(|(name, var)| {
-                    let g = grads
-                        .get(var.as_tensor())
-                        .unwrap_or_else(|| panic!("{}: `{name}` got no gradient", kernels.name()));
-                    (name, values(g))
-                })
-                .collect(),
+        let grads = store.gradients(&grads).unwrap();
+        let params = store.params();
+        for (name, _) in &params {
+            assert!(
+                grads.iter().any(|(n, _)| n == name),
+                "{}: `{name}` got no gradient",
+                kernels.name()
+            );
         }
+        let run = Run {
+            hidden: values(&hidden),
+            grads: grads
+                .iter()
+                .map(|(name, g)| (name.clone(), values(g)))
+                .collect(),
+        };
+        (run, store.vars().len(), params.len())
     })
 }
 
@@ -818,44 +841,6 @@ fn a_pool_of_its_own_gives_the_same_bits_at_any_width() {
     }
 }
 
-/// An encoder's hidden states and every named parameter's gradient, with its layers packed
-/// into one variable each (as training packs them) or not, and how many variables its store
-/// then holds.
-fn run_packed(config: &ModelConfig, kernels: Kernels, pack: bool) -> (Run, usize, usize) {
-    with_kernels(kernels, || {
-        let store = ParamStore::new(7);
-        let mut encoder =
-            Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
-        let unpacked = store.num_params();
-        if pack {
-            encoder.pack(&store).unwrap();
-        }
-        assert_eq!(store.num_params(), unpacked, "packing adds no parameter");
-        encoder.set_dropout_seed(11);
-        let (ids, mask) = padded_batch(4, 9, config.vocab_size as u32);
-        let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
-        let r = random(hidden.dims(), 3, DType::F32);
-        let grads = hidden
-            .mul(&r)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let grads: Vec<(String, Vec<f64>)> = store
-            .gradients(&grads)
-            .unwrap()
-            .into_iter()
-            .map(|(name, g)| (name, values(&g)))
-            .collect();
-        let run = Run {
-            hidden: values(&hidden),
-            grads,
-        };
-        (run, store.vars().len(), store.params().len())
-    })
-}
-
 /// Packing each layer's parameters into one variable (what training does, so that the fused
 /// layer reads them whole and its gradient lands in one place) changes no number: for every
 /// scheme, both norm placements, with and without biases (whose missing parts are packed as
@@ -881,10 +866,12 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
                         positional.name(),
                         kernels.name()
                     );
-                    let run = |pack: bool| match device {
-                        false => run_packed(&config, kernels, pack),
-                        true => {
-                            poslab::nn::with_gpu_ops_on_cpu(|| run_packed(&config, kernels, pack)).0
+                    let run = |pack: bool| {
+                        let run =
+                            || run_encoder_packed(&config, DType::F32, kernels, true, (4, 9), pack);
+                        match device {
+                            false => run(),
+                            true => poslab::nn::with_gpu_ops_on_cpu(run).0,
                         }
                     };
                     let ((plain, plain_vars, plain_params), (packed, packed_vars, packed_params)) =

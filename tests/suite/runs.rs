@@ -1365,23 +1365,19 @@ fn a_failed_start_leaves_no_folder_behind() {
     std::fs::create_dir_all(d.join("examples/data")).unwrap();
     let runs =
         || -> usize { std::fs::read_dir(d.join("runs")).map_or(0, |entries| entries.count()) };
-    let missing = poslab(d, &["compare", "compare_reviews.toml", "-q"]);
-    assert!(!missing.status.success());
-    assert!(
-        stderr(&missing).contains("reviews.tsv"),
-        "{}",
-        stderr(&missing)
-    );
-    assert_eq!(runs(), 0, "compare left a folder");
+    // The command fails, saying why, and leaves no folder.
+    let fails = |args: &[&str], why: &str| {
+        let out = poslab(d, args);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(stderr(&out).contains(why), "{}", stderr(&out));
+        assert_eq!(runs(), 0, "{args:?} left a folder");
+    };
+    fails(&["compare", "compare_reviews.toml", "-q"], "reviews.tsv");
     std::fs::write(d.join("examples/data/reviews.tsv"), "text\tlabel\n").unwrap();
-    let header_only = poslab(d, &["train", "--config", "train_reviews.toml", "-q"]);
-    assert!(!header_only.status.success());
-    assert!(
-        stderr(&header_only).contains("no examples"),
-        "{}",
-        stderr(&header_only)
+    fails(
+        &["train", "--config", "train_reviews.toml", "-q"],
+        "no examples",
     );
-    assert_eq!(runs(), 0, "train left a folder");
 }
 
 /// Words a test set has and the training texts do not (here capitals: word_level keeps "Dog"
