@@ -41,7 +41,8 @@
 # `kernels bench-ref compare` on the warm machine. `tests` runs the device path through every
 # fixture and gradient check beside the Ops and Reference paths; `kernels` compares the three.
 # Environment: ROUNDS (default 2) interleaved poslab/PyTorch rounds at the reference shape,
-# LARGE_ROUNDS (default 1) at the large one; JOBS the compare's --jobs (default 1: on an H100 four
+# LARGE_ROUNDS (default 1) at the large one; COMPARE_DTYPES, PARTS_DTYPES, PROFILE_DTYPES (default
+# "f32 bf16") the dtypes of those stages; JOBS the compare's --jobs (default 1: on an H100 four
 # jobs on the one GPU were 2.5x slower in all than one, 2026-11-26); LIMIT_<STAGE>
 # (seconds) caps each command of a stage (defaults below); a command cut off says so.
 set -uo pipefail
@@ -100,7 +101,7 @@ for stage in "$@"; do
     suite)
       { stamp suite; time limited "${LIMIT_SUITE:-600}" gpu/suite; } 2>&1 | tee "$OUT/suite.txt" ;;
     compare)
-      for dtype in f32 bf16; do
+      for dtype in ${COMPARE_DTYPES:-f32 bf16}; do
         stamp "compare $dtype --jobs $JOBS"
         ( time limited "${LIMIT_COMPARE:-300}" "$P" compare --device cuda --dtype "$dtype" --quiet \
             --jobs "$JOBS" --out "/tmp/compare-$dtype" --overwrite ) 2>&1 | tail -40
