@@ -35,7 +35,13 @@
 #                bf16, summed by kernel name              -> profile-f32.csv, profile-bf16.csv
 #   launches     bench --launches (issue 46): device operations and peak memory of one training
 #                step at the large shape, batch 2 and 32, f32 and bf16          -> launches.txt
+#   small        the default compare's model: a step's wall time on the GPU and the CPU, and its
+#                kernels' GPU time (ncu)                      -> small.txt, profile-small.csv
 #
+# Issue 46's first GPU session (2026-11-28, the device path): `info tests launches bench-large
+# compare` with COMPARE_DTYPES=f32 in 324 s (the start about 30 s; tests 29 s, launches 20 s,
+# bench-large 114 and 90 s, compare 59 s), then `bench-ref` with ROUNDS=1 and the compare with
+# JOBS=4 in 234 s, then `variants` in 64 s. Next: `small profile kernels`, then `compare` in bf16.
 # Issue 46's first GPU session (the device path, each encoder layer on cuBLAS and poslab's NVRTC
 # kernels, Kernels::Layer, the default on CUDA): `info tests bench-large launches`, then
 # `kernels bench-ref compare` on the warm machine. `tests` runs the device path through every
@@ -161,6 +167,24 @@ for stage in "$@"; do
             --variants sin_add,rope,alibi,fox "${LARGE[@]:0:8}" --batch "$b" --seq 512
         done
       done 2>&1 | tee -a "$OUT/launches.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile launches)"; exit 2 ;;
+    small)
+      # Issue 46, item 6: the default compare's model (width 64, 4 heads, 2 layers, FFN 128,
+      # batch 32 x 16): a training step's wall time on the GPU and on this machine's CPU cores,
+      # then the GPU time of its kernels (ncu, one step, summed by kernel). A step whose kernels
+      # take far less than its wall time is bound by the host: launches and candle's per-op cost.
+      SMALL=(--d-model 64 --heads 4 --layers 2 --ffn 128 --batch 32 --seq 16 --vocab 64)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      { for device in cuda cpu; do
+          stamp "bench, the default compare's shape, --device $device"
+          limited "${LIMIT_SMALL:-60}" "$P" bench --device "$device" --in-process \
+            --variants sin_add,rope "${SMALL[@]}" --warmup 20 --forward-reps 50 --train-reps 200
+        done
+        stamp "ncu, one training step at the default compare's shape, sin_add"
+        limited "${LIMIT_SMALL:-60}" "$NCU" --metrics gpu__time_duration.sum --clock-control none \
+          --cache-control none --print-summary per-kernel --csv \
+          "$P" bench --device cuda --variants sin_add --in-process "${SMALL[@]}" \
+          --warmup 0 --forward-reps 0 --train-reps 1 > "$OUT/profile-small.csv" 2>&1
+        tail -3 "$OUT/profile-small.csv"; } 2>&1 | tee -a "$OUT/small.txt" ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile launches small)"; exit 2 ;;
   esac
 done
