@@ -70,7 +70,7 @@ impl DeviceSpec {
                 "`{self}` asks for CUDA, but this poslab was built without it: install one with \
                  CUDA, `cargo install --path . --locked --features cuda` (or build one in place, \
                  `cargo build --release --features cuda`, and run target/release/poslab; both \
-                 need the CUDA toolkit, see the README's CUDA section), or use --device cpu"
+                 need the CUDA toolkit: book/src/guide/cuda.md), or use --device cpu"
             )));
         }
         Device::new_cuda(ordinal).map_err(|e| {

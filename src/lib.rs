@@ -36,7 +36,7 @@
 //! ```
 //!
 //! The same from a TOML file: `ModelConfig::load("configs/encoder.toml")`, whose format is the
-//! command line's (see the README).
+//! command line's (see the book, `book/src/reference/config.md`).
 
 #![warn(missing_docs)]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds poslab's `cuda` feature here (no GPU needed) and stages what a GPU machine needs in
-# gpu/ (ignored by git), for scripts/gpu/session.sh there. Issue 17; see the README's "CUDA".
+# gpu/ (ignored by git), for scripts/gpu/session.sh there. Issue 17; see the book's "CUDA and mixed precision" (book/src/guide/cuda.md).
 #
 #   scripts/gpu/prepare.sh            # about 21 min the first time (nvcc compiles candle's
 #                                     # kernels into target-cuda/), a few minutes after that

@@ -2,6 +2,7 @@
 
 mod analysis;
 mod blocks;
+mod book;
 mod checkpoint;
 mod cli;
 mod common;

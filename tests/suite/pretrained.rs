@@ -243,7 +243,7 @@ fn folders_poslab_cannot_load_are_refused_with_the_fix() {
 }
 
 /// The real sentence-transformers/all-MiniLM-L6-v2, when `POSLAB_MINILM` names its folder (see
-/// the README for the commands that fetch it): for every text of
+/// the book's chapter on pretrained encoders for the commands that fetch it): for every text of
 /// `pretrained/minilm_reference.json`, the same token ids, and an embedding (mean over real
 /// tokens, unit norm) at cosine 0.99999 or more to sentence-transformers'.
 #[test]
@@ -251,7 +251,7 @@ fn real_minilm_matches_sentence_transformers() {
     let Some(dir) = std::env::var_os("POSLAB_MINILM") else {
         eprintln!(
             "skipped: set POSLAB_MINILM to an all-MiniLM-L6-v2 folder to run this test \
-             (README: \"A real encoder: all-MiniLM-L6-v2\")"
+             (the book, book/src/guide/pretrained.md: \"A real encoder: all-MiniLM-L6-v2\")"
         );
         return;
     };

@@ -1,0 +1,339 @@
+//! The book (`book/`, mdBook) and the README hold together: every page is in the summary, every
+//! link between them resolves (files, pages and anchors, as mdBook makes them), the command-line
+//! reference is the binary's own help, and the environment page names every variable poslab
+//! reads. CI also builds the book with a pinned mdbook (`.ci/run`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn src() -> PathBuf {
+    root().join("book/src")
+}
+
+/// A heading's anchor as mdBook makes it: letters, digits, `-` and `_` kept (lower case),
+/// whitespace turned into `-`, everything else dropped; the text as rendered (code spans and
+/// links by their text).
+fn slug(heading: &str) -> String {
+    let text = rendered_text(heading.trim_start_matches('#').trim());
+    text.chars()
+        .filter_map(|c| {
+            if c.is_alphanumeric() || c == '_' || c == '-' {
+                Some(c.to_lowercase().next().unwrap_or(c))
+            } else if c.is_whitespace() {
+                Some('-')
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// Markdown inline text as it reads: `[text](url)` becomes `text`, backticks go.
+fn rendered_text(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find("](") {
+        let Some(close) = rest[i..].find(')') else {
+            break;
+        };
+        out.push_str(&rest[..i]);
+        rest = &rest[i + close + 1..];
+    }
+    out.push_str(rest);
+    out.replace(['`', '['], "")
+}
+
+/// Each line of `text` outside fenced code blocks, with its number (from 1).
+fn prose_lines(text: &str) -> Vec<(usize, &str)> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if !fenced {
+            out.push((i + 1, line));
+        }
+    }
+    out
+}
+
+/// The anchors of a page's headings, with mdBook's `-1`, `-2` for repeated ones.
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = BTreeSet::new();
+    for (_, line) in prose_lines(text) {
+        if line.starts_with('#') && line.trim_start_matches('#').starts_with(' ') {
+            let id = slug(line);
+            let n = seen.entry(id.clone()).or_insert(0);
+            out.insert(if *n == 0 {
+                id.clone()
+            } else {
+                format!("{id}-{n}")
+            });
+            *n += 1;
+        }
+    }
+    out
+}
+
+/// The link targets of a line (`[text](target)` and `![alt](target)`), code spans left out.
+fn link_targets(line: &str) -> Vec<String> {
+    let mut prose = String::new();
+    for (i, part) in line.split('`').enumerate() {
+        if i % 2 == 0 {
+            prose.push_str(part);
+        } else {
+            prose.push_str(&" ".repeat(part.len()));
+        }
+    }
+    let mut out = Vec::new();
+    let mut rest = prose.as_str();
+    while let Some(i) = rest.find("](") {
+        let after = &rest[i + 2..];
+        let end = after.find(')').unwrap_or(after.len());
+        let target = after[..end].split_whitespace().next().unwrap_or("");
+        out.push(target.to_string());
+        rest = &after[end..];
+    }
+    out
+}
+
+/// `path` without `.` and `..` components (no file system access).
+fn normalize(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// The pages `SUMMARY.md` lists, relative to `book/src`.
+fn summary_pages(summary: &str) -> Vec<String> {
+    prose_lines(summary)
+        .into_iter()
+        .flat_map(|(_, l)| link_targets(l))
+        .collect()
+}
+
+/// What is wrong with the links of the page `page` (a path under `base`), whose text is
+/// `text`: a file that does not exist, a page the book does not render (not in `pages`), an
+/// anchor the page does not have, or a file outside `inside` (which a rendered book cannot
+/// reach).
+fn broken_links(
+    page: &Path,
+    text: &str,
+    base: &Path,
+    inside: &Path,
+    pages: &BTreeSet<PathBuf>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (n, line) in prose_lines(text) {
+        for target in link_targets(line) {
+            if target.is_empty()
+                || target.starts_with("http://")
+                || target.starts_with("https://")
+                || target.starts_with("mailto:")
+            {
+                continue;
+            }
+            let (file, anchor) = match target.split_once('#') {
+                Some((f, a)) => (f, Some(a)),
+                None => (target.as_str(), None),
+            };
+            let here = format!("{}:{n}: `{target}`", page.display());
+            let resolved = if file.is_empty() {
+                page.to_path_buf()
+            } else {
+                normalize(&page.parent().unwrap_or(Path::new("")).join(file))
+            };
+            if !resolved.starts_with(inside) {
+                problems.push(format!("{here} points outside {}", inside.display()));
+                continue;
+            }
+            let on_disk = base.join(&resolved);
+            if !on_disk.exists() {
+                problems.push(format!("{here}: no such file"));
+                continue;
+            }
+            let is_page = resolved.extension().is_some_and(|e| e == "md");
+            if is_page && !pages.contains(&resolved) {
+                problems.push(format!(
+                    "{here}: the page is not in SUMMARY.md (mdBook would not render it)"
+                ));
+            }
+            if let Some(anchor) = anchor {
+                let target_text = std::fs::read_to_string(&on_disk).unwrap_or_default();
+                if !is_page || !anchors(&target_text).contains(anchor) {
+                    problems.push(format!("{here}: no heading with that anchor"));
+                }
+            }
+        }
+    }
+    problems
+}
+
+fn book_pages() -> BTreeSet<PathBuf> {
+    let summary = std::fs::read_to_string(src().join("SUMMARY.md")).unwrap();
+    summary_pages(&summary)
+        .into_iter()
+        .map(|p| PathBuf::from("book/src").join(p))
+        .collect()
+}
+
+fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            markdown_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "md") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_page_of_the_book_is_in_its_summary_and_every_link_resolves() {
+    let pages = book_pages();
+    let mut files = Vec::new();
+    markdown_files(&src(), &mut files);
+    let root = root();
+    let mut problems = Vec::new();
+    for file in &files {
+        let rel = file.strip_prefix(&root).unwrap().to_path_buf();
+        if rel != Path::new("book/src/SUMMARY.md") && !pages.contains(&rel) {
+            problems.push(format!("{}: not listed in SUMMARY.md", rel.display()));
+        }
+    }
+    for page in &pages {
+        let text = std::fs::read_to_string(root.join(page))
+            .unwrap_or_else(|e| panic!("SUMMARY.md lists {}: {e}", page.display()));
+        problems.extend(broken_links(
+            page,
+            &text,
+            &root,
+            Path::new("book/src"),
+            &pages,
+        ));
+    }
+    // The README links into the book, and to files of the repository.
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    problems.extend(broken_links(
+        Path::new("README.md"),
+        &readme,
+        &root,
+        Path::new(""),
+        &pages,
+    ));
+    assert!(pages.len() >= 40, "SUMMARY.md lists {} pages", pages.len());
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn the_link_check_finds_a_missing_page_a_missing_anchor_and_a_page_left_out() {
+    let root = root();
+    let pages = book_pages();
+    let page = Path::new("book/src/guide/compare.md");
+    let text = "See [the folder](#the-run-folder), [report](report.md#no-such-heading), \
+                [gone](nowhere.md), [layout](../developing/layout.md), `[code](not-a-link.md)`\n\
+                and [outside](../../Cargo.toml), [raw](../gpu/2026-11-28/info.txt).\n\
+                ```\n[fenced](missing.md)\n```\n";
+    let found = broken_links(page, text, &root, Path::new("book/src"), &pages);
+    let said = found.join("\n");
+    assert_eq!(found.len(), 3, "{said}");
+    assert!(said.contains("report.md#no-such-heading") && said.contains("no heading"));
+    assert!(said.contains("nowhere.md") && said.contains("no such file"));
+    assert!(said.contains("Cargo.toml") && said.contains("outside"));
+    // A page on disk that the summary leaves out is refused as unrendered.
+    let fewer: BTreeSet<PathBuf> = pages
+        .iter()
+        .filter(|p| !p.ends_with("layout.md"))
+        .cloned()
+        .collect();
+    let found = broken_links(page, text, &root, Path::new("book/src"), &fewer);
+    assert!(found.iter().any(|p| p.contains("not in SUMMARY.md")));
+    // Anchors as mdBook makes them, repeats numbered.
+    let a = anchors("# The `poslab compare` run: a [link](x.md)!\n## Same\n## Same\n");
+    assert_eq!(
+        a.into_iter().collect::<Vec<_>>(),
+        ["same", "same-1", "the-poslab-compare-run-a-link"]
+    );
+}
+
+/// The command-line reference: `poslab --help` and every subcommand's, as the binary prints
+/// them at 100 columns.
+fn cli_reference() -> String {
+    let help = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+            .args(args)
+            .arg("--help")
+            .env("COLUMNS", "100")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "poslab {args:?} --help failed");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let top = help(&[]);
+    let commands: Vec<String> = top
+        .split("Commands:\n")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .take_while(|l| !l.is_empty())
+        .filter(|l| l.starts_with("  ") && !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|c| c != "help")
+        .collect();
+    let mut page = String::from(
+        "# Command line\n\n\
+         Every command's help as the `poslab` binary prints it (`poslab <command> --help`). This \
+         page is generated from the binary's clap definitions and a test holds it to them, so it \
+         cannot drift: after changing a command, regenerate it with \
+         `POSLAB_BLESS_BOOK=1 cargo test --release book::`.\n\n",
+    );
+    page.push_str(&format!("## poslab\n\n```text\n{}```\n", top));
+    for c in &commands {
+        page.push_str(&format!("\n## poslab {c}\n\n```text\n{}```\n", help(&[c])));
+    }
+    page
+}
+
+#[test]
+fn the_cli_reference_is_the_binarys_own_help() {
+    let path = src().join("reference/cli.md");
+    let generated = cli_reference();
+    assert!(generated.contains("## poslab compare") && generated.contains("## poslab inspect"));
+    if std::env::var("POSLAB_BLESS_BOOK").as_deref() == Ok("1") {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "book/src/reference/cli.md differs from the binary's help: regenerate it with \
+         `POSLAB_BLESS_BOOK=1 cargo test --release book::`"
+    );
+}
+
+#[test]
+fn the_environment_page_names_every_variable_poslab_reads() {
+    let page = std::fs::read_to_string(src().join("reference/environment.md")).unwrap();
+    let missing: Vec<&str> = poslab::env::VARS
+        .iter()
+        .map(|v| v.name)
+        .filter(|name| !page.contains(&format!("`{name}`")))
+        .collect();
+    assert!(missing.is_empty(), "environment.md lacks {missing:?}");
+    assert!(poslab::env::VARS.len() >= 8);
+}
