@@ -843,12 +843,19 @@ impl Encoder {
         }
     }
 
-    /// For an encoder whose positions are added to the token embeddings (`sinusoidal_add`,
-    /// `learned`): per layer, the attention scores and their content·content,
-    /// content·position, position·content and position·position terms (see
+    /// Whether [`Encoder::score_terms`] is defined: positions joined to the token embeddings.
+    pub fn has_position_terms(&self) -> bool {
+        matches!(&self.positional, PositionalModule::Input(input) if input.splits())
+    }
+
+    /// For an encoder whose positions are joined to the token embeddings (`sinusoidal_add`,
+    /// `learned`, `sinusoidal_concat`): per layer, the attention scores and their
+    /// content·content, content·position, position·content and position·position terms (see
     /// [`SelfAttention::score_terms`]), each `(b, h, t, t)`.
     ///
-    /// The residual stream is split as `(h - p) + p`, `p` the added positional vectors, which
+    /// The residual stream is split as `(h - p) + p`, `p` the positional part of the embedding
+    /// ([`crate::positional::InputPositions::split`]: the added vectors, or a concatenation's
+    /// `[0 ; PE]` through its projection, where `q = W_q [x ; p] = W_qx x + W_qp p`), which
     /// stay in it additively under pre-norm, so every layer is decomposed; under post-norm the
     /// first LayerNorm mixes them, so only the first layer is. An embedding LayerNorm (BERT's)
     /// is split exactly the same way ([`crate::nn::LayerNorm::split`]: both parts over the sum's
@@ -865,32 +872,33 @@ impl Encoder {
         let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let at = self.starting_at_first(&Positions::range(0, t)?)?;
-        let added = match &self.positional {
-            PositionalModule::Input(input) => input.added(&at)?,
-            _ => None,
-        };
-        let positions = added.ok_or_else(|| {
+        let refused = || {
             Error::Input(format!(
-                "attention terms need positions added to the token embeddings \
-                 (sinusoidal_add or learned); this encoder's are `{}`",
+                "attention terms need positions joined to the token embeddings \
+                 (sinusoidal_add, sinusoidal_concat or learned); this encoder's are `{}`",
                 self.config.positional.name()
             ))
-        })?; // (1, t, d_model)
+        };
+        let PositionalModule::Input(input) = &self.positional else {
+            return Err(refused());
+        };
         let scale = self.config.embed_scale.value(self.config.d_model);
         let tokens = (self.tok_emb.forward(input_ids)? * scale)?;
-        let tokens = match &self.type_emb {
-            Some(table) => tokens.broadcast_add(&table.get(0)?)?,
-            None => tokens,
+        // (b, t, d_model) content and (1 or b, t, d_model) positions, summing to the embedding.
+        let (content, positions) = input.split(&tokens, &at)?.ok_or_else(refused)?;
+        let content = match &self.type_emb {
+            Some(table) => content.broadcast_add(&table.get(0)?)?,
+            None => content,
         };
         // The positional part of the residual stream as the first layer receives it.
         let (mut h, positions) = match &self.embed_norm {
             Some(norm) => {
-                let (c, p) = norm.split(&tokens, &positions)?;
+                let (c, p) = norm.split(&content, &positions)?;
                 ((c + &p)?, p)
             }
             None => (
-                tokens.broadcast_add(&positions)?,
-                positions.broadcast_as(tokens.shape())?.contiguous()?,
+                content.broadcast_add(&positions)?,
+                positions.broadcast_as(content.shape())?.contiguous()?,
             ),
         };
         let padding = key_padding_bias(attention_mask, h.dtype())?;

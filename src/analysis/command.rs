@@ -522,12 +522,9 @@ impl Request {
             }
         }
         let positional = &loaded.config.model.positional;
-        if !matches!(
-            positional,
-            PositionalConfig::SinusoidalAdd(_) | PositionalConfig::Learned(_)
-        ) {
+        if !loaded.model.encoder().has_position_terms() {
             summary.push_str(&format!(
-                "attention terms: not defined for `{}` (positions are not added to the token \
+                "attention terms: not defined for `{}` (positions are not joined to the token \
                  embeddings)\n",
                 positional.name()
             ));
@@ -541,7 +538,8 @@ impl Request {
             batch => batch?,
         };
         summary.push_str(&format!(
-            "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms, on {} texts{}:\n",
+            "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms (x the content, p the \
+             positions: [x ; 0] and [0 ; p] for a concatenation), on {} texts{}:\n",
             ids.dim(0)?,
             match cut {
                 0 => String::new(),

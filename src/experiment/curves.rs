@@ -129,6 +129,18 @@ impl Curve {
     }
 }
 
+/// Whether `task`'s length plot says anything: its test examples span at least two lengths
+/// (bins of the plot). A file of sentences all of one length would draw one column of dots.
+pub fn lengths_vary(results: &Results, task: &TaskInfo) -> bool {
+    let mut xs = length_curves(results, task, LENGTHS)
+        .into_iter()
+        .flat_map(|c| c.points.into_iter().map(|p| p.x.to_bits()));
+    match xs.next() {
+        Some(first) => xs.any(|x| x != first),
+        None => false,
+    }
+}
+
 /// Every variant's curve of evaluation `of` ([`LENGTHS`], `shuffled`, `shift+k`) on `task`,
 /// in the results' variant order; a variant with no scored length is left out.
 pub fn length_curves(results: &Results, task: &TaskInfo, of: &str) -> Vec<Curve> {

@@ -1,5 +1,6 @@
-//! PNG plots of a comparison: training loss per variant, score against input length, each a
-//! mean over seeds with the band from the lowest seed to the highest ([`super::curves`]).
+//! PNG plots of a comparison: training loss per variant, score against input length (where the
+//! test examples' lengths vary), each a mean over seeds with the band from the lowest seed to
+//! the highest ([`super::curves`]).
 
 use std::path::Path;
 
@@ -18,7 +19,7 @@ pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
             let path = dir.join(format!("length_{}.png", task.name));
             if task.score_above.is_some() {
                 super::suite_plot::task_plot(&path, task, results)?;
-            } else {
+            } else if curves::lengths_vary(results, task) {
                 score_by_length(&path, task, results)?;
             }
         }

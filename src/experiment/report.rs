@@ -591,11 +591,10 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
         for n in s.notes {
             let _ = writeln!(md, "\n{n}");
         }
-        let _ = write!(
-            md,
-            "\n![training loss](plots/loss_{0}.png)\n![score by length](plots/length_{0}.png)\n",
-            s.task.name
-        );
+        let _ = writeln!(md, "\n![training loss](plots/loss_{}.png)", s.task.name);
+        if s.task.score_above.is_some() || super::curves::lengths_vary(results, s.task) {
+            let _ = writeln!(md, "![score by length](plots/length_{}.png)", s.task.name);
+        }
     }
     if !results.comparisons.is_empty() {
         let _ = write!(md, "\n## Comparisons in full\n\n{}\n\n", COMPARISON_METHOD);

@@ -147,13 +147,50 @@ impl InputPositions {
         }
     }
 
-    /// The position vectors added to the token embeddings (`sinusoidal_add`, `learned`),
-    /// `(r, t, d_model)`; `None` for the other schemes.
-    pub fn added(&self, positions: &Positions) -> Result<Option<Tensor>> {
+    /// Whether [`InputPositions::split`] can part the joined embedding into content and
+    /// positions: the added and the concatenated schemes (not the `none` control).
+    pub fn splits(&self) -> bool {
+        !matches!(self, Self::None)
+    }
+
+    /// The joined embedding of [`InputPositions::join`] as a sum `content + positions`, the
+    /// positions' part linear in their vectors, so that attention's logits split into four
+    /// terms. Addition: the tokens and the added vectors. Concatenation: `[x ; 0]` and
+    /// `[0 ; PE]`, each through the projection where there is one (its bias with the
+    /// content). `None` for the `none` control.
+    ///
+    /// # Shapes
+    /// - `tokens`: as [`InputPositions::join`]'s; `positions`: `(1 or b, t)`
+    /// - returns `(b, t, d_model)` content and `(1 or b, t, d_model)` positions (a concatenation's
+    ///   `b`)
+    pub fn split(
+        &self,
+        tokens: &Tensor,
+        positions: &Positions,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (b, t, d_tok) = tokens.dims3()?;
         Ok(match self {
-            Self::Add(table) => Some(table.at(positions)?),
-            Self::Learned(learned) => Some(learned.at(positions)?),
-            Self::None | Self::Concat { .. } => None,
+            Self::None => None,
+            Self::Add(table) => Some((tokens.clone(), table.at(positions)?)),
+            Self::Learned(learned) => Some((tokens.clone(), learned.at(positions)?)),
+            Self::Concat { table, projection } => {
+                let pos_dim = table.width();
+                let pe = table
+                    .at(positions)?
+                    .broadcast_as((b, t, pos_dim))?
+                    .contiguous()?; // (b, t, pos_dim)
+                let content = Tensor::cat(&[tokens, &pe.zeros_like()?], D::Minus1)?;
+                let place = Tensor::zeros((b, t, d_tok), pe.dtype(), pe.device())?;
+                let placed = Tensor::cat(&[&place, &pe], D::Minus1)?; // (b, t, d_tok + pos_dim)
+                Some(match projection {
+                    Some(proj) => {
+                        let content = proj.forward(&content)?; // its bias with the content
+                        let weight = proj.weight(); // (d_model, d_tok + pos_dim)
+                        (content, placed.broadcast_matmul(&weight.t()?)?)
+                    }
+                    None => (content, placed),
+                })
+            }
         })
     }
 

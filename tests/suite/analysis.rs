@@ -187,6 +187,23 @@ fn attention_terms_rebuild_the_scores_exactly() {
             PositionalConfig::SinusoidalAdd(Default::default()),
             bert_like,
         ),
+        // Concatenation: [x ; PE] = [x ; 0] + [0 ; PE], q = W_qx x + W_qp PE (issue 48), and
+        // through its projection.
+        (
+            PositionalConfig::SinusoidalConcat(poslab::positional::ConcatOptions {
+                pos_dim: 4,
+                ..Default::default()
+            }),
+            Default::default(),
+        ),
+        (
+            PositionalConfig::SinusoidalConcat(poslab::positional::ConcatOptions {
+                pos_dim: 4,
+                project: true,
+                ..Default::default()
+            }),
+            Default::default(),
+        ),
     ] {
         // Plain layers, and a local layer (keys within 1) before a global one: each layer runs
         // as the model runs it, so the second layer's scores are the model's too.
@@ -263,9 +280,10 @@ fn attention_terms_rebuild_the_scores_exactly() {
     let (ids, mask) = padded_batch(2, 5, 40);
     let e = rope.score_terms(&ids, &mask).unwrap_err().to_string();
     assert!(
-        e.contains("sinusoidal_add or learned") && e.contains("`rope`"),
+        e.contains("sinusoidal_add, sinusoidal_concat or learned") && e.contains("`rope`"),
         "{e}"
     );
+    assert!(!rope.has_position_terms());
 }
 
 /// Asserts that a PNG has dark (text) pixels in a horizontal band: its title or axis labels.

@@ -497,3 +497,42 @@ fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
 fn only_svg_namespace(html: &str) -> bool {
     html.matches("http://").count() == html.matches("http://www.w3.org/2000/svg").count()
 }
+
+#[test]
+fn a_length_plot_is_drawn_only_where_the_test_lengths_vary() {
+    let root = tempfile::tempdir().unwrap();
+    // A file whose sentences are all three words long: its test lengths do not vary, and a
+    // length plot would be one column of dots. Beside it, one of 2 to 7 words.
+    let words = ["red", "blue", "cat", "dog", "sat", "ran", "big", "old"];
+    let mut same = String::from("text\tlabel\n");
+    let mut varied = String::from("text\tlabel\n");
+    for i in 0..240usize {
+        let w = |k: usize| words[(i * 7 + k * 3) % words.len()];
+        let label = if i % 2 == 0 { "a" } else { "b" };
+        same.push_str(&format!("{} {} {}\t{label}\n", w(0), w(1), w(2)));
+        let n = 2 + i % 6;
+        let text: Vec<&str> = (0..n).map(w).collect();
+        varied.push_str(&format!("{}\t{label}\n", text.join(" ")));
+    }
+    let report_of = |name: &str, tsv: &str| {
+        let file = root.path().join(format!("{name}.tsv"));
+        std::fs::write(&file, tsv).unwrap();
+        let text = format!(
+            "name = \"{name}\"\nseeds = 1\n\
+             [model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+             [train]\nbudget = {{ steps = 10 }}\nbatch_size = 16\neval_every = 10\n\
+             [[tasks]]\nkind = \"classify\"\nname = \"{name}\"\ntrain = {file:?}\n\
+             [[variants]]\nname = \"none\"\npositional = {{ kind = \"none\" }}\n\
+             [[variants]]\nname = \"rope\"\npositional = {{ kind = \"rope\" }}\n"
+        );
+        let config = ExperimentConfig::from_toml_str(&text).unwrap();
+        let out = root.path().join(format!("run-{name}"));
+        run_into(&config, &out, Selection::default());
+        let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+        let plot = out.join(format!("plots/length_{name}.png")).exists();
+        assert!(out.join(format!("plots/loss_{name}.png")).exists());
+        (plot, md.contains(&format!("plots/length_{name}.png")))
+    };
+    assert_eq!(report_of("same", &same), (false, false));
+    assert_eq!(report_of("varied", &varied), (true, true));
+}
