@@ -31,6 +31,7 @@ use candle::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::score_bias::offset_bias;
 use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
@@ -286,6 +287,25 @@ impl Fire {
         let hidden = self.mlp1.forward(&x.reshape((u, 1))?)?.relu()?; // (u, width)
         let out = self.mlp2.forward(&hidden)?; // (u, h)
         let h = out.dim(1)?;
+        if batch.positions.as_range().is_some() {
+            // Shared positions `start..start + t`: each row's input is a function of the offset,
+            // and the bias is built from its 2t - 1 offsets (its gradient a sum per diagonal,
+            // where a gather's is a nearly serial index_add on CUDA). Offset j - i is the pair
+            // (0, j) for j >= i, (i, 0) otherwise.
+            let mut offsets = Vec::with_capacity(rows * (2 * t - 1));
+            for k in 0..rows {
+                let pairs = &index[k * t * t..(k + 1) * t * t];
+                offsets.extend((1..t).rev().map(|i| pairs[i * t]));
+                offsets.extend(pairs[..t].iter().copied());
+            }
+            let offsets = Tensor::from_vec(offsets, rows * (2 * t - 1), batch.device)?;
+            let v = out
+                .index_select(&offsets, 0)? // (rows (2t - 1), h)
+                .reshape((rows, 2 * t - 1, h))?
+                .transpose(1, 2)?
+                .contiguous()?; // (rows, h, 2t - 1)
+            return offset_bias(&v);
+        }
         // Element (k, head, i, j) of the bias reads out[index[k, i, j], head].
         let mut gather = Vec::with_capacity(rows * h * t * t);
         for k in 0..rows {

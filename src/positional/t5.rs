@@ -8,6 +8,7 @@ use candle::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
+use super::score_bias::offset_bias;
 use super::{
     BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Positions, Scheme,
     SchemeShape, ScoreBias,
@@ -173,6 +174,17 @@ impl T5Bias {
     /// - returns `(r, h, t, t)` for positions `(r, t)`; differentiable in the table
     pub fn bias(&self, positions: &Positions) -> Result<Tensor> {
         let (r, t) = (positions.rows(), positions.len());
+        let heads = self.table.dim(D::Minus1)?;
+        if positions.as_range().is_some() {
+            // Shared positions `start..start + t`: the bucket is a function of the offset, and
+            // the bias is built from the 2t - 1 offsets' rows (its gradient a sum per diagonal).
+            let ids: Vec<u32> = (-(t as i64 - 1)..t as i64)
+                .map(|rel| t5_bucket(rel, self.buckets, self.max_distance) as u32)
+                .collect();
+            let ids = Tensor::from_vec(ids, 2 * t - 1, self.table.device())?;
+            let v = self.table.index_select(&ids, 0)?.t()?.unsqueeze(0)?; // (1, h, 2t - 1)
+            return offset_bias(&v.contiguous()?);
+        }
         let mut idx = Vec::with_capacity(r * t * t);
         for row in 0..r {
             let p = positions.row(row);
@@ -186,7 +198,6 @@ impl T5Bias {
                 }));
             }
         }
-        let heads = self.table.dim(D::Minus1)?;
         let idx = Tensor::from_vec(idx, r * t * t, self.table.device())?;
         Ok(self
             .table

@@ -561,3 +561,55 @@ fn weight_decay_skips_what_the_modules_declare_and_only_that() {
     .unwrap();
     assert!(store.vars().iter().all(|(name, _)| store.decays(name)));
 }
+
+#[test]
+fn a_bias_built_from_its_offsets_equals_the_gathered_bias_and_its_gradients() {
+    // Shared positions 0..t build T5's and FIRE's bias from the 2t - 1 offsets (a skew whose
+    // gradient is a sum per diagonal); the same positions given once per sequence take the
+    // general path (a gather per pair). Values agree exactly, gradients to rounding.
+    let t = 9;
+    for positional in relative_schemes()
+        .into_iter()
+        .filter(|p| matches!(p.name(), "t5" | "fire"))
+    {
+        let name = positional.name();
+        let config = tiny_config(positional, NormPlacement::Pre);
+        let store = ParamStore::new(5);
+        let encoder = Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
+        let range = Positions::range(0, t).unwrap();
+        let rows = Positions::from_rows(&[(0..t).collect(), (0..t).collect()]).unwrap();
+        let by_offset = encoder.score_bias(0, &range).unwrap().unwrap(); // (1, h, t, t)
+        let gathered = encoder.score_bias(0, &rows).unwrap().unwrap(); // (2, h, t, t)
+        assert_eq!(by_offset.dims()[0], 1, "{name}");
+        assert_eq!(gathered.dims()[0], 2, "{name}");
+        for k in 0..2 {
+            let diff = (gathered.get(k).unwrap() - by_offset.get(0).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert_eq!(diff, 0.0, "{name}: row {k}");
+        }
+        let weights = Tensor::rand(-1.0f64, 1.0, by_offset.shape(), &Device::Cpu).unwrap();
+        let loss = |bias: &Tensor| bias.broadcast_mul(&weights).unwrap().sum_all().unwrap();
+        let g_offset = loss(&by_offset).backward().unwrap();
+        let g_gather = loss(&gathered).backward().unwrap();
+        let mut checked = 0;
+        for (var, v) in store.vars() {
+            let (Some(a), Some(b)) = (g_offset.get(&v), g_gather.get(&v)) else {
+                continue;
+            };
+            // The gathered bias has two identical rows: twice the gradient.
+            let a = (a * 2.0).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let b = b.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+            let err = a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            assert!(err <= 1e-12 * scale, "{name} {var}: {err:e} of {scale:e}");
+            checked += usize::from(scale > 1e-6);
+        }
+        assert!(checked >= 1, "{name}: no variable has a gradient");
+    }
+}
