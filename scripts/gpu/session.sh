@@ -41,7 +41,10 @@
 # Issue 46's first GPU session (2026-11-28, the device path): `info tests launches bench-large
 # compare` with COMPARE_DTYPES=f32 in 324 s (the start about 30 s; tests 29 s, launches 20 s,
 # bench-large 114 and 90 s, compare 59 s), then `bench-ref` with ROUNDS=1 and the compare with
-# JOBS=4 in 234 s, then `variants` in 64 s. Next: `small profile kernels`, then `compare` in bf16.
+# JOBS=4 in 234 s, then `variants` in 64 s. Next: `info tests variants small profile` (T5's and
+# FIRE's biases from their offsets, predicted near sin_add; the small model's step; where the
+# large step's backward loses to PyTorch's, the token embedding's index_add suspected), then
+# `bench-large kernels` and `compare` in bf16 on the warm machine.
 # Issue 46's first GPU session (the device path, each encoder layer on cuBLAS and poslab's NVRTC
 # kernels, Kernels::Layer, the default on CUDA): `info tests bench-large launches`, then
 # `kernels bench-ref compare` on the warm machine. `tests` runs the device path through every
