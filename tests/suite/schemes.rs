@@ -603,10 +603,18 @@ fn a_bias_built_from_its_offsets_equals_the_gathered_bias_and_its_gradients() {
                 continue;
             };
             // The gathered bias has two identical rows: twice the gradient.
-            let a = (a * 2.0).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let a = (a * 2.0)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap();
             let b = b.flatten_all().unwrap().to_vec1::<f64>().unwrap();
             let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
-            let err = a.iter().zip(&b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
+            let err = a
+                .iter()
+                .zip(&b)
+                .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()));
             assert!(err <= 1e-12 * scale, "{name} {var}: {err:e} of {scale:e}");
             checked += usize::from(scale > 1e-6);
         }
