@@ -35,7 +35,10 @@
 //!
 //! **The p-value** (two-sided) is the share of resamples on the far side of zero, doubled:
 //! `2 min(1 + #{diff* <= 0}, 1 + #{diff* >= 0}) / (B + 1)`, at most 1: the smallest level at
-//! which the percentile interval would exclude zero. **Holm's correction** runs over every
+//! which the percentile interval would exclude zero. Where no resample falls beyond zero, that
+//! count only bounds p by `2 / (B + 1)`, and Holm's correction over more than `(B + 1) α / 2`
+//! comparisons (250) could then detect nothing, however large the difference; p is there the
+//! normal tail of the resamples' own spread, `2 Φ(-|mean*| / sd*)`, which is below the bound. **Holm's correction** runs over every
 //! comparison of a report (every pair, task and evaluation).
 //!
 //! **The verdict** is `b` or `a` better when Holm's p is below 0.05, and otherwise "no
@@ -318,9 +321,17 @@ fn summarise(diff: f64, mut draws: Vec<f64>) -> Estimate {
     let at = |q: f64| draws[((q * b as f64).floor() as usize).min(b - 1)];
     let below = draws.iter().filter(|d| **d <= 0.0).count();
     let above = draws.iter().filter(|d| **d >= 0.0).count();
-    let p = (2.0 * (1 + below.min(above)) as f64 / (b + 1) as f64).min(1.0);
+    let counted = (2.0 * (1 + below.min(above)) as f64 / (b + 1) as f64).min(1.0);
     let mean = draws.iter().sum::<f64>() / b as f64;
     let se = (draws.iter().map(|d| (d - mean).powi(2)).sum::<f64>() / (b - 1).max(1) as f64).sqrt();
+    // With no resample beyond zero the count only bounds p by 2 / (B + 1), which Holm's
+    // correction over more than (B + 1) α / 2 comparisons (250 at B = 10,000) could never pass:
+    // the normal tail of the resamples' own spread, below that bound.
+    let p = if below.min(above) == 0 {
+        libm::erfc(mean.abs() / se / std::f64::consts::SQRT_2).min(counted)
+    } else {
+        counted
+    };
     Estimate {
         diff,
         ci: (at(ALPHA / 2.0), at(1.0 - ALPHA / 2.0)),
@@ -407,6 +418,25 @@ mod tests {
         ExampleOutcomes {
             strata: vec![right.into_iter().map(|r| (r, 1)).collect()],
         }
+    }
+
+    #[test]
+    fn a_difference_no_resample_reaches_survives_holm_over_a_thousand_comparisons() {
+        // Every resample far from zero: the count's floor 2 / (B + 1) times 1,000 comparisons
+        // would be 0.2; the normal tail of the resamples is far below it.
+        let draws: Vec<f64> = (0..RESAMPLES)
+            .map(|i| 0.3 + 0.01 * ((i as f64 * 0.7).sin()))
+            .collect();
+        let e = summarise(0.3, draws);
+        assert!(e.p < 1e-10, "{}", e.p);
+        let adjusted = holm(&vec![e.p; 1000]);
+        assert!(adjusted.iter().all(|p| *p < ALPHA), "{}", adjusted[0]);
+        // Where resamples do cross zero, p is still their count.
+        let draws: Vec<f64> = (0..RESAMPLES).map(|i| (i as f64 * 0.7).sin() + 0.5).collect();
+        let crossing = draws.iter().filter(|d| **d <= 0.0).count();
+        let e = summarise(0.5, draws);
+        assert!(crossing > 0);
+        assert_eq!(e.p, 2.0 * (1 + crossing) as f64 / (RESAMPLES + 1) as f64);
     }
 
     #[test]
