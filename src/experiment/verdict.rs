@@ -432,7 +432,9 @@ mod tests {
         let adjusted = holm(&vec![e.p; 1000]);
         assert!(adjusted.iter().all(|p| *p < ALPHA), "{}", adjusted[0]);
         // Where resamples do cross zero, p is still their count.
-        let draws: Vec<f64> = (0..RESAMPLES).map(|i| (i as f64 * 0.7).sin() + 0.5).collect();
+        let draws: Vec<f64> = (0..RESAMPLES)
+            .map(|i| (i as f64 * 0.7).sin() + 0.5)
+            .collect();
         let crossing = draws.iter().filter(|d| **d <= 0.0).count();
         let e = summarise(0.5, draws);
         assert!(crossing > 0);
