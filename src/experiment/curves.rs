@@ -132,9 +132,14 @@ impl Curve {
 /// Whether `task`'s length plot says anything: its test examples span at least two lengths
 /// (bins of the plot). A file of sentences all of one length would draw one column of dots.
 pub fn lengths_vary(results: &Results, task: &TaskInfo) -> bool {
-    let mut xs = length_curves(results, task, LENGTHS)
-        .into_iter()
-        .flat_map(|c| c.points.into_iter().map(|p| p.x.to_bits()));
+    vary(&length_curves(results, task, LENGTHS))
+}
+
+/// Whether `curves` have points at more than one length.
+pub fn vary(curves: &[Curve]) -> bool {
+    let mut xs = curves
+        .iter()
+        .flat_map(|c| c.points.iter().map(|p| p.x.to_bits()));
     match xs.next() {
         Some(first) => xs.any(|x| x != first),
         None => false,

@@ -19,8 +19,11 @@ pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
             let path = dir.join(format!("length_{}.png", task.name));
             if task.score_above.is_some() {
                 super::suite_plot::task_plot(&path, task, results)?;
-            } else if curves::lengths_vary(results, task) {
-                score_by_length(&path, task, results)?;
+            } else {
+                let curves = curves::length_curves(results, task, LENGTHS);
+                if curves::vary(&curves) {
+                    score_by_length(&path, task, results, curves)?;
+                }
             }
         }
     }
@@ -98,11 +101,15 @@ fn band(curve: &Curve, color: RGBColor, clip: impl Fn(f64) -> f64) -> Option<Pol
     crate::plot::band(&points, color)
 }
 
-fn score_by_length(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
-    // Each variant: its accuracy at every tested length, pooled over the test sets, mean over
-    // seeds with the seeds' band; the shuffle and shift tests as markers at the middle of the
-    // lengths they run at, with whiskers from the lowest seed to the highest.
-    let curves = curves::length_curves(results, task, LENGTHS);
+fn score_by_length(
+    path: &Path,
+    task: &TaskInfo,
+    results: &Results,
+    curves: Vec<Curve>,
+) -> Result<()> {
+    // Each variant (`curves`): its accuracy at every tested length, pooled over the test sets,
+    // mean over seeds with the seeds' band; the shuffle and shift tests as markers at the middle
+    // of the lengths they run at, with whiskers from the lowest seed to the highest.
     let x_max = task.tests.iter().map(|t| t.lengths[1]).max().unwrap_or(1) as f64 * 1.04;
     let base_x = task
         .base_test()

@@ -193,22 +193,10 @@ fn book_pages() -> BTreeSet<PathBuf> {
         .collect()
 }
 
-fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            markdown_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "md") {
-            out.push(path);
-        }
-    }
-}
-
 #[test]
 fn every_page_of_the_book_is_in_its_summary_and_every_link_resolves() {
     let pages = book_pages();
-    let mut files = Vec::new();
-    markdown_files(&src(), &mut files);
+    let files = crate::common::files_with_extension(&src(), "md");
     let root = root();
     let mut problems = Vec::new();
     for file in &files {

@@ -705,3 +705,17 @@ pub fn screenshot(
 pub fn near(p: &[u8], (r, g, b): (i32, i32, i32)) -> bool {
     (i32::from(p[0]) - r).abs() + (i32::from(p[1]) - g).abs() + (i32::from(p[2]) - b).abs() < 40
 }
+
+/// Every file under `dir` (recursively) whose extension is `ext`, in directory order.
+pub fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(files_with_extension(&path, ext));
+        } else if path.extension().is_some_and(|e| e == ext) {
+            out.push(path);
+        }
+    }
+    out
+}

@@ -2,19 +2,7 @@
 //! (the encoder, its layers and schemes) imports nothing above it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-
-/// Every `.rs` file under `dir`.
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            sources(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
-}
+use std::path::Path;
 
 /// A file's module path (`experiment::run`; `mod.rs` is its folder's module).
 fn module_of(src: &Path, file: &Path) -> Vec<String> {
@@ -45,8 +33,7 @@ fn code(file: &Path) -> String {
 /// The modules each module names through `crate::` or `super::` paths (longest known prefix).
 fn imports() -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&src, &mut files);
+    let files = crate::common::files_with_extension(&src, "rs");
     let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
     let resolve = |path: &[String]| {
         (1..=path.len())
