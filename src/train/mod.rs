@@ -716,13 +716,6 @@ impl<'a> Trainer<'a> {
             .set_dropout_seed(derive_seed(self.seed, "dropout", step as u64));
         let lr = self.config.lr_at(step, self.planned);
         let (loss, _) = self.model.loss(&batch, 0, true)?;
-        let loss_value = scalar(&loss)?;
-        if !loss_value.is_finite() {
-            return Err(Error::Training(format!(
-                "the loss became {loss_value} at step {step} (learning rate {lr:.3e}): lower lr, \
-                 lengthen the warm-up, or keep grad_clip on"
-            )));
-        }
         let loss_scale = self.state.loss_scale.as_ref().map_or(1.0, |s| s.scale);
         let grads = if loss_scale == 1.0 {
             loss.backward()?
@@ -738,6 +731,15 @@ impl<'a> Trainer<'a> {
             .map(|(_, g)| g)
             .collect();
         let norm = grad_norm(&gradients)? / loss_scale;
+        // Read after the gradient norm, which waits for the backward: on a GPU the step's one
+        // wait, where reading it first would hold the backward's launches until the forward ran.
+        let loss_value = scalar(&loss)?;
+        if !loss_value.is_finite() {
+            return Err(Error::Training(format!(
+                "the loss became {loss_value} at step {step} (learning rate {lr:.3e}): lower lr, \
+                 lengthen the warm-up, or keep grad_clip on"
+            )));
+        }
         let overflow_skipped = !norm.is_finite()
             && self
                 .state

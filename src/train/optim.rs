@@ -482,8 +482,14 @@ pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
 /// sum in f64, in the order given.
 ///
 /// The squares are summed on the gradients' device and read back once: on a GPU, one wait for
-/// the queued work per step instead of one per variable.
+/// the queued work per step instead of one per variable. Where the optimizer takes the device
+/// path (CUDA), every gradient's squares are summed in f64 by one multi-tensor launch
+/// ([`device_sum_squares`]) instead of four launches a gradient; their sum is then taken in the
+/// same order.
 pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
+    if let Some(sums) = device_sum_squares(gradients)? {
+        return Ok(sums.iter().sum::<f64>().sqrt());
+    }
     let squares = gradients
         .iter()
         .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
@@ -495,6 +501,32 @@ pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
         .sum_all()?
         .to_scalar::<f64>()?
         .sqrt())
+}
+
+/// Each gradient's sum of squares in f64 through the device path's one launch, where the
+/// optimizer takes that path for every gradient (of one dtype, on one device, contiguous);
+/// `None` elsewhere.
+fn device_sum_squares(gradients: &[Tensor]) -> Result<Option<Vec<f64>>> {
+    use crate::nn::device;
+    let Some(first) = gradients.first() else {
+        return Ok(None);
+    };
+    let on_path = gradients.iter().all(|g| {
+        crate::nn::device_optimizer_for(g)
+            && g.dtype() == first.dtype()
+            && g.device().same_device(first.device())
+            && g.is_contiguous()
+    });
+    if !on_path {
+        return Ok(None);
+    }
+    let held: Vec<device::Held<'_>> = gradients.iter().map(device::Held::of).collect();
+    let mems = held
+        .iter()
+        .map(|h| h.mem())
+        .collect::<candle::Result<Vec<_>>>()?;
+    let stream = device::stream_for(first.device())?;
+    Ok(Some(stream.sum_squares(&mems)?))
 }
 
 #[cfg(test)]
@@ -786,6 +818,51 @@ mod tests {
         let norm = global_grad_norm(&grads, &[a, b.clone(), c.clone()]).unwrap();
         assert!((norm - 102f64.sqrt()).abs() < 1e-12, "{norm}");
         assert_eq!(global_grad_norm(&grads, &[c]).unwrap(), 0.0);
+    }
+
+    #[test]
+    fn the_device_paths_gradient_norm_is_the_composed_one_in_one_launch() {
+        // Views into one packed gradient (as a ParamStore's parts are), longer than one chunk
+        // of the kernel, with a known sum of squares: values k / 1000 for k < n, so each part's
+        // is sum(k^2) / 1e6 over its range.
+        let n = 3 * crate::nn::device::ADAMW_CHUNK / 2 + 7;
+        let sum_sq =
+            |r: std::ops::Range<usize>| -> f64 { r.map(|k| (k as f64 / 1000.0).powi(2)).sum() };
+        for dtype in [DType::F32, DType::F64] {
+            let packed = Tensor::arange(0u32, n as u32, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .affine(1e-3, 0.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let split = crate::nn::device::ADAMW_CHUNK + 3;
+            let parts = vec![
+                packed.narrow(0, 0, split).unwrap(),
+                packed.narrow(0, split, n - split).unwrap(),
+            ];
+            let expected = (sum_sq(0..split) + sum_sq(split..n)).sqrt();
+            let composed = grad_norm(&parts).unwrap();
+            let before = crate::nn::device::counts();
+            let (device, _) = crate::nn::with_kernels(crate::nn::Kernels::Layer, || {
+                crate::nn::with_gpu_ops_on_cpu(|| grad_norm(&parts).unwrap())
+            });
+            let counts = crate::nn::device::counts() - before;
+            // One launch and two copies (the parts' table there, the sums back).
+            assert_eq!((counts.kernels, counts.copies), (1, 2), "{dtype:?}");
+            // f32: the values are f32 roundings of k / 1000 (relative 6e-8 each); f64 exact
+            // up to the order of the sum.
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+            assert!(
+                (device - expected).abs() <= tol * expected,
+                "{dtype:?}: {device} vs {expected}"
+            );
+            assert!(
+                (device - composed).abs() <= tol * expected,
+                "{dtype:?}: {device} vs {composed}"
+            );
+        }
     }
 
     #[test]

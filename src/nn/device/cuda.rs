@@ -46,7 +46,7 @@ fn ptx() -> Result<&'static str> {
 }
 
 /// The kernels every storage dtype has, as [`CudaStream`] launches them.
-const KERNELS: [&str; 13] = [
+const KERNELS: [&str; 16] = [
     "gates",
     "fill",
     "mul",
@@ -58,8 +58,11 @@ const KERNELS: [&str; 13] = [
     "transpose12",
     "softmax",
     "softmax_back",
+    "softmax_rows",
+    "softmax_back_rows",
     "sided_back",
     "adamw",
+    "sum_squares",
 ];
 
 /// Compiles the kernels with NVRTC (no GPU needed) and checks that the PTX holds every kernel
@@ -127,6 +130,13 @@ pub(crate) struct CudaStream {
 
 /// Threads per block of the row kernels and of the element-wise ones.
 const BLOCK: u32 = 256;
+
+/// Rows of a warp-per-row kernel in one block of [`BLOCK`] threads.
+const WARPS: usize = BLOCK as usize / 32;
+
+/// The longest row the warp-per-row softmax kernels hold in registers (32 values a lane,
+/// `ROW_VALUES` in `kernels.cu`); longer rows take one block each.
+const ROW_KEYS: usize = 32 * 32;
 
 fn grid_of(n: usize) -> u32 {
     n.div_ceil(BLOCK as usize).clamp(1, 1 << 30) as u32
@@ -519,7 +529,12 @@ impl Stream for CudaStream {
             Arg::I32(int(n.h, "heads")?),
             Arg::I32(int(n.t, "tokens")?),
         ];
-        self.launch("softmax", dt, rows_of(n.b * n.h * n.t)?, &args)
+        let rows = n.b * n.h * n.t;
+        if n.t <= ROW_KEYS {
+            self.launch("softmax_rows", dt, rows_of(rows.div_ceil(WARPS))?, &args)
+        } else {
+            self.launch("softmax", dt, rows_of(rows)?, &args)
+        }
     }
 
     fn softmax_back(
@@ -544,7 +559,16 @@ impl Stream for CudaStream {
             i64_arg(rows),
             Arg::I32(int(t, "tokens")?),
         ];
-        self.launch("softmax_back", dt, rows_of(rows)?, &args)
+        if t <= ROW_KEYS {
+            self.launch(
+                "softmax_back_rows",
+                dt,
+                rows_of(rows.div_ceil(WARPS))?,
+                &args,
+            )
+        } else {
+            self.launch("softmax_back", dt, rows_of(rows)?, &args)
+        }
     }
 
     fn gates(&self, z: Mem, bias: Mem, n: Heads, sums: Mem) -> Result<()> {
@@ -618,6 +642,53 @@ impl Stream for CudaStream {
         // Freed in stream order, after the kernel has read it.
         drop(on_device);
         Ok(())
+    }
+
+    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
+        let Some(first) = parts.first() else {
+            return Ok(Vec::new());
+        };
+        let dtype = first.dtype;
+        // The table of variables (address, length), then of blocks (variable, first value).
+        let mut table: Vec<u64> = Vec::with_capacity(2 * parts.len());
+        let mut chunks: Vec<u64> = Vec::new();
+        let mut owner: Vec<usize> = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            p.holds(p.len, dtype, "a gradient")?;
+            table.extend([p.addr, p.len as u64]);
+            for s in (0..p.len).step_by(ADAMW_CHUNK) {
+                chunks.extend([i as u64, s as u64]);
+                owner.push(i);
+            }
+        }
+        let mut sums = vec![0.0f64; parts.len()];
+        if owner.is_empty() {
+            return Ok(sums);
+        }
+        let parts_at = table.len();
+        table.extend(chunks);
+        count(Kind::Copy);
+        // SAFETY: written in full by the copy below before the kernel reads it.
+        let mut on_device = unsafe { self.dev.alloc::<u64>(table.len())? };
+        self.dev.memcpy_htod(&table, &mut on_device)?;
+        // SAFETY: every value is written by the kernel (one per block) before it is read back.
+        let partial = unsafe { self.dev.alloc::<f64>(owner.len())? };
+        let stream = self.dev.cuda_stream();
+        let base = on_device.device_ptr(&stream).0;
+        let out = partial.device_ptr(&stream).0;
+        count(Kind::Kernel);
+        let args = [
+            Arg::Ptr(base),
+            Arg::Ptr(base + 8 * parts_at as u64),
+            Arg::Ptr(out),
+        ];
+        self.launch("sum_squares", dtype, rows_of(owner.len())?, &args)?;
+        count(Kind::Copy);
+        let chunk_sums = self.dev.clone_dtoh(&partial)?;
+        for (i, v) in owner.into_iter().zip(chunk_sums) {
+            sums[i] += v;
+        }
+        Ok(sums)
     }
 
     fn sided_back(&self, ds: Mem, n: Heads, out: Mem) -> Result<()> {

@@ -252,24 +252,25 @@ __device__ void bias_act(S* u, const S* bias, S* grad, i64 rows, int width, int 
 // Between projections (n, 3d) and heads (3, b, h, t, dh): forward (back = 0) reads the
 // projection row plus its bias and writes the head row, q and k rotated; back (1) reads the head
 // row and writes the projection row, q and k rotated back. One thread per value.
-template <typename S>
-__device__ void heads(const S* src, const S* bias, const typename E<S>::C* cos_t,
+template <typename S, typename I>
+__device__ void heads_at(const S* src, const S* bias, const typename E<S>::C* cos_t,
                       const typename E<S>::C* sin_t, S* out, int b, int t, int h, int dh,
                       int rope_rows, int rope_width, int interleaved, int back) {
     typedef typename E<S>::C C;
     const int d = h * dh;
-    const i64 per = (i64)b * h * t * dh;
-    GRID_STRIDE(i, 3 * per) {
-        const int which = (int)(i / per);
-        i64 rest = i % per;
-        const int bi = (int)(rest / ((i64)h * t * dh));
-        rest %= (i64)h * t * dh;
-        const int hd = (int)(rest / ((i64)t * dh));
-        rest %= (i64)t * dh;
-        const int ti = (int)(rest / dh), c = (int)(rest % dh);
-        const i64 token = ((i64)bi * t + ti) * 3 * d + which * d + hd * dh;
-        const i64 head = i - c;  // start of this head row
-        const i64 from = back ? head : token, to = back ? token : head;
+    const I per = (I)b * h * t * dh;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < 3 * per; i += (I)gridDim.x * blockDim.x) {
+        // the head row (which, bi, hd, ti) and the value c in it
+        const I hrow = i / dh;
+        const int c = (int)(i - hrow * dh);
+        const int ti = (int)(hrow % t);
+        const I bh = hrow / t;
+        const int hd = (int)(bh % h);
+        const I wb = bh / h;
+        const int bi = (int)(wb % b), which = (int)(wb / b);
+        const I token = ((I)bi * t + ti) * 3 * d + which * d + hd * dh;
+        const I head = i - c;  // start of this head row
+        const I from = back ? head : token, to = back ? token : head;
         const int col = which * d + hd * dh;
         // value j of the source row (the bias added going forward)
 #define VAL(j) (E<S>::get(src[from + (j)]) + (back || !bias ? (C)0 : E<S>::get(bias[col + (j)])))
@@ -288,15 +289,15 @@ __device__ void heads(const S* src, const S* bias, const typename E<S>::C* cos_t
                 ia = it;
                 ib = it + half;
             }
-            const int row = rope_rows == 1 ? ti : bi * t + ti;
+            const I row = rope_rows == 1 ? (I)ti : (I)bi * t + ti;
             // forward rounds the biased value to S before rotating, as the twin does
             C a = VAL(ia), bb = VAL(ib);
             if (!back) {
                 a = E<S>::get(E<S>::put(a));
                 bb = E<S>::get(E<S>::put(bb));
             }
-            const C co = cos_t[(i64)row * rope_width + it];
-            const C si = (back ? (C)-1 : (C)1) * sin_t[(i64)row * rope_width + it];
+            const C co = cos_t[row * rope_width + it];
+            const C si = (back ? (C)-1 : (C)1) * sin_t[row * rope_width + it];
             y = first ? a * co - bb * si : bb * co + a * si;
         } else {
             y = VAL(c);
@@ -306,16 +307,40 @@ __device__ void heads(const S* src, const S* bias, const typename E<S>::C* cos_t
     }
 }
 
+// Index arithmetic in 32 bits where every index fits (integer division of 64-bit values takes
+// several times the instructions), else in 64.
+template <typename S>
+__device__ void heads(const S* src, const S* bias, const typename E<S>::C* cos_t,
+                      const typename E<S>::C* sin_t, S* out, int b, int t, int h, int dh,
+                      int rope_rows, int rope_width, int interleaved, int back) {
+    if (3 * (i64)b * h * t * dh < (i64)0x7fffffff - (i64)gridDim.x * blockDim.x)
+        heads_at<S, int>(src, bias, cos_t, sin_t, out, b, t, h, dh, rope_rows, rope_width,
+                         interleaved, back);
+    else
+        heads_at<S, i64>(src, bias, cos_t, sin_t, out, b, t, h, dh, rope_rows, rope_width,
+                         interleaved, back);
+}
+
 // (A, B, C, D) to (A, C, B, D); one thread per value.
-template <typename S> __device__ void transpose12(const S* x, S* out, i64 A, i64 B, i64 Cn, i64 D) {
-    GRID_STRIDE(i, A * B * Cn * D) {
-        const i64 dd = i % D;
-        i64 rest = i / D;
-        const i64 c = rest % Cn;
-        rest /= Cn;
-        const i64 bb = rest % B, a = rest / B;
+template <typename S, typename I>
+__device__ void transpose12_at(const S* x, S* out, I A, I B, I Cn, I D) {
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < A * B * Cn * D; i += (I)gridDim.x * blockDim.x) {
+        I rest = i / D;
+        const I dd = i - rest * D;
+        I next = rest / Cn;
+        const I c = rest - next * Cn;
+        rest = next / B;
+        const I bb = next - rest * B, a = rest;
         out[((a * Cn + c) * B + bb) * D + dd] = x[i];
     }
+}
+
+// In 32 bits where every index fits (see heads).
+template <typename S> __device__ void transpose12(const S* x, S* out, i64 A, i64 B, i64 Cn, i64 D) {
+    if (A * B * Cn * D < (i64)0x7fffffff - (i64)gridDim.x * blockDim.x)
+        transpose12_at<S, int>(x, out, (int)A, (int)B, (int)Cn, (int)D);
+    else
+        transpose12_at<S, i64>(x, out, A, B, Cn, D);
 }
 
 // The score of key j in row (bi, hd, i): scores plus bias, window and key bias.
@@ -365,6 +390,84 @@ __device__ void softmax(S* sp, const typename E<S>::C* key_bias, int bias_kind,
         const S p = E<S>::put(e / s);
         if (mask) pm[r * t + j] = E<S>::put(E<S>::get(p) * E<S>::get(mask[r * t + j]));
         row[j] = p;
+    }
+}
+
+// Rows of at most 32 ROW_VALUES keys (1024): the softmax above with one warp per row (each
+// launch's block holds blockDim.x / 32 rows), every score read once into registers and every
+// weight written once, the row's maximum and sum reduced across the warp in a fixed order (no
+// barrier). Where the block kernel reads a row three times, this one reads it once.
+#define ROW_VALUES 32
+template <typename S>
+__device__ void softmax_rows(S* sp, const typename E<S>::C* key_bias, int bias_kind,
+                             const typename E<S>::C* bias, int bias_rows, int window,
+                             const S* mask, S* pm, int b, int h, int t) {
+    typedef typename E<S>::C C;
+    const int lane = threadIdx.x & 31;
+    const i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= (i64)b * h * t) return;  // the whole warp: r is the warp's
+    const int i = (int)(r % t);
+    const i64 bh = r / t;
+    const int bi = (int)(bh / h), hd = (int)(bh % h);
+    S* row = sp + r * t;
+    const i64 half = (i64)b * h * t;
+    C v[ROW_VALUES];
+    C m = neg_inf<C>();
+#pragma unroll
+    for (int k = 0; k < ROW_VALUES; ++k) {
+        const int j = lane + 32 * k;
+        v[k] = j < t ? biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window,
+                              half)
+                     : neg_inf<C>();
+        m = mx(m, v[k]);
+    }
+    m = warp_max(m);
+    C s = 0;
+#pragma unroll
+    for (int k = 0; k < ROW_VALUES; ++k) {
+        if (lane + 32 * k < t) {
+            v[k] = ex(v[k] - m);
+            s += v[k];
+        }
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int k = 0; k < ROW_VALUES; ++k) {
+        const int j = lane + 32 * k;
+        if (j < t) {
+            const S p = E<S>::put(v[k] / s);
+            if (mask) pm[r * t + j] = E<S>::put(E<S>::get(p) * E<S>::get(mask[r * t + j]));
+            row[j] = p;
+        }
+    }
+}
+
+// softmax_back below for rows of at most 32 ROW_VALUES: one warp per row, P and dP read once.
+template <typename S>
+__device__ void softmax_back_rows(const S* p, S* dp, const S* mask, i64 rows, int t) {
+    typedef typename E<S>::C C;
+    const int lane = threadIdx.x & 31;
+    const i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const i64 at = r * t;
+    C pv[ROW_VALUES], gv[ROW_VALUES];
+    C s = 0;
+#pragma unroll
+    for (int k = 0; k < ROW_VALUES; ++k) {
+        const int j = lane + 32 * k;
+        if (j < t) {
+            C g = E<S>::get(dp[at + j]);
+            if (mask) g *= E<S>::get(mask[at + j]);
+            pv[k] = E<S>::get(p[at + j]);
+            gv[k] = g;
+            s += g * pv[k];
+        }
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int k = 0; k < ROW_VALUES; ++k) {
+        const int j = lane + 32 * k;
+        if (j < t) dp[at + j] = E<S>::put(pv[k] * (gv[k] - s));
     }
 }
 
@@ -483,6 +586,29 @@ __device__ void adamw(const unsigned long long* parts, const unsigned long long*
     }
 }
 
+// The sum of squares of many variables (the gradient norm), in double: `parts` holds 2 values
+// per variable (its address and length), `chunks` 2 per block (the variable, and the first value
+// of the block's ADAMW_CHUNK); each block writes its chunk's sum to sums[blockIdx.x], in a fixed
+// order (each thread's strided values in turn, then the block's tree).
+template <typename S>
+__device__ void sum_squares(const unsigned long long* parts, const unsigned long long* chunks,
+                            double* sums) {
+    __shared__ double red[32];
+    const unsigned long long* ch = chunks + 2 * (i64)blockIdx.x;
+    const unsigned long long* p = parts + 2 * ch[0];
+    const S* g = (const S*)p[0];
+    const i64 n = (i64)p[1];
+    const i64 start = (i64)ch[1];
+    const i64 end = start + ADAMW_CHUNK < n ? start + ADAMW_CHUNK : n;
+    double acc = 0;
+    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const double v = (double)E<S>::get(g[i]);
+        acc += v * v;
+    }
+    acc = block_sum(acc, red);
+    if (threadIdx.x == 0) sums[blockIdx.x] = acc;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The exported kernels, one per storage type.
 
@@ -524,6 +650,19 @@ __device__ void adamw(const unsigned long long* parts, const unsigned long long*
                                            const E<S>::C* bias, int bias_rows, int window,         \
                                            const S* mask, S* pm, int b, int h, int t) {            \
         softmax<S>(sp, key_bias, bias_kind, bias, bias_rows, window, mask, pm, b, h, t);           \
+    }                                                                                              \
+    extern "C" __global__ void softmax_rows_##N(S* sp, const E<S>::C* key_bias, int bias_kind,    \
+                                                const E<S>::C* bias, int bias_rows, int window,    \
+                                                const S* mask, S* pm, int b, int h, int t) {       \
+        softmax_rows<S>(sp, key_bias, bias_kind, bias, bias_rows, window, mask, pm, b, h, t);      \
+    }                                                                                              \
+    extern "C" __global__ void softmax_back_rows_##N(const S* p, S* dp, const S* mask, i64 rows,  \
+                                                     int t) {                                      \
+        softmax_back_rows<S>(p, dp, mask, rows, t);                                                \
+    }                                                                                              \
+    extern "C" __global__ void sum_squares_##N(const unsigned long long* parts,                    \
+                                               const unsigned long long* chunks, double* sums) {   \
+        sum_squares<S>(parts, chunks, sums);                                                       \
     }                                                                                              \
     extern "C" __global__ void softmax_back_##N(const S* p, S* dp, const S* mask, i64 rows,       \
                                                 int t) {                                           \

@@ -444,6 +444,12 @@ pub(crate) trait Stream {
     /// `g' = s g`, `m = β1 m + (1 - β1) g'`, `v = β2 v + (1 - β2) g'²`,
     /// `w = w k - lr (m / bias1) / (sqrt(v / bias2) + eps)`, `k` the part's decay factor.
     fn adamw(&self, parts: &[AdamWPart], step: &AdamWStep) -> Result<()>;
+    /// The sum of the squares of each of `parts` (of one dtype, f32 or f64), in f64, read back
+    /// to the host: one copy of the parts' addresses to the device, one launch, and one copy
+    /// back (which waits for the work queued before it). Each part is summed by chunks of
+    /// [`ADAMW_CHUNK`] values, each chunk in a fixed order on the device, and the chunks in
+    /// order on the host.
+    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>>;
 }
 
 /// Device operations issued on this thread, by kind.

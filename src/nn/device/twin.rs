@@ -405,6 +405,13 @@ impl Stream for Twin {
         ))
     }
 
+    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
+        count(Kind::Copy);
+        count(Kind::Kernel);
+        count(Kind::Copy);
+        sum_squares_twin(parts)
+    }
+
     fn adamw(&self, parts: &[AdamWPart], step: &AdamWStep) -> Result<()> {
         count(Kind::Copy);
         count(Kind::Kernel);
@@ -845,6 +852,30 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
         }
     });
     Ok(())
+}
+
+/// The sums of squares of `parts`, by chunks as the kernel's blocks take them (each chunk's in
+/// order here, in the kernel's fixed order of threads there).
+fn sum_squares_twin(parts: &[Mem]) -> Result<Vec<f64>> {
+    parts
+        .iter()
+        .map(|&p| {
+            typed!(p.dtype, |S, C| {
+                let mut total = 0.0f64;
+                for start in (0..p.len).step_by(ADAMW_CHUNK) {
+                    let r = start..(start + ADAMW_CHUNK).min(p.len);
+                    total += load::<S, C>(p, r)
+                        .into_iter()
+                        .map(|v| {
+                            let v = candle::WithDType::to_f64(v);
+                            v * v
+                        })
+                        .sum::<f64>();
+                }
+                Ok(total)
+            })
+        })
+        .collect()
 }
 
 /// One variable's AdamW update, in chunks as the kernel's blocks take them.
