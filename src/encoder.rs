@@ -547,6 +547,18 @@ impl Encoder {
         self.tok_emb.embeddings().device()
     }
 
+    /// The token embeddings of `input_ids` `(b, t)`: `(b, t, d_tok)`. On the device path (CUDA)
+    /// the lookup's backward is poslab's kernel, not candle's `index_add`, whose CUDA kernel
+    /// walks every token in one thread a column.
+    fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let table = self.tok_emb.embeddings();
+        if crate::nn::device_layer_for(table) && input_ids.dtype() == DType::U32 {
+            Ok(crate::nn::device::lookup::lookup(table, input_ids)?)
+        } else {
+            Ok(self.tok_emb.forward(input_ids)?)
+        }
+    }
+
     /// The token embedding table, `(vocab_size, d_tok)` (a tied masked-LM decoder reads it).
     pub fn token_embeddings(&self) -> &Tensor {
         self.tok_emb.embeddings()
@@ -688,7 +700,7 @@ impl Encoder {
         positions.check_batch(b, t)?;
         let positions = &self.starting_at_first(positions)?;
 
-        let x = self.tok_emb.forward(input_ids)?; // (b, t, d_tok)
+        let x = self.embed_tokens(input_ids)?; // (b, t, d_tok)
         let scale = self.config.embed_scale.value(self.config.d_model);
         let x = if scale == 1.0 { x } else { (x * scale)? };
         let params = x.dtype();
@@ -883,7 +895,7 @@ impl Encoder {
             return Err(refused());
         };
         let scale = self.config.embed_scale.value(self.config.d_model);
-        let tokens = (self.tok_emb.forward(input_ids)? * scale)?;
+        let tokens = (self.embed_tokens(input_ids)? * scale)?;
         // (b, t, d_model) content and (1 or b, t, d_model) positions, summing to the embedding.
         let (content, positions) = input.split(&tokens, &at)?.ok_or_else(refused)?;
         let content = match &self.type_emb {
@@ -943,7 +955,7 @@ impl Encoder {
         let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let positions = self.starting_at_first(&Positions::range(0, t)?)?;
-        let x = self.tok_emb.forward(input_ids)?;
+        let x = self.embed_tokens(input_ids)?;
         let x = (x * self.config.embed_scale.value(self.config.d_model))?;
         let (x, placed) = self.place(x, &positions, attention_mask)?;
         let mut x = self.embedding_extras(x)?;

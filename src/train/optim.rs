@@ -484,7 +484,7 @@ pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
 /// The squares are summed on the gradients' device and read back once: on a GPU, one wait for
 /// the queued work per step instead of one per variable. Where the optimizer takes the device
 /// path (CUDA), every gradient's squares are summed in f64 by one multi-tensor launch
-/// ([`device_sum_squares`]) instead of four launches a gradient; their sum is then taken in the
+/// (`device_sum_squares`) instead of four launches a gradient; their sum is then taken in the
 /// same order.
 pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
     if let Some(sums) = device_sum_squares(gradients)? {

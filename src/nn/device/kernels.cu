@@ -609,6 +609,40 @@ __device__ void sum_squares(const unsigned long long* parts, const unsigned long
     if (threadIdx.x == 0) sums[blockIdx.x] = acc;
 }
 
+// The token embedding's gradient: out[v, :] = Σ_{i : ids[i] = v} g[i, :] over the n tokens in
+// their order, in the compute type, every row of out written (zeros where no token has the id).
+// No atomics: the same bits launch after launch. Block (x: EMB_BYTES / (blockDim.x sizeof(C))
+// rows of the table, y: blockDim.x columns), one column a thread, the rows' sums in shared
+// memory. Each warp reads the ids 32 at a time and keeps, by ballot, those in its block's rows.
+#define EMB_BYTES 32768
+template <typename S>
+__device__ void embedding_back(const unsigned int* ids, const S* g, S* out, i64 n, int vocab,
+                               int d) {
+    typedef typename E<S>::C C;
+    __shared__ __align__(16) unsigned char raw[EMB_BYTES];
+    C* acc = (C*)raw;
+    const int rows = EMB_BYTES / (blockDim.x * (int)sizeof(C));
+    const unsigned int v0 = blockIdx.x * (unsigned int)rows;
+    const int col = blockIdx.y * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x & 31;
+    for (int r = 0; r < rows; ++r) acc[r * blockDim.x + threadIdx.x] = (C)0;
+    for (i64 base = 0; base < n; base += 32) {
+        const i64 i = base + lane;
+        const unsigned int id = i < n ? ids[i] : 0xffffffffu;
+        const unsigned int rel = id - v0;  // wraps above rows where id < v0
+        unsigned int hit = __ballot_sync(0xffffffffu, i < n && rel < (unsigned int)rows);
+        while (hit) {
+            const int k = __ffs(hit) - 1;
+            hit &= hit - 1;
+            const int r = __shfl_sync(0xffffffffu, (int)rel, k);
+            if (col < d) acc[r * blockDim.x + threadIdx.x] += E<S>::get(g[(base + k) * d + col]);
+        }
+    }
+    if (col < d)
+        for (int r = 0; r < rows && v0 + r < (unsigned int)vocab; ++r)
+            out[(i64)(v0 + r) * d + col] = E<S>::put(acc[r * blockDim.x + threadIdx.x]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The exported kernels, one per storage type.
 
@@ -659,6 +693,10 @@ __device__ void sum_squares(const unsigned long long* parts, const unsigned long
     extern "C" __global__ void softmax_back_rows_##N(const S* p, S* dp, const S* mask, i64 rows,  \
                                                      int t) {                                      \
         softmax_back_rows<S>(p, dp, mask, rows, t);                                                \
+    }                                                                                              \
+    extern "C" __global__ void embedding_back_##N(const unsigned int* ids, const S* g, S* out,     \
+                                                  i64 n, int vocab, int d) {                       \
+        embedding_back<S>(ids, g, out, n, vocab, d);                                               \
     }                                                                                              \
     extern "C" __global__ void sum_squares_##N(const unsigned long long* parts,                    \
                                                const unsigned long long* chunks, double* sums) {   \

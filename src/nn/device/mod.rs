@@ -28,6 +28,7 @@
 #![allow(clippy::too_many_arguments)]
 
 pub(crate) mod layer;
+pub(crate) mod lookup;
 pub(crate) mod twin;
 
 #[cfg(feature = "cuda")]
@@ -450,6 +451,12 @@ pub(crate) trait Stream {
     /// [`ADAMW_CHUNK`] values, each chunk in a fixed order on the device, and the chunks in
     /// order on the host.
     fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>>;
+    /// The token embedding's gradient `out` `(vocab, d)` from its lookup's gradient `g`
+    /// `(n, d)` and the ids `(n)` (u32): each row the sum, in the compute dtype and in token
+    /// order, of the rows of `g` whose id it is; zeros for an id no token has. No atomics (the
+    /// same bits every launch), and every token's row read by one block of columns, where
+    /// candle's `index_add` gives each column one thread that walks every token.
+    fn embedding_back(&self, ids: Mem, g: Mem, out: Mem, vocab: usize, d: usize) -> Result<()>;
 }
 
 /// Device operations issued on this thread, by kind.

@@ -168,6 +168,7 @@ impl Twin {
             CpuStorage::F32(v) => (v.as_ptr() as u64, DType::F32),
             CpuStorage::BF16(v) => (v.as_ptr() as u64, DType::BF16),
             CpuStorage::F16(v) => (v.as_ptr() as u64, DType::F16),
+            CpuStorage::U32(v) => (v.as_ptr() as u64, DType::U32),
             other => candle::bail!(
                 "device path: no {:?} inputs",
                 candle::backend::BackendStorage::dtype(other)
@@ -403,6 +404,30 @@ impl Stream for Twin {
             n,
             Ok((dsums, dz))
         ))
+    }
+
+    fn embedding_back(&self, ids: Mem, g: Mem, out: Mem, vocab: usize, d: usize) -> Result<()> {
+        count(Kind::Kernel);
+        let n = ids.len;
+        ids.holds(n, DType::U32, "the token ids")?;
+        typed!(g.dtype, |S, C| {
+            holds::<S, C>(g, n * d, "the lookup's gradient")?;
+            holds::<S, C>(out, vocab * d, "the embedding's gradient")?;
+            // SAFETY: `ids` spans n live u32 values (checked above).
+            let ids = unsafe { std::slice::from_raw_parts(ids.addr as *const u32, n) };
+            let mut acc = vec![<C as num_traits::Zero>::zero(); vocab * d];
+            for (i, &id) in ids.iter().enumerate() {
+                let id = id as usize;
+                if id < vocab {
+                    let row = load::<S, C>(g, i * d..(i + 1) * d);
+                    for (a, v) in acc[id * d..(id + 1) * d].iter_mut().zip(row) {
+                        *a += v;
+                    }
+                }
+            }
+            store::<S, C>(out, 0, &acc);
+        });
+        Ok(())
     }
 
     fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
