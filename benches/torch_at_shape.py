@@ -429,7 +429,8 @@ def main():
         with torch.inference_mode(), autocast():
             return model(ids)
 
-    ft, f_foreign = timed(fwd, args.warm, args.fwd_iters)
+    # --fwd-iters 0 skips the forward phase (a profiler then sees one training step alone).
+    ft, f_foreign = timed(fwd, args.warm, args.fwd_iters) if args.fwd_iters > 0 else ([], None)
     peak_gpu_fwd = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
     peak_rss_fwd = proc_mib("VmHWM")
 
@@ -473,8 +474,9 @@ def main():
         gpu=torch.cuda.get_device_name(device) if cuda else None, dtype=args.dtype, tf32=False,
         threads=torch.get_num_threads(), shape=sizes, n_params=n_params, flops_fwd=flops_fwd,
         flops_train_approx=3 * flops_fwd,
-        fwd_s=dict(min=min(ft), median=median(ft), max=max(ft), n=len(ft)),
-        fwd_tokens_per_s_median=tokens / median(ft), fwd_tokens_per_s_best=tokens / min(ft),
+        fwd_s=dict(min=min(ft), median=median(ft), max=max(ft), n=len(ft)) if ft else None,
+        fwd_tokens_per_s_median=tokens / median(ft) if ft else None,
+        fwd_tokens_per_s_best=tokens / min(ft) if ft else None,
         train_ms=dict(min=min(tt) * 1e3, median=median(tt) * 1e3, max=max(tt) * 1e3, n=len(tt)),
         train_tokens_per_s_median=tokens / median(tt), train_tokens_per_s_best=tokens / min(tt),
         train_part_medians_ms=dict(fwd=median(p[0] for p in timed_parts) * 1e3,

@@ -126,6 +126,7 @@ impl CustomOp2 for LookupGrad {
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         use super::cuda::{mem, CudaStream};
+        use candle::backend::BackendStorage;
         let stream = CudaStream::new(s1.device());
         let (out, shape) = self.run(&stream, mem(s1, l1)?, mem(s2, l2)?)?;
         match out.into_owner() {
