@@ -33,11 +33,20 @@
 #   parts        the large shape's step in parts, sin_add, f32 and bf16       -> parts.txt
 #   profile      ncu: each kernel's GPU time in one large-shape training step (batch 8), f32 and
 #                bf16, summed by kernel name              -> profile-f32.csv, profile-bf16.csv
+#   profile-torch  the same for PyTorch's step (benches/torch_at_shape.py)
+#                                                   -> profile-torch-f32.csv, profile-torch-bf16.csv
 #   launches     bench --launches (issue 46): device operations and peak memory of one training
 #                step at the large shape, batch 2 and 32, f32 and bf16          -> launches.txt
 #   small        the default compare's model: a step's wall time on the GPU and the CPU, and its
 #                kernels' GPU time (ncu)                      -> small.txt, profile-small.csv
 #
+# Issue 46's second GPU session (2026-11-28, morning; 15 minutes of device time, two calls):
+# `info tests variants small profile` in 106 s of command (T5 and FIRE near sin_add, measured),
+# then at 1166cc4 `info tests small profile compare` plus the compare with JOBS=2 in 164 s;
+# each call cost about 6 minutes of device time with its start and release. Next (at the head,
+# with the token embedding's kernel and the softmax chosen by dtype, built but not yet run on
+# a GPU): `info tests profile profile-torch bench-large` with LARGE_ROUNDS=1, then `variants
+# compare` with COMPARE_DTYPES=f32 if time is left; about 8 minutes in all.
 # Issue 46's first GPU session (2026-11-28, the device path): `info tests launches bench-large
 # compare` with COMPARE_DTYPES=f32 in 324 s (the start about 30 s; tests 29 s, launches 20 s,
 # bench-large 114 and 90 s, compare 59 s), then `bench-ref` with ROUNDS=1 and the compare with
@@ -158,6 +167,19 @@ for stage in "$@"; do
           > "$OUT/profile-$dtype.csv" 2>&1
         tail -5 "$OUT/profile-$dtype.csv"
       done 2>&1 | tee -a "$OUT/profile.txt" ;;
+    profile-torch)
+      # PyTorch's side of `profile`: the same step (sin_add, large shape at batch 8, one training
+      # step and no forward-only pass) of benches/torch_at_shape.py, every kernel's GPU time.
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for dtype in ${PROFILE_DTYPES:-f32 bf16}; do
+        stamp "ncu, PyTorch, one training step, large shape at batch 8, sin_add, --dtype $dtype" | tee -a "$OUT/profile.txt"
+        limited "${LIMIT_PROFILE:-120}" "$NCU" --metrics gpu__time_duration.sum --clock-control none \
+          --cache-control none --print-summary per-kernel --csv \
+          python3 benches/torch_at_shape.py sin_add --device cuda --dtype "$dtype" --vocab 8192 \
+          --d-model 768 --heads 12 --layers 12 --ffn 3072 --batch 8 --seq 512 --warm 0 \
+          --fwd-iters 0 --train-iters 1 > "$OUT/profile-torch-$dtype.csv" 2>&1
+        tail -5 "$OUT/profile-torch-$dtype.csv"
+      done 2>&1 | tee -a "$OUT/profile.txt" ;;
     launches)
       # Issue 46: what one training step asks of the GPU through the device path (kernel
       # launches, cuBLAS calls, copies; an upper bound of candle's) and its peak pool memory,
@@ -188,6 +210,6 @@ for stage in "$@"; do
           "$P" bench --device cuda --variants sin_add --in-process "${SMALL[@]}" \
           --warmup 0 --forward-reps 0 --train-reps 1 > "$OUT/profile-small.csv" 2>&1
         tail -3 "$OUT/profile-small.csv"; } 2>&1 | tee -a "$OUT/small.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile launches small)"; exit 2 ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small)"; exit 2 ;;
   esac
 done
