@@ -7,6 +7,8 @@
 //! | `sorted` | is a sequence of number words ascending | relative order of neighbours |
 //! | `prev_token` | tag each token with the token `k` before it | relative position |
 //! | `position_index` | tag each token with its position modulo `m` | absolute position |
+//! | `mqar` | tag each query with the value that followed its key | recall by content and order |
+//! | `flip_flop` | tag each read with the last bit written before it | which write came last |
 //! | `mlm` | fill masked tokens of generated sentences or a text file | context order |
 //! | `classify` | sentence labels from TSV, CSV or JSONL files | the user's question |
 //! | `tag` | per-word labels from JSONL files | the user's question |
@@ -20,6 +22,7 @@ pub mod files;
 pub mod grammar;
 mod labelled;
 pub mod mlm;
+pub mod recall;
 pub mod sorted;
 pub mod symbols;
 pub mod word_order;
@@ -35,6 +38,7 @@ use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use algorithmic::Algorithmic;
 use files::{FileOptions, RecordKind, Source};
 use mlm::Mlm;
+use recall::{FlipFlop, Mqar};
 use sorted::Sorted;
 use symbols::{PositionIndex, PrevToken};
 use word_order::WordOrder;
@@ -54,6 +58,10 @@ pub enum TaskKind {
     PrevToken(PrevToken),
     /// Each symbol tagged with its position modulo `modulus` ([`symbols`]).
     PositionIndex(PositionIndex),
+    /// Multi-query associative recall: each query tagged with its key's value ([`recall`]).
+    Mqar(Mqar),
+    /// Flip-flop: each read tagged with the last bit written before it ([`recall`]).
+    FlipFlop(FlipFlop),
     /// Masked language modelling on generated sentences or a text file ([`mlm`]).
     Mlm(Mlm),
     /// Sentence labels from the user's files: TSV, CSV with a header, or JSONL.
@@ -74,6 +82,8 @@ impl TaskKind {
             Self::Sorted(_) => "sorted",
             Self::PrevToken(_) => "prev_token",
             Self::PositionIndex(_) => "position_index",
+            Self::Mqar(_) => "mqar",
+            Self::FlipFlop(_) => "flip_flop",
             Self::Mlm(_) => "mlm",
             Self::Classify(_) => "classify",
             Self::Tag(_) => "tag",
@@ -93,6 +103,8 @@ impl TaskKind {
             Self::Sorted(g) => Some(g),
             Self::PrevToken(g) => Some(g),
             Self::PositionIndex(g) => Some(g),
+            Self::Mqar(g) => Some(g),
+            Self::FlipFlop(g) => Some(g),
             Self::Mlm(g) if g.text_file.is_none() => Some(g),
             Self::Algorithmic(g) => Some(g),
             Self::Mlm(_) | Self::Classify(_) | Self::Tag(_) => None,

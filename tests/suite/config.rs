@@ -268,6 +268,7 @@ fn shipped_configs_are_valid() {
             "length_suite_longer.toml",
             "length_suite_small.toml",
             "prope.toml",
+            "recall.toml",
             "rope_extension.toml",
             "schemes.toml"
         ]
