@@ -508,6 +508,25 @@ fn length_range(examples: &[Example]) -> [usize; 2] {
 /// The longest length a generated task takes, in words (or a length-suite input length).
 pub const MAX_GENERATED_LENGTH: usize = 100_000;
 
+/// The most distinct words (or labels) a generated task's option may ask for: its word-level
+/// vocabulary is built in memory, and each word is a row of the embedding table.
+pub const MAX_TASK_VOCABULARY: usize = 100_000;
+
+/// Checks a vocabulary-sized option of a generated task against [`MAX_TASK_VOCABULARY`].
+pub(crate) fn check_vocabulary(
+    task: &str,
+    option: &str,
+    value: usize,
+) -> std::result::Result<(), String> {
+    if value > MAX_TASK_VOCABULARY {
+        return Err(format!(
+            "{task}: {option} = {value} asks for more distinct words than a generated task takes \
+             ({MAX_TASK_VOCABULARY}): lower {option}"
+        ));
+    }
+    Ok(())
+}
+
 /// A task's examples split for training and testing, what they are scored on, and the task's
 /// own vocabulary (for a word-level tokenizer).
 struct Splits {
@@ -926,6 +945,30 @@ mod tests {
         assert!(e.contains("longest test length 32"), "{e}");
     }
 
+    /// An option that asks for billions of distinct words is refused by name before the
+    /// vocabulary is built (it was an allocation of 96 GB, and an abort).
+    #[test]
+    fn a_vocabulary_past_the_bound_is_refused_before_it_is_built() {
+        for (kind, options, option) in [
+            ("prev_token", "k = 1\nsymbols = 4000000000", "symbols"),
+            ("position_index", "symbols = 100001", "symbols"),
+            ("position_index", "modulus = 4000000000", "modulus"),
+            ("mqar", "values = 200000", "values"),
+        ] {
+            let e = spec(&format!(
+                "[[tasks]]\nkind = \"{kind}\"\n{options}\nlengths = [4, 8]\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains(&format!("{option} = ")) && e.contains(&format!("lower {option}")),
+                "{e}"
+            );
+        }
+        spec("[[tasks]]\nkind = \"prev_token\"\nk = 1\nsymbols = 100000\nlengths = [4, 8]\n")
+            .unwrap();
+    }
+
     #[test]
     fn every_generator_makes_examples_of_the_words_it_promises() {
         let kinds: Vec<TaskKind> = [
@@ -940,6 +983,12 @@ mod tests {
                 mask_prob: 0.15,
                 text_file: None,
             }),
+            TaskKind::Mqar(Mqar {
+                keys: 8,
+                values: 8,
+                queries: 0.5,
+            }),
+            TaskKind::FlipFlop(FlipFlop::default()),
         ]
         .into_iter()
         .chain(Algorithmic::ALL.map(TaskKind::Algorithmic))

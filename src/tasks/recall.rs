@@ -23,7 +23,7 @@ use rand::seq::SliceRandom;
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
-use super::{Example, Generator, Label, Objective};
+use super::{check_vocabulary, Example, Generator, Label, Objective};
 use crate::rng::Rng;
 
 fn default_vocabulary() -> usize {
@@ -63,6 +63,8 @@ impl Mqar {
 
 impl Generator for Mqar {
     fn check(&self, shortest: usize, longest: usize) -> Result<(), String> {
+        check_vocabulary("mqar", "keys", self.keys)?;
+        check_vocabulary("mqar", "values", self.values)?;
         if !(self.queries > 0.0 && self.queries <= 1.0) {
             return Err(format!(
                 "mqar: queries = {} must be in (0, 1]: the share of the pairs queried",
@@ -333,6 +335,16 @@ mod tests {
         .unwrap_err();
         assert!(e.contains("queries = 0"), "{e}");
         assert!(task.check(2, 30).unwrap_err().contains("at least 3 words"));
+        let e = Mqar {
+            keys: 4_000_000_000,
+            ..task.clone()
+        }
+        .check(4, 30)
+        .unwrap_err();
+        assert!(
+            e.contains("keys = 4000000000") && e.contains("lower keys"),
+            "{e}"
+        );
     }
 
     /// Every flip-flop example at every length from 3 to 60, in the three settings: `len`

@@ -4,7 +4,7 @@
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
-use super::{Example, Generator, Label, Objective};
+use super::{check_vocabulary, Example, Generator, Label, Objective};
 use crate::rng::Rng;
 
 fn default_k() -> usize {
@@ -44,6 +44,7 @@ pub struct PositionIndex {
 impl Generator for PrevToken {
     fn check(&self, shortest: usize, _longest: usize) -> Result<(), String> {
         let Self { k, symbols } = *self;
+        check_vocabulary("prev_token", "symbols", symbols)?;
         if k == 0 || k >= shortest || symbols < 2 {
             return Err(format!(
                 "prev_token needs 1 <= k < the shortest length (k = {k}, shortest = {shortest}) \
@@ -79,6 +80,8 @@ impl Generator for PrevToken {
 impl Generator for PositionIndex {
     fn check(&self, _shortest: usize, _longest: usize) -> Result<(), String> {
         let Self { modulus, symbols } = *self;
+        check_vocabulary("position_index", "symbols", symbols)?;
+        check_vocabulary("position_index", "modulus", modulus)?;
         if modulus < 2 || symbols < 1 {
             return Err(format!(
                 "position_index needs modulus >= 2 (got {modulus}) and at least 1 symbol"
