@@ -53,7 +53,8 @@ impl Mqar {
     /// queries(n) <= len`, and their queries.
     pub fn layout(&self, len: usize) -> (usize, usize) {
         let queries = |n: usize| ((self.queries * n as f64).round() as usize).clamp(1, n.max(1));
-        let mut n = len / 2;
+        // From just above the real solution of 2n + queries n = len, down to the first that fits.
+        let mut n = (len / 2).min((len as f64 / (2.0 + self.queries)) as usize + 2);
         while n > 1 && 2 * n + queries(n) > len {
             n -= 1;
         }
