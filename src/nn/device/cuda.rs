@@ -178,6 +178,32 @@ impl CudaStream {
         self.launch_grid(name, dtype, (grid, 1), args)
     }
 
+    /// A multi-tensor launch's table on the device: `table`, then the blocks' `(variable, first
+    /// value)` pairs, one pair for each [`ADAMW_CHUNK`] of each variable of `lens`. Returns the
+    /// device copy (free it in stream order after the launch), its address, that of the block
+    /// pairs, and how many blocks there are.
+    fn upload_table(
+        &self,
+        mut table: Vec<u64>,
+        lens: impl Iterator<Item = usize>,
+    ) -> Result<(cudarc::driver::CudaSlice<u64>, u64, u64, usize)> {
+        let parts_at = table.len();
+        for (i, n) in lens.enumerate() {
+            table.extend(
+                (0..n)
+                    .step_by(ADAMW_CHUNK)
+                    .flat_map(|s| [i as u64, s as u64]),
+            );
+        }
+        let blocks = (table.len() - parts_at) / 2;
+        count(Kind::Copy);
+        // SAFETY: written in full by the copy below before any kernel reads it.
+        let mut on_device = unsafe { self.dev.alloc::<u64>(table.len())? };
+        self.dev.memcpy_htod(&table, &mut on_device)?;
+        let base = on_device.device_ptr(&self.dev.cuda_stream()).0;
+        Ok((on_device, base, base + 8 * parts_at as u64, blocks))
+    }
+
     /// [`CudaStream::launch`] over a grid of `(x, y)` blocks.
     fn launch_grid(&self, name: &str, dtype: DType, grid: (u32, u32), args: &[Arg]) -> Result<()> {
         let func = self.dev.get_or_load_custom_func(
@@ -606,8 +632,7 @@ impl Stream for CudaStream {
         let dtype = first.w.dtype;
         // The table of variables, then of blocks (variable, first value), as the kernel reads it.
         let mut table: Vec<u64> = Vec::with_capacity(6 * parts.len());
-        let mut chunks: Vec<u64> = Vec::new();
-        for (i, p) in parts.iter().enumerate() {
+        for p in parts {
             let n = p.w.len;
             p.w.holds(n, dtype, "a variable")?;
             p.g.holds(n, dtype, "a gradient")?;
@@ -621,28 +646,16 @@ impl Stream for CudaStream {
                 n as u64,
                 p.decay_factor.to_bits(),
             ]);
-            chunks.extend(
-                (0..n)
-                    .step_by(ADAMW_CHUNK)
-                    .flat_map(|s| [i as u64, s as u64]),
-            );
         }
-        if chunks.is_empty() {
+        if parts.iter().all(|p| p.w.len == 0) {
             return Ok(());
         }
-        let blocks = rows_of(chunks.len() / 2)?;
-        let parts_at = table.len();
-        table.extend(chunks);
-        count(Kind::Copy);
-        // SAFETY: written in full by the copy below before the kernel reads it.
-        let mut on_device = unsafe { self.dev.alloc::<u64>(table.len())? };
-        self.dev.memcpy_htod(&table, &mut on_device)?;
-        let stream = self.dev.cuda_stream();
-        let base = on_device.device_ptr(&stream).0;
+        let (on_device, parts_addr, chunks_addr, blocks) =
+            self.upload_table(table, parts.iter().map(|p| p.w.len))?;
         count(Kind::Kernel);
         let args = [
-            Arg::Ptr(base),
-            Arg::Ptr(base + 8 * parts_at as u64),
+            Arg::Ptr(parts_addr),
+            Arg::Ptr(chunks_addr),
             Arg::F64(step.beta1),
             Arg::F64(step.beta2),
             Arg::F64(step.eps),
@@ -651,6 +664,7 @@ impl Stream for CudaStream {
             Arg::F64(step.lr),
             Arg::F64(step.grad_scale),
         ];
+        let blocks = rows_of(blocks)?;
         self.launch("adamw", dtype, blocks, &args)?;
         // Freed in stream order, after the kernel has read it.
         drop(on_device);
@@ -664,41 +678,30 @@ impl Stream for CudaStream {
         let dtype = first.dtype;
         // The table of variables (address, length), then of blocks (variable, first value).
         let mut table: Vec<u64> = Vec::with_capacity(2 * parts.len());
-        let mut chunks: Vec<u64> = Vec::new();
-        let mut owner: Vec<usize> = Vec::new();
-        for (i, p) in parts.iter().enumerate() {
+        for p in parts {
             p.holds(p.len, dtype, "a gradient")?;
             table.extend([p.addr, p.len as u64]);
-            for s in (0..p.len).step_by(ADAMW_CHUNK) {
-                chunks.extend([i as u64, s as u64]);
-                owner.push(i);
-            }
         }
         let mut sums = vec![0.0f64; parts.len()];
-        if owner.is_empty() {
+        if parts.iter().all(|p| p.len == 0) {
             return Ok(sums);
         }
-        let parts_at = table.len();
-        table.extend(chunks);
-        count(Kind::Copy);
-        // SAFETY: written in full by the copy below before the kernel reads it.
-        let mut on_device = unsafe { self.dev.alloc::<u64>(table.len())? };
-        self.dev.memcpy_htod(&table, &mut on_device)?;
+        let (_on_device, parts_addr, chunks_addr, blocks) =
+            self.upload_table(table, parts.iter().map(|p| p.len))?;
         // SAFETY: every value is written by the kernel (one per block) before it is read back.
-        let partial = unsafe { self.dev.alloc::<f64>(owner.len())? };
-        let stream = self.dev.cuda_stream();
-        let base = on_device.device_ptr(&stream).0;
-        let out = partial.device_ptr(&stream).0;
+        let partial = unsafe { self.dev.alloc::<f64>(blocks)? };
+        let out = partial.device_ptr(&self.dev.cuda_stream()).0;
         count(Kind::Kernel);
-        let args = [
-            Arg::Ptr(base),
-            Arg::Ptr(base + 8 * parts_at as u64),
-            Arg::Ptr(out),
-        ];
-        self.launch("sum_squares", dtype, rows_of(owner.len())?, &args)?;
+        let args = [Arg::Ptr(parts_addr), Arg::Ptr(chunks_addr), Arg::Ptr(out)];
+        self.launch("sum_squares", dtype, rows_of(blocks)?, &args)?;
         count(Kind::Copy);
         let chunk_sums = self.dev.clone_dtoh(&partial)?;
-        for (i, v) in owner.into_iter().zip(chunk_sums) {
+        // Each block's sum to its variable, in order: the blocks run variable after variable.
+        let owners = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| std::iter::repeat_n(i, p.len.div_ceil(ADAMW_CHUNK)));
+        for (i, v) in owners.zip(chunk_sums) {
             sums[i] += v;
         }
         Ok(sums)

@@ -10,7 +10,7 @@
 
 use candle::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{Buf, Owner, Stream};
+use super::{Buf, Stream};
 
 /// `table` `(vocab, d)` at `ids` (u32, any shape): `(ids..., d)`.
 ///
@@ -51,9 +51,7 @@ impl CustomOp2 for Lookup {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use candle::backend::BackendStorage;
-        let out = s1.index_select(s2, l1, l2, 0)?;
-        Ok((out, Shape::from((l2.shape().elem_count(), l1.dims()[1]))))
+        gather(s1, l1, s2, l2)
     }
 
     #[cfg(feature = "cuda")]
@@ -64,9 +62,7 @@ impl CustomOp2 for Lookup {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        use candle::backend::BackendStorage;
-        let out = s1.index_select(s2, l1, l2, 0)?;
-        Ok((out, Shape::from((l2.shape().elem_count(), l1.dims()[1]))))
+        gather(s1, l1, s2, l2)
     }
 
     fn bwd(
@@ -80,6 +76,17 @@ impl CustomOp2 for Lookup {
         let table_grad = grad.apply_op2_no_bwd(ids, &LookupGrad { vocab: self.vocab })?;
         Ok((Some(table_grad), None))
     }
+}
+
+/// The table's rows at the ids, on either backend: candle's own gather.
+fn gather<B: candle::backend::BackendStorage>(
+    table: &B,
+    l1: &Layout,
+    ids: &B,
+    l2: &Layout,
+) -> Result<(B, Shape)> {
+    let out = table.index_select(ids, l1, l2, 0)?;
+    Ok((out, Shape::from((l2.shape().elem_count(), l1.dims()[1]))))
 }
 
 impl LookupGrad {
@@ -110,11 +117,7 @@ impl CustomOp2 for LookupGrad {
     ) -> Result<(CpuStorage, Shape)> {
         use super::twin::Twin;
         let (out, shape) = self.run(&Twin, Twin::mem(s1, l1)?, Twin::mem(s2, l2)?)?;
-        match out.into_owner() {
-            Owner::Cpu(s) => Ok((s, shape)),
-            #[allow(unreachable_patterns)]
-            _ => candle::bail!("device path: a CUDA buffer where the twin computes"),
-        }
+        Ok((out.into_cpu_storage()?, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -129,10 +132,7 @@ impl CustomOp2 for LookupGrad {
         use candle::backend::BackendStorage;
         let stream = CudaStream::new(s1.device());
         let (out, shape) = self.run(&stream, mem(s1, l1)?, mem(s2, l2)?)?;
-        match out.into_owner() {
-            Owner::Cuda(s) => Ok((s, shape)),
-            Owner::Cpu(_) => candle::bail!("device path: a CPU buffer where CUDA computes"),
-        }
+        Ok((out.into_cuda_storage()?, shape))
     }
 }
 

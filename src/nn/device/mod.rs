@@ -111,6 +111,24 @@ impl Buf {
         self.mem.at(offset, len)
     }
 
+    /// The storage, handed to candle as a CPU storage (the twin's).
+    pub fn into_cpu_storage(self) -> Result<CpuStorage> {
+        match self.into_owner() {
+            Owner::Cpu(s) => Ok(s),
+            #[allow(unreachable_patterns)]
+            _ => candle::bail!("device path: a CUDA buffer where the twin computes"),
+        }
+    }
+
+    /// The storage, handed to candle as a CUDA storage.
+    #[cfg(feature = "cuda")]
+    pub fn into_cuda_storage(self) -> Result<candle::CudaStorage> {
+        match self.into_owner() {
+            Owner::Cuda(s) => Ok(s),
+            Owner::Cpu(_) => candle::bail!("device path: a CPU buffer where CUDA computes"),
+        }
+    }
+
     /// The storage, handed to candle (and no longer counted as the device path's).
     pub fn into_owner(mut self) -> Owner {
         let owner = std::mem::replace(&mut self.owner, Owner::Cpu(CpuStorage::U8(Vec::new())));

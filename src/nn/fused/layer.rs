@@ -628,23 +628,6 @@ impl LayerOp {
     }
 }
 
-/// A device buffer handed to candle as a CPU storage (the twin's).
-fn cpu_storage(buf: device::Buf) -> Result<CpuStorage> {
-    match buf.into_owner() {
-        device::Owner::Cpu(s) => Ok(s),
-        #[allow(unreachable_patterns)]
-        _ => candle::bail!("device path: a CUDA buffer where the twin computes"),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_storage(buf: device::Buf) -> Result<candle::CudaStorage> {
-    match buf.into_owner() {
-        device::Owner::Cuda(s) => Ok(s),
-        device::Owner::Cpu(_) => candle::bail!("device path: a CPU buffer where CUDA computes"),
-    }
-}
-
 /// The layer as a candle op on `(x, packed parameters, score bias or empty)`.
 impl CustomOp3 for LayerOp {
     fn name(&self) -> &'static str {
@@ -667,7 +650,7 @@ impl CustomOp3 for LayerOp {
                 device::twin::Twin::mem(s2, l2)?,
             );
             let y = self.device_forward(&device::twin::Twin, x, p, dims)?;
-            return Ok((cpu_storage(y)?, l1.shape().clone()));
+            return Ok((y.into_cpu_storage()?, l1.shape().clone()));
         }
         let what = "encoder layer";
         let storage = by_dtype!(s1.dtype(), what, |T| {
@@ -700,7 +683,7 @@ impl CustomOp3 for LayerOp {
         let stream = device::cuda::CudaStream::new(s1.device());
         let (x, p) = (device::cuda::mem(s1, l1)?, device::cuda::mem(s2, l2)?);
         let y = self.device_forward(&stream, x, p, dims)?;
-        Ok((cuda_storage(y)?, l1.shape().clone()))
+        Ok((y.into_cuda_storage()?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -806,7 +789,7 @@ impl candle::CustomOp3 for LayerGrad<'_> {
             let mems = (twin_mem(s1, l1)?, twin_mem(s2, l2)?, twin_mem(s3, l3)?);
             let saved = self.take_saved();
             let out = self.layer.device_backward(&twin, saved, mems, dims)?;
-            return Ok((cpu_storage(out)?, Shape::from(len)));
+            return Ok((out.into_cpu_storage()?, Shape::from(len)));
         }
         let what = "encoder layer backward";
         let storage = by_dtype!(s1.dtype(), what, |T| self.run::<T>(
@@ -838,7 +821,7 @@ impl candle::CustomOp3 for LayerGrad<'_> {
         let out = self
             .layer
             .device_backward(&stream, self.take_saved(), mems, dims)?;
-        Ok((cuda_storage(out)?, Shape::from(len)))
+        Ok((out.into_cuda_storage()?, Shape::from(len)))
     }
 }
 
