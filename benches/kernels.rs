@@ -233,6 +233,7 @@ mod attention {
                         rotary: rotary.as_ref(),
                         score_bias: None,
                         max_offset: None,
+                        scores: None,
                     };
                     attn.forward_t(x, inputs, true).unwrap()
                 })

@@ -714,6 +714,10 @@ mod tests {
             "kind = \"kerple\"",
             "kind = \"fire\"\nwidth = 5",
             "kind = \"fox\"",
+            "kind = \"pope\"",
+            "kind = \"cope\"\nnpos = 7",
+            "kind = \"path\"",
+            "kind = \"path\"\nconv_size = 0",
             "kind = \"prope\"",
             "kind = \"untied\"",
             "kind = \"sinusoidal_concat\"\npos_dim = 4\nproject = true",
@@ -723,7 +727,7 @@ mod tests {
             let store = crate::ParamStore::new(0);
             crate::Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
             // The count includes a key bias, which schemes without a rotation drop (softmax cancels it).
-            let rotated = config.positional.placement() == crate::Placement::Attention;
+            let rotated = config.positional.placement().reads_keys();
             let key_biases = if rotated { 0 } else { 16 * 2 };
             assert_eq!(
                 config.param_count(),

@@ -26,11 +26,11 @@ use crate::layers::LayerSpec;
 use crate::nn::{
     encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionBias,
     AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, Kernels, LayerBias, LayerMasks,
-    LayerNorm, LayerShape, Rotary, SelfAttention, SharedRng,
+    LayerNorm, LayerShape, QkScores, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
-    BiasBatch, InputPositions, LayerBiases, Placement, PositionalModule, Positions, ScoreBias,
+    BiasBatch, InputPositions, LayerBiases, PositionalModule, Positions, ScoreBias,
 };
 use crate::rng;
 
@@ -75,7 +75,7 @@ impl EncoderLayer {
         let eps = config.layer_norm_eps;
         let spec = config.layer_spec(i);
         // A key bias only where q and k are rotated: elsewhere softmax cancels it.
-        let rotated = config.positional.placement() == Placement::Attention && spec.positions;
+        let rotated = config.positional.placement().reads_keys() && spec.positions;
         let norm = |name: &str| layer_norm_with_bias(d, eps, config.bias, vb.pp(name));
         Ok(Self {
             attn_norm: match i == 0 && !config.first_attn_norm {
@@ -316,9 +316,12 @@ impl EncoderLayer {
                 None => Ok(None),
             }
         };
-        if let (Kernels::Layer, Some(attn_norm), true) =
-            (kernels_for(xs), &self.attn_norm, self.fusable())
-        {
+        if let (Kernels::Layer, Some(attn_norm), true, None) = (
+            kernels_for(xs),
+            &self.attn_norm,
+            self.fusable(),
+            inputs.scores,
+        ) {
             // A bias of the attention input: forget gates (FoX's) the layer computes inside;
             // any other needs that input outside too, where the LayerNorm then runs twice.
             let gates = own.and_then(|o| o.module.input_gates(o.layer));
@@ -363,12 +366,14 @@ impl EncoderLayer {
     }
 }
 
-/// What a rotation or score-bias scheme gives every layer for one batch.
-struct Placed {
+/// What a rotation, score-bias or scores scheme gives every layer for one batch.
+struct Placed<'a> {
     rotary: Option<Rotary>,
     /// The rotation of local layers, where `[layers] rope_base` gives them their own base.
     local_rotary: Option<Rotary>,
     biases: Option<LayerBiases>,
+    /// Each layer's own scores (`None` for a layer without positions).
+    scores: Vec<Option<Box<dyn QkScores + 'a>>>,
 }
 
 /// A score bias a layer computes from its own attention input: the module, and the layer.
@@ -732,11 +737,17 @@ impl Encoder {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d_tok)`, returns `(b, t, d_model)`; `mask`: `(b, t)`
-    fn place(&self, x: Tensor, positions: &Positions, mask: &Tensor) -> Result<(Tensor, Placed)> {
+    fn place(
+        &self,
+        x: Tensor,
+        positions: &Positions,
+        mask: &Tensor,
+    ) -> Result<(Tensor, Placed<'_>)> {
         let mut placed = Placed {
             rotary: None,
             local_rotary: None,
             biases: None,
+            scores: Vec::new(),
         };
         if let Some(PositionalModule::Rotation(rope)) = &self.local_rotation {
             placed.local_rotary = Some(rope.rotary(positions)?);
@@ -756,6 +767,18 @@ impl Encoder {
                 })?);
                 x
             }
+            PositionalModule::Scores(scores) => {
+                let batch = BiasBatch {
+                    positions,
+                    mask: Some(mask),
+                    dtype: x.dtype(),
+                    device: x.device(),
+                };
+                placed.scores = (0..self.layers.len())
+                    .map(|i| scores.layer_scores(i, &batch))
+                    .collect::<Result<_>>()?;
+                x
+            }
         };
         Ok((x, placed))
     }
@@ -764,7 +787,7 @@ impl Encoder {
     /// layer's input (FoX).
     fn layer_inputs<'a>(
         &'a self,
-        placed: &'a Placed,
+        placed: &'a Placed<'a>,
         padding: &'a Tensor,
         i: usize,
     ) -> (AttentionInputs<'a>, Option<OwnBias<'a>>) {
@@ -790,6 +813,7 @@ impl Encoder {
                 .and_then(|b| b.layer(i))
                 .map(AttentionBias::Table),
             max_offset,
+            scores: placed.scores.get(i).and_then(Option::as_deref),
         };
         let own = match (&self.positional, &placed.biases) {
             (PositionalModule::ScoreBias(module), Some(LayerBiases::FromInput)) => {

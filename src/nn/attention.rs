@@ -145,6 +145,20 @@ impl ForgetGates {
     }
 }
 
+/// Attention scores a positional scheme computes itself from the queries and keys, in place of
+/// `scale · q kᵀ` (PoPE's polar product, CoPE's counted positions, PaTH's transport): `nn`
+/// knows no scheme, only this question. Attention then adds the window and the padding, and
+/// takes the softmax, as for any scores. Such a layer runs as a composition of ops (the fused
+/// kernels compute `q kᵀ` themselves).
+pub trait QkScores: std::fmt::Debug + Send + Sync {
+    /// # Shapes
+    /// - `q`, `k`: `(b, h, t, d_head)`, projected (with their biases), never rotated
+    /// - `x`: `(b, t, d_model)`, the attention's input (what q, k and v are projected from)
+    /// - returns `(b, h, t, t)`, the scaled scores before window and padding, in any float
+    ///   dtype (the softmax runs in it)
+    fn scores(&self, q: &Tensor, k: &Tensor, x: &Tensor, scale: f64) -> crate::Result<Tensor>;
+}
+
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
 /// positional scheme (`nn` knows none).
 ///
@@ -165,6 +179,8 @@ pub struct AttentionInputs<'a> {
     pub score_bias: Option<AttentionBias<'a>>,
     /// A sliding window: keys more than this many tokens from the query get no weight.
     pub max_offset: Option<usize>,
+    /// Scores the scheme computes from q and k itself, in place of `scale · q kᵀ`.
+    pub scores: Option<&'a dyn QkScores>,
 }
 
 impl<'a> AttentionInputs<'a> {
@@ -175,6 +191,7 @@ impl<'a> AttentionInputs<'a> {
             rotary: None,
             score_bias: None,
             max_offset: None,
+            scores: None,
         }
     }
 }
@@ -336,7 +353,7 @@ impl SelfAttention {
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
-        if super::fused_for(xs) {
+        if super::fused_for(xs) && inputs.scores.is_none() {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
@@ -361,7 +378,11 @@ impl SelfAttention {
             q = rotary.apply(&q)?;
             k = rotary.apply(&k)?;
         }
-        let scores = (super::matmul(&q, &k.t()?)? * self.scale)?; // (b, h, t, t)
+        let scores = match inputs.scores {
+            // (b, h, t, t) in the scheme's dtype: the softmax runs in it, as for a bias.
+            Some(own) => own.scores(&q, &k, xs, self.scale)?,
+            None => (super::matmul(&q, &k.t()?)? * self.scale)?, // (b, h, t, t)
+        };
 
         // The window after the score bias, as the fused kernels add them.
         let window = |s: Tensor| -> Result<Tensor> {
@@ -374,13 +395,13 @@ impl SelfAttention {
             }
         };
         let weights = match inputs.score_bias {
-            None => masked_softmax(&window(scores)?, inputs.key_padding)?,
+            None => masked_softmax(&window(scores)?, inputs.key_padding)?.to_dtype(v.dtype())?,
             Some(bias) => {
                 // The bias is added in its own dtype (the parameters', f32 under mixed
                 // precision), where the softmax runs anyway.
                 let bias = bias.table()?;
                 let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(&bias)?)?;
-                masked_softmax(&biased, inputs.key_padding)?.to_dtype(scores.dtype())?
+                masked_softmax(&biased, inputs.key_padding)?.to_dtype(v.dtype())?
             }
         };
         let weights = self.dropout.forward_t(&weights, train)?;

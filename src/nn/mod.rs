@@ -21,7 +21,7 @@ mod rotary;
 
 pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
-    SelfAttention,
+    QkScores, SelfAttention,
 };
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};

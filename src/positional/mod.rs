@@ -11,7 +11,11 @@
 //!   a fixed distance penalty (`alibi`), a learned table of distance buckets (`t5`), a learned
 //!   kernel of the distance (`kerple`), a learned function of the normalised distance (`fire`),
 //!   the correlation of two absolute positions (`untied`, TUPE), or a decay each token sets from
-//!   its content (`fox`).
+//!   its content (`fox`);
+//! - **the scores themselves** ([`ScoreFunction`]): every layer computes its scores from q and k
+//!   its own way: a polar product whose phase is the position (`pope`), positions counted by
+//!   gates the queries set (`cope`), or keys carried to the query through the Householder
+//!   reflections of the tokens between them (`path`).
 //!
 //! Every scheme lives in its own file, which owns its options, their checks, its parameter
 //! count, its description, its module and its variables' constraints ([`Scheme`]).
@@ -22,18 +26,22 @@
 //! scheme: attention takes rotation tables and a score bias as plain tensors, built here.
 
 mod alibi;
+mod cope;
 mod fire;
 mod fox;
 mod input;
 mod kerple;
 mod learned;
 mod none;
+mod path;
+mod pope;
 mod positions;
 mod prope;
 mod rope;
 mod rope_scaling;
 mod scheme;
 mod score_bias;
+mod scores;
 pub(crate) mod sinusoidal;
 mod sinusoidal_add;
 mod sinusoidal_concat;
@@ -42,17 +50,24 @@ mod table;
 mod untied;
 
 pub use alibi::{alibi_slopes, Alibi};
+pub use cope::{Cope, CopeOptions, CopeParts, CopeTables, MAX_COPE_POSITIONS};
 pub use fire::{Fire, FireOptions, MAX_FIRE_WIDTH};
 pub use fox::{Fox, FoxGates, FOX_GATE_BIAS};
 pub use input::{InputPositions, LearnedPositions};
 pub use kerple::{Kerple, KerpleLayers, KERPLE_MIN};
 pub use learned::LearnedOptions;
+pub use path::{
+    transport_inverse, transport_scores, Path, PathLayer, PathOptions, Reflections, MAX_PATH_CONV,
+    PATH_EPS,
+};
+pub use pope::{pope_frequencies, DeltaInit, Pope, PopeOptions};
 pub use positions::{random_batch_positions, random_positions, Positions, MAX_POSITION};
 pub use prope::{PropeOptions, Refused};
 pub use rope::{Rope, RopeOptions};
 pub use rope_scaling::{rope_frequencies, rotary_dim, Factor, RopeScaling};
 pub use scheme::{Scheme, SchemeShape};
 pub use score_bias::{BiasBatch, BiasModule, LayerBiases, ScoreBias};
+pub use scores::{ScoreFunction, ScoreModule};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
 pub use sinusoidal_add::SinusoidalOptions;
 pub use sinusoidal_concat::ConcatOptions;
@@ -176,6 +191,14 @@ pub enum PositionalConfig {
     /// FoX's data-dependent decay: forget gates from each layer's input, summed between query
     /// and key (`fox.rs`).
     Fox(NoOptions),
+    /// PoPE: polar q and k, content in the magnitudes and position in the phases (`pope.rs`).
+    Pope(PopeOptions),
+    /// CoPE: positions counted by gates the queries set, read from a left and a right table
+    /// (`cope.rs`).
+    Cope(CopeOptions),
+    /// PaTH: keys carried to the query through the Householder reflections of the tokens
+    /// between them (`path.rs`).
+    Path(PathOptions),
 }
 
 impl Serialize for PositionalConfig {
@@ -207,6 +230,8 @@ pub enum Placement {
     Attention,
     /// A bias added to the attention scores of every layer.
     AttentionBias,
+    /// The attention scores themselves, computed from q and k by the scheme in every layer.
+    Scores,
 }
 
 impl Placement {
@@ -217,7 +242,15 @@ impl Placement {
             Self::Input => "input",
             Self::Attention => "attention",
             Self::AttentionBias => "attention bias",
+            Self::Scores => "attention scores",
         }
+    }
+
+    /// Whether the scheme reads q and k themselves (a rotation, or scores of its own), which
+    /// makes a key bias a real parameter: elsewhere it adds `q_i · b_k` to every score of query
+    /// `i`, which softmax cancels.
+    pub fn reads_keys(self) -> bool {
+        matches!(self, Self::Attention | Self::Scores)
     }
 }
 
@@ -244,6 +277,9 @@ impl PositionalConfig {
             Self::Fire(o) => o,
             Self::Untied(o) => o,
             Self::Fox(_) => &fox::FoxScheme,
+            Self::Pope(o) => o,
+            Self::Cope(o) => o,
+            Self::Path(o) => o,
         }
     }
 
@@ -277,6 +313,9 @@ impl PositionalConfig {
                 ..Default::default()
             }),
             Self::Fox(NoOptions {}),
+            Self::Pope(PopeOptions::default()),
+            Self::Cope(CopeOptions::default()),
+            Self::Path(PathOptions::default()),
         ]
     }
 
@@ -359,6 +398,8 @@ pub enum PositionalModule {
     Rotation(Rope),
     /// Added to the attention scores of every layer.
     ScoreBias(ScoreBias),
+    /// Computes the attention scores of every layer from q and k.
+    Scores(ScoreFunction),
 }
 
 impl PositionalModule {
@@ -367,6 +408,7 @@ impl PositionalModule {
         match self {
             Self::Input(input) => input.undecayed(),
             Self::ScoreBias(bias) => bias.undecayed(),
+            Self::Scores(scores) => scores.undecayed(),
             Self::Rotation(_) => Vec::new(),
         }
     }
@@ -376,7 +418,7 @@ impl PositionalModule {
     pub fn input_gates_mut(&mut self, layer: usize) -> Option<&mut crate::nn::ForgetGates> {
         match self {
             Self::ScoreBias(bias) => bias.input_gates_mut(layer),
-            Self::Input(_) | Self::Rotation(_) => None,
+            Self::Input(_) | Self::Rotation(_) | Self::Scores(_) => None,
         }
     }
 
@@ -385,7 +427,7 @@ impl PositionalModule {
         match self {
             Self::Input(input) => input.learned_table(),
             Self::ScoreBias(bias) => bias.learned_table(),
-            Self::Rotation(_) => None,
+            Self::Rotation(_) | Self::Scores(_) => None,
         }
     }
 
@@ -401,7 +443,7 @@ impl PositionalModule {
         match self {
             Self::Input(input) => input.max_positions(),
             Self::ScoreBias(bias) => bias.max_positions(),
-            Self::Rotation(_) => None,
+            Self::Rotation(_) | Self::Scores(_) => None,
         }
     }
 
@@ -410,6 +452,7 @@ impl PositionalModule {
         match self {
             Self::Input(input) => input.parameters(),
             Self::ScoreBias(bias) => bias.parameters(),
+            Self::Scores(scores) => scores.parameters(),
             Self::Rotation(_) => Vec::new(),
         }
     }
@@ -418,7 +461,7 @@ impl PositionalModule {
     pub fn constraints(&self) -> Vec<LowerBound> {
         match self {
             Self::ScoreBias(bias) => bias.constraints(),
-            Self::Input(_) | Self::Rotation(_) => Vec::new(),
+            Self::Input(_) | Self::Rotation(_) | Self::Scores(_) => Vec::new(),
         }
     }
 }

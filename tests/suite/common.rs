@@ -123,6 +123,16 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
             "fire_threshold",
         )?)),
         "fox" => PositionalConfig::Fox(NoOptions {}),
+        "pope" => PositionalConfig::Pope(poslab::positional::PopeOptions {
+            base: f("base")?,
+            ..Default::default()
+        }),
+        "cope" => PositionalConfig::Cope(poslab::positional::CopeOptions {
+            npos: u("cope_npos")?,
+        }),
+        "path" => PositionalConfig::Path(poslab::positional::PathOptions {
+            conv_size: u("path_conv_size")?,
+        }),
         "untied" => PositionalConfig::Untied(match s("untied_source")?.as_str() {
             "learned" => UntiedOptions::default(),
             "sinusoidal" => UntiedOptions {
@@ -182,7 +192,7 @@ pub fn load_encoder_fixture_from(path: &Path) -> Result<EncoderFixture, String> 
     };
     let config = config_from_reference(&meta)?;
     let mut dropped_key_biases = Vec::new();
-    if config.positional.placement() != poslab::Placement::Attention {
+    if !config.positional.placement().reads_keys() {
         for i in 0..config.n_layers {
             let key = format!("layers.{i}.attn.k.bias");
             dropped_key_biases.push(weights.remove(&key).ok_or(format!("no tensor `{key}`"))?);
@@ -373,6 +383,15 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
             width: 6,
         }),
         PositionalConfig::Fox(NoOptions {}),
+        PositionalConfig::Pope(Default::default()),
+        PositionalConfig::Pope(poslab::positional::PopeOptions {
+            base: 100.0,
+            delta_init: poslab::positional::DeltaInit::Zeros,
+        }),
+        // Few rows: counts past 3 read the last row.
+        PositionalConfig::Cope(poslab::positional::CopeOptions { npos: 4 }),
+        PositionalConfig::Path(Default::default()),
+        PositionalConfig::Path(poslab::positional::PathOptions { conv_size: 0 }),
     ]
 }
 
@@ -525,6 +544,28 @@ pub fn tiny_dropout_config(positional: PositionalConfig, norm: NormPlacement) ->
     }
 }
 
+/// Gives the variables that start at exactly zero and gate others (CoPE's tables, whose zero
+/// term leaves the key bias and the gates without any gradient) fixed values in `[-0.5, 0.5)`,
+/// so that a test of gradients sees every path carry one.
+pub fn liven(store: &ParamStore) {
+    use rand::Rng as _;
+    let mut rng = poslab::rng::stream(17, "liven");
+    for (name, var) in store.vars() {
+        if name.contains(".cope.") {
+            let v: Vec<f64> = (0..var.elem_count())
+                .map(|_| rng.random_range(-0.5..0.5))
+                .collect();
+            let t = Tensor::from_vec(v, var.dims(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(var.dtype())
+                .unwrap()
+                .to_device(var.device())
+                .unwrap();
+            var.set(&t).unwrap();
+        }
+    }
+}
+
 /// One backward pass in training mode: an encoder of `config` (f32 weights seeded 3, on
 /// `device`, dropout seed 5) on a padded `(4, 12)` batch, through [`loss`]; every variable's
 /// gradient checked by [`check_all_gradients`]. The dropout masks come from poslab's own host
@@ -536,6 +577,7 @@ pub fn training_gradients(
 ) -> Vec<(String, Var, Vec<f64>)> {
     let store = ParamStore::new(3);
     let encoder = Encoder::new(config, store.var_builder(DType::F32, device)).unwrap();
+    liven(&store);
     encoder.set_dropout_seed(5);
     let (ids, mask) = padded_batch(4, 12, 40);
     let on = |t: Tensor| t.to_device(device).unwrap();

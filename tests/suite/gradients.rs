@@ -89,16 +89,23 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
             let config = tiny_dropout_config(positional.clone(), norm);
             let checked = training_gradients(&config, &Device::Cpu, &what);
             // Per layer: q, k, v, o, up, down weights; q, v, o, up, down biases; two norms of
-            // two; a key bias under a rotation (rope, prope) only; KERPLE's r1 and r2; FoX's
-            // gate weight and bias.
+            // two; a key bias where q and k are read (rope, prope, pope, cope, path) only;
+            // KERPLE's r1 and r2; FoX's gate weight and bias; PoPE's delta; CoPE's two tables;
+            // PaTH's w, conv, beta weight and beta bias.
             let name = positional.name();
-            let rotated = positional.placement() == poslab::Placement::Attention;
+            let rotated = positional.placement().reads_keys();
             let per_layer = 6
                 + 5
                 + 4
                 + usize::from(rotated)
                 + 2 * usize::from(name == "kerple")
-                + 2 * usize::from(name == "fox");
+                + 2 * usize::from(name == "fox")
+                + usize::from(name == "pope")
+                + 2 * usize::from(name == "cope")
+                + match &positional {
+                    poslab::PositionalConfig::Path(o) => 3 + usize::from(o.conv_size > 0),
+                    _ => 0,
+                };
             let expected = 1
                 + per_layer * config.n_layers
                 + usize::from(norm == NormPlacement::Pre) * 2

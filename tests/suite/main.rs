@@ -25,5 +25,6 @@ mod reference;
 mod rope;
 mod runs;
 mod schemes;
+mod schemes2025;
 mod training;
 mod userdata;

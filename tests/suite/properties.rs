@@ -204,9 +204,11 @@ fn relative_schemes_ignore_a_constant_position_offset_and_absolute_ones_do_not()
             // Dynamic NTK's base grows with the largest position read: relative only within
             // one batch length.
             "rope" if dynamic => assert!(diff > 1e-6, "dynamic NTK ignored the batch length"),
-            // Relative by construction: a rotation by the distance, or a bias of it; FoX reads
-            // no position at all, only the content.
-            "rope" | "prope" | "alibi" | "t5" | "kerple" | "fire" | "fox" => assert!(
+            // Relative by construction: a rotation by the distance, a bias of it, or PoPE's
+            // phase of it; FoX, CoPE and PaTH read no position at all, only the content and
+            // the order of the tokens.
+            "rope" | "prope" | "alibi" | "t5" | "kerple" | "fire" | "fox" | "pope" | "cope"
+            | "path" => assert!(
                 diff < 1e-9,
                 "{name} shifted by 17 changed outputs by {diff:e}"
             ),

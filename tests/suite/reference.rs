@@ -160,8 +160,8 @@ fn every_encoder_fixture_reproduces_expected_hidden_states() {
     let names = encoder_fixture_names();
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
     // randomized positions; 3 of partial and scaled RoPE; 8 of p-RoPE, FIRE and FoX (2 of them
-    // with randomized positions).
-    assert_eq!(names.len(), 32, "whole-encoder fixtures: {names:?}");
+    // with randomized positions); 6 of PoPE, CoPE and PaTH.
+    assert_eq!(names.len(), 38, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }
@@ -275,7 +275,7 @@ fn key_bias_is_inert_without_rope_and_kept_with_it() {
     // cancels a per-query constant. Under rope the bias is rotated by position and matters.
     for name in encoder_fixture_names() {
         let fx = load_encoder_fixture(&name);
-        if fx.config.positional.placement() == poslab::Placement::Attention {
+        if fx.config.positional.placement().reads_keys() {
             assert!(fx.dropped_key_biases.is_empty());
             let (encoder, store) = fx.encoder(DType::F64);
             let key_bias = store.get("layers.0.attn.k.bias").unwrap();

@@ -1,0 +1,295 @@
+//! CoPE, contextual position encoding (Golovneva, Wang, Weston, Sukhbaatar 2024, "Contextual
+//! Position Encoding: Learning to Count What's Important"), in a bidirectional form for an
+//! encoder. A **contextual** scheme: positions are counted by gates the queries set, and no
+//! position id is read.
+//!
+//! ```text
+//! a_ij  = q_i · k_j / sqrt(d_head)                 the scaled content score
+//! g_ij  = σ(a_ij)                                  the gate; 0 for a padded key
+//! p_ij  = Σ_{t=j..i} g_it      (j <= i)            a fractional count, from the key to the query
+//!       = Σ_{t=i..j} g_it      (j > i)
+//! p'    = min(p_ij, npos - 1),  f = ⌊p'⌋,  c = ⌈p'⌉,  w = p' - f
+//! z_ij  = (1 - w) q_i · E[f] + w q_i · E[c]        E = layers.{l}.attn.cope.left  (j <= i)
+//!                                                    = layers.{l}.attn.cope.right (j > i)
+//! score_ij = a_ij + z_ij                            (the term is not divided by sqrt(d_head))
+//! ```
+//!
+//! Restricted to `j <= i` this is the paper's causal CoPE exactly: under a causal mask its
+//! reverse running sum of the gates is the left count here, and its table is the left table.
+//! Keys after the query count the other way and read their own table, so a key three counts to
+//! the right is told from one three counts to the left. The tables `[npos, d_head]` are shared
+//! by a layer's heads and start at zero (the paper's, RAM's and x-transformers' init). A count
+//! reaches at most the sequence's length, so `npos` past the longest test length buys nothing;
+//! counts past `npos - 1` read its last row. Reference: `reference_2025_schemes.py`, fixtures
+//! `encoder_cope_pre`, `encoder_cope_npos6_post`.
+//!
+//! Cost: the counts are two running sums over the keys of each query's gates, computed as
+//! products with a `(t, t)` triangle: `O(t³)` a head, beside `q kᵀ`'s `O(t² d_head)`.
+
+use candle::{DType, Device, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    BiasBatch, Placement, PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreModule,
+};
+use crate::error::{Error, Result};
+use crate::nn::QkScores;
+
+/// The most rows a CoPE table may have: counts never pass the sequence's length, and the
+/// longest sequence poslab reads is far shorter.
+pub const MAX_COPE_POSITIONS: usize = 65_536;
+
+fn default_npos() -> usize {
+    64
+}
+
+/// Options of `cope`: the rows of each table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CopeOptions {
+    /// Rows of each table (default 64): counts from 0 to `npos - 1`, larger counts read the
+    /// last row. RAM sets it to the block size + 1.
+    #[serde(default = "default_npos")]
+    pub npos: usize,
+}
+
+impl Default for CopeOptions {
+    fn default() -> Self {
+        Self {
+            npos: default_npos(),
+        }
+    }
+}
+
+impl Scheme for CopeOptions {
+    fn name(&self) -> &'static str {
+        "cope"
+    }
+
+    fn placement(&self) -> Placement {
+        Placement::Scores
+    }
+
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        if !(2..=MAX_COPE_POSITIONS).contains(&self.npos) {
+            return Err(format!(
+                "cope: npos = {} must be from 2 to {MAX_COPE_POSITIONS}: the rows of the count \
+                 tables (counts past npos - 1 read the last row); the longest sequence + 1 is \
+                 enough, 64 is the default",
+                self.npos
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_random_positions(&self, range: usize) -> std::result::Result<(), String> {
+        Err(format!(
+            "random_positions = {range} with positional `cope`: CoPE counts positions with \
+             gates set by the queries and reads no position ids, so randomizing them would \
+             change nothing; remove random_positions"
+        ))
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        2 * (self.npos * shape.head_dim()) as u128 * shape.layers.count(shape.n_layers) as u128
+    }
+
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention scores: content + q . E[p], p the count of gates sigmoid(q . k / sqrt(d)) \
+             between key and query, E a left and a right table of {} x {} per layer (start at \
+             zero); no position ids",
+            self.npos,
+            shape.head_dim()
+        )
+    }
+
+    fn label(&self) -> String {
+        match self.npos == default_npos() {
+            true => "cope".into(),
+            false => format!("cope (npos {})", self.npos),
+        }
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let hd = shape.head_dim();
+        let layers = (0..shape.n_layers)
+            .map(|i| {
+                shape
+                    .layers
+                    .contains(i)
+                    .then(|| -> candle::Result<_> {
+                        let vb = vb.pp(format!("layers.{i}.attn.cope"));
+                        Ok(CopeTables {
+                            left: vb.get_with_hints((self.npos, hd), "left", Init::Const(0.0))?,
+                            right: vb.get_with_hints((self.npos, hd), "right", Init::Const(0.0))?,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<candle::Result<_>>()?;
+        Ok(PositionalModule::Scores(ScoreFunction::new(Cope(layers))))
+    }
+}
+
+/// One layer's two tables `(npos, d_head)`.
+#[derive(Clone, Debug)]
+pub struct CopeTables {
+    /// Read by keys at or before the query.
+    pub left: Tensor,
+    /// Read by keys after it.
+    pub right: Tensor,
+}
+
+/// The parts of CoPE's scores, for tests and analysis.
+#[derive(Clone, Debug)]
+pub struct CopeParts {
+    /// `(b, h, t, t)`: the gates, 0 at padded keys.
+    pub gates: Tensor,
+    /// `(b, h, t, t)`: the counts before the clamp.
+    pub counts: Tensor,
+    /// `(b, h, t, t)`: the added term `z`.
+    pub term: Tensor,
+    /// `(b, h, t, t)`: content + term, scaled content.
+    pub scores: Tensor,
+}
+
+/// `(t, t)` of `1` where `j <= i` (row `i`, column `j`), in `dtype`.
+fn lower(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t * t)
+        .map(|n| f32::from(u8::from(n % t <= n / t)))
+        .collect();
+    Ok(Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)?)
+}
+
+impl CopeTables {
+    /// CoPE's scores and their parts, from q and k.
+    ///
+    /// # Shapes
+    /// - `q`, `k`: `(b, h, t, d_head)`; `mask`: `(b, t)`, 1 for a real token (`None`: all real)
+    pub fn parts(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<CopeParts> {
+        let dtype = self.left.dtype();
+        let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
+        let (b, h, t, _) = q.dims4()?;
+        let npos = self.left.dim(0)?;
+        let device = q.device();
+        let content = (crate::nn::matmul(&q, &k.t()?.contiguous()?)? * scale)?; // (b, h, t, t)
+        let mut gates = crate::nn::log_sigmoid(&content)?.exp()?;
+        if let Some(mask) = mask {
+            let keys = mask.to_dtype(dtype)?.reshape((b, 1, 1, t))?;
+            gates = gates.broadcast_mul(&keys)?;
+        }
+        // Left counts: p_ij = Σ_{t' >= j} g_it' [t' <= i]; right: Σ_{t' <= j} g_it' [t' >= i].
+        let low = lower(t, dtype, device)?; // [j <= i]; as (t', j): [j <= t']
+        let high = low.t()?.contiguous()?; // [j >= i]; as (t', j): [t' <= j]
+        let left = gates.broadcast_mul(&low)?.broadcast_matmul(&low)?;
+        let right = gates.broadcast_mul(&high)?.broadcast_matmul(&high)?;
+        let up = (1.0 - &low)?; // [j > i]
+        let counts = (left.broadcast_mul(&low)? + right.broadcast_mul(&up)?)?;
+        // Interpolated rows of [E_left; E_right]: right keys read rows npos.. of the stack.
+        let clamped = counts.minimum((npos - 1) as f64)?;
+        let floor = clamped.detach().floor()?;
+        let ceil = clamped.detach().ceil()?;
+        let w = (&clamped - &floor)?;
+        let side = (up.broadcast_as((b, h, t, t))? * npos as f64)?;
+        let index = |rows: &Tensor| -> Result<Tensor> {
+            Ok((rows + &side)?.to_dtype(DType::U32)?.contiguous()?)
+        };
+        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
+        let per_row = q.broadcast_matmul(&tables.t()?.contiguous()?)?; // (b, h, t, 2 npos)
+        let z_lo = per_row.gather(&index(&floor)?, D::Minus1)?;
+        let z_hi = per_row.gather(&index(&ceil)?, D::Minus1)?;
+        let term = (&z_lo + (z_hi - &z_lo)?.mul(&w)?)?;
+        Ok(CopeParts {
+            scores: (&content + &term)?,
+            gates,
+            counts,
+            term,
+        })
+    }
+}
+
+/// Every layer's tables; `None` for a layer without positions.
+#[derive(Clone, Debug)]
+pub struct Cope(pub Vec<Option<CopeTables>>);
+
+impl ScoreModule for Cope {
+    fn layer_scores<'a>(
+        &'a self,
+        layer: usize,
+        batch: &BiasBatch,
+    ) -> Result<Option<Box<dyn QkScores + 'a>>> {
+        Ok(self.0.get(layer).and_then(Option::as_ref).map(|tables| {
+            Box::new(CopeScores {
+                tables,
+                mask: batch.mask.cloned(),
+            }) as Box<dyn QkScores + 'a>
+        }))
+    }
+
+    fn notes(&self) -> Result<Vec<String>> {
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(l, t)| {
+                let Some(t) = t else {
+                    return Ok(format!("layer {l}: no positions"));
+                };
+                let norms = |e: &Tensor| -> Result<Vec<f64>> {
+                    Ok(e.to_dtype(DType::F64)?
+                        .sqr()?
+                        .sum(1)?
+                        .sqrt()?
+                        .to_vec1::<f64>()?)
+                };
+                let (left, right) = (norms(&t.left)?, norms(&t.right)?);
+                let show = |v: &[f64]| super::list(&v[..v.len().min(8)]);
+                Ok(format!(
+                    "layer {l}: row norms of the left table [{}], of the right table [{}] \
+                     (first 8 counts)",
+                    show(&left),
+                    show(&right)
+                ))
+            })
+            .collect()
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        self.0
+            .iter()
+            .flatten()
+            .flat_map(|t| [t.left.clone(), t.right.clone()])
+            .collect()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// One layer's CoPE for one batch.
+#[derive(Debug)]
+struct CopeScores<'a> {
+    tables: &'a CopeTables,
+    mask: Option<Tensor>,
+}
+
+impl QkScores for CopeScores<'_> {
+    fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
+        if q.dim(3)? != self.tables.left.dim(1)? {
+            return Err(Error::Config(format!(
+                "cope: tables of width {} for heads of width {}",
+                self.tables.left.dim(1)?,
+                q.dim(3)?
+            )));
+        }
+        Ok(self.tables.parts(q, k, self.mask.as_ref(), scale)?.scores)
+    }
+}

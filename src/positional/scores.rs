@@ -1,0 +1,77 @@
+//! The fourth place a scheme acts: the attention scores themselves. A scheme here computes each
+//! layer's scores from its queries and keys (and, for a contextual one, the layer's input) in
+//! place of `q kᵀ / sqrt(d_head)`: PoPE's polar product, CoPE's counted positions, PaTH's
+//! transport of keys through Householder reflections.
+//!
+//! For each batch the module gives every layer an [`crate::nn::QkScores`], which attention
+//! calls with the layer's q and k; attention then adds the window and the padding and takes the
+//! softmax, as for any scores. Such a layer runs as a composition of differentiable ops on
+//! every device.
+
+use std::any::Any;
+
+use candle::Tensor;
+
+use super::BiasBatch;
+use crate::error::Result;
+use crate::nn::QkScores;
+
+/// A scores scheme's module.
+pub trait ScoreModule: std::fmt::Debug + Send + Sync {
+    /// Layer `layer`'s scores for a batch (`None` for a layer without positions).
+    fn layer_scores<'a>(
+        &'a self,
+        layer: usize,
+        batch: &BiasBatch,
+    ) -> Result<Option<Box<dyn QkScores + 'a>>>;
+
+    /// Lines of scheme facts for an analysis: its learned parameters, summarised.
+    fn notes(&self) -> Result<Vec<String>>;
+
+    /// The trainable tensors the module holds.
+    fn parameters(&self) -> Vec<Tensor>;
+
+    /// Its variables that weight decay leaves alone (biases, offsets and tables).
+    fn undecayed(&self) -> Vec<Tensor> {
+        Vec::new()
+    }
+
+    /// For an analysis that draws what only this scheme has.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// The module of a scores scheme.
+#[derive(Debug)]
+pub struct ScoreFunction(Box<dyn ScoreModule>);
+
+impl ScoreFunction {
+    /// Wraps a scheme's scores module.
+    pub fn new(module: impl ScoreModule + 'static) -> Self {
+        Self(Box::new(module))
+    }
+
+    /// The scheme's module as its own type, if it is `T`.
+    pub fn downcast<T: 'static>(&self) -> Option<&T> {
+        self.0.as_any().downcast_ref::<T>()
+    }
+}
+
+impl std::ops::Deref for ScoreFunction {
+    type Target = dyn ScoreModule;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref()
+    }
+}
+
+/// `(r, h, t, d)` → `(b, h, t, d)` where `r` is 1; as it is where `r` is `b`.
+pub(crate) fn rows_for(x: &Tensor, b: usize) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    match dims[0] == b {
+        true => Ok(x.clone()),
+        false => {
+            let mut to = dims;
+            to[0] = b;
+            Ok(x.broadcast_as(to)?)
+        }
+    }
+}
