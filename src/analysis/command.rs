@@ -562,7 +562,7 @@ impl Request {
 fn no_table(loaded: Option<&crate::saved::Loaded>) -> String {
     match loaded {
         Some(l) if l.config.model.positional.name() != "none" => format!(
-            "no position table: `{}` acts as an {} (see below)\n",
+            "no position table: `{}` acts in the {} (see below)\n",
             l.config.model.positional.name(),
             l.config.model.positional.placement()
         ),
@@ -608,8 +608,9 @@ fn rotation_analysis(
     Ok(())
 }
 
-/// What only a trained FIRE, p-RoPE or FoX model has: FIRE's curves at the training length and
-/// 4x; p-RoPE's spectrum; FoX's gates on the evaluation text.
+/// What only a trained FIRE, p-RoPE, FoX, PoPE, CoPE or PaTH model has: FIRE's curves at the
+/// training length and 4x; p-RoPE's spectrum; FoX's gates on the evaluation text; PoPE's score
+/// against the offset; CoPE's counts and PaTH's turning of keys on the evaluation text.
 fn scheme_analysis(
     loaded: &crate::saved::Loaded,
     a: &Request,
@@ -660,6 +661,30 @@ fn scheme_analysis(
                     })?;
                     summary.push_str(&gates.summary());
                     files.extend(gates.write(dir)?);
+                }
+            }
+        }
+        PositionalConfig::Pope(_) => {
+            let curves = analysis::scores::pope_scores(encoder, model.max_len.clamp(2, 512))?;
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        PositionalConfig::Cope(_) | PositionalConfig::Path(_) => {
+            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
+                Err(e) if a.text.is_none() => summary.push_str(&format!(
+                    "{} on text skipped: {e}\n",
+                    model.positional.name()
+                )),
+                Err(e) => return Err(e),
+                Ok((ids, mask, _)) => {
+                    let curves = match &model.positional {
+                        PositionalConfig::Cope(_) => {
+                            analysis::scores::cope_counts(encoder, &ids, &mask)?
+                        }
+                        _ => analysis::scores::path_turning(encoder, &ids, &mask)?,
+                    };
+                    summary.push_str(&curves.summary());
+                    files.extend(curves.write(dir)?);
                 }
             }
         }

@@ -17,6 +17,7 @@ pub mod pca;
 mod plots;
 pub mod rope;
 pub mod schemes;
+pub mod scores;
 pub mod terms;
 
 use std::f64::consts::TAU;

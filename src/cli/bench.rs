@@ -11,7 +11,8 @@ use anyhow::Result;
 pub struct Args {
     /// Variants: every scheme with its default options (sin_add, sin_concat, sin_concat_proj,
     /// learned, rope, rope_partial, prope, alibi, t5, kerple, fire, untied, untied_sinusoidal,
-    /// fox, none); default all but none (with --torch: those the PyTorch script runs).
+    /// fox, pope, cope, path, none); default all but none (with --torch: those the PyTorch
+    /// script runs).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     #[arg(long, default_value_t = 8192)]

@@ -448,8 +448,8 @@ fn accuracy_counts_the_outputs_only() {
 fn shards_are_disjoint_and_cover_every_cell() {
     let config = ExperimentConfig::load(repo("configs/length_suite.toml")).unwrap();
     let all = config.cells(&Selection::default()).unwrap();
-    assert_eq!(all.len(), 15 * 15 * 10);
-    for n in [1, 7, 110, 2250] {
+    assert_eq!(all.len(), 15 * 17 * 10);
+    for n in [1, 7, 110, 2550] {
         let mut union = Vec::new();
         for k in 0..n {
             let selection = Selection {
@@ -469,15 +469,15 @@ fn shards_are_disjoint_and_cover_every_cell() {
     let e = config
         .cells(&Selection {
             shard: Some(Shard {
-                index: 2250,
-                count: 2251,
+                index: 2550,
+                count: 2551,
             }),
             ..Default::default()
         })
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("holds no cell") && e.contains("at most 2250 shards"),
+        e.contains("holds no cell") && e.contains("at most 2550 shards"),
         "{e}"
     );
     for (text, why) in [

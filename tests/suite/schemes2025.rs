@@ -437,3 +437,81 @@ fn the_2025_schemes_count_their_parameters_and_refuse_bad_options_with_the_fix()
         assert_eq!(scheme as u128, 2 * per_layer, "{positional}: built");
     }
 }
+
+#[test]
+fn the_analyses_of_the_2025_schemes_give_known_answers() {
+    use poslab::analysis::scores::{cope_counts, path_turning, pope_scores};
+    let (ids, mask) = padded_batch(3, 10, 40);
+    // PoPE with δ = 0: the score of unit magnitudes is even in the offset, and at offset 0 it is
+    // d_head / sqrt(d_head).
+    let store = ParamStore::new(2);
+    let config = tiny_config(
+        PositionalConfig::Pope(PopeOptions {
+            delta_init: poslab::positional::DeltaInit::Zeros,
+            ..Default::default()
+        }),
+        NormPlacement::Pre,
+    );
+    let encoder = Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
+    let curves = pope_scores(&encoder, 6).unwrap();
+    let hd = config.head_dim() as f64;
+    assert_eq!(curves.offsets, (-6..=6).collect::<Vec<i64>>());
+    assert_eq!(curves.curves.len(), config.n_layers * config.n_heads);
+    for (_, _, c) in &curves.curves {
+        let c: Vec<f64> = c.iter().map(|v| v.unwrap()).collect();
+        assert!((c[6] - hd / hd.sqrt()).abs() < 1e-12);
+        for o in 1..=6 {
+            assert!((c[6 + o] - c[6 - o]).abs() < 1e-12, "odd at {o}");
+            assert!(c[6 + o] < c[6], "offset {o} scores above 0");
+        }
+    }
+    // And with the uniform start, left and right differ.
+    let encoder = build(PositionalConfig::Pope(PopeOptions::default()), 2);
+    let c = &pope_scores(&encoder, 6).unwrap().curves[0].2;
+    assert!((c[7].unwrap() - c[5].unwrap()).abs() > 1e-3);
+
+    // CoPE: a count runs from the key to the query, both included, over gates in (0, 1): it
+    // lies in (0, |j - i| + 1) and grows with the distance on each side.
+    let encoder = build(PositionalConfig::Cope(CopeOptions::default()), 5);
+    let curves = cope_counts(&encoder, &ids, &mask).unwrap();
+    for (_, _, c) in &curves.curves {
+        for (k, &o) in curves.offsets.iter().enumerate() {
+            let Some(p) = c[k] else { continue };
+            assert!(
+                p > 0.0 && p < o.unsigned_abs() as f64 + 1.0,
+                "offset {o}: {p}"
+            );
+            if o > 0 {
+                assert!(
+                    p > c[k - 1].unwrap(),
+                    "offset {o} counts less than {}",
+                    o - 1
+                );
+            }
+        }
+    }
+
+    // PaTH: every β near 0 (the bias at -60) leaves every key unturned; the trained-from-seed
+    // reflections turn farther keys more on average.
+    let store = ParamStore::new(6);
+    let config = tiny_config(
+        PositionalConfig::Path(PathOptions::default()),
+        NormPlacement::Pre,
+    );
+    let encoder = Encoder::new(&config, store.var_builder(DType::F64, &Device::Cpu)).unwrap();
+    let turned = path_turning(&encoder, &ids, &mask).unwrap();
+    let c = &turned.curves[0].2;
+    let mid = turned.offsets.iter().position(|&o| o == 0).unwrap();
+    assert_eq!(c[mid], Some(1.0));
+    assert!(c[mid + 6].unwrap() < c[mid + 1].unwrap());
+    for (name, var) in store.vars() {
+        if name.ends_with("path.beta.bias") {
+            var.set(&(var.ones_like().unwrap() * -60.0).unwrap())
+                .unwrap();
+        }
+    }
+    let flat = path_turning(&encoder, &ids, &mask).unwrap();
+    for (_, _, c) in &flat.curves {
+        assert!(c.iter().flatten().all(|v| (v - 1.0).abs() < 1e-12));
+    }
+}
