@@ -232,18 +232,19 @@ pub fn path_turning(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Of
                             beta[s] * w[s].iter().zip(v.iter()).map(|(a, b)| a * b).sum::<f64>();
                         v.iter_mut().zip(&w[s]).for_each(|(x, ws)| *x -= c * ws);
                     };
-                    cos[b][h][j][j] = 1.0;
+                    let rows = &mut cos[b][h];
+                    rows[j][j] = 1.0;
                     // Queries after the key: H_i ⋯ H_{j+1} k_j, applied nearest the key first.
                     let mut v = kj.clone();
-                    for i in j + 1..t {
+                    for (i, row) in rows.iter_mut().enumerate().skip(j + 1) {
                         reflect(&mut v, i);
-                        cos[b][h][i][j] = cosine(&v);
+                        row[j] = cosine(&v);
                     }
                     // Queries before it: H_{i+1} ⋯ H_j k_j.
                     let mut v = kj.clone();
-                    for i in (0..j).rev() {
+                    for (i, row) in rows.iter_mut().enumerate().take(j).rev() {
                         reflect(&mut v, i + 1);
-                        cos[b][h][i][j] = cosine(&v);
+                        row[j] = cosine(&v);
                     }
                 }
             }
