@@ -515,3 +515,74 @@ fn the_analyses_of_the_2025_schemes_give_known_answers() {
         assert!(c.iter().flatten().all(|v| (v - 1.0).abs() < 1e-12));
     }
 }
+
+#[test]
+fn copes_fused_cpu_term_matches_the_composition_forward_and_backward() {
+    use candle::Var;
+    // Padded keys, counts past the last row (npos 3 over 11 tokens), and scores large enough
+    // that some gates round to exactly 1 (integer counts, the clamp's edge).
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+        for (npos, scale) in [(3usize, 1.0), (9, 0.35), (16, 4.0)] {
+            let (b, h, t, hd) = (2, 3, 11, 4);
+            let draw = |dims: &[usize], seed: u64, s: f64| {
+                use rand::Rng as _;
+                let mut rng = poslab::rng::stream(seed, "cope fused");
+                let n: usize = dims.iter().product();
+                let v: Vec<f64> = (0..n).map(|_| rng.random_range(-s..s)).collect();
+                Var::from_tensor(
+                    &Tensor::from_vec(v, dims, &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap(),
+                )
+                .unwrap()
+            };
+            let (q, k) = (draw(&[b, h, t, hd], 1, 3.0), draw(&[b, h, t, hd], 2, 3.0));
+            let (left, right) = (draw(&[npos, hd], 3, 1.0), draw(&[npos, hd], 4, 1.0));
+            let mask = Tensor::from_vec(
+                [[1u32; 11], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]].concat(),
+                (b, t),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let tables = CopeTables {
+                left: left.as_tensor().clone(),
+                right: right.as_tensor().clone(),
+            };
+            let weights = draw(&[b, h, t, t], 5, 1.0);
+            let run = |fused: bool| {
+                let s = match fused {
+                    true => tables.scores(&q, &k, Some(&mask), scale).unwrap(),
+                    false => tables.parts(&q, &k, Some(&mask), scale).unwrap().scores,
+                };
+                let grads = (&s * weights.as_tensor())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let g = |v: &Var| values(grads.get(v.as_tensor()).unwrap());
+                (values(&s), [g(&q), g(&k), g(&left), g(&right)])
+            };
+            let (fs, fg) = run(true);
+            let (cs, cg) = run(false);
+            let what = format!("{dtype:?} npos {npos} scale {scale}");
+            let rel = |a: &[f64], b: &[f64]| {
+                let m = b.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                max_abs(a, b) / m
+            };
+            assert!(rel(&fs, &cs) < tol, "{what}: scores {:e}", rel(&fs, &cs));
+            for (name, (f, c)) in ["q", "k", "left", "right"].iter().zip(fg.iter().zip(&cg)) {
+                assert!(
+                    rel(f, c) < tol,
+                    "{what}: gradient of {name} {:e}",
+                    rel(f, c)
+                );
+                assert!(
+                    c.iter().any(|v| v.abs() > 1e-6),
+                    "{what}: {name} got no gradient"
+                );
+            }
+        }
+    }
+}

@@ -23,8 +23,12 @@
 //! counts past `npos - 1` read its last row. Reference: `reference_2025_schemes.py`, fixtures
 //! `encoder_cope_pre`, `encoder_cope_npos6_post`.
 //!
-//! Cost: the counts are two running sums over the keys of each query's gates, computed as
-//! products with a `(t, t)` triangle: `O(t³)` a head, beside `q kᵀ`'s `O(t² d_head)`.
+//! Cost: in the composition ([`CopeTables::parts`], the specification) the counts are two
+//! running sums over the keys of each query's gates, computed as products with a `(t, t)`
+//! triangle, `O(t³)` a head beside `q kᵀ`'s `O(t² d_head)`. On the CPU's fused kernels the
+//! gates, counts and interpolation of a query are one pass over its row, forward and backward
+//! (`fused.rs`): `O(t²)` a head, and no `(b, h, t, t)` tensor but the scores and their
+//! gradient.
 
 use candle::{DType, Device, Tensor, D};
 use candle_nn::{Init, VarBuilder};
@@ -35,6 +39,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::nn::QkScores;
+
+mod fused;
 
 /// The most rows a CoPE table may have: counts never pass the sequence's length, and the
 /// longest sequence poslab reads is far shorter.
@@ -213,6 +219,43 @@ impl CopeTables {
             counts,
             term,
         })
+    }
+}
+
+impl CopeTables {
+    /// CoPE's scores, content + term: one fused node on the CPU's fused kernels, else the
+    /// composition of [`CopeTables::parts`].
+    ///
+    /// # Shapes
+    /// - `q`, `k`: `(b, h, t, d_head)`; `mask`: `(b, t)` (`None`: all real); returns
+    ///   `(b, h, t, t)`
+    pub fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let dtype = self.left.dtype();
+        let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
+        if !crate::nn::fused_for(&q) || !matches!(dtype, DType::F32 | DType::F64) {
+            return Ok(self.parts(&q, &k, mask, scale)?.scores);
+        }
+        let (b, _, t, _) = q.dims4()?;
+        let real = match mask {
+            Some(m) => m
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(|v| v > 0.0)
+                .collect(),
+            None => vec![true; b * t],
+        };
+        let content = (crate::nn::matmul(&q, &k.t()?.contiguous()?)? * scale)?;
+        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
+        let rows = q.broadcast_matmul(&tables.t()?.contiguous()?)?; // (b, h, t, 2 npos)
+        Ok(fused::cope_scores(&content, &rows, real)?)
     }
 }
 
