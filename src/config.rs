@@ -463,6 +463,7 @@ impl ModelConfig {
             n_layers: self.n_layers,
             vocab_size: self.vocab_size,
             max_len: self.max_len,
+            score_tensors: [false, true].map(|t| self.positional.scheme().score_tensors(t)),
         }
     }
 

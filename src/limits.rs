@@ -23,6 +23,9 @@ pub struct Sizes {
     pub vocab_size: usize,
     /// Longest sequence the position tables are built for.
     pub max_len: usize,
+    /// Attention tables of `(b, h, t, t)` a layer holds at its peak in a forward pass and in a
+    /// training step (see [`crate::positional::Scheme::score_tensors`]).
+    pub score_tensors: [usize; 2],
 }
 
 /// Default most parameters: 2^31 (8 GiB of f32 weights; with gradients and AdamW's two
@@ -115,7 +118,8 @@ pub fn max_memory() -> std::result::Result<u64, String> {
 
 /// Bytes a batch of `batch` sequences of `t` tokens needs at its peak: in training, what every
 /// layer keeps for the backward pass (about `8 d + 2 ffn` values per token and the `h t²`
-/// attention weights); in inference, one layer's worth. f32 values.
+/// attention weights, times the scheme's [`Sizes::score_tensors`]); in inference, one layer's
+/// worth. f32 values.
 pub fn activation_bytes(config: &Sizes, batch: usize, t: usize, training: bool) -> u128 {
     let (b, t) = (batch as u128, t as u128);
     let (d, f, h) = (
@@ -123,7 +127,8 @@ pub fn activation_bytes(config: &Sizes, batch: usize, t: usize, training: bool) 
         config.ffn_dim as u128,
         config.n_heads as u128,
     );
-    let per_layer = b * t * (8 * d + 2 * f) + b * h * t * t;
+    let tables = config.score_tensors[usize::from(training)].max(1) as u128;
+    let per_layer = b * t * (8 * d + 2 * f) + b * h * t * t * tables;
     let layers = if training { config.n_layers as u128 } else { 2 };
     4 * per_layer * layers
 }

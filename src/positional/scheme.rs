@@ -83,6 +83,15 @@ pub trait Scheme: Sync {
         None
     }
 
+    /// How many `(b, h, t, t)` values of f32 a layer of the scheme holds at its peak, in units
+    /// of one attention table, in a training step (`training`) or a forward pass, for the memory
+    /// bound before a batch is built ([`crate::limits::activation_bytes`]): 1 where the fused
+    /// kernels compute attention. A scheme whose scores are a composition of ops holds more; its
+    /// file states the measured peaks they are set from.
+    fn score_tensors(&self, _training: bool) -> usize {
+        1
+    }
+
     /// The same scheme with its rotation's base set to `base`, for a scheme that has one
     /// (`[layers] rope_base`: another base in global and local layers); `None` otherwise.
     fn with_base(&self, _base: f64) -> Option<super::PositionalConfig> {

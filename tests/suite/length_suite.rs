@@ -526,7 +526,7 @@ fn the_shipped_suites_run_the_protocol() {
     assert_eq!((t.batch_size, t.lr, t.grad_clip), (128, 1e-3, 1.0));
     assert_eq!((t.weight_decay, t.warmup, t.min_lr_ratio), (0.0, 0.0, 1.0));
     // Every scheme plain and with randomized positions from [0, 2048); `none` has no
-    // positions to randomize.
+    // positions to randomize, nor have PaTH and CoPE, which read none.
     let small = ExperimentConfig::load(repo("configs/length_suite_small.toml")).unwrap();
     for config in [&full, &small] {
         let plain: Vec<&str> = config
@@ -545,7 +545,9 @@ fn the_shipped_suites_run_the_protocol() {
                 "alibi",
                 "t5",
                 "fire",
-                "prope"
+                "prope",
+                "path",
+                "cope"
             ]
         );
         for v in config
@@ -559,7 +561,7 @@ fn the_shipped_suites_run_the_protocol() {
                 && p.positional.name() == v.positional.name()
                 && p.name == v.name.trim_end_matches("_random")));
         }
-        assert_eq!(config.variants.len(), 15);
+        assert_eq!(config.variants.len(), 17);
         // FIRE's threshold is the training length, and the drawn range under randomized
         // positions.
         for v in &config.variants {

@@ -586,3 +586,35 @@ fn copes_fused_cpu_term_matches_the_composition_forward_and_backward() {
         }
     }
 }
+
+#[test]
+fn the_memory_bound_counts_the_tables_a_composed_layer_holds() {
+    use poslab::limits::activation_bytes;
+    let sizes = |p: PositionalConfig| tiny_config(p, NormPlacement::Pre).sizes();
+    let plain = sizes(PositionalConfig::SinusoidalAdd(Default::default()));
+    let config = tiny_config(
+        PositionalConfig::Path(PathOptions::default()),
+        NormPlacement::Pre,
+    );
+    let (h, l) = (config.n_heads as u128, config.n_layers as u128);
+    let table = 4 * 512 * 512 * h * 4; // one (b, h, t, t) of f32 at batch 4, 512 tokens
+    for (positional, forward, training) in [
+        (PositionalConfig::Path(PathOptions::default()), 8, 64),
+        (PositionalConfig::Cope(CopeOptions::default()), 8, 64),
+        (PositionalConfig::Pope(PopeOptions::default()), 2, 12),
+    ] {
+        let name = positional.name();
+        let s = sizes(positional);
+        assert_eq!(
+            activation_bytes(&s, 4, 512, true) - activation_bytes(&plain, 4, 512, true),
+            (training - 1) * table * l,
+            "{name} training"
+        );
+        // A forward pass counts two layers' worth.
+        assert_eq!(
+            activation_bytes(&s, 4, 512, false) - activation_bytes(&plain, 4, 512, false),
+            (forward - 1) * table * 2,
+            "{name} forward"
+        );
+    }
+}
