@@ -74,7 +74,8 @@ impl EncoderLayer {
         let d = config.d_model;
         let eps = config.layer_norm_eps;
         let spec = config.layer_spec(i);
-        // A key bias only where q and k are rotated: elsewhere softmax cancels it.
+        // A key bias only where q and k are read (rotated, or scored by the scheme): elsewhere
+        // softmax cancels it.
         let rotated = config.positional.placement().reads_keys() && spec.positions;
         let norm = |name: &str| layer_norm_with_bias(d, eps, config.bias, vb.pp(name));
         Ok(Self {
@@ -752,6 +753,12 @@ impl Encoder {
         if let Some(PositionalModule::Rotation(rope)) = &self.local_rotation {
             placed.local_rotary = Some(rope.rotary(positions)?);
         }
+        let batch = BiasBatch {
+            positions,
+            mask: Some(mask),
+            dtype: x.dtype(),
+            device: x.device(),
+        };
         let x = match &self.positional {
             PositionalModule::Input(input) => input.join(&x, positions)?,
             PositionalModule::Rotation(rope) => {
@@ -759,24 +766,11 @@ impl Encoder {
                 x
             }
             PositionalModule::ScoreBias(bias) => {
-                placed.biases = Some(bias.layer_biases(&BiasBatch {
-                    positions,
-                    mask: Some(mask),
-                    dtype: x.dtype(),
-                    device: x.device(),
-                })?);
+                placed.biases = Some(bias.layer_biases(&batch)?);
                 x
             }
             PositionalModule::Scores(scores) => {
-                let batch = BiasBatch {
-                    positions,
-                    mask: Some(mask),
-                    dtype: x.dtype(),
-                    device: x.device(),
-                };
-                placed.scores = (0..self.layers.len())
-                    .map(|i| scores.layer_scores(i, &batch))
-                    .collect::<Result<_>>()?;
+                placed.scores = scores.batch_scores(&batch)?;
                 x
             }
         };

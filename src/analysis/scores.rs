@@ -3,7 +3,7 @@
 //! - CoPE: the mean count `p_ij` on real text (does a head count tokens, or something rarer?);
 //! - PaTH: how far the transport turns a key, the cosine between `k_j` and its transported form
 //!   `H ⋯ k_j` on real text (1: the key reaches the query as it is);
-//! - PoPE: the score of two coordinates-wide unit magnitudes (`softplus(q) = softplus(k) = 1`)
+//! - PoPE: the score of unit magnitudes in every coordinate (`softplus(q) = softplus(k) = 1`)
 //!   at each offset, which is the position's whole part of the score, and the learned `δ`.
 
 use std::fmt::Write as _;
@@ -143,6 +143,22 @@ fn real_tokens(mask: &Tensor) -> Result<Vec<Vec<bool>>> {
         .collect())
 }
 
+/// The encoder's scores module as `T`, or an error naming what only `T`'s models have.
+fn scores_module<'a, T: 'static>(encoder: &'a Encoder, what: &str) -> Result<&'a T> {
+    match encoder.positional() {
+        PositionalModule::Scores(s) => s.downcast::<T>(),
+        _ => None,
+    }
+    .ok_or_else(|| Error::Input(what.into()))
+}
+
+/// `(b, ...)` values as one host array of 3 dimensions per sequence, in f64.
+fn per_sequence(x: &Tensor) -> Result<Vec<Vec<Vec<Vec<f64>>>>> {
+    Ok((0..x.dim(0)?)
+        .map(|b| x.get(b)?.to_dtype(DType::F64)?.to_vec3::<f64>())
+        .collect::<candle::Result<_>>()?)
+}
+
 fn offsets(t: usize) -> Vec<i64> {
     let t = t.max(1) as i64;
     (-(t - 1)..t).collect()
@@ -150,11 +166,7 @@ fn offsets(t: usize) -> Vec<i64> {
 
 /// CoPE's mean count `p_ij` by offset on `ids`, per layer and head.
 pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<OffsetCurves> {
-    let cope = match encoder.positional() {
-        PositionalModule::Scores(s) => s.downcast::<Cope>(),
-        _ => None,
-    }
-    .ok_or_else(|| Error::Input("CoPE's counts exist in cope models only".into()))?;
+    let cope: &Cope = scores_module(encoder, "CoPE's counts exist in cope models only")?;
     let real = real_tokens(mask)?;
     let t = ids.dim(1)?;
     let scale = 1.0 / (encoder.config().head_dim() as f64).sqrt();
@@ -163,10 +175,7 @@ pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Off
         let Some(tables) = &cope.0[layer] else {
             continue;
         };
-        let counts = tables.parts(q, k, Some(mask), scale)?.counts;
-        let counts: Vec<Vec<Vec<Vec<f64>>>> = (0..counts.dim(0)?)
-            .map(|b| counts.get(b)?.to_dtype(DType::F64)?.to_vec3::<f64>())
-            .collect::<candle::Result<_>>()?;
+        let counts = per_sequence(&tables.parts(q, k, Some(mask), scale)?.counts)?;
         for (head, c) in by_offset(&counts, &real).into_iter().enumerate() {
             curves.push((layer, head, c));
         }
@@ -177,22 +186,14 @@ pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Off
         value: "mean count p_ij (a token-counting head: |j - i| + 1)",
         offsets: offsets(t),
         curves,
-        notes: cope_notes(cope)?,
+        notes: crate::positional::ScoreModule::notes(cope)?,
     })
-}
-
-fn cope_notes(cope: &Cope) -> Result<Vec<String>> {
-    crate::positional::ScoreModule::notes(cope)
 }
 
 /// PaTH's turning by offset on `ids`: the mean cosine between `k_j` and `P_ij k_j`, the key as
 /// the query at `i` reads it, per layer and head.
 pub fn path_turning(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<OffsetCurves> {
-    let path = match encoder.positional() {
-        PositionalModule::Scores(s) => s.downcast::<PathScheme>(),
-        _ => None,
-    }
-    .ok_or_else(|| Error::Input("PaTH's transport exists in path models only".into()))?;
+    let path: &PathScheme = scores_module(encoder, "PaTH's transport exists in path models only")?;
     let real = real_tokens(mask)?;
     let t = ids.dim(1)?;
     let heads = encoder.config().n_heads;
@@ -203,12 +204,7 @@ pub fn path_turning(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Of
             continue;
         };
         let r = weights.reflections(&inputs[layer], Some(mask), heads)?;
-        let host4 = |x: &Tensor| -> Result<Vec<Vec<Vec<Vec<f64>>>>> {
-            Ok((0..x.dim(0)?)
-                .map(|b| x.get(b)?.to_dtype(DType::F64)?.to_vec3::<f64>())
-                .collect::<candle::Result<_>>()?)
-        };
-        let (w, k) = (host4(&r.w)?, host4(k)?);
+        let (w, k) = (per_sequence(&r.w)?, per_sequence(k)?);
         let beta = r.beta.to_dtype(DType::F64)?.to_vec3::<f64>()?; // (b, h, t)
         let mut cos = vec![vec![vec![vec![0.0; t]; t]; heads]; w.len()];
         for b in 0..w.len() {
@@ -266,11 +262,7 @@ pub fn path_turning(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Of
 /// PoPE's score against the offset for unit magnitudes, `Σ_c cos(Δ θ_c − δ_hc) / sqrt(d_head)`,
 /// at offsets up to `reach` each way, per layer and head; and each head's `δ`.
 pub fn pope_scores(encoder: &Encoder, reach: usize) -> Result<OffsetCurves> {
-    let pope = match encoder.positional() {
-        PositionalModule::Scores(s) => s.downcast::<Pope>(),
-        _ => None,
-    }
-    .ok_or_else(|| Error::Input("PoPE's phases exist in pope models only".into()))?;
+    let pope: &Pope = scores_module(encoder, "PoPE's phases exist in pope models only")?;
     let hd = encoder.config().head_dim();
     let freqs = pope_frequencies(hd, pope.base);
     let offsets = offsets(reach + 1);

@@ -44,7 +44,7 @@
 //! every matrix N(0, 0.02), the β bias at zero (β = 1). Reference: `reference_2025_schemes.py`,
 //! fixtures `encoder_path_pre`, `encoder_path_h4_post`.
 
-use candle::{DType, Device, Tensor, D};
+use candle::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -265,14 +265,6 @@ impl PathLayer {
     }
 }
 
-/// `(t, t)` of `1` where column `<=` row, in `dtype`.
-fn lower_with_diagonal(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|n| f32::from(u8::from(n % t <= n / t)))
-        .collect();
-    Ok(Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)?)
-}
-
 /// `(I + L)⁻¹` for `L_ta = β_t w_t · w_a` strictly below the diagonal (`upper`: strictly above),
 /// by doubling diagonal blocks: `[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ C A⁻¹, D⁻¹]]` (above:
 /// `[[A, C], [0, D]]⁻¹ = [[A⁻¹, -A⁻¹ C D⁻¹], [0, D⁻¹]]`). The sequence is padded to a power of two
@@ -336,7 +328,7 @@ pub fn transport_scores(q: &Tensor, k: &Tensor, w: &Tensor, beta: &Tensor) -> Re
     let flat = |x: &Tensor| x.reshape((b * h, t, hd));
     let (q, k, w) = (flat(q)?, flat(k)?, flat(w)?);
     let beta = beta.reshape((b * h, t))?;
-    let low = lower_with_diagonal(t, q.dtype(), q.device())?; // [a <= i]
+    let low = Tensor::tril2(t, q.dtype(), q.device())?; // [a <= i]
     let strict_low = (&low - Tensor::eye(t, q.dtype(), q.device())?)?; // [b > j]
     let strict_up = (1.0 - &low)?; // [a > i]
     let up = (1.0 - &strict_low)?; // [b <= j]
@@ -361,17 +353,22 @@ pub fn transport_scores(q: &Tensor, k: &Tensor, w: &Tensor, beta: &Tensor) -> Re
 pub struct Path(pub Vec<Option<PathLayer>>);
 
 impl ScoreModule for Path {
-    fn layer_scores<'a>(
+    fn batch_scores<'a>(
         &'a self,
-        layer: usize,
         batch: &BiasBatch,
-    ) -> Result<Option<Box<dyn QkScores + 'a>>> {
-        Ok(self.0.get(layer).and_then(Option::as_ref).map(|weights| {
-            Box::new(PathScores {
-                weights,
-                mask: batch.mask.cloned(),
-            }) as Box<dyn QkScores + 'a>
-        }))
+    ) -> Result<Vec<Option<Box<dyn QkScores + 'a>>>> {
+        Ok(self
+            .0
+            .iter()
+            .map(|layer| {
+                layer.as_ref().map(|weights| {
+                    Box::new(PathScores {
+                        weights,
+                        mask: batch.mask.cloned(),
+                    }) as Box<dyn QkScores + 'a>
+                })
+            })
+            .collect())
     }
 
     fn notes(&self) -> Result<Vec<String>> {

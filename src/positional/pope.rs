@@ -29,7 +29,6 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::scheme::check_base;
-use super::scores::rows_for;
 use super::{
     BiasBatch, Placement, PositionalModule, Positions, Scheme, SchemeShape, ScoreFunction,
     ScoreModule, DEFAULT_BASE,
@@ -220,17 +219,27 @@ impl Pope {
 }
 
 impl ScoreModule for Pope {
-    fn layer_scores<'a>(
+    fn batch_scores<'a>(
         &'a self,
-        layer: usize,
         batch: &BiasBatch,
-    ) -> Result<Option<Box<dyn QkScores + 'a>>> {
-        let Some(delta) = self.delta(layer).transpose()? else {
-            return Ok(None);
+    ) -> Result<Vec<Option<Box<dyn QkScores + 'a>>>> {
+        let Some(head_dim) = self.deltas.iter().flatten().next().map(|d| d.dim(1)) else {
+            // No layer has positions.
+            return Ok((0..self.deltas.len()).map(|_| None).collect());
         };
-        let head_dim = delta.dim(1)?;
-        let (cos, sin) = self.phases(batch.positions, head_dim, batch.dtype, batch.device)?;
-        Ok(Some(Box::new(PopeScores { cos, sin, delta })))
+        // The phase tables depend on the positions only: made once, shared by every layer.
+        let (cos, sin) = self.phases(batch.positions, head_dim?, batch.dtype, batch.device)?;
+        (0..self.deltas.len())
+            .map(|layer| {
+                Ok(self.delta(layer).transpose()?.map(|delta| {
+                    Box::new(PopeScores {
+                        cos: cos.clone(),
+                        sin: sin.clone(),
+                        delta,
+                    }) as Box<dyn QkScores + 'a>
+                }))
+            })
+            .collect()
     }
 
     fn notes(&self) -> Result<Vec<String>> {
@@ -280,14 +289,17 @@ impl QkScores for PopeScores {
     fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
         let dtype = self.delta.dtype();
         let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
-        let (b, h, _, hd) = q.dims4()?;
-        let (cos, sin) = (rows_for(&self.cos, b)?, rows_for(&self.sin, b)?);
+        let (b, h, t, hd) = q.dims4()?;
+        // The (r, 1, t, d_head) tables, r 1 or b, spread over the batch first: δ's gradient is
+        // then summed over the heads' broadcast alone, in the order the results were made with.
+        let rows = |x: &Tensor| x.broadcast_as((b, 1, t, hd));
+        let (cos, sin) = (&rows(&self.cos)?, &rows(&self.sin)?);
         // Keys' phase φ + δ: cos(φ + δ) = cos φ cos δ - sin φ sin δ (the tables stay exact).
         let delta = self.delta.reshape((1, h, 1, hd))?;
         let (cd, sd) = (delta.cos()?, delta.sin()?);
         let cos_k = (cos.broadcast_mul(&cd)? - sin.broadcast_mul(&sd)?)?;
         let sin_k = (sin.broadcast_mul(&cd)? + cos.broadcast_mul(&sd)?)?;
-        let qp = Pope::polar(&q, &cos, &sin)?; // (b, h, t, 2 d_head)
+        let qp = Pope::polar(&q, cos, sin)?; // (b, h, t, 2 d_head)
         let kp = Pope::polar(&k, &cos_k, &sin_k)?;
         Ok((crate::nn::matmul(&qp, &kp.t()?.contiguous()?)? * scale)?)
     }

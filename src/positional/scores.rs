@@ -18,12 +18,10 @@ use crate::nn::QkScores;
 
 /// A scores scheme's module.
 pub trait ScoreModule: std::fmt::Debug + Send + Sync {
-    /// Layer `layer`'s scores for a batch (`None` for a layer without positions).
-    fn layer_scores<'a>(
-        &'a self,
-        layer: usize,
-        batch: &BiasBatch,
-    ) -> Result<Option<Box<dyn QkScores + 'a>>>;
+    /// Every layer's scores for a batch, one entry a layer (`None` for a layer without
+    /// positions).
+    fn batch_scores<'a>(&'a self, batch: &BiasBatch)
+        -> Result<Vec<Option<Box<dyn QkScores + 'a>>>>;
 
     /// Lines of scheme facts for an analysis: its learned parameters, summarised.
     fn notes(&self) -> Result<Vec<String>>;
@@ -60,18 +58,5 @@ impl std::ops::Deref for ScoreFunction {
     type Target = dyn ScoreModule;
     fn deref(&self) -> &Self::Target {
         self.0.as_ref()
-    }
-}
-
-/// `(r, h, t, d)` → `(b, h, t, d)` where `r` is 1; as it is where `r` is `b`.
-pub(crate) fn rows_for(x: &Tensor, b: usize) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    match dims[0] == b {
-        true => Ok(x.clone()),
-        false => {
-            let mut to = dims;
-            to[0] = b;
-            Ok(x.broadcast_as(to)?)
-        }
     }
 }

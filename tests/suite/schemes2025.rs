@@ -58,7 +58,7 @@ fn layer_scores(
         dtype: DType::F64,
         device: &Device::Cpu,
     };
-    let layer = scores.layer_scores(0, &batch).unwrap().unwrap();
+    let layer = scores.batch_scores(&batch).unwrap().remove(0).unwrap();
     let hd = q.dim(3).unwrap();
     layer.scores(q, k, x, 1.0 / (hd as f64).sqrt()).unwrap()
 }

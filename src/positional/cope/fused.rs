@@ -127,7 +127,7 @@ impl CopeTerm {
                 }
                 let mut dg = vec![0.0; t];
                 let mut left = 0.0;
-                for k in 0..=i.min(t - 1) {
+                for k in 0..=i {
                     left += dp[k];
                     dg[k] = left;
                 }

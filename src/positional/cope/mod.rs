@@ -30,7 +30,7 @@
 //! (`fused.rs`): `O(t²)` a head, and no `(b, h, t, t)` tensor but the scores and their
 //! gradient.
 
-use candle::{DType, Device, Tensor, D};
+use candle::{DType, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -172,14 +172,6 @@ pub struct CopeParts {
     pub scores: Tensor,
 }
 
-/// `(t, t)` of `1` where `j <= i` (row `i`, column `j`), in `dtype`.
-fn lower(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t * t)
-        .map(|n| f32::from(u8::from(n % t <= n / t)))
-        .collect();
-    Ok(Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)?)
-}
-
 impl CopeTables {
     /// CoPE's scores and their parts, from q and k.
     ///
@@ -197,14 +189,14 @@ impl CopeTables {
         let (b, h, t, _) = q.dims4()?;
         let npos = self.left.dim(0)?;
         let device = q.device();
-        let content = (crate::nn::matmul(&q, &k.t()?.contiguous()?)? * scale)?; // (b, h, t, t)
+        let (content, per_row) = self.products(&q, &k, scale)?;
         let mut gates = crate::nn::log_sigmoid(&content)?.exp()?;
         if let Some(mask) = mask {
             let keys = mask.to_dtype(dtype)?.reshape((b, 1, 1, t))?;
             gates = gates.broadcast_mul(&keys)?;
         }
         // Left counts: p_ij = Σ_{t' >= j} g_it' [t' <= i]; right: Σ_{t' <= j} g_it' [t' >= i].
-        let low = lower(t, dtype, device)?; // [j <= i]; as (t', j): [j <= t']
+        let low = Tensor::tril2(t, dtype, device)?; // [j <= i]; as (t', j): [j <= t']
         let high = low.t()?.contiguous()?; // [j >= i]; as (t', j): [t' <= j]
         let left = gates.broadcast_mul(&low)?.broadcast_matmul(&low)?;
         let right = gates.broadcast_mul(&high)?.broadcast_matmul(&high)?;
@@ -219,8 +211,6 @@ impl CopeTables {
         let index = |rows: &Tensor| -> Result<Tensor> {
             Ok((rows + &side)?.to_dtype(DType::U32)?.contiguous()?)
         };
-        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
-        let per_row = q.broadcast_matmul(&tables.t()?.contiguous()?)?; // (b, h, t, 2 npos)
         let z_lo = per_row.gather(&index(&floor)?, D::Minus1)?;
         let z_hi = per_row.gather(&index(&ceil)?, D::Minus1)?;
         let term = (&z_lo + (z_hi - &z_lo)?.mul(&w)?)?;
@@ -231,9 +221,16 @@ impl CopeTables {
             term,
         })
     }
-}
 
-impl CopeTables {
+    /// What both forms read: the scaled content scores `q kᵀ · scale` `(b, h, t, t)`, and each
+    /// query's products with the stacked tables, `q [E_left; E_right]ᵀ` `(b, h, t, 2 npos)`.
+    fn products(&self, q: &Tensor, k: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        let content = (crate::nn::matmul(q, &k.t()?.contiguous()?)? * scale)?;
+        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
+        let rows = q.broadcast_matmul(&tables.t()?.contiguous()?)?;
+        Ok((content, rows))
+    }
+
     /// CoPE's scores, content + term: one fused node on the CPU's fused kernels, else the
     /// composition of [`CopeTables::parts`].
     ///
@@ -263,9 +260,7 @@ impl CopeTables {
                 .collect(),
             None => vec![true; b * t],
         };
-        let content = (crate::nn::matmul(&q, &k.t()?.contiguous()?)? * scale)?;
-        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
-        let rows = q.broadcast_matmul(&tables.t()?.contiguous()?)?; // (b, h, t, 2 npos)
+        let (content, rows) = self.products(&q, &k, scale)?;
         Ok(fused::cope_scores(&content, &rows, real)?)
     }
 }
@@ -275,17 +270,22 @@ impl CopeTables {
 pub struct Cope(pub Vec<Option<CopeTables>>);
 
 impl ScoreModule for Cope {
-    fn layer_scores<'a>(
+    fn batch_scores<'a>(
         &'a self,
-        layer: usize,
         batch: &BiasBatch,
-    ) -> Result<Option<Box<dyn QkScores + 'a>>> {
-        Ok(self.0.get(layer).and_then(Option::as_ref).map(|tables| {
-            Box::new(CopeScores {
-                tables,
-                mask: batch.mask.cloned(),
-            }) as Box<dyn QkScores + 'a>
-        }))
+    ) -> Result<Vec<Option<Box<dyn QkScores + 'a>>>> {
+        Ok(self
+            .0
+            .iter()
+            .map(|layer| {
+                layer.as_ref().map(|tables| {
+                    Box::new(CopeScores {
+                        tables,
+                        mask: batch.mask.cloned(),
+                    }) as Box<dyn QkScores + 'a>
+                })
+            })
+            .collect())
     }
 
     fn notes(&self) -> Result<Vec<String>> {
