@@ -24,9 +24,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias, AttentionBias,
-    AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, Kernels, LayerBias, LayerMasks,
-    LayerNorm, LayerShape, QkScores, Rotary, SelfAttention, SharedRng,
+    device_layer_for, encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias,
+    AttentionBias, AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, Kernels, LayerBias,
+    LayerMasks, LayerNorm, LayerShape, QkScores, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -317,11 +317,17 @@ impl EncoderLayer {
                 None => Ok(None),
             }
         };
-        if let (Kernels::Layer, Some(attn_norm), true, None) = (
+        // A scheme's own scores join the fused layer when they are a polar form (on the CPU:
+        // the device path computes `q kᵀ` alone), and no bias of the attention input is beside.
+        let scores_fuse = match inputs.scores {
+            None => true,
+            Some(_) => inputs.fused_scores() && own.is_none() && !device_layer_for(xs),
+        };
+        if let (Kernels::Layer, Some(attn_norm), true, true) = (
             kernels_for(xs),
             &self.attn_norm,
             self.fusable(),
-            inputs.scores,
+            scores_fuse,
         ) {
             // A bias of the attention input: forget gates (FoX's) the layer computes inside;
             // any other needs that input outside too, where the LayerNorm then runs twice.

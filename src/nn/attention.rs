@@ -148,8 +148,8 @@ impl ForgetGates {
 /// Attention scores a positional scheme computes itself from the queries and keys, in place of
 /// `scale · q kᵀ` (PoPE's polar product, CoPE's counted positions, PaTH's transport): `nn`
 /// knows no scheme, only this question. Attention then adds the window and the padding, and
-/// takes the softmax, as for any scores. Such a layer runs as a composition of ops (the fused
-/// kernels compute `q kᵀ` themselves).
+/// takes the softmax, as for any scores. Such a layer runs as a composition of ops, unless the
+/// scores are a [`Polar`](super::Polar) form, which the fused CPU kernels compute themselves.
 pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`, projected (with their biases), never rotated
@@ -157,6 +157,13 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// - returns `(b, h, t, t)`, the scaled scores before window and padding, in any float
     ///   dtype (the softmax runs in it)
     fn scores(&self, q: &Tensor, k: &Tensor, x: &Tensor, scale: f64) -> crate::Result<Tensor>;
+
+    /// The scores as a [`Polar`](super::Polar) form of q and k, when they are exactly that
+    /// (what [`QkScores::scores`] computes): the fused CPU kernels then compute them inside the
+    /// attention node, with a hand-written backward, instead of composing ops.
+    fn polar(&self) -> Option<&super::Polar> {
+        None
+    }
 }
 
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
@@ -192,6 +199,15 @@ impl<'a> AttentionInputs<'a> {
             score_bias: None,
             max_offset: None,
             scores: None,
+        }
+    }
+
+    /// Whether the fused CPU kernels compute these scores: `scale · q kᵀ`, or a scheme's own
+    /// scores that are a [`Polar`](super::Polar) form alone (no rotation, no score bias beside).
+    pub(crate) fn fused_scores(&self) -> bool {
+        match self.scores {
+            None => true,
+            Some(s) => s.polar().is_some() && self.rotary.is_none() && self.score_bias.is_none(),
         }
     }
 }
@@ -353,7 +369,7 @@ impl SelfAttention {
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
-        if super::fused_for(xs) && inputs.scores.is_none() {
+        if super::fused_for(xs) && inputs.fused_scores() {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
@@ -420,5 +436,6 @@ impl SelfAttention {
             inputs.score_bias,
             inputs.max_offset,
         )
+        .with_polar(inputs.scores.and_then(|s| s.polar()))
     }
 }

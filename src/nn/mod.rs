@@ -17,6 +17,7 @@ mod feed_forward;
 mod fused;
 mod layer_norm;
 mod ops;
+mod polar;
 mod rotary;
 
 pub use attention::{
@@ -35,6 +36,7 @@ pub use ops::{
     gelu, linear, linear_no_bias, linear_with_bias, log_sigmoid, log_softmax_last_dim,
     masked_softmax, rope_rotate, running_sums, sided_differences, softmax_last_dim, Linear,
 };
+pub use polar::Polar;
 pub use rotary::Rotary;
 
 /// What the device path ([`Kernels::Layer`] on CUDA) issued and allocated on this thread:

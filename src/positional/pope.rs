@@ -21,10 +21,14 @@
 //! encoder, where the paper's causal models start it at zero (`zeros`). Each layer has its own
 //! `δ` (x-transformers shares one across the stack; equal values in every layer give its
 //! model). Reference: `reference_2025_schemes.py`, fixtures `encoder_pope_{pre,post}`.
+//!
+//! The scores are an [`nn::Polar`](crate::nn::Polar) form of q and k: on the CPU (f32, f64) the
+//! fused kernels compute them inside the attention node with a hand-written backward; elsewhere
+//! (CUDA, half precision, `--kernels reference`) they are composed of tensor ops.
 
 use std::f64::consts::PI;
 
-use candle::{DType, Device, Tensor, D};
+use candle::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -34,7 +38,7 @@ use super::{
     ScoreModule, DEFAULT_BASE,
 };
 use crate::error::Result;
-use crate::nn::QkScores;
+use crate::nn::{Polar, QkScores};
 
 /// How a layer's phase offsets `δ` start.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,9 +91,12 @@ impl Scheme for PopeOptions {
     }
 
     fn score_tensors(&self, training: bool) -> usize {
-        // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32, 2026-11-28): a forward pass
-        // peaked at 120 MiB against `sin_add`'s 85, a training step at 949 against 340: the
-        // polar q and k and their gradients, about 1 and 9 attention tables a layer more.
+        // The composition's (CUDA, half precision, `--kernels reference`), measured at 512
+        // tokens (batch 4, 4 heads, 4 layers, f32, 2026-11-28): a forward pass peaked at 120
+        // MiB against `sin_add`'s 85, a training step at 949 against 340: the polar q and k
+        // and their gradients, about 1 and 9 attention tables a layer more. The fused CPU layer
+        // holds what `sin_add`'s does (549 against 529 MiB at batch 8); the bound does not
+        // know which path will run, so it counts the larger.
         match training {
             false => 2,
             true => 12,
@@ -204,17 +211,12 @@ impl Pope {
             .map(|d| Ok(d.clamp(-2.0 * PI, 0.0)?))
     }
 
-    /// The polar form `[μ cos φ | μ sin φ]` of q or k, given `cos` and `sin` of the phase.
+    /// The polar form `[μ cos φ | μ sin φ]` of q or k ([`Polar::form`]).
     ///
     /// # Shapes
     /// - `x`: `(b, h, t, d_head)`; `cos`, `sin`: broadcast to it; returns `(b, h, t, 2 d_head)`
     pub fn polar(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        // softplus(x) = -log σ(-x), exact for any x.
-        let mu = crate::nn::log_sigmoid(&x.neg()?)?.neg()?;
-        Ok(Tensor::cat(
-            &[&mu.broadcast_mul(cos)?, &mu.broadcast_mul(sin)?],
-            D::Minus1,
-        )?)
+        Polar::form(x, cos, sin)
     }
 }
 
@@ -232,11 +234,8 @@ impl ScoreModule for Pope {
         (0..self.deltas.len())
             .map(|layer| {
                 Ok(self.delta(layer).transpose()?.map(|delta| {
-                    Box::new(PopeScores {
-                        cos: cos.clone(),
-                        sin: sin.clone(),
-                        delta,
-                    }) as Box<dyn QkScores + 'a>
+                    Box::new(PopeScores(Polar::new(cos.clone(), sin.clone(), delta)))
+                        as Box<dyn QkScores + 'a>
                 }))
             })
             .collect()
@@ -275,32 +274,17 @@ impl ScoreModule for Pope {
     }
 }
 
-/// One layer's PoPE for one batch.
+/// One layer's PoPE for one batch: the phase tables `(r, 1, t, d_head)` and the clamped
+/// offsets `(h, d_head)`.
 #[derive(Debug)]
-struct PopeScores {
-    /// `(r, 1, t, d_head)`
-    cos: Tensor,
-    sin: Tensor,
-    /// `(h, d_head)`, clamped
-    delta: Tensor,
-}
+struct PopeScores(Polar);
 
 impl QkScores for PopeScores {
     fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
-        let dtype = self.delta.dtype();
-        let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
-        let (b, h, t, hd) = q.dims4()?;
-        // The (r, 1, t, d_head) tables, r 1 or b, spread over the batch first: δ's gradient is
-        // then summed over the heads' broadcast alone, in the order the results were made with.
-        let rows = |x: &Tensor| x.broadcast_as((b, 1, t, hd));
-        let (cos, sin) = (&rows(&self.cos)?, &rows(&self.sin)?);
-        // Keys' phase φ + δ: cos(φ + δ) = cos φ cos δ - sin φ sin δ (the tables stay exact).
-        let delta = self.delta.reshape((1, h, 1, hd))?;
-        let (cd, sd) = (delta.cos()?, delta.sin()?);
-        let cos_k = (cos.broadcast_mul(&cd)? - sin.broadcast_mul(&sd)?)?;
-        let sin_k = (sin.broadcast_mul(&cd)? + cos.broadcast_mul(&sd)?)?;
-        let qp = Pope::polar(&q, cos, sin)?; // (b, h, t, 2 d_head)
-        let kp = Pope::polar(&k, &cos_k, &sin_k)?;
-        Ok((crate::nn::matmul(&qp, &kp.t()?.contiguous()?)? * scale)?)
+        self.0.scores(q, k, scale)
+    }
+
+    fn polar(&self) -> Option<&Polar> {
+        Some(&self.0)
     }
 }

@@ -5,8 +5,9 @@
 //!
 //! For each batch the module gives every layer an [`crate::nn::QkScores`], which attention
 //! calls with the layer's q and k; attention then adds the window and the padding and takes the
-//! softmax, as for any scores. Such a layer runs as a composition of differentiable ops on
-//! every device.
+//! softmax, as for any scores. Such a layer runs as a composition of differentiable ops, except
+//! where its scores are a polar form of q and k ([`crate::nn::Polar`], PoPE's): the fused CPU
+//! kernels compute those inside the layer node.
 
 use std::any::Any;
 

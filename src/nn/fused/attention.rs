@@ -53,7 +53,7 @@ use super::{
     assume_written, best_rate, contiguous, simd_level, timing_operand, uninit, written, zeros,
     Real, Rotation, SimdLevel,
 };
-use crate::nn::{AttentionBias, LayerBias, Rotary};
+use crate::nn::{AttentionBias, LayerBias, Polar, Rotary};
 use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -72,6 +72,10 @@ pub(crate) struct Attention {
     score_bias: Option<LayerBias>,
     /// A sliding window: keys further than this from the query get the masked score.
     max_offset: Option<usize>,
+    /// Scores of q and k in polar form ([`Polar`]): the phases' `(r, 1, t, d_head)` cosines and
+    /// sines, and the keys' phase offsets `(h, d_head)` (differentiable, in the op-input slot
+    /// of a score bias, which such an attention has none of).
+    polar: Option<(Tensor, Tensor, Tensor)>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -107,10 +111,186 @@ struct Fixed<T> {
     sided: bool,
     scale: T,
     max_offset: Option<usize>,
+    /// Polar scores' host tables.
+    polar: Option<PolarFixed<T>>,
     simd: SimdLevel,
 }
 
+/// The host values of [`Polar`]'s tables: the phases' cosines and sines `(r, t, d_head)` and
+/// the cosines and sines of the keys' phase offsets `(h, d_head)`.
+struct PolarFixed<T> {
+    cos: Vec<T>,
+    sin: Vec<T>,
+    rows: usize,
+    cos_offset: Vec<T>,
+    sin_offset: Vec<T>,
+}
+
+/// One head's polar tables: `(t, d_head)` phases of its batch element, and `(d_head)` offsets.
+#[derive(Clone, Copy)]
+struct HeadPolar<'a, T> {
+    cos: &'a [T],
+    sin: &'a [T],
+    cos_offset: &'a [T],
+    sin_offset: &'a [T],
+}
+
+impl<T: Real> PolarFixed<T> {
+    fn head(&self, n: Dims, bi: usize, hd: usize) -> HeadPolar<'_, T> {
+        let (th, at) = (n.t * n.dh, hd * n.dh);
+        let block = if self.rows == 1 { 0 } else { bi } * th;
+        HeadPolar {
+            cos: &self.cos[block..block + th],
+            sin: &self.sin[block..block + th],
+            cos_offset: &self.cos_offset[at..at + n.dh],
+            sin_offset: &self.sin_offset[at..at + n.dh],
+        }
+    }
+}
+
+/// `softplus(x) = max(x, 0) + ln(1 + e^(-|x|))`, the negated `log σ(-x)` of the fused kernel
+/// (the same bits as the composition's `-log_sigmoid(-x)`).
+#[inline(always)]
+fn softplus<T: Real>(x: T) -> T {
+    let relu = if x > T::zero() { x } else { T::zero() };
+    relu + (-x.abs()).exp_().ln_1p_()
+}
+
+/// `σ(x)`, softplus's derivative, stable for any x.
+#[inline(always)]
+fn sigmoid<T: Real>(x: T) -> T {
+    let u = (-x.abs()).exp_();
+    let inv = (T::one() + u).recip();
+    if x >= T::zero() {
+        inv
+    } else {
+        u * inv
+    }
+}
+
+/// Head rows `x` `(t, d_head)`, rows of `stride` values apart, with their head's polar tables,
+/// as queries or as keys (`key`: their phases carry the offsets).
+#[derive(Clone, Copy)]
+struct PolarRows<'a, T> {
+    x: &'a [T],
+    stride: usize,
+    polar: HeadPolar<'a, T>,
+    key: bool,
+}
+
+/// The polar form of head rows `(t, d_head)` read from rows of `stride` values, into `dst`
+/// `(t, 2 d_head)`: `[μ cos | μ sin]` of the phase, plus the offset for keys. Branch-free
+/// loops over a row, so that they vectorise at each instruction set level.
+#[inline(always)]
+fn polar_gather_body<T: Real>(rows: PolarRows<'_, T>, dst: &mut [T]) {
+    let PolarRows {
+        x: src,
+        stride,
+        polar: p,
+        key,
+    } = rows;
+    let dh = p.cos_offset.len();
+    for (i, out) in dst.chunks_exact_mut(2 * dh).enumerate() {
+        let x = &src[i * stride..i * stride + dh];
+        let (cos, sin) = (&p.cos[i * dh..(i + 1) * dh], &p.sin[i * dh..(i + 1) * dh]);
+        let (re, im) = out.split_at_mut(dh);
+        if key {
+            // Keys' phase φ + δ: cos φ cos δ - sin φ sin δ, sin φ cos δ + cos φ sin δ.
+            let offsets = p.cos_offset.iter().zip(p.sin_offset);
+            let tables = cos.iter().zip(sin).zip(offsets);
+            for ((r, m), ((c, s), (co, so))) in re.iter_mut().zip(im.iter_mut()).zip(tables) {
+                *r = *c * *co - *s * *so;
+                *m = *s * *co + *c * *so;
+            }
+        } else {
+            re.copy_from_slice(cos);
+            im.copy_from_slice(sin);
+        }
+        for ((r, m), x) in re.iter_mut().zip(im.iter_mut()).zip(x) {
+            let mu = softplus(*x);
+            *r *= mu;
+            *m *= mu;
+        }
+    }
+}
+simd_dispatch!(fn polar_gather = polar_gather_body(rows: PolarRows<'_, T>, dst: &mut [T]));
+
+/// The gradient of head rows `x` `(t, d_head)` (rows of `stride` values) from that of their
+/// polar form `g` `(t, 2 d_head)` whose values are `form`, written into rows of `stride` values
+/// at `dst`; for keys, the offsets' gradient is added to `offsets` `(d_head)`.
+///
+/// ```text
+/// dx = σ(x) (g_re cos + g_im sin),   dδ += g_im re - g_re im    (re, im: the form's halves)
+/// ```
+///
+/// # Safety
+/// As [`scatter`]'s: `dst` valid for `t` rows of `stride` values, the first `d_head` of each
+/// this call's alone.
+#[inline(always)]
+unsafe fn polar_scatter_body<T: Real>(
+    rows: PolarRows<'_, T>,
+    (g, form): (&[T], &[T]),
+    dst: *mut T,
+    offsets: &mut [T],
+) {
+    let PolarRows {
+        x,
+        stride,
+        polar: p,
+        key,
+    } = rows;
+    let dh = p.cos_offset.len();
+    for (i, (g, f)) in g
+        .chunks_exact(2 * dh)
+        .zip(form.chunks_exact(2 * dh))
+        .enumerate()
+    {
+        let x = &x[i * stride..i * stride + dh];
+        let tables = p.cos[i * dh..(i + 1) * dh]
+            .iter()
+            .zip(&p.sin[i * dh..(i + 1) * dh]);
+        let (g_re, g_im) = g.split_at(dh);
+        // SAFETY: row i of the destination block, per the contract.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.add(i * stride), dh) };
+        let grads = g_re.iter().zip(g_im);
+        if key {
+            let tables = tables.zip(p.cos_offset.iter().zip(p.sin_offset));
+            for ((o, x), ((gr, gi), ((c, s), (co, so)))) in
+                out.iter_mut().zip(x).zip(grads.zip(tables))
+            {
+                let (pc, ps) = (*c * *co - *s * *so, *s * *co + *c * *so);
+                *o = sigmoid(*x) * (*gr * pc + *gi * ps);
+            }
+            let (re, im) = f.split_at(dh);
+            for ((d, (gr, gi)), (r, m)) in offsets
+                .iter_mut()
+                .zip(g_re.iter().zip(g_im))
+                .zip(re.iter().zip(im))
+            {
+                *d += *gi * *r - *gr * *m;
+            }
+        } else {
+            for ((o, x), ((gr, gi), (c, s))) in out.iter_mut().zip(x).zip(grads.zip(tables)) {
+                *o = sigmoid(*x) * (*gr * *c + *gi * *s);
+            }
+        }
+    }
+}
+simd_dispatch!(
+    /// # Safety
+    /// As [`polar_scatter_body`]'s.
+    unsafe fn polar_scatter = polar_scatter_body(rows: PolarRows<'_, T>, grads: (&[T], &[T]), dst: *mut T, offsets: &mut [T])
+);
+
 impl<T: Real> Fixed<T> {
+    /// The width of the operands of `q kᵀ`: `2 d_head` in polar form, else `d_head`.
+    fn qk_width(&self, n: Dims) -> usize {
+        match self.polar {
+            Some(_) => 2 * n.dh,
+            None => n.dh,
+        }
+    }
+
     /// The rotation of batch element `bi` (`sign` 1) or its inverse (`sign` -1), if there is one.
     fn rotation(&self, sign: T, bi: usize, t: usize) -> Option<Rotation<'_, T>> {
         (!self.cos.is_empty()).then(|| {
@@ -249,7 +429,7 @@ fn mask_outside_window<T: Real>(s: &mut [T], t: usize, max_offset: usize) {
 
 /// One task's scratch space.
 struct Scratch<T> {
-    /// rotated q and k
+    /// rotated q and k, or their polar forms
     q: Vec<T>,
     k: Vec<T>,
     /// scores, then probabilities `P`
@@ -263,27 +443,37 @@ struct Scratch<T> {
     dk: Vec<T>,
     /// the running sums' gradient `[df; dg]` (backward with a sided bias)
     dfg: Vec<T>,
+    /// the polar offsets' gradient of this head `(d_head)` (backward with polar scores)
+    doffsets: Vec<T>,
     /// a product's right operand in contiguous rows (see [`product`])
     pack: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
     /// Buffers for a forward or a backward pass; those a pass does not use stay empty.
-    fn new(n: Dims, rope: bool, mask: bool, backward: bool, sided: bool) -> Self {
-        let (th, tt) = (n.t * n.dh, n.t * n.t);
+    /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide.
+    fn new(
+        n: Dims,
+        (gathered, width): (bool, usize),
+        mask: bool,
+        backward: bool,
+        sided: bool,
+    ) -> Self {
+        let (tw, tt) = (n.t * width, n.t * n.t);
         let z = |len, used: bool| vec![T::zero(); if used { len } else { 0 }];
         Self {
-            q: z(th, rope),
-            k: z(th, rope),
+            q: z(tw, gathered),
+            k: z(tw, gathered),
             s: z(tt, true),
             p: z(tt, true),
             pm: z(tt, mask && backward),
             dp: z(tt, backward),
             ds: z(tt, backward),
-            dq: z(th, rope && backward),
-            dk: z(th, rope && backward),
+            dq: z(tw, gathered && backward),
+            dk: z(tw, gathered && backward),
             dfg: z(2 * n.t, sided && backward),
-            pack: z(th, true),
+            doffsets: z(n.dh, width != n.dh && backward),
+            pack: z(n.t * width.max(n.dh), true),
         }
     }
 
@@ -295,6 +485,22 @@ impl<T: Real> Scratch<T> {
         let base = bi * n.t * row + hd * n.dh;
         let block = |offset: usize| &qkv[base + offset..base + offset + (n.t - 1) * row + n.dh];
         let v = View::rows(block(2 * n.d).as_ptr(), row);
+        if let Some(polar) = &fixed.polar {
+            let p = polar.head(n, bi, hd);
+            let rows = |x, key| PolarRows {
+                x,
+                stride: row,
+                polar: p,
+                key,
+            };
+            polar_gather(fixed.simd, rows(block(0), false), &mut self.q);
+            polar_gather(fixed.simd, rows(block(n.d), true), &mut self.k);
+            return Heads {
+                q: View::rows(self.q.as_ptr(), 2 * n.dh),
+                k: View::rows(self.k.as_ptr(), 2 * n.dh),
+                v,
+            };
+        }
         match fixed.rotation(T::one(), bi, n.t) {
             Some(rotation) => {
                 gather(fixed.simd, block(0), row, n.dh, Some(rotation), &mut self.q);
@@ -332,7 +538,7 @@ impl<T: Real> Scratch<T> {
         // SAFETY: s is t x t; the heads are valid t x dh operands.
         unsafe {
             product(
-                (n.t, n.t, n.dh),
+                (n.t, n.t, fixed.qk_width(n)),
                 self.s.as_mut_ptr(),
                 n.t,
                 heads.q,
@@ -673,8 +879,32 @@ impl Attention {
             }),
             score_bias: score_bias.as_ref().map(AttentionBias::owned),
             max_offset,
+            polar: None,
             simd: simd_level(),
         }
+    }
+
+    /// This attention with its scores in polar form ([`Polar`]), when given, in place of
+    /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
+    pub(crate) fn with_polar(self, polar: Option<&Polar>) -> Self {
+        Self {
+            polar: polar.map(|p| {
+                let (cos, sin) = p.tables();
+                (cos.clone(), sin.clone(), p.offsets().clone())
+            }),
+            ..self
+        }
+    }
+
+    /// Whether the scores are in polar form.
+    pub(super) fn is_polar(&self) -> bool {
+        self.polar.is_some()
+    }
+
+    /// The differentiable op input: the score bias, or the polar offsets.
+    fn grad_input(&self) -> Option<&Tensor> {
+        self.bias_tensor()
+            .or(self.polar.as_ref().map(|(_, _, offsets)| offsets))
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
@@ -689,10 +919,10 @@ impl Attention {
         matches!(self.score_bias, Some(LayerBias::SidedSums(_)))
     }
 
-    /// The op input carrying the score bias into the autograd graph: the table or the sums,
-    /// or an empty tensor when there is none.
+    /// The op input carrying the score bias into the autograd graph: the table or the sums, or
+    /// the polar offsets, or an empty tensor when there is none.
     pub(crate) fn score_bias_input(&self, like: &Tensor) -> Result<Tensor> {
-        match self.bias_tensor() {
+        match self.grad_input() {
             Some(b) => b.contiguous(),
             None => absent(like),
         }
@@ -758,14 +988,15 @@ impl Attention {
         self.simd
     }
 
-    /// Whether a gradient is owed to the score bias (it is computed from trained variables).
+    /// Whether a gradient is owed to the score bias or the polar offsets (they are computed
+    /// from trained variables).
     pub(super) fn bias_needs_grad(&self) -> bool {
-        self.bias_tensor().is_some_and(Tensor::track_op)
+        self.grad_input().is_some_and(Tensor::track_op)
     }
 
-    /// Elements of the score bias's gradient (0 when none is owed).
+    /// Elements of the score bias's (or polar offsets') gradient (0 when none is owed).
     pub(super) fn bias_grad_len(&self) -> usize {
-        match self.bias_tensor() {
+        match self.grad_input() {
             Some(b) if self.bias_needs_grad() => b.elem_count(),
             _ => 0,
         }
@@ -818,6 +1049,26 @@ impl Attention {
             ),
             Some(LayerBias::SidedSums(_)) | None => {}
         }
+        if let Some((cos, sin, offsets)) = &self.polar {
+            let dh = d / h;
+            if self.rope.is_some() || self.score_bias.is_some() {
+                candle::bail!(
+                    "fused attention: polar scores take neither a rotation nor a score bias"
+                );
+            }
+            match (cos.dims(), offsets.dims()) {
+                (&[r, 1, pt, pd], &[oh, od])
+                    if (r == 1 || r == b)
+                        && pt == t
+                        && pd == dh
+                        && cos.dims() == sin.dims()
+                        && (oh, od) == (h, dh) => {}
+                (c, o) => candle::bail!(
+                    "fused attention: polar tables {c:?} and offsets {o:?} do not match \
+                     (1 or b, 1, t, d_head) = ({b}, 1, {t}, {dh}) and (h, d_head) = ({h}, {dh})"
+                ),
+            }
+        }
         Ok(Dims {
             b,
             t,
@@ -837,7 +1088,18 @@ impl Attention {
             Some(b) => (host(b)?, b.dims()[0]),
             None => (Vec::new(), 1),
         };
+        let polar = match &self.polar {
+            Some((cos, sin, offsets)) => Some(PolarFixed {
+                cos: host(cos)?,
+                sin: host(sin)?,
+                rows: cos.dims()[0],
+                cos_offset: host(&offsets.cos()?)?,
+                sin_offset: host(&offsets.sin()?)?,
+            }),
+            None => None,
+        };
         Ok(Fixed {
+            polar,
             key_bias: host(&self.key_bias)?,
             cos,
             sin,
@@ -858,7 +1120,10 @@ impl Attention {
     fn fixed_with<T: Real>(&self, sums: Option<&[T]>, n: Dims) -> Result<Fixed<T>> {
         let mut fixed = self.fixed::<T>()?;
         if let Some(sums) = sums {
-            if self.score_bias.is_some() || sums.len() != 2 * n.b * n.h * n.t {
+            if self.score_bias.is_some()
+                || self.polar.is_some()
+                || sums.len() != 2 * n.b * n.h * n.t
+            {
                 candle::bail!(
                     "fused attention: {} running sums given for (2, b, h, t) = (2, {}, {}, {}), \
                      beside a score bias of its own: {}",
@@ -888,6 +1153,10 @@ impl Attention {
         keep_probs: bool,
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
+        let gathered = (
+            self.rope.is_some() || fixed.polar.is_some(),
+            fixed.qk_width(n),
+        );
         let tt = n.t * n.t;
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
@@ -941,7 +1210,7 @@ impl Attention {
         let run = |dst: *mut T, probs: Option<*mut T>| {
             let (dst, probs) = (Shared(dst), probs.map(Shared));
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), false, false),
+                || Scratch::<T>::new(n, gathered, mask.is_some(), false, false),
                 |w, task| one_task(w, task, dst, probs),
             )
         };
@@ -979,6 +1248,10 @@ impl Attention {
         n: Dims,
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
+        let gathered = (
+            self.rope.is_some() || fixed.polar.is_some(),
+            fixed.qk_width(n),
+        );
         let (row, tt) = (3 * n.d, n.t * n.t);
         if let Some(p) = probs {
             if p.len() != n.b * n.h * tt {
@@ -986,10 +1259,13 @@ impl Attention {
             }
         }
         // When the score bias is owed a gradient: dS of every (batch, head) for a table, or the
-        // running sums' gradient `(2, b, h, t)` for sums.
-        let bias_grad = self.bias_needs_grad() || sums.is_some();
+        // running sums' gradient `(2, b, h, t)` for sums; when polar offsets are, theirs of
+        // every (batch, head) `(b, h, d_head)`.
+        let polar_grad = fixed.polar.is_some() && self.bias_needs_grad();
+        let bias_grad = (fixed.polar.is_none() && self.bias_needs_grad()) || sums.is_some();
         let sided = fixed.sided;
         let mut ds_all = zeros::<T>(match (bias_grad, sided) {
+            _ if polar_grad => n.b * n.h * n.dh,
             (false, _) => 0,
             (true, false) => n.b * n.h * tt,
             (true, true) => 2 * n.b * n.h * n.t,
@@ -997,7 +1273,7 @@ impl Attention {
         let ds_dst = Shared(ds_all.as_mut_ptr());
         let tasks = |dst: Shared<T>| {
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, self.rope.is_some(), mask.is_some(), true, sided),
+                || Scratch::<T>::new(n, gathered, mask.is_some(), true, sided),
                 |w, task| {
                     let (bi, hd) = (task / n.h, task % n.h);
                     let heads = w.heads(qkv, n, bi, hd, &fixed);
@@ -1067,6 +1343,62 @@ impl Attention {
                             .copy_from_slice(&w.ds);
                     }
                     let ds = View::rows(w.ds.as_ptr(), n.t);
+                    if let Some(polar) = &fixed.polar {
+                        // dq' = c dS k', dk' = c dSᵀ q' (t, 2 d_head), then back through the
+                        // polar forms into dqkv, and the offsets' gradient from dk'.
+                        let (w2, simd) = (2 * n.dh, fixed.simd);
+                        let ph = polar.head(n, bi, hd);
+                        let rows = |at: usize| &qkv[at..at + (n.t - 1) * row + n.dh];
+                        w.doffsets.fill(T::zero());
+                        // SAFETY: the scratch buffers are t x 2 d_head; the blocks of dqkv
+                        // (b, t, 3d) written belong to this (batch, head) alone.
+                        unsafe {
+                            let pack = Some((simd, &mut w.pack[..]));
+                            product(
+                                (n.t, w2, n.t),
+                                w.dq.as_mut_ptr(),
+                                w2,
+                                ds,
+                                heads.k,
+                                fixed.scale,
+                                pack,
+                            );
+                            let pack = Some((simd, &mut w.pack[..]));
+                            product(
+                                (n.t, w2, n.t),
+                                w.dk.as_mut_ptr(),
+                                w2,
+                                ds.t(),
+                                heads.q,
+                                fixed.scale,
+                                pack,
+                            );
+                            let head = |at: usize, key| PolarRows {
+                                x: rows(at),
+                                stride: row,
+                                polar: ph,
+                                key,
+                            };
+                            let (dq, dk) = ((&w.dq[..], &w.q[..]), (&w.dk[..], &w.k[..]));
+                            polar_scatter(
+                                simd,
+                                head(block, false),
+                                dq,
+                                dst.ptr().add(block),
+                                &mut [],
+                            );
+                            let at = dst.ptr().add(block + n.d);
+                            polar_scatter(simd, head(block + n.d, true), dk, at, &mut w.doffsets);
+                        }
+                        if polar_grad {
+                            // SAFETY: row `task` of the (b h, d_head) buffer is this task's.
+                            unsafe {
+                                std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * n.dh), n.dh)
+                            }
+                            .copy_from_slice(&w.doffsets);
+                        }
+                        return;
+                    }
                     // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
                     let back = fixed.rotation(-one, bi, n.t);
                     let (dims, simd) = ((n.t, n.dh, n.t), fixed.simd);
@@ -1092,7 +1424,17 @@ impl Attention {
         // SAFETY: the (batch, head) tasks together write all of dqkv (each its q, k and v
         // columns, every row), and nothing reads it before.
         let dqkv = unsafe { written(n.b * n.t * row, |dst| tasks(Shared(dst))) };
-        let dbias = if bias_grad && !sided && fixed.bias_rows == 1 {
+        let dbias = if polar_grad {
+            // The offsets are shared by the batch: their gradient sums it, in a fixed order.
+            let per = n.h * n.dh;
+            let mut sum = zeros::<T>(per);
+            for bi in 0..n.b {
+                for (o, v) in sum.iter_mut().zip(&ds_all[bi * per..(bi + 1) * per]) {
+                    *o += *v;
+                }
+            }
+            sum
+        } else if bias_grad && !sided && fixed.bias_rows == 1 {
             // A bias shared by the batch: its gradient sums dS over the batch, in a fixed order.
             let per = n.h * tt;
             let mut sum = zeros::<T>(per);
@@ -1502,6 +1844,148 @@ mod tests {
                                 sided[i], table[i],
                                 "{dtype:?} {level:?} {shape:?}: {what} differs"
                             );
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// The attention core with polar scores, fused or composed of ops ([`Polar::scores`]):
+    /// the output and the gradients of qkv and the offsets, from `(b, t, h, d_head)`, with
+    /// padded keys, a window and dropout when asked, tables per batch row or shared.
+    fn polar_attention(
+        dtype: candle::DType,
+        fused: bool,
+        (b, t, h, dh): (usize, usize, usize, usize),
+        (rows, window, dropout): (usize, Option<usize>, bool),
+    ) -> [Vec<f64>; 3] {
+        use candle::{Var, D};
+        let d = h * dh;
+        let qkv = Var::from_tensor(
+            &tensor(b * t * 3 * d, 71, &[b, t, 3 * d], dtype)
+                .affine(3.0, 0.0)
+                .unwrap(),
+        )
+        .unwrap();
+        let angles = tensor(rows * t * dh, 72, &[rows, 1, t, dh], dtype)
+            .affine(7.0, 0.0)
+            .unwrap();
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let offsets = Var::from_tensor(
+            &tensor(h * dh, 73, &[h, dh], dtype)
+                .affine(3.0, -3.0)
+                .unwrap(),
+        )
+        .unwrap();
+        let polar = Polar::new(cos, sin, offsets.as_tensor().clone());
+        let padding: Vec<f64> = (0..b * t)
+            .map(|i| {
+                if i / t == b - 1 && i % t >= t - 2 {
+                    crate::nn::MASKED_SCORE
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let key_bias = Tensor::from_vec(padding, (b, t), &candle::Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let mask = dropout.then(|| {
+            let m: Vec<f64> = values::<f64>(b * h * t * t, 74)
+                .iter()
+                .map(|u| if *u > 0.0 { 2.0 } else { 0.0 })
+                .collect();
+            Tensor::from_vec(m, (b, h, t, t), &candle::Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        });
+        let scale = 0.37;
+        let out = if fused {
+            let op =
+                Attention::new(h, scale, &key_bias, None, None, window).with_polar(Some(&polar));
+            attention(qkv.as_tensor(), op, mask.as_ref()).unwrap()
+        } else {
+            let heads = |at: usize| {
+                qkv.as_tensor()
+                    .narrow(D::Minus1, at * d, d)
+                    .unwrap()
+                    .reshape((b, t, h, dh))
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+            };
+            let (q, k, v) = (heads(0), heads(1), heads(2));
+            let mut s = polar.scores(&q, &k, scale).unwrap();
+            if let Some(w) = window
+                .and_then(|m| crate::nn::window_bias(t, m, dtype, &candle::Device::Cpu).unwrap())
+            {
+                s = s.broadcast_add(&w).unwrap();
+            }
+            let mut p = crate::nn::masked_softmax(&s, &key_bias).unwrap();
+            if let Some(m) = &mask {
+                p = (p * m).unwrap();
+            }
+            p.matmul(&v)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, d))
+                .unwrap()
+        };
+        let weights = tensor(b * t * d, 75, &[b, t, d], dtype);
+        let grads = (&out * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let flat = |x: &Tensor| {
+            x.flatten_all()
+                .unwrap()
+                .to_dtype(candle::DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+        };
+        [
+            flat(&out),
+            flat(grads.get(qkv.as_tensor()).unwrap()),
+            flat(grads.get(offsets.as_tensor()).unwrap()),
+        ]
+    }
+
+    #[test]
+    fn polar_scores_match_their_composition_forward_and_backward() {
+        // Softplus magnitudes both sides of 0, keys' phase offsets across [-2 pi, 0], padded
+        // keys, tables shared by the batch or per row, a window, dropout; every instruction set
+        // level, f32 and f64. Relative to the largest value of each result.
+        use crate::nn::{with_backend, Backend};
+        for (dtype, tol) in [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)] {
+            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                for (shape, rows, window, dropout) in [
+                    ((2, 9, 2, 4), 1, None, false),
+                    ((3, 13, 3, 8), 3, Some(4), false),
+                    ((2, 33, 2, 16), 2, None, true),
+                ] {
+                    with_backend(Backend::default().with_simd(level), || {
+                        let fused = polar_attention(dtype, true, shape, (rows, window, dropout));
+                        let composed =
+                            polar_attention(dtype, false, shape, (rows, window, dropout));
+                        for (i, what) in ["output", "d(qkv)", "d(offsets)"].iter().enumerate() {
+                            let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                            assert!(top > 1e-3, "{what}: all zero");
+                            let err = fused[i]
+                                .iter()
+                                .zip(&composed[i])
+                                .map(|(a, c)| (a - c).abs())
+                                .fold(0.0, f64::max)
+                                / top;
+                            assert!(err < tol, "{dtype:?} {level:?} {shape:?} rows {rows} window {window:?} dropout {dropout}: {what} differs by {err:e}");
                         }
                     });
                 }
