@@ -9,7 +9,7 @@
 
 use candle::{DType, Device, Module, Tensor, Var};
 use poslab::nn::{with_kernels, Kernels};
-use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore};
+use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig};
 
 use crate::common::*;
 
@@ -901,5 +901,42 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
                 }
             }
         }
+    }
+}
+
+/// How many nodes a training forward's graph has that a variable reaches (what the backward
+/// walks: candle's `sorted_nodes`).
+fn graph_nodes(config: &ModelConfig, kernels: Kernels) -> usize {
+    with_kernels(kernels, || {
+        let store = ParamStore::new(7);
+        let encoder = Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        let (ids, mask) = padded_batch(5, 13, config.vocab_size as u32);
+        let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
+        hidden.sum_all().unwrap().sorted_nodes().len()
+    })
+}
+
+#[test]
+fn pope_layers_run_as_one_fused_node_on_the_cpu() {
+    // PoPE's scores are a polar form of q and k, which the fused attention kernel computes
+    // itself: under the fused layer its step's graph is sin_add's plus the phase offsets and
+    // their clamp (measured: 62 nodes against sin_add's 55 at 2 layers, pre-norm), where the
+    // composition's is several times larger (337). A PoPE silently composed of ops fails this.
+    use poslab::positional::PopeOptions;
+    for norm in [NormPlacement::Pre, NormPlacement::Post] {
+        let pope = tiny_config(PositionalConfig::Pope(PopeOptions::default()), norm);
+        let plain = tiny_config(PositionalConfig::SinusoidalAdd(Default::default()), norm);
+        let fused = graph_nodes(&pope, Kernels::Layer);
+        let baseline = graph_nodes(&plain, Kernels::Layer);
+        let composed = graph_nodes(&pope, Kernels::Reference);
+        let layers = pope.n_layers;
+        assert!(
+            fused <= baseline + 5 * layers,
+            "{norm:?}: PoPE's fused step has {fused} graph nodes, sin_add's {baseline}"
+        );
+        assert!(
+            composed >= 3 * fused,
+            "{norm:?}: PoPE composed has {composed} graph nodes, fused {fused}"
+        );
     }
 }
