@@ -72,10 +72,10 @@ pub(crate) struct Attention {
     score_bias: Option<LayerBias>,
     /// A sliding window: keys further than this from the query get the masked score.
     max_offset: Option<usize>,
-    /// Scores of q and k in polar form ([`Polar`]): the phases' `(r, 1, t, d_head)` cosines and
-    /// sines, and the keys' phase offsets `(h, d_head)` (differentiable, in the op-input slot
-    /// of a score bias, which such an attention has none of).
-    polar: Option<(Tensor, Tensor, Tensor)>,
+    /// Scores of q and k in polar form: the phases' `(r, 1, t, d_head)` tables, and the keys'
+    /// phase offsets `(h, d_head)` (differentiable, in the op-input slot of a score bias, which
+    /// such an attention has none of).
+    polar: Option<Polar>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -168,6 +168,13 @@ fn sigmoid<T: Real>(x: T) -> T {
     }
 }
 
+/// `(cos, sin)` of a key's phase `φ + δ` from those of `φ` and `δ`: `cos φ cos δ - sin φ sin δ`,
+/// `sin φ cos δ + cos φ sin δ`, as the composition computes them.
+#[inline(always)]
+fn key_phase<T: Real>((c, s): (T, T), (co, so): (T, T)) -> (T, T) {
+    (c * co - s * so, s * co + c * so)
+}
+
 /// Head rows `x` `(t, d_head)`, rows of `stride` values apart, with their head's polar tables,
 /// as queries or as keys (`key`: their phases carry the offsets).
 #[derive(Clone, Copy)]
@@ -195,12 +202,10 @@ fn polar_gather_body<T: Real>(rows: PolarRows<'_, T>, dst: &mut [T]) {
         let (cos, sin) = (&p.cos[i * dh..(i + 1) * dh], &p.sin[i * dh..(i + 1) * dh]);
         let (re, im) = out.split_at_mut(dh);
         if key {
-            // Keys' phase φ + δ: cos φ cos δ - sin φ sin δ, sin φ cos δ + cos φ sin δ.
             let offsets = p.cos_offset.iter().zip(p.sin_offset);
             let tables = cos.iter().zip(sin).zip(offsets);
             for ((r, m), ((c, s), (co, so))) in re.iter_mut().zip(im.iter_mut()).zip(tables) {
-                *r = *c * *co - *s * *so;
-                *m = *s * *co + *c * *so;
+                (*r, *m) = key_phase((*c, *s), (*co, *so));
             }
         } else {
             re.copy_from_slice(cos);
@@ -258,7 +263,7 @@ unsafe fn polar_scatter_body<T: Real>(
             for ((o, x), ((gr, gi), ((c, s), (co, so)))) in
                 out.iter_mut().zip(x).zip(grads.zip(tables))
             {
-                let (pc, ps) = (*c * *co - *s * *so, *s * *co + *c * *so);
+                let (pc, ps) = key_phase((*c, *s), (*co, *so));
                 *o = sigmoid(*x) * (*gr * pc + *gi * ps);
             }
             let (re, im) = f.split_at(dh);
@@ -289,6 +294,15 @@ impl<T: Real> Fixed<T> {
             Some(_) => 2 * n.dh,
             None => n.dh,
         }
+    }
+
+    /// Whether a task copies q and k out (rotated, or in polar form), and how wide: what its
+    /// [`Scratch`] holds.
+    fn gathered(&self, n: Dims) -> (bool, usize) {
+        (
+            !self.cos.is_empty() || self.polar.is_some(),
+            self.qk_width(n),
+        )
     }
 
     /// The rotation of batch element `bi` (`sign` 1) or its inverse (`sign` -1), if there is one.
@@ -888,10 +902,7 @@ impl Attention {
     /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
     pub(crate) fn with_polar(self, polar: Option<&Polar>) -> Self {
         Self {
-            polar: polar.map(|p| {
-                let (cos, sin) = p.tables();
-                (cos.clone(), sin.clone(), p.offsets().clone())
-            }),
+            polar: polar.cloned(),
             ..self
         }
     }
@@ -904,7 +915,7 @@ impl Attention {
     /// The differentiable op input: the score bias, or the polar offsets.
     fn grad_input(&self) -> Option<&Tensor> {
         self.bias_tensor()
-            .or(self.polar.as_ref().map(|(_, _, offsets)| offsets))
+            .or(self.polar.as_ref().map(Polar::offsets))
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
@@ -1049,8 +1060,8 @@ impl Attention {
             ),
             Some(LayerBias::SidedSums(_)) | None => {}
         }
-        if let Some((cos, sin, offsets)) = &self.polar {
-            let dh = d / h;
+        if let Some(polar) = &self.polar {
+            let ((cos, sin), offsets, dh) = (polar.tables(), polar.offsets(), d / h);
             if self.rope.is_some() || self.score_bias.is_some() {
                 candle::bail!(
                     "fused attention: polar scores take neither a rotation nor a score bias"
@@ -1089,13 +1100,16 @@ impl Attention {
             None => (Vec::new(), 1),
         };
         let polar = match &self.polar {
-            Some((cos, sin, offsets)) => Some(PolarFixed {
-                cos: host(cos)?,
-                sin: host(sin)?,
-                rows: cos.dims()[0],
-                cos_offset: host(&offsets.cos()?)?,
-                sin_offset: host(&offsets.sin()?)?,
-            }),
+            Some(polar) => {
+                let ((cos, sin), offsets) = (polar.tables(), polar.offsets());
+                Some(PolarFixed {
+                    cos: host(cos)?,
+                    sin: host(sin)?,
+                    rows: cos.dims()[0],
+                    cos_offset: host(&offsets.cos()?)?,
+                    sin_offset: host(&offsets.sin()?)?,
+                })
+            }
             None => None,
         };
         Ok(Fixed {
@@ -1153,10 +1167,7 @@ impl Attention {
         keep_probs: bool,
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
-        let gathered = (
-            self.rope.is_some() || fixed.polar.is_some(),
-            fixed.qk_width(n),
-        );
+        let gathered = fixed.gathered(n);
         let tt = n.t * n.t;
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
@@ -1248,10 +1259,7 @@ impl Attention {
         n: Dims,
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
-        let gathered = (
-            self.rope.is_some() || fixed.polar.is_some(),
-            fixed.qk_width(n),
-        );
+        let gathered = fixed.gathered(n);
         let (row, tt) = (3 * n.d, n.t * n.t);
         if let Some(p) = probs {
             if p.len() != n.b * n.h * tt {
@@ -1424,37 +1432,33 @@ impl Attention {
         // SAFETY: the (batch, head) tasks together write all of dqkv (each its q, k and v
         // columns, every row), and nothing reads it before.
         let dqkv = unsafe { written(n.b * n.t * row, |dst| tasks(Shared(dst))) };
-        let dbias = if polar_grad {
-            // The offsets are shared by the batch: their gradient sums it, in a fixed order.
-            let per = n.h * n.dh;
-            let mut sum = zeros::<T>(per);
-            for bi in 0..n.b {
-                for (o, v) in sum.iter_mut().zip(&ds_all[bi * per..(bi + 1) * per]) {
-                    *o += *v;
-                }
-            }
-            sum
-        } else if bias_grad && !sided && fixed.bias_rows == 1 {
-            // A bias shared by the batch: its gradient sums dS over the batch, in a fixed order.
-            let per = n.h * tt;
-            let mut sum = zeros::<T>(per);
-            sum.par_chunks_mut(1 << 14)
-                .enumerate()
-                .for_each(|(c, out)| {
-                    let at = c * (1 << 14);
-                    for bi in 0..n.b {
-                        let src = &ds_all[bi * per + at..bi * per + at + out.len()];
-                        for (o, v) in out.iter_mut().zip(src) {
-                            *o += *v;
-                        }
-                    }
-                });
-            sum
+        // The polar offsets, and a bias shared by the batch: their gradient sums the batch's.
+        let dbias = if polar_grad || (bias_grad && !sided && fixed.bias_rows == 1) {
+            batch_sum(&ds_all, n.b)
         } else {
             ds_all
         };
         Ok((dqkv, dbias))
     }
+}
+
+/// The sum of `b` equal blocks of `all`, each value in a fixed order (batch element 0 first),
+/// so the bits do not depend on the threads.
+fn batch_sum<T: Real>(all: &[T], b: usize) -> Vec<T> {
+    let per = all.len() / b.max(1);
+    let mut sum = zeros::<T>(per);
+    sum.par_chunks_mut(1 << 14)
+        .enumerate()
+        .for_each(|(c, out)| {
+            let at = c * (1 << 14);
+            for bi in 0..b {
+                let src = &all[bi * per + at..bi * per + at + out.len()];
+                for (o, v) in out.iter_mut().zip(src) {
+                    *o += *v;
+                }
+            }
+        });
+    sum
 }
 
 fn check_mask(l: &Layout, n: Dims) -> Result<()> {
