@@ -149,7 +149,8 @@ impl ForgetGates {
 /// `scale · q kᵀ` (PoPE's polar product, CoPE's counted positions, PaTH's transport): `nn`
 /// knows no scheme, only this question. Attention then adds the window and the padding, and
 /// takes the softmax, as for any scores. Such a layer runs as a composition of ops, unless the
-/// scores are a [`Polar`](super::Polar) form, which the fused CPU kernels compute themselves.
+/// scores are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts), which the
+/// fused CPU kernels compute themselves.
 pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`, projected (with their biases), never rotated
@@ -162,6 +163,13 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// (what [`QkScores::scores`] computes): the fused CPU kernels then compute them inside the
     /// attention node, with a hand-written backward, instead of composing ops.
     fn polar(&self) -> Option<&super::Polar> {
+        None
+    }
+
+    /// The scores as [`GateCounts`](super::GateCounts) of q and k, when they are exactly that:
+    /// the fused CPU kernels then compute them inside the attention node, as for
+    /// [`QkScores::polar`].
+    fn counts(&self) -> Option<&super::GateCounts> {
         None
     }
 }
@@ -203,11 +211,16 @@ impl<'a> AttentionInputs<'a> {
     }
 
     /// Whether the fused CPU kernels compute these scores: `scale · q kᵀ`, or a scheme's own
-    /// scores that are a [`Polar`](super::Polar) form alone (no rotation, no score bias beside).
+    /// scores that are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts)
+    /// alone (no rotation, no score bias beside).
     pub(crate) fn fused_scores(&self) -> bool {
         match self.scores {
             None => true,
-            Some(s) => s.polar().is_some() && self.rotary.is_none() && self.score_bias.is_none(),
+            Some(s) => {
+                (s.polar().is_some() || s.counts().is_some())
+                    && self.rotary.is_none()
+                    && self.score_bias.is_none()
+            }
         }
     }
 }
@@ -437,5 +450,6 @@ impl SelfAttention {
             inputs.max_offset,
         )
         .with_polar(inputs.scores.and_then(|s| s.polar()))
+        .with_counts(inputs.scores.and_then(|s| s.counts()))
     }
 }

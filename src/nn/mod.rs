@@ -10,6 +10,7 @@
 //! [`Kernels`]. The tests hold every path to the reference, forward and backward.
 
 mod attention;
+mod counts;
 mod cuda_ops;
 pub(crate) mod device;
 mod dropout;
@@ -24,6 +25,7 @@ pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
     QkScores, SelfAttention,
 };
+pub use counts::{CountParts, GateCounts};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
 pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};

@@ -917,26 +917,33 @@ fn graph_nodes(config: &ModelConfig, kernels: Kernels) -> usize {
 }
 
 #[test]
-fn pope_layers_run_as_one_fused_node_on_the_cpu() {
-    // PoPE's scores are a polar form of q and k, which the fused attention kernel computes
-    // itself: under the fused layer its step's graph is sin_add's plus the phase offsets and
-    // their clamp (measured: 62 nodes against sin_add's 55 at 2 layers, pre-norm), where the
-    // composition's is several times larger (337). A PoPE silently composed of ops fails this.
-    use poslab::positional::PopeOptions;
-    for norm in [NormPlacement::Pre, NormPlacement::Post] {
-        let pope = tiny_config(PositionalConfig::Pope(PopeOptions::default()), norm);
-        let plain = tiny_config(PositionalConfig::SinusoidalAdd(Default::default()), norm);
-        let fused = graph_nodes(&pope, Kernels::Layer);
-        let baseline = graph_nodes(&plain, Kernels::Layer);
-        let composed = graph_nodes(&pope, Kernels::Reference);
-        let layers = pope.n_layers;
-        assert!(
-            fused <= baseline + 5 * layers,
-            "{norm:?}: PoPE's fused step has {fused} graph nodes, sin_add's {baseline}"
-        );
-        assert!(
-            composed >= 3 * fused,
-            "{norm:?}: PoPE composed has {composed} graph nodes, fused {fused}"
-        );
+fn pope_and_cope_layers_run_as_one_fused_node_on_the_cpu() {
+    // PoPE's scores are a polar form of q and k, CoPE's gate-counted: the fused attention
+    // kernel computes both itself. Under the fused layer a step's graph is then sin_add's plus
+    // the scheme's parameters and their few ops (measured at 2 layers, pre-norm: PoPE and CoPE
+    // 62 nodes, sin_add 55), where the composition's is several times larger (PoPE 337, CoPE
+    // 325). A scheme silently composed of ops fails this.
+    use poslab::positional::{CopeOptions, PopeOptions};
+    for scheme in [
+        PositionalConfig::Pope(PopeOptions::default()),
+        PositionalConfig::Cope(CopeOptions::default()),
+    ] {
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let own = tiny_config(scheme.clone(), norm);
+            let plain = tiny_config(PositionalConfig::SinusoidalAdd(Default::default()), norm);
+            let fused = graph_nodes(&own, Kernels::Layer);
+            let baseline = graph_nodes(&plain, Kernels::Layer);
+            let composed = graph_nodes(&own, Kernels::Reference);
+            let (layers, name) = (own.n_layers, scheme.name());
+            eprintln!("{name} {norm:?}: fused {fused}, sin_add {baseline}, composed {composed}");
+            assert!(
+                fused <= baseline + 5 * layers,
+                "{name} {norm:?}: the fused step has {fused} graph nodes, sin_add's {baseline}"
+            );
+            assert!(
+                composed >= 3 * fused,
+                "{name} {norm:?}: composed has {composed} graph nodes, fused {fused}"
+            );
+        }
     }
 }

@@ -40,6 +40,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod counts;
 
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -53,7 +54,7 @@ use super::{
     assume_written, best_rate, contiguous, simd_level, timing_operand, uninit, written, zeros,
     Real, Rotation, SimdLevel,
 };
-use crate::nn::{AttentionBias, LayerBias, Polar, Rotary};
+use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary};
 use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -76,6 +77,10 @@ pub(crate) struct Attention {
     /// phase offsets `(h, d_head)` (differentiable, in the op-input slot of a score bias, which
     /// such an attention has none of).
     polar: Option<Polar>,
+    /// Scores with gate-counted positions: the stacked tables `(2 npos, d_head)`
+    /// (differentiable, in the op-input slot of a score bias, which such an attention has none
+    /// of) and the real keys.
+    counts: Option<GateCounts>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -113,7 +118,18 @@ struct Fixed<T> {
     max_offset: Option<usize>,
     /// Polar scores' host tables.
     polar: Option<PolarFixed<T>>,
+    /// Gate-counted scores' host tables.
+    counts: Option<CountsFixed<T>>,
     simd: SimdLevel,
+}
+
+/// The host values of [`GateCounts`]: the stacked tables `(2 npos, d_head)` and their
+/// transpose, and whether each key is real `(b, t)`.
+struct CountsFixed<T> {
+    tables: Vec<T>,
+    tables_t: Vec<T>,
+    npos: usize,
+    real: Vec<bool>,
 }
 
 /// The host values of [`Polar`]'s tables: the phases' cosines and sines `(r, t, d_head)` and
@@ -459,21 +475,27 @@ struct Scratch<T> {
     dfg: Vec<T>,
     /// the polar offsets' gradient of this head `(d_head)` (backward with polar scores)
     doffsets: Vec<T>,
+    /// gate-counted scores: the content scores `(t, t)`, the rows' table products and their
+    /// gradient `(t, 2 npos)`, and a row's work space
+    a: Vec<T>,
+    r: Vec<T>,
+    dr: Vec<T>,
+    rows: counts::RowWork<T>,
     /// a product's right operand in contiguous rows (see [`product`])
     pack: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
     /// Buffers for a forward or a backward pass; those a pass does not use stay empty.
-    /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide.
+    /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide; `npos`: the
+    /// rows of each gate-count table (0: none).
     fn new(
         n: Dims,
         (gathered, width): (bool, usize),
-        mask: bool,
-        backward: bool,
-        sided: bool,
+        (mask, backward, sided): (bool, bool, bool),
+        npos: usize,
     ) -> Self {
-        let (tw, tt) = (n.t * width, n.t * n.t);
+        let (tw, tt, counted) = (n.t * width, n.t * n.t, npos > 0);
         let z = |len, used: bool| vec![T::zero(); if used { len } else { 0 }];
         Self {
             q: z(tw, gathered),
@@ -483,10 +505,14 @@ impl<T: Real> Scratch<T> {
             pm: z(tt, mask && backward),
             dp: z(tt, backward),
             ds: z(tt, backward),
-            dq: z(tw, gathered && backward),
+            dq: z(tw, (gathered || counted) && backward),
             dk: z(tw, gathered && backward),
             dfg: z(2 * n.t, sided && backward),
             doffsets: z(n.dh, width != n.dh && backward),
+            a: z(tt, counted),
+            r: z(n.t * 2 * npos, counted),
+            dr: z(n.t * 2 * npos, counted && backward),
+            rows: counts::RowWork::new(n.t, npos),
             pack: z(n.t * width.max(n.dh), true),
         }
     }
@@ -549,11 +575,17 @@ impl<T: Real> Scratch<T> {
         fixed: &Fixed<T>,
         into: Option<&mut [MaybeUninit<T>]>,
     ) {
-        // SAFETY: s is t x t; the heads are valid t x dh operands.
+        // Gate-counted scores: the content scores go to `a`, then `s = a + z` row by row.
+        let counted = fixed.counts.as_ref();
+        let scores = match counted {
+            Some(_) => self.a.as_mut_ptr(),
+            None => self.s.as_mut_ptr(),
+        };
+        // SAFETY: s and a are t x t; the heads are valid t x dh operands.
         unsafe {
             product(
                 (n.t, n.t, fixed.qk_width(n)),
-                self.s.as_mut_ptr(),
+                scores,
                 n.t,
                 heads.q,
                 heads.k.t(),
@@ -561,6 +593,28 @@ impl<T: Real> Scratch<T> {
                 Some((fixed.simd, &mut self.pack)),
             )
         };
+        if let Some(c) = counted {
+            let w2 = 2 * c.npos;
+            // SAFETY: r is t x 2 npos, the transposed tables d_head x 2 npos in rows.
+            unsafe {
+                product(
+                    (n.t, w2, n.dh),
+                    self.r.as_mut_ptr(),
+                    w2,
+                    heads.q,
+                    View::rows(c.tables_t.as_ptr(), w2),
+                    T::one(),
+                    Some((fixed.simd, &mut self.pack)),
+                )
+            };
+            let rows = counts::Rows {
+                a: &self.a,
+                r: &self.r,
+                real: &c.real[bi * n.t..(bi + 1) * n.t],
+                npos: c.npos,
+            };
+            counts::forward_rows(fixed.simd, rows, &mut self.s, &mut self.rows);
+        }
         match fixed.score_bias(n, bi, hd) {
             Some(HeadBias::Table(bias)) => add_bias(fixed.simd, &mut self.s, bias),
             Some(HeadBias::Sided { f, g }) => add_sided(fixed.simd, &mut self.s, f, g),
@@ -894,6 +948,7 @@ impl Attention {
             score_bias: score_bias.as_ref().map(AttentionBias::owned),
             max_offset,
             polar: None,
+            counts: None,
             simd: simd_level(),
         }
     }
@@ -907,15 +962,25 @@ impl Attention {
         }
     }
 
-    /// Whether the scores are in polar form.
-    pub(super) fn is_polar(&self) -> bool {
-        self.polar.is_some()
+    /// This attention with gate-counted scores ([`GateCounts`]), when given, in place of
+    /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
+    pub(crate) fn with_counts(self, counts: Option<&GateCounts>) -> Self {
+        Self {
+            counts: counts.cloned(),
+            ..self
+        }
     }
 
-    /// The differentiable op input: the score bias, or the polar offsets.
+    /// Whether the scores are a scheme's own (polar or gate-counted), not `q kᵀ`.
+    pub(super) fn own_scores(&self) -> bool {
+        self.polar.is_some() || self.counts.is_some()
+    }
+
+    /// The differentiable op input: the score bias, the polar offsets or the count tables.
     fn grad_input(&self) -> Option<&Tensor> {
         self.bias_tensor()
             .or(self.polar.as_ref().map(Polar::offsets))
+            .or(self.counts.as_ref().map(GateCounts::tables))
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
@@ -930,8 +995,8 @@ impl Attention {
         matches!(self.score_bias, Some(LayerBias::SidedSums(_)))
     }
 
-    /// The op input carrying the score bias into the autograd graph: the table or the sums, or
-    /// the polar offsets, or an empty tensor when there is none.
+    /// The op input carrying the score bias into the autograd graph: the table or the sums, the
+    /// polar offsets or the count tables, or an empty tensor when there is none.
     pub(crate) fn score_bias_input(&self, like: &Tensor) -> Result<Tensor> {
         match self.grad_input() {
             Some(b) => b.contiguous(),
@@ -948,11 +1013,26 @@ impl Attention {
     /// weights: `t` 32 and 64 (8 and 16 MiB a layer), kept 2-7% faster; `t` 128 and 170 (32 and
     /// 43 MiB), within 1%; `t` 240, 256 and 300 (56-74 MiB), recomputed 17-35% faster. Peak RSS
     /// recomputed: 225 MiB at every length; kept: 263 MiB at `t` 32 to 593 MiB at 300.
+    /// Gate-counted scores keep their content scores and table products beside them, which
+    /// their backward reads too ([`Attention::kept_per_head`]).
     pub(super) fn keeps_weights<T>(&self, n: Dims) -> bool {
         let values =
             n.b.saturating_mul(n.h)
-                .saturating_mul(n.t.saturating_mul(n.t));
+                .saturating_mul(self.kept_per_head(n));
         values.saturating_mul(std::mem::size_of::<T>()) < crate::MMAP_THRESHOLD
+    }
+
+    /// Values a training forward keeps per (batch, head) when it keeps the weights: `P`
+    /// `(t, t)`, and for gate-counted scores also the content scores `(t, t)` and the rows'
+    /// table products `(t, 2 npos)`.
+    fn kept_per_head(&self, n: Dims) -> usize {
+        let tt = n.t.saturating_mul(n.t);
+        match &self.counts {
+            Some(c) => tt
+                .saturating_mul(2)
+                .saturating_add(n.t.saturating_mul(2 * c.npos())),
+            None => tt,
+        }
     }
 
     /// The number of heads.
@@ -1080,6 +1160,30 @@ impl Attention {
                 ),
             }
         }
+        if let Some(counts) = &self.counts {
+            let dh = d / h;
+            if self.rope.is_some() || self.score_bias.is_some() || self.polar.is_some() {
+                candle::bail!(
+                    "fused attention: gate-counted scores take neither a rotation, a score bias \
+                     nor polar scores"
+                );
+            }
+            match counts.tables().dims() {
+                &[rows, td] if td == dh && rows >= 4 && rows % 2 == 0 => {}
+                dims => candle::bail!(
+                    "fused attention: count tables {dims:?} do not match (2 npos, d_head) with \
+                     d_head {dh}"
+                ),
+            }
+            if let Some(mask) = counts.mask() {
+                if mask.dims() != [b, t] {
+                    candle::bail!(
+                        "fused attention: the count mask {:?} does not match (b, t) = ({b}, {t})",
+                        mask.dims()
+                    );
+                }
+            }
+        }
         Ok(Dims {
             b,
             t,
@@ -1112,8 +1216,31 @@ impl Attention {
             }
             None => None,
         };
+        let counts = match &self.counts {
+            Some(counts) => {
+                let tables = counts.tables();
+                let real = match counts.mask() {
+                    Some(m) => m
+                        .flatten_all()?
+                        .to_dtype(candle::DType::F32)?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(|v| v > 0.0)
+                        .collect(),
+                    None => vec![true; self.key_bias.elem_count()],
+                };
+                Some(CountsFixed {
+                    tables: host(tables)?,
+                    tables_t: host(&tables.t()?.contiguous()?)?,
+                    npos: counts.npos(),
+                    real,
+                })
+            }
+            None => None,
+        };
         Ok(Fixed {
             polar,
+            counts,
             key_bias: host(&self.key_bias)?,
             cos,
             sin,
@@ -1134,10 +1261,7 @@ impl Attention {
     fn fixed_with<T: Real>(&self, sums: Option<&[T]>, n: Dims) -> Result<Fixed<T>> {
         let mut fixed = self.fixed::<T>()?;
         if let Some(sums) = sums {
-            if self.score_bias.is_some()
-                || self.polar.is_some()
-                || sums.len() != 2 * n.b * n.h * n.t
-            {
+            if self.score_bias.is_some() || self.own_scores() || sums.len() != 2 * n.b * n.h * n.t {
                 candle::bail!(
                     "fused attention: {} running sums given for (2, b, h, t) = (2, {}, {}, {}), \
                      beside a score bias of its own: {}",
@@ -1168,19 +1292,29 @@ impl Attention {
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
         let gathered = fixed.gathered(n);
-        let tt = n.t * n.t;
+        let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
+        let (tt, per) = (n.t * n.t, self.kept_per_head(n));
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
                 let (bi, hd) = (task / n.h, task % n.h);
                 let heads = w.heads(qkv, n, bi, hd, &fixed);
-                // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone, and
+                // SAFETY: block `task` of the (b h, per) buffer is this task's alone, and
                 // nothing reads it before it is written here.
-                let kept = probs.map(|probs| unsafe {
+                let block = probs.map(|probs| unsafe {
                     std::slice::from_raw_parts_mut(
-                        probs.ptr().add(task * tt) as *mut MaybeUninit<T>,
-                        tt,
+                        probs.ptr().add(task * per) as *mut MaybeUninit<T>,
+                        per,
                     )
                 });
+                // The weights first; gate-counted scores' content scores and table products
+                // after them, copied once the weights are made.
+                let (kept, rest) = match block {
+                    Some(block) => {
+                        let (kept, rest) = block.split_at_mut(tt);
+                        (Some(kept), Some(rest))
+                    }
+                    None => (None, None),
+                };
                 // The weights go straight into the kept block, unless dropout is to change them
                 // after: then they are computed here and copied.
                 let p: &[T] = match (kept, mask) {
@@ -1204,6 +1338,12 @@ impl Attention {
                         &w.p
                     }
                 };
+                if let Some(rest) = rest {
+                    let from = w.a.iter().chain(&w.r);
+                    for (k, v) in rest.iter_mut().zip(from) {
+                        k.write(*v);
+                    }
+                }
                 // SAFETY: out (b, t, d) gets rows t x dh of this (batch, head) block, which no
                 // other task writes; p is t x t, v a t x dh operand.
                 unsafe {
@@ -1221,7 +1361,7 @@ impl Attention {
         let run = |dst: *mut T, probs: Option<*mut T>| {
             let (dst, probs) = (Shared(dst), probs.map(Shared));
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, mask.is_some(), false, false),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), false, false), npos),
                 |w, task| one_task(w, task, dst, probs),
             )
         };
@@ -1231,7 +1371,7 @@ impl Attention {
         let (out, probs) = if keep_probs {
             let mut out = Vec::new();
             let probs = unsafe {
-                written(n.b * n.h * tt, |probs| {
+                written(n.b * n.h * per, |probs| {
                     out = written(n.b * n.t * n.d, |dst| run(dst, Some(probs)));
                 })
             };
@@ -1260,20 +1400,24 @@ impl Attention {
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
         let gathered = fixed.gathered(n);
-        let (row, tt) = (3 * n.d, n.t * n.t);
+        let (row, tt, per) = (3 * n.d, n.t * n.t, self.kept_per_head(n));
         if let Some(p) = probs {
-            if p.len() != n.b * n.h * tt {
-                candle::bail!("fused attention backward: {} saved weights for (b, h, t, t) = ({}, {}, {}, {})", p.len(), n.b, n.h, n.t, n.t);
+            if p.len() != n.b * n.h * per {
+                candle::bail!("fused attention backward: {} saved values for (b, h) = ({}, {}) blocks of {per}", p.len(), n.b, n.h);
             }
         }
         // When the score bias is owed a gradient: dS of every (batch, head) for a table, or the
         // running sums' gradient `(2, b, h, t)` for sums; when polar offsets are, theirs of
         // every (batch, head) `(b, h, d_head)`.
+        // When count tables are, theirs of every (batch, head) `(b, h, 2 npos, d_head)`.
         let polar_grad = fixed.polar.is_some() && self.bias_needs_grad();
-        let bias_grad = (fixed.polar.is_none() && self.bias_needs_grad()) || sums.is_some();
+        let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
+        let counts_grad = npos > 0 && self.bias_needs_grad();
+        let bias_grad = (!self.own_scores() && self.bias_needs_grad()) || sums.is_some();
         let sided = fixed.sided;
         let mut ds_all = zeros::<T>(match (bias_grad, sided) {
             _ if polar_grad => n.b * n.h * n.dh,
+            _ if counts_grad => n.b * n.h * 2 * npos * n.dh,
             (false, _) => 0,
             (true, false) => n.b * n.h * tt,
             (true, true) => 2 * n.b * n.h * n.t,
@@ -1281,15 +1425,20 @@ impl Attention {
         let ds_dst = Shared(ds_all.as_mut_ptr());
         let tasks = |dst: Shared<T>| {
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, mask.is_some(), true, sided),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), true, sided), npos),
                 |w, task| {
                     let (bi, hd) = (task / n.h, task % n.h);
                     let heads = w.heads(qkv, n, bi, hd, &fixed);
-                    let p: &[T] = match probs {
-                        Some(probs) => &probs[task * tt..(task + 1) * tt],
+                    // The weights, and gate-counted scores' content scores and table products:
+                    // kept by the forward, or recomputed.
+                    let (p, (a, r)): (&[T], (&[T], &[T])) = match probs {
+                        Some(probs) => {
+                            let (p, rest) = probs[task * per..(task + 1) * per].split_at(tt);
+                            (p, rest.split_at(rest.len().min(tt)))
+                        }
                         None => {
                             w.probabilities(heads, (n, bi, hd), &fixed, None);
-                            &w.p
+                            (&w.p, (&w.a, &w.r))
                         }
                     };
                     let dout = View::rows(g[bi * n.t * n.d + hd * n.dh..].as_ptr(), n.d);
@@ -1331,6 +1480,17 @@ impl Attention {
                         }
                     }
                     softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds);
+                    if let Some(c) = &fixed.counts {
+                        // dS of the scores a + z into da, in place, and dR of the rows'
+                        // table products.
+                        let rows = counts::Rows {
+                            a,
+                            r,
+                            real: &c.real[bi * n.t..(bi + 1) * n.t],
+                            npos,
+                        };
+                        counts::backward_rows(fixed.simd, rows, &mut w.ds, &mut w.dr, &mut w.rows);
+                    }
                     if bias_grad && sided {
                         sided_grad(fixed.simd, &w.ds, n.t, &mut w.dfg);
                         let half = n.b * n.h * n.t;
@@ -1426,14 +1586,49 @@ impl Attention {
                             scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
                         }
                     }
+                    if let Some(c) = &fixed.counts {
+                        // dq += dR E; the tables' gradient of this (batch, head) is dRᵀ q.
+                        let w2 = 2 * npos;
+                        let dr = View::rows(w.dr.as_ptr(), w2);
+                        // SAFETY: dr is t x 2 npos, the tables 2 npos x d_head, dq t x d_head;
+                        // the q block of dqkv and row `task` of the (b h, 2 npos d_head) buffer
+                        // are this (batch, head)'s alone.
+                        unsafe {
+                            let tables = View::rows(c.tables.as_ptr(), n.dh);
+                            let pack = Some((simd, &mut w.pack[..]));
+                            product(
+                                (n.t, n.dh, w2),
+                                w.dq.as_mut_ptr(),
+                                n.dh,
+                                dr,
+                                tables,
+                                one,
+                                pack,
+                            );
+                            for (i, add) in w.dq.chunks_exact(n.dh).enumerate() {
+                                let at = dst.ptr().add(block + i * row);
+                                for (m, v) in add.iter().enumerate() {
+                                    *at.add(m) += *v;
+                                }
+                            }
+                            if counts_grad {
+                                let at = ds_dst.ptr().add(task * w2 * n.dh);
+                                let pack = Some((simd, &mut w.pack[..]));
+                                product((w2, n.dh, n.t), at, n.dh, dr.t(), heads.q, one, pack);
+                            }
+                        }
+                    }
                 },
             );
         };
         // SAFETY: the (batch, head) tasks together write all of dqkv (each its q, k and v
         // columns, every row), and nothing reads it before.
         let dqkv = unsafe { written(n.b * n.t * row, |dst| tasks(Shared(dst))) };
-        // The polar offsets, and a bias shared by the batch: their gradient sums the batch's.
-        let dbias = if polar_grad || (bias_grad && !sided && fixed.bias_rows == 1) {
+        // The polar offsets, and a bias shared by the batch: their gradient sums the batch's;
+        // the count tables, shared by the heads too, sum every (batch, head)'s.
+        let dbias = if counts_grad {
+            batch_sum(&ds_all, n.b * n.h)
+        } else if polar_grad || (bias_grad && !sided && fixed.bias_rows == 1) {
             batch_sum(&ds_all, n.b)
         } else {
             ds_all
@@ -1743,7 +1938,9 @@ mod tests {
 
     /// d(qkv) and the score bias's gradient from the weights the forward kept, and from the
     /// weights the backward recomputes.
-    fn kept_and_recomputed<T: Real>(level: SimdLevel, rope: bool) -> [Vec<T>; 4] {
+    /// With `counted`, gate-counted scores (tables of 5 rows, a gradient owed) in place of the
+    /// score bias and RoPE.
+    fn kept_and_recomputed<T: Real>(level: SimdLevel, rope: bool, counted: bool) -> [Vec<T>; 4] {
         use candle::Device;
         let (b, t, h, dh) = (2, 37, 3, 8);
         let (d, tt) = (h * dh, t * t);
@@ -1770,6 +1967,21 @@ mod tests {
                 None,
             )
         };
+        let op = match counted {
+            false => op,
+            true => {
+                let table =
+                    |seed| candle::Var::from_tensor(&tensor(5 * dh, seed, &[5, dh])).unwrap();
+                let (left, right) = (table(25), table(26));
+                let counts =
+                    GateCounts::new(left.as_tensor(), right.as_tensor(), Some(&padding)).unwrap();
+                let plain = Attention::new(h, 0.35, &key_bias, None, None, None);
+                Attention {
+                    simd: level,
+                    ..plain.with_counts(Some(&counts))
+                }
+            }
+        };
         let n = op.dims_of(b, t, 3 * d).unwrap();
         let qkv = values::<T>(b * t * 3 * d, 23);
         // An attention-dropout mask: every fourth weight dropped, the rest scaled.
@@ -1784,7 +1996,8 @@ mod tests {
             .collect();
         let g = values::<T>(b * t * d, 24);
         let (_, probs) = op.forward(&qkv, Some(&mask), None, n, true).unwrap();
-        assert_eq!(probs.len(), b * h * tt);
+        let per = if counted { 2 * tt + t * 10 } else { tt };
+        assert_eq!(probs.len(), b * h * per);
         let (dqkv_kept, dbias_kept) = op
             .backward(&qkv, Some(&mask), None, Some(&probs), &g, n)
             .unwrap();
@@ -1795,18 +2008,18 @@ mod tests {
     #[test]
     fn the_backward_gives_the_same_bits_from_kept_or_recomputed_weights() {
         // The fused layer keeps the weights only while they are small (`keeps_weights`), so
-        // training runs both ways; either way the gradients must be the same, bit for bit.
+        // training runs both ways; either way the gradients must be the same, bit for bit. With
+        // a score bias and RoPE, or gate-counted scores (their kept content scores and table
+        // products too).
         fn check<T: Real>() {
             for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
-                for rope in [false, true] {
+                for (rope, counted) in [(false, false), (true, false), (false, true)] {
                     let [dqkv_kept, dqkv, dbias_kept, dbias] =
-                        kept_and_recomputed::<T>(level, rope);
+                        kept_and_recomputed::<T>(level, rope, counted);
+                    let what = format!("{level:?} rope {rope} counted {counted}");
                     assert!(dqkv.iter().any(|v| *v != T::zero()) && !dbias.is_empty());
-                    assert!(dqkv_kept == dqkv, "{level:?} rope {rope}: d(qkv) differs");
-                    assert!(
-                        dbias_kept == dbias,
-                        "{level:?} rope {rope}: d(bias) differs"
-                    );
+                    assert!(dqkv_kept == dqkv, "{what}: d(qkv) differs");
+                    assert!(dbias_kept == dbias, "{what}: d(bias) differs");
                 }
             }
         }
@@ -1855,14 +2068,24 @@ mod tests {
         }
     }
 
-    /// The attention core with polar scores, fused or composed of ops ([`Polar::scores`]):
-    /// the output and the gradients of qkv and the offsets, from `(b, t, h, d_head)`, with
-    /// padded keys, a window and dropout when asked, tables per batch row or shared.
-    fn polar_attention(
+    /// A scheme's own scores of q and k, as the tests draw them.
+    #[derive(Clone, Copy, Debug)]
+    enum Own {
+        /// Polar scores with phase tables of `rows` blocks (1 or b).
+        Polar { rows: usize },
+        /// Gate-counted scores with tables of `npos` rows, at a score scale.
+        Counts { npos: usize, scale: f64 },
+    }
+
+    /// The attention core with a scheme's own scores, fused or composed of ops
+    /// ([`Polar::scores`], [`GateCounts::scores`]): the output and the gradients of qkv and of
+    /// the scores' parameters (the polar offsets; the count tables, left then right), from
+    /// `(b, t, h, d_head)`, with padded keys, a window and dropout when asked.
+    fn own_scores_attention(
         dtype: candle::DType,
         fused: bool,
         (b, t, h, dh): (usize, usize, usize, usize),
-        (rows, window, dropout): (usize, Option<usize>, bool),
+        (own, window, dropout): (Own, Option<usize>, bool),
     ) -> [Vec<f64>; 3] {
         use candle::{Var, D};
         let d = h * dh;
@@ -1872,30 +2095,37 @@ mod tests {
                 .unwrap(),
         )
         .unwrap();
-        let angles = tensor(rows * t * dh, 72, &[rows, 1, t, dh], dtype)
-            .affine(7.0, 0.0)
-            .unwrap();
-        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
-        let offsets = Var::from_tensor(
-            &tensor(h * dh, 73, &[h, dh], dtype)
-                .affine(3.0, -3.0)
-                .unwrap(),
-        )
-        .unwrap();
-        let polar = Polar::new(cos, sin, offsets.as_tensor().clone());
-        let padding: Vec<f64> = (0..b * t)
-            .map(|i| {
-                if i / t == b - 1 && i % t >= t - 2 {
-                    crate::nn::MASKED_SCORE
-                } else {
-                    0.0
-                }
-            })
+        let padded = |i: usize| i / t == b - 1 && i % t >= t - 2;
+        let real: Vec<f64> = (0..b * t)
+            .map(|i| f64::from(u8::from(!padded(i))))
             .collect();
-        let key_bias = Tensor::from_vec(padding, (b, t), &candle::Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
+        let real = Tensor::from_vec(real, (b, t), &candle::Device::Cpu).unwrap();
+        let key_bias = crate::nn::key_padding_bias(&real, dtype).unwrap();
+        // The parameters the gradient is asked of, and the scores they make.
+        let (params, polar, counts) = match own {
+            Own::Polar { rows } => {
+                let angles = tensor(rows * t * dh, 72, &[rows, 1, t, dh], dtype)
+                    .affine(7.0, 0.0)
+                    .unwrap();
+                let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+                let offsets = Var::from_tensor(
+                    &tensor(h * dh, 73, &[h, dh], dtype)
+                        .affine(3.0, -3.0)
+                        .unwrap(),
+                )
+                .unwrap();
+                let polar = Polar::new(cos, sin, offsets.as_tensor().clone());
+                (vec![offsets], Some(polar), None)
+            }
+            Own::Counts { npos, .. } => {
+                let table =
+                    |seed| Var::from_tensor(&tensor(npos * dh, seed, &[npos, dh], dtype)).unwrap();
+                let (left, right) = (table(76), table(77));
+                let counts =
+                    GateCounts::new(left.as_tensor(), right.as_tensor(), Some(&real)).unwrap();
+                (vec![left, right], None, Some(counts))
+            }
+        };
         let mask = dropout.then(|| {
             let m: Vec<f64> = values::<f64>(b * h * t * t, 74)
                 .iter()
@@ -1906,10 +2136,14 @@ mod tests {
                 .to_dtype(dtype)
                 .unwrap()
         });
-        let scale = 0.37;
+        let scale = match own {
+            Own::Counts { scale, .. } => scale,
+            Own::Polar { .. } => 0.37,
+        };
         let out = if fused {
-            let op =
-                Attention::new(h, scale, &key_bias, None, None, window).with_polar(Some(&polar));
+            let op = Attention::new(h, scale, &key_bias, None, None, window)
+                .with_polar(polar.as_ref())
+                .with_counts(counts.as_ref());
             attention(qkv.as_tensor(), op, mask.as_ref()).unwrap()
         } else {
             let heads = |at: usize| {
@@ -1924,7 +2158,11 @@ mod tests {
                     .unwrap()
             };
             let (q, k, v) = (heads(0), heads(1), heads(2));
-            let mut s = polar.scores(&q, &k, scale).unwrap();
+            let mut s = match (&polar, &counts) {
+                (Some(polar), _) => polar.scores(&q, &k, scale).unwrap(),
+                (_, Some(counts)) => counts.scores(&q, &k, scale).unwrap(),
+                _ => unreachable!("a form is drawn"),
+            };
             if let Some(w) = window
                 .and_then(|m| crate::nn::window_bias(t, m, dtype, &candle::Device::Cpu).unwrap())
             {
@@ -1956,11 +2194,42 @@ mod tests {
                 .to_vec1::<f64>()
                 .unwrap()
         };
+        let param_grads = params
+            .iter()
+            .flat_map(|p| flat(grads.get(p.as_tensor()).unwrap()))
+            .collect();
         [
             flat(&out),
             flat(grads.get(qkv.as_tensor()).unwrap()),
-            flat(grads.get(offsets.as_tensor()).unwrap()),
+            param_grads,
         ]
+    }
+
+    /// Each result of the fused attention within `tol` of the composition's, relative to the
+    /// largest value of each, and none all zero.
+    fn assert_own_scores_match(
+        dtype: candle::DType,
+        tol: f64,
+        shape: (usize, usize, usize, usize),
+        case: (Own, Option<usize>, bool),
+        names: [&str; 3],
+    ) {
+        let fused = own_scores_attention(dtype, true, shape, case);
+        let composed = own_scores_attention(dtype, false, shape, case);
+        for (i, what) in names.iter().enumerate() {
+            let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            assert!(top > 1e-3, "{what}: all zero");
+            let err = fused[i]
+                .iter()
+                .zip(&composed[i])
+                .map(|(a, c)| (a - c).abs())
+                .fold(0.0, f64::max)
+                / top;
+            assert!(
+                err < tol,
+                "{dtype:?} {shape:?} {case:?}: {what} differs by {err:e}"
+            );
+        }
     }
 
     #[test]
@@ -1977,20 +2246,34 @@ mod tests {
                     ((2, 33, 2, 16), 2, None, true),
                 ] {
                     with_backend(Backend::default().with_simd(level), || {
-                        let fused = polar_attention(dtype, true, shape, (rows, window, dropout));
-                        let composed =
-                            polar_attention(dtype, false, shape, (rows, window, dropout));
-                        for (i, what) in ["output", "d(qkv)", "d(offsets)"].iter().enumerate() {
-                            let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                            assert!(top > 1e-3, "{what}: all zero");
-                            let err = fused[i]
-                                .iter()
-                                .zip(&composed[i])
-                                .map(|(a, c)| (a - c).abs())
-                                .fold(0.0, f64::max)
-                                / top;
-                            assert!(err < tol, "{dtype:?} {level:?} {shape:?} rows {rows} window {window:?} dropout {dropout}: {what} differs by {err:e}");
-                        }
+                        let case = (Own::Polar { rows }, window, dropout);
+                        let names = ["output", "d(qkv)", "d(offsets)"];
+                        assert_own_scores_match(dtype, tol, shape, case, names);
+                    });
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gate_counted_scores_match_their_composition_forward_and_backward() {
+        // Padded keys; counts past the tables' last row (npos 3 over up to 33 tokens) and below
+        // it; scores large enough that some gates round to exactly 1 (integer counts, the
+        // clamp's edge); a window, dropout; every instruction set level, f32 and f64. Relative
+        // to the largest value of each result.
+        use crate::nn::{with_backend, Backend};
+        for (dtype, tol) in [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)] {
+            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                for (shape, npos, scale, window, dropout) in [
+                    ((2, 9, 2, 4), 3, 1.0, None, false),
+                    ((3, 13, 3, 8), 9, 0.35, Some(4), false),
+                    ((2, 33, 2, 16), 16, 4.0, None, true),
+                    ((2, 33, 2, 16), 3, 0.2, Some(7), true),
+                ] {
+                    with_backend(Backend::default().with_simd(level), || {
+                        let case = (Own::Counts { npos, scale }, window, dropout);
+                        let names = ["output", "d(qkv)", "d(left; right)"];
+                        assert_own_scores_match(dtype, tol, shape, case, names);
                     });
                 }
             }

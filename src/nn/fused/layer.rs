@@ -491,8 +491,8 @@ impl LayerOp {
 /// as device memory (the guards that keep them valid are `held`).
 impl LayerOp {
     fn device_spec(&self) -> Result<device::layer::Spec> {
-        if self.attention.is_polar() {
-            candle::bail!("device path: polar scores run as a composition of ops");
+        if self.attention.own_scores() {
+            candle::bail!("device path: a scheme's own scores run as a composition of ops");
         }
         let heads = self.attention.head_count();
         if self.shape.gates != 0 && self.shape.gates != 2 * heads {

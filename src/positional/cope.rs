@@ -23,14 +23,15 @@
 //! counts past `npos - 1` read its last row. Reference: `reference_2025_schemes.py`, fixtures
 //! `encoder_cope_pre`, `encoder_cope_npos6_post`.
 //!
-//! Cost: in the composition ([`CopeTables::parts`], the specification) the counts are two
-//! running sums over the keys of each query's gates, computed as products with a `(t, t)`
-//! triangle, `O(t³)` a head beside `q kᵀ`'s `O(t² d_head)`. On the CPU's fused kernels the
-//! gates, counts and interpolation of a query are one pass over its row, forward and backward
-//! (`fused.rs`): `O(t²)` a head, and no `(b, h, t, t)` tensor but the scores and their
-//! gradient.
+//! The scores are [`GateCounts`] of q and k. Cost: in the composition
+//! ([`GateCounts::parts`], the specification) the counts are two running sums over the keys of
+//! each query's gates, computed as products with a `(t, t)` triangle, `O(t³)` a head beside
+//! `q kᵀ`'s `O(t² d_head)`. On the CPU (f32, f64) the fused attention computes the scores in
+//! its node instead: a query's gates, counts and interpolation are one pass over its row,
+//! forward and backward, `O(t²)` a head, and no `(b, h, t, t)` tensor is held. CUDA, half
+//! precision and `--kernels reference` keep the composition.
 
-use candle::{DType, Tensor, D};
+use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -38,9 +39,7 @@ use super::{
     BiasBatch, Placement, PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreModule,
 };
 use crate::error::{Error, Result};
-use crate::nn::QkScores;
-
-mod fused;
+use crate::nn::{GateCounts, QkScores};
 
 /// The most rows a CoPE table may have: counts never pass the sequence's length, and the
 /// longest sequence poslab reads is far shorter.
@@ -159,21 +158,19 @@ pub struct CopeTables {
     pub right: Tensor,
 }
 
-/// The parts of CoPE's scores, for tests and analysis.
-#[derive(Clone, Debug)]
-pub struct CopeParts {
-    /// `(b, h, t, t)`: the gates, 0 at padded keys.
-    pub gates: Tensor,
-    /// `(b, h, t, t)`: the counts before the clamp.
-    pub counts: Tensor,
-    /// `(b, h, t, t)`: the added term `z`.
-    pub term: Tensor,
-    /// `(b, h, t, t)`: content + term, scaled content.
-    pub scores: Tensor,
-}
+/// The parts of CoPE's scores ([`crate::nn::CountParts`]), for tests and analysis.
+pub type CopeParts = crate::nn::CountParts;
 
 impl CopeTables {
-    /// CoPE's scores and their parts, from q and k.
+    /// The layer's scores as [`GateCounts`]: its two tables stacked, and the key mask.
+    ///
+    /// # Shapes
+    /// - `mask`: `(b, t)`, 1 for a real token (`None`: all real)
+    pub fn counts(&self, mask: Option<&Tensor>) -> Result<GateCounts> {
+        GateCounts::new(&self.left, &self.right, mask)
+    }
+
+    /// CoPE's scores and their parts, from q and k: the composition ([`GateCounts::parts`]).
     ///
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`; `mask`: `(b, t)`, 1 for a real token (`None`: all real)
@@ -184,84 +181,7 @@ impl CopeTables {
         mask: Option<&Tensor>,
         scale: f64,
     ) -> Result<CopeParts> {
-        let dtype = self.left.dtype();
-        let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
-        let (b, h, t, _) = q.dims4()?;
-        let npos = self.left.dim(0)?;
-        let device = q.device();
-        let (content, per_row) = self.products(&q, &k, scale)?;
-        let mut gates = crate::nn::log_sigmoid(&content)?.exp()?;
-        if let Some(mask) = mask {
-            let keys = mask.to_dtype(dtype)?.reshape((b, 1, 1, t))?;
-            gates = gates.broadcast_mul(&keys)?;
-        }
-        // Left counts: p_ij = Σ_{t' >= j} g_it' [t' <= i]; right: Σ_{t' <= j} g_it' [t' >= i].
-        let low = Tensor::tril2(t, dtype, device)?; // [j <= i]; as (t', j): [j <= t']
-        let high = low.t()?.contiguous()?; // [j >= i]; as (t', j): [t' <= j]
-        let left = gates.broadcast_mul(&low)?.broadcast_matmul(&low)?;
-        let right = gates.broadcast_mul(&high)?.broadcast_matmul(&high)?;
-        let up = (1.0 - &low)?; // [j > i]
-        let counts = (left.broadcast_mul(&low)? + right.broadcast_mul(&up)?)?;
-        // Interpolated rows of [E_left; E_right]: right keys read rows npos.. of the stack.
-        let clamped = counts.minimum((npos - 1) as f64)?;
-        let floor = clamped.detach().floor()?;
-        let ceil = clamped.detach().ceil()?;
-        let w = (&clamped - &floor)?;
-        let side = (up.broadcast_as((b, h, t, t))? * npos as f64)?;
-        let index = |rows: &Tensor| -> Result<Tensor> {
-            Ok((rows + &side)?.to_dtype(DType::U32)?.contiguous()?)
-        };
-        let z_lo = per_row.gather(&index(&floor)?, D::Minus1)?;
-        let z_hi = per_row.gather(&index(&ceil)?, D::Minus1)?;
-        let term = (&z_lo + (z_hi - &z_lo)?.mul(&w)?)?;
-        Ok(CopeParts {
-            scores: (&content + &term)?,
-            gates,
-            counts,
-            term,
-        })
-    }
-
-    /// What both forms read: the scaled content scores `q kᵀ · scale` `(b, h, t, t)`, and each
-    /// query's products with the stacked tables, `q [E_left; E_right]ᵀ` `(b, h, t, 2 npos)`.
-    fn products(&self, q: &Tensor, k: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
-        let content = (crate::nn::matmul(q, &k.t()?.contiguous()?)? * scale)?;
-        let tables = Tensor::cat(&[&self.left, &self.right], 0)?; // (2 npos, d_head)
-        let rows = q.broadcast_matmul(&tables.t()?.contiguous()?)?;
-        Ok((content, rows))
-    }
-
-    /// CoPE's scores, content + term: one fused node on the CPU's fused kernels, else the
-    /// composition of [`CopeTables::parts`].
-    ///
-    /// # Shapes
-    /// - `q`, `k`: `(b, h, t, d_head)`; `mask`: `(b, t)` (`None`: all real); returns
-    ///   `(b, h, t, t)`
-    pub fn scores(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        mask: Option<&Tensor>,
-        scale: f64,
-    ) -> Result<Tensor> {
-        let dtype = self.left.dtype();
-        let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
-        if !crate::nn::fused_for(&q) || !matches!(dtype, DType::F32 | DType::F64) {
-            return Ok(self.parts(&q, &k, mask, scale)?.scores);
-        }
-        let (b, _, t, _) = q.dims4()?;
-        let real = match mask {
-            Some(m) => m
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(|v| v > 0.0)
-                .collect(),
-            None => vec![true; b * t],
-        };
-        let (content, rows) = self.products(&q, &k, scale)?;
-        Ok(fused::cope_scores(&content, &rows, real)?)
+        self.counts(mask)?.parts(q, k, scale)
     }
 }
 
@@ -274,18 +194,17 @@ impl ScoreModule for Cope {
         &'a self,
         batch: &BiasBatch,
     ) -> Result<Vec<Option<Box<dyn QkScores + 'a>>>> {
-        Ok(self
-            .0
+        self.0
             .iter()
             .map(|layer| {
-                layer.as_ref().map(|tables| {
-                    Box::new(CopeScores {
-                        tables,
-                        mask: batch.mask.cloned(),
-                    }) as Box<dyn QkScores + 'a>
-                })
+                layer
+                    .as_ref()
+                    .map(|tables| -> Result<Box<dyn QkScores + 'a>> {
+                        Ok(Box::new(CopeScores(tables.counts(batch.mask)?)))
+                    })
+                    .transpose()
             })
-            .collect())
+            .collect()
     }
 
     fn notes(&self) -> Result<Vec<String>> {
@@ -328,22 +247,23 @@ impl ScoreModule for Cope {
     }
 }
 
-/// One layer's CoPE for one batch.
+/// One layer's CoPE for one batch: its tables and the batch's key mask.
 #[derive(Debug)]
-struct CopeScores<'a> {
-    tables: &'a CopeTables,
-    mask: Option<Tensor>,
-}
+struct CopeScores(GateCounts);
 
-impl QkScores for CopeScores<'_> {
+impl QkScores for CopeScores {
     fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
-        if q.dim(3)? != self.tables.left.dim(1)? {
+        let width = self.0.tables().dim(1)?;
+        if q.dim(3)? != width {
             return Err(Error::Config(format!(
-                "cope: tables of width {} for heads of width {}",
-                self.tables.left.dim(1)?,
+                "cope: tables of width {width} for heads of width {}",
                 q.dim(3)?
             )));
         }
-        Ok(self.tables.parts(q, k, self.mask.as_ref(), scale)?.scores)
+        self.0.scores(q, k, scale)
+    }
+
+    fn counts(&self) -> Option<&GateCounts> {
+        Some(&self.0)
     }
 }
