@@ -317,8 +317,9 @@ impl EncoderLayer {
                 None => Ok(None),
             }
         };
-        // A scheme's own scores join the fused layer when they are a polar form (on the CPU:
-        // the device path computes `q kᵀ` alone), and no bias of the attention input is beside.
+        // A scheme's own scores join the fused layer when they are a polar form or gate counts
+        // (on the CPU: the device path computes `q kᵀ` alone), and no bias of the attention
+        // input is beside.
         let scores_fuse = match inputs.scores {
             None => true,
             Some(_) => inputs.fused_scores() && own.is_none() && !device_layer_for(xs),

@@ -35,6 +35,12 @@
 //! dg[j] = Σ_{i < j} dS[i, j] - Σ_{j' > j} dS[j, j']
 //! ```
 //!
+//! A scheme's own scores take the place of `c q kᵀ` (with no rotation and no score bias beside):
+//! a [`Polar`] form, whose `q'`, `k'` `(t, 2 d_head)` a task makes as it reads q and k, or
+//! [`GateCounts`], whose counted term `counts.rs` adds to `c q kᵀ` a query's row at a time. Their
+//! parameters (the polar offsets, the count tables) take the score bias's op-input slot, and
+//! their gradient comes back in its place.
+//!
 //! Matrix products go through gemm, one thread per task; the rows of a head are read and written
 //! in place through strides, so no `(b, h, t, d_head)` copies are made.
 
