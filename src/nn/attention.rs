@@ -149,8 +149,8 @@ impl ForgetGates {
 /// `scale · q kᵀ` (PoPE's polar product, CoPE's counted positions, PaTH's transport): `nn`
 /// knows no scheme, only this question. Attention then adds the window and the padding, and
 /// takes the softmax, as for any scores. Such a layer runs as a composition of ops, unless the
-/// scores are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts), which the
-/// fused CPU kernels compute themselves.
+/// scores are a [`Polar`](super::Polar) form, [`GateCounts`](super::GateCounts) or a
+/// [`Transport`](super::Transport), which the fused CPU kernels compute themselves.
 pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`, projected (with their biases), never rotated
@@ -171,6 +171,14 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// [`QkScores::polar`].
     fn counts(&self) -> Option<&super::GateCounts> {
         None
+    }
+
+    /// The scores as a [`Transport`](super::Transport) of q and k by reflections made from the
+    /// attention input `x` (`(b, t, d_model)`, over `heads` heads), when they are exactly that:
+    /// the fused CPU kernels then carry the keys to the queries inside the attention node, with
+    /// a hand-written backward, while the reflections are made by ops around it.
+    fn transport(&self, _x: &Tensor, _heads: usize) -> crate::Result<Option<super::Transport>> {
+        Ok(None)
     }
 }
 
@@ -382,7 +390,14 @@ impl SelfAttention {
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
-        if super::fused_for(xs) && inputs.fused_scores() {
+        // Scores carried by a transport: its reflections are made from `xs` here, by ops.
+        let transport = match (super::fused_for(xs), inputs.scores) {
+            (true, Some(own)) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
+                own.transport(xs, self.n_heads)?
+            }
+            _ => None,
+        };
+        if super::fused_for(xs) && (inputs.fused_scores() || transport.is_some()) {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
@@ -392,7 +407,8 @@ impl SelfAttention {
                 xs.device(),
                 train,
             )?;
-            let out = super::fused::attention(&qkv, self.fused_core(inputs), mask.as_ref())?; // (b, t, d)
+            let core = self.fused_core(inputs).with_transport(transport.as_ref());
+            let out = super::fused::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
             return Ok(self.o.forward(&out)?);
         }
         let heads = |y: Tensor| -> Result<Tensor> {

@@ -20,6 +20,7 @@ mod layer_norm;
 mod ops;
 mod polar;
 mod rotary;
+mod transport;
 
 pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
@@ -40,6 +41,7 @@ pub use ops::{
 };
 pub use polar::Polar;
 pub use rotary::Rotary;
+pub use transport::{transport_inverse, transport_scores, Projections, Transport};
 
 /// What the device path ([`Kernels::Layer`] on CUDA) issued and allocated on this thread:
 /// see `poslab bench --launches`.

@@ -18,25 +18,12 @@
 //!          = q_i · k_i / sqrt(d_head)                        j = i
 //! ```
 //!
-//! **How it is computed: the UT transform** (the idea of fla's blockwise kernels). Applying
-//! `H_{j+1}`, …, `H_i` to a vector `v` in turn subtracts `Σ_a w_a u_a`, where the coefficients
-//! solve `(I + L) u = diag(β) W v` over the tokens `(j, i]`, with `L_ta = β_t w_t · w_a` for
-//! `a < t`. `I + L` is unit lower triangular, so the inverse of any diagonal block of it is that
-//! block of its inverse: one inverse `T = (I + L)⁻¹` over the whole sequence serves every pair,
-//! and
-//!
-//! ```text
-//! scores = Q Kᵀ - [Q Wᵀ]_{a <= i} T diag(β) [W Kᵀ]_{b > j} - [Q Wᵀ]_{a > i} T' diag(β) [W Kᵀ]_{b <= j}
-//! ```
-//!
-//! with `T' = (I + U)⁻¹`, `U` the strictly upper `β_t w_t · w_a`, for keys after the query (each
-//! bracket keeps the entries its subscript names; the triangles make each correction vanish on
-//! the other side). The inverses come from doubling blocks, `[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0],
-//! [-D⁻¹ C A⁻¹, D⁻¹]]`, which needs no division and stays bounded. Cost per head: about
-//! `(2/3) t³` for each inverse and `4 t³` for the products, beside `q kᵀ`'s `2 t² d_head`; memory
-//! a few `(t, t)` tensors per head, as attention's own. fla's kernels go further, chunking the
-//! sequence so that the cost is `O(t² d_head)`; this composition keeps to tensor products every
-//! device has, with a backward from autograd.
+//! **How it is computed.** The scores are an [`nn::Transport`](crate::nn::Transport) of q and k
+//! by the reflections `[w | β]`: composed of tensor ops through the UT transform of the
+//! Householder products (the idea of fla's blockwise kernels; `O(t³)` a head), the specification
+//! and what CUDA runs; on the CPU the fused attention node carries the keys to each query one
+//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward, while `w` and `β`
+//! are made from `x` by ops around it.
 //!
 //! Against fla's default layer: `W_w` is one `[d, d]` matrix (fla's `use_low_rank_w=False`),
 //! there is no forget gate and no qk norm (both fla's defaults), and q, k, v and o carry
@@ -44,7 +31,7 @@
 //! every matrix N(0, 0.02), the β bias at zero (β = 1). Reference: `reference_2025_schemes.py`,
 //! fixtures `encoder_path_pre`, `encoder_path_h4_post`.
 
-use candle::{DType, Tensor, D};
+use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -52,7 +39,9 @@ use super::{
     BiasBatch, Placement, PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreModule,
 };
 use crate::error::Result;
-use crate::nn::QkScores;
+use crate::nn::{Projections, QkScores, Transport};
+
+pub use crate::nn::{transport_inverse, transport_scores};
 
 /// The widest short convolution `path` accepts.
 pub const MAX_PATH_CONV: usize = 64;
@@ -216,136 +205,49 @@ impl PathLayer {
         mask: Option<&Tensor>,
         heads: usize,
     ) -> Result<Reflections> {
-        let dtype = self.w.dtype();
-        let x = x.to_dtype(dtype)?;
-        let (b, t, d) = x.dims3()?;
-        let real = match mask {
-            Some(m) => Some(m.to_dtype(dtype)?.reshape((b, t, 1))?),
-            None => None,
-        };
-        let mut u = x.broadcast_matmul(&self.w.t()?)?; // (b, t, d)
-        if let Some(real) = &real {
-            u = u.broadcast_mul(real)?;
-        }
-        if let Some(conv) = &self.conv {
-            let k = conv.dim(2)?;
-            let taps = conv.reshape((d, k))?;
-            let padded = match k {
-                1 => u.clone(),
-                _ => Tensor::cat(&[&Tensor::zeros((b, k - 1, d), dtype, x.device())?, &u], 1)?,
-            };
-            let mut y = padded
-                .narrow(1, 0, t)?
-                .broadcast_mul(&taps.narrow(1, 0, 1)?.t()?)?;
-            for s in 1..k {
-                let tap = taps.narrow(1, s, 1)?.t()?; // (1, d)
-                y = (y + padded.narrow(1, s, t)?.broadcast_mul(&tap)?)?;
-            }
-            u = y.silu()?;
-        }
-        let hd = d / heads;
-        let uh = u
-            .reshape((b, t, heads, hd))?
-            .transpose(1, 2)?
-            .contiguous()?; // (b, h, t, hd)
-        let norm = (uh.sqr()?.sum_keepdim(D::Minus1)? + PATH_EPS)?.sqrt()?;
-        let w = uh.broadcast_div(&norm)?;
+        let (u, z) = self.projections(x)?;
+        let (u, transport) =
+            Transport::compose(Self::made_of(&u, self.conv.as_ref(), &z, mask, heads))?;
+        let (w, beta) = transport.parts()?;
+        Ok(Reflections { u, w, beta })
+    }
+
+    /// The layer's reflections as a transport: one fused node on the CPU's fused kernels, else
+    /// as [`PathLayer::reflections`].
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; `mask`: `(b, t)`, 1 for a real token (`None`: all real)
+    pub fn transport(&self, x: &Tensor, mask: Option<&Tensor>, heads: usize) -> Result<Transport> {
+        let (u, z) = self.projections(x)?;
+        Transport::from_projections(Self::made_of(&u, self.conv.as_ref(), &z, mask, heads))
+    }
+
+    /// `u = x W_wᵀ` `(b, t, d)` and `z = x W_bᵀ + b` `(b, t, h)`, in the weights' dtype.
+    fn projections(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let x = x.to_dtype(self.w.dtype())?;
+        let u = x.broadcast_matmul(&self.w.t()?)?;
         let z = x
             .broadcast_matmul(&self.beta_weight.t()?)?
-            .broadcast_add(&self.beta_bias)?; // (b, t, h)
-        let mut beta = (crate::nn::log_sigmoid(&z)?.exp()? * 2.0)?;
-        if let Some(real) = &real {
-            beta = beta.broadcast_mul(real)?;
-        }
-        Ok(Reflections {
+            .broadcast_add(&self.beta_bias)?;
+        Ok((u, z))
+    }
+
+    fn made_of<'a>(
+        u: &'a Tensor,
+        conv: Option<&'a Tensor>,
+        z: &'a Tensor,
+        mask: Option<&'a Tensor>,
+        heads: usize,
+    ) -> Projections<'a> {
+        Projections {
             u,
-            w,
-            beta: beta.transpose(1, 2)?.contiguous()?,
-        })
+            conv,
+            z,
+            mask,
+            heads,
+            eps: PATH_EPS,
+        }
     }
-}
-
-/// `(I + L)⁻¹` for `L_ta = β_t w_t · w_a` strictly below the diagonal (`upper`: strictly above),
-/// by doubling diagonal blocks: `[[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ C A⁻¹, D⁻¹]]` (above:
-/// `[[A, C], [0, D]]⁻¹ = [[A⁻¹, -A⁻¹ C D⁻¹], [0, D⁻¹]]`). The sequence is padded to a power of two
-/// with `β = 0` (identity rows).
-///
-/// # Shapes
-/// - `w`: `(n, t, d_head)`; `beta`: `(n, t)`; returns `(n, t, t)`
-pub fn transport_inverse(w: &Tensor, beta: &Tensor, upper: bool) -> Result<Tensor> {
-    let (n, t, hd) = w.dims3()?;
-    let (dtype, device) = (w.dtype(), w.device());
-    let size = t.next_power_of_two();
-    let (w, beta) = match size - t {
-        0 => (w.clone(), beta.clone()),
-        pad => (
-            Tensor::cat(&[w, &Tensor::zeros((n, pad, hd), dtype, device)?], 1)?,
-            Tensor::cat(&[beta, &Tensor::zeros((n, pad), dtype, device)?], 1)?,
-        ),
-    };
-    let mut blocks = Tensor::ones((n, size, 1, 1), dtype, device)?;
-    let mut s = 1;
-    while s < size {
-        let m = size / (2 * s);
-        let half = |x: &Tensor, i: usize| -> Result<Tensor> {
-            Ok(x.narrow(2, i, 1)?.squeeze(2)?.contiguous()?)
-        };
-        let pairs = blocks.reshape((n, m, 2, s, s))?;
-        let (a, d) = (half(&pairs, 0)?, half(&pairs, 1)?); // (n, m, s, s)
-        let wp = w.reshape((n, m, 2, s, hd))?;
-        let bp = beta.reshape((n, m, 2, s, 1))?;
-        let (w0, w1) = (half(&wp, 0)?, half(&wp, 1)?); // (n, m, s, hd)
-        let zeros = Tensor::zeros((n, m, s, s), dtype, device)?;
-        let (top, bottom) = match upper {
-            false => {
-                let c = half(&bp, 1)?.broadcast_mul(&w1.matmul(&w0.t()?.contiguous()?)?)?;
-                let x = d.matmul(&c)?.matmul(&a)?.neg()?;
-                (Tensor::cat(&[&a, &zeros], 3)?, Tensor::cat(&[&x, &d], 3)?)
-            }
-            true => {
-                let c = half(&bp, 0)?.broadcast_mul(&w0.matmul(&w1.t()?.contiguous()?)?)?;
-                let x = a.matmul(&c)?.matmul(&d)?.neg()?;
-                (Tensor::cat(&[&a, &x], 3)?, Tensor::cat(&[&zeros, &d], 3)?)
-            }
-        };
-        blocks = Tensor::cat(&[&top, &bottom], 2)?; // (n, m, 2s, 2s)
-        s *= 2;
-    }
-    let full = blocks.reshape((n, size, size))?;
-    Ok(match size == t {
-        true => full,
-        false => full.narrow(1, 0, t)?.narrow(2, 0, t)?.contiguous()?,
-    })
-}
-
-/// PaTH's scores before the scale: `q_iᵀ P_ij k_j`, `P_ij` the product of the reflections of
-/// the tokens between query and key (see the module's notes).
-///
-/// # Shapes
-/// - `q`, `k`, `w`: `(b, h, t, d_head)`; `beta`: `(b, h, t)`; returns `(b, h, t, t)`
-pub fn transport_scores(q: &Tensor, k: &Tensor, w: &Tensor, beta: &Tensor) -> Result<Tensor> {
-    let (b, h, t, hd) = q.dims4()?;
-    let flat = |x: &Tensor| x.reshape((b * h, t, hd));
-    let (q, k, w) = (flat(q)?, flat(k)?, flat(w)?);
-    let beta = beta.reshape((b * h, t))?;
-    let low = Tensor::tril2(t, q.dtype(), q.device())?; // [a <= i]
-    let strict_low = (&low - Tensor::eye(t, q.dtype(), q.device())?)?; // [b > j]
-    let strict_up = (1.0 - &low)?; // [a > i]
-    let up = (1.0 - &strict_low)?; // [b <= j]
-    let qk = q.matmul(&k.t()?.contiguous()?)?; // (n, t, t)
-    let qw = q.matmul(&w.t()?.contiguous()?)?; // (n, t, t): q_i · w_a
-    let wk = w
-        .matmul(&k.t()?.contiguous()?)?
-        .broadcast_mul(&beta.unsqueeze(2)?)?; // β_b w_b · k_j
-    let left = qw
-        .broadcast_mul(&low)?
-        .matmul(&transport_inverse(&w, &beta, false)?)?
-        .matmul(&wk.broadcast_mul(&strict_low)?)?;
-    let right = qw
-        .broadcast_mul(&strict_up)?
-        .matmul(&transport_inverse(&w, &beta, true)?)?
-        .matmul(&wk.broadcast_mul(&up)?)?;
-    Ok(((qk - left)? - right)?.reshape((b, h, t, t))?)
 }
 
 /// Every layer's PaTH weights; `None` for a layer without positions.
@@ -429,9 +331,15 @@ struct PathScores<'a> {
 
 impl QkScores for PathScores<'_> {
     fn scores(&self, q: &Tensor, k: &Tensor, x: &Tensor, scale: f64) -> Result<Tensor> {
-        let dtype = self.weights.w.dtype();
         let r = self.weights.reflections(x, self.mask.as_ref(), q.dim(1)?)?;
-        let scores = transport_scores(&q.to_dtype(dtype)?, &k.to_dtype(dtype)?, &r.w, &r.beta)?;
-        Ok((scores * scale)?)
+        Transport::new(&r.w, &r.beta)?.scores(q, k, scale)
+    }
+
+    fn transport(&self, x: &Tensor, heads: usize) -> Result<Option<Transport>> {
+        Ok(Some(self.weights.transport(
+            x,
+            self.mask.as_ref(),
+            heads,
+        )?))
     }
 }

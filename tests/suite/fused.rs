@@ -947,3 +947,25 @@ fn pope_and_cope_layers_run_as_one_fused_node_on_the_cpu() {
         }
     }
 }
+
+#[test]
+fn path_layers_carry_their_keys_inside_the_fused_attention_node_on_the_cpu() {
+    // PaTH's scores are a transport of q and k by reflections made from the attention input:
+    // the fused attention carries the keys itself, and only the reflections (a projection, the
+    // short convolution, the norm and the strengths) are ops around it. Measured at 2 layers
+    // (2026-11-28): fused 184 nodes pre-norm and 181 post-norm, composed 871 and 853 (the UT
+    // transform's inverses and products are hundreds of nodes a layer). A scheme silently
+    // composed of ops fails this.
+    use poslab::positional::PathOptions;
+    let scheme = PositionalConfig::Path(PathOptions::default());
+    for norm in [NormPlacement::Pre, NormPlacement::Post] {
+        let own = tiny_config(scheme.clone(), norm);
+        let fused = graph_nodes(&own, Kernels::Layer);
+        let composed = graph_nodes(&own, Kernels::Reference);
+        eprintln!("path {norm:?}: fused {fused}, composed {composed}");
+        assert!(
+            composed >= 3 * fused,
+            "path {norm:?}: composed has {composed} graph nodes, fused {fused}"
+        );
+    }
+}

@@ -47,6 +47,7 @@
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod counts;
+mod transport;
 
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -60,7 +61,7 @@ use super::{
     assume_written, best_rate, contiguous, simd_level, timing_operand, uninit, written, zeros,
     Real, Rotation, SimdLevel,
 };
-use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary};
+use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary, Transport};
 use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -87,6 +88,10 @@ pub(crate) struct Attention {
     /// (differentiable, in the op-input slot of a score bias, which such an attention has none
     /// of) and the real keys.
     counts: Option<GateCounts>,
+    /// Scores through a transport of reflections: `[w | β]` `(b, h, t, d_head + 1)`
+    /// (differentiable, in the op-input slot of a score bias, which such an attention has none
+    /// of).
+    transport: Option<Transport>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -126,6 +131,8 @@ struct Fixed<T> {
     polar: Option<PolarFixed<T>>,
     /// Gate-counted scores' host tables.
     counts: Option<CountsFixed<T>>,
+    /// A transport's reflections `[w | β]` `(b, h, t, d_head + 1)`.
+    transport: Option<Vec<T>>,
     simd: SimdLevel,
 }
 
@@ -322,9 +329,26 @@ impl<T: Real> Fixed<T> {
     /// [`Scratch`] holds.
     fn gathered(&self, n: Dims) -> (bool, usize) {
         (
-            !self.cos.is_empty() || self.polar.is_some(),
+            !self.cos.is_empty() || self.polar.is_some() || self.transport.is_some(),
             self.qk_width(n),
         )
+    }
+
+    /// The transport of head `hd` of batch element `bi`, over its gathered q and k.
+    fn transport_head<'a>(
+        &'a self,
+        (n, bi, hd): (Dims, usize, usize),
+        (q, k): (&'a [T], &'a [T]),
+    ) -> Option<transport::Head<'a, T>> {
+        self.transport.as_ref().map(|r| {
+            let (per, at) = (n.t * (n.dh + 1), bi * n.h + hd);
+            transport::Head {
+                q,
+                k,
+                reflections: &r[at * per..(at + 1) * per],
+                scale: self.scale,
+            }
+        })
     }
 
     /// The rotation of batch element `bi` (`sign` 1) or its inverse (`sign` -1), if there is one.
@@ -487,6 +511,10 @@ struct Scratch<T> {
     r: Vec<T>,
     dr: Vec<T>,
     rows: counts::RowWork<T>,
+    /// a transport's carried rows (and in a backward their history), and the reflections'
+    /// gradient `(t, d_head + 1)`
+    carried: transport::Work<T>,
+    drefl: Vec<T>,
     /// a product's right operand in contiguous rows (see [`product`])
     pack: Vec<T>,
 }
@@ -494,12 +522,12 @@ struct Scratch<T> {
 impl<T: Real> Scratch<T> {
     /// Buffers for a forward or a backward pass; those a pass does not use stay empty.
     /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide; `npos`: the
-    /// rows of each gate-count table (0: none).
+    /// rows of each gate-count table (0: none); `carried`: the scores are a transport's.
     fn new(
         n: Dims,
         (gathered, width): (bool, usize),
         (mask, backward, sided): (bool, bool, bool),
-        npos: usize,
+        (npos, carried): (usize, bool),
     ) -> Self {
         let (tw, tt, counted) = (n.t * width, n.t * n.t, npos > 0);
         let z = |len, used: bool| vec![T::zero(); if used { len } else { 0 }];
@@ -519,6 +547,8 @@ impl<T: Real> Scratch<T> {
             r: z(n.t * 2 * npos, counted),
             dr: z(n.t * 2 * npos, counted && backward),
             rows: counts::RowWork::new(n.t, npos),
+            carried: transport::Work::new(n.t, n.dh, carried, backward),
+            drefl: z(n.t * (n.dh + 1), carried && backward),
             pack: z(n.t * width.max(n.dh), true),
         }
     }
@@ -547,24 +577,18 @@ impl<T: Real> Scratch<T> {
                 v,
             };
         }
+        // Rotated, or (for a transport, which reads rows whole) copied plainly.
         match fixed.rotation(T::one(), bi, n.t) {
-            Some(rotation) => {
-                gather(fixed.simd, block(0), row, n.dh, Some(rotation), &mut self.q);
-                gather(
-                    fixed.simd,
-                    block(n.d),
-                    row,
-                    n.dh,
-                    Some(rotation),
-                    &mut self.k,
-                );
+            rotation if rotation.is_some() || fixed.transport.is_some() => {
+                gather(fixed.simd, block(0), row, n.dh, rotation, &mut self.q);
+                gather(fixed.simd, block(n.d), row, n.dh, rotation, &mut self.k);
                 Heads {
                     q: View::rows(self.q.as_ptr(), n.dh),
                     k: View::rows(self.k.as_ptr(), n.dh),
                     v,
                 }
             }
-            None => Heads {
+            _ => Heads {
                 q: View::rows(block(0).as_ptr(), row),
                 k: View::rows(block(n.d).as_ptr(), row),
                 v,
@@ -587,18 +611,22 @@ impl<T: Real> Scratch<T> {
             Some(_) => self.a.as_mut_ptr(),
             None => self.s.as_mut_ptr(),
         };
-        // SAFETY: s and a are t x t; the heads are valid t x dh operands.
-        unsafe {
-            product(
-                (n.t, n.t, fixed.qk_width(n)),
-                scores,
-                n.t,
-                heads.q,
-                heads.k.t(),
-                fixed.scale,
-                Some((fixed.simd, &mut self.pack)),
-            )
-        };
+        match fixed.transport_head((n, bi, hd), (&self.q, &self.k)) {
+            // A transport's scores: the keys carried to each query.
+            Some(head) => transport::forward(fixed.simd, head, &mut self.s, &mut self.carried),
+            // SAFETY: s and a are t x t; the heads are valid t x dh operands.
+            None => unsafe {
+                product(
+                    (n.t, n.t, fixed.qk_width(n)),
+                    scores,
+                    n.t,
+                    heads.q,
+                    heads.k.t(),
+                    fixed.scale,
+                    Some((fixed.simd, &mut self.pack)),
+                )
+            },
+        }
         if let Some(c) = counted {
             let w2 = 2 * c.npos;
             // SAFETY: r is t x 2 npos, the transposed tables d_head x 2 npos in rows.
@@ -955,6 +983,7 @@ impl Attention {
             max_offset,
             polar: None,
             counts: None,
+            transport: None,
             simd: simd_level(),
         }
     }
@@ -977,16 +1006,27 @@ impl Attention {
         }
     }
 
-    /// Whether the scores are a scheme's own (polar or gate-counted), not `q kᵀ`.
-    pub(super) fn own_scores(&self) -> bool {
-        self.polar.is_some() || self.counts.is_some()
+    /// This attention with scores through a [`Transport`], when given, in place of `q kᵀ`. It
+    /// then takes no rotation and no score bias (checked with the shapes).
+    pub(crate) fn with_transport(self, transport: Option<&Transport>) -> Self {
+        Self {
+            transport: transport.cloned(),
+            ..self
+        }
     }
 
-    /// The differentiable op input: the score bias, the polar offsets or the count tables.
+    /// Whether the scores are a scheme's own (polar, gate-counted or carried), not `q kᵀ`.
+    pub(super) fn own_scores(&self) -> bool {
+        self.polar.is_some() || self.counts.is_some() || self.transport.is_some()
+    }
+
+    /// The differentiable op input: the score bias, the polar offsets, the count tables or the
+    /// reflections.
     fn grad_input(&self) -> Option<&Tensor> {
         self.bias_tensor()
             .or(self.polar.as_ref().map(Polar::offsets))
             .or(self.counts.as_ref().map(GateCounts::tables))
+            .or(self.transport.as_ref().map(Transport::reflections))
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
@@ -1190,6 +1230,27 @@ impl Attention {
                 }
             }
         }
+        if let Some(transport) = &self.transport {
+            let dh = d / h;
+            if self.rope.is_some()
+                || self.score_bias.is_some()
+                || self.polar.is_some()
+                || self.counts.is_some()
+            {
+                candle::bail!(
+                    "fused attention: scores through a transport take neither a rotation, a \
+                     score bias, polar scores nor gate counts"
+                );
+            }
+            if transport.reflections().dims() != [b, h, t, dh + 1] {
+                candle::bail!(
+                    "fused attention: reflections {:?} do not match (b, h, t, d_head + 1) = \
+                     ({b}, {h}, {t}, {})",
+                    transport.reflections().dims(),
+                    dh + 1
+                );
+            }
+        }
         Ok(Dims {
             b,
             t,
@@ -1244,9 +1305,14 @@ impl Attention {
             }
             None => None,
         };
+        let transport = match &self.transport {
+            Some(t) => Some(host(t.reflections())?),
+            None => None,
+        };
         Ok(Fixed {
             polar,
             counts,
+            transport,
             key_bias: host(&self.key_bias)?,
             cos,
             sin,
@@ -1299,6 +1365,7 @@ impl Attention {
         let fixed = self.fixed_with::<T>(sums, n)?;
         let gathered = fixed.gathered(n);
         let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
+        let own = (npos, fixed.transport.is_some());
         let (tt, per) = (n.t * n.t, self.kept_per_head(n));
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
@@ -1367,7 +1434,7 @@ impl Attention {
         let run = |dst: *mut T, probs: Option<*mut T>| {
             let (dst, probs) = (Shared(dst), probs.map(Shared));
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, (mask.is_some(), false, false), npos),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), false, false), own),
                 |w, task| one_task(w, task, dst, probs),
             )
         };
@@ -1419,11 +1486,15 @@ impl Attention {
         let polar_grad = fixed.polar.is_some() && self.bias_needs_grad();
         let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
         let counts_grad = npos > 0 && self.bias_needs_grad();
+        let carried = fixed.transport.is_some();
+        let transport_grad = carried && self.bias_needs_grad();
         let bias_grad = (!self.own_scores() && self.bias_needs_grad()) || sums.is_some();
         let sided = fixed.sided;
+        let refl = n.t * (n.dh + 1);
         let mut ds_all = zeros::<T>(match (bias_grad, sided) {
             _ if polar_grad => n.b * n.h * n.dh,
             _ if counts_grad => n.b * n.h * 2 * npos * n.dh,
+            _ if transport_grad => n.b * n.h * refl,
             (false, _) => 0,
             (true, false) => n.b * n.h * tt,
             (true, true) => 2 * n.b * n.h * n.t,
@@ -1431,7 +1502,7 @@ impl Attention {
         let ds_dst = Shared(ds_all.as_mut_ptr());
         let tasks = |dst: Shared<T>| {
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, (mask.is_some(), true, sided), npos),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), true, sided), (npos, carried)),
                 |w, task| {
                     let (bi, hd) = (task / n.h, task % n.h);
                     let heads = w.heads(qkv, n, bi, hd, &fixed);
@@ -1515,6 +1586,27 @@ impl Attention {
                         // SAFETY: block `task` of the (b h, t, t) buffer is this task's alone.
                         unsafe { std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * tt), tt) }
                             .copy_from_slice(&w.ds);
+                    }
+                    if let Some(head) = fixed.transport_head((n, bi, hd), (&w.q, &w.k)) {
+                        // dq, dk and the reflections' gradient by undoing the walks, then dq
+                        // and dk into dqkv.
+                        let grads = (&mut w.dq[..], &mut w.dk[..], &mut w.drefl[..]);
+                        transport::backward(fixed.simd, head, &w.ds, grads, &mut w.carried);
+                        // SAFETY: the q and k blocks of dqkv (b, t, 3d) written belong to this
+                        // (batch, head) alone; dq and dk are t x dh.
+                        unsafe {
+                            scatter(&w.dq, n.dh, dst.ptr().add(block), row, None);
+                            scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, None);
+                        }
+                        if transport_grad {
+                            // SAFETY: row `task` of the (b h, t (d_head + 1)) buffer is this
+                            // task's alone.
+                            unsafe {
+                                std::slice::from_raw_parts_mut(ds_dst.ptr().add(task * refl), refl)
+                            }
+                            .copy_from_slice(&w.drefl);
+                        }
+                        return;
                     }
                     let ds = View::rows(w.ds.as_ptr(), n.t);
                     if let Some(polar) = &fixed.polar {
@@ -1945,8 +2037,12 @@ mod tests {
     /// d(qkv) and the score bias's gradient from the weights the forward kept, and from the
     /// weights the backward recomputes.
     /// With `counted`, gate-counted scores (tables of 5 rows, a gradient owed) in place of the
-    /// score bias and RoPE.
-    fn kept_and_recomputed<T: Real>(level: SimdLevel, rope: bool, counted: bool) -> [Vec<T>; 4] {
+    /// score bias and RoPE; with `carried`, scores through a transport (a gradient owed).
+    fn kept_and_recomputed<T: Real>(
+        level: SimdLevel,
+        rope: bool,
+        (counted, carried): (bool, bool),
+    ) -> [Vec<T>; 4] {
         use candle::Device;
         let (b, t, h, dh) = (2, 37, 3, 8);
         let (d, tt) = (h * dh, t * t);
@@ -1973,9 +2069,21 @@ mod tests {
                 None,
             )
         };
-        let op = match counted {
-            false => op,
-            true => {
+        let op = match (counted, carried) {
+            (false, false) => op,
+            (_, true) => {
+                let w =
+                    candle::Var::from_tensor(&tensor(b * h * t * dh, 27, &[b, h, t, dh])).unwrap();
+                let beta = (tensor(b * h * t, 28, &[b, h, t]) + 1.0).unwrap();
+                let beta = candle::Var::from_tensor(&beta).unwrap();
+                let transport = Transport::new(w.as_tensor(), beta.as_tensor()).unwrap();
+                let plain = Attention::new(h, 0.35, &key_bias, None, None, None);
+                Attention {
+                    simd: level,
+                    ..plain.with_transport(Some(&transport))
+                }
+            }
+            (true, false) => {
                 let table =
                     |seed| candle::Var::from_tensor(&tensor(5 * dh, seed, &[5, dh])).unwrap();
                 let (left, right) = (table(25), table(26));
@@ -2015,14 +2123,20 @@ mod tests {
     fn the_backward_gives_the_same_bits_from_kept_or_recomputed_weights() {
         // The fused layer keeps the weights only while they are small (`keeps_weights`), so
         // training runs both ways; either way the gradients must be the same, bit for bit. With
-        // a score bias and RoPE, or gate-counted scores (their kept content scores and table
-        // products too).
+        // a score bias and RoPE, gate-counted scores (their kept content scores and table
+        // products too), or scores through a transport (whose forward, run again in the
+        // backward, shares its task's work space with the backward's walk).
         fn check<T: Real>() {
             for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
-                for (rope, counted) in [(false, false), (true, false), (false, true)] {
+                for (rope, own) in [
+                    (false, (false, false)),
+                    (true, (false, false)),
+                    (false, (true, false)),
+                    (false, (false, true)),
+                ] {
                     let [dqkv_kept, dqkv, dbias_kept, dbias] =
-                        kept_and_recomputed::<T>(level, rope, counted);
-                    let what = format!("{level:?} rope {rope} counted {counted}");
+                        kept_and_recomputed::<T>(level, rope, own);
+                    let what = format!("{level:?} rope {rope} (counted, carried) {own:?}");
                     assert!(dqkv.iter().any(|v| *v != T::zero()) && !dbias.is_empty());
                     assert!(dqkv_kept == dqkv, "{what}: d(qkv) differs");
                     assert!(dbias_kept == dbias, "{what}: d(bias) differs");
@@ -2081,6 +2195,8 @@ mod tests {
         Polar { rows: usize },
         /// Gate-counted scores with tables of `npos` rows, at a score scale.
         Counts { npos: usize, scale: f64 },
+        /// Scores through a transport with strengths `β` in `[0, top)`, at a score scale.
+        Transport { top: f64, scale: f64 },
     }
 
     /// The attention core with a scheme's own scores, fused or composed of ops
@@ -2108,6 +2224,7 @@ mod tests {
         let real = Tensor::from_vec(real, (b, t), &candle::Device::Cpu).unwrap();
         let key_bias = crate::nn::key_padding_bias(&real, dtype).unwrap();
         // The parameters the gradient is asked of, and the scores they make.
+        let mut transport = None;
         let (params, polar, counts) = match own {
             Own::Polar { rows } => {
                 let angles = tensor(rows * t * dh, 72, &[rows, 1, t, dh], dtype)
@@ -2131,6 +2248,22 @@ mod tests {
                     GateCounts::new(left.as_tensor(), right.as_tensor(), Some(&real)).unwrap();
                 (vec![left, right], None, Some(counts))
             }
+            Own::Transport { top, .. } => {
+                // Vectors near unit length (not exactly: the transport does not need it), and
+                // strengths across [0, top).
+                let w = tensor(b * h * t * dh, 78, &[b, h, t, dh], dtype)
+                    .affine(1.7 / (dh as f64).sqrt(), 0.0)
+                    .unwrap();
+                let beta = tensor(b * h * t, 79, &[b, h, t], dtype)
+                    .affine(top / 2.0, top / 2.0)
+                    .unwrap();
+                let (w, beta) = (
+                    Var::from_tensor(&w).unwrap(),
+                    Var::from_tensor(&beta).unwrap(),
+                );
+                transport = Some(Transport::new(w.as_tensor(), beta.as_tensor()).unwrap());
+                (vec![w, beta], None, None)
+            }
         };
         let mask = dropout.then(|| {
             let m: Vec<f64> = values::<f64>(b * h * t * t, 74)
@@ -2143,13 +2276,14 @@ mod tests {
                 .unwrap()
         });
         let scale = match own {
-            Own::Counts { scale, .. } => scale,
+            Own::Counts { scale, .. } | Own::Transport { scale, .. } => scale,
             Own::Polar { .. } => 0.37,
         };
         let out = if fused {
             let op = Attention::new(h, scale, &key_bias, None, None, window)
                 .with_polar(polar.as_ref())
-                .with_counts(counts.as_ref());
+                .with_counts(counts.as_ref())
+                .with_transport(transport.as_ref());
             attention(qkv.as_tensor(), op, mask.as_ref()).unwrap()
         } else {
             let heads = |at: usize| {
@@ -2164,9 +2298,10 @@ mod tests {
                     .unwrap()
             };
             let (q, k, v) = (heads(0), heads(1), heads(2));
-            let mut s = match (&polar, &counts) {
-                (Some(polar), _) => polar.scores(&q, &k, scale).unwrap(),
-                (_, Some(counts)) => counts.scores(&q, &k, scale).unwrap(),
+            let mut s = match (&polar, &counts, &transport) {
+                (Some(polar), _, _) => polar.scores(&q, &k, scale).unwrap(),
+                (_, Some(counts), _) => counts.scores(&q, &k, scale).unwrap(),
+                (_, _, Some(transport)) => transport.scores(&q, &k, scale).unwrap(),
                 _ => unreachable!("a form is drawn"),
             };
             if let Some(w) = window
@@ -2254,6 +2389,31 @@ mod tests {
                     with_backend(Backend::default().with_simd(level), || {
                         let case = (Own::Polar { rows }, window, dropout);
                         let names = ["output", "d(qkv)", "d(offsets)"];
+                        assert_own_scores_match(dtype, tol, shape, case, names);
+                    });
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transported_scores_match_their_composition_forward_and_backward() {
+        // Strengths across [0, 2) (reflections, projections at 1) and across [0, 1.2); padded
+        // keys, a window, dropout; lengths that are not powers of two (the composition pads its
+        // inverses); every instruction set level, f32 and f64. Relative to the largest value of
+        // each result: the output, d(qkv), and the gradients of w and beta, in that order.
+        use crate::nn::{with_backend, Backend};
+        for (dtype, tol) in [(candle::DType::F64, 1e-11), (candle::DType::F32, 5e-5)] {
+            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                for (shape, top, scale, window, dropout) in [
+                    ((2, 9, 2, 4), 2.0, 1.0, None, false),
+                    ((3, 13, 3, 8), 1.2, 0.35, Some(4), false),
+                    ((2, 33, 2, 16), 2.0, 0.25, None, true),
+                    ((1, 40, 2, 20), 1.9, 0.2, Some(7), true),
+                ] {
+                    with_backend(Backend::default().with_simd(level), || {
+                        let case = (Own::Transport { top, scale }, window, dropout);
+                        let names = ["output", "d(qkv)", "d(w; beta)"];
                         assert_own_scores_match(dtype, tol, shape, case, names);
                     });
                 }

@@ -306,6 +306,7 @@ mod layer_norm;
 mod linear;
 mod log_sigmoid;
 mod pointwise;
+mod reflections;
 mod rope;
 mod running_sums;
 mod softmax;
@@ -322,6 +323,7 @@ pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
 pub use linear::{linear_pass_gflops, matmul_gflops, LinearPass};
 pub(crate) use log_sigmoid::log_sigmoid;
+pub(crate) use reflections::reflections;
 pub(crate) use rope::{rope, Rotation};
 pub(crate) use running_sums::{
     group_channels as running_sums_channels, in_order as running_sums_in_order, running_sums,

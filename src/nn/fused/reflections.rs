@@ -1,0 +1,455 @@
+//! A transport's reflections `[w | β]` from two projections of the attention input, as one
+//! node with its backward (see [`crate::nn::Transport::from_projections`], whose composition is
+//! the specification):
+//!
+//! ```text
+//! u'_t = real_t u_t                                           u (b, t, d), padded rows zeroed
+//! y_t  = Σ_s C[:, s] u'_{t-K+1+s}                            causal depthwise conv, width K
+//! v_t  = silu(y_t)               (K = 0: v_t = u'_t)
+//! w_t  = v_t / sqrt(|v_t|² + eps)                             per head, d_head wide
+//! β_t  = 2 σ(z_t) real_t                                      z (b, t, h)
+//! ```
+//!
+//! Backward, from `d[w | β]`:
+//!
+//! ```text
+//! dv = (dw - w (w · dw)) / sqrt(|v|² + eps)                   per head
+//! dy = dv σ(y) (1 + y (1 - σ(y)))                             silu's derivative
+//! du'_{t-K+1+s} += C[:, s] dy_t,   dC[:, s] += Σ_t dy_t u'_{t-K+1+s},   du = real du'
+//! dz = dβ 2 σ(z) (1 - σ(z)) real
+//! ```
+//!
+//! A batch element is a task; the taps' gradient sums the batch's in order. The composition
+//! takes about twenty passes over `(b, t, d)` forward and more backward; this is one each way.
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::attention::absent;
+use super::linear::by_dtype;
+use super::{contiguous, Real};
+
+/// The fixed inputs: heads, the norm's `eps`, and which tokens are real `(b, t)`.
+#[derive(Clone)]
+pub(crate) struct Reflections {
+    heads: usize,
+    eps: f64,
+    real: Option<Vec<bool>>,
+}
+
+/// `σ(x)`, stable for any x.
+#[inline(always)]
+fn sigmoid<T: Real>(x: T) -> T {
+    let u = (-x.abs()).exp_();
+    let inv = (T::one() + u).recip();
+    if x >= T::zero() {
+        inv
+    } else {
+        u * inv
+    }
+}
+
+/// Shapes of one call: batch, tokens, width, heads, taps.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    d: usize,
+    h: usize,
+    k: usize,
+}
+
+impl Reflections {
+    fn dims(&self, u: &[usize], taps: &[usize], z: &[usize]) -> Result<Dims> {
+        let (b, t, d) = match u {
+            &[b, t, d] if d % self.heads == 0 => (b, t, d),
+            dims => candle::bail!(
+                "fused reflections: u {dims:?} is not (b, t, d_model) with d_model a multiple of \
+                 {} heads",
+                self.heads
+            ),
+        };
+        let k = match taps {
+            [0] => 0,
+            &[c, k] if c == d && k > 0 => k,
+            dims => {
+                candle::bail!("fused reflections: taps {dims:?} are not (d_model, K) = ({d}, K)")
+            }
+        };
+        if z != [b, t, self.heads] {
+            candle::bail!(
+                "fused reflections: z {z:?} is not (b, t, heads) = ({b}, {t}, {})",
+                self.heads
+            );
+        }
+        if let Some(real) = &self.real {
+            if real.len() != b * t {
+                candle::bail!(
+                    "fused reflections: {} mask values for (b, t) = ({b}, {t})",
+                    real.len()
+                );
+            }
+        }
+        Ok(Dims {
+            b,
+            t,
+            d,
+            h: self.heads,
+            k,
+        })
+    }
+
+    fn real(&self, n: Dims, bi: usize, t: usize) -> bool {
+        self.real.as_ref().is_none_or(|r| r[bi * n.t + t])
+    }
+
+    /// One batch element's conv output `y` and activation `v` `(t, d)` (`y` empty when there
+    /// is no conv), and each token's per-head norm `(t, h)`.
+    fn activations<T: Real>(
+        &self,
+        u: &[T],
+        taps: &[T],
+        n: Dims,
+        bi: usize,
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (t, d, k) = (n.t, n.d, n.k);
+        let row = |s: usize| -> &[T] { &u[(bi * t + s) * d..(bi * t + s + 1) * d] };
+        let mut v = vec![T::zero(); t * d];
+        let mut y = vec![T::zero(); if k == 0 { 0 } else { t * d }];
+        for s in 0..t {
+            let out = &mut v[s * d..(s + 1) * d];
+            if k == 0 {
+                if self.real(n, bi, s) {
+                    out.copy_from_slice(row(s));
+                }
+                continue;
+            }
+            let acc = &mut y[s * d..(s + 1) * d];
+            for tap in 0..k {
+                // Input token s - K + 1 + tap, when it exists and is real.
+                let Some(src) = (s + 1 + tap).checked_sub(k) else {
+                    continue;
+                };
+                if !self.real(n, bi, src) {
+                    continue;
+                }
+                for ((a, x), c) in acc
+                    .iter_mut()
+                    .zip(row(src))
+                    .zip(taps.iter().skip(tap).step_by(k))
+                {
+                    *a += *c * *x;
+                }
+            }
+            for (o, y) in out.iter_mut().zip(acc.iter()) {
+                *o = *y * sigmoid(*y);
+            }
+        }
+        let (h, dh) = (n.h, d / n.h);
+        let eps = T::lit(self.eps);
+        let norms = v
+            .chunks_exact(dh)
+            .map(|x| (x.iter().fold(T::zero(), |s, a| s + *a * *a) + eps).sqrt())
+            .collect::<Vec<T>>();
+        debug_assert_eq!(norms.len(), t * h);
+        (y, v, norms)
+    }
+
+    /// `[w | β]` `(b, h, t, d_head + 1)`.
+    fn forward<T: Real>(&self, u: &[T], taps: &[T], z: &[T], n: Dims) -> Vec<T> {
+        let (t, d, h) = (n.t, n.d, n.h);
+        let dh = d / h;
+        let mut out = vec![T::zero(); n.b * h * t * (dh + 1)];
+        out.par_chunks_mut(h * t * (dh + 1))
+            .enumerate()
+            .for_each(|(bi, block)| {
+                let (_, v, norms) = self.activations(u, taps, n, bi);
+                for s in 0..t {
+                    for hd in 0..h {
+                        let at = (hd * t + s) * (dh + 1);
+                        let (w, rest) = block[at..at + dh + 1].split_at_mut(dh);
+                        let inv = norms[s * h + hd].recip();
+                        for (o, x) in w.iter_mut().zip(&v[s * d + hd * dh..s * d + (hd + 1) * dh]) {
+                            *o = *x * inv;
+                        }
+                        rest[0] = match self.real(n, bi, s) {
+                            true => T::lit(2.0) * sigmoid(z[(bi * t + s) * h + hd]),
+                            false => T::zero(),
+                        };
+                    }
+                }
+            });
+        out
+    }
+
+    /// `(du (b, t, d), dC (d, K), dz (b, t, h))` from `d[w | β]`.
+    fn backward<T: Real>(
+        &self,
+        (u, taps, z): (&[T], &[T], &[T]),
+        g: &[T],
+        n: Dims,
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (t, d, h, k) = (n.t, n.d, n.h, n.k);
+        let dh = d / h;
+        let mut du = vec![T::zero(); n.b * t * d];
+        let mut dz = vec![T::zero(); n.b * t * h];
+        let mut dtaps_all = vec![T::zero(); n.b * (d * k).max(1)];
+        du.par_chunks_mut(t * d)
+            .zip(dz.par_chunks_mut(t * h))
+            .zip(dtaps_all.par_chunks_mut((d * k).max(1)))
+            .enumerate()
+            .for_each(|(bi, ((du, dz), dtaps))| {
+                let (y, v, norms) = self.activations(u, taps, n, bi);
+                // dv, then dy in place.
+                let mut dy = vec![T::zero(); t * d];
+                for s in 0..t {
+                    let real = self.real(n, bi, s);
+                    for hd in 0..h {
+                        let at = ((bi * h + hd) * t + s) * (dh + 1);
+                        let (gw, gb) = (&g[at..at + dh], g[at + dh]);
+                        let x = &v[s * d + hd * dh..s * d + (hd + 1) * dh];
+                        let inv = norms[s * h + hd].recip();
+                        let wg = x
+                            .iter()
+                            .zip(gw)
+                            .fold(T::zero(), |a, (x, g)| a + *x * inv * *g);
+                        for ((o, x), g) in dy[s * d + hd * dh..].iter_mut().zip(x).zip(gw) {
+                            *o = (*g - *x * inv * wg) * inv;
+                        }
+                        let zi = z[(bi * t + s) * h + hd];
+                        let sg = sigmoid(zi);
+                        dz[s * h + hd] = match real {
+                            true => gb * T::lit(2.0) * sg * (T::one() - sg),
+                            false => T::zero(),
+                        };
+                    }
+                }
+                if k == 0 {
+                    for s in 0..t {
+                        if self.real(n, bi, s) {
+                            du[s * d..(s + 1) * d].copy_from_slice(&dy[s * d..(s + 1) * d]);
+                        }
+                    }
+                    return;
+                }
+                for (o, y) in dy.iter_mut().zip(&y) {
+                    let sg = sigmoid(*y);
+                    *o = *o * sg * (T::one() + *y * (T::one() - sg));
+                }
+                let row = |s: usize| -> &[T] { &u[(bi * t + s) * d..(bi * t + s + 1) * d] };
+                for s in 0..t {
+                    let dys = &dy[s * d..(s + 1) * d];
+                    for tap in 0..k {
+                        let Some(src) = (s + 1 + tap).checked_sub(k) else {
+                            continue;
+                        };
+                        if !self.real(n, bi, src) {
+                            continue;
+                        }
+                        let dsrc = &mut du[src * d..(src + 1) * d];
+                        for (c, ((o, g), x)) in dsrc.iter_mut().zip(dys).zip(row(src)).enumerate() {
+                            *o += taps[c * k + tap] * *g;
+                            dtaps[c * k + tap] += *g * *x;
+                        }
+                    }
+                }
+            });
+        // The taps' gradient: the batch's summed in order.
+        let mut dtaps = vec![T::zero(); d * k];
+        for part in dtaps_all
+            .chunks_exact((d * k).max(1))
+            .take(if k == 0 { 0 } else { n.b })
+        {
+            for (o, v) in dtaps.iter_mut().zip(part) {
+                *o += *v;
+            }
+        }
+        (du, dtaps, dz)
+    }
+
+    fn grads<T: Real>(
+        &self,
+        u: &Tensor,
+        taps: &Tensor,
+        z: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+        let host = |x: &Tensor| x.flatten_all()?.to_vec1::<T>();
+        let n = self.dims(u.dims(), taps.dims(), z.dims())?;
+        let (du, dtaps, dz) = self.backward((&host(u)?, &host(taps)?, &host(z)?), &host(g)?, n);
+        let dev = u.device();
+        Ok((
+            Tensor::from_vec(du, u.shape(), dev)?,
+            (n.k > 0)
+                .then(|| Tensor::from_vec(dtaps, taps.shape(), dev))
+                .transpose()?,
+            Tensor::from_vec(dz, z.shape(), dev)?,
+        ))
+    }
+}
+
+impl CustomOp3 for Reflections {
+    fn name(&self) -> &'static str {
+        "poslab-reflections"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = self.dims(l1.dims(), l2.dims(), l3.dims())?;
+        let what = "reflections";
+        let storage = by_dtype!(s1.dtype(), what, |T| self.forward::<T>(
+            contiguous(s1, l1, what)?,
+            contiguous(s2, l2, what)?,
+            contiguous(s3, l3, what)?,
+            n
+        ));
+        Ok((storage, Shape::from((n.b, n.h, n.t, n.d / n.h + 1))))
+    }
+
+    fn bwd(
+        &self,
+        u: &Tensor,
+        taps: &Tensor,
+        z: &Tensor,
+        _out: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (du, dtaps, dz) = match u.dtype() {
+            DType::F32 => self.grads::<f32>(u, taps, z, g)?,
+            DType::F64 => self.grads::<f64>(u, taps, z, g)?,
+            dt => return Err(super::unsupported("reflections", dt)),
+        };
+        Ok((Some(du), dtaps, Some(dz)))
+    }
+}
+
+/// `[w | β]` `(b, h, t, d_head + 1)` from `u` `(b, t, d)`, the conv's taps `(d, K)` (`None`: no
+/// conv and no silu), `z` `(b, t, h)` and which tokens are real `(b, t)`, fused (CPU, f32/f64).
+pub(crate) fn reflections(
+    u: &Tensor,
+    taps: Option<&Tensor>,
+    z: &Tensor,
+    mask: Option<&Tensor>,
+    (heads, eps): (usize, f64),
+) -> Result<Tensor> {
+    let real = match mask {
+        Some(m) => Some(
+            m.flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(|v| v > 0.0)
+                .collect(),
+        ),
+        None => None,
+    };
+    let op = Reflections { heads, eps, real };
+    let u = u.contiguous()?;
+    let taps = match taps {
+        Some(t) => t.contiguous()?,
+        None => absent(&u)?,
+    };
+    u.apply_op3(&taps, &z.contiguous()?, op)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::nn::{Projections, Transport};
+    use candle::{DType, Device, Tensor, Var};
+
+    /// `[w | β]` and the gradients of u, the taps and z, fused or composed.
+    fn run(dtype: DType, fused: bool, k: usize, masked: bool) -> Vec<Vec<f64>> {
+        let (b, t, d, h) = (3, 11, 12, 3);
+        let uniform = |len: usize, seed: u64, dims: &[usize], scale: f64| {
+            let v: Vec<f64> = crate::nn::fused::test_uniform(len, seed)
+                .map(|u| (u * 2.0 - 1.0) * scale)
+                .collect();
+            Var::from_tensor(
+                &Tensor::from_vec(v, dims, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let u = uniform(b * t * d, 1, &[b, t, d], 2.0);
+        let conv = uniform(d * k.max(1), 2, &[d, 1, k.max(1)], 1.5);
+        let z = uniform(b * t * h, 3, &[b, t, h], 3.0);
+        // Padding at the end of one row and in the middle of another (the conv reads past it).
+        let mut real = vec![1f32; b * t];
+        if masked {
+            real[t - 3..t].fill(0.0);
+            real[t + 4] = 0.0;
+        }
+        let mask = Tensor::from_vec(real, (b, t), &Device::Cpu).unwrap();
+        let p = Projections {
+            u: u.as_tensor(),
+            conv: (k > 0).then(|| conv.as_tensor()),
+            z: z.as_tensor(),
+            mask: masked.then_some(&mask),
+            heads: h,
+            eps: 1e-6,
+        };
+        let transport = match fused {
+            true => Transport::from_projections(p).unwrap(),
+            false => Transport::compose(p).unwrap().1,
+        };
+        let r = transport.reflections();
+        assert_eq!(r.dims(), [b, h, t, d / h + 1]);
+        let weights = uniform(r.elem_count(), 4, r.dims(), 1.0);
+        let loss = (r * weights.as_tensor()).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let flat = |x: &Tensor| {
+            x.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1::<f64>()
+                .unwrap()
+        };
+        let mut out = vec![flat(r), flat(grads.get(u.as_tensor()).unwrap())];
+        if k > 0 {
+            out.push(flat(grads.get(conv.as_tensor()).unwrap()));
+        }
+        out.push(flat(grads.get(z.as_tensor()).unwrap()));
+        out
+    }
+
+    #[test]
+    fn fused_reflections_match_their_composition_forward_and_backward() {
+        // Conv widths 0 (no conv, no silu), 1, 3 and 4, with and without padding, f64 and f32;
+        // relative to the largest value of each: [w | beta], du, the taps' gradient, dz.
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+            for k in [0, 1, 3, 4] {
+                for masked in [false, true] {
+                    let fused = crate::nn::with_backend(crate::nn::Backend::default(), || {
+                        run(dtype, true, k, masked)
+                    });
+                    let composed = run(dtype, false, k, masked);
+                    for (i, (f, c)) in fused.iter().zip(&composed).enumerate() {
+                        let top = c.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                        assert!(top > 1e-3, "{dtype:?} k {k} result {i}: all zero");
+                        let err = f
+                            .iter()
+                            .zip(c)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0, f64::max);
+                        assert!(
+                            err / top < tol,
+                            "{dtype:?} k {k} masked {masked} result {i}: differs by {:e}",
+                            err / top
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
