@@ -951,9 +951,9 @@ fn pope_and_cope_layers_run_as_one_fused_node_on_the_cpu() {
 #[test]
 fn path_layers_carry_their_keys_inside_the_fused_attention_node_on_the_cpu() {
     // PaTH's scores are a transport of q and k by reflections made from the attention input:
-    // the fused attention carries the keys itself, and only the reflections (a projection, the
-    // short convolution, the norm and the strengths) are ops around it. Measured at 2 layers
-    // (2026-11-28): fused 184 nodes pre-norm and 181 post-norm, composed 871 and 853 (the UT
+    // the fused attention carries the keys itself, and the reflections (the short convolution,
+    // silu, the norm and the strengths) are one fused node beside their two projections. Measured at 2 layers
+    // (2026-11-28): fused 112 nodes pre-norm and 109 post-norm, composed 881 and 863 (the UT
     // transform's inverses and products are hundreds of nodes a layer). A scheme silently
     // composed of ops fails this.
     use poslab::positional::PathOptions;
