@@ -176,7 +176,8 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// The scores as a [`Transport`](super::Transport) of q and k by reflections made from the
     /// attention input `x` (`(b, t, d_model)`, over `heads` heads), when they are exactly that:
     /// the fused CPU kernels then carry the keys to the queries inside the attention node, with
-    /// a hand-written backward, while the reflections are made by ops around it.
+    /// a hand-written backward, and the reflections are made beside it (on the CPU's fused
+    /// kernels, one more node).
     fn transport(&self, _x: &Tensor, _heads: usize) -> crate::Result<Option<super::Transport>> {
         Ok(None)
     }
@@ -390,7 +391,8 @@ impl SelfAttention {
         train: bool,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
-        // Scores carried by a transport: its reflections are made from `xs` here, by ops.
+        // Scores carried by a transport: its reflections are made from `xs` here, before the
+        // attention node.
         let transport = match (super::fused_for(xs), inputs.scores) {
             (true, Some(own)) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
                 own.transport(xs, self.n_heads)?

@@ -22,8 +22,8 @@
 //! by the reflections `[w | β]`: composed of tensor ops through the UT transform of the
 //! Householder products (the idea of fla's blockwise kernels; `O(t³)` a head), the specification
 //! and what CUDA runs; on the CPU the fused attention node carries the keys to each query one
-//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward, while `w` and `β`
-//! are made from `x` by ops around it.
+//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward, and `w` and `β`
+//! are made from `x` beside it (the conv, silu, norm and strengths one more fused node).
 //!
 //! Against fla's default layer: `W_w` is one `[d, d]` matrix (fla's `use_low_rank_w=False`),
 //! there is no forget gate and no qk norm (both fla's defaults), and q, k, v and o carry
