@@ -35,7 +35,7 @@
 //! a time, all keys of a side together (a query's step reflects the keys before it once more),
 //! with a hand-written backward.
 
-use candle::{DType, Tensor, D};
+use candle::{Tensor, D};
 
 /// What a transport's reflections are made from: two projections of the attention input and
 /// the tokens that are real.
@@ -85,11 +85,10 @@ impl Transport {
         })
     }
 
-    /// The reflections of [`Projections`]: one fused node on the CPU's fused kernels (f32,
-    /// f64), else [`Transport::compose`].
+    /// The reflections of [`Projections`]: one fused node on the CPU's fused kernels (which
+    /// take f32 and f64 alone), else [`Transport::compose`].
     pub fn from_projections(p: Projections) -> crate::Result<Self> {
-        let fused = super::fused_for(p.u) && matches!(p.u.dtype(), DType::F32 | DType::F64);
-        if !fused {
+        if !super::fused_for(p.u) {
             return Ok(Self::compose(p)?.1);
         }
         let taps = match p.conv {

@@ -58,8 +58,8 @@ use super::differences::sided_grad;
 use super::linear::{by_dtype, gemm_sums_in_order, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{
-    assume_written, best_rate, contiguous, simd_level, timing_operand, uninit, written, zeros,
-    Real, Rotation, SimdLevel,
+    assume_written, batch_sum, best_rate, contiguous, sigmoid, simd_level, timing_operand, uninit,
+    written, zeros, Real, Rotation, SimdLevel,
 };
 use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary, Transport};
 use std::mem::MaybeUninit;
@@ -183,18 +183,6 @@ impl<T: Real> PolarFixed<T> {
 fn softplus<T: Real>(x: T) -> T {
     let relu = if x > T::zero() { x } else { T::zero() };
     relu + (-x.abs()).exp_().ln_1p_()
-}
-
-/// `σ(x)`, softplus's derivative, stable for any x.
-#[inline(always)]
-fn sigmoid<T: Real>(x: T) -> T {
-    let u = (-x.abs()).exp_();
-    let inv = (T::one() + u).recip();
-    if x >= T::zero() {
-        inv
-    } else {
-        u * inv
-    }
 }
 
 /// `(cos, sin)` of a key's phase `φ + δ` from those of `φ` and `δ`: `cos φ cos δ - sin φ sin δ`,
@@ -1735,25 +1723,6 @@ impl Attention {
     }
 }
 
-/// The sum of `b` equal blocks of `all`, each value in a fixed order (batch element 0 first),
-/// so the bits do not depend on the threads.
-fn batch_sum<T: Real>(all: &[T], b: usize) -> Vec<T> {
-    let per = all.len() / b.max(1);
-    let mut sum = zeros::<T>(per);
-    sum.par_chunks_mut(1 << 14)
-        .enumerate()
-        .for_each(|(c, out)| {
-            let at = c * (1 << 14);
-            for bi in 0..b {
-                let src = &all[bi * per + at..bi * per + at + out.len()];
-                for (o, v) in out.iter_mut().zip(src) {
-                    *o += *v;
-                }
-            }
-        });
-    sum
-}
-
 fn check_mask(l: &Layout, n: Dims) -> Result<()> {
     if l.dims() != [n.b, n.h, n.t, n.t] {
         candle::bail!(
@@ -2346,30 +2315,45 @@ mod tests {
         ]
     }
 
-    /// Each result of the fused attention within `tol` of the composition's, relative to the
-    /// largest value of each, and none all zero.
+    /// A case of [`own_scores_attention`]: `(b, t, h, d_head)`, the scores, a window, dropout.
+    type OwnCase = ((usize, usize, usize, usize), Own, Option<usize>, bool);
+
+    /// Each result of the fused attention within each dtype's `tol` of the composition's,
+    /// relative to the largest value of each, and none all zero: every case at every
+    /// instruction set level.
     fn assert_own_scores_match(
-        dtype: candle::DType,
-        tol: f64,
-        shape: (usize, usize, usize, usize),
-        case: (Own, Option<usize>, bool),
+        tolerances: [(candle::DType, f64); 2],
+        cases: &[OwnCase],
         names: [&str; 3],
     ) {
-        let fused = own_scores_attention(dtype, true, shape, case);
-        let composed = own_scores_attention(dtype, false, shape, case);
-        for (i, what) in names.iter().enumerate() {
-            let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
-            assert!(top > 1e-3, "{what}: all zero");
-            let err = fused[i]
-                .iter()
-                .zip(&composed[i])
-                .map(|(a, c)| (a - c).abs())
-                .fold(0.0, f64::max)
-                / top;
-            assert!(
-                err < tol,
-                "{dtype:?} {shape:?} {case:?}: {what} differs by {err:e}"
-            );
+        use crate::nn::{with_backend, Backend};
+        for (dtype, tol) in tolerances {
+            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
+                for &(shape, own, window, dropout) in cases {
+                    let case = (own, window, dropout);
+                    let (fused, composed) =
+                        with_backend(Backend::default().with_simd(level), || {
+                            (
+                                own_scores_attention(dtype, true, shape, case),
+                                own_scores_attention(dtype, false, shape, case),
+                            )
+                        });
+                    for (i, what) in names.iter().enumerate() {
+                        let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                        assert!(top > 1e-3, "{what}: all zero");
+                        let err = fused[i]
+                            .iter()
+                            .zip(&composed[i])
+                            .map(|(a, c)| (a - c).abs())
+                            .fold(0.0, f64::max)
+                            / top;
+                        assert!(
+                            err < tol,
+                            "{dtype:?} {level:?} {shape:?} {case:?}: {what} differs by {err:e}"
+                        );
+                    }
+                }
+            }
         }
     }
 
@@ -2378,22 +2362,16 @@ mod tests {
         // Softplus magnitudes both sides of 0, keys' phase offsets across [-2 pi, 0], padded
         // keys, tables shared by the batch or per row, a window, dropout; every instruction set
         // level, f32 and f64. Relative to the largest value of each result.
-        use crate::nn::{with_backend, Backend};
-        for (dtype, tol) in [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)] {
-            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
-                for (shape, rows, window, dropout) in [
-                    ((2, 9, 2, 4), 1, None, false),
-                    ((3, 13, 3, 8), 3, Some(4), false),
-                    ((2, 33, 2, 16), 2, None, true),
-                ] {
-                    with_backend(Backend::default().with_simd(level), || {
-                        let case = (Own::Polar { rows }, window, dropout);
-                        let names = ["output", "d(qkv)", "d(offsets)"];
-                        assert_own_scores_match(dtype, tol, shape, case, names);
-                    });
-                }
-            }
-        }
+        let polar = |rows| Own::Polar { rows };
+        assert_own_scores_match(
+            [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)],
+            &[
+                ((2, 9, 2, 4), polar(1), None, false),
+                ((3, 13, 3, 8), polar(3), Some(4), false),
+                ((2, 33, 2, 16), polar(2), None, true),
+            ],
+            ["output", "d(qkv)", "d(offsets)"],
+        );
     }
 
     #[test]
@@ -2402,23 +2380,17 @@ mod tests {
         // keys, a window, dropout; lengths that are not powers of two (the composition pads its
         // inverses); every instruction set level, f32 and f64. Relative to the largest value of
         // each result: the output, d(qkv), and the gradients of w and beta, in that order.
-        use crate::nn::{with_backend, Backend};
-        for (dtype, tol) in [(candle::DType::F64, 1e-11), (candle::DType::F32, 5e-5)] {
-            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
-                for (shape, top, scale, window, dropout) in [
-                    ((2, 9, 2, 4), 2.0, 1.0, None, false),
-                    ((3, 13, 3, 8), 1.2, 0.35, Some(4), false),
-                    ((2, 33, 2, 16), 2.0, 0.25, None, true),
-                    ((1, 40, 2, 20), 1.9, 0.2, Some(7), true),
-                ] {
-                    with_backend(Backend::default().with_simd(level), || {
-                        let case = (Own::Transport { top, scale }, window, dropout);
-                        let names = ["output", "d(qkv)", "d(w; beta)"];
-                        assert_own_scores_match(dtype, tol, shape, case, names);
-                    });
-                }
-            }
-        }
+        let carried = |top, scale| Own::Transport { top, scale };
+        assert_own_scores_match(
+            [(candle::DType::F64, 1e-11), (candle::DType::F32, 5e-5)],
+            &[
+                ((2, 9, 2, 4), carried(2.0, 1.0), None, false),
+                ((3, 13, 3, 8), carried(1.2, 0.35), Some(4), false),
+                ((2, 33, 2, 16), carried(2.0, 0.25), None, true),
+                ((1, 40, 2, 20), carried(1.9, 0.2), Some(7), true),
+            ],
+            ["output", "d(qkv)", "d(w; beta)"],
+        );
     }
 
     #[test]
@@ -2427,23 +2399,17 @@ mod tests {
         // it; scores large enough that some gates round to exactly 1 (integer counts, the
         // clamp's edge); a window, dropout; every instruction set level, f32 and f64. Relative
         // to the largest value of each result.
-        use crate::nn::{with_backend, Backend};
-        for (dtype, tol) in [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)] {
-            for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
-                for (shape, npos, scale, window, dropout) in [
-                    ((2, 9, 2, 4), 3, 1.0, None, false),
-                    ((3, 13, 3, 8), 9, 0.35, Some(4), false),
-                    ((2, 33, 2, 16), 16, 4.0, None, true),
-                    ((2, 33, 2, 16), 3, 0.2, Some(7), true),
-                ] {
-                    with_backend(Backend::default().with_simd(level), || {
-                        let case = (Own::Counts { npos, scale }, window, dropout);
-                        let names = ["output", "d(qkv)", "d(left; right)"];
-                        assert_own_scores_match(dtype, tol, shape, case, names);
-                    });
-                }
-            }
-        }
+        let counted = |npos, scale| Own::Counts { npos, scale };
+        assert_own_scores_match(
+            [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)],
+            &[
+                ((2, 9, 2, 4), counted(3, 1.0), None, false),
+                ((3, 13, 3, 8), counted(9, 0.35), Some(4), false),
+                ((2, 33, 2, 16), counted(16, 4.0), None, true),
+                ((2, 33, 2, 16), counted(3, 0.2), Some(7), true),
+            ],
+            ["output", "d(qkv)", "d(left; right)"],
+        );
     }
 }
 

@@ -436,6 +436,37 @@ pub(super) fn best_rate(gflop: f64, reps: usize, mut run: impl FnMut()) -> f64 {
     gflop / best
 }
 
+/// `σ(x)`, stable for any x (softplus's derivative).
+#[inline(always)]
+pub(super) fn sigmoid<T: Real>(x: T) -> T {
+    let u = (-x.abs()).exp_();
+    let inv = (T::one() + u).recip();
+    if x >= T::zero() {
+        inv
+    } else {
+        u * inv
+    }
+}
+
+/// The sum of `b` equal blocks of `all`, each value in a fixed order (block 0 first), so the
+/// bits do not depend on the threads.
+pub(super) fn batch_sum<T: Real>(all: &[T], b: usize) -> Vec<T> {
+    let per = all.len() / b.max(1);
+    let mut sum = zeros::<T>(per);
+    sum.par_chunks_mut(1 << 14)
+        .enumerate()
+        .for_each(|(c, out)| {
+            let at = c * (1 << 14);
+            for bi in 0..b {
+                let src = &all[bi * per + at..bi * per + at + out.len()];
+                for (o, v) in out.iter_mut().zip(src) {
+                    *o += *v;
+                }
+            }
+        });
+    sum
+}
+
 /// `len` zeros, written in parallel: a large `vec![0; len]` is a memset on one thread.
 pub(super) fn zeros<T: Real>(len: usize) -> Vec<T> {
     const CHUNK: usize = 1 << 15;

@@ -28,7 +28,7 @@ use rayon::prelude::*;
 
 use super::attention::absent;
 use super::linear::by_dtype;
-use super::{contiguous, Real};
+use super::{batch_sum, contiguous, sigmoid, Real};
 
 /// The fixed inputs: heads, the norm's `eps`, and which tokens are real `(b, t)`.
 #[derive(Clone)]
@@ -36,18 +36,6 @@ pub(crate) struct Reflections {
     heads: usize,
     eps: f64,
     real: Option<Vec<bool>>,
-}
-
-/// `σ(x)`, stable for any x.
-#[inline(always)]
-fn sigmoid<T: Real>(x: T) -> T {
-    let u = (-x.abs()).exp_();
-    let inv = (T::one() + u).recip();
-    if x >= T::zero() {
-        inv
-    } else {
-        u * inv
-    }
 }
 
 /// Shapes of one call: batch, tokens, width, heads, taps.
@@ -256,15 +244,10 @@ impl Reflections {
                 }
             });
         // The taps' gradient: the batch's summed in order.
-        let mut dtaps = vec![T::zero(); d * k];
-        for part in dtaps_all
-            .chunks_exact((d * k).max(1))
-            .take(if k == 0 { 0 } else { n.b })
-        {
-            for (o, v) in dtaps.iter_mut().zip(part) {
-                *o += *v;
-            }
-        }
+        let dtaps = match k {
+            0 => Vec::new(),
+            _ => batch_sum(&dtaps_all, n.b),
+        };
         (du, dtaps, dz)
     }
 
