@@ -24,15 +24,12 @@ fn main() -> Result<()> {
         std::fs::remove_dir_all(dir)?; // a fresh run each time
     }
     let options = TrainOptions {
-        dir: dir.to_path_buf(),
-        device: poslab::device::parse_device("auto")?,
         progress: poslab::progress::Progress::for_stderr(
             false,
             poslab::progress::Progress::DEFAULT_EVERY,
         ),
-        stop_after: None,
-        hub: poslab::text::HubSource::from_env(),
-        threads: None, // every core
+        // Every core, the fused layer kernels and the default size limits.
+        ..TrainOptions::new(dir, poslab::device::parse_device("auto")?)
     };
     let TrainEnd::Finished(metrics) = train_run::start(&config, &options)? else {
         unreachable!("no stop was asked for");

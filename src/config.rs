@@ -487,9 +487,20 @@ impl ModelConfig {
         tokens + positions + l * layer - first + norm
     }
 
-    /// Checks every field; the message names the field, the value and a fix.
+    /// Checks every field; the message names the field, the value and a fix. How large the
+    /// model may be is [`ModelConfig::check_limits`]'s question (a run's, a predictor's or a
+    /// benchmark's [`Limits`](crate::limits::Limits)); building it ([`crate::Encoder::new`])
+    /// refuses weights larger than the machine's memory.
     pub fn validate(&self) -> Result<()> {
         self.check().map_err(Error::Config)
+    }
+
+    /// Refuses a model with more parameters than `limits` allow; the message gives the count
+    /// and the fields that make it.
+    pub fn check_limits(&self, limits: &crate::limits::Limits) -> Result<()> {
+        limits
+            .check_params(self.param_count(), &self.sizes())
+            .map_err(Error::Config)
     }
 
     fn check(&self) -> std::result::Result<(), String> {
@@ -587,16 +598,15 @@ impl ModelConfig {
                     .into(),
             );
         }
-        // Sizes last: a clearer message about a wrong option comes first.
-        crate::limits::check_params(self.param_count(), &self.sizes())?;
         let widest = self.d_model.max(self.head_dim());
         if (self.max_len as u128) * (widest as u128) > crate::positional::MAX_TABLE_VALUES as u128 {
             return Err(format!(
-                "max_len = {} needs position tables of {} x {widest} values, more than {}: \
-                 lower max_len (it is the longest input a learned table holds, and the rows a \
-                 fixed table starts with)",
+                "max_len = {} needs position tables of {} x {widest} values (d_model = {}), \
+                 more than {}: lower max_len (it is the longest input a learned table holds, \
+                 and the rows a fixed table starts with) or d_model",
                 self.max_len,
                 self.max_len,
+                self.d_model,
                 crate::positional::MAX_TABLE_VALUES
             ));
         }

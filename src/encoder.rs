@@ -435,6 +435,8 @@ impl Encoder {
     /// [`Encoder::set_dropout_seed`] is called.
     pub fn new(config: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         config.validate()?;
+        crate::limits::check_weights_fit(config.param_count(), &config.sizes())
+            .map_err(Error::Config)?;
         if !matches!(
             vb.dtype(),
             DType::F32 | DType::F64 | DType::BF16 | DType::F16
@@ -513,15 +515,20 @@ impl Encoder {
             layers,
             final_norm,
             dropout_rng,
-            backend: Backend::from_env(),
+            backend: Backend::default(),
         })
     }
 
-    /// This encoder computing with `backend` (by default [`Backend::from_env`]: the fused
-    /// layer kernel, or the kernels `POSLAB_KERNELS` names, at the CPU's best SIMD level).
+    /// This encoder computing with `backend` (by default [`Backend::default`]: the fused layer
+    /// kernel at the CPU's best SIMD level).
     pub fn with_backend(mut self, backend: Backend) -> Self {
-        self.backend = backend;
+        self.set_backend(backend);
         self
+    }
+
+    /// Computes with `backend` from now on (see [`Encoder::with_backend`]).
+    pub fn set_backend(&mut self, backend: Backend) {
+        self.backend = backend;
     }
 
     /// The kernels and instruction sets this encoder's passes compute with.

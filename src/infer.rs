@@ -1,11 +1,11 @@
 //! Using a trained model on new text: labels, tags, mask fills and sentence vectors.
 
 use candle::{DType, Device, IndexOp, Tensor, D};
-use serde::Serialize;
 
 use crate::config::ModelConfig;
 use crate::data::{keep_ends, pad_batch};
 use crate::error::{Error, Result};
+use crate::limits::Limits;
 use crate::model::TaskModel;
 use crate::positional::{random_positions, Positions};
 use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
@@ -13,75 +13,11 @@ use crate::rng::{self, derive_seed, stable_hash};
 use crate::saved::Loaded;
 use crate::tasks::Objective;
 
+use crate::prediction::top_fills;
+pub use crate::prediction::{Embedding, MaskFill, Output, Prediction, Scored};
+
 /// Texts per forward pass.
 const BATCH: usize = 32;
-
-/// A label and its probability.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Scored {
-    /// The label.
-    pub label: String,
-    /// The model's probability for it.
-    pub probability: f64,
-}
-
-/// The fills proposed for one `[MASK]`.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct MaskFill {
-    /// Index of the masked word in the text.
-    pub word: usize,
-    /// The most probable fills, best first.
-    pub fills: Vec<Scored>,
-}
-
-/// What the model says about one text.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum Prediction {
-    /// The most probable label, then every label by probability.
-    Class {
-        /// The most probable label.
-        label: String,
-        /// Every label, most probable first.
-        probabilities: Vec<Scored>,
-    },
-    /// One tag per word.
-    Tags {
-        /// The text's words.
-        words: Vec<String>,
-        /// One tag per word.
-        tags: Vec<String>,
-    },
-    /// Top fills for each mask token, in text order.
-    Fills {
-        /// One entry per mask token.
-        masks: Vec<MaskFill>,
-    },
-}
-
-/// A text, what the model says, how many of its tokens the vocabulary did not know, and a note
-/// when the text was cut to fit.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Output<T> {
-    /// The text as given.
-    pub text: String,
-    /// What the model says.
-    #[serde(flatten)]
-    pub value: T,
-    /// Tokens read as the unknown token (`[UNK]`): words the model never saw, which it cannot
-    /// tell apart. Many of them make any answer a guess.
-    pub unknown_tokens: usize,
-    /// Set when the text was cut to the model's longest input.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub note: Option<String>,
-}
-
-/// A pooled sentence vector.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Embedding {
-    /// The vector, `d_model` wide.
-    pub embedding: Vec<f32>,
-}
 
 /// A text's tokens and words, ready for a batch.
 struct Prepared {
@@ -99,6 +35,7 @@ pub struct Predictor<'a> {
     loaded: &'a Loaded,
     truncate: bool,
     rope_scaling: Option<RopeScaling>,
+    limits: Limits,
 }
 
 impl<'a> Predictor<'a> {
@@ -109,7 +46,15 @@ impl<'a> Predictor<'a> {
             loaded,
             truncate,
             rope_scaling: None,
+            limits: Limits::default(),
         }
+    }
+
+    /// Reads texts within `limits` (by default [`Limits::default`]): a text whose attention
+    /// would not fit is refused, and batches are cut to fit.
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Reads texts with a `rope` model's frequencies rescaled (to read past its training
@@ -153,7 +98,8 @@ impl<'a> Predictor<'a> {
             .loaded
             .params
             .var_builder(encoder.dtype(), encoder.device());
-        Ok(Some(TaskModel::new(&config, &self.loaded.config.head, vb)?))
+        let model = TaskModel::new(&config, &self.loaded.config.head, vb)?;
+        Ok(Some(model.with_backend(encoder.backend())))
     }
 
     fn device(&self) -> &Device {
@@ -164,7 +110,9 @@ impl<'a> Predictor<'a> {
         let encoder = self.loaded.model.encoder();
         // The tightest of: a learned table's rows, randomized positions' range, and the
         // longest text whose attention fits the memory limit.
-        let memory = crate::limits::longest_fitting(&encoder.config().sizes(), 1, false);
+        let memory = self
+            .limits
+            .longest_fitting(&encoder.config().sizes(), 1, false);
         let limit = [
             encoder
                 .max_positions()
@@ -283,7 +231,10 @@ impl<'a> Predictor<'a> {
             let grown = longest.max(p.ids.len());
             let size = i - start + 1;
             if size > BATCH
-                || crate::limits::check_batch(&config.sizes(), size, grown, false, "").is_err()
+                || self
+                    .limits
+                    .check_batch(&config.sizes(), size, grown, false, "")
+                    .is_err()
             {
                 bounds.push(i);
                 longest = p.ids.len();
@@ -423,31 +374,4 @@ impl<'a> Predictor<'a> {
                 .collect())
         })
     }
-}
-
-/// The `top_k` most probable tokens of a probability row over the vocabulary, `specials` left
-/// out, most probable first.
-pub(crate) fn top_fills(
-    row: &[f32],
-    top_k: usize,
-    specials: &[u32],
-    tok: &crate::text::TextTokenizer,
-) -> Vec<Scored> {
-    let mut order: Vec<usize> = (0..row.len())
-        .filter(|&i| !specials.contains(&(i as u32)))
-        .collect();
-    order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
-    // Only ids the tokenizer can write: a model's table may have rows past its tokenizer's
-    // ids, and a fill with no text says nothing.
-    order
-        .into_iter()
-        .filter_map(|i| {
-            let label = tok.id_to_token(i as u32).filter(|t| !t.trim().is_empty())?;
-            Some(Scored {
-                label,
-                probability: f64::from(row[i]),
-            })
-        })
-        .take(top_k)
-        .collect()
 }

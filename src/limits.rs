@@ -2,9 +2,10 @@
 //! that a size typed wrong (`d_model = 1e9`, `n_layers = 1e8`, a 10 MB line of text) is an error
 //! with the figure, not an abort of the allocator or a machine out of memory.
 //!
-//! The limits are generous for a lab (a BERT-large has 3.4e8 parameters) and can be raised:
-//! `POSLAB_MAX_PARAMS` (a number of parameters) and `POSLAB_MAX_MEMORY` (bytes, with an optional
-//! `K`, `M`, `G` or `T` suffix, powers of 1024).
+//! The limits are a value, [`Limits`], passed to what checks them (a run's options, a
+//! predictor, a benchmark). Their defaults are generous for a lab (a BERT-large has 3.4e8
+//! parameters); the `poslab` command raises them from `POSLAB_MAX_PARAMS` (a number of
+//! parameters) and `POSLAB_MAX_MEMORY` (bytes), which only the command line reads.
 
 use crate::io::human_bytes;
 
@@ -104,18 +105,6 @@ fn cgroup_limit_files(cgroups: &str) -> Vec<std::path::PathBuf> {
     files
 }
 
-/// The most parameters a model may have (`POSLAB_MAX_PARAMS`, else [`DEFAULT_MAX_PARAMS`]); an
-/// unreadable value is an error saying the accepted forms.
-pub fn max_params() -> std::result::Result<u64, String> {
-    Ok(crate::env::size_var("POSLAB_MAX_PARAMS")?.unwrap_or(DEFAULT_MAX_PARAMS))
-}
-
-/// The most memory a batch's activations may take (`POSLAB_MAX_MEMORY`, else
-/// [`default_max_memory`]); an unreadable value is an error saying the accepted forms.
-pub fn max_memory() -> std::result::Result<u64, String> {
-    Ok(crate::env::size_var("POSLAB_MAX_MEMORY")?.unwrap_or_else(default_max_memory))
-}
-
 /// Bytes a batch of `batch` sequences of `t` tokens needs at its peak: in training, what every
 /// layer keeps for the backward pass (about `8 d + 2 ffn` values per token and the `h t²`
 /// attention weights, times the scheme's [`Sizes::score_tensors`]); in inference, one layer's
@@ -133,15 +122,148 @@ pub fn activation_bytes(config: &Sizes, batch: usize, t: usize, training: bool) 
     4 * per_layer * layers
 }
 
-/// Refuses a model of `n` parameters, more than [`max_params`]: the message gives the count.
-pub fn check_params(n: u128, config: &Sizes) -> std::result::Result<(), String> {
-    let max = max_params()?;
-    if n > max as u128 {
+/// Bytes a generated word costs until its task is tokenized (the word, its token id and its
+/// label), generously.
+pub const BYTES_PER_GENERATED_WORD: u128 = 64;
+
+/// How large a model and its batches may be: what a run, a predictor or a benchmark checks
+/// sizes against before allocating. A value, never read from the environment here: the
+/// `poslab` command builds it from `POSLAB_MAX_PARAMS` and `POSLAB_MAX_MEMORY`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The most parameters a model may have.
+    pub max_params: u64,
+    /// The most bytes a batch's activations (or a generated task's words) may take.
+    pub max_memory: u64,
+}
+
+impl Default for Limits {
+    /// [`DEFAULT_MAX_PARAMS`], and [`default_max_memory`] (what this machine allows).
+    fn default() -> Self {
+        Self {
+            max_params: DEFAULT_MAX_PARAMS,
+            max_memory: default_max_memory(),
+        }
+    }
+}
+
+impl Limits {
+    /// Refuses a model of `n` parameters, more than [`Limits::max_params`]: the message gives
+    /// the count.
+    pub fn check_params(&self, n: u128, config: &Sizes) -> std::result::Result<(), String> {
+        let max = self.max_params;
+        if n > max as u128 {
+            return Err(format!(
+                "this model would have {n} parameters ({} of f32 weights), more than the limit of \
+                 {max}: check d_model = {}, ffn_dim = {}, n_layers = {}, vocab_size = {} and max_len \
+                 = {} (set POSLAB_MAX_PARAMS to raise the limit)",
+                human(4 * n),
+                config.d_model,
+                config.ffn_dim,
+                config.n_layers,
+                config.vocab_size,
+                config.max_len
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a batch whose activations would need more than [`Limits::max_memory`]; `what`
+    /// says where the batch comes from, for the message.
+    pub fn check_batch(
+        &self,
+        config: &Sizes,
+        batch: usize,
+        t: usize,
+        training: bool,
+        what: &str,
+    ) -> std::result::Result<(), String> {
+        self.check_batches(config, batch, t, training, what, 1)
+    }
+
+    /// [`Limits::check_batch`] for `at_once` such batches in memory together (`compare`'s jobs):
+    /// each may take its share of [`Limits::max_memory`].
+    pub fn check_batches(
+        &self,
+        config: &Sizes,
+        batch: usize,
+        t: usize,
+        training: bool,
+        what: &str,
+        at_once: usize,
+    ) -> std::result::Result<(), String> {
+        let at_once = at_once.max(1) as u128;
+        let need = activation_bytes(config, batch, t, training) * at_once;
+        let max = self.max_memory;
+        if need > max as u128 {
+            let (jobs, fewer) = match at_once {
+                1 => (String::new(), ""),
+                n => (
+                    format!(" ({n} jobs at once: {n} such batches)"),
+                    ", run fewer jobs at once (--jobs)",
+                ),
+            };
+            return Err(format!(
+                "{what}: a batch of {batch} x {t} tokens{jobs} needs about {} of activations ({} \
+                 attention weights per layer grow with the square of the length), more than the \
+                 limit of {}: shorten the inputs (max_tokens, --truncate), lower the batch size{fewer}, \
+                 or set POSLAB_MAX_MEMORY",
+                human(need),
+                human(4 * batch as u128 * config.n_heads as u128 * (t as u128).pow(2)),
+                human_bytes(max)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a generated task whose examples would hold more than [`Limits::max_memory`]:
+    /// `words` is the most words its splits can have.
+    pub fn check_generated(&self, words: u128, what: &str) -> std::result::Result<(), String> {
+        let need = words * BYTES_PER_GENERATED_WORD;
+        let max = self.max_memory;
+        if need > max as u128 {
+            return Err(format!(
+                "{what}: up to {words} generated words need about {} of memory, more than the limit \
+                 of {}: lower train_examples or eval_examples, shorten the lengths, or set \
+                 POSLAB_MAX_MEMORY",
+                human(need),
+                human_bytes(max)
+            ));
+        }
+        Ok(())
+    }
+
+    /// The longest input of which a batch of `batch` fits [`Limits::max_memory`] (at least 1).
+    pub fn longest_fitting(&self, config: &Sizes, batch: usize, training: bool) -> usize {
+        let (mut lo, mut hi) = (1usize, 1usize << 24);
+        let max = self.max_memory as u128;
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if activation_bytes(config, batch, mid, training) <= max {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+}
+
+/// Refuses weights of `n` f32 parameters larger than the memory this process may use
+/// ([`usable_memory`], where it can be read): the bound every built model is held to, whatever
+/// its caller's [`Limits`], so that a size typed wrong is an error, never an abort of the
+/// allocator.
+pub fn check_weights_fit(n: u128, config: &Sizes) -> std::result::Result<(), String> {
+    let Some(memory) = usable_memory() else {
+        return Ok(());
+    };
+    if 4 * n > memory as u128 {
         return Err(format!(
-            "this model would have {n} parameters ({} of f32 weights), more than the limit of \
-             {max}: check d_model = {}, ffn_dim = {}, n_layers = {}, vocab_size = {} and max_len \
-             = {} (set POSLAB_MAX_PARAMS to raise the limit)",
+            "this model would have {n} parameters ({} of f32 weights), more than the memory \
+             this process may use ({}): check d_model = {}, ffn_dim = {}, n_layers = {}, \
+             vocab_size = {} and max_len = {}",
             human(4 * n),
+            human_bytes(memory),
             config.d_model,
             config.ffn_dim,
             config.n_layers,
@@ -152,109 +274,12 @@ pub fn check_params(n: u128, config: &Sizes) -> std::result::Result<(), String> 
     Ok(())
 }
 
-/// Refuses a batch whose activations would need more than [`max_memory`]; `what` says where
-/// the batch comes from, for the message.
-pub fn check_batch(
-    config: &Sizes,
-    batch: usize,
-    t: usize,
-    training: bool,
-    what: &str,
-) -> std::result::Result<(), String> {
-    check_batches(config, batch, t, training, what, 1)
-}
-
-/// [`check_batch`] for `at_once` such batches in memory together (`compare`'s jobs): each may
-/// take its share of [`max_memory`].
-pub fn check_batches(
-    config: &Sizes,
-    batch: usize,
-    t: usize,
-    training: bool,
-    what: &str,
-    at_once: usize,
-) -> std::result::Result<(), String> {
-    let at_once = at_once.max(1) as u128;
-    let need = activation_bytes(config, batch, t, training) * at_once;
-    let max = max_memory()?;
-    if need > max as u128 {
-        let (jobs, fewer) = match at_once {
-            1 => (String::new(), ""),
-            n => (
-                format!(" ({n} jobs at once: {n} such batches)"),
-                ", run fewer jobs at once (--jobs)",
-            ),
-        };
-        return Err(format!(
-            "{what}: a batch of {batch} x {t} tokens{jobs} needs about {} of activations ({} \
-             attention weights per layer grow with the square of the length), more than the \
-             limit of {}: shorten the inputs (max_tokens, --truncate), lower the batch size{fewer}, \
-             or set POSLAB_MAX_MEMORY",
-            human(need),
-            human(4 * batch as u128 * config.n_heads as u128 * (t as u128).pow(2)),
-            human_bytes(max)
-        ));
-    }
-    Ok(())
-}
-
-/// Bytes a generated word costs until its task is tokenized (the word, its token id and its
-/// label), generously.
-pub const BYTES_PER_GENERATED_WORD: u128 = 64;
-
-/// Refuses a generated task whose examples would hold more than [`max_memory`]: `words` is the
-/// most words its splits can have.
-pub fn check_generated(words: u128, what: &str) -> std::result::Result<(), String> {
-    let need = words * BYTES_PER_GENERATED_WORD;
-    let max = max_memory()?;
-    if need > max as u128 {
-        return Err(format!(
-            "{what}: up to {words} generated words need about {} of memory, more than the limit \
-             of {}: lower train_examples or eval_examples, shorten the lengths, or set \
-             POSLAB_MAX_MEMORY",
-            human(need),
-            human_bytes(max)
-        ));
-    }
-    Ok(())
-}
-
-/// The longest input of which a batch of `batch` fits [`max_memory`] (at least 1).
-pub fn longest_fitting(config: &Sizes, batch: usize, training: bool) -> usize {
-    let (mut lo, mut hi) = (1usize, 1usize << 24);
-    let max = max_memory().unwrap_or_else(|_| default_max_memory()) as u128;
-    while lo < hi {
-        let mid = (lo + hi).div_ceil(2);
-        if activation_bytes(config, batch, mid, training) <= max {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    lo
-}
-
 fn human(n: u128) -> String {
     human_bytes(u64::try_from(n).unwrap_or(u64::MAX))
 }
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn limits_refuse_an_environment_they_cannot_read() {
-        // A name of its own: the tests run in parallel threads of one process.
-        std::env::set_var("POSLAB_TEST_LIMIT", "1.5G");
-        let err = crate::env::size_var("POSLAB_TEST_LIMIT").unwrap_err();
-        assert!(
-            err.contains("POSLAB_TEST_LIMIT=\"1.5G\" cannot be read"),
-            "{err}"
-        );
-        std::env::set_var("POSLAB_TEST_LIMIT", "3G");
-        assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(Some(3 << 30)));
-        std::env::remove_var("POSLAB_TEST_LIMIT");
-        assert_eq!(crate::env::size_var("POSLAB_TEST_LIMIT"), Ok(None));
-    }
-
     #[test]
     fn the_default_memory_limit_is_what_the_machine_and_its_cgroups_allow() {
         use super::*;

@@ -53,7 +53,7 @@ enum Command {
 
 fn main() -> ExitCode {
     // Every POSLAB_* variable is read as set, or refused: never silently ignored.
-    match poslab::env::check() {
+    match cli::env::check() {
         Ok(warnings) => warnings.iter().for_each(|w| eprintln!("{w}")),
         Err(e) => {
             eprintln!("error: {e}");

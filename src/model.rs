@@ -86,8 +86,13 @@ impl TaskModel {
 
     /// This model computing with `backend` (see [`Encoder::with_backend`]).
     pub fn with_backend(mut self, backend: crate::nn::Backend) -> Self {
-        self.encoder = self.encoder.with_backend(backend);
+        self.set_backend(backend);
         self
+    }
+
+    /// Computes with `backend` from now on (see [`Encoder::with_backend`]).
+    pub fn set_backend(&mut self, backend: crate::nn::Backend) {
+        self.encoder.set_backend(backend);
     }
 
     /// Packs the encoder's layers in `store` for training ([`Encoder::pack`]).

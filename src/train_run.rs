@@ -224,6 +224,18 @@ impl TrainRunConfig {
         }
     }
 
+    /// Refuses a generated task whose words, or a model whose parameters, pass `limits`
+    /// (before anything is generated or built).
+    pub fn check_limits(&self, limits: &crate::limits::Limits) -> Result<()> {
+        self.task.check_limits(limits)?;
+        match self.architecture()? {
+            Architecture::Own { shape, positional } => shape
+                .model_config(&self.variant(positional), 8, self.max_len.unwrap_or(1))
+                .check_limits(limits),
+            Architecture::Pretrained(_) => Ok(()),
+        }
+    }
+
     /// Parses and validates a run config from TOML text.
     pub fn from_toml_str(text: &str) -> Result<Self> {
         let config: Self = crate::io::parse_toml(text)?;
@@ -285,6 +297,28 @@ pub struct TrainOptions {
     /// Threads to train with: the width of the run's own rayon pool
     /// ([`crate::nn::with_threads`]). The results do not depend on it. `None`: every core.
     pub threads: Option<usize>,
+    /// The kernels and instruction sets the model computes with.
+    pub backend: crate::nn::Backend,
+    /// How large the model, its task and its batches may be.
+    pub limits: crate::limits::Limits,
+}
+
+impl TrainOptions {
+    /// A run into `dir` on `device`: quietly, to the end, the Hub's models read as its
+    /// variables say ([`HubSource::from_env`]), on every core, with the default kernels and
+    /// limits.
+    pub fn new(dir: impl Into<PathBuf>, device: Device) -> Self {
+        Self {
+            dir: dir.into(),
+            device,
+            progress: crate::progress::Progress::Quiet,
+            stop_after: None,
+            hub: HubSource::from_env(),
+            threads: None,
+            backend: crate::nn::Backend::default(),
+            limits: crate::limits::Limits::default(),
+        }
+    }
 }
 
 /// The record of a finished run, `metrics.json`.
@@ -330,6 +364,7 @@ pub enum TrainEnd {
 /// The folder is locked for the whole run, so a second `train` into it is refused.
 pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd> {
     config.validate()?;
+    config.check_limits(&options.limits)?;
     let dir = &options.dir;
     crate::io::create_folder(dir)?;
     let lock = crate::io::FolderLock::exclusive(dir, "poslab train")?;
@@ -345,7 +380,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let tokenizer = start.as_ref().map(|s| s.folder.tokenizer.clone());
     let data = config.task.generate_with(&options.hub, tokenizer)?;
     // Every check before anything is written: a start that fails leaves no run behind.
-    let ready = ready(config, data, start)?;
+    let ready = ready(config, data, start, &options.limits)?;
     if let Some(note) = ready.task.unknown_tokens_note() {
         eprintln!("note: {note}");
     }
@@ -528,9 +563,10 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
     Inputs::check(dir)?;
+    config.check_limits(&options.limits)?;
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;
-    let ready = ready(&config, data, start)?;
+    let ready = ready(&config, data, start, &options.limits)?;
     let end = run(&config, ready, options, true).map_err(|e| diverged(dir, e));
     drop(lock);
     end
@@ -601,6 +637,7 @@ fn ready<'a>(
     config: &'a TrainRunConfig,
     mut data: crate::tasks::TaskData,
     start: Option<Start>,
+    limits: &crate::limits::Limits,
 ) -> Result<Ready<'a>> {
     let architecture = config.architecture()?;
     let pooling = match (&architecture, &start) {
@@ -656,12 +693,14 @@ fn ready<'a>(
         (None, Architecture::Pretrained(_)) => unreachable!("Start::of read the folder"),
     };
     model_config.validate()?;
+    model_config.check_limits(limits)?;
     task.check_memory(
         &model_config,
         config.train.batch_size,
         eval_batch,
         &config.name,
         1,
+        limits,
     )?;
     task.train_data().check()?;
     Ok(Ready {
@@ -752,6 +791,7 @@ fn run(
         seed: config.seed,
         eval_batch,
         device: &options.device,
+        backend: options.backend,
     };
     // The board's count of steps left, for its time estimate: from the checkpoint resumed.
     let first = match resuming {

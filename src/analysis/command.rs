@@ -112,6 +112,10 @@ pub struct Request {
     /// Output folder (default: `runs/analysis-<what>-<timestamp>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// The kernels and instruction sets a model's passes compute with (the command line sets
+    /// it from `--kernels`).
+    #[arg(skip)]
+    pub backend: crate::nn::Backend,
 }
 
 /// What an analysis wrote, and its summary.
@@ -336,7 +340,8 @@ impl Request {
     /// A pretrained encoder's learned table (from the row its positions start at), or its
     /// rotation's table (ModernBERT).
     fn pretrained_subject(&self, spec: &str) -> Result<Subject> {
-        let model = crate::pretrained::Pretrained::open(spec, &candle::Device::Cpu)?;
+        let mut model = crate::pretrained::Pretrained::open(spec, &candle::Device::Cpu)?;
+        model.encoder.set_backend(self.backend);
         let label = Path::new(spec)
             .file_name()
             .map_or("model".into(), |n| n.to_string_lossy().into_owned());
@@ -385,12 +390,13 @@ impl Request {
         if let Some(what) = crate::experiment::folder::not_a_model(dir) {
             bail!("--run {}: {what}", dir.display());
         }
-        let loaded = crate::saved::load_as(
+        let mut loaded = crate::saved::load_as(
             dir,
             DType::F32,
             &candle::Device::Cpu,
             Some(crate::Precision::F32),
         )?;
+        loaded.model.set_backend(self.backend);
         let m = &loaded.config.model;
         let table = match loaded.model.encoder().learned_table() {
             Some(w) => Some(Table {
@@ -828,7 +834,9 @@ fn rescale(
     };
     let encoder = loaded.model.encoder();
     let vb = loaded.params.var_builder(encoder.dtype(), encoder.device());
-    loaded.model = crate::model::TaskModel::new(&config, &loaded.config.head, vb)?;
+    let backend = encoder.backend();
+    loaded.model =
+        crate::model::TaskModel::new(&config, &loaded.config.head, vb)?.with_backend(backend);
     loaded.config.model = config;
     Ok(())
 }

@@ -14,6 +14,7 @@ use serde::Serialize;
 use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
 use crate::data::Batch;
 use crate::error::{Error, Result};
+use crate::limits::Limits;
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
@@ -162,9 +163,10 @@ impl Shape {
             })
     }
 
-    /// The model config of `variant` at this shape (a name of [`Shape::variant_names`]); an unknown
-    /// name is an error listing the known ones.
-    pub fn model_config(&self, variant: &str) -> Result<ModelConfig> {
+    /// The model config of `variant` at this shape (a name of [`Shape::variant_names`]), its
+    /// size and batch checked against `limits`; an unknown name is an error listing the known
+    /// ones.
+    pub fn model_config(&self, variant: &str, limits: &Limits) -> Result<ModelConfig> {
         let config = ModelConfig {
             vocab_size: self.vocab,
             d_model: self.d_model,
@@ -198,7 +200,9 @@ impl Shape {
             }
         }
         config.validate()?;
-        crate::limits::check_batch(&config.sizes(), self.batch, self.seq, true, "bench")
+        config.check_limits(limits)?;
+        limits
+            .check_batch(&config.sizes(), self.batch, self.seq, true, "bench")
             .map_err(Error::Config)?;
         Ok(config)
     }
@@ -369,6 +373,8 @@ pub struct Options {
     pub device: Device,
     /// The kernels and instruction sets the models compute with.
     pub backend: crate::nn::Backend,
+    /// How large the models and their batches may be.
+    pub limits: Limits,
     /// Threads: each phase runs on a rayon pool of its own this wide.
     pub threads: usize,
 }
@@ -483,7 +489,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         })
     };
     for variant in &options.variants {
-        let config = shape.model_config(variant)?;
+        let config = shape.model_config(variant, &options.limits)?;
         let (forward_flops, train_flops) = shape.flops(variant);
         let params = ParamStore::new(0);
         let mut model = TaskModel::new(

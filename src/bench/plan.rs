@@ -306,7 +306,11 @@ impl Plan {
     /// The variants a bench runs when none are named: every scheme with its default options
     /// but `none` (with PyTorch, those its script runs), where the shape allows it. A shape
     /// that no variant fits is refused with the first one's reason.
-    pub fn default_variants(shape: &Shape, torch: Option<&Torch>) -> Result<Vec<String>> {
+    pub fn default_variants(
+        shape: &Shape,
+        torch: Option<&Torch>,
+        limits: &crate::limits::Limits,
+    ) -> Result<Vec<String>> {
         let pool: Vec<String> = match torch {
             Some(torch) => torch.variants.clone(),
             None => shape.variant_names(),
@@ -315,7 +319,7 @@ impl Plan {
         let fit: Vec<String> = pool
             .into_iter()
             .filter(|v| v != "none")
-            .filter(|v| match shape.model_config(v) {
+            .filter(|v| match shape.model_config(v, limits) {
                 Ok(_) => true,
                 Err(e) => {
                     refusal.get_or_insert(e);
@@ -337,10 +341,13 @@ impl Plan {
         }
         for v in &self.options.variants {
             self.options.shape.positional(v)?;
-            self.options.shape.model_config(v).map_err(|e| match e {
-                Error::Config(why) => Error::Config(format!("bench variant `{v}`: {why}")),
-                e => e,
-            })?;
+            self.options
+                .shape
+                .model_config(v, &self.options.limits)
+                .map_err(|e| match e {
+                    Error::Config(why) => Error::Config(format!("bench variant `{v}`: {why}")),
+                    e => e,
+                })?;
             if let Some(torch) = self.torch.as_ref().filter(|t| !t.variants.contains(v)) {
                 return Err(Error::Input(format!(
                     "--torch: the PyTorch script has no `{v}` variant; it runs {}",

@@ -12,11 +12,16 @@ pub struct Args {
     /// results do not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Which kernels a model's layers compute with (--run, --model): layer (the default), ops
+    /// or reference. Default: POSLAB_KERNELS when set, else layer.
+    #[arg(long, value_parser = super::kernels_parser())]
+    pub kernels: Option<poslab::nn::Kernels>,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
-    let request = a.request;
+    let mut request = a.request;
+    request.backend = poslab::nn::Backend::default().with_kernels(super::kernels(a.kernels)?);
     let report = poslab::nn::with_threads(threads, move || request.run())?;
     out!("{}", report.summary);
     outln!(

@@ -55,7 +55,7 @@ pub struct Args {
     /// Which kernels the layers run with: layer (each encoder layer one fused node, the
     /// default), ops (fused per-op kernels) or reference (compositions of candle ops).
     /// Default: POSLAB_KERNELS, else layer.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = super::kernels_parser())]
     pub kernels: Option<poslab::nn::Kernels>,
     /// Cap the instruction sets of poslab's fused kernels, to see what a machine without
     /// AVX-512 gets; matrix multiplies (gemm) still pick their own kernels from the CPU at run
@@ -108,10 +108,8 @@ pub fn run(a: Args) -> Result<()> {
     };
     let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
     check_repetitions(&a)?;
-    let mut backend = poslab::nn::Backend::from_env();
-    if let Some(kernels) = a.kernels {
-        backend = backend.with_kernels(kernels);
-    }
+    let limits = super::limits()?;
+    let mut backend = poslab::nn::Backend::default().with_kernels(super::kernels(a.kernels)?);
     if let Some(simd) = a.simd {
         backend = backend.with_simd(simd);
     }
@@ -130,7 +128,7 @@ pub fn run(a: Args) -> Result<()> {
         return products(&a, &shape, threads, torch.as_ref());
     }
     let variants = match a.variants.is_empty() {
-        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref())?,
+        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref(), &limits)?,
         false => a.variants,
     };
     if a.launches {
@@ -142,10 +140,11 @@ pub fn run(a: Args) -> Result<()> {
             train_reps: 1,
             device,
             backend,
+            limits,
             threads,
         };
         for v in &options.variants {
-            options.shape.model_config(v)?;
+            options.shape.model_config(v, &options.limits)?;
         }
         // The heap is counted from here: each model's parameters, moments and step.
         poslab::heap::start_counting();
@@ -165,6 +164,7 @@ pub fn run(a: Args) -> Result<()> {
             train_reps: a.train_reps,
             device,
             backend,
+            limits,
             threads,
         },
         device_flag: a.device,
@@ -235,7 +235,7 @@ fn check_products(a: &Args, shape: &poslab::bench::Shape, device: &candle::Devic
         );
     }
     // The shape's own checks (heads, sizes, memory), as a bench of it would make them.
-    shape.model_config("sin_add")?;
+    shape.model_config("sin_add", &super::limits()?)?;
     Ok(())
 }
 

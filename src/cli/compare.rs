@@ -85,6 +85,8 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     };
     let every = super::log_interval(a.log_every)?;
     let threads = a.compute.threads()?;
+    let backend = a.compute.backend()?;
+    let limits = super::limits()?;
     let started = Instant::now();
     let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();
@@ -103,17 +105,22 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
                 let mut options = run::RunOptions::new(device, dir.clone());
                 options.selection = selection.clone();
                 options.overwrite = a.overwrite;
+                options.limits = limits;
                 Some((dir.clone(), run::preview(&config, &options)?))
             }
             None => None,
         };
-        return print_estimate(&config, &selection, &source, a.gflops, jobs, found);
+        let estimate = estimate::estimate(&config, &selection, jobs, &limits)?;
+        return print_estimate(
+            &config, &selection, estimate, &source, a.gflops, jobs, found,
+        );
     }
     let jobs = jobs(a.jobs, &device, cells)?;
     // Without --out, the same command continues this experiment's unfinished run (one stopped
     // by Ctrl-C, a kill or a crash) rather than starting over in a new folder.
     let mut look = run::RunOptions::new(device.clone(), PathBuf::new());
     look.selection = selection.clone();
+    look.limits = limits;
     let mut created = false;
     let dir = match a.out {
         Some(dir) => dir,
@@ -162,6 +169,8 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         jobs,
         threads,
         overwrite: a.overwrite,
+        backend,
+        limits,
         kill_at: a.kill_at,
     };
     let output = match run::run(&config, &options, &|line| eprintln!("{line}")) {
@@ -231,12 +240,12 @@ fn jobs(asked: Option<usize>, device: &candle::Device, cells: usize) -> Result<u
 fn print_estimate(
     config: &ExperimentConfig,
     selection: &Selection,
+    mut e: estimate::Estimate,
     source: &str,
     gflops: f64,
     jobs: usize,
     found: Option<(PathBuf, run::Preview)>,
 ) -> Result<()> {
-    let mut e = estimate::estimate(config, selection, jobs)?;
     let selected = e.cells.len();
     let rate = gflops * 1e9;
     let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));

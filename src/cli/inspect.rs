@@ -63,6 +63,7 @@ pub fn run(args: Args) -> Result<()> {
 /// An experiment config: what it runs, how many cells, and how to check it all.
 fn describe_experiment(path: &Path) -> Result<()> {
     let config = ExperimentConfig::load(path)?;
+    config.check_limits(&super::limits()?)?;
     let cells = config.cells(&Selection::default())?.len();
     outln!(
         "{}: a valid experiment config (for poslab compare), `{}`: {} task{} x {} variant{} x {} \
@@ -154,6 +155,7 @@ fn task_line(task: &poslab::tasks::TaskSpec) -> String {
 /// A `poslab train` config.
 fn describe_train_config(path: &Path) -> Result<()> {
     let config = train_run::TrainRunConfig::load(path)?;
+    config.check_limits(&super::limits()?)?;
     outln!(
         "{}: a valid train config (for poslab train), run `{}`, seed {}",
         path.display(),
@@ -313,6 +315,7 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
         device: poslab::device::DeviceSpec::Cpu,
         dtype: None,
         threads: None,
+        kernels: None,
     };
     let model = super::load_pretrained(spec, &compute)?;
     let modern = model.family == poslab::pretrained::Family::ModernBert;
@@ -364,6 +367,7 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
 
 /// The shape, where positions act, and the parameters of this shape under every scheme.
 fn describe_config(config: ModelConfig, source: String) -> Result<()> {
+    config.check_limits(&super::limits()?)?;
     outln!("{source}: valid");
     describe_shape(&config)?;
     if let Some(plan) = &config.layers {
@@ -537,22 +541,29 @@ fn scheme_row(
         ..config.clone()
     };
     let name = format!("{marker} {label}");
-    Ok(match variant.validate() {
-        Err(e) => [name]
-            .into_iter()
-            .chain(std::iter::repeat_n("-".to_string(), 6))
-            .chain([format!("cannot be built at this shape: {e}")])
-            .collect(),
-        Ok(()) => {
-            let groups = parameter_groups(&variant).with_context(|| format!("building {label}"))?;
-            let total: usize = groups.iter().map(|g| g.1).sum();
-            [name]
+    let limits = super::limits()?;
+    Ok(
+        match variant
+            .validate()
+            .and_then(|()| variant.check_limits(&limits))
+        {
+            Err(e) => [name]
                 .into_iter()
-                .chain(groups.iter().map(|g| g.1.to_string()))
-                .chain([total.to_string(), where_.to_string()])
-                .collect()
-        }
-    })
+                .chain(std::iter::repeat_n("-".to_string(), 6))
+                .chain([format!("cannot be built at this shape: {e}")])
+                .collect(),
+            Ok(()) => {
+                let groups =
+                    parameter_groups(&variant).with_context(|| format!("building {label}"))?;
+                let total: usize = groups.iter().map(|g| g.1).sum();
+                [name]
+                    .into_iter()
+                    .chain(groups.iter().map(|g| g.1.to_string()))
+                    .chain([total.to_string(), where_.to_string()])
+                    .collect()
+            }
+        },
+    )
 }
 
 /// Parameters by group: the scheme's own (as its module holds them), then the others by the

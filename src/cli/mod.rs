@@ -25,6 +25,7 @@ pub mod analyze;
 pub mod bench;
 pub mod compare;
 pub mod embed;
+pub mod env;
 pub mod inspect;
 pub mod interrupt;
 pub mod predict;
@@ -98,7 +99,31 @@ pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
-/// Where a model computes, in what precision, and on how many threads.
+/// `--kernels`' values, the library's names: `reference`, `ops` or `layer`.
+pub fn kernels_parser() -> impl clap::builder::TypedValueParser<Value = poslab::nn::Kernels> {
+    use clap::builder::TypedValueParser as _;
+    let names = poslab::nn::Kernels::ALL.map(poslab::nn::Kernels::name);
+    clap::builder::PossibleValuesParser::new(names)
+        .map(|name| poslab::nn::Kernels::parse(&name).expect("a listed name"))
+}
+
+/// The kernels a command computes with: `--kernels` when given, else `POSLAB_KERNELS` when
+/// set, else the library's default (`layer`).
+pub fn kernels(flag: Option<poslab::nn::Kernels>) -> Result<poslab::nn::Kernels> {
+    match flag {
+        Some(k) => Ok(k),
+        None => Ok(env::kernels()
+            .map_err(anyhow::Error::msg)?
+            .unwrap_or_default()),
+    }
+}
+
+/// The sizes a command allows: `POSLAB_MAX_PARAMS` and `POSLAB_MAX_MEMORY`, else the defaults.
+pub fn limits() -> Result<poslab::limits::Limits> {
+    env::limits().map_err(anyhow::Error::msg)
+}
+
+/// Where a model computes, in what precision, with which kernels, and on how many threads.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Compute {
     /// cpu, cuda, cuda:N or auto (CUDA when built with the `cuda` feature and a GPU is present).
@@ -113,9 +138,21 @@ pub struct Compute {
     /// else every core, shared out among `compare`'s jobs). The results do not depend on it.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Which kernels the layers compute with: layer (each encoder layer one fused node with a
+    /// hand-written backward, the default), ops (fused per-op kernels) or reference
+    /// (compositions of candle ops, the specification). Default: POSLAB_KERNELS when set, else
+    /// layer. The kernels agree to within rounding, not bit for bit.
+    #[arg(long, value_parser = kernels_parser())]
+    pub kernels: Option<poslab::nn::Kernels>,
 }
 
 impl Compute {
+    /// The backend the command's models compute with: [`kernels`] at the CPU's best SIMD
+    /// level.
+    pub fn backend(&self) -> Result<poslab::nn::Backend> {
+        Ok(poslab::nn::Backend::default().with_kernels(kernels(self.kernels)?))
+    }
+
     /// `--threads` or `RAYON_NUM_THREADS`, checked ([`threads`]); `None` when neither is given.
     pub fn threads(&self) -> Result<Option<usize>> {
         threads(self.threads)
@@ -186,8 +223,10 @@ pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded
         anyhow::bail!("{}: {what}", dir.display());
     }
     let device = compute.device.open()?;
-    poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
-        .with_context(|| format!("loading the model in {}", dir.display()))
+    let mut loaded = poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    loaded.model.set_backend(compute.backend()?);
+    Ok(loaded)
 }
 
 /// `--rope-scaling KIND[:FACTOR]`, as clap parses it.
@@ -211,8 +250,10 @@ pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrain
         anyhow::bail!("--dtype applies to poslab's own models; a pretrained encoder runs in f32");
     }
     let device = compute.device.open()?;
-    poslab::pretrained::Pretrained::open(spec, &device)
-        .with_context(|| format!("loading the pretrained model {spec}"))
+    let mut model = poslab::pretrained::Pretrained::open(spec, &device)
+        .with_context(|| format!("loading the pretrained model {spec}"))?;
+    model.encoder.set_backend(compute.backend()?);
+    Ok(model)
 }
 
 /// `s` for a count other than one: `1 task`, `2 tasks`.

@@ -60,6 +60,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let device = compute.device.open()?;
+    let (backend, limits) = (compute.backend()?, super::limits()?);
     let options = |dir: PathBuf| train_run::TrainOptions {
         dir,
         device: device.clone(),
@@ -67,6 +68,8 @@ pub fn run(args: Args) -> Result<()> {
         stop_after,
         hub: poslab::text::HubSource::from_env(),
         threads,
+        backend,
+        limits,
     };
     let (end, dir) = match (config, resume) {
         (_, Some(dir)) => {

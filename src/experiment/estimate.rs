@@ -15,6 +15,7 @@ use super::{ExperimentConfig, Selection};
 use crate::config::ModelConfig;
 use crate::data::Dataset;
 use crate::error::Result;
+use crate::limits::Limits;
 use crate::model::HeadConfig;
 use crate::train::planned_steps;
 
@@ -80,9 +81,14 @@ pub const DRY_RUN_SAMPLE: [usize; 2] = [8000, 1000];
 
 /// Checks the selected cells of `config` as [`super::run::run`] would before training them
 /// `jobs` at a time, and estimates each one's cost, from the first examples of each generated
-/// split ([`DRY_RUN_SAMPLE`]).
-pub fn estimate(config: &ExperimentConfig, selection: &Selection, jobs: usize) -> Result<Estimate> {
-    estimate_from(config, selection, jobs, Some(DRY_RUN_SAMPLE))
+/// split ([`DRY_RUN_SAMPLE`]), against `limits`.
+pub fn estimate(
+    config: &ExperimentConfig,
+    selection: &Selection,
+    jobs: usize,
+    limits: &Limits,
+) -> Result<Estimate> {
+    estimate_from(config, selection, jobs, Some(DRY_RUN_SAMPLE), limits)
 }
 
 /// As [`estimate`], from the first `sample[0]` examples of each generated training split and
@@ -93,8 +99,10 @@ pub fn estimate_from(
     selection: &Selection,
     jobs: usize,
     sample: Option<[usize; 2]>,
+    limits: &Limits,
 ) -> Result<Estimate> {
     config.validate()?;
+    config.check_limits(limits)?;
     let cells = config.cells(selection)?;
     let experiment_cells = config.cells(&Selection::default())?.len();
     let jobs = jobs.clamp(1, cells.len().max(1));
@@ -103,7 +111,7 @@ pub fn estimate_from(
     let mut out: Vec<Option<CellEstimate>> = vec![None; cells.len()];
     let mut sampled = Vec::new();
     for &t in &task_ids {
-        let task = prepare_task_checked(config, t, &variants, jobs, sample)?;
+        let task = prepare_task_checked(config, t, &variants, jobs, sample, limits)?;
         if let Some((train, eval)) = task.spec.generated_sizes() {
             if task.train.samples.len() < train || task.valid.samples.len() < eval {
                 sampled.push(task.spec.name.clone());

@@ -13,6 +13,7 @@ use super::results::TrainSummary;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::TaskModel;
+use crate::nn::Backend;
 use crate::params::ParamStore;
 use crate::saved::{self, SavedConfig};
 use crate::train::{TrainConfig, TrainOutcome, Trainer};
@@ -62,6 +63,8 @@ pub(crate) struct Job<'a> {
     pub eval_batch: usize,
     /// Where the model is built.
     pub device: &'a Device,
+    /// The kernels and instruction sets it computes with.
+    pub backend: Backend,
 }
 
 /// A trained and tested model.
@@ -94,7 +97,8 @@ impl Job<'_> {
             self.model,
             &self.task.head,
             params.var_builder(DType::F32, self.device),
-        )?;
+        )?
+        .with_backend(self.backend);
         // One variable a layer, as the fused layer kernel reads it (names and values unchanged).
         model.pack(&params)?;
         // Bounds first: a start's weights are checked against them (Trainer::new holds the

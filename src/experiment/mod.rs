@@ -382,7 +382,23 @@ impl ExperimentConfig {
         self.model.model_config(variant, vocab_size, table_rows)
     }
 
-    /// Checks everything that can be checked before data exists.
+    /// Refuses tasks whose generated words, or variants whose parameters, pass `limits`
+    /// (before anything is generated or built; each variant at a placeholder vocabulary, as
+    /// [`ExperimentConfig::validate`] checks it).
+    pub fn check_limits(&self, limits: &crate::limits::Limits) -> Result<()> {
+        for task in &self.tasks {
+            task.check_limits(limits)?;
+        }
+        for variant in &self.variants {
+            self.model_config(variant, 8, variant.max_len.unwrap_or(1))
+                .check_limits(limits)
+                .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
+        }
+        Ok(())
+    }
+
+    /// Checks everything that can be checked before data exists (its sizes against a run's
+    /// limits are [`ExperimentConfig::check_limits`]).
     pub fn validate(&self) -> Result<()> {
         check_name("experiment", &self.name)?;
         if self.seeds == 0 {

@@ -317,30 +317,33 @@ impl Prepared<'_> {
         eval_batch: usize,
         what: &str,
         at_once: usize,
+        limits: &crate::limits::Limits,
     ) -> Result<()> {
         let training = [&self.train, &self.valid]
             .map(|s| s.max_len())
             .into_iter()
             .max()
             .unwrap_or(0);
-        crate::limits::check_batches(
-            &config.sizes(),
-            train_batch,
-            training,
-            true,
-            &format!("{what}: training"),
-            at_once,
-        )
-        .map_err(Error::Config)?;
+        limits
+            .check_batches(
+                &config.sizes(),
+                train_batch,
+                training,
+                true,
+                &format!("{what}: training"),
+                at_once,
+            )
+            .map_err(Error::Config)?;
         let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
-        crate::limits::check_batch(
-            &config.sizes(),
-            eval_batch,
-            testing,
-            false,
-            &format!("{what}: testing"),
-        )
-        .map_err(Error::Config)
+        limits
+            .check_batch(
+                &config.sizes(),
+                eval_batch,
+                testing,
+                false,
+                &format!("{what}: testing"),
+            )
+            .map_err(Error::Config)
     }
 
     /// The set of every test run (in the order the tests run; a set tested twice, shifted,
@@ -484,6 +487,7 @@ impl Prepared<'_> {
         params: &ParamStore,
         scaling: &RopeScaling,
         eval_batch: usize,
+        backend: crate::nn::Backend,
     ) -> Result<Vec<Evaluation>> {
         let PositionalConfig::Rope(options) = &model_config.positional else {
             return Err(Error::Config(format!(
@@ -508,7 +512,8 @@ impl Prepared<'_> {
                 };
                 // Built from the same store: the trained variables, shared.
                 let model =
-                    TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?;
+                    TaskModel::new(&scaled, &self.head, params.var_builder(DType::F32, &device))?
+                        .with_backend(backend);
                 self.evaluate_test(&model, i, eval_batch)
             })
             .collect::<Result<Vec<_>>>()

@@ -43,6 +43,11 @@ pub struct RunOptions {
     pub threads: Option<usize>,
     /// Replace the run already in `dir` (only the files it wrote) instead of continuing it.
     pub overwrite: bool,
+    /// The kernels and instruction sets the cells compute with. The kernels agree to within
+    /// rounding, not bit for bit: continue a run with the kernels it started with.
+    pub backend: crate::nn::Backend,
+    /// How large the models, tasks and batches may be.
+    pub limits: crate::limits::Limits,
     /// For tests: SIGKILL the process at this point (`cell-I-step-S`, `cell-I-saved`,
     /// `cell-I-record` with the record half written, `cell-I-done`, `report`; `I` counts the
     /// selection's cells from 0), or SIGINT it there (`int:` before the point).
@@ -61,6 +66,8 @@ impl RunOptions {
             jobs: 1,
             threads: None,
             overwrite: false,
+            backend: crate::nn::Backend::default(),
+            limits: crate::limits::Limits::default(),
             kill_at: None,
         }
     }
@@ -186,6 +193,7 @@ fn run_cell(
             .batch_size
             .unwrap_or(2 * config.train.batch_size),
         device: &options.device,
+        backend: options.backend,
     };
     let mut steps = CellSteps {
         shared,
@@ -270,9 +278,9 @@ fn rescore(
     };
     let mut rows = Vec::new();
     for scaling in scalings {
-        let evaluations = job
-            .task
-            .evaluate_scaled(job.model, params, scaling, job.eval_batch)?;
+        let evaluations =
+            job.task
+                .evaluate_scaled(job.model, params, scaling, job.eval_batch, job.backend)?;
         let name = format!("{} + {}", variant.name, scaling.label());
         let positional = PositionalConfig::Rope(RopeOptions {
             scaling: Some(scaling.clone()),
@@ -380,6 +388,7 @@ pub fn progress_of(dir: &std::path::Path) -> Option<(usize, usize)> {
 /// there. `poslab compare --dry-run` says this before anything is spent.
 pub fn preview(config: &ExperimentConfig, options: &RunOptions) -> Result<Preview> {
     config.validate()?;
+    config.check_limits(&options.limits)?;
     let selected = config.cells(&options.selection)?;
     let found = folder::preview(
         &options.dir,
@@ -422,6 +431,7 @@ pub fn run(
     log: &(dyn Fn(&str) + Sync),
 ) -> Result<RunOutput> {
     config.validate()?;
+    config.check_limits(&options.limits)?;
     let dir = &options.dir;
     let selected = config.cells(&options.selection)?;
     let opened = folder::open(dir, &plan(config, options, &selected), options.overwrite)?;
@@ -490,11 +500,12 @@ pub(crate) fn prepare_checked<'a>(
     config: &'a ExperimentConfig,
     cells: &[(usize, usize, u64)],
     jobs: usize,
+    limits: &crate::limits::Limits,
 ) -> Result<(Vec<usize>, Vec<Prepared<'a>>)> {
     let (task_ids, variants) = tasks_and_variants(config, cells);
     let prepared = task_ids
         .iter()
-        .map(|&t| prepare_task_checked(config, t, &variants, jobs, None))
+        .map(|&t| prepare_task_checked(config, t, &variants, jobs, None, limits))
         .collect::<Result<Vec<_>>>()?;
     Ok((task_ids, prepared))
 }
@@ -524,6 +535,7 @@ pub(crate) fn prepare_task_checked<'a>(
     variants: &[&VariantSpec],
     jobs: usize,
     sample: Option<[usize; 2]>,
+    limits: &crate::limits::Limits,
 ) -> Result<Prepared<'a>> {
     let spec = &config.tasks[t];
     let data = match sample {
@@ -542,8 +554,16 @@ pub(crate) fn prepare_task_checked<'a>(
             config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
         model
             .validate()
+            .and_then(|()| model.check_limits(limits))
             .map_err(|e| Error::Config(format!("{what}: {e}")))?;
-        task.check_memory(&model, config.train.batch_size, eval_batch, &what, jobs)?;
+        task.check_memory(
+            &model,
+            config.train.batch_size,
+            eval_batch,
+            &what,
+            jobs,
+            limits,
+        )?;
     }
     Ok(task)
 }
@@ -618,7 +638,7 @@ fn train_cells(
     // The tasks the pending cells need: only those are generated and checked.
     let cells_needed: Vec<(usize, usize, u64)> = pending.iter().map(|&i| selected[i]).collect();
     let jobs = options.jobs.clamp(1, cells_needed.len().max(1));
-    let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs)?;
+    let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs, &options.limits)?;
     for note in prepared.iter().filter_map(Prepared::unknown_tokens_note) {
         log(&format!("note: {note}"));
     }

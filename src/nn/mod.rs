@@ -52,7 +52,6 @@ pub mod device_path {
 }
 
 use std::cell::Cell;
-use std::sync::OnceLock;
 
 use candle::{DType, Tensor};
 
@@ -87,7 +86,7 @@ pub fn with_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R 
 /// `ops` and `layer` both mean one candle kernel per softmax, LayerNorm, GELU and RoPE rotation
 /// with poslab's backward passes (`cuda_ops.rs`), and `reference` the compositions; elsewhere
 /// (the CPU in half precision) always [`Kernels::Reference`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
     /// Compositions of differentiable candle tensor ops: the specification the others are
     /// tested against.
@@ -96,30 +95,17 @@ pub enum Kernels {
     /// softmax, GELU, RoPE, and the attention core from packed QKV.
     Ops,
     /// Each encoder layer as one node with a hand-written backward (the default).
+    #[default]
     Layer,
 }
 
 impl Kernels {
-    /// From `POSLAB_KERNELS` (`reference`, `ops` or `layer`), else [`Kernels::Layer`]: the
-    /// user's choice for every encoder the process builds, read once.
-    pub fn from_env() -> Self {
-        static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
-        *FROM_ENV.get_or_init(|| match std::env::var("POSLAB_KERNELS") {
-            Err(_) => Kernels::Layer,
-            Ok(v) => Kernels::parse(&v).unwrap_or_else(|| {
-                eprintln!(
-                    "warning: POSLAB_KERNELS={v} is not reference, ops or layer; using layer"
-                );
-                Kernels::Layer
-            }),
-        })
-    }
+    /// Every choice, the specification first.
+    pub const ALL: [Kernels; 3] = [Kernels::Reference, Kernels::Ops, Kernels::Layer];
 
     /// `reference`, `ops` or `layer`.
     pub fn parse(name: &str) -> Option<Self> {
-        [Kernels::Reference, Kernels::Ops, Kernels::Layer]
-            .into_iter()
-            .find(|k| k.name() == name)
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
     /// The name the command line and bench records use: `reference`, `ops` or `layer`.
@@ -133,8 +119,8 @@ impl Kernels {
 }
 
 /// How an encoder computes: which kernels, and the instruction sets poslab's fused CPU kernels
-/// may use. Chosen once, when the encoder is built ([`crate::Encoder::with_backend`]; by
-/// default [`Backend::from_env`]), and in force for everything its forward passes, its model's
+/// may use. A value, chosen by whoever builds the encoder ([`crate::Encoder::with_backend`];
+/// by default [`Backend::default`]) and never read from the environment here, in force for everything its forward passes, its model's
 /// head, and a training step on it compute ([`Backend::run`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backend {
@@ -157,14 +143,6 @@ impl Default for Backend {
 }
 
 impl Backend {
-    /// [`Backend::default`] with the kernels `POSLAB_KERNELS` names, if it is set.
-    pub fn from_env() -> Self {
-        Self {
-            kernels: Kernels::from_env(),
-            ..Self::default()
-        }
-    }
-
     /// This backend with `kernels`.
     pub fn with_kernels(self, kernels: Kernels) -> Self {
         Self { kernels, ..self }
@@ -217,12 +195,12 @@ thread_local! {
 }
 
 /// The backend in force on this thread: a test's override, else the one a [`Backend::run`]
-/// installed (an encoder's), else [`Backend::from_env`].
+/// installed (an encoder's, for the length of its pass), else [`Backend::default`].
 pub fn backend() -> Backend {
     TEST_OVERRIDE
         .with(Cell::get)
         .or_else(|| IN_FORCE.with(Cell::get))
-        .unwrap_or_else(Backend::from_env)
+        .unwrap_or_default()
 }
 
 /// For tests and benchmarks of the kernels: runs `f` with the layers on this thread computed

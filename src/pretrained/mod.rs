@@ -28,10 +28,10 @@ pub use mlm_head::MlmHead;
 use crate::config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
-use crate::infer::{MaskFill, Output, Prediction};
 use crate::nn::Activation;
 use crate::params::ParamStore;
 use crate::positional::{LearnedOptions, PositionalConfig, Positions};
+use crate::prediction::{top_fills, MaskFill, Output, Prediction};
 use crate::text::TextTokenizer;
 
 /// The model types poslab loads.
@@ -569,7 +569,7 @@ impl Pretrained {
                         continue;
                     }
                     let row = probs.i((b, t))?.to_vec1::<f32>()?;
-                    let fills = crate::infer::top_fills(&row, top_k, &specials, tok);
+                    let fills = top_fills(&row, top_k, &specials, tok);
                     let word = word_ids.get(t).copied().flatten();
                     masks.push(MaskFill {
                         word: word.map_or(t, |w| w as usize),

@@ -590,7 +590,16 @@ impl TaskSpec {
         (n_train + n_eval) * self.words_at(hi) as u128 + n_eval * tests
     }
 
-    /// Checks the spec; the message names the field and the fix.
+    /// Refuses a generated task whose words would take more memory than `limits` allow
+    /// (checked before anything is generated).
+    pub fn check_limits(&self, limits: &crate::limits::Limits) -> Result<()> {
+        limits
+            .check_generated(self.max_words(), &format!("task `{}`", self.name))
+            .map_err(|m| Error::Config(format!("task `{}`: {m}", self.name)))
+    }
+
+    /// Checks the spec; the message names the field and the fix (its size against a run's
+    /// limits is [`TaskSpec::check_limits`]).
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::Config(format!("task `{}`: {m}", self.name)));
         self.tokenizer
@@ -664,8 +673,6 @@ impl TaskSpec {
         }
         let shortest = self.test_ranges().iter().map(|r| r[0]).min().unwrap_or(lo);
         let lo = lo.min(shortest);
-        crate::limits::check_generated(self.max_words(), &format!("task `{}`", self.name))
-            .or_else(err)?;
         match self.kind.generator() {
             Some(g) => g.check(lo, longest).or_else(err),
             None => Ok(()),

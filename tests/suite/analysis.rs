@@ -445,6 +445,8 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
         threads: None,
+        backend: Default::default(),
+        limits: Default::default(),
     };
     poslab::train_run::start(&config, &options).unwrap();
     // `analyze --run` into `out`, with `threads` if given.
@@ -545,6 +547,8 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
         stop_after: None,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
         threads: None,
+        backend: Default::default(),
+        limits: Default::default(),
     };
     poslab::train_run::start(&config, &options).unwrap();
     run

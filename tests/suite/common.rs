@@ -615,6 +615,8 @@ pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::train_run::Trai
         stop_after,
         hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
         threads: None,
+        backend: Default::default(),
+        limits: Default::default(),
     }
 }
 

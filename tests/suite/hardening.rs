@@ -202,8 +202,12 @@ fn float_settings_are_finite_and_in_range() {
 
 #[test]
 fn sizes_are_bounded_before_anything_is_allocated() {
+    // A config is checked against the limits a run, a predictor or a benchmark holds (the
+    // command line's from POSLAB_MAX_PARAMS), after its fields.
+    let limits = poslab::limits::Limits::default();
     let shape = |fields: &str| {
         ModelConfig::from_toml_str(&format!("{fields}\n[positional]\nkind = \"learned\"\n"))
+            .and_then(|c| c.check_limits(&limits).map(|()| c))
     };
     let base = |d: u64, vocab: u64, ffn: u64, layers: u64, max_len: u64| {
         format!(
@@ -211,7 +215,7 @@ fn sizes_are_bounded_before_anything_is_allocated() {
         )
     };
     for (fields, needle) in [
-        (base(1_000_000_000, 100, 32, 1, 16), "parameters"),
+        (base(1_000_000_000, 100, 32, 1, 16), "d_model = 1000000000"),
         (base(16, 100_000_000_000, 32, 1, 16), "parameters"),
         (base(16, 100, 1_000_000_000_000, 1, 16), "parameters"),
         (base(16, 100, 32, 100_000_000, 16), "parameters"),
@@ -223,6 +227,28 @@ fn sizes_are_bounded_before_anything_is_allocated() {
             "{message}"
         );
     }
+    // Raised limits admit a model the defaults refuse; building it is still held to the
+    // machine's memory, whatever the caller's limits.
+    let huge = ModelConfig::from_toml_str(&format!(
+        "{}\n[positional]\nkind = \"learned\"\n",
+        base(16, 100_000_000_000, 32, 1, 16)
+    ))
+    .unwrap();
+    let raised = poslab::limits::Limits {
+        max_params: u64::MAX,
+        ..limits
+    };
+    huge.check_limits(&raised).unwrap();
+    let store = poslab::ParamStore::new(0);
+    assert_error_mentions(
+        poslab::Encoder::new(&huge, store.var_builder(candle::DType::F32, &Device::Cpu))
+            .map(|_| ()),
+        &[
+            "parameters",
+            "more than the memory this process may use",
+            "vocab_size",
+        ],
+    );
     // A shift past the largest position, in an experiment and in a train config.
     let text = format!(
         "name = \"e\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\

@@ -321,7 +321,12 @@ fn suite_task_tables_refuse_what_they_cannot_mean() {
     let err = |text: &str| -> String {
         match toml::from_str::<W>(text) {
             Err(e) => e.to_string(),
-            Ok(w) => w.tasks[0].validate().unwrap_err().to_string(),
+            Ok(w) => {
+                let task = &w.tasks[0];
+                let limits = poslab::limits::Limits::default();
+                let checked = task.validate().and_then(|()| task.check_limits(&limits));
+                checked.unwrap_err().to_string()
+            }
         }
     };
     let e = err("[[tasks]]\nkind = \"reverse_string\"\nlengths = [1, 4]\nk = 2\n");

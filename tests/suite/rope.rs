@@ -485,6 +485,8 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
             stop_after: None,
             hub: poslab::text::HubSource::from_env(),
             threads: None,
+            backend: Default::default(),
+            limits: Default::default(),
         },
     )
     .unwrap();

@@ -1116,8 +1116,10 @@ positional = { kind = "rope" }
     )
     .unwrap();
     let selection = poslab::experiment::Selection::default();
-    let sampled = poslab::experiment::estimate::estimate(&config, &selection, 1).unwrap();
-    let whole = poslab::experiment::estimate::estimate_from(&config, &selection, 1, None).unwrap();
+    let limits = poslab::limits::Limits::default();
+    let sampled = poslab::experiment::estimate::estimate(&config, &selection, 1, &limits).unwrap();
+    let whole =
+        poslab::experiment::estimate::estimate_from(&config, &selection, 1, None, &limits).unwrap();
     assert_eq!(sampled.sampled, ["reverse_string", "binary_addition"]);
     assert!(whole.sampled.is_empty());
     assert_eq!(sampled.cells.len(), 4);

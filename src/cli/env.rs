@@ -1,13 +1,15 @@
-//! The environment variables poslab reads, and the values each accepts. A value poslab cannot
-//! read is an error that says the accepted forms (never a silent fallback to the default), and
-//! the `poslab` binary checks every one at start ([`check`]), warning of `POSLAB_*` names it
-//! does not know (a typo would otherwise be ignored).
+//! The environment variables poslab reads, and the values each accepts. Only the command line
+//! reads them (the library takes every choice as a value): once, at start, into the values it
+//! passes on ([`super::Compute::backend`], [`limits`]). A value poslab cannot read is an error
+//! that says the accepted forms (never a silent fallback to the default), and the `poslab`
+//! binary checks every one at start ([`check`]), warning of `POSLAB_*` names it does not know
+//! (a typo would otherwise be ignored).
 
 /// A variable poslab reads: its name, what it accepts, and how a value is checked.
 pub struct Var {
     /// The variable's name.
     pub name: &'static str,
-    /// The values it accepts, in words (for error messages and `poslab env`).
+    /// The values it accepts, in words (for error messages).
     pub accepts: &'static str,
     check: fn(&str) -> Result<(), String>,
 }
@@ -15,8 +17,8 @@ pub struct Var {
 fn size(v: &str) -> Result<(), String> {
     parse_size(v).map(|_| ())
 }
-fn kernels(v: &str) -> Result<(), String> {
-    crate::nn::Kernels::parse(v)
+fn kernels_value(v: &str) -> Result<(), String> {
+    poslab::nn::Kernels::parse(v)
         .map(|_| ())
         .ok_or_else(|| "not reference, ops or layer".into())
 }
@@ -52,7 +54,7 @@ pub const VARS: &[Var] = &[
     Var {
         name: "POSLAB_KERNELS",
         accepts: "the CPU kernels: reference, ops or layer",
-        check: kernels,
+        check: kernels_value,
     },
     Var {
         name: "POSLAB_DEFAULT_ALLOCATOR",
@@ -123,6 +125,34 @@ pub fn size_var(name: &str) -> Result<Option<u64>, String> {
     })
 }
 
+/// The limits `POSLAB_MAX_PARAMS` and `POSLAB_MAX_MEMORY` set, each else its default
+/// ([`poslab::limits::Limits::default`]); an unreadable value is an error saying the accepted
+/// forms.
+pub fn limits() -> Result<poslab::limits::Limits, String> {
+    let default = poslab::limits::Limits::default();
+    Ok(poslab::limits::Limits {
+        max_params: size_var("POSLAB_MAX_PARAMS")?.unwrap_or(default.max_params),
+        max_memory: size_var("POSLAB_MAX_MEMORY")?.unwrap_or(default.max_memory),
+    })
+}
+
+/// The kernels `POSLAB_KERNELS` names, if it is set; an unreadable value is an error saying
+/// the accepted forms.
+pub fn kernels() -> Result<Option<poslab::nn::Kernels>, String> {
+    let Some(value) = std::env::var_os("POSLAB_KERNELS") else {
+        return Ok(None);
+    };
+    let value = value.to_string_lossy();
+    match poslab::nn::Kernels::parse(&value) {
+        Some(k) => Ok(Some(k)),
+        None => {
+            let var = VARS.iter().find(|v| v.name == "POSLAB_KERNELS");
+            let var = var.expect("POSLAB_KERNELS is listed");
+            Err(refused(var, &value, "not reference, ops or layer"))
+        }
+    }
+}
+
 /// Checks every `POSLAB_*` variable set: a known one's value must be one it accepts (else an
 /// error saying the accepted forms); an unknown name is returned as a warning.
 pub fn check() -> Result<Vec<String>, String> {
@@ -151,6 +181,21 @@ pub fn check() -> Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_refuse_an_environment_they_cannot_read() {
+        // A name of its own: the tests run in parallel threads of one process.
+        std::env::set_var("POSLAB_TEST_LIMIT", "1.5G");
+        let err = size_var("POSLAB_TEST_LIMIT").unwrap_err();
+        assert!(
+            err.contains("POSLAB_TEST_LIMIT=\"1.5G\" cannot be read"),
+            "{err}"
+        );
+        std::env::set_var("POSLAB_TEST_LIMIT", "3G");
+        assert_eq!(size_var("POSLAB_TEST_LIMIT"), Ok(Some(3 << 30)));
+        std::env::remove_var("POSLAB_TEST_LIMIT");
+        assert_eq!(size_var("POSLAB_TEST_LIMIT"), Ok(None));
+    }
 
     #[test]
     fn sizes_are_whole_numbers_with_a_binary_suffix() {
