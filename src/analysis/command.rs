@@ -1,6 +1,6 @@
 //! `poslab analyze`: what a positional scheme encodes, by name, in a model poslab trained, or
-//! in a pretrained encoder. [`Request`] is the command's flags; [`Request::run`] writes the
-//! files and returns the summary.
+//! in a pretrained encoder. [`Request`] is what the command's flags ask for; [`Request::run`]
+//! writes the files and returns the summary.
 
 use std::path::{Path, PathBuf};
 
@@ -32,90 +32,98 @@ const MAX_TABLE_VALUES: usize = 1 << 24;
 /// components, distance matrices, distance against offset, the relative-shift property, a linear
 /// position probe, wavelengths, RoPE's decay; an attention bias by offset, per head; for a
 /// trained model (--run) its table, its learned score biases, and how its attention logits split
-/// into content and position terms.
-#[derive(Clone, Debug, clap::Args)]
+/// into content and position terms. The `poslab analyze` command's flags, each field's default
+/// [`Request::default`]'s.
+#[derive(Clone, Debug)]
 pub struct Request {
     /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an
     /// attention bias: `alibi`, `t5`, `kerple`, `fire` (at two lengths: its interpolation); or
     /// give --run (FoX's gates exist only in a trained model).
-    #[arg(value_parser = ["sinusoidal", "rope", "prope", "alibi", "t5", "kerple", "fire", "fox"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
     pub scheme: Option<String>,
     /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
     /// table, with the same measures, pictures and CSVs as a trained model's.
-    #[arg(long, value_name = "PATH_OR_HUB_ID", conflicts_with = "run")]
     pub model: Option<String>,
     /// Heads of an attention bias (alibi, kerple).
-    #[arg(long, default_value_t = 8)]
     pub heads: usize,
     /// T5: buckets.
-    #[arg(long, default_value_t = 32)]
     pub buckets: usize,
     /// T5: the distance from which offsets share the last bucket.
-    #[arg(long, default_value_t = 128)]
     pub max_distance: usize,
     /// RoPE: the share of each head rotated (its first int(dim x fraction) coordinates).
-    #[arg(long, default_value_t = 1.0)]
     pub fraction: f64,
     /// p-RoPE: the share of a head's frequency pairs that rotate (the fastest).
-    #[arg(long, default_value_t = 0.75)]
     pub keep: f64,
     /// FIRE: the threshold L (default: --positions, standing for the training length); its
     /// bias is drawn at --positions and at 4 times as many.
-    #[arg(long)]
     pub threshold: Option<f64>,
     /// RoPE: the factor of the scalings whose wavelengths are compared.
-    #[arg(long, default_value_t = 4.0)]
     pub factor: f64,
     /// RoPE: the training length the scalings start from (default: --positions, or a trained
     /// model's max_len).
-    #[arg(long)]
     pub original_max_len: Option<usize>,
     /// With --run of a rope model: read the text with RoPE's frequencies rescaled,
     /// `KIND[:FACTOR]` (see `predict --help`); its factor also sets the wavelengths compared.
-    #[arg(long, value_name = "KIND[:FACTOR]", value_parser = crate::positional::RopeScaling::parse_spec, requires = "run")]
     pub rope_scaling: Option<crate::positional::RopeScaling>,
     /// A trained model's folder.
-    #[arg(long, value_name = "DIR")]
     pub run: Option<PathBuf>,
     /// Width of the table (sinusoidal) or of a head (rope).
-    #[arg(long, default_value_t = 64)]
     pub dim: usize,
     /// The base of the sinusoid's or rotation's frequencies.
-    #[arg(long, default_value_t = 10_000.0)]
     pub base: f64,
     /// Sinusoidal layout.
-    #[arg(long, value_enum, default_value_t = TableLayout::Interleaved)]
     pub layout: TableLayout,
     /// RoPE pairing.
-    #[arg(long, value_enum, default_value_t = RopePairing::Interleaved)]
     pub pairing: RopePairing,
     /// Positions analysed (a learned table: all its rows); at most 8192, 1024 for attention
     /// biases.
-    #[arg(long, default_value_t = 128)]
     pub positions: usize,
     /// First position (sinusoidal).
-    #[arg(long, default_value_t = 0)]
     pub start: usize,
     /// Reference position (row) of the offset curves.
-    #[arg(long, default_value_t = 0)]
     pub reference: usize,
     /// Bases compared in the wavelength plot.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![100.0, 10_000.0, 100_000_000.0])]
     pub bases: Vec<f64>,
     /// Evaluation text for the attention terms of --run, one text per line (default: the
     /// model's own test set, remade from its config.json).
-    #[arg(long, value_name = "FILE")]
     pub text: Option<PathBuf>,
     /// Texts used for the attention terms.
-    #[arg(long, default_value_t = 64)]
     pub texts: usize,
     /// Output folder (default: `runs/analysis-<what>-<timestamp>`).
-    #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The kernels and instruction sets a model's passes compute with (the command line sets
-    /// it from `--kernels`).
-    #[arg(skip)]
+    /// The kernels and instruction sets a model's passes compute with.
     pub backend: crate::nn::Backend,
+}
+
+impl Default for Request {
+    /// What `poslab analyze` takes when a flag is not given.
+    fn default() -> Self {
+        Self {
+            scheme: None,
+            model: None,
+            heads: 8,
+            buckets: 32,
+            max_distance: 128,
+            fraction: 1.0,
+            keep: 0.75,
+            threshold: None,
+            factor: 4.0,
+            original_max_len: None,
+            rope_scaling: None,
+            run: None,
+            dim: 64,
+            base: 10_000.0,
+            layout: TableLayout::Interleaved,
+            pairing: RopePairing::Interleaved,
+            positions: 128,
+            start: 0,
+            reference: 0,
+            bases: vec![100.0, 10_000.0, 100_000_000.0],
+            text: None,
+            texts: 64,
+            out: None,
+            backend: crate::nn::Backend::default(),
+        }
+    }
 }
 
 /// What an analysis wrote, and its summary.

@@ -55,12 +55,12 @@ pub struct Args {
     /// Which kernels the layers run with: layer (each encoder layer one fused node, the
     /// default), ops (fused per-op kernels) or reference (compositions of candle ops).
     /// Default: POSLAB_KERNELS, else layer.
-    #[arg(long, value_parser = super::kernels_parser())]
+    #[arg(long, value_parser = super::kernels_described())]
     pub kernels: Option<poslab::nn::Kernels>,
     /// Cap the instruction sets of poslab's fused kernels, to see what a machine without
     /// AVX-512 gets; matrix multiplies (gemm) still pick their own kernels from the CPU at run
     /// time.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = super::choices(SIMD, poslab::nn::SimdLevel::name))]
     pub simd: Option<poslab::nn::SimdLevel>,
     /// Run PyTorch beside poslab, interleaved per variant, and report the ratios: with no
     /// path, poslab's own PyTorch model of the bench encoder (benches/torch_at_shape.py, built
@@ -93,6 +93,16 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["products", "torch"])]
     pub launches: bool,
 }
+
+/// `--simd`'s values.
+const SIMD: &[(poslab::nn::SimdLevel, &str)] = &[
+    (
+        poslab::nn::SimdLevel::Baseline,
+        "The build's baseline target (SSE2 on x86-64)",
+    ),
+    (poslab::nn::SimdLevel::Avx2, "AVX2 and FMA"),
+    (poslab::nn::SimdLevel::Avx512, "AVX-512 (F and VL)"),
+];
 
 pub fn run(a: Args) -> Result<()> {
     let shape = poslab::bench::Shape {

@@ -99,12 +99,56 @@ pub fn log_interval(seconds: f64) -> Result<std::time::Duration> {
     Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
-/// `--kernels`' values, the library's names: `reference`, `ops` or `layer`.
+/// A flag that takes one of the library's plain enums: `values` with their help (none where
+/// empty), each by the library's own name for it (`name`). The library's enums know nothing of
+/// clap.
+pub fn choices<T: Copy + Send + Sync + 'static>(
+    values: &'static [(T, &'static str)],
+    name: fn(T) -> &'static str,
+) -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser as _};
+    let listed = values.iter().map(move |&(v, help)| match help {
+        "" => PossibleValue::new(name(v)),
+        help => PossibleValue::new(name(v)).help(help),
+    });
+    PossibleValuesParser::new(listed).map(move |chosen| {
+        let found = values.iter().find(|&&(v, _)| name(v) == chosen);
+        found.expect("clap accepts only the listed names").0
+    })
+}
+
+/// `--kernels`' values.
+const KERNELS: &[(poslab::nn::Kernels, &str)] = &[
+    (
+        poslab::nn::Kernels::Reference,
+        "Compositions of differentiable candle tensor ops: the specification the others are \
+         tested against",
+    ),
+    (
+        poslab::nn::Kernels::Ops,
+        "Fused per-op kernels with hand-written backward passes: linear, LayerNorm, masked \
+         softmax, GELU, RoPE, and the attention core from packed QKV",
+    ),
+    (
+        poslab::nn::Kernels::Layer,
+        "Each encoder layer as one node with a hand-written backward (the default)",
+    ),
+];
+
+/// `--kernels`: `reference`, `ops` or `layer`, each described (bench's long help).
+pub fn kernels_described() -> impl clap::builder::TypedValueParser<Value = poslab::nn::Kernels> {
+    choices(KERNELS, poslab::nn::Kernels::name)
+}
+
+/// `--kernels`: `reference`, `ops` or `layer`, the flag's own help describing them.
 pub fn kernels_parser() -> impl clap::builder::TypedValueParser<Value = poslab::nn::Kernels> {
-    use clap::builder::TypedValueParser as _;
-    let names = poslab::nn::Kernels::ALL.map(poslab::nn::Kernels::name);
-    clap::builder::PossibleValuesParser::new(names)
-        .map(|name| poslab::nn::Kernels::parse(&name).expect("a listed name"))
+    use poslab::nn::Kernels;
+    const NAMED: &[(Kernels, &str)] = &[
+        (Kernels::Reference, ""),
+        (Kernels::Ops, ""),
+        (Kernels::Layer, ""),
+    ];
+    choices(NAMED, Kernels::name)
 }
 
 /// The kernels a command computes with: `--kernels` when given, else `POSLAB_KERNELS` when

@@ -95,7 +95,7 @@ pub const DEFAULT_LEARNED_INIT_STD: f64 = std::f64::consts::FRAC_1_SQRT_2;
 /// - `interleaved`: `[sin w0 p, cos w0 p, sin w1 p, cos w1 p, ...]`, as in the paper;
 /// - `half`: `[sin w0 p, ..., sin w(d/2-1) p, cos w0 p, ..., cos w(d/2-1) p]`, as in
 ///   tensor2tensor and fairseq.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TableLayout {
     /// Sine and cosine of each frequency side by side (the default).
@@ -109,7 +109,7 @@ pub enum TableLayout {
 /// `w_i = base^(-2i/d_head)`.
 /// - `interleaved`: pairs `(x[2i], x[2i+1])`, as in RoFormer;
 /// - `half`: pairs `(x[i], x[i + d_head/2])`, the "rotate-half" form of GPT-NeoX and LLaMA.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RopePairing {
     /// Pairs `(x[2i], x[2i+1])` (the default).
@@ -119,21 +119,41 @@ pub enum RopePairing {
     Half,
 }
 
-impl std::fmt::Display for TableLayout {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl TableLayout {
+    /// Every layout, the default first.
+    pub const ALL: [TableLayout; 2] = [TableLayout::Interleaved, TableLayout::Half];
+
+    /// The name configs use: `interleaved` or `half`.
+    pub fn name(self) -> &'static str {
+        match self {
             Self::Interleaved => "interleaved",
             Self::Half => "half",
-        })
+        }
+    }
+}
+
+impl RopePairing {
+    /// Every pairing, the default first.
+    pub const ALL: [RopePairing; 2] = [RopePairing::Interleaved, RopePairing::Half];
+
+    /// The name configs use: `interleaved` or `half`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Interleaved => "interleaved",
+            Self::Half => "half",
+        }
+    }
+}
+
+impl std::fmt::Display for TableLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
 impl std::fmt::Display for RopePairing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Interleaved => "interleaved",
-            Self::Half => "half",
-        })
+        f.write_str(self.name())
     }
 }
 

@@ -175,7 +175,7 @@ fn erf_poly(a: f32) -> f32 {
 }
 
 /// The instruction sets the fused kernels may use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     /// The build's baseline target (SSE2 on x86-64).
     Baseline,
@@ -186,6 +186,9 @@ pub enum SimdLevel {
 }
 
 impl SimdLevel {
+    /// Every level, from the lowest.
+    pub const ALL: [SimdLevel; 3] = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512];
+
     /// The level's name: `baseline`, `avx2` or `avx512`.
     pub fn name(self) -> &'static str {
         match self {
