@@ -29,6 +29,17 @@ pub struct Sizes {
     pub score_tensors: [usize; 2],
 }
 
+impl Sizes {
+    /// The fields a parameter count grows with, as a refusal names them: `d_model = 16,
+    /// ffn_dim = 32, n_layers = 1, vocab_size = 100 and max_len = 16`.
+    fn counted_fields(&self) -> String {
+        format!(
+            "d_model = {}, ffn_dim = {}, n_layers = {}, vocab_size = {} and max_len = {}",
+            self.d_model, self.ffn_dim, self.n_layers, self.vocab_size, self.max_len
+        )
+    }
+}
+
 /// Default most parameters: 2^31 (8 GiB of f32 weights; with gradients and AdamW's two
 /// moments, 32 GiB).
 pub const DEFAULT_MAX_PARAMS: u64 = 1 << 31;
@@ -155,14 +166,9 @@ impl Limits {
         if n > max as u128 {
             return Err(format!(
                 "this model would have {n} parameters ({} of f32 weights), more than the limit of \
-                 {max}: check d_model = {}, ffn_dim = {}, n_layers = {}, vocab_size = {} and max_len \
-                 = {} (set POSLAB_MAX_PARAMS to raise the limit)",
+                 {max}: check {} (set POSLAB_MAX_PARAMS to raise the limit)",
                 human(4 * n),
-                config.d_model,
-                config.ffn_dim,
-                config.n_layers,
-                config.vocab_size,
-                config.max_len
+                config.counted_fields()
             ));
         }
         Ok(())
@@ -260,15 +266,10 @@ pub fn check_weights_fit(n: u128, config: &Sizes) -> std::result::Result<(), Str
     if 4 * n > memory as u128 {
         return Err(format!(
             "this model would have {n} parameters ({} of f32 weights), more than the memory \
-             this process may use ({}): check d_model = {}, ffn_dim = {}, n_layers = {}, \
-             vocab_size = {} and max_len = {}",
+             this process may use ({}): check {}",
             human(4 * n),
             human_bytes(memory),
-            config.d_model,
-            config.ffn_dim,
-            config.n_layers,
-            config.vocab_size,
-            config.max_len
+            config.counted_fields()
         ));
     }
     Ok(())

@@ -125,7 +125,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let device = a.device.open()?;
     if a.products {
-        check_products(&a, &shape, &device)?;
+        check_products(&a, &shape, &device, &limits)?;
     }
     let torch = match &a.torch {
         Some(Some(script)) => Some(poslab::bench::Torch::new(
@@ -231,7 +231,12 @@ fn check_repetitions(a: &Args) -> Result<()> {
 
 /// `--products` measures the CPU's f32 products of the encoder layers, the same for every
 /// variant.
-fn check_products(a: &Args, shape: &poslab::bench::Shape, device: &candle::Device) -> Result<()> {
+fn check_products(
+    a: &Args,
+    shape: &poslab::bench::Shape,
+    device: &candle::Device,
+    limits: &poslab::limits::Limits,
+) -> Result<()> {
     let refuse = |why: &str| Err(poslab::Error::Input(format!("--products: {why}")).into());
     if !device.is_cpu() {
         return refuse("it times the CPU's matrix products (gemm); add --device cpu");
@@ -245,7 +250,7 @@ fn check_products(a: &Args, shape: &poslab::bench::Shape, device: &candle::Devic
         );
     }
     // The shape's own checks (heads, sizes, memory), as a bench of it would make them.
-    shape.model_config("sin_add", &super::limits()?)?;
+    shape.model_config("sin_add", limits)?;
     Ok(())
 }
 

@@ -18,9 +18,11 @@ fn size(v: &str) -> Result<(), String> {
     parse_size(v).map(|_| ())
 }
 fn kernels_value(v: &str) -> Result<(), String> {
-    poslab::nn::Kernels::parse(v)
-        .map(|_| ())
-        .ok_or_else(|| "not reference, ops or layer".into())
+    parse_kernels(v).map(|_| ())
+}
+/// `reference`, `ops` or `layer`.
+fn parse_kernels(v: &str) -> Result<poslab::nn::Kernels, String> {
+    poslab::nn::Kernels::parse(v).ok_or_else(|| "not reference, ops or layer".into())
 }
 fn one(v: &str) -> Result<(), String> {
     match v {
@@ -112,17 +114,23 @@ fn refused(var: &Var, value: &str, why: &str) -> String {
     )
 }
 
-/// A size variable's value: `None` when unset, an error when unreadable.
-pub fn size_var(name: &str) -> Result<Option<u64>, String> {
+/// Variable `name` read by `parse`: `None` when unset, an error saying the accepted forms when
+/// unreadable.
+fn read<T>(name: &str, parse: fn(&str) -> Result<T, String>) -> Result<Option<T>, String> {
     let Some(value) = std::env::var_os(name) else {
         return Ok(None);
     };
     let var = VARS.iter().find(|v| v.name == name);
     let value = value.to_string_lossy();
-    parse_size(&value).map(Some).map_err(|why| match var {
+    parse(&value).map(Some).map_err(|why| match var {
         Some(var) => refused(var, &value, &why),
         None => format!("{name}={value:?} cannot be read ({why})"),
     })
+}
+
+/// A size variable's value: `None` when unset, an error when unreadable.
+pub fn size_var(name: &str) -> Result<Option<u64>, String> {
+    read(name, parse_size)
 }
 
 /// The limits `POSLAB_MAX_PARAMS` and `POSLAB_MAX_MEMORY` set, each else its default
@@ -139,18 +147,7 @@ pub fn limits() -> Result<poslab::limits::Limits, String> {
 /// The kernels `POSLAB_KERNELS` names, if it is set; an unreadable value is an error saying
 /// the accepted forms.
 pub fn kernels() -> Result<Option<poslab::nn::Kernels>, String> {
-    let Some(value) = std::env::var_os("POSLAB_KERNELS") else {
-        return Ok(None);
-    };
-    let value = value.to_string_lossy();
-    match poslab::nn::Kernels::parse(&value) {
-        Some(k) => Ok(Some(k)),
-        None => {
-            let var = VARS.iter().find(|v| v.name == "POSLAB_KERNELS");
-            let var = var.expect("POSLAB_KERNELS is listed");
-            Err(refused(var, &value, "not reference, ops or layer"))
-        }
-    }
+    read("POSLAB_KERNELS", parse_kernels)
 }
 
 /// Checks every `POSLAB_*` variable set: a known one's value must be one it accepts (else an

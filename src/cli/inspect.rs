@@ -367,14 +367,15 @@ fn inspect_pretrained(spec: &str) -> Result<()> {
 
 /// The shape, where positions act, and the parameters of this shape under every scheme.
 fn describe_config(config: ModelConfig, source: String) -> Result<()> {
-    config.check_limits(&super::limits()?)?;
+    let limits = super::limits()?;
+    config.check_limits(&limits)?;
     outln!("{source}: valid");
     describe_shape(&config)?;
     if let Some(plan) = &config.layers {
         describe_layers(&config, plan)?;
     }
     describe_inputs(&config)?;
-    scheme_table(&config)
+    scheme_table(&config, &limits)
 }
 
 /// Sizes, dropout, dtype, the scheme and where it acts.
@@ -470,7 +471,7 @@ fn describe_inputs(config: &ModelConfig) -> Result<()> {
 }
 
 /// The parameters of this shape under every scheme, the configured one marked.
-fn scheme_table(config: &ModelConfig) -> Result<()> {
+fn scheme_table(config: &ModelConfig, limits: &poslab::limits::Limits) -> Result<()> {
     // The same shape under each scheme, with the configured options where they apply.
     let pos_dim = match &config.positional {
         PositionalConfig::SinusoidalConcat(o) => o.pos_dim,
@@ -506,7 +507,7 @@ fn scheme_table(config: &ModelConfig) -> Result<()> {
         } else {
             " "
         };
-        table.push(scheme_row(config, positional, marker)?);
+        table.push(scheme_row(config, positional, marker, limits)?);
     }
     out!("{}", table.text());
     outln!(
@@ -525,6 +526,7 @@ fn scheme_row(
     config: &ModelConfig,
     positional: PositionalConfig,
     marker: &str,
+    limits: &poslab::limits::Limits,
 ) -> Result<Vec<String>> {
     let label = positional.scheme().label();
     let where_ = positional.placement();
@@ -541,11 +543,10 @@ fn scheme_row(
         ..config.clone()
     };
     let name = format!("{marker} {label}");
-    let limits = super::limits()?;
     Ok(
         match variant
             .validate()
-            .and_then(|()| variant.check_limits(&limits))
+            .and_then(|()| variant.check_limits(limits))
         {
             Err(e) => [name]
                 .into_iter()
