@@ -7,8 +7,8 @@ use crate::data::{keep_ends, pad_batch};
 use crate::error::{Error, Result};
 use crate::limits::Limits;
 use crate::model::TaskModel;
+use crate::positional::RopeScaling;
 use crate::positional::{random_positions, Positions};
-use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
 use crate::rng::{self, derive_seed, stable_hash};
 use crate::saved::Loaded;
 use crate::tasks::Objective;
@@ -63,7 +63,7 @@ impl<'a> Predictor<'a> {
     pub fn with_rope_scaling(mut self, scaling: Option<RopeScaling>) -> Result<Self> {
         if let Some(s) = &scaling {
             let positional = &self.loaded.config.model.positional;
-            if !matches!(positional, PositionalConfig::Rope(_)) {
+            if !positional.rescales() {
                 return Err(Error::Input(format!(
                     "--rope-scaling {}: this model's scheme is `{}`; scaling applies to rope \
                      models only",
@@ -79,18 +79,23 @@ impl<'a> Predictor<'a> {
     /// The model to read `prepared` with: the loaded one, or the same weights with RoPE's
     /// frequencies rescaled.
     fn model_for(&self, prepared: &[Prepared]) -> Result<Option<TaskModel>> {
-        let (Some(scaling), PositionalConfig::Rope(options)) =
-            (&self.rope_scaling, &self.loaded.config.model.positional)
-        else {
+        let Some(scaling) = &self.rope_scaling else {
             return Ok(None);
         };
         let trained = self.loaded.config.model.max_len.max(1);
         let longest = prepared.iter().map(|p| p.ids.len()).max().unwrap_or(1);
+        let scaling = scaling.resolved(longest as f64 / trained as f64, trained);
+        let Some(positional) = self
+            .loaded
+            .config
+            .model
+            .positional
+            .with_scaling(Some(scaling))
+        else {
+            return Ok(None);
+        };
         let config = ModelConfig {
-            positional: PositionalConfig::Rope(RopeOptions {
-                scaling: Some(scaling.resolved(longest as f64 / trained as f64, trained)),
-                ..options.clone()
-            }),
+            positional,
             ..self.loaded.config.model.clone()
         };
         let encoder = self.loaded.model.encoder();

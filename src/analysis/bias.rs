@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::params::ParamStore;
 use crate::plot::line_chart;
 use crate::positional::{
-    t5_bucket, BiasBatch, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
+    BiasBatch, OffsetIndex, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
 use crate::table::TextTable;
 
@@ -301,41 +301,13 @@ pub fn shared_bias(module: &ScoreBias, positions: &Positions, name: &str) -> Res
 }
 
 /// A scheme's bias by name, for `heads` heads over `positions` positions: ALiBi's fixed bias,
-/// KERPLE's at its initialisation (seed 0), T5's bucket index (its learned values exist only in
-/// a trained model).
+/// KERPLE's at its initialisation (seed 0).
 pub fn scheme_biases(
     positional: &PositionalConfig,
     heads: usize,
     positions: usize,
 ) -> Result<BiasAnalysis> {
     let range = Positions::range(0, positions)?;
-    if let PositionalConfig::T5(o) = positional {
-        let values: Vec<f64> = (0..positions * positions)
-            .map(|n| {
-                let (i, j) = (n / positions, n % positions);
-                t5_bucket(j as i64 - i as i64, o.buckets, o.max_distance) as f64
-            })
-            .collect();
-        let mut a = BiasAnalysis::from_layers(
-            format!(
-                "t5: bucket of j - i ({} buckets, max_distance {})",
-                o.buckets, o.max_distance
-            ),
-            &[values],
-            1,
-            positions,
-            false,
-        );
-        a.heads[0].label = "bucket".into();
-        a.notes = vec![format!(
-            "offsets below {} in size get a bucket each; keys after the query use buckets {}..{}; \
-             each head learns one value per bucket (see --run of a trained t5 model)",
-            o.buckets / 4,
-            o.buckets / 2,
-            o.buckets - 1
-        )];
-        return Ok(a);
-    }
     let (module, params) = module_by_name(positional, heads, positions)?;
     let bias = shared_bias(&module, &range, positional.name())?;
     let values = bias.flatten_all()?.to_vec1::<f64>()?;
@@ -354,6 +326,15 @@ pub fn scheme_biases(
     );
     a.notes = module.notes()?;
     Ok(a)
+}
+
+/// The offset index a scheme's learned values are read by (T5's bucket of `j - i`), as the
+/// drawing of one head over `positions` positions.
+pub fn index_drawing(index: OffsetIndex, positions: usize) -> BiasAnalysis {
+    let mut a = BiasAnalysis::from_layers(index.title, &[index.values], 1, positions, false);
+    a.heads[0].label = index.label;
+    a.notes = index.notes;
+    a
 }
 
 #[cfg(test)]

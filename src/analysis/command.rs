@@ -8,7 +8,7 @@ use candle::DType;
 
 use crate::analysis::{self, Table};
 use crate::error::{Error, Result};
-use crate::positional::{RopePairing, TableLayout};
+use crate::positional::{FixedTable, Knobs, Measure, Portrait, RopePairing, TableLayout};
 use crate::PositionalConfig;
 
 /// Returns an input error with a formatted message.
@@ -28,6 +28,18 @@ const MAX_DIM: usize = 8192;
 /// The most values of a table analysed by name (`--positions x --dim`): 2^24, 128 MiB of f64.
 const MAX_TABLE_VALUES: usize = 1 << 24;
 
+/// The name `analyze` gives the sinusoidal table, which is `sinusoidal_add`'s (and the default
+/// without --run or --model).
+const SINUSOIDAL: &str = "sinusoidal";
+
+/// The schemes `analyze` takes by name: `sinusoidal` (the sinusoidal table), then every scheme of
+/// [`PositionalConfig::catalog`]; a scheme that exists only in a trained model says so.
+pub fn scheme_names() -> Vec<&'static str> {
+    let mut names = vec![SINUSOIDAL];
+    names.extend(PositionalConfig::names());
+    names
+}
+
 /// What a positional scheme encodes: the table as CSV and heatmap, row norms and principal
 /// components, distance matrices, distance against offset, the relative-shift property, a linear
 /// position probe, wavelengths, RoPE's decay; an attention bias by offset, per head; for a
@@ -36,9 +48,10 @@ const MAX_TABLE_VALUES: usize = 1 << 24;
 /// [`Request::default`]'s.
 #[derive(Clone, Debug)]
 pub struct Request {
-    /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an
-    /// attention bias: `alibi`, `t5`, `kerple`, `fire` (at two lengths: its interpolation); or
-    /// give --run (FoX's gates exist only in a trained model).
+    /// A scheme drawn by name ([`scheme_names`]): `sinusoidal`, `rope`, `prope` (its spectrum
+    /// beside RoPE's and `fraction`'s), or an attention bias: `alibi`, `t5`, `kerple`, `fire` (at
+    /// two lengths: its interpolation); or give --run (learned positions, FoX's gates, CoPE's
+    /// counts and PaTH's transport exist only in a trained model).
     pub scheme: Option<String>,
     /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
     /// table, with the same measures, pictures and CSVs as a trained model's.
@@ -127,6 +140,7 @@ impl Default for Request {
 }
 
 /// What an analysis wrote, and its summary.
+#[derive(Debug)]
 pub struct Report {
     /// The folder of its files.
     pub dir: PathBuf,
@@ -156,21 +170,20 @@ impl Request {
     /// Analyses what was asked into `--out` (default `runs/analysis-<what>-<timestamp>`):
     /// CSVs, PNGs and `summary.txt`.
     pub fn run(&self) -> Result<Report> {
-        self.check()?;
+        self.check_sizes()?;
         let bias_positions = self.positions.min(MAX_BIAS_POSITIONS);
-        match self.scheme.as_deref() {
-            Some(scheme @ ("alibi" | "t5" | "kerple")) => {
-                return bias_by_name(scheme, self, bias_positions)
-            }
-            Some("fire") => return fire_by_name(self),
-            Some("prope") => return prope_by_name(self),
-            Some("fox") => bail!(
-                "fox: FoX's bias comes from the content (forget gates of each layer's input), \
-                 so it exists only in a trained model: give --run DIR of a fox model"
-            ),
-            _ => {}
-        }
-        let mut subject = self.subject()?;
+        let by_name = match (&self.scheme, &self.model, &self.run) {
+            (Some(name), _, _) => Some(name.as_str()),
+            (None, None, None) => Some(SINUSOIDAL),
+            _ => None,
+        };
+        let table = match by_name.map(|name| self.portrait(name)).transpose()? {
+            Some(Portrait::Table(table)) => Some(table),
+            Some(drawn) => return self.draw(by_name.unwrap_or_default(), drawn, bias_positions),
+            None => None,
+        };
+        self.check_frequencies()?;
+        let mut subject = self.subject(by_name, table)?;
         self.check_table(subject.table.as_ref())?;
         let dir = self.out_dir(&subject.label)?;
         let mut summary = String::new();
@@ -211,8 +224,78 @@ impl Request {
         finish(dir, summary, files, page)
     }
 
+    /// The scheme named `name` as the flags draw it by name ([`Scheme::by_name`]); `sinusoidal`
+    /// is `sinusoidal_add`'s table.
+    ///
+    /// [`Scheme::by_name`]: crate::positional::Scheme::by_name
+    fn portrait(&self, name: &str) -> Result<Portrait> {
+        let scheme = match name {
+            SINUSOIDAL => "sinusoidal_add",
+            other => other,
+        };
+        let Some(config) = PositionalConfig::named(scheme, self.dim) else {
+            bail!(
+                "`{name}` is not a scheme analyze draws by name: use one of {}",
+                scheme_names().join(", ")
+            );
+        };
+        let knobs = Knobs {
+            dim: self.dim,
+            base: self.base,
+            layout: self.layout,
+            pairing: self.pairing,
+            fraction: self.fraction,
+            keep: self.keep,
+            buckets: self.buckets,
+            max_distance: self.max_distance,
+            threshold: self
+                .threshold
+                .unwrap_or(self.positions.min(MAX_BIAS_POSITIONS / 4) as f64),
+            heads: self.heads,
+        };
+        config.scheme().by_name(&knobs).map_err(Error::Input)
+    }
+
+    /// A scheme by name without a table of positions: its bias by offset, the offset index of
+    /// its learned values, its interpolation, or its rotation's spectrum.
+    fn draw(&self, name: &str, portrait: Portrait, bias_positions: usize) -> Result<Report> {
+        let (d_model, head_dim) = match &portrait {
+            Portrait::Spectrum { .. } => (self.dim, self.dim),
+            _ => {
+                if self.heads == 0 || self.heads > 64 {
+                    bail!("--heads {} must be between 1 and 64", self.heads);
+                }
+                (2 * self.heads, 2)
+            }
+        };
+        if let Some(config) = portrait.config() {
+            config
+                .validate_options(d_model, head_dim)
+                .map_err(Error::Config)?;
+        }
+        match portrait {
+            Portrait::Table(_) => bail!("{name}: a table is analysed as a subject"),
+            Portrait::Bias(config) => {
+                let bias = analysis::bias::scheme_biases(&config, self.heads, bias_positions)?;
+                self.bias_report(name, bias)
+            }
+            Portrait::Index(config) => match config.scheme().offset_index(bias_positions) {
+                Some(index) => {
+                    self.bias_report(name, analysis::bias::index_drawing(index, bias_positions))
+                }
+                None => bail!("{name}: no offset index to draw"),
+            },
+            Portrait::Interpolation {
+                config,
+                title,
+                note,
+            } => self.interpolation(name, &config, title, note),
+            Portrait::Spectrum { base, keep, .. } => self.spectrum(name, base, keep),
+        }
+    }
+
     /// The flags' bounds, before anything is read or written.
-    fn check(&self) -> Result<()> {
+    fn check_sizes(&self) -> Result<()> {
         let a = self;
         if a.positions < 2 || a.positions > MAX_POSITIONS {
             bail!(
@@ -251,9 +334,12 @@ impl Request {
                 a.texts
             );
         }
-        if a.scheme.is_some() && !matches!(a.scheme.as_deref(), Some("sinusoidal" | "rope")) {
-            return Ok(());
-        }
+        Ok(())
+    }
+
+    /// The bounds of the frequencies' flags, for a table or a model.
+    fn check_frequencies(&self) -> Result<()> {
+        let a = self;
         if !(a.base.is_finite() && a.base > 1.0)
             || a.bases.iter().any(|b| !(b.is_finite() && *b > 1.0))
         {
@@ -300,15 +386,18 @@ impl Request {
         }
     }
 
-    /// What `--model`, `--run` or the scheme's name gives to analyse.
-    fn subject(&self) -> Result<Subject> {
+    /// What `--model`, `--run` or the scheme's name (`name`, drawn as `table`) gives to
+    /// analyse.
+    fn subject(&self, name: Option<&str>, table: Option<FixedTable>) -> Result<Subject> {
         if let Some(spec) = &self.model {
             return self.pretrained_subject(spec);
         }
         if let Some(dir) = &self.run {
             return self.trained_subject(dir);
         }
-        let scheme = self.scheme.as_deref().unwrap_or("sinusoidal");
+        let (Some(name), Some(table)) = (name, table) else {
+            bail!("give a scheme's name, --run DIR or --model PATH_OR_HUB_ID to analyse");
+        };
         let a = self;
         if a.dim < 2 || !a.dim.is_multiple_of(2) {
             bail!(
@@ -318,14 +407,13 @@ impl Request {
         }
         let mut subject = Subject {
             table: None,
-            label: scheme.into(),
+            label: name.into(),
             loaded: None,
             pretrained: None,
             wavelengths: None,
-            rope: scheme == "rope",
+            rope: false,
         };
-        subject.table = Some(if scheme == "rope" {
-            let rd = crate::positional::rotary_dim(a.dim, a.fraction);
+        if let FixedTable::Rotation { dim: rd, base, .. } = table {
             if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || !rd.is_multiple_of(2) {
                 bail!(
                     "--fraction {} of --dim {} rotates int({} x {}) = {rd} coordinates: it must \
@@ -337,11 +425,10 @@ impl Request {
                 );
             }
             let original = a.original_max_len.unwrap_or(a.positions);
-            subject.wavelengths = Some((rd, a.base, original));
-            Table::rope(rd, a.base, a.pairing, a.positions)
-        } else {
-            Table::sinusoidal(a.dim, a.base, a.layout, a.positions, a.start)
-        });
+            subject.wavelengths = Some((rd, base, original));
+            subject.rope = true;
+        }
+        subject.table = Some(Table::fixed(table, a.positions, a.start));
         Ok(subject)
     }
 
@@ -417,12 +504,10 @@ impl Request {
             }),
             None => analysis::fixed_table(&m.positional, m.d_model, m.head_dim(), self.positions),
         };
-        let wavelengths = match &m.positional {
-            PositionalConfig::Rope(o) => Some((
-                o.rotary_dim(m.head_dim()),
-                o.base,
-                self.original_max_len.unwrap_or(m.max_len),
-            )),
+        let wavelengths = match m.positional.scheme().fixed_table(m.d_model, m.head_dim()) {
+            Some(FixedTable::Rotation { dim, base, .. }) => {
+                Some((dim, base, self.original_max_len.unwrap_or(m.max_len)))
+            }
             _ => None,
         };
         let label = run_label(dir);
@@ -622,9 +707,11 @@ fn rotation_analysis(
     Ok(())
 }
 
-/// What only a trained FIRE, p-RoPE, FoX, PoPE, CoPE or PaTH model has: FIRE's curves at the
+/// What only a trained model of some schemes has ([`Scheme::measure`]): FIRE's curves at the
 /// training length and 4x; p-RoPE's spectrum; FoX's gates on the evaluation text; PoPE's score
 /// against the offset; CoPE's counts and PaTH's turning of keys on the evaluation text.
+///
+/// [`Scheme::measure`]: crate::positional::Scheme::measure
 fn scheme_analysis(
     loaded: &crate::saved::Loaded,
     a: &Request,
@@ -635,17 +722,36 @@ fn scheme_analysis(
     use crate::analysis::{self, schemes};
     let encoder = loaded.model.encoder();
     let model = &loaded.config.model;
-    match &model.positional {
-        PositionalConfig::Fire(_) => {
+    let name = model.positional.name();
+    let Some(measure) = model.positional.scheme().measure() else {
+        return Ok(());
+    };
+    let text = match measure.reads_text() {
+        false => None,
+        true => match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
+            Err(e) if a.text.is_none() => {
+                let what = match measure {
+                    Measure::Gates => "FoX gates".to_string(),
+                    _ => format!("{name} on text"),
+                };
+                summary.push_str(&format!("{what} skipped: {e}\n"));
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+            Ok((ids, mask, _)) => Some((ids, mask)),
+        },
+    };
+    match (measure, text) {
+        (Measure::Interpolation, _) => {
             let trained = model.max_len.clamp(2, MAX_BIAS_POSITIONS);
             let lengths = [trained, (4 * trained).min(MAX_BIAS_POSITIONS)];
             let mut curves = schemes::fire_curves(
-                "fire: the learned bias per head, at the training length and 4x".into(),
+                format!("{name}: the learned bias per head, at the training length and 4x"),
                 &lengths,
                 |n| {
-                    Ok(encoder
+                    encoder
                         .score_bias(0, &crate::Positions::range(0, n)?)?
-                        .expect("fire has a score bias"))
+                        .ok_or_else(|| Error::Config(format!("{name} has no score bias")))
                 },
             )?;
             if let crate::positional::PositionalModule::ScoreBias(bias) = encoder.positional() {
@@ -654,146 +760,92 @@ fn scheme_analysis(
             summary.push_str(&curves.summary());
             files.extend(curves.write(dir)?);
         }
-        PositionalConfig::Prope(o) => {
-            let spectra = schemes::rotation_spectra(model.head_dim(), o.base, o.keep);
+        (Measure::Spectrum { base, keep }, _) => {
+            let spectra = schemes::rotation_spectra(model.head_dim(), base, keep);
             let (text, written) = schemes::write_spectra(&spectra, model.head_dim(), dir)?;
             summary.push_str(&text);
             files.extend(written);
         }
-        PositionalConfig::Fox(_) => {
-            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
-                Err(e) if a.text.is_none() => {
-                    summary.push_str(&format!("FoX gates skipped: {e}\n"))
-                }
-                Err(e) => return Err(e),
-                Ok((ids, mask, _)) => {
-                    let tokenizer = &loaded.tokenizer;
-                    let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
-                        tokenizer
-                            .id_to_token(id)
-                            .unwrap_or_else(|| format!("#{id}"))
-                    })?;
-                    summary.push_str(&gates.summary());
-                    files.extend(gates.write(dir)?);
-                }
-            }
-        }
-        PositionalConfig::Pope(_) => {
+        (Measure::PolarScores, _) => {
             let curves = analysis::scores::pope_scores(encoder, model.max_len.clamp(2, 512))?;
             summary.push_str(&curves.summary());
             files.extend(curves.write(dir)?);
         }
-        PositionalConfig::Cope(_) | PositionalConfig::Path(_) => {
-            match analysis::terms::evaluation_batch(loaded, a.texts, a.text.as_deref()) {
-                Err(e) if a.text.is_none() => summary.push_str(&format!(
-                    "{} on text skipped: {e}\n",
-                    model.positional.name()
-                )),
-                Err(e) => return Err(e),
-                Ok((ids, mask, _)) => {
-                    let curves = match &model.positional {
-                        PositionalConfig::Cope(_) => {
-                            analysis::scores::cope_counts(encoder, &ids, &mask)?
-                        }
-                        _ => analysis::scores::path_turning(encoder, &ids, &mask)?,
-                    };
-                    summary.push_str(&curves.summary());
-                    files.extend(curves.write(dir)?);
-                }
-            }
+        (Measure::Gates, Some((ids, mask))) => {
+            let tokenizer = &loaded.tokenizer;
+            let gates = schemes::fox_gates(encoder, &ids, &mask, |id| {
+                tokenizer
+                    .id_to_token(id)
+                    .unwrap_or_else(|| format!("#{id}"))
+            })?;
+            summary.push_str(&gates.summary());
+            files.extend(gates.write(dir)?);
         }
-        _ => {}
+        (Measure::Counts, Some((ids, mask))) => {
+            let curves = analysis::scores::cope_counts(encoder, &ids, &mask)?;
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        (Measure::Turning, Some((ids, mask))) => {
+            let curves = analysis::scores::path_turning(encoder, &ids, &mask)?;
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        (Measure::Gates | Measure::Counts | Measure::Turning, None) => {}
     }
     Ok(())
 }
 
-/// `analyze fire`: FIRE at initialisation (seed 0) at --positions and 4x as many, with the
-/// threshold at --positions: past the threshold, the longer sequence's curve is the shorter's
-/// stretched over its span.
-fn fire_by_name(a: &Request) -> Result<Report> {
-    use crate::positional::FireOptions;
-    if a.heads == 0 || a.heads > 64 {
-        bail!("--heads {} must be between 1 and 64", a.heads);
-    }
-    let short = a.positions.min(MAX_BIAS_POSITIONS / 4);
-    let threshold = a.threshold.unwrap_or(short as f64);
-    let positional = PositionalConfig::Fire(FireOptions::threshold(threshold));
-    positional
-        .validate_options(2 * a.heads, 2)
-        .map_err(Error::Config)?;
-    let (module, _store) = crate::analysis::bias::module_by_name(&positional, a.heads, short)?;
-    let mut curves = crate::analysis::schemes::fire_curves(
-        format!(
-            "fire, {} heads, threshold {threshold}: the bias at initialisation (seed 0)",
-            a.heads
-        ),
-        &[short, 4 * short],
-        |n| {
+impl Request {
+    /// A scheme's learned bias at initialisation (seed 0) at --positions and 4x as many, its
+    /// threshold (FIRE's) at --positions: past the threshold, the longer sequence's curve is the
+    /// shorter's stretched over its span.
+    fn interpolation(
+        &self,
+        name: &str,
+        config: &PositionalConfig,
+        title: String,
+        note: String,
+    ) -> Result<Report> {
+        let short = self.positions.min(MAX_BIAS_POSITIONS / 4);
+        let (module, _store) = analysis::bias::module_by_name(config, self.heads, short)?;
+        let mut curves = analysis::schemes::fire_curves(title, &[short, 4 * short], |n| {
             let positions = crate::Positions::range(0, n)?;
-            crate::analysis::bias::shared_bias(&module, &positions, "fire")
-        },
-    )?;
-    curves.notes = module.notes()?;
-    curves.notes.push(
-        "inputs sign(j - i) ln(|c| |j - i| + 1) / ln(|c| max(L, span) + 1): up to the threshold \
-         the curve is the raw one; at 4x the span it is stretched to the same [-1, 1] \
-         (fire_by_relative_offset.png)"
-            .into(),
-    );
-    let dir = a.out_dir("fire")?;
-    let summary = curves.summary();
-    let files = curves.write(&dir)?;
-    let mut page = analysis::html::Page::new("poslab analyze: fire");
-    page.fire(&curves);
-    finish(dir, summary, files, page)
-}
-
-/// `analyze prope`: p-RoPE's spectrum at --keep beside RoPE's and `fraction`'s at the same
-/// share, for a head of --dim.
-fn prope_by_name(a: &Request) -> Result<Report> {
-    let positional = PositionalConfig::Prope(crate::positional::PropeOptions {
-        base: a.base,
-        keep: a.keep,
-        ..Default::default()
-    });
-    positional
-        .validate_options(a.dim, a.dim)
-        .map_err(Error::Config)?;
-    let spectra = crate::analysis::schemes::rotation_spectra(a.dim, a.base, a.keep);
-    let dir = a.out_dir("prope")?;
-    let (summary, files) = analysis::schemes::write_spectra(&spectra, a.dim, &dir)?;
-    finish(
-        dir,
-        summary,
-        files,
-        analysis::html::Page::new("poslab analyze: prope"),
-    )
-}
-
-/// `analyze alibi | t5 | kerple`: the bias by offset, per head.
-fn bias_by_name(scheme: &str, a: &Request, positions: usize) -> Result<Report> {
-    use crate::positional::{NoOptions, T5Options};
-    if a.heads == 0 || a.heads > 64 {
-        bail!("--heads {} must be between 1 and 64", a.heads);
+            analysis::bias::shared_bias(&module, &positions, name)
+        })?;
+        curves.notes = module.notes()?;
+        curves.notes.push(note);
+        let dir = self.out_dir(name)?;
+        let summary = curves.summary();
+        let files = curves.write(&dir)?;
+        let mut page = analysis::html::Page::new(format!("poslab analyze: {name}"));
+        page.fire(&curves);
+        finish(dir, summary, files, page)
     }
-    let positional = match scheme {
-        "alibi" => PositionalConfig::Alibi(NoOptions {}),
-        "kerple" => PositionalConfig::Kerple(NoOptions {}),
-        _ => PositionalConfig::T5(T5Options {
-            buckets: a.buckets,
-            max_distance: a.max_distance,
-        }),
-    };
-    positional
-        .validate_options(2 * a.heads, 2)
-        .map_err(Error::Config)?;
-    let bias = crate::analysis::bias::scheme_biases(&positional, a.heads, positions)?;
-    let dir = a.out_dir(scheme)?;
-    let summary = bias.summary();
-    let files = bias.write(&dir)?;
-    let mut page = analysis::html::Page::new(format!("poslab analyze: {scheme}"));
-    page.bias(&bias);
-    finish(dir, summary, files, page)
+
+    /// A rotation's spectrum at `keep` beside RoPE's and `fraction`'s at the same share, for a
+    /// head of --dim.
+    fn spectrum(&self, name: &str, base: f64, keep: f64) -> Result<Report> {
+        let spectra = analysis::schemes::rotation_spectra(self.dim, base, keep);
+        let dir = self.out_dir(name)?;
+        let (summary, files) = analysis::schemes::write_spectra(&spectra, self.dim, &dir)?;
+        finish(
+            dir,
+            summary,
+            files,
+            analysis::html::Page::new(format!("poslab analyze: {name}")),
+        )
+    }
+
+    /// A bias by offset, per head, as text, files and a page.
+    fn bias_report(&self, name: &str, bias: analysis::bias::BiasAnalysis) -> Result<Report> {
+        let dir = self.out_dir(name)?;
+        let summary = bias.summary();
+        let files = bias.write(&dir)?;
+        let mut page = analysis::html::Page::new(format!("poslab analyze: {name}"));
+        page.bias(&bias);
+        finish(dir, summary, files, page)
+    }
 }
 
 /// Writes `summary.txt` and `report.html` beside an analysis's `files` in `dir`.
@@ -824,20 +876,18 @@ fn rescale(
     longest: usize,
 ) -> Result<()> {
     let model = &loaded.config.model;
-    let PositionalConfig::Rope(options) = &model.positional else {
+    let resolved = scaling.resolved(
+        longest as f64 / model.max_len.max(1) as f64,
+        model.max_len.max(1),
+    );
+    let Some(positional) = model.positional.with_scaling(Some(resolved)) else {
         bail!(
             "--rope-scaling applies to rope models; this one's scheme is `{}`",
             model.positional.name()
         );
     };
     let config = crate::ModelConfig {
-        positional: PositionalConfig::Rope(crate::RopeOptions {
-            scaling: Some(scaling.resolved(
-                longest as f64 / model.max_len.max(1) as f64,
-                model.max_len.max(1),
-            )),
-            ..options.clone()
-        }),
+        positional,
         ..model.clone()
     };
     let encoder = loaded.model.encoder();

@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::error::Result;
 use crate::positional::sinusoidal::pair_slots;
 use crate::positional::{
-    inverse_frequencies, sinusoidal_table, PositionalConfig, RopePairing, TableLayout,
+    inverse_frequencies, sinusoidal_table, FixedTable, PositionalConfig, RopePairing, TableLayout,
 };
 use linalg::{folds, ridge, Matrix};
 
@@ -80,6 +80,17 @@ impl Table {
             data.extend_from_slice(self.row(r));
         }
         Matrix::new(rows.len(), self.dim, data)
+    }
+
+    /// A scheme's computed table for `rows` positions, from `start` for a sinusoid (a
+    /// rotation's from 0).
+    pub fn fixed(table: FixedTable, rows: usize, start: usize) -> Self {
+        match table {
+            FixedTable::Sinusoidal { dim, base, layout } => {
+                Self::sinusoidal(dim, base, layout, rows, start)
+            }
+            FixedTable::Rotation { dim, base, pairing } => Self::rope(dim, base, pairing, rows),
+        }
     }
 
     /// The sinusoidal table of `dim` columns for `rows` positions from `start`.
@@ -172,30 +183,16 @@ impl Table {
 
 /// The table a positional choice gives a model of `d_model` (head width `head_dim`) for `rows`
 /// positions: the fixed tables computed (TUPE's sinusoidal source included), `None` for a
-/// learned table (read it from the weights) and for schemes without a table.
+/// learned table (read it from the weights) and for schemes without a table (p-RoPE's
+/// frequencies are drawn as a spectrum: `analysis::schemes::rotation_spectra`).
 pub fn fixed_table(
     positional: &PositionalConfig,
     d_model: usize,
     head_dim: usize,
     rows: usize,
 ) -> Option<Table> {
-    match positional {
-        PositionalConfig::SinusoidalAdd(o) => {
-            Some(Table::sinusoidal(d_model, o.base, o.layout, rows, 0))
-        }
-        PositionalConfig::SinusoidalConcat(o) => {
-            Some(Table::sinusoidal(o.pos_dim, o.base, o.layout, rows, 0))
-        }
-        PositionalConfig::Rope(o) => {
-            Some(Table::rope(o.rotary_dim(head_dim), o.base, o.pairing, rows))
-        }
-        PositionalConfig::Untied(o) if o.source == crate::positional::UntiedSource::Sinusoidal => {
-            Some(Table::sinusoidal(d_model, o.base(), o.layout(), rows, 0))
-        }
-        // Learned tables are read from the weights; the other schemes have no table (p-RoPE's
-        // frequencies are drawn as a spectrum: `analysis::rope::spectrum`).
-        _ => None,
-    }
+    let table = positional.scheme().fixed_table(d_model, head_dim)?;
+    Some(Table::fixed(table, rows, 0))
 }
 
 /// Min, max and mean of some values.

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::limits::Limits;
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
-use crate::positional::{PositionalConfig, RopeOptions, RopePairing};
+use crate::positional::{Placement, PositionalConfig};
 use crate::table::TextTable;
 use crate::train::optim::{AdamW, AdamWConfig};
 
@@ -101,46 +101,36 @@ impl Shape {
     }
 
     /// Every variant measured, named: each scheme of [`PositionalConfig::catalog`] with its
-    /// default options, under the PyTorch reference's names where it has the variant. Its RoPE
-    /// rotates halves (GPT-NeoX / LLaMA), so poslab's does here too, and RoPE on half of each
-    /// head (GPT-NeoX's rotary_pct and Phi's partial_rotary_factor are of this kind) follows it.
-    /// `none` comes last.
+    /// default options, in the forms and under the names of the PyTorch reference where it has
+    /// the scheme ([`Scheme::benchmarked`]: its RoPE rotates halves, and RoPE on half of each
+    /// head follows it). The control without positions comes last.
+    ///
+    /// [`Scheme::benchmarked`]: crate::positional::Scheme::benchmarked
     pub fn variants(&self) -> Vec<(String, PositionalConfig)> {
         let mut out: Vec<(String, PositionalConfig)> = Vec::new();
-        let mut none = None;
+        let mut last = Vec::new();
         for positional in PositionalConfig::catalog(self.pos_dim) {
-            let name = match &positional {
-                PositionalConfig::SinusoidalAdd(_) => "sin_add".to_string(),
-                PositionalConfig::SinusoidalConcat(o) if o.project => "sin_concat_proj".into(),
-                PositionalConfig::SinusoidalConcat(_) => "sin_concat".into(),
+            let forms = match positional.scheme().benchmarked() {
+                Some(forms) => forms,
                 // A second form of a scheme is named by its label: `untied_sinusoidal`.
-                p if out.iter().any(|(n, _)| n == p.name()) => p
-                    .scheme()
-                    .label()
-                    .replace(['(', ')', ','], "")
-                    .replace(' ', "_"),
-                p => p.name().to_string(),
+                None if out.iter().any(|(n, _)| n == positional.name()) => vec![(
+                    positional
+                        .scheme()
+                        .label()
+                        .replace(['(', ')', ','], "")
+                        .replace(' ', "_"),
+                    positional,
+                )],
+                None => vec![(positional.name().to_string(), positional)],
             };
-            match positional {
-                PositionalConfig::None(_) => none = Some((name, positional)),
-                PositionalConfig::Rope(o) => {
-                    let half = RopeOptions {
-                        pairing: RopePairing::Half,
-                        ..o
-                    };
-                    out.push((name, PositionalConfig::Rope(half.clone())));
-                    out.push((
-                        "rope_partial".into(),
-                        PositionalConfig::Rope(RopeOptions {
-                            fraction: 0.5,
-                            ..half
-                        }),
-                    ));
+            for (name, form) in forms {
+                match form.placement() {
+                    Placement::Nowhere => last.push((name, form)),
+                    _ => out.push((name, form)),
                 }
-                other => out.push((name, other)),
             }
         }
-        out.extend(none);
+        out.extend(last);
         out
     }
 
@@ -207,28 +197,27 @@ impl Shape {
         Ok(config)
     }
 
-    /// Forward FLOPs as the PyTorch reference counts them: 2 per multiply-add of every matrix
-    /// multiply (projections, FFN, the concat projection, the head) plus `4 L T^2 d B` for the
-    /// two attention products. A training step is counted as three forwards.
-    pub fn flops(&self, variant: &str) -> (f64, f64) {
+    /// Forward and training FLOPs of `model` at this shape, as the PyTorch reference counts
+    /// them: 2 per multiply-add of every matrix multiply (projections, FFN, the head, and the
+    /// scheme's own: [`Scheme::forward_flops`], such as the concat projection) plus `4 L T^2 d B`
+    /// for the two attention products. A training step is counted as three forwards.
+    ///
+    /// [`Scheme::forward_flops`]: crate::positional::Scheme::forward_flops
+    pub fn flops(&self, model: &ModelConfig) -> (f64, f64) {
         let (d, f, l) = (
             self.d_model as f64,
             self.ffn_dim as f64,
             self.n_layers as f64,
         );
         let (b, t) = (self.batch as f64, self.seq as f64);
-        let mut per_token = l * (4.0 * d * d + 2.0 * d * f);
-        if variant == "sin_concat_proj" {
-            per_token += (d + self.pos_dim as f64) * d;
-        }
-
-        let mut forward =
-            2.0 * per_token * b * t + 2.0 * d * self.classes as f64 * b + 4.0 * l * t * t * d * b;
-        if variant == "untied" {
-            // TUPE's term, once per forward (the positions are shared by the batch): U_q and
-            // U_k on t position rows, and the heads' t x t product.
-            forward += 2.0 * (2.0 * t * d * d) + 2.0 * t * t * d;
-        }
+        let per_token = l * (4.0 * d * d + 2.0 * d * f);
+        let forward = 2.0 * per_token * b * t
+            + 2.0 * d * self.classes as f64 * b
+            + 4.0 * l * t * t * d * b
+            + model
+                .positional
+                .scheme()
+                .forward_flops(&model.scheme_shape(), self.batch, self.seq);
         (forward, 3.0 * forward)
     }
 }
@@ -490,7 +479,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
     };
     for variant in &options.variants {
         let config = shape.model_config(variant, &options.limits)?;
-        let (forward_flops, train_flops) = shape.flops(variant);
+        let (forward_flops, train_flops) = shape.flops(&config);
         let params = ParamStore::new(0);
         let mut model = TaskModel::new(
             &config,
@@ -1308,6 +1297,30 @@ fn ratio_warnings(ratios: &[Ratio]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flops_count_the_encoder_and_each_schemes_own_products() {
+        let shape = Shape::default();
+        let (d, f, l, p) = (256.0, 1024.0, 4.0, 64.0);
+        let (b, t) = (32.0, 128.0);
+        // Per token: q, k, v, o (4 d^2) and the FFN (2 d f) per layer; the head once per
+        // sequence; the two attention products 4 L T^2 d per sequence.
+        let encoder = 2.0 * l * (4.0 * d * d + 2.0 * d * f) * b * t
+            + 2.0 * d * 2.0 * b
+            + 4.0 * l * t * t * d * b;
+        let limits = Limits::default();
+        for name in shape.variant_names() {
+            let config = shape.model_config(&name, &limits).unwrap();
+            let own = match name.as_str() {
+                "sin_concat_proj" => 2.0 * (d + p) * d * b * t,
+                "untied" | "untied_sinusoidal" => 2.0 * (2.0 * t * d * d) + 2.0 * t * t * d,
+                _ => 0.0,
+            };
+            let (forward, train) = shape.flops(&config);
+            assert_eq!(forward, encoder + own, "{name}");
+            assert_eq!(train, 3.0 * forward, "{name}");
+        }
+    }
 
     fn timing(tokens_per_s: f64) -> Timing {
         Timing {

@@ -35,8 +35,9 @@ const PAIRINGS: &[(RopePairing, &str)] = &[
 pub struct Args {
     /// `sinusoidal`, `rope`, `prope` (its spectrum beside RoPE's and `fraction`'s), or an
     /// attention bias: `alibi`, `t5`, `kerple`, `fire` (at two lengths: its interpolation); or
-    /// give --run (FoX's gates exist only in a trained model).
-    #[arg(value_parser = ["sinusoidal", "rope", "prope", "alibi", "t5", "kerple", "fire", "fox"], required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
+    /// give --run (learned positions, FoX's gates, CoPE's counts and PaTH's transport exist only
+    /// in a trained model).
+    #[arg(value_parser = clap::builder::PossibleValuesParser::new(poslab::analysis::command::scheme_names()), required_unless_present_any = ["run", "model"], conflicts_with_all = ["run", "model"])]
     pub scheme: Option<String>,
     /// A pretrained BERT-family encoder (a Hugging Face folder or Hub id): its learned position
     /// table, with the same measures, pictures and CSVs as a trained model's.

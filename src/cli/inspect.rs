@@ -473,9 +473,9 @@ fn describe_inputs(config: &ModelConfig) -> Result<()> {
 /// The parameters of this shape under every scheme, the configured one marked.
 fn scheme_table(config: &ModelConfig, limits: &poslab::limits::Limits) -> Result<()> {
     // The same shape under each scheme, with the configured options where they apply.
-    let pos_dim = match &config.positional {
-        PositionalConfig::SinusoidalConcat(o) => o.pos_dim,
-        _ => (config.d_model / 4).max(2) & !1,
+    let pos_dim = match config.positional.scheme().pos_dim() {
+        Some(pos_dim) => pos_dim,
+        None => (config.d_model / 4).max(2) & !1,
     };
     let mut schemes = PositionalConfig::catalog(pos_dim);
     let label = |p: &PositionalConfig| p.scheme().label();

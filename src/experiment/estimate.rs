@@ -159,9 +159,9 @@ fn cell_estimate(
     let train_flop =
         3.0 * steps as f64 * tokens_per_step * forward_flop_per_token(&model, &task.head, mean_len);
     let (tests, valid) = task.eval_sets();
-    let rescorings = match variant.positional {
-        crate::positional::PositionalConfig::Rope(_) => config.eval.rope_scaling.len(),
-        _ => 0,
+    let rescorings = match variant.positional.rescales() {
+        true => config.eval.rope_scaling.len(),
+        false => 0,
     };
     let validations = (steps / config.train.eval_every + 1) as f64;
     let eval_flop = validations * cost(valid)

@@ -520,7 +520,7 @@ impl ExperimentConfig {
         let mut rows = Vec::new();
         for v in &self.variants {
             rows.push(v.name.clone());
-            if matches!(v.positional, PositionalConfig::Rope(_)) {
+            if v.positional.rescales() {
                 rows.extend(
                     self.eval
                         .rope_scaling

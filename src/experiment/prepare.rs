@@ -13,7 +13,7 @@ use crate::data::{Dataset, MlmMasking};
 use crate::error::{Error, Result};
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
-use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
+use crate::positional::RopeScaling;
 use crate::rng::{self, derive_seed};
 use crate::tasks::{Objective, TaskData, TaskSpec};
 use crate::train::{evaluate_examples, evaluate_tapes, TrainData};
@@ -489,12 +489,15 @@ impl Prepared<'_> {
         eval_batch: usize,
         backend: crate::nn::Backend,
     ) -> Result<Vec<Evaluation>> {
-        let PositionalConfig::Rope(options) = &model_config.positional else {
-            return Err(Error::Config(format!(
+        let refused = || {
+            Error::Config(format!(
                 "rope scaling applies to rope models, not `{}`",
                 model_config.positional.name()
-            )));
+            ))
         };
+        if !model_config.positional.rescales() {
+            return Err(refused());
+        }
         let trained = self.train.max_len().max(1);
         let device = params
             .vars()
@@ -504,10 +507,10 @@ impl Prepared<'_> {
             .map(|i| {
                 let auto = self.reach(i) as f64 / trained as f64;
                 let scaled = ModelConfig {
-                    positional: PositionalConfig::Rope(RopeOptions {
-                        scaling: Some(scaling.resolved(auto, trained)),
-                        ..options.clone()
-                    }),
+                    positional: model_config
+                        .positional
+                        .with_scaling(Some(scaling.resolved(auto, trained)))
+                        .ok_or_else(refused)?,
                     ..model_config.clone()
                 };
                 // Built from the same store: the trained variables, shared.

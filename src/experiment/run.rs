@@ -17,7 +17,7 @@ use crate::config::ModelConfig;
 use crate::device::device_name;
 use crate::error::{Error, Result};
 use crate::params::ParamStore;
-use crate::positional::{PositionalConfig, RopeOptions, RopeScaling};
+use crate::positional::RopeScaling;
 use crate::progress::{self, Board, Progress};
 use crate::train::{planned_steps, Trainer};
 
@@ -273,19 +273,15 @@ fn rescore(
     info: &VariantInfo,
     result: &CellResult,
 ) -> Result<Vec<Rescored>> {
-    let PositionalConfig::Rope(options) = &variant.positional else {
-        return Ok(Vec::new());
-    };
     let mut rows = Vec::new();
     for scaling in scalings {
+        let Some(positional) = variant.positional.with_scaling(Some(scaling.clone())) else {
+            return Ok(Vec::new());
+        };
         let evaluations =
             job.task
                 .evaluate_scaled(job.model, params, scaling, job.eval_batch, job.backend)?;
         let name = format!("{} + {}", variant.name, scaling.label());
-        let positional = PositionalConfig::Rope(RopeOptions {
-            scaling: Some(scaling.clone()),
-            ..options.clone()
-        });
         rows.push(Rescored {
             variant: VariantInfo {
                 name: name.clone(),

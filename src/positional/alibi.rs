@@ -10,8 +10,8 @@ use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use super::{
-    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Positions, Scheme,
-    SchemeShape, ScoreBias,
+    BiasBatch, BiasModule, Knobs, LayerBiases, NoOptions, Placement, Portrait, PositionalConfig,
+    PositionalModule, Positions, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 
@@ -37,6 +37,10 @@ impl Scheme for AlibiScheme {
             slopes.first().copied().unwrap_or(0.0),
             slopes.last().copied().unwrap_or(0.0)
         )
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Bias(PositionalConfig::Alibi(NoOptions {})))
     }
 
     fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {

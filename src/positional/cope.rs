@@ -36,7 +36,8 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BiasBatch, Placement, PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreModule,
+    BiasBatch, Knobs, Measure, Placement, Portrait, PositionalModule, Scheme, SchemeShape,
+    ScoreFunction, ScoreModule,
 };
 use crate::error::{Error, Result};
 use crate::nn::{GateCounts, QkScores};
@@ -126,6 +127,18 @@ impl Scheme for CopeOptions {
             true => "cope".into(),
             false => format!("cope (npos {})", self.npos),
         }
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Counts)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "cope: its positions are counted by gates the content sets, so they exist only in \
+             a trained model: give --run DIR of a cope model"
+                .into(),
+        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

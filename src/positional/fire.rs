@@ -33,7 +33,8 @@ use serde::{Deserialize, Serialize};
 
 use super::score_bias::offset_bias;
 use super::{
-    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+    BiasBatch, BiasModule, Knobs, LayerBiases, Measure, Placement, Portrait, PositionalConfig,
+    PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::{Error, Result};
 use crate::nn::{linear, linear_no_bias, Linear};
@@ -128,6 +129,25 @@ impl Scheme for FireOptions {
              ln(|c| max(L, span) + 1), L = |l_multiplier| x {} (threshold), shared by all layers",
             self.width, shape.n_heads, self.threshold
         )
+    }
+
+    /// Its bias at initialisation at the settings' length and 4x, its threshold theirs.
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Interpolation {
+            config: PositionalConfig::Fire(Self::threshold(knobs.threshold)),
+            title: format!(
+                "fire, {} heads, threshold {}: the bias at initialisation (seed 0)",
+                knobs.heads, knobs.threshold
+            ),
+            note: "inputs sign(j - i) ln(|c| |j - i| + 1) / ln(|c| max(L, span) + 1): up to the \
+                   threshold the curve is the raw one; at 4x the span it is stretched to the \
+                   same [-1, 1] (fire_by_relative_offset.png)"
+                .into(),
+        })
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Interpolation)
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -25,7 +25,8 @@ use candle::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use super::{
-    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+    BiasBatch, BiasModule, Knobs, LayerBiases, Measure, Placement, Portrait, PositionalModule,
+    Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 use crate::nn::{AttentionBias, ForgetGates, LayerBias};
@@ -73,6 +74,18 @@ impl Scheme for FoxScheme {
             shape.n_heads,
             shape.n_heads
         )
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "fox: FoX's bias comes from the content (forget gates of each layer's input), so \
+             it exists only in a trained model: give --run DIR of a fox model"
+                .into(),
+        )
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Gates)
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -18,7 +18,8 @@ use candle_nn::{Init, VarBuilder};
 
 use super::score_bias::distance_tensor;
 use super::{
-    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Scheme, SchemeShape, ScoreBias,
+    BiasBatch, BiasModule, Knobs, LayerBiases, NoOptions, Placement, Portrait, PositionalConfig,
+    PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 use crate::params::LowerBound;
@@ -49,6 +50,10 @@ impl Scheme for KerpleScheme {
              ({} x {} each, kept >= {KERPLE_MIN})",
             shape.n_heads, shape.n_layers
         )
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Bias(PositionalConfig::Kerple(NoOptions {})))
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

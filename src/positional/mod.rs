@@ -35,6 +35,7 @@ mod learned;
 mod none;
 mod path;
 mod pope;
+mod portrait;
 mod positions;
 mod prope;
 mod rope;
@@ -61,6 +62,7 @@ pub use path::{
     PATH_EPS,
 };
 pub use pope::{pope_frequencies, DeltaInit, Pope, PopeOptions};
+pub use portrait::{FixedTable, Knobs, Measure, OffsetIndex, Portrait};
 pub use positions::{random_batch_positions, random_positions, Positions, MAX_POSITION};
 pub use prope::{PropeOptions, Refused};
 pub use rope::{Rope, RopeOptions};
@@ -344,6 +346,25 @@ impl PositionalConfig {
         let mut names: Vec<&'static str> = Self::catalog(2).iter().map(|c| c.name()).collect();
         names.dedup();
         names
+    }
+
+    /// The first scheme of the [`catalog`](Self::catalog) named `name`, with its default
+    /// options.
+    pub fn named(name: &str, pos_dim: usize) -> Option<Self> {
+        Self::catalog(pos_dim)
+            .into_iter()
+            .find(|c| c.name() == name)
+    }
+
+    /// The same scheme with its frequencies rescaled by `scaling` (`None`: as trained), where
+    /// they rescale (see [`Scheme::with_scaling`]).
+    pub fn with_scaling(&self, scaling: Option<RopeScaling>) -> Option<PositionalConfig> {
+        self.scheme().with_scaling(scaling)
+    }
+
+    /// Whether the scheme's frequencies rescale (`[eval] rope_scaling`, `--rope-scaling`).
+    pub fn rescales(&self) -> bool {
+        self.with_scaling(None).is_some()
     }
 
     /// The name used in configs and reports.

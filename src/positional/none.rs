@@ -12,7 +12,7 @@
 
 use candle_nn::VarBuilder;
 
-use super::{InputPositions, Placement, PositionalModule, Scheme, SchemeShape};
+use super::{InputPositions, Knobs, Placement, Portrait, PositionalModule, Scheme, SchemeShape};
 use crate::error::Result;
 
 /// The `none` scheme (its options are [`super::NoOptions`]).
@@ -38,6 +38,10 @@ impl Scheme for NoneScheme {
 
     fn describe(&self, _shape: &SchemeShape) -> String {
         "no positions (the bag-of-words control)".into()
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err("none: the bag-of-words control has no positions to draw".into())
     }
 
     fn build(&self, _shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {

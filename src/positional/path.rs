@@ -36,7 +36,8 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BiasBatch, Placement, PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreModule,
+    BiasBatch, Knobs, Measure, Placement, Portrait, PositionalModule, Scheme, SchemeShape,
+    ScoreFunction, ScoreModule,
 };
 use crate::error::Result;
 use crate::nn::{Projections, QkScores, Transport};
@@ -138,6 +139,18 @@ impl Scheme for PathOptions {
             true => "path".into(),
             false => format!("path (conv {})", self.conv_size),
         }
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Turning)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "path: its transport comes from the content (each token's reflection), so it \
+             exists only in a trained model: give --run DIR of a path model"
+                .into(),
+        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -34,8 +34,8 @@ use serde::{Deserialize, Serialize};
 
 use super::scheme::check_base;
 use super::{
-    BiasBatch, Placement, PositionalModule, Positions, Scheme, SchemeShape, ScoreFunction,
-    ScoreModule, DEFAULT_BASE,
+    BiasBatch, Knobs, Measure, Placement, Portrait, PositionalModule, Positions, Scheme,
+    SchemeShape, ScoreFunction, ScoreModule, DEFAULT_BASE,
 };
 use crate::error::Result;
 use crate::nn::{Polar, QkScores};
@@ -128,6 +128,18 @@ impl Scheme for PopeOptions {
             true => "pope".into(),
             false => format!("pope (base {})", self.base),
         }
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::PolarScores)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "pope: its scores depend on q and k and on each head's learned phase δ, so they \
+             exist only in a trained model: give --run DIR of a model trained with `pope`"
+                .into(),
+        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -27,7 +27,10 @@ use serde::{Deserialize, Serialize};
 
 use super::rope_scaling::rope_frequencies;
 use super::scheme::check_base;
-use super::{Placement, PositionalModule, Rope, RopePairing, Scheme, SchemeShape, DEFAULT_BASE};
+use super::{
+    Knobs, Measure, Placement, Portrait, PositionalConfig, PositionalModule, Rope, RopePairing,
+    Scheme, SchemeShape, DEFAULT_BASE,
+};
 use crate::error::Result;
 
 fn default_base() -> f64 {
@@ -195,6 +198,26 @@ impl Scheme for PropeOptions {
 
     fn label(&self) -> String {
         format!("prope (keep {})", self.keep)
+    }
+
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        let options = Self {
+            base: knobs.base,
+            keep: knobs.keep,
+            ..Default::default()
+        };
+        Ok(Portrait::Spectrum {
+            base: options.base,
+            keep: options.keep,
+            config: PositionalConfig::Prope(options),
+        })
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Spectrum {
+            base: self.base,
+            keep: self.keep,
+        })
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

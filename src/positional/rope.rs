@@ -27,8 +27,8 @@ use super::rope_scaling::{rope_frequencies, rotary_dim};
 use super::scheme::check_base;
 use super::sinusoidal::{angles_at, pair_slots};
 use super::{
-    Placement, PositionTable, PositionalModule, Positions, RopePairing, RopeScaling, Scheme,
-    SchemeShape, DEFAULT_BASE,
+    FixedTable, Knobs, Placement, Portrait, PositionTable, PositionalConfig, PositionalModule,
+    Positions, RopePairing, RopeScaling, Scheme, SchemeShape, DEFAULT_BASE,
 };
 use crate::error::{Error, Result};
 use crate::nn::Rotary;
@@ -145,6 +145,48 @@ impl Scheme for RopeOptions {
              pairing{rotated}{scaled})",
             self.base, self.pairing
         )
+    }
+
+    fn with_scaling(&self, scaling: Option<RopeScaling>) -> Option<PositionalConfig> {
+        Some(PositionalConfig::Rope(Self {
+            scaling,
+            ..self.clone()
+        }))
+    }
+
+    fn fixed_table(&self, _d_model: usize, head_dim: usize) -> Option<FixedTable> {
+        Some(FixedTable::Rotation {
+            dim: self.rotary_dim(head_dim),
+            base: self.base,
+            pairing: self.pairing,
+        })
+    }
+
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Table(FixedTable::Rotation {
+            dim: rotary_dim(knobs.dim, knobs.fraction),
+            base: knobs.base,
+            pairing: knobs.pairing,
+        }))
+    }
+
+    /// The PyTorch reference's RoPE, which rotates halves (GPT-NeoX / LLaMA), and the same on
+    /// half of each head (GPT-NeoX's `rotary_pct`, Phi's `partial_rotary_factor`).
+    fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
+        let half = Self {
+            pairing: RopePairing::Half,
+            ..self.clone()
+        };
+        Some(vec![
+            ("rope".into(), PositionalConfig::Rope(half.clone())),
+            (
+                "rope_partial".into(),
+                PositionalConfig::Rope(Self {
+                    fraction: 0.5,
+                    ..half
+                }),
+            ),
+        ])
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -1,11 +1,13 @@
 //! What every positional scheme provides. [`super::PositionalConfig`] holds one variant per
 //! scheme and dispatches each question to the scheme's own file through [`Scheme`]: its
 //! placement, the checks of its options, its parameter count, how `inspect` describes it, and
-//! the module it builds. Nothing outside a scheme's file matches on the scheme.
+//! the module it builds, what `analyze` draws of it, how `bench` names it, and whether its
+//! frequencies rescale. Nothing outside a scheme's file matches on the scheme.
 
 use candle_nn::VarBuilder;
 
-use super::{Placement, PositionalModule};
+use super::portrait::{FixedTable, Knobs, Measure, OffsetIndex, Portrait};
+use super::{Placement, PositionalConfig, PositionalModule, RopeScaling};
 use crate::error::Result;
 use crate::layers::LayerSet;
 
@@ -94,7 +96,62 @@ pub trait Scheme: Sync {
 
     /// The same scheme with its rotation's base set to `base`, for a scheme that has one
     /// (`[layers] rope_base`: another base in global and local layers); `None` otherwise.
-    fn with_base(&self, _base: f64) -> Option<super::PositionalConfig> {
+    fn with_base(&self, _base: f64) -> Option<PositionalConfig> {
+        None
+    }
+
+    /// The same scheme with its rotation's frequencies rescaled by `scaling` (`None`: as
+    /// trained), to read past the training length; `None` for a scheme whose frequencies do not
+    /// rescale.
+    fn with_scaling(&self, _scaling: Option<RopeScaling>) -> Option<PositionalConfig> {
+        None
+    }
+
+    /// The width of the positions where the scheme sets it apart from the model's (a
+    /// concatenation's `pos_dim`).
+    fn pos_dim(&self) -> Option<usize> {
+        None
+    }
+
+    /// The table of positions the scheme computes for a model of `d_model` (head width
+    /// `head_dim`), where it has one; a learned table is read from the weights instead.
+    fn fixed_table(&self, _d_model: usize, _head_dim: usize) -> Option<FixedTable> {
+        None
+    }
+
+    /// What `analyze SCHEME` draws of the scheme without a model, its options set from the
+    /// command's `knobs` where it has them; else why it cannot, and what to give instead.
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(format!(
+            "{name}: its positions are learned, so they exist only in a trained model: give --run \
+             DIR of a model trained with `{name}`",
+            name = self.name()
+        ))
+    }
+
+    /// The function of the offset that indexes the scheme's learned values, for `positions`
+    /// queries and keys, where it has one (T5's bucket).
+    fn offset_index(&self, _positions: usize) -> Option<OffsetIndex> {
+        None
+    }
+
+    /// What `analyze --run` draws of a trained model's scheme beyond its table, its score
+    /// biases and the split of its logits.
+    fn measure(&self) -> Option<Measure> {
+        None
+    }
+
+    /// The FLOPs the scheme adds to a forward pass of `batch` sequences of `seq` tokens through
+    /// an encoder of `shape`, beyond the encoder's own matrix products: 2 per multiply-add of its
+    /// own products, as `bench` and the PyTorch reference count them (element-wise work is not
+    /// counted).
+    fn forward_flops(&self, _shape: &SchemeShape, _batch: usize, _seq: usize) -> f64 {
+        0.0
+    }
+
+    /// The forms `bench` measures of the scheme, named (the PyTorch reference's names where it
+    /// has the scheme); `None`: the scheme itself, under its name.
+    fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
         None
     }
 

@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::scheme::check_base;
 use super::{
-    InputPositions, Placement, PositionalModule, Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
+    FixedTable, InputPositions, Knobs, Placement, Portrait, PositionalConfig, PositionalModule,
+    Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
 };
 use crate::error::Result;
 
@@ -70,6 +71,29 @@ impl Scheme for SinusoidalOptions {
             "input side: tokens + sinusoid ({} wide, base {}, {} layout)",
             shape.d_model, self.base, self.layout
         )
+    }
+
+    fn fixed_table(&self, d_model: usize, _head_dim: usize) -> Option<FixedTable> {
+        Some(FixedTable::Sinusoidal {
+            dim: d_model,
+            base: self.base,
+            layout: self.layout,
+        })
+    }
+
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Table(FixedTable::Sinusoidal {
+            dim: knobs.dim,
+            base: knobs.base,
+            layout: knobs.layout,
+        }))
+    }
+
+    fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
+        Some(vec![(
+            "sin_add".into(),
+            PositionalConfig::SinusoidalAdd(self.clone()),
+        )])
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

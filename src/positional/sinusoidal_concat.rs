@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use super::scheme::check_base;
 use super::{
-    InputPositions, Placement, PositionalModule, Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
+    FixedTable, InputPositions, Knobs, Placement, Portrait, PositionalConfig, PositionalModule,
+    Scheme, SchemeShape, TableLayout, DEFAULT_BASE,
 };
 use crate::error::Result;
 
@@ -144,6 +145,46 @@ impl Scheme for ConcatOptions {
         match self.project {
             true => d_model,
             false => d_model.saturating_sub(self.pos_dim),
+        }
+    }
+
+    fn pos_dim(&self) -> Option<usize> {
+        Some(self.pos_dim)
+    }
+
+    fn fixed_table(&self, _d_model: usize, _head_dim: usize) -> Option<FixedTable> {
+        Some(FixedTable::Sinusoidal {
+            dim: self.pos_dim,
+            base: self.base,
+            layout: self.layout,
+        })
+    }
+
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Table(FixedTable::Sinusoidal {
+            dim: knobs.dim,
+            base: knobs.base,
+            layout: knobs.layout,
+        }))
+    }
+
+    fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
+        let name = match self.project {
+            true => "sin_concat_proj",
+            false => "sin_concat",
+        };
+        Some(vec![(
+            name.into(),
+            PositionalConfig::SinusoidalConcat(self.clone()),
+        )])
+    }
+
+    /// The projection of `[tokens ; positions]` back to the model's width, where there is one.
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        let d = shape.d_model as f64;
+        match self.project {
+            true => 2.0 * (d + self.pos_dim as f64) * d * (batch * seq) as f64,
+            false => 0.0,
         }
     }
 

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::score_bias::offset_bias;
 use super::{
-    BiasBatch, BiasModule, LayerBiases, Placement, PositionalModule, Positions, Scheme,
-    SchemeShape, ScoreBias,
+    BiasBatch, BiasModule, Knobs, LayerBiases, OffsetIndex, Placement, Portrait, PositionalConfig,
+    PositionalModule, Positions, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 
@@ -82,6 +82,38 @@ impl Scheme for T5Options {
              T5's bucket of j - i (max_distance {})",
             self.buckets, shape.n_heads, self.max_distance
         )
+    }
+
+    /// Its bucket index: the learned values exist only in a trained model.
+    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Index(PositionalConfig::T5(Self {
+            buckets: knobs.buckets,
+            max_distance: knobs.max_distance,
+        })))
+    }
+
+    fn offset_index(&self, positions: usize) -> Option<OffsetIndex> {
+        let values = (0..positions * positions)
+            .map(|n| {
+                let (i, j) = (n / positions, n % positions);
+                t5_bucket(j as i64 - i as i64, self.buckets, self.max_distance) as f64
+            })
+            .collect();
+        Some(OffsetIndex {
+            title: format!(
+                "t5: bucket of j - i ({} buckets, max_distance {})",
+                self.buckets, self.max_distance
+            ),
+            label: "bucket".into(),
+            notes: vec![format!(
+                "offsets below {} in size get a bucket each; keys after the query use buckets \
+                 {}..{}; each head learns one value per bucket (see --run of a trained t5 model)",
+                self.buckets / 4,
+                self.buckets / 2,
+                self.buckets - 1
+            )],
+            values,
+        })
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::scheme::{check_base, check_init_std};
 use super::{
-    sinusoidal_table, BiasBatch, BiasModule, LayerBiases, LearnedPositions, Placement,
+    sinusoidal_table, BiasBatch, BiasModule, FixedTable, LayerBiases, LearnedPositions, Placement,
     PositionTable, PositionalModule, Positions, Scheme, SchemeShape, ScoreBias, TableLayout,
     DEFAULT_BASE, DEFAULT_LEARNED_INIT_STD,
 };
@@ -150,6 +150,21 @@ impl Scheme for UntiedOptions {
     /// `1/sqrt(2 d_head)`.
     fn score_scale(&self, head_dim: usize) -> Option<f64> {
         Some(1.0 / (2.0 * head_dim as f64).sqrt())
+    }
+
+    fn fixed_table(&self, d_model: usize, _head_dim: usize) -> Option<FixedTable> {
+        (self.source == UntiedSource::Sinusoidal).then(|| FixedTable::Sinusoidal {
+            dim: d_model,
+            base: self.base(),
+            layout: self.layout(),
+        })
+    }
+
+    /// TUPE's term, once per forward (the positions are shared by the batch): `U_q` and `U_k` on
+    /// `seq` position rows, and the heads' `seq x seq` product.
+    fn forward_flops(&self, shape: &SchemeShape, _batch: usize, seq: usize) -> f64 {
+        let (d, t) = (shape.d_model as f64, seq as f64);
+        2.0 * (2.0 * t * d * d) + 2.0 * t * t * d
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {

@@ -877,6 +877,83 @@ fn the_recent_schemes_are_analysed_by_name_and_in_trained_models() {
 }
 
 #[test]
+fn every_scheme_of_the_catalog_is_drawn_by_name_or_refused_naming_the_fix() {
+    use poslab::analysis::command::{scheme_names, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str| {
+        Request {
+            scheme: Some(name.into()),
+            positions: 16,
+            dim: 16,
+            heads: 2,
+            out: Some(dir.path().join(name)),
+            ..Request::default()
+        }
+        .run()
+    };
+    // The names come from the catalog, with `sinusoidal` for the sinusoidal table first.
+    let names = scheme_names();
+    assert_eq!(names[0], "sinusoidal");
+    assert_eq!(&names[1..], PositionalConfig::names().as_slice());
+    let drawn = [
+        ("sinusoidal", "table.csv"),
+        ("sinusoidal_add", "table.csv"),
+        ("sinusoidal_concat", "table.csv"),
+        ("rope", "rope_scaling_wavelengths.csv"),
+        ("prope", "spectrum.csv"),
+        ("alibi", "bias_by_offset.csv"),
+        ("t5", "bias_by_offset.csv"),
+        ("kerple", "bias_by_offset.csv"),
+        ("fire", "fire_by_offset.csv"),
+    ];
+    for name in names {
+        match drawn.iter().find(|(n, _)| *n == name) {
+            Some((_, file)) => {
+                let report = run(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(
+                    report.files.iter().any(|f| f == file),
+                    "{name}: {:?}",
+                    report.files
+                );
+            }
+            None => {
+                let e = run(name).expect_err(name).to_string();
+                assert!(
+                    e.starts_with(&format!("invalid input: {name}:"))
+                        && (e.contains("give --run DIR") || e.contains("no positions")),
+                    "{e}"
+                );
+            }
+        }
+    }
+    // `sinusoidal` is `sinusoidal_add`'s table, value for value.
+    let table = |name: &str| std::fs::read(dir.path().join(name).join("table.csv")).unwrap();
+    assert_eq!(table("sinusoidal"), table("sinusoidal_add"));
+    // T5 by name is its bucket index, by offset (32 buckets, max_distance 128 by default).
+    let csv = std::fs::read_to_string(dir.path().join("t5").join("bias_by_offset.csv")).unwrap();
+    let row = |offset: &str| {
+        csv.lines()
+            .find(|l| l.split(',').next() == Some(offset))
+            .unwrap_or_else(|| panic!("offset {offset}: {csv}"))
+            .split(',')
+            .nth(1)
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    assert_eq!(row("0"), 0.0);
+    for offset in -15i64..=15 {
+        let bucket = poslab::positional::t5_bucket(offset, 32, 128) as f64;
+        assert_eq!(row(&offset.to_string()), bucket, "offset {offset}");
+    }
+    let e = run("xpos").unwrap_err().to_string();
+    assert!(
+        e.contains("not a scheme") && e.contains("sinusoidal_concat"),
+        "{e}"
+    );
+}
+
+#[test]
 fn analyze_report_html_draws_its_pictures_in_a_real_browser() {
     let Some(browser) = crate::common::headless_browser() else {
         return;
