@@ -7,9 +7,9 @@
 //! `poslab compare configs/add_vs_concat.toml`.
 
 use anyhow::Result;
-use poslab::experiment::report::text_report;
-use poslab::experiment::run::{run, RunOptions};
-use poslab::experiment::ExperimentConfig;
+use poslab::runs::compare::{run, RunOptions};
+use poslab::runs::report::text_report;
+use poslab::runs::ExperimentConfig;
 
 const EXPERIMENT: &str = r#"
 name = "add_vs_concat_example"

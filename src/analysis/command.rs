@@ -482,7 +482,7 @@ impl Request {
 
     /// A trained model's learned table, or its scheme's fixed one.
     fn trained_subject(&self, dir: &Path) -> Result<Subject> {
-        if let Some(what) = crate::experiment::folder::not_a_model(dir) {
+        if let Some(what) = crate::runs::folder::not_a_model(dir) {
             bail!("--run {}: {what}", dir.display());
         }
         let mut loaded = crate::saved::load_as(

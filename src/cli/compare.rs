@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use poslab::experiment::{self, estimate, run, ExperimentConfig, Selection};
 use poslab::progress::{human_duration, Progress};
+use poslab::runs::{self, compare, estimate, ExperimentConfig, Selection};
 use poslab::table::TextTable;
 
 use super::Compute;
@@ -38,7 +38,7 @@ pub struct Args {
     /// its own --out, then merge the folders with `poslab report`; see examples/cluster/ for
     /// Slurm and Kubernetes.
     #[arg(long, value_name = "K/N")]
-    pub shard: Option<experiment::Shard>,
+    pub shard: Option<runs::Shard>,
     /// Where run folders are made.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
@@ -102,11 +102,11 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         // The folder is looked at exactly as the run looks at it, before anything is costed.
         let found = match &a.out {
             Some(dir) => {
-                let mut options = run::RunOptions::new(device, dir.clone());
+                let mut options = compare::RunOptions::new(device, dir.clone());
                 options.selection = selection.clone();
                 options.overwrite = a.overwrite;
                 options.limits = limits;
-                Some((dir.clone(), run::preview(&config, &options)?))
+                Some((dir.clone(), compare::preview(&config, &options)?))
             }
             None => None,
         };
@@ -118,15 +118,15 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     let jobs = jobs(a.jobs, &device, cells)?;
     // Without --out, the same command continues this experiment's unfinished run (one stopped
     // by Ctrl-C, a kill or a crash) rather than starting over in a new folder.
-    let mut look = run::RunOptions::new(device.clone(), PathBuf::new());
+    let mut look = compare::RunOptions::new(device.clone(), PathBuf::new());
     look.selection = selection.clone();
     look.limits = limits;
     let mut created = false;
     let dir = match a.out {
         Some(dir) => dir,
-        None => match run::unfinished_run(&config, &look, &a.runs_dir)? {
+        None => match compare::unfinished_run(&config, &look, &a.runs_dir)? {
             Some(dir) => {
-                let (done, all) = run::progress_of(&dir).unwrap_or((0, cells));
+                let (done, all) = compare::progress_of(&dir).unwrap_or((0, cells));
                 eprintln!(
                     "poslab compare: continuing the unfinished run in {} ({done} of {all} cells \
                      done); --out DIR runs elsewhere",
@@ -142,7 +142,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     };
     let command = super::interrupt::this_command(&["--overwrite"]);
     let at = dir.clone();
-    interrupt.says(move || match run::progress_of(&at) {
+    interrupt.says(move || match compare::progress_of(&at) {
         Some((done, all)) => format!(
             "poslab compare: interrupted; {done} of {all} cells are done and kept in {}. The \
              same command continues there:\n  {command}",
@@ -161,7 +161,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         poslab::device::device_name(&device),
         dir.display()
     );
-    let options = run::RunOptions {
+    let options = compare::RunOptions {
         device,
         dir: dir.clone(),
         selection,
@@ -173,7 +173,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         limits,
         kill_at: a.kill_at,
     };
-    let output = match run::run(&config, &options, &|line| eprintln!("{line}")) {
+    let output = match compare::run(&config, &options, &|line| eprintln!("{line}")) {
         Ok(output) => output,
         Err(e) => {
             // A start that failed (its data missing, say) leaves no folder behind.
@@ -208,7 +208,7 @@ fn load(
     let (mut config, source) = match path {
         Some(p) => (ExperimentConfig::load(p)?, p.display().to_string()),
         None => (
-            ExperimentConfig::from_toml_str(experiment::DEFAULT_CONFIG)
+            ExperimentConfig::from_toml_str(runs::DEFAULT_CONFIG)
                 .context("the embedded configs/compare.toml")?,
             "configs/compare.toml (embedded default)".to_string(),
         ),
@@ -244,7 +244,7 @@ fn print_estimate(
     source: &str,
     gflops: f64,
     jobs: usize,
-    found: Option<(PathBuf, run::Preview)>,
+    found: Option<(PathBuf, compare::Preview)>,
 ) -> Result<()> {
     let selected = e.cells.len();
     let rate = gflops * 1e9;
@@ -274,14 +274,12 @@ fn print_estimate(
             "--out {}: {}",
             dir.display(),
             match found.folder {
-                experiment::folder::Preview::NewFolder =>
-                    "a new folder: the run makes it".to_string(),
-                experiment::folder::Preview::New =>
-                    "holds no run: a new run starts there".to_string(),
-                experiment::folder::Preview::Replace => {
+                runs::folder::Preview::NewFolder => "a new folder: the run makes it".to_string(),
+                runs::folder::Preview::New => "holds no run: a new run starts there".to_string(),
+                runs::folder::Preview::Replace => {
                     "holds a run that --overwrite replaces (only the files it wrote)".to_string()
                 }
-                experiment::folder::Preview::Resume => format!(
+                runs::folder::Preview::Resume => format!(
                     "holds this run, which continues: {done} of {selected} cells done, {} to run",
                     selected - done
                 ),

@@ -263,7 +263,7 @@ pub fn gather_texts(mut texts: Vec<String>, input: Option<PathBuf>) -> Result<Ve
 }
 
 pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded> {
-    if let Some(what) = poslab::experiment::folder::not_a_model(dir) {
+    if let Some(what) = poslab::runs::folder::not_a_model(dir) {
         anyhow::bail!("{}: {what}", dir.display());
     }
     let device = compute.device.open()?;

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use poslab::experiment::folder::{self, FolderKind, Plan, SelectionRecord};
-use poslab::experiment::report;
+use poslab::runs::folder::{self, FolderKind, Plan, SelectionRecord};
+use poslab::runs::report;
 
 /// Merge the results of run folders (cells split across machines with --shard, --task,
 /// --variant, --seed) into one report. The merge is strict: folders of different configs,

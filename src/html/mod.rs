@@ -1,4 +1,4 @@
-//! Self-contained HTML pages: `report.html` of a comparison ([`crate::experiment::html`]) and
+//! Self-contained HTML pages: `report.html` of a comparison ([`crate::runs::html`]) and
 //! of an analysis ([`crate::analysis::html`]).
 //!
 //! A page is its data, embedded as JSON, drawn by an embedded script: the shared pieces

@@ -5,10 +5,10 @@ use std::path::Path;
 
 use candle::{DType, Device};
 use poslab::data::Dataset;
-use poslab::experiment::report::{load_run, merge};
-use poslab::experiment::results::{Outcome, Results};
-use poslab::experiment::run::{run, RunOptions};
-use poslab::experiment::{ExperimentConfig, Selection};
+use poslab::runs::compare::{run, RunOptions};
+use poslab::runs::report::{load_run, merge};
+use poslab::runs::results::{Outcome, Results};
+use poslab::runs::{ExperimentConfig, Selection};
 use poslab::train::evaluate;
 
 fn experiment(variants: &[&str], seeds: u64, steps: usize, d_model: usize) -> ExperimentConfig {
@@ -256,11 +256,11 @@ fn word_order_separates_positions_from_the_bag_of_words() {
 #[test]
 fn a_compare_leads_with_verdicts_that_agree_with_its_scores() {
     let mut config = experiment(&["sinusoidal_add", "learned", "none"], 2, 40, 16);
-    config.comparisons = vec![poslab::experiment::ComparisonSpec {
+    config.comparisons = vec![poslab::runs::ComparisonSpec {
         a: "none".into(),
         b: "sinusoidal_add".into(),
     }];
-    config.comparisons.push(poslab::experiment::ComparisonSpec {
+    config.comparisons.push(poslab::runs::ComparisonSpec {
         a: "sinusoidal_add".into(),
         b: "learned".into(),
     });
@@ -351,7 +351,7 @@ fn comparisons_name_two_different_variants_of_the_experiment() {
     let config = experiment(&["none", "rope"], 1, 10, 16);
     let with = |a: &str, b: &str| {
         let mut c = config.clone();
-        c.comparisons = vec![poslab::experiment::ComparisonSpec {
+        c.comparisons = vec![poslab::runs::ComparisonSpec {
             a: a.into(),
             b: b.into(),
         }];
@@ -367,7 +367,7 @@ fn comparisons_name_two_different_variants_of_the_experiment() {
     assert!(err.contains("both `rope`"), "{err}");
     let mut twice = config.clone();
     twice.comparisons = vec![
-        poslab::experiment::ComparisonSpec {
+        poslab::runs::ComparisonSpec {
             a: "none".into(),
             b: "rope".into(),
         };
@@ -406,11 +406,11 @@ fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
     };
     let mut config = experiment(&["none", "sinusoidal_add", "rope"], 2, 40, 16);
     config.comparisons = vec![
-        poslab::experiment::ComparisonSpec {
+        poslab::runs::ComparisonSpec {
             a: "none".into(),
             b: "sinusoidal_add".into(),
         },
-        poslab::experiment::ComparisonSpec {
+        poslab::runs::ComparisonSpec {
             a: "sinusoidal_add".into(),
             b: "rope".into(),
         },

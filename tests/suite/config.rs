@@ -244,10 +244,10 @@ fn shipped_configs_are_valid() {
         }
         let table: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
         if table.contains_key("task") {
-            poslab::train_run::TrainRunConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            poslab::runs::train::TrainRunConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             trains.push(path.file_name().unwrap().to_string_lossy().into_owned());
         } else if table.contains_key("variants") {
-            poslab::experiment::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            poslab::runs::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             experiments.push(path.file_name().unwrap().to_string_lossy().into_owned());
         } else {
             ModelConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -281,7 +281,7 @@ fn shipped_configs_are_valid() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/compare.toml"),
     )
     .unwrap();
-    assert_eq!(poslab::experiment::DEFAULT_CONFIG, shipped);
+    assert_eq!(poslab::runs::DEFAULT_CONFIG, shipped);
 }
 
 fn tiny(positional: PositionalConfig) -> Encoder {
@@ -402,7 +402,7 @@ fn seed_and_seeds_are_refused_with_what_each_config_means() {
     )
     .unwrap();
     assert_error_mentions(
-        poslab::experiment::ExperimentConfig::load(&experiment),
+        poslab::runs::ExperimentConfig::load(&experiment),
         &["`seeds = N` runs N", "`first_seed`", "unknown field `seed`"],
     );
     let train = dir.path().join("t.toml");
@@ -413,7 +413,7 @@ fn seed_and_seeds_are_refused_with_what_each_config_means() {
     .replace("seed = 0", "seeds = 2");
     std::fs::write(&train, text).unwrap();
     assert_error_mentions(
-        poslab::train_run::TrainRunConfig::load(&train),
+        poslab::runs::train::TrainRunConfig::load(&train),
         &["one seed: `seed = N`", "unknown field `seeds`"],
     );
 }

@@ -117,8 +117,7 @@ fn the_core_imports_nothing_above_it() {
         "config",
     ];
     let above = [
-        "experiment",
-        "train_run",
+        "runs",
         "train",
         "analysis",
         "bench",

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use poslab::data::{Dataset, Sample, TapeInfo, Target};
-use poslab::experiment::{ExperimentConfig, Selection, Shard};
+use poslab::runs::{ExperimentConfig, Selection, Shard};
 use poslab::tasks::algorithmic::{Algorithmic, Level, Tape, BLANK, END};
 use poslab::tasks::{Label, TaskKind, TaskSpec};
 use poslab::train::{scores_by_length, tape_results};
@@ -707,8 +707,8 @@ fn poslab(dir: &Path, args: &[&str]) -> (bool, String) {
 /// Recomputes, from the per-length scores each cell recorded, every cell's `score` (the mean
 /// over each length above the training lengths, 7-9 in `TINY`) and the summary's gains of
 /// randomized positions (mean over tasks of the seeds' means, and of the best seeds).
-fn scores_and_gains_follow_from_the_cells(results: &poslab::experiment::results::Results) {
-    use poslab::experiment::results::{Outcome, SCORE};
+fn scores_and_gains_follow_from_the_cells(results: &poslab::runs::results::Results) {
+    use poslab::runs::results::{Outcome, SCORE};
     let accuracy_of = |o: &Outcome| match o {
         Outcome::Scored { accuracy, .. } => *accuracy,
         Outcome::Unavailable { reason } => panic!("unscored: {reason}"),
@@ -774,7 +774,7 @@ fn scores_and_gains_follow_from_the_cells(results: &poslab::experiment::results:
         assert_eq!(s.len(), 2, "two seeds");
         (s.iter().sum::<f64>() / 2.0, s[0].max(s[1]))
     };
-    let summary = poslab::experiment::suite::summarize(results).unwrap();
+    let summary = poslab::runs::suite::summarize(results).unwrap();
     assert_eq!(summary.tasks, ["reverse_string", "binary_addition"]);
     assert_eq!(summary.gains.len(), 1);
     let g = &summary.gains[0];
@@ -833,7 +833,7 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
     }
     // A shard holds only its cells: 8 cells, 3 shards of 3, 3 and 2.
     let cells = |p: &str| -> usize {
-        let r: poslab::experiment::results::Results =
+        let r: poslab::runs::results::Results =
             serde_json::from_str(&std::fs::read_to_string(d.join(p)).unwrap()).unwrap();
         r.cells.len()
     };
@@ -854,7 +854,7 @@ fn merged_shards_are_the_unsharded_run_byte_for_byte() {
     );
     // The run records scores by length and the suite's score, and the summary's numbers are
     // what the cells say.
-    let results: poslab::experiment::results::Results = serde_json::from_slice(&whole).unwrap();
+    let results: poslab::runs::results::Results = serde_json::from_slice(&whole).unwrap();
     scores_and_gains_follow_from_the_cells(&results);
     let report = std::fs::read_to_string(d.join("merged/report.md")).unwrap();
     assert!(report.contains("## Length suite") && report.contains("Ruoss et al. 2023"));
@@ -1284,12 +1284,12 @@ fn overlapping_factor_tests_score_each_length_once_and_merge() {
     assert!(ok, "{log}");
     let (ok, log) = poslab(d, &["report", "run", "--out", "merged"]);
     assert!(ok, "{log}");
-    let results: poslab::experiment::results::Results =
+    let results: poslab::runs::results::Results =
         serde_json::from_str(&std::fs::read_to_string(d.join("run/results.json")).unwrap())
             .unwrap();
     for cell in &results.cells {
-        let Some(poslab::experiment::results::Outcome::Scored { by_length, .. }) =
-            cell.evaluation(poslab::experiment::results::SCORE)
+        let Some(poslab::runs::results::Outcome::Scored { by_length, .. }) =
+            cell.evaluation(poslab::runs::results::SCORE)
         else {
             panic!("{}: no score", cell.name())
         };

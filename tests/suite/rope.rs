@@ -407,9 +407,9 @@ fn rope_configs_round_trip_with_fraction_and_scaling() {
 
 #[test]
 fn eval_rope_scaling_rescores_every_rope_variant_as_its_own_row() {
-    use poslab::experiment::results::Outcome;
-    use poslab::experiment::run::{run, RunOptions};
-    use poslab::experiment::ExperimentConfig;
+    use poslab::runs::compare::{run, RunOptions};
+    use poslab::runs::results::Outcome;
+    use poslab::runs::ExperimentConfig;
     let config = ExperimentConfig::from_toml_str(
         "name = \"tiny\"\nseeds = 1\n\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
@@ -470,15 +470,15 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
     use poslab::infer::Predictor;
     // Train a tiny rope classifier, save it, and embed a text 4x its training length.
     let dir = tempfile::tempdir().unwrap();
-    let config = poslab::train_run::TrainRunConfig::from_toml_str(
+    let config = poslab::runs::train::TrainRunConfig::from_toml_str(
         "name = \"r\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
          [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 10 }\nbatch_size = 16\n\
          [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 40\n",
     )
     .unwrap();
-    poslab::train_run::start(
+    poslab::runs::train::start(
         &config,
-        &poslab::train_run::TrainOptions {
+        &poslab::runs::train::TrainOptions {
             dir: dir.path().join("run"),
             device: Device::Cpu,
             progress: poslab::progress::Progress::Quiet,

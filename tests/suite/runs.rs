@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use poslab::experiment::ExperimentConfig;
+use poslab::runs::ExperimentConfig;
 
 /// 2 tasks (sentence labels with the shuffle test; a length-suite task scored by length) x 2
 /// variants (rope re-scored under YaRN: a row of its own) x 2 seeds = 8 cells, each a fraction
@@ -806,7 +806,7 @@ fn test_ranges_are_tested_at_every_length_their_columns_name() {
 
     // Every column of a run says the lengths its results hold.
     let (root, whole) = setup();
-    let results: poslab::experiment::results::Results = serde_json::from_slice(&whole).unwrap();
+    let results: poslab::runs::results::Results = serde_json::from_slice(&whole).unwrap();
     let md = std::fs::read_to_string(root.path().join("whole/report.md")).unwrap();
     let config = ExperimentConfig::from_toml_str(RUN).unwrap();
     for (task, spec) in results.tasks.iter().zip(&config.tasks) {
@@ -823,7 +823,7 @@ fn test_ranges_are_tested_at_every_length_their_columns_name() {
             };
             assert!(md.contains(&header), "{header}");
             for c in results.cells.iter().filter(|c| c.task == task.name) {
-                if let Some(poslab::experiment::results::Outcome::Scored { by_length, .. }) =
+                if let Some(poslab::runs::results::Outcome::Scored { by_length, .. }) =
                     c.evaluation(&test.name)
                 {
                     if test.factor.is_none() {
@@ -1115,11 +1115,11 @@ positional = { kind = "rope" }
 "#,
     )
     .unwrap();
-    let selection = poslab::experiment::Selection::default();
+    let selection = poslab::runs::Selection::default();
     let limits = poslab::limits::Limits::default();
-    let sampled = poslab::experiment::estimate::estimate(&config, &selection, 1, &limits).unwrap();
+    let sampled = poslab::runs::estimate::estimate(&config, &selection, 1, &limits).unwrap();
     let whole =
-        poslab::experiment::estimate::estimate_from(&config, &selection, 1, None, &limits).unwrap();
+        poslab::runs::estimate::estimate_from(&config, &selection, 1, None, &limits).unwrap();
     assert_eq!(sampled.sampled, ["reverse_string", "binary_addition"]);
     assert!(whole.sampled.is_empty());
     assert_eq!(sampled.cells.len(), 4);

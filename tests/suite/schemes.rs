@@ -3,10 +3,10 @@
 //! KERPLE's positivity.
 
 use candle::{DType, Device, Tensor};
-use poslab::experiment::results::Outcome;
-use poslab::experiment::run::{run, RunOptions};
-use poslab::experiment::ExperimentConfig;
 use poslab::positional::{random_batch_positions, random_positions, KERPLE_MIN};
+use poslab::runs::compare::{run, RunOptions};
+use poslab::runs::results::Outcome;
+use poslab::runs::ExperimentConfig;
 use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, Positions};
 
 use crate::common::*;
@@ -338,7 +338,7 @@ fn tiny_experiment(variants: &str) -> ExperimentConfig {
     .unwrap()
 }
 
-fn run_tiny(config: &ExperimentConfig) -> poslab::Result<poslab::experiment::results::Results> {
+fn run_tiny(config: &ExperimentConfig) -> poslab::Result<poslab::runs::results::Results> {
     let dir = tempfile::tempdir().unwrap();
     run(
         config,
@@ -360,7 +360,7 @@ fn randomized_and_bias_variants_train_test_and_reproduce_in_compare() {
     );
     let a = run_tiny(&config).unwrap();
     let b = run_tiny(&config).unwrap();
-    let scores = |r: &poslab::experiment::results::Results| -> Vec<String> {
+    let scores = |r: &poslab::runs::results::Results| -> Vec<String> {
         r.cells
             .iter()
             .flat_map(|c| {

@@ -16,14 +16,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Precision;
 use crate::error::{Error, Result};
-use crate::experiment::job::{Job, JobEnd, Steps};
-use crate::experiment::prepare::{prepare, Prepared};
-use crate::experiment::results::TrainSummary;
-use crate::experiment::{EvalConfig, ModelShape, VariantSpec};
 use crate::io::write_atomic;
 use crate::model::Pooling;
 use crate::params::{load_tensors, save_tensors, ParamStore};
 use crate::positional::PositionalConfig;
+use crate::runs::job::{Job, JobEnd, Steps};
+use crate::runs::prepare::{prepare, Prepared};
+use crate::runs::results::TrainSummary;
+use crate::runs::{EvalConfig, ModelShape, VariantSpec};
 use crate::saved;
 use crate::tasks::TaskSpec;
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
@@ -206,7 +206,7 @@ impl TrainRunConfig {
 
     /// Checks the whole run (name, training, task and model) before anything is written.
     pub fn validate(&self) -> Result<()> {
-        crate::experiment::check_name("run", &self.name)?;
+        crate::runs::check_name("run", &self.name)?;
         self.train.validate()?;
         self.task.validate()?;
         if self.eval.shift > crate::positional::MAX_POSITION {
@@ -535,7 +535,7 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
         )));
     }
     if !dir.join(TRAIN_CONFIG).exists() {
-        if dir.join(crate::experiment::folder::MANIFEST).is_file() {
+        if dir.join(crate::runs::folder::MANIFEST).is_file() {
             return Err(Error::Input(format!(
                 "{} holds a `poslab compare` run, not a `poslab train` one: the same compare \
                  command into it (`poslab compare CONFIG --out {}`) continues it",

@@ -262,7 +262,7 @@ pub fn loss_curves(results: &Results, task: &TaskInfo) -> Vec<Curve> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::experiment::results::{
+    use crate::runs::results::{
         CellResult, Evaluation, Examples, TestInfo, TrainSummary, VariantInfo,
     };
 

@@ -9,8 +9,8 @@
 //! and steps are the same). A task read from files, or whose tokenizer is trained on its
 //! texts, is read or made whole.
 
+use super::compare::{prepare_task_checked, tasks_and_variants};
 use super::prepare::Prepared;
-use super::run::{prepare_task_checked, tasks_and_variants};
 use super::{ExperimentConfig, Selection};
 use crate::config::ModelConfig;
 use crate::data::Dataset;
@@ -79,7 +79,7 @@ fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64
 /// then sketched in seconds, not minutes and gigabytes.
 pub const DRY_RUN_SAMPLE: [usize; 2] = [8000, 1000];
 
-/// Checks the selected cells of `config` as [`super::run::run`] would before training them
+/// Checks the selected cells of `config` as [`super::compare::run`] would before training them
 /// `jobs` at a time, and estimates each one's cost, from the first examples of each generated
 /// split ([`DRY_RUN_SAMPLE`]), against `limits`.
 pub fn estimate(

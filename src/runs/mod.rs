@@ -1,10 +1,13 @@
-//! Controlled comparisons: every variant trained on the same data, seeds and budget.
+//! Every run: controlled comparisons (`poslab compare`: every variant trained on the same data,
+//! seeds and budget) and single training runs (`poslab train`, [`train`]), both through one
+//! training [`job`], in crash-safe run folders ([`folder`]).
 //!
 //! An experiment config names the tasks, the shared model shape, the training recipe, the seeds
 //! and the variants (a positional choice with its options, and optionally its own width or
-//! embedding scale). [`run::run`] trains every selected cell (task x variant x seed) and
+//! embedding scale). [`compare::run`] trains every selected cell (task x variant x seed) and
 //! [`report`] turns the records into tables, files and plots.
 
+pub mod compare;
 pub mod curves;
 pub mod estimate;
 pub mod folder;
@@ -14,9 +17,9 @@ pub mod plot;
 pub mod prepare;
 pub mod report;
 pub mod results;
-pub mod run;
 pub mod suite;
 pub mod suite_plot;
+pub mod train;
 pub mod verdict;
 
 use std::collections::HashSet;

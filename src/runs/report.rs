@@ -614,7 +614,7 @@ const COMPARISON_METHOD: &str = "Each cell of a task is tested on the same examp
     report; a verdict names the better variant when `p (Holm)` < 0.05. `detectable` is the \
     smallest difference this run could have found (80% power at level 0.05). On simulated \
     data the interval covered the true difference 96.7% of the time with 3 seeds and 97.3% \
-    with 8 (the tests of `src/experiment/verdict.rs`).";
+    with 8 (the tests of `src/runs/verdict.rs`).";
 
 /// Typed rows as CSV (a header from the row's fields, fields quoted where they must be).
 fn csv<R: serde::Serialize>(rows: impl IntoIterator<Item = R>) -> String {
