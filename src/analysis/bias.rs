@@ -18,11 +18,11 @@ use super::plots::heatmap;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::params::ParamStore;
-use crate::plot::line_chart;
 use crate::positional::{
     BiasBatch, OffsetIndex, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
-use crate::table::TextTable;
+use crate::render::plot::line_chart;
+use crate::render::table::TextTable;
 
 /// One head's bias over positions `0..P`.
 #[derive(Clone, Debug)]

@@ -12,12 +12,12 @@
 //! - the split of attention logits into content and position terms, per layer and head.
 //!
 //! Hovering a chart or the heatmap shows its values. The page's data is built here; the shared
-//! pieces of [`crate::html`] and `html/analysis.js` draw it.
+//! pieces of [`crate::render::html`] and `html/analysis.js` draw it.
 
 use serde::Serialize;
 
 use super::{terms::HeadTerms, Analysis, Table};
-use crate::html::significant;
+use crate::render::html::significant;
 
 /// The page's script.
 const SCRIPT: &str = include_str!("html/analysis.js");
@@ -228,7 +228,7 @@ impl Page {
     pub fn render(mut self, summary: &str, files: &[String]) -> String {
         self.summary = summary.into();
         self.files = files.to_vec();
-        crate::html::document(&self.title, &self, SCRIPT)
+        crate::render::html::document(&self.title, &self, SCRIPT)
     }
 }
 

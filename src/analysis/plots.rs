@@ -10,7 +10,9 @@ use super::linalg::Matrix;
 use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
 use crate::io::write_atomic;
-use crate::plot::{diverging, line_chart, palette, render_png, sequential, tick, x_label, FONT};
+use crate::render::plot::{
+    diverging, line_chart, palette, render_png, sequential, tick, x_label, FONT,
+};
 
 /// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
 /// Row `r` sits at `offset.0 + r * step.0` on its axis, column `c` at `offset.1 + c * step.1`.

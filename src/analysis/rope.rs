@@ -14,10 +14,10 @@ use serde::Serialize;
 
 use super::csv_files::{write_columns_csv, write_rows};
 use crate::error::{Error, Result};
-use crate::plot::{line_chart, Line};
 use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
 };
+use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 
 /// Wavelengths `2π / w_i` (in positions) of every pair, unscaled and under each scaling at

@@ -11,8 +11,8 @@ use super::bias::HeadBias;
 use super::csv_files::{write_columns_csv, write_records_csv, write_rows};
 use super::linalg::Matrix;
 use crate::error::{Error, Result};
-use crate::plot::{line_chart, Line};
 use crate::positional::{rope_frequencies, rotary_dim, Fox, PositionalModule, PropeOptions};
+use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 
 /// FIRE's bias by offset per head, at several sequence lengths (spans `n - 1`).

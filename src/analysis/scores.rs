@@ -13,8 +13,8 @@ use candle::{DType, Tensor};
 
 use super::csv_files::write_rows;
 use crate::error::{Error, Result};
-use crate::plot::{line_chart, Line};
 use crate::positional::{pope_frequencies, Cope, Path as PathScheme, Pope, PositionalModule};
+use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 
 /// One value per offset `j - i`, per layer and head.

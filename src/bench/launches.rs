@@ -159,7 +159,7 @@ pub fn line(l: &Launches) -> String {
 
 /// The counts as a table.
 pub fn table(rows: &[Launches]) -> String {
-    let mut t = crate::table::TextTable::new(
+    let mut t = crate::render::table::TextTable::new(
         [
             "variant",
             "launches/step",

@@ -18,7 +18,7 @@ use crate::limits::Limits;
 use crate::model::{HeadConfig, Pooling, TaskModel};
 use crate::params::ParamStore;
 use crate::positional::{Placement, PositionalConfig};
-use crate::table::TextTable;
+use crate::render::table::TextTable;
 use crate::train::optim::{AdamW, AdamWConfig};
 
 pub mod launches;

@@ -15,7 +15,7 @@ use serde::Serialize;
 use super::Shape;
 use crate::error::{Error, Result};
 use crate::nn::{head_product_gflops, linear_pass_gflops, matmul_gflops, HeadProduct, LinearPass};
-use crate::table::TextTable;
+use crate::render::table::TextTable;
 
 /// The side of the square product measured beside the step's, `SQUARE`³.
 pub const SQUARE: usize = 1024;

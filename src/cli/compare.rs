@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use poslab::progress::{human_duration, Progress};
+use poslab::render::table::TextTable;
 use poslab::runs::{self, compare, estimate, ExperimentConfig, Selection};
-use poslab::table::TextTable;
 
 use super::Compute;
 

@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use poslab::positional::DEFAULT_BASE;
+use poslab::render::table::TextTable;
 use poslab::runs;
 use poslab::runs::folder::{self, FolderKind};
 use poslab::runs::{report, ExperimentConfig, Selection};
-use poslab::table::TextTable;
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 /// Validate a config and say what it holds: a model config (its shape, where positions act,

@@ -7,15 +7,15 @@
 //! every visible variant's values at that point.
 //!
 //! The page's data is built here; `html/report.js` draws it with the shared pieces of
-//! [`crate::html`] (where the choice of poslab's own SVG over a charting library is explained).
+//! [`crate::render::html`] (where the choice of poslab's own SVG over a charting library is explained).
 
 use serde::Serialize;
 
 use super::curves::{self, Curve};
 use super::results::{Results, TaskInfo};
 use super::verdict;
-use crate::html::significant;
-use crate::table::TextTable;
+use crate::render::html::significant;
+use crate::render::table::TextTable;
 
 /// The page's script: it draws the page from the embedded data.
 const SCRIPT: &str = include_str!("html/report.js");
@@ -262,5 +262,5 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
             })
             .collect(),
     };
-    crate::html::document(&page.title, &page, SCRIPT)
+    crate::render::html::document(&page.title, &page, SCRIPT)
 }

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 use super::curves::{self, Curve, LENGTHS};
 use super::results::{Outcome, Results, TaskInfo};
 use crate::error::Result;
-use crate::plot::{palette, render_png, FONT};
+use crate::render::plot::{palette, render_png, FONT};
 
 /// Every plot of `results` into `dir`.
 pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
@@ -98,7 +98,7 @@ fn band(curve: &Curve, color: RGBColor, clip: impl Fn(f64) -> f64) -> Option<Pol
         .into_iter()
         .map(|(x, low, high)| (x, clip(low), clip(high)))
         .collect();
-    crate::plot::band(&points, color)
+    crate::render::plot::band(&points, color)
 }
 
 fn score_by_length(

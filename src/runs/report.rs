@@ -14,7 +14,7 @@ use super::{html, plot};
 use super::{ExperimentConfig, Selection, Shard};
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, FolderLock};
-use crate::table::TextTable;
+use crate::render::table::TextTable;
 
 pub use super::folder::{load_run_config, CONFIG_TOML, RESULTS_JSON, TIMING_JSON};
 

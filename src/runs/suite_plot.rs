@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use super::curves::{length_curves, LENGTHS};
 use super::results::{Results, TaskInfo};
 use crate::error::Result;
-use crate::plot::{palette, render_png, FONT};
+use crate::render::plot::{palette, render_png, FONT};
 
 /// `(variant, colour index, dashed)` of every variant with results on `task`: colours by
 /// scheme in order of appearance, dashed for randomized positions.
@@ -97,7 +97,7 @@ fn draw_task(
         };
         let color = palette(colour);
         if !small {
-            chart.draw_series(crate::plot::band(&curve.band(), color))?;
+            chart.draw_series(crate::render::plot::band(&curve.band(), color))?;
         }
         let points: Vec<(f64, f64)> = curve.points.iter().map(|p| (p.x, p.mean)).collect();
         let style = color.stroke_width(width);

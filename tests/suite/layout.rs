@@ -127,7 +127,7 @@ fn the_core_imports_nothing_above_it() {
         "pretrained",
         "saved",
         "infer",
-        "plot",
+        "render",
         "progress",
     ];
     let mut wrong = Vec::new();

@@ -6,7 +6,7 @@
 /// right.
 ///
 /// ```
-/// use poslab::table::TextTable;
+/// use poslab::render::table::TextTable;
 /// let mut t = TextTable::new(["variant", "tok/s"], [false, true]);
 /// t.push(["rope", "1200"]);
 /// t.push(["sin_add", "980"]);
