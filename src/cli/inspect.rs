@@ -8,7 +8,7 @@ use poslab::positional::DEFAULT_BASE;
 use poslab::render::table::TextTable;
 use poslab::runs;
 use poslab::runs::folder::{self, FolderKind};
-use poslab::runs::{report, ExperimentConfig, Selection};
+use poslab::runs::{merge, ExperimentConfig, Selection};
 use poslab::{Encoder, ModelConfig, ParamStore, PositionalConfig};
 
 /// Validate a config and say what it holds: a model config (its shape, where positions act,
@@ -240,7 +240,7 @@ fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
         FolderKind::Compare => {
             let cells = config.cells(&manifest.selection.selection()?)?;
             let done = folder::cells_done(dir, &config, &cells);
-            let finished = dir.join(report::RESULTS_JSON).is_file();
+            let finished = dir.join(folder::RESULTS_JSON).is_file();
             outln!(
                 "cells: {done} of {} done{}",
                 cells.len(),
@@ -254,7 +254,7 @@ fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
                 outln!(
                     "unfinished: continue it with poslab compare {} --out {}{} (the same \
                      command continues it)",
-                    dir.join(report::CONFIG_TOML).display(),
+                    dir.join(folder::CONFIG_TOML).display(),
                     dir.display(),
                     manifest.selection.flags()
                 );
@@ -264,7 +264,7 @@ fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
             for s in &manifest.sources {
                 outln!("  merged: {s}");
             }
-            match report::load_run(dir) {
+            match merge::load_run(dir) {
                 Ok((results, _)) => match &results.partial {
                     Some(p) => outln!("{p}: missing {}", p.missing.join(", ")),
                     None => outln!("complete: {} cells", results.cells.len()),

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use poslab::runs::folder::{self, FolderKind, Plan, SelectionRecord};
-use poslab::runs::report;
+use poslab::runs::{merge, report};
 
 /// Merge the results of run folders (cells split across machines with --shard, --task,
 /// --variant, --seed) into one report. The merge is strict: folders of different configs,
@@ -78,7 +78,7 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    let merged = report::merge_runs(runs, allow_partial)?;
+    let merged = merge::merge_runs(runs, allow_partial)?;
     let (results, config) = (&merged.results, &merged.config);
     let dir = match out {
         Some(dir) => dir,
@@ -96,7 +96,7 @@ pub fn run(args: Args) -> Result<()> {
         files: folder::report_files(config),
     };
     let opened = folder::open(&dir, &plan, overwrite)?;
-    poslab::io::write_atomic(&dir.join(report::CONFIG_TOML), config.to_toml().as_bytes())?;
+    poslab::io::write_atomic(&dir.join(folder::CONFIG_TOML), config.to_toml().as_bytes())?;
     let table = report::write_report(&dir, results, &merged.timings, runs)?;
     drop(opened);
     outln!("{table}");

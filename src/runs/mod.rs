@@ -13,6 +13,7 @@ pub mod estimate;
 pub mod folder;
 pub mod html;
 pub mod job;
+pub mod merge;
 pub mod plot;
 pub mod prepare;
 pub mod report;

@@ -6,7 +6,7 @@ use std::path::Path;
 use candle::{DType, Device};
 use poslab::data::Dataset;
 use poslab::runs::compare::{run, RunOptions};
-use poslab::runs::report::{load_run, merge};
+use poslab::runs::merge::{load_run, merge};
 use poslab::runs::results::{Outcome, Results};
 use poslab::runs::{ExperimentConfig, Selection};
 use poslab::train::evaluate;

@@ -382,7 +382,7 @@ fn punctuation_is_split_and_unknown_words_are_counted() {
 #[test]
 fn report_refuses_runs_of_different_settings() {
     use poslab::runs::compare::{run, RunOptions};
-    use poslab::runs::report::merge_runs;
+    use poslab::runs::merge::merge_runs;
     use poslab::runs::Selection;
     let root = tempfile::tempdir().unwrap();
     let make = |lr: &str, dir: &str, seed: u64| {
