@@ -2,7 +2,8 @@
 //! scheme and dispatches each question to the scheme's own file through [`Scheme`]: its
 //! placement, the checks of its options, its parameter count, how `inspect` describes it, and
 //! the module it builds, what `analyze` draws of it, how `bench` names it, and whether its
-//! frequencies rescale. Nothing outside a scheme's file matches on the scheme.
+//! frequencies rescale. Nothing outside a scheme's file matches on the scheme (a test in
+//! `tests/suite/layout.rs` holds this).
 
 use candle_nn::VarBuilder;
 

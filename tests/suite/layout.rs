@@ -146,3 +146,100 @@ fn the_core_imports_nothing_above_it() {
         "the core imports from above it: {wrong:?}"
     );
 }
+
+#[test]
+fn what_is_drawn_knows_no_run_analysis_or_scheme() {
+    let above = [
+        "runs",
+        "analysis",
+        "positional",
+        "bench",
+        "cli",
+        "tasks",
+        "train",
+        "nn",
+    ];
+    let mut wrong = Vec::new();
+    let graph = imports();
+    for (module, targets) in &graph {
+        if module.first().map(String::as_str) != Some("render") {
+            continue;
+        }
+        for t in targets {
+            if t.first().is_some_and(|t| above.contains(&t.as_str())) {
+                wrong.push(format!("{} -> {}", module.join("::"), t.join("::")));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "render imports from above it: {wrong:?}");
+    // The check sees real imports: the drawing rooms name render.
+    let report = &graph[&vec!["runs".to_string(), "report".to_string()]];
+    assert!(report.iter().any(|t| t[0] == "render"), "{report:?}");
+}
+
+/// Where a file matches on a positional scheme (`PositionalConfig::X(..) =>`, `if let` /
+/// `let ... else`, `matches!`), as `file:line`.
+fn scheme_matches(code: &str, file: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let lines: Vec<&str> = code.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        for (at, _) in line.match_indices("PositionalConfig::") {
+            let rest = &line[at + "PositionalConfig::".len()..];
+            if !rest.starts_with(|c: char| c.is_ascii_uppercase()) {
+                continue;
+            }
+            let before = line[..at].trim_end();
+            // A pattern: an arm (`X(..) =>`, `X(..) | Y(..)`), `let X(..) = ...`, `if let`,
+            // `while let`, `matches!(v, X(..))`.
+            let arm = {
+                let mut tail = line[at..].to_string();
+                for next in &lines[i + 1..lines.len().min(i + 3)] {
+                    tail.push(' ');
+                    tail.push_str(next);
+                }
+                let close = tail.find(')').map_or("", |c| &tail[c + 1..]).trim_start();
+                close.starts_with("=>") || close.starts_with("| PositionalConfig::")
+            };
+            let binding = before.ends_with("let") || before.ends_with("matches!(");
+            let in_matches = before.contains("matches!(") && before.trim_end().ends_with(',');
+            if arm || binding || in_matches {
+                found.push(format!("{file}:{}", i + 1));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn nothing_outside_a_schemes_file_matches_on_the_scheme() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut found = Vec::new();
+    for file in crate::common::files_with_extension(&src, "rs") {
+        let rel = file
+            .strip_prefix(&src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if rel.starts_with("positional/") {
+            continue;
+        }
+        found.extend(scheme_matches(&code(&file), &rel));
+    }
+    assert!(
+        found.is_empty(),
+        "matches on a scheme outside positional/: {found:?}"
+    );
+    // The check finds each form of a match, and passes a construction.
+    let sample = "match p {\n    PositionalConfig::Rope(o) => 1,\n    _ => 2,\n}\n\
+                  if let PositionalConfig::Fire(f) = p {}\n\
+                  let PositionalConfig::T5(o) = p else { return };\n\
+                  matches!(p, PositionalConfig::Fox(_))\n\
+                  PositionalConfig::Cope(_) | PositionalConfig::Path(_) => {}\n\
+                  let q = PositionalConfig::Alibi(NoOptions {});\n\
+                  f(PositionalConfig::Rope(RopeOptions { base, ..o }))\n";
+    assert_eq!(
+        scheme_matches(sample, "s"),
+        ["s:2", "s:5", "s:6", "s:7", "s:8", "s:8"],
+        "{sample}"
+    );
+}
