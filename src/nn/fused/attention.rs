@@ -507,16 +507,50 @@ struct Scratch<T> {
     pack: Vec<T>,
 }
 
+/// Where a pass's scores come from, for what its [`Scratch`] holds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Scores {
+    /// `q kᵀ`, rotated or not.
+    Products,
+    /// The product of q and k in polar form, with each head's learned offsets.
+    Polar,
+    /// Gate-counted scores with tables of `npos` rows each.
+    Counted {
+        /// The rows of each table.
+        npos: usize,
+    },
+    /// Keys carried to the query through a transport.
+    Carried,
+}
+
+impl<T: Real> Fixed<T> {
+    /// Where the scores come from (one kind at most: [`Attention::dims_of`] checks it).
+    fn scores(&self) -> Scores {
+        match (&self.polar, &self.counts, &self.transport) {
+            (Some(_), _, _) => Scores::Polar,
+            (None, Some(c), _) => Scores::Counted { npos: c.npos },
+            (None, None, Some(_)) => Scores::Carried,
+            (None, None, None) => Scores::Products,
+        }
+    }
+}
+
 impl<T: Real> Scratch<T> {
     /// Buffers for a forward or a backward pass; those a pass does not use stay empty.
-    /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide; `npos`: the
-    /// rows of each gate-count table (0: none); `carried`: the scores are a transport's.
+    /// `gathered`: q and k are copied out (rotated or in polar form) `width` wide; `scores`:
+    /// what the scores are made of beside q and k.
     fn new(
         n: Dims,
         (gathered, width): (bool, usize),
         (mask, backward, sided): (bool, bool, bool),
-        (npos, carried): (usize, bool),
+        scores: Scores,
     ) -> Self {
+        let (npos, carried, polar) = match scores {
+            Scores::Counted { npos } => (npos, false, false),
+            Scores::Carried => (0, true, false),
+            Scores::Polar => (0, false, true),
+            Scores::Products => (0, false, false),
+        };
         let (tw, tt, counted) = (n.t * width, n.t * n.t, npos > 0);
         let z = |len, used: bool| vec![T::zero(); if used { len } else { 0 }];
         Self {
@@ -530,7 +564,7 @@ impl<T: Real> Scratch<T> {
             dq: z(tw, (gathered || counted) && backward),
             dk: z(tw, gathered && backward),
             dfg: z(2 * n.t, sided && backward),
-            doffsets: z(n.dh, width != n.dh && backward),
+            doffsets: z(n.dh, polar && backward),
             a: z(tt, counted),
             r: z(n.t * 2 * npos, counted),
             dr: z(n.t * 2 * npos, counted && backward),
@@ -1352,8 +1386,7 @@ impl Attention {
     ) -> Result<(Vec<T>, Vec<T>)> {
         let fixed = self.fixed_with::<T>(sums, n)?;
         let gathered = fixed.gathered(n);
-        let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
-        let own = (npos, fixed.transport.is_some());
+        let scores = fixed.scores();
         let (tt, per) = (n.t * n.t, self.kept_per_head(n));
         let one_task =
             |w: &mut Scratch<T>, task: usize, dst: Shared<T>, probs: Option<Shared<T>>| {
@@ -1422,7 +1455,7 @@ impl Attention {
         let run = |dst: *mut T, probs: Option<*mut T>| {
             let (dst, probs) = (Shared(dst), probs.map(Shared));
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, (mask.is_some(), false, false), own),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), false, false), scores),
                 |w, task| one_task(w, task, dst, probs),
             )
         };
@@ -1490,7 +1523,7 @@ impl Attention {
         let ds_dst = Shared(ds_all.as_mut_ptr());
         let tasks = |dst: Shared<T>| {
             (0..n.b * n.h).into_par_iter().for_each_init(
-                || Scratch::<T>::new(n, gathered, (mask.is_some(), true, sided), (npos, carried)),
+                || Scratch::<T>::new(n, gathered, (mask.is_some(), true, sided), fixed.scores()),
                 |w, task| {
                     let (bi, hd) = (task / n.h, task % n.h);
                     let heads = w.heads(qkv, n, bi, hd, &fixed);
