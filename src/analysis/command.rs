@@ -160,10 +160,9 @@ struct Subject {
     loaded: Option<crate::saved::Loaded>,
     /// A pretrained encoder (`--model`).
     pretrained: Option<crate::pretrained::Pretrained>,
-    /// RoPE's (rotated width, base, trained length), for the scaled-wavelengths plot.
+    /// RoPE's (rotated width, base, trained length), for the scaled-wavelengths plot; set
+    /// exactly when the table is RoPE's (whose analysis adds the decay of its scores).
     wavelengths: Option<(usize, f64, usize)>,
-    /// Whether the table is RoPE's (its analysis adds the decay of its scores).
-    rope: bool,
 }
 
 impl Request {
@@ -192,7 +191,7 @@ impl Request {
             reference: self.reference,
             bases: self.bases.clone(),
             seed: 0,
-            rope: subject.rope,
+            rope: subject.wavelengths.is_some(),
         };
         let mut page = analysis::html::Page::new(format!("poslab analyze: {}", subject.label));
         match &subject.table {
@@ -248,9 +247,7 @@ impl Request {
             keep: self.keep,
             buckets: self.buckets,
             max_distance: self.max_distance,
-            threshold: self
-                .threshold
-                .unwrap_or(self.positions.min(MAX_BIAS_POSITIONS / 4) as f64),
+            threshold: self.threshold.unwrap_or(self.interpolated_length() as f64),
             heads: self.heads,
         };
         config.scheme().by_name(&knobs).map_err(Error::Input)
@@ -411,7 +408,6 @@ impl Request {
             loaded: None,
             pretrained: None,
             wavelengths: None,
-            rope: false,
         };
         if let FixedTable::Rotation { dim: rd, base, .. } = table {
             if !(a.fraction > 0.0 && a.fraction <= 1.0) || rd < 2 || !rd.is_multiple_of(2) {
@@ -426,7 +422,6 @@ impl Request {
             }
             let original = a.original_max_len.unwrap_or(a.positions);
             subject.wavelengths = Some((rd, base, original));
-            subject.rope = true;
         }
         subject.table = Some(Table::fixed(table, a.positions, a.start));
         Ok(subject)
@@ -476,7 +471,6 @@ impl Request {
             loaded: None,
             pretrained: Some(model),
             wavelengths: None,
-            rope: false,
         })
     }
 
@@ -514,7 +508,6 @@ impl Request {
         Ok(Subject {
             table,
             label,
-            rope: wavelengths.is_some(),
             loaded: Some(loaded),
             pretrained: None,
             wavelengths,
@@ -807,7 +800,7 @@ impl Request {
         title: String,
         note: String,
     ) -> Result<Report> {
-        let short = self.positions.min(MAX_BIAS_POSITIONS / 4);
+        let short = self.interpolated_length();
         let (module, _store) = analysis::bias::module_by_name(config, self.heads, short)?;
         let mut curves = analysis::schemes::fire_curves(title, &[short, 4 * short], |n| {
             let positions = crate::Positions::range(0, n)?;
@@ -821,6 +814,12 @@ impl Request {
         let mut page = analysis::html::Page::new(format!("poslab analyze: {name}"));
         page.fire(&curves);
         finish(dir, summary, files, page)
+    }
+
+    /// The shorter length an interpolation is drawn at (--positions, bounded so that 4 times as
+    /// many fit an attention-bias analysis); a threshold not given is this length.
+    fn interpolated_length(&self) -> usize {
+        self.positions.min(MAX_BIAS_POSITIONS / 4)
     }
 
     /// A rotation's spectrum at `keep` beside RoPE's and `fraction`'s at the same share, for a

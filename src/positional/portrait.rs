@@ -61,6 +61,18 @@ pub struct Knobs {
     pub heads: usize,
 }
 
+impl Knobs {
+    /// The sinusoidal table the settings describe: `dim` columns, their base and layout (both
+    /// sinusoidal schemes draw it by name).
+    pub fn sinusoidal_table(&self) -> FixedTable {
+        FixedTable::Sinusoidal {
+            dim: self.dim,
+            base: self.base,
+            layout: self.layout,
+        }
+    }
+}
+
 /// A function of the offset `j - i` that indexes a scheme's learned values (T5's bucket).
 #[derive(Clone, Debug)]
 pub struct OffsetIndex {

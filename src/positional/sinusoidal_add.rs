@@ -82,11 +82,7 @@ impl Scheme for SinusoidalOptions {
     }
 
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Ok(Portrait::Table(FixedTable::Sinusoidal {
-            dim: knobs.dim,
-            base: knobs.base,
-            layout: knobs.layout,
-        }))
+        Ok(Portrait::Table(knobs.sinusoidal_table()))
     }
 
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {

@@ -161,11 +161,7 @@ impl Scheme for ConcatOptions {
     }
 
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Ok(Portrait::Table(FixedTable::Sinusoidal {
-            dim: knobs.dim,
-            base: knobs.base,
-            layout: knobs.layout,
-        }))
+        Ok(Portrait::Table(knobs.sinusoidal_table()))
     }
 
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
