@@ -327,29 +327,171 @@ impl EmbeddingExtras {
 impl Default for ModelConfig {
     /// A small encoder: vocabulary 1000, width 64, 4 heads, 2 pre-norm layers, GELU
     /// feed-forward of 256, `max_len` 512, dropout 0.1, and the sinusoid added to the tokens
-    /// (Vaswani et al.'s scheme). Change what differs with the `with_*` methods.
+    /// (Vaswani et al.'s scheme): [`ModelShape::default`]. Change what differs with the
+    /// `with_*` methods.
+    fn default() -> Self {
+        let sinusoid = PositionalConfig::SinusoidalAdd(Default::default());
+        ModelShape::default().model_config(&Choices::of(&sinusoid), 1000, 512)
+    }
+}
+
+/// How a sentence label reads the hidden states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// The mean over real (unpadded) tokens.
+    #[default]
+    Mean,
+    /// The first token (a `[CLS]` token is prepended to every input).
+    First,
+}
+
+/// The shape the models of a run share: the `[model]` table of an experiment (every variant's)
+/// and of a train run. A model is this shape with its own [`Choices`]
+/// ([`ModelShape::model_config`]); every key and default is [`ModelConfig`]'s, plus the head's
+/// `pooling`.
+///
+/// ```toml
+/// [model]
+/// d_model = 64
+/// n_heads = 4
+/// n_layers = 2
+/// ffn_dim = 256
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Attention heads per layer.
+    pub n_heads: usize,
+    /// Encoder layers.
+    pub n_layers: usize,
+    /// Width of the feed-forward hidden layer.
+    pub ffn_dim: usize,
+    /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
+    #[serde(default, skip_serializing_if = "Activation::is_gelu")]
+    pub activation: Activation,
+    /// Where LayerNorm sits: `pre` (default) or `post`.
+    #[serde(default)]
+    pub norm: NormPlacement,
+    /// Dropout on the embeddings and both residual branches.
+    #[serde(default = "default_dropout")]
+    pub dropout: f64,
+    /// Dropout on the attention weights.
+    #[serde(default = "default_dropout")]
+    pub attention_dropout: f64,
+    /// Token embeddings are multiplied by this (see [`ModelConfig::embed_scale`]).
+    #[serde(default = "default_embed_scale")]
+    pub embed_scale: Scale,
+    /// The token embeddings' initial standard deviation (see [`ModelConfig::token_init_std`]).
+    #[serde(default = "default_token_init_std")]
+    pub token_init_std: Scale,
+    /// The LayerNorms' epsilon.
+    #[serde(default = "default_layer_norm_eps")]
+    pub layer_norm_eps: f64,
+    /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
+    #[serde(default)]
+    pub pooling: Pooling,
+    /// Activations in `f32` (default), `bf16` or `f16`: mixed precision, for CUDA.
+    #[serde(default)]
+    pub dtype: Precision,
+}
+
+impl Default for ModelShape {
+    /// [`ModelConfig::default`]'s shape: width 64, 4 heads, 2 pre-norm layers, GELU
+    /// feed-forward of 256, dropout 0.1, mean pooling.
     fn default() -> Self {
         Self {
-            vocab_size: 1000,
             d_model: 64,
             n_heads: 4,
             n_layers: 2,
             ffn_dim: 256,
             activation: Activation::default(),
-            bias: true,
-            first_attn_norm: true,
-            max_len: 512,
             norm: NormPlacement::default(),
             dropout: default_dropout(),
             attention_dropout: default_dropout(),
             embed_scale: default_embed_scale(),
             token_init_std: default_token_init_std(),
             layer_norm_eps: default_layer_norm_eps(),
+            pooling: Pooling::default(),
             dtype: Precision::default(),
+        }
+    }
+}
+
+/// What one model chooses beyond the [`ModelShape`] it shares: its positions, and where it
+/// departs from the shape. An experiment's variant gives all of them
+/// (`crate::runs::VariantSpec::choices`), a train run its positions, table and layers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Choices<'a> {
+    /// The positional scheme and its options.
+    pub positional: &'a PositionalConfig,
+    /// Encoder width, if not the shape's.
+    pub d_model: Option<usize>,
+    /// Token embedding scale, if not the shape's.
+    pub embed_scale: Option<Scale>,
+    /// Token initialisation's standard deviation, if not the shape's.
+    pub token_init_std: Option<Scale>,
+    /// Rows of a learned table; default: the data's (see [`ModelShape::model_config`]).
+    pub max_len: Option<usize>,
+    /// Randomized positions drawn from `[0, N)`.
+    pub random_positions: Option<usize>,
+    /// What each layer does; `None`: every layer global with the scheme.
+    pub layers: Option<&'a LayerPlan>,
+}
+
+impl<'a> Choices<'a> {
+    /// `positional` and nothing else: the shape as it is.
+    pub fn of(positional: &'a PositionalConfig) -> Self {
+        Self {
+            positional,
+            d_model: None,
+            embed_scale: None,
+            token_init_std: None,
+            max_len: None,
             random_positions: None,
-            embeddings: EmbeddingExtras::default(),
-            positional: PositionalConfig::SinusoidalAdd(Default::default()),
             layers: None,
+        }
+    }
+}
+
+impl ModelShape {
+    /// The model config of this shape with `choices`, for a tokenizer of `vocab_size` ids and
+    /// inputs that need a learned table of `table_rows` rows. The table holds `max_len` rows if
+    /// chosen, else the larger of `table_rows` and `random_positions`.
+    pub fn model_config(
+        &self,
+        choices: &Choices<'_>,
+        vocab_size: usize,
+        table_rows: usize,
+    ) -> ModelConfig {
+        ModelConfig {
+            vocab_size,
+            d_model: choices.d_model.unwrap_or(self.d_model),
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            ffn_dim: self.ffn_dim,
+            activation: self.activation,
+            bias: true,
+            first_attn_norm: true,
+            max_len: choices.max_len.unwrap_or(
+                choices
+                    .random_positions
+                    .unwrap_or(table_rows)
+                    .max(table_rows),
+            ),
+            norm: self.norm,
+            dropout: self.dropout,
+            attention_dropout: self.attention_dropout,
+            embed_scale: choices.embed_scale.unwrap_or(self.embed_scale),
+            token_init_std: choices.token_init_std.unwrap_or(self.token_init_std),
+            layer_norm_eps: self.layer_norm_eps,
+            dtype: self.dtype,
+            random_positions: choices.random_positions,
+            embeddings: EmbeddingExtras::default(),
+            positional: choices.positional.clone(),
+            layers: choices.layers.cloned(),
         }
     }
 }

@@ -69,7 +69,9 @@ pub mod text;
 pub mod train;
 pub mod weights;
 
-pub use config::{EmbeddingExtras, ModelConfig, NormPlacement, Precision, Scale};
+pub use config::{
+    Choices, EmbeddingExtras, ModelConfig, ModelShape, NormPlacement, Precision, Scale,
+};
 pub use layers::{LayerKind, LayerPlan, RopeBases};
 pub use model::{HeadConfig, Pooling, TaskModel};
 pub use nn::Activation;

@@ -6,23 +6,14 @@ use candle_nn::VarBuilder;
 use crate::nn::Linear;
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::Pooling;
+
 use crate::config::ModelConfig;
 use crate::data::Batch;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::nn::{linear, log_softmax_last_dim};
 use crate::positional::Positions;
-
-/// How a sentence label reads the hidden states.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Pooling {
-    /// The mean over real (unpadded) tokens.
-    #[default]
-    Mean,
-    /// The first token (a `[CLS]` token is prepended to every input).
-    First,
-}
 
 /// The head on top of the encoder, named `head.{weight,bias}`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

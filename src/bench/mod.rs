@@ -11,7 +11,7 @@ use candle::{DType, Device, Tensor};
 use rand::Rng as _;
 use serde::Serialize;
 
-use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
+use crate::config::{Choices, ModelConfig, ModelShape, Precision};
 use crate::data::Batch;
 use crate::error::{Error, Result};
 use crate::limits::Limits;
@@ -157,28 +157,18 @@ impl Shape {
     /// size and batch checked against `limits`; an unknown name is an error listing the known
     /// ones.
     pub fn model_config(&self, variant: &str, limits: &Limits) -> Result<ModelConfig> {
-        let config = ModelConfig {
-            vocab_size: self.vocab,
+        let positional = self.positional(variant)?;
+        let shape = ModelShape {
             d_model: self.d_model,
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             ffn_dim: self.ffn_dim,
-            activation: Default::default(),
-            bias: true,
-            first_attn_norm: true,
-            max_len: self.seq,
-            norm: NormPlacement::Pre,
             dropout: 0.0,
             attention_dropout: 0.0,
-            embed_scale: Scale::Value(1.0),
-            token_init_std: Scale::Value(1.0),
-            layer_norm_eps: 1e-5,
             dtype: self.dtype,
-            random_positions: None,
-            embeddings: Default::default(),
-            layers: None,
-            positional: self.positional(variant)?,
+            ..ModelShape::default()
         };
+        let config = shape.model_config(&Choices::of(&positional), self.vocab, self.seq);
         for (flag, n, what) in [
             ("--batch", self.batch, "sequences per batch"),
             ("--seq", self.seq, "tokens per sequence"),

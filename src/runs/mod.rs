@@ -28,10 +28,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ModelConfig, NormPlacement, Precision, Scale};
+use crate::config::{Choices, ModelConfig, ModelShape, Scale};
 use crate::error::{Error, Result};
-use crate::model::Pooling;
-use crate::nn::Activation;
 use crate::positional::PositionalConfig;
 use crate::tasks::TaskSpec;
 use crate::train::TrainConfig;
@@ -42,96 +40,8 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../configs/compare.toml");
 fn d_seeds() -> u64 {
     3
 }
-fn d_dropout() -> f64 {
-    0.1
-}
-fn d_scale() -> Scale {
-    Scale::Value(1.0)
-}
-fn d_eps() -> f64 {
-    1e-5
-}
 fn d_shift() -> usize {
     16
-}
-
-/// The model shape every variant shares, `[model]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelShape {
-    /// Width of the residual stream.
-    pub d_model: usize,
-    /// Attention heads per layer.
-    pub n_heads: usize,
-    /// Encoder layers.
-    pub n_layers: usize,
-    /// Width of the feed-forward hidden layer.
-    pub ffn_dim: usize,
-    /// The feed-forward nonlinearity: `gelu` (default) or `relu`.
-    #[serde(default, skip_serializing_if = "Activation::is_gelu")]
-    pub activation: Activation,
-    /// Where LayerNorm sits: `pre` (default) or `post`.
-    #[serde(default)]
-    pub norm: NormPlacement,
-    /// Dropout on the embeddings and both residual branches.
-    #[serde(default = "d_dropout")]
-    pub dropout: f64,
-    /// Dropout on the attention weights.
-    #[serde(default = "d_dropout")]
-    pub attention_dropout: f64,
-    /// Token embeddings are multiplied by this (see [`ModelConfig::embed_scale`]).
-    #[serde(default = "d_scale")]
-    pub embed_scale: Scale,
-    /// The token embeddings' initial standard deviation (see [`ModelConfig::token_init_std`]).
-    #[serde(default = "d_scale")]
-    pub token_init_std: Scale,
-    /// The LayerNorms' epsilon.
-    #[serde(default = "d_eps")]
-    pub layer_norm_eps: f64,
-    /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
-    #[serde(default)]
-    pub pooling: Pooling,
-    /// Activations in `f32` (default), `bf16` or `f16`: mixed precision, for CUDA.
-    #[serde(default)]
-    pub dtype: Precision,
-}
-
-impl ModelShape {
-    /// The model config of `variant` under this shape (see [`ExperimentConfig::model_config`]).
-    pub fn model_config(
-        &self,
-        variant: &VariantSpec,
-        vocab_size: usize,
-        table_rows: usize,
-    ) -> ModelConfig {
-        ModelConfig {
-            vocab_size,
-            d_model: variant.d_model.unwrap_or(self.d_model),
-            n_heads: self.n_heads,
-            n_layers: self.n_layers,
-            ffn_dim: self.ffn_dim,
-            activation: self.activation,
-            bias: true,
-            first_attn_norm: true,
-            max_len: variant.max_len.unwrap_or(
-                variant
-                    .random_positions
-                    .unwrap_or(table_rows)
-                    .max(table_rows),
-            ),
-            norm: self.norm,
-            dropout: self.dropout,
-            attention_dropout: self.attention_dropout,
-            embed_scale: variant.embed_scale.unwrap_or(self.embed_scale),
-            token_init_std: variant.token_init_std.unwrap_or(self.token_init_std),
-            layer_norm_eps: self.layer_norm_eps,
-            dtype: self.dtype,
-            random_positions: variant.random_positions,
-            embeddings: Default::default(),
-            positional: variant.positional.clone(),
-            layers: variant.layers.clone(),
-        }
-    }
 }
 
 /// A variant, `[[variants]]`: a name, a positional choice, and where it departs from the shared
@@ -162,6 +72,21 @@ pub struct VariantSpec {
     /// "none"] }` for NoPE every other layer, `local` entries with a `local_window`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<crate::layers::LayerPlan>,
+}
+
+impl VariantSpec {
+    /// What this variant chooses beyond the shared `[model]` shape.
+    pub fn choices(&self) -> Choices<'_> {
+        Choices {
+            positional: &self.positional,
+            d_model: self.d_model,
+            embed_scale: self.embed_scale,
+            token_init_std: self.token_init_std,
+            max_len: self.max_len,
+            random_positions: self.random_positions,
+            layers: self.layers.as_ref(),
+        }
+    }
 }
 
 /// `[eval]`: how trained models are tested.
@@ -383,7 +308,8 @@ impl ExperimentConfig {
         vocab_size: usize,
         table_rows: usize,
     ) -> ModelConfig {
-        self.model.model_config(variant, vocab_size, table_rows)
+        self.model
+            .model_config(&variant.choices(), vocab_size, table_rows)
     }
 
     /// Refuses tasks whose generated words, or variants whose parameters, pass `limits`

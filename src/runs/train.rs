@@ -14,16 +14,15 @@ use candle::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Precision;
+use crate::config::{Choices, ModelShape, Pooling, Precision};
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
-use crate::model::Pooling;
 use crate::params::{load_tensors, save_tensors, ParamStore};
 use crate::positional::PositionalConfig;
 use crate::runs::job::{Job, JobEnd, Steps};
 use crate::runs::prepare::{prepare, Prepared};
 use crate::runs::results::TrainSummary;
-use crate::runs::{EvalConfig, ModelShape, VariantSpec};
+use crate::runs::EvalConfig;
 use crate::saved;
 use crate::tasks::TaskSpec;
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
@@ -182,16 +181,14 @@ impl TrainRunConfig {
         }
     }
 
-    fn variant(&self, positional: &PositionalConfig) -> VariantSpec {
-        VariantSpec {
-            name: positional.name().into(),
-            positional: positional.clone(),
-            d_model: None,
-            embed_scale: None,
-            token_init_std: None,
+    /// What this run chooses beyond its `[model]` shape: `positional`, and its table and
+    /// layers.
+    fn choices<'a>(&'a self, positional: &'a PositionalConfig) -> Choices<'a> {
+        Choices {
             max_len: self.max_len,
             random_positions: self.random_positions,
-            layers: self.layers.clone(),
+            layers: self.layers.as_ref(),
+            ..Choices::of(positional)
         }
     }
 
@@ -218,7 +215,7 @@ impl TrainRunConfig {
         }
         match self.architecture()? {
             Architecture::Own { shape, positional } => shape
-                .model_config(&self.variant(positional), 8, self.max_len.unwrap_or(1))
+                .model_config(&self.choices(positional), 8, self.max_len.unwrap_or(1))
                 .validate(),
             Architecture::Pretrained(_) => Ok(()),
         }
@@ -230,7 +227,7 @@ impl TrainRunConfig {
         self.task.check_limits(limits)?;
         match self.architecture()? {
             Architecture::Own { shape, positional } => shape
-                .model_config(&self.variant(positional), 8, self.max_len.unwrap_or(1))
+                .model_config(&self.choices(positional), 8, self.max_len.unwrap_or(1))
                 .check_limits(limits),
             Architecture::Pretrained(_) => Ok(()),
         }
@@ -686,7 +683,7 @@ fn ready<'a>(
     let model_config = match (&start, architecture) {
         (Some(start), _) => start.config.clone(),
         (None, Architecture::Own { shape, positional }) => shape.model_config(
-            &config.variant(positional),
+            &config.choices(positional),
             tok.vocab_size(),
             task.table_rows(),
         ),

@@ -417,3 +417,96 @@ fn seed_and_seeds_are_refused_with_what_each_config_means() {
         &["one seed: `seed = N`", "unknown field `seeds`"],
     );
 }
+
+/// Every key an experiment's or a train run's `[model]` takes, each away from its default.
+const EVERY_SHAPE_KEY: &str = "d_model = 24\nn_heads = 3\nn_layers = 3\nffn_dim = 40\n\
+    activation = \"relu\"\nnorm = \"post\"\ndropout = 0.25\nattention_dropout = 0.3\n\
+    embed_scale = \"sqrt_d_model\"\ntoken_init_std = \"inv_sqrt_d_model\"\n\
+    layer_norm_eps = 1e-6\ndtype = \"bf16\"\n";
+
+#[test]
+fn a_shared_model_shape_means_what_the_same_keys_mean_in_a_model_config() {
+    use poslab::{Choices, ModelShape};
+    let rope = PositionalConfig::Rope(Default::default());
+    let model = |keys: &str| {
+        ModelConfig::from_toml_str(&format!(
+            "vocab_size = 50\nmax_len = 32\n{keys}[positional]\nkind = \"rope\"\n"
+        ))
+        .unwrap()
+    };
+    // The defaults and every key (away from its default) as a ModelConfig reads them.
+    let least = "d_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\n";
+    for keys in [least, EVERY_SHAPE_KEY] {
+        let shape: ModelShape = toml::from_str(keys).unwrap();
+        assert_eq!(
+            shape.model_config(&Choices::of(&rope), 50, 32),
+            model(keys),
+            "{keys}"
+        );
+    }
+    let pooled: ModelShape = toml::from_str(&format!("{least}pooling = \"first\"")).unwrap();
+    assert_eq!(pooled.pooling, poslab::Pooling::First);
+    assert_error_mentions(
+        toml::from_str::<ModelShape>(&format!("{least}max_len = 8")),
+        &["unknown field `max_len`", "`d_model`", "`pooling`"],
+    );
+    // The default model is the default shape with the sinusoid, 1000 ids and 512 rows.
+    let sinusoid = PositionalConfig::SinusoidalAdd(Default::default());
+    assert_eq!(
+        ModelConfig::default(),
+        ModelShape::default().model_config(&Choices::of(&sinusoid), 1000, 512)
+    );
+    assert_eq!(
+        ModelConfig::default(),
+        ModelConfig::from_toml_str(
+            "vocab_size = 1000\nd_model = 64\nn_heads = 4\nn_layers = 2\nffn_dim = 256\n\
+             max_len = 512\n[positional]\nkind = \"sinusoidal_add\"\n"
+        )
+        .unwrap()
+    );
+}
+
+#[test]
+fn a_models_own_choices_override_the_shape_it_shares() {
+    use poslab::{Choices, LayerPlan, ModelShape, Scale};
+    let shape: ModelShape = toml::from_str(EVERY_SHAPE_KEY).unwrap();
+    let alibi = PositionalConfig::Alibi(Default::default());
+    let plan: LayerPlan = toml::from_str("pattern = [\"global\", \"none\", \"global\"]").unwrap();
+    let plain = shape.model_config(&Choices::of(&alibi), 50, 32);
+    // Table rows: the data's, or randomized positions' range when larger, or the chosen.
+    assert_eq!(plain.max_len, 32);
+    for (random, max_len, rows) in [
+        (Some(100), None, 100),
+        (Some(8), None, 32),
+        (Some(100), Some(7), 7),
+    ] {
+        let choices = Choices {
+            random_positions: random,
+            max_len,
+            ..Choices::of(&alibi)
+        };
+        let config = shape.model_config(&choices, 50, 32);
+        assert_eq!((config.max_len, config.random_positions), (rows, random));
+    }
+    let chosen = Choices {
+        positional: &alibi,
+        d_model: Some(30),
+        embed_scale: Some(Scale::Value(2.0)),
+        token_init_std: Some(Scale::Value(0.5)),
+        max_len: Some(64),
+        random_positions: Some(64),
+        layers: Some(&plan),
+    };
+    let config = shape.model_config(&chosen, 50, 32);
+    let expected = ModelConfig {
+        d_model: 30,
+        embed_scale: Scale::Value(2.0),
+        token_init_std: Scale::Value(0.5),
+        max_len: 64,
+        random_positions: Some(64),
+        layers: Some(plan.clone()),
+        ..plain.clone()
+    };
+    assert_eq!(config, expected);
+    assert_ne!(plain, expected);
+}
