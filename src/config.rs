@@ -596,8 +596,26 @@ impl ModelConfig {
             .map_or(LayerSpec::GLOBAL, |plan| LayerSpec::of(plan, i))
     }
 
-    /// The sizes the limits are checked on.
+    /// The sizes the limits are checked on, wherever the model computes: its attention tables
+    /// counted as the compositions hold them (see [`ModelConfig::sizes_on`]).
     pub fn sizes(&self) -> crate::limits::Sizes {
+        self.sizes_with(false)
+    }
+
+    /// The sizes the limits are checked on, for activations computed where `compute` says:
+    /// where poslab's fused CPU kernels compute the layers ([`crate::nn::fused_on`]), a scheme
+    /// whose scores they compute holds about one attention table a layer, not its
+    /// composition's many ([`crate::positional::Scheme::score_tensors`]).
+    pub fn sizes_on(&self, compute: crate::nn::Compute<'_>) -> crate::limits::Sizes {
+        let dtype = self.dtype.compute_dtype(candle::DType::F32);
+        self.sizes_with(crate::nn::fused_on(
+            compute.device,
+            dtype,
+            compute.backend.kernels,
+        ))
+    }
+
+    fn sizes_with(&self, fused: bool) -> crate::limits::Sizes {
         crate::limits::Sizes {
             d_model: self.d_model,
             ffn_dim: self.ffn_dim,
@@ -605,7 +623,7 @@ impl ModelConfig {
             n_layers: self.n_layers,
             vocab_size: self.vocab_size,
             max_len: self.max_len,
-            score_tensors: [false, true].map(|t| self.positional.scheme().score_tensors(t)),
+            score_tensors: [false, true].map(|t| self.positional.scheme().score_tensors(t, fused)),
         }
     }
 

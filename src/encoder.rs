@@ -562,6 +562,14 @@ impl Encoder {
         self.tok_emb.embeddings().dtype()
     }
 
+    /// Where it computes: its device and backend.
+    pub fn compute(&self) -> crate::nn::Compute<'_> {
+        crate::nn::Compute {
+            device: self.device(),
+            backend: self.backend(),
+        }
+    }
+
     /// The device its weights live on.
     pub fn device(&self) -> &candle::Device {
         self.tok_emb.embeddings().device()

@@ -115,9 +115,9 @@ impl<'a> Predictor<'a> {
         let encoder = self.loaded.model.encoder();
         // The tightest of: a learned table's rows, randomized positions' range, and the
         // longest text whose attention fits the memory limit.
-        let memory = self
-            .limits
-            .longest_fitting(&encoder.config().sizes(), 1, false);
+        let memory =
+            self.limits
+                .longest_fitting(&encoder.config().sizes_on(encoder.compute()), 1, false);
         let limit = [
             encoder
                 .max_positions()
@@ -228,7 +228,8 @@ impl<'a> Predictor<'a> {
         let model = scaled.as_ref().unwrap_or(&self.loaded.model);
         let mut out = Vec::with_capacity(texts.len());
         // Batches of at most BATCH texts whose padded length fits the memory limit.
-        let config = model.encoder().config();
+        let encoder = model.encoder();
+        let sizes = encoder.config().sizes_on(encoder.compute());
         let mut bounds = vec![0];
         let mut longest = 0;
         for (i, p) in prepared.iter().enumerate() {
@@ -238,7 +239,7 @@ impl<'a> Predictor<'a> {
             if size > BATCH
                 || self
                     .limits
-                    .check_batch(&config.sizes(), size, grown, false, "")
+                    .check_batch(&sizes, size, grown, false, "")
                     .is_err()
             {
                 bounds.push(i);

@@ -74,7 +74,7 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
         progress(&format!("{variant}: one training step, counted"));
         let run = || -> Result<Launches> {
             let _backend = options.backend.enter();
-            let config = shape.model_config(variant, &options.limits)?;
+            let config = shape.model_config(variant, &options.limits, options.compute())?;
             let params = ParamStore::new(0);
             let mut model = TaskModel::new(
                 &config,

@@ -156,7 +156,12 @@ impl Shape {
     /// The model config of `variant` at this shape (a name of [`Shape::variant_names`]), its
     /// size and batch checked against `limits`; an unknown name is an error listing the known
     /// ones.
-    pub fn model_config(&self, variant: &str, limits: &Limits) -> Result<ModelConfig> {
+    pub fn model_config(
+        &self,
+        variant: &str,
+        limits: &Limits,
+        compute: crate::nn::Compute<'_>,
+    ) -> Result<ModelConfig> {
         let positional = self.positional(variant)?;
         let shape = ModelShape {
             d_model: self.d_model,
@@ -182,7 +187,13 @@ impl Shape {
         config.validate()?;
         config.check_limits(limits)?;
         limits
-            .check_batch(&config.sizes(), self.batch, self.seq, true, "bench")
+            .check_batch(
+                &config.sizes_on(compute),
+                self.batch,
+                self.seq,
+                true,
+                "bench",
+            )
             .map_err(Error::Config)?;
         Ok(config)
     }
@@ -358,6 +369,16 @@ pub struct Options {
     pub threads: usize,
 }
 
+impl Options {
+    /// Where the bench's models compute: its device and backend.
+    pub fn compute(&self) -> crate::nn::Compute<'_> {
+        crate::nn::Compute {
+            device: &self.device,
+            backend: self.backend,
+        }
+    }
+}
+
 /// `VmRSS` or `VmHWM` of this process in MiB.
 fn proc_status_mib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -468,7 +489,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
         })
     };
     for variant in &options.variants {
-        let config = shape.model_config(variant, &options.limits)?;
+        let config = shape.model_config(variant, &options.limits, options.compute())?;
         let (forward_flops, train_flops) = shape.flops(&config);
         let params = ParamStore::new(0);
         let mut model = TaskModel::new(
@@ -1300,7 +1321,12 @@ mod tests {
             + 4.0 * l * t * t * d * b;
         let limits = Limits::default();
         for name in shape.variant_names() {
-            let config = shape.model_config(&name, &limits).unwrap();
+            let cpu = candle::Device::Cpu;
+            let compute = crate::nn::Compute {
+                device: &cpu,
+                backend: Default::default(),
+            };
+            let config = shape.model_config(&name, &limits, compute).unwrap();
             let own = match name.as_str() {
                 "sin_concat_proj" => 2.0 * (d + p) * d * b * t,
                 "untied" | "untied_sinusoidal" => 2.0 * (2.0 * t * d * d) + 2.0 * t * t * d,

@@ -310,6 +310,7 @@ impl Plan {
         shape: &Shape,
         torch: Option<&Torch>,
         limits: &crate::limits::Limits,
+        compute: crate::nn::Compute<'_>,
     ) -> Result<Vec<String>> {
         let pool: Vec<String> = match torch {
             Some(torch) => torch.variants.clone(),
@@ -319,7 +320,7 @@ impl Plan {
         let fit: Vec<String> = pool
             .into_iter()
             .filter(|v| v != "none")
-            .filter(|v| match shape.model_config(v, limits) {
+            .filter(|v| match shape.model_config(v, limits, compute) {
                 Ok(_) => true,
                 Err(e) => {
                     refusal.get_or_insert(e);
@@ -343,7 +344,7 @@ impl Plan {
             self.options.shape.positional(v)?;
             self.options
                 .shape
-                .model_config(v, &self.options.limits)
+                .model_config(v, &self.options.limits, self.options.compute())
                 .map_err(|e| match e {
                     Error::Config(why) => Error::Config(format!("bench variant `{v}`: {why}")),
                     e => e,

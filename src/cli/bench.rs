@@ -124,8 +124,12 @@ pub fn run(a: Args) -> Result<()> {
         backend = backend.with_simd(simd);
     }
     let device = a.device.open()?;
+    let compute = poslab::nn::Compute {
+        device: &device,
+        backend,
+    };
     if a.products {
-        check_products(&a, &shape, &device, &limits)?;
+        check_products(&a, &shape, compute, &limits)?;
     }
     let torch = match &a.torch {
         Some(Some(script)) => Some(poslab::bench::Torch::new(
@@ -138,7 +142,7 @@ pub fn run(a: Args) -> Result<()> {
         return products(&a, &shape, threads, torch.as_ref());
     }
     let variants = match a.variants.is_empty() {
-        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref(), &limits)?,
+        true => poslab::bench::Plan::default_variants(&shape, torch.as_ref(), &limits, compute)?,
         false => a.variants,
     };
     if a.launches {
@@ -154,7 +158,9 @@ pub fn run(a: Args) -> Result<()> {
             threads,
         };
         for v in &options.variants {
-            options.shape.model_config(v, &options.limits)?;
+            options
+                .shape
+                .model_config(v, &options.limits, options.compute())?;
         }
         // The heap is counted from here: each model's parameters, moments and step.
         poslab::heap::start_counting();
@@ -234,9 +240,10 @@ fn check_repetitions(a: &Args) -> Result<()> {
 fn check_products(
     a: &Args,
     shape: &poslab::bench::Shape,
-    device: &candle::Device,
+    compute: poslab::nn::Compute<'_>,
     limits: &poslab::limits::Limits,
 ) -> Result<()> {
+    let device = compute.device;
     let refuse = |why: &str| Err(poslab::Error::Input(format!("--products: {why}")).into());
     if !device.is_cpu() {
         return refuse("it times the CPU's matrix products (gemm); add --device cpu");
@@ -250,7 +257,7 @@ fn check_products(
         );
     }
     // The shape's own checks (heads, sizes, memory), as a bench of it would make them.
-    shape.model_config("sin_add", limits)?;
+    shape.model_config("sin_add", limits, compute)?;
     Ok(())
 }
 

@@ -102,7 +102,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         // The folder is looked at exactly as the run looks at it, before anything is costed.
         let found = match &a.out {
             Some(dir) => {
-                let mut options = compare::RunOptions::new(device, dir.clone());
+                let mut options = compare::RunOptions::new(device.clone(), dir.clone());
                 options.selection = selection.clone();
                 options.overwrite = a.overwrite;
                 options.limits = limits;
@@ -110,7 +110,11 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
             }
             None => None,
         };
-        let estimate = estimate::estimate(&config, &selection, jobs, &limits)?;
+        let compute = poslab::nn::Compute {
+            device: &device,
+            backend,
+        };
+        let estimate = estimate::estimate(&config, &selection, jobs, &limits, compute)?;
         return print_estimate(
             &config, &selection, estimate, &source, a.gflops, jobs, found,
         );

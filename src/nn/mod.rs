@@ -290,7 +290,25 @@ pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
 
 /// Whether `x` goes through one of poslab's fused CPU kernels.
 pub(crate) fn fused_for(x: &Tensor) -> bool {
-    x.device().is_cpu() && !GPU_OPS_ON_CPU.with(Cell::get) && kernels_for(x) != Kernels::Reference
+    !GPU_OPS_ON_CPU.with(Cell::get) && fused_on(x.device(), x.dtype(), current_kernels())
+}
+
+/// Where a model computes: its device, and the backend its layers run with. What a memory bound
+/// is given to know which path will hold a batch's attention tables ([`fused_on`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Compute<'a> {
+    /// The device activations live on.
+    pub device: &'a candle::Device,
+    /// The kernels (and SIMD level) the layers run with.
+    pub backend: Backend,
+}
+
+/// Whether poslab's fused CPU kernels compute activations of `dtype` on `device` under
+/// `kernels`: on the CPU in f32 or f64, unless the reference compositions are asked for. Where
+/// they do, a scheme whose scores they compute (PoPE, CoPE, PaTH) holds far fewer attention
+/// tables than its composition ([`crate::positional::Scheme::score_tensors`]).
+pub fn fused_on(device: &candle::Device, dtype: DType, kernels: Kernels) -> bool {
+    device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) && kernels != Kernels::Reference
 }
 
 /// Whether `x` goes through the one-kernel CUDA ops of `cuda_ops.rs` (on the CPU only under

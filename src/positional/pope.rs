@@ -90,16 +90,17 @@ impl Scheme for PopeOptions {
         check_base("pope", self.base)
     }
 
-    fn score_tensors(&self, training: bool) -> usize {
-        // The composition's (CUDA, half precision, `--kernels reference`), measured at 512
-        // tokens (batch 4, 4 heads, 4 layers, f32, 2026-11-28): a forward pass peaked at 120
-        // MiB against `sin_add`'s 85, a training step at 949 against 340: the polar q and k
-        // and their gradients, about 1 and 9 attention tables a layer more. The fused CPU layer
-        // holds what `sin_add`'s does (549 against 529 MiB at batch 8); the bound does not
-        // know which path will run, so it counts the larger.
-        match training {
-            false => 2,
-            true => 12,
+    fn score_tensors(&self, training: bool, fused: bool) -> usize {
+        // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
+        // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 120 MiB
+        // against `sin_add`'s 85, a training step at 949 against 340: the polar q and k and
+        // their gradients, about 1 and 9 attention tables a layer more. The fused CPU layer
+        // (2026-11-29, 4 threads): 103 and 395 MiB against `sin_add`'s 94 and 388, what
+        // `sin_add` holds.
+        match (fused, training) {
+            (true, _) => 1,
+            (false, false) => 2,
+            (false, true) => 12,
         }
     }
 

@@ -56,6 +56,14 @@ pub struct RunOptions {
 }
 
 impl RunOptions {
+    /// Where the run's models compute: its device and backend.
+    pub fn compute(&self) -> crate::nn::Compute<'_> {
+        crate::nn::Compute {
+            device: &self.device,
+            backend: self.backend,
+        }
+    }
+
     /// Every cell on `device` into `dir`, one job, quietly, continuing a run already there.
     pub fn new(device: Device, dir: impl Into<PathBuf>) -> Self {
         Self {
@@ -496,12 +504,15 @@ pub(crate) fn prepare_checked<'a>(
     config: &'a ExperimentConfig,
     cells: &[(usize, usize, u64)],
     jobs: usize,
-    limits: &crate::limits::Limits,
+    options: &RunOptions,
 ) -> Result<(Vec<usize>, Vec<Prepared<'a>>)> {
     let (task_ids, variants) = tasks_and_variants(config, cells);
     let prepared = task_ids
         .iter()
-        .map(|&t| prepare_task_checked(config, t, &variants, jobs, None, limits))
+        .map(|&t| {
+            let compute = options.compute();
+            prepare_task_checked(config, t, &variants, jobs, None, &options.limits, compute)
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok((task_ids, prepared))
 }
@@ -532,6 +543,7 @@ pub(crate) fn prepare_task_checked<'a>(
     jobs: usize,
     sample: Option<[usize; 2]>,
     limits: &crate::limits::Limits,
+    compute: crate::nn::Compute<'_>,
 ) -> Result<Prepared<'a>> {
     let spec = &config.tasks[t];
     let data = match sample {
@@ -553,7 +565,7 @@ pub(crate) fn prepare_task_checked<'a>(
             .and_then(|()| model.check_limits(limits))
             .map_err(|e| Error::Config(format!("{what}: {e}")))?;
         task.check_memory(
-            &model,
+            &model.sizes_on(compute),
             config.train.batch_size,
             eval_batch,
             &what,
@@ -634,7 +646,7 @@ fn train_cells(
     // The tasks the pending cells need: only those are generated and checked.
     let cells_needed: Vec<(usize, usize, u64)> = pending.iter().map(|&i| selected[i]).collect();
     let jobs = options.jobs.clamp(1, cells_needed.len().max(1));
-    let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs, &options.limits)?;
+    let (task_ids, prepared) = prepare_checked(config, &cells_needed, jobs, options)?;
     for note in prepared.iter().filter_map(Prepared::unknown_tokens_note) {
         log(&format!("note: {note}"));
     }

@@ -17,6 +17,7 @@ use crate::data::Dataset;
 use crate::error::Result;
 use crate::limits::Limits;
 use crate::model::HeadConfig;
+use crate::nn::Compute;
 use crate::train::planned_steps;
 
 /// One cell's estimated cost.
@@ -87,8 +88,16 @@ pub fn estimate(
     selection: &Selection,
     jobs: usize,
     limits: &Limits,
+    compute: Compute<'_>,
 ) -> Result<Estimate> {
-    estimate_from(config, selection, jobs, Some(DRY_RUN_SAMPLE), limits)
+    estimate_from(
+        config,
+        selection,
+        jobs,
+        Some(DRY_RUN_SAMPLE),
+        limits,
+        compute,
+    )
 }
 
 /// As [`estimate`], from the first `sample[0]` examples of each generated training split and
@@ -100,6 +109,7 @@ pub fn estimate_from(
     jobs: usize,
     sample: Option<[usize; 2]>,
     limits: &Limits,
+    compute: Compute<'_>,
 ) -> Result<Estimate> {
     config.validate()?;
     config.check_limits(limits)?;
@@ -111,7 +121,7 @@ pub fn estimate_from(
     let mut out: Vec<Option<CellEstimate>> = vec![None; cells.len()];
     let mut sampled = Vec::new();
     for &t in &task_ids {
-        let task = prepare_task_checked(config, t, &variants, jobs, sample, limits)?;
+        let task = prepare_task_checked(config, t, &variants, jobs, sample, limits, compute)?;
         if let Some((train, eval)) = task.spec.generated_sizes() {
             if task.train.samples.len() < train || task.valid.samples.len() < eval {
                 sampled.push(task.spec.name.clone());

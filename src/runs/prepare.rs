@@ -312,7 +312,7 @@ impl Prepared<'_> {
     /// 384 MiB measured): shared, it would refuse test lengths that run.
     pub(crate) fn check_memory(
         &self,
-        config: &ModelConfig,
+        sizes: &crate::limits::Sizes,
         train_batch: usize,
         eval_batch: usize,
         what: &str,
@@ -326,7 +326,7 @@ impl Prepared<'_> {
             .unwrap_or(0);
         limits
             .check_batches(
-                &config.sizes(),
+                sizes,
                 train_batch,
                 training,
                 true,
@@ -337,7 +337,7 @@ impl Prepared<'_> {
         let testing = self.sets.iter().map(Dataset::max_len).max().unwrap_or(0);
         limits
             .check_batch(
-                &config.sizes(),
+                sizes,
                 eval_batch,
                 testing,
                 false,

@@ -301,6 +301,14 @@ pub struct TrainOptions {
 }
 
 impl TrainOptions {
+    /// Where the run's model computes: its device and backend.
+    pub fn compute(&self) -> crate::nn::Compute<'_> {
+        crate::nn::Compute {
+            device: &self.device,
+            backend: self.backend,
+        }
+    }
+
     /// A run into `dir` on `device`: quietly, to the end, the Hub's models read as its
     /// variables say ([`HubSource::from_env`]), on every core, with the default kernels and
     /// limits.
@@ -377,7 +385,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     let tokenizer = start.as_ref().map(|s| s.folder.tokenizer.clone());
     let data = config.task.generate_with(&options.hub, tokenizer)?;
     // Every check before anything is written: a start that fails leaves no run behind.
-    let ready = ready(config, data, start, &options.limits)?;
+    let ready = ready(config, data, start, options)?;
     if let Some(note) = ready.task.unknown_tokens_note() {
         eprintln!("note: {note}");
     }
@@ -563,7 +571,7 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     config.check_limits(&options.limits)?;
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;
-    let ready = ready(&config, data, start, &options.limits)?;
+    let ready = ready(&config, data, start, options)?;
     let end = run(&config, ready, options, true).map_err(|e| diverged(dir, e));
     drop(lock);
     end
@@ -634,8 +642,9 @@ fn ready<'a>(
     config: &'a TrainRunConfig,
     mut data: crate::tasks::TaskData,
     start: Option<Start>,
-    limits: &crate::limits::Limits,
+    options: &TrainOptions,
 ) -> Result<Ready<'a>> {
+    let limits = &options.limits;
     let architecture = config.architecture()?;
     let pooling = match (&architecture, &start) {
         (Architecture::Pretrained(init), Some(start)) => {
@@ -692,7 +701,7 @@ fn ready<'a>(
     model_config.validate()?;
     model_config.check_limits(limits)?;
     task.check_memory(
-        &model_config,
+        &model_config.sizes_on(options.compute()),
         config.train.batch_size,
         eval_batch,
         &config.name,

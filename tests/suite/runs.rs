@@ -1117,9 +1117,15 @@ positional = { kind = "rope" }
     .unwrap();
     let selection = poslab::runs::Selection::default();
     let limits = poslab::limits::Limits::default();
-    let sampled = poslab::runs::estimate::estimate(&config, &selection, 1, &limits).unwrap();
+    let compute = poslab::nn::Compute {
+        device: &poslab::candle::Device::Cpu,
+        backend: Default::default(),
+    };
+    let sampled =
+        poslab::runs::estimate::estimate(&config, &selection, 1, &limits, compute).unwrap();
     let whole =
-        poslab::runs::estimate::estimate_from(&config, &selection, 1, None, &limits).unwrap();
+        poslab::runs::estimate::estimate_from(&config, &selection, 1, None, &limits, compute)
+            .unwrap();
     assert_eq!(sampled.sampled, ["reverse_string", "binary_addition"]);
     assert!(whole.sampled.is_empty());
     assert_eq!(sampled.cells.len(), 4);

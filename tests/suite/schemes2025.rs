@@ -517,33 +517,102 @@ fn the_analyses_of_the_2025_schemes_give_known_answers() {
 }
 
 #[test]
-fn the_memory_bound_counts_the_tables_a_composed_layer_holds() {
+fn the_memory_bound_counts_the_tables_each_path_of_a_layer_holds() {
     use poslab::limits::activation_bytes;
-    let sizes = |p: PositionalConfig| tiny_config(p, NormPlacement::Pre).sizes();
-    let plain = sizes(PositionalConfig::SinusoidalAdd(Default::default()));
-    let config = tiny_config(
-        PositionalConfig::Path(PathOptions::default()),
-        NormPlacement::Pre,
-    );
-    let (h, l) = (config.n_heads as u128, config.n_layers as u128);
+    use poslab::nn::{Backend, Compute, Kernels};
+    let cpu = Device::Cpu;
+    let on = |kernels: Kernels| Compute {
+        device: &cpu,
+        backend: Backend::default().with_kernels(kernels),
+    };
+    let config = |p: PositionalConfig| tiny_config(p, NormPlacement::Pre);
+    let sin_add = config(PositionalConfig::SinusoidalAdd(Default::default()));
+    let (h, l) = (sin_add.n_heads as u128, sin_add.n_layers as u128);
     let table = 4 * 512 * 512 * h * 4; // one (b, h, t, t) of f32 at batch 4, 512 tokens
-    for (positional, forward, training) in [
-        (PositionalConfig::Path(PathOptions::default()), 8, 64),
-        (PositionalConfig::Cope(CopeOptions::default()), 8, 64),
-        (PositionalConfig::Pope(PopeOptions::default()), 2, 12),
+                                       // (scheme, composed forward and training, fused forward and training)
+    for (positional, composed, fused) in [
+        (
+            PositionalConfig::Path(PathOptions::default()),
+            (8, 64),
+            (1, 2),
+        ),
+        (
+            PositionalConfig::Cope(CopeOptions::default()),
+            (8, 64),
+            (1, 2),
+        ),
+        (
+            PositionalConfig::Pope(PopeOptions::default()),
+            (2, 12),
+            (1, 1),
+        ),
+        (PositionalConfig::Rope(Default::default()), (1, 1), (1, 1)),
     ] {
         let name = positional.name();
-        let s = sizes(positional);
-        assert_eq!(
-            activation_bytes(&s, 4, 512, true) - activation_bytes(&plain, 4, 512, true),
-            (training - 1) * table * l,
-            "{name} training"
-        );
-        // A forward pass counts two layers' worth.
-        assert_eq!(
-            activation_bytes(&s, 4, 512, false) - activation_bytes(&plain, 4, 512, false),
-            (forward - 1) * table * 2,
-            "{name} forward"
-        );
+        let model = config(positional);
+        let half = poslab::ModelConfig {
+            dtype: poslab::Precision::Bf16,
+            ..model.clone()
+        };
+        // The compositions: wherever the path is not known, on the reference kernels, and in
+        // half precision on the CPU; the fused kernels: on the CPU in f32 with ops or layer.
+        for (sizes, (forward, training), path) in [
+            (model.sizes(), composed, "unknown"),
+            (
+                model.sizes_on(on(Kernels::Reference)),
+                composed,
+                "reference",
+            ),
+            (half.sizes_on(on(Kernels::Layer)), composed, "bf16"),
+            (model.sizes_on(on(Kernels::Layer)), fused, "layer"),
+            (model.sizes_on(on(Kernels::Ops)), fused, "ops"),
+        ] {
+            let plain = sin_add.sizes();
+            assert_eq!(
+                activation_bytes(&sizes, 4, 512, true) - activation_bytes(&plain, 4, 512, true),
+                (training - 1) * table * l,
+                "{name} training, {path}"
+            );
+            // A forward pass counts two layers' worth.
+            assert_eq!(
+                activation_bytes(&sizes, 4, 512, false) - activation_bytes(&plain, 4, 512, false),
+                (forward - 1) * table * 2,
+                "{name} forward, {path}"
+            );
+        }
     }
+}
+
+#[test]
+fn a_length_that_fits_the_fused_kernels_is_not_refused_for_the_compositions_memory() {
+    use poslab::nn::{Backend, Compute, Kernels};
+    use poslab::runs::estimate::estimate;
+    // PaTH tested at 900-1000 tokens in batches of 64: the composition would hold about
+    // 7.7 GiB, the fused kernels about one attention table a layer (1 GiB).
+    let config = poslab::runs::ExperimentConfig::from_toml_str(
+        "name = \"long\"\nseeds = 1\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\n\
+         ffn_dim = 32\n[train]\nbudget = { steps = 1 }\nbatch_size = 32\n[[tasks]]\n\
+         kind = \"reverse_string\"\nlengths = [1, 40]\ntest_lengths = [[450, 500]]\n\
+         train_examples = 200\neval_examples = 60\n[[variants]]\nname = \"path\"\n\
+         positional = { kind = \"path\" }\n",
+    )
+    .unwrap();
+    let limits = poslab::limits::Limits {
+        max_memory: 3 << 30,
+        ..Default::default()
+    };
+    let cpu = Device::Cpu;
+    let on = |kernels: Kernels| Compute {
+        device: &cpu,
+        backend: Backend::default().with_kernels(kernels),
+    };
+    let selection = Default::default();
+    for kernels in [Kernels::Layer, Kernels::Ops] {
+        let e = estimate(&config, &selection, 1, &limits, on(kernels)).unwrap();
+        assert_eq!(e.cells.len(), 1);
+    }
+    assert_error_mentions(
+        estimate(&config, &selection, 1, &limits, on(Kernels::Reference)),
+        &["testing: a batch of 64 x 1000 tokens", "7.7 GiB", "POSLAB_MAX_MEMORY"],
+    );
 }
