@@ -1330,6 +1330,14 @@ mod tests {
             let own = match name.as_str() {
                 "sin_concat_proj" => 2.0 * (d + p) * d * b * t,
                 "untied" | "untied_sinusoidal" => 2.0 * (2.0 * t * d * d) + 2.0 * t * t * d,
+                // q' k'ᵀ over twice the head's width.
+                "pope" => l * 2.0 * t * t * d * b,
+                // q times the two tables of 64 rows.
+                "cope" => l * 4.0 * t * d * 64.0 * b,
+                // W_w (d x d), W_b (4 heads), the conv of width 3, and the transport.
+                "path" => {
+                    l * (2.0 * t * d * (d + 4.0) + 2.0 * t * d * 3.0 + 4.0 * t * (t - 1.0) * d) * b
+                }
                 _ => 0.0,
             };
             let (forward, train) = shape.flops(&config);

@@ -97,6 +97,15 @@ impl Scheme for CopeOptions {
         ))
     }
 
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // Each head's queries times its left and right tables, `(t, d_head) x (d_head, npos)`
+        // twice: `4 t d npos` a layer. The gates read the encoder's own `q kᵀ`; the counts and
+        // their interpolation are element-wise.
+        let (d, t) = (shape.d_model as f64, seq as f64);
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        4.0 * t * d * self.npos as f64 * batch as f64 * layers
+    }
+
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
         // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
         // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 318 MiB

@@ -100,6 +100,19 @@ impl Scheme for PathOptions {
         ))
     }
 
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // The reflections: `x W_wᵀ` and `x W_bᵀ` (`2 t d (d + h)`) and the short convolution
+        // (`2 t d k`); the transport: every key carried past each reflection between it and a
+        // query, `w·k` and `k - β w (w·k)`, `2 d_head` multiply-adds a key and step, on both
+        // sides: `4 t (t - 1) d` a layer. The queries' products with the carried keys are the
+        // encoder's own `q kᵀ`.
+        let (d, h, t) = (shape.d_model as f64, shape.n_heads as f64, seq as f64);
+        let k = self.conv_size as f64;
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        let per_sequence = 2.0 * t * d * (d + h) + 2.0 * t * d * k + 4.0 * t * (t - 1.0) * d;
+        per_sequence * batch as f64 * layers
+    }
+
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
         // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
         // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 257 MiB

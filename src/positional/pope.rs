@@ -90,6 +90,14 @@ impl Scheme for PopeOptions {
         check_base("pope", self.base)
     }
 
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // `q' k'ᵀ` runs over twice the head's width (a cosine and a sine part): one more
+        // `2 t² d` a layer beyond the encoder's `q kᵀ`.
+        let (d, t) = (shape.d_model as f64, seq as f64);
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        2.0 * t * t * d * batch as f64 * layers
+    }
+
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
         // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
         // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 120 MiB

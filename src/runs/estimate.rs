@@ -57,7 +57,8 @@ pub struct Estimate {
 
 /// Forward FLOPs per token of a sequence of `t` tokens, as `poslab bench` counts them: two per
 /// multiply-add of each layer's projections and feed-forward, `4 t d` per layer for the two
-/// attention products, and the output layer where every token is scored.
+/// attention products, the scheme's own products ([`crate::positional::Scheme::forward_flops`]
+/// at the nearest whole length), and the output layer where every token is scored.
 fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64 {
     let (d, f, l) = (
         model.d_model as f64,
@@ -69,7 +70,12 @@ fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64
         HeadConfig::Tag { classes } => *classes as f64,
         HeadConfig::Mlm => model.vocab_size as f64,
     };
-    2.0 * l * (4.0 * d * d + 2.0 * d * f) + 4.0 * l * t * d + 2.0 * d * out
+    let own = model.positional.scheme().forward_flops(
+        &model.scheme_shape(),
+        1,
+        t.round() as usize,
+    ) / t.max(1.0);
+    2.0 * l * (4.0 * d * d + 2.0 * d * f) + 4.0 * l * t * d + own + 2.0 * d * out
 }
 
 /// How many examples of each generated split a dry run generates (see

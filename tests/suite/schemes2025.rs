@@ -613,6 +613,10 @@ fn a_length_that_fits_the_fused_kernels_is_not_refused_for_the_compositions_memo
     }
     assert_error_mentions(
         estimate(&config, &selection, 1, &limits, on(Kernels::Reference)),
-        &["testing: a batch of 64 x 1000 tokens", "7.7 GiB", "POSLAB_MAX_MEMORY"],
+        &[
+            "testing: a batch of 64 x 1000 tokens",
+            "7.7 GiB",
+            "POSLAB_MAX_MEMORY",
+        ],
     );
 }
