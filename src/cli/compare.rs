@@ -106,6 +106,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
                 options.selection = selection.clone();
                 options.overwrite = a.overwrite;
                 options.limits = limits;
+                options.backend = backend;
                 Some((dir.clone(), compare::preview(&config, &options)?))
             }
             None => None,
@@ -125,6 +126,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     let mut look = compare::RunOptions::new(device.clone(), PathBuf::new());
     look.selection = selection.clone();
     look.limits = limits;
+    look.backend = backend;
     let mut created = false;
     let dir = match a.out {
         Some(dir) => dir,

@@ -251,9 +251,16 @@ fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
                 }
             );
             if !finished {
+                // A run resumes with the kernels it began with.
+                let kernels = match manifest.kernels.as_deref() {
+                    Some(k) if k != poslab::nn::Backend::default().kernels.name() => {
+                        format!(" --kernels {k}")
+                    }
+                    _ => String::new(),
+                };
                 outln!(
-                    "unfinished: continue it with poslab compare {} --out {}{} (the same \
-                     command continues it)",
+                    "unfinished: continue it with poslab compare {} --out {}{}{kernels} (the \
+                     same command continues it)",
                     dir.join(folder::CONFIG_TOML).display(),
                     dir.display(),
                     manifest.selection.flags()

@@ -92,6 +92,7 @@ pub fn run(args: Args) -> Result<()> {
         selection: SelectionRecord::default(),
         cells: Vec::new(),
         device: None,
+        kernels: None,
         sources: runs.iter().map(|r| r.display().to_string()).collect(),
         files: folder::report_files(config),
     };

@@ -328,6 +328,7 @@ fn plan<'a>(
         selection: SelectionRecord::of(&options.selection),
         cells: selected.to_vec(),
         device: Some(device_kind(&options.device)),
+        kernels: Some(options.backend.kernels.name().into()),
         sources: Vec::new(),
         files: folder::compare_files(config, selected),
     }
@@ -369,6 +370,8 @@ pub fn unfinished_run(
     for dir in candidates.into_iter().rev() {
         let mut look = RunOptions::new(options.device.clone(), dir.clone());
         look.selection = options.selection.clone();
+        look.backend = options.backend;
+        look.limits = options.limits;
         let Ok(found) = preview(config, &look) else {
             continue;
         };

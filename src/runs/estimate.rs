@@ -70,11 +70,11 @@ fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64
         HeadConfig::Tag { classes } => *classes as f64,
         HeadConfig::Mlm => model.vocab_size as f64,
     };
-    let own = model.positional.scheme().forward_flops(
-        &model.scheme_shape(),
-        1,
-        t.round() as usize,
-    ) / t.max(1.0);
+    let own = model
+        .positional
+        .scheme()
+        .forward_flops(&model.scheme_shape(), 1, t.round() as usize)
+        / t.max(1.0);
     2.0 * l * (4.0 * d * d + 2.0 * d * f) + 4.0 * l * t * d + own + 2.0 * d * out
 }
 

@@ -166,6 +166,11 @@ pub struct Manifest {
     /// `cpu` or `cuda`: a compare folder's cells are computed on one kind of device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The kernels the layers computed with (`layer`, `ops` or `reference`): a compare
+    /// folder's cells are computed with one, since they agree to within rounding, not bit for
+    /// bit. Absent in folders from before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<String>,
     /// How many cells the folder holds once complete.
     pub cells: usize,
     /// The folders a report merged, as given.
@@ -249,6 +254,8 @@ pub struct Plan<'a> {
     pub cells: Vec<(usize, usize, u64)>,
     /// The device the run uses (compare: a resumed run must use the same).
     pub device: Option<String>,
+    /// The kernels the run computes with (compare: a resumed run must use the same).
+    pub kernels: Option<String>,
     /// The run folders a merge reads (report).
     pub sources: Vec<String>,
     /// Every file the command writes, relative to the folder.
@@ -357,6 +364,12 @@ pub enum Preview {
     Resume,
 }
 
+/// Whether a folder's cells computed with `old` kernels may be joined by cells computed with
+/// `new`: the same kernels, or a folder from before they were recorded.
+fn same_kernels(old: &Option<String>, new: &Option<String>) -> bool {
+    old.is_none() || old == new
+}
+
 /// What opening a folder does: resume its run (whose files are these), or start a new one
 /// after removing the files of the run it replaces.
 enum Opening {
@@ -383,6 +396,7 @@ fn opening(dir: &Path, plan: &Plan, manifest: &Manifest, overwrite: bool) -> Res
         } else {
             let same_cells = old.kind == plan.kind
                 && old.device == plan.device
+                && same_kernels(&old.kernels, &plan.kernels)
                 && old.sources == plan.sources
                 && cells_of(plan.config, &old)? == plan.cells;
             if same_cells && plan.kind == FolderKind::Compare && !overwrite {
@@ -440,6 +454,7 @@ impl Manifest {
             config_sha256: config_sha256(plan.config),
             selection: plan.selection.clone(),
             device: plan.device.clone(),
+            kernels: plan.kernels.clone(),
             cells: plan.cells.len(),
             sources: plan.sources.clone(),
             files: plan.files.clone(),
@@ -470,16 +485,20 @@ fn cells_of(config: &ExperimentConfig, m: &Manifest) -> Result<Vec<(usize, usize
     }
 }
 
-/// `a compare run (shard 1/4, 15 cells, on cpu)` or `a report merged from 4 folders`.
+/// `a compare run (shard 1/4, 15 cells, on cpu with the layer kernels)` or `a report merged from
+/// 4 folders`.
 pub fn describe(m: &Manifest) -> String {
     match m.kind {
         FolderKind::Compare => format!(
-            "a compare run ({}, {} cells{})",
+            "a compare run ({}, {} cells{}{})",
             m.selection.describe(),
             m.cells,
             m.device
                 .as_deref()
-                .map_or(String::new(), |d| format!(", on {d}"))
+                .map_or(String::new(), |d| format!(", on {d}")),
+            m.kernels
+                .as_deref()
+                .map_or(String::new(), |k| format!(" with the {k} kernels"))
         ),
         FolderKind::Report => format!(
             "a report merged from {} folder{}",

@@ -32,6 +32,8 @@ struct Page<'a> {
     variants: Vec<&'a str>,
     verdicts: Vec<VerdictRow<'a>>,
     skipped: Vec<SkippedRow<'a>>,
+    /// The comparisons without a verdict because a row has no cell, in one line.
+    absent: Vec<String>,
     tasks: Vec<TaskView<'a>>,
 }
 
@@ -143,6 +145,8 @@ pub struct Texts<'a> {
     pub method: &'static str,
     /// The folders a merged report was made from.
     pub sources: &'a [std::path::PathBuf],
+    /// The comparisons without a verdict because a row has no cell, in one line each.
+    pub absent: Vec<String>,
 }
 
 /// A task's part of the page.
@@ -216,6 +220,7 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
         skipped: results
             .comparisons_skipped
             .iter()
+            .filter(|k| results.has_cells(&k.task, &k.a) && results.has_cells(&k.task, &k.b))
             .map(|k| SkippedRow {
                 task: &k.task,
                 evaluation: &k.evaluation,
@@ -224,6 +229,7 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
                 reason: &k.reason,
             })
             .collect(),
+        absent: texts.absent.clone(),
         tasks: tasks
             .iter()
             .map(|s| {

@@ -357,7 +357,8 @@ const SUITE_GAINS: &str = "randomized positions: the mean over tasks of the scor
 
 /// The verdicts, one line per comparison and task: each evaluation's `b - a` in points with its
 /// 95% interval, marked `*` where Holm's p is below 0.05; then the comparisons that could not
-/// be made. Empty when there are none.
+/// be made; a row with no cell in the results (a run of some variants) is one line, not one
+/// for each of its comparisons. Empty when there are none.
 pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
     let mut lines = Vec::new();
     // Every (task, a, b) with a verdict or a skipped evaluation, in report order.
@@ -377,6 +378,10 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
             continue;
         }
         seen.push(key);
+        let (task, a, b) = key;
+        if !results.has_cells(task, a) || !results.has_cells(task, b) {
+            continue;
+        }
         let mut parts: Vec<String> = results
             .comparisons
             .iter()
@@ -405,7 +410,6 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
             let names: Vec<&str> = skipped.iter().map(|k| k.evaluation.as_str()).collect();
             parts.push(format!("n/a {} ({})", names.join(", "), first.reason));
         }
-        let (task, a, b) = key;
         let (task, a, b) = if markdown {
             (format!("**{task}**"), format!("`{a}`"), format!("`{b}`"))
         } else {
@@ -414,7 +418,58 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
         let bullet = if markdown { "- " } else { "" };
         lines.push(format!("{bullet}{task}, {b} − {a}: {}", parts.join("; ")));
     }
+    lines.extend(absent_lines(results, markdown));
     lines
+}
+
+/// The comparisons without a verdict because a row has no cell on their task in `results` (a
+/// run of some of the variants), in one line that names those rows: none when there are none.
+fn absent_lines(results: &Results, markdown: bool) -> Vec<String> {
+    // The rows, with the tasks they lack, in order of appearance; and the comparisons.
+    let mut absent: Vec<(&str, Vec<&str>)> = Vec::new();
+    let mut seen: Vec<(&str, &str, &str)> = Vec::new();
+    for k in &results.comparisons_skipped {
+        let key = (k.task.as_str(), k.a.as_str(), k.b.as_str());
+        let lacking: Vec<&str> = [key.1, key.2]
+            .into_iter()
+            .filter(|row| !results.has_cells(key.0, row))
+            .collect();
+        if lacking.is_empty() || seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        for row in lacking {
+            match absent.iter_mut().find(|(r, _)| *r == row) {
+                Some((_, tasks)) if !tasks.contains(&key.0) => tasks.push(key.0),
+                Some(_) => {}
+                None => absent.push((row, vec![key.0])),
+            }
+        }
+    }
+    if absent.is_empty() {
+        return Vec::new();
+    }
+    let rows: Vec<String> = absent
+        .into_iter()
+        .map(|(row, tasks)| {
+            let row = match markdown {
+                true => format!("`{row}`"),
+                false => row.to_string(),
+            };
+            match tasks.len() == results.tasks.len() {
+                true => row,
+                false => format!("{row} (on {})", tasks.join(", ")),
+            }
+        })
+        .collect();
+    let n = seen.len();
+    vec![format!(
+        "{}no verdict in {n} comparison{}: these results hold no cell of {}; run those cells, or \
+         give [[comparisons]] between the rows they hold",
+        if markdown { "- " } else { "" },
+        if n == 1 { "" } else { "s" },
+        rows.join(", ")
+    )]
 }
 
 /// What the verdict lines say, in a sentence for the report's readers.
@@ -786,6 +841,7 @@ fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> St
         legend: verdict_legend(results),
         method: COMPARISON_METHOD,
         sources,
+        absent: absent_lines(results, false),
     };
     html::page(results, &tasks, &texts)
 }

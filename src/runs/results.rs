@@ -580,6 +580,14 @@ pub struct Results {
 }
 
 impl Results {
+    /// Whether the results hold a cell of `row` on `task` (a run of some of the variants holds
+    /// none of the others).
+    pub fn has_cells(&self, task: &str, row: &str) -> bool {
+        self.cells
+            .iter()
+            .any(|c| c.task == task && c.variant == row)
+    }
+
     /// Puts tasks and variants in the order `config` lists them (a variant's re-scorings right
     /// after it), then [`Results::finish`]es: the same cells give the same `results.json`
     /// however they were split across runs.

@@ -2,8 +2,10 @@
 //! over every test length above the training lengths), and what randomized positions gain.
 //!
 //! A variant with `random_positions` is paired with the variant of the same scheme, options and
-//! width without them; the gain of a pair is the mean over tasks of the difference of their
-//! scores (each a mean over seeds), in points.
+//! width without them, or failing that with the one variant of the same scheme and width
+//! without them (a scheme whose options follow the range the positions are drawn from: FIRE's
+//! threshold); the gain of a pair is the mean over tasks of the difference of their scores
+//! (each a mean over seeds), in points.
 
 use super::results::{Results, Stat, SCORE};
 
@@ -109,11 +111,22 @@ pub fn summarize(results: &Results) -> Option<SuiteSummary> {
         .iter()
         .filter(|v| v.random_positions.is_some())
     {
-        let Some(plain) = results.variants.iter().find(|p| {
+        let plain_kin = |p: &&super::results::VariantInfo| {
             p.random_positions.is_none()
-                && p.positional == random.positional
                 && p.width == random.width
-        }) else {
+                && p.positional.name() == random.positional.name()
+        };
+        let exact = results
+            .variants
+            .iter()
+            .filter(plain_kin)
+            .find(|p| p.positional == random.positional);
+        let mut kin = results.variants.iter().filter(plain_kin);
+        let only = match (kin.next(), kin.next()) {
+            (Some(p), None) => Some(p),
+            _ => None,
+        };
+        let Some(plain) = exact.or(only) else {
             continue;
         };
         let pairs: Vec<(Stat, Stat)> = tasks

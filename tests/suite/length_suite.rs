@@ -805,6 +805,31 @@ fn scores_and_gains_follow_from_the_cells(results: &poslab::runs::results::Resul
     );
     let (all_mean, all_best) = summary.overall_gain().unwrap();
     assert!((all_mean - mean).abs() < 1e-9 && (all_best - best).abs() < 1e-9);
+    // A randomized variant whose options are not its plain one's (FIRE's threshold follows the
+    // range) pairs with the one plain variant of its scheme and width; with two, with neither.
+    let rope = |base: f64| {
+        poslab::PositionalConfig::Rope(poslab::positional::RopeOptions {
+            base,
+            ..Default::default()
+        })
+    };
+    let mut other = results.clone();
+    let random = other.variants.iter_mut().find(|v| v.name == "rope_random");
+    random.unwrap().positional = rope(500.0);
+    let paired = poslab::runs::suite::summarize(&other).unwrap();
+    assert_eq!(paired.gains, summary.gains);
+    let mut twin = other
+        .variants
+        .iter()
+        .find(|v| v.name == "rope")
+        .unwrap()
+        .clone();
+    (twin.name, twin.positional) = ("rope_base".into(), rope(20000.0));
+    other.variants.push(twin);
+    assert!(poslab::runs::suite::summarize(&other)
+        .unwrap()
+        .gains
+        .is_empty());
 }
 
 #[test]

@@ -287,8 +287,12 @@ fn a_resume_keeps_its_config_its_cells_and_its_shard() {
     let e = stderr(&out);
     assert!(
         !out.status.success()
-            && e.contains("already holds a compare run (every cell, 8 cells, on cpu)")
-            && e.contains("this is a compare run (--seed 0, 4 cells, on cpu)"),
+            && e.contains(
+                "already holds a compare run (every cell, 8 cells, on cpu with the layer kernels)"
+            )
+            && e.contains(
+                "this is a compare run (--seed 0, 4 cells, on cpu with the layer kernels)"
+            ),
         "{e}"
     );
     assert_eq!(
@@ -296,6 +300,22 @@ fn a_resume_keeps_its_config_its_cells_and_its_shard() {
         2,
         "a header line and one error line: {e}"
     );
+    // The same cells with other kernels, which agree to within rounding, not bit for bit:
+    // refused, saying which each computes with.
+    let out = compare(d, "r", &["--kernels", "reference"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("(every cell, 8 cells, on cpu with the layer kernels)")
+            && e.contains("(every cell, 8 cells, on cpu with the reference kernels)"),
+        "{e}"
+    );
+    // A folder from before the kernels were recorded resumes with them.
+    let manifest = d.join("r/run.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&read(&manifest)).unwrap();
+    assert_eq!(m["kernels"], "layer");
+    m.as_object_mut().unwrap().remove("kernels");
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     // `inspect` says where the run stands and how to continue it; that command finishes it.
     let out = poslab(d, &["inspect", "r"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -352,9 +372,31 @@ fn a_resume_keeps_its_config_its_cells_and_its_shard() {
         &["compare", "run.toml", "--shard", "2/3", "--out", "s1", "-q"],
     );
     assert!(
-        stderr(&out).contains("(shard 1/3, 3 cells, on cpu)"),
+        stderr(&out).contains("(shard 1/3, 3 cells, on cpu with the layer kernels)"),
         "{}",
         stderr(&out)
+    );
+    // A run begun with other kernels is continued with them.
+    let killed = compare(
+        d,
+        "k",
+        &["--kernels", "reference", "--kill-at", "cell-1-done"],
+    );
+    assert_eq!(killed.status.signal(), Some(9));
+    let text = String::from_utf8_lossy(&poslab(d, &["inspect", "k"]).stdout).into_owned();
+    let hint = text
+        .lines()
+        .find_map(|l| l.strip_prefix("unfinished: continue it with "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let hint = hint.split(" (the same").next().unwrap();
+    assert!(hint.ends_with("--kernels reference"), "{hint}");
+    let args: Vec<&str> = hint.split_whitespace().skip(1).collect();
+    let again = poslab(d, &args);
+    assert_ok(&again, hint);
+    assert!(
+        stderr(&again).contains("2 of 8 cells were done before"),
+        "{}",
+        stderr(&again)
     );
 }
 
@@ -1043,7 +1085,8 @@ fn a_dry_run_looks_at_its_folder_as_the_run_does() {
         ],
     );
     assert!(
-        !dry.status.success() && stderr(&dry).contains("(shard 1/3, 3 cells, on cpu)"),
+        !dry.status.success()
+            && stderr(&dry).contains("(shard 1/3, 3 cells, on cpu with the layer kernels)"),
         "{}",
         stderr(&dry)
     );
@@ -1424,4 +1467,46 @@ fn a_run_counts_its_unknown_words_and_names_lowercasing() {
     let lower = poslab(d, &["train", "--config", "lower.toml", "-q"]);
     assert_ok(&lower, "lowercased");
     assert!(!stderr(&lower).contains("[UNK]"), "{}", stderr(&lower));
+}
+
+#[test]
+fn a_run_of_some_variants_names_the_rows_it_lacks_in_one_line() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(d.join("run.toml"), RUN).unwrap();
+    // Each row is compared with the first, `rope`, which this run does not train: its four
+    // comparisons (two a task, one with its re-scoring) have no verdict, said in one line.
+    assert_ok(&compare(d, "v", &["--variant", "none"]), "a run of `none`");
+    let md = String::from_utf8(read(d.join("v/report.md"))).unwrap();
+    let html = String::from_utf8(read(d.join("v/report.html"))).unwrap();
+    let needle = "- no verdict in 4 comparisons: these results hold no cell of `rope`, \
+                  `rope + yarn x2`; run those cells";
+    assert!(md.contains(needle), "{needle}\n{md}");
+    assert!(
+        html.contains("no verdict in 4 comparisons: these results hold no cell of rope, rope"),
+        "{html}"
+    );
+    // Not a line (or a "not compared" entry) for each comparison.
+    for text in [&md, &html] {
+        assert!(!text.contains("in these results"), "{text}");
+    }
+    // With both rows, the verdict lines as before.
+    assert_ok(
+        &compare(
+            d,
+            "t",
+            &[
+                "--variant",
+                "none",
+                "--variant",
+                "rope",
+                "--task",
+                "word_order",
+            ],
+        ),
+        "a run of one task",
+    );
+    let md = String::from_utf8(read(d.join("t/report.md"))).unwrap();
+    assert!(md.contains("**word_order**, `none` − `rope`"), "{md}");
+    assert!(!md.contains("no verdict"), "{md}");
 }

@@ -44,7 +44,7 @@
     ...evaluations.map((e) => el("option", { value: e }, e)));
   choice.addEventListener("change", filterVerdicts);
   page.append(el("h2", { id: "verdicts" }, "Verdicts"));
-  if (data.verdicts.length || data.skipped.length) {
+  if (data.verdicts.length || data.skipped.length || data.absent.length) {
     page.append(el("p", { class: "muted" }, data.legend.replace(/`/g, "")));
     page.append(el("p", {}, el("label", {}, "Evaluation:", choice)));
     const head = el("tr", {}, ...["task", "b − a", "test", "diff", "95% interval", "p (Holm)",
@@ -65,6 +65,9 @@
       page.append(el("p", { class: "muted" }, "Not compared: " + data.skipped.map((k) =>
         k.task + " " + k.evaluation + " (" + k.b + " − " + k.a + "): " +
         k.reason.replace(/`/g, "")).join("; ")));
+    }
+    for (const line of data.absent) {
+      page.append(el("p", { class: "muted" }, line));
     }
   } else {
     page.append(el("p", { class: "muted" }, "This run names no comparison."));
