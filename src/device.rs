@@ -88,6 +88,14 @@ pub fn parse_device(spec: &str) -> Result<Device> {
 }
 
 /// A short name for reports.
+/// The kind of `device`, `cpu` or `cuda`: what a run folder records, since its results depend
+/// on the kind of device but not on which GPU of a machine.
+pub fn device_kind(device: &Device) -> String {
+    let name = device_name(device);
+    name.split(':').next().unwrap_or(&name).to_string()
+}
+
+/// The device's name: `cpu`, or `cuda:N`.
 pub fn device_name(device: &Device) -> String {
     match device.location() {
         candle::DeviceLocation::Cpu => "cpu".into(),

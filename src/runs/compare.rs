@@ -14,7 +14,7 @@ use super::prepare::{prepare, Prepared};
 use super::results::{CellResult, Evaluation, Outcome, Results, Timing, TrainSummary, VariantInfo};
 use super::{ExperimentConfig, Selection, VariantSpec};
 use crate::config::ModelConfig;
-use crate::device::device_name;
+use crate::device::{device_kind, device_name};
 use crate::error::{Error, Result};
 use crate::params::ParamStore;
 use crate::positional::RopeScaling;
@@ -311,11 +311,6 @@ fn rescore(
 
 /// `cpu` or `cuda` (the device's name without its ordinal): what a run folder's cells must all
 /// have been computed on.
-fn device_kind(device: &Device) -> String {
-    let name = device_name(device);
-    name.split(':').next().unwrap_or(&name).to_string()
-}
-
 /// The folder plan of a compare run of `selected` cells.
 fn plan<'a>(
     config: &'a ExperimentConfig,

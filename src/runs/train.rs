@@ -390,7 +390,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
         eprintln!("note: {note}");
     }
     ready.task.data.tokenizer.save(dir.join(saved::TOKENIZER))?;
-    let inputs = Inputs::of(config, ready.start.as_ref(), dir)?;
+    let inputs = Inputs::of(config, ready.start.as_ref(), dir, options)?;
     write_atomic(&dir.join(INPUTS), inputs.to_json().as_bytes())?;
     write_atomic(&dir.join(TRAIN_CONFIG), config.to_toml().as_bytes())?;
     let end = run(config, ready, options, false).map_err(|e| diverged(dir, e));
@@ -456,6 +456,12 @@ pub const INPUTS: &str = "inputs.json";
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
 struct Inputs {
     files: Vec<InputFile>,
+    /// The kind of device (`cpu`, `cuda`) and the kernels the run computes with: a resume must
+    /// use the same to end as a run that never stopped (absent in runs from before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    kernels: Option<String>,
 }
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -466,7 +472,12 @@ struct InputFile {
 
 impl Inputs {
     /// The inputs of `config` as they are now.
-    fn of(config: &TrainRunConfig, start: Option<&Start>, dir: &Path) -> Result<Self> {
+    fn of(
+        config: &TrainRunConfig,
+        start: Option<&Start>,
+        dir: &Path,
+        options: &TrainOptions,
+    ) -> Result<Self> {
         let mut paths: Vec<PathBuf> = config.task.input_files();
         paths.push(dir.join(saved::TOKENIZER));
         if let Some(start) = start {
@@ -482,15 +493,20 @@ impl Inputs {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { files })
+        Ok(Self {
+            files,
+            device: Some(crate::device::device_kind(&options.device)),
+            kernels: Some(options.backend.kernels.name().into()),
+        })
     }
 
     fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("inputs serialize") + "\n"
     }
 
-    /// Refuses a resume whose inputs differ from those `dir` recorded, naming the file.
-    fn check(dir: &Path) -> Result<()> {
+    /// Refuses a resume whose inputs differ from those `dir` recorded, naming the file, or that
+    /// computes on another kind of device or with other kernels than the run began with.
+    fn check(dir: &Path, options: &TrainOptions) -> Result<()> {
         let path = dir.join(INPUTS);
         if !path.exists() {
             // A run started before poslab recorded its inputs.
@@ -515,6 +531,23 @@ impl Inputs {
                      must read the same inputs to end as an uninterrupted one; restore the \
                      file, or start a new run",
                     f.path.display()
+                )));
+            }
+        }
+        let now = (
+            crate::device::device_kind(&options.device),
+            options.backend.kernels.name(),
+        );
+        if let (Some(device), Some(kernels)) = (&recorded.device, &recorded.kernels) {
+            if (device.as_str(), kernels.as_str()) != (now.0.as_str(), now.1) {
+                return Err(Error::Input(format!(
+                    "{} began on {device} with the {kernels} kernels, and this resume computes \
+                     on {} with the {} kernels: they agree to within rounding, not bit for bit, \
+                     so the run would not end as one that never stopped; resume it with \
+                     --device {device} --kernels {kernels}",
+                    dir.display(),
+                    now.0,
+                    now.1
                 )));
             }
         }
@@ -567,7 +600,7 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
     let config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
-    Inputs::check(dir)?;
+    Inputs::check(dir, options)?;
     config.check_limits(&options.limits)?;
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;

@@ -316,6 +316,17 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
             TrainEnd::Stopped { step: 23 }
         );
         assert!(parts.join("checkpoints/step-00000023").is_dir());
+        // Resumed with other kernels, it would not end as one that never stopped: refused.
+        let mut other = options(&parts, Some(30));
+        other.backend = other.backend.with_kernels(poslab::nn::Kernels::Reference);
+        assert_error_mentions(
+            train::resume(&other),
+            &[
+                "began on cpu with the layer kernels",
+                "on cpu with the reference kernels",
+                "--device cpu --kernels layer",
+            ],
+        );
         assert_eq!(
             train::resume(&options(&parts, Some(30))).unwrap(),
             TrainEnd::Stopped { step: 30 }
