@@ -76,6 +76,15 @@ fn compare(dir: &Path, out: &str, extra: &[&str]) -> Output {
     poslab(dir, &args)
 }
 
+/// The command `inspect` (its output `text`) gives to continue an unfinished run.
+fn continue_command(text: &str) -> &str {
+    let hint = text
+        .lines()
+        .find_map(|l| l.strip_prefix("unfinished: continue it with "))
+        .unwrap_or_else(|| panic!("{text}"));
+    hint.split(" (the same").next().unwrap()
+}
+
 fn assert_ok(out: &Output, what: &str) {
     assert!(out.status.success(), "{what}: {}", stderr(out));
 }
@@ -320,11 +329,7 @@ fn a_resume_keeps_its_config_its_cells_and_its_shard() {
     let out = poslab(d, &["inspect", "r"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(text.contains("cells: 3 of 8 done"), "{text}");
-    let hint = text
-        .lines()
-        .find_map(|l| l.strip_prefix("unfinished: continue it with "))
-        .unwrap_or_else(|| panic!("{text}"));
-    let hint = hint.split(" (the same").next().unwrap();
+    let hint = continue_command(&text);
     let args: Vec<&str> = hint.split_whitespace().skip(1).collect();
     assert_eq!(args[0], "compare", "{hint}");
     assert_ok(&poslab(d, &args), hint);
@@ -384,11 +389,7 @@ fn a_resume_keeps_its_config_its_cells_and_its_shard() {
     );
     assert_eq!(killed.status.signal(), Some(9));
     let text = String::from_utf8_lossy(&poslab(d, &["inspect", "k"]).stdout).into_owned();
-    let hint = text
-        .lines()
-        .find_map(|l| l.strip_prefix("unfinished: continue it with "))
-        .unwrap_or_else(|| panic!("{text}"));
-    let hint = hint.split(" (the same").next().unwrap();
+    let hint = continue_command(&text);
     assert!(hint.ends_with("--kernels reference"), "{hint}");
     let args: Vec<&str> = hint.split_whitespace().skip(1).collect();
     let again = poslab(d, &args);
