@@ -12,16 +12,15 @@ use std::path::Path;
 
 use candle::{DType, Device, Tensor};
 
-use super::csv_files::{write_columns_csv, write_matrix_csv};
 use super::linalg::Matrix;
-use super::plots::heatmap;
 use crate::encoder::Encoder;
 use crate::error::{Error, Result};
 use crate::params::ParamStore;
 use crate::positional::{
     BiasBatch, OffsetIndex, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
-use crate::render::plot::line_chart;
+use crate::render::csv::{write_columns_csv, write_matrix_csv};
+use crate::render::plot::{heatmap, line_chart};
 use crate::render::table::TextTable;
 
 /// One head's bias over positions `0..P`.
@@ -198,7 +197,7 @@ impl BiasAnalysis {
                 let stem = format!("bias_{}", h.label.replace(' ', "_"));
                 write_matrix_csv(
                     &dir.join(format!("{stem}.csv")),
-                    &h.matrix,
+                    h.matrix.parts(),
                     "query",
                     |r| r.to_string(),
                     |c| format!("key{c}"),
@@ -206,7 +205,7 @@ impl BiasAnalysis {
                 heatmap(
                     &dir.join(format!("{stem}.png")),
                     &format!("{}: {} (query i by key j)", self.title, h.label),
-                    &h.matrix,
+                    h.matrix.parts(),
                     true,
                     ("key position j", "query position i"),
                     (0, 0),

@@ -11,16 +11,13 @@
 //! - the wavelengths of each frequency pair at each base, and RoPE's under each scaling;
 //! - the split of attention logits into content and position terms, per layer and head.
 //!
-//! Hovering a chart or the heatmap shows its values. The page's data is built here; the shared
-//! pieces of [`crate::render::html`] and `html/analysis.js` draw it.
+//! Hovering a chart or the heatmap shows its values. The page's data is built here;
+//! [`crate::render::html`] draws it (`analysis.js`, with the shared pieces).
 
 use serde::Serialize;
 
 use super::{terms::HeadTerms, Analysis, Table};
-use crate::render::html::significant;
-
-/// The page's script.
-const SCRIPT: &str = include_str!("html/analysis.js");
+use crate::render::html::{significant, Script};
 
 /// The most values a heatmap embeds: a larger table is drawn from every k-th row.
 const MAX_HEATMAP_VALUES: usize = 1 << 16;
@@ -228,7 +225,7 @@ impl Page {
     pub fn render(mut self, summary: &str, files: &[String]) -> String {
         self.summary = summary.into();
         self.files = files.to_vec();
-        crate::render::html::document(&self.title, &self, SCRIPT)
+        crate::render::html::document(&self.title, &self, Script::Analysis)
     }
 }
 

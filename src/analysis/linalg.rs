@@ -24,6 +24,12 @@ impl Matrix {
         Self { rows, cols, data }
     }
 
+    /// Rows, columns and the row-major data, as [`crate::render::csv::write_matrix_csv`] takes
+    /// them.
+    pub fn parts(&self) -> (usize, usize, &[f64]) {
+        (self.rows, self.cols, &self.data)
+    }
+
     /// Row `r`.
     pub fn row(&self, r: usize) -> &[f64] {
         &self.data[r * self.cols..(r + 1) * self.cols]

@@ -9,7 +9,6 @@
 
 pub mod bias;
 pub mod command;
-mod csv_files;
 pub mod html;
 pub mod linalg;
 pub mod order;

@@ -2,94 +2,15 @@
 
 use std::path::Path;
 
-use plotters::coord::Shift;
-use plotters::prelude::*;
-
-use super::csv_files::{write_matrix_csv, write_rows};
 use super::linalg::Matrix;
 use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
 use crate::io::write_atomic;
-use crate::render::plot::{
-    diverging, line_chart, palette, render_png, sequential, tick, x_label, FONT,
+use crate::render::chart::{
+    Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Page, Picture, Series, Ticks,
 };
-
-/// A heatmap of `m` (rows on the y axis), diverging around 0 or sequential from min to max.
-/// Row `r` sits at `offset.0 + r * step.0` on its axis, column `c` at `offset.1 + c * step.1`.
-pub(super) fn heatmap(
-    path: &Path,
-    title: &str,
-    m: &Matrix,
-    divergent: bool,
-    axes: (&str, &str),
-    offset: (usize, usize),
-    step: (usize, usize),
-) -> Result<()> {
-    let (lo, hi) = m
-        .data
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
-        });
-    let bound = lo.abs().max(hi.abs()).max(1e-300);
-    let color = |v: f64| {
-        if divergent {
-            diverging(v / bound)
-        } else {
-            sequential((v - lo) / (hi - lo).max(1e-300))
-        }
-    };
-    // Three decimals, without a "-0.000" for a rounding-level negative.
-    let f = |v: f64| {
-        if v.abs() < 5e-4 {
-            "0.000".to_string()
-        } else {
-            format!("{v:.3}")
-        }
-    };
-    let legend = if divergent {
-        format!("blue {} .. white 0 .. red {}", f(-bound), f(bound))
-    } else {
-        format!("dark {} .. yellow {}", f(lo), f(hi))
-    };
-    render_png(path, (900, 820), |area| {
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, (FONT, 22))
-            .margin(14)
-            .x_label_area_size(56)
-            .y_label_area_size(64)
-            .build_cartesian_2d(
-                offset.1 as f64..(offset.1 + m.cols * step.1) as f64,
-                offset.0 as f64..(offset.0 + m.rows * step.0) as f64,
-            )?;
-        chart
-            .configure_mesh()
-            .disable_mesh()
-            .x_desc(axes.0)
-            .y_desc(axes.1)
-            .axis_desc_style((FONT, 17))
-            .label_style((FONT, 13))
-            .x_label_formatter(&x_label)
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()?;
-        chart.draw_series((0..m.rows).flat_map(|r| {
-            (0..m.cols).map(move |c| {
-                let (x, y) = (
-                    (offset.1 + c * step.1) as f64,
-                    (offset.0 + r * step.0) as f64,
-                );
-                let (w, h) = (step.1 as f64, step.0 as f64);
-                Rectangle::new([(x, y), (x + w, y + h)], color(m.row(r)[c]).filled())
-            })
-        }))?;
-        area.draw(&Text::new(
-            legend,
-            (80, 800),
-            (FONT, 14).into_font().color(&BLACK.mix(0.75)),
-        ))?;
-        Ok(())
-    })
-}
+use crate::render::csv::{write_matrix_csv, write_rows};
+use crate::render::plot::{draw, heatmap, line_chart};
 
 /// Each (x, y) pair of the table as points on the unit circle, coloured by position; a panel
 /// per pair (eight pairs spread from the fastest to the slowest).
@@ -102,50 +23,57 @@ fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
         (0..8).map(|i| i * (half - 1) / 7).collect()
     };
     let wavelengths = &analysis.wavelengths[0].wavelength;
-    render_png(
-        path,
-        (1200, 660),
-        |area: &DrawingArea<BitMapBackend, Shift>| {
-            let (top, body) = area.split_vertically(50);
-            top.titled(
-                &format!(
-                    "{}: each pair on the unit circle, colour = position (dark early, yellow late)",
-                    table.title
-                ),
-                (FONT, 20),
-            )?;
-            for (panel, &i) in body.split_evenly((2, 4)).iter().zip(&chosen) {
-                let mut chart = ChartBuilder::on(panel)
-                    .caption(
-                        format!("pair {i}, wavelength {:.1}", wavelengths[i]),
-                        (FONT, 15),
-                    )
-                    .margin(8)
-                    .x_label_area_size(22)
-                    .y_label_area_size(30)
-                    .build_cartesian_2d(-1.15..1.15, -1.15..1.15)?;
-                chart
-                    .configure_mesh()
-                    .disable_mesh()
-                    .label_style((FONT, 10))
-                    .x_labels(3)
-                    .y_labels(3)
-                    .draw()?;
-                chart.draw_series(LineSeries::new(
-                    (0..=100).map(|s| (s as f64 * std::f64::consts::TAU / 100.0).sin_cos()),
-                    BLACK.mix(0.2),
-                ))?;
-                let (a, b) =
-                    crate::positional::sinusoidal::pair_slots(pairs.interleaved, i, table.dim);
-                chart.draw_series((0..table.rows).map(|r| {
-                    let row = table.row(r);
-                    let color = sequential(r as f64 / (table.rows.max(2) - 1) as f64);
-                    Circle::new((row[a], row[b]), 3, color.filled())
-                }))?;
-            }
-            Ok(())
-        },
-    )
+    let circle = (0..=100)
+        .map(|s| (s as f64 * std::f64::consts::TAU / 100.0).sin_cos())
+        .collect();
+    let panel = |i: usize| {
+        let (a, b) = crate::positional::sinusoidal::pair_slots(pairs.interleaved, i, table.dim);
+        let dots = (0..table.rows)
+            .map(|r| {
+                let row = table.row(r);
+                let color = Color::sequential(r as f64 / (table.rows.max(2) - 1) as f64);
+                ((row[a], row[b]), color)
+            })
+            .collect();
+        Chart {
+            caption: (format!("pair {i}, wavelength {:.1}", wavelengths[i]), 15),
+            margin: 8,
+            label_areas: (22, 30),
+            x: Axis::linear(-1.15, 1.15).count(3),
+            y: Axis::linear(-1.15, 1.15).count(3),
+            grid: Grid::Off,
+            axis_font: None,
+            label_font: 10,
+            series: vec![
+                Mark::Line {
+                    points: Vec::clone(&circle),
+                    stroke: Color::BLACK.mix(0.2).stroke(1),
+                }
+                .into(),
+                Mark::Dots { dots, radius: 3 }.into(),
+            ],
+            legend: None,
+        }
+    };
+    let title = format!(
+        "{}: each pair on the unit circle, colour = position (dark early, yellow late)",
+        table.title
+    );
+    let page = Page {
+        top: 50,
+        title: Some((title, 20)),
+        rows: 2,
+        cols: 4,
+        panels: chosen.into_iter().map(panel).collect(),
+        below: 0,
+        keys: Vec::new(),
+    };
+    let picture = Picture {
+        size: (1200, 660),
+        layout: Layout::Page(page),
+        notes: Vec::new(),
+    };
+    draw(path, &picture)
 }
 
 /// Writes the analysis: CSVs, PNGs and `summary.txt` / `summary.json`. Returns the file names.
@@ -188,7 +116,7 @@ fn write_table(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result<()>
     let (step, position_axis) = position_step(table);
     write_matrix_csv(
         &dir.join("table.csv"),
-        &table.matrix(),
+        table.matrix().parts(),
         "position",
         position,
         |c| format!("d{c}"),
@@ -196,7 +124,7 @@ fn write_table(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result<()>
     heatmap(
         &dir.join("table.png"),
         &format!("{} (positions x dimensions)", table.title),
-        &table.every(step),
+        table.every(step).parts(),
         true,
         ("dimension", &position_axis),
         (table.start, 0),
@@ -215,7 +143,7 @@ fn write_distances(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result
         let at = |r: usize| table.start + r * step;
         write_matrix_csv(
             &dir.join(format!("{name}.csv")),
-            &m,
+            m.parts(),
             "position",
             |r| at(r).to_string(),
             |c| format!("p{}", at(c)),
@@ -223,7 +151,7 @@ fn write_distances(table: &Table, dir: &Path, files: &mut Vec<String>) -> Result
         heatmap(
             &dir.join(format!("{name}.png")),
             &format!("{}: {} between positions", table.title, metric.name()),
-            &m,
+            m.parts(),
             metric == Metric::Dot,
             (&position_axis, &position_axis),
             (table.start, table.start),
@@ -477,60 +405,49 @@ pub fn write_terms(
             })
         }),
     )?;
-    render_png(&dir.join("attention_terms.png"), (1000, 600), |area| {
-        let n = terms.len() as f64;
-        // The bars fill the height (shares sum to 100%): room on the right for the legend,
-        // which would otherwise cover the last bars.
-        let room = (0.25 * n).max(1.2);
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, (FONT, 20))
-            .margin(16)
-            .x_label_area_size(56)
-            .y_label_area_size(64)
-            .build_cartesian_2d(-0.5..n - 0.5 + room, 0.0..100.0)?;
-        let labels: Vec<String> = terms
-            .iter()
-            .map(|t| format!("L{} H{}", t.layer, t.head))
-            .collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_desc("layer and head")
-            .y_desc("share of |attention logit| (%)")
-            .axis_desc_style((FONT, 17))
-            .label_style((FONT, 13))
-            .x_labels(terms.len().min(32))
-            .x_label_formatter(&|x| match *x > n - 0.5 {
-                true => String::new(),
-                false => labels.get(x.round() as usize).cloned().unwrap_or_default(),
-            })
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .draw()?;
-        for (i, name) in TERMS.iter().enumerate() {
-            let color = palette(i);
-            chart
-                .draw_series(terms.iter().enumerate().map(|(h, t)| {
-                    let below: f64 = t.share[..i].iter().sum::<f64>() * 100.0;
-                    let x = h as f64;
-                    Rectangle::new(
-                        [(x - 0.35, below), (x + 0.35, below + 100.0 * t.share[i])],
-                        color.filled(),
-                    )
-                }))?
-                .label(*name)
-                .legend(move |(x, y)| {
-                    Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled())
-                });
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK.mix(0.4))
-            .label_font((FONT, 14))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
-        Ok(())
-    })?;
+    let n = terms.len() as f64;
+    // The bars fill the height (shares sum to 100%): room on the right for the legend, which
+    // would otherwise cover the last bars.
+    let room = (0.25 * n).max(1.2);
+    let labels: Vec<String> = terms
+        .iter()
+        .map(|t| format!("L{} H{}", t.layer, t.head))
+        .collect();
+    let bars = TERMS.iter().enumerate().map(|(i, name)| {
+        let color = Color::palette(i);
+        let boxes = terms.iter().enumerate().map(|(h, t)| {
+            let below: f64 = t.share[..i].iter().sum::<f64>() * 100.0;
+            let x = h as f64;
+            let corners = [(x - 0.35, below), (x + 0.35, below + 100.0 * t.share[i])];
+            (corners, color)
+        });
+        let boxes = boxes.collect();
+        Mark::Boxes { boxes }.keyed(*name, Key::Box { color })
+    });
+    let chart = Chart {
+        caption: (title.to_string(), 20),
+        margin: 16,
+        label_areas: (56, 64),
+        x: Axis::linear(-0.5, n - 0.5 + room)
+            .titled("layer and head")
+            .ticks(Ticks::Named(labels))
+            .count(terms.len().min(32)),
+        y: Axis::linear(0.0, 100.0)
+            .titled("share of |attention logit| (%)")
+            .ticks(Ticks::Whole),
+        grid: Grid::Horizontal,
+        axis_font: Some(17),
+        label_font: 13,
+        series: bars.collect(),
+        legend: Some(Legend {
+            background: 0.9,
+            ..Legend::at(Some(Corner::UpperRight), 14)
+        }),
+    };
+    draw(
+        &dir.join("attention_terms.png"),
+        &Picture::chart((1000, 600), chart),
+    )?;
     Ok(vec![
         "attention_terms.csv".into(),
         "attention_terms.png".into(),
@@ -553,7 +470,7 @@ fn write_geometry(analysis: &Analysis, dir: &Path) -> Result<Vec<String>> {
     );
     write_matrix_csv(
         &dir.join("rows.csv"),
-        &rows,
+        rows.parts(),
         "position",
         |r| (analysis.start + r).to_string(),
         |c| match c {
@@ -599,31 +516,33 @@ fn pca_path(path: &Path, title: &str, projections: &[Vec<f64>]) -> Result<()> {
         .fold(1e-12, f64::max)
         * 1.08;
     let n = pts.len().max(2);
-    render_png(path, (820, 820), |area| {
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, (FONT, 18))
-            .margin(16)
-            .x_label_area_size(50)
-            .y_label_area_size(70)
-            .build_cartesian_2d(-reach..reach, -reach..reach)?;
-        chart
-            .configure_mesh()
-            .x_desc("component 1")
-            .y_desc("component 2")
-            .axis_desc_style((FONT, 17))
-            .label_style((FONT, 13))
-            .x_label_formatter(&tick)
-            .y_label_formatter(&tick)
-            .draw()?;
-        for (i, w) in pts.windows(2).enumerate() {
-            let color = sequential(i as f64 / (n - 2).max(1) as f64);
-            chart.draw_series(LineSeries::new(w.iter().copied(), color.stroke_width(1)))?;
-        }
-        chart.draw_series(
-            pts.iter()
-                .enumerate()
-                .map(|(i, p)| Circle::new(*p, 2, sequential(i as f64 / (n - 1) as f64).filled())),
-        )?;
-        Ok(())
-    })
+    let steps = pts.windows(2).enumerate().map(|(i, w)| {
+        let color = Color::sequential(i as f64 / (n - 2).max(1) as f64);
+        let (points, stroke) = (w.to_vec(), color.stroke(1));
+        Series::from(Mark::Line { points, stroke })
+    });
+    let dots = pts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (*p, Color::sequential(i as f64 / (n - 1) as f64)))
+        .collect();
+    let chart = Chart {
+        caption: (title.to_string(), 18),
+        margin: 16,
+        label_areas: (50, 70),
+        x: Axis::linear(-reach, reach)
+            .titled("component 1")
+            .ticks(Ticks::Short),
+        y: Axis::linear(-reach, reach)
+            .titled("component 2")
+            .ticks(Ticks::Short),
+        grid: Grid::Full,
+        axis_font: Some(17),
+        label_font: 13,
+        series: steps
+            .chain([Mark::Dots { dots, radius: 2 }.into()])
+            .collect(),
+        legend: None,
+    };
+    draw(path, &Picture::chart((820, 820), chart))
 }

@@ -12,11 +12,11 @@ use std::path::Path;
 use candle::{DType, Tensor};
 use serde::Serialize;
 
-use super::csv_files::{write_columns_csv, write_rows};
 use crate::error::{Error, Result};
 use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
 };
+use crate::render::csv::{write_columns_csv, write_rows};
 use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 

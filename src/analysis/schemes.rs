@@ -8,10 +8,10 @@ use std::path::Path;
 use candle::{DType, Tensor};
 
 use super::bias::HeadBias;
-use super::csv_files::{write_columns_csv, write_records_csv, write_rows};
 use super::linalg::Matrix;
 use crate::error::{Error, Result};
 use crate::positional::{rope_frequencies, rotary_dim, Fox, PositionalModule, PropeOptions};
+use crate::render::csv::{write_columns_csv, write_records_csv, write_rows};
 use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 

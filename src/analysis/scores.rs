@@ -11,9 +11,9 @@ use std::path::Path;
 
 use candle::{DType, Tensor};
 
-use super::csv_files::write_rows;
 use crate::error::{Error, Result};
 use crate::positional::{pope_frequencies, Cope, Path as PathScheme, Pope, PositionalModule};
+use crate::render::csv::write_rows;
 use crate::render::plot::{line_chart, Line};
 use crate::Encoder;
 

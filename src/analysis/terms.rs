@@ -327,7 +327,7 @@ pub fn rotation_summary(terms: &[RotationTerms]) -> String {
 /// `rotation_terms.csv`, and `rotation_terms.png`: each head's rotation share by layer.
 pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<String>> {
     crate::io::create_folder(dir)?;
-    super::csv_files::write_rows(&dir.join("rotation_terms.csv"), terms)?;
+    crate::render::csv::write_rows(&dir.join("rotation_terms.csv"), terms)?;
     let heads = terms.iter().map(|t| t.head).max().map_or(0, |h| h + 1);
     let series: Vec<crate::render::plot::Line> = (0..heads)
         .map(|h| {

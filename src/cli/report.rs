@@ -91,8 +91,8 @@ pub fn run(args: Args) -> Result<()> {
         config,
         selection: SelectionRecord::default(),
         cells: Vec::new(),
-        device: None,
-        kernels: None,
+        device: merged.device.clone(),
+        kernels: merged.kernels.clone(),
         sources: runs.iter().map(|r| r.display().to_string()).collect(),
         files: folder::report_files(config),
     };

@@ -1,6 +1,6 @@
-//! The plotting pieces every plot shares: the embedded font, the palette, colour scales, PNG
-//! rendering and a line chart. The comparison's plots (`experiment`) and the analysis's
-//! (`analysis`) are built from these.
+//! Drawing: a [`Picture`] (see [`super::chart`]) rendered to a PNG with plotters, and
+//! [`line_chart`], the picture most of an analysis's curves use. This is the one file that
+//! calls the drawing library.
 //!
 //! Text is drawn with DejaVu Sans embedded in the binary, so labels render on machines without
 //! system fonts.
@@ -8,18 +8,24 @@
 use std::path::Path;
 use std::sync::Once;
 
+use plotters::coord::ranged1d::ValueFormatter;
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::Color as _;
 
+use super::chart::{
+    Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Note, Page, Picture, Scale,
+    Series, Stroke, Ticks,
+};
 use crate::error::{Error, Result};
 
 /// The family name the embedded DejaVu Sans is registered under for every plot.
-pub const FONT: &str = "sans-serif";
+const FONT: &str = "sans-serif";
 
 static REGISTER: Once = Once::new();
 
 /// Makes the embedded DejaVu Sans the `sans-serif` of every plot.
-pub fn register_fonts() {
+fn register_fonts() {
     REGISTER.call_once(|| {
         let regular =
             plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular());
@@ -31,31 +37,13 @@ pub fn register_fonts() {
     });
 }
 
-/// Tableau 10: distinct, colour-blind-friendlier than pure hues.
-pub fn palette(i: usize) -> RGBColor {
-    const COLORS: [(u8, u8, u8); 10] = [
-        (31, 119, 180),
-        (255, 127, 14),
-        (44, 160, 44),
-        (214, 39, 40),
-        (148, 103, 189),
-        (140, 86, 75),
-        (227, 119, 194),
-        (127, 127, 127),
-        (188, 189, 34),
-        (23, 190, 207),
-    ];
-    let (r, g, b) = COLORS[i % COLORS.len()];
-    RGBColor(r, g, b)
-}
-
 /// What a drawing closure returns: plotters' errors boxed.
-pub type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
+type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
 /// Renders a `width x height` PNG at `path`: drawn into memory, encoded as an 8-bit RGB PNG
 /// (the `png` crate; plotters' own encoder would bring the whole `image` crate into the build)
 /// and written atomically.
-pub fn render_png(
+fn render_png(
     path: &Path,
     (width, height): (u32, u32),
     draw: impl FnOnce(&DrawingArea<BitMapBackend, Shift>) -> DrawResult,
@@ -86,122 +74,30 @@ pub fn render_png(
     crate::io::write_atomic(path, &bytes)
 }
 
-/// A band between two curves, lightly filled: `(x, low, high)` by increasing `x`; `None`
-/// where there is nothing to fill (one point, or every `low` equal to its `high`).
-pub fn band(points: &[(f64, f64, f64)], color: RGBColor) -> Option<Polygon<(f64, f64)>> {
-    (points.len() > 1 && points.iter().any(|p| p.2 > p.1)).then(|| {
-        let upper = points.iter().map(|p| (p.0, p.2));
-        let lower = points.iter().rev().map(|p| (p.0, p.1));
-        Polygon::new(
-            upper.chain(lower).collect::<Vec<_>>(),
-            color.mix(0.15).filled(),
-        )
+/// Draws `picture` as a PNG at `path`.
+pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
+    render_png(path, picture.size, |area| {
+        match &picture.layout {
+            Layout::Chart(chart) => draw_chart(area, chart)?,
+            Layout::Page(page) => draw_page(area, page)?,
+        }
+        for note in &picture.notes {
+            let style = (FONT, f64::from(note.font))
+                .into_font()
+                .color(&rgba(note.color));
+            area.draw(&Text::new(note.text.as_str(), note.at, style))?;
+        }
+        Ok(())
     })
 }
 
-/// Blue (negative) through white to red (positive), for `v` in `[-1, 1]`.
-pub fn diverging(v: f64) -> RGBColor {
-    let v = v.clamp(-1.0, 1.0);
-    let (end, t) = if v < 0.0 {
-        ((33.0, 102.0, 172.0), -v)
-    } else {
-        ((178.0, 24.0, 43.0), v)
-    };
-    let mix = |e: f64| (255.0 + (e - 255.0) * t).round() as u8;
-    RGBColor(mix(end.0), mix(end.1), mix(end.2))
-}
-
-/// Viridis, sampled at five points and interpolated, for `v` in `[0, 1]`.
-pub fn sequential(v: f64) -> RGBColor {
-    const STOPS: [(f64, f64, f64); 5] = [
-        (68.0, 1.0, 84.0),
-        (59.0, 82.0, 139.0),
-        (33.0, 145.0, 140.0),
-        (94.0, 201.0, 98.0),
-        (253.0, 231.0, 37.0),
-    ];
-    let x = v.clamp(0.0, 1.0) * 4.0;
-    let i = (x.floor() as usize).min(3);
-    let t = x - i as f64;
-    let (a, b) = (STOPS[i], STOPS[i + 1]);
-    let lerp = |p: f64, q: f64| (p + (q - p) * t).round() as u8;
-    RGBColor(lerp(a.0, b.0), lerp(a.1, b.1), lerp(a.2, b.2))
-}
-
-/// An x tick label: a whole number as it is, else two decimals.
-pub fn x_label(x: &f64) -> String {
-    match x.fract() == 0.0 {
-        true => format!("{x:.0}"),
-        false => format!("{x:.2}"),
-    }
-}
-
-/// A short tick label: `1e8` for large values, two decimals for small ones.
-pub fn tick(v: &f64) -> String {
-    let a = v.abs();
-    if a >= 1e5 {
-        format!("{v:.0e}")
-    } else if a >= 10.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-/// One line of a chart: name, points, dashed.
-pub type Line = (String, Vec<(f64, f64)>, bool);
-
-/// Series of a line chart.
-pub type Series = [Line];
-
-/// Draws the mesh, the series and their legend on a chart of any y coordinate.
-fn draw_lines<'a, Y>(
-    chart: &mut ChartContext<
-        'a,
-        BitMapBackend<'a>,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
-    >,
-    axes: (&str, &str),
-    series: &Series,
-) -> DrawResult
-where
-    Y: Ranged<ValueType = f64> + plotters::coord::ranged1d::ValueFormatter<f64>,
-{
-    chart
-        .configure_mesh()
-        .x_desc(axes.0)
-        .y_desc(axes.1)
-        .axis_desc_style((FONT, 17))
-        .label_style((FONT, 13))
-        .x_label_formatter(&x_label)
-        .y_label_formatter(&tick)
-        .draw()?;
-    for (i, (name, pts, dashed)) in series.iter().enumerate() {
-        let color = palette(i);
-        let style = color.stroke_width(2);
-        if *dashed {
-            chart.draw_series(DashedLineSeries::new(pts.clone(), 6, 4, style))?
-        } else {
-            chart.draw_series(LineSeries::new(pts.clone(), style))?
-        }
-        .label(name.as_str())
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .label_font((FONT, 14))
-        .draw()?;
-    Ok(())
-}
-
-/// A line chart of `series` (a log y axis with `log_y`), as a 960 x 600 PNG at `path`.
+/// A line chart of `series`, each line in the next palette colour (a log y axis with `log_y`),
+/// as a 960 x 600 PNG at `path`.
 pub fn line_chart(
     path: &Path,
     title: &str,
     axes: (&str, &str),
-    series: &Series,
+    series: &[Line],
     log_y: bool,
 ) -> Result<()> {
     let points = series.iter().flat_map(|s| s.1.iter());
@@ -214,20 +110,449 @@ pub fn line_chart(
             (a.min(v), b.max(v))
         });
     let pad = ((hi - lo) * 0.05).max(1e-9);
-    render_png(path, (960, 600), |area| {
-        let mut builder = ChartBuilder::on(area);
-        builder
-            .caption(title, (FONT, 22))
-            .margin(16)
-            .x_label_area_size(50)
-            .y_label_area_size(76);
-        if log_y {
-            let mut chart =
-                builder.build_cartesian_2d(x_min..x_max, (lo * 0.8..hi * 1.25).log_scale())?;
-            draw_lines(&mut chart, axes, series)
-        } else {
-            let mut chart = builder.build_cartesian_2d(x_min..x_max, (lo - pad)..(hi + pad))?;
-            draw_lines(&mut chart, axes, series)
+    let y = match log_y {
+        true => Axis::log(lo * 0.8, hi * 1.25),
+        false => Axis::linear(lo - pad, hi + pad),
+    };
+    let lines = series
+        .iter()
+        .enumerate()
+        .map(|(i, (name, points, dashed))| {
+            let color = Color::palette(i);
+            let stroke = match dashed {
+                true => color.stroke(2).dashed(6, 4),
+                false => color.stroke(2),
+            };
+            let key = Key::Line {
+                length: 20,
+                stroke: color.stroke(3),
+            };
+            let points = points.clone();
+            Mark::Line { points, stroke }.keyed(name.as_str(), key)
+        });
+    let chart = Chart {
+        caption: (title.to_string(), 22),
+        margin: 16,
+        label_areas: (50, 76),
+        x: Axis::linear(x_min, x_max)
+            .titled(axes.0)
+            .ticks(Ticks::Hundredths),
+        y: y.titled(axes.1).ticks(Ticks::Short),
+        grid: Grid::Full,
+        axis_font: Some(17),
+        label_font: 13,
+        series: lines.collect(),
+        legend: Some(Legend::at(None, 14)),
+    };
+    draw(path, &Picture::chart((960, 600), chart))
+}
+
+/// A heatmap of a row-major `rows x cols` matrix (rows up the y axis), diverging around 0 or
+/// sequential from its least value to its greatest, as a 900 x 820 PNG at `path`, the colour
+/// scale's ends written below. Row `r` sits at `offset.0 + r * step.0` on its axis, column `c`
+/// at `offset.1 + c * step.1`.
+pub fn heatmap(
+    path: &Path,
+    title: &str,
+    (rows, cols, data): (usize, usize, &[f64]),
+    divergent: bool,
+    axes: (&str, &str),
+    offset: (usize, usize),
+    step: (usize, usize),
+) -> Result<()> {
+    let (lo, hi) = data
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let bound = lo.abs().max(hi.abs()).max(1e-300);
+    let color = |v: f64| match divergent {
+        true => Color::diverging(v / bound),
+        false => Color::sequential((v - lo) / (hi - lo).max(1e-300)),
+    };
+    // Three decimals, without a "-0.000" for a rounding-level negative.
+    let f = |v: f64| match v.abs() < 5e-4 {
+        true => "0.000".to_string(),
+        false => format!("{v:.3}"),
+    };
+    let scale = match divergent {
+        true => format!("blue {} .. white 0 .. red {}", f(-bound), f(bound)),
+        false => format!("dark {} .. yellow {}", f(lo), f(hi)),
+    };
+    let at = |i: usize, axis: usize| match axis {
+        0 => (offset.0 + i * step.0) as f64,
+        _ => (offset.1 + i * step.1) as f64,
+    };
+    let (w, h) = (step.1 as f64, step.0 as f64);
+    let boxes = (0..rows)
+        .flat_map(|r| (0..cols).map(move |c| (r, c)))
+        .map(|(r, c)| {
+            let (x, y) = (at(c, 1), at(r, 0));
+            ([(x, y), (x + w, y + h)], color(data[r * cols + c]))
+        })
+        .collect();
+    let chart = Chart {
+        caption: (title.to_string(), 22),
+        margin: 14,
+        label_areas: (56, 64),
+        x: Axis::linear(at(0, 1), at(cols, 1))
+            .titled(axes.0)
+            .ticks(Ticks::Hundredths),
+        y: Axis::linear(at(0, 0), at(rows, 0))
+            .titled(axes.1)
+            .ticks(Ticks::Whole),
+        grid: Grid::Off,
+        axis_font: Some(17),
+        label_font: 13,
+        series: vec![Mark::Boxes { boxes }.into()],
+        legend: None,
+    };
+    let picture = Picture::chart((900, 820), chart).with(Note::faint(scale, (80, 800), 14, 0.75));
+    draw(path, &picture)
+}
+
+/// One line of a [`line_chart`]: name, points, dashed.
+pub type Line = (String, Vec<(f64, f64)>, bool);
+
+fn rgba(c: Color) -> RGBAColor {
+    RGBAColor(c.rgb.0, c.rgb.1, c.rgb.2, c.alpha)
+}
+
+fn line_style(s: &Stroke) -> ShapeStyle {
+    ShapeStyle {
+        color: rgba(s.color),
+        filled: false,
+        stroke_width: s.width,
+    }
+}
+
+fn fill_style(c: Color) -> ShapeStyle {
+    ShapeStyle {
+        color: rgba(c),
+        filled: true,
+        stroke_width: 1,
+    }
+}
+
+/// A chart filling `area`: its frame, then its series in order, then its legend.
+fn draw_chart(area: &DrawingArea<BitMapBackend, Shift>, chart: &Chart) -> DrawResult {
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(&chart.caption.0, (FONT, f64::from(chart.caption.1)))
+        .margin(chart.margin)
+        .x_label_area_size(chart.label_areas.0)
+        .y_label_area_size(chart.label_areas.1);
+    let ((x0, x1), (y0, y1)) = (chart.x.range, chart.y.range);
+    match (chart.x.scale, chart.y.scale) {
+        (Scale::Linear, Scale::Linear) => {
+            on_axes(&mut builder.build_cartesian_2d(x0..x1, y0..y1)?, chart)
         }
+        (Scale::Linear, Scale::Log) => on_axes(
+            &mut builder.build_cartesian_2d(x0..x1, (y0..y1).log_scale())?,
+            chart,
+        ),
+        (Scale::Log, Scale::Linear) => on_axes(
+            &mut builder.build_cartesian_2d((x0..x1).log_scale(), y0..y1)?,
+            chart,
+        ),
+        (Scale::Log, Scale::Log) => on_axes(
+            &mut builder.build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())?,
+            chart,
+        ),
+    }
+}
+
+/// The mesh, the series and the legend of `chart`, on axes of any scale.
+fn on_axes<'a, X, Y>(
+    ctx: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
+    chart: &Chart,
+) -> DrawResult
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    let label = |axis: &Axis, v: &f64| {
+        axis.ticks
+            .as_ref()
+            .map_or_else(String::new, |t| t.label(*v))
+    };
+    let (x_ticks, y_ticks) = (|v: &f64| label(&chart.x, v), |v: &f64| label(&chart.y, v));
+    let mut mesh = ctx.configure_mesh();
+    match chart.grid {
+        Grid::Full => &mut mesh,
+        Grid::Horizontal => mesh.disable_x_mesh(),
+        Grid::Off => mesh.disable_mesh(),
+    };
+    mesh.label_style((FONT, f64::from(chart.label_font)));
+    if let Some(title) = &chart.x.title {
+        mesh.x_desc(title.as_str());
+    }
+    if let Some(title) = &chart.y.title {
+        mesh.y_desc(title.as_str());
+    }
+    if let Some(size) = chart.axis_font {
+        mesh.axis_desc_style((FONT, f64::from(size)));
+    }
+    if chart.x.ticks.is_some() {
+        mesh.x_label_formatter(&x_ticks);
+    }
+    if chart.y.ticks.is_some() {
+        mesh.y_label_formatter(&y_ticks);
+    }
+    if let Some(n) = chart.x.count {
+        mesh.x_labels(n);
+    }
+    if let Some(n) = chart.y.count {
+        mesh.y_labels(n);
+    }
+    mesh.draw()?;
+    for series in &chart.series {
+        draw_series(ctx, series)?;
+    }
+    if let Some(legend) = &chart.legend {
+        let mut labels = ctx.configure_series_labels();
+        labels
+            .background_style(WHITE.mix(legend.background))
+            .border_style(BLACK.mix(0.4))
+            .label_font((FONT, f64::from(legend.font)));
+        match legend.corner {
+            Some(Corner::UpperRight) => labels.position(SeriesLabelPosition::UpperRight),
+            Some(Corner::LowerLeft) => labels.position(SeriesLabelPosition::LowerLeft),
+            None => &mut labels,
+        };
+        labels.draw()?;
+    }
+    Ok(())
+}
+
+/// One series on `ctx`, with its legend entry.
+fn draw_series<'a, X, Y>(
+    ctx: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
+    series: &Series,
+) -> DrawResult
+where
+    X: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    Y: Ranged<ValueType = f64> + ValueFormatter<f64>,
+{
+    let drawn = match &series.mark {
+        Mark::Band { points, color } => ctx.draw_series(band(points, *color))?,
+        Mark::Line { points, stroke } => match stroke.dash {
+            None => ctx.draw_series(LineSeries::new(points.clone(), line_style(stroke)))?,
+            Some(dash) => ctx.draw_series(DashedLineSeries::new(
+                points.clone(),
+                dash.size,
+                dash.gap,
+                line_style(stroke),
+            ))?,
+        },
+        Mark::Dots { dots, radius } => ctx.draw_series(
+            dots.iter()
+                .map(|(at, color)| Circle::new(*at, *radius, fill_style(*color))),
+        )?,
+        Mark::Boxes { boxes } => ctx.draw_series(
+            boxes
+                .iter()
+                .map(|(corners, color)| Rectangle::new(*corners, fill_style(*color))),
+        )?,
+        &Mark::ErrorBar {
+            x,
+            low,
+            mean,
+            high,
+            ref stroke,
+            whisker,
+        } => ctx.draw_series([ErrorBar::new_vertical(
+            x,
+            low,
+            mean,
+            high,
+            line_style(stroke),
+            whisker,
+        )])?,
+        &Mark::Triangle { at, size, color } => {
+            ctx.draw_series([TriangleMarker::new(at, size, fill_style(color))])?
+        }
+        &Mark::Cross {
+            at,
+            size,
+            ref stroke,
+        } => ctx.draw_series([Cross::new(at, size, line_style(stroke))])?,
+    };
+    if let Some((name, key)) = &series.key {
+        let drawn = drawn.label(name.as_str());
+        match *key {
+            Key::Line { length, stroke } => drawn.legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + length, y)], line_style(&stroke))
+            }),
+            Key::Box { color } => drawn.legend(move |(x, y)| {
+                Rectangle::new([(x, y - 5), (x + 14, y + 5)], fill_style(color))
+            }),
+        };
+    }
+    Ok(())
+}
+
+/// A band between two curves, lightly filled; `None` where there is nothing to fill.
+fn band(points: &[(f64, f64, f64)], color: Color) -> Option<Polygon<(f64, f64)>> {
+    (points.len() > 1 && points.iter().any(|p| p.2 > p.1)).then(|| {
+        let upper = points.iter().map(|p| (p.0, p.2));
+        let lower = points.iter().rev().map(|p| (p.0, p.1));
+        Polygon::new(
+            upper.chain(lower).collect::<Vec<_>>(),
+            fill_style(color.mix(0.15)),
+        )
     })
+}
+
+/// A page: the title strip, the panels row by row, then the shared legend below them.
+fn draw_page(area: &DrawingArea<BitMapBackend, Shift>, page: &Page) -> DrawResult {
+    let (top, rest) = area.split_vertically(page.top);
+    if let Some((title, size)) = &page.title {
+        top.titled(title, (FONT, f64::from(*size)))?;
+    }
+    let (grid, below) = rest.split_vertically(rest.dim_in_pixel().1.saturating_sub(page.below));
+    for (chart, panel) in page
+        .panels
+        .iter()
+        .zip(&grid.split_evenly((page.rows, page.cols)))
+    {
+        draw_chart(panel, chart)?;
+    }
+    for (i, (name, stroke)) in page.keys.iter().enumerate() {
+        let (x, y) = (20 + (i % 4) as i32 * 300, 12 + (i / 4) as i32 * 24);
+        let style = line_style(&Stroke {
+            dash: None,
+            ..*stroke
+        });
+        let spans: &[(i32, i32)] = match stroke.dash {
+            Some(_) => &[(0, 10), (16, 28)],
+            None => &[(0, 28)],
+        };
+        for &(a, b) in spans {
+            below.draw(&PathElement::new(
+                vec![(x + a, y + 8), (x + b, y + 8)],
+                style,
+            ))?;
+        }
+        below.draw(&Text::new(
+            name.as_str(),
+            (x + 36, y),
+            (FONT, 15.0).into_font(),
+        ))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The PNG at `path` as `(width, rgb bytes)`.
+    fn pixels(path: &Path) -> (usize, Vec<u8>) {
+        let decoder = png::Decoder::new(std::fs::File::open(path).unwrap());
+        let mut reader = decoder.read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        (info.width as usize, buf)
+    }
+
+    fn at((width, rgb): &(usize, Vec<u8>), x: usize, y: usize) -> (u8, u8, u8) {
+        let i = 3 * (y * width + x);
+        (rgb[i], rgb[i + 1], rgb[i + 2])
+    }
+
+    /// A chart with no room around its axes, over `0..10` both ways.
+    fn bare(series: Vec<Series>) -> Chart {
+        Chart {
+            caption: (String::new(), 1),
+            margin: 0,
+            label_areas: (0, 0),
+            x: Axis::linear(0.0, 10.0),
+            y: Axis::linear(0.0, 10.0),
+            grid: Grid::Off,
+            axis_font: None,
+            label_font: 10,
+            series,
+            legend: None,
+        }
+    }
+
+    fn fill(x: (f64, f64), color: Color) -> Series {
+        let boxes = vec![([(x.0, 0.0), (x.1, 10.0)], color)];
+        Mark::Boxes { boxes }.into()
+    }
+
+    #[test]
+    fn a_chart_draws_its_marks_where_their_values_fall_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("chart.png");
+        let (red, blue) = (Color::rgb(200, 0, 0), Color::rgb(0, 0, 200));
+        let band = Mark::Band {
+            points: vec![(0.0, 2.0, 8.0), (10.0, 2.0, 8.0)],
+            color: blue,
+        };
+        // The red box under the band's right half, the blue box over it.
+        let series = vec![fill((0.0, 5.0), red), band.into(), fill((7.5, 10.0), blue)];
+        draw(&path, &Picture::chart((200, 100), bare(series))).unwrap();
+        let png = pixels(&path);
+        assert_eq!(png.1.len(), 200 * 100 * 3);
+        // Left: red under a 15% blue tint; middle: the tint on white; right: blue on top.
+        let tint = |c: u8, over: u8| f64::from(over) + (f64::from(c) - f64::from(over)) * 0.15;
+        let near = |got: (u8, u8, u8), want: (f64, f64, f64)| {
+            let d = [(got.0, want.0), (got.1, want.1), (got.2, want.2)];
+            d.iter().all(|(g, w)| (f64::from(*g) - w).abs() <= 1.5)
+        };
+        let left = at(&png, 40, 55);
+        assert!(near(left, (tint(0, 200), 0.0, tint(200, 0))), "{left:?}");
+        let middle = at(&png, 125, 55);
+        assert!(
+            near(middle, (tint(0, 255), tint(0, 255), tint(200, 255))),
+            "{middle:?}"
+        );
+        assert_eq!(at(&png, 180, 55), (0, 0, 200));
+        // Outside the band's 2..8: the boxes alone, or white.
+        assert_eq!(at(&png, 40, 95), (200, 0, 0));
+        assert_eq!(at(&png, 125, 95), (255, 255, 255));
+    }
+
+    #[test]
+    fn a_page_fills_its_panels_row_by_row_and_keys_a_dashed_line_broken() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("page.png");
+        let colors = [
+            Color::rgb(200, 0, 0),
+            Color::rgb(0, 150, 0),
+            Color::rgb(0, 0, 200),
+        ];
+        let panels = colors.iter().map(|&c| bare(vec![fill((0.0, 10.0), c)]));
+        let dashed = Color::rgb(250, 120, 0).stroke(3).dashed(7, 4);
+        let page = Page {
+            top: 20,
+            title: None,
+            rows: 2,
+            cols: 2,
+            panels: panels.collect(),
+            below: 40,
+            keys: vec![("dashed".into(), dashed)],
+        };
+        let picture = Picture {
+            size: (200, 260),
+            layout: Layout::Page(page),
+            notes: Vec::new(),
+        };
+        draw(&path, &picture).unwrap();
+        let png = pixels(&path);
+        // Panels of 100 x 100 from y = 20; the fourth is empty.
+        assert_eq!(at(&png, 50, 75), (200, 0, 0));
+        assert_eq!(at(&png, 150, 75), (0, 150, 0));
+        assert_eq!(at(&png, 50, 175), (0, 0, 200));
+        assert_eq!(at(&png, 150, 175), (255, 255, 255));
+        assert_eq!(at(&png, 100, 10), (255, 255, 255));
+        // The key at (20, 12) in the strip below (y = 220): a dash, a gap, a dash.
+        let y = 220 + 12 + 8;
+        assert_eq!(at(&png, 25, y), (250, 120, 0));
+        assert_eq!(at(&png, 33, y), (255, 255, 255));
+        assert_eq!(at(&png, 42, y), (250, 120, 0));
+    }
 }

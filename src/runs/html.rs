@@ -6,19 +6,17 @@
 //! evaluation can be chosen for the verdicts and for the curves, and hovering a chart shows
 //! every visible variant's values at that point.
 //!
-//! The page's data is built here; `html/report.js` draws it with the shared pieces of
-//! [`crate::render::html`] (where the choice of poslab's own SVG over a charting library is explained).
+//! The page's data is built here; [`crate::render::html`] draws it (`comparison.js`, with the
+//! shared pieces, and where the choice of poslab's own SVG over a charting library is
+//! explained).
 
 use serde::Serialize;
 
 use super::curves::{self, Curve};
 use super::results::{Results, TaskInfo};
 use super::verdict;
-use crate::render::html::significant;
+use crate::render::html::{significant, Script};
 use crate::render::table::TextTable;
-
-/// The page's script: it draws the page from the embedded data.
-const SCRIPT: &str = include_str!("html/report.js");
 
 /// What the page is drawn from, embedded as JSON.
 #[derive(Serialize)]
@@ -268,5 +266,5 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
             })
             .collect(),
     };
-    crate::render::html::document(&page.title, &page, SCRIPT)
+    crate::render::html::document(&page.title, &page, Script::Comparison)
 }

@@ -43,6 +43,10 @@ pub struct Merged {
     pub timings: Vec<Timing>,
     /// The experiment config the folders share.
     pub config: ExperimentConfig,
+    /// The kind of device every folder's cells were computed on, where each records it.
+    pub device: Option<String>,
+    /// The kernels every folder's cells were computed with, where each records them.
+    pub kernels: Option<String>,
 }
 
 /// Reads and joins run folders of one experiment, strictly:
@@ -89,6 +93,7 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
         manifests.push(manifest);
         loaded.push((dir.clone(), results, timings));
     }
+    let (device, kernels) = computed_alike(dirs, &manifests)?;
     let (mut results, mut timings) = merge(loaded)?;
     results.order_as(&config);
     let order: Vec<(String, String, u64)> = results.cells.iter().map(|c| c.key()).collect();
@@ -138,7 +143,61 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
         results,
         timings,
         config,
+        device,
+        kernels,
     })
+}
+
+/// The kind of device and the kernels the folders' cells were computed with, where every
+/// folder records the same (`None` where one does not say). Folders that record different ones
+/// are refused: their cells agree to within rounding, not bit for bit, so their merge would not
+/// be the run it stands for. A folder from before they were recorded joins any.
+fn computed_alike(
+    dirs: &[PathBuf],
+    manifests: &[Option<Manifest>],
+) -> Result<(Option<String>, Option<String>)> {
+    // What each field is, how a message says a value, and the flag that chooses it.
+    type Field = (
+        fn(&Manifest) -> &Option<String>,
+        fn(&str) -> String,
+        &'static str,
+    );
+    let fields: [Field; 2] = [
+        (|m| &m.device, |v| format!("on {v}"), "--device"),
+        (
+            |m| &m.kernels,
+            |v| format!("with the {v} kernels"),
+            "--kernels",
+        ),
+    ];
+    let mut common = [None, None];
+    for ((field, said, flag), common) in fields.iter().zip(&mut common) {
+        let recorded: Vec<(&PathBuf, &str)> = dirs
+            .iter()
+            .zip(manifests)
+            .filter_map(|(dir, m)| Some((dir, field(m.as_ref()?).as_deref()?)))
+            .collect();
+        let Some(&(first, value)) = recorded.first() else {
+            continue;
+        };
+        if let Some(&(other, theirs)) = recorded.iter().find(|r| r.1 != value) {
+            return Err(Error::Input(format!(
+                "{} computed its cells {} and {} {}, which agree to within rounding, not bit \
+                 for bit: a report merges cells computed alike. Rerun the cells of {} into a \
+                 new folder with {flag} {value}, or report on each apart",
+                first.display(),
+                said(value),
+                other.display(),
+                said(theirs),
+                other.display()
+            )));
+        }
+        if recorded.len() == dirs.len() {
+            *common = Some(value.to_string());
+        }
+    }
+    let [device, kernels] = common;
+    Ok((device, kernels))
 }
 
 /// `: shard 2/3 is not among them` when the folders are shards of one count and the missing

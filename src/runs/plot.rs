@@ -4,12 +4,13 @@
 
 use std::path::Path;
 
-use plotters::prelude::*;
-
 use super::curves::{self, Curve, LENGTHS};
 use super::results::{Outcome, Results, TaskInfo};
 use crate::error::Result;
-use crate::render::plot::{palette, render_png, FONT};
+use crate::render::chart::{
+    Axis, Chart, Color, Corner, Grid, Key, Legend, Mark, Note, Picture, Series, Ticks,
+};
+use crate::render::plot::draw;
 
 /// Every plot of `results` into `dir`.
 pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {
@@ -45,71 +46,67 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
     } else {
         (1e-3, 10.0)
     };
-    render_png(path, (960, 600), |area| {
-        let mut chart = ChartBuilder::on(area)
-            .caption(
-                format!(
-                    "{}: training loss (mean over seeds; band: lowest to highest seed)",
-                    task.name
-                ),
-                (FONT, 26),
-            )
-            .margin(16)
-            .x_label_area_size(48)
-            .y_label_area_size(72)
-            .build_cartesian_2d(0.0..max_step, (lo..hi).log_scale())?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .y_desc("cross-entropy loss (log scale)")
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .axis_desc_style((FONT, 18))
-            .label_style((FONT, 14))
-            .draw()?;
-        for (i, curve) in curves.iter().enumerate() {
-            let color = palette(i);
-            let floor = |v: f64| v.max(lo);
-            chart.draw_series(band(curve, color, floor))?;
-            chart
-                .draw_series(LineSeries::new(
-                    curve.points.iter().map(|p| (p.x, floor(p.mean))),
-                    color.stroke_width(2),
-                ))?
-                .label(curve.variant.as_str())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
-                });
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .label_font((FONT, 15))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
-        Ok(())
-    })
+    let floor = |v: f64| v.max(lo);
+    let mut series = Vec::new();
+    for (i, curve) in curves.iter().enumerate() {
+        let color = Color::palette(i);
+        series.push(band(curve, color, floor).into());
+        let points = curve.points.iter().map(|p| (p.x, floor(p.mean)));
+        series.push(mean_line(curve, points.collect(), color));
+    }
+    let chart = Chart {
+        caption: (
+            format!(
+                "{}: training loss (mean over seeds; band: lowest to highest seed)",
+                task.name
+            ),
+            26,
+        ),
+        margin: 16,
+        label_areas: (48, 72),
+        x: Axis::linear(0.0, max_step)
+            .titled("step")
+            .ticks(Ticks::Whole),
+        y: Axis::log(lo, hi).titled("cross-entropy loss (log scale)"),
+        grid: Grid::Full,
+        axis_font: Some(18),
+        label_font: 14,
+        series,
+        legend: Some(Legend::at(Some(Corner::UpperRight), 15)),
+    };
+    draw(path, &Picture::chart((960, 600), chart))
 }
 
 /// A curve's band, from its lowest seed to its highest (`clip` bounds a value to the chart).
-fn band(curve: &Curve, color: RGBColor, clip: impl Fn(f64) -> f64) -> Option<Polygon<(f64, f64)>> {
-    let points: Vec<(f64, f64, f64)> = curve
-        .band()
-        .into_iter()
-        .map(|(x, low, high)| (x, clip(low), clip(high)))
-        .collect();
-    crate::render::plot::band(&points, color)
+fn band(curve: &Curve, color: Color, clip: impl Fn(f64) -> f64) -> Mark {
+    let points = curve.band().into_iter();
+    let points = points.map(|(x, low, high)| (x, clip(low), clip(high)));
+    Mark::Band {
+        points: points.collect(),
+        color,
+    }
 }
 
+/// A variant's mean line through `points`, named in the legend.
+fn mean_line(curve: &Curve, points: Vec<(f64, f64)>, color: Color) -> Series {
+    let key = Key::Line {
+        length: 20,
+        stroke: color.stroke(3),
+    };
+    let stroke = color.stroke(2);
+    Mark::Line { points, stroke }.keyed(curve.variant.as_str(), key)
+}
+
+/// `length_<task>.png` where the test examples' lengths vary: each variant's accuracy at every
+/// tested length, pooled over the test sets (the mean over seeds, with the seeds' band), and
+/// the shuffle and shift tests as markers at the middle of the lengths they run at, with
+/// whiskers from the lowest seed to the highest.
 fn score_by_length(
     path: &Path,
     task: &TaskInfo,
     results: &Results,
     curves: Vec<Curve>,
 ) -> Result<()> {
-    // Each variant (`curves`): its accuracy at every tested length, pooled over the test sets,
-    // mean over seeds with the seeds' band; the shuffle and shift tests as markers at the middle
-    // of the lengths they run at, with whiskers from the lowest seed to the highest.
     let x_max = task.tests.iter().map(|t| t.lengths[1]).max().unwrap_or(1) as f64 * 1.04;
     let base_x = task
         .base_test()
@@ -117,23 +114,134 @@ fn score_by_length(
     let order_tests: Vec<String> = curves::evaluations(task).into_iter().skip(1).collect();
     // The shuffle test (first, where it runs) is marked by a triangle, the shift test a cross.
     let triangle = |k: usize| k == 0 && task.shuffle_test;
-    // (variant index, test index, min, mean, max)
-    let markers: Vec<(usize, usize, f64, f64, f64)> = results
-        .variants
-        .iter()
-        .enumerate()
-        .flat_map(|(i, v)| {
-            let row = results
-                .summary
-                .iter()
-                .find(|r| r.task == task.name && r.variant == v.name);
-            order_tests.iter().enumerate().filter_map(move |(k, name)| {
-                let s = row?.columns.iter().find(|c| &c.name == name)?.accuracy?;
-                Some((i, k, 100.0 * s.min, 100.0 * s.mean, 100.0 * s.max))
+    let mut series = Vec::new();
+    let trained = task.train_lengths[1] as f64 + 0.5;
+    series.push(super::suite_plot::trained_line(trained));
+    if let Some(c) = &task.order_blind_ceiling {
+        let y = 100.0 * c.accuracy;
+        let stroke = Color::BLACK.mix(0.6).stroke(2);
+        let line = Mark::Line {
+            points: vec![(0.0, y), (x_max, y)],
+            stroke: stroke.dashed(8, 6),
+        };
+        let key = Key::Line { length: 20, stroke };
+        series.push(line.keyed(format!("order-blind ceiling {y:.0}%"), key));
+    }
+    let color = |name: &str| {
+        let index = results.variants.iter().position(|v| v.name == name);
+        Color::palette(index.unwrap_or(0))
+    };
+    for curve in &curves {
+        let color = color(&curve.variant);
+        series.push(band(curve, color, |v| v).into());
+        let points = curve.points.iter().map(|p| (p.x, p.mean)).collect();
+        series.push(mean_line(curve, points, color));
+    }
+    // A curve over fewer lengths than the others (a learned table that cannot read the longer
+    // tests) is drawn again on top, its points marked, so that it does not hide under curves
+    // that run along it.
+    let longest = curves.iter().map(|c| c.points.len()).max().unwrap_or(0);
+    for curve in curves.iter().filter(|c| c.points.len() < longest) {
+        let color = color(&curve.variant);
+        let points: Vec<(f64, f64)> = curve.points.iter().map(|p| (p.x, p.mean)).collect();
+        let dots = points.iter().map(|&p| (p, color)).collect();
+        let stroke = color.stroke(2);
+        series.push(Mark::Line { points, stroke }.into());
+        series.push(Mark::Dots { dots, radius: 3 }.into());
+    }
+    // Markers, spread sideways a little so whiskers do not hide each other.
+    let n = results.variants.len().max(1) as f64;
+    for (i, v) in results.variants.iter().enumerate() {
+        let row = results
+            .summary
+            .iter()
+            .find(|r| r.task == task.name && r.variant == v.name);
+        for (k, name) in order_tests.iter().enumerate() {
+            let Some(s) = row.and_then(|r| r.columns.iter().find(|c| &c.name == name)?.accuracy)
+            else {
+                continue;
+            };
+            let (low, mean, high) = (100.0 * s.min, 100.0 * s.mean, 100.0 * s.max);
+            let color = Color::palette(i);
+            let x = base_x + (i as f64 - (n - 1.0) / 2.0) * x_max * 0.008;
+            let stroke = color.stroke(2);
+            let whisker = 8;
+            series.push(
+                Mark::ErrorBar {
+                    x,
+                    low,
+                    mean,
+                    high,
+                    stroke,
+                    whisker,
+                }
+                .into(),
+            );
+            series.push(
+                match triangle(k) {
+                    true => Mark::Triangle {
+                        at: (x, mean),
+                        size: 6,
+                        color,
+                    },
+                    false => Mark::Cross {
+                        at: (x, mean),
+                        size: 5,
+                        stroke,
+                    },
+                }
+                .into(),
+            );
+        }
+    }
+    let mut foot = format!(
+        "dashed vertical: the longest trained length; at {base_x:.0}: {}",
+        order_tests
+            .iter()
+            .enumerate()
+            .map(|(k, t)| match triangle(k) {
+                true => format!("{t} (triangle)"),
+                false => format!("{t} (cross)"),
             })
-        })
-        .collect();
-    let unavailable: Vec<String> = results
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let unavailable = unavailable(task, results);
+    if !unavailable.is_empty() {
+        foot.push_str(&format!(
+            "; not runnable (learned table too short): {}",
+            unavailable.join(", ")
+        ));
+    }
+    let chart = Chart {
+        caption: (
+            format!(
+                "{}: {} by input length (trained on {}-{})",
+                task.name, task.metric, task.train_lengths[0], task.train_lengths[1]
+            ),
+            24,
+        ),
+        margin: 16,
+        label_areas: (70, 64),
+        x: Axis::linear(0.0, x_max)
+            .titled("input length (every test set; band: lowest to highest seed)")
+            .ticks(Ticks::Whole),
+        y: Axis::linear(0.0, 102.0)
+            .titled(format!("{} (%)", task.metric))
+            .ticks(Ticks::Whole),
+        grid: Grid::Full,
+        axis_font: Some(18),
+        label_font: 14,
+        series,
+        legend: Some(Legend::at(Some(Corner::LowerLeft), 15)),
+    };
+    let picture = Picture::chart((960, 600), chart).with(Note::faint(foot, (90, 582), 13, 0.7));
+    draw(path, &picture)
+}
+
+/// `variant test` for every test of `task` a variant could not run, sorted.
+fn unavailable(task: &TaskInfo, results: &Results) -> Vec<String> {
+    results
         .cells
         .iter()
         .filter(|c| c.task == task.name)
@@ -145,130 +253,5 @@ fn score_by_length(
         .map(|(c, e)| format!("{} {}", c.variant, e.name))
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
-        .collect();
-    render_png(path, (960, 600), |area| {
-        let mut chart = ChartBuilder::on(area)
-            .caption(
-                format!(
-                    "{}: {} by input length (trained on {}-{})",
-                    task.name, task.metric, task.train_lengths[0], task.train_lengths[1]
-                ),
-                (FONT, 24),
-            )
-            .margin(16)
-            .x_label_area_size(70)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0..x_max, 0.0..102.0)?;
-        chart
-            .configure_mesh()
-            .x_desc("input length (every test set; band: lowest to highest seed)")
-            .y_desc(format!("{} (%)", task.metric))
-            .x_label_formatter(&|x| format!("{x:.0}"))
-            .y_label_formatter(&|y| format!("{y:.0}"))
-            .axis_desc_style((FONT, 18))
-            .label_style((FONT, 14))
-            .draw()?;
-        let trained = task.train_lengths[1] as f64 + 0.5;
-        chart.draw_series(DashedLineSeries::new(
-            vec![(trained, 0.0), (trained, 102.0)],
-            6,
-            5,
-            BLACK.mix(0.5).stroke_width(1),
-        ))?;
-        if let Some(c) = &task.order_blind_ceiling {
-            let y = 100.0 * c.accuracy;
-            chart
-                .draw_series(DashedLineSeries::new(
-                    vec![(0.0, y), (x_max, y)],
-                    8,
-                    6,
-                    BLACK.mix(0.6).stroke_width(2),
-                ))?
-                .label(format!("order-blind ceiling {y:.0}%"))
-                .legend(|(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.6).stroke_width(2))
-                });
-        }
-        let index = |name: &str| results.variants.iter().position(|v| v.name == name);
-        for curve in &curves {
-            let color = palette(index(&curve.variant).unwrap_or(0));
-            chart.draw_series(band(curve, color, |v| v))?;
-            chart
-                .draw_series(LineSeries::new(
-                    curve.points.iter().map(|p| (p.x, p.mean)),
-                    color.stroke_width(2),
-                ))?
-                .label(curve.variant.as_str())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
-                });
-        }
-        // A curve over fewer lengths than the others (a learned table that cannot read the
-        // longer tests) is drawn again on top, its points marked, so that it does not hide
-        // under curves that run along it.
-        let longest = curves.iter().map(|c| c.points.len()).max().unwrap_or(0);
-        for curve in curves.iter().filter(|c| c.points.len() < longest) {
-            let color = palette(index(&curve.variant).unwrap_or(0));
-            chart.draw_series(LineSeries::new(
-                curve.points.iter().map(|p| (p.x, p.mean)),
-                color.stroke_width(2),
-            ))?;
-            chart.draw_series(
-                curve
-                    .points
-                    .iter()
-                    .map(|p| Circle::new((p.x, p.mean), 3, color.filled())),
-            )?;
-        }
-        // Markers, spread sideways a little so whiskers do not hide each other.
-        let n = results.variants.len().max(1) as f64;
-        for &(i, k, lo, mean, hi) in &markers {
-            let color = palette(i);
-            let x = base_x + (i as f64 - (n - 1.0) / 2.0) * x_max * 0.008;
-            chart.draw_series([ErrorBar::new_vertical(
-                x,
-                lo,
-                mean,
-                hi,
-                color.stroke_width(2),
-                8,
-            )])?;
-            if triangle(k) {
-                chart.draw_series([TriangleMarker::new((x, mean), 6, color.filled())])?;
-            } else {
-                chart.draw_series([Cross::new((x, mean), 5, color.stroke_width(2))])?;
-            }
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .label_font((FONT, 15))
-            .position(SeriesLabelPosition::LowerLeft)
-            .draw()?;
-        let mut foot = format!(
-            "dashed vertical: the longest trained length; at {base_x:.0}: {}",
-            order_tests
-                .iter()
-                .enumerate()
-                .map(|(k, t)| match triangle(k) {
-                    true => format!("{t} (triangle)"),
-                    false => format!("{t} (cross)"),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        if !unavailable.is_empty() {
-            foot.push_str(&format!(
-                "; not runnable (learned table too short): {}",
-                unavailable.join(", ")
-            ));
-        }
-        area.draw(&Text::new(
-            foot,
-            (90, 582),
-            (FONT, 13).into_font().color(&BLACK.mix(0.7)),
-        ))?;
-        Ok(())
-    })
+        .collect()
 }

@@ -11,6 +11,7 @@ use super::verdict;
 use super::{html, plot};
 use crate::error::Result;
 use crate::io::write_atomic;
+use crate::render::csv::rows_text;
 use crate::render::table::TextTable;
 
 use super::folder::{RESULTS_JSON, TIMING_JSON};
@@ -668,15 +669,6 @@ const COMPARISON_METHOD: &str = "Each cell of a task is tested on the same examp
     data the interval covered the true difference 96.7% of the time with 3 seeds and 97.3% \
     with 8 (the tests of `src/runs/verdict.rs`).";
 
-/// Typed rows as CSV (a header from the row's fields, fields quoted where they must be).
-fn csv<R: serde::Serialize>(rows: impl IntoIterator<Item = R>) -> String {
-    let mut w = ::csv::Writer::from_writer(Vec::new());
-    for row in rows {
-        w.serialize(row).expect("report rows serialize to memory");
-    }
-    String::from_utf8(w.into_inner().expect("CSV in memory")).expect("CSV of UTF-8 fields")
-}
-
 /// `v` rounded to `decimals` places (what a timing is worth).
 fn rounded(v: f64, decimals: i32) -> f64 {
     let scale = 10f64.powi(decimals);
@@ -706,7 +698,7 @@ struct ResultRow<'a> {
 
 /// One row per cell and evaluation, with the cell's timing.
 fn results_csv(results: &Results, timings: &[Timing]) -> String {
-    csv(results.cells.iter().flat_map(|c| {
+    rows_text(results.cells.iter().flat_map(|c| {
         let t = timings
             .iter()
             .find(|t| t.task == c.task && t.variant == c.variant && t.seed == c.seed);
@@ -757,7 +749,7 @@ struct SummaryCsvRow<'a> {
 
 /// One row per task, variant and evaluation, over seeds.
 fn summary_csv(results: &Results) -> String {
-    csv(results.summary.iter().flat_map(|r| {
+    rows_text(results.summary.iter().flat_map(|r| {
         r.columns.iter().map(move |c| {
             let stat = |f: fn(&Stat) -> f64| c.accuracy.as_ref().map(f);
             SummaryCsvRow {

@@ -9,12 +9,13 @@
 
 use std::path::Path;
 
-use plotters::prelude::*;
-
 use super::curves::{length_curves, LENGTHS};
 use super::results::{Results, TaskInfo};
 use crate::error::Result;
-use crate::render::plot::{palette, render_png, FONT};
+use crate::render::chart::{
+    Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Note, Page, Picture, Series, Ticks,
+};
+use crate::render::plot::draw;
 
 /// `(variant, colour index, dashed)` of every variant with results on `task`: colours by
 /// scheme in order of appearance, dashed for randomized positions.
@@ -41,53 +42,20 @@ fn styles(results: &Results, task: &str) -> Vec<(String, usize, bool)> {
         .collect()
 }
 
-type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
+/// The dashed vertical line at the longest trained length (`x`, half a token past it).
+pub(super) fn trained_line(x: f64) -> Series {
+    let stroke = Color::BLACK.mix(0.5).stroke(1).dashed(6, 5);
+    let points = vec![(x, 0.0), (x, 102.0)];
+    Mark::Line { points, stroke }.into()
+}
 
-/// One task's chart into `area`.
-fn draw_task(
-    area: &DrawingArea<BitMapBackend, plotters::coord::Shift>,
-    results: &Results,
-    task: &TaskInfo,
-    small: bool,
-) -> DrawResult {
+/// One task's chart: `small` for a panel of the suite's page (its name for a caption, thin
+/// lines, no bands or legend).
+fn task_chart(results: &Results, task: &TaskInfo, small: bool) -> Chart {
     let x_max = task.tests.iter().map(|t| t.lengths[1]).max().unwrap_or(1) as f64;
-    let (caption, label, margin) = if small { (18, 11, 6) } else { (24, 14, 16) };
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            if small {
-                task.name.clone()
-            } else {
-                format!(
-                    "{}: accuracy by input length (trained on {}-{})",
-                    task.name, task.train_lengths[0], task.train_lengths[1]
-                )
-            },
-            (FONT, caption),
-        )
-        .margin(margin)
-        .x_label_area_size(if small { 22 } else { 50 })
-        .y_label_area_size(if small { 30 } else { 60 })
-        .build_cartesian_2d(0.0..x_max * 1.02, 0.0..102.0)?;
-    let mut mesh = chart.configure_mesh();
-    mesh.x_label_formatter(&|x| format!("{x:.0}"))
-        .y_label_formatter(&|y| format!("{y:.0}"))
-        .label_style((FONT, label))
-        .x_labels(if small { 5 } else { 10 })
-        .y_labels(if small { 5 } else { 11 });
-    if !small {
-        mesh.x_desc("input length")
-            .y_desc("accuracy at the outputs (%)")
-            .axis_desc_style((FONT, 18));
-    }
-    mesh.draw()?;
+    let mut series = Vec::new();
     if let Some(above) = task.score_above {
-        let x = above as f64 + 0.5;
-        chart.draw_series(DashedLineSeries::new(
-            vec![(x, 0.0), (x, 102.0)],
-            6,
-            5,
-            BLACK.mix(0.5).stroke_width(1),
-        ))?;
+        series.push(trained_line(above as f64 + 0.5));
     }
     let width = if small { 1 } else { 2 };
     let curves = length_curves(results, task, LENGTHS);
@@ -95,45 +63,69 @@ fn draw_task(
         let Some(curve) = curves.iter().find(|c| c.variant == name) else {
             continue;
         };
-        let color = palette(colour);
+        let color = Color::palette(colour);
         if !small {
-            chart.draw_series(crate::render::plot::band(&curve.band(), color))?;
+            let points = curve.band();
+            series.push(Mark::Band { points, color }.into());
         }
         let points: Vec<(f64, f64)> = curve.points.iter().map(|p| (p.x, p.mean)).collect();
-        let style = color.stroke_width(width);
-        let series = if dashed {
-            chart.draw_series(DashedLineSeries::new(points, 7, 4, style))?
-        } else {
-            chart.draw_series(LineSeries::new(points, style))?
+        let stroke = match dashed {
+            true => color.stroke(width).dashed(7, 4),
+            false => color.stroke(width),
         };
-        if !small {
-            series.label(name.as_str()).legend(move |(x, y)| {
-                let line = vec![(x, y), (x + 22, y)];
-                if dashed {
-                    PathElement::new(vec![(x, y), (x + 8, y)], color.stroke_width(3))
-                } else {
-                    PathElement::new(line, color.stroke_width(3))
-                }
-            });
-        }
+        let line = Mark::Line { points, stroke };
+        series.push(match small {
+            true => line.into(),
+            false => {
+                // A dashed line's sample is its first dash.
+                let length = if dashed { 8 } else { 22 };
+                let stroke = color.stroke(3);
+                line.keyed(name, Key::Line { length, stroke })
+            }
+        });
     }
-    if !small {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .label_font((FONT, 14))
-            .position(SeriesLabelPosition::UpperRight)
-            .draw()?;
+    let axes = (
+        Axis::linear(0.0, x_max * 1.02).ticks(Ticks::Whole),
+        Axis::linear(0.0, 102.0).ticks(Ticks::Whole),
+    );
+    match small {
+        true => Chart {
+            caption: (task.name.clone(), 18),
+            margin: 6,
+            label_areas: (22, 30),
+            x: axes.0.count(5),
+            y: axes.1.count(5),
+            grid: Grid::Full,
+            axis_font: None,
+            label_font: 11,
+            series,
+            legend: None,
+        },
+        false => Chart {
+            caption: (
+                format!(
+                    "{}: accuracy by input length (trained on {}-{})",
+                    task.name, task.train_lengths[0], task.train_lengths[1]
+                ),
+                24,
+            ),
+            margin: 16,
+            label_areas: (50, 60),
+            x: axes.0.count(10).titled("input length"),
+            y: axes.1.count(11).titled("accuracy at the outputs (%)"),
+            grid: Grid::Full,
+            axis_font: Some(18),
+            label_font: 14,
+            series,
+            legend: Some(Legend::at(Some(Corner::UpperRight), 14)),
+        },
     }
-    Ok(())
 }
 
 /// `length_<task>.png`: one task, with a legend.
 pub fn task_plot(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
-    render_png(path, (960, 600), |area| {
-        draw_task(area, results, task, false)
-    })
+    let chart = task_chart(results, task, false);
+    draw(path, &Picture::chart((960, 600), chart))
 }
 
 /// `length_suite.png`: every length-suite task of `results` in a grid, a shared legend below.
@@ -149,36 +141,33 @@ pub fn suite_plot(path: &Path, results: &Results) -> Result<()> {
     let cols = tasks.len().clamp(1, 4);
     let rows = tasks.len().div_ceil(cols);
     let (panel_w, panel_h, legend_h) = (330u32, 240u32, 90u32);
-    let size = (panel_w * cols as u32, panel_h * rows as u32 + legend_h + 40);
-    render_png(path, size, |area| {
-        let (title, rest) = area.split_vertically(40);
-        title.draw(&Text::new(
-            "accuracy at the outputs (%) by input length; dashed vertical: the longest trained",
-            (12, 10),
-            (FONT, 18).into_font(),
-        ))?;
-        let (grid, legend) = rest.split_vertically(panel_h * rows as u32);
-        let panels = grid.split_evenly((rows, cols));
-        for (task, panel) in tasks.iter().zip(&panels) {
-            draw_task(panel, results, task, true)?;
-        }
-        // The legend: every variant of the first task, in rows of four.
-        for (i, (name, colour, dashed)) in styles(results, &tasks[0].name).into_iter().enumerate() {
-            let (x, y) = (20 + (i % 4) as i32 * 300, 12 + (i / 4) as i32 * 24);
-            let color = palette(colour);
-            let end = if dashed { x + 10 } else { x + 28 };
-            legend.draw(&PathElement::new(
-                vec![(x, y + 8), (end, y + 8)],
-                color.stroke_width(3),
-            ))?;
-            if dashed {
-                legend.draw(&PathElement::new(
-                    vec![(x + 16, y + 8), (x + 28, y + 8)],
-                    color.stroke_width(3),
-                ))?;
-            }
-            legend.draw(&Text::new(name, (x + 36, y), (FONT, 15).into_font()))?;
-        }
-        Ok(())
-    })
+    // The legend: every variant of the first task.
+    let keys = styles(results, &tasks[0].name)
+        .into_iter()
+        .map(|(name, colour, dashed)| {
+            let stroke = Color::palette(colour).stroke(3);
+            (name, if dashed { stroke.dashed(7, 4) } else { stroke })
+        });
+    let page = Page {
+        top: 40,
+        title: None,
+        rows,
+        cols,
+        panels: tasks.iter().map(|t| task_chart(results, t, true)).collect(),
+        below: legend_h,
+        keys: keys.collect(),
+    };
+    let title = Note {
+        text: "accuracy at the outputs (%) by input length; dashed vertical: the longest trained"
+            .into(),
+        at: (12, 10),
+        font: 18,
+        color: Color::BLACK,
+    };
+    let picture = Picture {
+        size: (panel_w * cols as u32, panel_h * rows as u32 + legend_h + 40),
+        layout: Layout::Page(page),
+        notes: vec![title],
+    };
+    draw(path, &picture)
 }

@@ -177,6 +177,30 @@ fn what_is_drawn_knows_no_run_analysis_or_scheme() {
     assert!(report.iter().any(|t| t[0] == "render"), "{report:?}");
 }
 
+#[test]
+fn only_render_calls_the_drawing_and_csv_libraries_or_holds_a_pages_script() {
+    // The other rooms describe what to show (render::chart, a page's data) and render draws it.
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let calls = ["plotters::", "csv::Writer", ".js\")"];
+    let mut wrong = Vec::new();
+    let mut seen = BTreeSet::new();
+    for file in crate::common::files_with_extension(&src, "rs") {
+        let code = code(&file);
+        let module = module_of(&src, &file);
+        for call in calls.iter().filter(|c| code.contains(**c)) {
+            match module.first().map(String::as_str) {
+                Some("render") => {
+                    seen.insert(*call);
+                }
+                _ => wrong.push(format!("{}: {call}", module.join("::"))),
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "drawing outside render: {wrong:?}");
+    // The check sees real calls: render makes each of them.
+    assert_eq!(seen.len(), calls.len(), "{seen:?}");
+}
+
 /// Where a file matches on a positional scheme (`PositionalConfig::X(..) =>`, `if let` /
 /// `let ... else`, `matches!`), as `file:line`.
 fn scheme_matches(code: &str, file: &str) -> Vec<String> {

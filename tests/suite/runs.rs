@@ -546,6 +546,55 @@ fn refused_edits(d: &Path, cases: Vec<(&str, Edit, &[&str])>) {
 }
 
 #[test]
+fn a_report_merges_parts_computed_alike_and_refuses_parts_computed_otherwise() {
+    let (root, whole) = setup();
+    let d = root.path();
+    let manifest = |run: &str| -> serde_json::Value {
+        serde_json::from_slice(&read(d.join(run).join("run.json"))).unwrap()
+    };
+    assert_ok(&compare(d, "s0", &["--seed", "0"]), "seed 0");
+    let reference = ["--seed", "1", "--kernels", "reference"];
+    assert_ok(&compare(d, "s1", &reference), "seed 1, reference kernels");
+    // Kernels agree to within rounding, not bit for bit: the merge would not be the run.
+    let out = poslab(d, &["report", "s0", "s1", "--out", "mixed"]);
+    let e = stderr(&out);
+    assert!(
+        !out.status.success()
+            && e.contains("s0 computed its cells with the layer kernels and s1 with the reference")
+            && e.contains("Rerun the cells of s1 into a new folder with --kernels layer"),
+        "{e}"
+    );
+    assert!(!d.join("mixed").exists());
+    // Computed alike: the merge is the whole run, and its manifest says how it was computed.
+    assert_ok(&compare(d, "s1-layer", &["--seed", "1"]), "seed 1");
+    assert_ok(
+        &poslab(d, &["report", "s0", "s1-layer", "--out", "m"]),
+        "report",
+    );
+    assert!(read(d.join("m/results.json")) == whole);
+    let merged = manifest("m");
+    assert_eq!(
+        (&merged["device"], &merged["kernels"]),
+        (&"cpu".into(), &"layer".into())
+    );
+    // A part from before kernels were recorded joins any, and the report claims none.
+    let mut old = manifest("s1");
+    old.as_object_mut().unwrap().remove("kernels");
+    std::fs::write(
+        d.join("s1/run.json"),
+        serde_json::to_vec_pretty(&old).unwrap(),
+    )
+    .unwrap();
+    assert_ok(
+        &poslab(d, &["report", "s0", "s1", "--out", "o"]),
+        "old part",
+    );
+    let merged = manifest("o");
+    assert_eq!(merged["device"], "cpu");
+    assert!(merged.get("kernels").is_none(), "{merged}");
+}
+
+#[test]
 fn report_refuses_what_a_results_file_should_not_hold() {
     let (root, _) = setup();
     let d = root.path();

@@ -3,7 +3,9 @@
 //!
 //! A page is its data, embedded as JSON, drawn by an embedded script: the shared pieces
 //! (`chart.js`: elements, ticks, a chart of curves with bands and a hover read-out) and the
-//! page's own script. Nothing is fetched: the file works offline and from a `file://` URL.
+//! page's own script ([`Script`]: `comparison.js`, `analysis.js`). The rooms that know what the
+//! numbers mean build the data; every line that draws is here. Nothing is fetched: the file
+//! works offline and from a `file://` URL.
 //!
 //! **Why poslab draws its own SVG.** A charting library (Plotly, Vega, Chart.js) is 200 KB to
 //! 3.5 MB of minified script to vendor, pin and license-check, for what these pages draw: lines,
@@ -19,8 +21,28 @@ const STYLE: &str = include_str!("style.css");
 /// The script every page shares: `poslab.el`, `poslab.chart`, ...
 const CHART: &str = include_str!("chart.js");
 
+/// Which page a script draws, from the data its room builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Script {
+    /// A comparison's `report.html` (`comparison.js`), from [`crate::runs::html`]'s data.
+    Comparison,
+    /// An analysis's `report.html` (`analysis.js`), from [`crate::analysis::html`]'s data.
+    Analysis,
+}
+
+impl Script {
+    /// The script's source.
+    fn source(self) -> &'static str {
+        match self {
+            Script::Comparison => include_str!("comparison.js"),
+            Script::Analysis => include_str!("analysis.js"),
+        }
+    }
+}
+
 /// A page titled `title`, drawn by `script` from `data`: one file, with its style and scripts.
-pub fn document(title: &str, data: &impl Serialize, script: &str) -> String {
+pub fn document(title: &str, data: &impl Serialize, script: Script) -> String {
+    let script = script.source();
     // `<` only occurs inside JSON strings, where `\u003c` means the same: no `</script>` can
     // end the data early.
     let data = serde_json::to_string(data)
@@ -62,7 +84,11 @@ mod tests {
 
     #[test]
     fn embedded_data_cannot_close_its_script() {
-        let page = document("a <b> & \"c\"", &["</script><script>alert(1)"], "");
+        let page = document(
+            "a <b> & \"c\"",
+            &["</script><script>alert(1)"],
+            Script::Analysis,
+        );
         assert_eq!(
             page.matches("</script>").count(),
             3,
