@@ -149,51 +149,7 @@ fn score_by_length(
         series.push(Mark::Line { points, stroke }.into());
         series.push(Mark::Dots { dots, radius: 3 }.into());
     }
-    // Markers, spread sideways a little so whiskers do not hide each other.
-    let n = results.variants.len().max(1) as f64;
-    for (i, v) in results.variants.iter().enumerate() {
-        let row = results
-            .summary
-            .iter()
-            .find(|r| r.task == task.name && r.variant == v.name);
-        for (k, name) in order_tests.iter().enumerate() {
-            let Some(s) = row.and_then(|r| r.columns.iter().find(|c| &c.name == name)?.accuracy)
-            else {
-                continue;
-            };
-            let (low, mean, high) = (100.0 * s.min, 100.0 * s.mean, 100.0 * s.max);
-            let color = Color::palette(i);
-            let x = base_x + (i as f64 - (n - 1.0) / 2.0) * x_max * 0.008;
-            let stroke = color.stroke(2);
-            let whisker = 8;
-            series.push(
-                Mark::ErrorBar {
-                    x,
-                    low,
-                    mean,
-                    high,
-                    stroke,
-                    whisker,
-                }
-                .into(),
-            );
-            series.push(
-                match triangle(k) {
-                    true => Mark::Triangle {
-                        at: (x, mean),
-                        size: 6,
-                        color,
-                    },
-                    false => Mark::Cross {
-                        at: (x, mean),
-                        size: 5,
-                        stroke,
-                    },
-                }
-                .into(),
-            );
-        }
-    }
+    series.extend(order_markers(task, results, (base_x, x_max), &order_tests));
     let mut foot = format!(
         "dashed vertical: the longest trained length; at {base_x:.0}: {}",
         order_tests
@@ -237,6 +193,55 @@ fn score_by_length(
     };
     let picture = Picture::chart((960, 600), chart).with(Note::faint(foot, (90, 582), 13, 0.7));
     draw(path, &picture)
+}
+
+/// Each variant's order tests (`order_tests`: the shuffle test first where it runs, a triangle;
+/// the shift test a cross) at `base_x`, spread sideways a little so that whiskers from the
+/// lowest seed to the highest do not hide each other.
+fn order_markers(
+    task: &TaskInfo,
+    results: &Results,
+    (base_x, x_max): (f64, f64),
+    order_tests: &[String],
+) -> Vec<Series> {
+    let n = results.variants.len().max(1) as f64;
+    let mut series = Vec::new();
+    for (i, v) in results.variants.iter().enumerate() {
+        let row = results
+            .summary
+            .iter()
+            .find(|r| r.task == task.name && r.variant == v.name);
+        for (k, name) in order_tests.iter().enumerate() {
+            let Some(s) = row.and_then(|r| r.columns.iter().find(|c| &c.name == name)?.accuracy)
+            else {
+                continue;
+            };
+            let (low, mean, high) = (100.0 * s.min, 100.0 * s.mean, 100.0 * s.max);
+            let color = Color::palette(i);
+            let x = base_x + (i as f64 - (n - 1.0) / 2.0) * x_max * 0.008;
+            let stroke = color.stroke(2);
+            let whisker = 8;
+            let bar = Mark::ErrorBar {
+                x,
+                low,
+                mean,
+                high,
+                stroke,
+                whisker,
+            };
+            let at = (x, mean);
+            let marker = match k == 0 && task.shuffle_test {
+                true => Mark::Triangle { at, size: 6, color },
+                false => Mark::Cross {
+                    at,
+                    size: 5,
+                    stroke,
+                },
+            };
+            series.extend([bar.into(), marker.into()]);
+        }
+    }
+    series
 }
 
 /// `variant test` for every test of `task` a variant could not run, sorted.
