@@ -7,6 +7,36 @@
 //! [`Series`] in drawing order (each a [`Mark`] with an optional legend entry) and its
 //! [`Legend`]. A [`Picture`] is one chart or a grid of them ([`Layout`]), plus free text
 //! ([`Note`]) placed in pixels.
+//!
+//! A training curve on a log axis, with its legend:
+//!
+//! ```
+//! use poslab::render::chart::{Axis, Chart, Color, Grid, Key, Legend, Mark, Picture, Ticks};
+//!
+//! let color = Color::palette(0);
+//! let curve = Mark::Line {
+//!     points: vec![(0.0, 2.1), (100.0, 0.9), (200.0, 0.3)],
+//!     stroke: color.stroke(2),
+//! };
+//! let key = Key::Line { length: 20, stroke: color.stroke(3) };
+//! let chart = Chart {
+//!     caption: ("training loss".into(), 22),
+//!     margin: 16,
+//!     label_areas: (48, 72),
+//!     x: Axis::linear(0.0, 200.0).titled("step").ticks(Ticks::Whole),
+//!     y: Axis::log(0.2, 3.0).titled("loss (log scale)"),
+//!     grid: Grid::Full,
+//!     axis_font: Some(17),
+//!     label_font: 13,
+//!     series: vec![curve.keyed("rope", key)],
+//!     legend: Some(Legend::at(None, 14)),
+//! };
+//! let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("loss.png");
+//! poslab::render::plot::draw(&path, &Picture::chart((640, 400), chart))?;
+//! assert!(std::fs::metadata(&path)?.len() > 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 /// An sRGB colour and its opacity (1 is opaque).
 #[derive(Clone, Copy, Debug, PartialEq)]
