@@ -74,8 +74,33 @@ fn render_png(
     crate::io::write_atomic(path, &bytes)
 }
 
-/// Draws `picture` as a PNG at `path`.
+/// Draws `picture` as a PNG at `path`. A chart whose axes cannot be drawn (an end not finite,
+/// the low not below the high, a log axis not above 0: what numbers that are not finite give)
+/// is an error naming it; points that are not finite inside a chart are left out.
 pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
+    let charts = match &picture.layout {
+        Layout::Chart(chart) => std::slice::from_ref(chart),
+        Layout::Page(page) => &page.panels[..],
+    };
+    for chart in charts {
+        for (name, axis) in [("x", &chart.x), ("y", &chart.y)] {
+            let (low, high) = axis.range;
+            let log = axis.scale == Scale::Log;
+            if !(low.is_finite() && high.is_finite() && low < high && (!log || low > 0.0)) {
+                return Err(Error::Plot {
+                    path: path.into(),
+                    message: format!(
+                        "the {name} axis of \"{}\" would run from {low} to {high}: an axis needs \
+                         finite ends, the low below the high{} (the numbers to draw are not \
+                         finite, or there are none)",
+                        chart.caption.0,
+                        if log { ", above 0 on a log scale" } else { "" }
+                    ),
+                });
+            }
+        }
+    }
+    let picture = &finite(picture);
     render_png(path, picture.size, |area| {
         match &picture.layout {
             Layout::Chart(chart) => draw_chart(area, chart)?,
@@ -89,6 +114,72 @@ pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// `picture` without the points that are not finite: a line is broken where one was, and a
+/// band, dot, box or marker with one is left out.
+fn finite(picture: &Picture) -> Picture {
+    let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    let clean = |chart: &Chart| {
+        let mut chart = chart.clone();
+        let mut series = Vec::with_capacity(chart.series.len());
+        for s in chart.series.drain(..) {
+            let key = s.key.clone();
+            let keyed = |mark: Mark| Series {
+                mark,
+                key: key.clone(),
+            };
+            match s.mark {
+                Mark::Line { points, stroke } if !points.iter().all(ok) => {
+                    // Each finite run its own line; the legend entry on the first.
+                    let runs = points.split(|p| !ok(p)).filter(|r| !r.is_empty());
+                    for (i, run) in runs.enumerate() {
+                        let mark = Mark::Line {
+                            points: run.to_vec(),
+                            stroke,
+                        };
+                        series.push(match i {
+                            0 => keyed(mark),
+                            _ => mark.into(),
+                        });
+                    }
+                }
+                Mark::Band { points, color } => {
+                    let points = points
+                        .into_iter()
+                        .filter(|p| p.0.is_finite() && p.1.is_finite() && p.2.is_finite())
+                        .collect();
+                    series.push(keyed(Mark::Band { points, color }));
+                }
+                Mark::Dots { dots, radius } => {
+                    let dots = dots.into_iter().filter(|d| ok(&d.0)).collect();
+                    series.push(keyed(Mark::Dots { dots, radius }));
+                }
+                Mark::Boxes { boxes } => {
+                    let boxes = boxes.into_iter().filter(|b| b.0.iter().all(ok)).collect();
+                    series.push(keyed(Mark::Boxes { boxes }));
+                }
+                Mark::ErrorBar {
+                    x, low, mean, high, ..
+                } if ![x, low, mean, high].iter().all(|v| v.is_finite()) => {}
+                Mark::Triangle { at, .. } | Mark::Cross { at, .. } if !ok(&at) => {}
+                mark => series.push(keyed(mark)),
+            }
+        }
+        chart.series = series;
+        chart
+    };
+    let layout = match &picture.layout {
+        Layout::Chart(chart) => Layout::Chart(clean(chart)),
+        Layout::Page(page) => Layout::Page(Page {
+            panels: page.panels.iter().map(clean).collect(),
+            ..page.clone()
+        }),
+    };
+    Picture {
+        layout,
+        ..picture.clone()
+    }
 }
 
 /// A line chart of `series`, each line in the next palette colour (a log y axis with `log_y`),
@@ -147,6 +238,9 @@ pub fn line_chart(
     draw(path, &Picture::chart((960, 600), chart))
 }
 
+/// A heatmap's cell whose value is not finite.
+const NOT_FINITE: Color = Color::rgb(160, 160, 160);
+
 /// A heatmap of a row-major `rows x cols` matrix (rows up the y axis), diverging around 0 or
 /// sequential from its least value to its greatest, as a 900 x 820 PNG at `path`, the colour
 /// scale's ends written below. Row `r` sits at `offset.0 + r * step.0` on its axis, column `c`
@@ -160,25 +254,36 @@ pub fn heatmap(
     offset: (usize, usize),
     step: (usize, usize),
 ) -> Result<()> {
-    let (lo, hi) = data
+    // The scale spans the finite values; a value that is not finite is a grey cell, said so.
+    let span = data
         .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
+        .filter(|v| v.is_finite())
+        .fold(None, |span, &v| {
+            let (lo, hi) = span.unwrap_or((v, v));
+            Some((f64::min(lo, v), f64::max(hi, v)))
         });
+    let (lo, hi) = span.unwrap_or((0.0, 0.0));
+    let unfinite = data.iter().filter(|v| !v.is_finite()).count();
     let bound = lo.abs().max(hi.abs()).max(1e-300);
-    let color = |v: f64| match divergent {
-        true => Color::diverging(v / bound),
-        false => Color::sequential((v - lo) / (hi - lo).max(1e-300)),
+    let color = |v: f64| match (v.is_finite(), divergent) {
+        (false, _) => NOT_FINITE,
+        (true, true) => Color::diverging(v / bound),
+        (true, false) => Color::sequential((v - lo) / (hi - lo).max(1e-300)),
     };
     // Three decimals, without a "-0.000" for a rounding-level negative.
     let f = |v: f64| match v.abs() < 5e-4 {
         true => "0.000".to_string(),
         false => format!("{v:.3}"),
     };
-    let scale = match divergent {
+    let mut scale = match divergent {
         true => format!("blue {} .. white 0 .. red {}", f(-bound), f(bound)),
         false => format!("dark {} .. yellow {}", f(lo), f(hi)),
     };
+    if unfinite > 0 {
+        scale.push_str(&format!(
+            "; grey: {unfinite} values not finite (NaN or infinite)"
+        ));
+    }
     let at = |i: usize, axis: usize| match axis {
         0 => (offset.0 + i * step.0) as f64,
         _ => (offset.1 + i * step.1) as f64,
@@ -514,6 +619,52 @@ mod tests {
         // Outside the band's 2..8: the boxes alone, or white.
         assert_eq!(at(&png, 40, 95), (200, 0, 0));
         assert_eq!(at(&png, 125, 95), (255, 255, 255));
+    }
+
+    #[test]
+    fn numbers_that_are_not_finite_are_refused_as_an_axis_and_left_out_as_points() {
+        // All NaN once hung plotters (an axis from inf to -inf); now an error naming the axis.
+        let dir = tempfile::tempdir().unwrap();
+        let nan = f64::NAN;
+        for log in [false, true] {
+            let lines = [("a".to_string(), vec![(0.0, nan), (1.0, nan)], false)];
+            let err = line_chart(&dir.path().join("nan.png"), "t", ("x", "y"), &lines, log);
+            let message = err.unwrap_err().to_string();
+            assert!(
+                message.contains("the y axis of \"t\" would run from inf to -inf"),
+                "{message}"
+            );
+            // A NaN or an infinity among finite points: the line broken there, drawn.
+            let lines = [(
+                "a".to_string(),
+                vec![
+                    (0.0, 1.0),
+                    (1.0, nan),
+                    (2.0, 3.0),
+                    (3.0, f64::INFINITY),
+                    (4.0, 2.0),
+                ],
+                false,
+            )];
+            let path = dir.path().join(format!("broken{log}.png"));
+            line_chart(&path, "t", ("x", "y"), &lines, log).unwrap();
+            assert_eq!(pixels(&path).1.len(), 960 * 600 * 3);
+        }
+        // A heatmap draws a cell that is not finite grey, and its note counts them.
+        let path = dir.path().join("heat.png");
+        heatmap(
+            &path,
+            "h",
+            (2, 2, &[1.0, nan, 3.0, 4.0]),
+            true,
+            ("a", "b"),
+            (0, 0),
+            (1, 1),
+        )
+        .unwrap();
+        // Row 0 is at the bottom: its second cell, the NaN, is the lower right quadrant.
+        assert_eq!(at(&pixels(&path), 684, 600), NOT_FINITE.rgb);
+        assert_ne!(at(&pixels(&path), 280, 600), NOT_FINITE.rgb);
     }
 
     #[test]
