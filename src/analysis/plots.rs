@@ -73,7 +73,7 @@ fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
         layout: Layout::Page(page),
         notes: Vec::new(),
     };
-    draw(path, &picture)
+    draw(path, picture)
 }
 
 /// Writes the analysis: CSVs, PNGs and `summary.txt` / `summary.json`. Returns the file names.
@@ -446,7 +446,7 @@ pub fn write_terms(
     };
     draw(
         &dir.join("attention_terms.png"),
-        &Picture::chart((1000, 600), chart),
+        Picture::chart((1000, 600), chart),
     )?;
     Ok(vec![
         "attention_terms.csv".into(),
@@ -544,5 +544,5 @@ fn pca_path(path: &Path, title: &str, projections: &[Vec<f64>]) -> Result<()> {
             .collect(),
         legend: None,
     };
-    draw(path, &Picture::chart((820, 820), chart))
+    draw(path, Picture::chart((820, 820), chart))
 }

@@ -33,7 +33,7 @@
 //! };
 //! let dir = tempfile::tempdir()?;
 //! let path = dir.path().join("loss.png");
-//! poslab::render::plot::draw(&path, &Picture::chart((640, 400), chart))?;
+//! poslab::render::plot::draw(&path, Picture::chart((640, 400), chart))?;
 //! assert!(std::fs::metadata(&path)?.len() > 0);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -77,12 +77,8 @@ fn render_png(
 /// Draws `picture` as a PNG at `path`. A chart whose axes cannot be drawn (an end not finite,
 /// the low not below the high, a log axis not above 0: what numbers that are not finite give)
 /// is an error naming it; points that are not finite inside a chart are left out.
-pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
-    let charts = match &picture.layout {
-        Layout::Chart(chart) => std::slice::from_ref(chart),
-        Layout::Page(page) => &page.panels[..],
-    };
-    for chart in charts {
+pub fn draw(path: &Path, mut picture: Picture) -> Result<()> {
+    for chart in charts(&mut picture.layout) {
         for (name, axis) in [("x", &chart.x), ("y", &chart.y)] {
             let (low, high) = axis.range;
             let log = axis.scale == Scale::Log;
@@ -99,8 +95,8 @@ pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
                 });
             }
         }
+        chart.series = finite(std::mem::take(&mut chart.series));
     }
-    let picture = &finite(picture);
     render_png(path, picture.size, |area| {
         match &picture.layout {
             Layout::Chart(chart) => draw_chart(area, chart)?,
@@ -116,70 +112,62 @@ pub fn draw(path: &Path, picture: &Picture) -> Result<()> {
     })
 }
 
-/// `picture` without the points that are not finite: a line is broken where one was, and a
-/// band, dot, box or marker with one is left out.
-fn finite(picture: &Picture) -> Picture {
-    let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite();
-    let clean = |chart: &Chart| {
-        let mut chart = chart.clone();
-        let mut series = Vec::with_capacity(chart.series.len());
-        for s in chart.series.drain(..) {
-            let key = s.key.clone();
-            let keyed = |mark: Mark| Series {
-                mark,
-                key: key.clone(),
-            };
-            match s.mark {
-                Mark::Line { points, stroke } if !points.iter().all(ok) => {
-                    // Each finite run its own line; the legend entry on the first.
-                    let runs = points.split(|p| !ok(p)).filter(|r| !r.is_empty());
-                    for (i, run) in runs.enumerate() {
-                        let mark = Mark::Line {
-                            points: run.to_vec(),
-                            stroke,
-                        };
-                        series.push(match i {
-                            0 => keyed(mark),
-                            _ => mark.into(),
-                        });
-                    }
-                }
-                Mark::Band { points, color } => {
-                    let points = points
-                        .into_iter()
-                        .filter(|p| p.0.is_finite() && p.1.is_finite() && p.2.is_finite())
-                        .collect();
-                    series.push(keyed(Mark::Band { points, color }));
-                }
-                Mark::Dots { dots, radius } => {
-                    let dots = dots.into_iter().filter(|d| ok(&d.0)).collect();
-                    series.push(keyed(Mark::Dots { dots, radius }));
-                }
-                Mark::Boxes { boxes } => {
-                    let boxes = boxes.into_iter().filter(|b| b.0.iter().all(ok)).collect();
-                    series.push(keyed(Mark::Boxes { boxes }));
-                }
-                Mark::ErrorBar {
-                    x, low, mean, high, ..
-                } if ![x, low, mean, high].iter().all(|v| v.is_finite()) => {}
-                Mark::Triangle { at, .. } | Mark::Cross { at, .. } if !ok(&at) => {}
-                mark => series.push(keyed(mark)),
-            }
-        }
-        chart.series = series;
-        chart
-    };
-    let layout = match &picture.layout {
-        Layout::Chart(chart) => Layout::Chart(clean(chart)),
-        Layout::Page(page) => Layout::Page(Page {
-            panels: page.panels.iter().map(clean).collect(),
-            ..page.clone()
-        }),
-    };
-    Picture {
-        layout,
-        ..picture.clone()
+/// The charts of a layout: the one, or a page's panels.
+fn charts(layout: &mut Layout) -> &mut [Chart] {
+    match layout {
+        Layout::Chart(chart) => std::slice::from_mut(chart),
+        Layout::Page(page) => &mut page.panels,
     }
+}
+
+/// A chart's series without the points that are not finite: a line is broken where one was,
+/// and a band, dot, box or marker with one is left out.
+fn finite(series: Vec<Series>) -> Vec<Series> {
+    let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    let mut kept = Vec::with_capacity(series.len());
+    for Series { mark, key } in series {
+        let keyed = |mark: Mark| Series {
+            mark,
+            key: key.clone(),
+        };
+        match mark {
+            Mark::Line { points, stroke } if !points.iter().all(ok) => {
+                // Each finite run its own line; the legend entry on the first.
+                let runs = points.split(|p| !ok(p)).filter(|r| !r.is_empty());
+                for (i, run) in runs.enumerate() {
+                    let mark = Mark::Line {
+                        points: run.to_vec(),
+                        stroke,
+                    };
+                    kept.push(match i {
+                        0 => keyed(mark),
+                        _ => mark.into(),
+                    });
+                }
+            }
+            Mark::Band { points, color } => {
+                let points = points
+                    .into_iter()
+                    .filter(|p| p.0.is_finite() && p.1.is_finite() && p.2.is_finite())
+                    .collect();
+                kept.push(keyed(Mark::Band { points, color }));
+            }
+            Mark::Dots { dots, radius } => {
+                let dots = dots.into_iter().filter(|d| ok(&d.0)).collect();
+                kept.push(keyed(Mark::Dots { dots, radius }));
+            }
+            Mark::Boxes { boxes } => {
+                let boxes = boxes.into_iter().filter(|b| b.0.iter().all(ok)).collect();
+                kept.push(keyed(Mark::Boxes { boxes }));
+            }
+            Mark::ErrorBar {
+                x, low, mean, high, ..
+            } if ![x, low, mean, high].iter().all(|v| v.is_finite()) => {}
+            Mark::Triangle { at, .. } | Mark::Cross { at, .. } if !ok(&at) => {}
+            mark => kept.push(keyed(mark)),
+        }
+    }
+    kept
 }
 
 /// A line chart of `series`, each line in the next palette colour (a log y axis with `log_y`),
@@ -235,7 +223,7 @@ pub fn line_chart(
         series: lines.collect(),
         legend: Some(Legend::at(None, 14)),
     };
-    draw(path, &Picture::chart((960, 600), chart))
+    draw(path, Picture::chart((960, 600), chart))
 }
 
 /// A heatmap's cell whose value is not finite.
@@ -313,7 +301,7 @@ pub fn heatmap(
         legend: None,
     };
     let picture = Picture::chart((900, 820), chart).with(Note::faint(scale, (80, 800), 14, 0.75));
-    draw(path, &picture)
+    draw(path, picture)
 }
 
 /// One line of a [`line_chart`]: name, points, dashed.
@@ -599,7 +587,7 @@ mod tests {
         };
         // The red box under the band's right half, the blue box over it.
         let series = vec![fill((0.0, 5.0), red), band.into(), fill((7.5, 10.0), blue)];
-        draw(&path, &Picture::chart((200, 100), bare(series))).unwrap();
+        draw(&path, Picture::chart((200, 100), bare(series))).unwrap();
         let png = pixels(&path);
         assert_eq!(png.1.len(), 200 * 100 * 3);
         // Left: red under a 15% blue tint; middle: the tint on white; right: blue on top.
@@ -692,7 +680,7 @@ mod tests {
             layout: Layout::Page(page),
             notes: Vec::new(),
         };
-        draw(&path, &picture).unwrap();
+        draw(&path, picture).unwrap();
         let png = pixels(&path);
         // Panels of 100 x 100 from y = 20; the fourth is empty.
         assert_eq!(at(&png, 50, 75), (200, 0, 0));

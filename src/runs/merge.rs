@@ -82,7 +82,11 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
                 dir.display()
             )));
         }
-        let manifest = folder::read_manifest(dir)?;
+        manifests.push(folder::read_manifest(dir)?);
+    }
+    // Folders computed otherwise are refused before any of their results is read.
+    let (device, kernels) = computed_alike(dirs, &manifests)?;
+    for (dir, manifest) in dirs.iter().zip(&manifests) {
         let (results, timings) = if dir.join(RESULTS_JSON).is_file() {
             let (results, timings) = load_run(dir)?;
             check_results(&config, &results, &dir.join(RESULTS_JSON))?;
@@ -90,10 +94,8 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
         } else {
             unfinished(dir, &config, manifest.as_ref(), allow_partial)?
         };
-        manifests.push(manifest);
         loaded.push((dir.clone(), results, timings));
     }
-    let (device, kernels) = computed_alike(dirs, &manifests)?;
     let (mut results, mut timings) = merge(loaded)?;
     results.order_as(&config);
     let order: Vec<(String, String, u64)> = results.cells.iter().map(|c| c.key()).collect();

@@ -74,7 +74,7 @@ fn loss_curves(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
         series,
         legend: Some(Legend::at(Some(Corner::UpperRight), 15)),
     };
-    draw(path, &Picture::chart((960, 600), chart))
+    draw(path, Picture::chart((960, 600), chart))
 }
 
 /// A curve's band, from its lowest seed to its highest (`clip` bounds a value to the chart).
@@ -192,7 +192,7 @@ fn score_by_length(
         legend: Some(Legend::at(Some(Corner::LowerLeft), 15)),
     };
     let picture = Picture::chart((960, 600), chart).with(Note::faint(foot, (90, 582), 13, 0.7));
-    draw(path, &picture)
+    draw(path, picture)
 }
 
 /// Each variant's order tests (`order_tests`: the shuffle test first where it runs, a triangle;

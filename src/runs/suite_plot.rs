@@ -125,7 +125,7 @@ fn task_chart(results: &Results, task: &TaskInfo, small: bool) -> Chart {
 /// `length_<task>.png`: one task, with a legend.
 pub fn task_plot(path: &Path, task: &TaskInfo, results: &Results) -> Result<()> {
     let chart = task_chart(results, task, false);
-    draw(path, &Picture::chart((960, 600), chart))
+    draw(path, Picture::chart((960, 600), chart))
 }
 
 /// `length_suite.png`: every length-suite task of `results` in a grid, a shared legend below.
@@ -169,5 +169,5 @@ pub fn suite_plot(path: &Path, results: &Results) -> Result<()> {
         layout: Layout::Page(page),
         notes: vec![title],
     };
-    draw(path, &picture)
+    draw(path, picture)
 }
