@@ -25,8 +25,9 @@ use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
     device_layer_for, encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias,
-    AttentionBias, AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, Kernels, LayerBias,
-    LayerMasks, LayerNorm, LayerShape, QkScores, Rotary, SelfAttention, SharedRng,
+    AttentionBias, AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, InputReflections,
+    Kernels, LayerBias, LayerMasks, LayerNorm, LayerShape, QkScores, Rotary, SelfAttention,
+    SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -250,15 +251,15 @@ impl EncoderLayer {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// The layer as one fused node ([`Kernels::Layer`]), computing `gates` inside; dropout
-    /// masks are drawn in the order the composition draws them, so both paths see the same
-    /// masks.
+    /// The layer as one fused node ([`Kernels::Layer`]), computing `gates` or a transport's
+    /// `reflections` inside; dropout masks are drawn in the order the composition draws them,
+    /// so both paths see the same masks.
     fn forward_fused(
         &self,
         xs: &Tensor,
         attn_norm: &LayerNorm,
         inputs: AttentionInputs,
-        gates: Option<&ForgetGates>,
+        (gates, reflections): (Option<&ForgetGates>, Option<InputReflections>),
         train: bool,
     ) -> Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
@@ -288,14 +289,24 @@ impl EncoderLayer {
                 Some(g) => g.weight.dim(0)?,
                 None => 0,
             },
+            transport: reflections
+                .as_ref()
+                .map(InputReflections::taps)
+                .transpose()?,
         };
+        let mut params = self.packed_params(attn_norm, gates)?;
+        if let Some(r) = &reflections {
+            // The reflections' weights after the layer's own.
+            params = Tensor::cat(&[vec![params], r.flat()?].concat(), 0)?;
+        }
         Ok(encoder_layer(
             xs,
-            &self.packed_params(attn_norm, gates)?,
+            &params,
             shape,
             self.attn.fused_core(inputs),
             masks,
             train,
+            reflections,
         )?)
     }
 
@@ -317,12 +328,20 @@ impl EncoderLayer {
                 None => Ok(None),
             }
         };
-        // A scheme's own scores join the fused layer when they are a polar form or gate counts
-        // (on the CPU: the device path computes `q kᵀ` alone), and no bias of the attention
-        // input is beside.
+        // A scheme's own scores join the fused layer when they are a polar form, gate counts or
+        // a transport whose reflections the layer makes from its attention input (on the CPU:
+        // the device path computes `q kᵀ` alone), and no bias of the attention input is beside.
+        let reflections = match (inputs.rotary, inputs.score_bias, inputs.scores) {
+            (None, None, Some(s)) => s.input_reflections(),
+            _ => None,
+        };
         let scores_fuse = match inputs.scores {
             None => true,
-            Some(_) => inputs.fused_scores() && own.is_none() && !device_layer_for(xs),
+            Some(_) => {
+                (inputs.fused_scores() || reflections.is_some())
+                    && own.is_none()
+                    && !device_layer_for(xs)
+            }
         };
         if let (Kernels::Layer, Some(attn_norm), true, true) = (
             kernels_for(xs),
@@ -342,7 +361,8 @@ impl EncoderLayer {
                 score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
                 ..inputs
             };
-            return self.forward_fused(xs, attn_norm, inputs, gates.as_ref(), train);
+            let inside = (gates.as_ref(), reflections);
+            return self.forward_fused(xs, attn_norm, inputs, inside, train);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;

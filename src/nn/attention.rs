@@ -177,9 +177,17 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// attention input `x` (`(b, t, d_model)`, over `heads` heads), when they are exactly that:
     /// the fused CPU kernels then carry the keys to the queries inside the attention node, with
     /// a hand-written backward, and the reflections are made beside it (on the CPU's fused
-    /// kernels, one more node).
+    /// kernels, one more node; inside the layer's node under the `layer` kernels, given
+    /// [`QkScores::input_reflections`]).
     fn transport(&self, _x: &Tensor, _heads: usize) -> crate::Result<Option<super::Transport>> {
         Ok(None)
+    }
+
+    /// The weights [`QkScores::transport`] makes its reflections with, when its scores are a
+    /// transport: a fused layer then makes them inside itself from its attention input, and
+    /// the layer is one node.
+    fn input_reflections(&self) -> Option<super::InputReflections<'_>> {
+        None
     }
 }
 

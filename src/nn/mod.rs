@@ -41,7 +41,9 @@ pub use ops::{
 };
 pub use polar::Polar;
 pub use rotary::Rotary;
-pub use transport::{transport_inverse, transport_scores, Projections, Transport};
+pub use transport::{
+    transport_inverse, transport_scores, InputReflections, Projections, Transport,
+};
 
 /// What the device path ([`Kernels::Layer`] on CUDA) issued and allocated on this thread:
 /// see `poslab bench --launches`.

@@ -62,6 +62,50 @@ pub struct Projections<'a> {
     pub eps: f64,
 }
 
+/// The weights that make a transport's reflections from the attention input `x`, `u = x W_wᵀ`
+/// and `z = x W_bᵀ + b_b` of [`Projections`], with the tokens that are real: what a fused layer
+/// takes to make the reflections inside itself, beside its q, k and v.
+#[derive(Clone, Copy, Debug)]
+pub struct InputReflections<'a> {
+    /// `(d_model, d_model)`
+    pub w: &'a Tensor,
+    /// `(d_model, 1, K)`: the conv's taps (`None`: no conv and no silu).
+    pub conv: Option<&'a Tensor>,
+    /// `(heads, d_model)`
+    pub beta_weight: &'a Tensor,
+    /// `(heads)`
+    pub beta_bias: &'a Tensor,
+    /// `(b, t)`, 1 for a real token (`None`: all real).
+    pub mask: Option<&'a Tensor>,
+    /// Inside the norm's root.
+    pub eps: f64,
+}
+
+impl InputReflections<'_> {
+    /// The weights flattened in the fused layer's order: `W_w`, the taps, `W_b`, `b_b`.
+    pub(crate) fn flat(&self) -> candle::Result<Vec<Tensor>> {
+        let parts = [
+            Some(self.w),
+            self.conv,
+            Some(self.beta_weight),
+            Some(self.beta_bias),
+        ];
+        parts
+            .into_iter()
+            .flatten()
+            .map(Tensor::flatten_all)
+            .collect()
+    }
+
+    /// The conv's width `K` (0: none).
+    pub(crate) fn taps(&self) -> candle::Result<usize> {
+        Ok(match self.conv {
+            Some(c) => c.dim(2)?,
+            None => 0,
+        })
+    }
+}
+
 /// The reflections of a transport, stacked `[w | β]`.
 #[derive(Clone, Debug)]
 pub struct Transport {

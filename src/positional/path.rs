@@ -21,9 +21,12 @@
 //! **How it is computed.** The scores are an [`nn::Transport`](crate::nn::Transport) of q and k
 //! by the reflections `[w | β]`: composed of tensor ops through the UT transform of the
 //! Householder products (the idea of fla's blockwise kernels; `O(t³)` a head), the specification
-//! and what CUDA runs; on the CPU the fused attention node carries the keys to each query one
-//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward, and `w` and `β`
-//! are made from `x` beside it (the conv, silu, norm and strengths one more fused node).
+//! and what CUDA runs; on the CPU the fused attention kernel carries the keys to each query one
+//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward. Under the `layer`
+//! kernels the whole encoder layer is one node that also makes `w` and `β` from its attention
+//! input (the projections, conv, silu, norm and strengths), with their weights packed after the
+//! layer's ([`QkScores::input_reflections`]); under `ops` the reflections are one more fused
+//! node beside the attention's.
 //!
 //! Against fla's default layer: `W_w` is one `[d, d]` matrix (fla's `use_low_rank_w=False`),
 //! there is no forget gate and no qk norm (both fla's defaults), and q, k, v and o carry
@@ -40,7 +43,7 @@ use super::{
     ScoreFunction, ScoreModule,
 };
 use crate::error::Result;
-use crate::nn::{Projections, QkScores, Transport};
+use crate::nn::{InputReflections, Projections, QkScores, Transport};
 
 pub use crate::nn::{transport_inverse, transport_scores};
 
@@ -374,5 +377,17 @@ impl QkScores for PathScores<'_> {
             self.mask.as_ref(),
             heads,
         )?))
+    }
+
+    fn input_reflections(&self) -> Option<InputReflections<'_>> {
+        let w = self.weights;
+        Some(InputReflections {
+            w: &w.w,
+            conv: w.conv.as_ref(),
+            beta_weight: &w.beta_weight,
+            beta_bias: &w.beta_bias,
+            mask: self.mask.as_ref(),
+            eps: PATH_EPS,
+        })
     }
 }

@@ -96,6 +96,20 @@ pub(crate) struct Attention {
     simd: SimdLevel,
 }
 
+/// What a caller computed itself and gives an attention made without it: the fused layer's own
+/// score inputs, made from the attention input inside the layer.
+#[derive(Clone, Copy)]
+pub(super) enum Given<'a, T> {
+    /// Nothing beyond what the attention was made with.
+    Nothing,
+    /// Running sums `(2, b, h, t)` as the score bias ([`AttentionBias::SidedSums`]; the
+    /// layer's forget gates').
+    Sums(&'a [T]),
+    /// A transport's reflections `[w | β]` `(b, h, t, d_head + 1)`, for scores through it in
+    /// place of `q kᵀ` (the attention then has no rotation, score bias or scores of its own).
+    Reflections(&'a [T]),
+}
+
 /// A raw pointer that tasks writing disjoint parts of one buffer may share.
 #[derive(Clone, Copy)]
 struct Shared<T>(*mut T);
@@ -1350,41 +1364,66 @@ impl Attention {
         })
     }
 
-    /// The fixed inputs, with `sums` `(2, b, h, t)`, when given, as the score bias's running
-    /// sums (a bias the caller computed itself, as the fused layer's gates).
-    fn fixed_with<T: Real>(&self, sums: Option<&[T]>, n: Dims) -> Result<Fixed<T>> {
+    /// The fixed inputs, with what the caller `given` computed itself for an attention made
+    /// without it (the fused layer's gates' running sums, or its reflections).
+    fn fixed_with<T: Real>(&self, given: Given<'_, T>, n: Dims) -> Result<Fixed<T>> {
         let mut fixed = self.fixed::<T>()?;
-        if let Some(sums) = sums {
-            if self.score_bias.is_some() || self.own_scores() || sums.len() != 2 * n.b * n.h * n.t {
-                candle::bail!(
-                    "fused attention: {} running sums given for (2, b, h, t) = (2, {}, {}, {}), \
-                     beside a score bias of its own: {}",
-                    sums.len(),
-                    n.b,
-                    n.h,
-                    n.t,
-                    self.score_bias.is_some()
-                );
+        match given {
+            Given::Nothing => {}
+            Given::Sums(sums) => {
+                if self.score_bias.is_some()
+                    || self.own_scores()
+                    || sums.len() != 2 * n.b * n.h * n.t
+                {
+                    candle::bail!(
+                        "fused attention: {} running sums given for (2, b, h, t) = (2, {}, {}, \
+                         {}), beside a score bias of its own: {}",
+                        sums.len(),
+                        n.b,
+                        n.h,
+                        n.t,
+                        self.score_bias.is_some()
+                    );
+                }
+                fixed.score_bias = sums.to_vec();
+                fixed.sided = true;
             }
-            fixed.score_bias = sums.to_vec();
-            fixed.sided = true;
+            Given::Reflections(r) => {
+                let expected = n.b * n.h * n.t * (n.dh + 1);
+                if self.score_bias.is_some()
+                    || self.own_scores()
+                    || self.rope.is_some()
+                    || r.len() != expected
+                {
+                    candle::bail!(
+                        "fused attention: {} reflection values given for (b, h, t, d_head + 1) = \
+                         ({}, {}, {}, {}), beside a rotation, a score bias or scores of its own: {}",
+                        r.len(),
+                        n.b,
+                        n.h,
+                        n.t,
+                        n.dh + 1,
+                        self.rope.is_some() || self.score_bias.is_some() || self.own_scores()
+                    );
+                }
+                fixed.transport = Some(r.to_vec());
+            }
         }
         Ok(fixed)
     }
 
     /// The heads' outputs `(b, t, d)`; with `keep_probs`, also the attention weights before
-    /// dropout (`b h t²` values, else none), for [`Attention::backward`]. `sums`: running sums
-    /// `(2, b, h, t)` as the score bias (see [`AttentionBias::SidedSums`]), for an attention
-    /// made without one.
+    /// dropout (`b h t²` values, else none), for [`Attention::backward`]. `given`: what the
+    /// caller computed itself ([`Given`]), for an attention made without it.
     pub(super) fn forward<T: Real>(
         &self,
         qkv: &[T],
         mask: Option<&[T]>,
-        sums: Option<&[T]>,
+        given: Given<'_, T>,
         n: Dims,
         keep_probs: bool,
     ) -> Result<(Vec<T>, Vec<T>)> {
-        let fixed = self.fixed_with::<T>(sums, n)?;
+        let fixed = self.fixed_with::<T>(given, n)?;
         let gathered = fixed.gathered(n);
         let scores = fixed.scores();
         let (tt, per) = (n.t * n.t, self.kept_per_head(n));
@@ -1480,19 +1519,19 @@ impl Attention {
     }
 
     /// `d(qkv)` from `d(out)`, and the score bias's gradient when one is owed (see
-    /// [`Attention::bias_grad_len`]; always for `sums`, the running sums [`Attention::forward`]
-    /// was given); the attention weights are recomputed unless `probs` (from
+    /// [`Attention::bias_grad_len`]; always for what was [`Given`]: the running sums' or the
+    /// reflections'); the attention weights are recomputed unless `probs` (from
     /// [`Attention::forward`]) has them.
     pub(super) fn backward<T: Real>(
         &self,
         qkv: &[T],
         mask: Option<&[T]>,
-        sums: Option<&[T]>,
+        given: Given<'_, T>,
         probs: Option<&[T]>,
         g: &[T],
         n: Dims,
     ) -> Result<(Vec<T>, Vec<T>)> {
-        let fixed = self.fixed_with::<T>(sums, n)?;
+        let fixed = self.fixed_with::<T>(given, n)?;
         let gathered = fixed.gathered(n);
         let (row, tt, per) = (3 * n.d, n.t * n.t, self.kept_per_head(n));
         if let Some(p) = probs {
@@ -1508,8 +1547,10 @@ impl Attention {
         let npos = fixed.counts.as_ref().map_or(0, |c| c.npos);
         let counts_grad = npos > 0 && self.bias_needs_grad();
         let carried = fixed.transport.is_some();
-        let transport_grad = carried && self.bias_needs_grad();
-        let bias_grad = (!self.own_scores() && self.bias_needs_grad()) || sums.is_some();
+        let transport_grad =
+            carried && (self.bias_needs_grad() || matches!(given, Given::Reflections(_)));
+        let bias_grad =
+            (!self.own_scores() && self.bias_needs_grad()) || matches!(given, Given::Sums(_));
         let sided = fixed.sided;
         let refl = n.t * (n.dh + 1);
         let mut ds_all = zeros::<T>(match (bias_grad, sided) {
@@ -1800,7 +1841,7 @@ impl CustomOp3 for Attention {
                 } else {
                     None
                 },
-                None,
+                Given::Nothing,
                 n,
                 false
             )?
@@ -1859,7 +1900,7 @@ impl CustomOp3 for AttentionGrad {
                 } else {
                     None
                 },
-                None,
+                Given::Nothing,
                 None,
                 contiguous(s3, l3, what)?,
                 n,
@@ -2111,13 +2152,17 @@ mod tests {
             })
             .collect();
         let g = values::<T>(b * t * d, 24);
-        let (_, probs) = op.forward(&qkv, Some(&mask), None, n, true).unwrap();
+        let (_, probs) = op
+            .forward(&qkv, Some(&mask), Given::Nothing, n, true)
+            .unwrap();
         let per = if counted { 2 * tt + t * 10 } else { tt };
         assert_eq!(probs.len(), b * h * per);
         let (dqkv_kept, dbias_kept) = op
-            .backward(&qkv, Some(&mask), None, Some(&probs), &g, n)
+            .backward(&qkv, Some(&mask), Given::Nothing, Some(&probs), &g, n)
             .unwrap();
-        let (dqkv, dbias) = op.backward(&qkv, Some(&mask), None, None, &g, n).unwrap();
+        let (dqkv, dbias) = op
+            .backward(&qkv, Some(&mask), Given::Nothing, None, &g, n)
+            .unwrap();
         [dqkv_kept, dqkv, dbias_kept, dbias]
     }
 

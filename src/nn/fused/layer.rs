@@ -25,6 +25,17 @@
 //! so the attention input is normalised once and its gradient (from q, k, v and the gates)
 //! reaches LN1's backward as one sum.
 //!
+//! With a transport (`transport` = the width `K` of its conv), the reflections that carry the
+//! keys to the queries ([`crate::nn::Transport`]) are made inside from the attention input `a`
+//! in the same way, by the reflections' kernel ([`super::reflections`]), and the attention's
+//! kernel takes them in place of `q kᵀ`:
+//!
+//! ```text
+//! u = a W_wᵀ (n, d);   z = a W_bᵀ + b_b (n, h);   [w | β] = reflections(u, taps, z)   (b, h, t, d_head + 1)
+//! ```
+//!
+//! and their gradient returns to `a` beside q, k and v's (`du W_w + dz W_b`).
+//!
 //! `m1`, `m2` are residual-dropout multipliers (absent in evaluation). In training the forward
 //! keeps the activations the backward needs inside the op (about `(8 d + 2 ffn) × b t` values,
 //! and `2 h` more per token with gates), and the attention weights `b h t²` while they are small
@@ -39,13 +50,14 @@ use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::attention::Attention;
+use super::attention::{Attention, Given};
 use super::layer_norm::{LayerNormGrad, LayerNormOp};
 use super::linear::{
     by_dtype, column_sum, gemm_sums_in_order, grad_input, grad_input_of, grad_weight, linear_out,
     linear_product, residual_linear,
 };
 use super::log_sigmoid::LogSigmoid;
+use super::reflections::Reflections;
 use super::{
     activation_par, activation_with_grad_par, contiguous, times_grad_summed_par, zeros, Real,
 };
@@ -64,12 +76,17 @@ pub(crate) struct LayerShape {
     /// Forget-gate channels computed from the attention input (2 × heads: forward gates, then
     /// backward), whose running sums bias the scores; 0 for none.
     pub gates: usize,
+    /// Scores through a transport whose reflections the layer makes from its attention input
+    /// ([`crate::nn::Transport`]): the width `K` of their short convolution (0: none); `None`
+    /// for scores without.
+    pub transport: Option<usize>,
 }
 
 /// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
 /// `W_qkv` `(3d, d)` (q, k, v stacked), `b_qkv` `(3d)`, `W_o` `(d, d)`, `b_o`,
 /// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`, and with
-/// gates `W_g` `(gates, d)`, `b_g` `(gates)`.
+/// gates `W_g` `(gates, d)`, `b_g` `(gates)`, and with a transport its reflections' `W_w`
+/// `(d, d)`, the conv's taps `(d, K)`, `W_b` `(heads, d)` and `b_b` `(heads)`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Offsets {
     pub ln1: usize,
@@ -84,11 +101,16 @@ pub(crate) struct Offsets {
     pub bdown: usize,
     pub wg: usize,
     pub bg: usize,
+    pub ww: usize,
+    pub taps: usize,
+    pub wb: usize,
+    pub bb: usize,
     pub len: usize,
 }
 
 impl LayerShape {
-    pub(crate) fn offsets(&self) -> Offsets {
+    /// Where each parameter sits; a transport's strengths take `heads` rows.
+    pub(crate) fn offsets_with(&self, heads: usize) -> Offsets {
         let (d, f) = (self.d, self.ffn);
         let mut at = 0;
         let mut take = |n: usize| {
@@ -108,6 +130,14 @@ impl LayerShape {
         let bdown = take(d);
         let wg = take(self.gates * d);
         let bg = take(self.gates);
+        let (k, h) = match self.transport {
+            Some(k) => (k, heads),
+            None => (0, 0),
+        };
+        let ww = take(if self.transport.is_some() { d * d } else { 0 });
+        let taps = take(d * k);
+        let wb = take(h * d);
+        let bb = take(h);
         Offsets {
             ln1,
             wqkv,
@@ -121,13 +151,23 @@ impl LayerShape {
             bdown,
             wg,
             bg,
+            ww,
+            taps,
+            wb,
+            bb,
             len: at,
         }
     }
 
-    /// The length of the packed parameter vector.
-    pub fn packed_len(&self) -> usize {
-        self.offsets().len
+    /// Where each parameter sits, for a layer without a transport.
+    pub(crate) fn offsets(&self) -> Offsets {
+        self.offsets_with(0)
+    }
+
+    /// The length of the packed parameter vector, for `heads` heads.
+    #[cfg(test)]
+    pub fn packed_len(&self, heads: usize) -> usize {
+        self.offsets_with(heads).len
     }
 }
 
@@ -165,11 +205,19 @@ struct Saved<T> {
     /// with gates: their pre-activations `z` `(n, gates)` and the running sums `(2, b, h, t)`
     gate_z: Vec<T>,
     sums: Vec<T>,
+    /// with a transport: `u = a W_wᵀ` `(n, d)`, `z = a W_bᵀ + b_b` `(n, heads)` and the
+    /// reflections `[w | β]` `(b, h, t, d_head + 1)`
+    refl_u: Vec<T>,
+    refl_z: Vec<T>,
+    reflections: Vec<T>,
 }
 
 pub(crate) struct LayerOp {
     shape: LayerShape,
     attention: Attention,
+    /// How a transport's reflections are made (heads, the norm's eps, the real tokens), when
+    /// `shape.transport` is set.
+    reflections: Option<Reflections>,
     masks: LayerMasks,
     /// Keep activations for the backward (training).
     keep: bool,
@@ -190,6 +238,14 @@ fn host<T: Real>(x: &Option<Tensor>) -> Result<Option<Vec<T>>> {
     x.as_ref()
         .map(|m| m.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>())
         .transpose()
+}
+
+/// The taps' dims as the reflections take them: `(d, K)`, or `[0]` without a conv.
+fn taps_dims(d: usize, k: usize) -> Vec<usize> {
+    match k {
+        0 => vec![0],
+        k => vec![d, k],
+    }
 }
 
 /// `x ⊙ m` in place, when there is a mask.
@@ -239,11 +295,32 @@ impl LayerOp {
         Self {
             shape,
             attention,
+            reflections: None,
             masks,
             keep,
             device,
             saved: Mutex::new(None),
         }
+    }
+
+    /// This layer with scores through a transport whose reflections it makes as `reflections`
+    /// says (`shape.transport` gives their conv's width).
+    pub(crate) fn with_reflections(self, reflections: Option<Reflections>) -> Self {
+        Self {
+            reflections,
+            ..self
+        }
+    }
+
+    /// Where each parameter sits in the packed vector.
+    fn offsets(&self) -> Offsets {
+        self.shape
+            .offsets_with(self.reflections.as_ref().map_or(0, Reflections::heads))
+    }
+
+    /// The reflections' maker and the conv's width, when the layer has a transport.
+    fn transport(&self) -> Option<(&Reflections, usize)> {
+        self.reflections.as_ref().zip(self.shape.transport)
     }
 
     fn rows(&self, l: &Layout, lp: &Layout) -> Result<(usize, usize, usize)> {
@@ -258,11 +335,18 @@ impl LayerOp {
                 self.shape.d
             );
         }
-        if lp.dims() != [self.shape.packed_len()] {
+        if self.shape.transport.is_some() != self.reflections.is_some() {
+            candle::bail!(
+                "fused encoder layer: a transport's conv width ({:?}) without how its \
+                 reflections are made, or the reverse",
+                self.shape.transport
+            );
+        }
+        if lp.dims() != [self.offsets().len] {
             candle::bail!(
                 "fused encoder layer: packed parameters {:?}, expected ({})",
                 lp.dims(),
-                self.shape.packed_len()
+                self.offsets().len
             );
         }
         Ok((b, t, d))
@@ -287,7 +371,7 @@ impl LayerOp {
     ) -> Result<(Vec<T>, Saved<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
-        let o = self.shape.offsets();
+        let o = self.offsets();
         let masks = self.host_masks::<T>()?;
         let ln = |x: &[T], at: usize| {
             LayerNormOp { eps, simd }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
@@ -306,14 +390,27 @@ impl LayerOp {
         let (gate_z, sums) = match self.shape.gates {
             0 => (Vec::new(), Vec::new()),
             c => {
-                let z = linear_out(attn_in, &p[o.wg..o.bg], &p[o.bg..o.len], (n, d, c));
+                let z = linear_out(attn_in, &p[o.wg..o.bg], &p[o.bg..o.ww], (n, d, c));
                 let log_gates = pointwise::forward_par::<LogSigmoid, T>(simd, &z);
                 let sums = running_sums::forward(&log_gates, (b, t, 2, c / 2));
                 (z, sums)
             }
         };
+        // A transport's reflections: u = a W_wᵀ (n, d), z = a W_bᵀ + b_b (n, heads), then
+        // [w | β] (b, h, t, d_head + 1) as the reflections' own node makes them.
+        let (refl_u, refl_z, reflections) = match self.transport() {
+            None => (Vec::new(), Vec::new(), Vec::new()),
+            Some((maker, k)) => {
+                let h = maker.heads();
+                let u = linear_product(attn_in, &p[o.ww..o.taps], (n, d, d));
+                let z = linear_out(attn_in, &p[o.wb..o.bb], &p[o.bb..o.len], (n, d, h));
+                let rd = maker.dims(&[b, t, d], &taps_dims(d, k), &[b, t, h])?;
+                let r = maker.forward(&u, &p[o.taps..o.wb], &z, rd);
+                (u, z, r)
+            }
+        };
         let attention_mask = masks.attention.as_deref();
-        let given = (!sums.is_empty()).then_some(&sums[..]);
+        let given = self.given(&sums, &reflections);
         let keep_weights = for_backward && self.attention.keeps_weights::<T>(dims);
         let (c, probs) = self
             .attention
@@ -376,8 +473,21 @@ impl LayerOp {
                 s2,
                 gate_z,
                 sums,
+                refl_u,
+                refl_z,
+                reflections,
             },
         ))
+    }
+
+    /// What the layer gives its attention: the gates' running sums, or the reflections, when
+    /// it made them.
+    fn given<'a, T: Real>(&self, sums: &'a [T], reflections: &'a [T]) -> Given<'a, T> {
+        match (sums.is_empty(), reflections.is_empty()) {
+            (false, _) => Given::Sums(sums),
+            (true, false) => Given::Reflections(reflections),
+            (true, true) => Given::Nothing,
+        }
     }
 
     /// `(dx, dparams, d(score bias))` from the layer input, the parameters, the saved
@@ -392,7 +502,7 @@ impl LayerOp {
     ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
-        let o = self.shape.offsets();
+        let o = self.offsets();
         let masks = self.host_masks::<T>()?;
         let dims = self.attention.dims_of(b, t, 3 * d)?;
         let mut dp = zeros(o.len);
@@ -446,7 +556,7 @@ impl LayerOp {
         let gc = grad_input_of(&go, &p[o.wo..o.bo], (n, d, d));
         drop(go);
         let probs = (!s.probs.is_empty()).then_some(&s.probs[..]);
-        let given = (!s.sums.is_empty()).then_some(&s.sums[..]);
+        let given = self.given(&s.sums, &s.reflections);
         let (gqkv, g_sums) =
             self.attention
                 .backward(&s.qkv, masks.attention.as_deref(), given, probs, &gc, dims)?;
@@ -463,14 +573,35 @@ impl LayerOp {
                 let g_log = running_sums::backward(&g_sums, (b, t, 2, c / 2));
                 let gz = pointwise::grad_par::<LogSigmoid, T>(simd, &s.gate_z, &g_log);
                 grad_weight(&gz, attn_in, (n, c, d), &mut dp[o.wg..o.bg]);
-                column_sum(&gz, &mut dp[o.bg..o.len]);
+                column_sum(&gz, &mut dp[o.bg..o.ww]);
                 (Some(gz), Vec::new())
             }
         };
-        // d(attention input): from q, k and v, plus the gates' (gz Wg).
+        // A transport takes the reflections' gradient (from the attention) back to u and z,
+        // and to the conv's taps.
+        let (refl, gbias) = match self.transport() {
+            None => (None, gbias),
+            Some((maker, k)) => {
+                let h = maker.heads();
+                let rd = maker.dims(&[b, t, d], &taps_dims(d, k), &[b, t, h])?;
+                let taps = &p[o.taps..o.wb];
+                let (du, dtaps, dz) = maker.backward((&s.refl_u, taps, &s.refl_z), &gbias, rd);
+                grad_weight(&du, attn_in, (n, d, d), &mut dp[o.ww..o.taps]);
+                dp[o.taps..o.wb].copy_from_slice(&dtaps);
+                grad_weight(&dz, attn_in, (n, h, d), &mut dp[o.wb..o.bb]);
+                column_sum(&dz, &mut dp[o.bb..o.len]);
+                (Some((du, dz, h)), Vec::new())
+            }
+        };
+        // d(attention input): from q, k and v, plus the gates' (gz Wg) and the reflections'
+        // (du W_w + dz W_b).
         let gates_into = |ga: &mut [T]| {
             if let Some(gz) = &gz {
                 grad_input(gz, &p[o.wg..o.bg], (n, c, d), ga, true);
+            }
+            if let Some((du, dz, h)) = &refl {
+                grad_input(du, &p[o.ww..o.taps], (n, d, d), ga, true);
+                grad_input(dz, &p[o.wb..o.bb], (n, *h, d), ga, true);
             }
         };
 
@@ -491,7 +622,7 @@ impl LayerOp {
 /// as device memory (the guards that keep them valid are `held`).
 impl LayerOp {
     fn device_spec(&self) -> Result<device::layer::Spec> {
-        if self.attention.own_scores() {
+        if self.attention.own_scores() || self.reflections.is_some() {
             candle::bail!("device path: a scheme's own scores run as a composition of ops");
         }
         let heads = self.attention.head_count();
@@ -844,6 +975,38 @@ mod tests {
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
     }
 
+    /// What the layer's attention reads: `LN1(x)` (eps 1e-5) pre-norm, `x` post-norm.
+    fn attention_input(x: &Var, layer: &Var, d: usize, pre_norm: bool) -> Tensor {
+        if !pre_norm {
+            return x.as_tensor().clone();
+        }
+        let p = layer.as_tensor();
+        let (w, b) = (p.narrow(0, 0, d).unwrap(), p.narrow(0, d, d).unwrap());
+        layer_norm(x, &w, &b, 1e-5).unwrap()
+    }
+
+    /// `a` within `1e-12` of `b`'s largest magnitude, which is not 0.
+    fn assert_close(a: &Tensor, b: &Tensor, what: &str) {
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let (a, b) = (flat(a), flat(b));
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+        assert!(scale > 1e-6, "{what}: zero");
+        assert!(
+            err <= 1e-12 * scale,
+            "{what}: differs by {err:e} of {scale:e}"
+        );
+    }
+
+    /// The gradients of `Σ y ⊙ r`.
+    fn grads_of(y: &Tensor, r: &Tensor) -> candle::backprop::GradStore {
+        (y * r).unwrap().sum_all().unwrap().backward().unwrap()
+    }
+
     /// The forget gates computed inside the layer against the same layer given their running
     /// sums from the composition ([`ForgetGates::sums`] of `LN1(x)`, or of `x` post-norm), in
     /// f64: the output bit for bit, and the gradients of `x`, every layer parameter and the
@@ -861,12 +1024,13 @@ mod tests {
                 pre_norm,
                 activation: crate::nn::Activation::Gelu,
                 gates: 0,
+                transport: None,
             };
             let with_gates = LayerShape {
                 gates: 2 * h,
                 ..base
             };
-            let (np, ng) = (base.packed_len(), with_gates.packed_len());
+            let (np, ng) = (base.packed_len(h), with_gates.packed_len(h));
             let x = Var::from_tensor(&uniform(b * t * d, 1, &[b, t, d])).unwrap();
             let layer = Var::from_tensor(&uniform(np, 2, &[np])).unwrap();
             // The gates' bias near FoX's start (5) so the sums stay in the gates' working range.
@@ -890,22 +1054,12 @@ mod tests {
                 attention,
                 LayerMasks::default(),
                 true,
+                None,
             )
             .unwrap();
 
             // Outside: the composition's sums given as the score bias.
-            let attn_in = if pre_norm {
-                let p = layer.as_tensor();
-                layer_norm(
-                    &x,
-                    &p.narrow(0, 0, d).unwrap(),
-                    &p.narrow(0, d, d).unwrap(),
-                    1e-5,
-                )
-                .unwrap()
-            } else {
-                x.as_tensor().clone()
-            };
+            let attn_in = attention_input(&x, &layer, d, pre_norm);
             let gates = ForgetGates {
                 weight: weight.as_tensor().clone(),
                 bias: bias.as_tensor().clone(),
@@ -919,24 +1073,19 @@ mod tests {
                 Some(AttentionBias::SidedSums(&sums)),
                 None,
             );
-            let outside =
-                encoder_layer(&x, &layer, base, attention, LayerMasks::default(), true).unwrap();
+            let outside = encoder_layer(
+                &x,
+                &layer,
+                base,
+                attention,
+                LayerMasks::default(),
+                true,
+                None,
+            )
+            .unwrap();
 
             let close = |a: &Tensor, b: &Tensor, what: &str| {
-                let (a, b) = (
-                    a.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
-                    b.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
-                );
-                let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                let err = a
-                    .iter()
-                    .zip(&b)
-                    .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-                assert!(scale > 1e-6, "{what}: zero (pre-norm {pre_norm})");
-                assert!(
-                    err <= 1e-12 * scale,
-                    "{what}: differs by {err:e} of {scale:e} (pre-norm {pre_norm})"
-                );
+                assert_close(a, b, &format!("{what} (pre-norm {pre_norm})"))
             };
             // The forward runs the composition's kernels in its order: the same bits.
             let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
@@ -945,18 +1094,7 @@ mod tests {
                 flat(&outside),
                 "output (pre-norm {pre_norm})"
             );
-            let gi = (&inside * &r)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let go = (&outside * &r)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
+            let (gi, go) = (grads_of(&inside, &r), grads_of(&outside, &r));
             close(gi.get(&x).unwrap(), go.get(&x).unwrap(), "d x");
             assert_eq!(ng, np + 2 * h * d + 2 * h);
             for (var, what) in [
@@ -964,6 +1102,129 @@ mod tests {
                 (&weight, "d gate weight"),
                 (&bias, "d gate bias"),
             ] {
+                close(gi.get(var).unwrap(), go.get(var).unwrap(), what);
+            }
+        }
+    }
+
+    /// A transport's reflections made inside the layer from its attention input against the
+    /// same layer given them from the composition ([`Transport::compose`] of `LN1(x)`, or of
+    /// `x` post-norm), in f64, with a padded token and with and without the short conv: the
+    /// output and the gradients of `x`, every layer parameter and every reflection weight
+    /// (`W_w`, the taps, `W_b`, `b_b`) to 1e-12. Fails when the reflections' forward, their
+    /// backward, their weights' gradients or the sum of their gradient with q, k and v's into
+    /// the attention input is wrong.
+    #[test]
+    fn reflections_inside_the_layer_match_their_composition() {
+        use crate::nn::{key_padding_bias, InputReflections, Projections, Transport};
+        let (b, t, d, h, f) = (2, 7, 8, 2, 12);
+        let mask = Tensor::from_vec(
+            vec![1.0f64, 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 1., 0., 0.],
+            (b, t),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (pre_norm, k) in [(true, 3), (false, 3), (true, 0), (false, 2)] {
+            let base = LayerShape {
+                d,
+                ffn: f,
+                eps: 1e-5,
+                pre_norm,
+                activation: crate::nn::Activation::Gelu,
+                gates: 0,
+                transport: None,
+            };
+            let with_transport = LayerShape {
+                transport: Some(k),
+                ..base
+            };
+            let np = base.packed_len(h);
+            assert_eq!(with_transport.packed_len(h), np + d * d + d * k + h * d + h);
+            let x = Var::from_tensor(&uniform(b * t * d, 1, &[b, t, d])).unwrap();
+            let layer = Var::from_tensor(&uniform(np, 2, &[np])).unwrap();
+            let w = Var::from_tensor(&(uniform(d * d, 3, &[d, d]) * 2.0).unwrap()).unwrap();
+            let conv =
+                Var::from_tensor(&(uniform(d * k.max(1), 4, &[d, 1, k.max(1)]) * 3.0).unwrap())
+                    .unwrap();
+            let beta_weight = Var::from_tensor(&uniform(h * d, 5, &[h, d])).unwrap();
+            let beta_bias = Var::from_tensor(&uniform(h, 6, &[h])).unwrap();
+            let key_bias = key_padding_bias(&mask, DType::F64).unwrap();
+            let r = uniform(b * t * d, 7, &[b, t, d]);
+            let scale = 1.0 / ((d / h) as f64).sqrt();
+            let reflections = InputReflections {
+                w: w.as_tensor(),
+                conv: (k > 0).then_some(conv.as_tensor()),
+                beta_weight: beta_weight.as_tensor(),
+                beta_bias: beta_bias.as_tensor(),
+                mask: Some(&mask),
+                eps: 1e-6,
+            };
+
+            // Inside: the reflections' weights packed after the layer's parameters.
+            let packed = Tensor::cat(
+                &[vec![layer.as_tensor().clone()], reflections.flat().unwrap()].concat(),
+                0,
+            )
+            .unwrap();
+            let attention = Attention::new(h, scale, &key_bias, None, None, None);
+            let inside = encoder_layer(
+                &x,
+                &packed,
+                with_transport,
+                attention,
+                LayerMasks::default(),
+                true,
+                Some(reflections),
+            )
+            .unwrap();
+
+            // Outside: the composition's reflections given to the attention.
+            let attn_in = attention_input(&x, &layer, d, pre_norm);
+            let u = attn_in.broadcast_matmul(&w.t().unwrap()).unwrap();
+            let z = attn_in
+                .broadcast_matmul(&beta_weight.t().unwrap())
+                .unwrap()
+                .broadcast_add(&beta_bias)
+                .unwrap();
+            let (_, transport) = Transport::compose(Projections {
+                u: &u,
+                conv: reflections.conv,
+                z: &z,
+                mask: Some(&mask),
+                heads: h,
+                eps: 1e-6,
+            })
+            .unwrap();
+            let attention = Attention::new(h, scale, &key_bias, None, None, None)
+                .with_transport(Some(&transport));
+            let outside = encoder_layer(
+                &x,
+                &layer,
+                base,
+                attention,
+                LayerMasks::default(),
+                true,
+                None,
+            )
+            .unwrap();
+
+            let case = format!("pre-norm {pre_norm}, conv {k}");
+            let close = |a: &Tensor, b: &Tensor, what: &str| {
+                assert_close(a, b, &format!("{what} ({case})"))
+            };
+            close(&inside, &outside, "output");
+            let (gi, go) = (grads_of(&inside, &r), grads_of(&outside, &r));
+            close(gi.get(&x).unwrap(), go.get(&x).unwrap(), "d x");
+            let mut vars = vec![
+                (&layer, "d layer"),
+                (&w, "d W_w"),
+                (&beta_weight, "d W_b"),
+                (&beta_bias, "d b_b"),
+            ];
+            if k > 0 {
+                vars.push((&conv, "d taps"));
+            }
+            for (var, what) in vars {
                 close(gi.get(var).unwrap(), go.get(var).unwrap(), what);
             }
         }

@@ -109,6 +109,7 @@ pub(crate) fn encoder_layer(
     attention: Attention,
     masks: LayerMasks,
     keep_activations: bool,
+    reflections: Option<crate::nn::InputReflections>,
 ) -> Result<Tensor> {
     if shape.activation == crate::nn::Activation::Geglu {
         candle::bail!("the fused layer computes GELU and ReLU feed-forwards; GeGLU runs as ops");
@@ -120,6 +121,24 @@ pub(crate) fn encoder_layer(
             attention.head_count()
         );
     }
+    if shape.gates != 0 && shape.transport.is_some() {
+        candle::bail!("the fused layer computes forget gates or a transport, not both");
+    }
+    // A transport's reflections, made inside from the attention input: CPU kernels only.
+    let reflections = match (reflections, shape.transport) {
+        (None, None) => None,
+        (Some(r), Some(k)) if !crate::nn::device_layer_for(x) => {
+            if r.taps()? != k {
+                candle::bail!("the fused layer's transport: its conv width {k} is not its taps'");
+            }
+            let heads = attention.head_count();
+            Some(reflections::Reflections::new(heads, r.eps, r.mask)?)
+        }
+        _ => candle::bail!(
+            "the fused layer makes a transport's reflections on the CPU's kernels, given both \
+             their weights and their conv width"
+        ),
+    };
     if crate::nn::device_layer_for(x) {
         // The device path: parameters in the activations' dtype (cast once per step, here),
         // the fixed inputs in the dtype values are computed in.
@@ -130,7 +149,8 @@ pub(crate) fn encoder_layer(
         return x.contiguous()?.apply_op3(&params, &bias, op);
     }
     let bias = attention.score_bias_input(x)?;
-    let op = layer::LayerOp::new(shape, attention, masks, keep_activations, false);
+    let op = layer::LayerOp::new(shape, attention, masks, keep_activations, false)
+        .with_reflections(reflections);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
 }
 

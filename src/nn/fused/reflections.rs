@@ -40,7 +40,7 @@ pub(crate) struct Reflections {
 
 /// Shapes of one call: batch, tokens, width, heads, taps.
 #[derive(Clone, Copy)]
-struct Dims {
+pub(super) struct Dims {
     b: usize,
     t: usize,
     d: usize,
@@ -49,7 +49,31 @@ struct Dims {
 }
 
 impl Reflections {
-    fn dims(&self, u: &[usize], taps: &[usize], z: &[usize]) -> Result<Dims> {
+    /// For `heads` heads, the norm's `eps`, and which tokens are real: `mask` `(b, t)`, 1 for a
+    /// real token (`None`: all real).
+    pub(super) fn new(heads: usize, eps: f64, mask: Option<&Tensor>) -> Result<Self> {
+        let real = match mask {
+            Some(m) => Some(
+                m.flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(|v| v > 0.0)
+                    .collect(),
+            ),
+            None => None,
+        };
+        Ok(Self { heads, eps, real })
+    }
+
+    /// The heads.
+    pub(super) fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// The shapes of a call on `u` `(b, t, d)`, the taps `(d, K)` (`[0]`: none) and `z`
+    /// `(b, t, h)`, checked.
+    pub(super) fn dims(&self, u: &[usize], taps: &[usize], z: &[usize]) -> Result<Dims> {
         let (b, t, d) = match u {
             &[b, t, d] if d % self.heads == 0 => (b, t, d),
             dims => candle::bail!(
@@ -145,7 +169,7 @@ impl Reflections {
     }
 
     /// `[w | β]` `(b, h, t, d_head + 1)`.
-    fn forward<T: Real>(&self, u: &[T], taps: &[T], z: &[T], n: Dims) -> Vec<T> {
+    pub(super) fn forward<T: Real>(&self, u: &[T], taps: &[T], z: &[T], n: Dims) -> Vec<T> {
         let (t, d, h) = (n.t, n.d, n.h);
         let dh = d / h;
         let mut out = vec![T::zero(); n.b * h * t * (dh + 1)];
@@ -172,7 +196,7 @@ impl Reflections {
     }
 
     /// `(du (b, t, d), dC (d, K), dz (b, t, h))` from `d[w | β]`.
-    fn backward<T: Real>(
+    pub(super) fn backward<T: Real>(
         &self,
         (u, taps, z): (&[T], &[T], &[T]),
         g: &[T],
@@ -323,18 +347,7 @@ pub(crate) fn reflections(
     mask: Option<&Tensor>,
     (heads, eps): (usize, f64),
 ) -> Result<Tensor> {
-    let real = match mask {
-        Some(m) => Some(
-            m.flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(|v| v > 0.0)
-                .collect(),
-        ),
-        None => None,
-    };
-    let op = Reflections { heads, eps, real };
+    let op = Reflections::new(heads, eps, mask)?;
     let u = u.contiguous()?;
     let taps = match taps {
         Some(t) => t.contiguous()?,
