@@ -949,23 +949,45 @@ fn pope_and_cope_layers_run_as_one_fused_node_on_the_cpu() {
 }
 
 #[test]
-fn path_layers_carry_their_keys_inside_the_fused_attention_node_on_the_cpu() {
-    // PaTH's scores are a transport of q and k by reflections made from the attention input:
-    // the fused attention carries the keys itself, and the reflections (the short convolution,
-    // silu, the norm and the strengths) are one fused node beside their two projections. Measured at 2 layers
-    // (2026-11-28): fused 112 nodes pre-norm and 109 post-norm, composed 881 and 863 (the UT
-    // transform's inverses and products are hundreds of nodes a layer). A scheme silently
-    // composed of ops fails this.
+fn path_layers_run_as_one_fused_node_that_makes_their_reflections_on_the_cpu() {
+    // PaTH's scores are a transport of q and k by reflections made from the attention input.
+    // Under the fused layer the layer makes the reflections itself and its attention kernel
+    // carries the keys: a step's graph is then sin_add's plus the reflections' weights and
+    // their joining to the layer's (measured at 2 layers, conv 3: 72 nodes pre-norm, 69
+    // post-norm, sin_add 55 and 52; no conv: 68 and 65). Under `ops` the reflections are one
+    // fused node beside their two projections and the attention's, the rest of the layer
+    // separate nodes (112 and 109; the layer's count before it took the reflections in);
+    // composed, the UT transform's inverses and products are hundreds of nodes a layer (881 and
+    // 863). A layer that leaves the reflections outside, or a scheme composed of ops, fails
+    // this.
     use poslab::positional::PathOptions;
-    let scheme = PositionalConfig::Path(PathOptions::default());
-    for norm in [NormPlacement::Pre, NormPlacement::Post] {
-        let own = tiny_config(scheme.clone(), norm);
-        let fused = graph_nodes(&own, Kernels::Layer);
-        let composed = graph_nodes(&own, Kernels::Reference);
-        eprintln!("path {norm:?}: fused {fused}, composed {composed}");
-        assert!(
-            composed >= 3 * fused,
-            "path {norm:?}: composed has {composed} graph nodes, fused {fused}"
-        );
+    for options in [PathOptions::default(), PathOptions { conv_size: 0 }] {
+        let scheme = PositionalConfig::Path(options.clone());
+        for norm in [NormPlacement::Pre, NormPlacement::Post] {
+            let own = tiny_config(scheme.clone(), norm);
+            let plain = tiny_config(PositionalConfig::SinusoidalAdd(Default::default()), norm);
+            let layer = graph_nodes(&own, Kernels::Layer);
+            let baseline = graph_nodes(&plain, Kernels::Layer);
+            let ops = graph_nodes(&own, Kernels::Ops);
+            let composed = graph_nodes(&own, Kernels::Reference);
+            let (layers, k) = (own.n_layers, options.conv_size);
+            eprintln!(
+                "path conv {k} {norm:?}: layer {layer}, sin_add {baseline}, ops {ops}, composed \
+                 {composed}"
+            );
+            assert!(
+                layer <= baseline + 10 * layers,
+                "path conv {k} {norm:?}: the fused step has {layer} graph nodes, sin_add's \
+                 {baseline}"
+            );
+            assert!(
+                ops >= layer + 12 * layers,
+                "path conv {k} {norm:?}: under ops {ops} graph nodes, under layer {layer}"
+            );
+            assert!(
+                composed >= 3 * ops,
+                "path conv {k} {norm:?}: composed has {composed} graph nodes, ops {ops}"
+            );
+        }
     }
 }
