@@ -27,7 +27,7 @@ use crate::nn::{
     device_layer_for, encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias,
     AttentionBias, AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, InputReflections,
     Kernels, LayerBias, LayerMasks, LayerNorm, LayerShape, QkScores, Rotary, SelfAttention,
-    SharedRng,
+    SharedRng, TransportShape,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -289,10 +289,13 @@ impl EncoderLayer {
                 Some(g) => g.weight.dim(0)?,
                 None => 0,
             },
-            transport: reflections
-                .as_ref()
-                .map(InputReflections::taps)
-                .transpose()?,
+            transport: match &reflections {
+                Some(r) => Some(TransportShape {
+                    heads,
+                    taps: r.taps()?,
+                }),
+                None => None,
+            },
         };
         let mut params = self.packed_params(attn_norm, gates)?;
         if let Some(r) = &reflections {

@@ -29,7 +29,7 @@ pub use attention::{
 pub use counts::{CountParts, GateCounts};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
-pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape};
+pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape, TransportShape};
 pub use fused::{
     head_product_gflops, linear_pass_gflops, matmul_gflops, simd_dispatches, HeadProduct,
     LinearPass, SimdLevel,

@@ -77,9 +77,17 @@ pub(crate) struct LayerShape {
     /// backward), whose running sums bias the scores; 0 for none.
     pub gates: usize,
     /// Scores through a transport whose reflections the layer makes from its attention input
-    /// ([`crate::nn::Transport`]): the width `K` of their short convolution (0: none); `None`
-    /// for scores without.
-    pub transport: Option<usize>,
+    /// ([`crate::nn::Transport`]); `None` for scores without.
+    pub transport: Option<TransportShape>,
+}
+
+/// The widths of a transport's reflections made inside a layer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TransportShape {
+    /// The heads, one strength each.
+    pub heads: usize,
+    /// The width `K` of the short convolution (0: none).
+    pub taps: usize,
 }
 
 /// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
@@ -109,8 +117,7 @@ pub(crate) struct Offsets {
 }
 
 impl LayerShape {
-    /// Where each parameter sits; a transport's strengths take `heads` rows.
-    pub(crate) fn offsets_with(&self, heads: usize) -> Offsets {
+    pub(crate) fn offsets(&self) -> Offsets {
         let (d, f) = (self.d, self.ffn);
         let mut at = 0;
         let mut take = |n: usize| {
@@ -130,11 +137,11 @@ impl LayerShape {
         let bdown = take(d);
         let wg = take(self.gates * d);
         let bg = take(self.gates);
-        let (k, h) = match self.transport {
-            Some(k) => (k, heads),
-            None => (0, 0),
+        let (rows, k, h) = match self.transport {
+            Some(tr) => (d, tr.taps, tr.heads),
+            None => (0, 0, 0),
         };
-        let ww = take(if self.transport.is_some() { d * d } else { 0 });
+        let ww = take(rows * d);
         let taps = take(d * k);
         let wb = take(h * d);
         let bb = take(h);
@@ -159,15 +166,9 @@ impl LayerShape {
         }
     }
 
-    /// Where each parameter sits, for a layer without a transport.
-    pub(crate) fn offsets(&self) -> Offsets {
-        self.offsets_with(0)
-    }
-
-    /// The length of the packed parameter vector, for `heads` heads.
-    #[cfg(test)]
-    pub fn packed_len(&self, heads: usize) -> usize {
-        self.offsets_with(heads).len
+    /// The length of the packed parameter vector.
+    pub fn packed_len(&self) -> usize {
+        self.offsets().len
     }
 }
 
@@ -304,7 +305,7 @@ impl LayerOp {
     }
 
     /// This layer with scores through a transport whose reflections it makes as `reflections`
-    /// says (`shape.transport` gives their conv's width).
+    /// says (`shape.transport` gives their widths).
     pub(crate) fn with_reflections(self, reflections: Option<Reflections>) -> Self {
         Self {
             reflections,
@@ -312,14 +313,8 @@ impl LayerOp {
         }
     }
 
-    /// Where each parameter sits in the packed vector.
-    fn offsets(&self) -> Offsets {
-        self.shape
-            .offsets_with(self.reflections.as_ref().map_or(0, Reflections::heads))
-    }
-
-    /// The reflections' maker and the conv's width, when the layer has a transport.
-    fn transport(&self) -> Option<(&Reflections, usize)> {
+    /// The reflections' maker and widths, when the layer has a transport.
+    fn transport(&self) -> Option<(&Reflections, TransportShape)> {
         self.reflections.as_ref().zip(self.shape.transport)
     }
 
@@ -337,16 +332,16 @@ impl LayerOp {
         }
         if self.shape.transport.is_some() != self.reflections.is_some() {
             candle::bail!(
-                "fused encoder layer: a transport's conv width ({:?}) without how its \
-                 reflections are made, or the reverse",
+                "fused encoder layer: a transport's widths ({:?}) without how its reflections \
+                 are made, or the reverse",
                 self.shape.transport
             );
         }
-        if lp.dims() != [self.offsets().len] {
+        if lp.dims() != [self.shape.packed_len()] {
             candle::bail!(
                 "fused encoder layer: packed parameters {:?}, expected ({})",
                 lp.dims(),
-                self.offsets().len
+                self.shape.packed_len()
             );
         }
         Ok((b, t, d))
@@ -371,7 +366,7 @@ impl LayerOp {
     ) -> Result<(Vec<T>, Saved<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
-        let o = self.offsets();
+        let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
         let ln = |x: &[T], at: usize| {
             LayerNormOp { eps, simd }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
@@ -400,8 +395,7 @@ impl LayerOp {
         // [w | β] (b, h, t, d_head + 1) as the reflections' own node makes them.
         let (refl_u, refl_z, reflections) = match self.transport() {
             None => (Vec::new(), Vec::new(), Vec::new()),
-            Some((maker, k)) => {
-                let h = maker.heads();
+            Some((maker, TransportShape { heads: h, taps: k })) => {
                 let u = linear_product(attn_in, &p[o.ww..o.taps], (n, d, d));
                 let z = linear_out(attn_in, &p[o.wb..o.bb], &p[o.bb..o.len], (n, d, h));
                 let rd = maker.dims(&[b, t, d], &taps_dims(d, k), &[b, t, h])?;
@@ -502,7 +496,7 @@ impl LayerOp {
     ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
-        let o = self.offsets();
+        let o = self.shape.offsets();
         let masks = self.host_masks::<T>()?;
         let dims = self.attention.dims_of(b, t, 3 * d)?;
         let mut dp = zeros(o.len);
@@ -581,8 +575,7 @@ impl LayerOp {
         // and to the conv's taps.
         let (refl, gbias) = match self.transport() {
             None => (None, gbias),
-            Some((maker, k)) => {
-                let h = maker.heads();
+            Some((maker, TransportShape { heads: h, taps: k })) => {
                 let rd = maker.dims(&[b, t, d], &taps_dims(d, k), &[b, t, h])?;
                 let taps = &p[o.taps..o.wb];
                 let (du, dtaps, dz) = maker.backward((&s.refl_u, taps, &s.refl_z), &gbias, rd);
@@ -1030,7 +1023,7 @@ mod tests {
                 gates: 2 * h,
                 ..base
             };
-            let (np, ng) = (base.packed_len(h), with_gates.packed_len(h));
+            let (np, ng) = (base.packed_len(), with_gates.packed_len());
             let x = Var::from_tensor(&uniform(b * t * d, 1, &[b, t, d])).unwrap();
             let layer = Var::from_tensor(&uniform(np, 2, &[np])).unwrap();
             // The gates' bias near FoX's start (5) so the sums stay in the gates' working range.
@@ -1135,11 +1128,11 @@ mod tests {
                 transport: None,
             };
             let with_transport = LayerShape {
-                transport: Some(k),
+                transport: Some(TransportShape { heads: h, taps: k }),
                 ..base
             };
-            let np = base.packed_len(h);
-            assert_eq!(with_transport.packed_len(h), np + d * d + d * k + h * d + h);
+            let np = base.packed_len();
+            assert_eq!(with_transport.packed_len(), np + d * d + d * k + h * d + h);
             let x = Var::from_tensor(&uniform(b * t * d, 1, &[b, t, d])).unwrap();
             let layer = Var::from_tensor(&uniform(np, 2, &[np])).unwrap();
             let w = Var::from_tensor(&(uniform(d * d, 3, &[d, d]) * 2.0).unwrap()).unwrap();

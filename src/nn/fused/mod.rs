@@ -50,7 +50,7 @@ pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
 pub use attention::{head_product_gflops, HeadProduct};
 pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad_summed_par};
-pub(crate) use layer::{LayerMasks, LayerShape, Offsets};
+pub(crate) use layer::{LayerMasks, LayerShape, Offsets, TransportShape};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
 pub use linear::{linear_pass_gflops, matmul_gflops, LinearPass};
@@ -127,12 +127,16 @@ pub(crate) fn encoder_layer(
     // A transport's reflections, made inside from the attention input: CPU kernels only.
     let reflections = match (reflections, shape.transport) {
         (None, None) => None,
-        (Some(r), Some(k)) if !crate::nn::device_layer_for(x) => {
-            if r.taps()? != k {
-                candle::bail!("the fused layer's transport: its conv width {k} is not its taps'");
+        (Some(r), Some(tr)) if !crate::nn::device_layer_for(x) => {
+            if r.taps()? != tr.taps || tr.heads != attention.head_count() {
+                candle::bail!(
+                    "the fused layer's transport: {tr:?}, for reflections with {} taps over {} \
+                     heads",
+                    r.taps()?,
+                    attention.head_count()
+                );
             }
-            let heads = attention.head_count();
-            Some(reflections::Reflections::new(heads, r.eps, r.mask)?)
+            Some(reflections::Reflections::new(tr.heads, r.eps, r.mask)?)
         }
         _ => candle::bail!(
             "the fused layer makes a transport's reflections on the CPU's kernels, given both \

@@ -66,11 +66,6 @@ impl Reflections {
         Ok(Self { heads, eps, real })
     }
 
-    /// The heads.
-    pub(super) fn heads(&self) -> usize {
-        self.heads
-    }
-
     /// The shapes of a call on `u` `(b, t, d)`, the taps `(d, K)` (`[0]`: none) and `z`
     /// `(b, t, h)`, checked.
     pub(super) fn dims(&self, u: &[usize], taps: &[usize], z: &[usize]) -> Result<Dims> {
