@@ -123,9 +123,10 @@ impl Scheme for PathOptions {
         // inverses and products and their gradients, about 5 and 58 attention tables a layer
         // more. The fused CPU layer (2026-11-29, 4 threads): 87 and 381 MiB against
         // `sin_add`'s 94 and 388 (a training step at 1,024 tokens, batch 8: 1,043 against
-        // 787; this bound: 1.5 GiB); a training step counts a second table for the walk's
-        // checkpoints and history (at most 16 MiB a task whole, else about `1.4 t^1.5 d_head`
-        // values).
+        // 787; this bound: 1.5 GiB); a training step counts a second table for what the
+        // transport's backward keeps: the walk's checkpoints and history (at most 16 MiB a task
+        // whole, else about `1.4 t^1.5 d_head` values), or the blocks' carried keys (at most
+        // 16 MiB a task whole, else about `0.35 t^1.5 d_head`).
         match (fused, training) {
             (true, false) => 1,
             (true, true) => 2,

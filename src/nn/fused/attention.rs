@@ -2456,8 +2456,10 @@ mod tests {
     fn transported_scores_match_their_composition_forward_and_backward() {
         // Strengths across [0, 2) (reflections, projections at 1) and across [0, 1.2); padded
         // keys, a window, dropout; lengths that are not powers of two (the composition pads its
-        // inverses); every instruction set level, f32 and f64. Relative to the largest value of
-        // each result: the output, d(qkv), and the gradients of w and beta, in that order.
+        // inverses); every instruction set level, f32 and f64; heads 4 and 8 wide (the walk both
+        // ways), 16 and 20 (the walk forward, blocks backward) and 32 (blocks both ways, over two
+        // whole blocks and a short one). Relative to the largest value of each result: the
+        // output, d(qkv), and the gradients of w and beta, in that order.
         let carried = |top, scale| Own::Transport { top, scale };
         assert_own_scores_match(
             [(candle::DType::F64, 1e-11), (candle::DType::F32, 5e-5)],
@@ -2466,6 +2468,7 @@ mod tests {
                 ((3, 13, 3, 8), carried(1.2, 0.35), Some(4), false),
                 ((2, 33, 2, 16), carried(2.0, 0.25), None, true),
                 ((1, 40, 2, 20), carried(1.9, 0.2), Some(7), true),
+                ((2, 37, 2, 32), carried(2.0, 0.18), Some(9), true),
             ],
             ["output", "d(qkv)", "d(w; beta)"],
         );
