@@ -717,70 +717,75 @@ mod tests {
         r
     }
 
+    /// A backward that writes `dq`, `dk` and `dr`.
+    type Grads<'a> = dyn FnMut(&mut [f64], &mut [f64], &mut [f64]) + 'a;
+
     #[test]
     fn blocks_give_the_walks_scores_and_gradients() {
-        // Against the one-reflection-at-a-time walk, f64: blocks of 1, 4, 7, 32 and 64 over 37
-        // tokens (a short last block, a single block), undone whole or in groups from
-        // checkpoints (the last group short, or one block), scores and every gradient.
-        let (t, dh) = (37, 5);
-        let (q, k, ds) = (
-            values::<f64>(t * dh, 1),
-            values(t * dh, 2),
-            values(t * t, 3),
-        );
-        let refl = reflections::<f64>(t, dh, 4);
-        let head = Head {
-            q: &q,
-            k: &k,
-            reflections: &refl,
-            scale: 0.4,
-        };
-        let mut walk = super::super::walk::Work::<f64>::new(t, dh, true, true);
-        let mut want = vec![0.0; t * t];
-        super::super::walk::forward_body(head, &mut want, &mut walk);
-        let mut grads = [
-            vec![0.0; t * dh],
-            vec![0.0; t * dh],
-            vec![0.0; t * (dh + 1)],
-        ];
-        {
-            let [a, b, r] = &mut grads;
-            super::super::walk::backward_body(head, &ds, (a, b, r), &mut walk);
-        }
-        for (block, group) in [
+        // Against the one-reflection-at-a-time walk, f64: blocks of 1, 4, 7, 16, 32 and 64 over
+        // 2, 16, 17 and 37 tokens (whole blocks, a short last block, a single block), undone
+        // whole or in groups from checkpoints (the last group short, or one block), scores and
+        // every gradient.
+        let plan = [
             (1, 37),
             (1, 6),
             (4, 10),
             (4, 3),
             (7, 6),
             (7, 1),
+            (16, 1),
             (32, 2),
             (64, 1),
-        ] {
-            let mut work = Work::<f64>::with_groups(t, dh, (true, true), (block, group));
-            let mut s = vec![0.0; t * t];
-            forward_body(head, &mut s, &mut work);
-            let close = |a: &[f64], b: &[f64], what: &str| {
-                let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                    assert!(
-                        (x - y).abs() <= 1e-12 * scale,
-                        "{what}, blocks of {block} in groups of {group}: {x} against {y} at {i}"
-                    );
-                }
+        ];
+        for (t, dh) in [(2, 3), (16, 4), (17, 6), (37, 5)] {
+            let (q, k, ds) = (
+                values::<f64>(t * dh, 1),
+                values(t * dh, 2),
+                values(t * t, 3),
+            );
+            let refl = reflections::<f64>(t, dh, 4);
+            let head = Head {
+                q: &q,
+                k: &k,
+                reflections: &refl,
+                scale: 0.4,
             };
-            close(&s, &want, "scores");
-            let mut got = [
-                vec![0.0; t * dh],
-                vec![0.0; t * dh],
-                vec![0.0; t * (dh + 1)],
-            ];
-            {
-                let [a, b, r] = &mut got;
-                backward_body(head, &ds, (a, b, r), &mut work);
-            }
-            for (g, (w, what)) in got.iter().zip(grads.iter().zip(["dq", "dk", "dr"])) {
-                close(g, w, what);
+            let grads = |backward: &mut Grads<'_>| {
+                let mut g = [
+                    vec![0.0; t * dh],
+                    vec![0.0; t * dh],
+                    vec![0.0; t * (dh + 1)],
+                ];
+                let [a, b, r] = &mut g;
+                backward(a, b, r);
+                g
+            };
+            let mut walk = super::super::walk::Work::<f64>::new(t, dh, true, true);
+            let mut want = vec![0.0; t * t];
+            super::super::walk::forward_body(head, &mut want, &mut walk);
+            let want_grads = grads(&mut |a, b, r| {
+                super::super::walk::backward_body(head, &ds, (a, b, r), &mut walk)
+            });
+            assert!(want_grads.iter().all(|g| g.iter().any(|v| *v != 0.0)));
+            for (block, group) in plan {
+                let mut work = Work::<f64>::with_groups(t, dh, (true, true), (block, group));
+                let mut s = vec![0.0; t * t];
+                forward_body(head, &mut s, &mut work);
+                let close = |a: &[f64], b: &[f64], what: &str| {
+                    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                        assert!(
+                            (x - y).abs() <= 1e-12 * scale,
+                            "{what}, {t} tokens, blocks of {block} in groups of {group}: \
+                             {x} against {y} at {i}"
+                        );
+                    }
+                };
+                close(&s, &want, "scores");
+                let got = grads(&mut |a, b, r| backward_body(head, &ds, (a, b, r), &mut work));
+                for (g, (w, what)) in got.iter().zip(want_grads.iter().zip(["dq", "dk", "dr"])) {
+                    close(g, w, what);
+                }
             }
         }
     }
