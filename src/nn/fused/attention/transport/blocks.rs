@@ -29,13 +29,14 @@
 //! ```
 //!
 //! `U` holds every key before the block carried to its start. Each product has a block's
-//! width on one side, so a side costs about `t² d_head (3 + 2 n / d_head)` multiply-adds, as
-//! the one-reflection-at-a-time walk's `3 t² d_head`, but in matrix products.
+//! width on one side, so a side's forward costs about `t² d_head (3 + n / d_head)` operations
+//! (and `12 t n d_head + 6 t n²` within the blocks), as the one-reflection-at-a-time walk's
+//! `3 t² d_head`, but in matrix products.
 //!
 //! **Backward**, a side at a time: the carried keys at each block's start are made again and
 //! kept (`t² d_head / (2 n)` values; past 16 MiB in groups of blocks from checkpoints,
-//! [`group`]), then the blocks are undone from the last, with `G` the
-//! gradient of the carried keys. Each product's gradient is two products; `T`'s is
+//! [`group`]), then the blocks are undone from the last, with `G` the gradient of the carried
+//! keys. Each product's gradient is two products; `T`'s is
 //! `Z = (I + D L)⁻ᵀ dT`, which gives `dβ_e += Z_ee + Σ_{s<e} dN_es A_es` and
 //! `dA = (D dN)` strictly lower, with `dN = -Z Tᵀ` and `A = W Wᵀ`.
 
