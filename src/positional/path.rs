@@ -21,8 +21,10 @@
 //! **How it is computed.** The scores are an [`nn::Transport`](crate::nn::Transport) of q and k
 //! by the reflections `[w | β]`: composed of tensor ops through the UT transform of the
 //! Householder products (the idea of fla's blockwise kernels; `O(t³)` a head), the specification
-//! and what CUDA runs; on the CPU the fused attention kernel carries the keys to each query one
-//! reflection at a time (`O(t² d_head)` a head) with a hand-written backward. Under the `layer`
+//! and what CUDA runs; on the CPU the fused attention kernel computes them in `O(t² d_head)` a
+//! head with a hand-written backward, by fla's blockwise form (blocks of 16 tokens through the
+//! UT transform, as matrix products) for heads 32 wide or more, and for narrower ones by
+//! carrying the keys to each query one reflection at a time. Under the `layer`
 //! kernels the whole encoder layer is one node that also makes `w` and `β` from its attention
 //! input (the projections, conv, silu, norm and strengths), with their weights packed after the
 //! layer's ([`QkScores::input_reflections`]); under `ops` the reflections are one more fused
