@@ -174,6 +174,49 @@ impl TaskModel {
     }
 }
 
+impl TaskModel {
+    /// The loss of a training step on `batch` (positions from 0, dropout on): that of
+    /// [`TaskModel::loss`], without the logits. On the device path (CUDA under the `layer`
+    /// kernels) the head and its loss run as one node from the encoder's output
+    /// (`nn::device::head`), in place of some 150 of candle's ops; elsewhere this is
+    /// [`TaskModel::loss`].
+    pub fn training_loss(&self, batch: &Batch) -> Result<Tensor> {
+        let _backend = self.encoder.backend().enter();
+        let weight = self.head.weight();
+        let fused = crate::nn::device_layer_for(weight)
+            && matches!(weight.dtype(), DType::F32 | DType::F64);
+        let (true, Some(bias)) = (fused, self.head.bias()) else {
+            return Ok(self.loss(batch, 0, true)?.0);
+        };
+        if batch.weights.is_some() && batch.scored == 0 {
+            return Err(Error::Input("a batch with no scored labels".into()));
+        }
+        let positions = batch.positions(0)?;
+        let hidden = self.encoder.forward_built(batch, &positions, true)?; // (b, t, d)
+        use crate::nn::device::head::{head_loss, Readout};
+        let readout = match self.config {
+            HeadConfig::Classify {
+                pooling: Pooling::Mean,
+                ..
+            } => Readout::Mean(batch.mask.clone()),
+            HeadConfig::Classify {
+                pooling: Pooling::First,
+                ..
+            } => Readout::First,
+            HeadConfig::Tag { .. } | HeadConfig::Mlm => Readout::Tokens,
+        };
+        let weights = batch.weights.as_ref().map(|w| (w, batch.scored as f64));
+        Ok(head_loss(
+            &hidden,
+            weight,
+            bias,
+            readout,
+            &batch.targets,
+            weights,
+        )?)
+    }
+}
+
 /// Mean negative log-likelihood of `targets`, over the entries with weight 1.
 ///
 /// # Shapes

@@ -40,6 +40,10 @@
 #   small        the default compare's model: a step's wall time on the GPU and the CPU, and its
 #                kernels' GPU time (ncu)                      -> small.txt, profile-small.csv
 #
+# Built since, not yet run on a GPU (2026-11-29): the task head and its loss as one node on the
+# device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
+# 2.5 -> 1.6-1.9 ms). Next: `info tests small compare profile-torch bench-large` with
+# COMPARE_DTYPES=f32 and LARGE_ROUNDS=1, then `variants` if time is left.
 # Issue 46's second GPU session (2026-11-28, morning; 15 minutes of device time, two calls):
 # `info tests variants small profile` in 106 s of command (T5 and FIRE near sin_add, measured),
 # then at 1166cc4 `info tests small profile compare` plus the compare with JOBS=2 in 164 s;

@@ -97,7 +97,7 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
             )?;
             let batch = batch(shape, &options.device)?;
             let mut step = || -> Result<()> {
-                let (loss, _) = model.loss(&batch, 0, true)?;
+                let loss = model.training_loss(&batch)?;
                 let grads = loss.backward()?;
                 optimizer.step(&grads, 1e-4, 1.0)?;
                 sync(&params.vars()[0].1)

@@ -630,7 +630,7 @@ fn time_training(
     let mut parts = [Vec::new(), Vec::new(), Vec::new()];
     let (ms, mut phase) = Phase::measure(options, options.train_reps, |measured| {
         let started = Instant::now();
-        let (loss, _) = model.loss(batch, 0, true)?;
+        let loss = model.training_loss(batch)?;
         sync(&loss)?;
         let forward_done = Instant::now();
         let grads = loss.backward()?;

@@ -715,7 +715,7 @@ impl<'a> Trainer<'a> {
             .encoder()
             .set_dropout_seed(derive_seed(self.seed, "dropout", step as u64));
         let lr = self.config.lr_at(step, self.planned);
-        let (loss, _) = self.model.loss(&batch, 0, true)?;
+        let loss = self.model.training_loss(&batch)?;
         let loss_scale = self.state.loss_scale.as_ref().map_or(1.0, |s| s.scale);
         let grads = if loss_scale == 1.0 {
             loss.backward()?

@@ -45,8 +45,8 @@ fn device_path_kernels_compile_with_nvrtc() {
     #[cfg(feature = "cuda")]
     {
         let kernels = poslab::nn::device_path::compile_kernels().unwrap();
-        // 17 kernels for each of f64, f32, bf16 and f16, and 16 conversions between them.
-        assert_eq!(kernels, 4 * 17 + 16);
+        // 21 kernels for each of f64, f32, bf16 and f16, and 16 conversions between them.
+        assert_eq!(kernels, 4 * 21 + 16);
     }
     #[cfg(not(feature = "cuda"))]
     eprintln!("device_path_kernels_compile_with_nvrtc: skipped: built without the `cuda` feature");
@@ -128,6 +128,48 @@ fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
         }
     }
     eprintln!("gpu gradients against the CPU: worst relative L2 error {worst:.2e}");
+}
+
+/// The task head and its loss as one node on CUDA (`nn/device/head.rs`: cuBLAS and poslab's
+/// kernels) against the composition of candle ops on the same GPU, and against the node's CPU
+/// twin: the loss and every variable's gradient, for each readout, in f32.
+#[test]
+fn gpu_heads_give_the_compositions_loss_and_gradients() {
+    use crate::fused::{head_batch, head_error, head_step, heads_to_check};
+    let Some(gpu) = gpu("gpu_heads_give_the_compositions_loss_and_gradients") else {
+        return;
+    };
+    let mut worst = 0.0f64;
+    for (head, head_kernels) in heads_to_check() {
+        let what = format!("{head:?} gpu");
+        let batch = head_batch(&head, &gpu);
+        let (loss, grads, ran) = head_step(&head, &batch, DType::F32, &gpu, true);
+        let (ref_loss, ref_grads, composed) = head_step(&head, &batch, DType::F32, &gpu, false);
+        assert_eq!(
+            (ran.kernels - composed.kernels, ran.gemms - composed.gemms),
+            (head_kernels, 4),
+            "{what}: the head's kernels and products"
+        );
+        worst = worst.max(head_error(
+            (loss, &grads),
+            (ref_loss, &ref_grads),
+            1e-4,
+            &what,
+        ));
+        let cpu_batch = head_batch(&head, &Device::Cpu);
+        let (twin_loss, twin_grads, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
+            head_step(&head, &cpu_batch, DType::F32, &Device::Cpu, true)
+        })
+        .0;
+        let what = format!("{what} against the twin");
+        worst = worst.max(head_error(
+            (loss, &grads),
+            (twin_loss, &twin_grads),
+            1e-4,
+            &what,
+        ));
+    }
+    eprintln!("gpu heads against the composition and the twin: worst relative error {worst:.2e}");
 }
 
 #[test]

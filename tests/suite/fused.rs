@@ -991,3 +991,177 @@ fn path_layers_run_as_one_fused_node_that_makes_their_reflections_on_the_cpu() {
         }
     }
 }
+
+/// The heads [`device_path_heads_give_the_compositions_loss_and_gradients`] checks, each with
+/// its kernels on the device path: xent, weighted_sum, xent_back and the fill of the bias
+/// gradient's row of ones, then the pooling's two (mean) or the fill of the hidden states'
+/// gradient (first token).
+pub(crate) fn heads_to_check() -> Vec<(poslab::HeadConfig, usize)> {
+    use poslab::{HeadConfig, Pooling};
+    vec![
+        (
+            HeadConfig::Classify {
+                classes: 3,
+                pooling: Pooling::Mean,
+            },
+            6,
+        ),
+        (
+            HeadConfig::Classify {
+                classes: 4,
+                pooling: Pooling::First,
+            },
+            5,
+        ),
+        (HeadConfig::Tag { classes: 5 }, 4),
+        (HeadConfig::Mlm, 4),
+    ]
+}
+
+/// A batch of five sequences of 1 to 7 tokens for `head` on `device`: classes, tags with
+/// unscored tokens, or masked tokens (half of them, seeded).
+pub(crate) fn head_batch(head: &poslab::HeadConfig, device: &Device) -> poslab::data::Batch {
+    use poslab::data::{make_batch, MlmMasking, Sample, Target, NOT_SCORED};
+    use poslab::HeadConfig;
+    let samples: Vec<Sample> = [3usize, 7, 5, 1, 6]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Sample {
+            ids: (0..n)
+                .map(|j| ((2 + 7 * i + 3 * j) % 38 + 2) as u32)
+                .collect(),
+            target: match head {
+                HeadConfig::Classify { classes, .. } => Target::Class((i % classes) as u32),
+                HeadConfig::Tag { classes } => Target::Tags(
+                    (0..n)
+                        .map(|j| match (i + j) % 4 {
+                            0 => NOT_SCORED,
+                            k => ((j + k) % classes) as i64,
+                        })
+                        .collect(),
+                ),
+                HeadConfig::Mlm => Target::Masked,
+            },
+            tape: None,
+        })
+        .collect();
+    let refs: Vec<&Sample> = samples.iter().collect();
+    let masking = MlmMasking {
+        mask_prob: 0.5,
+        mask_id: 1,
+        regular_ids: (2..40).collect(),
+    };
+    let mut rng = poslab::rng::stream(3, "masks");
+    let masks = matches!(head, HeadConfig::Mlm).then_some((&masking, &mut rng));
+    let batch = make_batch(&refs, 0, masks, device).unwrap();
+    assert!(batch.weights.is_none() || batch.scored > 0);
+    batch
+}
+
+/// One training step's loss on `batch` and every variable's gradient, by name, through
+/// `TaskModel::training_loss` (`fused`) or `TaskModel::loss` (the composition after the
+/// encoder), with the device path's operations counted meanwhile.
+pub(crate) fn head_step(
+    head: &poslab::HeadConfig,
+    batch: &poslab::data::Batch,
+    dtype: DType,
+    device: &Device,
+    fused: bool,
+) -> (
+    f64,
+    Vec<(String, Vec<f64>)>,
+    poslab::nn::device_path::Counts,
+) {
+    use poslab::nn::device_path;
+    let store = ParamStore::new(5);
+    let config = tiny_config(
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        NormPlacement::Pre,
+    );
+    let model = poslab::TaskModel::new(&config, head, store.var_builder(dtype, device)).unwrap();
+    let before = device_path::counts();
+    let loss = match fused {
+        true => model.training_loss(batch).unwrap(),
+        false => model.loss(batch, 0, true).unwrap().0,
+    };
+    assert_eq!(loss.dims(), &[] as &[usize], "{head:?}: a scalar loss");
+    let grads = store.gradients(&loss.backward().unwrap()).unwrap();
+    assert_eq!(
+        grads.len(),
+        store.params().len(),
+        "{head:?}: every variable"
+    );
+    let grads = grads.iter().map(|(n, g)| (n.clone(), values(g))).collect();
+    (values(&loss)[0], grads, device_path::counts() - before)
+}
+
+/// The worst relative error of a loss and its gradients against another's, each asserted
+/// within `tol`, and none of the reference's gradients zero.
+pub(crate) fn head_error(
+    (loss, grads): (f64, &[(String, Vec<f64>)]),
+    (ref_loss, ref_grads): (f64, &[(String, Vec<f64>)]),
+    tol: f64,
+    what: &str,
+) -> f64 {
+    let mut worst = (loss - ref_loss).abs() / ref_loss.abs();
+    assert!(worst <= tol, "{what}: loss {loss} against {ref_loss}");
+    assert_eq!(grads.len(), ref_grads.len(), "{what}: variables");
+    for ((name, g), (ref_name, r)) in grads.iter().zip(ref_grads) {
+        assert_eq!(name, ref_name);
+        assert!(
+            r.iter().any(|v| *v != 0.0),
+            "{what}: `{name}` has no gradient"
+        );
+        let err = relative_error(g, r);
+        assert!(
+            err <= tol,
+            "{what}: gradient of `{name}` differs by {err:e}"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// A task head and its loss on the device path (one node, `nn/device/head.rs`, computed by its
+/// CPU twin) against the composition of candle ops that `TaskModel::loss` runs on the same
+/// encoder: the loss and the gradient of every variable, for each readout (mean and first-token
+/// pooling, token tags with unscored tokens, masked-LM), over sequences of different lengths,
+/// in f32 and f64, at the fused kernels' tolerances; and that the node ran, by its exact count
+/// of kernels and products (the composition's ops are candle's, which the count leaves out).
+#[test]
+fn device_path_heads_give_the_compositions_loss_and_gradients() {
+    let mut worst = [0.0f64; 2];
+    for (head, head_kernels) in heads_to_check() {
+        let batch = head_batch(&head, &Device::Cpu);
+        for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
+            let what = format!("{head:?} {dtype:?}");
+            let ((loss, grads, fused), (ref_loss, ref_grads, composed)) =
+                poslab::nn::with_gpu_ops_on_cpu(|| {
+                    (
+                        head_step(&head, &batch, dtype, &Device::Cpu, true),
+                        head_step(&head, &batch, dtype, &Device::Cpu, false),
+                    )
+                })
+                .0;
+            assert_eq!(
+                (
+                    fused.kernels - composed.kernels,
+                    fused.gemms - composed.gemms
+                ),
+                (head_kernels, 4),
+                "{what}: the head's kernels and products"
+            );
+            let err = head_error(
+                (loss, &grads),
+                (ref_loss, &ref_grads),
+                tolerance(dtype),
+                &what,
+            );
+            worst[slot] = worst[slot].max(err);
+        }
+    }
+    eprintln!(
+        "device path's head vs the composition, worst relative error: f32 {:.1e}, f64 {:.1e}",
+        worst[0], worst[1]
+    );
+}

@@ -46,7 +46,7 @@ fn ptx() -> Result<&'static str> {
 }
 
 /// The kernels every storage dtype has, as [`CudaStream`] launches them.
-const KERNELS: [&str; 17] = [
+const KERNELS: [&str; 21] = [
     "gates",
     "fill",
     "mul",
@@ -64,6 +64,10 @@ const KERNELS: [&str; 17] = [
     "adamw",
     "sum_squares",
     "embedding_back",
+    "pool_mean",
+    "xent",
+    "weighted_sum",
+    "xent_back",
 ];
 
 /// Compiles the kernels with NVRTC (no GPU needed) and checks that the PTX holds every kernel
@@ -728,6 +732,89 @@ impl Stream for CudaStream {
             Arg::I32(int(d, "a width")?),
         ];
         self.launch_grid("embedding_back", dt, grid, &args)
+    }
+
+    fn pool_mean(
+        &self,
+        x: Mem,
+        mask: Mem,
+        (b, t, d): (usize, usize, usize),
+        out: Mem,
+        back: bool,
+    ) -> Result<()> {
+        count(Kind::Kernel);
+        let dt = x.dtype;
+        let (x_len, out_len) = if back {
+            (b * d, b * t * d)
+        } else {
+            (b * t * d, b * d)
+        };
+        mask.holds(b * t, DType::U32, "the attention mask")?;
+        x.holds(x_len, dt, "the pooling's input")?;
+        out.holds(out_len, dt, "the pooling's output")?;
+        let args = [
+            Arg::Ptr(x.addr),
+            Arg::Ptr(mask.addr),
+            Arg::Ptr(out.addr),
+            Arg::I32(int(b, "a batch")?),
+            Arg::I32(int(t, "tokens")?),
+            Arg::I32(int(d, "a width")?),
+            Arg::I32(back as i32),
+        ];
+        self.launch("pool_mean", dt, grid_of(b * d), &args)
+    }
+
+    fn xent(&self, x: &Xent, bias: Mem, nll: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        let dt = x.logits.dtype;
+        x.check(dt)?;
+        bias.holds(x.classes, dt, "the head's bias")?;
+        nll.holds(x.rows, dt, "the rows' losses")?;
+        let args = [
+            Arg::Ptr(x.logits.addr),
+            Arg::Ptr(bias.addr),
+            Arg::Ptr(x.targets.addr),
+            Arg::Ptr(x.lse.addr),
+            Arg::Ptr(nll.addr),
+            i64_arg(x.rows),
+            Arg::I32(int(x.classes, "classes")?),
+        ];
+        self.launch("xent", dt, rows_of(x.rows)?, &args)
+    }
+
+    fn weighted_sum(&self, x: Mem, w: Option<Mem>, scale: f64, out: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        let dt = x.dtype;
+        if let Some(w) = w {
+            w.holds(x.len, DType::F32, "the weights of a sum")?;
+        }
+        out.holds(1, dt, "a sum")?;
+        let args = [
+            Arg::Ptr(x.addr),
+            Arg::Ptr(ptr(w)),
+            Arg::F64(scale),
+            Arg::Ptr(out.addr),
+            i64_arg(x.len),
+        ];
+        self.launch("weighted_sum", dt, 1, &args)
+    }
+
+    fn xent_back(&self, x: &Xent, g: Mem, scale: f64) -> Result<()> {
+        count(Kind::Kernel);
+        let dt = x.logits.dtype;
+        x.check(dt)?;
+        g.holds(1, dt, "the loss's gradient")?;
+        let args = [
+            Arg::Ptr(x.logits.addr),
+            Arg::Ptr(x.lse.addr),
+            Arg::Ptr(x.targets.addr),
+            Arg::Ptr(ptr(x.weights)),
+            Arg::Ptr(g.addr),
+            Arg::F64(scale),
+            i64_arg(x.rows),
+            Arg::I32(int(x.classes, "classes")?),
+        ];
+        self.launch("xent_back", dt, grid_of(x.rows * x.classes), &args)
     }
 
     fn sided_back(&self, ds: Mem, n: Heads, out: Mem) -> Result<()> {

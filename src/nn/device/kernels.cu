@@ -72,6 +72,8 @@ __device__ inline float l1p(float x) { return log1pf(x); }
 __device__ inline double l1p(double x) { return log1p(x); }
 __device__ inline float sq(float x) { return sqrtf(x); }
 __device__ inline double sq(double x) { return sqrt(x); }
+__device__ inline float lg(float x) { return logf(x); }
+__device__ inline double lg(double x) { return log(x); }
 __device__ inline float mx(float a, float b) { return fmaxf(a, b); }
 __device__ inline double mx(double a, double b) { return fmax(a, b); }
 
@@ -79,6 +81,12 @@ template <typename C> __device__ C neg_inf();
 template <> __device__ float neg_inf<float>() { return __int_as_float(0xff800000); }
 template <> __device__ double neg_inf<double>() {
     return __longlong_as_double((long long)0xfff0000000000000ULL);
+}
+
+template <typename C> __device__ C quiet_nan();
+template <> __device__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ double quiet_nan<double>() {
+    return __longlong_as_double((long long)0x7ff8000000000000ULL);
 }
 
 // The masked score (poslab's MASKED_SCORE): weight exactly 0 after exp, finite.
@@ -643,6 +651,87 @@ __device__ void embedding_back(const unsigned int* ids, const S* g, S* out, i64 
             out[(i64)(v0 + r) * d + col] = E<S>::put(acc[r * blockDim.x + threadIdx.x]);
 }
 
+// The task head's pooling: the mean over each sequence's real tokens (mask 1), x (b, t, d) to
+// out (b, d), summed in token order; back: the gradient, x (b, d) to out (b, t, d). One thread
+// per (sequence, column).
+template <typename S>
+__device__ void pool_mean(const S* x, const unsigned int* mask, S* out, int b, int t, int d,
+                          int back) {
+    typedef typename E<S>::C C;
+    GRID_STRIDE(i, (i64)b * d) {
+        const i64 s = i / d, c = i - s * d;
+        const unsigned int* m = mask + s * t;
+        C count = 0;
+        for (int j = 0; j < t; ++j) count += (C)m[j];
+        if (back) {
+            const C g = E<S>::get(x[i]);
+            for (int j = 0; j < t; ++j) out[(s * t + j) * d + c] = E<S>::put(g / count * (C)m[j]);
+        } else {
+            C acc = 0;
+            for (int j = 0; j < t; ++j) acc += E<S>::get(x[(s * t + j) * d + c]) * (C)m[j];
+            out[i] = E<S>::put(acc / count);
+        }
+    }
+}
+
+// A cross-entropy's rows, one block per row: logits += bias (stored), lse = log Σ exp, and
+// nll = lse - logits[target] (NaN for a target that is not a class).
+template <typename S>
+__device__ void xent(S* logits, const S* bias, const unsigned int* targets, typename E<S>::C* lse,
+                     S* nll, i64 rows, int classes) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    const i64 r = blockIdx.x;
+    if (r >= rows) return;
+    S* row = logits + r * classes;
+    C m = neg_inf<C>();
+    for (int j = threadIdx.x; j < classes; j += blockDim.x) {
+        row[j] = E<S>::put(E<S>::get(row[j]) + E<S>::get(bias[j]));
+        m = mx(m, E<S>::get(row[j]));
+    }
+    m = block_max(m, red);
+    C sum = 0;
+    for (int j = threadIdx.x; j < classes; j += blockDim.x) sum += ex(E<S>::get(row[j]) - m);
+    sum = block_sum(sum, red);
+    if (threadIdx.x == 0) {
+        const C l = m + lg(sum);
+        const unsigned int target = targets[r];
+        lse[r] = l;
+        nll[r] = E<S>::put(target < (unsigned int)classes ? l - E<S>::get(row[target])
+                                                          : quiet_nan<C>());
+    }
+}
+
+// out[0] = scale Σ w[i] x[i] (w all 1 when null), in one block.
+template <typename S>
+__device__ void weighted_sum(const S* x, const float* w, double scale, S* out, i64 n) {
+    typedef typename E<S>::C C;
+    __shared__ C red[32];
+    C sum = 0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const C v = E<S>::get(x[i]);
+        sum += w ? v * (C)w[i] : v;
+    }
+    sum = block_sum(sum, red);
+    if (threadIdx.x == 0) out[0] = E<S>::put(sum * (C)scale);
+}
+
+// The cross-entropy's backward in place of the logits:
+// logits = g[0] scale w[r] (exp(logits - lse[r]) - [j = target[r]]).
+template <typename S>
+__device__ void xent_back(S* logits, const typename E<S>::C* lse, const unsigned int* targets,
+                          const float* w, const S* g, double scale, i64 rows, int classes) {
+    typedef typename E<S>::C C;
+    const C k = E<S>::get(g[0]) * (C)scale;
+    GRID_STRIDE(i, rows * classes) {
+        const i64 r = i / classes;
+        const unsigned int j = (unsigned int)(i - r * classes);
+        C p = ex(E<S>::get(logits[i]) - lse[r]);
+        if (j == targets[r]) p -= (C)1;
+        logits[i] = E<S>::put((w ? k * (C)w[r] : k) * p);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The exported kernels, one per storage type.
 
@@ -697,6 +786,23 @@ __device__ void embedding_back(const unsigned int* ids, const S* g, S* out, i64 
     extern "C" __global__ void embedding_back_##N(const unsigned int* ids, const S* g, S* out,     \
                                                   i64 n, int vocab, int d) {                       \
         embedding_back<S>(ids, g, out, n, vocab, d);                                               \
+    }                                                                                              \
+    extern "C" __global__ void pool_mean_##N(const S* x, const unsigned int* mask, S* out, int b,  \
+                                             int t, int d, int back) {                             \
+        pool_mean<S>(x, mask, out, b, t, d, back);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void xent_##N(S* logits, const S* bias, const unsigned int* targets,     \
+                                        E<S>::C* lse, S* nll, i64 rows, int classes) {             \
+        xent<S>(logits, bias, targets, lse, nll, rows, classes);                                   \
+    }                                                                                              \
+    extern "C" __global__ void weighted_sum_##N(const S* x, const float* w, double scale, S* out,  \
+                                                i64 n) {                                           \
+        weighted_sum<S>(x, w, scale, out, n);                                                      \
+    }                                                                                              \
+    extern "C" __global__ void xent_back_##N(S* logits, const E<S>::C* lse,                       \
+                                             const unsigned int* targets, const float* w,          \
+                                             const S* g, double scale, i64 rows, int classes) {    \
+        xent_back<S>(logits, lse, targets, w, g, scale, rows, classes);                            \
     }                                                                                              \
     extern "C" __global__ void sum_squares_##N(const unsigned long long* parts,                    \
                                                const unsigned long long* chunks, double* sums) {   \

@@ -141,18 +141,6 @@ fn with_sums(fx: &Fixed, sums: Mem) -> Fixed {
     }
 }
 
-/// Column sums of `x` `(rows, width)` into `into`, as a product with a row of `ones`.
-fn colsum(s: &dyn Stream, ones: Mem, x: Mem, rows: usize, width: usize, into: Mem) -> Result<()> {
-    s.gemm(&Gemm::one(
-        1,
-        width,
-        rows,
-        Mat::rows(ones, rows),
-        Mat::rows(x, width),
-        Mat::rows(into, width),
-    ))
-}
-
 /// `out (n, o) = x (n, i) Wᵀ`, `W` `(o, i)`.
 fn project(
     s: &dyn Stream,

@@ -27,6 +27,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
+pub(crate) mod head;
 pub(crate) mod layer;
 pub(crate) mod lookup;
 pub(crate) mod twin;
@@ -392,6 +393,33 @@ pub(crate) struct AdamWStep {
     pub grad_scale: f64,
 }
 
+/// The rows of a cross-entropy: `(rows, classes)` logits in the storage dtype, each row's
+/// target class (u32) and, when given, its weight (f32; every row weighs 1 without them), and
+/// each row's log-sum-exp `(rows)` in the compute dtype.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Xent {
+    pub logits: Mem,
+    pub rows: usize,
+    pub classes: usize,
+    pub targets: Mem,
+    pub weights: Option<Mem>,
+    pub lse: Mem,
+}
+
+impl Xent {
+    /// Checks every span the kernels read or write, for logits of `dtype`.
+    pub fn check(&self, dtype: DType) -> Result<()> {
+        self.logits
+            .holds(self.rows * self.classes, dtype, "the logits")?;
+        self.targets.holds(self.rows, DType::U32, "the targets")?;
+        if let Some(w) = self.weights {
+            w.holds(self.rows, DType::F32, "the targets' weights")?;
+        }
+        self.lse
+            .holds(self.rows, compute_dtype(dtype), "the rows' log-sum-exp")
+    }
+}
+
 /// Values of one variable a block of the multi-tensor AdamW updates.
 pub(crate) const ADAMW_CHUNK: usize = 1 << 16;
 
@@ -469,12 +497,53 @@ pub(crate) trait Stream {
     /// [`ADAMW_CHUNK`] values, each chunk in a fixed order on the device, and the chunks in
     /// order on the host.
     fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>>;
+    /// The mean over each sequence's real tokens: `x` `(b, t, d)` and the mask `(b, t)` (u32, 1
+    /// for a real token) to `out` `(b, d)`, each value summed over the tokens in order and
+    /// divided by the sequence's count; with `back`, the gradient instead: `x` `(b, d)` to `out`
+    /// `(b, t, d)`, `out[s, j] = mask[s, j] x[s] / count[s]`.
+    fn pool_mean(
+        &self,
+        x: Mem,
+        mask: Mem,
+        dims: (usize, usize, usize),
+        out: Mem,
+        back: bool,
+    ) -> Result<()>;
+    /// The cross-entropy's rows ([`Xent`]), one block a row: `logits += bias` (stored), each
+    /// row's log-sum-exp, and `nll[r] = lse[r] - logits[r, target[r]]` (NaN for a target that
+    /// is not a class).
+    fn xent(&self, x: &Xent, bias: Mem, nll: Mem) -> Result<()>;
+    /// `out[0] = scale Σ_r w[r] x[r]` (`w` f32, all 1 when absent), in one block.
+    fn weighted_sum(&self, x: Mem, w: Option<Mem>, scale: f64, out: Mem) -> Result<()>;
+    /// The cross-entropy's backward in place of the logits:
+    /// `logits[r, j] = g[0] scale w[r] (exp(logits[r, j] - lse[r]) - [j = target[r]])`, `g` the
+    /// loss's gradient (one value on the device, read there).
+    fn xent_back(&self, x: &Xent, g: Mem, scale: f64) -> Result<()>;
     /// The token embedding's gradient `out` `(vocab, d)` from its lookup's gradient `g`
     /// `(n, d)` and the ids `(n)` (u32): each row the sum, in the compute dtype and in token
     /// order, of the rows of `g` whose id it is; zeros for an id no token has. No atomics (the
     /// same bits every launch), and every token's row read by one block of columns, where
     /// candle's `index_add` gives each column one thread that walks every token.
     fn embedding_back(&self, ids: Mem, g: Mem, out: Mem, vocab: usize, d: usize) -> Result<()>;
+}
+
+/// Column sums of `x` `(rows, width)` into `into`, as a product with a row of `ones`.
+pub(crate) fn colsum(
+    s: &dyn Stream,
+    ones: Mem,
+    x: Mem,
+    rows: usize,
+    width: usize,
+    into: Mem,
+) -> Result<()> {
+    s.gemm(&Gemm::one(
+        1,
+        width,
+        rows,
+        Mat::rows(ones, rows),
+        Mat::rows(x, width),
+        Mat::rows(into, width),
+    ))
 }
 
 /// Device operations issued on this thread, by kind.

@@ -430,6 +430,143 @@ impl Stream for Twin {
         Ok(())
     }
 
+    fn pool_mean(
+        &self,
+        x: Mem,
+        mask: Mem,
+        (b, t, d): (usize, usize, usize),
+        out: Mem,
+        back: bool,
+    ) -> Result<()> {
+        count(Kind::Kernel);
+        mask.holds(b * t, DType::U32, "the attention mask")?;
+        // SAFETY: `mask` spans b t live u32 values (checked above).
+        let mask = unsafe { std::slice::from_raw_parts(mask.addr as *const u32, b * t) };
+        typed!(x.dtype, |S, C| {
+            let (x_len, out_len) = if back {
+                (b * d, b * t * d)
+            } else {
+                (b * t * d, b * d)
+            };
+            holds::<S, C>(x, x_len, "the pooling's input")?;
+            holds::<S, C>(out, out_len, "the pooling's output")?;
+            let zero = <C as num_traits::Zero>::zero();
+            for (s, m) in mask.chunks(t.max(1)).enumerate().take(b) {
+                let count = m.iter().fold(zero, |c, &v| c + C::lit(v as f64));
+                if back {
+                    let g = load::<S, C>(x, s * d..(s + 1) * d);
+                    for (j, &v) in m.iter().enumerate() {
+                        let row: Vec<C> = g.iter().map(|&g| g / count * C::lit(v as f64)).collect();
+                        store::<S, C>(out, (s * t + j) * d, &row);
+                    }
+                } else {
+                    let mut acc = vec![zero; d];
+                    for (j, &v) in m.iter().enumerate() {
+                        let row = load::<S, C>(x, (s * t + j) * d..(s * t + j + 1) * d);
+                        for (a, r) in acc.iter_mut().zip(row) {
+                            *a += r * C::lit(v as f64);
+                        }
+                    }
+                    let mean: Vec<C> = acc.iter().map(|&a| a / count).collect();
+                    store::<S, C>(out, s * d, &mean);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn xent(&self, x: &Xent, bias: Mem, nll: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        x.check(x.logits.dtype)?;
+        typed!(x.logits.dtype, |S, C| {
+            holds::<S, C>(bias, x.classes, "the head's bias")?;
+            holds::<S, C>(nll, x.rows, "the rows' losses")?;
+            let c = x.classes;
+            let b = load::<S, C>(bias, 0..c);
+            let targets = targets(x);
+            for (r, &target) in targets.iter().enumerate() {
+                let v: Vec<C> = load::<S, C>(x.logits, r * c..(r + 1) * c)
+                    .iter()
+                    .zip(&b)
+                    .map(|(v, b)| *v + *b)
+                    .collect();
+                store::<S, C>(x.logits, r * c, &v);
+                // The stored (rounded) values, as the kernel reads them back.
+                let v = load::<S, C>(x.logits, r * c..(r + 1) * c);
+                let m = v
+                    .iter()
+                    .fold(<C as num_traits::Float>::neg_infinity(), |m, &v| m.max(v));
+                let sum = v
+                    .iter()
+                    .fold(<C as num_traits::Zero>::zero(), |s, &v| s + (v - m).exp_());
+                let lse = m + sum.ln();
+                store::<C, C>(x.lse, r, &[lse]);
+                let loss = match v.get(target as usize) {
+                    Some(&t) => lse - t,
+                    None => <C as num_traits::Float>::nan(),
+                };
+                store::<S, C>(nll, r, &[loss]);
+            }
+        });
+        Ok(())
+    }
+
+    fn weighted_sum(&self, x: Mem, w: Option<Mem>, scale: f64, out: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        let n = x.len;
+        if let Some(w) = w {
+            w.holds(n, DType::F32, "the weights of a sum")?;
+        }
+        let w = w.map(|w| load::<f32, f32>(w, 0..n));
+        typed!(x.dtype, |S, C| {
+            holds::<S, C>(out, 1, "a sum")?;
+            let v = load::<S, C>(x, 0..n);
+            let sum = v
+                .iter()
+                .enumerate()
+                .fold(<C as num_traits::Zero>::zero(), |s, (i, &v)| {
+                    s + match &w {
+                        Some(w) => v * C::lit(w[i] as f64),
+                        None => v,
+                    }
+                });
+            store::<S, C>(out, 0, &[sum * C::lit(scale)]);
+        });
+        Ok(())
+    }
+
+    fn xent_back(&self, x: &Xent, g: Mem, scale: f64) -> Result<()> {
+        count(Kind::Kernel);
+        x.check(x.logits.dtype)?;
+        let w = x.weights.map(|w| load::<f32, f32>(w, 0..x.rows));
+        typed!(x.logits.dtype, |S, C| {
+            holds::<S, C>(g, 1, "the loss's gradient")?;
+            let c = x.classes;
+            let k = load1::<S, C>(g, 0) * C::lit(scale);
+            let lse = load::<C, C>(x.lse, 0..x.rows);
+            for (r, &target) in targets(x).iter().enumerate() {
+                let f = match &w {
+                    Some(w) => k * C::lit(w[r] as f64),
+                    None => k,
+                };
+                let d: Vec<C> = load::<S, C>(x.logits, r * c..(r + 1) * c)
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &v)| {
+                        let p = (v - lse[r]).exp_();
+                        f * if j == target as usize {
+                            p - C::lit(1.0)
+                        } else {
+                            p
+                        }
+                    })
+                    .collect();
+                store::<S, C>(x.logits, r * c, &d);
+            }
+        });
+        Ok(())
+    }
+
     fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
         count(Kind::Copy);
         count(Kind::Kernel);
@@ -859,7 +996,9 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
         }
         let max = v
             .iter()
-            .fold(C::neg_infinity(), |m, x| num_traits::Float::max(m, *x));
+            .fold(<C as num_traits::Float>::neg_infinity(), |m, x| {
+                num_traits::Float::max(m, *x)
+            });
         let mut sum = C::zero();
         for x in v.iter_mut() {
             *x = (*x - max).exp();
@@ -881,6 +1020,12 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
 
 /// The sums of squares of `parts`, by chunks as the kernel's blocks take them (each chunk's in
 /// order here, in the kernel's fixed order of threads there).
+/// The targets of a cross-entropy's rows (checked to span them by [`Xent::check`]).
+fn targets(x: &Xent) -> Vec<u32> {
+    // SAFETY: `targets` spans `rows` live u32 values (checked by the caller).
+    unsafe { std::slice::from_raw_parts(x.targets.addr as *const u32, x.rows) }.to_vec()
+}
+
 fn sum_squares_twin(parts: &[Mem]) -> Result<Vec<f64>> {
     parts
         .iter()
