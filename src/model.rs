@@ -178,7 +178,7 @@ impl TaskModel {
     /// The loss of a training step on `batch` (positions from 0, dropout on): that of
     /// [`TaskModel::loss`], without the logits. On the device path (CUDA under the `layer`
     /// kernels) the head and its loss run as one node from the encoder's output
-    /// (`nn::device::head`), in place of some 150 of candle's ops; elsewhere this is
+    /// (`nn::device::head`), in place of about 110 of candle's tensors; elsewhere this is
     /// [`TaskModel::loss`].
     pub fn training_loss(&self, batch: &Batch) -> Result<Tensor> {
         let _backend = self.encoder.backend().enter();

@@ -1,10 +1,11 @@
 //! A task head and its loss on the device path, as one candle node: what a training step does
 //! after the encoder, from its output to the loss.
 //!
-//! As compositions of candle ops, pooling, the head's linear map and the cross-entropy are
-//! about 40 tensors forward and over a hundred backward (each op's gradient, and candle's
-//! zero-filled sum for every gradient a node receives), each a kernel launch on a GPU: at the
-//! default compare's shape, most of a step's launches. Here they are ([`head_loss`]):
+//! As compositions of candle ops, pooling, the head's linear map and the cross-entropy made 32
+//! tensors forward and 77 backward (each op's gradient, and candle's zero-filled sum for every
+//! gradient a node receives; counted by `poslab bench --launches`), most of them a kernel
+//! launch on a GPU: at the default compare's shape, over a third of a step's launches. Here
+//! they are 10 device operations ([`head_loss`]):
 //!
 //! ```text
 //! forward:  f = pool(h)                    pool_mean (mean), a strided view (first), h (tokens)
@@ -174,13 +175,14 @@ impl HeadLoss {
 
     /// The rows the head reads (`(rows, d)`): the pooled rows, or the first tokens' rows (a
     /// stride of `t d`), or every token's.
-    fn features(&self, h: Mem, pooled: Option<&Buf>) -> Mat {
+    fn features(&self, h: Mem, pooled: Option<&Buf>) -> Result<Mat> {
         let Dims { t, d, .. } = self.dims;
-        match (&self.readout, pooled) {
+        Ok(match (&self.readout, pooled) {
             (Readout::Mean(_), Some(p)) => Mat::rows(p.mem(), d),
+            (Readout::Mean(_), None) => candle::bail!("device path: a mean with no pooled rows"),
             (Readout::First, _) => Mat::rows(h, t * d),
-            _ => Mat::rows(h, d),
-        }
+            (Readout::Tokens, _) => Mat::rows(h, d),
+        })
     }
 
     fn xent(&self, fixed: &Fixed<'_>, saved: &Saved) -> Result<Xent> {
@@ -212,7 +214,7 @@ impl HeadLoss {
             rows,
             c,
             d,
-            self.features(h, pooled.as_ref()),
+            self.features(h, pooled.as_ref())?,
             Mat::t(w, d),
             Mat::rows(logits.mem(), c),
         ))?;
@@ -243,7 +245,7 @@ impl HeadLoss {
         let ones = s.alloc(dt, rows)?;
         s.fill(ones.mem(), 1.0)?;
         colsum(s, ones.mem(), dl, rows, c, db)?;
-        let features = self.features(h, saved.pooled.as_ref());
+        let features = self.features(h, saved.pooled.as_ref())?;
         s.gemm(&Gemm::one(
             c,
             d,
@@ -253,17 +255,18 @@ impl HeadLoss {
             Mat::rows(dw, d),
         ))?;
         let d_features = |into: Mat| Gemm::one(rows, d, c, Mat::rows(dl, c), Mat::rows(w, d), into);
-        match &fixed.mask {
-            Some(mask) => {
+        match (&self.readout, &fixed.mask) {
+            (Readout::Mean(_), Some(mask)) => {
                 let dp = s.alloc(dt, b * d)?;
                 s.gemm(&d_features(Mat::rows(dp.mem(), d)))?;
                 s.pool_mean(dp.mem(), mask.mem()?, (b, t, d), dh, true)?;
             }
-            None if matches!(self.readout, Readout::First) => {
+            (Readout::Mean(_), None) => candle::bail!("device path: a mean with no mask"),
+            (Readout::First, _) => {
                 s.fill(dh, 0.0)?;
                 s.gemm(&d_features(Mat::rows(dh, t * d)))?;
             }
-            None => s.gemm(&d_features(Mat::rows(dh, d)))?,
+            (Readout::Tokens, _) => s.gemm(&d_features(Mat::rows(dh, d)))?,
         }
         Ok(out)
     }
