@@ -182,36 +182,64 @@ impl TaskModel {
     /// [`TaskModel::loss`].
     pub fn training_loss(&self, batch: &Batch) -> Result<Tensor> {
         let _backend = self.encoder.backend().enter();
-        let weight = self.head.weight();
-        let fused = crate::nn::device_layer_for(weight)
-            && matches!(weight.dtype(), DType::F32 | DType::F64);
-        let (true, Some(bias)) = (fused, self.head.bias()) else {
+        if !self.head_is_one_node() {
             return Ok(self.loss(batch, 0, true)?.0);
-        };
+        }
         if batch.weights.is_some() && batch.scored == 0 {
             return Err(Error::Input("a batch with no scored labels".into()));
         }
         let positions = batch.positions(0)?;
         let hidden = self.encoder.forward_built(batch, &positions, true)?; // (b, t, d)
+        let weights = batch.weights.as_ref().map(|w| (w, batch.scored as f64));
+        self.head_loss(&hidden, &batch.mask, &batch.targets, weights)
+    }
+
+    /// Whether the head and its loss run as one node ([`TaskModel::head_loss`]): on the device
+    /// path, for a head with a bias and weights of f32 or f64.
+    pub(crate) fn head_is_one_node(&self) -> bool {
+        let weight = self.head.weight();
+        crate::nn::device_layer_for(weight)
+            && matches!(weight.dtype(), DType::F32 | DType::F64)
+            && self.head.bias().is_some()
+    }
+
+    /// The head's cross-entropy over the encoder's output `hidden` as one node on the device
+    /// path (where [`TaskModel::head_is_one_node`]): the mean over the rows, or with `weights`
+    /// their weighted sum over the given total (the scored labels).
+    ///
+    /// # Shapes
+    /// - `hidden`: `(b, t, d)`; `mask`: `(b, t)` u32; `targets`: `(b)` for a sentence head,
+    ///   `(b, t)` for a token head, u32; `weights`: `(b, t)` f32
+    pub(crate) fn head_loss(
+        &self,
+        hidden: &Tensor,
+        mask: &Tensor,
+        targets: &Tensor,
+        weights: Option<(&Tensor, f64)>,
+    ) -> Result<Tensor> {
         use crate::nn::device::head::{head_loss, Readout};
+        let Some(bias) = self.head.bias() else {
+            return Err(Error::Config(
+                "the head's loss as one node needs its bias".into(),
+            ));
+        };
         let readout = match self.config {
             HeadConfig::Classify {
                 pooling: Pooling::Mean,
                 ..
-            } => Readout::Mean(batch.mask.clone()),
+            } => Readout::Mean(mask.clone()),
             HeadConfig::Classify {
                 pooling: Pooling::First,
                 ..
             } => Readout::First,
             HeadConfig::Tag { .. } | HeadConfig::Mlm => Readout::Tokens,
         };
-        let weights = batch.weights.as_ref().map(|w| (w, batch.scored as f64));
         Ok(head_loss(
-            &hidden,
-            weight,
+            hidden,
+            self.head.weight(),
             bias,
             readout,
-            &batch.targets,
+            targets,
             weights,
         )?)
     }

@@ -126,16 +126,54 @@ impl Learner {
             .set_dropout_seed(crate::rng::stable_hash(
                 format!("{} {step}", self.seed).as_bytes(),
             ));
-        let logits = self.model.logits(ids, mask, positions, true)?;
-        // Token heads score real tokens only.
-        let weights = match logits.rank() {
-            3 => Some(mask.to_dtype(logits.dtype())?),
-            _ => None,
+        let loss = match self.model.head_is_one_node() {
+            // On the device path the head and its loss are one node, as in `train`.
+            true => self.head_loss(ids, mask, positions, targets)?,
+            false => {
+                let logits = self.model.logits(ids, mask, positions, true)?;
+                // Token heads score real tokens only.
+                let weights = match logits.rank() {
+                    3 => Some(mask.to_dtype(logits.dtype())?),
+                    _ => None,
+                };
+                cross_entropy(&logits, targets, weights.as_ref())?
+            }
         };
-        let loss = cross_entropy(&logits, targets, weights.as_ref())?;
         let value = loss.to_dtype(candle::DType::F64)?.to_scalar::<f64>()?;
         self.optimizer.step(&loss.backward()?, self.lr, 1.0)?;
         Ok(value)
+    }
+
+    /// The loss of [`Learner::step_at`] with the head and its loss as one node
+    /// ([`TaskModel::head_loss`]): token heads score real tokens only.
+    fn head_loss(
+        &self,
+        ids: &Tensor,
+        mask: &Tensor,
+        positions: &Positions,
+        targets: &Tensor,
+    ) -> Result<Tensor> {
+        let hidden = self
+            .model
+            .encoder()
+            .forward_with(ids, mask, positions, true)?;
+        let weights = match self.model.head_config() {
+            HeadConfig::Classify { .. } => None,
+            HeadConfig::Tag { .. } | HeadConfig::Mlm => {
+                let w = mask.to_dtype(candle::DType::F32)?;
+                let total = w
+                    .sum_all()?
+                    .to_dtype(candle::DType::F64)?
+                    .to_scalar::<f64>()?;
+                Some((w, total))
+            }
+        };
+        self.model.head_loss(
+            &hidden,
+            &mask.to_dtype(candle::DType::U32)?,
+            &targets.to_dtype(candle::DType::U32)?,
+            weights.as_ref().map(|(w, total)| (w, *total)),
+        )
     }
 
     /// Refuses labels the head cannot score, naming the label and the fix: of the head's shape

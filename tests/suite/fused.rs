@@ -1165,3 +1165,60 @@ fn device_path_heads_give_the_compositions_loss_and_gradients() {
         worst[0], worst[1]
     );
 }
+
+/// `Learner`, the library's training loop, takes the head node on the device path as `train`
+/// does: on the twin its step makes the node's four products beyond what the composition's
+/// step makes, and its losses over three steps stay within f32's bar of the plain CPU's (the
+/// fused CPU layers and the composed head), for every head.
+#[test]
+fn the_learner_takes_the_head_node_on_the_device_path() {
+    use poslab::nn::device_path;
+    use poslab::Learner;
+    let config = tiny_config(
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        NormPlacement::Pre,
+    );
+    for (head, _) in heads_to_check() {
+        let batch = head_batch(&head, &Device::Cpu);
+        let losses = |on_device_path: bool| -> Vec<f64> {
+            let mut learner = Learner::new(&config, &head, 3, &Device::Cpu).unwrap();
+            let mut run = || -> Vec<f64> {
+                (0..3)
+                    .map(|_| {
+                        learner
+                            .step(&batch.ids, &batch.mask, &batch.targets)
+                            .unwrap()
+                    })
+                    .collect()
+            };
+            match on_device_path {
+                true => poslab::nn::with_gpu_ops_on_cpu(run).0,
+                false => run(),
+            }
+        };
+        let (twin, cpu) = (losses(true), losses(false));
+        for (step, (a, b)) in twin.iter().zip(&cpu).enumerate() {
+            assert!(
+                (a - b).abs() <= TOL_F32 * b.abs(),
+                "{head:?} step {step}: loss {a} on the twin, {b} on the CPU"
+            );
+        }
+        let mut learner = Learner::new(&config, &head, 3, &Device::Cpu).unwrap();
+        let (composed, stepped) = poslab::nn::with_gpu_ops_on_cpu(|| {
+            let before = device_path::counts();
+            let loss = learner.model().loss(&batch, 0, true).unwrap().0;
+            loss.backward().unwrap();
+            let between = device_path::counts();
+            learner
+                .step(&batch.ids, &batch.mask, &batch.targets)
+                .unwrap();
+            (between - before, device_path::counts() - between)
+        })
+        .0;
+        assert_eq!(
+            stepped.gemms - composed.gemms,
+            4,
+            "{head:?}: the head node's products in the learner's step"
+        );
+    }
+}
