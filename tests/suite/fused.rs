@@ -1166,6 +1166,42 @@ fn device_path_heads_give_the_compositions_loss_and_gradients() {
     );
 }
 
+/// A second backward of one head node finds its kept logits spent and runs the forward again
+/// (with the bias the backward is given): every gradient is the first backward's, bit for bit,
+/// for every head.
+#[test]
+fn a_second_backward_of_the_head_node_recomputes_its_forward_to_the_same_bits() {
+    for (head, _) in heads_to_check() {
+        let batch = head_batch(&head, &Device::Cpu);
+        let store = ParamStore::new(5);
+        let config = tiny_config(
+            PositionalConfig::SinusoidalAdd(Default::default()),
+            NormPlacement::Pre,
+        );
+        let model =
+            poslab::TaskModel::new(&config, &head, store.var_builder(DType::F32, &Device::Cpu))
+                .unwrap();
+        let (first, second) = poslab::nn::with_gpu_ops_on_cpu(|| {
+            let loss = model.training_loss(&batch).unwrap();
+            let grads = |g: &candle::backprop::GradStore| -> Vec<(String, Vec<f64>)> {
+                let named = store.gradients(g).unwrap();
+                named.iter().map(|(n, g)| (n.clone(), values(g))).collect()
+            };
+            (
+                grads(&loss.backward().unwrap()),
+                grads(&loss.backward().unwrap()),
+            )
+        })
+        .0;
+        assert_eq!(
+            first.len(),
+            store.params().len(),
+            "{head:?}: every variable"
+        );
+        assert_eq!(first, second, "{head:?}: the second backward's gradients");
+    }
+}
+
 /// `Learner`, the library's training loop, takes the head node on the device path as `train`
 /// does: on the twin its step makes the node's four products beyond what the composition's
 /// step makes, and its losses over three steps stay within f32's bar of the plain CPU's (the

@@ -115,7 +115,6 @@ pub(crate) fn head_loss(
             .map(|(w, _)| w.flatten_all()?.contiguous())
             .transpose()?,
         scale,
-        bias: bias.clone(),
         dims: Dims { b, t, d, c, rows },
         saved: Mutex::new(None),
     };
@@ -148,8 +147,6 @@ struct HeadLoss {
     /// `(rows)` f32
     weights: Option<Tensor>,
     scale: f64,
-    /// The bias again, for a backward that recomputes the forward.
-    bias: Tensor,
     dims: Dims,
     saved: Mutex<Option<Saved>>,
 }
@@ -327,7 +324,7 @@ impl CustomOp3 for HeadLoss {
         &self,
         hidden: &Tensor,
         weight: &Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
         _loss: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -342,6 +339,7 @@ impl CustomOp3 for HeadLoss {
             &g,
             &HeadGrad {
                 head: self,
+                bias,
                 saved: Mutex::new(saved),
             },
         )?;
@@ -358,6 +356,8 @@ impl CustomOp3 for HeadLoss {
 /// The backward of [`HeadLoss`] as a no-gradient op on `(hidden, weight, g)`: `[dh | dW | db]`.
 struct HeadGrad<'a> {
     head: &'a HeadLoss,
+    /// The forward's bias, for a backward that recomputes the forward.
+    bias: &'a Tensor,
     saved: Mutex<Option<Saved>>,
 }
 
@@ -372,7 +372,7 @@ impl HeadGrad<'_> {
             Some(saved) => saved,
             // A second backward of one forward: the forward again.
             None => {
-                let bias = Held::of(&self.head.bias);
+                let bias = Held::of(self.bias);
                 self.head.forward(s, h, w, bias.mem()?)?.1
             }
         };
