@@ -50,14 +50,15 @@ impl std::fmt::Display for DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// Opens the device. Asking for CUDA from a CPU-only build says how to get it.
+    /// Opens the device. Asking for CUDA from a CPU-only build says how to get it. A GPU is
+    /// opened without cudarc's per-tensor events, which a single stream never reads.
     pub fn open(self) -> Result<Device> {
         let ordinal = match self {
             Self::Cpu => return Ok(Device::Cpu),
             Self::Auto => {
                 return Ok(
                     if cfg!(feature = "cuda") && candle::utils::cuda_is_available() {
-                        Device::new_cuda(0).unwrap_or(Device::Cpu)
+                        open_cuda(0).unwrap_or(Device::Cpu)
                     } else {
                         Device::Cpu
                     },
@@ -73,13 +74,40 @@ impl DeviceSpec {
                  need the CUDA toolkit: book/src/guide/cuda.md), or use --device cpu"
             )));
         }
-        Device::new_cuda(ordinal).map_err(|e| {
+        open_cuda(ordinal).map_err(|e| {
             Error::Config(format!(
                 "cannot open CUDA device {ordinal} ({}); check `nvidia-smi`, or use --device cpu",
                 crate::error::without_backtrace(e)
             ))
         })
     }
+}
+
+/// Opens CUDA device `ordinal` as poslab computes on it: candle's device, whose work goes to
+/// the calling thread's default stream, with cudarc's event tracking off.
+///
+/// cudarc gives every allocation two CUDA events, to order its uses across streams. It records
+/// and waits on them only once its context has made a stream of its own; candle's device never
+/// does, and neither does poslab. On the one stream they are only created with every tensor and
+/// destroyed with it: four driver calls (and four context checks) that nothing reads, beside the
+/// allocation and the kernel itself. A training step at the default compare's shape makes up to
+/// 186 tensors, and its wall time is bound by what the host does for each (the book's
+/// Performance chapter, "CUDA events").
+/// Turned off before the first allocation, so no tensor holds an event.
+fn open_cuda(ordinal: usize) -> candle::Result<Device> {
+    let device = Device::new_cuda(ordinal)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = &device {
+        // SAFETY: cudarc asks whoever turns the tracking off to order a tensor's uses across
+        // streams themselves. In single-stream mode (checked here: no stream was made on this
+        // context) cudarc never records or waits on these events, so no ordering changes: they
+        // are only never created.
+        if gpu.cuda_stream().context().is_in_multi_stream_mode() {
+            return Ok(device);
+        }
+        unsafe { gpu.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 /// Parses a device name and opens the device (see [`DeviceSpec`]).

@@ -4,6 +4,11 @@
 #
 #   scripts/gpu/prepare.sh            # about 21 min the first time (nvcc compiles candle's
 #                                     # kernels into target-cuda/), a few minutes after that
+#   BASES="d406ad5 f32d7f8" scripts/gpu/prepare.sh
+#                                     # also poslab at each of those commits, as
+#                                     # gpu/poslab-<commit>.xz (about 3 min and 10 MiB each), for
+#                                     # session.sh's `ab` stages: before and after, side by side
+#                                     # on one GPU
 #
 # It builds a snapshot of HEAD (git archive) so that editing the working tree meanwhile cannot
 # race the build; commit first. Stages: gpu/poslab.xz, gpu/suite.xz (the integration-test
@@ -36,6 +41,19 @@ strip "$OUT/poslab" "$OUT/suite"
 xz -9 -T2 "$OUT/poslab" "$OUT/suite"
 echo "$SRC" > "$OUT/manifest-dir"
 git -C "$ROOT" rev-parse HEAD > "$OUT/commit"
+# Earlier commits' poslab, each from its own snapshot folder: in target-cuda/ they share the
+# dependencies' build (candle's kernels), while cargo keeps each folder's poslab apart, so
+# neither rebuilds the other next time. Each build leaves its binary in release/: copy it now.
+for base in ${BASES:-}; do
+  short=$(git -C "$ROOT" rev-parse --short=7 "$base^{commit}")
+  BSRC=/tmp/poslab-cuda-base-$short
+  rm -rf "$BSRC" && mkdir -p "$BSRC"
+  git -C "$ROOT" archive "$short" | tar -x -C "$BSRC"
+  CARGO_TARGET_DIR=$ROOT/target-cuda "$SHARED/cuda/build-cuda.sh" "$BSRC" --bin poslab
+  cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab-$short"
+  strip "$OUT/poslab-$short"
+  xz -9 -T2 "$OUT/poslab-$short"
+done
 du -sh "$OUT"/*
 total=$(du -sb "$OUT" | cut -f1)
 if [ "$total" -gt $((48 * 1024 * 1024)) ]; then

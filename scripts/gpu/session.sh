@@ -39,11 +39,18 @@
 #                step at the large shape, batch 2 and 32, f32 and bf16          -> launches.txt
 #   small        the default compare's model: a step's wall time on the GPU and the CPU, and its
 #                kernels' GPU time (ncu)                      -> small.txt, profile-small.csv
+#   ab           earlier commits' poslab (prepare.sh's BASES) and this one's in turn: training at
+#                the compare's and the reference shape                         -> ab.txt
+#   ab-compare   the default compare (f32) with each, timed; each one's results.json
+#                                                         -> ab-compare.txt, ab-compare.tar.gz
 #
 # Built since, not yet run on a GPU (2026-11-29): the task head and its loss as one node on the
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
-# 2.5 -> 1.6-1.9 ms). Next: `info tests small compare profile-torch bench-large` with
-# COMPARE_DTYPES=f32 and LARGE_ROUNDS=1, then `variants` if time is left.
+# 2.5 -> 1.6-1.9 ms), and the GPU opened with cudarc's per-tensor events off (four driver calls
+# a tensor; predicted 0.15-0.7 ms less a compare step). Next: here, `BASES="d406ad5 f32d7f8"
+# scripts/gpu/prepare.sh` (before the head node; before the events), then on the GPU
+# `info tests ab ab-compare small bench-large` with LARGE_ROUNDS=1 (about 10 minutes), then
+# `profile-torch variants` if time is left.
 # Issue 46's second GPU session (2026-11-28, morning; 15 minutes of device time, two calls):
 # `info tests variants small profile` in 106 s of command (T5 and FIRE near sin_add, measured),
 # then at 1166cc4 `info tests small profile compare` plus the compare with JOBS=2 in 164 s;
@@ -83,8 +90,13 @@ export LD_LIBRARY_PATH=$LIB:${LD_LIBRARY_PATH:-}
 BUILT=$(cat "$ROOT/gpu/manifest-dir")
 if [ ! -e "$BUILT" ]; then mkdir -p "$(dirname "$BUILT")" && ln -s "$ROOT" "$BUILT"; fi
 
-# The binaries travel compressed (scripts/gpu/prepare.sh): unpack them once.
-for bin in poslab suite; do
+# The binaries travel compressed (scripts/gpu/prepare.sh): unpack them once. poslab-<commit>
+# are earlier commits' (prepare.sh's BASES), for the `ab` stages.
+BASES=()
+for xz in gpu/poslab-*.xz; do
+  [ -e "$xz" ] && BASES+=("$(basename "$xz" .xz)")
+done
+for bin in poslab suite "${BASES[@]}"; do
   if [ ! -x "gpu/$bin" ]; then
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
       "gpu/$bin.xz" "gpu/$bin" && chmod +x "gpu/$bin" || { echo "cannot unpack gpu/$bin.xz"; exit 1; }
@@ -101,6 +113,8 @@ limited() {
   return $rc
 }
 LARGE=(--d-model 768 --heads 12 --layers 12 --ffn 3072 --batch 32 --seq 512)
+# The default compare's model: width 64, 4 heads, 2 layers, FFN 128, batch 32 x 16.
+SMALL=(--d-model 64 --heads 4 --layers 2 --ffn 128 --batch 32 --seq 16 --vocab 64)
 torch_bench() { # torch_bench FILE LIMIT ROUNDS [bench args...]: f32 then bf16, beside PyTorch
   local file=$1 limit=$2 rounds=$3; shift 3
   for dtype in f32 bf16; do
@@ -201,7 +215,6 @@ for stage in "$@"; do
       # batch 32 x 16): a training step's wall time on the GPU and on this machine's CPU cores,
       # then the GPU time of its kernels (ncu, one step, summed by kernel). A step whose kernels
       # take far less than its wall time is bound by the host: launches and candle's per-op cost.
-      SMALL=(--d-model 64 --heads 4 --layers 2 --ffn 128 --batch 32 --seq 16 --vocab 64)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       { for device in cuda cpu; do
           stamp "bench, the default compare's shape, --device $device"
@@ -214,6 +227,32 @@ for stage in "$@"; do
           "$P" bench --device cuda --variants sin_add --in-process "${SMALL[@]}" \
           --warmup 0 --forward-reps 0 --train-reps 1 > "$OUT/profile-small.csv" 2>&1
         tail -3 "$OUT/profile-small.csv"; } 2>&1 | tee -a "$OUT/small.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small)"; exit 2 ;;
+    ab)
+      # Before and after, side by side on one GPU: the earlier commits' poslab (prepare.sh's
+      # BASES) and this commit's, in turn, AB_ROUNDS times (default 2), training at the default
+      # compare's shape (bound by the host) and at the reference shape, sin_add and rope.
+      [ ${#BASES[@]} -gt 0 ] || echo "no earlier poslab in gpu/: run prepare.sh with BASES"
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for bin in "${BASES[@]}" poslab; do
+          stamp "ab round $r: $bin ($( [ "$bin" = poslab ] && cat gpu/commit || echo base)), the compare's shape"
+          limited "${LIMIT_AB:-60}" "gpu/$bin" bench --device cuda --in-process \
+            --variants sin_add,rope "${SMALL[@]}" --warmup 20 --forward-reps 20 --train-reps 200
+          stamp "ab round $r: $bin, the reference shape"
+          limited "${LIMIT_AB:-60}" "gpu/$bin" bench --device cuda --in-process \
+            --variants sin_add,rope --warmup 2 --forward-reps 5 --train-reps 10
+        done
+      done 2>&1 | tee -a "$OUT/ab.txt" ;;
+    ab-compare)
+      # The default compare (f32, one job) with each earlier poslab and this commit's, in turn:
+      # the whole run's wall time, its results kept to check they agree.
+      for bin in "${BASES[@]}" poslab; do
+        stamp "ab-compare: $bin, compare --device cuda --dtype f32"
+        ( time limited "${LIMIT_COMPARE:-300}" "gpu/$bin" compare --device cuda --dtype f32 \
+            --quiet --out "/tmp/ab-compare-$bin" --overwrite ) 2>&1 | tail -4
+        mkdir -p /tmp/ab-results && cp "/tmp/ab-compare-$bin/results.json" \
+          "/tmp/ab-results/$bin-results.json" 2>/dev/null
+      done 2>&1 | tee -a "$OUT/ab-compare.txt"
+      tar -czf "$OUT/ab-compare.tar.gz" -C /tmp ab-results ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small ab ab-compare)"; exit 2 ;;
   esac
 done

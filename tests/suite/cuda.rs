@@ -19,7 +19,7 @@ use crate::common::*;
 use crate::precision::{BF16_TOL, F16_TOL};
 use crate::training::{model_config, recipe, run_on, setup, task};
 
-/// The first CUDA GPU, or `None` after saying why the test is skipped.
+/// The first CUDA GPU as poslab opens it, or `None` after saying why the test is skipped.
 fn gpu(test: &str) -> Option<Device> {
     if !cfg!(feature = "cuda") {
         eprintln!(
@@ -28,7 +28,7 @@ fn gpu(test: &str) -> Option<Device> {
         );
         return None;
     }
-    match Device::new_cuda(0) {
+    match poslab::device::DeviceSpec::Cuda(0).open() {
         Ok(device) => Some(device),
         Err(e) => {
             eprintln!("{test}: skipped: no CUDA GPU could be opened ({e})");
@@ -200,6 +200,7 @@ fn gpu_training_learns_in_every_precision() {
             a.final_loss()
         );
         assert!(accuracy > 0.9, "gpu {precision}: accuracy {accuracy}");
+        assert_one_stream_untracked(&gpu);
         if precision == Precision::F32 {
             // Same data, seed and masks as the CPU run: the first steps agree closely (later
             // ones drift apart through rounding, as two f32 machines do).
@@ -213,14 +214,32 @@ fn gpu_training_learns_in_every_precision() {
     }
 }
 
+/// The device computes without cudarc's per-tensor events, and its context is still in
+/// single-stream mode, where cudarc would never have read them (`device::open_cuda`): the
+/// premise of turning them off, checked after real work.
+fn assert_one_stream_untracked(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        assert!(!gpu.is_event_tracking(), "cudarc's event tracking is on");
+        assert!(
+            !gpu.cuda_stream().context().is_in_multi_stream_mode(),
+            "a stream was made on poslab's CUDA context: its tensors need the events again"
+        );
+        return;
+    }
+    panic!("not a CUDA device: {device:?}");
+}
+
 #[test]
 fn gpu_devices_parse() {
     let Some(_gpu) = gpu("gpu_devices_parse") else {
         return;
     };
-    assert!(poslab::device::parse_device("cuda").unwrap().is_cuda());
-    assert!(poslab::device::parse_device("cuda:0").unwrap().is_cuda());
-    assert!(poslab::device::parse_device("auto").unwrap().is_cuda());
+    for name in ["cuda", "cuda:0", "auto"] {
+        let device = poslab::device::parse_device(name).unwrap();
+        assert!(device.is_cuda(), "{name}");
+        assert_one_stream_untracked(&device);
+    }
     // A GPU that is not there is refused with a message, not a panic.
     let e = poslab::device::parse_device("cuda:97")
         .unwrap_err()
