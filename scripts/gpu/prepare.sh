@@ -21,6 +21,10 @@ SHARED=${POSLAB_SHARED:-$ROOT/../shared}
 SRC=/tmp/poslab-cuda-src
 rm -rf "$SRC" && mkdir -p "$SRC"
 git -C "$ROOT" archive HEAD | tar -x -C "$SRC"
+# git archive dates every file at its commit; cargo, which shares one build of poslab between
+# snapshot folders, would take an older commit's files for fresh against a newer build. Date
+# them now, so that each snapshot compiles.
+find "$SRC" -type f -exec touch {} +
 CARGO_TARGET_DIR=$ROOT/target-cuda "$SHARED/cuda/build-cuda.sh" "$SRC" --bins --tests
 # The device path's kernels compile with NVRTC here (no GPU needed): a kernel that does not
 # compile fails now, not on the GPU's time. The test binary links libcuda, which the build
@@ -36,22 +40,30 @@ cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab"
 SUITE=$(ls -t "$ROOT"/target-cuda/release/deps/suite-* | grep -v '\.d$' | head -1)
 cp "$SUITE" "$OUT/suite"
 strip "$OUT/poslab" "$OUT/suite"
+STAGED=$(sha256sum < "$OUT/poslab" | cut -c1-64)
 # About 66 MiB each stripped (candle's kernels are in them), 10 MiB each in xz: the device tool
 # carries 64 MiB with the tree. session.sh unpacks them (Python's lzma, no xz needed there).
 xz -9 -T2 "$OUT/poslab" "$OUT/suite"
 echo "$SRC" > "$OUT/manifest-dir"
 git -C "$ROOT" rev-parse HEAD > "$OUT/commit"
-# Earlier commits' poslab, each from its own snapshot folder: in target-cuda/ they share the
-# dependencies' build (candle's kernels), while cargo keeps each folder's poslab apart, so
-# neither rebuilds the other next time. Each build leaves its binary in release/: copy it now.
+# Earlier commits' poslab, each from its own snapshot folder, built in target-cuda/ (sharing
+# the dependencies' build, candle's kernels). Each build leaves its binary in release/: copy it
+# now, and check that it differs from the others staged.
 for base in ${BASES:-}; do
   short=$(git -C "$ROOT" rev-parse --short=7 "$base^{commit}")
   BSRC=/tmp/poslab-cuda-base-$short
   rm -rf "$BSRC" && mkdir -p "$BSRC"
   git -C "$ROOT" archive "$short" | tar -x -C "$BSRC"
+  find "$BSRC" -type f -exec touch {} +
   CARGO_TARGET_DIR=$ROOT/target-cuda "$SHARED/cuda/build-cuda.sh" "$BSRC" --bin poslab
   cp "$ROOT/target-cuda/release/poslab" "$OUT/poslab-$short"
   strip "$OUT/poslab-$short"
+  sum=$(sha256sum < "$OUT/poslab-$short" | cut -c1-64)
+  if grep -q "$sum" <<< "$STAGED"; then
+    echo "error: poslab at $short is the same binary as one staged before: a build was skipped" >&2
+    exit 1
+  fi
+  STAGED="$STAGED $sum"
   xz -9 -T2 "$OUT/poslab-$short"
 done
 du -sh "$OUT"/*

@@ -46,8 +46,9 @@
 #
 # Built since, not yet run on a GPU (2026-11-29): the task head and its loss as one node on the
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
-# 2.5 -> 1.6-1.9 ms), and the GPU opened with cudarc's per-tensor events off (four driver calls
-# a tensor; predicted 0.15-0.7 ms less a compare step). Next: here, `BASES="d406ad5 f32d7f8"
+# 2.5 -> 1.6-1.9 ms), the GPU opened with cudarc's per-tensor events off (four driver calls
+# a tensor; predicted 0.15-0.7 ms less a compare step), and the final LayerNorm as one node
+# (26 fewer launches a step at every shape: 186 -> 160 at the compare's). Next: here, `BASES="d406ad5 f32d7f8"
 # scripts/gpu/prepare.sh` (before the head node; before the events), then on the GPU
 # `info tests ab ab-compare small bench-large` with LARGE_ROUNDS=1 (about 10 minutes), then
 # `profile-torch variants` if time is left.

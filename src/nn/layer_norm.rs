@@ -105,6 +105,12 @@ impl Module for LayerNorm {
         if super::fused_for(xs) {
             return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
+        if super::device_layer_for(xs)
+            && xs.dtype() == self.weight.dtype()
+            && super::device::supports(xs.dtype())
+        {
+            return super::device::norm::layer_norm(xs, &self.weight, &self.bias, self.eps);
+        }
         if super::gpu_ops_for(xs) && xs.dtype() == self.weight.dtype() {
             return super::cuda_ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }

@@ -172,6 +172,35 @@ fn gpu_heads_give_the_compositions_loss_and_gradients() {
     eprintln!("gpu heads against the composition and the twin: worst relative error {worst:.2e}");
 }
 
+/// A LayerNorm outside the encoder layers as one node on CUDA (`nn/device/norm.rs`) against
+/// the composition on the same GPU and against the node's CPU twin: output and gradients, f32.
+#[test]
+fn gpu_layer_norm_node_matches_the_composition_and_the_twin() {
+    use crate::fused::{norm_error, norm_step};
+    let Some(gpu) = gpu("gpu_layer_norm_node_matches_the_composition_and_the_twin") else {
+        return;
+    };
+    let f32 = DType::F32;
+    let (node, counts) = norm_step(&gpu, f32, f32, Kernels::Layer);
+    assert_eq!(
+        (counts.kernels, counts.gemms, counts.copies),
+        (3, 1, 0),
+        "the node's kernels, products and copies"
+    );
+    let (reference, _) = norm_step(&gpu, f32, f32, Kernels::Reference);
+    let twin =
+        poslab::nn::with_gpu_ops_on_cpu(|| norm_step(&Device::Cpu, f32, f32, Kernels::Layer))
+            .0
+             .0;
+    let worst = norm_error(&node, &reference, 1e-4, "gpu LayerNorm node").max(norm_error(
+        &node,
+        &twin,
+        1e-4,
+        "gpu LayerNorm node against the twin",
+    ));
+    eprintln!("gpu LayerNorm node against the composition and the twin: worst {worst:.2e}");
+}
+
 #[test]
 fn gpu_training_learns_in_every_precision() {
     let Some(gpu) = gpu("gpu_training_learns_in_every_precision") else {

@@ -1166,6 +1166,107 @@ fn device_path_heads_give_the_compositions_loss_and_gradients() {
     );
 }
 
+/// One LayerNorm's step on `device` with `kernels`: its output and the gradients of its input,
+/// weight and bias (of `(y ⊙ r).sum()`, `r` fixed), as f64 values, and the device-path
+/// operations it issued. The inputs are rounded to `inputs` first, so that a half run and its
+/// f64 reference read the same values.
+pub(crate) fn norm_step(
+    device: &Device,
+    dtype: DType,
+    inputs: DType,
+    kernels: Kernels,
+) -> (Vec<Vec<f64>>, poslab::nn::device_path::Counts) {
+    use candle_nn::{VarBuilder, VarMap};
+    let (shape, d) = ([3usize, 7, 40], 40);
+    let vm = VarMap::new();
+    let ln = poslab::nn::layer_norm(d, 1e-5, VarBuilder::from_varmap(&vm, dtype, device)).unwrap();
+    let given = |t: Tensor| {
+        t.to_dtype(inputs)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to_device(device))
+            .unwrap()
+    };
+    {
+        let data = vm.data().lock().unwrap();
+        data["weight"]
+            .set(&given(
+                random(&[d], 11, DType::F64).affine(0.5, 1.0).unwrap(),
+            ))
+            .unwrap();
+        data["bias"]
+            .set(&given(random(&[d], 12, DType::F64)))
+            .unwrap();
+    }
+    let x = Var::from_tensor(&given(
+        random(&shape, 13, DType::F64).affine(3.0, 0.5).unwrap(),
+    ))
+    .unwrap();
+    let r = given(random(&shape, 14, DType::F64));
+    let before = poslab::nn::device_path::counts();
+    let out = with_kernels(kernels, || {
+        let y = ln.forward(x.as_tensor()).unwrap();
+        let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let grad = |t: &Tensor| values(grads.get(t).expect("a gradient"));
+        vec![
+            values(&y),
+            grad(x.as_tensor()),
+            grad(ln.weight()),
+            grad(ln.bias()),
+        ]
+    });
+    (out, poslab::nn::device_path::counts() - before)
+}
+
+/// The largest relative error of [`norm_step`]'s four results against a reference's, each
+/// asserted under `tol`.
+pub(crate) fn norm_error(a: &[Vec<f64>], b: &[Vec<f64>], tol: f64, what: &str) -> f64 {
+    let mut worst = 0.0f64;
+    for (part, (a, b)) in ["output", "dx", "dweight", "dbias"]
+        .iter()
+        .zip(a.iter().zip(b))
+    {
+        let err = relative_error(a, b);
+        assert!(
+            err < tol,
+            "{what} {part}: relative error {err:e} (bar {tol:e})"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// A LayerNorm outside the encoder layers (the pre-norm encoder's final norm) runs as one node
+/// on the device path (`src/nn/device/norm.rs`): its output and the gradients of its input,
+/// weight and bias are the composition's (`Kernels::Reference`) in f32 and f64 at the fused
+/// kernels' tolerances, and in bf16 and f16 within the half precisions' bars of the f64
+/// composition of the same rounded inputs; its forward is one kernel, its backward two and one
+/// product.
+#[test]
+fn device_path_layer_norm_gives_the_compositions_values_and_gradients() {
+    let cpu = &Device::Cpu;
+    for (dtype, tol) in [
+        (DType::F32, TOL_F32),
+        (DType::F64, TOL_F64),
+        (DType::BF16, crate::precision::BF16_TOL),
+        (DType::F16, crate::precision::F16_TOL),
+    ] {
+        let (node, counts) =
+            poslab::nn::with_gpu_ops_on_cpu(|| norm_step(cpu, dtype, dtype, Kernels::Layer)).0;
+        assert_eq!(
+            (counts.kernels, counts.gemms, counts.copies),
+            (3, 1, 0),
+            "{dtype:?}: the node's kernels, products and copies"
+        );
+        let reference = match dtype {
+            DType::F32 | DType::F64 => norm_step(cpu, dtype, dtype, Kernels::Reference).0,
+            _ => norm_step(cpu, DType::F64, dtype, Kernels::Reference).0,
+        };
+        let what = format!("device path's LayerNorm {dtype:?}");
+        let err = norm_error(&node, &reference, tol, &what);
+        eprintln!("{what}: worst relative error {err:.1e}");
+    }
+}
+
 /// A second backward of one head node finds its kept logits spent and runs the forward again
 /// (with the bias the backward is given): every gradient is the first backward's, bit for bit,
 /// for every head.

@@ -30,6 +30,7 @@
 pub(crate) mod head;
 pub(crate) mod layer;
 pub(crate) mod lookup;
+pub(crate) mod norm;
 pub(crate) mod twin;
 
 #[cfg(feature = "cuda")]
