@@ -43,15 +43,19 @@
 #                the compare's and the reference shape                         -> ab.txt
 #   ab-compare   the default compare (f32) with each, timed; each one's results.json
 #                                                         -> ab-compare.txt, ab-compare.tar.gz
+#   shards       the default compare (f32) as 2, then 4 shard processes at once on the one GPU,
+#                merged by `poslab report`: wall time, and the results against one process's
+#                                                                               -> shards.txt
 #
 # Built since, not yet run on a GPU (2026-11-29): the task head and its loss as one node on the
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
 # 2.5 -> 1.6-1.9 ms), the GPU opened with cudarc's per-tensor events off (four driver calls
 # a tensor; predicted 0.15-0.7 ms less a compare step), and the final LayerNorm as one node
-# (26 fewer launches a step at every shape: 186 -> 160 at the compare's). Next: here, `BASES="d406ad5 f32d7f8"
-# scripts/gpu/prepare.sh` (before the head node; before the events), then on the GPU
-# `info tests ab ab-compare small bench-large` with LARGE_ROUNDS=1 (about 10 minutes), then
-# `profile-torch variants` if time is left.
+# (26 fewer launches a step at every shape: 186 -> 160 at the compare's). Next: here,
+# `BASES="d406ad5 f32d7f8" scripts/gpu/prepare.sh` (before the head node; before the events and
+# the norm node), then on the GPU `info tests ab ab-compare shards` (about 6 minutes), then on
+# the warm machine `small bench-large` with LARGE_ROUNDS=1 (about 4.5), then `profile-torch
+# variants` if time is left.
 # Issue 46's second GPU session (2026-11-28, morning; 15 minutes of device time, two calls):
 # `info tests variants small profile` in 106 s of command (T5 and FIRE near sin_add, measured),
 # then at 1166cc4 `info tests small profile compare` plus the compare with JOBS=2 in 164 s;
@@ -254,6 +258,29 @@ for stage in "$@"; do
           "/tmp/ab-results/$bin-results.json" 2>/dev/null
       done 2>&1 | tee -a "$OUT/ab-compare.txt"
       tar -czf "$OUT/ab-compare.tar.gz" -C /tmp ab-results ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small ab ab-compare)"; exit 2 ;;
+    shards)
+      # Issue 46, item 6: many cells at once on one GPU as processes. The default compare (f32)
+      # split into N shards (SHARDS, default "2 4"), the N processes at once on the one GPU,
+      # then merged by `poslab report`: the wall time of all N, against one process (`compare`
+      # or `ab-compare`), and whether the merged results.json equals one process's.
+      for n in ${SHARDS:-2 4}; do
+        dir=/tmp/shards-$n
+        rm -rf "$dir" && mkdir -p "$dir"
+        stamp "shards: the default compare as $n processes at once on one GPU"
+        start=$(date +%s.%N)
+        for k in $(seq 0 $((n - 1))); do
+          limited "${LIMIT_COMPARE:-300}" "$P" compare --device cuda --dtype f32 --quiet \
+            --shard "$k/$n" --out "$dir/part$k" > "$dir/log$k.txt" 2>&1 &
+        done
+        wait
+        echo "all $n shards: $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$start" "$(date +%s.%N)") s of wall time"
+        tail -n 2 "$dir"/log*.txt
+        "$P" report "$dir"/part* --out "$dir/merged" > "$dir/report.txt" 2>&1; tail -n 3 "$dir/report.txt"
+        for one in /tmp/compare-f32 /tmp/ab-compare-poslab; do
+          [ -e "$one/results.json" ] && { cmp -s "$one/results.json" "$dir/merged/results.json" \
+            && echo "merged results.json equals $one's" || echo "merged results.json differs from $one's"; }
+        done
+      done 2>&1 | tee -a "$OUT/shards.txt" ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small ab ab-compare shards)"; exit 2 ;;
   esac
 done
