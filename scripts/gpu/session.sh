@@ -41,6 +41,8 @@
 #                kernels' GPU time (ncu)                      -> small.txt, profile-small.csv
 #   ab           earlier commits' poslab (prepare.sh's BASES) and this one's in turn: training at
 #                the compare's and the reference shape                         -> ab.txt
+#   ab-large     the same at the large shape (batch 32 x 512), f32 and bf16, sin_add
+#                                                                            -> ab-large.txt
 #   ab-compare   the default compare (f32) with each, timed; each one's results.json
 #                                                         -> ab-compare.txt, ab-compare.tar.gz
 #   shards       the default compare (f32) as 2, then 4 shard processes at once on the one GPU,
@@ -51,11 +53,14 @@
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
 # 2.5 -> 1.6-1.9 ms), the GPU opened with cudarc's per-tensor events off (four driver calls
 # a tensor; predicted 0.15-0.7 ms less a compare step), and the final LayerNorm as one node
-# (26 fewer launches a step at every shape: 186 -> 160 at the compare's). Next: here,
-# `BASES="d406ad5 f32d7f8" scripts/gpu/prepare.sh` (before the head node; before the events and
-# the norm node), then on the GPU `info tests ab ab-compare shards` (about 6 minutes), then on
-# the warm machine `small bench-large` with LARGE_ROUNDS=1 (about 4.5), then `profile-torch
-# variants` if time is left.
+# (26 fewer launches a step at every shape: 186 -> 160 at the compare's), and one product
+# through cublasGemmEx rather than as a batch of one (cutlass's SIMT align1 kernels took 20 of
+# the 56 ms of products in the last f32 profile; the batched call suspected). Next: here,
+# `BASES="f32d7f8 4d0bdcd" scripts/gpu/prepare.sh` (before the events and the norm node; before
+# one product going through cublasGemmEx), then on the GPU `info tests ab ab-compare shards`
+# (about 6 minutes), then on the warm machine `ab-large bench-large` with LARGE_ROUNDS=1 and
+# AB_ROUNDS=1 (about 4.5), then `profile-torch variants` if time is left. Two bases at most:
+# the tree (12 MiB) and gpu/ must stay under the 64 MiB the device tool carries.
 # Issue 46's second GPU session (2026-11-28, morning; 15 minutes of device time, two calls):
 # `info tests variants small profile` in 106 s of command (T5 and FIRE near sin_add, measured),
 # then at 1166cc4 `info tests small profile compare` plus the compare with JOBS=2 in 164 s;
@@ -247,6 +252,20 @@ for stage in "$@"; do
             --variants sin_add,rope --warmup 2 --forward-reps 5 --train-reps 10
         done
       done 2>&1 | tee -a "$OUT/ab.txt" ;;
+    ab-large)
+      # The earlier commits' poslab and this one's in turn at the large shape (batch 32 x 512),
+      # training, f32 then bf16, sin_add, AB_ROUNDS times (default 2): where cuBLAS's choice of
+      # kernels shows.
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for dtype in f32 bf16; do
+          for bin in "${BASES[@]}" poslab; do
+            stamp "ab-large round $r: $bin, --dtype $dtype"
+            limited "${LIMIT_AB:-60}" "gpu/$bin" bench --device cuda --dtype "$dtype" \
+              --in-process --variants sin_add "${LARGE[@]}" --warmup 1 --forward-reps 2 \
+              --train-reps 4
+          done
+        done
+      done 2>&1 | tee -a "$OUT/ab-large.txt" ;;
     ab-compare)
       # The default compare (f32, one job) with each earlier poslab and this commit's, in turn:
       # the whole run's wall time, its results kept to check they agree.

@@ -321,6 +321,40 @@ impl Stream for CudaStream {
             } else {
                 (&alpha32 as *const f32 as _, &beta32 as *const f32 as _)
             };
+        // One product goes through cublasGemmEx, as PyTorch's linear layers do, and not as a
+        // batch of one: in the f32 profile of a training step at the large shape (2026-11-28),
+        // 5 of each layer's 19 products ran cutlass's SIMT `align1` kernels, 20 of the 56 ms of
+        // products, though every leading dimension and offset there is a multiple of four
+        // values; the batched call is suspected of narrowing cuBLAS's choice (unmeasured:
+        // `scripts/gpu/session.sh ab-large` measures it).
+        if g.batch == 1 {
+            // SAFETY: as below, for the batch's one product.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    op(g.b.trans),
+                    op(g.a.trans),
+                    int(g.n, "a product's width")?,
+                    int(g.m, "a product's height")?,
+                    int(g.k, "a product's depth")?,
+                    alpha,
+                    g.b.mem.addr as *const std::ffi::c_void,
+                    data,
+                    int(g.b.ld, "a leading dimension")?,
+                    g.a.mem.addr as *const std::ffi::c_void,
+                    data,
+                    int(g.a.ld, "a leading dimension")?,
+                    beta,
+                    g.c.mem.addr as *mut std::ffi::c_void,
+                    data,
+                    int(g.c.ld, "a leading dimension")?,
+                    compute,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .w()?;
+            return Ok(());
+        }
         // SAFETY: `check` bounded every operand's span within its buffer; alpha and beta point
         // to host values of the compute type (the handle's pointer mode is the host's).
         unsafe {
