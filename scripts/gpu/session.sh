@@ -300,6 +300,6 @@ for stage in "$@"; do
             && echo "merged results.json equals $one's" || echo "merged results.json differs from $one's"; }
         done
       done 2>&1 | tee -a "$OUT/shards.txt" ;;
-    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small ab ab-compare shards)"; exit 2 ;;
+    *) echo "unknown stage $stage (info tests suite compare bench-ref bench-large variants kernels parts profile profile-torch launches small ab ab-large ab-compare shards)"; exit 2 ;;
   esac
 done
