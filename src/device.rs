@@ -91,7 +91,7 @@ impl DeviceSpec {
 /// does, and neither does poslab. On the one stream they are only created with every tensor and
 /// destroyed with it: four driver calls (and four context checks) that nothing reads, beside the
 /// allocation and the kernel itself. A training step at the default compare's shape makes at
-/// most one tensor for each of its 160 operations (`poslab bench --launches`), and its wall time
+/// most one tensor for each of its 156 operations (`poslab bench --launches`), and its wall time
 /// is bound by what the host does for each (the book's Performance chapter, "CUDA events").
 /// Turned off before the first allocation, so no tensor holds an event.
 fn open_cuda(ordinal: usize) -> candle::Result<Device> {

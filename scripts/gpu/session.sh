@@ -53,7 +53,8 @@
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
 # 2.5 -> 1.6-1.9 ms), the GPU opened with cudarc's per-tensor events off (four driver calls
 # a tensor; predicted 0.15-0.7 ms less a compare step), and the final LayerNorm as one node
-# (26 fewer launches a step at every shape: 186 -> 160 at the compare's), and one product
+# (26 fewer launches a step at every shape: 186 -> 160 at the compare's; the lookup's shape
+# itself, 4 more: 156), and one product
 # through cublasGemmEx rather than as a batch of one (cutlass's SIMT align1 kernels took 20 of
 # the 56 ms of products in the last f32 profile; the batched call suspected). Next: here,
 # `BASES="f32d7f8 4d0bdcd" scripts/gpu/prepare.sh` (before the events and the norm node; before

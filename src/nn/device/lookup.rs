@@ -23,15 +23,21 @@ pub(crate) fn lookup(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let mut dims = ids.dims().to_vec();
     dims.push(d);
     let flat = ids.flatten_all()?.contiguous()?;
-    table
-        .contiguous()?
-        .apply_op2(&flat, Lookup { vocab })?
-        .reshape(dims)
+    // The op gives the rows their shape itself: a reshape after it would be one more node,
+    // whose backward candle adds into a zero-filled tensor (two launches a step).
+    table.contiguous()?.apply_op2(
+        &flat,
+        Lookup {
+            vocab,
+            shape: Shape::from(dims),
+        },
+    )
 }
 
-/// The lookup as a candle op on `(table, ids)`.
+/// The lookup as a candle op on `(table, ids)`, its output of `shape` `(ids..., d)`.
 struct Lookup {
     vocab: usize,
+    shape: Shape,
 }
 
 /// The lookup's backward as a candle op on `(gradient (n, d), ids (n))`: the table's gradient.
@@ -51,7 +57,7 @@ impl CustomOp2 for Lookup {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        gather(s1, l1, s2, l2)
+        gather(s1, l1, s2, l2, &self.shape)
     }
 
     #[cfg(feature = "cuda")]
@@ -62,7 +68,7 @@ impl CustomOp2 for Lookup {
         s2: &candle::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        gather(s1, l1, s2, l2)
+        gather(s1, l1, s2, l2, &self.shape)
     }
 
     fn bwd(
@@ -78,15 +84,24 @@ impl CustomOp2 for Lookup {
     }
 }
 
-/// The table's rows at the ids, on either backend: candle's own gather.
+/// The table's rows at the ids, on either backend: candle's own gather, `n` rows of `d` given
+/// `shape` (`(ids..., d)`).
 fn gather<B: candle::backend::BackendStorage>(
     table: &B,
     l1: &Layout,
     ids: &B,
     l2: &Layout,
+    shape: &Shape,
 ) -> Result<(B, Shape)> {
+    if shape.elem_count() != l2.shape().elem_count() * l1.dims()[1] {
+        candle::bail!(
+            "token lookup: {} ids of a table {:?} cannot fill {shape:?}",
+            l2.shape().elem_count(),
+            l1.dims()
+        )
+    }
     let out = table.index_select(ids, l1, l2, 0)?;
-    Ok((out, Shape::from((l2.shape().elem_count(), l1.dims()[1]))))
+    Ok((out, shape.clone()))
 }
 
 impl LookupGrad {
