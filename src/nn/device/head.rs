@@ -26,8 +26,6 @@
 
 use std::sync::Mutex;
 
-#[cfg(feature = "cuda")]
-use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::*;
@@ -268,6 +266,13 @@ impl HeadLoss {
         Ok(out)
     }
 
+    /// The forward, keeping what the backward needs: the loss.
+    fn start(&self, s: &dyn Stream, [h, w, bias]: [Mem; 3]) -> Result<Buf> {
+        let (loss, saved) = self.forward(s, h, w, bias)?;
+        *self.saved.lock().expect("head activations lock poisoned") = Some(saved);
+        Ok(loss)
+    }
+
     fn check_dims(&self, l1: &Layout) -> Result<()> {
         let Dims { b, t, d, .. } = self.dims;
         if l1.dims() != [b, t, d] {
@@ -294,12 +299,9 @@ impl CustomOp3 for HeadLoss {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use twin::Twin;
         self.check_dims(l1)?;
-        let (h, w, bias) = (Twin::mem(s1, l1)?, Twin::mem(s2, l2)?, Twin::mem(s3, l3)?);
-        let (loss, saved) = self.forward(&Twin, h, w, bias)?;
-        *self.saved.lock().expect("head activations lock poisoned") = Some(saved);
-        Ok((loss.into_cpu_storage()?, Shape::from(())))
+        let (loss, _) = on_twin([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.start(s, m))?;
+        Ok((loss, Shape::from(())))
     }
 
     #[cfg(feature = "cuda")]
@@ -313,11 +315,8 @@ impl CustomOp3 for HeadLoss {
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.check_dims(l1)?;
-        let stream = cuda::CudaStream::new(s1.device());
-        let (h, w, bias) = (cuda::mem(s1, l1)?, cuda::mem(s2, l2)?, cuda::mem(s3, l3)?);
-        let (loss, saved) = self.forward(&stream, h, w, bias)?;
-        *self.saved.lock().expect("head activations lock poisoned") = Some(saved);
-        Ok((loss.into_cuda_storage()?, Shape::from(())))
+        let (loss, _) = on_cuda([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.start(s, m))?;
+        Ok((loss, Shape::from(())))
     }
 
     fn bwd(
@@ -362,7 +361,7 @@ struct HeadGrad<'a> {
 }
 
 impl HeadGrad<'_> {
-    fn run(&self, s: &dyn Stream, (h, w, g): (Mem, Mem, Mem)) -> Result<Buf> {
+    fn run(&self, s: &dyn Stream, [h, w, g]: [Mem; 3]) -> Result<Buf> {
         let saved = self
             .saved
             .lock()
@@ -394,12 +393,9 @@ impl CustomOp3 for HeadGrad<'_> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use twin::Twin;
         self.head.check_dims(l1)?;
-        let mems = (Twin::mem(s1, l1)?, Twin::mem(s2, l2)?, Twin::mem(s3, l3)?);
-        let out = self.run(&Twin, mems)?;
-        let len = out.mem().len;
-        Ok((out.into_cpu_storage()?, Shape::from(len)))
+        let (out, len) = on_twin([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.run(s, m))?;
+        Ok((out, Shape::from(len)))
     }
 
     #[cfg(feature = "cuda")]
@@ -413,10 +409,7 @@ impl CustomOp3 for HeadGrad<'_> {
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.head.check_dims(l1)?;
-        let stream = cuda::CudaStream::new(s1.device());
-        let mems = (cuda::mem(s1, l1)?, cuda::mem(s2, l2)?, cuda::mem(s3, l3)?);
-        let out = self.run(&stream, mems)?;
-        let len = out.mem().len;
-        Ok((out.into_cuda_storage()?, Shape::from(len)))
+        let (out, len) = on_cuda([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.run(s, m))?;
+        Ok((out, Shape::from(len)))
     }
 }

@@ -652,6 +652,32 @@ pub(crate) fn storage_mem(storage: &candle::Storage, layout: &candle::Layout) ->
     }
 }
 
+/// The body of a device-path candle op on three CPU storages (the twin's): `run` given the twin
+/// and the storages' memory, its buffer handed back to candle with its length.
+pub(crate) fn on_twin(
+    inputs: [(&CpuStorage, &candle::Layout); 3],
+    run: impl FnOnce(&dyn Stream, [Mem; 3]) -> Result<Buf>,
+) -> Result<(CpuStorage, usize)> {
+    let [a, b, c] = inputs.map(|(s, l)| twin::Twin::mem(s, l));
+    let out = run(&twin::Twin, [a?, b?, c?])?;
+    let len = out.mem().len;
+    Ok((out.into_cpu_storage()?, len))
+}
+
+/// [`on_twin`] on three CUDA storages, on the first one's device.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_cuda(
+    inputs: [(&candle::CudaStorage, &candle::Layout); 3],
+    run: impl FnOnce(&dyn Stream, [Mem; 3]) -> Result<Buf>,
+) -> Result<(candle::CudaStorage, usize)> {
+    use candle::backend::BackendStorage;
+    let stream = cuda::CudaStream::new(inputs[0].0.device());
+    let [a, b, c] = inputs.map(|(s, l)| cuda::mem(s, l));
+    let out = run(&stream, [a?, b?, c?])?;
+    let len = out.mem().len;
+    Ok((out.into_cuda_storage()?, len))
+}
+
 /// The stream of `device`: the CPU twin, or CUDA's.
 pub(crate) fn stream_for(device: &candle::Device) -> Result<Box<dyn Stream>> {
     match device {

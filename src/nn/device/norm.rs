@@ -19,8 +19,6 @@
 
 use std::sync::Mutex;
 
-#[cfg(feature = "cuda")]
-use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::*;
@@ -109,6 +107,16 @@ impl NormOp {
         Ok(out)
     }
 
+    /// The forward, keeping the statistics for the backward: `y`.
+    fn start(&self, s: &dyn Stream, [x, w, b]: [Mem; 3]) -> Result<Buf> {
+        let (y, stats) = self.forward(s, x, w, b)?;
+        *self
+            .saved
+            .lock()
+            .expect("layer norm statistics lock poisoned") = Some(stats);
+        Ok(y)
+    }
+
     fn check(&self, x: &Layout, w: &Layout) -> Result<()> {
         let (n, d) = (self.rows, self.width);
         if x.shape().elem_count() != n * d || w.shape().elem_count() != d {
@@ -136,15 +144,9 @@ impl CustomOp3 for NormOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use twin::Twin;
         self.check(l1, l2)?;
-        let (x, w, b) = (Twin::mem(s1, l1)?, Twin::mem(s2, l2)?, Twin::mem(s3, l3)?);
-        let (y, stats) = self.forward(&Twin, x, w, b)?;
-        *self
-            .saved
-            .lock()
-            .expect("layer norm statistics lock poisoned") = Some(stats);
-        Ok((y.into_cpu_storage()?, l1.shape().clone()))
+        let (y, _) = on_twin([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.start(s, m))?;
+        Ok((y, l1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -158,14 +160,8 @@ impl CustomOp3 for NormOp {
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.check(l1, l2)?;
-        let stream = cuda::CudaStream::new(s1.device());
-        let (x, w, b) = (cuda::mem(s1, l1)?, cuda::mem(s2, l2)?, cuda::mem(s3, l3)?);
-        let (y, stats) = self.forward(&stream, x, w, b)?;
-        *self
-            .saved
-            .lock()
-            .expect("layer norm statistics lock poisoned") = Some(stats);
-        Ok((y.into_cuda_storage()?, l1.shape().clone()))
+        let (y, _) = on_cuda([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.start(s, m))?;
+        Ok((y, l1.shape().clone()))
     }
 
     fn bwd(
@@ -217,7 +213,7 @@ struct NormGrad<'a> {
 }
 
 impl NormGrad<'_> {
-    fn run(&self, s: &dyn Stream, (x, w, g): (Mem, Mem, Mem)) -> Result<Buf> {
+    fn run(&self, s: &dyn Stream, [x, w, g]: [Mem; 3]) -> Result<Buf> {
         let saved = self
             .saved
             .lock()
@@ -249,12 +245,9 @@ impl CustomOp3 for NormGrad<'_> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use twin::Twin;
         self.norm.check(l1, l2)?;
-        let mems = (Twin::mem(s1, l1)?, Twin::mem(s2, l2)?, Twin::mem(s3, l3)?);
-        let out = self.run(&Twin, mems)?;
-        let len = out.mem().len;
-        Ok((out.into_cpu_storage()?, Shape::from(len)))
+        let (out, len) = on_twin([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.run(s, m))?;
+        Ok((out, Shape::from(len)))
     }
 
     #[cfg(feature = "cuda")]
@@ -268,10 +261,7 @@ impl CustomOp3 for NormGrad<'_> {
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.norm.check(l1, l2)?;
-        let stream = cuda::CudaStream::new(s1.device());
-        let mems = (cuda::mem(s1, l1)?, cuda::mem(s2, l2)?, cuda::mem(s3, l3)?);
-        let out = self.run(&stream, mems)?;
-        let len = out.mem().len;
-        Ok((out.into_cuda_storage()?, Shape::from(len)))
+        let (out, len) = on_cuda([(s1, l1), (s2, l2), (s3, l3)], |s, m| self.run(s, m))?;
+        Ok((out, Shape::from(len)))
     }
 }
