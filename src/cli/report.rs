@@ -29,6 +29,25 @@ pub struct Args {
     /// error, and poslab exits with status 3.
     #[arg(long)]
     pub allow_partial: bool,
+    /// Also compare rows A and B (`--compare none,rope`; repeatable), as exploratory
+    /// comparisons: chosen after the run, they get an interval and a p-value but no verdict,
+    /// and stay out of the planned comparisons' Holm correction. Plan comparisons before a run
+    /// with the config's `[[comparisons]]`.
+    #[arg(long = "compare", value_name = "A,B", value_parser = parse_pair)]
+    pub compare: Vec<(String, String)>,
+}
+
+/// `A,B`: two rows of the experiment.
+fn parse_pair(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once(',') {
+        Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() => {
+            Ok((a.trim().to_string(), b.trim().to_string()))
+        }
+        _ => Err(format!(
+            "{s:?}: give two rows separated by a comma, a then b (`--compare none,rope` reports \
+             rope − none)"
+        )),
+    }
 }
 
 /// A partial merge was written (`--allow-partial`): exit status 3.
@@ -49,6 +68,7 @@ pub fn run(args: Args) -> Result<()> {
         out,
         overwrite,
         allow_partial,
+        compare,
     } = args;
     let runs = &runs;
     // The same folder twice would merge each of its cells with itself.
@@ -78,7 +98,7 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    let merged = merge::merge_runs(runs, allow_partial)?;
+    let merged = merge::merge_runs_exploring(runs, allow_partial, &compare)?;
     let (results, config) = (&merged.results, &merged.config);
     let dir = match out {
         Some(dir) => dir,
@@ -95,6 +115,7 @@ pub fn run(args: Args) -> Result<()> {
         kernels: merged.kernels.clone(),
         sources: runs.iter().map(|r| r.display().to_string()).collect(),
         files: folder::report_files(config),
+        planned: results.compared_pairs().planned,
     };
     let opened = folder::open(&dir, &plan, overwrite)?;
     poslab::io::write_atomic(&dir.join(folder::CONFIG_TOML), config.to_toml().as_bytes())?;

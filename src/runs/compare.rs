@@ -191,11 +191,19 @@ fn run_cell(
     let started = Instant::now();
     let model_config =
         config.model_config(variant, task.data.tokenizer.vocab_size(), task.table_rows());
+    // What this seed draws: the weights, the batch order and dropout from its training seed,
+    // and under `data_seed = "per_seed"` the training set too.
+    let train_seed = variant.training_seed(seed);
+    let drawn = match config.data_seed {
+        super::DataScope::Fixed => None,
+        super::DataScope::PerSeed => Some(task.training_draw(train_seed)?),
+    };
     let job = Job {
         task,
         model: &model_config,
         train: &config.train,
-        seed,
+        seed: train_seed,
+        train_set: drawn.as_ref(),
         eval_batch: config
             .eval
             .batch_size
@@ -326,6 +334,7 @@ fn plan<'a>(
         kernels: Some(options.backend.kernels.name().into()),
         sources: Vec::new(),
         files: folder::compare_files(config, selected),
+        planned: config.comparison_pairs(),
     }
 }
 
@@ -482,7 +491,9 @@ pub fn run(
         }
     }
     let records: Vec<CellRecord> = records.into_iter().flatten().collect();
-    let (results, timings) = folder::assemble(config, records);
+    // The comparisons planned when the run began; any added since are exploratory.
+    let plan = folder::comparison_plan(folder::read_manifest(dir)?.as_ref(), config);
+    let (results, timings) = folder::assemble(config, records, &plan);
     let table = super::report::write_report_with(dir, &results, &timings, &[], &|| {
         kill_point(options, || "report".into())
     })?;

@@ -366,6 +366,7 @@ mod tests {
             summary: Vec::new(),
             comparisons: Vec::new(),
             comparisons_skipped: Vec::new(),
+            data_seed: Default::default(),
         };
         (results, task)
     }

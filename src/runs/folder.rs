@@ -178,6 +178,28 @@ pub struct Manifest {
     pub sources: Vec<String>,
     /// Every file the run writes, relative to the folder.
     pub files: Vec<String>,
+    /// The comparisons planned when the run began: its verdicts' family. `[[comparisons]]`
+    /// added later (the config edited before the run is continued) are exploratory. Absent in
+    /// folders from before it was recorded, whose config's comparisons are taken as planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planned: Option<Vec<super::ComparisonSpec>>,
+}
+
+/// The comparisons of `config` for a folder whose manifest is `manifest`: those planned when
+/// the run began (the config's, where the manifest records none), and the config's others as
+/// exploratory.
+pub fn comparison_plan(
+    manifest: Option<&Manifest>,
+    config: &ExperimentConfig,
+) -> super::results::ComparisonPlan {
+    let now = config.comparison_pairs();
+    match manifest.and_then(|m| m.planned.as_ref()) {
+        Some(planned) => super::results::ComparisonPlan::of(
+            planned.iter().map(|c| (c.a.clone(), c.b.clone())).collect(),
+            &now,
+        ),
+        None => super::results::ComparisonPlan::planned(now),
+    }
 }
 
 /// The SHA-256 of a config's canonical TOML, in hex.
@@ -260,6 +282,8 @@ pub struct Plan<'a> {
     pub sources: Vec<String>,
     /// Every file the command writes, relative to the folder.
     pub files: Vec<String>,
+    /// The comparisons planned before the run (`(a, b)`): the family the verdicts correct for.
+    pub planned: Vec<(String, String)>,
 }
 
 /// A folder opened for writing: locked until this is dropped.
@@ -458,6 +482,15 @@ impl Manifest {
             cells: plan.cells.len(),
             sources: plan.sources.clone(),
             files: plan.files.clone(),
+            planned: Some(
+                plan.planned
+                    .iter()
+                    .map(|(a, b)| super::ComparisonSpec {
+                        a: a.clone(),
+                        b: b.clone(),
+                    })
+                    .collect(),
+            ),
         }
     }
 
@@ -816,6 +849,20 @@ pub fn read_cell(
             }
         )));
     }
+    // Every test's per-example outcomes: what the verdicts pair across seeds.
+    let rows = std::iter::once(&record.result).chain(record.rescored.iter().map(|r| &r.result));
+    for row in rows {
+        for e in &row.summary.evaluations {
+            if let Err(why) = super::results::check_examples(&e.outcome, e.examples.as_ref()) {
+                return Err(Error::Input(format!(
+                    "{}: cell {}, test `{}`: {why}",
+                    path.display(),
+                    row.name(),
+                    e.name
+                )));
+            }
+        }
+    }
     let model = dir.join(model_dir(task, variant, seed));
     if let Some(missing) = MODEL_FILES.iter().find(|f| !model.join(f).is_file()) {
         return Err(Error::Input(format!(
@@ -828,7 +875,11 @@ pub fn read_cell(
 
 /// The results and timings of finished cells (in the selection's order), as `results.json` and
 /// `timing.json` hold them: the same records give the same bytes, however many runs wrote them.
-pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results, Vec<Timing>) {
+pub fn assemble(
+    config: &ExperimentConfig,
+    records: Vec<CellRecord>,
+    plan: &super::results::ComparisonPlan,
+) -> (Results, Vec<Timing>) {
     let mut results = Results {
         experiment: config.name.clone(),
         tasks: Vec::new(),
@@ -838,6 +889,7 @@ pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results
         partial: None,
         comparisons: Vec::new(),
         comparisons_skipped: Vec::new(),
+        data_seed: Default::default(),
     };
     let mut timings = Vec::new();
     for record in records {
@@ -854,7 +906,7 @@ pub fn assemble(config: &ExperimentConfig, records: Vec<CellRecord>) -> (Results
         }
         timings.push(record.timing);
     }
-    results.order_as(config);
+    results.order_as(config, plan);
     (results, timings)
 }
 

@@ -24,6 +24,7 @@ struct Page<'a> {
     title: String,
     partial: Option<String>,
     sources: Vec<String>,
+    findings: Option<String>,
     legend: String,
     method: &'static str,
     curve_method: &'static str,
@@ -43,6 +44,7 @@ struct VerdictRow<'a> {
     a: &'a str,
     b: &'a str,
     detected: bool,
+    exploratory: bool,
     diff: String,
     ci: String,
     p: String,
@@ -137,6 +139,8 @@ pub struct TaskTables<'a> {
 
 /// What the page says beside its data: how the verdicts read and how they are computed.
 pub struct Texts<'a> {
+    /// The opening paragraph: what was found, in words.
+    pub findings: Option<String>,
     /// What a verdict line says.
     pub legend: String,
     /// How the comparisons are computed.
@@ -192,6 +196,7 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
             .iter()
             .map(|s| s.display().to_string())
             .collect(),
+        findings: texts.findings.clone(),
         legend: texts.legend.clone(),
         method: texts.method,
         curve_method: CURVE_METHOD,
@@ -204,11 +209,12 @@ pub fn page(results: &Results, tasks: &[TaskTables], texts: &Texts) -> String {
                 evaluation: &c.evaluation,
                 a: &c.a,
                 b: &c.b,
-                detected: c.p_holm < verdict::ALPHA,
+                detected: c.detected,
+                exploratory: c.family == verdict::Family::Exploratory,
                 diff: format!("{:+.1}", c.diff),
                 ci: format!("{:+.1} to {:+.1}", c.ci_low, c.ci_high),
-                p: format!("{:.4}", c.p),
-                p_holm: format!("{:.4}", c.p_holm),
+                p: verdict::format_p(c.p),
+                p_holm: verdict::format_p(c.p_holm),
                 detectable: format!("{:.1}", c.detectable),
                 seeds: c.seeds,
                 examples: c.examples,

@@ -59,6 +59,8 @@ pub(crate) struct Job<'a> {
     pub train: &'a TrainConfig,
     /// Seeds the weights, the data order and dropout.
     pub seed: u64,
+    /// The training set, where the seed draws its own; `None`: the task's.
+    pub train_set: Option<&'a crate::data::Dataset>,
     /// The batch size of the tests.
     pub eval_batch: usize,
     /// Where the model is built.
@@ -107,7 +109,10 @@ impl Job<'_> {
         if let Some(start) = start {
             start(&params)?;
         }
-        let data = self.task.train_data();
+        let data = match self.train_set {
+            Some(set) => self.task.train_data_on(set),
+            None => self.task.train_data(),
+        };
         let mut trainer = Trainer::new(&model, &params, &data, self.train, self.seed)?;
         let bar = steps.begin(&mut trainer, &params)?;
         while !trainer.finished() {

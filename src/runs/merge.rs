@@ -61,7 +61,21 @@ pub struct Merged {
 ///   finished cells count too, and the results say what is missing ([`Results::partial`]).
 ///
 /// Any violation is an error naming the folder or file and the cell.
+///
+/// The verdicts' family is the comparisons every folder planned when its run began; the
+/// config's others are exploratory (see [`merge_runs_exploring`]).
 pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
+    merge_runs_exploring(dirs, allow_partial, &[])
+}
+
+/// [`merge_runs`], with `explore` (`(a, b)` rows of the config) compared too, as exploratory
+/// comparisons: chosen after the run, so outside the planned family's correction and never a
+/// verdict.
+pub fn merge_runs_exploring(
+    dirs: &[PathBuf],
+    allow_partial: bool,
+    explore: &[(String, String)],
+) -> Result<Merged> {
     let first = dirs
         .first()
         .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
@@ -97,7 +111,7 @@ pub fn merge_runs(dirs: &[PathBuf], allow_partial: bool) -> Result<Merged> {
         loaded.push((dir.clone(), results, timings));
     }
     let (mut results, mut timings) = merge(loaded)?;
-    results.order_as(&config);
+    results.order_as(&config, &planned_family(&config, &manifests, explore)?);
     let order: Vec<(String, String, u64)> = results.cells.iter().map(|c| c.key()).collect();
     timings.sort_by_key(|t| {
         order
@@ -288,12 +302,54 @@ fn unfinished(
             m.selection.flags()
         )));
     }
-    let (results, timings) = folder::assemble(config, records);
+    let plan = folder::comparison_plan(Some(m), config);
+    let (results, timings) = folder::assemble(config, records, &plan);
     for c in &results.cells {
         let name = c.name();
         check_cell(config, &results, c, &dir.join(folder::CELLS), &name)?;
     }
     Ok((results, timings))
+}
+
+/// The comparisons of a merge: planned, those every folder planned when its run began (the
+/// config's where a folder records none); exploratory, the config's others and `explore`'s,
+/// each of which must name two different rows of the config.
+fn planned_family(
+    config: &ExperimentConfig,
+    manifests: &[Option<Manifest>],
+    explore: &[(String, String)],
+) -> Result<super::results::ComparisonPlan> {
+    let rows = config.variant_rows();
+    for (a, b) in explore {
+        for name in [a, b] {
+            if !rows.contains(name) {
+                return Err(Error::Config(format!(
+                    "--compare {a},{b}: `{name}` is not a row of this experiment (its rows: {})",
+                    rows.join(", ")
+                )));
+            }
+        }
+        if a == b {
+            return Err(Error::Config(format!(
+                "--compare {a},{b}: compare two different rows"
+            )));
+        }
+    }
+    let plans: Vec<super::results::ComparisonPlan> = manifests
+        .iter()
+        .map(|m| folder::comparison_plan(m.as_ref(), config))
+        .collect();
+    let planned: Vec<(String, String)> = plans
+        .first()
+        .map(|p| p.planned.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|pair| plans.iter().all(|p| p.planned.contains(pair)))
+        .collect();
+    let mut now = config.comparison_pairs();
+    now.extend(explore.iter().cloned());
+    now.dedup();
+    Ok(super::results::ComparisonPlan::of(planned, &now))
 }
 
 /// Checks a `results.json` against the config its folder was run with: the experiment's
@@ -532,7 +588,7 @@ fn check_cell(
             _ => Ok(()),
         };
         if let Err(why) = check_outcome(task, test, &e.name, &e.outcome)
-            .and_then(|()| check_examples(&e.outcome, e.examples.as_ref()))
+            .and_then(|()| super::results::check_examples(&e.outcome, e.examples.as_ref()))
             .and_then(sized)
         {
             return bad(format!("test `{}`: {why}", e.name));
@@ -555,46 +611,6 @@ fn summary_digest(row: &super::results::SummaryRow) -> String {
         )))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// Example outcomes that unpack, and give the cell's score: its accuracy (the mean over
-/// strata of right over counted outputs), and, by length, each length's examples.
-fn check_examples(
-    outcome: &Outcome,
-    examples: Option<&super::results::Examples>,
-) -> std::result::Result<(), String> {
-    let (
-        Outcome::Scored {
-            accuracy,
-            by_length,
-            ..
-        },
-        Some(examples),
-    ) = (outcome, examples)
-    else {
-        return match (outcome, examples) {
-            (Outcome::Unavailable { .. }, Some(_)) => {
-                Err("example outcomes of a test it could not run".into())
-            }
-            _ => Ok(()),
-        };
-    };
-    let unpacked = examples
-        .unpack()
-        .map_err(|e| format!("its example outcomes are damaged: {e}"))?;
-    let score = unpacked.score();
-    if (score - accuracy).abs() > 1e-9 {
-        return Err(format!(
-            "accuracy {accuracy}, but its example outcomes give {score}"
-        ));
-    }
-    if !by_length.is_empty() {
-        let strata: Vec<[usize; 2]> = by_length.iter().map(|s| [s.length, s.examples]).collect();
-        if strata != examples.strata {
-            return Err("its example outcomes are not of its lengths and their examples".into());
-        }
-    }
-    Ok(())
 }
 
 /// A score in range, consistent with its scores by length, which cover the test's lengths.
@@ -708,11 +724,17 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
         .iter()
         .map(|c| (c.key(), first_dir.clone()))
         .collect();
-    let mut pairs = merged.compared_pairs();
+    let mut plan = merged.compared_pairs();
     for (dir, results, more_timings) in iter {
-        for p in results.compared_pairs() {
-            if !pairs.contains(&p) {
-                pairs.push(p);
+        let theirs = results.compared_pairs();
+        for p in theirs.planned {
+            if !plan.planned.contains(&p) {
+                plan.planned.push(p);
+            }
+        }
+        for p in theirs.exploratory {
+            if !plan.planned.contains(&p) && !plan.exploratory.contains(&p) {
+                plan.exploratory.push(p);
             }
         }
         let conflict = |what: String| {
@@ -766,6 +788,7 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
     }
     merged.finish();
     // The union of the parts' comparisons, stated again over every cell.
-    merged.compare(&pairs);
+    plan.exploratory.retain(|p| !plan.planned.contains(p));
+    merged.compare(&plan);
     Ok((merged, timings))
 }

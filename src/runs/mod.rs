@@ -18,6 +18,7 @@ pub mod plot;
 pub mod prepare;
 pub mod report;
 pub mod results;
+pub mod student;
 pub mod suite;
 pub mod suite_plot;
 pub mod train;
@@ -72,9 +73,20 @@ pub struct VariantSpec {
     /// "none"] }` for NoPE every other layer, `local` entries with a `local_window`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<crate::layers::LayerPlan>,
+    /// Trains this variant's seed `s` with training seed `s + seed_offset`: another draw of
+    /// everything a seed draws, paired with the other variants' seed `s`. Two variants alike
+    /// but for this are an A/A check: equal in distribution, so any difference found between
+    /// them is a false finding. Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed_offset: Option<u64>,
 }
 
 impl VariantSpec {
+    /// The training seed of this variant's seed `seed` (see [`VariantSpec::seed_offset`]).
+    pub fn training_seed(&self, seed: u64) -> u64 {
+        seed.wrapping_add(self.seed_offset.unwrap_or(0))
+    }
+
     /// What this variant chooses beyond the shared `[model]` shape.
     pub fn choices(&self) -> Choices<'_> {
         Choices {
@@ -85,6 +97,44 @@ impl VariantSpec {
             max_len: self.max_len,
             random_positions: self.random_positions,
             layers: self.layers.as_ref(),
+        }
+    }
+}
+
+/// What a seed draws besides the weights' initialisation, the batch order and dropout, which
+/// every seed draws: `data_seed` at the top of an experiment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataScope {
+    /// Every seed trains on the task's one training set (drawn by the task's `data_seed`): the
+    /// verdicts speak of that training set.
+    #[default]
+    Fixed,
+    /// Every seed draws its own training set (a generated task's generated afresh, a file
+    /// task's resampled with replacement): the verdicts cover training-data variation too.
+    /// The validation and test sets stay the task's, so variants still pair example by
+    /// example.
+    PerSeed,
+}
+
+impl DataScope {
+    fn is_fixed(&self) -> bool {
+        *self == DataScope::Fixed
+    }
+
+    /// What a seed varies under this scope, in words.
+    pub fn seed_varies(&self) -> &'static str {
+        match self {
+            DataScope::Fixed => {
+                "the initial weights, the order of the training batches and dropout; every seed \
+                 trained on the same training set and was tested on the same test sets \
+                 (data_seed = \"fixed\"), so the verdicts speak of that training set"
+            }
+            DataScope::PerSeed => {
+                "the initial weights, the order of the training batches, dropout and the \
+                 training set itself, drawn afresh for each seed (data_seed = \"per_seed\"); \
+                 the test sets are every seed's"
+            }
         }
     }
 }
@@ -132,6 +182,10 @@ pub struct ExperimentConfig {
     /// The first seed.
     #[serde(default)]
     pub first_seed: u64,
+    /// What a seed draws: `"fixed"` (default), the initialisation, batch order and dropout;
+    /// `"per_seed"`, each seed its own training set as well ([`DataScope`]).
+    #[serde(default, skip_serializing_if = "DataScope::is_fixed")]
+    pub data_seed: DataScope,
     /// The shape every variant shares, `[model]`.
     pub model: ModelShape,
     /// How each cell trains, `[train]`.

@@ -35,6 +35,8 @@ pub(crate) struct Prepared<'a> {
     pub(crate) masking: Option<MlmMasking>,
     pub(crate) train: Dataset,
     pub(crate) valid: Dataset,
+    /// How texts are framed for the model (what a training draw is encoded with).
+    framing: crate::data::Framing,
     /// The test sets by length, then the shuffled copy of the base test set if any.
     sets: Vec<Dataset>,
     tests: Vec<Test>,
@@ -124,6 +126,7 @@ pub(crate) fn prepare(
         masking,
         train,
         valid,
+        framing,
         sets,
         tests,
         info,
@@ -357,12 +360,29 @@ impl Prepared<'_> {
 
     /// The data `train` needs.
     pub(crate) fn train_data(&self) -> TrainData<'_> {
+        self.train_data_on(&self.train)
+    }
+
+    /// The data `train` needs, with `train` as the training set (a seed's own draw).
+    pub(crate) fn train_data_on<'a>(&'a self, train: &'a Dataset) -> TrainData<'a> {
         TrainData {
-            train: &self.train,
+            train,
             valid: &self.valid,
             pad_id: self.data.tokenizer.pad_id(),
             masking: self.masking.as_ref(),
         }
+    }
+
+    /// The training set of training seed `seed` where each seed draws its own
+    /// ([`crate::tasks::TaskSpec::training_draw`]), tokenized as the task's own.
+    pub(crate) fn training_draw(&self, seed: u64) -> Result<Dataset> {
+        let examples = self.spec.training_draw(&self.data, seed)?;
+        Dataset::encode(
+            &examples,
+            &self.data.tokenizer,
+            self.framing,
+            self.data.limit,
+        )
     }
 
     /// Every test of the task on `model`; a test whose inputs a learned table cannot hold is

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::results::{Aggregate, Outcome, Results, Stat, SummaryRow, TaskInfo, Timing};
-use super::verdict;
+use super::verdict::{self, Family};
 use super::{html, plot};
 use crate::error::Result;
 use crate::io::write_atomic;
@@ -361,17 +361,35 @@ const SUITE_GAINS: &str = "randomized positions: the mean over tasks of the scor
 /// be made; a row with no cell in the results (a run of some variants) is one line, not one
 /// for each of its comparisons. Empty when there are none.
 pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
+    let mut lines = family_lines(results, Family::Planned, markdown);
+    lines.extend(absent_lines(results, markdown));
+    let exploratory = family_lines(results, Family::Exploratory, markdown);
+    if !exploratory.is_empty() {
+        lines.push(format!(
+            "{}exploratory, chosen after the run began (no verdicts, outside the planned \
+             correction):",
+            if markdown { "\n" } else { "" }
+        ));
+        lines.extend(exploratory);
+    }
+    lines
+}
+
+/// The verdict lines of one family: one per task and pair.
+fn family_lines(results: &Results, family: Family, markdown: bool) -> Vec<String> {
     let mut lines = Vec::new();
     // Every (task, a, b) with a verdict or a skipped evaluation, in report order.
     let mut seen: Vec<(&str, &str, &str)> = Vec::new();
     let keys = results
         .comparisons
         .iter()
+        .filter(|c| c.family == family)
         .map(|c| (c.task.as_str(), c.a.as_str(), c.b.as_str()))
         .chain(
             results
                 .comparisons_skipped
                 .iter()
+                .filter(|k| k.family == family)
                 .map(|k| (k.task.as_str(), k.a.as_str(), k.b.as_str())),
         );
     for key in keys {
@@ -386,9 +404,10 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
         let mut parts: Vec<String> = results
             .comparisons
             .iter()
+            .filter(|d| d.family == family)
             .filter(|d| (d.task.as_str(), d.a.as_str(), d.b.as_str()) == key)
             .map(|d| {
-                let detected = d.p_holm < verdict::ALPHA;
+                let detected = d.detected;
                 let diff = format!("{:+.1}", d.diff);
                 let diff = match (detected, markdown) {
                     (true, true) => format!("**{diff}**"),
@@ -405,6 +424,7 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
         let skipped: Vec<&verdict::Skipped> = results
             .comparisons_skipped
             .iter()
+            .filter(|k| k.family == family)
             .filter(|k| (k.task.as_str(), k.a.as_str(), k.b.as_str()) == key)
             .collect();
         if let Some(first) = skipped.first() {
@@ -419,7 +439,6 @@ pub fn verdict_lines(results: &Results, markdown: bool) -> Vec<String> {
         let bullet = if markdown { "- " } else { "" };
         lines.push(format!("{bullet}{task}, {b} − {a}: {}", parts.join("; ")));
     }
-    lines.extend(absent_lines(results, markdown));
     lines
 }
 
@@ -429,7 +448,11 @@ fn absent_lines(results: &Results, markdown: bool) -> Vec<String> {
     // The rows, with the tasks they lack, in order of appearance; and the comparisons.
     let mut absent: Vec<(&str, Vec<&str>)> = Vec::new();
     let mut seen: Vec<(&str, &str, &str)> = Vec::new();
-    for k in &results.comparisons_skipped {
+    for k in results
+        .comparisons_skipped
+        .iter()
+        .filter(|k| k.family == Family::Planned)
+    {
         let key = (k.task.as_str(), k.a.as_str(), k.b.as_str());
         let lacking: Vec<&str> = [key.1, key.2]
             .into_iter()
@@ -475,21 +498,229 @@ fn absent_lines(results: &Results, markdown: bool) -> Vec<String> {
 
 /// What the verdict lines say, in a sentence for the report's readers.
 fn verdict_legend(results: &Results) -> String {
-    let detected = results
+    let planned = planned_count(results);
+    format!(
+        "`b − a` in accuracy points, the mean over seeds, with its 95% interval (Student's t \
+         over seeds and test examples, the method under \"Comparisons in full\"); marked where \
+         the difference is detected: Holm's p < 0.05 over the {planned} planned comparison{} of \
+         this report. The intervals are each comparison's own, not corrected for their number: \
+         one that excludes zero without a mark is not a finding of this report. Every \
+         comparison's p-values and smallest detectable difference are under \"Comparisons in \
+         full\" and in `results.json` (`comparisons`).",
+        if planned == 1 { "" } else { "s" }
+    )
+}
+
+/// The planned comparisons with an estimate: the size of Holm's family.
+fn planned_count(results: &Results) -> usize {
+    results
         .comparisons
         .iter()
-        .filter(|c| c.p_holm < verdict::ALPHA)
+        .filter(|c| c.family == Family::Planned)
+        .count()
+}
+
+/// The seeds of these results' cells, in order.
+fn seeds_of(results: &Results) -> Vec<u64> {
+    let mut seeds: Vec<u64> = results.cells.iter().map(|c| c.seed).collect();
+    seeds.sort_unstable();
+    seeds.dedup();
+    seeds
+}
+
+/// `0, 1, 2` or `0-9` for a run of seeds.
+fn seeds_label(seeds: &[u64]) -> String {
+    match seeds {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [first, .., last] if seeds.len() > 3 && last - first + 1 == seeds.len() as u64 => {
+            format!("{first}-{last}")
+        }
+        _ => seeds
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
+/// `text` broken into lines of at most `width` characters at spaces (a longer word keeps its
+/// own line), for the terminal.
+fn wrap(text: &str, width: usize) -> String {
+    let mut lines: Vec<String> = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(line);
+    }
+    lines.join("\n")
+}
+
+/// `(better, worse)` rows.
+type Pair<'a> = (&'a str, &'a str);
+
+/// A task and the tests on it.
+type Places<'a> = (&'a str, Vec<&'a str>);
+
+/// The report's opening paragraph, in words: what was detected and what was not, how many
+/// comparisons share the correction, and what a seed varied.
+pub fn findings(results: &Results, markdown: bool) -> Option<String> {
+    let planned: Vec<&verdict::Comparison> = results
+        .comparisons
+        .iter()
+        .filter(|c| c.family == Family::Planned)
+        .collect();
+    let no_verdict = results
+        .comparisons_skipped
+        .iter()
+        .filter(|k| k.family == Family::Planned)
         .count();
-    format!(
-        "`b − a` in accuracy points, mean over seeds, with its 95% interval from a paired \
-         bootstrap over seeds and test examples; marked where the difference is detected (Holm's \
-         p < 0.05 over all {} comparisons of this report: {detected} are). The intervals are each \
-         comparison's own, not corrected for their number: one that excludes zero without a \
-         mark is not a finding of this report. The method, and every comparison's p-values and \
-         smallest detectable difference, are under \"Comparisons in full\" and in \
-         `results.json` (`comparisons`).",
-        results.comparisons.len()
-    )
+    let code = |name: &str| match markdown {
+        true => format!("`{name}`"),
+        false => name.to_string(),
+    };
+    let s = |n: usize| if n == 1 { "" } else { "s" };
+    let seeds = seeds_of(results);
+    let mut text = String::new();
+    if planned.is_empty() && no_verdict == 0 {
+        text.push_str("This run compares no variants.");
+    } else if planned.is_empty() {
+        text.push_str(&format!(
+            "No comparison has a verdict ({no_verdict} could not be made; the reasons are \
+             below)."
+        ));
+    } else {
+        // Who was better than whom, where: grouped by (better, worse), then by task.
+        let mut found: Vec<(Pair, Vec<Places>)> = Vec::new();
+        for c in planned.iter().filter(|c| c.detected) {
+            let pair = match c.diff > 0.0 {
+                true => (c.b.as_str(), c.a.as_str()),
+                false => (c.a.as_str(), c.b.as_str()),
+            };
+            let at = match found.iter().position(|(p, _)| *p == pair) {
+                Some(i) => i,
+                None => {
+                    found.push((pair, Vec::new()));
+                    found.len() - 1
+                }
+            };
+            let tasks = &mut found[at].1;
+            match tasks.iter_mut().find(|(t, _)| *t == c.task) {
+                Some((_, tests)) => tests.push(&c.evaluation),
+                None => tasks.push((&c.task, vec![&c.evaluation])),
+            }
+        }
+        let detected = planned.iter().filter(|c| c.detected).count();
+        text.push_str(&format!(
+            "Of the {} planned comparison{}, which share Holm's correction at 0.05, {detected} \
+             found a difference",
+            planned.len(),
+            s(planned.len())
+        ));
+        if found.is_empty() {
+            text.push('.');
+        } else {
+            let parts: Vec<String> = found
+                .iter()
+                .map(|((better, worse), tasks)| {
+                    let places: Vec<String> = tasks
+                        .iter()
+                        .map(|(task, tests)| format!("{task} ({})", tests.join(", ")))
+                        .collect();
+                    format!(
+                        "{} better than {} on {}",
+                        code(better),
+                        code(worse),
+                        places.join(", ")
+                    )
+                })
+                .collect();
+            text.push_str(&format!(": {}.", parts.join("; ")));
+        }
+        let alike = planned
+            .iter()
+            .filter(|c| !c.detected && c.diff == 0.0 && (c.ci_low, c.ci_high) == (0.0, 0.0))
+            .count();
+        let inconclusive = planned.len() - detected - alike;
+        if inconclusive > 0 {
+            text.push_str(&format!(
+                " {inconclusive} {} inconclusive at {} seed{}: no difference found, which is not \
+                 a finding of no difference.",
+                if inconclusive == 1 { "is" } else { "are" },
+                seeds.len(),
+                s(seeds.len())
+            ));
+        }
+        if alike > 0 {
+            text.push_str(&format!(
+                " In {alike} the two variants had the same outcome on every example in every \
+                 seed."
+            ));
+        }
+        // The pairs with nothing detected on any test.
+        let mut quiet: Vec<(&str, &str)> = Vec::new();
+        for c in &planned {
+            let key = (c.a.as_str(), c.b.as_str());
+            let any = planned
+                .iter()
+                .any(|d| (d.a.as_str(), d.b.as_str()) == key && d.detected);
+            if !any && !quiet.contains(&key) {
+                quiet.push(key);
+            }
+        }
+        if !quiet.is_empty() && detected > 0 {
+            let pairs: Vec<String> = quiet
+                .iter()
+                .map(|(a, b)| format!("{} against {}", code(b), code(a)))
+                .collect();
+            text.push_str(&format!(
+                " Nothing was found on any test of {}.",
+                pairs.join(", or of ")
+            ));
+        }
+        if no_verdict > 0 {
+            text.push_str(&format!(
+                " {no_verdict} more ha{} no verdict (the reasons are below).",
+                if no_verdict == 1 { "s" } else { "ve" }
+            ));
+        }
+    }
+    text.push_str(&format!(
+        " Each of the {} seed{} ({}) drew {}.",
+        seeds.len(),
+        s(seeds.len()),
+        seeds_label(&seeds),
+        results.data_seed.seed_varies()
+    ));
+    if seeds.len() < verdict::MIN_SEEDS {
+        text.push_str(&format!(
+            " One seed cannot measure how much training varies, so no difference is marked: \
+             run at least {} seeds (3 or more for a useful interval).",
+            verdict::MIN_SEEDS
+        ));
+    }
+    let exploratory = results
+        .comparisons
+        .iter()
+        .filter(|c| c.family == Family::Exploratory)
+        .count();
+    if exploratory > 0 {
+        text.push_str(&format!(
+            " {exploratory} exploratory comparison{}, chosen after the run began, {} reported \
+             without verdicts.",
+            s(exploratory),
+            if exploratory == 1 { "is" } else { "are" }
+        ));
+    }
+    Some(text)
 }
 
 /// Every comparison as a table: the numbers behind the verdicts.
@@ -501,6 +732,8 @@ fn comparison_table(results: &Results) -> TextTable {
             "b − a",
             "diff",
             "95% CI",
+            "se",
+            "t",
             "p",
             "p (Holm)",
             "detectable",
@@ -509,7 +742,7 @@ fn comparison_table(results: &Results) -> TextTable {
             "verdict",
         ],
         [
-            false, false, false, true, true, true, true, true, true, true, false,
+            false, false, false, true, true, true, true, true, true, true, true, true, false,
         ],
     );
     for c in &results.comparisons {
@@ -519,8 +752,10 @@ fn comparison_table(results: &Results) -> TextTable {
             format!("{} − {}", c.b, c.a),
             format!("{:+.1}", c.diff),
             format!("{:+.1} to {:+.1}", c.ci_low, c.ci_high),
-            format!("{:.4}", c.p),
-            format!("{:.4}", c.p_holm),
+            format!("{:.2}", c.se),
+            format!("{:.2}", c.t),
+            verdict::format_p(c.p),
+            verdict::format_p(c.p_holm),
             format!("{:.1}", c.detectable),
             c.seeds.to_string(),
             c.examples.to_string(),
@@ -537,10 +772,15 @@ pub fn text_report(results: &Results, timings: &[Timing]) -> String {
         let _ = writeln!(out, "{p} (missing: {} cells)", p.missing.len());
     }
     let verdicts = verdict_lines(results, false);
+    if let Some(words) = findings(results, false) {
+        let _ = writeln!(out, "\n{}", wrap(&words, 96));
+    }
     if !verdicts.is_empty() {
         let _ = writeln!(
             out,
-            "\n== Verdicts (b − a in points, 95% interval; * detected, Holm's p < 0.05)\n"
+            "\n== Verdicts (b − a in points, 95% interval; * detected, Holm's p < 0.05 over the \
+             {} planned)\n",
+            planned_count(results)
         );
         for line in verdicts {
             let _ = writeln!(out, "{line}");
@@ -588,6 +828,9 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
         );
     }
     let verdicts = verdict_lines(results, true);
+    if let Some(words) = findings(results, true) {
+        let _ = write!(md, "{words}\n\n");
+    }
     if !verdicts.is_empty() {
         let _ = write!(md, "## Verdicts\n\n{}\n\n", verdict_legend(results));
         for line in verdicts {
@@ -659,15 +902,24 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
 /// How the comparisons are computed, for the report.
 const COMPARISON_METHOD: &str = "Each cell of a task is tested on the same examples, so two \
     variants pair up example by example and seed by seed. `diff` is `b − a` in accuracy points, \
-    the mean over seeds. The 95% interval is the 2.5th to 97.5th percentile of 10,000 \
-    resamples of a paired bootstrap over seeds and examples (seed effects and example effects \
-    drawn with replacement, each scaled to its variance component; seeded by the comparison's \
-    names, so a report recomputed from the same cells gives the same numbers). `p` is the \
-    two-sided bootstrap p-value, `p (Holm)` Holm's correction over every comparison of this \
-    report; a verdict names the better variant when `p (Holm)` < 0.05. `detectable` is the \
-    smallest difference this run could have found (80% power at level 0.05). On simulated \
-    data the interval covered the true difference 96.7% of the time with 3 seeds and 97.3% \
-    with 8 (the tests of `src/runs/verdict.rs`).";
+    the mean over seeds. Each example's share of it is split, by a two-way analysis of \
+    variance, into a seed effect (what a seed gives b over a: how training varies), an example \
+    effect and a residual. The 95% interval is the wider of two Student's t intervals: the \
+    seeds' (the spread of the per-seed differences, on seeds − 1 degrees of freedom), and the \
+    outcomes' (the residual, on many), each widened by the examples' effect on their own degrees \
+    of freedom (`se` is the interval's standard error and `t` its half-width over it); `p` is the \
+    larger of their two-sided p-values, computed exactly (no resampling), so p < 0.05 exactly \
+    when the interval excludes zero. Intervals end at ±100 points. `p (Holm)` is Holm's \
+    correction over the planned comparisons of this report (the config's `[[comparisons]]` as \
+    the run began, or each row against the first); a verdict names the better variant when it \
+    is below 0.05. Exploratory comparisons (chosen after the run began: `poslab report \
+    --compare`, or `[[comparisons]]` added later) have Holm's correction among themselves and \
+    no verdict. `detectable` is the difference this run would find with 80% power at the level \
+    Holm's correction tests the family's first comparison at (0.05 over the family's size). One \
+    seed gives no verdict. On simulated runs with a seed-by-variant interaction, at 2, 3, 5 and \
+    10 seeds, the intervals held the truth 95.2-96.7% of the time and families of 10 A/A \
+    comparisons marked a difference at most 4.8% of the time (the tests of \
+    `src/runs/verdict.rs`; real A/A runs in the book's Verified page).";
 
 /// `v` rounded to `decimals` places (what a timing is worth).
 fn rounded(v: f64, decimals: i32) -> f64 {
@@ -830,6 +1082,7 @@ fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> St
         })
         .collect();
     let texts = html::Texts {
+        findings: findings(results, false),
         legend: verdict_legend(results),
         method: COMPARISON_METHOD,
         sources,

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::verdict::{Comparison, Skipped};
+use super::verdict::{Comparison, ExampleOutcomes, Skipped};
 use crate::positional::PositionalConfig;
 use crate::tasks::OrderBlindCeiling;
 pub use crate::train::LengthScore;
@@ -403,7 +403,8 @@ pub struct CellResult {
     pub task: String,
     /// The variant's name.
     pub variant: String,
-    /// The training seed.
+    /// The seed: the cell's (`seed<N>`), which pairs it with the other variants' cells of that
+    /// seed. It trained with this seed plus its variant's `seed_offset`.
     pub seed: u64,
     /// The fingerprint of the config that made the cell: the SHA-256 of the parts of the
     /// experiment's config that shape cells (its `run.json`'s `config_sha256`), which resumes
@@ -577,6 +578,44 @@ pub struct Results {
     /// Comparisons that could not be made, with the reason (a variant could not run a test).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub comparisons_skipped: Vec<Skipped>,
+    /// What a seed drew: the initialisation, batch order and dropout, and under `per_seed`
+    /// the training set (the experiment's `data_seed`).
+    #[serde(default)]
+    pub data_seed: super::DataScope,
+}
+
+/// The comparisons a report states: the planned family (fixed before the run, sharing Holm's
+/// correction) and the exploratory pairs (chosen after it began: never a verdict).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComparisonPlan {
+    /// `(a, b)` pairs planned before the run.
+    pub planned: Vec<(String, String)>,
+    /// `(a, b)` pairs chosen afterwards, not already planned.
+    pub exploratory: Vec<(String, String)>,
+}
+
+impl ComparisonPlan {
+    /// Only planned pairs.
+    pub fn planned(planned: Vec<(String, String)>) -> Self {
+        Self {
+            planned,
+            exploratory: Vec::new(),
+        }
+    }
+
+    /// `planned` as a run recorded it at its start, with the pairs of `now` (a config's, or a
+    /// report's request) that are not among them as exploratory.
+    pub fn of(planned: Vec<(String, String)>, now: &[(String, String)]) -> Self {
+        let exploratory = now
+            .iter()
+            .filter(|p| !planned.contains(p))
+            .cloned()
+            .collect();
+        Self {
+            planned,
+            exploratory,
+        }
+    }
 }
 
 impl Results {
@@ -589,9 +628,9 @@ impl Results {
     }
 
     /// Puts tasks and variants in the order `config` lists them (a variant's re-scorings right
-    /// after it), then [`Results::finish`]es: the same cells give the same `results.json`
-    /// however they were split across runs.
-    pub fn order_as(&mut self, config: &super::ExperimentConfig) {
+    /// after it), then [`Results::finish`]es and states the comparisons of `plan`: the same
+    /// cells give the same `results.json` however they were split across runs.
+    pub fn order_as(&mut self, config: &super::ExperimentConfig, plan: &ComparisonPlan) {
         let tasks: Vec<&str> = config.tasks.iter().map(|t| t.name.as_str()).collect();
         let rows = config.variant_rows();
         let rank = |all: &[&str], name: &str| all.iter().position(|n| *n == name);
@@ -600,32 +639,41 @@ impl Results {
         let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
         self.variants
             .sort_by_key(|v| rank(&rows, &v.name).unwrap_or(usize::MAX));
+        self.data_seed = config.data_seed;
         self.finish();
-        self.compare(&config.comparison_pairs());
+        self.compare(plan);
     }
 
-    /// States the verdicts of `pairs` (`(a, b)`) on every task and evaluation column
+    /// States the verdicts of `plan` on every task and evaluation column
     /// ([`Results::comparisons`], [`Results::comparisons_skipped`]).
-    pub fn compare(&mut self, pairs: &[(String, String)]) {
-        let (comparisons, skipped) = compare(self, pairs);
+    pub fn compare(&mut self, plan: &ComparisonPlan) {
+        let (comparisons, skipped) = compare(self, plan);
         self.comparisons = comparisons;
         self.comparisons_skipped = skipped;
     }
 
-    /// The pairs these results were compared by (stated or skipped), in order.
-    pub fn compared_pairs(&self) -> Vec<(String, String)> {
-        let mut pairs: Vec<(String, String)> = Vec::new();
+    /// The pairs these results were compared by (stated or skipped), in order, by family.
+    pub fn compared_pairs(&self) -> ComparisonPlan {
+        let mut plan = ComparisonPlan::default();
         let all = self
             .comparisons
             .iter()
-            .map(|c| (&c.a, &c.b))
-            .chain(self.comparisons_skipped.iter().map(|k| (&k.a, &k.b)));
-        for (a, b) in all {
+            .map(|c| (&c.a, &c.b, c.family))
+            .chain(
+                self.comparisons_skipped
+                    .iter()
+                    .map(|k| (&k.a, &k.b, k.family)),
+            );
+        for (a, b, family) in all {
+            let pairs = match family {
+                super::verdict::Family::Planned => &mut plan.planned,
+                super::verdict::Family::Exploratory => &mut plan.exploratory,
+            };
             if !pairs.iter().any(|(x, y)| x == a && y == b) {
                 pairs.push((a.clone(), b.clone()));
             }
         }
-        pairs
+        plan
     }
 
     /// Sorts cells (task order, then variant order, then seed) and recomputes the summary.
@@ -727,109 +775,169 @@ mod tests {
     }
 }
 
-/// Every comparison `(a, b)` of `pairs` on every task and evaluation column of `results`, with
-/// Holm's correction over all of them; and those that could not be made, with the reason.
-fn compare(results: &Results, pairs: &[(String, String)]) -> (Vec<Comparison>, Vec<Skipped>) {
-    use super::verdict::{bootstrap, comparison, holm, resample_seed, RESAMPLES};
-    let mut estimates: Vec<(Comparison, super::verdict::Estimate)> = Vec::new();
+/// Every comparison of `plan` on every task and evaluation column of `results`, with Holm's
+/// correction over each family (the planned, the exploratory); and those that could not be
+/// made, with the reason.
+fn compare(results: &Results, plan: &ComparisonPlan) -> (Vec<Comparison>, Vec<Skipped>) {
+    use super::verdict::{comparison, estimate, holm, Family};
+    let mut comparisons = Vec::new();
     let mut skipped = Vec::new();
-    for task in &results.tasks {
-        for column in task.columns() {
-            for (a, b) in pairs {
-                let skip = |reason: String| Skipped {
-                    task: task.name.clone(),
-                    evaluation: column.clone(),
-                    a: a.clone(),
-                    b: b.clone(),
-                    reason,
-                };
-                let cells = |v: &str| {
-                    results
-                        .cells
-                        .iter()
-                        .filter(|c| c.task == task.name && c.variant == *v)
-                        .collect::<Vec<_>>()
-                };
-                let (cells_a, cells_b) = (cells(a), cells(b));
-                if cells_a.is_empty() || cells_b.is_empty() {
-                    let missing = if cells_a.is_empty() { a } else { b };
-                    skipped.push(skip(format!("no cell of `{missing}` in these results")));
-                    continue;
-                }
-                let mut seeds = Vec::new();
-                let mut reason = None;
-                for ca in &cells_a {
-                    let Some(cb) = cells_b.iter().find(|c| c.seed == ca.seed) else {
-                        continue;
+    for (family, pairs) in [
+        (Family::Planned, &plan.planned),
+        (Family::Exploratory, &plan.exploratory),
+    ] {
+        let mut estimates: Vec<(Comparison, super::verdict::Estimate)> = Vec::new();
+        for task in &results.tasks {
+            for column in task.columns() {
+                for (a, b) in pairs {
+                    let skip = |reason: String| Skipped {
+                        task: task.name.clone(),
+                        evaluation: column.clone(),
+                        a: a.clone(),
+                        b: b.clone(),
+                        reason,
+                        family,
                     };
-                    let ea = ca.summary.evaluations.iter().find(|e| e.name == column);
-                    let eb = cb.summary.evaluations.iter().find(|e| e.name == column);
-                    match (ea, eb) {
-                        (Some(ea), Some(eb)) => match (&ea.outcome, &eb.outcome) {
-                            (Outcome::Unavailable { reason: r }, _) => {
-                                reason = Some(format!("`{a}` cannot run it: {r}"));
-                            }
-                            (_, Outcome::Unavailable { reason: r }) => {
-                                reason = Some(format!("`{b}` cannot run it: {r}"));
-                            }
-                            _ => match (&ea.examples, &eb.examples) {
-                                (Some(xa), Some(xb)) => match (xa.unpack(), xb.unpack()) {
-                                    (Ok(oa), Ok(ob)) => seeds.push((oa, ob)),
-                                    (Err(e), _) | (_, Err(e)) => {
-                                        reason = Some(format!("damaged example outcomes: {e}"));
-                                    }
-                                },
-                                _ => {
-                                    reason = Some(
-                                        "the cells record no example outcomes (made by an \
-                                         older poslab: run them again)"
-                                            .into(),
-                                    );
-                                }
-                            },
-                        },
-                        _ => reason = Some("the column is missing from a cell".into()),
+                    let seeds = match paired_outcomes(results, &task.name, &column, (a, b)) {
+                        Ok(seeds) => seeds,
+                        Err(reason) => {
+                            skipped.push(skip(reason));
+                            continue;
+                        }
+                    };
+                    let examples = seeds[0].0.len();
+                    match estimate(&seeds) {
+                        Ok(Ok(e)) => estimates.push((
+                            comparison(
+                                (&task.name, &column),
+                                (a, b),
+                                &e,
+                                (1.0, family, 1),
+                                (seeds.len(), examples),
+                            ),
+                            e,
+                        )),
+                        Ok(Err(no_verdict)) => skipped.push(skip(no_verdict)),
+                        Err(e) => skipped.push(skip(e.to_string())),
                     }
-                }
-                if seeds.is_empty() {
-                    skipped.push(skip(
-                        reason.unwrap_or_else(|| "no seed has both variants' cells".into()),
-                    ));
-                    continue;
-                }
-                let examples = seeds[0].0.len();
-                let seed = resample_seed(&task.name, &column, a, b);
-                match bootstrap(&seeds, RESAMPLES, seed) {
-                    Ok(e) => estimates.push((
-                        comparison(
-                            (&task.name, &column),
-                            (a, b),
-                            &e,
-                            1.0,
-                            (seeds.len(), examples),
-                        ),
-                        e,
-                    )),
-                    Err(e) => skipped.push(skip(e.to_string())),
                 }
             }
         }
-    }
-    let adjusted = holm(&estimates.iter().map(|(_, e)| e.p).collect::<Vec<_>>());
-    let comparisons = estimates
-        .into_iter()
-        .zip(adjusted)
-        .map(|((c, e), p_holm)| {
+        let adjusted = holm(&estimates.iter().map(|(_, e)| e.p).collect::<Vec<_>>());
+        let size = estimates.len();
+        comparisons.extend(estimates.into_iter().zip(adjusted).map(|((c, e), p_holm)| {
             comparison(
                 (&c.task, &c.evaluation),
                 (&c.a, &c.b),
                 &e,
-                p_holm,
+                (p_holm, family, size),
                 (c.seeds, c.examples),
             )
-        })
-        .collect();
+        }));
+    }
     (comparisons, skipped)
+}
+
+/// Each seed's outcomes of `a` and `b` on `task`'s `column`, over the seeds that have both
+/// cells; or why there are none to compare: a row without cells, a test a variant cannot run,
+/// or a cell whose per-example outcomes are missing or damaged (named: a verdict over the
+/// other seeds would say nothing of it).
+fn paired_outcomes(
+    results: &Results,
+    task: &str,
+    column: &str,
+    (a, b): (&str, &str),
+) -> std::result::Result<Vec<(ExampleOutcomes, ExampleOutcomes)>, String> {
+    let cells = |v: &str| {
+        results
+            .cells
+            .iter()
+            .filter(|c| c.task == task && c.variant == v)
+            .collect::<Vec<_>>()
+    };
+    let (cells_a, cells_b) = (cells(a), cells(b));
+    if cells_a.is_empty() || cells_b.is_empty() {
+        let missing = if cells_a.is_empty() { a } else { b };
+        return Err(format!("no cell of `{missing}` in these results"));
+    }
+    let mut seeds = Vec::new();
+    for ca in &cells_a {
+        let Some(cb) = cells_b.iter().find(|c| c.seed == ca.seed) else {
+            continue;
+        };
+        let mut sides = Vec::with_capacity(2);
+        for (cell, row) in [(ca, a), (cb, b)] {
+            let Some(e) = cell.summary.evaluations.iter().find(|e| e.name == column) else {
+                return Err(format!("cell {} lacks the column", cell.name()));
+            };
+            if let Outcome::Unavailable { reason } = &e.outcome {
+                return Err(format!("`{row}` cannot run it: {reason}"));
+            }
+            let Some(examples) = &e.examples else {
+                return Err(format!(
+                    "cell {} records no per-example outcomes (made by an older poslab): run \
+                     it again",
+                    cell.name()
+                ));
+            };
+            let unpacked = examples
+                .unpack()
+                .map_err(|e| format!("cell {}: damaged per-example outcomes: {e}", cell.name()))?;
+            sides.push(unpacked);
+        }
+        let ob = sides.pop().expect("two sides");
+        let oa = sides.pop().expect("two sides");
+        seeds.push((oa, ob));
+    }
+    if seeds.is_empty() {
+        return Err("no seed has both variants' cells".into());
+    }
+    Ok(seeds)
+}
+
+/// Whether a scored test's per-example outcomes are there and give its score (what a verdict
+/// pairs across seeds): a record without them, or with damaged ones, cannot be compared.
+pub(crate) fn check_examples(
+    outcome: &Outcome,
+    examples: Option<&Examples>,
+) -> std::result::Result<(), String> {
+    let (
+        Outcome::Scored {
+            accuracy,
+            by_length,
+            ..
+        },
+        Some(examples),
+    ) = (outcome, examples)
+    else {
+        return match (outcome, examples) {
+            (Outcome::Unavailable { .. }, Some(_)) => {
+                Err("example outcomes of a test it could not run".into())
+            }
+            (Outcome::Scored { .. }, None) => Err(
+                "no per-example outcomes (a record of an older poslab): the verdicts pair every \
+                 example across seeds, so it cannot be compared"
+                    .into(),
+            ),
+            _ => Ok(()),
+        };
+    };
+    let unpacked = examples
+        .unpack()
+        .map_err(|e| format!("its example outcomes are damaged: {e}"))?;
+    let score = unpacked.score();
+    if (score - accuracy).abs() > 1e-9 {
+        return Err(format!(
+            "accuracy {accuracy}, but its example outcomes give {score}"
+        ));
+    }
+    if !by_length.is_empty() {
+        let strata: Vec<[usize; 2]> = by_length.iter().map(|s| [s.length, s.examples]).collect();
+        if strata != examples.strata {
+            return Err("its example outcomes are not of its lengths and their examples".into());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -828,6 +828,7 @@ fn run(
         model: &model_config,
         train: &config.train,
         seed: config.seed,
+        train_set: None,
         eval_batch,
         device: &options.device,
         backend: options.backend,

@@ -825,6 +825,38 @@ impl TaskSpec {
         })
     }
 
+    /// A training set of its own for the training seed `seed`, for experiments whose seeds
+    /// draw their training data (`data_seed = "per_seed"`): a generated task's training split
+    /// generated afresh from a stream of the seed's (as many examples, the same lengths); a
+    /// task read from files, which has one training split, resampled from it with replacement
+    /// (a bootstrap of as many examples, Bouthillier et al. 2021). `data` is the task as
+    /// [`TaskSpec::generate`] made it; its validation and test sets are every seed's.
+    pub fn training_draw(&self, data: &TaskData, seed: u64) -> Result<Vec<Example>> {
+        let label = format!("task/{}/train/seed{seed}", self.name);
+        let mut rng = rng::stream(self.data_seed, &label);
+        if let Some(g) = self.kind.generator() {
+            let [lo, hi] = self
+                .lengths
+                .expect("validated: generated tasks have lengths");
+            let n = data.train.len();
+            return Ok((0..n)
+                .map(|_| {
+                    let len = rng.random_range(lo..=hi);
+                    g.example(&mut rng, len)
+                })
+                .collect());
+        }
+        if data.train.is_empty() {
+            return Err(Error::Config(format!(
+                "task `{}` has no training examples to draw from",
+                self.name
+            )));
+        }
+        Ok((0..data.train.len())
+            .map(|_| data.train[rng.random_range(0..data.train.len())].clone())
+            .collect())
+    }
+
     /// The splits of a generated task (cut to their first `train_cap` and `eval_cap` examples),
     /// its objective and its own vocabulary.
     fn generated(&self, g: &dyn Generator, [train_cap, cap]: [usize; 2]) -> Result<Splits> {

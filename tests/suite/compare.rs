@@ -342,8 +342,15 @@ fn a_compare_leads_with_verdicts_that_agree_with_its_scores() {
     });
     let (merged, _) = merge(parts.to_vec()).unwrap();
     assert_eq!(merged.comparisons, results.comparisons);
-    // A part alone has one seed: its verdicts say so.
-    assert!(parts[0].1.comparisons.iter().all(|c| c.seeds == 1));
+    // A part alone has one seed: no verdicts, each comparison saying why.
+    assert!(parts[0].1.comparisons.is_empty());
+    assert!(!parts[0].1.comparisons_skipped.is_empty());
+    assert!(parts[0]
+        .1
+        .comparisons_skipped
+        .iter()
+        .all(|k| k.reason.contains("no verdict: 1 seed")
+            || k.reason.contains("`learned` cannot run it")));
 }
 
 #[test]
@@ -467,9 +474,30 @@ fn report_html_shows_the_verdicts_of_results_json_in_a_real_browser() {
         );
         assert_eq!(
             cell_text(&dom, at, "num p-holm"),
-            format!("{:.4}", f("p_holm"))
+            poslab::runs::verdict::format_p(f("p_holm")).replace('<', "&lt;")
         );
         assert_eq!(cell_text(&dom, at, "verdict"), s("verdict"));
+    }
+    // The opening paragraph in words, and the verdicts filtered by pair as well as by test.
+    let opening = dom
+        .find("<p id=\"findings\">")
+        .expect("the page opens with its findings");
+    assert!(opening < dom.find("id=\"verdict-table\"").unwrap());
+    assert!(
+        dom[opening..].contains("planned comparisons, which share Holm's correction at 0.05"),
+        "{}",
+        &dom[opening..opening + 400]
+    );
+    let pairs = dom
+        .find("<select id=\"verdict-pair\">")
+        .expect("a pair filter");
+    let options = &dom[pairs..pairs + dom[pairs..].find("</select>").unwrap()];
+    for pair in [
+        "every pair",
+        "sinusoidal_add − none",
+        "rope − sinusoidal_add",
+    ] {
+        assert!(options.contains(&format!(">{pair}</option>")), "{options}");
     }
     // Its curves: one chart by length and one of loss for the task, a line per variant.
     assert_eq!(dom.matches("<div class=\"chart\">").count(), 2);

@@ -28,3 +28,4 @@ mod schemes;
 mod schemes2025;
 mod training;
 mod userdata;
+mod verdicts;

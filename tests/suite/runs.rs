@@ -1558,5 +1558,5 @@ fn a_run_of_some_variants_names_the_rows_it_lacks_in_one_line() {
     );
     let md = String::from_utf8(read(d.join("t/report.md"))).unwrap();
     assert!(md.contains("**word_order**, `none` − `rope`"), "{md}");
-    assert!(!md.contains("no verdict"), "{md}");
+    assert!(!md.contains("- no verdict"), "{md}");
 }

@@ -37,22 +37,32 @@
   }
   page.append(toggles);
 
-  // The verdicts, first.
+  // The verdicts, first: what was found in words, then every comparison, filtered by
+  // evaluation and by pair.
   const evaluations = [...new Set(data.verdicts.map((d) => d.evaluation))];
   const choice = el("select", { id: "verdict-evaluation" },
     el("option", { value: "" }, "every evaluation"),
     ...evaluations.map((e) => el("option", { value: e }, e)));
   choice.addEventListener("change", filterVerdicts);
+  const pairName = (d) => d.b + " − " + d.a;
+  const pairs = [...new Set(data.verdicts.map(pairName))];
+  const pairChoice = el("select", { id: "verdict-pair" },
+    el("option", { value: "" }, "every pair"),
+    ...pairs.map((p) => el("option", { value: p }, p)));
+  pairChoice.addEventListener("change", filterVerdicts);
   page.append(el("h2", { id: "verdicts" }, "Verdicts"));
+  if (data.findings) page.append(el("p", { id: "findings" }, data.findings));
   if (data.verdicts.length || data.skipped.length || data.absent.length) {
     page.append(el("p", { class: "muted" }, data.legend.replace(/`/g, "")));
-    page.append(el("p", {}, el("label", {}, "Evaluation:", choice)));
+    page.append(el("p", {}, el("label", {}, "Evaluation:", choice), " ",
+      el("label", {}, "Pair:", pairChoice)));
     const head = el("tr", {}, ...["task", "b − a", "test", "diff", "95% interval", "p (Holm)",
       "detectable", "seeds × examples", "verdict"].map((h, i) =>
       el("th", { class: i >= 3 && i <= 7 ? "num" : "" }, h)));
     const body = data.verdicts.map((d) => el("tr", {
-      class: "verdict" + (d.detected ? " detected" : ""), "data-task": d.task,
-      "data-evaluation": d.evaluation, "data-a": d.a, "data-b": d.b,
+      class: "verdict" + (d.detected ? " detected" : "") + (d.exploratory ? " exploratory" : ""),
+      "data-task": d.task, "data-evaluation": d.evaluation, "data-a": d.a, "data-b": d.b,
+      "data-pair": pairName(d),
     },
     el("td", {}, d.task), el("td", {}, d.b + " − " + d.a), el("td", {}, d.evaluation),
     el("td", { class: "num diff" }, d.diff), el("td", { class: "num ci" }, d.ci),
@@ -75,6 +85,7 @@
   function filterVerdicts() {
     document.querySelectorAll("tr.verdict").forEach((tr) => {
       const shown = (!choice.value || tr.dataset.evaluation === choice.value) &&
+        (!pairChoice.value || tr.dataset.pair === pairChoice.value) &&
         !hidden.has(tr.dataset.a) && !hidden.has(tr.dataset.b);
       tr.style.display = shown ? "" : "none";
     });
