@@ -57,6 +57,13 @@ fn too_large(path: &Path, len: u64, max: u64, what: &str) -> Error {
     ))
 }
 
+/// Writes `line` and a newline to standard error, ignoring a failure: a closed pipe or a dead
+/// `tee` must not stop the run whose progress it was reading (`eprintln!` would panic).
+pub fn note(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// `1.5 GiB`, `12.0 MiB`, `512 B`.
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -75,7 +82,8 @@ pub fn human_bytes(n: u64) -> String {
 
 /// Writes `bytes` to `path` atomically: into a temporary file beside it, flushed to disk, then
 /// renamed over `path`. A crash at any point leaves either the old file or the new one, never a
-/// torn mix. Parent folders are created.
+/// torn mix. Parent folders are created. The file gets the mode an ordinary create gives (on
+/// Unix 0666 less the umask).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, bytes, &|| {})
 }
@@ -118,12 +126,20 @@ pub fn write_atomic_with(path: &Path, bytes: &[u8], halfway: &dyn Fn()) -> Resul
         .ok_or_else(|| Error::io(path, std::io::Error::other("not a file path")))?;
     // `.name.XXXXXXXX.tmp` beside the file (see [`is_temporary_of`]); removed if the write
     // fails, left for the next run's clean-up if the process is killed.
-    let mut file = tempfile::Builder::new()
-        .prefix(&format!(".{}.", name.to_string_lossy()))
+    let prefix = format!(".{}.", name.to_string_lossy());
+    let mut builder = tempfile::Builder::new();
+    builder
+        .prefix(&prefix)
         .suffix(".tmp")
-        .rand_bytes(TEMP_RANDOM)
-        .tempfile_in(dir)
-        .map_err(|e| Error::io(dir, e))?;
+        .rand_bytes(TEMP_RANDOM);
+    // The mode an ordinary create gives (0666 less the umask), where the temporary file's own
+    // would be 0600 and the renamed file unreadable to the group and others.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    let mut file = builder.tempfile_in(dir).map_err(|e| Error::io(dir, e))?;
     let (first, second) = bytes.split_at(bytes.len() / 2);
     let written = (|| {
         file.write_all(first)?;

@@ -54,9 +54,9 @@ enum Command {
 fn main() -> ExitCode {
     // Every POSLAB_* variable is read as set, or refused: never silently ignored.
     match cli::env::check() {
-        Ok(warnings) => warnings.iter().for_each(|w| eprintln!("{w}")),
+        Ok(warnings) => warnings.iter().for_each(|w| errln!("{w}")),
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return ExitCode::FAILURE;
         }
     }

@@ -108,6 +108,20 @@ pub fn load_as(
     device: &Device,
     precision: Option<Precision>,
 ) -> Result<Loaded> {
+    load_within(
+        dir,
+        (dtype, device, precision),
+        &crate::limits::Limits::default(),
+    )
+}
+
+/// As [`load_as`], refusing a model whose parameters pass `limits` before anything of its size
+/// is allocated (a `config.json` edited to a vocabulary of 60 million would take gigabytes).
+pub fn load_within(
+    dir: &Path,
+    (dtype, device, precision): (DType, &Device, Option<Precision>),
+    limits: &crate::limits::Limits,
+) -> Result<Loaded> {
     if crate::pretrained::is_hf_folder(dir) {
         return Err(Error::Input(format!(
             "{} is a Hugging Face model folder, not a poslab run: pass it as --model {} \
@@ -134,6 +148,10 @@ pub fn load_as(
         });
     }
     config.model.validate()?;
+    config
+        .model
+        .check_limits(limits)
+        .map_err(|e| Error::Config(format!("{}: {e}", config_path.display())))?;
     let tokenizer = TextTokenizer::from_file(dir.join(TOKENIZER))?;
     // A pretrained model's table may have more rows than its tokenizer has ids (never fewer).
     let fits = match config.init {

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle::DType;
+use candle::{DType, Tensor};
 
 use crate::analysis::{self, Table};
 use crate::error::{Error, Result};
@@ -105,7 +105,13 @@ pub struct Request {
     pub out: Option<PathBuf>,
     /// The kernels and instruction sets a model's passes compute with.
     pub backend: crate::nn::Backend,
+    /// How large a model, and the batch of text it reads, may be.
+    pub limits: crate::limits::Limits,
 }
+
+/// The attention tables of `(b, h, t, t)` an analysis of text holds beside a forward pass's, a
+/// layer: the four terms of the logits and the weights, kept for every layer.
+const ANALYSIS_TABLES: usize = 5;
 
 impl Default for Request {
     /// What `poslab analyze` takes when a flag is not given.
@@ -135,6 +141,7 @@ impl Default for Request {
             texts: 64,
             out: None,
             backend: crate::nn::Backend::default(),
+            limits: crate::limits::Limits::default(),
         }
     }
 }
@@ -221,6 +228,26 @@ impl Request {
             )?;
         }
         finish(dir, summary, files, page)
+    }
+
+    /// Refuses evaluation text `ids` `(b, t)` whose analysis by `encoder` would need more
+    /// memory than [`Request::limits`] allows: a forward pass with every layer's attention
+    /// tables, and the terms of each, kept.
+    fn check_text(&self, encoder: &crate::Encoder, ids: &Tensor) -> Result<()> {
+        let (b, t) = ids.dims2()?;
+        let mut sizes = encoder.config().sizes_on(encoder.compute());
+        sizes.score_tensors[1] = sizes.score_tensors[0] + ANALYSIS_TABLES;
+        self.limits
+            .check_batch(
+                &sizes,
+                b,
+                t,
+                true,
+                &format!(
+                    "analyze: {b} texts of up to {t} tokens (fewer --texts or shorter lines fit)"
+                ),
+            )
+            .map_err(Error::Config)
     }
 
     /// The scheme named `name` as the flags draw it by name ([`Scheme::by_name`]); `sinusoidal`
@@ -430,7 +457,8 @@ impl Request {
     /// A pretrained encoder's learned table (from the row its positions start at), or its
     /// rotation's table (ModernBERT).
     fn pretrained_subject(&self, spec: &str) -> Result<Subject> {
-        let mut model = crate::pretrained::Pretrained::open(spec, &candle::Device::Cpu)?;
+        let mut model =
+            crate::pretrained::Pretrained::open_within(spec, &candle::Device::Cpu, &self.limits)?;
         model.encoder.set_backend(self.backend);
         let label = Path::new(spec)
             .file_name()
@@ -479,11 +507,14 @@ impl Request {
         if let Some(what) = crate::runs::folder::not_a_model(dir) {
             bail!("--run {}: {what}", dir.display());
         }
-        let mut loaded = crate::saved::load_as(
+        let mut loaded = crate::saved::load_within(
             dir,
-            DType::F32,
-            &candle::Device::Cpu,
-            Some(crate::Precision::F32),
+            (
+                DType::F32,
+                &candle::Device::Cpu,
+                Some(crate::Precision::F32),
+            ),
+            &self.limits,
         )?;
         loaded.model.set_backend(self.backend);
         let m = &loaded.config.model;
@@ -560,6 +591,7 @@ impl Request {
         let (texts, source) = analysis::terms::pretrained_texts(self.texts, self.text.as_deref())?;
         let batch = model.batch(&texts, true)?;
         let encoder = &model.encoder;
+        self.check_text(encoder, &batch.ids)?;
         if encoder.config().positional.placement() == crate::Placement::Attention {
             summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
             return rotation_analysis(encoder, &batch.ids, &batch.mask, dir, summary, files);
@@ -600,6 +632,7 @@ impl Request {
                 }
                 Err(e) => return Err(e),
                 Ok((ids, mask, _)) => {
+                    self.check_text(loaded.model.encoder(), &ids)?;
                     if let Some(scaling) = &self.rope_scaling {
                         rescale(loaded, scaling, ids.dim(1)?)?;
                         summary.push_str(&format!(
@@ -629,6 +662,7 @@ impl Request {
             }
             batch => batch?,
         };
+        self.check_text(loaded.model.encoder(), &ids)?;
         summary.push_str(&format!(
             "attention logits (W_q(x+p))·(W_k(y+p')) split into four terms (x the content, p the \
              positions: [x ; 0] and [0 ; p] for a concatenation), on {} texts{}:\n",
@@ -731,7 +765,10 @@ fn scheme_analysis(
                 return Ok(());
             }
             Err(e) => return Err(e),
-            Ok((ids, mask, _)) => Some((ids, mask)),
+            Ok((ids, mask, _)) => {
+                a.check_text(encoder, &ids)?;
+                Some((ids, mask))
+            }
         },
     };
     match (measure, text) {

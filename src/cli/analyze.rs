@@ -123,7 +123,7 @@ pub struct Args {
 
 impl Args {
     /// The library's request these flags make, computing with `backend`.
-    fn request(self, backend: poslab::nn::Backend) -> Request {
+    fn request(self, backend: poslab::nn::Backend, limits: poslab::limits::Limits) -> Request {
         Request {
             scheme: self.scheme,
             model: self.model,
@@ -149,6 +149,7 @@ impl Args {
             texts: self.texts,
             out: self.out,
             backend,
+            limits,
         }
     }
 }
@@ -156,7 +157,7 @@ impl Args {
 pub fn run(a: Args) -> Result<()> {
     let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
     let backend = poslab::nn::Backend::default().with_kernels(super::kernels(a.kernels)?);
-    let request = a.request(backend);
+    let request = a.request(backend, super::limits()?);
     let report = poslab::nn::with_threads(threads, move || request.run())?;
     out!("{}", report.summary);
     outln!(

@@ -164,7 +164,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         // The heap is counted from here: each model's parameters, moments and step.
         poslab::heap::start_counting();
-        let counts = poslab::bench::launches::count(&options, &mut |l| eprintln!("{l}"))?;
+        let counts = poslab::bench::launches::count(&options, &mut |l| errln!("{l}"))?;
         match a.json {
             true => outln!("{}", serde_json::to_string_pretty(&counts)?),
             false => out!("{}", poslab::bench::launches::table(&counts)),
@@ -191,9 +191,9 @@ pub fn run(a: Args) -> Result<()> {
     plan.check()?;
     // A child (a variant measured for its parent) prints its JSON only.
     if !(a.in_process && a.json) {
-        eprintln!("{}", plan.banner());
+        errln!("{}", plan.banner());
     }
-    let outcome = plan.run(&mut |line| eprintln!("{line}"))?;
+    let outcome = plan.run(&mut |line| errln!("{line}"))?;
     match a.json {
         true => outln!(
             "{}",
@@ -283,7 +283,7 @@ fn products(
         a.train_reps,
         rounds,
         torch_fn,
-        &mut |line| eprintln!("{line}"),
+        &mut |line| errln!("{line}"),
     )?;
     let rows = shape.batch * shape.seq;
     match a.json {

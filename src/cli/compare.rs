@@ -133,7 +133,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         None => match compare::unfinished_run(&config, &look, &a.runs_dir)? {
             Some(dir) => {
                 let (done, all) = compare::progress_of(&dir).unwrap_or((0, cells));
-                eprintln!(
+                errln!(
                     "poslab compare: continuing the unfinished run in {} ({done} of {all} cells \
                      done); --out DIR runs elsewhere",
                     dir.display()
@@ -161,7 +161,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         ),
     });
     let shard = selection.shard;
-    eprintln!(
+    errln!(
         "poslab compare: {source}{} on {} -> {}",
         shard.map_or(String::new(), |s| format!(", shard {s} ({cells} cells)")),
         poslab::device::device_name(&device),
@@ -179,7 +179,7 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         limits,
         kill_at: a.kill_at,
     };
-    let output = match compare::run(&config, &options, &|line| eprintln!("{line}")) {
+    let output = match compare::run(&config, &options, &|line| errln!("{line}")) {
         Ok(output) => output,
         Err(e) => {
             // A start that failed (its data missing, say) leaves no folder behind.

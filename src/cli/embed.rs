@@ -72,13 +72,14 @@ pub fn run(args: Args) -> Result<()> {
     let (run, compute) = (&run, &compute);
     let loaded = load_model(run, compute)?;
     for (i, out) in Predictor::new(&loaded, truncate)
+        .with_limits(super::limits()?)
         .with_rope_scaling(rope_scaling)?
         .embed(&texts)?
         .iter()
         .enumerate()
     {
         if let Some(note) = &out.note {
-            eprintln!("text {}: {note}", i + 1);
+            errln!("text {}: {note}", i + 1);
         }
         outln!("{}", serde_json::to_string(out)?);
     }

@@ -45,9 +45,9 @@ impl Interrupt {
                     .lock()
                     .ok()
                     .and_then(|m| m.as_ref().map(|say| say()));
-                eprintln!();
+                errln!("");
                 if let Some(said) = said {
-                    eprintln!("{said}");
+                    errln!("{said}");
                 }
                 std::process::exit(130);
             });

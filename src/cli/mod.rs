@@ -11,6 +11,15 @@ macro_rules! outln {
     }};
 }
 
+/// `eprintln!` that never panics: progress and notes go to standard error, which a closed pipe
+/// (`poslab compare 2>&1 | head -n 1`) or a dead `tee` may have closed; the run goes on.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// `print!` as [`outln!`].
 macro_rules! out {
     ($($arg:tt)*) => {{
@@ -267,7 +276,8 @@ pub fn load_model(dir: &Path, compute: &Compute) -> Result<poslab::saved::Loaded
         anyhow::bail!("{}: {what}", dir.display());
     }
     let device = compute.device.open()?;
-    let mut loaded = poslab::saved::load_as(dir, DType::F32, &device, compute.dtype)
+    let limits = limits()?;
+    let mut loaded = poslab::saved::load_within(dir, (DType::F32, &device, compute.dtype), &limits)
         .with_context(|| format!("loading the model in {}", dir.display()))?;
     loaded.model.set_backend(compute.backend()?);
     Ok(loaded)
@@ -294,7 +304,7 @@ pub fn load_pretrained(spec: &str, compute: &Compute) -> Result<poslab::pretrain
         anyhow::bail!("--dtype applies to poslab's own models; a pretrained encoder runs in f32");
     }
     let device = compute.device.open()?;
-    let mut model = poslab::pretrained::Pretrained::open(spec, &device)
+    let mut model = poslab::pretrained::Pretrained::open_within(spec, &device, &limits()?)
         .with_context(|| format!("loading the pretrained model {spec}"))?;
     model.encoder.set_backend(compute.backend()?);
     Ok(model)

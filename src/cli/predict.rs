@@ -63,6 +63,7 @@ pub fn run(args: Args) -> Result<()> {
         (Some(run), None) => {
             let loaded = load_model(&run, &compute)?;
             Predictor::new(&loaded, truncate)
+                .with_limits(super::limits()?)
                 .with_rope_scaling(rope_scaling)?
                 .predict(&texts, top_k)?
         }
@@ -70,7 +71,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
-            eprintln!("text {}: {note}", i + 1);
+            errln!("text {}: {note}", i + 1);
         }
         if json {
             outln!("{}", serde_json::to_string(out)?);
@@ -84,7 +85,7 @@ pub fn run(args: Args) -> Result<()> {
 /// Text `i`'s prediction as lines: the label and its probability, tagged words, or fills.
 fn print_one(i: usize, out: &poslab::infer::Output<Prediction>) -> Result<()> {
     if out.unknown_tokens > 0 {
-        eprintln!(
+        errln!(
             "text {}: {} token{} not in the model's vocabulary (all read as one unknown \
              token); the answer is less sure than it looks",
             i + 1,

@@ -131,7 +131,7 @@ pub fn run(args: Args) -> Result<()> {
         dir.display()
     );
     if let Some(p) = &results.partial {
-        eprintln!(
+        errln!(
             "{p}: missing {} (report.md and results.json say so too; exit status 3)",
             p.missing
                 .iter()

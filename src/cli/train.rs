@@ -79,7 +79,7 @@ pub fn run(args: Args) -> Result<()> {
                      with (its config.json), so that it ends as an uninterrupted run would; drop --dtype"
                 );
             }
-            eprintln!("poslab train: resuming {}", dir.display());
+            errln!("poslab train: resuming {}", dir.display());
             (runs::train::resume(&options(dir.clone()))?, dir)
         }
         (Some(path), None) => {
@@ -92,7 +92,7 @@ pub fn run(args: Args) -> Result<()> {
                 Some(dir) => dir,
                 None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
             };
-            eprintln!("poslab train: {} -> {}", path.display(), dir.display());
+            errln!("poslab train: {} -> {}", path.display(), dir.display());
             match runs::train::start(&config, &options(dir.clone())) {
                 Ok(end) => (end, dir),
                 Err(e) => {

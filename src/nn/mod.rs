@@ -292,7 +292,7 @@ pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
 
 /// Whether `x` goes through one of poslab's fused CPU kernels.
 pub(crate) fn fused_for(x: &Tensor) -> bool {
-    !GPU_OPS_ON_CPU.with(Cell::get) && fused_on(x.device(), x.dtype(), current_kernels())
+    fused_on(x.device(), x.dtype(), current_kernels())
 }
 
 /// Where a model computes: its device, and the backend its layers run with. What a memory bound
@@ -309,8 +309,15 @@ pub struct Compute<'a> {
 /// `kernels`: on the CPU in f32 or f64, unless the reference compositions are asked for. Where
 /// they do, a scheme whose scores they compute (PoPE, CoPE, PaTH) holds far fewer attention
 /// tables than its composition ([`crate::positional::Scheme::score_tensors`]).
+///
+/// Not under [`with_gpu_ops_on_cpu`], where the CPU computes as CUDA does (the device path's
+/// twin, whose schemes hold their compositions' tables): a memory bound checked there is
+/// checked for the path that runs.
 pub fn fused_on(device: &candle::Device, dtype: DType, kernels: Kernels) -> bool {
-    device.is_cpu() && matches!(dtype, DType::F32 | DType::F64) && kernels != Kernels::Reference
+    device.is_cpu()
+        && !GPU_OPS_ON_CPU.with(Cell::get)
+        && matches!(dtype, DType::F32 | DType::F64)
+        && kernels != Kernels::Reference
 }
 
 /// Whether `x` goes through the one-kernel CUDA ops of `cuda_ops.rs` (on the CPU only under

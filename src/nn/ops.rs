@@ -136,8 +136,29 @@ pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
 /// a large negative score for padded ones) is added to every row of batch element `b`.
 ///
 /// # Shapes
-/// - `scores`: `(b, h, t, t)`, `key_bias`: `(b, t)`; returns `(b, h, t, t)`
+/// - `scores`: `(b, h, t_q, t)`, `key_bias`: `(b, t)` or `(1, t)` (every batch element's);
+///   returns `(b, h, t_q, t)`. Other shapes, and scores with no element, are an error.
 pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+    let (b, h, tq, t) = scores.dims4()?;
+    let (kb, kt) = key_bias.dims2()?;
+    if (kb != b && kb != 1) || kt != t {
+        candle::bail!(
+            "masked_softmax: a key bias of shape {:?} does not fit scores of shape {:?}: it is \
+             (b, t) = ({b}, {t}), or (1, {t}) for every batch element",
+            key_bias.dims(),
+            scores.dims()
+        );
+    }
+    if b == 0 || h == 0 || tq == 0 || t == 0 {
+        candle::bail!(
+            "masked_softmax: scores of shape {:?} hold no score: a softmax needs at least one \
+             key in at least one row",
+            scores.dims()
+        );
+    }
+    if kb != b {
+        return masked_softmax(scores, &key_bias.broadcast_as((b, t))?.contiguous()?);
+    }
     if super::is_half(scores.dtype()) {
         // Half-precision scores: the softmax runs in f32 and its weights are rounded back.
         let f32 = candle::DType::F32;
@@ -238,8 +259,19 @@ pub fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
 /// taken from `f` to the left of `i` and from `g` to its right).
 ///
 /// # Shapes
-/// - `f`, `g`: `(n, t)`; returns `(n, t, t)`
+/// - `f`, `g`: `(n, t)`, the same shape; returns `(n, t, t)` (empty where `n` or `t` is 0).
 pub fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (n, t) = f.dims2()?;
+    if g.dims() != f.dims() {
+        candle::bail!(
+            "sided_differences: f {:?} and g {:?} differ in shape: both are (n, t)",
+            f.dims(),
+            g.dims()
+        );
+    }
+    if n == 0 || t == 0 {
+        return Tensor::zeros((n, t, t), f.dtype(), f.device());
+    }
     if super::fused_for(f) {
         return super::fused::sided_differences(f, g);
     }

@@ -113,6 +113,58 @@ pub struct Transport {
     reflections: Tensor,
 }
 
+impl Projections<'_> {
+    /// Checks the shapes and numbers against one another: `u` `(b, t, d)` with every size at
+    /// least 1 and `d` a multiple of `heads` (at least 1), `z` `(b, t, heads)`, the conv
+    /// `(d, 1, K)` with `K` at least 1, the mask `(b, t)`, `eps` finite and not negative.
+    pub fn check(&self) -> crate::Result<()> {
+        let bad = |what: String| Err(crate::Error::Config(format!("transport: {what}")));
+        let (b, t, d) = self.u.dims3()?;
+        if b == 0 || t == 0 || d == 0 {
+            return bad(format!(
+                "u of shape {:?} is empty: a transport needs at least one token of width 1",
+                self.u.dims()
+            ));
+        }
+        if self.heads == 0 || !d.is_multiple_of(self.heads) {
+            return bad(format!(
+                "heads = {} does not split d_model = {d}: give a count of at least 1 that divides it",
+                self.heads
+            ));
+        }
+        if self.z.dims() != [b, t, self.heads] {
+            return bad(format!(
+                "z of shape {:?} is not (b, t, heads) = ({b}, {t}, {})",
+                self.z.dims(),
+                self.heads
+            ));
+        }
+        if let Some(conv) = self.conv {
+            let dims = conv.dims();
+            if dims.len() != 3 || dims[0] != d || dims[1] != 1 || dims[2] == 0 {
+                return bad(format!(
+                    "the conv's taps {dims:?} are not (d_model, 1, K) = ({d}, 1, K) with K at least 1"
+                ));
+            }
+        }
+        if let Some(mask) = self.mask {
+            if mask.dims() != [b, t] {
+                return bad(format!(
+                    "the mask {:?} is not (b, t) = ({b}, {t})",
+                    mask.dims()
+                ));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return bad(format!(
+                "eps = {} must be finite and not negative",
+                self.eps
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Transport {
     /// # Shapes
     /// - `w`: `(b, h, t, d_head)`, unit vectors (or 0); `beta`: `(b, h, t)`
@@ -132,6 +184,7 @@ impl Transport {
     /// The reflections of [`Projections`]: one fused node on the CPU's fused kernels (which
     /// take f32 and f64 alone), else [`Transport::compose`].
     pub fn from_projections(p: Projections) -> crate::Result<Self> {
+        p.check()?;
         if !super::fused_for(p.u) {
             return Ok(Self::compose(p)?.1);
         }
@@ -148,6 +201,7 @@ impl Transport {
     /// The reflections of [`Projections`] composed of tensor ops (the specification), and `v`
     /// `(b, t, d_model)`, the conv's activation before the norm.
     pub fn compose(p: Projections) -> crate::Result<(Tensor, Self)> {
+        p.check()?;
         let dtype = p.u.dtype();
         let (b, t, d) = p.u.dims3()?;
         let real = match p.mask {

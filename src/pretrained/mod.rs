@@ -274,6 +274,8 @@ pub struct Pretrained {
     pub params: ParamStore,
     /// The folder it was read from.
     pub dir: PathBuf,
+    /// How large its batches may be ([`Pretrained::batch`] checks each).
+    limits: crate::limits::Limits,
 }
 
 /// A batch of texts, padded at the end.
@@ -395,13 +397,36 @@ impl Pretrained {
     /// The encoder `spec` names, a folder or a Hub id read from the Hugging Face cache
     /// ([`resolve`], with [`crate::text::HubSource::from_env`]), loaded by [`Pretrained::load`].
     pub fn open(spec: &str, device: &Device) -> Result<Self> {
+        Self::open_within(spec, device, &crate::limits::Limits::default())
+    }
+
+    /// [`Pretrained::open`] within `limits`: a model of more parameters is refused before it
+    /// is built, and every batch it reads is held to them.
+    pub fn open_within(
+        spec: &str,
+        device: &Device,
+        limits: &crate::limits::Limits,
+    ) -> Result<Self> {
         let dir = resolve(spec, &crate::text::HubSource::from_env())?;
-        Self::load(&dir, device)
+        Self::load_within(&dir, device, limits)
     }
 
     /// Loads `dir`, checking every tensor of `model.safetensors` against the config.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        Self::load_within(dir, device, &crate::limits::Limits::default())
+    }
+
+    /// [`Pretrained::load`] within `limits` (see [`Pretrained::open_within`]).
+    pub fn load_within(
+        dir: &Path,
+        device: &Device,
+        limits: &crate::limits::Limits,
+    ) -> Result<Self> {
         let folder = Folder::read(dir)?;
+        folder
+            .config
+            .check_limits(limits)
+            .map_err(|e| Error::Config(format!("{}: {e}", dir.display())))?;
         let hf = folder.hf;
         let params = ParamStore::new(0);
         let vb = params.var_builder(DType::F32, device);
@@ -425,6 +450,7 @@ impl Pretrained {
             tokenizer: folder.tokenizer,
             params,
             dir: folder.dir,
+            limits: *limits,
         })
     }
 
@@ -468,6 +494,16 @@ impl Pretrained {
             word_ids.push(words);
         }
         let t = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let sizes = self.encoder.config().sizes_on(self.encoder.compute());
+        self.limits
+            .check_batch(
+                &sizes,
+                rows.len(),
+                t,
+                false,
+                &format!("{} texts", rows.len()),
+            )
+            .map_err(Error::Config)?;
         let pad = self.tokenizer.pad_id();
         let device = self.encoder.device();
         let mut ids = Vec::with_capacity(rows.len() * t);

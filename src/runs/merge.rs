@@ -51,8 +51,9 @@ pub struct Merged {
 
 /// Reads and joins run folders of one experiment, strictly:
 ///
-/// - every folder was made with the same config, every setting included (two runs of an
-///   experiment with the same name but another `lr` are not one experiment);
+/// - every folder was made with the same config, every setting that shapes a cell included
+///   (two runs of an experiment with the same name but another `lr` are not one experiment);
+///   `[[comparisons]]` may differ, and the report states all of them;
 /// - no folder is being written (each is read under a shared [`FolderLock`]);
 /// - every `results.json` holds only cells the config names, each once, with every column of
 ///   its task, scores in range and the lengths its tests name ([`check_results`]);
@@ -79,15 +80,30 @@ pub fn merge_runs_exploring(
     let first = dirs
         .first()
         .ok_or_else(|| Error::Input("give at least one run folder to report on".into()))?;
-    let config = load_run_config(first)?;
-    let reference = toml::Value::try_from(&config).expect("a config is TOML");
+    let mut config = load_run_config(first)?;
+    // Comparisons shape no cell: folders whose configs differ only in them merge, and the
+    // report states the union of their comparisons (those every folder planned as the family,
+    // the rest exploratory: see `planned_family`).
+    let cells_only = |c: &ExperimentConfig| {
+        let cells = ExperimentConfig {
+            comparisons: Vec::new(),
+            ..c.clone()
+        };
+        toml::Value::try_from(&cells).expect("a config is TOML")
+    };
+    let reference = cells_only(&config);
     let mut locks = Vec::with_capacity(dirs.len());
     let mut loaded = Vec::with_capacity(dirs.len());
     let mut manifests = Vec::with_capacity(dirs.len());
     for dir in dirs {
         locks.push(FolderLock::shared(dir)?);
         let other = load_run_config(dir)?;
-        let value = toml::Value::try_from(&other).expect("a config is TOML");
+        for c in &other.comparisons {
+            if !config.comparisons.contains(c) {
+                config.comparisons.push(c.clone());
+            }
+        }
+        let value = cells_only(&other);
         if let Some(diff) = crate::io::first_difference("", &reference, &value) {
             return Err(Error::Input(format!(
                 "{} and {} were run with different configs ({diff}): only runs of one \

@@ -387,7 +387,7 @@ pub fn start(config: &TrainRunConfig, options: &TrainOptions) -> Result<TrainEnd
     // Every check before anything is written: a start that fails leaves no run behind.
     let ready = ready(config, data, start, options)?;
     if let Some(note) = ready.task.unknown_tokens_note() {
-        eprintln!("note: {note}");
+        crate::io::note(&format!("note: {note}"));
     }
     ready.task.data.tokenizer.save(dir.join(saved::TOKENIZER))?;
     let inputs = Inputs::of(config, ready.start.as_ref(), dir, options)?;
@@ -853,7 +853,7 @@ fn run(
     let end = crate::progress::with_lines(
         options.progress,
         &board,
-        &|line| eprintln!("{line}"),
+        &|line| crate::io::note(line),
         // On a pool of its own, as compare's jobs (see nn::with_threads).
         || {
             crate::nn::with_threads(options.threads.unwrap_or_else(crate::nn::cores), || {
@@ -993,7 +993,10 @@ fn load_latest(
         match load_checkpoint(&root.join(&name), params, config) {
             Ok(checkpoint) => {
                 if !failures.is_empty() {
-                    eprintln!("note: resuming from {name}: {}", failures.join("; "));
+                    crate::io::note(&format!(
+                        "note: resuming from {name}: {}",
+                        failures.join("; ")
+                    ));
                 }
                 return Ok(Some(checkpoint));
             }

@@ -225,8 +225,11 @@ pub struct TokenLimit {
 impl<'de> Deserialize<'de> for TaskSpec {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
-        let table = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
-        let (common, own): (serde_json::Map<_, _>, serde_json::Map<_, _>) = table
+        // Through TOML's value, which holds every float a config can (JSON's turns NaN and the
+        // infinities into null, which an option then took for absent): each option's own check
+        // meets the number as written.
+        let table = toml::Table::deserialize(d)?;
+        let (common, own): (toml::Table, toml::Table) = table
             .into_iter()
             .partition(|(k, _)| COMMON_FIELDS.contains(&k.as_str()));
         let algorithmic = own
@@ -245,24 +248,34 @@ impl<'de> Deserialize<'de> for TaskSpec {
                 }
                 TaskKind::Algorithmic(a)
             }
-            None => serde_json::from_value(own.into()).map_err(|e| {
-                let e = e.to_string();
-                let suite = if e.contains("unknown variant") {
-                    format!(
-                        "; or a task of the length suite: {}",
-                        Algorithmic::ALL.map(Algorithmic::name).join(", ")
-                    )
-                } else {
-                    String::new()
-                };
-                D::Error::custom(format!(
-                    "{e}{suite} (fields every task takes: {})",
-                    COMMON_FIELDS.join(", ")
-                ))
-            })?,
+            None => toml::Value::Table(own)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    let e = e.to_string().trim_end().to_string();
+                    let suite = if e.contains("unknown variant") {
+                        format!(
+                            "; or a task of the length suite: {}",
+                            Algorithmic::ALL.map(Algorithmic::name).join(", ")
+                        )
+                    } else {
+                        String::new()
+                    };
+                    D::Error::custom(format!(
+                        "{e}{suite} (fields every task takes: {})",
+                        COMMON_FIELDS.join(", ")
+                    ))
+                })?,
         };
-        let common: TaskCommon = serde_json::from_value(common.into())
-            .map_err(|e| D::Error::custom(format!("task `{}`: {e}", kind.name())))?;
+        let common: TaskCommon =
+            toml::Value::Table(common)
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    D::Error::custom(format!(
+                        "task `{}`: {}",
+                        kind.name(),
+                        e.to_string().trim_end()
+                    ))
+                })?;
         let generated = !kind.from_files();
         if common.test_lengths.is_some() && common.eval_factors.is_some() {
             return Err(D::Error::custom(format!(

@@ -54,6 +54,176 @@ fn a_closed_pipe_ends_the_program_quietly() {
     let _ = std::fs::remove_dir_all("/tmp/poslab-closed-pipe-test");
 }
 
+/// A tiny experiment and a tiny training run, for the tests that need a real run.
+const TINY_COMPARE: &str = "name = \"tiny\"\nseeds = 2\n[model]\nd_model = 16\nn_heads = 2\n\
+    n_layers = 1\nffn_dim = 32\n[train]\nbudget = { steps = 20 }\nbatch_size = 16\n\
+    [[tasks]]\nkind = \"prev_token\"\nlengths = [4, 8]\ntrain_examples = 100\n\
+    eval_examples = 40\n[[variants]]\nname = \"none\"\npositional = { kind = \"none\" }\n\
+    [[variants]]\nname = \"rope\"\npositional = { kind = \"rope\" }\n";
+const TINY_TRAIN: &str = "name = \"tt\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\n\
+    ffn_dim = 32\n[positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 20 }\n\
+    batch_size = 16\n[task]\nkind = \"prev_token\"\nlengths = [4, 8]\n\
+    train_examples = 100\neval_examples = 40\n";
+
+#[test]
+fn compare_and_train_finish_their_runs_when_their_output_pipes_close() {
+    // `poslab compare 2>&1 | head -n 1`, or a `tee` that dies: standard output and standard
+    // error both pipes whose reading ends are closed before the first line. The run goes on to
+    // its end (its results are in its folder), and the exit status is success, not a panic.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("c.toml"), TINY_COMPARE).unwrap();
+    std::fs::write(dir.path().join("t.toml"), TINY_TRAIN).unwrap();
+    let runs: [(&[&str], &str); 2] = [
+        (&["compare", "c.toml", "--out", "c"], "c/results.json"),
+        (
+            &["train", "--config", "t.toml", "--out", "t"],
+            "t/model.safetensors",
+        ),
+    ];
+    for (args, product) in runs {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_poslab"))
+            .args(args)
+            .current_dir(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        drop(child.stderr.take());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "{args:?}");
+        assert!(dir.path().join(product).is_file(), "{args:?}: no {product}");
+    }
+}
+
+#[test]
+fn run_files_get_the_mode_an_ordinary_create_gives() {
+    // Under umask 002 an ordinary create gives 0664: every file of a compare's run folder (its
+    // reports, records, models and plots, all written atomically) is readable by the group and
+    // others, not 0600 as a temporary file is made.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("c.toml"), TINY_COMPARE).unwrap();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "umask 002 && exec '{}' compare c.toml --out run --quiet",
+            env!("CARGO_BIN_EXE_poslab")
+        ))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    use std::os::unix::fs::PermissionsExt as _;
+    let mut files = Vec::new();
+    let mut stack = vec![dir.path().join("run")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    assert!(files.len() > 20, "{files:?}");
+    for f in &files {
+        let mode = std::fs::metadata(f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o664, "{}: {mode:o}", f.display());
+    }
+}
+
+#[test]
+fn every_command_that_reads_a_model_holds_it_and_its_text_to_the_limits() {
+    // predict, embed and analyze read POSLAB_MAX_MEMORY and POSLAB_MAX_PARAMS as train and
+    // compare do: a model past the parameter limit is refused before it is built, and text
+    // whose batch would pass the memory limit is refused before it is computed, naming the
+    // limit (analyze --run read any text at any size).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("t.toml"), TINY_TRAIN).unwrap();
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+            .args(args)
+            .envs(envs.iter().copied())
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = run(&["train", "--config", "t.toml", "--out", "m", "-q"], &[]);
+    assert!(ok, "{err}");
+    let lines: String = (0..4).map(|_| "a b c d ".repeat(50) + "\n").collect();
+    std::fs::write(dir.path().join("long.txt"), &lines).unwrap();
+    let long_line = "a b c d ".repeat(500);
+    let memory = [("POSLAB_MAX_MEMORY", "1M")];
+    let (ok, err) = run(
+        &["analyze", "--run", "m", "--text", "long.txt", "--out", "a"],
+        &memory,
+    );
+    assert!(
+        !ok && err.contains("analyze: 4 texts of up to") && err.contains("limit of 1.0 MiB"),
+        "{err}"
+    );
+    for command in ["predict", "embed"] {
+        let (ok, err) = run(&[command, "--run", "m", &long_line], &memory);
+        assert!(
+            !ok && err.contains("fits the memory limit (POSLAB_MAX_MEMORY)"),
+            "{command}: {err}"
+        );
+        let (ok, err) = run(
+            &[command, "--run", "m", "a b"],
+            &[("POSLAB_MAX_PARAMS", "100")],
+        );
+        assert!(
+            !ok && err.contains("more than the limit of 100"),
+            "{command}: {err}"
+        );
+        // Within the limits, the same text is read.
+        let (ok, err) = run(&[command, "--run", "m", &long_line], &[]);
+        assert!(ok, "{command}: {err}");
+    }
+    let (ok, err) = run(
+        &["analyze", "--run", "m", "--out", "b"],
+        &[("POSLAB_MAX_PARAMS", "100")],
+    );
+    assert!(!ok && err.contains("more than the limit of 100"), "{err}");
+}
+
+#[test]
+fn bench_launches_holds_the_path_it_runs_to_the_memory_limit() {
+    // On the CPU, --launches runs the device path's twin, whose CoPE holds its composition's
+    // attention tables: the limit is checked for those, not for the fused kernels' fewer
+    // (at 256 MiB the step took 0.70 GiB).
+    let out = Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args([
+            "bench",
+            "--launches",
+            "--device",
+            "cpu",
+            "--variants",
+            "cope",
+            "--seq",
+            "256",
+            "--batch",
+            "2",
+        ])
+        .env("POSLAB_MAX_MEMORY", "256M")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("more than the limit of 256.0 MiB"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_full_device_is_one_line_of_error() {
     // /dev/full refuses every write with "no space left on device".

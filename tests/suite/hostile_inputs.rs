@@ -201,6 +201,143 @@ fn float_settings_are_finite_and_in_range() {
 }
 
 #[test]
+fn task_options_that_are_not_finite_are_refused_with_their_range() {
+    // A task table's numbers reach the task's own checks as written: NaN and the infinities
+    // were turned into "absent" on the way (flip_flop's `ignore` then took its default, and
+    // vanished from the recorded config) or into an error naming neither key nor value.
+    for (task, needle) in [
+        (
+            "kind = \"flip_flop\"\nignore = nan",
+            "ignore = NaN must be in [0, 1)",
+        ),
+        (
+            "kind = \"flip_flop\"\nignore = inf",
+            "ignore = inf must be in [0, 1)",
+        ),
+        (
+            "kind = \"flip_flop\"\nignore = -inf",
+            "ignore = -inf must be in [0, 1)",
+        ),
+        (
+            "kind = \"mqar\"\nqueries = nan",
+            "queries = NaN must be in (0, 1]",
+        ),
+        ("kind = \"mlm\"\nmask_prob = nan", "mask_prob = NaN"),
+    ] {
+        let text = format!(
+            "name = \"h\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+             [train]\nbudget = {{ steps = 2 }}\n[[tasks]]\n{task}\nlengths = [8, 12]\n\
+             [[variants]]\nname = \"rope\"\npositional = {{ kind = \"rope\" }}\n"
+        );
+        assert_error_mentions(ExperimentConfig::from_toml_str(&text), &[needle]);
+    }
+    // A finite value in range is kept, and recorded as given.
+    let text = "name = \"h\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+                [train]\nbudget = { steps = 2 }\n[[tasks]]\nkind = \"flip_flop\"\nignore = 0.5\n\
+                lengths = [8, 12]\n[[variants]]\nname = \"rope\"\npositional = { kind = \"rope\" }\n";
+    let config = ExperimentConfig::from_toml_str(text).unwrap();
+    assert!(
+        config.to_toml().contains("ignore = 0.5"),
+        "{}",
+        config.to_toml()
+    );
+}
+
+#[test]
+fn public_library_ops_refuse_what_they_cannot_compute_on_every_path() {
+    use candle::{DType, Tensor};
+    use poslab::nn::{
+        masked_softmax, sided_differences, with_gpu_ops_on_cpu, with_kernels, Kernels, Projections,
+        Transport,
+    };
+    let cpu = Device::Cpu;
+    let ones = |dims: &[usize]| Tensor::ones(dims, DType::F32, &cpu).unwrap();
+    let scores = ones(&[2, 3, 4, 4]);
+    // Each path: the reference compositions, the fused per-op kernels, and the CUDA ops'
+    // CPU forms. A panic fails the test as surely as a wrong answer.
+    type Path<'a> = (&'a str, &'a dyn Fn(&dyn Fn()));
+    let paths: [Path; 3] = [
+        ("reference", &|f| with_kernels(Kernels::Reference, f)),
+        ("ops", &|f| with_kernels(Kernels::Ops, f)),
+        ("gpu ops on the cpu", &|f| {
+            with_kernels(Kernels::Ops, || with_gpu_ops_on_cpu(f).0)
+        }),
+    ];
+    for (path, run) in paths {
+        run(&|| {
+            for (bias, why) in [
+                (ones(&[3, 4]), "does not fit"),
+                (ones(&[2, 5]), "does not fit"),
+                (ones(&[8]), "rank"),
+            ] {
+                let err = masked_softmax(&scores, &bias).unwrap_err().to_string();
+                assert!(err.contains(why), "{path}: {err}");
+            }
+            let err = masked_softmax(&ones(&[2, 3, 0, 0]), &ones(&[2, 0]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("hold no score"), "{path}: {err}");
+            // One bias row for every batch element: what the composition broadcasts, on every
+            // path, and the same as the bias given per element.
+            let row = Tensor::new(&[[0f32, 0.0, -1e9, 0.0]], &cpu).unwrap();
+            let shared = masked_softmax(&scores, &row).unwrap();
+            let each = masked_softmax(
+                &scores,
+                &row.broadcast_as((2, 4)).unwrap().contiguous().unwrap(),
+            )
+            .unwrap();
+            assert_eq!(shared.dims(), [2, 3, 4, 4], "{path}");
+            assert_eq!(values(&shared), values(&each), "{path}");
+            // Differences of two running sums: g of another shape, or empty inputs.
+            let f = ones(&[2, 5]);
+            for g in [ones(&[2, 4]), ones(&[1, 5]), ones(&[10])] {
+                assert!(
+                    sided_differences(&f, &g).is_err(),
+                    "{path}: g {:?}",
+                    g.dims()
+                );
+            }
+            let empty = sided_differences(&ones(&[0, 5]), &ones(&[0, 5])).unwrap();
+            assert_eq!(empty.dims(), [0, 5, 5], "{path}");
+            let empty = sided_differences(&ones(&[2, 0]), &ones(&[2, 0])).unwrap();
+            assert_eq!(empty.dims(), [2, 0, 0], "{path}");
+            // PaTH's transport: no heads, no tokens, or a z of other heads.
+            let (u, z) = (ones(&[1, 3, 4]), ones(&[1, 3, 2]));
+            let p = |u: &Tensor, z: &Tensor, heads: usize| {
+                let p = Projections {
+                    u,
+                    conv: None,
+                    z,
+                    mask: None,
+                    heads,
+                    eps: 1e-6,
+                };
+                (
+                    Transport::from_projections(p)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Transport::compose(p).map(|_| ()).map_err(|e| e.to_string()),
+                )
+            };
+            for (u, z, heads, why) in [
+                (&u, &ones(&[1, 3, 0]), 0, "heads = 0"),
+                (&ones(&[1, 0, 4]), &ones(&[1, 0, 2]), 2, "empty"),
+                (&u, &ones(&[1, 3, 1]), 2, "is not (b, t, heads)"),
+                (&u, &z, 3, "does not split"),
+            ] {
+                let (fused, composed) = p(u, z, heads);
+                for got in [fused, composed] {
+                    let err = got.unwrap_err();
+                    assert!(err.contains(why), "{path}: {err}");
+                }
+            }
+            let (fused, composed) = p(&u, &z, 2);
+            assert!(fused.is_ok() && composed.is_ok(), "{path}");
+        });
+    }
+}
+
+#[test]
 fn sizes_are_bounded_before_anything_is_allocated() {
     // A config is checked against the limits a run, a predictor or a benchmark holds (the
     // command line's from POSLAB_MAX_PARAMS), after its fields.

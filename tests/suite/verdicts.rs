@@ -568,3 +568,77 @@ fn the_default_compares_verdicts_by_seed_count() {
         }
     }
 }
+
+/// Comparisons shape no cell: two folders of one experiment whose configs differ only in
+/// `[[comparisons]]` merge, and the report states the comparisons of both, those both planned
+/// as the family and the rest as exploratory. A difference in anything that shapes a cell is
+/// still refused.
+#[test]
+fn folders_that_differ_only_in_their_comparisons_merge() {
+    let mut first = experiment(
+        2,
+        &[
+            ("none", "none", 0),
+            ("rope", "rope", 0),
+            ("learned", "learned", 0),
+        ],
+        "",
+    );
+    first.comparisons = vec![poslab::runs::ComparisonSpec {
+        a: "none".into(),
+        b: "rope".into(),
+    }];
+    let mut second = first.clone();
+    second.comparisons.push(poslab::runs::ComparisonSpec {
+        a: "none".into(),
+        b: "learned".into(),
+    });
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    for (config, dir, seed) in [(&first, &a, 0), (&second, &b, 1)] {
+        run(
+            config,
+            &RunOptions {
+                selection: poslab::runs::Selection {
+                    seeds: vec![seed],
+                    ..Default::default()
+                },
+                ..RunOptions::new(Device::Cpu, dir)
+            },
+            &|_| {},
+        )
+        .unwrap();
+    }
+    let merged = merge_runs(&[a.clone(), b.clone()], false).unwrap();
+    assert_eq!(merged.config.comparisons, second.comparisons);
+    assert_eq!(
+        merged.results.compared_pairs(),
+        ComparisonPlan {
+            planned: vec![("none".into(), "rope".into())],
+            exploratory: vec![("none".into(), "learned".into())],
+        }
+    );
+    assert!(merged
+        .results
+        .comparisons
+        .iter()
+        .all(|c| (c.family == Family::Planned) == (c.b == "rope")));
+    // Another setting is another experiment.
+    let mut other = first.clone();
+    other.train.lr = 1e-3;
+    let c = root.path().join("c");
+    run(
+        &other,
+        &RunOptions {
+            selection: poslab::runs::Selection {
+                seeds: vec![1],
+                ..Default::default()
+            },
+            ..RunOptions::new(Device::Cpu, &c)
+        },
+        &|_| {},
+    )
+    .unwrap();
+    let err = merge_runs(&[a, c], false).err().unwrap().to_string();
+    assert!(err.contains("different configs (train.lr"), "{err}");
+}
