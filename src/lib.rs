@@ -1,10 +1,11 @@
 //! poslab: a lab for transformer positional encodings, built on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of twelve, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of fifteen, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
-//! and `prope` (a rotation inside attention), and `alibi`, `t5`, `kerple`, `fire`, `untied`,
-//! `fox` (a bias on the attention scores, FoX's set by the content); any of them but `fox` with
-//! randomized positions. See [`positional`] for what each computes and where, and
+//! and `prope` (a rotation inside attention), `alibi`, `t5`, `kerple`, `fire`, `untied`, `fox`
+//! (a bias on the attention scores, FoX's set by the content), and `pope`, `cope`, `path` (the
+//! scores computed by the scheme itself); randomized positions on the schemes that read
+//! positions. See [`positional`] for what each computes and where, and
 //! [`Encoder::seeded`] for an encoder alone.
 //!
 //! Two encoders with different schemes, a padded batch through each, three training steps,

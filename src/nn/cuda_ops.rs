@@ -19,9 +19,8 @@
 //! of every node it passes through, but not a variable's: a gradient an op hands straight to
 //! a variable (LayerNorm's weight and bias) keeps the graph of whatever it was computed from.
 //! Built from the tracked input, it held the whole step's forward graph, and an optimizer
-//! moment made from it held it across steps: on a GPU this leaked about a gigabyte per step
-//! at `bench`'s reference shape (2026-11-26, H100) until the memory ran out. Detached inputs
-//! give gradients with no graph.
+//! moment made from it held it across steps: on a GPU this leaked memory every step until it
+//! ran out (the book's performance page, "Measurements behind the code's choices"). Detached inputs give gradients with no graph.
 //!
 //! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
 //! `reference` keeps the compositions.

@@ -107,13 +107,10 @@ impl Scheme for CopeOptions {
     }
 
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
-        // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 318 MiB
-        // against `sin_add`'s 85, a training step at 4,278 against 340: the composed attention
-        // around the term and its gradients, about 7 and 59 attention tables a layer more. The
-        // fused CPU layer (2026-11-29, 4 threads): 97 and 290 MiB against `sin_add`'s 94 and
-        // 388; a training step counts a second table for the content scores it keeps beside
-        // the weights while they are small.
+        // The composition holds the composed attention around the term and its gradients,
+        // about 7 and 59 attention tables a layer more than `sin_add`; the fused CPU layer what
+        // `sin_add` holds, and in a training step a second table for the content scores it keeps
+        // beside the weights while they are small (measured: the book's performance page, "Measurements behind the code's choices").
         match (fused, training) {
             (true, false) => 1,
             (true, true) => 2,

@@ -119,14 +119,10 @@ impl Scheme for PathOptions {
     }
 
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
-        // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 257 MiB
-        // against `sin_add`'s 85, a training step at 4,225 against 340: the transport's
-        // inverses and products and their gradients, about 5 and 58 attention tables a layer
-        // more. The fused CPU layer (2026-11-29, 4 threads): 87 and 381 MiB against
-        // `sin_add`'s 94 and 388 (a training step at 1,024 tokens, batch 8: 1,043 against
-        // 787; this bound: 1.5 GiB); a training step counts a second table for what the
-        // transport's backward keeps: the walk's checkpoints and history (at most 16 MiB a task
+        // The composition holds the transport's inverses and products and their gradients,
+        // about 5 and 58 attention tables a layer more than `sin_add`; the fused CPU layer what
+        // `sin_add` holds (measured: the book's performance page, "Measurements behind the code's choices"), and a training step counts a second table
+        // for what the transport's backward keeps: the walk's checkpoints and history (at most 16 MiB a task
         // whole, else about `1.4 t^1.5 d_head` values), or the blocks' carried keys (at most
         // 16 MiB a task whole, else about `0.35 t^1.5 d_head`).
         match (fused, training) {

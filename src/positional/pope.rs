@@ -99,12 +99,9 @@ impl Scheme for PopeOptions {
     }
 
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // Measured at 512 tokens (batch 4, 4 heads, 4 layers, f32). The composition (CUDA,
-        // half precision, `--kernels reference`; 2026-11-28): a forward pass peaked at 120 MiB
-        // against `sin_add`'s 85, a training step at 949 against 340: the polar q and k and
-        // their gradients, about 1 and 9 attention tables a layer more. The fused CPU layer
-        // (2026-11-29, 4 threads): 103 and 395 MiB against `sin_add`'s 94 and 388, what
-        // `sin_add` holds.
+        // The composition holds the polar q and k and their gradients, about 1 and 9 attention
+        // tables a layer more than `sin_add`; the fused CPU layer what `sin_add` holds
+        // (measured: the book's performance page, "Measurements behind the code's choices").
         match (fused, training) {
             (true, _) => 1,
             (false, false) => 2,

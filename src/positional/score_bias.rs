@@ -176,8 +176,7 @@ pub(crate) fn distance_tensor(
 /// shorter, starting `t - 1` in), so that its gradient is a sum along each diagonal made of
 /// candle's parallel reductions. A gather's gradient is an `index_add` into the few values, which
 /// candle's CUDA kernel runs with one thread per output column looping over every index: for
-/// FIRE at width 768 and 512 tokens, one thread over 3.1 million (605 ms of a 652 ms step on an
-/// H100, 2026-11-28).
+/// FIRE at width 768 and 512 tokens, one thread over 3.1 million (its cost: the book's performance page, "Measurements behind the code's choices").
 ///
 /// # Shapes
 /// - `v`: `(r, h, 2t - 1)`, offsets `-(t - 1)..=t - 1` in order

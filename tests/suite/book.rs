@@ -338,3 +338,137 @@ fn the_environment_page_names_every_variable_poslab_reads() {
         .collect();
     assert!(missing.is_empty(), "environment.md lacks {missing:?}");
 }
+
+/// The number words the docs count schemes with.
+const NUMBER_WORDS: [&str; 21] = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+];
+
+/// Every place a doc counts all the schemes (`all twelve schemes`, `fifteen positional
+/// schemes`, `one of twelve`) or lists all of them by name (a line that says it names every
+/// scheme: the overview, "every scheme", "all schemes"), against the catalog: the README, the
+/// project's DEVELOPERS.md, every page of the book and the crate's front page. A count of some
+/// (`five schemes`) or a list of an experiment's variants is not checked. Returns the places
+/// that disagree.
+fn scheme_drift(texts: &[(String, String)]) -> Vec<String> {
+    let names = poslab::PositionalConfig::names();
+    let count = names.len();
+    let number = |w: &str| {
+        NUMBER_WORDS
+            .iter()
+            .position(|n| *n == w)
+            .or_else(|| w.parse::<usize>().ok().filter(|n| *n < 100))
+    };
+    let mut problems = Vec::new();
+    for (file, text) in texts {
+        for (n, line) in text.lines().enumerate() {
+            let lower = line.to_lowercase();
+            let words: Vec<&str> = lower
+                .split(|c: char| !c.is_alphanumeric())
+                .filter(|w| !w.is_empty())
+                .collect();
+            let mut counts = Vec::new();
+            for (i, w) in words.iter().enumerate() {
+                let Some(said) = number(w) else { continue };
+                let at = |k: usize| words.get(i + k).copied();
+                let before = i.checked_sub(1).and_then(|j| words.get(j)).copied();
+                let total = (at(1) == Some("positional") && at(2) == Some("schemes"))
+                    || (at(1) == Some("schemes") && at(2) == Some("in"))
+                    || (before == Some("all")
+                        && (at(1) == Some("schemes")
+                            || (at(1) == Some("positional") && at(2) == Some("schemes"))))
+                    || (before == Some("of")
+                        && i >= 2
+                        && words[i - 2] == "one"
+                        && lower.contains("scheme"));
+                if total {
+                    counts.push(said);
+                }
+            }
+            for said in counts.into_iter().filter(|&s| s != count) {
+                problems.push(format!(
+                    "{file}:{}: says {said} schemes in all; the catalog has {count}",
+                    n + 1
+                ));
+            }
+            let claims_all = ["overview", "every scheme", "all schemes", "all the schemes"]
+                .iter()
+                .any(|p| lower.contains(p));
+            let listed: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|name| {
+                    line.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                        .any(|w| w == *name)
+                })
+                .collect();
+            if claims_all && listed.len() >= 5 && listed.len() < count {
+                let missing: Vec<&str> = names
+                    .iter()
+                    .copied()
+                    .filter(|name| !listed.contains(name))
+                    .collect();
+                problems.push(format!(
+                    "{file}:{}: lists {} schemes as all of them, but not {}",
+                    n + 1,
+                    listed.len(),
+                    missing.join(", ")
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn the_docs_count_and_list_the_schemes_the_catalog_has() {
+    let root = root();
+    let mut texts: Vec<(String, String)> = ["README.md", "DEVELOPERS.md", "src/lib.rs"]
+        .iter()
+        .map(|f| {
+            (
+                f.to_string(),
+                std::fs::read_to_string(root.join(f)).unwrap(),
+            )
+        })
+        .collect();
+    for page in book_pages() {
+        let text = std::fs::read_to_string(root.join(&page)).unwrap();
+        texts.push((page.display().to_string(), text));
+    }
+    let problems = scheme_drift(&texts);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // The check finds a wrong count and a short list.
+    let planted = vec![(
+        "planted.md".to_string(),
+        "all twelve schemes; five schemes are trained\n[overview](x.md): none, sinusoidal_add, \
+         rope, alibi, t5, fox\n"
+            .to_string(),
+    )];
+    assert_eq!(
+        scheme_drift(&planted).len(),
+        2,
+        "{:?}",
+        scheme_drift(&planted)
+    );
+}

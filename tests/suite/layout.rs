@@ -267,3 +267,52 @@ fn nothing_outside_a_schemes_file_matches_on_the_scheme() {
         "{sample}"
     );
 }
+
+/// The dates from 2020 on in `text` (`2026-11-28`), as `line: date`.
+fn dates_in(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let b = line.as_bytes();
+        for i in 0..b.len().saturating_sub(9) {
+            let digits = |r: std::ops::Range<usize>| r.into_iter().all(|k| b[k].is_ascii_digit());
+            let is_date = b[i..].len() >= 10
+                && digits(i..i + 4)
+                && b[i + 4] == b'-'
+                && digits(i + 5..i + 7)
+                && b[i + 7] == b'-'
+                && digits(i + 8..i + 10)
+                // Years from 2020 (a measurement's), not an epoch's (1970-01-01).
+                && b[i] == b'2'
+                && b[i + 1] == b'0'
+                && b[i + 2] >= b'2'
+                && (i == 0 || !b[i - 1].is_ascii_digit());
+            if is_date {
+                found.push(format!("{}: {}", n + 1, &line[i..i + 10]));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_code_holds_no_dated_measurements() {
+    // Code says what is; the book says what was measured, and when (performance.md's
+    // "Measurements behind the code's choices").
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut problems = Vec::new();
+    for file in crate::common::files_with_extension(&src, "rs") {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for d in dates_in(&text) {
+            problems.push(format!("{}:{d}", file.display()));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "dates in the code:\n{}",
+        problems.join("\n")
+    );
+    assert_eq!(
+        dates_in("// measured 2026-11-28 (one thread)\nlet x = 12345678901;"),
+        ["1: 2026-11-28"]
+    );
+}

@@ -143,11 +143,8 @@ const WARPS: usize = BLOCK as usize / 32;
 /// The longest row the warp-per-row softmax kernels hold in registers (32 values a lane,
 /// `ROW_VALUES` in `kernels.cu`); longer rows take one block each.
 ///
-/// Which of the two each direction takes was measured on an H100 (Nsight Compute, one training
-/// step at width 768, 12 heads, 12 layers, batch 8 x 512, 2026-11-28; GPU time of the 24
-/// forwards and 12 backwards): forward, one warp a row 2.19 ms against one block 5.57 in bf16,
-/// but 6.35 against 5.37 in f32; backward, 1.22 against 1.47 in f32, 1.78 against 1.28 in
-/// bf16. So the forward takes the warp kernel in bf16 and f16, the backward in f32 and f64.
+/// Which of the two each direction takes was measured on an H100 (the book's performance page, "Measurements behind the code's choices"): the forward
+/// takes the warp kernel in bf16 and f16, the backward in f32 and f64.
 const ROW_KEYS: usize = 32 * 32;
 
 fn grid_of(n: usize) -> u32 {
@@ -322,11 +319,8 @@ impl Stream for CudaStream {
                 (&alpha32 as *const f32 as _, &beta32 as *const f32 as _)
             };
         // One product goes through cublasGemmEx, as PyTorch's linear layers do, and not as a
-        // batch of one: in the f32 profile of a training step at the large shape (2026-11-28),
-        // 5 of each layer's 19 products ran cutlass's SIMT `align1` kernels, 20 of the 56 ms of
-        // products, though every leading dimension and offset there is a multiple of four
-        // values; the batched call is suspected of narrowing cuBLAS's choice (unmeasured:
-        // `scripts/gpu/session.sh ab-large` measures it).
+        // batch of one, whose call is suspected of narrowing cuBLAS's choice to SIMT kernels
+        // (the book's performance page, "Measurements behind the code's choices"; `scripts/gpu/session.sh ab-large` measures it).
         if g.batch == 1 {
             // SAFETY: as below, for the batch's one product.
             unsafe {

@@ -2,9 +2,8 @@
 //! backward [`Stream::embedding_back`] in place of candle's `index_add`.
 //!
 //! candle's CUDA `index_add` gives each of the table's columns one thread, which walks every
-//! token in turn: at width 768 and 16,384 tokens, 768 threads each adding 16,384 rows, about
-//! 8 ms of an H100's training step at the large bench shape (2% of f32's, 9% of bf16's;
-//! Nsight Compute, 2026-11-28). `embedding_back` reads each token's row once per block of
+//! token in turn: at width 768 and 16,384 tokens, 768 threads each adding 16,384 rows (its
+//! cost: the book's performance page, "Measurements behind the code's choices"). `embedding_back` reads each token's row once per block of
 //! columns and sums in token order, without atomics, as candle's CPU `index_add` does: on the
 //! CPU twin the gradient is candle's bits.
 

@@ -852,10 +852,7 @@ unsafe fn tiled<T: Real>(
 /// Whether a product runs in [`tiled`]: where it gives gemm's bits ([`gemm_sums_in_order`]) and
 /// is the faster of the two: when its depth
 /// or its width is at most 8 (`q kᵀ`, `P v` and their gradients with heads 8 wide). Wider
-/// heads go to gemm, whose larger kernels then win. Measured 2026-11-26 (one thread, AVX-512,
-/// one head's product, tiles against gemm): `t` 64 and `d_head` 8, 741-783 ns against 855-1,669;
-/// `d_head` 16, 1,108-1,697 against 1,259-1,309; `d_head` 32, 2,227-2,892 against 1,850-2,294;
-/// `t` 128 and `d_head` 64, 22.7-27.7 µs against 11.3-15.1.
+/// heads go to gemm, whose larger kernels then win (the book's performance page, "Measurements behind the code's choices").
 fn tiles_pay(dims: (usize, usize, usize)) -> bool {
     let (_, n, k) = dims;
     gemm_sums_in_order(dims) && (n <= 8 || k <= 8)
@@ -1090,11 +1087,7 @@ impl Attention {
     /// which otherwise recomputes them (one `q kᵀ` and one softmax more per head, with the same
     /// bits): when they take less than [`crate::MMAP_THRESHOLD`] per layer, so that they come
     /// from memory the heap reuses step after step. Larger ones are mapped and faulted in
-    /// afresh every step, written once and read once. Measured 2026-11-27 (the paper's model,
-    /// 8,192 tokens a step, one thread, AVX-512), training with kept against recomputed
-    /// weights: `t` 32 and 64 (8 and 16 MiB a layer), kept 2-7% faster; `t` 128 and 170 (32 and
-    /// 43 MiB), within 1%; `t` 240, 256 and 300 (56-74 MiB), recomputed 17-35% faster. Peak RSS
-    /// recomputed: 225 MiB at every length; kept: 263 MiB at `t` 32 to 593 MiB at 300.
+    /// afresh every step, written once and read once (the book's performance page, "Measurements behind the code's choices").
     /// Gate-counted scores keep their content scores and table products beside them, which
     /// their backward reads too ([`Attention::kept_per_head`]).
     pub(super) fn keeps_weights<T>(&self, n: Dims) -> bool {

@@ -58,8 +58,7 @@ fn sided_grad_body<T: Real>(ds: &[T], t: usize, dfg: &mut [T]) {
     let (df, dg) = dfg.split_at_mut(t);
     // `acc[r] += dS[k0 + r, j]` (`-dS` when `neg`) for every row of the block and `j` in `js`:
     // the range where every row takes the term. Full blocks call it with the constant R, so
-    // the rows are unrolled and the sums stay in registers (sided_grad's share of a FoX step
-    // 2.8-3.8% against 4.2-5.0% with one call for both, perf, 2026-11-26).
+    // the rows are unrolled and the sums stay in registers (measured: the book's performance page, "Measurements behind the code's choices").
     let rows_sum =
         |acc: &mut [T; R], k0: usize, rows: usize, js: std::ops::Range<usize>, neg: bool| {
             assert!(k0 + rows <= t && js.end <= t);

@@ -6,9 +6,8 @@ use rayon::prelude::*;
 
 use super::{zeros, Real};
 
-/// Rows the row-wise kernels (softmax, LayerNorm) reduce together: see [`row_folds`]. One
-/// thread, AVX-512, f32, a 64 x 64 head's softmax (2026-11-26): 3.56 µs one row at a time, 2.89
-/// with 4 rows, 2.78 with 8, 2.29 with 16, 2.37 with 32.
+/// Rows the row-wise kernels (softmax, LayerNorm) reduce together: see [`row_folds`]; 16 was
+/// the fastest of 1 to 32 (the book's performance page, "Measurements behind the code's choices").
 pub(super) const FOLD_ROWS: usize = 16;
 
 /// One reduction of each of `R` rows of `t` values (`a` and `b` hold them in turn):
@@ -86,8 +85,8 @@ pub(super) fn dots<T: Real, const R: usize>(a: &[T], b: &[T], t: usize) -> [T; R
 ///
 /// The kernels write their two loops (blocks, then single rows) out rather than hand a closure
 /// to a shared walker: a closure is compiled as a function of its own, without the instruction
-/// sets `simd_dispatch!` enables around the body, and the paper shape's forward then took 272-301
-/// ms against 90-117 (tried 2026-11-26).
+/// sets `simd_dispatch!` enables around the body, which made the forward about three times
+/// slower (the book's performance page, "Measurements behind the code's choices").
 #[inline(always)]
 pub(super) fn whole_blocks(len: usize, t: usize) -> usize {
     len / (FOLD_ROWS * t).max(1) * FOLD_ROWS * t

@@ -92,12 +92,9 @@ pub(super) struct Route {
 const WALK_HISTORY: usize = 6 << 20;
 
 impl Route {
-    /// For heads of `t` tokens `d_head` wide, values of `size` bytes. Measured one head at a
-    /// time against the walk (f32, AVX-512, one thread, blocks of 16, 2026-11-29): at
-    /// `d_head` 64 the blocks' forward is 1.4-1.8x faster and their backward 2.7-3.7x, at 32
-    /// 1.4-1.6x and 1.9-4.0x; at 16 the backward 1.2-2.6x but the forward 0.6-1.1x; at 8 the
-    /// forward 0.4-0.7x, the backward 0.8x at 256-500 tokens and 1.2-1.6x from 700, where the
-    /// walk's history (`t² d_head / 2` values) passes a few MiB.
+    /// For heads of `t` tokens `d_head` wide, values of `size` bytes: the blocks forward from
+    /// heads 32 wide, backward from 16 or once the walk's history (`t² d_head / 2` values)
+    /// passes a few MiB, as measured head by head against the walk (the book's performance page, "Measurements behind the code's choices").
     pub(super) fn of(t: usize, dh: usize, size: usize) -> Self {
         let history = t * t.saturating_sub(1) / 2 * dh * size;
         Self {

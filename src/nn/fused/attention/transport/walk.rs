@@ -83,8 +83,8 @@ const WHOLE_HISTORY: usize = 16 << 20;
 /// at `d_head` 64 in f32); else about `sqrt(t / 2)` steps each, which makes the checkpoints
 /// (`t² / (2 C)` rows) and one segment's history (`C t` rows) about the same size,
 /// `sqrt(2) t^1.5 d_head` values together (4 MiB at `t` 512, 33 MiB at 2,048, where the whole
-/// history would be 32 and 512 MiB a task), for one more walk. Measured at `t` 128 (2 cores,
-/// f32, AVX-512, 2026-11-28): the backward took 35% longer in segments than whole.
+/// history would be 32 and 512 MiB a task), for one more walk (the backward's cost in segments:
+/// the book's performance page, "Measurements behind the code's choices").
 fn segment(t: usize, dh: usize, size: usize) -> usize {
     let whole = t * t.saturating_sub(1) / 2 * dh * size;
     match whole <= WHOLE_HISTORY {
