@@ -14,10 +14,9 @@ macro_rules! outln {
 /// `eprintln!` that never panics: progress and notes go to standard error, which a closed pipe
 /// (`poslab compare 2>&1 | head -n 1`) or a dead `tee` may have closed; the run goes on.
 macro_rules! errln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
+    ($($arg:tt)*) => {
+        poslab::io::note(&format!($($arg)*))
+    };
 }
 
 /// `print!` as [`outln!`].

@@ -205,11 +205,7 @@ pub fn comparison_plan(
 /// The SHA-256 of a config's canonical TOML, in hex.
 pub fn config_sha256(config: &ExperimentConfig) -> String {
     // Of what shapes the cells: comparisons are the report's, and may change between runs.
-    let cells = ExperimentConfig {
-        comparisons: Vec::new(),
-        ..config.clone()
-    };
-    crate::io::sha256(cells.to_toml().as_bytes())
+    crate::io::sha256(config.shaping_cells().to_toml().as_bytes())
 }
 
 /// `cells/<task>/<variant>/seed<N>.json`.

@@ -84,13 +84,8 @@ pub fn merge_runs_exploring(
     // Comparisons shape no cell: folders whose configs differ only in them merge, and the
     // report states the union of their comparisons (those every folder planned as the family,
     // the rest exploratory: see `planned_family`).
-    let cells_only = |c: &ExperimentConfig| {
-        let cells = ExperimentConfig {
-            comparisons: Vec::new(),
-            ..c.clone()
-        };
-        toml::Value::try_from(&cells).expect("a config is TOML")
-    };
+    let cells_only =
+        |c: &ExperimentConfig| toml::Value::try_from(c.shaping_cells()).expect("a config is TOML");
     let reference = cells_only(&config);
     let mut locks = Vec::with_capacity(dirs.len());
     let mut loaded = Vec::with_capacity(dirs.len());
@@ -364,7 +359,6 @@ fn planned_family(
         .collect();
     let mut now = config.comparison_pairs();
     now.extend(explore.iter().cloned());
-    now.dedup();
     Ok(super::results::ComparisonPlan::of(planned, &now))
 }
 
@@ -748,11 +742,7 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
                 plan.planned.push(p);
             }
         }
-        for p in theirs.exploratory {
-            if !plan.planned.contains(&p) && !plan.exploratory.contains(&p) {
-                plan.exploratory.push(p);
-            }
-        }
+        plan.exploratory.extend(theirs.exploratory);
         let conflict = |what: String| {
             Err(Error::Input(format!(
                 "{} and {} disagree on {what}: they are not runs of the same experiment",
@@ -804,7 +794,9 @@ pub fn merge(runs: Vec<(PathBuf, Results, Vec<Timing>)>) -> Result<(Results, Vec
     }
     merged.finish();
     // The union of the parts' comparisons, stated again over every cell.
-    plan.exploratory.retain(|p| !plan.planned.contains(p));
-    merged.compare(&plan);
+    merged.compare(&super::results::ComparisonPlan::of(
+        plan.planned,
+        &plan.exploratory,
+    ));
     Ok((merged, timings))
 }

@@ -344,6 +344,15 @@ impl ExperimentConfig {
         })
     }
 
+    /// The experiment without its `[[comparisons]]`: what shapes its cells (comparisons are the
+    /// report's; its fingerprint and a merge's check read this).
+    pub fn shaping_cells(&self) -> Self {
+        Self {
+            comparisons: Vec::new(),
+            ..self.clone()
+        }
+    }
+
     /// The experiment as TOML, the form a run folder keeps.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("an experiment config serializes")

@@ -604,13 +604,14 @@ impl ComparisonPlan {
     }
 
     /// `planned` as a run recorded it at its start, with the pairs of `now` (a config's, or a
-    /// report's request) that are not among them as exploratory.
+    /// report's request) that are not among them as exploratory, each once.
     pub fn of(planned: Vec<(String, String)>, now: &[(String, String)]) -> Self {
-        let exploratory = now
-            .iter()
-            .filter(|p| !planned.contains(p))
-            .cloned()
-            .collect();
+        let mut exploratory: Vec<(String, String)> = Vec::new();
+        for pair in now {
+            if !planned.contains(pair) && !exploratory.contains(pair) {
+                exploratory.push(pair.clone());
+            }
+        }
         Self {
             planned,
             exploratory,
@@ -786,7 +787,8 @@ fn compare(results: &Results, plan: &ComparisonPlan) -> (Vec<Comparison>, Vec<Sk
         (Family::Planned, &plan.planned),
         (Family::Exploratory, &plan.exploratory),
     ] {
-        let mut estimates: Vec<(Comparison, super::verdict::Estimate)> = Vec::new();
+        // Each comparison's place, estimate, seeds and examples, until Holm's p is known.
+        let mut estimates = Vec::new();
         for task in &results.tasks {
             for column in task.columns() {
                 for (a, b) in pairs {
@@ -808,14 +810,9 @@ fn compare(results: &Results, plan: &ComparisonPlan) -> (Vec<Comparison>, Vec<Sk
                     let examples = seeds[0].0.len();
                     match estimate(&seeds) {
                         Ok(Ok(e)) => estimates.push((
-                            comparison(
-                                (&task.name, &column),
-                                (a, b),
-                                &e,
-                                (1.0, family, 1),
-                                (seeds.len(), examples),
-                            ),
+                            (&task.name, column.clone(), (a, b)),
                             e,
+                            (seeds.len(), examples),
                         )),
                         Ok(Err(no_verdict)) => skipped.push(skip(no_verdict)),
                         Err(e) => skipped.push(skip(e.to_string())),
@@ -823,17 +820,13 @@ fn compare(results: &Results, plan: &ComparisonPlan) -> (Vec<Comparison>, Vec<Sk
                 }
             }
         }
-        let adjusted = holm(&estimates.iter().map(|(_, e)| e.p).collect::<Vec<_>>());
+        let adjusted = holm(&estimates.iter().map(|(_, e, _)| e.p).collect::<Vec<_>>());
         let size = estimates.len();
-        comparisons.extend(estimates.into_iter().zip(adjusted).map(|((c, e), p_holm)| {
-            comparison(
-                (&c.task, &c.evaluation),
-                (&c.a, &c.b),
-                &e,
-                (p_holm, family, size),
-                (c.seeds, c.examples),
-            )
-        }));
+        comparisons.extend(estimates.into_iter().zip(adjusted).map(
+            |(((task, column, (a, b)), e, counts), p_holm)| {
+                comparison((task, &column), (a, b), &e, (p_holm, family, size), counts)
+            },
+        ));
     }
     (comparisons, skipped)
 }

@@ -497,12 +497,10 @@ pub fn crossed_t(y: &[Vec<f64>]) -> std::result::Result<Estimate, String> {
             )),
         };
     }
-    let mut e = estimate(0.0, 1.0);
-    let half = e.parts().map(|p| p.half_width(ALPHA)).fold(0.0, f64::max);
-    let p = e.parts().map(|part| part.p(mu)).fold(0.0, f64::max);
-    e.ci = ((mu - half).max(-1.0), (mu + half).min(1.0));
-    e.p = p;
-    Ok(e)
+    let parts = || std::iter::once(&seeds).chain(outcomes.as_ref());
+    let half = parts().map(|p| p.half_width(ALPHA)).fold(0.0, f64::max);
+    let p = parts().map(|part| part.p(mu)).fold(0.0, f64::max);
+    Ok(estimate(half, p))
 }
 
 /// Holm's step-down correction of `p` (any order): each p-value's adjusted value.
@@ -580,6 +578,7 @@ pub fn comparison(
     (seeds, examples): (usize, usize),
 ) -> Comparison {
     let pts = |v: f64| 100.0 * v;
+    let (se, t) = e.se_and_t();
     Comparison {
         task: task.into(),
         evaluation: evaluation.into(),
@@ -594,8 +593,8 @@ pub fn comparison(
         family,
         family_size: size,
         method: METHOD.into(),
-        se: pts(e.se_and_t().0),
-        t: e.se_and_t().1,
+        se: pts(se),
+        t,
         detectable: pts(e.detectable(ALPHA / size.max(1) as f64)),
         verdict: verdict((a, b), e, p_holm, (family, size)),
         seeds,

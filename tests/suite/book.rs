@@ -339,31 +339,6 @@ fn the_environment_page_names_every_variable_poslab_reads() {
     assert!(missing.is_empty(), "environment.md lacks {missing:?}");
 }
 
-/// The number words the docs count schemes with.
-const NUMBER_WORDS: [&str; 21] = [
-    "zero",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-    "eight",
-    "nine",
-    "ten",
-    "eleven",
-    "twelve",
-    "thirteen",
-    "fourteen",
-    "fifteen",
-    "sixteen",
-    "seventeen",
-    "eighteen",
-    "nineteen",
-    "twenty",
-];
-
 /// Every place a doc counts all the schemes (`all twelve schemes`, `fifteen positional
 /// schemes`, `one of twelve`) or lists all of them by name (a line that says it names every
 /// scheme: the overview, "every scheme", "all schemes"), against the catalog: the README, the
@@ -373,10 +348,10 @@ const NUMBER_WORDS: [&str; 21] = [
 fn scheme_drift(texts: &[(String, String)]) -> Vec<String> {
     let names = poslab::PositionalConfig::names();
     let count = names.len();
+    // A count in words (the tasks' own number words) or digits, below a hundred.
     let number = |w: &str| {
-        NUMBER_WORDS
-            .iter()
-            .position(|n| *n == w)
+        (0..100)
+            .find(|&n| poslab::tasks::sorted::number_word(n) == w)
             .or_else(|| w.parse::<usize>().ok().filter(|n| *n < 100))
     };
     let mut problems = Vec::new();

@@ -53,6 +53,23 @@ fn run_into(config: &ExperimentConfig, dir: &Path) -> Results {
     .results
 }
 
+/// Runs only `seed` of `config` into `dir`.
+fn run_seed(config: &ExperimentConfig, dir: &Path, seed: u64) {
+    let selection = poslab::runs::Selection {
+        seeds: vec![seed],
+        ..Default::default()
+    };
+    run(
+        config,
+        &RunOptions {
+            selection,
+            ..RunOptions::new(Device::Cpu, dir)
+        },
+        &|_| {},
+    )
+    .unwrap();
+}
+
 fn cell<'a>(results: &'a Results, task: &str, variant: &str, seed: u64) -> &'a CellResult {
     results
         .cells
@@ -595,20 +612,8 @@ fn folders_that_differ_only_in_their_comparisons_merge() {
     });
     let root = tempfile::tempdir().unwrap();
     let (a, b) = (root.path().join("a"), root.path().join("b"));
-    for (config, dir, seed) in [(&first, &a, 0), (&second, &b, 1)] {
-        run(
-            config,
-            &RunOptions {
-                selection: poslab::runs::Selection {
-                    seeds: vec![seed],
-                    ..Default::default()
-                },
-                ..RunOptions::new(Device::Cpu, dir)
-            },
-            &|_| {},
-        )
-        .unwrap();
-    }
+    run_seed(&first, &a, 0);
+    run_seed(&second, &b, 1);
     let merged = merge_runs(&[a.clone(), b.clone()], false).unwrap();
     assert_eq!(merged.config.comparisons, second.comparisons);
     assert_eq!(
@@ -627,18 +632,7 @@ fn folders_that_differ_only_in_their_comparisons_merge() {
     let mut other = first.clone();
     other.train.lr = 1e-3;
     let c = root.path().join("c");
-    run(
-        &other,
-        &RunOptions {
-            selection: poslab::runs::Selection {
-                seeds: vec![1],
-                ..Default::default()
-            },
-            ..RunOptions::new(Device::Cpu, &c)
-        },
-        &|_| {},
-    )
-    .unwrap();
+    run_seed(&other, &c, 1);
     let err = merge_runs(&[a, c], false).err().unwrap().to_string();
     assert!(err.contains("different configs (train.lr"), "{err}");
 }
