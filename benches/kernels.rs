@@ -11,9 +11,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle::{DType, Device, Module, Tensor, Var};
+use candle::{DType, Device, Tensor, Var};
 use divan::Bencher;
-use poslab::nn::{with_kernels, Kernels};
+use poslab::nn::{Backend, Kernels};
 use poslab::positional::{sinusoidal_table, PositionTable, Rope};
 use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, RopeOptions};
 use rand::SeedableRng;
@@ -33,6 +33,11 @@ const FFN: usize = 1024;
 const OPS: [&str; 2] = ["ops", "reference"];
 /// For whole layers, also each layer as one node.
 const LAYERS: [&str; 3] = ["layer", "ops", "reference"];
+
+/// The backend of the kernels named `name`.
+fn backend(name: &str) -> Backend {
+    Backend::default().with_kernels(kernels(name))
+}
 
 fn kernels(name: &str) -> Kernels {
     match name {
@@ -100,11 +105,7 @@ mod rope {
     fn bench(bencher: Bencher, path: &str, backward: bool) {
         let rope = Rope::new(&RopeOptions::default(), D / H, T, DType::F32, &Device::Cpu).unwrap();
         let x = Var::from_tensor(&random(&[B, H, T, D / H], 1)).unwrap();
-        bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                run(&x, backward, &|x| rope.apply(x, 0).unwrap())
-            })
-        });
+        bencher.bench(|| run(&x, backward, &|x| rope.apply(x, 0, backend(path)).unwrap()));
     }
 
     #[divan::bench(args = OPS)]
@@ -125,10 +126,8 @@ mod softmax {
         let scores = Var::from_tensor(&(random(&[B, H, T, T], 2) * 4.0).unwrap()).unwrap();
         let bias = Tensor::zeros((B, T), DType::F32, &Device::Cpu).unwrap();
         bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                run(&scores, backward, &|s| {
-                    poslab::nn::masked_softmax(s, &bias).unwrap()
-                })
+            run(&scores, backward, &|s| {
+                poslab::nn::masked_softmax(s, &bias, backend(path)).unwrap()
             })
         });
     }
@@ -152,11 +151,7 @@ mod layer_norm {
         let ln =
             poslab::nn::layer_norm(D, 1e-5, params.var_builder(DType::F32, &Device::Cpu)).unwrap();
         let x = Var::from_tensor(&random(&[B, T, D], 3)).unwrap();
-        bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                run(&x, backward, &|x| ln.forward(x).unwrap())
-            })
-        });
+        bencher.bench(|| run(&x, backward, &|x| ln.forward(x, backend(path)).unwrap()));
     }
 
     #[divan::bench(args = OPS)]
@@ -176,8 +171,8 @@ mod gelu {
     fn bench(bencher: Bencher, path: &str, backward: bool) {
         let x = Var::from_tensor(&(random(&[B * T, FFN], 4) * 3.0).unwrap()).unwrap();
         bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                run(&x, backward, &|x| poslab::nn::gelu(x).unwrap())
+            run(&x, backward, &|x| {
+                poslab::nn::gelu(x, backend(path)).unwrap()
             })
         });
     }
@@ -226,17 +221,15 @@ mod attention {
         let bias = Tensor::zeros((B, T), DType::F32, &Device::Cpu).unwrap();
         let x = Var::from_tensor(&random(&[B, T, D], 5)).unwrap();
         bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                run(&x, backward, &|x| {
-                    let inputs = poslab::nn::AttentionInputs {
-                        key_padding: &bias,
-                        rotary: rotary.as_ref(),
-                        score_bias: None,
-                        max_offset: None,
-                        scores: None,
-                    };
-                    attn.forward_t(x, inputs, true).unwrap()
-                })
+            run(&x, backward, &|x| {
+                let inputs = poslab::nn::AttentionInputs {
+                    key_padding: &bias,
+                    rotary: rotary.as_ref(),
+                    score_bias: None,
+                    max_offset: None,
+                    scores: None,
+                };
+                attn.forward_t(x, inputs, true, backend(path)).unwrap()
             })
         });
     }
@@ -286,7 +279,9 @@ mod encoder_layer {
             layers: None,
         };
         let params = ParamStore::new(0);
-        let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu)).unwrap();
+        let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu))
+            .unwrap()
+            .with_backend(backend(path));
         let ids = Tensor::from_vec(
             (0..(B * T) as u32).map(|i| (i * 7919) % 8192).collect(),
             (B, T),
@@ -295,14 +290,12 @@ mod encoder_layer {
         .unwrap();
         let mask = Tensor::ones((B, T), DType::U32, &Device::Cpu).unwrap();
         bencher.bench(|| {
-            with_kernels(kernels(path), || {
-                let y = encoder.forward_t(&ids, &mask, backward).unwrap();
-                if backward {
-                    divan::black_box(y.sum_all().unwrap().backward().unwrap());
-                } else {
-                    divan::black_box(y);
-                }
-            })
+            let y = encoder.forward_t(&ids, &mask, backward).unwrap();
+            if backward {
+                divan::black_box(y.sum_all().unwrap().backward().unwrap());
+            } else {
+                divan::black_box(y);
+            }
         });
     }
 

@@ -41,10 +41,14 @@ fn main() -> poslab::Result<()> {
     let k = Tensor::from_vec(uniform(b * h * t * d), (b, h, t, d), &device)?;
 
     // RoPE: tables computed once for the head width, rows taken for any positions.
+    // The rotation runs on poslab's kernels: the backend says which (the fused CPU kernels by
+    // default; `Backend::reference()` for the compositions of candle ops).
     let rope = Rope::new(&RopeOptions::default(), d, 64, DType::F32, &device)?;
+    let backend = poslab::nn::Backend::default();
     let at = |start| -> poslab::Result<Tensor> {
         let rotation = rope.rotary(&Positions::range(start, t)?)?;
-        attention_weights(&rotation.apply(&q)?, &rotation.apply(&k)?, None)
+        let (q, k) = (rotation.apply(&q, backend)?, rotation.apply(&k, backend)?);
+        attention_weights(&q, &k, None)
     };
     let moved = max_difference(&at(0)?, &at(100)?)?;
     println!("RoPE: attention weights at positions 0.. and 100.. differ by {moved:.1e}");

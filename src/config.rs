@@ -603,16 +603,12 @@ impl ModelConfig {
     }
 
     /// The sizes the limits are checked on, for activations computed where `compute` says:
-    /// where poslab's fused CPU kernels compute the layers ([`crate::nn::fused_on`]), a scheme
+    /// where poslab's fused CPU kernels compute the layers ([`crate::nn::Backend::fused_on`]), a scheme
     /// whose scores they compute holds about one attention table a layer, not its
     /// composition's many ([`crate::positional::Scheme::score_tensors`]).
     pub fn sizes_on(&self, compute: crate::nn::Compute<'_>) -> crate::limits::Sizes {
         let dtype = self.dtype.compute_dtype(candle::DType::F32);
-        self.sizes_with(crate::nn::fused_on(
-            compute.device,
-            dtype,
-            compute.backend.kernels,
-        ))
+        self.sizes_with(compute.backend.fused_on(compute.device, dtype))
     }
 
     fn sizes_with(&self, fused: bool) -> crate::limits::Sizes {

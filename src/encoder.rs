@@ -24,10 +24,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 use crate::nn::{
-    device_layer_for, encoder_layer, kernels_for, key_padding_bias, layer_norm_with_bias,
-    AttentionBias, AttentionInputs, Backend, Dropout, FeedForward, ForgetGates, InputReflections,
-    Kernels, LayerBias, LayerMasks, LayerNorm, LayerShape, QkScores, Rotary, SelfAttention,
-    SharedRng, TransportShape,
+    encoder_layer, key_padding_bias, layer_norm_with_bias, AttentionBias, AttentionInputs, Backend,
+    Dropout, FeedForward, ForgetGates, InputReflections, LayerBias, LayerMasks, LayerNorm,
+    LayerShape, Path, QkScores, Rotary, SelfAttention, SharedRng, TransportShape,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -182,18 +181,18 @@ impl EncoderLayer {
 
     /// The attention input under pre-norm: `xs` normalised, or as it is in a first layer
     /// without attention norm.
-    fn pre_norm_input(&self, xs: &Tensor) -> Result<Tensor> {
+    fn pre_norm_input(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         Ok(match &self.attn_norm {
-            Some(norm) => norm.forward(xs)?,
+            Some(norm) => norm.forward(xs, backend)?,
             None => xs.clone(),
         })
     }
 
     /// What attention reads: the input normalised under pre-norm (as it is in a first layer
     /// without attention norm), the input itself under post-norm.
-    fn attention_input(&self, xs: &Tensor) -> Result<Tensor> {
+    fn attention_input(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         match self.norm {
-            NormPlacement::Pre => self.pre_norm_input(xs),
+            NormPlacement::Pre => self.pre_norm_input(xs, backend),
             NormPlacement::Post => Ok(xs.clone()),
         }
     }
@@ -261,6 +260,7 @@ impl EncoderLayer {
         inputs: AttentionInputs,
         (gates, reflections): (Option<&ForgetGates>, Option<InputReflections>),
         train: bool,
+        backend: Backend,
     ) -> Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
         let (dtype, device) = (xs.dtype(), xs.device());
@@ -306,10 +306,11 @@ impl EncoderLayer {
             xs,
             &params,
             shape,
-            self.attn.fused_core(inputs),
+            self.attn.fused_core(inputs, backend),
             masks,
             train,
             reflections,
+            backend.path(xs) == Path::Device,
         )?)
     }
 
@@ -324,10 +325,11 @@ impl EncoderLayer {
         inputs: AttentionInputs,
         own: Option<OwnBias>,
         train: bool,
+        backend: Backend,
     ) -> Result<Tensor> {
         let own_bias = |attn_input: &Tensor| -> Result<Option<LayerBias>> {
             match own {
-                Some(OwnBias { module, layer }) => module.input_bias(layer, attn_input),
+                Some(OwnBias { module, layer }) => module.input_bias(layer, attn_input, backend),
                 None => Ok(None),
             }
         };
@@ -343,11 +345,11 @@ impl EncoderLayer {
             Some(_) => {
                 (inputs.fused_scores() || reflections.is_some())
                     && own.is_none()
-                    && !device_layer_for(xs)
+                    && backend.path(xs) != Path::Device
             }
         };
-        if let (Kernels::Layer, Some(attn_norm), true, true) = (
-            kernels_for(xs),
+        if let (true, Some(attn_norm), true, true) = (
+            backend.whole_layers(xs),
             &self.attn_norm,
             self.fusable(),
             scores_fuse,
@@ -357,7 +359,7 @@ impl EncoderLayer {
             let gates = own.and_then(|o| o.module.input_gates(o.layer));
             let bias = match (own, &gates, self.norm) {
                 (None, _, _) | (Some(_), Some(_), _) => None,
-                (Some(_), None, NormPlacement::Pre) => own_bias(&attn_norm.forward(xs)?)?,
+                (Some(_), None, NormPlacement::Pre) => own_bias(&attn_norm.forward(xs, backend)?)?,
                 (Some(_), None, NormPlacement::Post) => own_bias(xs)?,
             };
             let inputs = AttentionInputs {
@@ -365,7 +367,7 @@ impl EncoderLayer {
                 ..inputs
             };
             let inside = (gates.as_ref(), reflections);
-            return self.forward_fused(xs, attn_norm, inputs, inside, train);
+            return self.forward_fused(xs, attn_norm, inputs, inside, train, backend);
         }
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;
@@ -373,25 +375,27 @@ impl EncoderLayer {
                 score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
                 ..inputs
             };
-            let y = self.attn.forward_t(x, inputs, train)?;
+            let y = self.attn.forward_t(x, inputs, train, backend)?;
             Ok(self.dropout.forward_t(&y, train)?)
         };
         let ffn = |x: &Tensor| -> Result<Tensor> {
-            Ok(self.dropout.forward_t(&self.ffn.forward(x)?, train)?)
+            Ok(self
+                .dropout
+                .forward_t(&self.ffn.forward(x, backend)?, train)?)
         };
         Ok(match self.norm {
             NormPlacement::Pre => {
-                let xs = (xs + attn(&self.pre_norm_input(xs)?)?)?;
-                (&xs + ffn(&self.ffn_norm.forward(&xs)?)?)?
+                let xs = (xs + attn(&self.pre_norm_input(xs, backend)?)?)?;
+                (&xs + ffn(&self.ffn_norm.forward(&xs, backend)?)?)?
             }
             NormPlacement::Post => {
                 // Post-norm layers always have their attention norm (validated).
                 let sum = (xs + attn(xs)?)?;
                 let xs = match &self.attn_norm {
-                    Some(norm) => norm.forward(&sum)?,
+                    Some(norm) => norm.forward(&sum, backend)?,
                     None => sum,
                 };
-                self.ffn_norm.forward(&(&xs + ffn(&xs)?)?)?
+                self.ffn_norm.forward(&(&xs + ffn(&xs)?)?, backend)?
             }
         })
     }
@@ -603,7 +607,9 @@ impl Encoder {
     /// walks every token in one thread a column.
     fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
         let table = self.tok_emb.embeddings();
-        if crate::nn::device_layer_for(table) && input_ids.dtype() == DType::U32 {
+        let device_layer =
+            self.backend.path(table) == Path::Device && self.backend.whole_layers(table);
+        if device_layer && input_ids.dtype() == DType::U32 {
             Ok(crate::nn::device::lookup::lookup(table, input_ids)?)
         } else {
             Ok(self.tok_emb.forward(input_ids)?)
@@ -705,7 +711,6 @@ impl Encoder {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
-        let _backend = self.backend.enter();
         let (b, t) = self.check_input(input_ids, attention_mask)?;
         self.forward_checked(input_ids, attention_mask, positions, train, (b, t))
     }
@@ -719,7 +724,6 @@ impl Encoder {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
-        let _backend = self.backend.enter();
         let (b, t) = self.check_shapes(&batch.ids, &batch.mask)?;
         if batch.max_id as usize >= self.config.vocab_size {
             return Err(Error::Input(format!(
@@ -747,7 +751,6 @@ impl Encoder {
         train: bool,
         (b, t): (usize, usize),
     ) -> Result<Tensor> {
-        let _backend = self.backend.enter();
         positions.check_batch(b, t)?;
         let positions = &self.starting_at_first(positions)?;
 
@@ -768,10 +771,10 @@ impl Encoder {
         let padding = key_padding_bias(attention_mask, params)?; // (b, t)
         for (i, layer) in self.layers.iter().enumerate() {
             let (inputs, own) = self.layer_inputs(&placed, &padding, i);
-            x = layer.forward_t(&x, inputs, own, train)?;
+            x = layer.forward_t(&x, inputs, own, train, self.backend)?;
         }
         let x = match &self.final_norm {
-            Some(norm) => norm.forward(&x)?,
+            Some(norm) => norm.forward(&x, self.backend)?,
             None => x,
         };
         // Pooling, heads and losses read the parameters' dtype.
@@ -803,9 +806,10 @@ impl Encoder {
             mask: Some(mask),
             dtype: x.dtype(),
             device: x.device(),
+            backend: self.backend,
         };
         let x = match &self.positional {
-            PositionalModule::Input(input) => input.join(&x, positions)?,
+            PositionalModule::Input(input) => input.join(&x, positions, self.backend)?,
             PositionalModule::Rotation(rope) => {
                 placed.rotary = Some(rope.rotary(positions)?);
                 x
@@ -911,6 +915,7 @@ impl Encoder {
                     mask: None,
                     dtype: self.dtype(),
                     device: self.device(),
+                    backend: self.backend,
                 })?;
                 Ok(biases.layer(layer).cloned())
             }
@@ -944,7 +949,6 @@ impl Encoder {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<Vec<ScoreTerms>> {
-        let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let at = self.starting_at_first(&Positions::range(0, t)?)?;
         let refused = || {
@@ -960,7 +964,8 @@ impl Encoder {
         let scale = self.config.embed_scale.value(self.config.d_model);
         let tokens = (self.embed_tokens(input_ids)? * scale)?;
         // (b, t, d_model) content and (1 or b, t, d_model) positions, summing to the embedding.
-        let (content, positions) = input.split(&tokens, &at)?.ok_or_else(refused)?;
+        let split = input.split(&tokens, &at, self.backend)?;
+        let (content, positions) = split.ok_or_else(refused)?;
         let content = match &self.type_emb {
             Some(table) => content.broadcast_add(&table.get(0)?)?,
             None => content,
@@ -989,9 +994,11 @@ impl Encoder {
                         Some(norm) => norm.split(&content, &positions)?,
                         None => (content, positions.clone()),
                     };
-                    layer.attn.score_terms(&c, &p)?
+                    layer.attn.score_terms(&c, &p, self.backend)?
                 }
-                NormPlacement::Post if i == 0 => layer.attn.score_terms(&content, &positions)?,
+                NormPlacement::Post if i == 0 => {
+                    layer.attn.score_terms(&content, &positions, self.backend)?
+                }
                 NormPlacement::Post => break,
             };
             out.push(ScoreTerms {
@@ -1000,7 +1007,7 @@ impl Encoder {
                 scores: split.0,
                 terms: split.1,
             });
-            h = layer.forward_t(&h, inputs, own, false)?;
+            h = layer.forward_t(&h, inputs, own, false, self.backend)?;
         }
         Ok(out)
     }
@@ -1015,7 +1022,6 @@ impl Encoder {
         attention_mask: &Tensor,
         mut visit: impl FnMut(&EncoderLayer, &Tensor, &AttentionInputs) -> Result<()>,
     ) -> Result<Tensor> {
-        let _backend = self.backend.enter();
         let (_, t) = self.check_input(input_ids, attention_mask)?;
         let positions = self.starting_at_first(&Positions::range(0, t)?)?;
         let x = self.embed_tokens(input_ids)?;
@@ -1026,7 +1032,7 @@ impl Encoder {
         for (i, layer) in self.layers.iter().enumerate() {
             let (inputs, own) = self.layer_inputs(&placed, &padding, i);
             visit(layer, &x, &inputs)?;
-            x = layer.forward_t(&x, inputs, own, false)?;
+            x = layer.forward_t(&x, inputs, own, false, self.backend)?;
         }
         Ok(x)
     }
@@ -1041,12 +1047,14 @@ impl Encoder {
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let mut out = Vec::with_capacity(self.layers.len());
+        let backend = self.backend;
         self.walk(input_ids, attention_mask, |layer, x, inputs| {
-            let (q, k) = layer.attn.queries_keys(&layer.attention_input(x)?)?; // (b, h, t, d_head)
+            let a = layer.attention_input(x, backend)?;
+            let (q, k) = layer.attn.queries_keys(&a, backend)?; // (b, h, t, d_head)
             let c = layer.attn.score_scale();
             let plain = (q.matmul(&k.t()?)? * c)?;
             let rotated = match inputs.rotary {
-                Some(r) => (r.apply(&q)?.matmul(&r.apply(&k)?.t()?)? * c)?,
+                Some(r) => (r.apply(&q, backend)?.matmul(&r.apply(&k, backend)?.t()?)? * c)?,
                 None => plain.clone(),
             };
             out.push((rotated, plain));
@@ -1063,8 +1071,10 @@ impl Encoder {
         attention_mask: &Tensor,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let mut out = Vec::with_capacity(self.layers.len());
+        let backend = self.backend;
         self.walk(input_ids, attention_mask, |layer, x, _| {
-            out.push(layer.attn.queries_keys(&layer.attention_input(x)?)?);
+            let a = layer.attention_input(x, backend)?;
+            out.push(layer.attn.queries_keys(&a, backend)?);
             Ok(())
         })?;
         Ok(out)
@@ -1099,8 +1109,9 @@ impl Encoder {
         attention_mask: &Tensor,
     ) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(self.layers.len());
+        let backend = self.backend;
         self.walk(input_ids, attention_mask, |layer, x, _| {
-            out.push(layer.attention_input(x)?);
+            out.push(layer.attention_input(x, backend)?);
             Ok(())
         })?;
         Ok(out)
@@ -1116,7 +1127,7 @@ impl Encoder {
             None => x,
         };
         Ok(match &self.embed_norm {
-            Some(norm) => norm.forward(&x)?,
+            Some(norm) => norm.forward(&x, self.backend)?,
             None => x,
         })
     }

@@ -1,6 +1,6 @@
 //! An encoder with a task head: what `train`, `compare` and `predict` run.
 
-use candle::{DType, IndexOp, Module, Tensor, D};
+use candle::{DType, IndexOp, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::nn::Linear;
@@ -142,19 +142,17 @@ impl TaskModel {
         positions: &Positions,
         train: bool,
     ) -> Result<Tensor> {
-        let _backend = self.encoder.backend().enter();
         let hidden = self.encoder.forward_with(ids, mask, positions, train)?; // (b, t, d)
         let features = match self.config {
             HeadConfig::Classify { .. } => self.pool(&hidden, mask)?, // (b, d)
             HeadConfig::Tag { .. } | HeadConfig::Mlm => hidden,
         };
-        Ok(self.head.forward(&features)?)
+        Ok(self.head.forward(&features, self.encoder.backend())?)
     }
 
     /// Mean cross-entropy over the scored labels of `batch`, and the logits; positions are the
     /// batch's (see [`Batch::positions`]), moved by `shift`.
     pub fn loss(&self, batch: &Batch, shift: usize, train: bool) -> Result<(Tensor, Tensor)> {
-        let _backend = self.encoder.backend().enter();
         let positions = batch.positions(shift)?;
         // The batch was built on the host, where its ids and mask were known: the encoder's
         // check takes them from there, and the loss its count of scored labels, so a step on a
@@ -164,7 +162,7 @@ impl TaskModel {
             HeadConfig::Classify { .. } => self.pool(&hidden, &batch.mask)?, // (b, d)
             HeadConfig::Tag { .. } | HeadConfig::Mlm => hidden,
         };
-        let logits = self.head.forward(&features)?;
+        let logits = self.head.forward(&features, self.encoder.backend())?;
         let loss = weighted_cross_entropy(
             &logits,
             &batch.targets,
@@ -181,7 +179,6 @@ impl TaskModel {
     /// (`nn::device::head`), in place of about 110 of candle's tensors; elsewhere this is
     /// [`TaskModel::loss`].
     pub fn training_loss(&self, batch: &Batch) -> Result<Tensor> {
-        let _backend = self.encoder.backend().enter();
         if !self.head_is_one_node() {
             return Ok(self.loss(batch, 0, true)?.0);
         }
@@ -197,8 +194,9 @@ impl TaskModel {
     /// Whether the head and its loss run as one node ([`TaskModel::head_loss`]): on the device
     /// path, for a head with a bias and weights of f32 or f64.
     pub(crate) fn head_is_one_node(&self) -> bool {
-        let weight = self.head.weight();
-        crate::nn::device_layer_for(weight)
+        let (weight, backend) = (self.head.weight(), self.encoder.backend());
+        backend.path(weight) == crate::nn::Path::Device
+            && backend.whole_layers(weight)
             && matches!(weight.dtype(), DType::F32 | DType::F64)
             && self.head.bias().is_some()
     }

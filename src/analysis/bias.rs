@@ -285,12 +285,18 @@ pub fn module_by_name(
 
 /// The bias a module of [`module_by_name`] adds to layer 0's scores at `positions`, no
 /// padding, `(r, h, t, t)` in f64; an error for a bias of the content (`name` the scheme's).
-pub fn shared_bias(module: &ScoreBias, positions: &Positions, name: &str) -> Result<Tensor> {
+pub fn shared_bias(
+    module: &ScoreBias,
+    positions: &Positions,
+    name: &str,
+    backend: crate::nn::Backend,
+) -> Result<Tensor> {
     let biases = module.layer_biases(&BiasBatch {
         positions,
         mask: None,
         dtype: DType::F64,
         device: &Device::Cpu,
+        backend,
     })?;
     biases.layer(0).cloned().ok_or_else(|| {
         Error::Config(format!(
@@ -305,10 +311,11 @@ pub fn scheme_biases(
     positional: &PositionalConfig,
     heads: usize,
     positions: usize,
+    backend: crate::nn::Backend,
 ) -> Result<BiasAnalysis> {
     let range = Positions::range(0, positions)?;
     let (module, params) = module_by_name(positional, heads, positions)?;
-    let bias = shared_bias(&module, &range, positional.name())?;
+    let bias = shared_bias(&module, &range, positional.name(), backend)?;
     let values = bias.flatten_all()?.to_vec1::<f64>()?;
     let name = positional.name();
     let what = if params.num_params() > 0 {

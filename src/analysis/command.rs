@@ -300,7 +300,12 @@ impl Request {
         match portrait {
             Portrait::Table(_) => bail!("{name}: a table is analysed as a subject"),
             Portrait::Bias(config) => {
-                let bias = analysis::bias::scheme_biases(&config, self.heads, bias_positions)?;
+                let bias = analysis::bias::scheme_biases(
+                    &config,
+                    self.heads,
+                    bias_positions,
+                    self.backend,
+                )?;
                 self.bias_report(name, bias)
             }
             Portrait::Index(config) => match config.scheme().offset_index(bias_positions) {
@@ -841,7 +846,7 @@ impl Request {
         let (module, _store) = analysis::bias::module_by_name(config, self.heads, short)?;
         let mut curves = analysis::schemes::fire_curves(title, &[short, 4 * short], |n| {
             let positions = crate::Positions::range(0, n)?;
-            analysis::bias::shared_bias(&module, &positions, name)
+            analysis::bias::shared_bias(&module, &positions, name, self.backend)
         })?;
         curves.notes = module.notes()?;
         curves.notes.push(note);

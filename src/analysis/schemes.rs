@@ -271,7 +271,10 @@ pub fn fox_gates(
             decay.push(Vec::new());
             continue;
         };
-        let g = gates.log_gates(x)?.exp()?.to_dtype(DType::F64)?; // (b, t, 2h)
+        let g = gates
+            .log_gates(x, encoder.backend())?
+            .exp()?
+            .to_dtype(DType::F64)?; // (b, t, 2h)
         let heads = g.dim(2)? / 2;
         let g = g.to_vec3::<f64>()?;
         let mut sums: std::collections::BTreeMap<u32, (usize, f64, f64)> = Default::default();
@@ -293,7 +296,7 @@ pub fn fox_gates(
         rows.sort_by(|a, b| a.2.total_cmp(&b.2));
         by_token.push(rows);
         let bias = gates
-            .bias(&x.narrow(0, 0, 1)?.narrow(1, 0, real0)?)?
+            .bias(&x.narrow(0, 0, 1)?.narrow(1, 0, real0)?, encoder.backend())?
             .to_dtype(DType::F64)?; // (1, h, t, t)
         let bias = bias.squeeze(0)?.to_vec3::<f64>()?;
         decay.push(bias.iter().map(|head| head[query].clone()).collect());

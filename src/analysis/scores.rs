@@ -175,7 +175,8 @@ pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Off
         let Some(tables) = &cope.0[layer] else {
             continue;
         };
-        let counts = per_sequence(&tables.parts(q, k, Some(mask), scale)?.counts)?;
+        let parts = tables.parts(q, k, Some(mask), scale, encoder.backend())?;
+        let counts = per_sequence(&parts.counts)?;
         for (head, c) in by_offset(&counts, &real).into_iter().enumerate() {
             curves.push((layer, head, c));
         }
@@ -203,7 +204,7 @@ pub fn path_turning(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Of
         let Some(weights) = &path.0[layer] else {
             continue;
         };
-        let r = weights.reflections(&inputs[layer], Some(mask), heads)?;
+        let r = weights.reflections(&inputs[layer], Some(mask), heads, encoder.backend())?;
         let (w, k) = (per_sequence(&r.w)?, per_sequence(k)?);
         let beta = r.beta.to_dtype(DType::F64)?.to_vec3::<f64>()?; // (b, h, t)
         let mut cos = vec![vec![vec![vec![0.0; t]; t]; heads]; w.len()];

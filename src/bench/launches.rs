@@ -2,7 +2,7 @@
 //!
 //! The step (forward with the loss, backward, AdamW) runs as it does on CUDA: on a GPU itself,
 //! or on the CPU with every encoder layer on the device path's CPU twin
-//! ([`crate::nn::with_gpu_ops_on_cpu`]), which issues the same operations in the same order. Two
+//! ([`crate::nn::Backend::as_on_cuda`]), which issues the same operations in the same order. Two
 //! counts make `launches_per_step`:
 //! - the device path's operations, exactly: kernel launches, cuBLAS calls and copies
 //!   ([`crate::nn::device_path::counts`]);
@@ -72,16 +72,24 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
     let mut out = Vec::new();
     for variant in &options.variants {
         progress(&format!("{variant}: one training step, counted"));
+        // On the CPU the device path's twin: the CPU computing as CUDA does.
+        let backend = match on_cpu {
+            true => options.backend.as_on_cuda(),
+            false => options.backend,
+        };
+        let compute = crate::nn::Compute {
+            device: &options.device,
+            backend,
+        };
         let run = || -> Result<Launches> {
-            let _backend = options.backend.enter();
-            let config = shape.model_config(variant, &options.limits, options.compute())?;
+            let config = shape.model_config(variant, &options.limits, compute)?;
             let params = ParamStore::new(0);
             let mut model = TaskModel::new(
                 &config,
                 &head,
                 params.var_builder(DType::F32, &options.device),
             )?
-            .with_backend(options.backend);
+            .with_backend(backend);
             // As training packs it: one variable a layer.
             model.pack(&params)?;
             params.constrain(&model.encoder().constraints())?;
@@ -94,7 +102,8 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
                     eps: 1e-8,
                     weight_decay: 0.01,
                 },
-            )?;
+            )?
+            .with_backend(backend);
             let batch = batch(shape, &options.device)?;
             let mut step = || -> Result<()> {
                 let loss = model.training_loss(&batch)?;
@@ -126,10 +135,7 @@ pub fn count(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<La
                 state_bytes: 4 * 4 * params.num_params() as u64,
             })
         };
-        let counted = crate::nn::with_threads(options.threads.max(1), || match on_cpu {
-            true => crate::nn::with_gpu_ops_on_cpu(run).0,
-            false => run(),
-        })?;
+        let counted = crate::nn::with_threads(options.threads.max(1), run)?;
         progress(&line(&counted));
         out.push(counted);
     }

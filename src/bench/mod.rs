@@ -482,12 +482,7 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
     // Each phase runs on a pool of its own, as compare's jobs do (see nn::with_threads), with
     // the models' backend in force for everything measured, backward and optimizer included.
     let threads = options.threads.max(1);
-    let measured = |f: &(dyn Fn() -> Result<Phase> + Sync)| {
-        crate::nn::with_threads(threads, || {
-            let _backend = options.backend.enter();
-            f()
-        })
-    };
+    let measured = |f: &(dyn Fn() -> Result<Phase> + Sync)| crate::nn::with_threads(threads, f);
     for variant in &options.variants {
         let config = shape.model_config(variant, &options.limits, options.compute())?;
         let (forward_flops, train_flops) = shape.flops(&config);
@@ -531,7 +526,8 @@ pub fn run(options: &Options, progress: &mut dyn FnMut(&str)) -> Result<Vec<Reco
             train_parts_ms: train.parts_ms,
             forward_foreign_cores: forward.foreign_cores,
             train_foreign_cores: train.foreign_cores,
-            kernels: crate::nn::kernels_on(&options.device, shape.dtype.compute_dtype(DType::F32))
+            kernels: (options.backend)
+                .kernels_on(&options.device, shape.dtype.compute_dtype(DType::F32))
                 .name()
                 .to_string(),
             matmul_peak_gflops,
@@ -626,7 +622,8 @@ fn time_training(
             eps: 1e-8,
             weight_decay: 0.01,
         },
-    )?;
+    )?
+    .with_backend(model.encoder().backend());
     let mut parts = [Vec::new(), Vec::new(), Vec::new()];
     let (ms, mut phase) = Phase::measure(options, options.train_reps, |measured| {
         let started = Instant::now();

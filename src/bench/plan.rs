@@ -361,9 +361,10 @@ impl Plan {
 
     fn kernels(&self) -> &'static str {
         let dtype = self.options.shape.dtype.compute_dtype(candle::DType::F32);
-        crate::nn::Backend::run(self.options.backend, || {
-            crate::nn::kernels_on(&self.options.device, dtype).name()
-        })
+        self.options
+            .backend
+            .kernels_on(&self.options.device, dtype)
+            .name()
     }
 
     /// The line that says what runs: device, threads, kernels, SIMD level and shape.

@@ -99,7 +99,8 @@ impl Product {
             }
             Kind::Head(which) => {
                 let (batch, heads, d_head) = self.heads.unwrap_or((1, 1, self.n));
-                head_product_gflops(which, (batch, heads, self.m, d_head), reps)
+                let simd = crate::nn::SimdLevel::detected();
+                head_product_gflops(which, (batch, heads, self.m, d_head), reps, simd)
             }
         }
     }

@@ -2,12 +2,12 @@
 //! reach inside it, given as plain inputs ([`AttentionInputs`]): a rotation of q and k, and an
 //! additive bias on the scores.
 
-use candle::{DType, Module, ModuleT, Result, Tensor};
+use candle::{DType, ModuleT, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::Linear;
-
-use super::{linear_with_bias, masked_softmax, Dropout, Rotary, MASKED_SCORE};
+use super::{
+    linear_with_bias, masked_softmax, Backend, Dropout, Linear, Path, Rotary, MASKED_SCORE,
+};
 
 /// The additive attention bias of a key-padding mask.
 ///
@@ -73,14 +73,14 @@ impl AttentionBias<'_> {
     }
 
     /// The bias as a `(r, h, t, t)` table.
-    pub fn table(&self) -> Result<Tensor> {
+    pub fn table(&self, backend: Backend) -> Result<Tensor> {
         match *self {
             Self::Table(t) => Ok(t.clone()),
             Self::SidedSums(sums) => {
                 let (_, b, h, t) = sums.dims4()?;
                 let f = sums.get(0)?.reshape((b * h, t))?;
                 let g = sums.get(1)?.reshape((b * h, t))?;
-                super::sided_differences(&f, &g)?.reshape((b, h, t, t))
+                super::sided_differences(&f, &g, backend)?.reshape((b, h, t, t))
             }
         }
     }
@@ -129,10 +129,10 @@ impl ForgetGates {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
-    pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn log_gates(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
         let z = Linear::new(self.weight.clone(), Some(self.bias.clone()))
-            .forward(&x.to_dtype(self.weight.dtype())?)?;
-        super::log_sigmoid(&z)
+            .forward(&x.to_dtype(self.weight.dtype())?, backend)?;
+        super::log_sigmoid(&z, backend)
     }
 
     /// The score bias: the gates' running sums `[f; g]` along the tokens, as compositions of
@@ -140,8 +140,8 @@ impl ForgetGates {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
-    pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
-        super::running_sums(&self.log_gates(x)?, 2)
+    pub fn sums(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
+        super::running_sums(&self.log_gates(x, backend)?, 2, backend)
     }
 }
 
@@ -157,7 +157,14 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// - `x`: `(b, t, d_model)`, the attention's input (what q, k and v are projected from)
     /// - returns `(b, h, t, t)`, the scaled scores before window and padding, in any float
     ///   dtype (the softmax runs in it)
-    fn scores(&self, q: &Tensor, k: &Tensor, x: &Tensor, scale: f64) -> crate::Result<Tensor>;
+    fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        x: &Tensor,
+        scale: f64,
+        backend: Backend,
+    ) -> crate::Result<Tensor>;
 
     /// The scores as a [`Polar`](super::Polar) form of q and k, when they are exactly that
     /// (what [`QkScores::scores`] computes): the fused CPU kernels then compute them inside the
@@ -179,7 +186,12 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     /// a hand-written backward, and the reflections are made beside it (on the CPU's fused
     /// kernels, one more node; inside the layer's node under the `layer` kernels, given
     /// [`QkScores::input_reflections`]).
-    fn transport(&self, _x: &Tensor, _heads: usize) -> crate::Result<Option<super::Transport>> {
+    fn transport(
+        &self,
+        _x: &Tensor,
+        _heads: usize,
+        _backend: Backend,
+    ) -> crate::Result<Option<super::Transport>> {
         Ok(None)
     }
 
@@ -338,14 +350,15 @@ impl SelfAttention {
 
     /// The queries and keys of `xs` before any rotation, each `(b, h, t, d_head)`: what
     /// `analyze` measures RoPE's frequency use on.
-    pub fn queries_keys(&self, xs: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn queries_keys(&self, xs: &Tensor, backend: Backend) -> Result<(Tensor, Tensor)> {
         let (b, t, _) = xs.dims3()?;
         let heads = |y: Tensor| -> Result<Tensor> {
             y.reshape((b, t, self.n_heads, self.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()
         };
-        Ok((heads(self.q.forward(xs)?)?, heads(self.k.forward(xs)?)?))
+        let (q, k) = (self.q.forward(xs, backend)?, self.k.forward(xs, backend)?);
+        Ok((heads(q)?, heads(k)?))
     }
 
     /// The attention scores (scaled, before masking) of the input `content + position`, and
@@ -360,6 +373,7 @@ impl SelfAttention {
         &self,
         content: &Tensor,
         position: &Tensor,
+        backend: Backend,
     ) -> Result<(Tensor, [Tensor; 4])> {
         let (b, t, _) = content.dims3()?;
         let heads = |y: Tensor| -> Result<Tensor> {
@@ -372,15 +386,15 @@ impl SelfAttention {
         let qk = |q: &Tensor, k: &Tensor| -> Result<Tensor> { q.matmul(&k.t()?)? * scale };
         let whole = (content + position)?;
         let scores = qk(
-            &heads(self.q.forward(&whole)?)?,
-            &heads(self.k.forward(&whole)?)?,
+            &heads(self.q.forward(&whole, backend)?)?,
+            &heads(self.k.forward(&whole, backend)?)?,
         )?;
         let (qc, qp) = (
-            heads(self.q.forward(content)?)?,
+            heads(self.q.forward(content, backend)?)?,
             heads(weight_only(&self.q, position)?)?,
         );
         let (kc, kp) = (
-            heads(self.k.forward(content)?)?,
+            heads(self.k.forward(content, backend)?)?,
             heads(weight_only(&self.k, position)?)?,
         );
         Ok((
@@ -397,17 +411,19 @@ impl SelfAttention {
         xs: &Tensor,
         inputs: AttentionInputs,
         train: bool,
+        backend: Backend,
     ) -> crate::Result<Tensor> {
         let (b, t, d) = xs.dims3()?;
+        let fused = backend.path(xs) == Path::Fused;
         // Scores carried by a transport: its reflections are made from `xs` here, before the
         // attention node.
-        let transport = match (super::fused_for(xs), inputs.scores) {
+        let transport = match (fused, inputs.scores) {
             (true, Some(own)) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
-                own.transport(xs, self.n_heads)?
+                own.transport(xs, self.n_heads, backend)?
             }
             _ => None,
         };
-        if super::fused_for(xs) && (inputs.fused_scores() || transport.is_some()) {
+        if fused && (inputs.fused_scores() || transport.is_some()) {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
@@ -417,25 +433,27 @@ impl SelfAttention {
                 xs.device(),
                 train,
             )?;
-            let core = self.fused_core(inputs).with_transport(transport.as_ref());
+            let core = self
+                .fused_core(inputs, backend)
+                .with_transport(transport.as_ref());
             let out = super::fused::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
-            return Ok(self.o.forward(&out)?);
+            return Ok(self.o.forward(&out, backend)?);
         }
         let heads = |y: Tensor| -> Result<Tensor> {
             y.reshape((b, t, self.n_heads, self.head_dim))?
                 .transpose(1, 2)? // (b, h, t, d_head)
                 .contiguous()
         };
-        let mut q = heads(self.q.forward(xs)?)?;
-        let mut k = heads(self.k.forward(xs)?)?;
-        let v = heads(self.v.forward(xs)?)?;
+        let mut q = heads(self.q.forward(xs, backend)?)?;
+        let mut k = heads(self.k.forward(xs, backend)?)?;
+        let v = heads(self.v.forward(xs, backend)?)?;
         if let Some(rotary) = inputs.rotary {
-            q = rotary.apply(&q)?;
-            k = rotary.apply(&k)?;
+            q = rotary.apply(&q, backend)?;
+            k = rotary.apply(&k, backend)?;
         }
         let scores = match inputs.scores {
             // (b, h, t, t) in the scheme's dtype: the softmax runs in it, as for a bias.
-            Some(own) => own.scores(&q, &k, xs, self.scale)?,
+            Some(own) => own.scores(&q, &k, xs, self.scale, backend)?,
             None => (super::matmul(&q, &k.t()?)? * self.scale)?, // (b, h, t, t)
         };
 
@@ -450,23 +468,28 @@ impl SelfAttention {
             }
         };
         let weights = match inputs.score_bias {
-            None => masked_softmax(&window(scores)?, inputs.key_padding)?.to_dtype(v.dtype())?,
+            None => masked_softmax(&window(scores)?, inputs.key_padding, backend)?
+                .to_dtype(v.dtype())?,
             Some(bias) => {
                 // The bias is added in its own dtype (the parameters', f32 under mixed
                 // precision), where the softmax runs anyway.
-                let bias = bias.table()?;
+                let bias = bias.table(backend)?;
                 let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(&bias)?)?;
-                masked_softmax(&biased, inputs.key_padding)?.to_dtype(v.dtype())?
+                masked_softmax(&biased, inputs.key_padding, backend)?.to_dtype(v.dtype())?
             }
         };
         let weights = self.dropout.forward_t(&weights, train)?;
         let out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
         let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
-        Ok(self.o.forward(&out)?)
+        Ok(self.o.forward(&out, backend)?)
     }
 
     /// The fixed inputs of the fused attention core.
-    pub(crate) fn fused_core(&self, inputs: AttentionInputs) -> super::fused::Attention {
+    pub(crate) fn fused_core(
+        &self,
+        inputs: AttentionInputs,
+        backend: Backend,
+    ) -> super::fused::Attention {
         super::fused::Attention::new(
             self.n_heads,
             self.scale,
@@ -474,6 +497,7 @@ impl SelfAttention {
             inputs.rotary,
             inputs.score_bias,
             inputs.max_offset,
+            backend.simd,
         )
         .with_polar(inputs.scores.and_then(|s| s.polar()))
         .with_counts(inputs.scores.and_then(|s| s.counts()))

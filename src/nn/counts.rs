@@ -79,7 +79,13 @@ impl GateCounts {
     ///
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`
-    pub fn parts(&self, q: &Tensor, k: &Tensor, scale: f64) -> crate::Result<CountParts> {
+    pub fn parts(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        scale: f64,
+        backend: super::Backend,
+    ) -> crate::Result<CountParts> {
         let dtype = self.tables.dtype();
         let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
         let (b, h, t, _) = q.dims4()?;
@@ -87,7 +93,7 @@ impl GateCounts {
         let device = q.device();
         let content = (super::matmul(&q, &k.t()?.contiguous()?)? * scale)?; // (b, h, t, t)
         let per_row = q.broadcast_matmul(&self.tables.t()?.contiguous()?)?; // (b, h, t, 2 npos)
-        let mut gates = super::log_sigmoid(&content)?.exp()?;
+        let mut gates = super::log_sigmoid(&content, backend)?.exp()?;
         if let Some(mask) = &self.mask {
             let keys = mask.to_dtype(dtype)?.reshape((b, 1, 1, t))?;
             gates = gates.broadcast_mul(&keys)?;
@@ -123,7 +129,13 @@ impl GateCounts {
     ///
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`; returns `(b, h, t, t)`
-    pub fn scores(&self, q: &Tensor, k: &Tensor, scale: f64) -> crate::Result<Tensor> {
-        Ok(self.parts(q, k, scale)?.scores)
+    pub fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        scale: f64,
+        backend: super::Backend,
+    ) -> crate::Result<Tensor> {
+        Ok(self.parts(q, k, scale, backend)?.scores)
     }
 }

@@ -31,7 +31,7 @@ use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 thread_local! {
-    /// Forward passes of these ops on this thread (see [`super::with_gpu_ops_on_cpu`]).
+    /// Forward passes of these ops on this thread (counters for tests: [`super::cuda_op_calls`]).
     static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
@@ -823,10 +823,8 @@ mod tests {
                         &[x],
                         &|t| rope(&t[0], &hc, &hs, interleaved).unwrap(),
                         &|t| {
-                            crate::nn::with_reference_ops(|| {
-                                super::super::ops::rope_rotate(&t[0], &cos, &sin, interleaved)
-                            })
-                            .unwrap()
+                            super::super::ops::rope_rotate_reference(&t[0], &cos, &sin, interleaved)
+                                .unwrap()
                         },
                         tol,
                         &format!("rope interleaved={interleaved} {dtype:?} r={r}"),

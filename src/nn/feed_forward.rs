@@ -1,11 +1,9 @@
 //! The position-wise feed-forward block.
 
-use candle::{Module, Result, Tensor, D};
+use candle::{Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use super::Linear;
-
-use super::{gelu, linear_with_bias};
+use super::{gelu, linear_with_bias, Backend, Linear};
 
 /// The feed-forward block's nonlinearity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -50,13 +48,13 @@ impl Activation {
     /// # Shapes
     /// - `xs`: `(.., n)`; returns `(.., n)`, and for GeGLU `(.., n / 2)`: `gelu` of the first
     ///   half times the second
-    pub fn apply(self, xs: &Tensor) -> Result<Tensor> {
+    pub fn apply(self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         match self {
-            Self::Gelu => gelu(xs),
+            Self::Gelu => gelu(xs, backend),
             Self::Relu => xs.relu(),
             Self::Geglu => {
                 let n = xs.dim(D::Minus1)? / 2;
-                gelu(&xs.narrow(D::Minus1, 0, n)?)? * xs.narrow(D::Minus1, n, n)?
+                gelu(&xs.narrow(D::Minus1, 0, n)?, backend)? * xs.narrow(D::Minus1, n, n)?
             }
         }
     }
@@ -120,11 +118,12 @@ impl FeedForward {
     }
 }
 
-impl Module for FeedForward {
+impl FeedForward {
     /// # Shapes
     /// - `xs`: `(b, t, d_model)`; returns the same shape
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let h = self.activation.apply(&self.up.forward(xs)?)?; // (b, t, ffn_dim)
-        self.down.forward(&h)
+    pub fn forward(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
+        let h = self.up.forward(xs, backend)?;
+        let h = self.activation.apply(&h, backend)?; // (b, t, ffn_dim)
+        self.down.forward(&h, backend)
     }
 }

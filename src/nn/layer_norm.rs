@@ -1,7 +1,9 @@
 //! LayerNorm as a composition of differentiable ops.
 
-use candle::{Module, Result, Tensor, D};
+use candle::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
+
+use super::{Backend, Path};
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis (biased variance, as in
 /// PyTorch). Built from primitive ops so gradients reach everything upstream.
@@ -91,29 +93,33 @@ impl LayerNorm {
     }
 }
 
-impl Module for LayerNorm {
+impl LayerNorm {
+    /// `LN(xs)` over the last axis, computed where `backend` says.
+    ///
     /// # Shapes
     /// - `xs`: `(..., size)`; returns the same shape
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         if super::is_half(xs.dtype()) && !super::is_half(self.weight.dtype()) {
             // Half-precision activations: statistics and affine in the weights' dtype (f32),
             // the result rounded back once.
             return self
-                .forward(&xs.to_dtype(self.weight.dtype())?)?
+                .forward(&xs.to_dtype(self.weight.dtype())?, backend)?
                 .to_dtype(xs.dtype());
         }
-        if super::fused_for(xs) {
-            return super::fused::layer_norm(xs, &self.weight, &self.bias, self.eps);
+        let (w, b, eps) = (&self.weight, &self.bias, self.eps);
+        let same = xs.dtype() == w.dtype();
+        match backend.path(xs) {
+            Path::Fused => super::fused::layer_norm(xs, w, b, eps, backend.simd),
+            Path::Device if same && backend.whole_layers(xs) => {
+                super::device::norm::layer_norm(xs, w, b, eps)
+            }
+            Path::Device if same => super::cuda_ops::layer_norm(xs, w, b, eps),
+            _ => self.forward_reference(xs),
         }
-        if super::device_layer_for(xs)
-            && xs.dtype() == self.weight.dtype()
-            && super::device::supports(xs.dtype())
-        {
-            return super::device::norm::layer_norm(xs, &self.weight, &self.bias, self.eps);
-        }
-        if super::gpu_ops_for(xs) && xs.dtype() == self.weight.dtype() {
-            return super::cuda_ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
-        }
+    }
+
+    /// The composition: mean, variance, normalisation and the affine map.
+    pub fn forward_reference(&self, xs: &Tensor) -> Result<Tensor> {
         let mean = xs.mean_keepdim(D::Minus1)?;
         let centered = xs.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(D::Minus1)?;

@@ -6,8 +6,10 @@
 //! silently stop learning. On the CPU (f32, f64) poslab runs its own kernels with hand-written
 //! backward passes (`fused`): by default each encoder layer is one autograd node, and the
 //! pieces outside the layers (linear heads, final LayerNorm) are fused ops; elsewhere, and under
-//! [`with_reference_ops`], everything is a composition of differentiable tensor ops. See
-//! [`Kernels`]. The tests hold every path to the reference, forward and backward.
+//! [`Backend::reference`], everything is a composition of differentiable tensor ops. See
+//! [`Kernels`]. Every op takes the [`Backend`] its model holds and asks it once where to
+//! compute ([`Backend::path`]); each keeps its reference composition beside it (`*_reference`).
+//! The tests hold every path to the reference, forward and backward.
 
 mod attention;
 mod counts;
@@ -52,8 +54,6 @@ pub mod device_path {
     pub use super::device::cuda::compile_check as compile_kernels;
     pub use super::device::{counts, live_bytes, peak_bytes, reset_peak_bytes, Counts};
 }
-
-use std::cell::Cell;
 
 use candle::{DType, Tensor};
 
@@ -120,10 +120,11 @@ impl Kernels {
     }
 }
 
-/// How an encoder computes: which kernels, and the instruction sets poslab's fused CPU kernels
-/// may use. A value, chosen by whoever builds the encoder ([`crate::Encoder::with_backend`];
-/// by default [`Backend::default`]) and never read from the environment here, in force for everything its forward passes, its model's
-/// head, and a training step on it compute ([`Backend::run`]).
+/// How an encoder computes: which kernels, the instruction sets poslab's fused CPU kernels may
+/// use, and whether the CPU computes as CUDA does. A value, chosen by whoever builds the encoder
+/// ([`crate::Encoder::with_backend`]; by default [`Backend::default`]) and never read from the
+/// environment, handed to every op its forward passes, its model's head and a training step on
+/// it run. Each op asks it once where it computes ([`Backend::path`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backend {
     /// Which implementation the layers run.
@@ -132,6 +133,9 @@ pub struct Backend {
     /// [`Backend::with_simd`]). The same source compiled for each level gives the same bits
     /// (Rust never fuses a multiply and an add on its own), so it changes speed only.
     pub simd: SimdLevel,
+    /// The CPU computes as CUDA does ([`Backend::as_on_cuda`]): how the tests check the CUDA
+    /// path's wiring without a GPU.
+    pub cuda_twin: bool,
 }
 
 impl Default for Backend {
@@ -140,11 +144,30 @@ impl Default for Backend {
         Self {
             kernels: Kernels::Layer,
             simd: SimdLevel::detected(),
+            cuda_twin: false,
         }
     }
 }
 
+/// Where an op computes a tensor ([`Backend::path`]): the one question each op asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    /// Compositions of differentiable candle tensor ops (the specification).
+    Reference,
+    /// poslab's fused CPU kernels, with their hand-written backward passes (`fused/`).
+    Fused,
+    /// The CUDA path: one kernel per softmax, LayerNorm, GELU and RoPE rotation
+    /// (`cuda_ops.rs`), and under [`Kernels::Layer`] each encoder layer as the device path's
+    /// operations (`device/`); on the CPU, under [`Backend::as_on_cuda`], their CPU twins.
+    Device,
+}
+
 impl Backend {
+    /// The compositions of differentiable tensor ops everywhere: the specification.
+    pub fn reference() -> Self {
+        Self::default().with_kernels(Kernels::Reference)
+    }
+
     /// This backend with `kernels`.
     pub fn with_kernels(self, kernels: Kernels) -> Self {
         Self { kernels, ..self }
@@ -158,174 +181,100 @@ impl Backend {
         }
     }
 
-    /// Runs `f` with the layers' ops on this thread computing with this backend (restoring the
-    /// one before after). A test override ([`with_kernels`]) takes precedence.
-    pub fn run<R>(self, f: impl FnOnce() -> R) -> R {
-        let _in_force = self.enter();
-        f()
-    }
-
-    /// This backend in force on this thread until the guard is dropped (then the one before
-    /// it again): how an encoder's forward pass, its model's head and a training step compute
-    /// with the encoder's backend.
-    pub fn enter(self) -> InForce {
-        InForce {
-            before: IN_FORCE.with(|b| b.replace(Some(self))),
-            _not_send: std::marker::PhantomData,
+    /// For tests: this backend with the CPU computing as CUDA does. Under [`Kernels::Ops`] the
+    /// ops of `cuda_ops.rs` (one kernel each for softmax, LayerNorm, GELU and RoPE's rotation,
+    /// poslab's backward passes), computed by their CPU forward passes, and compositions
+    /// elsewhere; under [`Kernels::Layer`] each encoder layer as the device path's sequence of
+    /// operations (`nn/device/`), computed by its CPU twin, in f32, f64 and half precision
+    /// alike; [`Kernels::Reference`] still means the compositions. [`cuda_op_calls`] and
+    /// [`device_path::counts`] tell a test that the path was taken.
+    #[doc(hidden)]
+    pub fn as_on_cuda(self) -> Self {
+        Self {
+            cuda_twin: true,
+            ..self
         }
     }
-}
 
-/// A [`Backend`] in force on this thread, until dropped ([`Backend::enter`]).
-#[must_use = "the backend is in force only while the guard lives"]
-pub struct InForce {
-    before: Option<Backend>,
-    /// The backend is in force on the thread that entered it: the guard stays there.
-    _not_send: std::marker::PhantomData<*const ()>,
-}
+    /// The kernels activations of `dtype` on `device` are computed with: [`Backend::kernels`]
+    /// on the CPU in f32 or f64, and on CUDA (where [`Kernels::Layer`] is the device path's
+    /// layer, `nn/device/`); else the reference compositions. Under [`Backend::as_on_cuda`]
+    /// the CPU computes as CUDA does, half precision included.
+    pub fn kernels_on(&self, device: &candle::Device, dtype: DType) -> Kernels {
+        let chosen = self.kernels;
+        let twin = device.is_cpu() && self.cuda_twin;
+        if (device.is_cpu() && matches!(dtype, DType::F32 | DType::F64))
+            || (device.is_cuda() && self::device::supports(dtype))
+        {
+            chosen
+        } else if twin && chosen == Kernels::Layer && self::device::supports(dtype) {
+            Kernels::Layer
+        } else {
+            Kernels::Reference
+        }
+    }
 
-impl Drop for InForce {
-    fn drop(&mut self) {
-        IN_FORCE.with(|b| b.set(self.before));
+    /// Where an op computes `x`: the one place the implementation is chosen. The fused CPU
+    /// kernels on the CPU in f32 or f64; the CUDA path on CUDA (and on the CPU as its twin,
+    /// under [`Backend::as_on_cuda`]); the compositions elsewhere and under
+    /// [`Kernels::Reference`].
+    pub fn path(&self, x: &Tensor) -> Path {
+        let device = x.device();
+        if self.kernels_on(device, x.dtype()) == Kernels::Reference {
+            Path::Reference
+        } else if device.is_cuda() || self.cuda_twin {
+            Path::Device
+        } else {
+            Path::Fused
+        }
+    }
+
+    /// Whether `x`'s encoder layers run whole, as one node ([`Kernels::Layer`]) on the path
+    /// [`Backend::path`] gives.
+    pub fn whole_layers(&self, x: &Tensor) -> bool {
+        self.kernels_on(x.device(), x.dtype()) == Kernels::Layer
+    }
+
+    /// Whether AdamW updates a variable with gradient `g` on the device path (one multi-tensor
+    /// launch for all of them): on CUDA, and on the CPU under [`Backend::as_on_cuda`], unless
+    /// the reference compositions are asked for.
+    pub(crate) fn device_optimizer(&self, g: &Tensor) -> bool {
+        matches!(g.dtype(), DType::F32 | DType::F64)
+            && self.kernels != Kernels::Reference
+            && (g.device().is_cuda() || (g.device().is_cpu() && self.cuda_twin))
+    }
+
+    /// Whether poslab's fused CPU kernels compute activations of `dtype` on `device`: on the
+    /// CPU in f32 or f64, unless the reference compositions are asked for. Where they do, a
+    /// scheme whose scores they compute (PoPE, CoPE, PaTH) holds far fewer attention tables
+    /// than its composition ([`crate::positional::Scheme::score_tensors`]).
+    ///
+    /// Not under [`Backend::as_on_cuda`], where the CPU computes as CUDA does (the device
+    /// path's twin, whose schemes hold their compositions' tables): a memory bound checked
+    /// there is checked for the path that runs.
+    pub fn fused_on(&self, device: &candle::Device, dtype: DType) -> bool {
+        device.is_cpu()
+            && !self.cuda_twin
+            && matches!(dtype, DType::F32 | DType::F64)
+            && self.kernels != Kernels::Reference
     }
 }
 
-thread_local! {
-    static IN_FORCE: Cell<Option<Backend>> = const { Cell::new(None) };
-    static TEST_OVERRIDE: Cell<Option<Backend>> = const { Cell::new(None) };
-    static GPU_OPS_ON_CPU: Cell<bool> = const { Cell::new(false) };
-}
-
-/// The backend in force on this thread: a test's override, else the one a [`Backend::run`]
-/// installed (an encoder's, for the length of its pass), else [`Backend::default`].
-pub fn backend() -> Backend {
-    TEST_OVERRIDE
-        .with(Cell::get)
-        .or_else(|| IN_FORCE.with(Cell::get))
-        .unwrap_or_default()
-}
-
-/// For tests and benchmarks of the kernels: runs `f` with the layers on this thread computed
-/// by `backend`, overriding every encoder's own. How the tests hold the fast paths to the
-/// reference at every SIMD level.
+/// How many of `cuda_ops.rs`'s one-kernel ops have run their forward in this process (counters
+/// kept for tests: [`Backend::as_on_cuda`]).
 #[doc(hidden)]
-pub fn with_backend<R>(backend: Backend, f: impl FnOnce() -> R) -> R {
-    let before = TEST_OVERRIDE.with(|k| k.replace(Some(backend)));
-    let out = f();
-    TEST_OVERRIDE.with(|k| k.set(before));
-    out
-}
-
-/// For tests and benchmarks: [`with_backend`] with `kernels` (and the SIMD level in force).
-#[doc(hidden)]
-pub fn with_kernels<R>(kernels: Kernels, f: impl FnOnce() -> R) -> R {
-    with_backend(backend().with_kernels(kernels), f)
-}
-
-/// For tests: runs `f` with the layers on this thread computing on the CPU as they do on CUDA:
-/// under [`Kernels::Ops`] the ops of `cuda_ops.rs` (one kernel each for softmax, LayerNorm,
-/// GELU and RoPE's rotation, poslab's backward passes), computed by their CPU forward passes,
-/// and compositions elsewhere; under [`Kernels::Layer`] each encoder layer as the device
-/// path's sequence of operations (`nn/device/`), computed by its CPU twin, in f32,
-/// f64 and half precision alike. How the tests check the CUDA path's wiring without a GPU;
-/// [`Kernels::Reference`] still means the compositions. Returns `f`'s value and how many of
-/// the one-kernel ops it ran (forward passes), so a test can tell that the path was taken
-/// ([`device_path::counts`] counts the layer's operations).
-#[doc(hidden)]
-pub fn with_gpu_ops_on_cpu<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    let before = GPU_OPS_ON_CPU.with(|g| g.replace(true));
-    let calls = cuda_ops::calls();
-    let out = f();
-    GPU_OPS_ON_CPU.with(|g| g.set(before));
-    (out, cuda_ops::calls() - calls)
-}
-
-/// For tests: [`with_kernels`] with [`Kernels::Reference`].
-#[doc(hidden)]
-pub fn with_reference_ops<R>(f: impl FnOnce() -> R) -> R {
-    with_kernels(Kernels::Reference, f)
-}
-
-/// The kernels in force on this thread (ignoring the tensor's device and dtype).
-pub fn current_kernels() -> Kernels {
-    backend().kernels
-}
-
-/// The kernels activations of `dtype` on `device` are computed with: [`current_kernels`] on
-/// the CPU in f32 or f64, and on CUDA (where [`Kernels::Layer`] is the device path's layer,
-/// `nn/device/`); else the reference compositions. Under [`with_gpu_ops_on_cpu`] the
-/// CPU computes as CUDA does, half precision included.
-pub fn kernels_on(device: &candle::Device, dtype: DType) -> Kernels {
-    let chosen = current_kernels();
-    let gpu_on_cpu = device.is_cpu() && GPU_OPS_ON_CPU.with(Cell::get);
-    if (device.is_cpu() && matches!(dtype, DType::F32 | DType::F64))
-        || (device.is_cuda() && self::device::supports(dtype))
-    {
-        chosen
-    } else if gpu_on_cpu && chosen == Kernels::Layer && self::device::supports(dtype) {
-        Kernels::Layer
-    } else {
-        Kernels::Reference
-    }
-}
-
-/// Whether AdamW updates a variable with gradient `g` on the device path (one multi-tensor
-/// launch for all of them): on CUDA, and on the CPU under [`with_gpu_ops_on_cpu`], unless the
-/// reference compositions are asked for.
-pub(crate) fn device_optimizer_for(g: &Tensor) -> bool {
-    matches!(g.dtype(), DType::F32 | DType::F64)
-        && current_kernels() != Kernels::Reference
-        && (g.device().is_cuda() || (g.device().is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
-}
-
-/// Whether an encoder layer of `x` runs on the device path: on CUDA, and on the CPU under
-/// [`with_gpu_ops_on_cpu`] (its twin).
-pub(crate) fn device_layer_for(x: &Tensor) -> bool {
-    kernels_for(x) == Kernels::Layer
-        && (x.device().is_cuda() || (x.device().is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
-}
-
-/// The kernels `x` is computed with (see [`kernels_on`]).
-pub(crate) fn kernels_for(x: &Tensor) -> Kernels {
-    kernels_on(x.device(), x.dtype())
-}
-
-/// Whether `x` goes through one of poslab's fused CPU kernels.
-pub(crate) fn fused_for(x: &Tensor) -> bool {
-    fused_on(x.device(), x.dtype(), current_kernels())
+pub fn cuda_op_calls() -> usize {
+    cuda_ops::calls()
 }
 
 /// Where a model computes: its device, and the backend its layers run with. What a memory bound
-/// is given to know which path will hold a batch's attention tables ([`fused_on`]).
+/// is given to know which path will hold a batch's attention tables ([`Backend::fused_on`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Compute<'a> {
     /// The device activations live on.
     pub device: &'a candle::Device,
     /// The kernels (and SIMD level) the layers run with.
     pub backend: Backend,
-}
-
-/// Whether poslab's fused CPU kernels compute activations of `dtype` on `device` under
-/// `kernels`: on the CPU in f32 or f64, unless the reference compositions are asked for. Where
-/// they do, a scheme whose scores they compute (PoPE, CoPE, PaTH) holds far fewer attention
-/// tables than its composition ([`crate::positional::Scheme::score_tensors`]).
-///
-/// Not under [`with_gpu_ops_on_cpu`], where the CPU computes as CUDA does (the device path's
-/// twin, whose schemes hold their compositions' tables): a memory bound checked there is
-/// checked for the path that runs.
-pub fn fused_on(device: &candle::Device, dtype: DType, kernels: Kernels) -> bool {
-    device.is_cpu()
-        && !GPU_OPS_ON_CPU.with(Cell::get)
-        && matches!(dtype, DType::F32 | DType::F64)
-        && kernels != Kernels::Reference
-}
-
-/// Whether `x` goes through the one-kernel CUDA ops of `cuda_ops.rs` (on the CPU only under
-/// [`with_gpu_ops_on_cpu`]).
-pub(crate) fn gpu_ops_for(x: &Tensor) -> bool {
-    let device = x.device();
-    kernels_for(x) != Kernels::Reference
-        && (device.is_cuda() || (device.is_cpu() && GPU_OPS_ON_CPU.with(Cell::get)))
 }
 
 // Mixed precision (see `crate::Precision`): activations may be bf16 or f16 while parameters,

@@ -1,7 +1,9 @@
 //! Small differentiable functions shared by the layers.
 
-use candle::{Module, Result, Tensor, D};
+use candle::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
+
+use super::{Backend, Path};
 
 /// A linear layer `y = x Wᵀ + b` on the last axis, `W` of shape `(out, in)` as in PyTorch.
 ///
@@ -53,13 +55,20 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
+impl Linear {
+    /// `xs Wᵀ + b`, computed where `backend` says.
+    ///
     /// # Shapes
     /// - `xs`: `(..., in)`; returns `(..., out)`
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        if super::fused_for(xs) {
-            return super::fused::linear(xs, &self.weight, self.bias.as_ref());
+    pub fn forward(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
+        match backend.path(xs) {
+            Path::Fused => super::fused::linear(xs, &self.weight, self.bias.as_ref()),
+            Path::Reference | Path::Device => self.forward_reference(xs),
         }
+    }
+
+    /// The composition: a matrix multiply and an add.
+    pub fn forward_reference(&self, xs: &Tensor) -> Result<Tensor> {
         let mut dims = xs.dims().to_vec();
         let last = dims.pop().unwrap_or(0);
         let rows = xs.contiguous()?.reshape(((), last))?; // (n, in)
@@ -138,7 +147,7 @@ pub fn log_softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// - `scores`: `(b, h, t_q, t)`, `key_bias`: `(b, t)` or `(1, t)` (every batch element's);
 ///   returns `(b, h, t_q, t)`. Other shapes, and scores with no element, are an error.
-pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
+pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor, backend: Backend) -> Result<Tensor> {
     let (b, h, tq, t) = scores.dims4()?;
     let (kb, kt) = key_bias.dims2()?;
     if (kb != b && kb != 1) || kt != t {
@@ -157,23 +166,21 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
         );
     }
     if kb != b {
-        return masked_softmax(scores, &key_bias.broadcast_as((b, t))?.contiguous()?);
+        let key_bias = key_bias.broadcast_as((b, t))?.contiguous()?;
+        return masked_softmax(scores, &key_bias, backend);
     }
     if super::is_half(scores.dtype()) {
         // Half-precision scores: the softmax runs in f32 and its weights are rounded back.
         let f32 = candle::DType::F32;
-        let weights = masked_softmax(&scores.to_dtype(f32)?, &key_bias.to_dtype(f32)?)?;
+        let weights = masked_softmax(&scores.to_dtype(f32)?, &key_bias.to_dtype(f32)?, backend)?;
         return weights.to_dtype(scores.dtype());
     }
-    if super::fused_for(scores) {
-        return super::fused::masked_softmax(scores, key_bias);
+    let biased = || scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?);
+    match backend.path(scores) {
+        Path::Fused => super::fused::masked_softmax(scores, key_bias, backend.simd),
+        Path::Device => super::cuda_ops::softmax_last_dim(&biased()?),
+        Path::Reference => softmax_last_dim(&biased()?),
     }
-    let (b, t) = key_bias.dims2()?;
-    let biased = scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?)?;
-    if super::gpu_ops_for(scores) {
-        return super::cuda_ops::softmax_last_dim(&biased);
-    }
-    softmax_last_dim(&biased)
 }
 
 /// RoPE's rotation `x * cos + rotate(x) * sin` of the first `w` coordinates of every head, by
@@ -183,16 +190,32 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// - `x`: `(b, h, t, d_head)`, `cos`, `sin`: `(r, t, w)` with `r` 1 or `b`, `w <= d_head`
 /// - returns the shape of `x`
-pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+pub fn rope_rotate(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+    backend: Backend,
+) -> Result<Tensor> {
     super::rotary::check(x, cos)?;
     if super::is_half(x.dtype()) && !super::is_half(cos.dtype()) {
         // Half-precision q or k: rotated in the tables' dtype (f32) and rounded back once.
-        let rotated = rope_rotate(&x.to_dtype(cos.dtype())?, cos, sin, interleaved)?;
+        let rotated = rope_rotate(&x.to_dtype(cos.dtype())?, cos, sin, interleaved, backend)?;
         return rotated.to_dtype(x.dtype());
     }
-    if super::fused_for(x) {
-        return super::fused::rope(x, cos, sin, interleaved);
+    match backend.path(x) {
+        Path::Fused => super::fused::rope(x, cos, sin, interleaved, backend.simd),
+        Path::Reference | Path::Device => rope_rotate_reference(x, cos, sin, interleaved),
     }
+}
+
+/// [`rope_rotate`]'s composition.
+pub fn rope_rotate_reference(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+) -> Result<Tensor> {
     let (d, w) = (x.dim(D::Minus1)?, cos.dim(D::Minus1)?);
     let xr = if w == d {
         x.clone()
@@ -227,10 +250,15 @@ pub fn rope_rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
 ///
 /// # Shapes
 /// Any shape; the output has the input's.
-pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
-    if super::fused_for(z) {
-        return super::fused::log_sigmoid(z);
+pub fn log_sigmoid(z: &Tensor, backend: Backend) -> Result<Tensor> {
+    match backend.path(z) {
+        Path::Fused => super::fused::log_sigmoid(z, backend.simd),
+        Path::Reference | Path::Device => log_sigmoid_reference(z),
     }
+}
+
+/// [`log_sigmoid`]'s composition.
+pub fn log_sigmoid_reference(z: &Tensor) -> Result<Tensor> {
     let soft = (z.abs()?.neg()?.exp()? + 1.0)?.log()?;
     (z.neg()?.relu()? + soft)?.neg()
 }
@@ -242,11 +270,19 @@ pub fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
 ///
 /// # Shapes
 /// - `x`: `(b, t, groups · C)`; returns `(groups, b, C, t)`
-pub fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
-    let (b, t, width) = x.dims3()?;
-    if super::fused_for(x) && super::fused::running_sums_in_order((b, t, width)) {
-        return super::fused::running_sums(x, groups);
+pub fn running_sums(x: &Tensor, groups: usize, backend: Backend) -> Result<Tensor> {
+    let dims = x.dims3()?;
+    match backend.path(x) {
+        Path::Fused if super::fused::running_sums_in_order(dims) => {
+            super::fused::running_sums(x, groups)
+        }
+        _ => running_sums_reference(x, groups),
     }
+}
+
+/// [`running_sums`]' composition.
+pub fn running_sums_reference(x: &Tensor, groups: usize) -> Result<Tensor> {
+    let (b, t, width) = x.dims3()?;
     let channels = super::fused::running_sums_channels(width, groups)?;
     let sums = x.transpose(1, 2)?.contiguous()?.cumsum(candle::D::Minus1)?; // (b, S C, t)
     sums.reshape((b, groups, channels, t))?
@@ -260,7 +296,7 @@ pub fn running_sums(x: &Tensor, groups: usize) -> Result<Tensor> {
 ///
 /// # Shapes
 /// - `f`, `g`: `(n, t)`, the same shape; returns `(n, t, t)` (empty where `n` or `t` is 0).
-pub fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub fn sided_differences(f: &Tensor, g: &Tensor, backend: Backend) -> Result<Tensor> {
     let (n, t) = f.dims2()?;
     if g.dims() != f.dims() {
         candle::bail!(
@@ -272,9 +308,14 @@ pub fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
     if n == 0 || t == 0 {
         return Tensor::zeros((n, t, t), f.dtype(), f.device());
     }
-    if super::fused_for(f) {
-        return super::fused::sided_differences(f, g);
+    match backend.path(f) {
+        Path::Fused => super::fused::sided_differences(f, g, backend.simd),
+        Path::Reference | Path::Device => sided_differences_reference(f, g),
     }
+}
+
+/// [`sided_differences`]' composition, of inputs already checked.
+fn sided_differences_reference(f: &Tensor, g: &Tensor) -> Result<Tensor> {
     let (_, t) = f.dims2()?;
     let before = f.unsqueeze(2)?.broadcast_sub(&f.unsqueeze(1)?)?; // f[i] - f[j]
     let after = g.unsqueeze(1)?.broadcast_sub(&g.unsqueeze(2)?)?; // g[j] - g[i]
@@ -291,13 +332,16 @@ pub fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
 ///
 /// # Shapes
 /// Any shape; the output has the input's.
-pub fn gelu(xs: &Tensor) -> Result<Tensor> {
-    if super::fused_for(xs) {
-        return super::fused::gelu(xs);
+pub fn gelu(xs: &Tensor, backend: Backend) -> Result<Tensor> {
+    match backend.path(xs) {
+        Path::Fused => super::fused::gelu(xs, backend.simd),
+        Path::Device => super::cuda_ops::gelu(xs),
+        Path::Reference => gelu_reference(xs),
     }
-    if super::gpu_ops_for(xs) {
-        return super::cuda_ops::gelu(xs);
-    }
+}
+
+/// [`gelu`]'s composition.
+pub fn gelu_reference(xs: &Tensor) -> Result<Tensor> {
     let cdf = ((xs * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)? * 0.5;
     xs * cdf?
 }

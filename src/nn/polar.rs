@@ -46,9 +46,14 @@ impl Polar {
     ///
     /// # Shapes
     /// - `x`: `(b, h, t, d_head)`; `cos`, `sin`: broadcast to it; returns `(b, h, t, 2 d_head)`
-    pub fn form(x: &Tensor, cos: &Tensor, sin: &Tensor) -> crate::Result<Tensor> {
+    pub fn form(
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        backend: super::Backend,
+    ) -> crate::Result<Tensor> {
         // softplus(x) = -log σ(-x), exact for any x.
-        let mu = super::log_sigmoid(&x.neg()?)?.neg()?;
+        let mu = super::log_sigmoid(&x.neg()?, backend)?.neg()?;
         Ok(Tensor::cat(
             &[&mu.broadcast_mul(cos)?, &mu.broadcast_mul(sin)?],
             D::Minus1,
@@ -59,7 +64,13 @@ impl Polar {
     ///
     /// # Shapes
     /// - `q`, `k`: `(b, h, t, d_head)`; returns `(b, h, t, t)`
-    pub fn scores(&self, q: &Tensor, k: &Tensor, scale: f64) -> crate::Result<Tensor> {
+    pub fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        scale: f64,
+        backend: super::Backend,
+    ) -> crate::Result<Tensor> {
         let dtype = self.offsets.dtype();
         let (q, k) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?);
         let (b, h, t, hd) = q.dims4()?;
@@ -72,8 +83,8 @@ impl Polar {
         let (cd, sd) = (delta.cos()?, delta.sin()?);
         let cos_k = (cos.broadcast_mul(&cd)? - sin.broadcast_mul(&sd)?)?;
         let sin_k = (sin.broadcast_mul(&cd)? + cos.broadcast_mul(&sd)?)?;
-        let qp = Self::form(&q, cos, sin)?; // (b, h, t, 2 d_head)
-        let kp = Self::form(&k, &cos_k, &sin_k)?;
+        let qp = Self::form(&q, cos, sin, backend)?; // (b, h, t, 2 d_head)
+        let kp = Self::form(&k, &cos_k, &sin_k, backend)?;
         Ok((super::matmul(&qp, &kp.t()?.contiguous()?)? * scale)?)
     }
 }

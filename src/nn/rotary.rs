@@ -21,6 +21,8 @@ use std::sync::OnceLock;
 
 use candle::{Result, Tensor, D};
 
+use super::{Backend, Path};
+
 /// The cos and sin of one batch's rotation angles.
 #[derive(Clone, Debug)]
 pub struct Rotary {
@@ -76,12 +78,14 @@ impl Rotary {
     /// # Shapes
     /// - `x`: `(b, h, t, d_head)` with `d_head >= width`; the tables' rows `r` must be 1 or `b`
     /// - returns the shape of `x`
-    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn apply(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
         check(x, &self.cos)?;
-        if super::gpu_ops_for(x) {
-            return self.apply_on_gpu(x);
+        match backend.path(x) {
+            Path::Device => self.apply_on_gpu(x),
+            Path::Fused | Path::Reference => {
+                super::rope_rotate(x, &self.cos, &self.sin, self.interleaved, backend)
+            }
         }
-        super::rope_rotate(x, &self.cos, &self.sin, self.interleaved)
     }
 
     /// [`Rotary::apply`] with one CUDA kernel for the rotated width (half precision rotated in

@@ -183,10 +183,10 @@ impl Transport {
 
     /// The reflections of [`Projections`]: one fused node on the CPU's fused kernels (which
     /// take f32 and f64 alone), else [`Transport::compose`].
-    pub fn from_projections(p: Projections) -> crate::Result<Self> {
+    pub fn from_projections(p: Projections, backend: super::Backend) -> crate::Result<Self> {
         p.check()?;
-        if !super::fused_for(p.u) {
-            return Ok(Self::compose(p)?.1);
+        if backend.path(p.u) != super::Path::Fused {
+            return Ok(Self::compose(p, backend)?.1);
         }
         let taps = match p.conv {
             Some(c) => Some(c.reshape((c.dim(0)?, c.dim(2)?))?),
@@ -200,7 +200,7 @@ impl Transport {
 
     /// The reflections of [`Projections`] composed of tensor ops (the specification), and `v`
     /// `(b, t, d_model)`, the conv's activation before the norm.
-    pub fn compose(p: Projections) -> crate::Result<(Tensor, Self)> {
+    pub fn compose(p: Projections, backend: super::Backend) -> crate::Result<(Tensor, Self)> {
         p.check()?;
         let dtype = p.u.dtype();
         let (b, t, d) = p.u.dims3()?;
@@ -235,7 +235,7 @@ impl Transport {
             .contiguous()?; // (b, h, t, hd)
         let norm = (uh.sqr()?.sum_keepdim(D::Minus1)? + p.eps)?.sqrt()?;
         let w = uh.broadcast_div(&norm)?;
-        let mut beta = (super::log_sigmoid(&p.z.to_dtype(dtype)?)?.exp()? * 2.0)?;
+        let mut beta = (super::log_sigmoid(&p.z.to_dtype(dtype)?, backend)?.exp()? * 2.0)?;
         if let Some(real) = &real {
             beta = beta.broadcast_mul(real)?;
         }

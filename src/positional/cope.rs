@@ -204,8 +204,9 @@ impl CopeTables {
         k: &Tensor,
         mask: Option<&Tensor>,
         scale: f64,
+        backend: crate::nn::Backend,
     ) -> Result<CopeParts> {
-        self.counts(mask)?.parts(q, k, scale)
+        self.counts(mask)?.parts(q, k, scale, backend)
     }
 }
 
@@ -276,7 +277,14 @@ impl ScoreModule for Cope {
 struct CopeScores(GateCounts);
 
 impl QkScores for CopeScores {
-    fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
+    fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        _x: &Tensor,
+        scale: f64,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
         let width = self.0.tables().dim(1)?;
         if q.dim(3)? != width {
             return Err(Error::Config(format!(
@@ -284,7 +292,7 @@ impl QkScores for CopeScores {
                 q.dim(3)?
             )));
         }
-        self.0.scores(q, k, scale)
+        self.0.scores(q, k, scale, backend)
     }
 
     fn counts(&self) -> Option<&GateCounts> {

@@ -27,7 +27,7 @@
 //! implementations) is the length below which inputs are not stretched: set it to the training
 //! length, so that sequences up to it keep their raw scale and longer ones are interpolated.
 
-use candle::{DType, Device, Module, Tensor};
+use candle::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -304,8 +304,8 @@ impl Fire {
     pub fn bias(&self, batch: &BiasBatch) -> Result<Tensor> {
         let DistinctInputs { x, index, rows, t } = self.distinct_inputs(batch)?;
         let u = x.dim(0)?;
-        let hidden = self.mlp1.forward(&x.reshape((u, 1))?)?.relu()?; // (u, width)
-        let out = self.mlp2.forward(&hidden)?; // (u, h)
+        let hidden = self.mlp1.forward(&x.reshape((u, 1))?, batch.backend)?; // (u, width)
+        let out = self.mlp2.forward(&hidden.relu()?, batch.backend)?; // (u, h)
         let h = out.dim(1)?;
         if batch.positions.as_range().is_some() {
             // Shared positions `start..start + t`: each row's input is a function of the offset,

@@ -149,8 +149,8 @@ impl FoxGates {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
-    pub fn log_gates(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.gates.log_gates(x)?)
+    pub fn log_gates(&self, x: &Tensor, backend: crate::nn::Backend) -> Result<Tensor> {
+        Ok(self.gates.log_gates(x, backend)?)
     }
 
     /// The gates' running sums `[G; G']` along the tokens, whose two-sided differences are the
@@ -159,16 +159,16 @@ impl FoxGates {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
-    pub fn sums(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.gates.sums(x)?)
+    pub fn sums(&self, x: &Tensor, backend: crate::nn::Backend) -> Result<Tensor> {
+        Ok(self.gates.sums(x, backend)?)
     }
 
     /// The bias as a table.
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; returns `(b, h, t, t)`; differentiable in the gates and `x`
-    pub fn bias(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(AttentionBias::SidedSums(&self.sums(x)?).table()?)
+    pub fn bias(&self, x: &Tensor, backend: crate::nn::Backend) -> Result<Tensor> {
+        Ok(AttentionBias::SidedSums(&self.sums(x, backend)?).table(backend)?)
     }
 }
 
@@ -189,11 +189,16 @@ impl BiasModule for Fox {
             .collect()
     }
 
-    fn input_bias(&self, layer: usize, x: &Tensor) -> Result<Option<LayerBias>> {
+    fn input_bias(
+        &self,
+        layer: usize,
+        x: &Tensor,
+        backend: crate::nn::Backend,
+    ) -> Result<Option<LayerBias>> {
         self.0
             .get(layer)
             .and_then(Option::as_ref)
-            .map(|g| g.sums(x).map(LayerBias::SidedSums))
+            .map(|g| g.sums(x, backend).map(LayerBias::SidedSums))
             .transpose()
     }
 

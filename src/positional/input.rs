@@ -1,7 +1,7 @@
 //! Input-side schemes: positions joined with the token embeddings before the first layer.
 //! The learned table here is also what `untied` (TUPE) reads its position vectors from.
 
-use candle::{Module, Tensor, D};
+use candle::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::nn::Linear;
@@ -167,6 +167,7 @@ impl InputPositions {
         &self,
         tokens: &Tensor,
         positions: &Positions,
+        backend: crate::nn::Backend,
     ) -> Result<Option<(Tensor, Tensor)>> {
         let (b, t, d_tok) = tokens.dims3()?;
         Ok(match self {
@@ -184,7 +185,7 @@ impl InputPositions {
                 let placed = Tensor::cat(&[&place, &pe], D::Minus1)?; // (b, t, d_tok + pos_dim)
                 Some(match projection {
                     Some(proj) => {
-                        let content = proj.forward(&content)?; // its bias with the content
+                        let content = proj.forward(&content, backend)?; // its bias with the content
                         let weight = proj.weight(); // (d_model, d_tok + pos_dim)
                         (content, placed.broadcast_matmul(&weight.t()?)?)
                     }
@@ -200,7 +201,12 @@ impl InputPositions {
     /// - `tokens`: `(b, t, d_tok)`, `d_tok = d_model - pos_dim` for concat without projection,
     ///   else `d_model`; `positions`: `(1 or b, t)`
     /// - returns `(b, t, d_model)`
-    pub fn join(&self, tokens: &Tensor, positions: &Positions) -> Result<Tensor> {
+    pub fn join(
+        &self,
+        tokens: &Tensor,
+        positions: &Positions,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
         let (b, t, _) = tokens.dims3()?;
         Ok(match self {
             Self::None => tokens.clone(),
@@ -213,7 +219,7 @@ impl InputPositions {
                     .contiguous()?; // (b, t, pos_dim)
                 let joined = Tensor::cat(&[tokens, &pe], D::Minus1)?; // (b, t, d_tok + pos_dim)
                 match projection {
-                    Some(proj) => proj.forward(&joined)?, // (b, t, d_model)
+                    Some(proj) => proj.forward(&joined, backend)?, // (b, t, d_model)
                     None => joined,
                 }
             }

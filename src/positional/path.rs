@@ -239,10 +239,11 @@ impl PathLayer {
         x: &Tensor,
         mask: Option<&Tensor>,
         heads: usize,
+        backend: crate::nn::Backend,
     ) -> Result<Reflections> {
         let (u, z) = self.projections(x)?;
-        let (u, transport) =
-            Transport::compose(Self::made_of(&u, self.conv.as_ref(), &z, mask, heads))?;
+        let made_of = Self::made_of(&u, self.conv.as_ref(), &z, mask, heads);
+        let (u, transport) = Transport::compose(made_of, backend)?;
         let (w, beta) = transport.parts()?;
         Ok(Reflections { u, w, beta })
     }
@@ -252,9 +253,16 @@ impl PathLayer {
     ///
     /// # Shapes
     /// - `x`: `(b, t, d)`; `mask`: `(b, t)`, 1 for a real token (`None`: all real)
-    pub fn transport(&self, x: &Tensor, mask: Option<&Tensor>, heads: usize) -> Result<Transport> {
+    pub fn transport(
+        &self,
+        x: &Tensor,
+        mask: Option<&Tensor>,
+        heads: usize,
+        backend: crate::nn::Backend,
+    ) -> Result<Transport> {
         let (u, z) = self.projections(x)?;
-        Transport::from_projections(Self::made_of(&u, self.conv.as_ref(), &z, mask, heads))
+        let made_of = Self::made_of(&u, self.conv.as_ref(), &z, mask, heads);
+        Transport::from_projections(made_of, backend)
     }
 
     /// `u = x W_wᵀ` `(b, t, d)` and `z = x W_bᵀ + b` `(b, t, h)`, in the weights' dtype.
@@ -365,17 +373,28 @@ struct PathScores<'a> {
 }
 
 impl QkScores for PathScores<'_> {
-    fn scores(&self, q: &Tensor, k: &Tensor, x: &Tensor, scale: f64) -> Result<Tensor> {
-        let r = self.weights.reflections(x, self.mask.as_ref(), q.dim(1)?)?;
+    fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        x: &Tensor,
+        scale: f64,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
+        let r = self
+            .weights
+            .reflections(x, self.mask.as_ref(), q.dim(1)?, backend)?;
         Transport::new(&r.w, &r.beta)?.scores(q, k, scale)
     }
 
-    fn transport(&self, x: &Tensor, heads: usize) -> Result<Option<Transport>> {
-        Ok(Some(self.weights.transport(
-            x,
-            self.mask.as_ref(),
-            heads,
-        )?))
+    fn transport(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        backend: crate::nn::Backend,
+    ) -> Result<Option<Transport>> {
+        let mask = self.mask.as_ref();
+        Ok(Some(self.weights.transport(x, mask, heads, backend)?))
     }
 
     fn input_reflections(&self) -> Option<InputReflections<'_>> {

@@ -233,8 +233,13 @@ impl Pope {
     ///
     /// # Shapes
     /// - `x`: `(b, h, t, d_head)`; `cos`, `sin`: broadcast to it; returns `(b, h, t, 2 d_head)`
-    pub fn polar(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        Polar::form(x, cos, sin)
+    pub fn polar(
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
+        Polar::form(x, cos, sin, backend)
     }
 }
 
@@ -298,8 +303,15 @@ impl ScoreModule for Pope {
 struct PopeScores(Polar);
 
 impl QkScores for PopeScores {
-    fn scores(&self, q: &Tensor, k: &Tensor, _x: &Tensor, scale: f64) -> Result<Tensor> {
-        self.0.scores(q, k, scale)
+    fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        _x: &Tensor,
+        scale: f64,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
+        self.0.scores(q, k, scale, backend)
     }
 
     fn polar(&self) -> Option<&Polar> {

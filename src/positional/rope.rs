@@ -376,9 +376,11 @@ impl Rope {
     }
 
     /// Rotates `x` of shape `(b, h, t, d_head)`, position `start + j` at index `j` of axis 2.
-    pub fn apply(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+    pub fn apply(&self, x: &Tensor, start: usize, backend: crate::nn::Backend) -> Result<Tensor> {
         let t = x.dim(D::Minus2)?;
-        Ok(self.rotary(&Positions::range(start, t)?)?.apply(x)?)
+        Ok(self
+            .rotary(&Positions::range(start, t)?)?
+            .apply(x, backend)?)
     }
 }
 

@@ -89,7 +89,7 @@ pub trait Scheme: Sync {
     /// How many `(b, h, t, t)` values of f32 a layer of the scheme holds at its peak, in units
     /// of one attention table, in a training step (`training`) or a forward pass, for the memory
     /// bound before a batch is built ([`crate::limits::activation_bytes`]); `fused`: whether
-    /// poslab's fused CPU kernels compute the layer ([`crate::nn::fused_on`]). 1 where attention
+    /// poslab's fused CPU kernels compute the layer ([`crate::nn::Backend::fused_on`]). 1 where attention
     /// is the usual one. A scheme whose scores are a composition of ops holds more there; its
     /// file states the measured peaks they are set from.
     fn score_tensors(&self, _training: bool, _fused: bool) -> usize {

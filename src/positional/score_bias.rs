@@ -25,6 +25,8 @@ pub struct BiasBatch<'a> {
     pub dtype: DType,
     /// The device the bias is made on.
     pub device: &'a Device,
+    /// Where the ops making it compute.
+    pub backend: crate::nn::Backend,
 }
 
 /// A score-bias scheme's module.
@@ -36,7 +38,12 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
     /// contextual scheme whose [`BiasModule::layer_biases`] is [`LayerBiases::FromInput`]: a
     /// `(b, h, t, t)` table, or running sums whose two-sided differences are the bias (see
     /// [`crate::nn::AttentionBias`]).
-    fn input_bias(&self, _layer: usize, _x: &Tensor) -> Result<Option<crate::nn::LayerBias>> {
+    fn input_bias(
+        &self,
+        _layer: usize,
+        _x: &Tensor,
+        _backend: crate::nn::Backend,
+    ) -> Result<Option<crate::nn::LayerBias>> {
         Ok(None)
     }
 

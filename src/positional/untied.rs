@@ -11,7 +11,7 @@
 //! [`super::PositionalConfig::score_scale`]), so the two terms enter with equal weight: TUPE's
 //! answer to "add or concatenate" is to concatenate inside attention.
 
-use candle::{DType, Module, Tensor};
+use candle::{DType, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -256,7 +256,12 @@ impl Untied {
     /// # Shapes
     /// - returns `(r, h, t, t)` for positions `(r, t)`; differentiable in `U_q`, `U_k` and a
     ///   learned table
-    pub fn bias(&self, positions: &Positions, dtype: DType) -> Result<Tensor> {
+    pub fn bias(
+        &self,
+        positions: &Positions,
+        dtype: DType,
+        backend: crate::nn::Backend,
+    ) -> Result<Tensor> {
         let p = self.vectors(positions)?.to_dtype(dtype)?; // (r, t, d)
         let (r, t, d) = p.dims3()?;
         let dh = d / self.heads;
@@ -265,17 +270,19 @@ impl Untied {
                 .transpose(1, 2)?
                 .contiguous() // (r, h, t, dh)
         };
-        let pq = heads(self.uq.forward(&p)?)?;
-        let pk = heads(self.uk.forward(&p)?)?;
+        let pq = heads(self.uq.forward(&p, backend)?)?;
+        let pk = heads(self.uk.forward(&p, backend)?)?;
         Ok((pq.matmul(&pk.t()?)? * (1.0 / (2.0 * dh as f64).sqrt()))?)
     }
 }
 
 impl BiasModule for Untied {
     fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
-        Ok(LayerBiases::Shared(
-            self.bias(batch.positions, batch.dtype)?,
-        ))
+        Ok(LayerBiases::Shared(self.bias(
+            batch.positions,
+            batch.dtype,
+            batch.backend,
+        )?))
     }
 
     fn max_positions(&self) -> Option<usize> {

@@ -1,10 +1,10 @@
 //! The masked-LM head of BERT-family models.
 
-use candle::{Module, Tensor};
+use candle::Tensor;
 use candle_nn::{Init, VarBuilder};
 
 use crate::error::Result;
-use crate::nn::{gelu, layer_norm_with_bias, linear_with_bias, LayerNorm, Linear};
+use crate::nn::{gelu, layer_norm_with_bias, linear_with_bias, Backend, LayerNorm, Linear};
 
 /// `logits = LN(gelu(dense(h))) · E^T + bias`, `E` the word embeddings (the decoder is tied):
 /// `mlm.dense`, `mlm.norm`, `mlm.bias`.
@@ -29,8 +29,14 @@ impl MlmHead {
 
     /// # Shapes
     /// - `hidden`: `(b, t, d)`, `embeddings`: `(vocab, d)`; returns `(b, t, vocab)`
-    pub fn forward(&self, hidden: &Tensor, embeddings: &Tensor) -> Result<Tensor> {
-        let h = self.norm.forward(&gelu(&self.dense.forward(hidden)?)?)?;
+    pub fn forward(
+        &self,
+        hidden: &Tensor,
+        embeddings: &Tensor,
+        backend: Backend,
+    ) -> Result<Tensor> {
+        let h = gelu(&self.dense.forward(hidden, backend)?, backend)?;
+        let h = self.norm.forward(&h, backend)?;
         Ok(h.broadcast_matmul(&embeddings.t()?)?
             .broadcast_add(&self.bias)?)
     }

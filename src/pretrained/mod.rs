@@ -556,7 +556,11 @@ impl Pretrained {
                 }
             ))
         })?;
-        head.forward(hidden, self.encoder.token_embeddings())
+        head.forward(
+            hidden,
+            self.encoder.token_embeddings(),
+            self.encoder.backend(),
+        )
     }
 }
 

@@ -72,6 +72,14 @@ impl Learner {
         Ok(self)
     }
 
+    /// This learner computing with `backend`: its model's forward passes and its optimizer's
+    /// updates (by default [`crate::nn::Backend::default`]).
+    pub fn with_backend(mut self, backend: crate::nn::Backend) -> Self {
+        self.model.set_backend(backend);
+        self.optimizer.set_backend(backend);
+        self
+    }
+
     /// The model being trained.
     pub fn model(&self) -> &TaskModel {
         &self.model
@@ -118,7 +126,7 @@ impl Learner {
         targets: &Tensor,
     ) -> Result<f64> {
         // The model's backend for the whole step: forward, backward and the optimizer.
-        let _backend = self.model.encoder().backend().enter();
+        self.optimizer.set_backend(self.model.encoder().backend());
         self.check_targets(ids, targets)?;
         let step = self.optimizer.steps_taken();
         self.model

@@ -680,7 +680,8 @@ impl<'a> Trainer<'a> {
     /// One optimizer step, and a validation evaluation when one is due.
     pub fn step(&mut self, progress: &ProgressBar) -> Result<()> {
         // The model's backend for the whole step: forward, backward and the optimizer.
-        let _backend = self.model.encoder().backend().enter();
+        let backend = self.model.encoder().backend();
+        self.optimizer.set_backend(backend);
         let device = self.model.encoder().device().clone();
         if self.state.cursor == self.batches.len() {
             self.state.epoch += 1;
@@ -730,7 +731,7 @@ impl<'a> Trainer<'a> {
             .into_iter()
             .map(|(_, g)| g)
             .collect();
-        let norm = grad_norm(&gradients)? / loss_scale;
+        let norm = grad_norm(&gradients, self.model.encoder().backend())? / loss_scale;
         // Read after the gradient norm, which waits for the backward: on a GPU the step's one
         // wait, where reading it first would hold the backward's launches until the forward ran.
         let loss_value = scalar(&loss)?;

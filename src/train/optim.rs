@@ -65,6 +65,8 @@ pub struct AdamW {
     config: AdamWConfig,
     /// The most values the composed update takes at once ([`COMPOSED_BATCH`]).
     batch_values: usize,
+    /// Where the updates compute: the model's backend ([`AdamW::with_backend`]).
+    backend: crate::nn::Backend,
 }
 
 /// The values of one step's composed update at once, at most (see [`AdamW::composed_update`]).
@@ -187,7 +189,20 @@ impl AdamW {
             step: 0,
             config,
             batch_values: COMPOSED_BATCH,
+            backend: crate::nn::Backend::default(),
         })
+    }
+
+    /// This optimizer updating where `backend` says: the backend of the model it trains (by
+    /// default [`crate::nn::Backend::default`]).
+    pub fn with_backend(mut self, backend: crate::nn::Backend) -> Self {
+        self.set_backend(backend);
+        self
+    }
+
+    /// Updates where `backend` says from now on ([`AdamW::with_backend`]).
+    pub fn set_backend(&mut self, backend: crate::nn::Backend) {
+        self.backend = backend;
     }
 
     /// AdamW over every variable of `store`, each bounded variable kept at or above the bound
@@ -231,11 +246,11 @@ impl AdamW {
             // the gradients of intermediate nodes only); the moments made from it would hold
             // that graph, and with it every step's activations, from step to step.
             let g = g.detach();
-            if crate::nn::device_optimizer_for(&g) {
+            if self.backend.device_optimizer(&g) {
                 on_device.push((i, g.contiguous()?));
                 continue;
             }
-            if crate::nn::fused_for(&g) {
+            if self.backend.path(&g) == crate::nn::Path::Fused {
                 let w = slot.var.as_detached_tensor();
                 for part in &slot.parts {
                     crate::nn::adamw_step(
@@ -470,12 +485,16 @@ impl AdamW {
 }
 
 /// The L2 norm of all gradients of `vars` together ([`grad_norm`] of those that have one).
-pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
+pub fn global_grad_norm(
+    grads: &GradStore,
+    vars: &[Var],
+    backend: crate::nn::Backend,
+) -> Result<f64> {
     let gradients: Vec<Tensor> = vars
         .iter()
         .filter_map(|var| grads.get(var.as_tensor()).cloned())
         .collect();
-    grad_norm(&gradients)
+    grad_norm(&gradients, backend)
 }
 
 /// The L2 norm of `gradients` together: each one's sum of squares (in its dtype), then their
@@ -486,8 +505,8 @@ pub fn global_grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
 /// path (CUDA), every gradient's squares are summed in f64 by one multi-tensor launch
 /// (`device_sum_squares`) instead of four launches a gradient; their sum is then taken in the
 /// same order.
-pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
-    if let Some(sums) = device_sum_squares(gradients)? {
+pub fn grad_norm(gradients: &[Tensor], backend: crate::nn::Backend) -> Result<f64> {
+    if let Some(sums) = device_sum_squares(gradients, backend)? {
         return Ok(sums.iter().sum::<f64>().sqrt());
     }
     let squares = gradients
@@ -506,13 +525,16 @@ pub fn grad_norm(gradients: &[Tensor]) -> Result<f64> {
 /// Each gradient's sum of squares in f64 through the device path's one launch, where the
 /// optimizer takes that path for every gradient (of one dtype, on one device, contiguous);
 /// `None` elsewhere.
-fn device_sum_squares(gradients: &[Tensor]) -> Result<Option<Vec<f64>>> {
+fn device_sum_squares(
+    gradients: &[Tensor],
+    backend: crate::nn::Backend,
+) -> Result<Option<Vec<f64>>> {
     use crate::nn::device;
     let Some(first) = gradients.first() else {
         return Ok(None);
     };
     let on_path = gradients.iter().all(|g| {
-        crate::nn::device_optimizer_for(g)
+        backend.device_optimizer(g)
             && g.dtype() == first.dtype()
             && g.device().same_device(first.device())
             && g.is_contiguous()
@@ -533,6 +555,11 @@ fn device_sum_squares(gradients: &[Tensor]) -> Result<Option<Vec<f64>>> {
 mod tests {
     use super::*;
     use candle::Device;
+
+    /// `f` given the backend of `kernels`: a test's choice, as a value.
+    fn with_kernels<R>(kernels: crate::nn::Kernels, f: impl FnOnce(crate::nn::Backend) -> R) -> R {
+        f(crate::nn::Backend::default().with_kernels(kernels))
+    }
 
     #[test]
     fn matches_a_hand_computed_adamw_step() {
@@ -567,10 +594,11 @@ mod tests {
         // custom op's backward may hand it) carries their graph. The moments must not keep it
         // from step to step, in the composed update (the GPU's) or the fused one.
         for kernels in [crate::nn::Kernels::Reference, crate::nn::Kernels::Ops] {
-            crate::nn::with_kernels(kernels, || {
+            with_kernels(kernels, |backend| {
                 let w = Var::new(&[1.0f32, -2.0], &Device::Cpu).unwrap();
-                let mut opt =
-                    AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default()).unwrap();
+                let mut opt = AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default())
+                    .unwrap()
+                    .with_backend(backend);
                 for _ in 0..2 {
                     let mut grads = (w.as_tensor() * 3.0)
                         .unwrap()
@@ -618,8 +646,14 @@ mod tests {
                 true => crate::nn::Kernels::Layer,
             };
             let before = crate::nn::device::counts();
-            let run = || {
-                crate::nn::with_kernels(kernels, || {
+            let backend = crate::nn::Backend::default().with_kernels(kernels);
+            let backend = if device {
+                backend.as_on_cuda()
+            } else {
+                backend
+            };
+            {
+                {
                     let mut rng = crate::rng::Rng::seed_from_u64(8);
                     let mut random = |dims: &[usize]| -> Tensor {
                         let n: usize = dims.iter().product();
@@ -643,7 +677,9 @@ mod tests {
                         })
                         .collect();
                     let mut own = own;
-                    let mut opt = AdamW::new(vars.clone(), config).unwrap();
+                    let mut opt = AdamW::new(vars.clone(), config)
+                        .unwrap()
+                        .with_backend(backend);
                     opt.batch_values = batch_values;
                     opt.slots[1].parts[0].decay = false; // a bias
                     opt.slots[3].parts[0].decay = false;
@@ -730,11 +766,7 @@ mod tests {
                         close(v.as_tensor(), w.as_tensor(), &what);
                         close(&opt.slots[k].moments, mv, &format!("{name}: moments"));
                     }
-                })
-            };
-            match device {
-                false => run(),
-                true => crate::nn::with_gpu_ops_on_cpu(run).0,
+                }
             }
             // The device path: one kernel a step (after one copy of the variables' addresses).
             let launched = (crate::nn::device::counts() - before).kernels;
@@ -753,6 +785,12 @@ mod tests {
         // a bound.
         use rand::{Rng as _, SeedableRng};
         let train = |device: bool| -> Vec<Vec<f32>> {
+            let backend = crate::nn::Backend::default().with_kernels(crate::nn::Kernels::Layer);
+            let backend = if device {
+                backend.as_on_cuda()
+            } else {
+                backend
+            };
             let run = || {
                 let mut rng = crate::rng::Rng::seed_from_u64(3);
                 let mut random = |n: usize| -> Tensor {
@@ -763,7 +801,9 @@ mod tests {
                     .iter()
                     .map(|(name, n)| (name.to_string(), Var::from_tensor(&random(*n)).unwrap()))
                     .collect();
-                let mut opt = AdamW::new(vars.clone(), AdamWConfig::default()).unwrap();
+                let mut opt = AdamW::new(vars.clone(), AdamWConfig::default())
+                    .unwrap()
+                    .with_backend(backend);
                 opt.slots[1].parts[0].decay = false;
                 opt.slots[2].parts[0].lower_bound = Some(0.1);
                 for step in 1..=3 {
@@ -782,10 +822,7 @@ mod tests {
                 out
             };
             let before = crate::nn::device::counts().kernels;
-            let out = crate::nn::with_kernels(crate::nn::Kernels::Layer, || match device {
-                false => run(),
-                true => crate::nn::with_gpu_ops_on_cpu(run).0,
-            });
+            let out = run();
             let launched = crate::nn::device::counts().kernels - before;
             assert_eq!(launched, if device { 3 } else { 0 }, "device {device}");
             out
@@ -815,9 +852,10 @@ mod tests {
         .unwrap();
         let grads = loss.backward().unwrap();
         assert!(grads.get(c.as_tensor()).is_none());
-        let norm = global_grad_norm(&grads, &[a, b.clone(), c.clone()]).unwrap();
+        let backend = crate::nn::Backend::default();
+        let norm = global_grad_norm(&grads, &[a, b.clone(), c.clone()], backend).unwrap();
         assert!((norm - 102f64.sqrt()).abs() < 1e-12, "{norm}");
-        assert_eq!(global_grad_norm(&grads, &[c]).unwrap(), 0.0);
+        assert_eq!(global_grad_norm(&grads, &[c], backend).unwrap(), 0.0);
     }
 
     #[test]
@@ -843,11 +881,10 @@ mod tests {
                 packed.narrow(0, split, n - split).unwrap(),
             ];
             let expected = (sum_sq(0..split) + sum_sq(split..n)).sqrt();
-            let composed = grad_norm(&parts).unwrap();
+            let composed = grad_norm(&parts, crate::nn::Backend::default()).unwrap();
             let before = crate::nn::device::counts();
-            let (device, _) = crate::nn::with_kernels(crate::nn::Kernels::Layer, || {
-                crate::nn::with_gpu_ops_on_cpu(|| grad_norm(&parts).unwrap())
-            });
+            let twin = crate::nn::Backend::default().as_on_cuda();
+            let device = grad_norm(&parts, twin).unwrap();
             let counts = crate::nn::device::counts() - before;
             // One launch and two copies (the parts' table there, the sums back).
             assert_eq!((counts.kernels, counts.copies), (1, 2), "{dtype:?}");
@@ -870,7 +907,7 @@ mod tests {
         use rand::{Rng as _, SeedableRng};
         for dtype in [DType::F32, DType::F64] {
             let run = |kernels: crate::nn::Kernels| {
-                crate::nn::with_kernels(kernels, || {
+                with_kernels(kernels, |backend| {
                     let mut rng = crate::rng::Rng::seed_from_u64(4);
                     let mut random = |n: usize| -> Tensor {
                         let v: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -887,7 +924,9 @@ mod tests {
                         eps: 1e-6,
                         weight_decay: 0.05,
                     };
-                    let mut opt = AdamW::new(vars.to_vec(), config).unwrap();
+                    let mut opt = AdamW::new(vars.to_vec(), config)
+                        .unwrap()
+                        .with_backend(backend);
                     for step in 0..4 {
                         let r = [random(37), random(5)];
                         let loss = vars

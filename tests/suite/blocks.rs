@@ -48,7 +48,11 @@ fn geglu_is_gelu_of_the_input_half_times_the_gate_half() {
     // The up projection's first ffn_dim outputs are the input, the next ffn_dim the gate
     // (transformers' `input, gate = Wi(x).chunk(2, dim=-1)`), checked on the activation alone.
     let x = Tensor::new(&[[0.5f64, -1.0, 2.0, 3.0]], &Device::Cpu).unwrap();
-    let y = values(&Activation::Geglu.apply(&x).unwrap());
+    let y = values(
+        &Activation::Geglu
+            .apply(&x, poslab::nn::Backend::default())
+            .unwrap(),
+    );
     let gelu = |v: f64| 0.5 * v * (1.0 + libm_erf(v / std::f64::consts::SQRT_2));
     let expected = [gelu(0.5) * 2.0, gelu(-1.0) * 3.0];
     for (a, b) in y.iter().zip(expected) {

@@ -575,8 +575,20 @@ pub fn training_gradients(
     device: &Device,
     what: &str,
 ) -> Vec<(String, Var, Vec<f64>)> {
+    training_gradients_on(config, device, what, poslab::nn::Backend::default())
+}
+
+/// [`training_gradients`] of an encoder computing with `backend`.
+pub fn training_gradients_on(
+    config: &ModelConfig,
+    device: &Device,
+    what: &str,
+    backend: poslab::nn::Backend,
+) -> Vec<(String, Var, Vec<f64>)> {
     let store = ParamStore::new(3);
-    let encoder = Encoder::new(config, store.var_builder(DType::F32, device)).unwrap();
+    let encoder = Encoder::new(config, store.var_builder(DType::F32, device))
+        .unwrap()
+        .with_backend(backend);
     liven(&store);
     encoder.set_dropout_seed(5);
     let (ids, mask) = padded_batch(4, 12, 40);
@@ -762,4 +774,24 @@ pub fn files_with_extension(dir: &Path, ext: &str) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// The backend of `kernels` at the CPU's best SIMD level: a test's choice of kernels, as the
+/// value a model is built with.
+pub fn on(kernels: poslab::nn::Kernels) -> poslab::nn::Backend {
+    poslab::nn::Backend::default().with_kernels(kernels)
+}
+
+/// [`on`] with the CPU computing as CUDA does: the CUDA path's ops (`kernels = ops`) or the
+/// device path's layers (`layer`), by their CPU twins.
+pub fn twin(kernels: poslab::nn::Kernels) -> poslab::nn::Backend {
+    on(kernels).as_on_cuda()
+}
+
+/// `f`'s value, and how many of the CUDA path's one-kernel ops it ran (their forwards): how a
+/// test tells that [`twin`]'s ops were taken.
+pub fn with_op_calls<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = poslab::nn::cuda_op_calls();
+    let out = f();
+    (out, poslab::nn::cuda_op_calls() - before)
 }

@@ -12,7 +12,7 @@
 //! what proves those paths learn on CUDA.
 
 use candle::{DType, Device};
-use poslab::nn::{with_kernels, Kernels};
+use poslab::nn::Kernels;
 use poslab::{NormPlacement, PositionalConfig, Precision};
 
 use crate::common::*;
@@ -58,12 +58,12 @@ fn gpu_encoders_reproduce_the_float64_reference() {
         return;
     };
     for kernels in [Kernels::Reference, Kernels::Ops, Kernels::Layer] {
-        with_kernels(kernels, || fixtures_on(&gpu, kernels));
+        fixtures_on(&gpu, kernels);
     }
 }
 
 fn fixtures_on(gpu: &Device, kernels: Kernels) {
-    assert_eq!(poslab::nn::kernels_on(gpu, DType::F32), kernels);
+    assert_eq!(on(kernels).kernels_on(gpu, DType::F32), kernels);
     for name in encoder_fixture_names() {
         for (precision, tol) in [
             (Precision::F32, 1e-4),
@@ -73,6 +73,7 @@ fn fixtures_on(gpu: &Device, kernels: Kernels) {
             let mut fx = load_encoder_fixture(&name);
             fx.config.dtype = precision;
             let (encoder, _) = fx.encoder_on(DType::F32, gpu);
+            let encoder = encoder.with_backend(on(kernels));
             let ids = fx.input_ids.to_device(gpu).unwrap();
             let mask = fx.attention_mask.to_device(gpu).unwrap();
             let before = poslab::nn::device_path::counts().launches();
@@ -116,9 +117,8 @@ fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
             );
             for kernels in [Kernels::Reference, Kernels::Ops, Kernels::Layer] {
                 let what = format!("{} {norm:?} {}", positional.name(), kernels.name());
-                let on_gpu = with_kernels(kernels, || {
-                    training_gradients(&config, &gpu, &format!("{what} gpu"))
-                });
+                let on_gpu =
+                    training_gradients_on(&config, &gpu, &format!("{what} gpu"), on(kernels));
                 assert_eq!(cpu.len(), on_gpu.len(), "{what}: variable count");
                 for ((name, _, g), (_, _, c)) in on_gpu.iter().zip(&cpu) {
                     // f32 both sides, different summation orders (cuBLAS, CUDA reductions).
@@ -143,8 +143,10 @@ fn gpu_heads_give_the_compositions_loss_and_gradients() {
     for (head, head_kernels) in heads_to_check() {
         let what = format!("{head:?} gpu");
         let batch = head_batch(&head, &gpu);
-        let (loss, grads, ran) = head_step(&head, &batch, DType::F32, &gpu, true);
-        let (ref_loss, ref_grads, composed) = head_step(&head, &batch, DType::F32, &gpu, false);
+        let layer = on(Kernels::Layer);
+        let (loss, grads, ran) = head_step(&head, &batch, DType::F32, &gpu, true, layer);
+        let (ref_loss, ref_grads, composed) =
+            head_step(&head, &batch, DType::F32, &gpu, false, layer);
         assert_eq!(
             (ran.kernels - composed.kernels, ran.gemms - composed.gemms),
             (head_kernels, 4),
@@ -157,10 +159,14 @@ fn gpu_heads_give_the_compositions_loss_and_gradients() {
             &what,
         ));
         let cpu_batch = head_batch(&head, &Device::Cpu);
-        let (twin_loss, twin_grads, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-            head_step(&head, &cpu_batch, DType::F32, &Device::Cpu, true)
-        })
-        .0;
+        let (twin_loss, twin_grads, _) = head_step(
+            &head,
+            &cpu_batch,
+            DType::F32,
+            &Device::Cpu,
+            true,
+            twin(Kernels::Layer),
+        );
         let what = format!("{what} against the twin");
         worst = worst.max(head_error(
             (loss, &grads),
@@ -181,17 +187,14 @@ fn gpu_layer_norm_node_matches_the_composition_and_the_twin() {
         return;
     };
     let f32 = DType::F32;
-    let (node, counts) = norm_step(&gpu, f32, f32, Kernels::Layer);
+    let (node, counts) = norm_step(&gpu, f32, f32, on(Kernels::Layer));
     assert_eq!(
         (counts.kernels, counts.gemms, counts.copies),
         (3, 1, 0),
         "the node's kernels, products and copies"
     );
-    let (reference, _) = norm_step(&gpu, f32, f32, Kernels::Reference);
-    let twin =
-        poslab::nn::with_gpu_ops_on_cpu(|| norm_step(&Device::Cpu, f32, f32, Kernels::Layer))
-            .0
-             .0;
+    let (reference, _) = norm_step(&gpu, f32, f32, on(Kernels::Reference));
+    let (twin, _) = norm_step(&Device::Cpu, f32, f32, twin(Kernels::Layer));
     let worst = norm_error(&node, &reference, 1e-4, "gpu LayerNorm node").max(norm_error(
         &node,
         &twin,

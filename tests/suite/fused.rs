@@ -7,8 +7,8 @@
 //! differ only in the order of additions (measured 2e-15); f32 also differs in the fused
 //! `exp` and `erf` (errors below 2e-7 absolute) and in accumulation order (measured 1.1e-6).
 
-use candle::{DType, Device, Module, Tensor, Var};
-use poslab::nn::{with_kernels, Kernels};
+use candle::{DType, Device, Tensor, Var};
+use poslab::nn::{Backend, Kernels};
 use poslab::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig};
 
 use crate::common::*;
@@ -57,18 +57,18 @@ struct Run {
     grads: Vec<(String, Vec<f64>)>,
 }
 
-fn run_encoder(config: &ModelConfig, dtype: DType, kernels: Kernels, train: bool) -> Run {
-    run_encoder_on(config, dtype, kernels, train, (5, 13))
+fn run_encoder(config: &ModelConfig, dtype: DType, backend: Backend, train: bool) -> Run {
+    run_encoder_on(config, dtype, backend, train, (5, 13))
 }
 
 fn run_encoder_on(
     config: &ModelConfig,
     dtype: DType,
-    kernels: Kernels,
+    backend: Backend,
     train: bool,
     shape: (usize, usize),
 ) -> Run {
-    run_encoder_packed(config, dtype, kernels, train, shape, false).0
+    run_encoder_packed(config, dtype, backend, train, shape, false).0
 }
 
 /// [`run_encoder_on`] with the encoder's layers packed into one variable each (as training
@@ -77,14 +77,16 @@ fn run_encoder_on(
 fn run_encoder_packed(
     config: &ModelConfig,
     dtype: DType,
-    kernels: Kernels,
+    backend: Backend,
     train: bool,
     (b, t): (usize, usize),
     pack: bool,
 ) -> (Run, usize, usize) {
-    with_kernels(kernels, || {
+    {
         let store = ParamStore::new(7);
-        let mut encoder = Encoder::new(config, store.var_builder(dtype, &Device::Cpu)).unwrap();
+        let mut encoder = Encoder::new(config, store.var_builder(dtype, &Device::Cpu))
+            .unwrap()
+            .with_backend(backend);
         liven(&store);
         let unpacked = store.num_params();
         if pack {
@@ -108,7 +110,7 @@ fn run_encoder_packed(
             assert!(
                 grads.iter().any(|(n, _)| n == name),
                 "{}: `{name}` got no gradient",
-                kernels.name()
+                backend.kernels.name()
             );
         }
         let run = Run {
@@ -119,7 +121,7 @@ fn run_encoder_packed(
                 .collect(),
         };
         (run, store.vars().len(), params.len())
-    })
+    }
 }
 
 /// Returns the worst relative error of `fast` against `reference`, asserting each is within
@@ -178,14 +180,14 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                     config.attention_dropout = dropout;
                     for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
                         let train = dropout > 0.0;
-                        let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                        let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                         for kernels in [Kernels::Ops, Kernels::Layer] {
                             let what = format!(
                                 "{} {norm:?} {size} dropout {dropout} {dtype:?} {}",
                                 positional.name(),
                                 kernels.name()
                             );
-                            let fast = run_encoder(&config, dtype, kernels, train);
+                            let fast = run_encoder(&config, dtype, on(kernels), train);
                             worst[slot] = worst[slot].max(compare(
                                 &fast,
                                 &reference,
@@ -198,8 +200,8 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                             "{} {norm:?} {size} dropout {dropout} {dtype:?} gpu ops on the cpu",
                             positional.name()
                         );
-                        let (gpu_ops, calls) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                            run_encoder(&config, dtype, Kernels::Ops, train)
+                        let (gpu_ops, calls) = with_op_calls(|| {
+                            run_encoder(&config, dtype, twin(Kernels::Ops), train)
                         });
                         // Per layer at least two LayerNorms, a softmax and a GELU (and two
                         // rotations under RoPE).
@@ -242,14 +244,14 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
                     config.attention_dropout = dropout;
                     for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
                         let train = dropout > 0.0;
-                        let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                        let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                         let what = format!(
                             "{} {norm:?} {size} dropout {dropout} {dtype:?} device path",
                             positional.name()
                         );
                         let before = device_path::counts();
-                        let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                            run_encoder(&config, dtype, Kernels::Layer, train)
+                        let (device, _) = with_op_calls(|| {
+                            run_encoder(&config, dtype, twin(Kernels::Layer), train)
                         });
                         let ran = device_path::counts() - before;
                         // forward (12 post-norm, 13 pre-norm), then the backward (at least 24)
@@ -293,19 +295,18 @@ fn relu_layers_match_the_reference() {
                 config.dropout = dropout;
                 for dtype in [DType::F32, DType::F64] {
                     let train = dropout > 0.0;
-                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                     for kernels in [Kernels::Ops, Kernels::Layer] {
                         let what = format!(
                             "relu {} {norm:?} dropout {dropout} {dtype:?} {}",
                             positional.name(),
                             kernels.name()
                         );
-                        let fast = run_encoder(&config, dtype, kernels, train);
+                        let fast = run_encoder(&config, dtype, on(kernels), train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
-                    let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                        run_encoder(&config, dtype, Kernels::Layer, train)
-                    });
+                    let (device, _) =
+                        with_op_calls(|| run_encoder(&config, dtype, twin(Kernels::Layer), train));
                     let what = format!("relu {} {norm:?} {dtype:?} device", positional.name());
                     compare(&device, &reference, tolerance(dtype), &what);
                 }
@@ -316,8 +317,8 @@ fn relu_layers_match_the_reference() {
                 ..config.clone()
             };
             let (a, b) = (
-                run_encoder(&config, DType::F64, Kernels::Layer, false),
-                run_encoder(&gelu, DType::F64, Kernels::Layer, false),
+                run_encoder(&config, DType::F64, on(Kernels::Layer), false),
+                run_encoder(&gelu, DType::F64, on(Kernels::Layer), false),
             );
             assert!(relative_error(&a.hidden, &b.hidden) > 1e-3);
         }
@@ -334,13 +335,11 @@ fn layer_kernel_gives_the_same_bits_with_saved_or_recomputed_activations() {
             let config = medium_config(positional.clone(), norm);
             // The CPU's layer, and the device path's (by its twin).
             for device in [false, true] {
-                let run = |train| {
-                    let run = || run_encoder(&config, DType::F32, Kernels::Layer, train);
-                    match device {
-                        false => run(),
-                        true => poslab::nn::with_gpu_ops_on_cpu(run).0,
-                    }
+                let backend = match device {
+                    false => on(Kernels::Layer),
+                    true => twin(Kernels::Layer),
                 };
+                let run = |train| run_encoder(&config, DType::F32, backend, train);
                 let (kept, recomputed) = (run(true), run(false));
                 assert_eq!(kept.hidden, recomputed.hidden, "{}", positional.name());
                 for ((name, a), (_, b)) in kept.grads.iter().zip(&recomputed.grads) {
@@ -382,8 +381,8 @@ fn wide_shapes_match_the_reference() {
             let config = wide_config(positional.clone(), norm);
             for dtype in [DType::F32, DType::F64] {
                 let reference =
-                    run_encoder_on(&config, dtype, Kernels::Reference, false, WIDE_BATCH);
-                let fast = run_encoder_on(&config, dtype, Kernels::Layer, false, WIDE_BATCH);
+                    run_encoder_on(&config, dtype, on(Kernels::Reference), false, WIDE_BATCH);
+                let fast = run_encoder_on(&config, dtype, on(Kernels::Layer), false, WIDE_BATCH);
                 let what = format!("wide {} {norm:?} {dtype:?}", positional.name());
                 compare(&fast, &reference, tolerance(dtype), &what);
             }
@@ -405,7 +404,9 @@ fn results_do_not_depend_on_the_thread_count() {
                 .num_threads(threads)
                 .build()
                 .unwrap()
-                .install(|| run_encoder_on(&config, DType::F32, Kernels::Layer, true, WIDE_BATCH))
+                .install(|| {
+                    run_encoder_on(&config, DType::F32, on(Kernels::Layer), true, WIDE_BATCH)
+                })
         };
         let (one, three) = (in_pool(1), in_pool(3));
         assert_eq!(one.hidden, three.hidden);
@@ -419,18 +420,16 @@ fn results_do_not_depend_on_the_thread_count() {
 fn value_and_grad(
     x: &Tensor,
     kernels: Kernels,
-    f: &dyn Fn(&Tensor) -> Tensor,
+    f: &dyn Fn(&Tensor, Backend) -> Tensor,
 ) -> (Vec<f64>, Vec<f64>) {
-    with_kernels(kernels, || {
-        let var = Var::from_tensor(x).unwrap();
-        let y = f(var.as_tensor());
-        let r = random(y.dims(), 9, y.dtype());
-        let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
-        (values(&y), values(grads.get(var.as_tensor()).unwrap()))
-    })
+    let var = Var::from_tensor(x).unwrap();
+    let y = f(var.as_tensor(), on(kernels));
+    let r = random(y.dims(), 9, y.dtype());
+    let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+    (values(&y), values(grads.get(var.as_tensor()).unwrap()))
 }
 
-fn assert_op_matches(name: &str, x: &Tensor, f: &dyn Fn(&Tensor) -> Tensor) {
+fn assert_op_matches(name: &str, x: &Tensor, f: &dyn Fn(&Tensor, Backend) -> Tensor) {
     let tol = tolerance(x.dtype());
     let (y_ref, g_ref) = value_and_grad(x, Kernels::Reference, f);
     let (y, g) = value_and_grad(x, Kernels::Ops, f);
@@ -469,37 +468,39 @@ fn fused_ops_match_their_compositions_forward_and_backward() {
                 &Device::Cpu,
             )
             .unwrap();
-            assert_op_matches(&format!("rope interleaved={interleaved}"), &x, &|x| {
-                rope.apply(x, 3).unwrap()
+            assert_op_matches(&format!("rope interleaved={interleaved}"), &x, &|x, b| {
+                rope.apply(x, 3, b).unwrap()
             });
         }
         // Softmax with a key-padding bias, (b, h, t, t).
         let scores = (random(&[3, 2, 17, 17], 2, dtype) * 4.0).unwrap();
         let (_, mask) = padded_batch(3, 17, 10);
         let bias = poslab::nn::key_padding_bias(&mask, dtype).unwrap();
-        assert_op_matches("masked softmax", &scores, &|s| {
-            poslab::nn::masked_softmax(s, &bias).unwrap()
+        assert_op_matches("masked softmax", &scores, &|s, b| {
+            poslab::nn::masked_softmax(s, &bias, b).unwrap()
         });
         // GELU over a range wide enough to reach both tails.
         let x = (random(&[7, 37], 3, dtype) * 6.0).unwrap();
-        assert_op_matches("gelu", &x, &|x| poslab::nn::gelu(x).unwrap());
+        assert_op_matches("gelu", &x, &|x, b| poslab::nn::gelu(x, b).unwrap());
         // log sigmoid (FoX's gates), both tails.
         let z = (random(&[5, 41], 10, dtype) * 30.0).unwrap();
-        assert_op_matches("log sigmoid", &z, &|z| poslab::nn::log_sigmoid(z).unwrap());
+        assert_op_matches("log sigmoid", &z, &|z, b| {
+            poslab::nn::log_sigmoid(z, b).unwrap()
+        });
         // LayerNorm with non-trivial weight and bias.
         let x = random(&[4, 5, 40], 4, dtype).affine(3.0, 0.5).unwrap();
         let ln_params = ParamStore::new(5);
         let ln =
             poslab::nn::layer_norm(40, 1e-5, ln_params.var_builder(dtype, &Device::Cpu)).unwrap();
-        assert_op_matches("layer norm", &x, &|x| ln.forward(x).unwrap());
+        assert_op_matches("layer norm", &x, &|x, b| ln.forward(x, b).unwrap());
         // Linear, with and without a bias.
         let x = random(&[3, 7, 24], 6, dtype);
         let w = random(&[18, 24], 7, dtype);
         let b = random(&[18], 8, dtype);
         for bias in [Some(b.clone()), None] {
             let lin = poslab::nn::Linear::new(w.clone(), bias.clone());
-            assert_op_matches(&format!("linear bias={}", bias.is_some()), &x, &|x| {
-                lin.forward(x).unwrap()
+            assert_op_matches(&format!("linear bias={}", bias.is_some()), &x, &|x, b| {
+                lin.forward(x, b).unwrap()
             });
         }
     }
@@ -512,12 +513,12 @@ fn fused_f32_gelu_and_its_derivative_are_within_3e7_of_the_exact_values() {
     // its derivative 3e-7 absolute (erf's error plus the rounding of values near 1.1).
     let xs: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.0025).collect();
     let x = Tensor::from_vec(xs.clone(), xs.len(), &Device::Cpu).unwrap();
-    let (y, g) = with_kernels(Kernels::Ops, || {
+    let (y, g) = {
         let var = Var::from_tensor(&x).unwrap();
-        let y = poslab::nn::gelu(var.as_tensor()).unwrap();
+        let y = poslab::nn::gelu(var.as_tensor(), on(Kernels::Ops)).unwrap();
         let grads = y.sum_all().unwrap().backward().unwrap();
         (values(&y), values(grads.get(var.as_tensor()).unwrap()))
-    });
+    };
     let mut worst = (0.0f64, 0.0f64);
     for (i, &x) in xs.iter().enumerate() {
         let x = f64::from(x);
@@ -542,12 +543,12 @@ fn fused_f32_log_sigmoid_and_its_derivative_are_within_3e7_relative_of_the_exact
     let mut zs: Vec<f32> = (-8000..=8000).map(|i| i as f32 * 0.005).collect();
     zs.extend([-80.0, -30.0, 30.0, 80.0, 0.0, -0.0, 1e-6, -1e-6]);
     let z = Tensor::from_vec(zs.clone(), zs.len(), &Device::Cpu).unwrap();
-    let (y, g) = with_kernels(Kernels::Ops, || {
+    let (y, g) = {
         let var = Var::from_tensor(&z).unwrap();
-        let y = poslab::nn::log_sigmoid(var.as_tensor()).unwrap();
+        let y = poslab::nn::log_sigmoid(var.as_tensor(), on(Kernels::Ops)).unwrap();
         let grads = y.sum_all().unwrap().backward().unwrap();
         (values(&y), values(grads.get(var.as_tensor()).unwrap()))
-    });
+    };
     let mut worst = (0.0f64, 0.0f64);
     for (i, &z) in zs.iter().enumerate() {
         let z = f64::from(z);
@@ -580,7 +581,7 @@ fn every_instruction_set_level_gives_the_same_bits() {
     // The kernels are compiled for AVX-512, for AVX2 + FMA and for the baseline target, chosen
     // at run time: a machine without AVX-512 runs the other two. Capping the level here runs
     // them on this machine; all must agree to the bit (and so with the reference, tested above).
-    use poslab::nn::{simd_dispatches, with_backend, Backend, SimdLevel};
+    use poslab::nn::{simd_dispatches, SimdLevel};
     let detected = SimdLevel::detected();
     let levels: Vec<SimdLevel> = [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512]
         .into_iter()
@@ -607,9 +608,8 @@ fn every_instruction_set_level_gives_the_same_bits() {
         for &level in &levels {
             let batch = if i == 0 { WIDE_BATCH } else { (5, 13) };
             let before = simd_dispatches()[level as usize];
-            let run = with_backend(Backend::default().with_simd(level), || {
-                run_encoder_on(config, DType::F32, Kernels::Layer, true, batch)
-            });
+            let backend = on(Kernels::Layer).with_simd(level);
+            let run = run_encoder_on(config, DType::F32, backend, true, batch);
             // The level reached the kernels (forward and backward).
             assert!(simd_dispatches()[level as usize] > before, "{level:?}");
             runs.push((level, run));
@@ -671,10 +671,10 @@ fn embedding_extras_match_the_reference() {
             first_position: 2,
         };
         for dtype in [DType::F32, DType::F64] {
-            let reference = run_encoder(&config, dtype, Kernels::Reference, false);
+            let reference = run_encoder(&config, dtype, on(Kernels::Reference), false);
             for kernels in [Kernels::Ops, Kernels::Layer] {
                 let what = format!("embedding extras {norm:?} {dtype:?} {}", kernels.name());
-                let fast = run_encoder(&config, dtype, kernels, false);
+                let fast = run_encoder(&config, dtype, on(kernels), false);
                 compare(&fast, &reference, tolerance(dtype), &what);
             }
         }
@@ -684,8 +684,8 @@ fn embedding_extras_match_the_reference() {
             ..config.clone()
         };
         let (a, b) = (
-            run_encoder(&config, DType::F64, Kernels::Layer, false),
-            run_encoder(&plain, DType::F64, Kernels::Layer, false),
+            run_encoder(&config, DType::F64, on(Kernels::Layer), false),
+            run_encoder(&plain, DType::F64, on(Kernels::Layer), false),
         );
         assert!(relative_error(&a.hidden, &b.hidden) > 1e-3);
     }
@@ -721,19 +721,18 @@ fn local_windows_match_the_reference() {
                 config.attention_dropout = dropout;
                 for dtype in [DType::F32, DType::F64] {
                     let train = dropout > 0.0;
-                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                     for kernels in [Kernels::Ops, Kernels::Layer] {
                         let what = format!(
                             "{name} {norm:?} dropout {dropout} {dtype:?} {}",
                             kernels.name()
                         );
-                        let fast = run_encoder(&config, dtype, kernels, train);
+                        let fast = run_encoder(&config, dtype, on(kernels), train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
                     for kernels in [Kernels::Ops, Kernels::Layer] {
-                        let (gpu, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                            run_encoder(&config, dtype, kernels, train)
-                        });
+                        let (gpu, _) =
+                            with_op_calls(|| run_encoder(&config, dtype, on(kernels), train));
                         let what = format!("{name} gpu {}", kernels.name());
                         compare(&gpu, &reference, tolerance(dtype), &what);
                     }
@@ -782,7 +781,7 @@ fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
                 }
                 for dtype in [DType::F32, DType::F64] {
                     let train = dropout > 0.0;
-                    let reference = run_encoder(&config, dtype, Kernels::Reference, train);
+                    let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                     assert!(
                         reference.grads.iter().all(|(n, _)| !n.ends_with(".bias")),
                         "{name}: a bias variable exists without biases"
@@ -793,13 +792,12 @@ fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
                              {dropout} {dtype:?} {}",
                             kernels.name()
                         );
-                        let fast = run_encoder(&config, dtype, kernels, train);
+                        let fast = run_encoder(&config, dtype, on(kernels), train);
                         compare(&fast, &reference, tolerance(dtype), &what);
                     }
                     // The device path: its layer where it applies, the one-kernel ops elsewhere.
-                    let (device, _) = poslab::nn::with_gpu_ops_on_cpu(|| {
-                        run_encoder(&config, dtype, Kernels::Layer, train)
-                    });
+                    let (device, _) =
+                        with_op_calls(|| run_encoder(&config, dtype, twin(Kernels::Layer), train));
                     let what = format!("{name} {activation:?} {first_attn_norm} {dtype:?} device");
                     compare(&device, &reference, tolerance(dtype), &what);
                 }
@@ -870,13 +868,12 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
                         positional.name(),
                         kernels.name()
                     );
+                    let backend = match device {
+                        false => on(kernels),
+                        true => twin(kernels),
+                    };
                     let run = |pack: bool| {
-                        let run =
-                            || run_encoder_packed(&config, DType::F32, kernels, true, (4, 9), pack);
-                        match device {
-                            false => run(),
-                            true => poslab::nn::with_gpu_ops_on_cpu(run).0,
-                        }
+                        run_encoder_packed(&config, DType::F32, backend, true, (4, 9), pack)
                     };
                     let ((plain, plain_vars, plain_params), (packed, packed_vars, packed_params)) =
                         (run(false), run(true));
@@ -907,13 +904,13 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
 /// How many nodes a training forward's graph has that a variable reaches (what the backward
 /// walks: candle's `sorted_nodes`).
 fn graph_nodes(config: &ModelConfig, kernels: Kernels) -> usize {
-    with_kernels(kernels, || {
-        let store = ParamStore::new(7);
-        let encoder = Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
-        let (ids, mask) = padded_batch(5, 13, config.vocab_size as u32);
-        let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
-        hidden.sum_all().unwrap().sorted_nodes().len()
-    })
+    let store = ParamStore::new(7);
+    let encoder = Encoder::new(config, store.var_builder(DType::F32, &Device::Cpu))
+        .unwrap()
+        .with_backend(on(kernels));
+    let (ids, mask) = padded_batch(5, 13, config.vocab_size as u32);
+    let hidden = encoder.forward_t(&ids, &mask, true).unwrap();
+    hidden.sum_all().unwrap().sorted_nodes().len()
 }
 
 #[test]
@@ -1067,6 +1064,7 @@ pub(crate) fn head_step(
     dtype: DType,
     device: &Device,
     fused: bool,
+    backend: Backend,
 ) -> (
     f64,
     Vec<(String, Vec<f64>)>,
@@ -1078,7 +1076,9 @@ pub(crate) fn head_step(
         PositionalConfig::SinusoidalAdd(Default::default()),
         NormPlacement::Pre,
     );
-    let model = poslab::TaskModel::new(&config, head, store.var_builder(dtype, device)).unwrap();
+    let model = poslab::TaskModel::new(&config, head, store.var_builder(dtype, device))
+        .unwrap()
+        .with_backend(backend);
     let before = device_path::counts();
     let loss = match fused {
         true => model.training_loss(batch).unwrap(),
@@ -1135,14 +1135,10 @@ fn device_path_heads_give_the_compositions_loss_and_gradients() {
         let batch = head_batch(&head, &Device::Cpu);
         for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
             let what = format!("{head:?} {dtype:?}");
-            let ((loss, grads, fused), (ref_loss, ref_grads, composed)) =
-                poslab::nn::with_gpu_ops_on_cpu(|| {
-                    (
-                        head_step(&head, &batch, dtype, &Device::Cpu, true),
-                        head_step(&head, &batch, dtype, &Device::Cpu, false),
-                    )
-                })
-                .0;
+            let twin = twin(Kernels::Layer);
+            let (loss, grads, fused) = head_step(&head, &batch, dtype, &Device::Cpu, true, twin);
+            let (ref_loss, ref_grads, composed) =
+                head_step(&head, &batch, dtype, &Device::Cpu, false, twin);
             assert_eq!(
                 (
                     fused.kernels - composed.kernels,
@@ -1174,7 +1170,7 @@ pub(crate) fn norm_step(
     device: &Device,
     dtype: DType,
     inputs: DType,
-    kernels: Kernels,
+    backend: Backend,
 ) -> (Vec<Vec<f64>>, poslab::nn::device_path::Counts) {
     use candle_nn::{VarBuilder, VarMap};
     let (shape, d) = ([3usize, 7, 40], 40);
@@ -1203,8 +1199,8 @@ pub(crate) fn norm_step(
     .unwrap();
     let r = given(random(&shape, 14, DType::F64));
     let before = poslab::nn::device_path::counts();
-    let out = with_kernels(kernels, || {
-        let y = ln.forward(x.as_tensor()).unwrap();
+    let out = {
+        let y = ln.forward(x.as_tensor(), backend).unwrap();
         let grads = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
         let grad = |t: &Tensor| values(grads.get(t).expect("a gradient"));
         vec![
@@ -1213,7 +1209,7 @@ pub(crate) fn norm_step(
             grad(ln.weight()),
             grad(ln.bias()),
         ]
-    });
+    };
     (out, poslab::nn::device_path::counts() - before)
 }
 
@@ -1250,16 +1246,15 @@ fn device_path_layer_norm_gives_the_compositions_values_and_gradients() {
         (DType::BF16, crate::precision::BF16_TOL),
         (DType::F16, crate::precision::F16_TOL),
     ] {
-        let (node, counts) =
-            poslab::nn::with_gpu_ops_on_cpu(|| norm_step(cpu, dtype, dtype, Kernels::Layer)).0;
+        let (node, counts) = norm_step(cpu, dtype, dtype, twin(Kernels::Layer));
         assert_eq!(
             (counts.kernels, counts.gemms, counts.copies),
             (3, 1, 0),
             "{dtype:?}: the node's kernels, products and copies"
         );
         let reference = match dtype {
-            DType::F32 | DType::F64 => norm_step(cpu, dtype, dtype, Kernels::Reference).0,
-            _ => norm_step(cpu, DType::F64, dtype, Kernels::Reference).0,
+            DType::F32 | DType::F64 => norm_step(cpu, dtype, dtype, on(Kernels::Reference)).0,
+            _ => norm_step(cpu, DType::F64, dtype, on(Kernels::Reference)).0,
         };
         let what = format!("device path's LayerNorm {dtype:?}");
         let err = norm_error(&node, &reference, tol, &what);
@@ -1281,8 +1276,9 @@ fn a_second_backward_of_the_head_node_recomputes_its_forward_to_the_same_bits() 
         );
         let model =
             poslab::TaskModel::new(&config, &head, store.var_builder(DType::F32, &Device::Cpu))
-                .unwrap();
-        let (first, second) = poslab::nn::with_gpu_ops_on_cpu(|| {
+                .unwrap()
+                .with_backend(twin(Kernels::Layer));
+        let (first, second) = {
             let loss = model.training_loss(&batch).unwrap();
             let grads = |g: &candle::backprop::GradStore| -> Vec<(String, Vec<f64>)> {
                 let named = store.gradients(g).unwrap();
@@ -1292,8 +1288,7 @@ fn a_second_backward_of_the_head_node_recomputes_its_forward_to_the_same_bits() 
                 grads(&loss.backward().unwrap()),
                 grads(&loss.backward().unwrap()),
             )
-        })
-        .0;
+        };
         assert_eq!(
             first.len(),
             store.params().len(),
@@ -1318,30 +1313,32 @@ fn the_learner_takes_the_head_node_on_the_device_path() {
     for (head, _) in heads_to_check() {
         let batch = head_batch(&head, &Device::Cpu);
         let losses = |on_device_path: bool| -> Vec<f64> {
-            let mut learner = Learner::new(&config, &head, 3, &Device::Cpu).unwrap();
-            let mut run = || -> Vec<f64> {
-                (0..3)
-                    .map(|_| {
-                        learner
-                            .step(&batch.ids, &batch.mask, &batch.targets)
-                            .unwrap()
-                    })
-                    .collect()
+            let backend = match on_device_path {
+                true => twin(Kernels::Layer),
+                false => on(Kernels::Layer),
             };
-            match on_device_path {
-                true => poslab::nn::with_gpu_ops_on_cpu(run).0,
-                false => run(),
-            }
+            let mut learner = Learner::new(&config, &head, 3, &Device::Cpu)
+                .unwrap()
+                .with_backend(backend);
+            (0..3)
+                .map(|_| {
+                    learner
+                        .step(&batch.ids, &batch.mask, &batch.targets)
+                        .unwrap()
+                })
+                .collect()
         };
-        let (twin, cpu) = (losses(true), losses(false));
-        for (step, (a, b)) in twin.iter().zip(&cpu).enumerate() {
+        let (on_twin, on_cpu) = (losses(true), losses(false));
+        for (step, (a, b)) in on_twin.iter().zip(&on_cpu).enumerate() {
             assert!(
                 (a - b).abs() <= TOL_F32 * b.abs(),
                 "{head:?} step {step}: loss {a} on the twin, {b} on the CPU"
             );
         }
-        let mut learner = Learner::new(&config, &head, 3, &Device::Cpu).unwrap();
-        let (composed, stepped) = poslab::nn::with_gpu_ops_on_cpu(|| {
+        let mut learner = Learner::new(&config, &head, 3, &Device::Cpu)
+            .unwrap()
+            .with_backend(twin(Kernels::Layer));
+        let (composed, stepped) = {
             let before = device_path::counts();
             let loss = learner.model().loss(&batch, 0, true).unwrap().0;
             loss.backward().unwrap();
@@ -1350,8 +1347,7 @@ fn the_learner_takes_the_head_node_on_the_device_path() {
                 .step(&batch.ids, &batch.mask, &batch.targets)
                 .unwrap();
             (between - before, device_path::counts() - between)
-        })
-        .0;
+        };
         assert_eq!(
             stepped.gemms - composed.gemms,
             4,

@@ -246,44 +246,41 @@ fn task_options_that_are_not_finite_are_refused_with_their_range() {
 #[test]
 fn public_library_ops_refuse_what_they_cannot_compute_on_every_path() {
     use candle::{DType, Tensor};
-    use poslab::nn::{
-        masked_softmax, sided_differences, with_gpu_ops_on_cpu, with_kernels, Kernels, Projections,
-        Transport,
-    };
+    use poslab::nn::{masked_softmax, sided_differences, Kernels, Projections, Transport};
     let cpu = Device::Cpu;
     let ones = |dims: &[usize]| Tensor::ones(dims, DType::F32, &cpu).unwrap();
     let scores = ones(&[2, 3, 4, 4]);
     // Each path: the reference compositions, the fused per-op kernels, and the CUDA ops'
     // CPU forms. A panic fails the test as surely as a wrong answer.
-    type Path<'a> = (&'a str, &'a dyn Fn(&dyn Fn()));
-    let paths: [Path; 3] = [
-        ("reference", &|f| with_kernels(Kernels::Reference, f)),
-        ("ops", &|f| with_kernels(Kernels::Ops, f)),
-        ("gpu ops on the cpu", &|f| {
-            with_kernels(Kernels::Ops, || with_gpu_ops_on_cpu(f).0)
-        }),
+    let paths = [
+        ("reference", on(Kernels::Reference)),
+        ("ops", on(Kernels::Ops)),
+        ("gpu ops on the cpu", twin(Kernels::Ops)),
     ];
-    for (path, run) in paths {
-        run(&|| {
+    for (path, backend) in paths {
+        {
             for (bias, why) in [
                 (ones(&[3, 4]), "does not fit"),
                 (ones(&[2, 5]), "does not fit"),
                 (ones(&[8]), "rank"),
             ] {
-                let err = masked_softmax(&scores, &bias).unwrap_err().to_string();
+                let err = masked_softmax(&scores, &bias, backend)
+                    .unwrap_err()
+                    .to_string();
                 assert!(err.contains(why), "{path}: {err}");
             }
-            let err = masked_softmax(&ones(&[2, 3, 0, 0]), &ones(&[2, 0]))
+            let err = masked_softmax(&ones(&[2, 3, 0, 0]), &ones(&[2, 0]), backend)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("hold no score"), "{path}: {err}");
             // One bias row for every batch element: what the composition broadcasts, on every
             // path, and the same as the bias given per element.
             let row = Tensor::new(&[[0f32, 0.0, -1e9, 0.0]], &cpu).unwrap();
-            let shared = masked_softmax(&scores, &row).unwrap();
+            let shared = masked_softmax(&scores, &row, backend).unwrap();
             let each = masked_softmax(
                 &scores,
                 &row.broadcast_as((2, 4)).unwrap().contiguous().unwrap(),
+                backend,
             )
             .unwrap();
             assert_eq!(shared.dims(), [2, 3, 4, 4], "{path}");
@@ -292,14 +289,14 @@ fn public_library_ops_refuse_what_they_cannot_compute_on_every_path() {
             let f = ones(&[2, 5]);
             for g in [ones(&[2, 4]), ones(&[1, 5]), ones(&[10])] {
                 assert!(
-                    sided_differences(&f, &g).is_err(),
+                    sided_differences(&f, &g, backend).is_err(),
                     "{path}: g {:?}",
                     g.dims()
                 );
             }
-            let empty = sided_differences(&ones(&[0, 5]), &ones(&[0, 5])).unwrap();
+            let empty = sided_differences(&ones(&[0, 5]), &ones(&[0, 5]), backend).unwrap();
             assert_eq!(empty.dims(), [0, 5, 5], "{path}");
-            let empty = sided_differences(&ones(&[2, 0]), &ones(&[2, 0])).unwrap();
+            let empty = sided_differences(&ones(&[2, 0]), &ones(&[2, 0]), backend).unwrap();
             assert_eq!(empty.dims(), [2, 0, 0], "{path}");
             // PaTH's transport: no heads, no tokens, or a z of other heads.
             let (u, z) = (ones(&[1, 3, 4]), ones(&[1, 3, 2]));
@@ -313,10 +310,12 @@ fn public_library_ops_refuse_what_they_cannot_compute_on_every_path() {
                     eps: 1e-6,
                 };
                 (
-                    Transport::from_projections(p)
+                    Transport::from_projections(p, backend)
                         .map(|_| ())
                         .map_err(|e| e.to_string()),
-                    Transport::compose(p).map(|_| ()).map_err(|e| e.to_string()),
+                    Transport::compose(p, backend)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
                 )
             };
             for (u, z, heads, why) in [
@@ -333,7 +332,7 @@ fn public_library_ops_refuse_what_they_cannot_compute_on_every_path() {
             }
             let (fused, composed) = p(&u, &z, 2);
             assert!(fused.is_ok() && composed.is_ok(), "{path}");
-        });
+        }
     }
 }
 

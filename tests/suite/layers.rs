@@ -2,7 +2,7 @@
 //! position-free layers, and a rotation's base per kind of layer.
 
 use candle::{DType, Device, Tensor};
-use poslab::nn::{with_kernels, Kernels};
+use poslab::nn::Kernels;
 use poslab::{
     Encoder, LayerKind, LayerPlan, ModelConfig, NormPlacement, ParamStore, PositionalConfig,
     RopeBases, RopeOptions,
@@ -19,11 +19,10 @@ fn plan(pattern: &[LayerKind], window: Option<usize>) -> LayerPlan {
 
 /// The hidden states of a seeded f32 encoder on a padded `(3, t)` batch.
 fn hidden(config: &ModelConfig, kernels: Kernels, t: usize) -> Tensor {
-    with_kernels(kernels, || {
-        let (encoder, _) = Encoder::seeded(config, 5, &Device::Cpu).unwrap();
-        let (ids, mask) = padded_batch(3, t, config.vocab_size as u32);
-        encoder.forward_t(&ids, &mask, false).unwrap()
-    })
+    let (encoder, _) = Encoder::seeded(config, 5, &Device::Cpu).unwrap();
+    let encoder = encoder.with_backend(on(kernels));
+    let (ids, mask) = padded_batch(3, t, config.vocab_size as u32);
+    encoder.forward_t(&ids, &mask, false).unwrap()
 }
 
 fn schemes() -> Vec<PositionalConfig> {
@@ -127,22 +126,21 @@ fn a_local_layer_sees_only_keys_within_half_its_window() {
         .with_layer_plan(plan(&[LayerKind::Local], Some(4)));
         for kernels in [Kernels::Reference, Kernels::Layer] {
             let run = |last: u32| {
-                with_kernels(kernels, || {
-                    let (encoder, _) = Encoder::seeded(&config, 5, &Device::Cpu).unwrap();
-                    let ids: Vec<u32> = (0..t as u32)
-                        .map(|i| if i == 9 { last } else { i + 1 })
-                        .collect();
-                    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
-                        .unwrap()
-                        .unsqueeze(0)
-                        .unwrap();
-                    let mask = Tensor::ones((1, t), DType::U32, &Device::Cpu).unwrap();
-                    encoder
-                        .forward_t(&ids, &mask, false)
-                        .unwrap()
-                        .squeeze(0)
-                        .unwrap()
-                })
+                let (encoder, _) = Encoder::seeded(&config, 5, &Device::Cpu).unwrap();
+                let encoder = encoder.with_backend(on(kernels));
+                let ids: Vec<u32> = (0..t as u32)
+                    .map(|i| if i == 9 { last } else { i + 1 })
+                    .collect();
+                let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap();
+                let mask = Tensor::ones((1, t), DType::U32, &Device::Cpu).unwrap();
+                encoder
+                    .forward_t(&ids, &mask, false)
+                    .unwrap()
+                    .squeeze(0)
+                    .unwrap()
             };
             let (a, b) = (run(20), run(30));
             for i in 0..t {

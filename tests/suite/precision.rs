@@ -22,14 +22,14 @@ fn on_path<R>(
     device: bool,
     positional: &poslab::PositionalConfig,
     what: &str,
-    f: impl FnOnce() -> R,
+    f: impl FnOnce(poslab::nn::Backend) -> R,
 ) -> R {
     let composed = positional.placement() == poslab::Placement::Scores;
     if !device {
-        return f();
+        return f(poslab::nn::Backend::default());
     }
     let before = poslab::nn::device_path::counts().launches();
-    let (out, _) = poslab::nn::with_gpu_ops_on_cpu(f);
+    let out = f(twin(poslab::nn::Kernels::Layer));
     let ran = poslab::nn::device_path::counts().launches() - before;
     assert!(composed || ran > 0, "{what}: the device path did not run");
     out
@@ -45,8 +45,11 @@ fn half_precision_encoders_track_the_float64_reference() {
             let mut fx = load_encoder_fixture(&name);
             fx.config.dtype = precision;
             let what = format!("{name} {precision} device path {device}");
-            let (encoder, _) = fx.encoder(DType::F32);
-            let hidden = on_path(device, &fx.config.positional, &what, || fx.hidden(&encoder));
+            let (mut encoder, _) = fx.encoder(DType::F32);
+            let hidden = on_path(device, &fx.config.positional, &what, |backend| {
+                encoder.set_backend(backend);
+                fx.hidden(&encoder)
+            });
             let name = &what;
             // The output is handed back in the parameters' dtype, for f32 pooling and loss.
             assert_eq!(hidden.dtype(), DType::F32, "{name} {precision}");
@@ -69,12 +72,12 @@ fn half_precision_gradients_reach_every_variable_and_match_f32() {
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
             let mut config = tiny_dropout_config(positional.clone(), norm);
             // Every variable gets a finite, non-zero gradient in its own dtype (f32).
-            let mut gradients = |precision: Precision| {
+            let mut gradients = |precision: Precision, backend| {
                 config.dtype = precision;
                 let what = format!("{} {norm:?} {precision}", positional.name());
-                training_gradients(&config, &Device::Cpu, &what)
+                training_gradients_on(&config, &Device::Cpu, &what, backend)
             };
-            let reference = gradients(Precision::F32);
+            let reference = gradients(Precision::F32, poslab::nn::Backend::default());
             let both = [Precision::Bf16, Precision::F16];
             for (slot, (precision, device)) in both
                 .into_iter()
@@ -91,7 +94,7 @@ fn half_precision_gradients_reach_every_variable_and_match_f32() {
                 } else {
                     0.02
                 };
-                let half = on_path(device, &positional, &what, || gradients(precision));
+                let half = on_path(device, &positional, &what, |b| gradients(precision, b));
                 for ((name, _, g), (_, _, g32)) in half.iter().zip(&reference) {
                     // FIRE's variables sum dS over every pair of tokens, whose rows sum to zero:
                     // the cancellation shows the half-precision scores' rounding 2.5x more.

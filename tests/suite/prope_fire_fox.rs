@@ -75,7 +75,11 @@ fn prope_rotations_match_the_reference_in_both_pairings() {
                 &Device::Cpu,
             )
             .unwrap();
-            let ours = rope.rotary(&positions).unwrap().apply(&x).unwrap();
+            let ours = rope
+                .rotary(&positions)
+                .unwrap()
+                .apply(&x, poslab::nn::Backend::default())
+                .unwrap();
             let key = format!("prope.hd16.keep{keep:?}.{pairing}");
             let err = max_abs(&values(&ours), &values(&fx[&key]));
             assert!(err < BLOCK_TOL, "{key}: {err:e}");
@@ -123,6 +127,7 @@ fn fire_inputs_and_biases_match_the_reference_for_padded_uneven_positions() {
             mask: Some(mask),
             dtype: DType::F64,
             device: &Device::Cpu,
+            backend: poslab::nn::Backend::default(),
         };
         let key = format!("fire.threshold{}", threshold as u32);
         let inputs = values(&fire.inputs(&batch).unwrap());
@@ -166,7 +171,9 @@ fn fox_bias_matches_the_reference() {
     let fx = load_fixture("recent_schemes.safetensors");
     let f64 = |k: &str| fx[k].to_dtype(DType::F64).unwrap();
     let gates = FoxGates::from_tensors(f64("fox.weight"), f64("fox.bias")).unwrap();
-    let bias = gates.bias(&f64("fox.x")).unwrap();
+    let bias = gates
+        .bias(&f64("fox.x"), poslab::nn::Backend::default())
+        .unwrap();
     assert_eq!(bias.dims(), &[2, 4, 7, 7]);
     let err = max_abs(&values(&bias), &values(&fx["fox.out"]));
     assert!(err < BLOCK_TOL, "fox bias: {err:e}");
@@ -283,6 +290,7 @@ fn fire_inputs_stay_within_one_for_any_span_and_threshold() {
                     mask: None,
                     dtype: DType::F64,
                     device: &Device::Cpu,
+                    backend: poslab::nn::Backend::default(),
                 })
                 .unwrap(),
         );
@@ -305,9 +313,15 @@ fn fox_bias_is_zero_on_the_diagonal_and_never_positive() {
         .unwrap();
     // The layer hands attention the gates' running sums; their two-sided differences are the
     // bias.
-    let sums = module.input_bias(1, &x).unwrap().unwrap();
+    let sums = module
+        .input_bias(1, &x, poslab::nn::Backend::default())
+        .unwrap()
+        .unwrap();
     assert!(matches!(sums, poslab::nn::LayerBias::SidedSums(_)));
-    let bias = sums.as_input().table().unwrap();
+    let bias = sums
+        .as_input()
+        .table(poslab::nn::Backend::default())
+        .unwrap();
     let (b, h, t, _) = bias.dims4().unwrap();
     let v = values(&bias);
     for n in 0..b * h {

@@ -153,8 +153,8 @@ fn rope_score_depends_only_on_relative_distance() {
         )
         .unwrap();
         let score = |m: usize, n: usize| -> f64 {
-            let qm = rope.apply(&q, m).unwrap();
-            let kn = rope.apply(&k, n).unwrap();
+            let qm = rope.apply(&q, m, poslab::nn::Backend::default()).unwrap();
+            let kn = rope.apply(&k, n, poslab::nn::Backend::default()).unwrap();
             (qm * kn)
                 .unwrap()
                 .sum_all()

@@ -94,7 +94,10 @@ fn rope_matches_reference_for_both_pairings_and_bases() {
                 &Device::Cpu,
             )
             .unwrap();
-            let out = rope.apply(&input.to_dtype(dtype).unwrap(), 0).unwrap();
+            let input = input.to_dtype(dtype).unwrap();
+            let out = rope
+                .apply(&input, 0, poslab::nn::Backend::default())
+                .unwrap();
             let err = max_abs_diff(&out, expected);
             assert!(
                 err <= TABLE_TOL,

@@ -3,7 +3,7 @@
 //! attention factors to 1e-12, rotations to 1e-5 at positions up to 312), and their properties.
 
 use candle::{DType, Device, Tensor};
-use poslab::nn::{with_kernels, Kernels};
+use poslab::nn::Kernels;
 use poslab::positional::{rope_frequencies, rotary_dim, Factor, Rope, RopeScaling};
 use poslab::{ModelConfig, NormPlacement, PositionalConfig, Positions, RopeOptions, RopePairing};
 
@@ -84,12 +84,11 @@ fn scaled_and_partial_rotations_match_reference_at_long_positions() {
                 // Tables start at 8 rows and grow; dynamic NTK computes them per batch.
                 let rope = Rope::new(&options, 16, 8, dtype, &Device::Cpu).unwrap();
                 for kernels in [Kernels::Reference, Kernels::Ops] {
-                    let out = with_kernels(kernels, || {
-                        rope.rotary(&positions)
-                            .unwrap()
-                            .apply(&input.to_dtype(dtype).unwrap())
-                            .unwrap()
-                    });
+                    let out = rope
+                        .rotary(&positions)
+                        .unwrap()
+                        .apply(&input.to_dtype(dtype).unwrap(), on(kernels))
+                        .unwrap();
                     let err = max_abs_diff(&out, expected);
                     assert!(
                         err <= 1e-5,
@@ -172,7 +171,7 @@ fn partial_rotation_leaves_the_pass_through_coordinates_untouched() {
             let rd = rope.rotary_dim();
             assert_eq!(rd, if fraction == 0.5 { 6 } else { 4 });
             for kernels in [Kernels::Reference, Kernels::Ops] {
-                let y = with_kernels(kernels, || rope.apply(&x, 5).unwrap());
+                let y = rope.apply(&x, 5, on(kernels)).unwrap();
                 let pass =
                     |t: &Tensor| bits(&t.narrow(3, rd, 12 - rd).unwrap().contiguous().unwrap());
                 assert_eq!(
@@ -234,14 +233,14 @@ fn scaled_rope_scores_depend_only_on_the_offset() {
             let positions = Positions::range(100, t).unwrap();
             let rotary = rope.rotary(&positions).unwrap();
             let qr = rotary
-                .apply(&repeated(&q))
+                .apply(&repeated(&q), Default::default())
                 .unwrap()
                 .squeeze(0)
                 .unwrap()
                 .squeeze(0)
                 .unwrap();
             let kr = rotary
-                .apply(&repeated(&k))
+                .apply(&repeated(&k), Default::default())
                 .unwrap()
                 .squeeze(0)
                 .unwrap()

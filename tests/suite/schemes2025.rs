@@ -57,10 +57,19 @@ fn layer_scores(
         mask,
         dtype: DType::F64,
         device: &Device::Cpu,
+        backend: poslab::nn::Backend::default(),
     };
     let layer = scores.batch_scores(&batch).unwrap().remove(0).unwrap();
     let hd = q.dim(3).unwrap();
-    layer.scores(q, k, x, 1.0 / (hd as f64).sqrt()).unwrap()
+    layer
+        .scores(
+            q,
+            k,
+            x,
+            1.0 / (hd as f64).sqrt(),
+            poslab::nn::Backend::default(),
+        )
+        .unwrap()
 }
 
 #[test]
@@ -94,7 +103,7 @@ fn pope_frequencies_polar_forms_and_scores_match_the_reference() {
         let sin = sin.broadcast_as((2, 2, 7, 8)).unwrap();
         check(
             &format!("{case}.q_polar"),
-            &Pope::polar(q, &cos, &sin).unwrap(),
+            &Pope::polar(q, &cos, &sin, poslab::nn::Backend::default()).unwrap(),
             &fx[&format!("{case}.q_polar")],
         );
         // Keys carry the phase offset: cos(φ + δ), sin(φ + δ).
@@ -109,7 +118,7 @@ fn pope_frequencies_polar_forms_and_scores_match_the_reference() {
         let (ck, sk) = angle(&cos, &sin);
         check(
             &format!("{case}.k_polar"),
-            &Pope::polar(k, &ck, &sk).unwrap(),
+            &Pope::polar(k, &ck, &sk, poslab::nn::Backend::default()).unwrap(),
             &fx[&format!("{case}.k_polar")],
         );
         let module = PositionalModule::Scores(poslab::positional::ScoreFunction::new(pope));
@@ -133,7 +142,15 @@ fn cope_gates_counts_terms_and_scores_match_the_reference() {
             left: fx[&format!("{case}.left")].clone(),
             right: fx[&format!("{case}.right")].clone(),
         };
-        let parts = tables.parts(q, k, Some(mask), 1.0 / 8f64.sqrt()).unwrap();
+        let parts = tables
+            .parts(
+                q,
+                k,
+                Some(mask),
+                1.0 / 8f64.sqrt(),
+                poslab::nn::Backend::default(),
+            )
+            .unwrap();
         check("cope.gates", &parts.gates, &fx["cope.gates"]);
         check("cope.positions", &parts.counts, &fx["cope.positions"]);
         check(
@@ -166,7 +183,9 @@ fn path_reflections_and_scores_match_the_reference() {
     let fx = fixture();
     let layer = path_layer(&fx);
     let (x, mask) = (&fx["path.x"], &fx["path.mask"]);
-    let r = layer.reflections(x, Some(mask), 2).unwrap();
+    let r = layer
+        .reflections(x, Some(mask), 2, poslab::nn::Backend::default())
+        .unwrap();
     check("path.u_conv", &r.u, &fx["path.u_conv"]);
     check("path.w_unit", &r.w, &fx["path.w_unit"]);
     check("path.beta_gate", &r.beta, &fx["path.beta_gate"]);

@@ -8,7 +8,7 @@ use poslab::tasks::{Objective, TaskData, TaskSpec};
 use poslab::train::{train, Budget, TrainConfig, TrainData, TrainOutcome};
 use poslab::{ModelConfig, NormPlacement, ParamStore, PositionalConfig, Precision};
 
-use crate::common::tiny_config;
+use crate::common::{on, tiny_config, twin};
 
 pub fn task(toml_table: &str) -> TaskSpec {
     #[derive(serde::Deserialize)]
@@ -598,7 +598,7 @@ fn the_library_refuses_what_it_cannot_compute_with_the_fix() {
 #[test]
 fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
     use crate::common::{padded_batch, projection, values};
-    use poslab::nn::{with_kernels, Kernels};
+    use poslab::nn::Kernels;
     use poslab::train::optim::{grad_norm, AdamW, AdamWConfig};
     use poslab::Encoder;
     let dir = tempfile::tempdir().unwrap();
@@ -612,11 +612,17 @@ fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
         let mut config = tiny_config(positional, NormPlacement::Pre);
         config.bias = bias;
         config.dropout = 0.1;
-        let run = || {
-            with_kernels(kernels, || {
+        let backend = match device {
+            true => twin(kernels),
+            false => on(kernels),
+        };
+        {
+            {
                 let store = ParamStore::new(5);
                 let mut encoder =
-                    Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+                    Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu))
+                        .unwrap()
+                        .with_backend(backend);
                 store.constrain(&encoder.constraints()).unwrap();
                 store.exempt_from_decay(&encoder.undecayed());
                 if pack {
@@ -629,7 +635,8 @@ fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
                         ..AdamWConfig::default()
                     },
                 )
-                .unwrap();
+                .unwrap()
+                .with_backend(backend);
                 let (ids, mask) = padded_batch(4, 9, config.vocab_size as u32);
                 for step in 0..3u64 {
                     encoder.set_dropout_seed(step);
@@ -646,7 +653,7 @@ fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
                         .into_iter()
                         .map(|(_, g)| g)
                         .collect();
-                    let norm = grad_norm(&gradients).unwrap();
+                    let norm = grad_norm(&gradients, backend).unwrap();
                     optimizer.step(&grads, 1e-2, (0.5 / norm).min(1.0)).unwrap();
                 }
                 let hidden = values(&encoder.forward_t(&ids, &mask, false).unwrap());
@@ -671,11 +678,7 @@ fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
                     hidden,
                     file,
                 }
-            })
-        };
-        match device {
-            true => poslab::nn::with_gpu_ops_on_cpu(run).0,
-            false => run(),
+            }
         }
     };
     for positional in [

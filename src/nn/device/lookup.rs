@@ -217,7 +217,7 @@ mod tests {
                 };
                 (out.dims().to_vec(), bits(&out), bits(&g))
             };
-            let (device, _) = crate::nn::with_gpu_ops_on_cpu(|| run(true));
+            let device = run(true);
             let candle = run(false);
             assert_eq!(device.0, vec![2, 4, d], "{dtype:?}");
             assert_eq!(device.1, candle.1, "{dtype:?}: forward");

@@ -58,8 +58,8 @@ use super::differences::sided_grad;
 use super::linear::{by_dtype, gemm_sums_in_order, matmul};
 use super::softmax::{softmax_grad_rows, softmax_rows};
 use super::{
-    assume_written, batch_sum, best_rate, contiguous, sigmoid, simd_level, timing_operand, uninit,
-    written, zeros, Real, Rotation, SimdLevel,
+    assume_written, batch_sum, best_rate, contiguous, sigmoid, timing_operand, uninit, written,
+    zeros, Real, Rotation, SimdLevel,
 };
 use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary, Transport};
 use std::mem::MaybeUninit;
@@ -1003,6 +1003,7 @@ impl Attention {
         rotary: Option<&Rotary>,
         score_bias: Option<AttentionBias>,
         max_offset: Option<usize>,
+        simd: SimdLevel,
     ) -> Self {
         Self {
             heads,
@@ -1017,7 +1018,7 @@ impl Attention {
             polar: None,
             counts: None,
             transport: None,
-            simd: simd_level(),
+            simd,
         }
     }
 
@@ -2031,6 +2032,7 @@ mod tests {
         dtype: candle::DType,
         sided: bool,
         (b, t, h, dh): (usize, usize, usize, usize),
+        backend: crate::nn::Backend,
     ) -> Vec<Vec<f64>> {
         use candle::{Device, Var};
         let tensor = |len: usize, seed: u64, dims: &[usize]| tensor(len, seed, dims, dtype);
@@ -2048,10 +2050,12 @@ mod tests {
         let bias = if sided {
             AttentionBias::SidedSums(sums.as_tensor())
         } else {
-            table = AttentionBias::SidedSums(sums.as_tensor()).table().unwrap();
+            table = AttentionBias::SidedSums(sums.as_tensor())
+                .table(backend)
+                .unwrap();
             AttentionBias::Table(&table)
         };
-        let op = Attention::new(h, 0.5, &key_bias, None, Some(bias), None);
+        let op = Attention::new(h, 0.5, &key_bias, None, Some(bias), None, backend.simd);
         let out = attention(qkv.as_tensor(), op, None).unwrap();
         let r = tensor(b * t * d, 13, &[b, t, d]);
         let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
@@ -2103,6 +2107,7 @@ mod tests {
                 rotary.as_ref(),
                 Some(AttentionBias::Table(bias.as_tensor())),
                 None,
+                SimdLevel::detected(),
             )
         };
         let op = match (counted, carried) {
@@ -2113,7 +2118,8 @@ mod tests {
                 let beta = (tensor(b * h * t, 28, &[b, h, t]) + 1.0).unwrap();
                 let beta = candle::Var::from_tensor(&beta).unwrap();
                 let transport = Transport::new(w.as_tensor(), beta.as_tensor()).unwrap();
-                let plain = Attention::new(h, 0.35, &key_bias, None, None, None);
+                let plain =
+                    Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
                 Attention {
                     simd: level,
                     ..plain.with_transport(Some(&transport))
@@ -2125,7 +2131,8 @@ mod tests {
                 let (left, right) = (table(25), table(26));
                 let counts =
                     GateCounts::new(left.as_tensor(), right.as_tensor(), Some(&padding)).unwrap();
-                let plain = Attention::new(h, 0.35, &key_bias, None, None, None);
+                let plain =
+                    Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
                 Attention {
                     simd: level,
                     ..plain.with_counts(Some(&counts))
@@ -2191,7 +2198,7 @@ mod tests {
     fn weights_are_kept_below_the_allocators_mapping_threshold() {
         use candle::{DType, Device};
         let key_bias = Tensor::zeros((64, 128), DType::F32, &Device::Cpu).unwrap();
-        let op = Attention::new(8, 0.35, &key_bias, None, None, None);
+        let op = Attention::new(8, 0.35, &key_bias, None, None, None, SimdLevel::detected());
         // 64 x 8 x 128 x 128 f32 values are 32 MiB exactly: recomputed. One head fewer is kept.
         let n = op.dims_of(64, 128, 3 * 64).unwrap();
         assert!(!op.keeps_weights::<f32>(n));
@@ -2208,13 +2215,14 @@ mod tests {
         // table gives, bit for bit: the output, d(qkv) and the sums' gradient (through the
         // two-sided differences' backward on the table's path), at every instruction set
         // level and for a length that is not a multiple of the kernels' blocks.
-        use crate::nn::{with_backend, Backend};
+        use crate::nn::Backend;
         for dtype in [candle::DType::F32, candle::DType::F64] {
             for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
                 for shape in [(3, 13, 2, 4), (2, 64, 3, 8)] {
-                    with_backend(Backend::default().with_simd(level), || {
-                        let table = with_sided_bias(dtype, false, shape);
-                        let sided = with_sided_bias(dtype, true, shape);
+                    let backend = Backend::default().with_simd(level);
+                    {
+                        let table = with_sided_bias(dtype, false, shape, backend);
+                        let sided = with_sided_bias(dtype, true, shape, backend);
                         for (i, what) in ["output", "d(qkv)", "d(sums)"].iter().enumerate() {
                             assert!(table[i].iter().any(|v| *v != 0.0), "{what}: all zero");
                             assert_eq!(
@@ -2222,7 +2230,7 @@ mod tests {
                                 "{dtype:?} {level:?} {shape:?}: {what} differs"
                             );
                         }
-                    });
+                    }
                 }
             }
         }
@@ -2248,6 +2256,7 @@ mod tests {
         fused: bool,
         (b, t, h, dh): (usize, usize, usize, usize),
         (own, window, dropout): (Own, Option<usize>, bool),
+        backend: crate::nn::Backend,
     ) -> [Vec<f64>; 3] {
         use candle::{Var, D};
         let d = h * dh;
@@ -2320,7 +2329,7 @@ mod tests {
             Own::Polar { .. } => 0.37,
         };
         let out = if fused {
-            let op = Attention::new(h, scale, &key_bias, None, None, window)
+            let op = Attention::new(h, scale, &key_bias, None, None, window, backend.simd)
                 .with_polar(polar.as_ref())
                 .with_counts(counts.as_ref())
                 .with_transport(transport.as_ref());
@@ -2339,8 +2348,8 @@ mod tests {
             };
             let (q, k, v) = (heads(0), heads(1), heads(2));
             let mut s = match (&polar, &counts, &transport) {
-                (Some(polar), _, _) => polar.scores(&q, &k, scale).unwrap(),
-                (_, Some(counts), _) => counts.scores(&q, &k, scale).unwrap(),
+                (Some(polar), _, _) => polar.scores(&q, &k, scale, backend).unwrap(),
+                (_, Some(counts), _) => counts.scores(&q, &k, scale, backend).unwrap(),
                 (_, _, Some(transport)) => transport.scores(&q, &k, scale).unwrap(),
                 _ => unreachable!("a form is drawn"),
             };
@@ -2349,7 +2358,7 @@ mod tests {
             {
                 s = s.broadcast_add(&w).unwrap();
             }
-            let mut p = crate::nn::masked_softmax(&s, &key_bias).unwrap();
+            let mut p = crate::nn::masked_softmax(&s, &key_bias, backend).unwrap();
             if let Some(m) = &mask {
                 p = (p * m).unwrap();
             }
@@ -2397,18 +2406,16 @@ mod tests {
         cases: &[OwnCase],
         names: [&str; 3],
     ) {
-        use crate::nn::{with_backend, Backend};
+        use crate::nn::Backend;
         for (dtype, tol) in tolerances {
             for level in [SimdLevel::Baseline, SimdLevel::Avx2, SimdLevel::Avx512] {
                 for &(shape, own, window, dropout) in cases {
                     let case = (own, window, dropout);
-                    let (fused, composed) =
-                        with_backend(Backend::default().with_simd(level), || {
-                            (
-                                own_scores_attention(dtype, true, shape, case),
-                                own_scores_attention(dtype, false, shape, case),
-                            )
-                        });
+                    let backend = Backend::default().with_simd(level);
+                    let (fused, composed) = (
+                        own_scores_attention(dtype, true, shape, case, backend),
+                        own_scores_attention(dtype, false, shape, case, backend),
+                    );
                     for (i, what) in names.iter().enumerate() {
                         let top = composed[i].iter().fold(0.0f64, |m, v| m.max(v.abs()));
                         assert!(top > 1e-3, "{what}: all zero");
@@ -2536,6 +2543,7 @@ pub fn head_product_gflops(
     which: HeadProduct,
     (b, h, t, dh): (usize, usize, usize, usize),
     reps: usize,
+    simd: SimdLevel,
 ) -> f64 {
     let (d, tt) = (h * dh, t * t);
     let row = 3 * d;
@@ -2546,7 +2554,6 @@ pub fn head_product_gflops(
     );
     let mut out = zeros::<f32>(b * t * row);
     let dst = Shared(out.as_mut_ptr());
-    let simd = simd_level();
     let scale = 0.35f32;
     let gflop = 2.0 * (b * h * tt * dh) as f64 / 1e9;
     let rate = best_rate(gflop, reps, || {

@@ -19,7 +19,7 @@ use candle::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::linear::by_dtype;
-use super::{contiguous, simd_level, Real, SimdLevel};
+use super::{contiguous, Real, SimdLevel};
 
 fn forward<T: Real>(f: &[T], g: &[T], t: usize) -> Vec<T> {
     let mut out = vec![T::zero(); f.len() * t];
@@ -200,9 +200,9 @@ impl CustomOp1 for SidedDifferencesGrad {
 
 /// # Shapes
 /// - `f`, `g`: `(n, t)`; returns `(n, t, t)`
-pub(crate) fn sided_differences(f: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn sided_differences(f: &Tensor, g: &Tensor, simd: SimdLevel) -> Result<Tensor> {
     f.contiguous()?
-        .apply_op2(&g.contiguous()?, SidedDifferences { simd: simd_level() })
+        .apply_op2(&g.contiguous()?, SidedDifferences { simd })
 }
 
 #[cfg(test)]

@@ -208,8 +208,8 @@ pub(crate) fn times_grad_summed_par<T: Real>(
 }
 
 /// Exact GELU, fused.
-pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
-    pointwise::apply::<Gelu>(x)
+pub(crate) fn gelu(x: &Tensor, simd: SimdLevel) -> Result<Tensor> {
+    pointwise::apply::<Gelu>(x, simd)
 }
 
 #[cfg(test)]

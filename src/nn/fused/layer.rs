@@ -960,7 +960,7 @@ fn twin_mem(s: &CpuStorage, l: &Layout) -> Result<device::Mem> {
 mod tests {
     use super::super::{encoder_layer, layer_norm, test_uniform, Attention};
     use super::*;
-    use crate::nn::{AttentionBias, ForgetGates};
+    use crate::nn::{AttentionBias, ForgetGates, SimdLevel};
     use candle::{DType, Device, Var};
 
     fn uniform(len: usize, seed: u64, dims: &[usize]) -> Tensor {
@@ -975,7 +975,7 @@ mod tests {
         }
         let p = layer.as_tensor();
         let (w, b) = (p.narrow(0, 0, d).unwrap(), p.narrow(0, d, d).unwrap());
-        layer_norm(x, &w, &b, 1e-5).unwrap()
+        layer_norm(x, &w, &b, 1e-5, SimdLevel::detected()).unwrap()
     }
 
     /// `a` within `1e-12` of `b`'s largest magnitude, which is not 0.
@@ -1039,7 +1039,8 @@ mod tests {
                 0,
             )
             .unwrap();
-            let attention = Attention::new(h, scale, &key_bias, None, None, None);
+            let attention =
+                Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected());
             let inside = encoder_layer(
                 &x,
                 &packed,
@@ -1048,6 +1049,7 @@ mod tests {
                 LayerMasks::default(),
                 true,
                 None,
+                false,
             )
             .unwrap();
 
@@ -1057,7 +1059,7 @@ mod tests {
                 weight: weight.as_tensor().clone(),
                 bias: bias.as_tensor().clone(),
             };
-            let sums = gates.sums(&attn_in).unwrap();
+            let sums = gates.sums(&attn_in, crate::nn::Backend::default()).unwrap();
             let attention = Attention::new(
                 h,
                 scale,
@@ -1065,6 +1067,7 @@ mod tests {
                 None,
                 Some(AttentionBias::SidedSums(&sums)),
                 None,
+                SimdLevel::detected(),
             );
             let outside = encoder_layer(
                 &x,
@@ -1074,6 +1077,7 @@ mod tests {
                 LayerMasks::default(),
                 true,
                 None,
+                false,
             )
             .unwrap();
 
@@ -1159,7 +1163,8 @@ mod tests {
                 0,
             )
             .unwrap();
-            let attention = Attention::new(h, scale, &key_bias, None, None, None);
+            let attention =
+                Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected());
             let inside = encoder_layer(
                 &x,
                 &packed,
@@ -1168,6 +1173,7 @@ mod tests {
                 LayerMasks::default(),
                 true,
                 Some(reflections),
+                false,
             )
             .unwrap();
 
@@ -1179,17 +1185,21 @@ mod tests {
                 .unwrap()
                 .broadcast_add(&beta_bias)
                 .unwrap();
-            let (_, transport) = Transport::compose(Projections {
-                u: &u,
-                conv: reflections.conv,
-                z: &z,
-                mask: Some(&mask),
-                heads: h,
-                eps: 1e-6,
-            })
+            let (_, transport) = Transport::compose(
+                Projections {
+                    u: &u,
+                    conv: reflections.conv,
+                    z: &z,
+                    mask: Some(&mask),
+                    heads: h,
+                    eps: 1e-6,
+                },
+                crate::nn::Backend::default(),
+            )
             .unwrap();
-            let attention = Attention::new(h, scale, &key_bias, None, None, None)
-                .with_transport(Some(&transport));
+            let attention =
+                Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected())
+                    .with_transport(Some(&transport));
             let outside = encoder_layer(
                 &x,
                 &layer,
@@ -1198,6 +1208,7 @@ mod tests {
                 LayerMasks::default(),
                 true,
                 None,
+                false,
             )
             .unwrap();
 

@@ -396,13 +396,13 @@ impl CustomOp3 for LayerNormGrad {
 }
 
 /// LayerNorm of `x` over its last axis, fused (CPU, f32/f64, contiguous `x`).
-pub(crate) fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(
-        weight,
-        bias,
-        LayerNormOp {
-            eps,
-            simd: simd_level(),
-        },
-    )
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    simd: SimdLevel,
+) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op3(weight, bias, LayerNormOp { eps, simd })
 }

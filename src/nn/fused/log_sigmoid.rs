@@ -52,6 +52,6 @@ impl Pointwise for LogSigmoid {
 }
 
 /// `log σ(z)`, fused.
-pub(crate) fn log_sigmoid(z: &Tensor) -> Result<Tensor> {
-    pointwise::apply::<LogSigmoid>(z)
+pub(crate) fn log_sigmoid(z: &Tensor, simd: SimdLevel) -> Result<Tensor> {
+    pointwise::apply::<LogSigmoid>(z, simd)
 }

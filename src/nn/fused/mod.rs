@@ -26,7 +26,7 @@ use buffers::{
 pub(crate) use real::Real;
 use real::{cdf_pdf, sigmoid};
 use rows::{batch_sum, dots, maxes, sums, whole_blocks, FOLD_ROWS};
-pub(crate) use simd::{count_dispatch, simd_level};
+pub(crate) use simd::count_dispatch;
 pub use simd::{simd_dispatches, SimdLevel};
 
 mod adamw;
@@ -101,7 +101,9 @@ fn unsupported(what: &str, dtype: DType) -> candle::Error {
 /// - `x`: `(b, t, d)`; `params`: the packed vector of [`LayerShape`]
 /// - `inputs`: the attention's key bias `(b, t)`, rotary tables `(r, t, w)` and additive score
 ///   bias `(r, h, t, t)` (see [`Attention::new`])
+/// - `device`: on the device path (CUDA, or its CPU twin), else the CPU's kernels
 /// - returns `(b, t, d)`
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn encoder_layer(
     x: &Tensor,
     params: &Tensor,
@@ -110,6 +112,7 @@ pub(crate) fn encoder_layer(
     masks: LayerMasks,
     keep_activations: bool,
     reflections: Option<crate::nn::InputReflections>,
+    device: bool,
 ) -> Result<Tensor> {
     if shape.activation == crate::nn::Activation::Geglu {
         candle::bail!("the fused layer computes GELU and ReLU feed-forwards; GeGLU runs as ops");
@@ -127,7 +130,7 @@ pub(crate) fn encoder_layer(
     // A transport's reflections, made inside from the attention input: CPU kernels only.
     let reflections = match (reflections, shape.transport) {
         (None, None) => None,
-        (Some(r), Some(tr)) if !crate::nn::device_layer_for(x) => {
+        (Some(r), Some(tr)) if !device => {
             if r.taps()? != tr.taps || tr.heads != attention.head_count() {
                 candle::bail!(
                     "the fused layer's transport: {tr:?}, for reflections with {} taps over {} \
@@ -143,7 +146,7 @@ pub(crate) fn encoder_layer(
              their weights and their conv width"
         ),
     };
-    if crate::nn::device_layer_for(x) {
+    if device {
         // The device path: parameters in the activations' dtype (cast once per step, here),
         // the fixed inputs in the dtype values are computed in.
         let attention = attention.in_dtype(crate::nn::device::compute_dtype(x.dtype()))?;

@@ -93,9 +93,9 @@ impl<P: Pointwise> CustomOp2 for PointwiseGrad<P> {
 }
 
 /// `f(x)`, fused, differentiable.
-pub(super) fn apply<P: Pointwise>(x: &Tensor) -> Result<Tensor> {
+pub(super) fn apply<P: Pointwise>(x: &Tensor, simd: SimdLevel) -> Result<Tensor> {
     x.contiguous()?.apply_op1(PointwiseOp::<P> {
-        simd: simd_level(),
+        simd,
         _f: std::marker::PhantomData,
     })
 }

@@ -164,14 +164,20 @@ impl CustomOp3 for RopeOp {
 }
 
 /// RoPE of `x` `(b, h, t, d_head)` with the `(r, t, w)` tables of its pairing, fused.
-pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
+pub(crate) fn rope(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    interleaved: bool,
+    simd: SimdLevel,
+) -> Result<Tensor> {
     x.contiguous()?.apply_op3(
         &cos.contiguous()?,
         &sin.contiguous()?,
         RopeOp {
             interleaved,
             inverse: false,
-            simd: simd_level(),
+            simd,
         },
     )
 }

@@ -192,6 +192,7 @@ mod tests {
         dtype: DType,
         dims: (usize, usize, usize),
         groups: usize,
+        backend: crate::nn::Backend,
     ) -> (Vec<u64>, Vec<u64>) {
         let (b, t, w) = dims;
         let dev = Device::Cpu;
@@ -202,7 +203,7 @@ mod tests {
                 .unwrap(),
         )
         .unwrap();
-        let y = crate::nn::running_sums(x.as_tensor(), groups).unwrap();
+        let y = crate::nn::running_sums(x.as_tensor(), groups, backend).unwrap();
         assert_eq!(y.dims(), [groups, b, w / groups, t]);
         let weights = Tensor::from_vec(values(b * t * w, 2), y.shape(), &dev)
             .unwrap()
@@ -239,8 +240,8 @@ mod tests {
                 ((1, 5, 3), 3),
                 ((4, 1, 4), 1),
             ] {
-                let fused = sums_and_grad(dtype, dims, groups);
-                let composed = crate::nn::with_reference_ops(|| sums_and_grad(dtype, dims, groups));
+                let fused = sums_and_grad(dtype, dims, groups, crate::nn::Backend::default());
+                let composed = sums_and_grad(dtype, dims, groups, crate::nn::Backend::reference());
                 assert!(fused.0.iter().any(|v| f64::from_bits(*v) != 0.0));
                 assert!(fused.1.iter().any(|v| f64::from_bits(*v) != 0.0));
                 assert_eq!(fused.0, composed.0, "{dtype:?} {dims:?} / {groups}: sums");
@@ -263,12 +264,14 @@ mod tests {
     #[test]
     fn running_sums_refuse_channels_that_do_not_split_into_the_groups() {
         let x = Tensor::zeros((2, 3, 5), DType::F32, &Device::Cpu).unwrap();
-        let err = crate::nn::running_sums(&x, 2).unwrap_err().to_string();
+        let err = crate::nn::running_sums(&x, 2, crate::nn::Backend::default())
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("5 channels do not split into 2 groups"),
             "{err}"
         );
-        let err = crate::nn::with_reference_ops(|| crate::nn::running_sums(&x, 2))
+        let err = crate::nn::running_sums(&x, 2, crate::nn::Backend::reference())
             .unwrap_err()
             .to_string();
         assert!(

@@ -52,13 +52,6 @@ impl SimdLevel {
     }
 }
 
-/// The level the fused kernels launched on this thread run at: that of the backend in force
-/// (see [`crate::nn::Backend`]). An op reads it when it is created, on the thread that creates
-/// it, and passes it to the kernels it runs, on whichever threads they run.
-pub(crate) fn simd_level() -> SimdLevel {
-    crate::nn::backend().simd
-}
-
 /// Kernel calls run at each level (baseline, AVX2, AVX-512) in this process.
 static DISPATCHES: [std::sync::atomic::AtomicUsize; 3] =
     [const { std::sync::atomic::AtomicUsize::new(0) }; 3];

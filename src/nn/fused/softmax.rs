@@ -202,9 +202,12 @@ impl CustomOp2 for SoftmaxGrad {
 }
 
 /// `softmax(scores + bias)` with `scores` `(b, h, t, t)` and a key bias `(b, t)`, fused.
-pub(crate) fn masked_softmax(scores: &Tensor, key_bias: &Tensor) -> Result<Tensor> {
-    scores.contiguous()?.apply_op2(
-        &key_bias.contiguous()?,
-        MaskedSoftmax { simd: simd_level() },
-    )
+pub(crate) fn masked_softmax(
+    scores: &Tensor,
+    key_bias: &Tensor,
+    simd: SimdLevel,
+) -> Result<Tensor> {
+    scores
+        .contiguous()?
+        .apply_op2(&key_bias.contiguous()?, MaskedSoftmax { simd })
 }
