@@ -200,7 +200,7 @@ impl EncoderLayer {
     /// Whether the fused layer kernel computes this layer: it normalises the attention input
     /// and runs a GELU or ReLU feed-forward.
     fn fusable(&self) -> bool {
-        self.attn_norm.is_some() && self.ffn.activation() != crate::nn::Activation::Geglu
+        self.attn_norm.is_some() && self.ffn.activation().fused().is_some()
     }
 
     /// The layer's parameters packed in the order of the fused layer kernel:
@@ -284,7 +284,10 @@ impl EncoderLayer {
             ffn: self.ffn.up().weight().dim(0)?,
             eps: attn_norm.eps(),
             pre_norm: self.norm == NormPlacement::Pre,
-            activation: self.ffn.activation(),
+            activation: match self.ffn.activation().fused() {
+                Some(act) => act,
+                None => return Err(Error::Config("GeGLU layers run as ops".into())),
+            },
             gates: match gates {
                 Some(g) => g.weight.dim(0)?,
                 None => 0,
@@ -309,7 +312,10 @@ impl EncoderLayer {
             self.attn.fused_core(inputs, backend),
             masks,
             train,
-            reflections,
+            reflections
+                .as_ref()
+                .map(InputReflections::spec)
+                .transpose()?,
             backend.path(xs) == Path::Device,
         )?)
     }
@@ -363,7 +369,7 @@ impl EncoderLayer {
                 (Some(_), None, NormPlacement::Post) => own_bias(xs)?,
             };
             let inputs = AttentionInputs {
-                score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
+                score_bias: bias.as_ref().map(AttentionBias::from).or(inputs.score_bias),
                 ..inputs
             };
             let inside = (gates.as_ref(), reflections);
@@ -372,7 +378,7 @@ impl EncoderLayer {
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;
             let inputs = AttentionInputs {
-                score_bias: bias.as_ref().map(LayerBias::as_input).or(inputs.score_bias),
+                score_bias: bias.as_ref().map(AttentionBias::from).or(inputs.score_bias),
                 ..inputs
             };
             let y = self.attn.forward_t(x, inputs, train, backend)?;
@@ -610,7 +616,7 @@ impl Encoder {
         let device_layer =
             self.backend.path(table) == Path::Device && self.backend.whole_layers(table);
         if device_layer && input_ids.dtype() == DType::U32 {
-            Ok(crate::nn::device::lookup::lookup(table, input_ids)?)
+            Ok(crate::kernels::gpu::lookup::lookup(table, input_ids)?)
         } else {
             Ok(self.tok_emb.forward(input_ids)?)
         }

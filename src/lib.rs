@@ -51,6 +51,7 @@ pub mod error;
 pub mod heap;
 pub mod infer;
 pub mod io;
+pub mod kernels;
 mod keyed;
 pub mod layers;
 pub mod limits;
@@ -97,11 +98,6 @@ pub mod prelude {
     pub use crate::{Encoder, ModelConfig, NormPlacement, ParamStore, PositionalConfig, Positions};
 }
 
-/// The size from which [`tune_allocator`] leaves allocations to `mmap`: each one is then faulted
-/// in afresh, which is why the fused layer does not keep attention weights this large for its
-/// backward.
-pub(crate) const MMAP_THRESHOLD: usize = 32 << 20;
-
 /// Keeps freed tensor memory in the process for reuse (glibc on Linux; elsewhere nothing).
 ///
 /// glibc serves allocations above 128 KiB with `mmap` and returns them to the system when
@@ -114,7 +110,7 @@ pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only adjusts glibc's allocator parameters; any value is memory-safe.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as i32);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, kernels::MMAP_THRESHOLD as i32);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TOP_PAD, 64 << 20);
     }

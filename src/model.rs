@@ -215,7 +215,7 @@ impl TaskModel {
         targets: &Tensor,
         weights: Option<(&Tensor, f64)>,
     ) -> Result<Tensor> {
-        use crate::nn::device::head::{head_loss, Readout};
+        use crate::kernels::gpu::head::{head_loss, Readout};
         let Some(bias) = self.head.bias() else {
             return Err(Error::Config(
                 "the head's loss as one node needs its bias".into(),

@@ -86,21 +86,15 @@ impl AttentionBias<'_> {
     }
 }
 
-/// An [`AttentionBias`] a layer computes from its own input, owned.
-#[derive(Clone, Debug)]
-pub enum LayerBias {
-    /// See [`AttentionBias::Table`].
-    Table(Tensor),
-    /// See [`AttentionBias::SidedSums`].
-    SidedSums(Tensor),
-}
+/// An [`AttentionBias`] a layer computes from its own input, owned (the kernels' form).
+pub use crate::kernels::spec::LayerBias;
 
-impl LayerBias {
+impl<'a> From<&'a LayerBias> for AttentionBias<'a> {
     /// The bias as attention reads it.
-    pub fn as_input(&self) -> AttentionBias<'_> {
-        match self {
-            Self::Table(t) => AttentionBias::Table(t),
-            Self::SidedSums(s) => AttentionBias::SidedSums(s),
+    fn from(bias: &'a LayerBias) -> Self {
+        match bias {
+            LayerBias::Table(t) => AttentionBias::Table(t),
+            LayerBias::SidedSums(s) => AttentionBias::SidedSums(s),
         }
     }
 }
@@ -426,7 +420,7 @@ impl SelfAttention {
         if fused && (inputs.fused_scores() || transport.is_some()) {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
-            let qkv = super::fused::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
+            let qkv = crate::kernels::cpu::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
             let mask = self.dropout.multipliers(
                 &(b, self.n_heads, t, t).into(),
                 xs.dtype(),
@@ -435,8 +429,8 @@ impl SelfAttention {
             )?;
             let core = self
                 .fused_core(inputs, backend)
-                .with_transport(transport.as_ref());
-            let out = super::fused::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
+                .with_transport(transport.as_ref().map(super::Transport::spec));
+            let out = crate::kernels::cpu::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
             return Ok(self.o.forward(&out, backend)?);
         }
         let heads = |y: Tensor| -> Result<Tensor> {
@@ -489,17 +483,27 @@ impl SelfAttention {
         &self,
         inputs: AttentionInputs,
         backend: Backend,
-    ) -> super::fused::Attention {
-        super::fused::Attention::new(
+    ) -> crate::kernels::cpu::Attention {
+        crate::kernels::cpu::Attention::new(
             self.n_heads,
             self.scale,
             inputs.key_padding,
-            inputs.rotary,
-            inputs.score_bias,
+            inputs.rotary.map(Rotary::spec),
+            inputs.score_bias.as_ref().map(AttentionBias::owned),
             inputs.max_offset,
             backend.simd,
         )
-        .with_polar(inputs.scores.and_then(|s| s.polar()))
-        .with_counts(inputs.scores.and_then(|s| s.counts()))
+        .with_polar(
+            inputs
+                .scores
+                .and_then(|s| s.polar())
+                .map(super::Polar::spec),
+        )
+        .with_counts(
+            inputs
+                .scores
+                .and_then(|s| s.counts())
+                .map(super::GateCounts::spec),
+        )
     }
 }

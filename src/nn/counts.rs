@@ -65,6 +65,14 @@ impl GateCounts {
         &self.tables
     }
 
+    /// The tables and the mask as the fused kernels take them.
+    pub fn spec(&self) -> crate::kernels::spec::CountTables {
+        crate::kernels::spec::CountTables {
+            tables: self.tables.clone(),
+            mask: self.mask.clone(),
+        }
+    }
+
     /// The rows of each table.
     pub fn npos(&self) -> usize {
         self.tables.dims()[0] / 2

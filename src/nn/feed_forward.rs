@@ -21,6 +21,15 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The fused layer's form of it: GELU and ReLU (GeGLU layers run as ops).
+    pub fn fused(self) -> Option<crate::kernels::spec::Act> {
+        match self {
+            Self::Gelu => Some(crate::kernels::spec::Act::Gelu),
+            Self::Relu => Some(crate::kernels::spec::Act::Relu),
+            Self::Geglu => None,
+        }
+    }
+
     /// The name configs use: `gelu` or `relu`.
     pub fn name(self) -> &'static str {
         match self {

@@ -109,11 +109,11 @@ impl LayerNorm {
         let (w, b, eps) = (&self.weight, &self.bias, self.eps);
         let same = xs.dtype() == w.dtype();
         match backend.path(xs) {
-            Path::Fused => super::fused::layer_norm(xs, w, b, eps, backend.simd),
+            Path::Fused => crate::kernels::cpu::layer_norm(xs, w, b, eps, backend.simd),
             Path::Device if same && backend.whole_layers(xs) => {
-                super::device::norm::layer_norm(xs, w, b, eps)
+                crate::kernels::gpu::norm::layer_norm(xs, w, b, eps)
             }
-            Path::Device if same => super::cuda_ops::layer_norm(xs, w, b, eps),
+            Path::Device if same => crate::kernels::cuda_ops::layer_norm(xs, w, b, eps),
             _ => self.forward_reference(xs),
         }
     }

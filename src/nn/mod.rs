@@ -13,17 +13,21 @@
 
 mod attention;
 mod counts;
-mod cuda_ops;
-pub(crate) mod device;
 mod dropout;
 mod feed_forward;
-mod fused;
 mod layer_norm;
 mod ops;
 mod polar;
 mod rotary;
 mod transport;
 
+pub(crate) use crate::kernels::cpu::{
+    adamw_step, encoder_layer, LayerMasks, LayerShape, TransportShape,
+};
+pub use crate::kernels::{
+    head_product_gflops, linear_pass_gflops, matmul_gflops, simd_dispatches, HeadProduct,
+    LinearPass, SimdLevel,
+};
 pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
     QkScores, SelfAttention,
@@ -31,15 +35,12 @@ pub use attention::{
 pub use counts::{CountParts, GateCounts};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
-pub(crate) use fused::{adamw_step, encoder_layer, LayerMasks, LayerShape, TransportShape};
-pub use fused::{
-    head_product_gflops, linear_pass_gflops, matmul_gflops, simd_dispatches, HeadProduct,
-    LinearPass, SimdLevel,
-};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
-    gelu, linear, linear_no_bias, linear_with_bias, log_sigmoid, log_softmax_last_dim,
-    masked_softmax, rope_rotate, running_sums, sided_differences, softmax_last_dim, Linear,
+    gelu, gelu_reference, linear, linear_no_bias, linear_with_bias, log_sigmoid,
+    log_sigmoid_reference, log_softmax_last_dim, masked_softmax, rope_rotate,
+    rope_rotate_reference, running_sums, running_sums_reference, sided_differences,
+    softmax_last_dim, Linear,
 };
 pub use polar::Polar;
 pub use rotary::Rotary;
@@ -51,15 +52,13 @@ pub use transport::{
 /// see `poslab bench --launches`.
 pub mod device_path {
     #[cfg(feature = "cuda")]
-    pub use super::device::cuda::compile_check as compile_kernels;
-    pub use super::device::{counts, live_bytes, peak_bytes, reset_peak_bytes, Counts};
+    pub use crate::kernels::gpu::cuda::compile_check as compile_kernels;
+    pub use crate::kernels::gpu::{counts, live_bytes, peak_bytes, reset_peak_bytes, Counts};
 }
 
 use candle::{DType, Tensor};
 
-/// The score given to a padded key before the softmax: far enough below any real score that its
-/// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
-pub(crate) const MASKED_SCORE: f64 = -1e9;
+pub(crate) use crate::kernels::spec::MASKED_SCORE;
 
 /// The CPU cores this process may use (at least one): what the thread counts left to poslab
 /// share out.
@@ -204,10 +203,10 @@ impl Backend {
         let chosen = self.kernels;
         let twin = device.is_cpu() && self.cuda_twin;
         if (device.is_cpu() && matches!(dtype, DType::F32 | DType::F64))
-            || (device.is_cuda() && self::device::supports(dtype))
+            || (device.is_cuda() && crate::kernels::gpu::supports(dtype))
         {
             chosen
-        } else if twin && chosen == Kernels::Layer && self::device::supports(dtype) {
+        } else if twin && chosen == Kernels::Layer && crate::kernels::gpu::supports(dtype) {
             Kernels::Layer
         } else {
             Kernels::Reference
@@ -264,7 +263,7 @@ impl Backend {
 /// kept for tests: [`Backend::as_on_cuda`]).
 #[doc(hidden)]
 pub fn cuda_op_calls() -> usize {
-    cuda_ops::calls()
+    crate::kernels::cuda_ops::calls()
 }
 
 /// Where a model computes: its device, and the backend its layers run with. What a memory bound

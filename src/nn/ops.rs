@@ -62,7 +62,7 @@ impl Linear {
     /// - `xs`: `(..., in)`; returns `(..., out)`
     pub fn forward(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         match backend.path(xs) {
-            Path::Fused => super::fused::linear(xs, &self.weight, self.bias.as_ref()),
+            Path::Fused => crate::kernels::cpu::linear(xs, &self.weight, self.bias.as_ref()),
             Path::Reference | Path::Device => self.forward_reference(xs),
         }
     }
@@ -177,8 +177,8 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor, backend: Backend) -> R
     }
     let biased = || scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?);
     match backend.path(scores) {
-        Path::Fused => super::fused::masked_softmax(scores, key_bias, backend.simd),
-        Path::Device => super::cuda_ops::softmax_last_dim(&biased()?),
+        Path::Fused => crate::kernels::cpu::masked_softmax(scores, key_bias, backend.simd),
+        Path::Device => crate::kernels::cuda_ops::softmax_last_dim(&biased()?),
         Path::Reference => softmax_last_dim(&biased()?),
     }
 }
@@ -204,7 +204,7 @@ pub fn rope_rotate(
         return rotated.to_dtype(x.dtype());
     }
     match backend.path(x) {
-        Path::Fused => super::fused::rope(x, cos, sin, interleaved, backend.simd),
+        Path::Fused => crate::kernels::cpu::rope(x, cos, sin, interleaved, backend.simd),
         Path::Reference | Path::Device => rope_rotate_reference(x, cos, sin, interleaved),
     }
 }
@@ -252,7 +252,7 @@ pub fn rope_rotate_reference(
 /// Any shape; the output has the input's.
 pub fn log_sigmoid(z: &Tensor, backend: Backend) -> Result<Tensor> {
     match backend.path(z) {
-        Path::Fused => super::fused::log_sigmoid(z, backend.simd),
+        Path::Fused => crate::kernels::cpu::log_sigmoid(z, backend.simd),
         Path::Reference | Path::Device => log_sigmoid_reference(z),
     }
 }
@@ -273,8 +273,8 @@ pub fn log_sigmoid_reference(z: &Tensor) -> Result<Tensor> {
 pub fn running_sums(x: &Tensor, groups: usize, backend: Backend) -> Result<Tensor> {
     let dims = x.dims3()?;
     match backend.path(x) {
-        Path::Fused if super::fused::running_sums_in_order(dims) => {
-            super::fused::running_sums(x, groups)
+        Path::Fused if crate::kernels::cpu::running_sums_in_order(dims) => {
+            crate::kernels::cpu::running_sums(x, groups)
         }
         _ => running_sums_reference(x, groups),
     }
@@ -283,7 +283,7 @@ pub fn running_sums(x: &Tensor, groups: usize, backend: Backend) -> Result<Tenso
 /// [`running_sums`]' composition.
 pub fn running_sums_reference(x: &Tensor, groups: usize) -> Result<Tensor> {
     let (b, t, width) = x.dims3()?;
-    let channels = super::fused::running_sums_channels(width, groups)?;
+    let channels = crate::kernels::cpu::running_sums_channels(width, groups)?;
     let sums = x.transpose(1, 2)?.contiguous()?.cumsum(candle::D::Minus1)?; // (b, S C, t)
     sums.reshape((b, groups, channels, t))?
         .transpose(0, 1)?
@@ -309,7 +309,7 @@ pub fn sided_differences(f: &Tensor, g: &Tensor, backend: Backend) -> Result<Ten
         return Tensor::zeros((n, t, t), f.dtype(), f.device());
     }
     match backend.path(f) {
-        Path::Fused => super::fused::sided_differences(f, g, backend.simd),
+        Path::Fused => crate::kernels::cpu::sided_differences(f, g, backend.simd),
         Path::Reference | Path::Device => sided_differences_reference(f, g),
     }
 }
@@ -334,8 +334,8 @@ fn sided_differences_reference(f: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// Any shape; the output has the input's.
 pub fn gelu(xs: &Tensor, backend: Backend) -> Result<Tensor> {
     match backend.path(xs) {
-        Path::Fused => super::fused::gelu(xs, backend.simd),
-        Path::Device => super::cuda_ops::gelu(xs),
+        Path::Fused => crate::kernels::cpu::gelu(xs, backend.simd),
+        Path::Device => crate::kernels::cuda_ops::gelu(xs),
         Path::Reference => gelu_reference(xs),
     }
 }

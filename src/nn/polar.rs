@@ -37,6 +37,15 @@ impl Polar {
         (&self.cos, &self.sin)
     }
 
+    /// The tables and offsets as the fused kernels take them.
+    pub fn spec(&self) -> crate::kernels::spec::PolarTables {
+        crate::kernels::spec::PolarTables {
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            offsets: self.offsets.clone(),
+        }
+    }
+
     /// The keys' phase offsets `δ`, `(h, d_head)`.
     pub fn offsets(&self) -> &Tensor {
         &self.offsets

@@ -68,6 +68,15 @@ impl Rotary {
         (&self.cos, &self.sin, self.interleaved)
     }
 
+    /// The tables as the fused kernels take them.
+    pub fn spec(&self) -> crate::kernels::spec::RopeTables {
+        crate::kernels::spec::RopeTables {
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            interleaved: self.interleaved,
+        }
+    }
+
     /// How many leading coordinates of a head are rotated.
     pub fn width(&self) -> usize {
         self.cos.dims()[2]
@@ -100,17 +109,17 @@ impl Rotary {
             Some(half) => half,
             None => {
                 let half = (
-                    super::cuda_ops::half_table(&self.cos, self.interleaved)?,
-                    super::cuda_ops::half_table(&self.sin, self.interleaved)?,
+                    crate::kernels::cuda_ops::half_table(&self.cos, self.interleaved)?,
+                    crate::kernels::cuda_ops::half_table(&self.sin, self.interleaved)?,
                 );
                 self.half.get_or_init(|| half)
             }
         };
         let (d, w) = (x.dim(D::Minus1)?, self.width());
         if w == d {
-            return super::cuda_ops::rope(x, &half.0, &half.1, self.interleaved);
+            return crate::kernels::cuda_ops::rope(x, &half.0, &half.1, self.interleaved);
         }
-        let rotated = super::cuda_ops::rope(
+        let rotated = crate::kernels::cuda_ops::rope(
             &x.narrow(D::Minus1, 0, w)?,
             &half.0,
             &half.1,

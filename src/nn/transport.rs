@@ -82,6 +82,15 @@ pub struct InputReflections<'a> {
 }
 
 impl InputReflections<'_> {
+    /// What the fused layer needs beside the weights to make the reflections.
+    pub(crate) fn spec(&self) -> candle::Result<crate::kernels::spec::ReflectionInputs<'_>> {
+        Ok(crate::kernels::spec::ReflectionInputs {
+            taps: self.taps()?,
+            eps: self.eps,
+            mask: self.mask,
+        })
+    }
+
     /// The weights flattened in the fused layer's order: `W_w`, the taps, `W_b`, `b_b`.
     pub(crate) fn flat(&self) -> candle::Result<Vec<Tensor>> {
         let parts = [
@@ -194,7 +203,7 @@ impl Transport {
         };
         let z = p.z.to_dtype(p.u.dtype())?;
         let reflections =
-            super::fused::reflections(p.u, taps.as_ref(), &z, p.mask, (p.heads, p.eps))?;
+            crate::kernels::cpu::reflections(p.u, taps.as_ref(), &z, p.mask, (p.heads, p.eps))?;
         Ok(Self { reflections })
     }
 
@@ -241,6 +250,13 @@ impl Transport {
         }
         let beta = beta.transpose(1, 2)?.contiguous()?;
         Ok((u, Self::new(&w, &beta)?))
+    }
+
+    /// The reflections as the fused kernels take them.
+    pub fn spec(&self) -> crate::kernels::spec::Reflected {
+        crate::kernels::spec::Reflected {
+            reflections: self.reflections.clone(),
+        }
     }
 
     /// `[w | β]`, `(b, h, t, d_head + 1)`.

@@ -281,7 +281,7 @@ impl AdamW {
         }
         self.device_update(
             &on_device,
-            &crate::nn::device::AdamWStep {
+            &crate::kernels::gpu::AdamWStep {
                 beta1,
                 beta2,
                 eps,
@@ -325,10 +325,10 @@ impl AdamW {
     fn device_update(
         &mut self,
         vars: &[(usize, Tensor)],
-        step: &crate::nn::device::AdamWStep,
+        step: &crate::kernels::gpu::AdamWStep,
         weight_decay: f64,
     ) -> Result<()> {
-        use crate::nn::device;
+        use crate::kernels::gpu as device;
         let mut devices: Vec<candle::DeviceLocation> = Vec::new();
         for (_, g) in vars {
             if !devices.contains(&g.device().location()) {
@@ -529,7 +529,7 @@ fn device_sum_squares(
     gradients: &[Tensor],
     backend: crate::nn::Backend,
 ) -> Result<Option<Vec<f64>>> {
-    use crate::nn::device;
+    use crate::kernels::gpu as device;
     let Some(first) = gradients.first() else {
         return Ok(None);
     };
@@ -645,7 +645,7 @@ mod tests {
                 false => crate::nn::Kernels::Reference,
                 true => crate::nn::Kernels::Layer,
             };
-            let before = crate::nn::device::counts();
+            let before = crate::kernels::gpu::counts();
             let backend = crate::nn::Backend::default().with_kernels(kernels);
             let backend = if device {
                 backend.as_on_cuda()
@@ -769,7 +769,7 @@ mod tests {
                 }
             }
             // The device path: one kernel a step (after one copy of the variables' addresses).
-            let launched = (crate::nn::device::counts() - before).kernels;
+            let launched = (crate::kernels::gpu::counts() - before).kernels;
             assert_eq!(launched, if device { 4 } else { 0 }, "device {device}");
         }
     }
@@ -821,9 +821,9 @@ mod tests {
                 out.extend(opt.slots.iter().map(|s| values(&s.moments)));
                 out
             };
-            let before = crate::nn::device::counts().kernels;
+            let before = crate::kernels::gpu::counts().kernels;
             let out = run();
-            let launched = crate::nn::device::counts().kernels - before;
+            let launched = crate::kernels::gpu::counts().kernels - before;
             assert_eq!(launched, if device { 3 } else { 0 }, "device {device}");
             out
         };
@@ -863,7 +863,7 @@ mod tests {
         // Views into one packed gradient (as a ParamStore's parts are), longer than one chunk
         // of the kernel, with a known sum of squares: values k / 1000 for k < n, so each part's
         // is sum(k^2) / 1e6 over its range.
-        let n = 3 * crate::nn::device::ADAMW_CHUNK / 2 + 7;
+        let n = 3 * crate::kernels::gpu::ADAMW_CHUNK / 2 + 7;
         let sum_sq =
             |r: std::ops::Range<usize>| -> f64 { r.map(|k| (k as f64 / 1000.0).powi(2)).sum() };
         for dtype in [DType::F32, DType::F64] {
@@ -875,17 +875,17 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let split = crate::nn::device::ADAMW_CHUNK + 3;
+            let split = crate::kernels::gpu::ADAMW_CHUNK + 3;
             let parts = vec![
                 packed.narrow(0, 0, split).unwrap(),
                 packed.narrow(0, split, n - split).unwrap(),
             ];
             let expected = (sum_sq(0..split) + sum_sq(split..n)).sqrt();
             let composed = grad_norm(&parts, crate::nn::Backend::default()).unwrap();
-            let before = crate::nn::device::counts();
+            let before = crate::kernels::gpu::counts();
             let twin = crate::nn::Backend::default().as_on_cuda();
             let device = grad_norm(&parts, twin).unwrap();
-            let counts = crate::nn::device::counts() - before;
+            let counts = crate::kernels::gpu::counts() - before;
             // One launch and two copies (the parts' table there, the sums back).
             assert_eq!((counts.kernels, counts.copies), (1, 2), "{dtype:?}");
             // f32: the values are f32 roundings of k / 1000 (relative 6e-8 each); f64 exact

@@ -105,6 +105,135 @@ fn no_two_modules_import_each_other() {
     );
 }
 
+/// The folder a module's file lies in (`nn/fused/layer.rs` and `nn/fused/mod.rs`: `nn::fused`).
+fn folder_of(module: &[String], folders: &BTreeSet<Vec<String>>) -> Vec<String> {
+    match folders.contains(module) {
+        true => module.to_vec(),
+        false => module[..module.len().saturating_sub(1)].to_vec(),
+    }
+}
+
+/// The strongly connected components of more than one node of `graph` (Tarjan's algorithm).
+fn cycles(graph: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Vec<Vec<String>> {
+    struct Walk<'a> {
+        graph: &'a BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        index: BTreeMap<&'a Vec<String>, (usize, usize)>,
+        stack: Vec<&'a Vec<String>>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit<'a>(w: &mut Walk<'a>, v: &'a Vec<String>) {
+        let n = w.index.len();
+        w.index.insert(v, (n, n));
+        w.stack.push(v);
+        for t in w.graph.get(v).into_iter().flatten() {
+            let Some((t, _)) = w.graph.get_key_value(t) else {
+                continue;
+            };
+            match w.index.get(t).copied() {
+                None => {
+                    visit(w, t);
+                    let low = w.index[t].1.min(w.index[v].1);
+                    w.index.get_mut(v).unwrap().1 = low;
+                }
+                Some((ti, _)) if w.stack.contains(&t) => {
+                    let low = ti.min(w.index[v].1);
+                    w.index.get_mut(v).unwrap().1 = low;
+                }
+                Some(_) => {}
+            }
+        }
+        let (i, low) = w.index[v];
+        if i == low {
+            let mut component = Vec::new();
+            while let Some(u) = w.stack.pop() {
+                component.push(u.join("::"));
+                if u == v {
+                    break;
+                }
+            }
+            if component.len() > 1 {
+                component.sort();
+                w.out.push(component);
+            }
+        }
+    }
+    let mut w = Walk {
+        graph,
+        index: BTreeMap::new(),
+        stack: Vec::new(),
+        out: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !w.index.contains_key(v) {
+            visit(&mut w, v);
+        }
+    }
+    w.out
+}
+
+#[test]
+fn no_folders_import_each_other_in_a_circle() {
+    // Folders as nodes, an edge where a file of one names a module of another (a folder and
+    // the folders inside it are one family, as a parent module declares its children).
+    let graph = imports();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let folders: BTreeSet<Vec<String>> = crate::common::files_with_extension(&src, "rs")
+        .iter()
+        .filter(|f| f.file_name().is_some_and(|n| n == "mod.rs"))
+        .map(|f| module_of(&src, f))
+        .collect();
+    let mut by_folder: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (module, targets) in &graph {
+        let from = folder_of(module, &folders);
+        let entry = by_folder.entry(from.clone()).or_default();
+        for t in targets {
+            let to = folder_of(t, &folders);
+            if !from.starts_with(&to) && !to.starts_with(&from) {
+                entry.insert(to);
+            }
+        }
+    }
+    assert!(by_folder.len() > 10, "found {} folders", by_folder.len());
+    let circles = cycles(&by_folder);
+    assert!(
+        circles.is_empty(),
+        "folders that import each other in a circle: {circles:?}"
+    );
+    // The check finds a circle where there is one.
+    let mut circle = by_folder.clone();
+    let (a, b) = (vec!["runs".to_string()], vec!["render".to_string()]);
+    circle.entry(a.clone()).or_default().insert(b.clone());
+    circle.entry(b).or_default().insert(a);
+    assert_eq!(cycles(&circle).len(), 1);
+}
+
+#[test]
+fn the_kernels_are_a_leaf() {
+    // The kernels take tensors, slices, shapes and their own specs: they name no module of
+    // the model, no scheme, no config and nothing of the lab.
+    let graph = imports();
+    let mut wrong = Vec::new();
+    for (module, targets) in &graph {
+        if module.first().map(String::as_str) != Some("kernels") {
+            continue;
+        }
+        for t in targets {
+            if t.first().map(String::as_str) != Some("kernels") {
+                wrong.push(format!("{} -> {}", module.join("::"), t.join("::")));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the kernels name modules outside them: {wrong:?}"
+    );
+    let layer = &graph[&["kernels", "cpu", "layer"].map(String::from).to_vec()];
+    assert!(
+        layer.iter().any(|t| t[..2] == ["kernels", "spec"]),
+        "{layer:?}"
+    );
+}
+
 #[test]
 fn the_core_imports_nothing_above_it() {
     let core = [

@@ -318,8 +318,7 @@ fn fox_bias_is_zero_on_the_diagonal_and_never_positive() {
         .unwrap()
         .unwrap();
     assert!(matches!(sums, poslab::nn::LayerBias::SidedSums(_)));
-    let bias = sums
-        .as_input()
+    let bias = poslab::nn::AttentionBias::from(&sums)
         .table(poslab::nn::Backend::default())
         .unwrap();
     let (b, h, t, _) = bias.dims4().unwrap();

@@ -11,7 +11,7 @@
 //!
 //! On the CPU the same ops compute in plain loops, so the tests hold them to the reference
 //! compositions, forward and backward, without a GPU; the layers use them on CUDA only (the
-//! CPU has its own fused kernels, [`super::fused`]). Softmax, LayerNorm and RoPE take f32 or
+//! CPU has its own fused kernels, [`super::cpu`]). Softmax, LayerNorm and RoPE take f32 or
 //! f64 (half-precision activations are cast up first, as everywhere: statistics and rotations
 //! stay f32).
 //!
@@ -758,7 +758,7 @@ mod tests {
             compare(
                 &[masked],
                 &|t| softmax_last_dim(&t[0]).unwrap(),
-                &|t| super::super::ops::softmax_last_dim(&t[0]).unwrap(),
+                &|t| crate::nn::softmax_last_dim(&t[0]).unwrap(),
                 tol,
                 &format!("softmax {dtype:?}"),
             );
@@ -766,7 +766,7 @@ mod tests {
         // A transposed (non-contiguous) input is made contiguous first.
         let x = random(&[4, 6], 2, DType::F64);
         let a = softmax_last_dim(&x.t().unwrap()).unwrap();
-        let b = super::super::ops::softmax_last_dim(&x.t().unwrap()).unwrap();
+        let b = crate::nn::softmax_last_dim(&x.t().unwrap()).unwrap();
         assert!(max_diff(&a, &b) < 1e-12);
     }
 
@@ -823,7 +823,7 @@ mod tests {
                         &[x],
                         &|t| rope(&t[0], &hc, &hs, interleaved).unwrap(),
                         &|t| {
-                            super::super::ops::rope_rotate_reference(&t[0], &cos, &sin, interleaved)
+                            crate::nn::rope_rotate_reference(&t[0], &cos, &sin, interleaved)
                                 .unwrap()
                         },
                         tol,

@@ -435,7 +435,7 @@ macro_rules! by_dtype {
                 type $t = f64;
                 <$t as candle::WithDType>::to_cpu_storage_owned($body)
             }
-            dt => return Err($crate::nn::fused::unsupported($what, dt)),
+            dt => return Err($crate::kernels::cpu::unsupported($what, dt)),
         }
     };
 }

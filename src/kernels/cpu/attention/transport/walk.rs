@@ -386,7 +386,7 @@ mod tests {
         fn check<T: Real>() {
             let (t, dh) = (37, 5);
             let values = |len: usize, seed: u64| -> Vec<T> {
-                crate::nn::fused::test_uniform(len, seed)
+                crate::kernels::cpu::test_uniform(len, seed)
                     .map(|u| T::lit(u * 2.0 - 1.0))
                     .collect()
             };

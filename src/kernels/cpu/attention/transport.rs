@@ -13,7 +13,7 @@ mod blocks;
 mod walk;
 
 use super::Real;
-use crate::nn::SimdLevel;
+use crate::kernels::SimdLevel;
 
 /// One head's operands: q and k `(t, d_head)` in rows, the reflections `[w | β]`
 /// `(t, d_head + 1)`, and the score scale.

@@ -360,7 +360,7 @@ mod tests {
     fn run(dtype: DType, fused: bool, k: usize, masked: bool) -> Vec<Vec<f64>> {
         let (b, t, d, h) = (3, 11, 12, 3);
         let uniform = |len: usize, seed: u64, dims: &[usize], scale: f64| {
-            let v: Vec<f64> = crate::nn::fused::test_uniform(len, seed)
+            let v: Vec<f64> = crate::kernels::cpu::test_uniform(len, seed)
                 .map(|u| (u * 2.0 - 1.0) * scale)
                 .collect();
             Var::from_tensor(

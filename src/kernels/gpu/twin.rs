@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::*;
-use crate::nn::fused::Real;
+use crate::kernels::Real;
 
 /// A stored value, computed as `C`.
 pub(crate) trait Store<C>: Copy + Send + Sync + 'static {
@@ -917,7 +917,7 @@ fn heads_twin<S: Store<C>, C: Real + Store<C>>(
     Ok(())
 }
 
-/// RoPE's rotation of one head row (see [`crate::nn::fused::Rotation`]): `sign` -1 rotates back.
+/// RoPE's rotation of one head row (see [`crate::kernels::cpu::Rotation`]): `sign` -1 rotates back.
 fn rotate<C: Real>(x: &[C], c: &[C], s: &[C], interleaved: bool, sign: C) -> Vec<C> {
     let w = c.len();
     let half = w / 2;
@@ -958,7 +958,7 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
         holds::<S, C>(m, n.scores(), "the attention dropout mask")?;
         holds::<S, C>(pm, n.scores(), "the dropped weights")?;
     }
-    let masked = C::lit(crate::nn::MASKED_SCORE);
+    let masked = C::lit(crate::kernels::spec::MASKED_SCORE);
     let half = n.b * n.h * t;
     rows_par(n.b * n.h * t, t, |row| {
         let (bh, i) = (row / t, row % t);

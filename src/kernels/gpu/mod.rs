@@ -1,6 +1,6 @@
 //! The encoder layer as a sequence of device operations: the CUDA path, and its CPU twin.
 //!
-//! On the CPU each encoder layer is one autograd node ([`super::fused`]). This module gives
+//! On the CPU each encoder layer is one autograd node ([`super::cpu`]). This module gives
 //! CUDA the same design: the layer's forward and backward ([`layer`]) are written once, as a
 //! sequence of operations on a [`Stream`], each of which is one CUDA kernel launch or one cuBLAS
 //! call on a GPU. Two streams implement them:
@@ -39,6 +39,8 @@ pub(crate) mod cuda;
 use std::cell::Cell;
 
 use candle::{CpuStorage, DType, Result};
+
+pub(crate) use super::spec::Act;
 
 /// A span of device memory: where it starts, how many values of which dtype it holds.
 ///
@@ -359,14 +361,6 @@ pub(crate) struct NormBack {
     pub out: Mem,
     pub mask: Option<(Mem, Mem)>,
     pub params: Mem,
-}
-
-/// The feed-forward nonlinearity of [`Stream::bias_act`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Act {
-    /// GELU with the exact (erf) CDF.
-    Gelu,
-    Relu,
 }
 
 /// One variable of [`Stream::adamw`]: its weights, gradient and moments `[m; v]` (each of the

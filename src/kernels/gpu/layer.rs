@@ -1,6 +1,6 @@
 //! One encoder layer, forward and backward, as device operations on a [`Stream`].
 //!
-//! The same layer as the fused CPU kernel ([`crate::nn::fused`]'s `layer.rs`), with the same
+//! The same layer as the fused CPU kernel ([`crate::kernels::cpu`]'s `layer.rs`), with the same
 //! packed parameters and the same saved activations, written as a sequence of matrix products
 //! and row kernels. `n = b t` tokens, `d` the width, `f` the feed-forward width:
 //!
@@ -29,7 +29,7 @@
 use candle::{DType, Result};
 
 use super::*;
-use crate::nn::fused::Offsets;
+use crate::kernels::spec::Offsets;
 
 /// The attention weights of one layer are kept for the backward while they take at most this
 /// much; larger ones are recomputed there (one batched product and one softmax: about 2% of a

@@ -42,7 +42,7 @@
 
 use super::Real;
 use super::{Head, Side};
-use crate::nn::fused::linear::matmul;
+use crate::kernels::cpu::linear::matmul;
 use gemm::Parallelism;
 
 /// Tokens in a block. Each block's products are `n x n x d_head`, `n x n x n` and
@@ -688,7 +688,7 @@ mod tests {
     use super::*;
 
     fn values<T: Real>(len: usize, seed: u64) -> Vec<T> {
-        crate::nn::fused::test_uniform(len, seed)
+        crate::kernels::cpu::test_uniform(len, seed)
             .map(|u| T::lit(u * 2.0 - 1.0))
             .collect()
     }

@@ -62,127 +62,8 @@ use super::{
     activation_par, activation_with_grad_par, contiguous, times_grad_summed_par, zeros, Real,
 };
 use super::{pointwise, running_sums};
-use crate::nn::device;
-
-/// The widths of a layer and where each parameter sits in the packed vector.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LayerShape {
-    pub d: usize,
-    pub ffn: usize,
-    pub eps: f64,
-    pub pre_norm: bool,
-    /// The feed-forward nonlinearity.
-    pub activation: crate::nn::Activation,
-    /// Forget-gate channels computed from the attention input (2 × heads: forward gates, then
-    /// backward), whose running sums bias the scores; 0 for none.
-    pub gates: usize,
-    /// Scores through a transport whose reflections the layer makes from its attention input
-    /// ([`crate::nn::Transport`]); `None` for scores without.
-    pub transport: Option<TransportShape>,
-}
-
-/// The widths of a transport's reflections made inside a layer.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct TransportShape {
-    /// The heads, one strength each.
-    pub heads: usize,
-    /// The width `K` of the short convolution (0: none).
-    pub taps: usize,
-}
-
-/// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
-/// `W_qkv` `(3d, d)` (q, k, v stacked), `b_qkv` `(3d)`, `W_o` `(d, d)`, `b_o`,
-/// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`, and with
-/// gates `W_g` `(gates, d)`, `b_g` `(gates)`, and with a transport its reflections' `W_w`
-/// `(d, d)`, the conv's taps `(d, K)`, `W_b` `(heads, d)` and `b_b` `(heads)`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Offsets {
-    pub ln1: usize,
-    pub wqkv: usize,
-    pub bqkv: usize,
-    pub wo: usize,
-    pub bo: usize,
-    pub ln2: usize,
-    pub wup: usize,
-    pub bup: usize,
-    pub wdown: usize,
-    pub bdown: usize,
-    pub wg: usize,
-    pub bg: usize,
-    pub ww: usize,
-    pub taps: usize,
-    pub wb: usize,
-    pub bb: usize,
-    pub len: usize,
-}
-
-impl LayerShape {
-    pub(crate) fn offsets(&self) -> Offsets {
-        let (d, f) = (self.d, self.ffn);
-        let mut at = 0;
-        let mut take = |n: usize| {
-            let start = at;
-            at += n;
-            start
-        };
-        let ln1 = take(2 * d);
-        let wqkv = take(3 * d * d);
-        let bqkv = take(3 * d);
-        let wo = take(d * d);
-        let bo = take(d);
-        let ln2 = take(2 * d);
-        let wup = take(f * d);
-        let bup = take(f);
-        let wdown = take(d * f);
-        let bdown = take(d);
-        let wg = take(self.gates * d);
-        let bg = take(self.gates);
-        let (rows, k, h) = match self.transport {
-            Some(tr) => (d, tr.taps, tr.heads),
-            None => (0, 0, 0),
-        };
-        let ww = take(rows * d);
-        let taps = take(d * k);
-        let wb = take(h * d);
-        let bb = take(h);
-        Offsets {
-            ln1,
-            wqkv,
-            bqkv,
-            wo,
-            bo,
-            ln2,
-            wup,
-            bup,
-            wdown,
-            bdown,
-            wg,
-            bg,
-            ww,
-            taps,
-            wb,
-            bb,
-            len: at,
-        }
-    }
-
-    /// The length of the packed parameter vector.
-    pub fn packed_len(&self) -> usize {
-        self.offsets().len
-    }
-}
-
-/// Dropout multipliers of one layer's forward pass, each drawn beforehand in the order the
-/// reference composition draws them.
-#[derive(Clone, Default)]
-pub(crate) struct LayerMasks {
-    /// `(b, h, t, t)` on the attention weights
-    pub attention: Option<Tensor>,
-    /// `(b, t, d)` on the attention branch
-    pub attention_out: Option<Tensor>,
-    /// `(b, t, d)` on the feed-forward branch
-    pub ffn_out: Option<Tensor>,
-}
+use crate::kernels::gpu as device;
+use crate::kernels::spec::{LayerMasks, LayerShape, TransportShape};
 
 /// The activations the backward needs, kept by the forward.
 struct Saved<T> {
@@ -222,7 +103,7 @@ pub(crate) struct LayerOp {
     masks: LayerMasks,
     /// Keep activations for the backward (training).
     keep: bool,
-    /// Computed as device operations ([`crate::nn::device`]): on CUDA always, on the CPU by
+    /// Computed as device operations ([`crate::kernels::gpu`]): on CUDA always, on the CPU by
     /// the twin (the tests' way to run the CUDA path's sequence without a GPU).
     device: bool,
     saved: Mutex<Option<Box<dyn Any + Send>>>,
@@ -611,7 +492,7 @@ impl LayerOp {
     }
 }
 
-/// The layer on the device path ([`crate::nn::device`]): its description, and its fixed inputs
+/// The layer on the device path ([`crate::kernels::gpu`]): its description, and its fixed inputs
 /// as device memory (the guards that keep them valid are `held`).
 impl LayerOp {
     fn device_spec(&self) -> Result<device::layer::Spec> {
@@ -631,13 +512,7 @@ impl LayerOp {
             ffn: self.shape.ffn,
             eps: self.shape.eps,
             pre_norm: self.shape.pre_norm,
-            act: match self.shape.activation {
-                crate::nn::Activation::Gelu => device::Act::Gelu,
-                crate::nn::Activation::Relu => device::Act::Relu,
-                crate::nn::Activation::Geglu => {
-                    candle::bail!("the fused layer computes GELU and ReLU feed-forwards")
-                }
-            },
+            act: self.shape.activation,
             offsets: self.shape.offsets(),
         })
     }
@@ -1015,7 +890,7 @@ mod tests {
                 ffn: f,
                 eps: 1e-5,
                 pre_norm,
-                activation: crate::nn::Activation::Gelu,
+                activation: crate::kernels::spec::Act::Gelu,
                 gates: 0,
                 transport: None,
             };
@@ -1065,7 +940,7 @@ mod tests {
                 scale,
                 &key_bias,
                 None,
-                Some(AttentionBias::SidedSums(&sums)),
+                Some(AttentionBias::SidedSums(&sums).owned()),
                 None,
                 SimdLevel::detected(),
             );
@@ -1127,7 +1002,7 @@ mod tests {
                 ffn: f,
                 eps: 1e-5,
                 pre_norm,
-                activation: crate::nn::Activation::Gelu,
+                activation: crate::kernels::spec::Act::Gelu,
                 gates: 0,
                 transport: None,
             };
@@ -1172,7 +1047,7 @@ mod tests {
                 attention,
                 LayerMasks::default(),
                 true,
-                Some(reflections),
+                Some(reflections.spec().unwrap()),
                 false,
             )
             .unwrap();
@@ -1199,7 +1074,7 @@ mod tests {
             .unwrap();
             let attention =
                 Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected())
-                    .with_transport(Some(&transport));
+                    .with_transport(Some(transport.spec()));
             let outside = encoder_layer(
                 &x,
                 &layer,

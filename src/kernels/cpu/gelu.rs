@@ -110,7 +110,7 @@ pub(crate) fn activation_par<T: Real>(
     simd: SimdLevel,
     mut x: Vec<T>,
     bias: Option<&[T]>,
-    activation: crate::nn::Activation,
+    activation: crate::kernels::spec::Act,
 ) -> Vec<T> {
     let chunk = row_chunk(bias.map_or(1, <[T]>::len));
     x.par_chunks_mut(chunk).for_each(|xc| {
@@ -118,13 +118,12 @@ pub(crate) fn activation_par<T: Real>(
             add_bias_rows(xc, b);
         }
         match activation {
-            crate::nn::Activation::Gelu => gelu_in_place_rows(simd, xc),
-            crate::nn::Activation::Relu => {
+            crate::kernels::spec::Act::Gelu => gelu_in_place_rows(simd, xc),
+            crate::kernels::spec::Act::Relu => {
                 for v in xc.iter_mut() {
                     *v = relu(*v);
                 }
             }
-            crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
         }
     });
     x
@@ -140,7 +139,7 @@ pub(crate) fn activation_with_grad_par<T: Real>(
     simd: SimdLevel,
     mut x: Vec<T>,
     bias: Option<&[T]>,
-    activation: crate::nn::Activation,
+    activation: crate::kernels::spec::Act,
 ) -> (Vec<T>, Vec<T>) {
     let (len, chunk) = (x.len(), row_chunk(bias.map_or(1, <[T]>::len)));
     let mut y = Vec::<T>::with_capacity(len);
@@ -152,15 +151,14 @@ pub(crate) fn activation_with_grad_par<T: Real>(
                 add_bias_rows(xc, b);
             }
             match activation {
-                crate::nn::Activation::Gelu => gelu_with_grad_rows(simd, xc, yc),
-                crate::nn::Activation::Relu => {
+                crate::kernels::spec::Act::Gelu => gelu_with_grad_rows(simd, xc, yc),
+                crate::kernels::spec::Act::Relu => {
                     for (o, xv) in yc.iter_mut().zip(xc.iter_mut()) {
                         let v = *xv;
                         o.write(relu(v));
                         *xv = if v >= T::zero() { T::one() } else { T::zero() };
                     }
                 }
-                crate::nn::Activation::Geglu => unreachable!("encoder_layer refuses GeGLU"),
             }
         });
     // SAFETY: the chunks together cover all `len` values, and each writes all of its own.
@@ -187,10 +185,10 @@ fn times_grad_chunk<T: Real>(d: &[T], g: &[T], relu: bool, o: &mut [MaybeUninit<
 pub(crate) fn times_grad_summed_par<T: Real>(
     d: &[T],
     g: &[T],
-    activation: crate::nn::Activation,
+    activation: crate::kernels::spec::Act,
     db: &mut [T],
 ) -> Vec<T> {
-    let relu = activation == crate::nn::Activation::Relu;
+    let relu = activation == crate::kernels::spec::Act::Relu;
     let (len, cols) = (d.len(), db.len());
     assert!(
         cols > 0 && len % cols == 0 && g.len() == len,
@@ -216,7 +214,7 @@ pub(crate) fn gelu(x: &Tensor, simd: SimdLevel) -> Result<Tensor> {
 mod tests {
     use super::super::linear::column_sum;
     use super::*;
-    use crate::nn::Activation;
+    use crate::kernels::spec::Act as Activation;
 
     /// `g act'(x)` through the fused pass, its column sums (`cols` of them) checked against
     /// [`column_sum`]'s of the result, bit for bit.

@@ -61,7 +61,9 @@ use super::{
     assume_written, batch_sum, best_rate, contiguous, sigmoid, timing_operand, uninit, written,
     zeros, Real, Rotation, SimdLevel,
 };
-use crate::nn::{AttentionBias, GateCounts, LayerBias, Polar, Rotary, Transport};
+use crate::kernels::spec::{
+    CountTables, LayerBias, PolarTables, Reflected, RopeTables, MASKED_SCORE,
+};
 use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -83,15 +85,15 @@ pub(crate) struct Attention {
     /// Scores of q and k in polar form: the phases' `(r, 1, t, d_head)` tables, and the keys'
     /// phase offsets `(h, d_head)` (differentiable, in the op-input slot of a score bias, which
     /// such an attention has none of).
-    polar: Option<Polar>,
+    polar: Option<PolarTables>,
     /// Scores with gate-counted positions: the stacked tables `(2 npos, d_head)`
     /// (differentiable, in the op-input slot of a score bias, which such an attention has none
     /// of) and the real keys.
-    counts: Option<GateCounts>,
+    counts: Option<CountTables>,
     /// Scores through a transport of reflections: `[w | β]` `(b, h, t, d_head + 1)`
     /// (differentiable, in the op-input slot of a score bias, which such an attention has none
     /// of).
-    transport: Option<Transport>,
+    transport: Option<Reflected>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -478,7 +480,7 @@ simd_dispatch!(fn add_bias = add_bias_body(s: &mut [T], bias: &[T]));
 /// no `(t, t)` mask kept anywhere. The masked weights are exactly 0 after the softmax, so their
 /// gradients are too.
 fn mask_outside_window<T: Real>(s: &mut [T], t: usize, max_offset: usize) {
-    let masked = T::lit(crate::nn::MASKED_SCORE);
+    let masked = T::lit(MASKED_SCORE);
     for (i, row) in s.chunks_exact_mut(t).enumerate() {
         let (lo, hi) = (i.saturating_sub(max_offset), (i + max_offset + 1).min(t));
         let (before, rest) = row.split_at_mut(lo);
@@ -994,14 +996,14 @@ fn is_absent(l: &Layout) -> bool {
 
 impl Attention {
     /// # Shapes
-    /// - `key_bias`: `(b, t)`; `rotary`: tables `(r, t, w)`, `r` 1 or `b`; `score_bias`: see
-    ///   [`AttentionBias`]
+    /// - `key_bias`: `(b, t)`; `rope`: tables `(r, t, w)`, `r` 1 or `b`; `score_bias`: see
+    ///   [`LayerBias`]
     pub(crate) fn new(
         heads: usize,
         scale: f64,
         key_bias: &Tensor,
-        rotary: Option<&Rotary>,
-        score_bias: Option<AttentionBias>,
+        rope: Option<RopeTables>,
+        score_bias: Option<LayerBias>,
         max_offset: Option<usize>,
         simd: SimdLevel,
     ) -> Self {
@@ -1009,11 +1011,8 @@ impl Attention {
             heads,
             scale,
             key_bias: key_bias.clone(),
-            rope: rotary.map(|r| {
-                let (c, s, i) = r.tables();
-                (c.clone(), s.clone(), i)
-            }),
-            score_bias: score_bias.as_ref().map(AttentionBias::owned),
+            rope: rope.map(|r| (r.cos, r.sin, r.interleaved)),
+            score_bias,
             max_offset,
             polar: None,
             counts: None,
@@ -1022,31 +1021,22 @@ impl Attention {
         }
     }
 
-    /// This attention with its scores in polar form ([`Polar`]), when given, in place of
+    /// This attention with its scores in polar form ([`PolarTables`]), when given, in place of
     /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
-    pub(crate) fn with_polar(self, polar: Option<&Polar>) -> Self {
-        Self {
-            polar: polar.cloned(),
-            ..self
-        }
+    pub(crate) fn with_polar(self, polar: Option<PolarTables>) -> Self {
+        Self { polar, ..self }
     }
 
-    /// This attention with gate-counted scores ([`GateCounts`]), when given, in place of
+    /// This attention with gate-counted scores ([`CountTables`]), when given, in place of
     /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
-    pub(crate) fn with_counts(self, counts: Option<&GateCounts>) -> Self {
-        Self {
-            counts: counts.cloned(),
-            ..self
-        }
+    pub(crate) fn with_counts(self, counts: Option<CountTables>) -> Self {
+        Self { counts, ..self }
     }
 
-    /// This attention with scores through a [`Transport`], when given, in place of `q kᵀ`. It
-    /// then takes no rotation and no score bias (checked with the shapes).
-    pub(crate) fn with_transport(self, transport: Option<&Transport>) -> Self {
-        Self {
-            transport: transport.cloned(),
-            ..self
-        }
+    /// This attention with scores through a transport ([`Reflected`]), when given, in place of
+    /// `q kᵀ`. It then takes no rotation and no score bias (checked with the shapes).
+    pub(crate) fn with_transport(self, transport: Option<Reflected>) -> Self {
+        Self { transport, ..self }
     }
 
     /// Whether the scores are a scheme's own (polar, gate-counted or carried), not `q kᵀ`.
@@ -1058,9 +1048,9 @@ impl Attention {
     /// reflections.
     fn grad_input(&self) -> Option<&Tensor> {
         self.bias_tensor()
-            .or(self.polar.as_ref().map(Polar::offsets))
-            .or(self.counts.as_ref().map(GateCounts::tables))
-            .or(self.transport.as_ref().map(Transport::reflections))
+            .or(self.polar.as_ref().map(PolarTables::offsets))
+            .or(self.counts.as_ref().map(CountTables::tables))
+            .or(self.transport.as_ref().map(Reflected::reflections))
     }
 
     /// The score bias's tensor (a table or the running sums), if there is one.
@@ -1086,7 +1076,7 @@ impl Attention {
 
     /// Whether a training forward of `n` should keep the attention weights for its backward,
     /// which otherwise recomputes them (one `q kᵀ` and one softmax more per head, with the same
-    /// bits): when they take less than [`crate::MMAP_THRESHOLD`] per layer, so that they come
+    /// bits): when they take less than [`crate::kernels::MMAP_THRESHOLD`] per layer, so that they come
     /// from memory the heap reuses step after step. Larger ones are mapped and faulted in
     /// afresh every step, written once and read once (the book's performance page, "Measurements behind the code's choices").
     /// Gate-counted scores keep their content scores and table products beside them, which
@@ -1095,7 +1085,7 @@ impl Attention {
         let values =
             n.b.saturating_mul(n.h)
                 .saturating_mul(self.kept_per_head(n));
-        values.saturating_mul(std::mem::size_of::<T>()) < crate::MMAP_THRESHOLD
+        values.saturating_mul(std::mem::size_of::<T>()) < crate::kernels::MMAP_THRESHOLD
     }
 
     /// Values a training forward keeps per (batch, head) when it keeps the weights: `P`
@@ -1930,6 +1920,7 @@ pub(crate) fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::{AttentionBias, GateCounts, Polar, Rotary, Transport};
 
     /// Values in [-1, 1) from a fixed linear congruential sequence.
     fn values<T: Real>(len: usize, seed: u64) -> Vec<T> {
@@ -2055,7 +2046,15 @@ mod tests {
                 .unwrap();
             AttentionBias::Table(&table)
         };
-        let op = Attention::new(h, 0.5, &key_bias, None, Some(bias), None, backend.simd);
+        let op = Attention::new(
+            h,
+            0.5,
+            &key_bias,
+            None,
+            Some(bias.owned()),
+            None,
+            backend.simd,
+        );
         let out = attention(qkv.as_tensor(), op, None).unwrap();
         let r = tensor(b * t * d, 13, &[b, t, d]);
         let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
@@ -2104,8 +2103,8 @@ mod tests {
                 h,
                 0.35,
                 &key_bias,
-                rotary.as_ref(),
-                Some(AttentionBias::Table(bias.as_tensor())),
+                rotary.as_ref().map(Rotary::spec),
+                Some(AttentionBias::Table(bias.as_tensor()).owned()),
                 None,
                 SimdLevel::detected(),
             )
@@ -2122,7 +2121,7 @@ mod tests {
                     Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
                 Attention {
                     simd: level,
-                    ..plain.with_transport(Some(&transport))
+                    ..plain.with_transport(Some(transport.spec()))
                 }
             }
             (true, false) => {
@@ -2135,7 +2134,7 @@ mod tests {
                     Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
                 Attention {
                     simd: level,
-                    ..plain.with_counts(Some(&counts))
+                    ..plain.with_counts(Some(counts.spec()))
                 }
             }
         };
@@ -2330,9 +2329,9 @@ mod tests {
         };
         let out = if fused {
             let op = Attention::new(h, scale, &key_bias, None, None, window, backend.simd)
-                .with_polar(polar.as_ref())
-                .with_counts(counts.as_ref())
-                .with_transport(transport.as_ref());
+                .with_polar(polar.as_ref().map(Polar::spec))
+                .with_counts(counts.as_ref().map(GateCounts::spec))
+                .with_transport(transport.as_ref().map(Transport::spec));
             attention(qkv.as_tensor(), op, mask.as_ref()).unwrap()
         } else {
             let heads = |at: usize| {

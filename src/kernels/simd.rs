@@ -80,9 +80,9 @@ pub fn simd_dispatches() -> [usize; 3] {
 /// contention (the softmax beside each product is counted).
 macro_rules! simd_dispatch {
     ($vis:vis fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
-        $vis fn $name<T: Real>(level: $crate::nn::SimdLevel, $($arg: $ty),*) {
-            let level = level.min($crate::nn::SimdLevel::detected());
-            $crate::nn::fused::count_dispatch(level);
+        $vis fn $name<T: Real>(level: $crate::kernels::SimdLevel, $($arg: $ty),*) {
+            let level = level.min($crate::kernels::SimdLevel::detected());
+            $crate::kernels::count_dispatch(level);
             // SAFETY: the body is safe; the level is one the CPU has.
             #[allow(unused_unsafe)]
             unsafe {
@@ -92,8 +92,8 @@ macro_rules! simd_dispatch {
     };
     ($(#[$doc:meta])* $vis:vis unsafe fn $name:ident = $body:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
         $(#[$doc])*
-        $vis unsafe fn $name<T: Real>(level: $crate::nn::SimdLevel, $($arg: $ty),*) {
-            let level = level.min($crate::nn::SimdLevel::detected());
+        $vis unsafe fn $name<T: Real>(level: $crate::kernels::SimdLevel, $($arg: $ty),*) {
+            let level = level.min($crate::kernels::SimdLevel::detected());
             // SAFETY: the caller keeps the body's contract; the level is one the CPU has.
             unsafe { simd_dispatch!(@at level, $body ($($arg: $ty),*)) }
         }
@@ -114,9 +114,9 @@ macro_rules! simd_dispatch {
                 unsafe { $body::<T>($($arg),*) }
             }
             match $level {
-                $crate::nn::fused::SimdLevel::Avx512 => return wide::<T>($($arg),*),
-                $crate::nn::fused::SimdLevel::Avx2 => return narrow::<T>($($arg),*),
-                $crate::nn::fused::SimdLevel::Baseline => {}
+                $crate::kernels::SimdLevel::Avx512 => return wide::<T>($($arg),*),
+                $crate::kernels::SimdLevel::Avx2 => return narrow::<T>($($arg),*),
+                $crate::kernels::SimdLevel::Baseline => {}
             }
         }
         $body::<T>($($arg),*)

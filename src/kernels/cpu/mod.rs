@@ -14,20 +14,16 @@
 
 use candle::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
 
-#[macro_use]
-mod simd;
 mod buffers;
-mod real;
 mod rows;
 
+use super::real::{cdf_pdf, sigmoid};
+pub(crate) use super::Real;
+pub use super::SimdLevel;
 use buffers::{
     assume_written, par_written, par_written_parts, rows_per_task, uninit, written, zeros,
 };
-pub(crate) use real::Real;
-use real::{cdf_pdf, sigmoid};
 use rows::{batch_sum, dots, maxes, sums, whole_blocks, FOLD_ROWS};
-pub(crate) use simd::count_dispatch;
-pub use simd::{simd_dispatches, SimdLevel};
 
 mod adamw;
 mod attention;
@@ -46,11 +42,11 @@ mod softmax;
 pub(crate) use differences::sided_differences;
 use linear::by_dtype;
 
+pub(crate) use super::spec::{LayerMasks, LayerShape, TransportShape};
 pub(crate) use adamw::adamw_step;
 pub(crate) use attention::{attention, Attention};
 pub use attention::{head_product_gflops, HeadProduct};
 pub(crate) use gelu::{activation_par, activation_with_grad_par, gelu, times_grad_summed_par};
-pub(crate) use layer::{LayerMasks, LayerShape, Offsets, TransportShape};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use linear::linear;
 pub use linear::{linear_pass_gflops, matmul_gflops, LinearPass};
@@ -111,12 +107,9 @@ pub(crate) fn encoder_layer(
     attention: Attention,
     masks: LayerMasks,
     keep_activations: bool,
-    reflections: Option<crate::nn::InputReflections>,
+    reflections: Option<crate::kernels::spec::ReflectionInputs>,
     device: bool,
 ) -> Result<Tensor> {
-    if shape.activation == crate::nn::Activation::Geglu {
-        candle::bail!("the fused layer computes GELU and ReLU feed-forwards; GeGLU runs as ops");
-    }
     if shape.gates != 0 && shape.gates != 2 * attention.head_count() {
         candle::bail!(
             "the fused layer's forget gates have {} channels, not 2 x {} heads",
@@ -131,11 +124,11 @@ pub(crate) fn encoder_layer(
     let reflections = match (reflections, shape.transport) {
         (None, None) => None,
         (Some(r), Some(tr)) if !device => {
-            if r.taps()? != tr.taps || tr.heads != attention.head_count() {
+            if r.taps != tr.taps || tr.heads != attention.head_count() {
                 candle::bail!(
                     "the fused layer's transport: {tr:?}, for reflections with {} taps over {} \
                      heads",
-                    r.taps()?,
+                    r.taps,
                     attention.head_count()
                 );
             }
@@ -149,7 +142,7 @@ pub(crate) fn encoder_layer(
     if device {
         // The device path: parameters in the activations' dtype (cast once per step, here),
         // the fixed inputs in the dtype values are computed in.
-        let attention = attention.in_dtype(crate::nn::device::compute_dtype(x.dtype()))?;
+        let attention = attention.in_dtype(crate::kernels::gpu::compute_dtype(x.dtype()))?;
         let bias = attention.score_bias_input(x)?;
         let params = params.to_dtype(x.dtype())?.contiguous()?;
         let op = layer::LayerOp::new(shape, attention, masks, keep_activations, true);
