@@ -6,6 +6,7 @@
 //!
 //! to its scaled scores. Nothing is learned; the slopes are a geometric sequence per head.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
@@ -19,15 +20,25 @@ use crate::error::Result;
 #[derive(Clone, Copy, Debug)]
 pub struct AlibiScheme;
 
-impl Scheme for AlibiScheme {
+impl Named for AlibiScheme {
     fn name(&self) -> &'static str {
         "alibi"
     }
+}
 
+impl Scheme for AlibiScheme {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
 
+    fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Alibi::new(
+            shape.n_heads,
+        ))))
+    }
+}
+
+impl Describe for AlibiScheme {
     fn describe(&self, shape: &SchemeShape) -> String {
         let h = shape.n_heads;
         let slopes = alibi_slopes(h);
@@ -38,17 +49,17 @@ impl Scheme for AlibiScheme {
             slopes.last().copied().unwrap_or(0.0)
         )
     }
+}
 
+impl Portray for AlibiScheme {
     fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Bias(PositionalConfig::Alibi(NoOptions {})))
     }
-
-    fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(Alibi::new(
-            shape.n_heads,
-        ))))
-    }
 }
+
+impl Bench for AlibiScheme {}
+
+impl ScoreMemory for AlibiScheme {}
 
 /// Press et al.'s slopes for `heads` heads. For a power of two `n`: `2^(-8h/n)`, `h = 1..n`.
 /// Otherwise the slopes of the nearest lower power of two `m`, then every other slope of `2m`

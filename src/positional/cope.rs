@@ -31,6 +31,7 @@
 //! forward and backward, `O(t²)` a head, and no `(b, h, t, t)` tensor is held. CUDA, half
 //! precision and `--kernels reference` keep the composition.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -68,11 +69,13 @@ impl Default for CopeOptions {
     }
 }
 
-impl Scheme for CopeOptions {
+impl Named for CopeOptions {
     fn name(&self) -> &'static str {
         "cope"
     }
+}
 
+impl Scheme for CopeOptions {
     fn placement(&self) -> Placement {
         Placement::Scores
     }
@@ -97,59 +100,8 @@ impl Scheme for CopeOptions {
         ))
     }
 
-    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
-        // Each head's queries times its left and right tables, `(t, d_head) x (d_head, npos)`
-        // twice: `4 t d npos` a layer. The gates read the encoder's own `q kᵀ`; the counts and
-        // their interpolation are element-wise.
-        let (d, t) = (shape.d_model as f64, seq as f64);
-        let layers = shape.layers.count(shape.n_layers) as f64;
-        4.0 * t * d * self.npos as f64 * batch as f64 * layers
-    }
-
-    fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // The composition holds the composed attention around the term and its gradients,
-        // about 7 and 59 attention tables a layer more than `sin_add`; the fused CPU layer what
-        // `sin_add` holds, and in a training step a second table for the content scores it keeps
-        // beside the weights while they are small (measured: the book's performance page, "Measurements behind the code's choices").
-        match (fused, training) {
-            (true, false) => 1,
-            (true, true) => 2,
-            (false, false) => 8,
-            (false, true) => 64,
-        }
-    }
-
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         2 * (self.npos * shape.head_dim()) as u128 * shape.layers.count(shape.n_layers) as u128
-    }
-
-    fn describe(&self, shape: &SchemeShape) -> String {
-        format!(
-            "attention scores: content + q . E[p], p the count of gates sigmoid(q . k / sqrt(d)) \
-             between key and query, E a left and a right table of {} x {} per layer (start at \
-             zero); no position ids",
-            self.npos,
-            shape.head_dim()
-        )
-    }
-
-    fn label(&self) -> String {
-        match self.npos == default_npos() {
-            true => "cope".into(),
-            false => format!("cope (npos {})", self.npos),
-        }
-    }
-
-    fn measure(&self) -> Option<Measure> {
-        Some(Measure::Counts)
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Err(
-            "cope: its positions are counted by gates the content sets, so they exist only in \
-             a trained model: give --run DIR of a cope model"
-                .into(),
-        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -170,6 +122,65 @@ impl Scheme for CopeOptions {
             })
             .collect::<candle::Result<_>>()?;
         Ok(PositionalModule::Scores(ScoreFunction::new(Cope(layers))))
+    }
+}
+
+impl Describe for CopeOptions {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention scores: content + q . E[p], p the count of gates sigmoid(q . k / sqrt(d)) \
+             between key and query, E a left and a right table of {} x {} per layer (start at \
+             zero); no position ids",
+            self.npos,
+            shape.head_dim()
+        )
+    }
+
+    fn label(&self) -> String {
+        match self.npos == default_npos() {
+            true => "cope".into(),
+            false => format!("cope (npos {})", self.npos),
+        }
+    }
+}
+
+impl Portray for CopeOptions {
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Counts)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "cope: its positions are counted by gates the content sets, so they exist only in \
+             a trained model: give --run DIR of a cope model"
+                .into(),
+        )
+    }
+}
+
+impl Bench for CopeOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // Each head's queries times its left and right tables, `(t, d_head) x (d_head, npos)`
+        // twice: `4 t d npos` a layer. The gates read the encoder's own `q kᵀ`; the counts and
+        // their interpolation are element-wise.
+        let (d, t) = (shape.d_model as f64, seq as f64);
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        4.0 * t * d * self.npos as f64 * batch as f64 * layers
+    }
+}
+
+impl ScoreMemory for CopeOptions {
+    fn score_tensors(&self, training: bool, fused: bool) -> usize {
+        // The composition holds the composed attention around the term and its gradients,
+        // about 7 and 59 attention tables a layer more than `sin_add`; the fused CPU layer what
+        // `sin_add` holds, and in a training step a second table for the content scores it keeps
+        // beside the weights while they are small (measured: the book's performance page, "Measurements behind the code's choices").
+        match (fused, training) {
+            (true, false) => 1,
+            (true, true) => 2,
+            (false, false) => 8,
+            (false, true) => 64,
+        }
     }
 }
 

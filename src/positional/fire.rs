@@ -27,6 +27,7 @@
 //! implementations) is the length below which inputs are not stretched: set it to the training
 //! length, so that sequences up to it keep their raw scale and longer ones are interpolated.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -84,11 +85,13 @@ impl FireOptions {
     }
 }
 
-impl Scheme for FireOptions {
+impl Named for FireOptions {
     fn name(&self) -> &'static str {
         "fire"
     }
+}
 
+impl Scheme for FireOptions {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
@@ -123,6 +126,16 @@ impl Scheme for FireOptions {
         2 * w + w * h + 2
     }
 
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Fire::new(
+            self,
+            shape.n_heads,
+            vb.pp("fire"),
+        )?)))
+    }
+}
+
+impl Describe for FireOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention bias: an MLP (1 -> {} -> {} heads) of sign(j - i) ln(|c| |j - i| + 1) / \
@@ -130,7 +143,9 @@ impl Scheme for FireOptions {
             self.width, shape.n_heads, self.threshold
         )
     }
+}
 
+impl Portray for FireOptions {
     /// Its bias at initialisation at the settings' length and 4x, its threshold theirs.
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Interpolation {
@@ -149,15 +164,11 @@ impl Scheme for FireOptions {
     fn measure(&self) -> Option<Measure> {
         Some(Measure::Interpolation)
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(Fire::new(
-            self,
-            shape.n_heads,
-            vb.pp("fire"),
-        )?)))
-    }
 }
+
+impl Bench for FireOptions {}
+
+impl ScoreMemory for FireOptions {}
 
 /// FIRE's module: the MLP, `c` and `l_multiplier`.
 #[derive(Debug)]

@@ -21,6 +21,7 @@
 //! positions. The paper's model is causal (forward gates only); an encoder needs both
 //! directions, which is why there are two gates per head.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::Tensor;
 use candle_nn::{Init, VarBuilder};
 
@@ -38,11 +39,13 @@ pub const FOX_GATE_BIAS: f64 = 5.0;
 #[derive(Clone, Copy, Debug)]
 pub struct FoxScheme;
 
-impl Scheme for FoxScheme {
+impl Named for FoxScheme {
     fn name(&self) -> &'static str {
         "fox"
     }
+}
 
+impl Scheme for FoxScheme {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
@@ -65,29 +68,6 @@ impl Scheme for FoxScheme {
         l * (2 * h * d + 2 * h)
     }
 
-    fn describe(&self, shape: &SchemeShape) -> String {
-        format!(
-            "attention bias from content: per layer, {} forget gates log sigmoid(x W^T + b) of \
-             the attention input ({} forward, {} backward), the bias the gates' sum between \
-             query and key (b starts at {FOX_GATE_BIAS}); no position ids",
-            2 * shape.n_heads,
-            shape.n_heads,
-            shape.n_heads
-        )
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Err(
-            "fox: FoX's bias comes from the content (forget gates of each layer's input), so \
-             it exists only in a trained model: give --run DIR of a fox model"
-                .into(),
-        )
-    }
-
-    fn measure(&self) -> Option<Measure> {
-        Some(Measure::Gates)
-    }
-
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
         // Layers without positions (`[layers]`'s `none`) get no gates.
         let layers = (0..shape.n_layers)
@@ -108,6 +88,37 @@ impl Scheme for FoxScheme {
         Ok(PositionalModule::ScoreBias(ScoreBias::new(Fox(layers))))
     }
 }
+
+impl Describe for FoxScheme {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias from content: per layer, {} forget gates log sigmoid(x W^T + b) of \
+             the attention input ({} forward, {} backward), the bias the gates' sum between \
+             query and key (b starts at {FOX_GATE_BIAS}); no position ids",
+            2 * shape.n_heads,
+            shape.n_heads,
+            shape.n_heads
+        )
+    }
+}
+
+impl Portray for FoxScheme {
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "fox: FoX's bias comes from the content (forget gates of each layer's input), so \
+             it exists only in a trained model: give --run DIR of a fox model"
+                .into(),
+        )
+    }
+
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Gates)
+    }
+}
+
+impl Bench for FoxScheme {}
+
+impl ScoreMemory for FoxScheme {}
 
 /// One layer's forget gates: `2 · heads` of them, from the attention input.
 #[derive(Clone, Debug)]

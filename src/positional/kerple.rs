@@ -13,6 +13,7 @@
 //! uniform in `[KERPLE_MIN, 2]` (`r1`) and `[KERPLE_MIN, 1]` (`r2`), KERPLE's `U(0, 2)` and
 //! `U(0, 1)` above its clamp, drawn from the seeded generator; they are not weight-decayed.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 
@@ -31,29 +32,19 @@ pub const KERPLE_MIN: f64 = 1e-2;
 #[derive(Clone, Copy, Debug)]
 pub struct KerpleScheme;
 
-impl Scheme for KerpleScheme {
+impl Named for KerpleScheme {
     fn name(&self) -> &'static str {
         "kerple"
     }
+}
 
+impl Scheme for KerpleScheme {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         2 * shape.n_heads as u128 * shape.layers.count(shape.n_layers) as u128
-    }
-
-    fn describe(&self, shape: &SchemeShape) -> String {
-        format!(
-            "attention bias: -r1_h ln(1 + r2_h |i - j|), r1 and r2 learned per head and layer \
-             ({} x {} each, kept >= {KERPLE_MIN})",
-            shape.n_heads, shape.n_layers
-        )
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Ok(Portrait::Bias(PositionalConfig::Kerple(NoOptions {})))
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -72,6 +63,26 @@ impl Scheme for KerpleScheme {
         ))))
     }
 }
+
+impl Describe for KerpleScheme {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention bias: -r1_h ln(1 + r2_h |i - j|), r1 and r2 learned per head and layer \
+             ({} x {} each, kept >= {KERPLE_MIN})",
+            shape.n_heads, shape.n_layers
+        )
+    }
+}
+
+impl Portray for KerpleScheme {
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Bias(PositionalConfig::Kerple(NoOptions {})))
+    }
+}
+
+impl Bench for KerpleScheme {}
+
+impl ScoreMemory for KerpleScheme {}
 
 /// Every layer's KERPLE parameters; `None` for a layer without positions.
 #[derive(Clone, Debug)]

@@ -8,6 +8,7 @@
 //! Positions at or past `max_len` have no row: longer inputs are refused (or, with randomized
 //! positions, the table has `N` rows and any length up to `N` reads trained rows).
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -39,11 +40,13 @@ impl Default for LearnedOptions {
     }
 }
 
-impl Scheme for LearnedOptions {
+impl Named for LearnedOptions {
     fn name(&self) -> &'static str {
         "learned"
     }
+}
 
+impl Scheme for LearnedOptions {
     fn placement(&self) -> Placement {
         Placement::Input
     }
@@ -54,13 +57,6 @@ impl Scheme for LearnedOptions {
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         shape.max_len as u128 * shape.d_model as u128
-    }
-
-    fn describe(&self, shape: &SchemeShape) -> String {
-        format!(
-            "input side: tokens + learned table ({} x {}, init N(0, {:.4}))",
-            shape.max_len, shape.d_model, self.init_std
-        )
     }
 
     fn has_learned_table(&self) -> bool {
@@ -78,3 +74,18 @@ impl Scheme for LearnedOptions {
         )))
     }
 }
+
+impl Describe for LearnedOptions {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "input side: tokens + learned table ({} x {}, init N(0, {:.4}))",
+            shape.max_len, shape.d_model, self.init_std
+        )
+    }
+}
+
+impl Portray for LearnedOptions {}
+
+impl Bench for LearnedOptions {}
+
+impl ScoreMemory for LearnedOptions {}

@@ -67,7 +67,7 @@ pub use positions::{random_batch_positions, random_positions, Positions, MAX_POS
 pub use prope::{PropeOptions, Refused};
 pub use rope::{Rope, RopeOptions};
 pub use rope_scaling::{rope_frequencies, rotary_dim, Factor, RopeScaling};
-pub use scheme::{Scheme, SchemeShape};
+pub use scheme::{Bench, Describe, Named, Portray, Scheme, SchemeShape, ScoreMemory};
 pub use score_bias::{BiasBatch, BiasModule, LayerBiases, ScoreBias};
 pub use scores::{ScoreFunction, ScoreModule};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};

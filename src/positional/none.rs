@@ -10,6 +10,7 @@
 //! Information"; Kazemnejad et al. 2023, "NoPE"); a bidirectional encoder cannot, which is what
 //! this control shows.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle_nn::VarBuilder;
 
 use super::{InputPositions, Knobs, Placement, Portrait, PositionalModule, Scheme, SchemeShape};
@@ -19,11 +20,13 @@ use crate::error::Result;
 #[derive(Clone, Copy, Debug)]
 pub struct NoneScheme;
 
-impl Scheme for NoneScheme {
+impl Named for NoneScheme {
     fn name(&self) -> &'static str {
         "none"
     }
+}
 
+impl Scheme for NoneScheme {
     fn placement(&self) -> Placement {
         Placement::Nowhere
     }
@@ -36,15 +39,23 @@ impl Scheme for NoneScheme {
         ))
     }
 
-    fn describe(&self, _shape: &SchemeShape) -> String {
-        "no positions (the bag-of-words control)".into()
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Err("none: the bag-of-words control has no positions to draw".into())
-    }
-
     fn build(&self, _shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
         Ok(PositionalModule::Input(InputPositions::None))
     }
 }
+
+impl Describe for NoneScheme {
+    fn describe(&self, _shape: &SchemeShape) -> String {
+        "no positions (the bag-of-words control)".into()
+    }
+}
+
+impl Portray for NoneScheme {
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err("none: the bag-of-words control has no positions to draw".into())
+    }
+}
+
+impl Bench for NoneScheme {}
+
+impl ScoreMemory for NoneScheme {}

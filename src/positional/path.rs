@@ -36,6 +36,7 @@
 //! every matrix N(0, 0.02), the β bias at zero (β = 1). Reference: `reference_2025_schemes.py`,
 //! fixtures `encoder_path_pre`, `encoder_path_h4_post`.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -77,11 +78,13 @@ impl Default for PathOptions {
     }
 }
 
-impl Scheme for PathOptions {
+impl Named for PathOptions {
     fn name(&self) -> &'static str {
         "path"
     }
+}
 
+impl Scheme for PathOptions {
     fn placement(&self) -> Placement {
         Placement::Scores
     }
@@ -105,34 +108,6 @@ impl Scheme for PathOptions {
         ))
     }
 
-    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
-        // The reflections: `x W_wᵀ` and `x W_bᵀ` (`2 t d (d + h)`) and the short convolution
-        // (`2 t d k`); the transport: every key carried past each reflection between it and a
-        // query, `w·k` and `k - β w (w·k)`, `2 d_head` multiply-adds a key and step, on both
-        // sides: `4 t (t - 1) d` a layer. The queries' products with the carried keys are the
-        // encoder's own `q kᵀ`.
-        let (d, h, t) = (shape.d_model as f64, shape.n_heads as f64, seq as f64);
-        let k = self.conv_size as f64;
-        let layers = shape.layers.count(shape.n_layers) as f64;
-        let per_sequence = 2.0 * t * d * (d + h) + 2.0 * t * d * k + 4.0 * t * (t - 1.0) * d;
-        per_sequence * batch as f64 * layers
-    }
-
-    fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // The composition holds the transport's inverses and products and their gradients,
-        // about 5 and 58 attention tables a layer more than `sin_add`; the fused CPU layer what
-        // `sin_add` holds (measured: the book's performance page, "Measurements behind the code's choices"), and a training step counts a second table
-        // for what the transport's backward keeps: the walk's checkpoints and history (at most 16 MiB a task
-        // whole, else about `1.4 t^1.5 d_head` values), or the blocks' carried keys (at most
-        // 16 MiB a task whole, else about `0.35 t^1.5 d_head`).
-        match (fused, training) {
-            (true, false) => 1,
-            (true, true) => 2,
-            (false, false) => 8,
-            (false, true) => 64,
-        }
-    }
-
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         let (d, h, k) = (
             shape.d_model as u128,
@@ -140,39 +115,6 @@ impl Scheme for PathOptions {
             self.conv_size as u128,
         );
         (d * d + d * k + h * d + h) * shape.layers.count(shape.n_layers) as u128
-    }
-
-    fn describe(&self, shape: &SchemeShape) -> String {
-        let conv = match self.conv_size {
-            0 => "no short conv".to_string(),
-            k => format!("a causal short conv of width {k} and silu"),
-        };
-        format!(
-            "attention scores: keys carried to the query through the Householder reflections \
-             I - beta_t w_t w_t^T of the tokens between them; per layer w from x W_w^T ({d} x \
-             {d}, {conv}), beta = 2 sigmoid(x W_b^T + b) per head ({h}); no position ids",
-            d = shape.d_model,
-            h = shape.n_heads,
-        )
-    }
-
-    fn label(&self) -> String {
-        match self.conv_size == default_conv_size() {
-            true => "path".into(),
-            false => format!("path (conv {})", self.conv_size),
-        }
-    }
-
-    fn measure(&self) -> Option<Measure> {
-        Some(Measure::Turning)
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Err(
-            "path: its transport comes from the content (each token's reflection), so it \
-             exists only in a trained model: give --run DIR of a path model"
-                .into(),
-        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -202,6 +144,75 @@ impl Scheme for PathOptions {
             })
             .collect::<candle::Result<_>>()?;
         Ok(PositionalModule::Scores(ScoreFunction::new(Path(layers))))
+    }
+}
+
+impl Describe for PathOptions {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        let conv = match self.conv_size {
+            0 => "no short conv".to_string(),
+            k => format!("a causal short conv of width {k} and silu"),
+        };
+        format!(
+            "attention scores: keys carried to the query through the Householder reflections \
+             I - beta_t w_t w_t^T of the tokens between them; per layer w from x W_w^T ({d} x \
+             {d}, {conv}), beta = 2 sigmoid(x W_b^T + b) per head ({h}); no position ids",
+            d = shape.d_model,
+            h = shape.n_heads,
+        )
+    }
+
+    fn label(&self) -> String {
+        match self.conv_size == default_conv_size() {
+            true => "path".into(),
+            false => format!("path (conv {})", self.conv_size),
+        }
+    }
+}
+
+impl Portray for PathOptions {
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Turning)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "path: its transport comes from the content (each token's reflection), so it \
+             exists only in a trained model: give --run DIR of a path model"
+                .into(),
+        )
+    }
+}
+
+impl Bench for PathOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // The reflections: `x W_wᵀ` and `x W_bᵀ` (`2 t d (d + h)`) and the short convolution
+        // (`2 t d k`); the transport: every key carried past each reflection between it and a
+        // query, `w·k` and `k - β w (w·k)`, `2 d_head` multiply-adds a key and step, on both
+        // sides: `4 t (t - 1) d` a layer. The queries' products with the carried keys are the
+        // encoder's own `q kᵀ`.
+        let (d, h, t) = (shape.d_model as f64, shape.n_heads as f64, seq as f64);
+        let k = self.conv_size as f64;
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        let per_sequence = 2.0 * t * d * (d + h) + 2.0 * t * d * k + 4.0 * t * (t - 1.0) * d;
+        per_sequence * batch as f64 * layers
+    }
+}
+
+impl ScoreMemory for PathOptions {
+    fn score_tensors(&self, training: bool, fused: bool) -> usize {
+        // The composition holds the transport's inverses and products and their gradients,
+        // about 5 and 58 attention tables a layer more than `sin_add`; the fused CPU layer what
+        // `sin_add` holds (measured: the book's performance page, "Measurements behind the code's choices"), and a training step counts a second table
+        // for what the transport's backward keeps: the walk's checkpoints and history (at most 16 MiB a task
+        // whole, else about `1.4 t^1.5 d_head` values), or the blocks' carried keys (at most
+        // 16 MiB a task whole, else about `0.35 t^1.5 d_head`).
+        match (fused, training) {
+            (true, false) => 1,
+            (true, true) => 2,
+            (false, false) => 8,
+            (false, true) => 64,
+        }
     }
 }
 

@@ -26,6 +26,7 @@
 //! fused kernels compute them inside the attention node with a hand-written backward; elsewhere
 //! (CUDA, half precision, `--kernels reference`) they are composed of tensor ops.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use std::f64::consts::PI;
 
 use candle::{DType, Device, Tensor};
@@ -77,11 +78,13 @@ impl Default for PopeOptions {
     }
 }
 
-impl Scheme for PopeOptions {
+impl Named for PopeOptions {
     fn name(&self) -> &'static str {
         "pope"
     }
+}
 
+impl Scheme for PopeOptions {
     fn placement(&self) -> Placement {
         Placement::Scores
     }
@@ -90,62 +93,9 @@ impl Scheme for PopeOptions {
         check_base("pope", self.base)
     }
 
-    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
-        // `q' k'ᵀ` runs over twice the head's width (a cosine and a sine part): one more
-        // `2 t² d` a layer beyond the encoder's `q kᵀ`.
-        let (d, t) = (shape.d_model as f64, seq as f64);
-        let layers = shape.layers.count(shape.n_layers) as f64;
-        2.0 * t * t * d * batch as f64 * layers
-    }
-
-    fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // The composition holds the polar q and k and their gradients, about 1 and 9 attention
-        // tables a layer more than `sin_add`; the fused CPU layer what `sin_add` holds
-        // (measured: the book's performance page, "Measurements behind the code's choices").
-        match (fused, training) {
-            (true, _) => 1,
-            (false, false) => 2,
-            (false, true) => 12,
-        }
-    }
-
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         // δ: heads × d_head = d_model per layer with positions.
         shape.d_model as u128 * shape.layers.count(shape.n_layers) as u128
-    }
-
-    fn describe(&self, shape: &SchemeShape) -> String {
-        format!(
-            "attention scores: polar q and k, magnitudes softplus(q), softplus(k), phases p \
-             theta_c with {} frequencies base^(-c/{}) (base {}), a learned key phase offset \
-             delta in [-2 pi, 0] per head, coordinate and layer (starts {})",
-            shape.head_dim(),
-            shape.head_dim(),
-            self.base,
-            match self.delta_init {
-                DeltaInit::Uniform => "uniform",
-                DeltaInit::Zeros => "at zero",
-            }
-        )
-    }
-
-    fn label(&self) -> String {
-        match self.base == DEFAULT_BASE {
-            true => "pope".into(),
-            false => format!("pope (base {})", self.base),
-        }
-    }
-
-    fn measure(&self) -> Option<Measure> {
-        Some(Measure::PolarScores)
-    }
-
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Err(
-            "pope: its scores depend on q and k and on each head's learned phase δ, so they \
-             exist only in a trained model: give --run DIR of a model trained with `pope`"
-                .into(),
-        )
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -173,6 +123,67 @@ impl Scheme for PopeOptions {
             base: self.base,
             deltas: layers,
         })))
+    }
+}
+
+impl Describe for PopeOptions {
+    fn describe(&self, shape: &SchemeShape) -> String {
+        format!(
+            "attention scores: polar q and k, magnitudes softplus(q), softplus(k), phases p \
+             theta_c with {} frequencies base^(-c/{}) (base {}), a learned key phase offset \
+             delta in [-2 pi, 0] per head, coordinate and layer (starts {})",
+            shape.head_dim(),
+            shape.head_dim(),
+            self.base,
+            match self.delta_init {
+                DeltaInit::Uniform => "uniform",
+                DeltaInit::Zeros => "at zero",
+            }
+        )
+    }
+
+    fn label(&self) -> String {
+        match self.base == DEFAULT_BASE {
+            true => "pope".into(),
+            false => format!("pope (base {})", self.base),
+        }
+    }
+}
+
+impl Portray for PopeOptions {
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::PolarScores)
+    }
+
+    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Err(
+            "pope: its scores depend on q and k and on each head's learned phase δ, so they \
+             exist only in a trained model: give --run DIR of a model trained with `pope`"
+                .into(),
+        )
+    }
+}
+
+impl Bench for PopeOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        // `q' k'ᵀ` runs over twice the head's width (a cosine and a sine part): one more
+        // `2 t² d` a layer beyond the encoder's `q kᵀ`.
+        let (d, t) = (shape.d_model as f64, seq as f64);
+        let layers = shape.layers.count(shape.n_layers) as f64;
+        2.0 * t * t * d * batch as f64 * layers
+    }
+}
+
+impl ScoreMemory for PopeOptions {
+    fn score_tensors(&self, training: bool, fused: bool) -> usize {
+        // The composition holds the polar q and k and their gradients, about 1 and 9 attention
+        // tables a layer more than `sin_add`; the fused CPU layer what `sin_add` holds
+        // (measured: the book's performance page, "Measurements behind the code's choices").
+        match (fused, training) {
+            (true, _) => 1,
+            (false, false) => 2,
+            (false, true) => 12,
+        }
     }
 }
 

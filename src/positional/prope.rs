@@ -22,6 +22,7 @@
 //! which coordinates rotate, in two different ways) nor with the RoPE scalings (which stretch
 //! the slow frequencies p-RoPE removes); both are refused with the reason.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -119,11 +120,13 @@ impl PropeOptions {
     }
 }
 
-impl Scheme for PropeOptions {
+impl Named for PropeOptions {
     fn name(&self) -> &'static str {
         "prope"
     }
+}
 
+impl Scheme for PropeOptions {
     fn with_base(&self, base: f64) -> Option<super::PositionalConfig> {
         Some(super::PositionalConfig::Prope(Self {
             base,
@@ -181,6 +184,19 @@ impl Scheme for PropeOptions {
         Ok(())
     }
 
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Rotation(Rope::with_frequencies(
+            self.frequencies(shape.head_dim()),
+            self.pairing,
+            self.base,
+            shape.max_len,
+            vb.dtype(),
+            vb.device(),
+        )?))
+    }
+}
+
+impl Describe for PropeOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         let dh = shape.head_dim();
         format!(
@@ -199,7 +215,9 @@ impl Scheme for PropeOptions {
     fn label(&self) -> String {
         format!("prope (keep {})", self.keep)
     }
+}
 
+impl Portray for PropeOptions {
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         let options = Self {
             base: knobs.base,
@@ -219,15 +237,8 @@ impl Scheme for PropeOptions {
             keep: self.keep,
         })
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::Rotation(Rope::with_frequencies(
-            self.frequencies(shape.head_dim()),
-            self.pairing,
-            self.base,
-            shape.max_len,
-            vb.dtype(),
-            vb.device(),
-        )?))
-    }
 }
+
+impl Bench for PropeOptions {}
+
+impl ScoreMemory for PropeOptions {}

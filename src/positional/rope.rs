@@ -19,6 +19,7 @@
 //! elsewhere; candle-nn's own fused `rope`/`rope_i` have no backward and q/k projections upstream
 //! of them would silently never learn).
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -84,11 +85,13 @@ impl Default for RopeOptions {
     }
 }
 
-impl Scheme for RopeOptions {
+impl Named for RopeOptions {
     fn name(&self) -> &'static str {
         "rope"
     }
+}
 
+impl Scheme for RopeOptions {
     fn with_base(&self, base: f64) -> Option<super::PositionalConfig> {
         Some(super::PositionalConfig::Rope(Self {
             base,
@@ -130,6 +133,25 @@ impl Scheme for RopeOptions {
         Ok(())
     }
 
+    fn with_scaling(&self, scaling: Option<RopeScaling>) -> Option<PositionalConfig> {
+        Some(PositionalConfig::Rope(Self {
+            scaling,
+            ..self.clone()
+        }))
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Rotation(Rope::new(
+            self,
+            shape.head_dim(),
+            shape.max_len,
+            vb.dtype(),
+            vb.device(),
+        )?))
+    }
+}
+
+impl Describe for RopeOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         let dh = shape.head_dim();
         let rotated = match self.fraction {
@@ -146,14 +168,9 @@ impl Scheme for RopeOptions {
             self.base, self.pairing
         )
     }
+}
 
-    fn with_scaling(&self, scaling: Option<RopeScaling>) -> Option<PositionalConfig> {
-        Some(PositionalConfig::Rope(Self {
-            scaling,
-            ..self.clone()
-        }))
-    }
-
+impl Portray for RopeOptions {
     fn fixed_table(&self, _d_model: usize, head_dim: usize) -> Option<FixedTable> {
         Some(FixedTable::Rotation {
             dim: self.rotary_dim(head_dim),
@@ -169,7 +186,9 @@ impl Scheme for RopeOptions {
             pairing: knobs.pairing,
         }))
     }
+}
 
+impl Bench for RopeOptions {
     /// The PyTorch reference's RoPE, which rotates halves (GPT-NeoX / LLaMA), and the same on
     /// half of each head (GPT-NeoX's `rotary_pct`, Phi's `partial_rotary_factor`).
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
@@ -188,17 +207,9 @@ impl Scheme for RopeOptions {
             ),
         ])
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::Rotation(Rope::new(
-            self,
-            shape.head_dim(),
-            shape.max_len,
-            vb.dtype(),
-            vb.device(),
-        )?))
-    }
 }
+
+impl ScoreMemory for RopeOptions {}
 
 /// The rotary tables of one model, computed once (f64 on the host, rounded once to the model's
 /// dtype) and shared by every attention layer through the per-batch [`Rotary`] tables. Under

@@ -35,11 +35,11 @@ impl SchemeShape {
     }
 }
 
-/// One positional scheme: its options' checks, its parameters, its description, its module.
-pub trait Scheme: Sync {
-    /// The name used in configs and reports (`kind = "..."`).
-    fn name(&self) -> &'static str;
-
+/// One positional scheme: its name, where it acts, the checks of its options, its parameters
+/// and the module it builds, with what the model's shapes read of it. What `inspect`,
+/// `analyze`, `bench` and the memory bound want of a scheme are the extension traits
+/// [`Describe`], [`Portray`], [`Bench`] and [`ScoreMemory`], implemented in the scheme's file.
+pub trait Scheme: Named + Describe + Portray + Bench + ScoreMemory + Sync {
     /// Where it acts: the input, a rotation of q and k, or a bias on the scores.
     fn placement(&self) -> Placement;
 
@@ -58,19 +58,6 @@ pub trait Scheme: Sync {
         0
     }
 
-    /// One line for `inspect`: where it acts and what with.
-    fn describe(&self, shape: &SchemeShape) -> String;
-
-    /// A row label that tells apart the variants of the scheme in a table of schemes.
-    fn label(&self) -> String {
-        self.name().to_string()
-    }
-
-    /// The model width as a results table shows it (`d = tokens + positions` for concatenation).
-    fn width(&self, d_model: usize) -> String {
-        d_model.to_string()
-    }
-
     /// Width of the token embedding table (narrower than the model for concatenation).
     fn token_dim(&self, d_model: usize) -> usize {
         d_model
@@ -84,16 +71,6 @@ pub trait Scheme: Sync {
     /// What attention multiplies `q kᵀ` by, where the scheme changes it (`None`: `1/sqrt(d_head)`).
     fn score_scale(&self, _head_dim: usize) -> Option<f64> {
         None
-    }
-
-    /// How many `(b, h, t, t)` values of f32 a layer of the scheme holds at its peak, in units
-    /// of one attention table, in a training step (`training`) or a forward pass, for the memory
-    /// bound before a batch is built ([`crate::limits::activation_bytes`]); `fused`: whether
-    /// poslab's fused CPU kernels compute the layer ([`crate::nn::Backend::fused_on`]). 1 where attention
-    /// is the usual one. A scheme whose scores are a composition of ops holds more there; its
-    /// file states the measured peaks they are set from.
-    fn score_tensors(&self, _training: bool, _fused: bool) -> usize {
-        1
     }
 
     /// The same scheme with its rotation's base set to `base`, for a scheme that has one
@@ -115,6 +92,34 @@ pub trait Scheme: Sync {
         None
     }
 
+    /// The scheme's module for an encoder of `shape`, its variables under `vb`.
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule>;
+}
+
+/// A scheme's name, which every view of it reads.
+pub trait Named {
+    /// The name used in configs and reports (`kind = "..."`).
+    fn name(&self) -> &'static str;
+}
+
+/// How `inspect` and the reports name and describe a scheme.
+pub trait Describe: Named {
+    /// One line for `inspect`: where it acts and what with.
+    fn describe(&self, shape: &SchemeShape) -> String;
+
+    /// A row label that tells apart the variants of the scheme in a table of schemes.
+    fn label(&self) -> String {
+        self.name().to_string()
+    }
+
+    /// The model width as a results table shows it (`d = tokens + positions` for concatenation).
+    fn width(&self, d_model: usize) -> String {
+        d_model.to_string()
+    }
+}
+
+/// What `analyze` draws of a scheme ([`super::portrait`]): its tables, its bias by name, the index of its learned values and what a trained model's scheme shows beyond them.
+pub trait Portray: Named {
     /// The table of positions the scheme computes for a model of `d_model` (head width
     /// `head_dim`), where it has one; a learned table is read from the weights instead.
     fn fixed_table(&self, _d_model: usize, _head_dim: usize) -> Option<FixedTable> {
@@ -142,7 +147,10 @@ pub trait Scheme: Sync {
     fn measure(&self) -> Option<Measure> {
         None
     }
+}
 
+/// What `bench` counts and measures of a scheme.
+pub trait Bench {
     /// The FLOPs the scheme adds to a forward pass of `batch` sequences of `seq` tokens through
     /// an encoder of `shape`, beyond the encoder's own matrix products: 2 per multiply-add of its
     /// own products, as `bench` and the PyTorch reference count them (element-wise work is not
@@ -156,9 +164,19 @@ pub trait Scheme: Sync {
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
         None
     }
+}
 
-    /// The scheme's module for an encoder of `shape`, its variables under `vb`.
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule>;
+/// What a scheme holds of the attention tables, for the memory bound checked before a batch is built.
+pub trait ScoreMemory {
+    /// How many `(b, h, t, t)` values of f32 a layer of the scheme holds at its peak, in units
+    /// of one attention table, in a training step (`training`) or a forward pass, for the memory
+    /// bound before a batch is built ([`crate::limits::activation_bytes`]); `fused`: whether
+    /// poslab's fused CPU kernels compute the layer ([`crate::nn::Backend::fused_on`]). 1 where attention
+    /// is the usual one. A scheme whose scores are a composition of ops holds more there; its
+    /// file states the measured peaks they are set from.
+    fn score_tensors(&self, _training: bool, _fused: bool) -> usize {
+        1
+    }
 }
 
 /// Refuses a base that is not a finite number above 1.

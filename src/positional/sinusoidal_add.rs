@@ -9,6 +9,7 @@
 //! (`layout = "half"` puts every sine first, then every cosine). Nothing is learned, and any
 //! position has a row: the table extends itself past `max_len`.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -44,11 +45,13 @@ impl Default for SinusoidalOptions {
     }
 }
 
-impl Scheme for SinusoidalOptions {
+impl Named for SinusoidalOptions {
     fn name(&self) -> &'static str {
         "sinusoidal_add"
     }
+}
 
+impl Scheme for SinusoidalOptions {
     fn placement(&self) -> Placement {
         Placement::Input
     }
@@ -66,13 +69,23 @@ impl Scheme for SinusoidalOptions {
         Ok(())
     }
 
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::Input(InputPositions::Add(
+            InputPositions::sinusoid(shape.d_model, self.base, self.layout, shape.max_len, &vb)?,
+        )))
+    }
+}
+
+impl Describe for SinusoidalOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "input side: tokens + sinusoid ({} wide, base {}, {} layout)",
             shape.d_model, self.base, self.layout
         )
     }
+}
 
+impl Portray for SinusoidalOptions {
     fn fixed_table(&self, d_model: usize, _head_dim: usize) -> Option<FixedTable> {
         Some(FixedTable::Sinusoidal {
             dim: d_model,
@@ -84,17 +97,15 @@ impl Scheme for SinusoidalOptions {
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Table(knobs.sinusoidal_table()))
     }
+}
 
+impl Bench for SinusoidalOptions {
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
         Some(vec![(
             "sin_add".into(),
             PositionalConfig::SinusoidalAdd(self.clone()),
         )])
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::Input(InputPositions::Add(
-            InputPositions::sinusoid(shape.d_model, self.base, self.layout, shape.max_len, &vb)?,
-        )))
-    }
 }
+
+impl ScoreMemory for SinusoidalOptions {}

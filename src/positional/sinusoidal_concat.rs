@@ -11,6 +11,7 @@
 //! comparison of Ke et al. 2021, "Rethinking Positional Encoding in Language Pre-training", and
 //! of Wang & Chen 2020, "What Do Position Embeddings Learn?").
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -68,11 +69,13 @@ impl Default for ConcatOptions {
     }
 }
 
-impl Scheme for ConcatOptions {
+impl Named for ConcatOptions {
     fn name(&self) -> &'static str {
         "sinusoidal_concat"
     }
+}
 
+impl Scheme for ConcatOptions {
     fn placement(&self) -> Placement {
         Placement::Input
     }
@@ -109,6 +112,40 @@ impl Scheme for ConcatOptions {
         }
     }
 
+    fn token_dim(&self, d_model: usize) -> usize {
+        match self.project {
+            true => d_model,
+            false => d_model.saturating_sub(self.pos_dim),
+        }
+    }
+
+    fn pos_dim(&self) -> Option<usize> {
+        Some(self.pos_dim)
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let d_model = shape.d_model;
+        Ok(PositionalModule::Input(InputPositions::Concat {
+            table: InputPositions::sinusoid(
+                self.pos_dim,
+                self.base,
+                self.layout,
+                shape.max_len,
+                &vb,
+            )?,
+            projection: match self.project {
+                true => Some(crate::nn::linear(
+                    d_model + self.pos_dim,
+                    d_model,
+                    vb.pp("pos_proj"),
+                )?),
+                false => None,
+            },
+        }))
+    }
+}
+
+impl Describe for ConcatOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         let d = shape.d_model;
         match self.project {
@@ -140,18 +177,9 @@ impl Scheme for ConcatOptions {
             false => format!("{d_model} = {tokens}+{}", self.pos_dim),
         }
     }
+}
 
-    fn token_dim(&self, d_model: usize) -> usize {
-        match self.project {
-            true => d_model,
-            false => d_model.saturating_sub(self.pos_dim),
-        }
-    }
-
-    fn pos_dim(&self) -> Option<usize> {
-        Some(self.pos_dim)
-    }
-
+impl Portray for ConcatOptions {
     fn fixed_table(&self, _d_model: usize, _head_dim: usize) -> Option<FixedTable> {
         Some(FixedTable::Sinusoidal {
             dim: self.pos_dim,
@@ -163,7 +191,9 @@ impl Scheme for ConcatOptions {
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Table(knobs.sinusoidal_table()))
     }
+}
 
+impl Bench for ConcatOptions {
     fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
         let name = match self.project {
             true => "sin_concat_proj",
@@ -183,25 +213,6 @@ impl Scheme for ConcatOptions {
             false => 0.0,
         }
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        let d_model = shape.d_model;
-        Ok(PositionalModule::Input(InputPositions::Concat {
-            table: InputPositions::sinusoid(
-                self.pos_dim,
-                self.base,
-                self.layout,
-                shape.max_len,
-                &vb,
-            )?,
-            projection: match self.project {
-                true => Some(crate::nn::linear(
-                    d_model + self.pos_dim,
-                    d_model,
-                    vb.pp("pos_proj"),
-                )?),
-                false => None,
-            },
-        }))
-    }
 }
+
+impl ScoreMemory for ConcatOptions {}

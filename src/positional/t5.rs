@@ -4,6 +4,7 @@
 //! `(buckets, heads)` table shared by all layers, indexed by the bucket of the key's position
 //! minus the query's.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
@@ -44,11 +45,13 @@ impl Default for T5Options {
     }
 }
 
-impl Scheme for T5Options {
+impl Named for T5Options {
     fn name(&self) -> &'static str {
         "t5"
     }
+}
 
+impl Scheme for T5Options {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
@@ -76,6 +79,18 @@ impl Scheme for T5Options {
         self.buckets as u128 * shape.n_heads as u128
     }
 
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(T5Bias::new(
+            self.buckets,
+            self.max_distance,
+            shape.n_heads,
+            shape.d_model,
+            vb.pp("rel_bias"),
+        )?)))
+    }
+}
+
+impl Describe for T5Options {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention bias: a learned ({} buckets x {} heads) table shared by all layers, by \
@@ -83,7 +98,9 @@ impl Scheme for T5Options {
             self.buckets, shape.n_heads, self.max_distance
         )
     }
+}
 
+impl Portray for T5Options {
     /// Its bucket index: the learned values exist only in a trained model.
     fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Index(PositionalConfig::T5(Self {
@@ -115,17 +132,11 @@ impl Scheme for T5Options {
             values,
         })
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(T5Bias::new(
-            self.buckets,
-            self.max_distance,
-            shape.n_heads,
-            shape.d_model,
-            vb.pp("rel_bias"),
-        )?)))
-    }
 }
+
+impl Bench for T5Options {}
+
+impl ScoreMemory for T5Options {}
 
 /// T5's bidirectional bucket of `rel = key position - query position`.
 ///

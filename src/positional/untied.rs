@@ -11,6 +11,7 @@
 //! [`super::PositionalConfig::score_scale`]), so the two terms enter with equal weight: TUPE's
 //! answer to "add or concatenate" is to concatenate inside attention.
 
+use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -71,11 +72,13 @@ impl UntiedOptions {
     }
 }
 
-impl Scheme for UntiedOptions {
+impl Named for UntiedOptions {
     fn name(&self) -> &'static str {
         "untied"
     }
+}
 
+impl Scheme for UntiedOptions {
     fn placement(&self) -> Placement {
         Placement::AttentionBias
     }
@@ -118,6 +121,28 @@ impl Scheme for UntiedOptions {
         2 * d * d + if self.has_learned_table() { t * d } else { 0 }
     }
 
+    fn has_learned_table(&self) -> bool {
+        self.source == UntiedSource::Learned
+    }
+
+    /// TUPE's positional term is a second score of the same size: both are scaled by
+    /// `1/sqrt(2 d_head)`.
+    fn score_scale(&self, head_dim: usize) -> Option<f64> {
+        Some(1.0 / (2.0 * head_dim as f64).sqrt())
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(Untied::new(
+            self,
+            shape.d_model,
+            shape.n_heads,
+            shape.max_len,
+            vb,
+        )?)))
+    }
+}
+
+impl Describe for UntiedOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         let (d, dh) = (shape.d_model, shape.head_dim());
         format!(
@@ -141,17 +166,9 @@ impl Scheme for UntiedOptions {
             UntiedSource::Sinusoidal => "untied (sinusoidal)".into(),
         }
     }
+}
 
-    fn has_learned_table(&self) -> bool {
-        self.source == UntiedSource::Learned
-    }
-
-    /// TUPE's positional term is a second score of the same size: both are scaled by
-    /// `1/sqrt(2 d_head)`.
-    fn score_scale(&self, head_dim: usize) -> Option<f64> {
-        Some(1.0 / (2.0 * head_dim as f64).sqrt())
-    }
-
+impl Portray for UntiedOptions {
     fn fixed_table(&self, d_model: usize, _head_dim: usize) -> Option<FixedTable> {
         (self.source == UntiedSource::Sinusoidal).then(|| FixedTable::Sinusoidal {
             dim: d_model,
@@ -159,24 +176,18 @@ impl Scheme for UntiedOptions {
             layout: self.layout(),
         })
     }
+}
 
+impl Bench for UntiedOptions {
     /// TUPE's term, once per forward (the positions are shared by the batch): `U_q` and `U_k` on
     /// `seq` position rows, and the heads' `seq x seq` product.
     fn forward_flops(&self, shape: &SchemeShape, _batch: usize, seq: usize) -> f64 {
         let (d, t) = (shape.d_model as f64, seq as f64);
         2.0 * (2.0 * t * d * d) + 2.0 * t * t * d
     }
-
-    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(Untied::new(
-            self,
-            shape.d_model,
-            shape.n_heads,
-            shape.max_len,
-            vb,
-        )?)))
-    }
 }
+
+impl ScoreMemory for UntiedOptions {}
 
 /// Where the position vectors come from.
 #[derive(Debug)]
