@@ -41,49 +41,39 @@
 
 #![warn(missing_docs)]
 
+pub use poslab_core::{
+    batch, config, encoder, error, kernels, keyed, layers, limits, model, nn, params, positional,
+    rng, weights,
+};
+
 pub mod analysis;
 pub mod bench;
-pub mod config;
 pub mod data;
 pub mod device;
-pub mod encoder;
-pub mod error;
 pub mod heap;
 pub mod infer;
 pub mod io;
-pub mod kernels;
-mod keyed;
-pub mod layers;
-pub mod limits;
-pub mod model;
-pub mod nn;
-pub mod params;
-pub mod positional;
 pub mod prediction;
 pub mod pretrained;
 pub mod progress;
 pub mod render;
-pub mod rng;
 pub mod runs;
 pub mod saved;
 pub mod tasks;
 pub mod text;
 pub mod train;
-pub mod weights;
 
-pub use config::{
-    Choices, EmbeddingExtras, ModelConfig, ModelShape, NormPlacement, Precision, Scale,
+pub use poslab_core::{
+    Activation, Choices, EmbeddingExtras, HeadConfig, LayerKind, LayerPlan, ModelConfig,
+    ModelShape, NormPlacement, Pooling, Precision, RopeBases, Scale, TaskModel,
 };
-pub use layers::{LayerKind, LayerPlan, RopeBases};
-pub use model::{HeadConfig, Pooling, TaskModel};
-pub use nn::Activation;
 pub use train::Learner;
 
 /// The candle poslab is built with: a program using poslab writes `poslab::candle::Tensor`
 /// and needs no candle version of its own.
-pub use candle;
+pub use poslab_core::candle;
 /// The candle-nn poslab is built with.
-pub use candle_nn;
+pub use poslab_core::candle_nn;
 
 /// What a program using the library needs first: the encoder, its config and schemes, a
 /// training loop, and candle's `Device`, `DType`, `Tensor` and `Module`.
@@ -115,9 +105,7 @@ pub fn tune_allocator() {
         libc::mallopt(libc::M_TOP_PAD, 64 << 20);
     }
 }
-pub use encoder::{Encoder, EncoderLayer};
-pub use error::{Error, Result};
-pub use params::ParamStore;
-pub use positional::{
-    Placement, PositionalConfig, Positions, RopeOptions, RopePairing, TableLayout,
+pub use poslab_core::{
+    Encoder, EncoderLayer, Error, ParamStore, Placement, PositionalConfig, Positions, Result,
+    RopeOptions, RopePairing, TableLayout,
 };

@@ -143,46 +143,56 @@ pub fn run(a: Args) -> Result<()> {
     }
     let variants = match a.variants.is_empty() {
         true => poslab::bench::Plan::default_variants(&shape, torch.as_ref(), &limits, compute)?,
-        false => a.variants,
+        false => a.variants.clone(),
     };
-    if a.launches {
-        let options = poslab::bench::Options {
-            shape,
-            variants,
-            warmup: 0,
-            forward_reps: 0,
-            train_reps: 1,
-            device,
-            backend,
-            limits,
-            threads,
-        };
-        for v in &options.variants {
-            options
-                .shape
-                .model_config(v, &options.limits, options.compute())?;
-        }
-        // The heap is counted from here: each model's parameters, moments and step.
-        poslab::heap::start_counting();
-        let counts = poslab::bench::launches::count(&options, &mut |l| errln!("{l}"))?;
-        match a.json {
-            true => outln!("{}", serde_json::to_string_pretty(&counts)?),
-            false => out!("{}", poslab::bench::launches::table(&counts)),
-        }
-        return Ok(());
+    let options = poslab::bench::Options {
+        shape,
+        variants,
+        warmup: a.warmup,
+        forward_reps: a.forward_reps,
+        train_reps: a.train_reps,
+        device,
+        backend,
+        limits,
+        threads,
+    };
+    match a.launches {
+        true => launches(options, a.json),
+        false => timed(&a, options, torch),
     }
+}
+
+/// `--launches`: one training step of each variant, its device operations and memory counted.
+fn launches(options: poslab::bench::Options, json: bool) -> Result<()> {
+    let options = poslab::bench::Options {
+        warmup: 0,
+        forward_reps: 0,
+        train_reps: 1,
+        ..options
+    };
+    for v in &options.variants {
+        options
+            .shape
+            .model_config(v, &options.limits, options.compute())?;
+    }
+    // The heap is counted from here: each model's parameters, moments and step.
+    poslab::heap::start_counting();
+    let counts = poslab::bench::launches::count(&options, &mut |l| errln!("{l}"))?;
+    match json {
+        true => outln!("{}", serde_json::to_string_pretty(&counts)?),
+        false => out!("{}", poslab::bench::launches::table(&counts)),
+    }
+    Ok(())
+}
+
+/// The timed benchmark: each variant's forward and training step, beside PyTorch's if asked.
+fn timed(
+    a: &Args,
+    options: poslab::bench::Options,
+    torch: Option<poslab::bench::Torch>,
+) -> Result<()> {
     let plan = poslab::bench::Plan {
-        options: poslab::bench::Options {
-            shape,
-            variants,
-            warmup: a.warmup,
-            forward_reps: a.forward_reps,
-            train_reps: a.train_reps,
-            device,
-            backend,
-            limits,
-            threads,
-        },
+        options,
         device_flag: a.device,
         in_process: a.in_process,
         rounds: a.rounds,

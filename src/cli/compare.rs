@@ -78,9 +78,9 @@ pub struct Args {
 
 pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     let selection = Selection {
-        tasks: a.tasks,
-        variants: a.variants,
-        seeds: a.seeds,
+        tasks: a.tasks.clone(),
+        variants: a.variants.clone(),
+        seeds: a.seeds.clone(),
         shard: a.shard,
     };
     let every = super::log_interval(a.log_every)?;
@@ -91,75 +91,16 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     let (config, source) = load(a.config.as_deref(), a.compute.dtype)?;
     let cells = config.cells(&selection)?.len();
     let device = a.compute.device.open()?;
-    if a.dry_run {
-        if !(a.gflops.is_finite() && a.gflops > 0.0) {
-            anyhow::bail!(
-                "--gflops {}: give a training rate above 0 GFLOP/s",
-                a.gflops
-            );
-        }
-        let jobs = a.jobs.unwrap_or(poslab::nn::cores());
-        // The folder is looked at exactly as the run looks at it, before anything is costed.
-        let found = match &a.out {
-            Some(dir) => {
-                let mut options = compare::RunOptions::new(device.clone(), dir.clone());
-                options.selection = selection.clone();
-                options.overwrite = a.overwrite;
-                options.limits = limits;
-                options.backend = backend;
-                Some((dir.clone(), compare::preview(&config, &options)?))
-            }
-            None => None,
-        };
-        let compute = poslab::nn::Compute {
-            device: &device,
-            backend,
-        };
-        let estimate = estimate::estimate(&config, &selection, jobs, &limits, compute)?;
-        return print_estimate(
-            &config, &selection, estimate, &source, a.gflops, jobs, found,
-        );
-    }
-    let jobs = jobs(a.jobs, &device, cells)?;
-    // Without --out, the same command continues this experiment's unfinished run (one stopped
-    // by Ctrl-C, a kill or a crash) rather than starting over in a new folder.
     let mut look = compare::RunOptions::new(device.clone(), PathBuf::new());
     look.selection = selection.clone();
     look.limits = limits;
     look.backend = backend;
-    let mut created = false;
-    let dir = match a.out {
-        Some(dir) => dir,
-        None => match compare::unfinished_run(&config, &look, &a.runs_dir)? {
-            Some(dir) => {
-                let (done, all) = compare::progress_of(&dir).unwrap_or((0, cells));
-                errln!(
-                    "poslab compare: continuing the unfinished run in {} ({done} of {all} cells \
-                     done); --out DIR runs elsewhere",
-                    dir.display()
-                );
-                dir
-            }
-            None => {
-                created = true;
-                poslab::io::new_run_dir(&a.runs_dir, &config.name)?
-            }
-        },
-    };
-    let command = super::interrupt::this_command(&["--overwrite"]);
-    let at = dir.clone();
-    interrupt.says(move || match compare::progress_of(&at) {
-        Some((done, all)) => format!(
-            "poslab compare: interrupted; {done} of {all} cells are done and kept in {}. The \
-             same command continues there:\n  {command}",
-            at.display()
-        ),
-        None => format!(
-            "poslab compare: interrupted before the run began in {}; the same command starts \
-             it:\n  {command}",
-            at.display()
-        ),
-    });
+    if a.dry_run {
+        return dry_run(&a, &config, &source, look);
+    }
+    let jobs = jobs(a.jobs, &device, cells)?;
+    let (dir, created) = run_folder(&a, &config, &look, cells)?;
+    say_on_interrupt(interrupt, &dir);
     let shard = selection.shard;
     errln!(
         "poslab compare: {source}{} on {} -> {}",
@@ -168,16 +109,13 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
         dir.display()
     );
     let options = compare::RunOptions {
-        device,
         dir: dir.clone(),
-        selection,
         progress: Progress::for_stderr(a.quiet, every),
         jobs,
         threads,
         overwrite: a.overwrite,
-        backend,
-        limits,
-        kill_at: a.kill_at,
+        kill_at: a.kill_at.clone(),
+        ..look
     };
     let output = match compare::run(&config, &options, &|line| errln!("{line}")) {
         Ok(output) => output,
@@ -203,6 +141,85 @@ pub fn run(a: Args, interrupt: &super::interrupt::Interrupt) -> Result<()> {
     }
     outln!("total time: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// `--dry-run`: the experiment checked, the folder looked at exactly as the run looks at it,
+/// and each cell's estimated cost.
+fn dry_run(
+    a: &Args,
+    config: &ExperimentConfig,
+    source: &str,
+    look: compare::RunOptions,
+) -> Result<()> {
+    if !(a.gflops.is_finite() && a.gflops > 0.0) {
+        anyhow::bail!(
+            "--gflops {}: give a training rate above 0 GFLOP/s",
+            a.gflops
+        );
+    }
+    let jobs = a.jobs.unwrap_or(poslab::nn::cores());
+    let found = match &a.out {
+        Some(dir) => {
+            let options = compare::RunOptions {
+                dir: dir.clone(),
+                overwrite: a.overwrite,
+                ..look.clone()
+            };
+            Some((dir.clone(), compare::preview(config, &options)?))
+        }
+        None => None,
+    };
+    let compute = poslab::nn::Compute {
+        device: &look.device,
+        backend: look.backend,
+    };
+    let selection = &look.selection;
+    let estimate = estimate::estimate(config, selection, jobs, &look.limits, compute)?;
+    print_estimate(config, selection, estimate, source, a.gflops, jobs, found)
+}
+
+/// The run's folder, and whether this run makes it: `--out`, else this experiment's unfinished
+/// run (one stopped by Ctrl-C, a kill or a crash), which the same command continues rather than
+/// starting over, else a new folder.
+fn run_folder(
+    a: &Args,
+    config: &ExperimentConfig,
+    look: &compare::RunOptions,
+    cells: usize,
+) -> Result<(PathBuf, bool)> {
+    if let Some(dir) = &a.out {
+        return Ok((dir.clone(), false));
+    }
+    Ok(match compare::unfinished_run(config, look, &a.runs_dir)? {
+        Some(dir) => {
+            let (done, all) = compare::progress_of(&dir).unwrap_or((0, cells));
+            errln!(
+                "poslab compare: continuing the unfinished run in {} ({done} of {all} cells \
+                 done); --out DIR runs elsewhere",
+                dir.display()
+            );
+            (dir, false)
+        }
+        None => (poslab::io::new_run_dir(&a.runs_dir, &config.name)?, true),
+    })
+}
+
+/// What Ctrl-C prints: how many cells are kept in `dir`, and the command that continues.
+fn say_on_interrupt(interrupt: &super::interrupt::Interrupt, dir: &Path) {
+    let command = super::interrupt::this_command(&["--overwrite"]);
+    let at = dir.to_path_buf();
+    interrupt.says(move || match compare::progress_of(&at) {
+        Some((done, all)) => format!(
+            "poslab compare: interrupted; {done} of {all} cells are done and kept in {}. The \
+             same command continues there:\n  {command}",
+            at.display()
+        ),
+        None => format!(
+            "poslab compare: interrupted before the run began in {}; the same command starts \
+             it:\n  {command}",
+            at.display()
+        ),
+    });
 }
 
 /// The experiment at `path` (default: the embedded configs/compare.toml), with `--dtype`, and
@@ -252,9 +269,22 @@ fn print_estimate(
     jobs: usize,
     found: Option<(PathBuf, compare::Preview)>,
 ) -> Result<()> {
-    let selected = e.cells.len();
-    let rate = gflops * 1e9;
-    let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
+    print_selection(config, selection, &e, source)?;
+    if let Some((dir, found)) = &found {
+        print_found(dir, found, e.cells.len())?;
+        let mut keep = found.done.iter().map(|&d| !d);
+        e.cells.retain(|_| keep.next().unwrap_or(true));
+    }
+    print_costs(config, &e, gflops, jobs)
+}
+
+/// The dry run's first line: the experiment valid, and the cells the selection holds.
+fn print_selection(
+    config: &ExperimentConfig,
+    selection: &Selection,
+    e: &estimate::Estimate,
+    source: &str,
+) -> Result<()> {
     outln!(
         "{source}: valid; experiment `{}`: {} task{} x {} variant{} x {} seed{} = {} cell{}{}",
         config.name,
@@ -274,7 +304,12 @@ fn print_estimate(
             None => String::new(),
         }
     );
-    if let Some((dir, found)) = &found {
+    Ok(())
+}
+
+/// What the run would find in `--out DIR`, of its `selected` cells.
+fn print_found(dir: &Path, found: &compare::Preview, selected: usize) -> Result<()> {
+    {
         let done = found.done.iter().filter(|&&d| d).count();
         outln!(
             "--out {}: {}",
@@ -294,9 +329,19 @@ fn print_estimate(
         for note in &found.notes {
             outln!("note: {note}");
         }
-        let mut keep = found.done.iter().map(|&d| !d);
-        e.cells.retain(|_| keep.next().unwrap_or(true));
     }
+    Ok(())
+}
+
+/// Each cell's estimated cost at `gflops` per job, and the total.
+fn print_costs(
+    config: &ExperimentConfig,
+    e: &estimate::Estimate,
+    gflops: f64,
+    jobs: usize,
+) -> Result<()> {
+    let rate = gflops * 1e9;
+    let seconds = |flop: f64| Duration::from_secs_f64((flop / rate).min(1e12));
     if !e.sampled.is_empty() {
         let [train, other] = estimate::DRY_RUN_SAMPLE;
         outln!(

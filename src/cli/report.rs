@@ -62,16 +62,10 @@ impl std::fmt::Display for PartialMerge {
 
 impl std::error::Error for PartialMerge {}
 
-pub fn run(args: Args) -> Result<()> {
-    let Args {
-        runs,
-        out,
-        overwrite,
-        allow_partial,
-        compare,
-    } = args;
-    let runs = &runs;
-    // The same folder twice would merge each of its cells with itself.
+/// Each run folder given once, and `--out` none of them: the same folder twice would merge
+/// each of its cells with itself, and writing into a folder being merged would replace its own
+/// results with the merge's.
+fn check_folders(runs: &[std::path::PathBuf], out: Option<&Path>) -> Result<()> {
     let places: Vec<Option<std::path::PathBuf>> =
         runs.iter().map(|r| r.canonicalize().ok()).collect();
     for (i, place) in places.iter().enumerate() {
@@ -83,8 +77,7 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    if let Some(dir) = &out {
-        // Writing into a folder being merged would replace its own results with the merge's.
+    if let Some(dir) = out {
         let same = |a: &Path| match (a.canonicalize(), dir.canonicalize()) {
             (Ok(a), Ok(b)) => a == b,
             _ => false,
@@ -98,6 +91,19 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let Args {
+        runs,
+        out,
+        overwrite,
+        allow_partial,
+        compare,
+    } = args;
+    let runs = &runs;
+    check_folders(runs, out.as_deref())?;
     let merged = merge::merge_runs_exploring(runs, allow_partial, &compare)?;
     let (results, config) = (&merged.results, &merged.config);
     let dir = match out {

@@ -22,6 +22,7 @@ use crate::progress::{self, Board, Progress};
 use crate::train::{planned_steps, Trainer};
 
 /// Where and how to run.
+#[derive(Clone)]
 pub struct RunOptions {
     /// Where the cells train.
     pub device: Device,

@@ -253,7 +253,7 @@ impl AdamW {
             if self.backend.path(&g) == crate::nn::Path::Fused {
                 let w = slot.var.as_detached_tensor();
                 for part in &slot.parts {
-                    crate::nn::adamw_step(
+                    crate::kernels::cpu::adamw_step(
                         &Slot::of(&w, part)?,
                         &slot.moments_of(part)?,
                         &Slot::of(&g, part)?,

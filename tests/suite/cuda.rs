@@ -6,8 +6,8 @@
 //!
 //! On the GPU the layers run as differentiable compositions (`Kernels::Reference`), with one
 //! candle kernel per softmax, LayerNorm, GELU and RoPE rotation and poslab's backward passes
-//! (`Kernels::Ops`, `src/nn/cuda_ops.rs`), or, by default, each encoder layer on the device path
-//! (`Kernels::Layer`, `src/nn/device/`: cuBLAS and poslab's NVRTC kernels); the fixture and
+//! (`Kernels::Ops`, `poslab-kernels/src/cuda_ops.rs`), or, by default, each encoder layer on the device path
+//! (`Kernels::Layer`, `poslab-kernels/src/gpu/`: cuBLAS and poslab's NVRTC kernels); the fixture and
 //! gradient tests run all three. poslab's fused CPU kernels are CPU code. So these tests are
 //! what proves those paths learn on CUDA.
 
@@ -37,7 +37,7 @@ fn gpu(test: &str) -> Option<Device> {
     }
 }
 
-/// The device path's kernels (`src/nn/device/kernels.cu`) compile with NVRTC and hold every
+/// The device path's kernels (`poslab-kernels/src/gpu/kernels.cu`) compile with NVRTC and hold every
 /// kernel the stream launches, for every dtype: no GPU needed, only the `cuda` build and its
 /// NVRTC library (`scripts/gpu/prepare.sh` runs this on the build machine).
 #[test]
@@ -130,7 +130,7 @@ fn gpu_gradients_reach_every_variable_and_match_the_cpu() {
     eprintln!("gpu gradients against the CPU: worst relative L2 error {worst:.2e}");
 }
 
-/// The task head and its loss as one node on CUDA (`nn/device/head.rs`: cuBLAS and poslab's
+/// The task head and its loss as one node on CUDA (`poslab-kernels/src/gpu/head.rs`: cuBLAS and poslab's
 /// kernels) against the composition of candle ops on the same GPU, and against the node's CPU
 /// twin: the loss and every variable's gradient, for each readout, in f32.
 #[test]
@@ -178,7 +178,7 @@ fn gpu_heads_give_the_compositions_loss_and_gradients() {
     eprintln!("gpu heads against the composition and the twin: worst relative error {worst:.2e}");
 }
 
-/// A LayerNorm outside the encoder layers as one node on CUDA (`nn/device/norm.rs`) against
+/// A LayerNorm outside the encoder layers as one node on CUDA (`poslab-kernels/src/gpu/norm.rs`) against
 /// the composition on the same GPU and against the node's CPU twin: output and gradients, f32.
 #[test]
 fn gpu_layer_norm_node_matches_the_composition_and_the_twin() {

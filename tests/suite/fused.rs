@@ -195,7 +195,7 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                                 &what,
                             ));
                         }
-                        // The CUDA path's ops (nn/cuda_ops.rs), wired as on a GPU, computed here.
+                        // The CUDA path's ops (poslab-kernels/src/cuda_ops.rs), wired as on a GPU, computed here.
                         let what = format!(
                             "{} {norm:?} {size} dropout {dropout} {dtype:?} gpu ops on the cpu",
                             positional.name()
@@ -225,7 +225,7 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
 }
 
 /// The device path: each encoder layer as the CUDA path's sequence of device operations
-/// (`nn/device/`), computed by their CPU twin, against the reference compositions, forward and
+/// (`poslab-kernels/src/gpu/`), computed by their CPU twin, against the reference compositions, forward and
 /// every gradient, for every scheme, both norm placements, two sizes, with and without dropout,
 /// in f32 and f64, at the fused kernels' tolerances; and that the path ran, by its count of
 /// operations.
@@ -1122,7 +1122,7 @@ pub(crate) fn head_error(
     worst
 }
 
-/// A task head and its loss on the device path (one node, `nn/device/head.rs`, computed by its
+/// A task head and its loss on the device path (one node, `poslab-kernels/src/gpu/head.rs`, computed by its
 /// CPU twin) against the composition of candle ops that `TaskModel::loss` runs on the same
 /// encoder: the loss and the gradient of every variable, for each readout (mean and first-token
 /// pooling, token tags with unscored tokens, masked-LM), over sequences of different lengths,
@@ -1232,7 +1232,7 @@ pub(crate) fn norm_error(a: &[Vec<f64>], b: &[Vec<f64>], tol: f64, what: &str) -
 }
 
 /// A LayerNorm outside the encoder layers (the pre-norm encoder's final norm) runs as one node
-/// on the device path (`src/nn/device/norm.rs`): its output and the gradients of its input,
+/// on the device path (`poslab-kernels/src/gpu/norm.rs`): its output and the gradients of its input,
 /// weight and bias are the composition's (`Kernels::Reference`) in f32 and f64 at the fused
 /// kernels' tolerances, and in bf16 and f16 within the half precisions' bars of the f64
 /// composition of the same rounded inputs; its forward is one kernel, its backward two and one

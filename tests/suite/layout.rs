@@ -1,5 +1,6 @@
-//! The code's layout, as the README draws it: no two modules import each other, and the core
-//! (the encoder, its layers and schemes) imports nothing above it.
+//! The code's layout, as the README draws it: three crates (the lab, its core and the kernels),
+//! no two modules and no circle of folders importing each other in any of them, the core
+//! depending on nothing of the lab's, and the kernels on nothing of poslab's.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -30,11 +31,34 @@ fn code(file: &Path) -> String {
         .join("\n")
 }
 
-/// The modules each module names through `crate::` or `super::` paths (longest known prefix).
+/// The workspace's crates: the lab, its core and the kernels, each with its `src` folder.
+fn crates() -> [(&'static str, std::path::PathBuf); 3] {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    [
+        ("poslab", root.join("src")),
+        ("poslab-core", root.join("crates/poslab-core/src")),
+        ("poslab-kernels", root.join("crates/poslab-kernels/src")),
+    ]
+}
+
+/// Every Rust file of every crate.
+fn all_sources() -> Vec<std::path::PathBuf> {
+    crates()
+        .into_iter()
+        .flat_map(|(_, src)| crate::common::files_with_extension(&src, "rs"))
+        .collect()
+}
+
+/// The lab's modules and what each names ([`imports_of`]).
 fn imports() -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let files = crate::common::files_with_extension(&src, "rs");
-    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(&src, f)).collect();
+    imports_of(&crates()[0].1)
+}
+
+/// The modules each module of the crate at `src` names through `crate::` or `super::` paths
+/// (longest known prefix).
+fn imports_of(src: &Path) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
+    let files = crate::common::files_with_extension(src, "rs");
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(src, f)).collect();
     let resolve = |path: &[String]| {
         (1..=path.len())
             .rev()
@@ -43,7 +67,7 @@ fn imports() -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
     };
     let mut graph = BTreeMap::new();
     for file in &files {
-        let module = module_of(&src, file);
+        let module = module_of(src, file);
         let parent: Vec<String> = module[..module.len().saturating_sub(1)].to_vec();
         let code = code(file);
         let mut named = BTreeSet::new();
@@ -82,14 +106,16 @@ fn imports() -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
 
 #[test]
 fn no_two_modules_import_each_other() {
-    let graph = imports();
-    assert!(graph.len() > 100, "found {} modules", graph.len());
     let mut mutual = Vec::new();
-    for (a, targets) in &graph {
-        for b in targets {
-            let related = a.starts_with(b) || b.starts_with(a);
-            if a < b && !related && graph.get(b).is_some_and(|t| t.contains(a)) {
-                mutual.push(format!("{} <-> {}", a.join("::"), b.join("::")));
+    for (name, src) in crates() {
+        let graph = imports_of(&src);
+        assert!(graph.len() > 10, "{name}: found {} modules", graph.len());
+        for (a, targets) in &graph {
+            for b in targets {
+                let related = a.starts_with(b) || b.starts_with(a);
+                if a < b && !related && graph.get(b).is_some_and(|t| t.contains(a)) {
+                    mutual.push(format!("{name}: {} <-> {}", a.join("::"), b.join("::")));
+                }
             }
         }
     }
@@ -98,6 +124,7 @@ fn no_two_modules_import_each_other() {
         "modules that import each other: {mutual:?}"
     );
     // The check sees real imports: the encoder names the positional schemes.
+    let graph = imports_of(&crates()[1].1);
     let encoder = &graph[&vec!["encoder".to_string()]];
     assert!(
         encoder.contains(&vec!["positional".to_string()]),
@@ -105,7 +132,7 @@ fn no_two_modules_import_each_other() {
     );
 }
 
-/// The folder a module's file lies in (`nn/fused/layer.rs` and `nn/fused/mod.rs`: `nn::fused`).
+/// The folder a module's file lies in (`cpu/layer.rs` and `cpu/mod.rs`: `cpu`).
 fn folder_of(module: &[String], folders: &BTreeSet<Vec<String>>) -> Vec<String> {
     match folders.contains(module) {
         true => module.to_vec(),
@@ -174,106 +201,148 @@ fn cycles(graph: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Vec<Vec<Strin
 #[test]
 fn no_folders_import_each_other_in_a_circle() {
     // Folders as nodes, an edge where a file of one names a module of another (a folder and
-    // the folders inside it are one family, as a parent module declares its children).
-    let graph = imports();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let folders: BTreeSet<Vec<String>> = crate::common::files_with_extension(&src, "rs")
-        .iter()
-        .filter(|f| f.file_name().is_some_and(|n| n == "mod.rs"))
-        .map(|f| module_of(&src, f))
-        .collect();
-    let mut by_folder: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
-    for (module, targets) in &graph {
-        let from = folder_of(module, &folders);
-        let entry = by_folder.entry(from.clone()).or_default();
-        for t in targets {
-            let to = folder_of(t, &folders);
-            if !from.starts_with(&to) && !to.starts_with(&from) {
-                entry.insert(to);
+    // the folders inside it are one family, as a parent module declares its children), in each
+    // crate.
+    let by_folder = |src: &Path| {
+        let folders: BTreeSet<Vec<String>> = crate::common::files_with_extension(src, "rs")
+            .iter()
+            .filter(|f| f.file_name().is_some_and(|n| n == "mod.rs"))
+            .map(|f| module_of(src, f))
+            .collect();
+        let mut by_folder: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+        for (module, targets) in &imports_of(src) {
+            let from = folder_of(module, &folders);
+            let entry = by_folder.entry(from.clone()).or_default();
+            for t in targets {
+                let to = folder_of(t, &folders);
+                if !from.starts_with(&to) && !to.starts_with(&from) {
+                    entry.insert(to);
+                }
             }
         }
+        by_folder
+    };
+    let mut circles = Vec::new();
+    for (name, src) in crates() {
+        let graph = by_folder(&src);
+        assert!(graph.len() > 2, "{name}: found {} folders", graph.len());
+        circles.extend(cycles(&graph).into_iter().map(|c| format!("{name}: {c:?}")));
     }
-    assert!(by_folder.len() > 10, "found {} folders", by_folder.len());
-    let circles = cycles(&by_folder);
     assert!(
         circles.is_empty(),
         "folders that import each other in a circle: {circles:?}"
     );
     // The check finds a circle where there is one.
-    let mut circle = by_folder.clone();
+    let mut circle = by_folder(&crates()[0].1);
     let (a, b) = (vec!["runs".to_string()], vec!["render".to_string()]);
     circle.entry(a.clone()).or_default().insert(b.clone());
     circle.entry(b).or_default().insert(a);
     assert_eq!(cycles(&circle).len(), 1);
 }
 
-#[test]
-fn the_kernels_are_a_leaf() {
-    // The kernels take tensors, slices, shapes and their own specs: they name no module of
-    // the model, no scheme, no config and nothing of the lab.
-    let graph = imports();
-    let mut wrong = Vec::new();
-    for (module, targets) in &graph {
-        if module.first().map(String::as_str) != Some("kernels") {
-            continue;
-        }
-        for t in targets {
-            if t.first().map(String::as_str) != Some("kernels") {
-                wrong.push(format!("{} -> {}", module.join("::"), t.join("::")));
-            }
+/// The packages `package` depends on, by the names its `Cargo.toml` gives them, in `table`
+/// (`dependencies` or `dev-dependencies`).
+fn dependencies(package: &str, table: &str) -> BTreeSet<String> {
+    let path = match package {
+        "poslab" => "Cargo.toml".to_string(),
+        other => format!("crates/{other}/Cargo.toml"),
+    };
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    let manifest: toml::Table = std::fs::read_to_string(path).unwrap().parse().unwrap();
+    let named = |(name, spec): (&String, &toml::Value)| {
+        let package = spec.get("package").and_then(toml::Value::as_str);
+        package.unwrap_or(name).to_string()
+    };
+    match manifest.get(table).and_then(toml::Value::as_table) {
+        Some(deps) => deps.iter().map(named).collect(),
+        None => BTreeSet::new(),
+    }
+}
+
+/// Every package `package` builds, from Cargo.lock: its dependencies and theirs (a workspace
+/// package's dev-dependencies left out).
+fn builds(package: &str) -> BTreeSet<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.lock");
+    let lock: toml::Table = std::fs::read_to_string(path).unwrap().parse().unwrap();
+    let mut deps: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for p in lock["package"].as_array().unwrap() {
+        let names = p.get("dependencies").and_then(toml::Value::as_array);
+        let names = names.into_iter().flatten().filter_map(toml::Value::as_str);
+        let names = names.map(|d| d.split(' ').next().unwrap_or(d).to_string());
+        let name = p["name"].as_str().unwrap().to_string();
+        deps.entry(name).or_default().extend(names);
+    }
+    // Cargo.lock lists a workspace package's dev-dependencies with its own.
+    let (normal, dev) = match package.starts_with("poslab") {
+        true => (
+            dependencies(package, "dependencies"),
+            dependencies(package, "dev-dependencies"),
+        ),
+        false => (BTreeSet::new(), BTreeSet::new()),
+    };
+    let first = deps[package].iter();
+    let mut todo: Vec<String> = first
+        .filter(|d| normal.contains(*d) || !dev.contains(*d))
+        .cloned()
+        .collect();
+    let mut seen = BTreeSet::new();
+    while let Some(d) = todo.pop() {
+        if seen.insert(d.clone()) {
+            todo.extend(deps.get(&d).into_iter().flatten().cloned());
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "the kernels name modules outside them: {wrong:?}"
-    );
-    let layer = &graph[&["kernels", "cpu", "layer"].map(String::from).to_vec()];
-    assert!(
-        layer.iter().any(|t| t[..2] == ["kernels", "spec"]),
-        "{layer:?}"
-    );
+    seen
 }
 
 #[test]
-fn the_core_imports_nothing_above_it() {
-    let core = [
-        "encoder",
-        "model",
-        "layers",
-        "positional",
-        "nn",
-        "params",
-        "config",
-    ];
-    let above = [
-        "runs",
-        "train",
-        "analysis",
-        "bench",
-        "cli",
-        "tasks",
-        "text",
-        "pretrained",
-        "saved",
-        "infer",
-        "render",
-        "progress",
-    ];
-    let mut wrong = Vec::new();
-    for (module, targets) in imports() {
-        if !module.first().is_some_and(|m| core.contains(&m.as_str())) {
-            continue;
-        }
-        for t in targets {
-            if t.first().is_some_and(|t| above.contains(&t.as_str())) {
-                wrong.push(format!("{} -> {}", module.join("::"), t.join("::")));
-            }
-        }
-    }
+fn the_kernels_depend_on_nothing_of_poslabs() {
+    // The kernels take tensors, slices, shapes and their own specs: no module of the model, no
+    // scheme, no config and nothing of the lab; candle and numeric crates only.
+    let deps = dependencies("poslab-kernels", "dependencies");
+    let poslab: Vec<_> = deps.iter().filter(|d| d.starts_with("poslab")).collect();
+    assert!(poslab.is_empty(), "the kernels depend on {poslab:?}");
     assert!(
-        wrong.is_empty(),
-        "the core imports from above it: {wrong:?}"
+        deps.contains("candle-core") && deps.contains("gemm"),
+        "{deps:?}"
     );
+    // Inside, the shared specs are a leaf the CPU kernels read.
+    let graph = imports_of(&crates()[2].1);
+    let layer = &graph[&["cpu", "layer"].map(String::from).to_vec()];
+    assert!(layer.iter().any(|t| t[..1] == ["spec"]), "{layer:?}");
+}
+
+#[test]
+fn the_core_builds_none_of_the_labs_dependencies() {
+    // A program that wants the encoder depends on poslab-core and builds none of the lab's
+    // crates (tokenizers comes with candle-core itself, which depends on it on every target
+    // but wasm).
+    let lab_only = [
+        "plotters",
+        "tokenizers",
+        "hf-hub",
+        "clap",
+        "nalgebra",
+        "csv",
+        "indicatif",
+        "png",
+        "dejavu",
+        "fs4",
+    ];
+    let direct = dependencies("poslab-core", "dependencies");
+    let named: Vec<_> = lab_only.iter().filter(|d| direct.contains(**d)).collect();
+    assert!(named.is_empty(), "poslab-core depends on {named:?}");
+    assert!(!direct.contains("poslab"), "{direct:?}");
+    let built = builds("poslab-core");
+    let lab: Vec<_> = lab_only
+        .iter()
+        .filter(|d| built.contains(**d) && **d != "tokenizers")
+        .collect();
+    assert!(lab.is_empty(), "poslab-core builds {lab:?}");
+    assert!(builds("candle-core").contains("tokenizers"));
+    // The check sees the lab's: the lab builds every one.
+    let all = builds("poslab");
+    let missing: Vec<_> = lab_only.iter().filter(|d| !all.contains(**d)).collect();
+    assert!(missing.is_empty(), "the lab builds none of {missing:?}?");
 }
 
 #[test]
@@ -365,15 +434,15 @@ fn scheme_matches(code: &str, file: &str) -> Vec<String> {
 
 #[test]
 fn nothing_outside_a_schemes_file_matches_on_the_scheme() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut found = Vec::new();
-    for file in crate::common::files_with_extension(&src, "rs") {
+    for file in all_sources() {
         let rel = file
-            .strip_prefix(&src)
+            .strip_prefix(root)
             .unwrap()
             .to_string_lossy()
             .into_owned();
-        if rel.starts_with("positional/") {
+        if rel.starts_with("crates/poslab-core/src/positional/") {
             continue;
         }
         found.extend(scheme_matches(&code(&file), &rel));
@@ -427,9 +496,8 @@ fn dates_in(text: &str) -> Vec<String> {
 fn the_code_holds_no_dated_measurements() {
     // Code says what is; the book says what was measured, and when (performance.md's
     // "Measurements behind the code's choices").
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut problems = Vec::new();
-    for file in crate::common::files_with_extension(&src, "rs") {
+    for file in all_sources() {
         let text = std::fs::read_to_string(&file).unwrap();
         for d in dates_in(&text) {
             problems.push(format!("{}:{d}", file.display()));
@@ -444,4 +512,58 @@ fn the_code_holds_no_dated_measurements() {
         dates_in("// measured 2026-11-28 (one thread)\nlet x = 12345678901;"),
         ["1: 2026-11-28"]
     );
+}
+
+/// Each function of `code` longer than `max` lines, as `name: lines` (from its `fn` line to its
+/// closing brace).
+fn long_functions(code: &str, max: usize) -> Vec<String> {
+    let lines: Vec<&str> = code.lines().collect();
+    let mut long = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let t = line.trim_start();
+        let Some(rest) = ["fn ", "pub fn ", "pub(crate) fn ", "pub(super) fn "]
+            .iter()
+            .find_map(|p| t.strip_prefix(p))
+        else {
+            continue;
+        };
+        let name: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        let indent = line.len() - t.len();
+        let end = lines[i..]
+            .iter()
+            .position(|l| l.get(..indent + 1) == Some(&format!("{}}}", " ".repeat(indent))))
+            .map(|k| i + k);
+        if let Some(end) = end {
+            if end - i + 1 > max {
+                long.push(format!("{name}: {} lines", end - i + 1));
+            }
+        }
+    }
+    long
+}
+
+#[test]
+fn the_commands_are_thin() {
+    // Each subcommand's `exec` reads its flags and calls the library (cargo's shape): no function
+    // of src/cli longer than 80 lines.
+    let cli = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cli");
+    let mut long = Vec::new();
+    for file in crate::common::files_with_extension(&cli, "rs") {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        long.extend(
+            long_functions(&text, 80)
+                .into_iter()
+                .map(|f| format!("{name}: {f}")),
+        );
+    }
+    assert!(long.is_empty(), "functions over 80 lines: {long:?}");
+    // The check counts a function's lines.
+    let body = "fn short() {\n    x();\n}\n\npub fn long() {\n".to_string()
+        + &"    y();\n".repeat(80)
+        + "}\n";
+    assert_eq!(long_functions(&body, 80), ["long: 82 lines"]);
 }

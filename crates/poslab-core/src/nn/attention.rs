@@ -1,0 +1,502 @@
+//! Multi-head self-attention with a key-padding mask, and the two places a positional scheme can
+//! reach inside it, given as plain inputs ([`AttentionInputs`]): a rotation of q and k, and an
+//! additive bias on the scores.
+
+use candle::{DType, ModuleT, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use super::{
+    linear_with_bias, masked_softmax, Backend, Dropout, Linear, Path, Rotary, MASKED_SCORE,
+};
+
+pub use crate::kernels::spec::key_padding_bias;
+
+/// The additive bias of a sliding window: 0 where `|i - j| <= max_offset`, a large negative
+/// score beyond; `None` when the window holds all `t` keys of every query (nothing to mask).
+///
+/// # Shapes
+/// - returns `(1, 1, t, t)` in `dtype`
+pub fn window_bias(
+    t: usize,
+    max_offset: usize,
+    dtype: DType,
+    device: &candle::Device,
+) -> Result<Option<Tensor>> {
+    if max_offset + 1 >= t {
+        return Ok(None);
+    }
+    let values: Vec<f64> = (0..t * t)
+        .map(|n| match (n / t).abs_diff(n % t) > max_offset {
+            true => MASKED_SCORE,
+            false => 0.0,
+        })
+        .collect();
+    Ok(Some(
+        Tensor::from_vec(values, (1, 1, t, t), device)?.to_dtype(dtype)?,
+    ))
+}
+
+/// An additive bias on the attention scores, in one of two forms.
+#[derive(Clone, Copy, Debug)]
+pub enum AttentionBias<'a> {
+    /// `(r, h, t, t)`, added as it is; `r` is 1 (the same for every sequence) or `b`.
+    Table(&'a Tensor),
+    /// `(2, b, h, t)`: two running sums `f` and `g` of per-token values along each sequence,
+    /// whose differences are the bias:
+    ///
+    /// ```text
+    /// bias[h, i, j] = f[h, i] - f[h, j]     j <= i
+    ///               = g[h, j] - g[h, i]     j > i
+    /// ```
+    ///
+    /// (the sum between key `j` and query `i`, from `f` to the query's left and `g` to its
+    /// right: a content-set decay). The fused kernels build it in place per head and reduce its
+    /// gradient to the sums' there, so no `(b, h, t, t)` bias or gradient is ever stored; the
+    /// compositions build the table ([`AttentionBias::table`]).
+    SidedSums(&'a Tensor),
+}
+
+impl AttentionBias<'_> {
+    /// The same bias, owning its tensor.
+    pub fn owned(&self) -> LayerBias {
+        match *self {
+            Self::Table(t) => LayerBias::Table(t.clone()),
+            Self::SidedSums(s) => LayerBias::SidedSums(s.clone()),
+        }
+    }
+
+    /// The bias as a `(r, h, t, t)` table.
+    pub fn table(&self, backend: Backend) -> Result<Tensor> {
+        match *self {
+            Self::Table(t) => Ok(t.clone()),
+            Self::SidedSums(sums) => {
+                let (_, b, h, t) = sums.dims4()?;
+                let f = sums.get(0)?.reshape((b * h, t))?;
+                let g = sums.get(1)?.reshape((b * h, t))?;
+                super::sided_differences(&f, &g, backend)?.reshape((b, h, t, t))
+            }
+        }
+    }
+}
+
+/// An [`AttentionBias`] a layer computes from its own input, owned (the kernels' form).
+pub use crate::kernels::spec::LayerBias;
+
+impl<'a> From<&'a LayerBias> for AttentionBias<'a> {
+    /// The bias as attention reads it.
+    fn from(bias: &'a LayerBias) -> Self {
+        match bias {
+            LayerBias::Table(t) => AttentionBias::Table(t),
+            LayerBias::SidedSums(s) => AttentionBias::SidedSums(s),
+        }
+    }
+}
+
+/// Forget gates a layer computes from its attention input `a` `(b, t, d)`, whose running sums
+/// are its score bias ([`AttentionBias::SidedSums`]):
+///
+/// ```text
+/// z = a Wᵀ + b   (b, t, 2h): each head's forward gate, then each head's backward gate
+/// [f; g] = running sums along the tokens of log σ(z), laid out (2, b, h, t)
+/// ```
+///
+/// The fused encoder layer computes them inside itself, so the attention input is normalised
+/// once and the gates' gradient joins q, k and v's before its LayerNorm's backward.
+#[derive(Clone, Debug)]
+pub struct ForgetGates {
+    /// `(2h, d)`
+    pub weight: Tensor,
+    /// `(2h)`
+    pub bias: Tensor,
+}
+
+impl ForgetGates {
+    /// `log σ(x Wᵀ + b)` ([`super::log_sigmoid`]: exact for any `z`), in the weights' dtype
+    /// (under mixed precision the bias joins the f32 scores).
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(b, t, 2h)`, every value at most 0
+    pub fn log_gates(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
+        let z = Linear::new(self.weight.clone(), Some(self.bias.clone()))
+            .forward(&x.to_dtype(self.weight.dtype())?, backend)?;
+        super::log_sigmoid(&z, backend)
+    }
+
+    /// The score bias: the gates' running sums `[f; g]` along the tokens, as compositions of
+    /// ops (the fused layer computes the same inside itself).
+    ///
+    /// # Shapes
+    /// - `x`: `(b, t, d)`; returns `(2, b, h, t)`; differentiable in the gates and `x`
+    pub fn sums(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
+        super::running_sums(&self.log_gates(x, backend)?, 2, backend)
+    }
+}
+
+/// Attention scores a positional scheme computes itself from the queries and keys, in place of
+/// `scale · q kᵀ` (PoPE's polar product, CoPE's counted positions, PaTH's transport): `nn`
+/// knows no scheme, only this question. Attention then adds the window and the padding, and
+/// takes the softmax, as for any scores. Such a layer runs as a composition of ops, unless the
+/// scores are a [`Polar`](super::Polar) form, [`GateCounts`](super::GateCounts) or a
+/// [`Transport`](super::Transport), which the fused CPU kernels compute themselves.
+pub trait QkScores: std::fmt::Debug + Send + Sync {
+    /// # Shapes
+    /// - `q`, `k`: `(b, h, t, d_head)`, projected (with their biases), never rotated
+    /// - `x`: `(b, t, d_model)`, the attention's input (what q, k and v are projected from)
+    /// - returns `(b, h, t, t)`, the scaled scores before window and padding, in any float
+    ///   dtype (the softmax runs in it)
+    fn scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        x: &Tensor,
+        scale: f64,
+        backend: Backend,
+    ) -> crate::Result<Tensor>;
+
+    /// The scores as a [`Polar`](super::Polar) form of q and k, when they are exactly that
+    /// (what [`QkScores::scores`] computes): the fused CPU kernels then compute them inside the
+    /// attention node, with a hand-written backward, instead of composing ops.
+    fn polar(&self) -> Option<&super::Polar> {
+        None
+    }
+
+    /// The scores as [`GateCounts`](super::GateCounts) of q and k, when they are exactly that:
+    /// the fused CPU kernels then compute them inside the attention node, as for
+    /// [`QkScores::polar`].
+    fn counts(&self) -> Option<&super::GateCounts> {
+        None
+    }
+
+    /// The scores as a [`Transport`](super::Transport) of q and k by reflections made from the
+    /// attention input `x` (`(b, t, d_model)`, over `heads` heads), when they are exactly that:
+    /// the fused CPU kernels then carry the keys to the queries inside the attention node, with
+    /// a hand-written backward, and the reflections are made beside it (on the CPU's fused
+    /// kernels, one more node; inside the layer's node under the `layer` kernels, given
+    /// [`QkScores::input_reflections`]).
+    fn transport(
+        &self,
+        _x: &Tensor,
+        _heads: usize,
+        _backend: Backend,
+    ) -> crate::Result<Option<super::Transport>> {
+        Ok(None)
+    }
+
+    /// The weights [`QkScores::transport`] makes its reflections with, when its scores are a
+    /// transport: a fused layer then makes them inside itself from its attention input, and
+    /// the layer is one node.
+    fn input_reflections(&self) -> Option<super::InputReflections<'_>> {
+        None
+    }
+}
+
+/// What attention reads besides the hidden states: plain tensors, built by whoever knows the
+/// positional scheme (`nn` knows none).
+///
+/// ```text
+/// S = scale · rot(q) rot(k)ᵀ + score_bias + window;   P = softmax(S + key_padding)
+/// ```
+///
+/// `window` is a large negative score for keys more than `max_offset` from the query (a local
+/// layer), 0 otherwise; the fused kernels apply it in place, the composition as a
+/// [`window_bias`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionInputs<'a> {
+    /// `(b, t)` from [`key_padding_bias`].
+    pub key_padding: &'a Tensor,
+    /// A rotation of q and k by their tokens' positions.
+    pub rotary: Option<&'a Rotary>,
+    /// Added to the scaled scores.
+    pub score_bias: Option<AttentionBias<'a>>,
+    /// A sliding window: keys more than this many tokens from the query get no weight.
+    pub max_offset: Option<usize>,
+    /// Scores the scheme computes from q and k itself, in place of `scale · q kᵀ`.
+    pub scores: Option<&'a dyn QkScores>,
+}
+
+impl<'a> AttentionInputs<'a> {
+    /// Only the padding mask.
+    pub fn padding(key_padding: &'a Tensor) -> Self {
+        Self {
+            key_padding,
+            rotary: None,
+            score_bias: None,
+            max_offset: None,
+            scores: None,
+        }
+    }
+
+    /// Whether the fused CPU kernels compute these scores: `scale · q kᵀ`, or a scheme's own
+    /// scores that are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts)
+    /// alone (no rotation, no score bias beside).
+    pub(crate) fn fused_scores(&self) -> bool {
+        match self.scores {
+            None => true,
+            Some(s) => {
+                (s.polar().is_some() || s.counts().is_some())
+                    && self.rotary.is_none()
+                    && self.score_bias.is_none()
+            }
+        }
+    }
+}
+
+/// Scaled dot-product attention over `n_heads` heads, projections `attn.{q,k,v,o}`.
+///
+/// The key projection has a bias only when asked (`key_bias`), which is when q and k are
+/// rotated. Without a rotation a key bias adds `q_i . b_k` to every score of query `i`, the same
+/// for all keys, and softmax cancels it: the bias could never change an output, and its
+/// gradient is exactly zero. A rotation turns it by position (`q_i . R(j - i) b_k`), which makes
+/// it a real, relative-position parameter.
+#[derive(Clone, Debug)]
+pub struct SelfAttention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    n_heads: usize,
+    head_dim: usize,
+    /// What `q kᵀ` is multiplied by: `1/sqrt(d_head)` usually, `1/sqrt(2 d_head)` when a
+    /// second, positional score of the same size is added (TUPE).
+    scale: f64,
+    dropout: Dropout,
+}
+
+impl SelfAttention {
+    /// What weight decay leaves alone: the projections' biases.
+    pub fn undecayed(&self) -> Vec<Tensor> {
+        [&self.q, &self.k, &self.v, &self.o]
+            .iter()
+            .flat_map(|l| l.undecayed())
+            .collect()
+    }
+}
+
+impl SelfAttention {
+    /// `score_scale` multiplies `q kᵀ`; `None` is the usual `1/sqrt(d_head)`. The projections
+    /// have biases when `bias` (the key's only when `key_bias` too).
+    pub fn new(
+        d_model: usize,
+        n_heads: usize,
+        key_bias: bool,
+        bias: bool,
+        score_scale: Option<f64>,
+        dropout: Dropout,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let make = |with_bias: bool, name: &str| {
+            linear_with_bias(d_model, d_model, with_bias, vb.pp(name))
+        };
+        Ok(Self {
+            q: make(bias, "q")?,
+            k: make(bias && key_bias, "k")?,
+            v: make(bias, "v")?,
+            o: make(bias, "o")?,
+            n_heads,
+            head_dim: d_model / n_heads,
+            scale: score_scale.unwrap_or(1.0 / ((d_model / n_heads) as f64).sqrt()),
+            dropout,
+        })
+    }
+
+    /// Attention heads.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    /// What `q kᵀ` is multiplied by.
+    pub fn score_scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// The dropout on the attention weights.
+    pub fn dropout(&self) -> &Dropout {
+        &self.dropout
+    }
+
+    /// The projections `(q, k, v, o)`.
+    pub fn projections(&self) -> [&Linear; 4] {
+        [&self.q, &self.k, &self.v, &self.o]
+    }
+
+    /// The projections `(q, k, v, o)`, to be packed ([`crate::ParamStore::pack`]).
+    pub(crate) fn projections_mut(&mut self) -> [&mut Linear; 4] {
+        [&mut self.q, &mut self.k, &mut self.v, &mut self.o]
+    }
+
+    /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for a projection
+    /// without bias: the packed projection of the fused kernels.
+    pub(crate) fn packed_qkv(&self) -> Result<(Tensor, Tensor)> {
+        let weight = Tensor::cat(&[self.q.weight(), self.k.weight(), self.v.weight()], 0)?;
+        let biases = [&self.q, &self.k, &self.v]
+            .map(|l| l.bias_or_zeros())
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?;
+        Ok((weight, Tensor::cat(&biases, 0)?))
+    }
+
+    /// The queries and keys of `xs` before any rotation, each `(b, h, t, d_head)`: what
+    /// `analyze` measures RoPE's frequency use on.
+    pub fn queries_keys(&self, xs: &Tensor, backend: Backend) -> Result<(Tensor, Tensor)> {
+        let (b, t, _) = xs.dims3()?;
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k) = (self.q.forward(xs, backend)?, self.k.forward(xs, backend)?);
+        Ok((heads(q)?, heads(k)?))
+    }
+
+    /// The attention scores (scaled, before masking) of the input `content + position`, and
+    /// their four terms: content·content, content·position, position·content,
+    /// position·position (query side first). Projection biases go with the content side. The
+    /// terms sum to the scores.
+    ///
+    /// # Shapes
+    /// - `content`, `position`: `(b, t, d_model)`
+    /// - returns `(scores, [cc, cp, pc, pp])`, each `(b, h, t, t)`
+    pub fn score_terms(
+        &self,
+        content: &Tensor,
+        position: &Tensor,
+        backend: Backend,
+    ) -> Result<(Tensor, [Tensor; 4])> {
+        let (b, t, _) = content.dims3()?;
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous() // (b, h, t, d_head)
+        };
+        let weight_only = |lin: &Linear, x: &Tensor| x.broadcast_matmul(&lin.weight().t()?);
+        let scale = self.scale;
+        let qk = |q: &Tensor, k: &Tensor| -> Result<Tensor> { q.matmul(&k.t()?)? * scale };
+        let whole = (content + position)?;
+        let scores = qk(
+            &heads(self.q.forward(&whole, backend)?)?,
+            &heads(self.k.forward(&whole, backend)?)?,
+        )?;
+        let (qc, qp) = (
+            heads(self.q.forward(content, backend)?)?,
+            heads(weight_only(&self.q, position)?)?,
+        );
+        let (kc, kp) = (
+            heads(self.k.forward(content, backend)?)?,
+            heads(weight_only(&self.k, position)?)?,
+        );
+        Ok((
+            scores,
+            [qk(&qc, &kc)?, qk(&qc, &kp)?, qk(&qp, &kc)?, qk(&qp, &kp)?],
+        ))
+    }
+
+    /// # Shapes
+    /// - `xs`: `(b, t, d_model)`; `inputs`: see [`AttentionInputs`]
+    /// - returns `(b, t, d_model)`
+    pub fn forward_t(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        train: bool,
+        backend: Backend,
+    ) -> crate::Result<Tensor> {
+        let (b, t, d) = xs.dims3()?;
+        let fused = backend.path(xs) == Path::Fused;
+        // Scores carried by a transport: its reflections are made from `xs` here, before the
+        // attention node.
+        let transport = match (fused, inputs.scores) {
+            (true, Some(own)) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
+                own.transport(xs, self.n_heads, backend)?
+            }
+            _ => None,
+        };
+        if fused && (inputs.fused_scores() || transport.is_some()) {
+            // One projection for q, k and v, then the whole attention core as one node.
+            let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
+            let qkv = crate::kernels::cpu::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
+            let mask = self.dropout.multipliers(
+                &(b, self.n_heads, t, t).into(),
+                xs.dtype(),
+                xs.device(),
+                train,
+            )?;
+            let core = self
+                .fused_core(inputs, backend)
+                .with_transport(transport.as_ref().map(super::Transport::spec));
+            let out = crate::kernels::cpu::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
+            return Ok(self.o.forward(&out, backend)?);
+        }
+        let heads = |y: Tensor| -> Result<Tensor> {
+            y.reshape((b, t, self.n_heads, self.head_dim))?
+                .transpose(1, 2)? // (b, h, t, d_head)
+                .contiguous()
+        };
+        let mut q = heads(self.q.forward(xs, backend)?)?;
+        let mut k = heads(self.k.forward(xs, backend)?)?;
+        let v = heads(self.v.forward(xs, backend)?)?;
+        if let Some(rotary) = inputs.rotary {
+            q = rotary.apply(&q, backend)?;
+            k = rotary.apply(&k, backend)?;
+        }
+        let scores = match inputs.scores {
+            // (b, h, t, t) in the scheme's dtype: the softmax runs in it, as for a bias.
+            Some(own) => own.scores(&q, &k, xs, self.scale, backend)?,
+            None => (super::matmul(&q, &k.t()?)? * self.scale)?, // (b, h, t, t)
+        };
+
+        // The window after the score bias, as the fused kernels add them.
+        let window = |s: Tensor| -> Result<Tensor> {
+            match inputs.max_offset {
+                Some(m) => match window_bias(t, m, s.dtype(), xs.device())? {
+                    Some(w) => s.broadcast_add(&w), // (1, 1, t, t)
+                    None => Ok(s),
+                },
+                None => Ok(s),
+            }
+        };
+        let weights = match inputs.score_bias {
+            None => masked_softmax(&window(scores)?, inputs.key_padding, backend)?
+                .to_dtype(v.dtype())?,
+            Some(bias) => {
+                // The bias is added in its own dtype (the parameters', f32 under mixed
+                // precision), where the softmax runs anyway.
+                let bias = bias.table(backend)?;
+                let biased = window(scores.to_dtype(bias.dtype())?.broadcast_add(&bias)?)?;
+                masked_softmax(&biased, inputs.key_padding, backend)?.to_dtype(v.dtype())?
+            }
+        };
+        let weights = self.dropout.forward_t(&weights, train)?;
+        let out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
+        let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
+        Ok(self.o.forward(&out, backend)?)
+    }
+
+    /// The fixed inputs of the fused attention core.
+    pub(crate) fn fused_core(
+        &self,
+        inputs: AttentionInputs,
+        backend: Backend,
+    ) -> crate::kernels::cpu::Attention {
+        crate::kernels::cpu::Attention::new(
+            self.n_heads,
+            self.scale,
+            inputs.key_padding,
+            inputs.rotary.map(Rotary::spec),
+            inputs.score_bias.as_ref().map(AttentionBias::owned),
+            inputs.max_offset,
+            backend.simd,
+        )
+        .with_polar(
+            inputs
+                .scores
+                .and_then(|s| s.polar())
+                .map(super::Polar::spec),
+        )
+        .with_counts(
+            inputs
+                .scores
+                .and_then(|s| s.counts())
+                .map(super::GateCounts::spec),
+        )
+    }
+}

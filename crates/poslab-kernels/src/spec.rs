@@ -1,0 +1,253 @@
+//! The plain descriptions the kernels are given, shared by the CPU kernels ([`super::cpu`]) and
+//! the device path ([`super::gpu`]): the shapes of a layer, where its parameters sit in the
+//! packed vector, its dropout masks, and its feed-forward nonlinearity.
+
+use candle::{DType, Result, Tensor};
+
+/// The feed-forward nonlinearity of a fused layer (GeGLU layers run as ops).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// GELU with the exact (erf) CDF.
+    Gelu,
+    /// `max(x, 0)`.
+    Relu,
+}
+
+/// The widths of a layer and where each parameter sits in the packed vector.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerShape {
+    /// The residual stream's width.
+    pub d: usize,
+    /// The feed-forward block's width.
+    pub ffn: usize,
+    /// The LayerNorms' epsilon.
+    pub eps: f64,
+    /// LayerNorm before each branch (else after the residual sum).
+    pub pre_norm: bool,
+    /// The feed-forward nonlinearity.
+    pub activation: Act,
+    /// Forget-gate channels computed from the attention input (2 × heads: forward gates, then
+    /// backward), whose running sums bias the scores; 0 for none.
+    pub gates: usize,
+    /// Scores through a transport whose reflections the layer makes from its attention input
+    /// (PaTH's); `None` for scores without.
+    pub transport: Option<TransportShape>,
+}
+
+/// The widths of a transport's reflections made inside a layer.
+#[derive(Clone, Copy, Debug)]
+pub struct TransportShape {
+    /// The heads, one strength each.
+    pub heads: usize,
+    /// The width `K` of the short convolution (0: none).
+    pub taps: usize,
+}
+
+/// Offsets of the parameters in the packed vector, in this order: `attn_norm.{weight,bias}`,
+/// `W_qkv` `(3d, d)` (q, k, v stacked), `b_qkv` `(3d)`, `W_o` `(d, d)`, `b_o`,
+/// `ffn_norm.{weight,bias}`, `W_up` `(ffn, d)`, `b_up`, `W_down` `(d, ffn)`, `b_down`, and with
+/// gates `W_g` `(gates, d)`, `b_g` `(gates)`, and with a transport its reflections' `W_w`
+/// `(d, d)`, the conv's taps `(d, K)`, `W_b` `(heads, d)` and `b_b` `(heads)`.
+#[derive(Clone, Copy, Debug)]
+#[allow(missing_docs)]
+pub struct Offsets {
+    pub ln1: usize,
+    pub wqkv: usize,
+    pub bqkv: usize,
+    pub wo: usize,
+    pub bo: usize,
+    pub ln2: usize,
+    pub wup: usize,
+    pub bup: usize,
+    pub wdown: usize,
+    pub bdown: usize,
+    pub wg: usize,
+    pub bg: usize,
+    pub ww: usize,
+    pub taps: usize,
+    pub wb: usize,
+    pub bb: usize,
+    pub len: usize,
+}
+
+impl LayerShape {
+    /// Where each parameter sits in the packed vector.
+    pub fn offsets(&self) -> Offsets {
+        let (d, f) = (self.d, self.ffn);
+        let mut at = 0;
+        let mut take = |n: usize| {
+            let start = at;
+            at += n;
+            start
+        };
+        let ln1 = take(2 * d);
+        let wqkv = take(3 * d * d);
+        let bqkv = take(3 * d);
+        let wo = take(d * d);
+        let bo = take(d);
+        let ln2 = take(2 * d);
+        let wup = take(f * d);
+        let bup = take(f);
+        let wdown = take(d * f);
+        let bdown = take(d);
+        let wg = take(self.gates * d);
+        let bg = take(self.gates);
+        let (rows, k, h) = match self.transport {
+            Some(tr) => (d, tr.taps, tr.heads),
+            None => (0, 0, 0),
+        };
+        let ww = take(rows * d);
+        let taps = take(d * k);
+        let wb = take(h * d);
+        let bb = take(h);
+        Offsets {
+            ln1,
+            wqkv,
+            bqkv,
+            wo,
+            bo,
+            ln2,
+            wup,
+            bup,
+            wdown,
+            bdown,
+            wg,
+            bg,
+            ww,
+            taps,
+            wb,
+            bb,
+            len: at,
+        }
+    }
+
+    /// The length of the packed parameter vector.
+    pub fn packed_len(&self) -> usize {
+        self.offsets().len
+    }
+}
+
+/// Dropout multipliers of one layer's forward pass, each drawn beforehand in the order the
+/// reference composition draws them.
+#[derive(Clone, Default)]
+pub struct LayerMasks {
+    /// `(b, h, t, t)` on the attention weights
+    pub attention: Option<Tensor>,
+    /// `(b, t, d)` on the attention branch
+    pub attention_out: Option<Tensor>,
+    /// `(b, t, d)` on the feed-forward branch
+    pub ffn_out: Option<Tensor>,
+}
+
+/// The score of a padded key before the softmax: far enough below any real score that its
+/// weight is exactly zero after `exp`, finite so that no `inf - inf` can appear.
+pub const MASKED_SCORE: f64 = -1e9;
+
+/// An additive bias on the attention scores, owned.
+#[derive(Clone, Debug)]
+pub enum LayerBias {
+    /// `(r, h, t, t)`, added as it is; `r` is 1 (the same for every sequence) or `b`.
+    Table(Tensor),
+    /// `(2, b, h, t)`: two running sums `f` and `g` whose two-sided differences are the bias:
+    /// `f[h, i] - f[h, j]` for keys `j <= i`, `g[h, j] - g[h, i]` after.
+    SidedSums(Tensor),
+}
+
+/// A rotation of q and k: `(r, t, w)` cos and sin tables, and whether the pairing is
+/// interleaved.
+#[derive(Clone, Debug)]
+pub struct RopeTables {
+    /// `(r, t, w)`
+    pub cos: Tensor,
+    /// `(r, t, w)`
+    pub sin: Tensor,
+    /// `(x[2i], x[2i+1])` pairs, else `(x[i], x[i + w/2])`.
+    pub interleaved: bool,
+}
+
+/// Scores of q and k in polar form: the phases' `(r, 1, t, d_head)` tables and the keys' phase
+/// offsets `(h, d_head)`.
+#[derive(Clone, Debug)]
+pub struct PolarTables {
+    /// `(r, 1, t, d_head)`
+    pub cos: Tensor,
+    /// `(r, 1, t, d_head)`
+    pub sin: Tensor,
+    /// `(h, d_head)`, differentiable.
+    pub offsets: Tensor,
+}
+
+impl PolarTables {
+    /// `(cos, sin)`.
+    pub fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
+    /// The keys' phase offsets.
+    pub fn offsets(&self) -> &Tensor {
+        &self.offsets
+    }
+}
+
+/// Scores with gate-counted positions: the stacked tables `[E_left; E_right]`
+/// `(2 npos, d_head)` and which keys are real `(b, t)`.
+#[derive(Clone, Debug)]
+pub struct CountTables {
+    /// `(2 npos, d_head)`, differentiable.
+    pub tables: Tensor,
+    /// `(b, t)`, 1 for a real key (`None`: all real).
+    pub mask: Option<Tensor>,
+}
+
+impl CountTables {
+    /// The stacked tables.
+    pub fn tables(&self) -> &Tensor {
+        &self.tables
+    }
+
+    /// Which keys are real.
+    pub fn mask(&self) -> Option<&Tensor> {
+        self.mask.as_ref()
+    }
+
+    /// The positions each side counts to.
+    pub fn npos(&self) -> usize {
+        self.tables.dims().first().copied().unwrap_or(0) / 2
+    }
+}
+
+/// Scores through a transport of reflections: `[w | β]` `(b, h, t, d_head + 1)`.
+#[derive(Clone, Debug)]
+pub struct Reflected {
+    /// `(b, h, t, d_head + 1)`, differentiable.
+    pub reflections: Tensor,
+}
+
+impl Reflected {
+    /// `[w | β]`.
+    pub fn reflections(&self) -> &Tensor {
+        &self.reflections
+    }
+}
+
+/// What a fused layer needs to make a transport's reflections from its attention input, their
+/// weights travelling in the packed parameters: the short convolution's width, the norm's
+/// epsilon and which tokens are real.
+#[derive(Clone, Copy, Debug)]
+pub struct ReflectionInputs<'a> {
+    /// The width `K` of the short convolution (0: none).
+    pub taps: usize,
+    /// Inside the norm's root.
+    pub eps: f64,
+    /// `(b, t)`, 1 for a real token (`None`: all real).
+    pub mask: Option<&'a Tensor>,
+}
+
+/// The additive attention bias of a key-padding mask.
+///
+/// # Shapes
+/// - `mask`: `(b, t)`, 1 for a real token and 0 for padding (any numeric dtype)
+/// - returns `(b, t)` in `dtype`: 0 for real keys, a large negative score for padded keys
+pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
+    (mask.to_dtype(dtype)? - 1.0)? * -MASKED_SCORE
+}
