@@ -250,10 +250,10 @@ impl Request {
             .map_err(Error::Config)
     }
 
-    /// The scheme named `name` as the flags draw it by name ([`Scheme::by_name`]); `sinusoidal`
+    /// The scheme named `name` as the flags draw it by name ([`Portray::by_name`]); `sinusoidal`
     /// is `sinusoidal_add`'s table.
     ///
-    /// [`Scheme::by_name`]: crate::positional::Scheme::by_name
+    /// [`Portray::by_name`]: crate::positional::Portray::by_name
     fn portrait(&self, name: &str) -> Result<Portrait> {
         let scheme = match name {
             SINUSOIDAL => "sinusoidal_add",
@@ -739,11 +739,11 @@ fn rotation_analysis(
     Ok(())
 }
 
-/// What only a trained model of some schemes has ([`Scheme::measure`]): FIRE's curves at the
+/// What only a trained model of some schemes has ([`Portray::measure`]): FIRE's curves at the
 /// training length and 4x; p-RoPE's spectrum; FoX's gates on the evaluation text; PoPE's score
 /// against the offset; CoPE's counts and PaTH's turning of keys on the evaluation text.
 ///
-/// [`Scheme::measure`]: crate::positional::Scheme::measure
+/// [`Portray::measure`]: crate::positional::Portray::measure
 fn scheme_analysis(
     loaded: &crate::saved::Loaded,
     a: &Request,

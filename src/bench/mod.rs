@@ -102,10 +102,10 @@ impl Shape {
 
     /// Every variant measured, named: each scheme of [`PositionalConfig::catalog`] with its
     /// default options, in the forms and under the names of the PyTorch reference where it has
-    /// the scheme ([`Scheme::benchmarked`]: its RoPE rotates halves, and RoPE on half of each
+    /// the scheme ([`Bench::benchmarked`]: its RoPE rotates halves, and RoPE on half of each
     /// head follows it). The control without positions comes last.
     ///
-    /// [`Scheme::benchmarked`]: crate::positional::Scheme::benchmarked
+    /// [`Bench::benchmarked`]: crate::positional::Bench::benchmarked
     pub fn variants(&self) -> Vec<(String, PositionalConfig)> {
         let mut out: Vec<(String, PositionalConfig)> = Vec::new();
         let mut last = Vec::new();
@@ -200,10 +200,10 @@ impl Shape {
 
     /// Forward and training FLOPs of `model` at this shape, as the PyTorch reference counts
     /// them: 2 per multiply-add of every matrix multiply (projections, FFN, the head, and the
-    /// scheme's own: [`Scheme::forward_flops`], such as the concat projection) plus `4 L T^2 d B`
+    /// scheme's own: [`Bench::forward_flops`], such as the concat projection) plus `4 L T^2 d B`
     /// for the two attention products. A training step is counted as three forwards.
     ///
-    /// [`Scheme::forward_flops`]: crate::positional::Scheme::forward_flops
+    /// [`Bench::forward_flops`]: crate::positional::Bench::forward_flops
     pub fn flops(&self, model: &ModelConfig) -> (f64, f64) {
         let (d, f, l) = (
             self.d_model as f64,

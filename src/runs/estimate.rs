@@ -57,7 +57,7 @@ pub struct Estimate {
 
 /// Forward FLOPs per token of a sequence of `t` tokens, as `poslab bench` counts them: two per
 /// multiply-add of each layer's projections and feed-forward, `4 t d` per layer for the two
-/// attention products, the scheme's own products ([`crate::positional::Scheme::forward_flops`]
+/// attention products, the scheme's own products ([`crate::positional::Bench::forward_flops`]
 /// at the nearest whole length), and the output layer where every token is scored.
 fn forward_flop_per_token(model: &ModelConfig, head: &HeadConfig, t: f64) -> f64 {
     let (d, f, l) = (

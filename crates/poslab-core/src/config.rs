@@ -605,7 +605,7 @@ impl ModelConfig {
     /// The sizes the limits are checked on, for activations computed where `compute` says:
     /// where poslab's fused CPU kernels compute the layers ([`crate::nn::Backend::fused_on`]), a scheme
     /// whose scores they compute holds about one attention table a layer, not its
-    /// composition's many ([`crate::positional::Scheme::score_tensors`]).
+    /// composition's many ([`crate::positional::ScoreMemory::score_tensors`]).
     pub fn sizes_on(&self, compute: crate::nn::Compute<'_>) -> crate::limits::Sizes {
         let dtype = self.dtype.compute_dtype(candle::DType::F32);
         self.sizes_with(compute.backend.fused_on(compute.device, dtype))

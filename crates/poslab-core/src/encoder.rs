@@ -23,10 +23,11 @@ use rand::SeedableRng;
 use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
+#[cfg(feature = "kernels")]
+use crate::nn::{encoder_layer, InputReflections, LayerMasks, LayerShape, Path, TransportShape};
 use crate::nn::{
-    encoder_layer, key_padding_bias, layer_norm_with_bias, AttentionBias, AttentionInputs, Backend,
-    Dropout, FeedForward, ForgetGates, InputReflections, LayerBias, LayerMasks, LayerNorm,
-    LayerShape, Path, QkScores, Rotary, SelfAttention, SharedRng, TransportShape,
+    key_padding_bias, layer_norm_with_bias, AttentionBias, AttentionInputs, Backend, Dropout,
+    FeedForward, ForgetGates, LayerBias, LayerNorm, QkScores, Rotary, SelfAttention, SharedRng,
 };
 use crate::params::LowerBound;
 use crate::positional::{
@@ -207,6 +208,7 @@ impl EncoderLayer {
     /// `attn_norm.{weight,bias}`, `attn.{q,k,v}.weight`, `attn.{q,k,v}.bias` (zeros for a
     /// projection without bias), `attn.o.{weight,bias}`, `ffn_norm.{weight,bias}`,
     /// `ffn.up.{weight,bias}`, `ffn.down.{weight,bias}`, each flattened.
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     fn packed_params(&self, attn_norm: &LayerNorm, gates: Option<&ForgetGates>) -> Result<Tensor> {
         if let Some(packed) = &self.packed {
             return Ok(match (gates, self.packed_gates) {
@@ -250,6 +252,61 @@ impl EncoderLayer {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
+    /// The layer as one node on the kernels ([`Kernels::Layer`](crate::nn::Kernels::Layer)),
+    /// where they compute it: a layer with its attention norm and a GELU or ReLU feed-forward,
+    /// whose scores are `q kᵀ` or a scheme's own that the fused layer computes (a polar form,
+    /// gate counts, or a transport whose reflections it makes from its attention input; on the
+    /// CPU: the device path computes `q kᵀ` alone), with no bias of the attention input beside.
+    /// `None` where the layer runs as ops.
+    #[cfg(feature = "kernels")]
+    fn forward_whole(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        own: Option<OwnBias>,
+        train: bool,
+        backend: Backend,
+    ) -> Result<Option<Tensor>> {
+        let reflections = match (inputs.rotary, inputs.score_bias, inputs.scores) {
+            (None, None, Some(s)) => s.input_reflections(),
+            _ => None,
+        };
+        let scores_fuse = match inputs.scores {
+            None => true,
+            Some(_) => {
+                (inputs.fused_scores() || reflections.is_some())
+                    && own.is_none()
+                    && backend.path(xs) != Path::Device
+            }
+        };
+        let (true, Some(attn_norm), true, true) = (
+            backend.whole_layers(xs),
+            &self.attn_norm,
+            self.fusable(),
+            scores_fuse,
+        ) else {
+            return Ok(None);
+        };
+        // A bias of the attention input: forget gates (FoX's) the layer computes inside; any
+        // other needs that input outside too, where the LayerNorm then runs twice.
+        let gates = own.and_then(|o| o.module.input_gates(o.layer));
+        let bias = match (own, &gates, self.norm) {
+            (None, _, _) | (Some(_), Some(_), _) => None,
+            (Some(_), None, NormPlacement::Pre) => {
+                own_bias(own, &attn_norm.forward(xs, backend)?, backend)?
+            }
+            (Some(_), None, NormPlacement::Post) => own_bias(own, xs, backend)?,
+        };
+        let inputs = AttentionInputs {
+            score_bias: bias.as_ref().map(AttentionBias::from).or(inputs.score_bias),
+            ..inputs
+        };
+        let inside = (gates.as_ref(), reflections);
+        let out = self.forward_fused(xs, attn_norm, inputs, inside, train, backend)?;
+        Ok(Some(out))
+    }
+
+    #[cfg(feature = "kernels")]
     /// The layer as one fused node ([`Kernels::Layer`]), computing `gates` or a transport's
     /// `reflections` inside; dropout masks are drawn in the order the composition draws them,
     /// so both paths see the same masks.
@@ -333,48 +390,11 @@ impl EncoderLayer {
         train: bool,
         backend: Backend,
     ) -> Result<Tensor> {
-        let own_bias = |attn_input: &Tensor| -> Result<Option<LayerBias>> {
-            match own {
-                Some(OwnBias { module, layer }) => module.input_bias(layer, attn_input, backend),
-                None => Ok(None),
-            }
-        };
-        // A scheme's own scores join the fused layer when they are a polar form, gate counts or
-        // a transport whose reflections the layer makes from its attention input (on the CPU:
-        // the device path computes `q kᵀ` alone), and no bias of the attention input is beside.
-        let reflections = match (inputs.rotary, inputs.score_bias, inputs.scores) {
-            (None, None, Some(s)) => s.input_reflections(),
-            _ => None,
-        };
-        let scores_fuse = match inputs.scores {
-            None => true,
-            Some(_) => {
-                (inputs.fused_scores() || reflections.is_some())
-                    && own.is_none()
-                    && backend.path(xs) != Path::Device
-            }
-        };
-        if let (true, Some(attn_norm), true, true) = (
-            backend.whole_layers(xs),
-            &self.attn_norm,
-            self.fusable(),
-            scores_fuse,
-        ) {
-            // A bias of the attention input: forget gates (FoX's) the layer computes inside;
-            // any other needs that input outside too, where the LayerNorm then runs twice.
-            let gates = own.and_then(|o| o.module.input_gates(o.layer));
-            let bias = match (own, &gates, self.norm) {
-                (None, _, _) | (Some(_), Some(_), _) => None,
-                (Some(_), None, NormPlacement::Pre) => own_bias(&attn_norm.forward(xs, backend)?)?,
-                (Some(_), None, NormPlacement::Post) => own_bias(xs)?,
-            };
-            let inputs = AttentionInputs {
-                score_bias: bias.as_ref().map(AttentionBias::from).or(inputs.score_bias),
-                ..inputs
-            };
-            let inside = (gates.as_ref(), reflections);
-            return self.forward_fused(xs, attn_norm, inputs, inside, train, backend);
+        #[cfg(feature = "kernels")]
+        if let Some(out) = self.forward_whole(xs, inputs, own, train, backend)? {
+            return Ok(out);
         }
+        let own_bias = |x: &Tensor| own_bias(own, x, backend);
         let attn = |x: &Tensor| -> Result<Tensor> {
             let bias = own_bias(x)?;
             let inputs = AttentionInputs {
@@ -422,6 +442,14 @@ struct Placed<'a> {
 struct OwnBias<'a> {
     module: &'a ScoreBias,
     layer: usize,
+}
+
+/// The bias `own` computes from the attention input `x`, if any.
+fn own_bias(own: Option<OwnBias>, x: &Tensor, backend: Backend) -> Result<Option<LayerBias>> {
+    match own {
+        Some(OwnBias { module, layer }) => module.input_bias(layer, x, backend),
+        None => Ok(None),
+    }
 }
 
 /// One layer's attention scores split into four terms ([`Encoder::score_terms`]).
@@ -612,14 +640,16 @@ impl Encoder {
     /// the lookup's backward is poslab's kernel, not candle's `index_add`, whose CUDA kernel
     /// walks every token in one thread a column.
     fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "kernels")]
         let table = self.tok_emb.embeddings();
-        let device_layer =
-            self.backend.path(table) == Path::Device && self.backend.whole_layers(table);
-        if device_layer && input_ids.dtype() == DType::U32 {
-            Ok(crate::kernels::gpu::lookup::lookup(table, input_ids)?)
-        } else {
-            Ok(self.tok_emb.forward(input_ids)?)
+        #[cfg(feature = "kernels")]
+        if self.backend.path(table) == Path::Device
+            && self.backend.whole_layers(table)
+            && input_ids.dtype() == DType::U32
+        {
+            return Ok(crate::kernels::gpu::lookup::lookup(table, input_ids)?);
         }
+        Ok(self.tok_emb.forward(input_ids)?)
     }
 
     /// The token embedding table, `(vocab_size, d_tok)` (a tied masked-LM decoder reads it).

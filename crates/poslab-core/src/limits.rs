@@ -25,7 +25,7 @@ pub struct Sizes {
     /// Longest sequence the position tables are built for.
     pub max_len: usize,
     /// Attention tables of `(b, h, t, t)` a layer holds at its peak in a forward pass and in a
-    /// training step (see [`crate::positional::Scheme::score_tensors`]).
+    /// training step (see [`crate::positional::ScoreMemory::score_tensors`]).
     pub score_tensors: [usize; 2],
 }
 

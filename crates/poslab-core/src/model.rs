@@ -176,26 +176,28 @@ impl TaskModel {
     /// The loss of a training step on `batch` (positions from 0, dropout on): that of
     /// [`TaskModel::loss`], without the logits. On the device path (CUDA under the `layer`
     /// kernels) the head and its loss run as one node from the encoder's output
-    /// (`nn::device::head`), in place of about 110 of candle's tensors; elsewhere this is
+    /// (`poslab-kernels/src/gpu/head.rs`), in place of about 110 of candle's tensors; elsewhere this is
     /// [`TaskModel::loss`].
     pub fn training_loss(&self, batch: &Batch) -> Result<Tensor> {
-        if !self.head_is_one_node() {
-            return Ok(self.loss(batch, 0, true)?.0);
+        #[cfg(feature = "kernels")]
+        if self.head_is_one_node() {
+            if batch.weights.is_some() && batch.scored == 0 {
+                return Err(Error::Input("a batch with no scored labels".into()));
+            }
+            let positions = batch.positions(0)?;
+            let hidden = self.encoder.forward_built(batch, &positions, true)?; // (b, t, d)
+            let weights = batch.weights.as_ref().map(|w| (w, batch.scored as f64));
+            return self.head_loss(&hidden, &batch.mask, &batch.targets, weights);
         }
-        if batch.weights.is_some() && batch.scored == 0 {
-            return Err(Error::Input("a batch with no scored labels".into()));
-        }
-        let positions = batch.positions(0)?;
-        let hidden = self.encoder.forward_built(batch, &positions, true)?; // (b, t, d)
-        let weights = batch.weights.as_ref().map(|w| (w, batch.scored as f64));
-        self.head_loss(&hidden, &batch.mask, &batch.targets, weights)
+        Ok(self.loss(batch, 0, true)?.0)
     }
 
     /// Whether the head and its loss run as one node ([`TaskModel::head_loss`]): on the device
     /// path, for a head with a bias and weights of f32 or f64.
     pub fn head_is_one_node(&self) -> bool {
         let (weight, backend) = (self.head.weight(), self.encoder.backend());
-        backend.path(weight) == crate::nn::Path::Device
+        cfg!(feature = "kernels")
+            && backend.path(weight) == crate::nn::Path::Device
             && backend.whole_layers(weight)
             && matches!(weight.dtype(), DType::F32 | DType::F64)
             && self.head.bias().is_some()
@@ -208,6 +210,7 @@ impl TaskModel {
     /// # Shapes
     /// - `hidden`: `(b, t, d)`; `mask`: `(b, t)` u32; `targets`: `(b)` for a sentence head,
     ///   `(b, t)` for a token head, u32; `weights`: `(b, t)` f32
+    #[cfg(feature = "kernels")]
     pub fn head_loss(
         &self,
         hidden: &Tensor,

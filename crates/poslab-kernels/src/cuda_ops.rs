@@ -22,7 +22,7 @@
 //! moment made from it held it across steps: on a GPU this leaked memory every step until it
 //! ran out (the book's performance page, "Measurements behind the code's choices"). Detached inputs give gradients with no graph.
 //!
-//! Selected by [`super::Kernels`]: on CUDA, `layer` (the default) and `ops` use these;
+//! Selected by the core's `nn::Kernels`: on CUDA, `layer` (the default) and `ops` use these;
 //! `reference` keeps the compositions.
 
 use std::ops::Range;

@@ -2,6 +2,10 @@
 //! the device path that runs an encoder layer as a sequence of CUDA launches, with its CPU twin
 //! ([`gpu`]), and the one-kernel CUDA ops ([`cuda_ops`]).
 //!
+//! The kernels themselves come with the default feature `fused`; without it this crate is the
+//! specs and the instruction-set levels alone, and a model computes with compositions of candle
+//! ops.
+//!
 //! A leaf: kernels take tensors, slices, shapes and the specs of [`spec`], and know no module
 //! of the model, no scheme and no config. The model's ops choose among them and their reference
 //! compositions in one place each (`poslab_core::nn::Backend::path`).
@@ -10,6 +14,7 @@
 //! set the CPU has: each row sums to 1, and a padded key gets no weight.
 //!
 //! ```
+//! # #[cfg(feature = "fused")] {
 //! use candle::{Device, Tensor, Var};
 //! use poslab_kernels::{cpu, spec, SimdLevel};
 //!
@@ -25,29 +30,37 @@
 //! // Its hand-written backward: the gradient of the first weight reaches every score of its row.
 //! let grads = weights.narrow(3, 0, 1)?.sum_all()?.backward()?;
 //! assert_eq!(grads.get(scores.as_tensor()).unwrap().dims(), [1, 1, 2, 3]);
+//! # }
 //! # Ok::<(), candle::Error>(())
 //! ```
 
 #[macro_use]
 mod simd;
+#[cfg(feature = "fused")]
 mod real;
 
+#[cfg(feature = "fused")]
 pub mod cpu;
+#[cfg(feature = "fused")]
 pub mod cuda_ops;
+#[cfg(feature = "fused")]
 pub mod gpu;
 pub mod spec;
 #[doc(hidden)]
 pub mod testing;
 
+#[cfg(feature = "fused")]
 pub use real::Real;
 
 /// The size from which `tune_allocator` (the lab's) leaves allocations to `mmap`: each one is
 /// then faulted in afresh, which is why the fused layer does not keep attention weights this
 /// large for its backward.
 pub const MMAP_THRESHOLD: usize = 32 << 20;
+#[cfg(feature = "fused")]
 pub use simd::count_dispatch;
 pub use simd::{simd_dispatches, SimdLevel};
 
+#[cfg(feature = "fused")]
 pub use cpu::{head_product_gflops, linear_pass_gflops, matmul_gflops, HeadProduct, LinearPass};
 
 /// The CPU cores this process may use (at least one): what the thread counts left to poslab

@@ -71,7 +71,7 @@ impl Real for f32 {
         v as f32
     }
     /// One `exp` for both: the `exp(-a²)` of `erf(a)`, `a = |x|/√2`, is the density's
-    /// `exp(-x²/2)`. `erf` has the bits of [`erf_f32`]`(x/√2)`: `|x|/√2` rounds as `|x/√2|` does.
+    /// `exp(-x²/2)`. `erf` has the bits of `erf_f32``(x/√2)`: `|x|/√2` rounds as `|x/√2|` does.
     #[inline(always)]
     fn erf_gauss(self) -> (Self, Self) {
         let a = self.abs() * std::f32::consts::FRAC_1_SQRT_2;

@@ -58,6 +58,7 @@ static DISPATCHES: [std::sync::atomic::AtomicUsize; 3] =
 
 /// Counts a kernel call at `level`.
 #[inline(always)]
+#[cfg(feature = "fused")]
 pub fn count_dispatch(level: SimdLevel) {
     DISPATCHES[level as usize].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
@@ -71,6 +72,7 @@ pub fn simd_dispatches() -> [usize; 3] {
         .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
 }
 
+#[cfg(feature = "fused")]
 /// Defines `$name`, which runs `$body` compiled for AVX-512 or AVX2 + FMA when `level` (its
 /// first argument) asks for them and the CPU has them, and for the baseline target otherwise.
 ///

@@ -251,3 +251,17 @@ pub struct ReflectionInputs<'a> {
 pub fn key_padding_bias(mask: &Tensor, dtype: DType) -> Result<Tensor> {
     (mask.to_dtype(dtype)? - 1.0)? * -MASKED_SCORE
 }
+
+/// The channels `C` of each of `groups` groups of running sums in `width`, or an error naming
+/// the mismatch.
+pub fn group_channels(width: usize, groups: usize) -> Result<usize> {
+    if groups == 0 || !width.is_multiple_of(groups) {
+        candle::bail!("running sums: {width} channels do not split into {groups} groups");
+    }
+    Ok(width / groups)
+}
+
+/// Whether the device path stores activations of `dtype`.
+pub fn device_path_supports(dtype: DType) -> bool {
+    matches!(dtype, DType::F64 | DType::F32 | DType::BF16 | DType::F16)
+}

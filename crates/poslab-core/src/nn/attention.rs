@@ -5,9 +5,9 @@
 use candle::{DType, ModuleT, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::{
-    linear_with_bias, masked_softmax, Backend, Dropout, Linear, Path, Rotary, MASKED_SCORE,
-};
+#[cfg(feature = "kernels")]
+use super::Path;
+use super::{linear_with_bias, masked_softmax, Backend, Dropout, Linear, Rotary, MASKED_SCORE};
 
 pub use crate::kernels::spec::key_padding_bias;
 
@@ -229,6 +229,7 @@ impl<'a> AttentionInputs<'a> {
     /// Whether the fused CPU kernels compute these scores: `scale · q kᵀ`, or a scheme's own
     /// scores that are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts)
     /// alone (no rotation, no score bias beside).
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn fused_scores(&self) -> bool {
         match self.scores {
             None => true,
@@ -326,6 +327,7 @@ impl SelfAttention {
 
     /// `[W_q; W_k; W_v]` `(3 d, d)` and `[b_q; b_k; b_v]` `(3 d)`, zeros for a projection
     /// without bias: the packed projection of the fused kernels.
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn packed_qkv(&self) -> Result<(Tensor, Tensor)> {
         let weight = Tensor::cat(&[self.q.weight(), self.k.weight(), self.v.weight()], 0)?;
         let biases = [&self.q, &self.k, &self.v]
@@ -400,17 +402,34 @@ impl SelfAttention {
         train: bool,
         backend: Backend,
     ) -> crate::Result<Tensor> {
-        let (b, t, d) = xs.dims3()?;
-        let fused = backend.path(xs) == Path::Fused;
+        #[cfg(feature = "kernels")]
+        if backend.path(xs) == Path::Fused {
+            return self.forward_fused(xs, inputs, train, backend);
+        }
+        self.forward_composed(xs, inputs, train, backend)
+    }
+
+    /// [`SelfAttention::forward_t`] on the fused CPU kernels: one projection for q, k and v,
+    /// then the whole attention core as one node, where the kernels compute these scores
+    /// (`q kᵀ`, a polar form, gate counts or a transport); else as ops.
+    #[cfg(feature = "kernels")]
+    fn forward_fused(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        train: bool,
+        backend: Backend,
+    ) -> crate::Result<Tensor> {
+        let (b, t, _) = xs.dims3()?;
         // Scores carried by a transport: its reflections are made from `xs` here, before the
         // attention node.
-        let transport = match (fused, inputs.scores) {
-            (true, Some(own)) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
+        let transport = match inputs.scores {
+            Some(own) if inputs.rotary.is_none() && inputs.score_bias.is_none() => {
                 own.transport(xs, self.n_heads, backend)?
             }
             _ => None,
         };
-        if fused && (inputs.fused_scores() || transport.is_some()) {
+        if inputs.fused_scores() || transport.is_some() {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = crate::kernels::cpu::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
@@ -426,6 +445,19 @@ impl SelfAttention {
             let out = crate::kernels::cpu::attention(&qkv, core, mask.as_ref())?; // (b, t, d)
             return Ok(self.o.forward(&out, backend)?);
         }
+        self.forward_composed(xs, inputs, train, backend)
+    }
+
+    /// [`SelfAttention::forward_t`] as a composition of ops (each op on the path `backend`
+    /// gives it).
+    fn forward_composed(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        train: bool,
+        backend: Backend,
+    ) -> crate::Result<Tensor> {
+        let (b, t, d) = xs.dims3()?;
         let heads = |y: Tensor| -> Result<Tensor> {
             y.reshape((b, t, self.n_heads, self.head_dim))?
                 .transpose(1, 2)? // (b, h, t, d_head)
@@ -472,6 +504,7 @@ impl SelfAttention {
     }
 
     /// The fixed inputs of the fused attention core.
+    #[cfg(feature = "kernels")]
     pub(crate) fn fused_core(
         &self,
         inputs: AttentionInputs,

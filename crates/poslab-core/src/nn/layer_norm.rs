@@ -3,7 +3,9 @@
 use candle::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use super::{Backend, Path};
+use super::Backend;
+#[cfg(feature = "kernels")]
+use super::Path;
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis (biased variance, as in
 /// PyTorch). Built from primitive ops so gradients reach everything upstream.
@@ -106,16 +108,20 @@ impl LayerNorm {
                 .forward(&xs.to_dtype(self.weight.dtype())?, backend)?
                 .to_dtype(xs.dtype());
         }
-        let (w, b, eps) = (&self.weight, &self.bias, self.eps);
-        let same = xs.dtype() == w.dtype();
-        match backend.path(xs) {
-            Path::Fused => crate::kernels::cpu::layer_norm(xs, w, b, eps, backend.simd),
-            Path::Device if same && backend.whole_layers(xs) => {
-                crate::kernels::gpu::norm::layer_norm(xs, w, b, eps)
+        #[cfg(feature = "kernels")]
+        {
+            let (w, b, eps) = (&self.weight, &self.bias, self.eps);
+            let same = xs.dtype() == w.dtype();
+            match backend.path(xs) {
+                Path::Fused => return crate::kernels::cpu::layer_norm(xs, w, b, eps, backend.simd),
+                Path::Device if same && backend.whole_layers(xs) => {
+                    return crate::kernels::gpu::norm::layer_norm(xs, w, b, eps)
+                }
+                Path::Device if same => return crate::kernels::cuda_ops::layer_norm(xs, w, b, eps),
+                _ => {}
             }
-            Path::Device if same => crate::kernels::cuda_ops::layer_norm(xs, w, b, eps),
-            _ => self.forward_reference(xs),
         }
+        self.forward_reference(xs)
     }
 
     /// The composition: mean, variance, normalisation and the affine map.

@@ -15,7 +15,7 @@ mod attention;
 mod counts;
 mod dropout;
 mod feed_forward;
-#[cfg(test)]
+#[cfg(all(test, feature = "kernels"))]
 mod kernel_checks;
 mod layer_norm;
 mod ops;
@@ -23,11 +23,14 @@ mod polar;
 mod rotary;
 mod transport;
 
-pub(crate) use crate::kernels::cpu::{encoder_layer, LayerMasks, LayerShape, TransportShape};
-pub use crate::kernels::{cores, with_threads};
+#[cfg(feature = "kernels")]
+pub(crate) use crate::kernels::cpu::encoder_layer;
+#[cfg(feature = "kernels")]
+pub(crate) use crate::kernels::spec::{LayerMasks, LayerShape, TransportShape};
+pub use crate::kernels::{cores, simd_dispatches, with_threads, SimdLevel};
+#[cfg(feature = "kernels")]
 pub use crate::kernels::{
-    head_product_gflops, linear_pass_gflops, matmul_gflops, simd_dispatches, HeadProduct,
-    LinearPass, SimdLevel,
+    head_product_gflops, linear_pass_gflops, matmul_gflops, HeadProduct, LinearPass,
 };
 pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
@@ -51,6 +54,7 @@ pub use transport::{
 
 /// What the device path ([`Kernels::Layer`] on CUDA) issued and allocated on this thread:
 /// see `poslab bench --launches`.
+#[cfg(feature = "kernels")]
 pub mod device_path {
     #[cfg(feature = "cuda")]
     pub use crate::kernels::gpu::cuda::compile_check as compile_kernels;
@@ -178,13 +182,20 @@ impl Backend {
     /// layer, `poslab-kernels/src/gpu/`); else the reference compositions. Under [`Backend::as_on_cuda`]
     /// the CPU computes as CUDA does, half precision included.
     pub fn kernels_on(&self, device: &candle::Device, dtype: DType) -> Kernels {
-        let chosen = self.kernels;
+        // Without the kernels (the feature `kernels`), every op is its composition.
+        let chosen = match cfg!(feature = "kernels") {
+            true => self.kernels,
+            false => Kernels::Reference,
+        };
         let twin = device.is_cpu() && self.cuda_twin;
         if (device.is_cpu() && matches!(dtype, DType::F32 | DType::F64))
-            || (device.is_cuda() && crate::kernels::gpu::supports(dtype))
+            || (device.is_cuda() && crate::kernels::spec::device_path_supports(dtype))
         {
             chosen
-        } else if twin && chosen == Kernels::Layer && crate::kernels::gpu::supports(dtype) {
+        } else if twin
+            && chosen == Kernels::Layer
+            && crate::kernels::spec::device_path_supports(dtype)
+        {
             Kernels::Layer
         } else {
             Kernels::Reference
@@ -216,7 +227,8 @@ impl Backend {
     /// launch for all of them): on CUDA, and on the CPU under [`Backend::as_on_cuda`], unless
     /// the reference compositions are asked for.
     pub fn device_optimizer(&self, g: &Tensor) -> bool {
-        matches!(g.dtype(), DType::F32 | DType::F64)
+        cfg!(feature = "kernels")
+            && matches!(g.dtype(), DType::F32 | DType::F64)
             && self.kernels != Kernels::Reference
             && (g.device().is_cuda() || (g.device().is_cpu() && self.cuda_twin))
     }
@@ -224,13 +236,14 @@ impl Backend {
     /// Whether poslab's fused CPU kernels compute activations of `dtype` on `device`: on the
     /// CPU in f32 or f64, unless the reference compositions are asked for. Where they do, a
     /// scheme whose scores they compute (PoPE, CoPE, PaTH) holds far fewer attention tables
-    /// than its composition ([`crate::positional::Scheme::score_tensors`]).
+    /// than its composition ([`crate::positional::ScoreMemory::score_tensors`]).
     ///
     /// Not under [`Backend::as_on_cuda`], where the CPU computes as CUDA does (the device
     /// path's twin, whose schemes hold their compositions' tables): a memory bound checked
     /// there is checked for the path that runs.
     pub fn fused_on(&self, device: &candle::Device, dtype: DType) -> bool {
-        device.is_cpu()
+        cfg!(feature = "kernels")
+            && device.is_cpu()
             && !self.cuda_twin
             && matches!(dtype, DType::F32 | DType::F64)
             && self.kernels != Kernels::Reference
@@ -240,6 +253,7 @@ impl Backend {
 /// How many of `cuda_ops.rs`'s one-kernel ops have run their forward in this process (counters
 /// kept for tests: [`Backend::as_on_cuda`]).
 #[doc(hidden)]
+#[cfg(feature = "kernels")]
 pub fn cuda_op_calls() -> usize {
     crate::kernels::cuda_ops::calls()
 }

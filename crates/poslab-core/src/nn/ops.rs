@@ -3,7 +3,9 @@
 use candle::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use super::{Backend, Path};
+use super::Backend;
+#[cfg(feature = "kernels")]
+use super::Path;
 
 /// A linear layer `y = x Wᵀ + b` on the last axis, `W` of shape `(out, in)` as in PyTorch.
 ///
@@ -62,8 +64,9 @@ impl Linear {
     /// - `xs`: `(..., in)`; returns `(..., out)`
     pub fn forward(&self, xs: &Tensor, backend: Backend) -> Result<Tensor> {
         match backend.path(xs) {
+            #[cfg(feature = "kernels")]
             Path::Fused => crate::kernels::cpu::linear(xs, &self.weight, self.bias.as_ref()),
-            Path::Reference | Path::Device => self.forward_reference(xs),
+            _ => self.forward_reference(xs),
         }
     }
 
@@ -177,9 +180,11 @@ pub fn masked_softmax(scores: &Tensor, key_bias: &Tensor, backend: Backend) -> R
     }
     let biased = || scores.broadcast_add(&key_bias.reshape((b, 1, 1, t))?);
     match backend.path(scores) {
+        #[cfg(feature = "kernels")]
         Path::Fused => crate::kernels::cpu::masked_softmax(scores, key_bias, backend.simd),
+        #[cfg(feature = "kernels")]
         Path::Device => crate::kernels::cuda_ops::softmax_last_dim(&biased()?),
-        Path::Reference => softmax_last_dim(&biased()?),
+        _ => softmax_last_dim(&biased()?),
     }
 }
 
@@ -204,8 +209,9 @@ pub fn rope_rotate(
         return rotated.to_dtype(x.dtype());
     }
     match backend.path(x) {
+        #[cfg(feature = "kernels")]
         Path::Fused => crate::kernels::cpu::rope(x, cos, sin, interleaved, backend.simd),
-        Path::Reference | Path::Device => rope_rotate_reference(x, cos, sin, interleaved),
+        _ => rope_rotate_reference(x, cos, sin, interleaved),
     }
 }
 
@@ -252,8 +258,9 @@ pub fn rope_rotate_reference(
 /// Any shape; the output has the input's.
 pub fn log_sigmoid(z: &Tensor, backend: Backend) -> Result<Tensor> {
     match backend.path(z) {
+        #[cfg(feature = "kernels")]
         Path::Fused => crate::kernels::cpu::log_sigmoid(z, backend.simd),
-        Path::Reference | Path::Device => log_sigmoid_reference(z),
+        _ => log_sigmoid_reference(z),
     }
 }
 
@@ -271,9 +278,9 @@ pub fn log_sigmoid_reference(z: &Tensor) -> Result<Tensor> {
 /// # Shapes
 /// - `x`: `(b, t, groups · C)`; returns `(groups, b, C, t)`
 pub fn running_sums(x: &Tensor, groups: usize, backend: Backend) -> Result<Tensor> {
-    let dims = x.dims3()?;
     match backend.path(x) {
-        Path::Fused if crate::kernels::cpu::running_sums_in_order(dims) => {
+        #[cfg(feature = "kernels")]
+        Path::Fused if crate::kernels::cpu::running_sums_in_order(x.dims3()?) => {
             crate::kernels::cpu::running_sums(x, groups)
         }
         _ => running_sums_reference(x, groups),
@@ -283,7 +290,7 @@ pub fn running_sums(x: &Tensor, groups: usize, backend: Backend) -> Result<Tenso
 /// [`running_sums`]' composition.
 pub fn running_sums_reference(x: &Tensor, groups: usize) -> Result<Tensor> {
     let (b, t, width) = x.dims3()?;
-    let channels = crate::kernels::cpu::running_sums_channels(width, groups)?;
+    let channels = crate::kernels::spec::group_channels(width, groups)?;
     let sums = x.transpose(1, 2)?.contiguous()?.cumsum(candle::D::Minus1)?; // (b, S C, t)
     sums.reshape((b, groups, channels, t))?
         .transpose(0, 1)?
@@ -309,8 +316,9 @@ pub fn sided_differences(f: &Tensor, g: &Tensor, backend: Backend) -> Result<Ten
         return Tensor::zeros((n, t, t), f.dtype(), f.device());
     }
     match backend.path(f) {
+        #[cfg(feature = "kernels")]
         Path::Fused => crate::kernels::cpu::sided_differences(f, g, backend.simd),
-        Path::Reference | Path::Device => sided_differences_reference(f, g),
+        _ => sided_differences_reference(f, g),
     }
 }
 
@@ -334,9 +342,11 @@ fn sided_differences_reference(f: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// Any shape; the output has the input's.
 pub fn gelu(xs: &Tensor, backend: Backend) -> Result<Tensor> {
     match backend.path(xs) {
+        #[cfg(feature = "kernels")]
         Path::Fused => crate::kernels::cpu::gelu(xs, backend.simd),
+        #[cfg(feature = "kernels")]
         Path::Device => crate::kernels::cuda_ops::gelu(xs),
-        Path::Reference => gelu_reference(xs),
+        _ => gelu_reference(xs),
     }
 }
 

@@ -19,9 +19,11 @@
 
 use std::sync::OnceLock;
 
-use candle::{Result, Tensor, D};
+use candle::{Result, Tensor};
 
-use super::{Backend, Path};
+use super::Backend;
+#[cfg(feature = "kernels")]
+use super::Path;
 
 /// The cos and sin of one batch's rotation angles.
 #[derive(Clone, Debug)]
@@ -33,6 +35,7 @@ pub struct Rotary {
     interleaved: bool,
     /// `(r, t, width/2)` cos and sin, one entry per pair, for the CUDA kernel (`cuda_ops::rope`):
     /// made at the first layer that needs them, shared by the rest.
+    #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     half: OnceLock<(Tensor, Tensor)>,
 }
 
@@ -90,13 +93,13 @@ impl Rotary {
     pub fn apply(&self, x: &Tensor, backend: Backend) -> Result<Tensor> {
         check(x, &self.cos)?;
         match backend.path(x) {
+            #[cfg(feature = "kernels")]
             Path::Device => self.apply_on_gpu(x),
-            Path::Fused | Path::Reference => {
-                super::rope_rotate(x, &self.cos, &self.sin, self.interleaved, backend)
-            }
+            _ => super::rope_rotate(x, &self.cos, &self.sin, self.interleaved, backend),
         }
     }
 
+    #[cfg(feature = "kernels")]
     /// [`Rotary::apply`] with one CUDA kernel for the rotated width (half precision rotated in
     /// the tables' f32, as everywhere).
     fn apply_on_gpu(&self, x: &Tensor) -> Result<Tensor> {
@@ -115,17 +118,20 @@ impl Rotary {
                 self.half.get_or_init(|| half)
             }
         };
-        let (d, w) = (x.dim(D::Minus1)?, self.width());
+        let (d, w) = (x.dim(candle::D::Minus1)?, self.width());
         if w == d {
             return crate::kernels::cuda_ops::rope(x, &half.0, &half.1, self.interleaved);
         }
         let rotated = crate::kernels::cuda_ops::rope(
-            &x.narrow(D::Minus1, 0, w)?,
+            &x.narrow(candle::D::Minus1, 0, w)?,
             &half.0,
             &half.1,
             self.interleaved,
         )?;
-        Tensor::cat(&[&rotated, &x.narrow(D::Minus1, w, d - w)?], D::Minus1)
+        Tensor::cat(
+            &[&rotated, &x.narrow(candle::D::Minus1, w, d - w)?],
+            candle::D::Minus1,
+        )
     }
 }
 

@@ -81,6 +81,7 @@ pub struct InputReflections<'a> {
     pub eps: f64,
 }
 
+#[cfg_attr(not(feature = "kernels"), allow(dead_code))]
 impl InputReflections<'_> {
     /// What the fused layer needs beside the weights to make the reflections.
     pub(crate) fn spec(&self) -> candle::Result<crate::kernels::spec::ReflectionInputs<'_>> {
@@ -194,17 +195,19 @@ impl Transport {
     /// take f32 and f64 alone), else [`Transport::compose`].
     pub fn from_projections(p: Projections, backend: super::Backend) -> crate::Result<Self> {
         p.check()?;
-        if backend.path(p.u) != super::Path::Fused {
-            return Ok(Self::compose(p, backend)?.1);
+        #[cfg(feature = "kernels")]
+        if backend.path(p.u) == super::Path::Fused {
+            let taps = match p.conv {
+                Some(c) => Some(c.reshape((c.dim(0)?, c.dim(2)?))?),
+                None => None,
+            };
+            let z = p.z.to_dtype(p.u.dtype())?;
+            let (heads, eps) = (p.heads, p.eps);
+            let reflections =
+                crate::kernels::cpu::reflections(p.u, taps.as_ref(), &z, p.mask, (heads, eps))?;
+            return Ok(Self { reflections });
         }
-        let taps = match p.conv {
-            Some(c) => Some(c.reshape((c.dim(0)?, c.dim(2)?))?),
-            None => None,
-        };
-        let z = p.z.to_dtype(p.u.dtype())?;
-        let reflections =
-            crate::kernels::cpu::reflections(p.u, taps.as_ref(), &z, p.mask, (p.heads, p.eps))?;
-        Ok(Self { reflections })
+        Ok(Self::compose(p, backend)?.1)
     }
 
     /// The reflections of [`Projections`] composed of tensor ops (the specification), and `v`

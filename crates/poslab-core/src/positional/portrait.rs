@@ -1,13 +1,13 @@
 //! What `analyze` draws of a scheme, as each scheme's file states it through the [`Scheme`]
-//! hooks [`Scheme::fixed_table`], [`Scheme::by_name`], [`Scheme::offset_index`] and
-//! [`Scheme::measure`]. The analysis
+//! hooks [`Portray::fixed_table`], [`Portray::by_name`], [`Portray::offset_index`] and
+//! [`Portray::measure`]. The analysis
 //! (the lab's `analysis`) matches on these kinds of picture, never on a scheme.
 //!
 //! [`Scheme`]: super::Scheme
-//! [`Scheme::fixed_table`]: super::Scheme::fixed_table
-//! [`Scheme::by_name`]: super::Scheme::by_name
-//! [`Scheme::offset_index`]: super::Scheme::offset_index
-//! [`Scheme::measure`]: super::Scheme::measure
+//! [`Portray::fixed_table`]: super::Portray::fixed_table
+//! [`Portray::by_name`]: super::Portray::by_name
+//! [`Portray::offset_index`]: super::Portray::offset_index
+//! [`Portray::measure`]: super::Portray::measure
 
 use super::{PositionalConfig, RopePairing, TableLayout};
 
@@ -93,10 +93,10 @@ pub enum Portrait {
     Table(FixedTable),
     /// Its bias on the scores by offset, per head: fixed, or at initialisation (seed 0).
     Bias(PositionalConfig),
-    /// The offset index its learned values are read by ([`Scheme::offset_index`]; the values
+    /// The offset index its learned values are read by ([`Portray::offset_index`]; the values
     /// exist only in a trained model), of the scheme with the settings' options.
     ///
-    /// [`Scheme::offset_index`]: super::Scheme::offset_index
+    /// [`Portray::offset_index`]: super::Portray::offset_index
     Index(PositionalConfig),
     /// Its learned bias at initialisation (seed 0) at a length and at 4 times as many: how it
     /// interpolates.

@@ -118,7 +118,7 @@ pub trait Describe: Named {
     }
 }
 
-/// What `analyze` draws of a scheme ([`super::portrait`]): its tables, its bias by name, the index of its learned values and what a trained model's scheme shows beyond them.
+/// What `analyze` draws of a scheme (`positional::portrait`): its tables, its bias by name, the index of its learned values and what a trained model's scheme shows beyond them.
 pub trait Portray: Named {
     /// The table of positions the scheme computes for a model of `d_model` (head width
     /// `head_dim`), where it has one; a learned table is read from the weights instead.

@@ -180,7 +180,7 @@ fn times_grad_chunk<T: Real>(d: &[T], g: &[T], relu: bool, o: &mut [MaybeUninit<
 }
 
 /// `g act'(x)` from the derivative [`activation_with_grad_par`] kept, and its column sums
-/// (`db.len()` columns) written into `db` with the bits of [`super::linear::column_sum`]: each chunk of rows summed right after it is written, while it is in the
+/// (`db.len()` columns) written into `db` with the bits of `linear::column_sum`: each chunk of rows summed right after it is written, while it is in the
 /// cache, instead of in a second pass over the whole result.
 pub fn times_grad_summed_par<T: Real>(
     d: &[T],

@@ -2,7 +2,7 @@
 //! bias, exact GELU and RoPE.
 //!
 //! Each is a candle custom op whose `bwd` returns the exact gradient, itself computed by a fused
-//! kernel, so training through them is as correct as through the compositions in [`super::ops`]
+//! kernel, so training through them is as correct as through the compositions in the core's `nn` ops
 //! (which the tests compare them with, forward and backward, in f32 and f64) and much faster: one
 //! pass over memory instead of a dozen temporary tensors. They run on the CPU in f32 and f64;
 //! other devices and dtypes use the compositions.

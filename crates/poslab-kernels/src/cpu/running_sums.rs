@@ -27,13 +27,7 @@ fn group_major(ch: usize, bi: usize, (b, t, c): (usize, usize, usize)) -> usize 
     ((s * b + bi) * c + cc) * t
 }
 
-/// The channels `C` of each of `groups` groups in `width`, or an error naming the mismatch.
-pub fn group_channels(width: usize, groups: usize) -> Result<usize> {
-    if groups == 0 || !width.is_multiple_of(groups) {
-        candle::bail!("running sums: {width} channels do not split into {groups} groups");
-    }
-    Ok(width / groups)
-}
+pub use crate::spec::group_channels;
 
 /// `(S, b, C, t)` running sums of `x` `(b, t, S C)`.
 pub(super) fn forward<T: Real>(x: &[T], (b, t, groups, c): (usize, usize, usize, usize)) -> Vec<T> {

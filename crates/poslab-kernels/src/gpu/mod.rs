@@ -254,7 +254,7 @@ impl Gemm {
 
 /// RoPE's tables for [`Stream::heads_in`] and [`Stream::heads_back`]: `cos` and `sin`
 /// `(rows, t, width)` in the compute dtype, laid out by the pairing (see
-/// [`super::Rotary`]), `rows` 1 (shared by the batch) or `b`.
+/// the core's `nn::Rotary`), `rows` 1 (shared by the batch) or `b`.
 #[derive(Clone, Copy, Debug)]
 pub struct Rope {
     pub cos: Mem,
@@ -274,7 +274,7 @@ pub enum ScoreBias {
         rows: usize,
     },
     /// Running sums `(2, b, h, t)` in the compute dtype: `f[i] - f[j]` for `j <= i`, `g[j] - g[i]`
-    /// for `j > i` ([`crate::nn::AttentionBias::SidedSums`]).
+    /// for `j > i` (the core's `nn::AttentionBias::SidedSums`).
     Sided {
         sums: Mem,
     },
@@ -630,10 +630,7 @@ pub fn compute_dtype(dtype: DType) -> DType {
     }
 }
 
-/// Whether the device path stores activations of `dtype`.
-pub fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::F64 | DType::F32 | DType::BF16 | DType::F16)
-}
+pub use super::spec::device_path_supports as supports;
 
 /// The memory of a contiguous tensor's storage, CPU (the twin's) or CUDA.
 pub fn storage_mem(storage: &candle::Storage, layout: &candle::Layout) -> Result<Mem> {

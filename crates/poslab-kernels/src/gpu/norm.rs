@@ -1,5 +1,5 @@
 //! A LayerNorm outside the encoder layers on the device path, as one candle node: the
-//! pre-norm encoder's final norm, and any other [`crate::nn::LayerNorm`] a model runs there.
+//! pre-norm encoder's final norm, and any other `nn::LayerNorm` (the core's) a model runs there.
 //!
 //! As `cuda_ops`' node, its forward was one kernel but its backward a composition of candle
 //! ops: 41 tensors at the default compare's shape (the statistics recomputed, three reductions,
