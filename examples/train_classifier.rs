@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use poslab::runs::results::Outcome;
-use poslab::runs::train::{self, TrainEnd, TrainOptions, TrainRunConfig};
+use poslab::runs::train_run::{self, TrainEnd, TrainOptions, TrainRunConfig};
 
 pub const MODEL_DIR: &str = "runs/examples/reviews";
 
@@ -31,7 +31,7 @@ fn main() -> Result<()> {
         // Every core, the fused layer kernels and the default size limits.
         ..TrainOptions::new(dir, poslab::device::parse_device("auto")?)
     };
-    let TrainEnd::Finished(metrics) = train::start(&config, &options)? else {
+    let TrainEnd::Finished(metrics) = train_run::start(&config, &options)? else {
         unreachable!("no stop was asked for");
     };
     println!(

@@ -20,7 +20,7 @@ use crate::positional::{
     BiasBatch, OffsetIndex, PositionalConfig, PositionalModule, Positions, SchemeShape, ScoreBias,
 };
 use crate::render::csv::{write_columns_csv, write_matrix_csv};
-use crate::render::plot::{heatmap, line_chart};
+use crate::render::png::{heatmap, line_chart};
 use crate::render::table::TextTable;
 
 /// One head's bias over positions `0..P`.

@@ -200,7 +200,7 @@ impl Request {
             seed: 0,
             rope: subject.wavelengths.is_some(),
         };
-        let mut page = analysis::html::Page::new(format!("poslab analyze: {}", subject.label));
+        let mut page = analysis::page::Page::new(format!("poslab analyze: {}", subject.label));
         match &subject.table {
             Some(table) => {
                 let result = analysis::analyze(table, &options)?;
@@ -250,10 +250,10 @@ impl Request {
             .map_err(Error::Config)
     }
 
-    /// The scheme named `name` as the flags draw it by name ([`Portray::by_name`]); `sinusoidal`
+    /// The scheme named `name` as the flags draw it by name ([`Portray::without_model`]); `sinusoidal`
     /// is `sinusoidal_add`'s table.
     ///
-    /// [`Portray::by_name`]: crate::positional::Portray::by_name
+    /// [`Portray::without_model`]: crate::positional::Portray::without_model
     fn portrait(&self, name: &str) -> Result<Portrait> {
         let scheme = match name {
             SINUSOIDAL => "sinusoidal_add",
@@ -277,7 +277,7 @@ impl Request {
             threshold: self.threshold.unwrap_or(self.interpolated_length() as f64),
             heads: self.heads,
         };
-        config.scheme().by_name(&knobs).map_err(Error::Input)
+        config.scheme().without_model(&knobs).map_err(Error::Input)
     }
 
     /// A scheme by name without a table of positions: its bias by offset, the offset index of
@@ -557,7 +557,7 @@ impl Request {
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
-        page: &mut analysis::html::Page,
+        page: &mut analysis::page::Page,
     ) -> Result<()> {
         let factor = match self.rope_scaling.as_ref().map(|s| s.factor()) {
             Some(crate::positional::Factor::Value(f)) => f,
@@ -591,13 +591,13 @@ impl Request {
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
-        page: &mut analysis::html::Page,
+        page: &mut analysis::page::Page,
     ) -> Result<()> {
         let (texts, source) = analysis::terms::pretrained_texts(self.texts, self.text.as_deref())?;
         let batch = model.batch(&texts, true)?;
         let encoder = &model.encoder;
         self.check_text(encoder, &batch.ids)?;
-        if encoder.config().positional.placement() == crate::Placement::Attention {
+        if encoder.config().positional.placement() == crate::Placement::Rotation {
             summary.push_str(&format!("on {} texts of {source}: ", texts.len()));
             return rotation_analysis(encoder, &batch.ids, &batch.mask, dir, summary, files);
         }
@@ -618,7 +618,7 @@ impl Request {
         dir: &Path,
         summary: &mut String,
         files: &mut Vec<String>,
-        page: &mut analysis::html::Page,
+        page: &mut analysis::page::Page,
     ) -> Result<()> {
         if let Some(bias) = analysis::bias::encoder_biases(loaded.model.encoder(), bias_positions)?
         {
@@ -628,7 +628,7 @@ impl Request {
         }
         scheme_analysis(loaded, self, dir, summary, files)?;
         let text = self.text.as_deref();
-        if loaded.config.model.positional.placement() == crate::Placement::Attention {
+        if loaded.config.model.positional.placement() == crate::Placement::Rotation {
             match analysis::terms::evaluation_batch(loaded, self.texts, text) {
                 // Without --text, a model that cannot remake its evaluation text still gets
                 // its table analysed.
@@ -709,7 +709,7 @@ fn write_terms(
     dir: &Path,
     summary: &mut String,
     files: &mut Vec<String>,
-    page: &mut analysis::html::Page,
+    page: &mut analysis::page::Page,
 ) -> Result<()> {
     let terms = analysis::terms::attention_terms(encoder, ids, mask)?;
     summary.push_str(&analysis::terms::summary(&terms));
@@ -853,7 +853,7 @@ impl Request {
         let dir = self.out_dir(name)?;
         let summary = curves.summary();
         let files = curves.write(&dir)?;
-        let mut page = analysis::html::Page::new(format!("poslab analyze: {name}"));
+        let mut page = analysis::page::Page::new(format!("poslab analyze: {name}"));
         page.fire(&curves);
         finish(dir, summary, files, page)
     }
@@ -874,7 +874,7 @@ impl Request {
             dir,
             summary,
             files,
-            analysis::html::Page::new(format!("poslab analyze: {name}")),
+            analysis::page::Page::new(format!("poslab analyze: {name}")),
         )
     }
 
@@ -883,7 +883,7 @@ impl Request {
         let dir = self.out_dir(name)?;
         let summary = bias.summary();
         let files = bias.write(&dir)?;
-        let mut page = analysis::html::Page::new(format!("poslab analyze: {name}"));
+        let mut page = analysis::page::Page::new(format!("poslab analyze: {name}"));
         page.bias(&bias);
         finish(dir, summary, files, page)
     }
@@ -894,7 +894,7 @@ fn finish(
     dir: PathBuf,
     summary: String,
     mut files: Vec<String>,
-    page: analysis::html::Page,
+    page: analysis::page::Page,
 ) -> Result<Report> {
     crate::io::write_atomic(&dir.join("summary.txt"), summary.as_bytes())?;
     crate::io::write_atomic(

@@ -9,11 +9,11 @@
 
 pub mod bias;
 pub mod command;
-pub mod html;
+mod drawings;
 pub mod linalg;
 pub mod order;
+pub mod page;
 pub mod pca;
-mod plots;
 pub mod rope;
 pub mod schemes;
 pub mod scores;
@@ -884,13 +884,13 @@ impl Analysis {
 
     /// Writes every table and plot into `dir`.
     pub fn write(&self, table: &Table, dir: &Path) -> Result<Vec<String>> {
-        plots::write_all(self, table, dir)
+        drawings::write_all(self, table, dir)
     }
 }
 
 /// Writes the attention-term shares of a trained model into `dir`.
 pub fn write_terms(terms: &[terms::HeadTerms], title: &str, dir: &Path) -> Result<Vec<String>> {
-    plots::write_terms(terms, title, dir)
+    drawings::write_terms(terms, title, dir)
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use crate::positional::{
     rope_frequencies, sinusoidal::pair_slots, Factor, PositionalModule, RopePairing, RopeScaling,
 };
 use crate::render::csv::{write_columns_csv, write_rows};
-use crate::render::plot::{line_chart, Line};
+use crate::render::png::{line_chart, Line};
 use crate::Encoder;
 
 /// Wavelengths `2π / w_i` (in positions) of every pair, unscaled and under each scaling at

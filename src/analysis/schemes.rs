@@ -12,7 +12,7 @@ use super::linalg::Matrix;
 use crate::error::{Error, Result};
 use crate::positional::{rope_frequencies, rotary_dim, Fox, PositionalModule, PropeOptions};
 use crate::render::csv::{write_columns_csv, write_records_csv, write_rows};
-use crate::render::plot::{line_chart, Line};
+use crate::render::png::{line_chart, Line};
 use crate::Encoder;
 
 /// FIRE's bias by offset per head, at several sequence lengths (spans `n - 1`).

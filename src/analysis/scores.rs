@@ -14,7 +14,7 @@ use candle::{DType, Tensor};
 use crate::error::{Error, Result};
 use crate::positional::{pope_frequencies, Cope, Path as PathScheme, Pope, PositionalModule};
 use crate::render::csv::write_rows;
-use crate::render::plot::{line_chart, Line};
+use crate::render::png::{line_chart, Line};
 use crate::Encoder;
 
 /// One value per offset `j - i`, per layer and head.

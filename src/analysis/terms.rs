@@ -329,7 +329,7 @@ pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<S
     crate::io::create_folder(dir)?;
     crate::render::csv::write_rows(&dir.join("rotation_terms.csv"), terms)?;
     let heads = terms.iter().map(|t| t.head).max().map_or(0, |h| h + 1);
-    let series: Vec<crate::render::plot::Line> = (0..heads)
+    let series: Vec<crate::render::png::Line> = (0..heads)
         .map(|h| {
             (
                 format!("H{h}"),
@@ -342,7 +342,7 @@ pub fn write_rotation_terms(terms: &[RotationTerms], dir: &Path) -> Result<Vec<S
             )
         })
         .collect();
-    crate::render::plot::line_chart(
+    crate::render::png::line_chart(
         &dir.join("rotation_terms.png"),
         "what the rotation adds to each head's attention scores, by layer",
         ("layer", "rotation's share of the score (%)"),

@@ -154,7 +154,7 @@ fn task_line(task: &poslab::tasks::TaskSpec) -> String {
 
 /// A `poslab train` config.
 fn describe_train_config(path: &Path) -> Result<()> {
-    let config = runs::train::TrainRunConfig::load(path)?;
+    let config = runs::train_run::TrainRunConfig::load(path)?;
     config.check_limits(&super::limits()?)?;
     outln!(
         "{}: a valid train config (for poslab train), run `{}`, seed {}",
@@ -167,7 +167,7 @@ fn describe_train_config(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn describe_train(config: &runs::train::TrainRunConfig) {
+fn describe_train(config: &runs::train_run::TrainRunConfig) {
     use std::io::Write as _;
     let mut out = std::io::stdout();
     let model = match (&config.init, &config.positional) {
@@ -193,7 +193,7 @@ fn describe_folder(dir: &Path) -> Result<()> {
     };
     if let Some(manifest) = folder::read_manifest(dir)? {
         describe_run_folder(dir, &manifest)?;
-    } else if dir.join(runs::train::TRAIN_CONFIG).is_file() {
+    } else if dir.join(runs::train_run::TRAIN_CONFIG).is_file() {
         describe_train_folder(dir)?;
     } else if dir.join(poslab::saved::CONFIG).is_file() && !poslab::pretrained::is_hf_folder(dir) {
         let loaded = poslab::saved::load(dir, DType::F32, &Device::Cpu)?;
@@ -285,12 +285,12 @@ fn describe_run_folder(dir: &Path, manifest: &folder::Manifest) -> Result<()> {
 
 /// A `poslab train` run folder: finished, or where it would resume.
 fn describe_train_folder(dir: &Path) -> Result<()> {
-    let config = runs::train::TrainRunConfig::load(dir.join(runs::train::TRAIN_CONFIG))?;
+    let config = runs::train_run::TrainRunConfig::load(dir.join(runs::train_run::TRAIN_CONFIG))?;
     outln!("{}: a poslab train run, `{}`", dir.display(), config.name);
     describe_train(&config);
-    if dir.join(runs::train::METRICS).is_file() {
+    if dir.join(runs::train_run::METRICS).is_file() {
         outln!("finished: metrics.json and the model (config.json, model.safetensors)");
-    } else if let Some(why) = runs::train::stopped(dir) {
+    } else if let Some(why) = runs::train_run::stopped(dir) {
         outln!(
             "stopped for good: {why}; resuming would stop at the same step, so start a changed \
              config into another --out"
@@ -298,7 +298,7 @@ fn describe_train_folder(dir: &Path) -> Result<()> {
     } else {
         outln!(
             "unfinished: {}; continue it with poslab train --resume {}",
-            match runs::train::latest_checkpoint_step(dir) {
+            match runs::train_run::latest_checkpoint_step(dir) {
                 Some(step) => format!("latest checkpoint at step {step}"),
                 None => "no checkpoint yet".into(),
             },

@@ -61,7 +61,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let device = compute.device.open()?;
     let (backend, limits) = (compute.backend()?, super::limits()?);
-    let options = |dir: PathBuf| runs::train::TrainOptions {
+    let options = |dir: PathBuf| runs::train_run::TrainOptions {
         dir,
         device: device.clone(),
         progress: poslab::progress::Progress::for_stderr(quiet, every),
@@ -80,10 +80,10 @@ pub fn run(args: Args) -> Result<()> {
                 );
             }
             errln!("poslab train: resuming {}", dir.display());
-            (runs::train::resume(&options(dir.clone()))?, dir)
+            (runs::train_run::resume(&options(dir.clone()))?, dir)
         }
         (Some(path), None) => {
-            let mut config = runs::train::TrainRunConfig::load(&path)?;
+            let mut config = runs::train_run::TrainRunConfig::load(&path)?;
             if let Some(dtype) = compute.dtype {
                 config.set_dtype(dtype);
             }
@@ -93,7 +93,7 @@ pub fn run(args: Args) -> Result<()> {
                 None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
             };
             errln!("poslab train: {} -> {}", path.display(), dir.display());
-            match runs::train::start(&config, &options(dir.clone())) {
+            match runs::train_run::start(&config, &options(dir.clone())) {
                 Ok(end) => (end, dir),
                 Err(e) => {
                     if created {
@@ -106,17 +106,17 @@ pub fn run(args: Args) -> Result<()> {
         (None, None) => unreachable!("clap requires --config or --resume"),
     };
     match end {
-        runs::train::TrainEnd::Stopped { step } => outln!(
+        runs::train_run::TrainEnd::Stopped { step } => outln!(
             "stopped after step {step} as asked, with a checkpoint; continue with: poslab train --resume {}",
             dir.display()
         ),
-        runs::train::TrainEnd::Finished(m) => print_finished(&m, &dir)?,
+        runs::train_run::TrainEnd::Finished(m) => print_finished(&m, &dir)?,
     }
     Ok(())
 }
 
 /// A finished run's record: its training, its test scores, where its model is.
-fn print_finished(m: &runs::train::Metrics, dir: &Path) -> Result<()> {
+fn print_finished(m: &runs::train_run::Metrics, dir: &Path) -> Result<()> {
     outln!(
         "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
         m.name,

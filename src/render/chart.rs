@@ -1,6 +1,6 @@
 //! Pictures as values: what a chart shows, with nothing drawn yet. A room with numbers to show
 //! (a comparison's curves, an analysis's matrices) builds a [`Picture`] out of the pieces here,
-//! and [`super::plot::draw`] renders it to a PNG. So the rooms that know what the numbers mean
+//! and [`super::png::draw`] renders it to a PNG. So the rooms that know what the numbers mean
 //! hold no drawing code, and this room knows no run, analysis or scheme.
 //!
 //! A [`Chart`] is one pair of axes: its frame ([`Axis`], [`Grid`], fonts, margins), its
@@ -33,7 +33,7 @@
 //! };
 //! let dir = tempfile::tempdir()?;
 //! let path = dir.path().join("loss.png");
-//! poslab::render::plot::draw(&path, Picture::chart((640, 400), chart))?;
+//! poslab::render::png::draw(&path, Picture::chart((640, 400), chart))?;
 //! assert!(std::fs::metadata(&path)?.len() > 0);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -8,5 +8,5 @@
 pub mod chart;
 pub mod csv;
 pub mod html;
-pub mod plot;
+pub mod png;
 pub mod table;

@@ -1,6 +1,6 @@
 //! One training job: a model built from a seed on a prepared task, trained, tested, saved and
 //! summarised. `poslab compare` runs one per cell ([`super::compare`]), `poslab train` one per run
-//! ([`crate::runs::train`]); what differs between them (progress, kill points, checkpoints, a
+//! ([`crate::runs::train_run`]); what differs between them (progress, kill points, checkpoints, a
 //! pretrained start) is what they pass in.
 
 use std::path::Path;

@@ -7,21 +7,21 @@
 //! embedding scale). [`compare::run`] trains every selected cell (task x variant x seed) and
 //! [`report`] turns the records into tables, files and plots.
 
+pub mod charts;
 pub mod compare;
 pub mod curves;
 pub mod estimate;
 pub mod folder;
-pub mod html;
 pub mod job;
 pub mod merge;
-pub mod plot;
 pub mod prepare;
 pub mod report;
+pub mod report_page;
 pub mod results;
 pub mod student;
 pub mod suite;
 pub mod suite_plot;
-pub mod train;
+pub mod train_run;
 pub mod verdict;
 
 use std::collections::HashSet;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::results::{Aggregate, Outcome, Results, Stat, SummaryRow, TaskInfo, Timing};
 use super::verdict::{self, Family};
-use super::{html, plot};
+use super::{charts, report_page};
 use crate::error::Result;
 use crate::io::write_atomic;
 use crate::render::csv::rows_text;
@@ -1055,7 +1055,7 @@ pub fn write_report_with(
         &dir.join("report.html"),
         html_report(results, timings, sources).as_bytes(),
     )?;
-    plot::draw_all(&dir.join("plots"), results)?;
+    charts::draw_all(&dir.join("plots"), results)?;
     before_results();
     write_atomic(&dir.join(RESULTS_JSON), pretty_json(results).as_bytes())?;
     Ok(text_report(results, timings))
@@ -1065,9 +1065,9 @@ pub fn write_report_with(
 /// curves.
 fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> String {
     let sections = sections(results, timings);
-    let tasks: Vec<html::TaskTables> = sections
+    let tasks: Vec<report_page::TaskTables> = sections
         .iter()
-        .map(|s| html::TaskTables {
+        .map(|s| report_page::TaskTables {
             task: s.task,
             heading: s.heading.clone(),
             tables: [
@@ -1081,14 +1081,14 @@ fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> St
             notes: s.notes.clone(),
         })
         .collect();
-    let texts = html::Texts {
+    let texts = report_page::Texts {
         findings: findings(results, false),
         legend: verdict_legend(results),
         method: COMPARISON_METHOD,
         sources,
         absent: absent_lines(results, false),
     };
-    html::page(results, &tasks, &texts)
+    report_page::page(results, &tasks, &texts)
 }
 
 fn pretty_json<T: serde::Serialize + ?Sized>(value: &T) -> String {

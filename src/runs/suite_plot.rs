@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::render::chart::{
     Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Note, Page, Picture, Series, Ticks,
 };
-use crate::render::plot::draw;
+use crate::render::png::draw;
 
 /// `(variant, colour index, dashed)` of every variant with results on `task`: colours by
 /// scheme in order of appearance, dashed for randomized positions.

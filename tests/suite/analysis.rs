@@ -430,7 +430,7 @@ fn the_command_writes_files_and_pictures_with_their_text() {
 fn a_learned_table_from_a_trained_run_loads_and_analyses() {
     let root = tempfile::tempdir().unwrap();
     let run = root.path().join("run");
-    let config = poslab::runs::train::TrainRunConfig::from_toml_str(
+    let config = poslab::runs::train_run::TrainRunConfig::from_toml_str(
         "name = \"t\"\ncheckpoint_every = 0\nmax_len = 24\n\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
          [positional]\nkind = \"learned\"\n\
@@ -438,7 +438,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
          [task]\nkind = \"word_order\"\nlengths = [5, 10]\ntrain_examples = 400\neval_examples = 40\n",
     )
     .unwrap();
-    let options = poslab::runs::train::TrainOptions {
+    let options = poslab::runs::train_run::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
         progress: poslab::progress::Progress::Quiet,
@@ -448,7 +448,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
         backend: Default::default(),
         limits: Default::default(),
     };
-    poslab::runs::train::start(&config, &options).unwrap();
+    poslab::runs::train_run::start(&config, &options).unwrap();
     // `analyze --run` into `out`, with `threads` if given.
     let analyze = |out: &Path, threads: Option<&str>| {
         let mut args = vec!["analyze", "--run", run.to_str().unwrap()];
@@ -531,7 +531,7 @@ fn a_learned_table_from_a_trained_run_loads_and_analyses() {
 /// Trains a tiny model of `positional` (TOML inline table) into `dir` and returns it.
 fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path::PathBuf {
     let run = dir.join("run");
-    let config = poslab::runs::train::TrainRunConfig::from_toml_str(&format!(
+    let config = poslab::runs::train_run::TrainRunConfig::from_toml_str(&format!(
         "name = \"t\"\ncheckpoint_every = 0\n{}\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\nattention_dropout = 0.0\n\
          [positional]\n{positional}\n\
@@ -540,7 +540,7 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
         max_len.map_or(String::new(), |m| format!("max_len = {m}\n"))
     ))
     .unwrap();
-    let options = poslab::runs::train::TrainOptions {
+    let options = poslab::runs::train_run::TrainOptions {
         dir: run.clone(),
         device: Device::Cpu,
         progress: poslab::progress::Progress::Quiet,
@@ -550,7 +550,7 @@ fn train_tiny(dir: &Path, positional: &str, max_len: Option<usize>) -> std::path
         backend: Default::default(),
         limits: Default::default(),
     };
-    poslab::runs::train::start(&config, &options).unwrap();
+    poslab::runs::train_run::start(&config, &options).unwrap();
     run
 }
 

@@ -619,8 +619,8 @@ pub fn assert_relative_l2(what: &str, name: &str, g: &[f64], reference: &[f64], 
 
 /// Options of a `train` run into `dir` on the CPU, quiet, offline, optionally stopping after
 /// `stop_after` steps.
-pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::runs::train::TrainOptions {
-    poslab::runs::train::TrainOptions {
+pub fn options(dir: &Path, stop_after: Option<usize>) -> poslab::runs::train_run::TrainOptions {
+    poslab::runs::train_run::TrainOptions {
         dir: dir.to_path_buf(),
         device: Device::Cpu,
         progress: poslab::progress::Progress::Quiet,

@@ -244,7 +244,7 @@ fn shipped_configs_are_valid() {
         }
         let table: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
         if table.contains_key("task") {
-            poslab::runs::train::TrainRunConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            poslab::runs::train_run::TrainRunConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
             trains.push(path.file_name().unwrap().to_string_lossy().into_owned());
         } else if table.contains_key("variants") {
             poslab::runs::ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
@@ -413,7 +413,7 @@ fn seed_and_seeds_are_refused_with_what_each_config_means() {
     .replace("seed = 0", "seeds = 2");
     std::fs::write(&train, text).unwrap();
     assert_error_mentions(
-        poslab::runs::train::TrainRunConfig::load(&train),
+        poslab::runs::train_run::TrainRunConfig::load(&train),
         &["one seed: `seed = N`", "unknown field `seeds`"],
     );
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle::{DType, Device};
 use poslab::runs::results::Outcome;
-use poslab::runs::train::{self, Metrics, TrainEnd, TrainRunConfig};
+use poslab::runs::train_run::{self, Metrics, TrainEnd, TrainRunConfig};
 
 use crate::common::{bits, fixture_path, options};
 
@@ -117,7 +117,7 @@ fn fine_tuning_tiny_bert_learns_and_the_saved_model_scores_what_its_report_says(
     let data = order_task(root.path());
     let config = TrainRunConfig::from_toml_str(&config(&data, &tiny_bert(), "")).unwrap();
     let dir = root.path().join("run");
-    let metrics = finished(train::start(&config, &options(&dir, None)).unwrap());
+    let metrics = finished(train_run::start(&config, &options(&dir, None)).unwrap());
 
     // The loss falls from ln 5 = 1.61 (a fresh head's near-uniform guess over five labels).
     let first = metrics.summary.validation.first().unwrap()[1];
@@ -223,7 +223,7 @@ fn the_encoder_starts_from_the_folders_weights_and_the_head_from_the_seed() {
             .replace("lr = 3e-3", "lr = 1e-9");
         let config = TrainRunConfig::from_toml_str(&text).unwrap();
         let dir = root.path().join(name);
-        finished(train::start(&config, &options(&dir, None)).unwrap());
+        finished(train_run::start(&config, &options(&dir, None)).unwrap());
         let saved = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
         let folder = poslab::pretrained::Folder::read(&path).unwrap();
         let mut compared = 0;
@@ -267,18 +267,18 @@ fn a_stopped_fine_tuning_resumes_bit_for_bit() {
     let text = config(&data, &tiny_bert(), "").replace("steps = 240", "steps = 30");
     let config = TrainRunConfig::from_toml_str(&text).unwrap();
     let whole = root.path().join("whole");
-    finished(train::start(&config, &options(&whole, None)).unwrap());
+    finished(train_run::start(&config, &options(&whole, None)).unwrap());
     // Stopped before any checkpoint (the pretrained weights are read again), then after one.
     let parts = root.path().join("parts");
     assert!(matches!(
-        train::start(&config, &options(&parts, Some(7))).unwrap(),
+        train_run::start(&config, &options(&parts, Some(7))).unwrap(),
         TrainEnd::Stopped { step: 7 }
     ));
     assert!(matches!(
-        train::resume(&options(&parts, Some(19))).unwrap(),
+        train_run::resume(&options(&parts, Some(19))).unwrap(),
         TrainEnd::Stopped { step: 19 }
     ));
-    finished(train::resume(&options(&parts, None)).unwrap());
+    finished(train_run::resume(&options(&parts, None)).unwrap());
     assert_same_weights(&whole, &parts);
 }
 
@@ -290,7 +290,7 @@ fn pretrained_starts_that_cannot_work_are_refused_with_the_fix() {
         let text = config(&data, init, extra);
         match TrainRunConfig::from_toml_str(&text) {
             Err(e) => e.to_string(),
-            Ok(config) => train::start(&config, &options(&root.path().join("r"), None))
+            Ok(config) => train_run::start(&config, &options(&root.path().join("r"), None))
                 .err()
                 .map(|e| e.to_string())
                 .unwrap_or_else(|| panic!("{text} trained")),
@@ -319,7 +319,7 @@ fn pretrained_starts_that_cannot_work_are_refused_with_the_fix() {
     assert!(e.contains("remove [task] tokenizer"), "{e}");
     let text = config(&data, &bert, "") + "max_tokens = 65\n";
     let config_ = TrainRunConfig::from_toml_str(&text).unwrap();
-    let e = train::start(&config_, &options(&root.path().join("long"), None))
+    let e = train_run::start(&config_, &options(&root.path().join("long"), None))
         .unwrap_err()
         .to_string();
     assert!(
@@ -359,7 +359,7 @@ fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
     let data = order_task(root.path());
     let config = TrainRunConfig::from_toml_str(&config(&data, &tiny_modernbert(), "")).unwrap();
     let dir = root.path().join("run");
-    let metrics = finished(train::start(&config, &options(&dir, None)).unwrap());
+    let metrics = finished(train_run::start(&config, &options(&dir, None)).unwrap());
     let test = test_score(&metrics);
     eprintln!(
         "tiny ModernBERT fine-tuned: final train loss {:.3}, validation {:?}, test accuracy {:.3}",
@@ -382,12 +382,12 @@ fn fine_tuning_tiny_modernbert_learns_saves_and_resumes_bit_for_bit() {
         .replace("checkpoint_every = 0", "checkpoint_every = 50");
     let config = TrainRunConfig::from_toml_str(&text).unwrap();
     let whole = root.path().join("whole");
-    finished(train::start(&config, &options(&whole, None)).unwrap());
+    finished(train_run::start(&config, &options(&whole, None)).unwrap());
     let parts = root.path().join("parts");
     assert!(matches!(
-        train::start(&config, &options(&parts, Some(60))).unwrap(),
+        train_run::start(&config, &options(&parts, Some(60))).unwrap(),
         TrainEnd::Stopped { step: 60 }
     ));
-    finished(train::resume(&options(&parts, None)).unwrap());
+    finished(train_run::resume(&options(&parts, None)).unwrap());
     assert_same_weights(&whole, &parts);
 }

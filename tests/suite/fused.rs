@@ -205,7 +205,7 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                         });
                         // Per layer at least two LayerNorms, a softmax and a GELU (and two
                         // rotations under RoPE).
-                        let rope = positional.placement() == poslab::Placement::Attention;
+                        let rope = positional.placement() == poslab::Placement::Rotation;
                         let per_layer = if rope { 6 } else { 4 };
                         assert!(
                             calls >= per_layer * config.n_layers,

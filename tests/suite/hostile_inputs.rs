@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use candle::Device;
-use poslab::runs::train::{self, TrainEnd, TrainRunConfig};
+use poslab::runs::train_run::{self, TrainEnd, TrainRunConfig};
 use poslab::runs::ExperimentConfig;
 use poslab::text::HubSource;
 use poslab::ModelConfig;
@@ -39,7 +39,7 @@ fn a_failed_start_leaves_a_folder_a_fresh_start_takes_over() {
     // The data file is missing: the start fails after the folder exists.
     let missing = train_config("kind = \"classify\"\ntrain = \"missing.tsv\"");
     assert_error_mentions(
-        train::start(&missing, &options(&run, None)),
+        train_run::start(&missing, &options(&run, None)),
         &["missing.tsv"],
     );
     assert!(
@@ -48,21 +48,21 @@ fn a_failed_start_leaves_a_folder_a_fresh_start_takes_over() {
     );
     // --resume says there is nothing to resume; a fresh start with a good config runs.
     assert_error_mentions(
-        train::resume(&options(&run, None)),
+        train_run::resume(&options(&run, None)),
         &["holds no started run", "--config"],
     );
     let good = train_config(WORD_ORDER);
     assert_eq!(
-        train::start(&good, &options(&run, Some(5))).unwrap(),
+        train_run::start(&good, &options(&run, Some(5))).unwrap(),
         TrainEnd::Stopped { step: 5 }
     );
     // A second start into it is refused, resume continues it.
     assert_error_mentions(
-        train::start(&good, &options(&run, None)),
+        train_run::start(&good, &options(&run, None)),
         &["already holds a run", "--resume"],
     );
     assert!(matches!(
-        train::resume(&options(&run, None)).unwrap(),
+        train_run::resume(&options(&run, None)).unwrap(),
         TrainEnd::Finished(_)
     ));
 }
@@ -79,12 +79,12 @@ fn a_second_train_into_a_locked_folder_is_refused() {
         "is being written by another poslab process",
         "(poslab compare)",
     ];
-    let message = assert_error_mentions(train::start(&config, &options(&run, None)), &busy);
+    let message = assert_error_mentions(train_run::start(&config, &options(&run, None)), &busy);
     assert!(message.contains(&run.display().to_string()), "{message}");
-    assert_error_mentions(train::resume(&options(&run, None)), &busy);
+    assert_error_mentions(train_run::resume(&options(&run, None)), &busy);
     drop(lock);
     assert!(matches!(
-        train::start(&config, &options(&run, Some(5))).unwrap(),
+        train_run::start(&config, &options(&run, Some(5))).unwrap(),
         TrainEnd::Stopped { .. }
     ));
 }
@@ -94,7 +94,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
     let root = tempfile::tempdir().unwrap();
     let config = train_config(WORD_ORDER);
     let whole = root.path().join("whole");
-    let TrainEnd::Finished(_) = train::start(&config, &options(&whole, None)).unwrap() else {
+    let TrainEnd::Finished(_) = train_run::start(&config, &options(&whole, None)).unwrap() else {
         panic!("not finished")
     };
     let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
@@ -102,7 +102,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
     // Stop at 10 (checkpoints 5 and 10 kept), truncate the latest: resume falls back to 5 and
     // still ends with the uninterrupted run's weights.
     let run = root.path().join("run");
-    train::start(&config, &options(&run, Some(10))).unwrap();
+    train_run::start(&config, &options(&run, Some(10))).unwrap();
     let latest = run.join("checkpoints/step-00000010/model.safetensors");
     let full = std::fs::read(&latest).unwrap();
     std::fs::write(&latest, &full[..full.len() / 2]).unwrap();
@@ -110,7 +110,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
     let leftover = run.join("checkpoints/.step-00000015.999.tmp");
     std::fs::create_dir_all(&leftover).unwrap();
     assert!(matches!(
-        train::resume(&options(&run, None)).unwrap(),
+        train_run::resume(&options(&run, None)).unwrap(),
         TrainEnd::Finished(_)
     ));
     assert_eq!(bytes(&whole), bytes(&run));
@@ -118,7 +118,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
 
     // An edited train.toml is refused, naming the setting.
     let edited = root.path().join("edited");
-    train::start(&config, &options(&edited, Some(5))).unwrap();
+    train_run::start(&config, &options(&edited, Some(5))).unwrap();
     let toml = std::fs::read_to_string(edited.join("train.toml")).unwrap();
     std::fs::write(
         edited.join("train.toml"),
@@ -130,7 +130,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
         std::fs::read_to_string(edited.join("train.toml")).unwrap()
     );
     assert_error_mentions(
-        train::resume(&options(&edited, None)),
+        train_run::resume(&options(&edited, None)),
         &["edited", "train.lr: 0.001 vs 0.01"],
     );
     std::fs::write(edited.join("train.toml"), &toml).unwrap();
@@ -138,7 +138,7 @@ fn resume_survives_a_damaged_checkpoint_and_refuses_edits_and_escapes() {
     // `latest` naming a folder outside the run is refused.
     std::fs::write(edited.join("checkpoints/latest"), "../../elsewhere").unwrap();
     assert_error_mentions(
-        train::resume(&options(&edited, None)),
+        train_run::resume(&options(&edited, None)),
         &["not a checkpoint of this run"],
     );
 }
@@ -414,7 +414,7 @@ fn sizes_are_bounded_before_anything_is_allocated() {
     ));
     let run = root.path().join("r");
     assert_error_mentions(
-        train::start(&config, &options(&run, None)),
+        train_run::start(&config, &options(&run, None)),
         &[
             "training: a batch of 16 x",
             "tokens needs about",
@@ -448,7 +448,7 @@ fn unbounded_and_unreadable_inputs_are_refused() {
         data.display().to_string()
     ));
     assert_error_mentions(
-        train::start(&config, &options(&root.path().join("r"), None)),
+        train_run::start(&config, &options(&root.path().join("r"), None)),
         &["one_line.tsv:1:", "more than the 4.0 MiB a line may be"],
     );
 }
@@ -584,7 +584,7 @@ fn predictions_count_unknown_tokens_and_one_seed_is_one_value() {
     let root = tempfile::tempdir().unwrap();
     let run = root.path().join("r");
     let TrainEnd::Finished(_) =
-        train::start(&train_config(WORD_ORDER), &options(&run, None)).unwrap()
+        train_run::start(&train_config(WORD_ORDER), &options(&run, None)).unwrap()
     else {
         panic!("not finished")
     };
@@ -843,12 +843,15 @@ fn weights_of_a_dtype_poslab_does_not_load_are_refused_by_name() {
     ))
     .unwrap();
     let run = root.path().join("run");
-    assert_error_mentions(train::start(&config, &options(&run, None)), &["F8_E4M3"]);
+    assert_error_mentions(
+        train_run::start(&config, &options(&run, None)),
+        &["F8_E4M3"],
+    );
     assert!(!run.join("train.toml").exists());
     // A poslab model folder with an F8 tensor: predict --run refuses it too.
     let model = root.path().join("m");
     let TrainEnd::Finished(_) =
-        train::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
+        train_run::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
     else {
         panic!("not finished")
     };
@@ -934,7 +937,7 @@ fn weight_files_never_cost_more_memory_than_their_tensors() {
     let root = tempfile::tempdir().unwrap();
     let model = root.path().join("m");
     let TrainEnd::Finished(_) =
-        train::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
+        train_run::start(&train_config(WORD_ORDER), &options(&model, None)).unwrap()
     else {
         panic!("not finished")
     };
@@ -1108,17 +1111,17 @@ fn a_start_that_fails_a_check_leaves_no_run_behind() {
     let mut bad = train_config(WORD_ORDER);
     bad.random_positions = Some(4);
     assert_error_mentions(
-        train::start(&bad, &options(&run, None)),
+        train_run::start(&bad, &options(&run, None)),
         &["random_positions = 4"],
     );
     assert!(!run.join("train.toml").exists() && !run.join("tokenizer.json").exists());
     assert_error_mentions(
-        train::resume(&options(&run, None)),
+        train_run::resume(&options(&run, None)),
         &["holds no started run"],
     );
     bad.random_positions = Some(64);
     assert!(matches!(
-        train::start(&bad, &options(&run, Some(5))).unwrap(),
+        train_run::start(&bad, &options(&run, Some(5))).unwrap(),
         TrainEnd::Stopped { step: 5 }
     ));
     // A RoBERTa start whose texts exceed max_tokens: the error says truncate = true, and
@@ -1142,12 +1145,12 @@ fn a_start_that_fails_a_check_leaves_no_run_behind() {
     };
     let run = root.path().join("rb");
     assert_error_mentions(
-        train::start(&config(""), &options(&run, None)),
+        train_run::start(&config(""), &options(&run, None)),
         &["truncate = true"],
     );
     assert!(!run.join("train.toml").exists());
     assert!(matches!(
-        train::start(&config("truncate = true"), &options(&run, None)).unwrap(),
+        train_run::start(&config("truncate = true"), &options(&run, None)).unwrap(),
         TrainEnd::Finished(_)
     ));
 }
@@ -1192,7 +1195,7 @@ fn a_resume_reads_the_inputs_the_run_started_with() {
         data.display().to_string()
     ));
     let run = root.path().join("r");
-    train::start(&config, &options(&run, Some(5))).unwrap();
+    train_run::start(&config, &options(&run, Some(5))).unwrap();
     // The labels flipped between the stop and the resume: refused, naming the file.
     let flipped = String::from_utf8(rows.clone())
         .unwrap()
@@ -1201,12 +1204,12 @@ fn a_resume_reads_the_inputs_the_run_started_with() {
         .replace("\tx", "\tb");
     std::fs::write(&data, flipped).unwrap();
     assert_error_mentions(
-        train::resume(&options(&run, None)),
+        train_run::resume(&options(&run, None)),
         &["d.tsv changed since the run started", "restore the file"],
     );
     std::fs::write(&data, &rows).unwrap();
     assert!(matches!(
-        train::resume(&options(&run, None)).unwrap(),
+        train_run::resume(&options(&run, None)).unwrap(),
         TrainEnd::Finished(_)
     ));
     // The pretrained folder's weights replaced before the first checkpoint: refused too.
@@ -1219,7 +1222,7 @@ fn a_resume_reads_the_inputs_the_run_started_with() {
     ))
     .unwrap();
     let run = root.path().join("ft");
-    train::start(&config, &options(&run, Some(3))).unwrap();
+    train_run::start(&config, &options(&run, Some(3))).unwrap();
     rewrite_safetensors(
         &bert.path().join("model.safetensors"),
         |name, (dtype, shape, bytes)| {
@@ -1231,7 +1234,7 @@ fn a_resume_reads_the_inputs_the_run_started_with() {
         },
     );
     assert_error_mentions(
-        train::resume(&options(&run, None)),
+        train_run::resume(&options(&run, None)),
         &["model.safetensors changed since the run started"],
     );
 }

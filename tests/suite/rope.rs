@@ -469,15 +469,15 @@ fn predict_and_embed_read_long_texts_with_rope_scaling() {
     use poslab::infer::Predictor;
     // Train a tiny rope classifier, save it, and embed a text 4x its training length.
     let dir = tempfile::tempdir().unwrap();
-    let config = poslab::runs::train::TrainRunConfig::from_toml_str(
+    let config = poslab::runs::train_run::TrainRunConfig::from_toml_str(
         "name = \"r\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
          [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 10 }\nbatch_size = 16\n\
          [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 200\neval_examples = 40\n",
     )
     .unwrap();
-    poslab::runs::train::start(
+    poslab::runs::train_run::start(
         &config,
-        &poslab::runs::train::TrainOptions {
+        &poslab::runs::train_run::TrainOptions {
             dir: dir.path().join("run"),
             device: Device::Cpu,
             progress: poslab::progress::Progress::Quiet,

@@ -7,7 +7,7 @@ use std::process::Command;
 use candle::{DType, Device};
 use poslab::data::Dataset;
 use poslab::runs::results::Outcome;
-use poslab::runs::train::{self, Metrics, TrainEnd, TrainRunConfig};
+use poslab::runs::train_run::{self, Metrics, TrainEnd, TrainRunConfig};
 use poslab::text::hub::place_in_cache;
 use poslab::text::{HubSource, RepoRef, SubwordModel, TextTokenizer, TokenizerSpec};
 
@@ -309,10 +309,10 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
     for (i, config) in cases.iter().enumerate() {
         let whole = root.path().join(format!("whole{i}"));
         let parts = root.path().join(format!("parts{i}"));
-        let full = finished(train::start(config, &options(&whole, None)).unwrap());
+        let full = finished(train_run::start(config, &options(&whole, None)).unwrap());
         // Stop between checkpoints (23), resume, stop again at a checkpoint (30), resume to the end.
         assert_eq!(
-            train::start(config, &options(&parts, Some(23))).unwrap(),
+            train_run::start(config, &options(&parts, Some(23))).unwrap(),
             TrainEnd::Stopped { step: 23 }
         );
         assert!(parts.join("checkpoints/step-00000023").is_dir());
@@ -320,7 +320,7 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
         let mut other = options(&parts, Some(30));
         other.backend = other.backend.with_kernels(poslab::nn::Kernels::Reference);
         assert_error_mentions(
-            train::resume(&other),
+            train_run::resume(&other),
             &[
                 "began on cpu with the layer kernels",
                 "on cpu with the reference kernels",
@@ -328,10 +328,10 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
             ],
         );
         assert_eq!(
-            train::resume(&options(&parts, Some(30))).unwrap(),
+            train_run::resume(&options(&parts, Some(30))).unwrap(),
             TrainEnd::Stopped { step: 30 }
         );
-        let resumed = finished(train::resume(&options(&parts, None)).unwrap());
+        let resumed = finished(train_run::resume(&options(&parts, None)).unwrap());
         let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
         assert_eq!(
             bytes(&whole),
@@ -371,11 +371,11 @@ fn a_run_stopped_and_resumed_ends_with_the_weights_of_one_that_never_stopped() {
             .count();
         assert!(kept <= 2, "{kept} checkpoints kept");
         // A finished run is not resumed, and a folder holding a run is not overwritten.
-        assert!(train::resume(&options(&parts, None))
+        assert!(train_run::resume(&options(&parts, None))
             .unwrap_err()
             .to_string()
             .contains("already finished"));
-        assert!(train::start(config, &options(&parts, None))
+        assert!(train_run::start(config, &options(&parts, None))
             .unwrap_err()
             .to_string()
             .contains("--resume"));
@@ -391,7 +391,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
         "kind = \"sinusoidal_concat\"\npos_dim = 6",
         "checkpoint_every = 0",
     );
-    let metrics = finished(train::start(&config, &options(&dir, None)).unwrap());
+    let metrics = finished(train_run::start(&config, &options(&dir, None)).unwrap());
     let loaded = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let again = poslab::saved::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let data = config
@@ -448,7 +448,7 @@ fn saved_models_reload_bit_for_bit_and_corrupt_folders_are_refused() {
     // Weights of another model (a learned table, another token width): every mismatch listed.
     let other = root.path().join("other");
     finished(
-        train::start(
+        train_run::start(
             &train_config(
                 &reviews_task(),
                 "kind = \"learned\"",
@@ -636,7 +636,7 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
         .unwrap()
     };
     let dir = root.path().join("run");
-    let e = train::start(&config("1e30", 0), &options(&dir, None))
+    let e = train_run::start(&config("1e30", 0), &options(&dir, None))
         .unwrap_err()
         .to_string();
     assert!(
@@ -648,13 +648,15 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
     for f in ["train.toml", "inputs.json", "tokenizer.json"] {
         assert!(!dir.join(f).exists(), "{f} left behind");
     }
-    let e = train::resume(&options(&dir, None)).unwrap_err().to_string();
+    let e = train_run::resume(&options(&dir, None))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("holds no started run"), "{e}");
-    finished(train::start(&config("3e-3", 0), &options(&dir, None)).unwrap());
+    finished(train_run::start(&config("3e-3", 0), &options(&dir, None)).unwrap());
 
     // Checkpoints every step, and a rate that takes a few steps to blow up: the run is kept.
     let kept = root.path().join("kept");
-    let e = train::start(&config("1e6", 1), &options(&kept, None))
+    let e = train_run::start(&config("1e6", 1), &options(&kept, None))
         .unwrap_err()
         .to_string();
     assert!(
@@ -668,7 +670,7 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
     // predict does not advise resuming it.
     let why = std::fs::read_to_string(kept.join("stopped.txt")).unwrap();
     assert!(why.contains("the loss became"), "{why}");
-    let e = train::resume(&options(&kept, None))
+    let e = train_run::resume(&options(&kept, None))
         .unwrap_err()
         .to_string();
     assert!(
@@ -691,7 +693,7 @@ fn a_diverging_run_leaves_a_folder_the_fixed_config_can_use() {
     );
     // Without the record, a resume runs again, stops at the same step, and records it again.
     std::fs::remove_file(kept.join("stopped.txt")).unwrap();
-    let again = train::resume(&options(&kept, None))
+    let again = train_run::resume(&options(&kept, None))
         .unwrap_err()
         .to_string();
     assert!(again.contains("stops here every time"), "{again}");

@@ -1,5 +1,5 @@
-//! Self-contained HTML pages: `report.html` of a comparison ([`crate::runs::html`]) and
-//! of an analysis ([`crate::analysis::html`]).
+//! Self-contained HTML pages: `report.html` of a comparison ([`crate::runs::report_page`]) and
+//! of an analysis ([`crate::analysis::page`]).
 //!
 //! A page is its data, embedded as JSON, drawn by an embedded script: the shared pieces
 //! (`chart.js`: elements, ticks, a chart of curves with bands and a hover read-out) and the
@@ -24,9 +24,9 @@ const CHART: &str = include_str!("chart.js");
 /// Which page a script draws, from the data its room builds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Script {
-    /// A comparison's `report.html` (`comparison.js`), from [`crate::runs::html`]'s data.
+    /// A comparison's `report.html` (`comparison.js`), from [`crate::runs::report_page`]'s data.
     Comparison,
-    /// An analysis's `report.html` (`analysis.js`), from [`crate::analysis::html`]'s data.
+    /// An analysis's `report.html` (`analysis.js`), from [`crate::analysis::page`]'s data.
     Analysis,
 }
 

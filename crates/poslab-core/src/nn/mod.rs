@@ -12,9 +12,9 @@
 //! The tests hold every path to the reference, forward and backward.
 
 mod attention;
-mod counts;
 mod dropout;
 mod feed_forward;
+mod gate_counts;
 #[cfg(all(test, feature = "kernels"))]
 mod kernel_checks;
 mod layer_norm;
@@ -36,9 +36,9 @@ pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
     QkScores, SelfAttention,
 };
-pub use counts::{CountParts, GateCounts};
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};
+pub use gate_counts::{CountParts, GateCounts};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
     gelu, gelu_reference, linear, linear_no_bias, linear_with_bias, log_sigmoid,

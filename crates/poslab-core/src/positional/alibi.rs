@@ -28,7 +28,7 @@ impl Named for AlibiScheme {
 
 impl Scheme for AlibiScheme {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
@@ -52,7 +52,7 @@ impl Describe for AlibiScheme {
 }
 
 impl Portray for AlibiScheme {
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Bias(PositionalConfig::Alibi(NoOptions {})))
     }
 }

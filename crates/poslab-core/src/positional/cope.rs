@@ -149,7 +149,7 @@ impl Portray for CopeOptions {
         Some(Measure::Counts)
     }
 
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(
             "cope: its positions are counted by gates the content sets, so they exist only in \
              a trained model: give --run DIR of a cope model"

@@ -93,7 +93,7 @@ impl Named for FireOptions {
 
 impl Scheme for FireOptions {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
@@ -147,7 +147,7 @@ impl Describe for FireOptions {
 
 impl Portray for FireOptions {
     /// Its bias at initialisation at the settings' length and 4x, its threshold theirs.
-    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Interpolation {
             config: PositionalConfig::Fire(Self::threshold(knobs.threshold)),
             title: format!(

@@ -47,7 +47,7 @@ impl Named for FoxScheme {
 
 impl Scheme for FoxScheme {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn check_random_positions(&self, range: usize) -> std::result::Result<(), String> {
@@ -103,7 +103,7 @@ impl Describe for FoxScheme {
 }
 
 impl Portray for FoxScheme {
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(
             "fox: FoX's bias comes from the content (forget gates of each layer's input), so \
              it exists only in a trained model: give --run DIR of a fox model"

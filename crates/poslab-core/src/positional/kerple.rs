@@ -40,7 +40,7 @@ impl Named for KerpleScheme {
 
 impl Scheme for KerpleScheme {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
@@ -75,7 +75,7 @@ impl Describe for KerpleScheme {
 }
 
 impl Portray for KerpleScheme {
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Bias(PositionalConfig::Kerple(NoOptions {})))
     }
 }

@@ -249,9 +249,9 @@ pub enum Placement {
     /// Joined with the token embeddings before the first layer.
     Input,
     /// A rotation of q and k inside every attention layer.
-    Attention,
+    Rotation,
     /// A bias added to the attention scores of every layer.
-    AttentionBias,
+    ScoreBias,
     /// The attention scores themselves, computed from q and k by the scheme in every layer.
     Scores,
 }
@@ -262,8 +262,8 @@ impl Placement {
         match self {
             Self::Nowhere => "nowhere",
             Self::Input => "input",
-            Self::Attention => "attention",
-            Self::AttentionBias => "attention bias",
+            Self::Rotation => "attention",
+            Self::ScoreBias => "attention bias",
             Self::Scores => "attention scores",
         }
     }
@@ -272,7 +272,7 @@ impl Placement {
     /// makes a key bias a real parameter: elsewhere it adds `q_i · b_k` to every score of query
     /// `i`, which softmax cancels.
     pub fn reads_keys(self) -> bool {
-        matches!(self, Self::Attention | Self::Scores)
+        matches!(self, Self::Rotation | Self::Scores)
     }
 }
 

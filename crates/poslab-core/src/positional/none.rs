@@ -51,7 +51,7 @@ impl Describe for NoneScheme {
 }
 
 impl Portray for NoneScheme {
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err("none: the bag-of-words control has no positions to draw".into())
     }
 }

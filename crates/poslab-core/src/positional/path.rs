@@ -175,7 +175,7 @@ impl Portray for PathOptions {
         Some(Measure::Turning)
     }
 
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(
             "path: its transport comes from the content (each token's reflection), so it \
              exists only in a trained model: give --run DIR of a path model"

@@ -155,7 +155,7 @@ impl Portray for PopeOptions {
         Some(Measure::PolarScores)
     }
 
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(
             "pope: its scores depend on q and k and on each head's learned phase δ, so they \
              exist only in a trained model: give --run DIR of a model trained with `pope`"

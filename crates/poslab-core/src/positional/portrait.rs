@@ -1,11 +1,11 @@
 //! What `analyze` draws of a scheme, as each scheme's file states it through the [`Scheme`]
-//! hooks [`Portray::fixed_table`], [`Portray::by_name`], [`Portray::offset_index`] and
+//! hooks [`Portray::fixed_table`], [`Portray::without_model`], [`Portray::offset_index`] and
 //! [`Portray::measure`]. The analysis
 //! (the lab's `analysis`) matches on these kinds of picture, never on a scheme.
 //!
 //! [`Scheme`]: super::Scheme
 //! [`Portray::fixed_table`]: super::Portray::fixed_table
-//! [`Portray::by_name`]: super::Portray::by_name
+//! [`Portray::without_model`]: super::Portray::without_model
 //! [`Portray::offset_index`]: super::Portray::offset_index
 //! [`Portray::measure`]: super::Portray::measure
 

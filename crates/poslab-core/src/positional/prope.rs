@@ -135,7 +135,7 @@ impl Scheme for PropeOptions {
     }
 
     fn placement(&self) -> Placement {
-        Placement::Attention
+        Placement::Rotation
     }
 
     fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
@@ -218,7 +218,7 @@ impl Describe for PropeOptions {
 }
 
 impl Portray for PropeOptions {
-    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         let options = Self {
             base: knobs.base,
             keep: knobs.keep,

@@ -100,7 +100,7 @@ impl Scheme for RopeOptions {
     }
 
     fn placement(&self) -> Placement {
-        Placement::Attention
+        Placement::Rotation
     }
 
     fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
@@ -179,7 +179,7 @@ impl Portray for RopeOptions {
         })
     }
 
-    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Table(FixedTable::Rotation {
             dim: rotary_dim(knobs.dim, knobs.fraction),
             base: knobs.base,

@@ -128,7 +128,7 @@ pub trait Portray: Named {
 
     /// What `analyze SCHEME` draws of the scheme without a model, its options set from the
     /// command's `knobs` where it has them; else why it cannot, and what to give instead.
-    fn by_name(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(format!(
             "{name}: its positions are learned, so they exist only in a trained model: give --run \
              DIR of a model trained with `{name}`",

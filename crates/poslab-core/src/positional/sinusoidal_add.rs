@@ -94,7 +94,7 @@ impl Portray for SinusoidalOptions {
         })
     }
 
-    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Table(knobs.sinusoidal_table()))
     }
 }

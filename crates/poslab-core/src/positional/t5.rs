@@ -53,7 +53,7 @@ impl Named for T5Options {
 
 impl Scheme for T5Options {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
@@ -102,7 +102,7 @@ impl Describe for T5Options {
 
 impl Portray for T5Options {
     /// Its bucket index: the learned values exist only in a trained model.
-    fn by_name(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
+    fn without_model(&self, knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Ok(Portrait::Index(PositionalConfig::T5(Self {
             buckets: knobs.buckets,
             max_distance: knobs.max_distance,

@@ -80,7 +80,7 @@ impl Named for UntiedOptions {
 
 impl Scheme for UntiedOptions {
     fn placement(&self) -> Placement {
-        Placement::AttentionBias
+        Placement::ScoreBias
     }
 
     fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {

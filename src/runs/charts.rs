@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::render::chart::{
     Axis, Chart, Color, Corner, Grid, Key, Legend, Mark, Note, Picture, Series, Ticks,
 };
-use crate::render::plot::draw;
+use crate::render::png::draw;
 
 /// Every plot of `results` into `dir`.
 pub fn draw_all(dir: &Path, results: &Results) -> Result<()> {

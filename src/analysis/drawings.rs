@@ -10,7 +10,7 @@ use crate::render::chart::{
     Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Page, Picture, Series, Ticks,
 };
 use crate::render::csv::{write_matrix_csv, write_rows};
-use crate::render::plot::{draw, heatmap, line_chart};
+use crate::render::png::{draw, heatmap, line_chart};
 
 /// Each (x, y) pair of the table as points on the unit circle, coloured by position; a panel
 /// per pair (eight pairs spread from the fastest to the slowest).
