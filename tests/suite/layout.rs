@@ -567,3 +567,42 @@ fn the_commands_are_thin() {
         + "}\n";
     assert_eq!(long_functions(&body, 80), ["long: 82 lines"]);
 }
+
+/// The `thread_local!` blocks of `code`.
+fn thread_locals(code: &str) -> Vec<&str> {
+    code.match_indices("thread_local!")
+        .map(|(at, _)| {
+            let rest = &code[at..];
+            &rest[..rest.find("\n}").map_or(rest.len(), |e| e + 2)]
+        })
+        .collect()
+}
+
+#[test]
+fn no_thread_local_holds_a_backend_or_a_kernel_choice() {
+    // The backend is a value the model holds and every op is given; what threads keep for
+    // themselves are counters (launches, buffers, one-kernel ops), which choose nothing.
+    let mut choosing = Vec::new();
+    let mut counters = 0;
+    for file in all_sources() {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for block in thread_locals(&text) {
+            counters += 1;
+            if ["Backend", "Kernels", "SimdLevel", "bool", "Option<"]
+                .iter()
+                .any(|t| block.contains(t))
+            {
+                choosing.push(format!("{}: {block}", file.display()));
+            }
+        }
+    }
+    assert!(
+        choosing.is_empty(),
+        "thread-locals that choose: {choosing:?}"
+    );
+    assert!(counters >= 2, "found {counters} thread_local! blocks");
+    // The check reads a block that would choose.
+    let planted = "thread_local! {\n    static IN_FORCE: Cell<Option<Backend>> = None;\n}\n";
+    assert_eq!(thread_locals(planted).len(), 1);
+    assert!(thread_locals(planted)[0].contains("Backend"));
+}

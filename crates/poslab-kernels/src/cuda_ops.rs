@@ -31,7 +31,8 @@ use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 thread_local! {
-    /// Forward passes of these ops on this thread (counters for tests: [`super::cuda_op_calls`]).
+    /// Forward passes of these ops on this thread (a counter for tests: the core's
+    /// `nn::cuda_op_calls`).
     static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
