@@ -197,8 +197,7 @@ impl TaskModel {
     pub fn head_is_one_node(&self) -> bool {
         let (weight, backend) = (self.head.weight(), self.encoder.backend());
         cfg!(feature = "kernels")
-            && backend.path(weight) == crate::nn::Path::Device
-            && backend.whole_layers(weight)
+            && backend.device_layer(weight)
             && matches!(weight.dtype(), DType::F32 | DType::F64)
             && self.head.bias().is_some()
     }

@@ -26,8 +26,6 @@ use rand::SeedableRng;
 
 use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
-#[cfg(feature = "kernels")]
-use crate::nn::Path;
 use crate::nn::{
     key_padding_bias, layer_norm_with_bias, AttentionBias, AttentionInputs, Backend, Dropout,
     LayerNorm, QkScores, Rotary, SharedRng,
@@ -225,12 +223,8 @@ impl Encoder {
     /// walks every token in one thread a column.
     fn embed_tokens(&self, input_ids: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "kernels")]
-        let table = self.tok_emb.embeddings();
-        #[cfg(feature = "kernels")]
-        if self.backend.path(table) == Path::Device
-            && self.backend.whole_layers(table)
-            && input_ids.dtype() == DType::U32
-        {
+        if self.backend.device_layer(self.tok_emb.embeddings()) && input_ids.dtype() == DType::U32 {
+            let table = self.tok_emb.embeddings();
             return Ok(crate::kernels::gpu::lookup::lookup(table, input_ids)?);
         }
         Ok(self.tok_emb.forward(input_ids)?)

@@ -223,6 +223,12 @@ impl Backend {
         self.kernels_on(x.device(), x.dtype()) == Kernels::Layer
     }
 
+    /// Whether `x`'s encoder layers run on the device path (CUDA, or its CPU twin), each as
+    /// one node: where the lookup and the head's loss join that path too.
+    pub fn device_layer(&self, x: &Tensor) -> bool {
+        self.path(x) == Path::Device && self.whole_layers(x)
+    }
+
     /// Whether AdamW updates a variable with gradient `g` on the device path (one multi-tensor
     /// launch for all of them): on CUDA, and on the CPU under [`Backend::as_on_cuda`], unless
     /// the reference compositions are asked for.
