@@ -1,5 +1,5 @@
 //! Every run: controlled comparisons (`poslab compare`: every variant trained on the same data,
-//! seeds and budget) and single training runs (`poslab train`, [`train`]), both through one
+//! seeds and budget) and single training runs (`poslab train`, [`train_run`]), both through one
 //! training [`job`], in crash-safe run folders ([`folder`]).
 //!
 //! An experiment config names the tasks, the shared model shape, the training recipe, the seeds

@@ -54,7 +54,7 @@ impl Encoder {
     /// For an encoder whose positions are joined to the token embeddings (`sinusoidal_add`,
     /// `learned`, `sinusoidal_concat`): per layer, the attention scores and their
     /// content·content, content·position, position·content and position·position terms (see
-    /// [`SelfAttention::score_terms`]), each `(b, h, t, t)`.
+    /// [`crate::nn::SelfAttention::score_terms`]), each `(b, h, t, t)`.
     ///
     /// The residual stream is split as `(h - p) + p`, `p` the positional part of the embedding
     /// ([`crate::positional::InputPositions::split`]: the added vectors, or a concatenation's
