@@ -226,7 +226,7 @@ mod attention {
                     key_padding: &bias,
                     rotary: rotary.as_ref(),
                     score_bias: None,
-                    max_offset: None,
+                    window: poslab::nn::Window::ALL,
                     scores: None,
                 };
                 attn.forward_t(x, inputs, true, backend(path)).unwrap()
@@ -277,6 +277,7 @@ mod encoder_layer {
             embeddings: Default::default(),
             positional,
             layers: None,
+            causal: false,
         };
         let params = ParamStore::new(0);
         let encoder = Encoder::new(&config, params.var_builder(DType::F32, &Device::Cpu))

@@ -272,6 +272,7 @@ pub fn module_by_name(
         n_layers: 1,
         max_len,
         layers: crate::layers::LayerSet::ALL,
+        causal: false,
     };
     let vb = params.var_builder(DType::F64, &Device::Cpu);
     match PositionalModule::new(positional, shape, vb)? {

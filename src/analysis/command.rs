@@ -201,6 +201,16 @@ impl Request {
             rope: subject.wavelengths.is_some(),
         };
         let mut page = analysis::page::Page::new(format!("poslab analyze: {}", subject.label));
+        if subject
+            .loaded
+            .as_ref()
+            .is_some_and(|l| l.config.model.causal)
+        {
+            summary.push_str(
+                "causal model: every query reads the keys at or before it only; what is shown \
+                 for keys after the query (offsets j - i > 0) is never read\n",
+            );
+        }
         match &subject.table {
             Some(table) => {
                 let result = analysis::analyze(table, &options)?;

@@ -172,7 +172,7 @@ pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Off
     let scale = 1.0 / (encoder.config().head_dim() as f64).sqrt();
     let mut curves = Vec::new();
     for (layer, (q, k)) in encoder.queries_keys(ids, mask)?.iter().enumerate() {
-        let Some(tables) = &cope.0[layer] else {
+        let Some(tables) = &cope.layers[layer] else {
             continue;
         };
         let parts = tables.parts(q, k, Some(mask), scale, encoder.backend())?;

@@ -145,16 +145,16 @@ struct RealPairs {
 impl RealPairs {
     /// # Shapes
     /// - `mask`: `(b, t)`, 1 for real tokens
-    fn of(mask: &Tensor, max_offset: Option<usize>) -> Result<Self> {
+    fn of(mask: &Tensor, window: crate::nn::Window) -> Result<Self> {
         let m = mask.to_dtype(DType::F64)?;
         let mut pairs = m
             .unsqueeze(2)?
             .broadcast_mul(&m.unsqueeze(1)?)?
             .unsqueeze(1)?; // (b, 1, t, t)
-        if let Some(w) = max_offset {
-            let t = mask.dim(1)?;
+        let t = mask.dim(1)?;
+        if window.masks_any(t) {
             let inside: Vec<f64> = (0..t * t)
-                .map(|n| f64::from(u8::from((n / t).abs_diff(n % t) <= w)))
+                .map(|n| f64::from(u8::from(!window.hides(n / t, n % t))))
                 .collect();
             let inside = Tensor::from_vec(inside, (1, 1, t, t), mask.device())?;
             pairs = pairs.broadcast_mul(&inside)?;
@@ -184,12 +184,12 @@ pub fn attention_terms(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result
     let mut out = Vec::new();
     for crate::encoder::ScoreTerms {
         layer,
-        max_offset,
+        window,
         scores,
         terms,
     } in layers
     {
-        let real = RealPairs::of(mask, max_offset)?;
+        let real = RealPairs::of(mask, window)?;
         let means: Vec<Vec<f64>> = terms
             .iter()
             .map(|t| real.mean_abs_per_head(t))
@@ -281,7 +281,7 @@ pub fn rotation_terms(
     let mut out = Vec::new();
     for (layer, (rotated, plain)) in encoder.rotation_scores(ids, mask)?.into_iter().enumerate() {
         let spec = encoder.config().layer_spec(layer);
-        let real = RealPairs::of(mask, spec.max_offset())?;
+        let real = RealPairs::of(mask, spec.keys())?;
         let content = real.mean_abs_per_head(&plain)?;
         let rotation = real.mean_abs_per_head(&(rotated - &plain)?)?;
         let plan = spec.describe();

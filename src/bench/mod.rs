@@ -69,6 +69,10 @@ impl Default for Shape {
     }
 }
 
+/// A variant's name with this after it is the same model with a causal mask in every layer
+/// (`sin_add+causal`): measured beside the encoder, it shows what the mask saves.
+pub const CAUSAL_SUFFIX: &str = "+causal";
+
 /// The variants `shared/bench/torch_reference.py` runs, by its names.
 pub const TORCH_VARIANTS: [&str; 5] = [
     "sin_add",
@@ -139,15 +143,18 @@ impl Shape {
         self.variants().into_iter().map(|(n, _)| n).collect()
     }
 
-    /// The positional choice of a variant named as in [`Shape::variants`].
+    /// The positional choice of a variant named as in [`Shape::variants`] (with or without
+    /// [`CAUSAL_SUFFIX`]).
     pub fn positional(&self, variant: &str) -> Result<PositionalConfig> {
+        let variant = variant.strip_suffix(CAUSAL_SUFFIX).unwrap_or(variant);
         self.variants()
             .into_iter()
             .find(|(n, _)| n == variant)
             .map(|(_, p)| p)
             .ok_or_else(|| {
                 Error::Config(format!(
-                    "unknown bench variant `{variant}`: use {}",
+                    "unknown bench variant `{variant}`: use {}, each with or without \
+                     `{CAUSAL_SUFFIX}` (the same model with a causal mask)",
                     self.variant_names().join(", ")
                 ))
             })
@@ -173,7 +180,11 @@ impl Shape {
             dtype: self.dtype,
             ..ModelShape::default()
         };
-        let config = shape.model_config(&Choices::of(&positional), self.vocab, self.seq);
+        let choices = Choices {
+            causal: Some(variant.ends_with(CAUSAL_SUFFIX)),
+            ..Choices::of(&positional)
+        };
+        let config = shape.model_config(&choices, self.vocab, self.seq);
         for (flag, n, what) in [
             ("--batch", self.batch, "sequences per batch"),
             ("--seq", self.seq, "tokens per sequence"),

@@ -402,6 +402,11 @@ fn describe_shape(config: &ModelConfig) -> Result<()> {
         "dropout {} (embeddings, residual branches), {} (attention weights); embed_scale {}, token init std {}",
         config.dropout, config.attention_dropout, config.embed_scale, config.token_init_std
     );
+    if config.causal {
+        outln!(
+            "causal: every query sees the keys at or before it only (a decoder's mask, in every layer)"
+        );
+    }
     if config.dtype.is_half() {
         outln!(
             "activations: {} (mixed precision; weights, positional tables, softmax and LayerNorm statistics in f32)",

@@ -206,6 +206,7 @@ impl HfConfig {
             dtype: Precision::default(),
             random_positions: None,
             layers: None,
+            causal: false,
             embeddings: EmbeddingExtras {
                 token_types: match family {
                     Family::DistilBert => 0,

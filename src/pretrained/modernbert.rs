@@ -259,6 +259,7 @@ pub fn model_config(hf: &HfConfig) -> Result<ModelConfig> {
                 local: local.then(|| base(hf, "sliding_attention")).transpose()?,
             }),
         }),
+        causal: false,
     };
     config.validate()?;
     Ok(config)

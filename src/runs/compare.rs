@@ -267,15 +267,22 @@ fn variant_info(variant: &VariantSpec, model_config: &ModelConfig) -> VariantInf
     VariantInfo {
         name: variant.name.clone(),
         positional: variant.positional.clone(),
-        placement: match variant.random_positions {
-            Some(n) => format!("{}, random {n}", variant.positional.placement()),
-            None => variant.positional.placement().name().into(),
+        placement: {
+            let mut placement = variant.positional.placement().name().to_string();
+            if let Some(n) = variant.random_positions {
+                placement += &format!(", random {n}");
+            }
+            if model_config.causal {
+                placement += ", causal";
+            }
+            placement
         },
         d_model: model_config.d_model,
         token_dim: model_config.token_dim(),
         width: variant.positional.scheme().width(model_config.d_model),
         random_positions: variant.random_positions,
         layers: variant.layers.clone(),
+        causal: model_config.causal,
     }
 }
 

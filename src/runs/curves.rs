@@ -336,6 +336,7 @@ mod tests {
             width: "8".into(),
             random_positions: None,
             layers: None,
+            causal: false,
         };
         let cells = vec![
             cell(

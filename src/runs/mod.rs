@@ -79,6 +79,10 @@ pub struct VariantSpec {
     /// them is a false finding. Default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed_offset: Option<u64>,
+    /// A causal (decoder) mask, if not the `[model]` table's: `causal = true` beside an
+    /// encoder variant of the same scheme asks how it behaves when it sees one side only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub causal: Option<bool>,
 }
 
 impl VariantSpec {
@@ -97,6 +101,7 @@ impl VariantSpec {
             max_len: self.max_len,
             random_positions: self.random_positions,
             layers: self.layers.as_ref(),
+            causal: self.causal,
         }
     }
 }

@@ -158,8 +158,8 @@ pub struct VariantInfo {
     pub name: String,
     /// Its positional scheme, with every option spelled out.
     pub positional: PositionalConfig,
-    /// `nowhere`, `input`, `attention` or `attention bias`, and `, random N` with randomized
-    /// positions drawn from `[0, N)`.
+    /// `nowhere`, `input`, `attention` or `attention bias`, then `, random N` with randomized
+    /// positions drawn from `[0, N)`, and `, causal` in a causal model.
     pub placement: String,
     /// The model width.
     pub d_model: usize,
@@ -173,6 +173,9 @@ pub struct VariantInfo {
     /// What each layer does, if the variant has a `[layers]` plan.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<crate::layers::LayerPlan>,
+    /// Whether the model is causal (a decoder's mask).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub causal: bool,
 }
 
 /// A score, or why there is none.

@@ -1,10 +1,10 @@
 //! The length suite's summary over tasks: each variant's score (Ruoss et al.'s mean accuracy
 //! over every test length above the training lengths), and what randomized positions gain.
 //!
-//! A variant with `random_positions` is paired with the variant of the same scheme, options and
-//! width without them, or failing that with the one variant of the same scheme and width
-//! without them (a scheme whose options follow the range the positions are drawn from: FIRE's
-//! threshold); the gain of a pair is the mean over tasks of the difference of their scores
+//! A variant with `random_positions` is paired with the variant of the same scheme, options,
+//! width and mask (causal or not) without them, or failing that with the one variant of the
+//! same scheme, width and mask without them (a scheme whose options follow the range the
+//! positions are drawn from: FIRE's threshold); the gain of a pair is the mean over tasks of the difference of their scores
 //! (each a mean over seeds), in points.
 
 use super::results::{Results, Stat, SCORE};
@@ -114,6 +114,7 @@ pub fn summarize(results: &Results) -> Option<SuiteSummary> {
         let plain_kin = |p: &&super::results::VariantInfo| {
             p.random_positions.is_none()
                 && p.width == random.width
+                && p.causal == random.causal
                 && p.positional.name() == random.positional.name()
         };
         let exact = results

@@ -130,6 +130,10 @@ pub struct InitConfig {
     /// Activations in `f32` (default), `bf16` or `f16`.
     #[serde(default)]
     pub dtype: Precision,
+    /// Always false: a pretrained encoder was trained seeing both sides, and is refused with
+    /// a causal mask, which would change what every layer computes from its weights.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub causal: bool,
 }
 
 fn d_init_pooling() -> Pooling {
@@ -150,6 +154,15 @@ impl TrainRunConfig {
     fn architecture(&self) -> Result<Architecture<'_>> {
         match (&self.init, &self.model, &self.positional) {
             (Some(init), None, None) => {
+                if init.causal {
+                    return Err(Error::Config(format!(
+                        "init = {{ model = {:?}, causal = true }}: a pretrained encoder learned \
+                         its weights seeing both sides of every token, and a causal mask would \
+                         change what each of its layers computes; fine-tune it without causal, \
+                         or train a causal model of your own ([model] causal = true)",
+                        init.model
+                    )));
+                }
                 let own = [
                     ("max_len", self.max_len.is_some()),
                     ("random_positions", self.random_positions.is_some()),

@@ -116,8 +116,8 @@ fn attention_terms_apply_each_layers_window() {
     };
     let (split, narrow) = terms_of(2);
     let (_, wide) = terms_of(1000);
-    assert_eq!(split[0].max_offset, Some(1));
-    assert_eq!(split[1].max_offset, None);
+    assert_eq!(split[0].window, poslab::nn::Window::new(Some(1), false));
+    assert_eq!(split[1].window, poslab::nn::Window::ALL);
     // Layer 0, head 0, content·content by hand: the mean |term| over real pairs with |i-j| <= 1.
     let cc: Vec<Vec<Vec<Vec<f64>>>> = (0..3)
         .map(|b| split[0].terms[0].get(b).unwrap().to_vec3::<f64>().unwrap())

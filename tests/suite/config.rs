@@ -496,6 +496,7 @@ fn a_models_own_choices_override_the_shape_it_shares() {
         max_len: Some(64),
         random_positions: Some(64),
         layers: Some(&plan),
+        causal: None,
     };
     let config = shape.model_config(&chosen, 50, 32);
     let expected = ModelConfig {

@@ -691,9 +691,9 @@ fn embedding_extras_match_the_reference() {
     }
 }
 
-/// Sliding windows (`[layers]` local entries) in the fused kernels, applied in place, match the
-/// composition's materialised window bias, forward and backward, for a scheme of each place,
-/// with position-free layers among them.
+/// Sliding windows (`[layers]` local entries) and causal masks in the fused kernels, applied
+/// in place, match the composition's materialised window bias, forward and backward, for a
+/// scheme of each place, with position-free layers among them.
 #[test]
 fn local_windows_match_the_reference() {
     use poslab::{LayerKind, LayerPlan};
@@ -705,18 +705,24 @@ fn local_windows_match_the_reference() {
             LayerKind::LocalNone,
         ])
     };
-    for name in ["rope", "alibi", "kerple", "fox", "none"] {
+    for (name, causal) in ["rope", "alibi", "kerple", "fox", "none"]
+        .into_iter()
+        .flat_map(|n| [(n, false), (n, true)])
+    {
         let positional = all_schemes()
             .into_iter()
             .find(|p| p.name() == name)
             .unwrap();
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
             for dropout in [0.0, 0.2] {
+                // Causal too: a local layer's window and the mask together, and the global
+                // layer's products in bands (only the keys at or before each query).
                 let mut config = ModelConfig {
                     n_layers: 3,
                     ..medium_config(positional.clone(), norm)
                 }
-                .with_layer_plan(plan.clone());
+                .with_layer_plan(plan.clone())
+                .with_causal(causal);
                 config.dropout = dropout;
                 config.attention_dropout = dropout;
                 for dtype in [DType::F32, DType::F64] {
@@ -724,7 +730,7 @@ fn local_windows_match_the_reference() {
                     let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
                     for kernels in [Kernels::Ops, Kernels::Layer] {
                         let what = format!(
-                            "{name} {norm:?} dropout {dropout} {dtype:?} {}",
+                            "{name} causal {causal} {norm:?} dropout {dropout} {dtype:?} {}",
                             kernels.name()
                         );
                         let fast = run_encoder(&config, dtype, on(kernels), train);

@@ -3,6 +3,7 @@
 mod analysis;
 mod blocks;
 mod book;
+mod causal;
 mod checkpoint;
 mod cli;
 mod common;

@@ -163,8 +163,9 @@ fn every_encoder_fixture_reproduces_expected_hidden_states() {
     let names = encoder_fixture_names();
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
     // randomized positions; 3 of partial and scaled RoPE; 8 of p-RoPE, FIRE and FoX (2 of them
-    // with randomized positions); 6 of PoPE, CoPE and PaTH.
-    assert_eq!(names.len(), 38, "whole-encoder fixtures: {names:?}");
+    // with randomized positions); 6 of PoPE, CoPE and PaTH; 10 causal forms of the earlier
+    // schemes.
+    assert_eq!(names.len(), 48, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }

@@ -287,6 +287,16 @@ pub struct ModelConfig {
     /// (see [`crate::layers`]). `None`: every layer global with the scheme.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<LayerPlan>,
+    /// A causal (decoder) mask in every layer: query `i` sees no key `j > i` (in token order),
+    /// on top of the padding mask. Default false: an encoder, every query sees both sides.
+    /// Two schemes switch formula under it, to their published causal forms: `t5` takes T5's
+    /// decoder buckets, `fire` the paper's query-normalised inputs.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub causal: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Options of the embedding layer that BERT-family models use and any model may: a table of
@@ -344,6 +354,9 @@ pub enum Pooling {
     Mean,
     /// The first token (a `[CLS]` token is prepended to every input).
     First,
+    /// The last real token: a decoder's readout, the one token that has seen the whole input
+    /// under `causal = true`.
+    Last,
 }
 
 /// The shape the models of a run share: the `[model]` table of an experiment (every variant's)
@@ -390,12 +403,17 @@ pub struct ModelShape {
     /// The LayerNorms' epsilon.
     #[serde(default = "default_layer_norm_eps")]
     pub layer_norm_eps: f64,
-    /// Sentence labels read the mean of real tokens or a prepended `[CLS]` token.
+    /// Sentence labels read the mean of real tokens (`mean`), a prepended `[CLS]` token
+    /// (`first`) or the last real token (`last`, a decoder's readout).
     #[serde(default)]
     pub pooling: Pooling,
     /// Activations in `f32` (default), `bf16` or `f16`: mixed precision, for CUDA.
     #[serde(default)]
     pub dtype: Precision,
+    /// A causal (decoder) mask in every layer (see [`ModelConfig::causal`]); a variant may
+    /// set its own.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub causal: bool,
 }
 
 impl Default for ModelShape {
@@ -416,6 +434,7 @@ impl Default for ModelShape {
             layer_norm_eps: default_layer_norm_eps(),
             pooling: Pooling::default(),
             dtype: Precision::default(),
+            causal: false,
         }
     }
 }
@@ -439,6 +458,8 @@ pub struct Choices<'a> {
     pub random_positions: Option<usize>,
     /// What each layer does; `None`: every layer global with the scheme.
     pub layers: Option<&'a LayerPlan>,
+    /// A causal mask, if not the shape's.
+    pub causal: Option<bool>,
 }
 
 impl<'a> Choices<'a> {
@@ -452,6 +473,7 @@ impl<'a> Choices<'a> {
             max_len: None,
             random_positions: None,
             layers: None,
+            causal: None,
         }
     }
 }
@@ -492,6 +514,7 @@ impl ModelShape {
             embeddings: EmbeddingExtras::default(),
             positional: choices.positional.clone(),
             layers: choices.layers.cloned(),
+            causal: choices.causal.unwrap_or(self.causal),
         }
     }
 }
@@ -562,6 +585,12 @@ impl ModelConfig {
         self.random_positions = Some(range);
         self
     }
+
+    /// A causal (decoder) mask in every layer, or none (an encoder, the default).
+    pub fn with_causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
 }
 
 impl ModelConfig {
@@ -582,6 +611,7 @@ impl ModelConfig {
             n_heads: self.n_heads,
             n_layers: self.n_layers,
             max_len: self.max_len,
+            causal: self.causal,
             layers: self
                 .layers
                 .as_ref()
@@ -591,9 +621,14 @@ impl ModelConfig {
 
     /// What layer `i` does: positions or not, a window, the local base.
     pub fn layer_spec(&self, i: usize) -> LayerSpec {
-        self.layers
+        let spec = self
+            .layers
             .as_ref()
-            .map_or(LayerSpec::GLOBAL, |plan| LayerSpec::of(plan, i))
+            .map_or(LayerSpec::GLOBAL, |plan| LayerSpec::of(plan, i));
+        LayerSpec {
+            causal: self.causal,
+            ..spec
+        }
     }
 
     /// The sizes the limits are checked on, wherever the model computes: its attention tables

@@ -264,6 +264,8 @@ pub struct LayerSpec {
     pub window: Option<usize>,
     /// Whether the layer's rotation uses the local base.
     pub local_base: bool,
+    /// Whether a query sees no key after it (the model's `causal`, in every layer).
+    pub causal: bool,
 }
 
 impl LayerSpec {
@@ -272,6 +274,7 @@ impl LayerSpec {
         positions: true,
         window: None,
         local_base: false,
+        causal: false,
     };
 
     /// How far a query reads: keys at most this far away (`None`: every key).
@@ -279,8 +282,23 @@ impl LayerSpec {
         self.window.map(|w| w / 2)
     }
 
+    /// The keys each query reads: within [`LayerSpec::max_offset`], and none after it when
+    /// causal.
+    pub fn keys(&self) -> crate::nn::Window {
+        crate::nn::Window::new(self.max_offset(), self.causal)
+    }
+
     /// The layer in words, for analyses: `global`, `local, keys within 4`, `no positions`, ...
+    /// (`, causal` after it in a causal model).
     pub fn describe(&self) -> String {
+        let plain = self.describe_keys();
+        match self.causal {
+            true => format!("{plain}, causal"),
+            false => plain,
+        }
+    }
+
+    fn describe_keys(&self) -> String {
         let positions = match self.positions {
             true => "",
             false => "no positions",
@@ -303,6 +321,7 @@ impl LayerSpec {
             positions: kind.has_positions(),
             window: kind.is_local().then_some(plan.local_window).flatten(),
             local_base: kind.is_local(),
+            causal: false,
         }
     }
 }

@@ -68,6 +68,14 @@ impl TaskModel {
         if out == 0 {
             return Err(Error::Config("the head needs at least one class".into()));
         }
+        if model.causal && head.reads_first_token() {
+            return Err(Error::Config(
+                "pooling = \"first\" reads the first token, which under causal = true has \
+                 seen only itself: use pooling = \"last\" (the last real token, which has seen \
+                 the whole input) or \"mean\""
+                    .into(),
+            ));
+        }
         Ok(Self {
             encoder: Encoder::new(model, vb.clone())?,
             head: linear(model.d_model, out, vb.pp("head"))?,
@@ -108,7 +116,7 @@ impl TaskModel {
         &self.config
     }
 
-    /// Mean over real tokens or the first token, as configured.
+    /// Mean over real tokens, the first token or the last real one, as configured.
     ///
     /// # Shapes
     /// - `hidden`: `(b, t, d)`, `mask`: `(b, t)`; returns `(b, d)`
@@ -119,6 +127,18 @@ impl TaskModel {
         };
         Ok(match pooling {
             Pooling::First => hidden.i((.., 0))?,
+            Pooling::Last => {
+                // The last real token of each row: the largest index the mask keeps.
+                let (b, t, d) = hidden.dims3()?;
+                let at = Tensor::arange(0u32, t as u32, hidden.device())?
+                    .broadcast_mul(&mask.to_dtype(DType::U32)?)?
+                    .max(1)?; // (b)
+                let at = at
+                    .reshape((b, 1, 1))?
+                    .broadcast_as((b, 1, d))?
+                    .contiguous()?;
+                hidden.contiguous()?.gather(&at, 1)?.squeeze(1)?
+            }
             Pooling::Mean => {
                 let m = mask.to_dtype(hidden.dtype())?.unsqueeze(2)?; // (b, t, 1)
                 hidden
@@ -193,13 +213,22 @@ impl TaskModel {
     }
 
     /// Whether the head and its loss run as one node ([`TaskModel::head_loss`]): on the device
-    /// path, for a head with a bias and weights of f32 or f64.
+    /// path, for a head with a bias and weights of f32 or f64 that reads every token, their
+    /// mean or the first (the last token's readout runs as ops).
     pub fn head_is_one_node(&self) -> bool {
         let (weight, backend) = (self.head.weight(), self.encoder.backend());
+        let last = matches!(
+            self.config,
+            HeadConfig::Classify {
+                pooling: Pooling::Last,
+                ..
+            }
+        );
         cfg!(feature = "kernels")
             && backend.device_layer(weight)
             && matches!(weight.dtype(), DType::F32 | DType::F64)
             && self.head.bias().is_some()
+            && !last
     }
 
     /// The head's cross-entropy over the encoder's output `hidden` as one node on the device
@@ -232,6 +261,14 @@ impl TaskModel {
                 pooling: Pooling::First,
                 ..
             } => Readout::First,
+            HeadConfig::Classify {
+                pooling: Pooling::Last,
+                ..
+            } => {
+                return Err(Error::Config(
+                    "the last token's readout runs as ops: its loss is not one node".into(),
+                ))
+            }
             HeadConfig::Tag { .. } | HeadConfig::Mlm => Readout::Tokens,
         };
         Ok(head_loss(

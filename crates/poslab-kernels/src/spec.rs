@@ -4,6 +4,86 @@
 
 use candle::{DType, Result, Tensor};
 
+/// The keys each query may see besides padding: at most `before` tokens before it and at most
+/// `after` tokens after it (`None`: no limit on that side). A sliding window of `m` is
+/// `(Some(m), Some(m))`; a causal (decoder) mask is `after = Some(0)`: query `i` sees keys
+/// `j <= i` only. Keys outside get the masked score, so their weights are exactly 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    /// The most tokens before the query a key may be.
+    pub before: Option<usize>,
+    /// The most tokens after the query a key may be.
+    pub after: Option<usize>,
+}
+
+impl Window {
+    /// Every key.
+    pub const ALL: Self = Self {
+        before: None,
+        after: None,
+    };
+
+    /// Keys at most `max_offset` tokens from the query (a local layer; `None`: any), and none
+    /// after it when `causal`.
+    pub fn new(max_offset: Option<usize>, causal: bool) -> Self {
+        Self {
+            before: max_offset,
+            after: if causal { Some(0) } else { max_offset },
+        }
+    }
+
+    /// Whether keys after the query are masked (a causal mask).
+    pub fn causal(&self) -> bool {
+        self.after == Some(0)
+    }
+
+    /// The keys query `i` of `t` may see: `lo..hi`.
+    #[inline]
+    pub fn keys(&self, i: usize, t: usize) -> std::ops::Range<usize> {
+        let lo = self.before.map_or(0, |m| i.saturating_sub(m));
+        let hi = self
+            .after
+            .map_or(t, |m| i.saturating_add(m).saturating_add(1).min(t));
+        lo..hi.max(lo)
+    }
+
+    /// Whether key `j` is outside query `i`'s window.
+    #[inline]
+    pub fn hides(&self, i: usize, j: usize) -> bool {
+        match j > i {
+            true => self.after.is_some_and(|m| j - i > m),
+            false => self.before.is_some_and(|m| i - j > m),
+        }
+    }
+
+    /// The keys any query of `rows` may see: the union of their [`Window::keys`].
+    pub fn keys_of(&self, rows: std::ops::Range<usize>, t: usize) -> std::ops::Range<usize> {
+        match rows.is_empty() {
+            true => 0..0,
+            false => self.keys(rows.start, t).start..self.keys(rows.end - 1, t).end,
+        }
+    }
+
+    /// The queries that may see any key of `keys`: those within `after` before them to
+    /// `before` after them.
+    pub fn queries_of(&self, keys: std::ops::Range<usize>, t: usize) -> std::ops::Range<usize> {
+        if keys.is_empty() {
+            return 0..0;
+        }
+        let lo = self.after.map_or(0, |m| keys.start.saturating_sub(m));
+        let hi = self.before.map_or(t, |m| {
+            (keys.end - 1).saturating_add(m).saturating_add(1).min(t)
+        });
+        lo..hi.max(lo)
+    }
+
+    /// Whether it hides any key of a sequence of `t` tokens.
+    pub fn masks_any(&self, t: usize) -> bool {
+        let limit = t.saturating_sub(1);
+        self.before.is_some_and(|m| m < limit) || self.after.is_some_and(|m| m < limit)
+    }
+}
+
 /// The feed-forward nonlinearity of a fused layer (GeGLU layers run as ops).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Act {

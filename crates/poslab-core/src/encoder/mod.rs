@@ -449,10 +449,10 @@ impl Encoder {
         i: usize,
     ) -> (AttentionInputs<'a>, Option<OwnBias<'a>>) {
         let spec = self.layers[i].spec;
-        let max_offset = spec.max_offset();
+        let window = spec.keys();
         if !spec.positions {
             let inputs = AttentionInputs {
-                max_offset,
+                window,
                 ..AttentionInputs::padding(padding)
             };
             return (inputs, None);
@@ -469,7 +469,7 @@ impl Encoder {
                 .as_ref()
                 .and_then(|b| b.layer(i))
                 .map(AttentionBias::Table),
-            max_offset,
+            window,
             scores: placed.scores.get(i).and_then(Option::as_deref),
         };
         let own = match (&self.positional, &placed.biases) {

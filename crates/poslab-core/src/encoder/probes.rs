@@ -15,8 +15,8 @@ use super::{Encoder, EncoderLayer};
 pub struct ScoreTerms {
     /// The layer.
     pub layer: usize,
-    /// The layer's window: a query reads only keys at most this far away (`None`: every key).
-    pub max_offset: Option<usize>,
+    /// The keys each query reads (a local layer's window, a causal mask).
+    pub window: crate::nn::Window,
     /// The scores, `(b, h, t, t)`.
     pub scores: Tensor,
     /// content·content, content·position, position·content, position·position, each like
@@ -126,7 +126,7 @@ impl Encoder {
             };
             out.push(ScoreTerms {
                 layer: i,
-                max_offset: inputs.max_offset,
+                window: inputs.window,
                 scores: split.0,
                 terms: split.1,
             });

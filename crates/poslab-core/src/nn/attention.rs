@@ -9,24 +9,25 @@ use candle_nn::VarBuilder;
 use super::Path;
 use super::{linear_with_bias, masked_softmax, Backend, Dropout, Linear, Rotary, MASKED_SCORE};
 
-pub use crate::kernels::spec::key_padding_bias;
+pub use crate::kernels::spec::{key_padding_bias, Window};
 
-/// The additive bias of a sliding window: 0 where `|i - j| <= max_offset`, a large negative
-/// score beyond; `None` when the window holds all `t` keys of every query (nothing to mask).
+/// The additive bias of a [`Window`] (a sliding window, a causal mask): 0 for the keys a query
+/// may see, a large negative score for the others; `None` when every query sees all `t` keys
+/// (nothing to mask).
 ///
 /// # Shapes
 /// - returns `(1, 1, t, t)` in `dtype`
 pub fn window_bias(
     t: usize,
-    max_offset: usize,
+    window: Window,
     dtype: DType,
     device: &candle::Device,
 ) -> Result<Option<Tensor>> {
-    if max_offset + 1 >= t {
+    if !window.masks_any(t) {
         return Ok(None);
     }
     let values: Vec<f64> = (0..t * t)
-        .map(|n| match (n / t).abs_diff(n % t) > max_offset {
+        .map(|n| match window.hides(n / t, n % t) {
             true => MASKED_SCORE,
             false => 0.0,
         })
@@ -197,9 +198,9 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
 /// S = scale · rot(q) rot(k)ᵀ + score_bias + window;   P = softmax(S + key_padding)
 /// ```
 ///
-/// `window` is a large negative score for keys more than `max_offset` from the query (a local
-/// layer), 0 otherwise; the fused kernels apply it in place, the composition as a
-/// [`window_bias`].
+/// `window` is a large negative score for keys outside the query's [`Window`] (more than
+/// `max_offset` from it in a local layer, after it in a causal model), 0 otherwise; the fused
+/// kernels apply it in place, the composition as a [`window_bias`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionInputs<'a> {
     /// `(b, t)` from [`key_padding_bias`].
@@ -208,8 +209,8 @@ pub struct AttentionInputs<'a> {
     pub rotary: Option<&'a Rotary>,
     /// Added to the scaled scores.
     pub score_bias: Option<AttentionBias<'a>>,
-    /// A sliding window: keys more than this many tokens from the query get no weight.
-    pub max_offset: Option<usize>,
+    /// The keys each query may see (a sliding window, a causal mask): others get no weight.
+    pub window: Window,
     /// Scores the scheme computes from q and k itself, in place of `scale · q kᵀ`.
     pub scores: Option<&'a dyn QkScores>,
 }
@@ -221,7 +222,7 @@ impl<'a> AttentionInputs<'a> {
             key_padding,
             rotary: None,
             score_bias: None,
-            max_offset: None,
+            window: Window::ALL,
             scores: None,
         }
     }
@@ -467,8 +468,10 @@ impl SelfAttention {
         let mut k = heads(self.k.forward(xs, backend)?)?;
         let v = heads(self.v.forward(xs, backend)?)?;
         if let Some(rotary) = inputs.rotary {
-            q = rotary.apply(&q, backend)?;
-            k = rotary.apply(&k, backend)?;
+            // A partial rotation joins its parts along the head: contiguous again, so that a
+            // one-token input (strides candle's matmul refuses) multiplies like any other.
+            q = rotary.apply(&q, backend)?.contiguous()?;
+            k = rotary.apply(&k, backend)?.contiguous()?;
         }
         let scores = match inputs.scores {
             // (b, h, t, t) in the scheme's dtype: the softmax runs in it, as for a bias.
@@ -478,11 +481,8 @@ impl SelfAttention {
 
         // The window after the score bias, as the fused kernels add them.
         let window = |s: Tensor| -> Result<Tensor> {
-            match inputs.max_offset {
-                Some(m) => match window_bias(t, m, s.dtype(), xs.device())? {
-                    Some(w) => s.broadcast_add(&w), // (1, 1, t, t)
-                    None => Ok(s),
-                },
+            match window_bias(t, inputs.window, s.dtype(), xs.device())? {
+                Some(w) => s.broadcast_add(&w), // (1, 1, t, t)
                 None => Ok(s),
             }
         };
@@ -516,7 +516,7 @@ impl SelfAttention {
             inputs.key_padding,
             inputs.rotary.map(Rotary::spec),
             inputs.score_bias.as_ref().map(AttentionBias::owned),
-            inputs.max_offset,
+            inputs.window,
             backend.simd,
         )
         .with_polar(

@@ -34,7 +34,7 @@ pub use crate::kernels::{
 };
 pub use attention::{
     key_padding_bias, window_bias, AttentionBias, AttentionInputs, ForgetGates, LayerBias,
-    QkScores, SelfAttention,
+    QkScores, SelfAttention, Window,
 };
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};

@@ -20,8 +20,10 @@
 //! the right is told from one three counts to the left. The tables `[npos, d_head]` are shared
 //! by a layer's heads and start at zero (the paper's, RAM's and x-transformers' init). A count
 //! reaches at most the sequence's length, so `npos` past the longest test length buys nothing;
-//! counts past `npos - 1` read its last row. Reference: `reference_2025_schemes.py`, fixtures
-//! `encoder_cope_pre`, `encoder_cope_npos6_post`.
+//! counts past `npos - 1` read its last row. Under a causal mask (`causal = true`) no key after
+//! the query is seen, and the right table is zeros, not a variable. Reference:
+//! `reference_2025_schemes.py`, fixtures `encoder_cope_pre`, `encoder_cope_npos6_post`, and
+//! `reference_2026_schemes.py`'s `encoder_causal_cope_pre`.
 //!
 //! The scores are [`GateCounts`] of q and k. Cost: in the composition
 //! ([`GateCounts::parts`], the specification) the counts are two running sums over the keys of
@@ -101,7 +103,8 @@ impl Scheme for CopeOptions {
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
-        2 * (self.npos * shape.head_dim()) as u128 * shape.layers.count(shape.n_layers) as u128
+        let tables = if shape.causal { 1 } else { 2 };
+        tables * (self.npos * shape.head_dim()) as u128 * shape.layers.count(shape.n_layers) as u128
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -113,15 +116,26 @@ impl Scheme for CopeOptions {
                     .contains(i)
                     .then(|| -> candle::Result<_> {
                         let vb = vb.pp(format!("layers.{i}.attn.cope"));
+                        // Under a causal mask no key after the query is ever seen: the right
+                        // table is zeros, not a variable (it could never learn).
+                        let right = match shape.causal {
+                            true => Tensor::zeros((self.npos, hd), vb.dtype(), vb.device())?,
+                            false => {
+                                vb.get_with_hints((self.npos, hd), "right", Init::Const(0.0))?
+                            }
+                        };
                         Ok(CopeTables {
                             left: vb.get_with_hints((self.npos, hd), "left", Init::Const(0.0))?,
-                            right: vb.get_with_hints((self.npos, hd), "right", Init::Const(0.0))?,
+                            right,
                         })
                     })
                     .transpose()
             })
             .collect::<candle::Result<_>>()?;
-        Ok(PositionalModule::Scores(ScoreFunction::new(Cope(layers))))
+        Ok(PositionalModule::Scores(ScoreFunction::new(Cope {
+            layers,
+            causal: shape.causal,
+        })))
     }
 }
 
@@ -129,8 +143,11 @@ impl Describe for CopeOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention scores: content + q . E[p], p the count of gates sigmoid(q . k / sqrt(d)) \
-             between key and query, E a left and a right table of {} x {} per layer (start at \
-             zero); no position ids",
+             between key and query, E {} of {} x {} per layer (start at zero); no position ids",
+            match shape.causal {
+                true => "a left table (causal)",
+                false => "a left and a right table",
+            },
             self.npos,
             shape.head_dim()
         )
@@ -221,16 +238,22 @@ impl CopeTables {
     }
 }
 
-/// Every layer's tables; `None` for a layer without positions.
+/// Every layer's tables (`None` for a layer without positions), and whether the model is
+/// causal (its right tables are then zeros that no query reads, not variables).
 #[derive(Clone, Debug)]
-pub struct Cope(pub Vec<Option<CopeTables>>);
+pub struct Cope {
+    /// Each layer's tables.
+    pub layers: Vec<Option<CopeTables>>,
+    /// Whether keys after the query are masked.
+    pub causal: bool,
+}
 
 impl ScoreModule for Cope {
     fn batch_scores<'a>(
         &'a self,
         batch: &BiasBatch,
     ) -> Result<Vec<Option<Box<dyn QkScores + 'a>>>> {
-        self.0
+        self.layers
             .iter()
             .map(|layer| {
                 layer
@@ -244,7 +267,7 @@ impl ScoreModule for Cope {
     }
 
     fn notes(&self) -> Result<Vec<String>> {
-        self.0
+        self.layers
             .iter()
             .enumerate()
             .map(|(l, t)| {
@@ -258,23 +281,31 @@ impl ScoreModule for Cope {
                         .sqrt()?
                         .to_vec1::<f64>()?)
                 };
-                let (left, right) = (norms(&t.left)?, norms(&t.right)?);
                 let show = |v: &[f64]| super::list(&v[..v.len().min(8)]);
-                Ok(format!(
-                    "layer {l}: row norms of the left table [{}], of the right table [{}] \
-                     (first 8 counts)",
-                    show(&left),
-                    show(&right)
-                ))
+                let left = show(&norms(&t.left)?);
+                Ok(match self.causal {
+                    true => format!(
+                        "layer {l}: row norms of the left table [{left}] (first 8 counts); no \
+                         right table: keys after the query are masked (causal)"
+                    ),
+                    false => format!(
+                        "layer {l}: row norms of the left table [{left}], of the right table \
+                         [{}] (first 8 counts)",
+                        show(&norms(&t.right)?)
+                    ),
+                })
             })
             .collect()
     }
 
     fn parameters(&self) -> Vec<Tensor> {
-        self.0
+        self.layers
             .iter()
             .flatten()
-            .flat_map(|t| [t.left.clone(), t.right.clone()])
+            .flat_map(|t| {
+                let right = (!self.causal).then(|| t.right.clone());
+                std::iter::once(t.left.clone()).chain(right)
+            })
             .collect()
     }
 

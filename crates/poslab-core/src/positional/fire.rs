@@ -26,6 +26,16 @@
 //! `l_multiplier` at 1, as in the paper. `threshold` (default 512, as in the public
 //! implementations) is the length below which inputs are not stretched: set it to the training
 //! length, so that sequences up to it keep their raw scale and longer ones are interpolated.
+//!
+//! In a causal model (`causal = true`) FIRE takes the paper's own form, which masking the
+//! encoder's would not give: for keys at or before the query,
+//!
+//! ```text
+//! x = psi(p_i - p_j) / (psi(max(L, p_i)) + 1e-6)                                  in [0, 1]
+//! ```
+//!
+//! unsigned, and normalised by the query's position (keys after it read `x = 0`, and are
+//! masked).
 
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor};
@@ -127,19 +137,20 @@ impl Scheme for FireOptions {
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(Fire::new(
-            self,
-            shape.n_heads,
-            vb.pp("fire"),
-        )?)))
+        let fire = Fire::new(self, shape.n_heads, vb.pp("fire"))?.with_causal(shape.causal);
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(fire)))
     }
 }
 
 impl Describe for FireOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
+        let input = match shape.causal {
+            true => "ln(|c| (i - j) + 1) / ln(|c| max(L, i) + 1) (causal)",
+            false => "sign(j - i) ln(|c| |j - i| + 1) / ln(|c| max(L, span) + 1)",
+        };
         format!(
-            "attention bias: an MLP (1 -> {} -> {} heads) of sign(j - i) ln(|c| |j - i| + 1) / \
-             ln(|c| max(L, span) + 1), L = |l_multiplier| x {} (threshold), shared by all layers",
+            "attention bias: an MLP (1 -> {} -> {} heads) of {input}, L = |l_multiplier| x {} \
+             (threshold), shared by all layers",
             self.width, shape.n_heads, self.threshold
         )
     }
@@ -180,6 +191,9 @@ pub struct Fire {
     /// `(1)`
     l_multiplier: Tensor,
     threshold: f64,
+    /// The paper's causal inputs (normalised by the query's position) in place of the
+    /// encoder's.
+    causal: bool,
 }
 
 impl Fire {
@@ -194,7 +208,14 @@ impl Fire {
             c: vb.get_with_hints(1, "c", Init::Const(0.1))?,
             l_multiplier: vb.get_with_hints(1, "l_multiplier", Init::Const(1.0))?,
             threshold: options.threshold,
+            causal: false,
         })
+    }
+
+    /// The same module with the paper's causal inputs (normalised by the query's position)
+    /// when `causal`, the encoder's otherwise.
+    pub fn with_causal(self, causal: bool) -> Self {
+        Self { causal, ..self }
     }
 
     /// The interpolation threshold `L`.
@@ -235,6 +256,9 @@ impl Fire {
             )));
         }
         let row_of = |k: usize| positions.row(if r == 1 { 0 } else { k });
+        if self.causal {
+            return self.distinct_causal_inputs(batch, r);
+        }
         // Each sequence's span over its real tokens.
         let spans: Vec<u32> = real
             .iter()
@@ -273,6 +297,52 @@ impl Fire {
                 }
             }
         }
+        let x = self.normalised(batch, sign, distance, span)?;
+        Ok(DistinctInputs { x, index, rows, t })
+    }
+
+    /// The causal inputs of a batch whose positions have `r` rows: they depend on the query's
+    /// position and its distance to the key only (not on the padding), so one block per row of
+    /// positions.
+    fn distinct_causal_inputs(&self, batch: &BiasBatch, r: usize) -> Result<DistinctInputs> {
+        let t = batch.positions.len();
+        let mut distinct: std::collections::HashMap<(u32, u32), u32> = Default::default();
+        let (mut distance, mut reach) = (Vec::new(), Vec::new());
+        let mut index = Vec::with_capacity(r * t * t);
+        for k in 0..r {
+            let p = batch.positions.row(k);
+            for &query in p {
+                for &key in p {
+                    let d = query.saturating_sub(key);
+                    let next = distinct.len() as u32;
+                    let u = *distinct.entry((query, d)).or_insert_with(|| {
+                        distance.push(f64::from(d));
+                        reach.push(f64::from(query));
+                        next
+                    });
+                    index.push(u);
+                }
+            }
+        }
+        let sign = vec![1.0; distance.len()];
+        let x = self.normalised(batch, sign, distance, reach)?;
+        Ok(DistinctInputs {
+            x,
+            index,
+            rows: r,
+            t,
+        })
+    }
+
+    /// `sign · psi(distance) / (psi(max(L, reach)) + 1e-6)` of each distinct input, `(u)`:
+    /// `reach` the span (encoder) or the query's position (causal).
+    fn normalised(
+        &self,
+        batch: &BiasBatch,
+        sign: Vec<f64>,
+        distance: Vec<f64>,
+        span: Vec<f64>,
+    ) -> Result<Tensor> {
         let (dtype, device) = (batch.dtype, batch.device);
         let host = |v: Vec<f64>| -> Result<Tensor> {
             let len = v.len();
@@ -293,8 +363,7 @@ impl Fire {
         let longer = host(longer)?;
         let reach = (host(span)?.mul(&longer)? + longer.affine(-1.0, 1.0)?.broadcast_mul(&l)?)?;
         let norm = (psi(&reach)? + 1e-6)?;
-        let x = host(sign)?.mul(&psi(&host(distance)?)?)?.div(&norm)?; // (u)
-        Ok(DistinctInputs { x, index, rows, t })
+        Ok(host(sign)?.mul(&psi(&host(distance)?)?)?.div(&norm)?) // (u)
     }
 
     /// The MLP's inputs for every query-key pair.
@@ -318,7 +387,7 @@ impl Fire {
         let hidden = self.mlp1.forward(&x.reshape((u, 1))?, batch.backend)?; // (u, width)
         let out = self.mlp2.forward(&hidden.relu()?, batch.backend)?; // (u, h)
         let h = out.dim(1)?;
-        if batch.positions.as_range().is_some() {
+        if batch.positions.as_range().is_some() && !self.causal {
             // Shared positions `start..start + t`: each row's input is a function of the offset,
             // and the bias is built from its 2t - 1 offsets (its gradient a sum per diagonal,
             // where a gather's is a nearly serial index_add on CUDA). Offset j - i is the pair
@@ -377,9 +446,14 @@ impl BiasModule for Fire {
         let (c, l) = self.scalars()?;
         Ok(vec![format!(
             "|c| = {c:.4}, |l_multiplier| = {l:.4}: L = {:.1} (threshold {}); inputs are \
-             stretched over max(L, span)",
+             stretched over max(L, {})",
             l * self.threshold,
-            self.threshold
+            self.threshold,
+            if self.causal {
+                "the query's position"
+            } else {
+                "span"
+            }
         )])
     }
 

@@ -73,7 +73,7 @@ pub use scores::{ScoreFunction, ScoreModule};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
 pub use sinusoidal_add::SinusoidalOptions;
 pub use sinusoidal_concat::ConcatOptions;
-pub use t5::{t5_bucket, T5Bias, T5Options};
+pub use t5::{t5_bucket, t5_bucket_causal, T5Bias, T5Options};
 pub use table::{PositionTable, MAX_TABLE_VALUES};
 pub use untied::{Untied, UntiedOptions, UntiedRows, UntiedSource};
 
@@ -420,6 +420,7 @@ impl PositionalConfig {
             n_layers: 1,
             max_len: 1,
             layers: crate::layers::LayerSet::ALL,
+            causal: false,
         })
     }
 

@@ -26,6 +26,9 @@ pub struct SchemeShape {
     /// The layers that apply the scheme (all but a plan's `none` entries): a scheme with
     /// parameters per layer makes them for these only.
     pub layers: LayerSet,
+    /// Whether every query sees no key after it (the model's `causal`): a scheme whose
+    /// published causal form is not its masked encoder form builds that form.
+    pub causal: bool,
 }
 
 impl SchemeShape {

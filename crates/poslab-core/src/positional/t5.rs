@@ -1,8 +1,11 @@
-//! T5's relative-position buckets (Raffel et al. 2020), bidirectional as in T5's encoder.
+//! T5's relative-position buckets (Raffel et al. 2020), bidirectional as in T5's encoder, and
+//! T5's decoder buckets in a causal model.
 //!
 //! Every layer adds `rel_bias.weight[bucket(p_j - p_i), h]` to its scores: one learned
 //! `(buckets, heads)` table shared by all layers, indexed by the bucket of the key's position
-//! minus the query's.
+//! minus the query's. An encoder splits the buckets between the two sides ([`t5_bucket`]); a
+//! causal model gives them all to the keys before the query ([`t5_bucket_causal`]), as T5's
+//! decoder does: masking the encoder's buckets would leave half of them unused.
 
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{Tensor, D};
@@ -56,7 +59,26 @@ impl Scheme for T5Options {
         Placement::ScoreBias
     }
 
-    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+    fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        if shape.causal {
+            // The decoder's buckets: all on the left, exact below buckets / 2.
+            if self.buckets < 2 {
+                return Err(format!(
+                    "t5: buckets = {} must be at least 2 (exact buckets for the nearest \
+                     distances, then logarithmic ones); 32 is T5's",
+                    self.buckets
+                ));
+            }
+            let max_exact = self.buckets / 2;
+            if self.max_distance <= max_exact {
+                return Err(format!(
+                    "t5: max_distance = {} must be above {max_exact} (buckets / 2, the distances \
+                     that get a bucket each in a causal model); 128 is T5's",
+                    self.max_distance
+                ));
+            }
+            return Ok(());
+        }
         if self.buckets < 4 {
             return Err(format!(
                 "t5: buckets = {} must be at least 4 (half the buckets for each side, and exact \
@@ -80,13 +102,16 @@ impl Scheme for T5Options {
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(T5Bias::new(
+        let bias = T5Bias::new(
             self.buckets,
             self.max_distance,
             shape.n_heads,
             shape.d_model,
             vb.pp("rel_bias"),
-        )?)))
+        )?;
+        Ok(PositionalModule::ScoreBias(ScoreBias::new(
+            bias.with_causal(shape.causal),
+        )))
     }
 }
 
@@ -94,8 +119,11 @@ impl Describe for T5Options {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention bias: a learned ({} buckets x {} heads) table shared by all layers, by \
-             T5's bucket of j - i (max_distance {})",
-            self.buckets, shape.n_heads, self.max_distance
+             T5's {}bucket of j - i (max_distance {})",
+            self.buckets,
+            shape.n_heads,
+            if shape.causal { "decoder " } else { "" },
+            self.max_distance
         )
     }
 }
@@ -166,12 +194,38 @@ pub fn t5_bucket(rel: i64, buckets: usize, max_distance: usize) -> usize {
     side + large.min(half - 1)
 }
 
+/// T5's decoder bucket (`bidirectional=False`) of `rel = key position - query position`.
+///
+/// Every bucket serves keys at or before the query: with `n = max(-rel, 0)`,
+///
+/// ```text
+/// bucket = n                                                               if n < max_exact
+///          min(buckets - 1, max_exact + ⌊ln(n / max_exact) / ln(max_distance / max_exact)
+///                                        · (buckets - max_exact)⌋)        else
+/// ```
+///
+/// with `max_exact = buckets / 2`, the logarithm in f32 as transformers compute it. Keys after
+/// the query fall in bucket 0 (a causal mask hides them).
+pub fn t5_bucket_causal(rel: i64, buckets: usize, max_distance: usize) -> usize {
+    let n = (-rel).max(0) as usize;
+    let max_exact = buckets / 2;
+    if n < max_exact {
+        return n;
+    }
+    let ratio = (n.max(1) as f32 / max_exact as f32).ln();
+    let span = (max_distance as f64 / max_exact as f64).ln() as f32;
+    let large = (ratio / span * (buckets - max_exact) as f32) as usize + max_exact;
+    large.min(buckets - 1)
+}
+
 /// The T5 bias: a learned `(buckets, heads)` table, `rel_bias.weight`.
 #[derive(Clone, Debug)]
 pub struct T5Bias {
     table: Tensor,
     buckets: usize,
     max_distance: usize,
+    /// The decoder's buckets ([`t5_bucket_causal`]) in place of the encoder's.
+    causal: bool,
 }
 
 impl T5Bias {
@@ -195,7 +249,21 @@ impl T5Bias {
             table,
             buckets,
             max_distance,
+            causal: false,
         })
+    }
+
+    /// The same bias with the decoder's buckets ([`t5_bucket_causal`]) when `causal`.
+    pub fn with_causal(self, causal: bool) -> Self {
+        Self { causal, ..self }
+    }
+
+    /// The bucket of `rel = key position - query position`, the encoder's or the decoder's.
+    pub fn bucket(&self, rel: i64) -> usize {
+        match self.causal {
+            true => t5_bucket_causal(rel, self.buckets, self.max_distance),
+            false => t5_bucket(rel, self.buckets, self.max_distance),
+        }
     }
 
     /// `(buckets, heads)`
@@ -222,7 +290,7 @@ impl T5Bias {
             // Shared positions `start..start + t`: the bucket is a function of the offset, and
             // the bias is built from the 2t - 1 offsets' rows (its gradient a sum per diagonal).
             let ids: Vec<u32> = (-(t as i64 - 1)..t as i64)
-                .map(|rel| t5_bucket(rel, self.buckets, self.max_distance) as u32)
+                .map(|rel| self.bucket(rel) as u32)
                 .collect();
             let ids = Tensor::from_vec(ids, 2 * t - 1, self.table.device())?;
             let v = self.table.index_select(&ids, 0)?.t()?.unsqueeze(0)?; // (1, h, 2t - 1)
@@ -232,13 +300,10 @@ impl T5Bias {
         for row in 0..r {
             let p = positions.row(row);
             for &query in p {
-                idx.extend(p.iter().map(|&key| {
-                    t5_bucket(
-                        i64::from(key) - i64::from(query),
-                        self.buckets,
-                        self.max_distance,
-                    ) as u32
-                }));
+                idx.extend(
+                    p.iter()
+                        .map(|&key| self.bucket(i64::from(key) - i64::from(query)) as u32),
+                );
             }
         }
         let idx = Tensor::from_vec(idx, r * t * t, self.table.device())?;
@@ -259,12 +324,21 @@ impl BiasModule for T5Bias {
     }
 
     fn notes(&self) -> Result<Vec<String>> {
-        Ok(vec![format!(
-            "{} buckets (max_distance {}): exact offsets up to ±{}, then logarithmic buckets",
-            self.buckets,
-            self.max_distance,
-            self.buckets / 4 - 1
-        )])
+        Ok(vec![match self.causal {
+            true => format!(
+                "{} decoder buckets (max_distance {}): exact offsets up to -{}, then \
+                 logarithmic buckets, all on the left",
+                self.buckets,
+                self.max_distance,
+                self.buckets / 2 - 1
+            ),
+            false => format!(
+                "{} buckets (max_distance {}): exact offsets up to ±{}, then logarithmic buckets",
+                self.buckets,
+                self.max_distance,
+                self.buckets / 4 - 1
+            ),
+        }])
     }
 
     fn parameters(&self) -> Vec<Tensor> {
@@ -289,5 +363,15 @@ mod tests {
         assert_eq!(t5_bucket(-8, 32, 128), 8);
         assert_eq!(t5_bucket(-1000, 32, 128), 15);
         assert_eq!(t5_bucket(1000, 32, 128), 31);
+    }
+
+    #[test]
+    fn decoder_buckets_by_hand() {
+        // 32 buckets, max 128: exact below 16, every bucket on the left, keys after in 0.
+        assert_eq!(t5_bucket_causal(0, 32, 128), 0);
+        assert_eq!(t5_bucket_causal(-15, 32, 128), 15);
+        assert_eq!(t5_bucket_causal(-16, 32, 128), 16);
+        assert_eq!(t5_bucket_causal(-1000, 32, 128), 31);
+        assert_eq!(t5_bucket_causal(5, 32, 128), 0);
     }
 }

@@ -56,12 +56,16 @@ use rayon::prelude::*;
 
 use super::differences::sided_grad;
 use super::linear::{by_dtype, gemm_sums_in_order, matmul};
-use super::softmax::{softmax_grad_rows, softmax_rows};
+use super::softmax::{
+    causal_softmax_grad_rows, causal_softmax_rows, softmax_grad_rows, softmax_rows,
+};
 use super::{
     assume_written, batch_sum, best_rate, contiguous, sigmoid, timing_operand, uninit, written,
     zeros, Real, Rotation, SimdLevel,
 };
-use crate::spec::{CountTables, LayerBias, PolarTables, Reflected, RopeTables, MASKED_SCORE};
+use crate::spec::{
+    CountTables, LayerBias, PolarTables, Reflected, RopeTables, Window, MASKED_SCORE,
+};
 use std::mem::MaybeUninit;
 
 /// The attention core's fixed inputs: everything but `qkv`, the dropout mask and (as an op
@@ -78,8 +82,9 @@ pub struct Attention {
     /// Added to the scaled scores: a `(r, h, t, t)` table (`r` 1, shared by the batch, or `b`),
     /// or `(2, b, h, t)` running sums whose two-sided differences are the bias.
     score_bias: Option<LayerBias>,
-    /// A sliding window: keys further than this from the query get the masked score.
-    max_offset: Option<usize>,
+    /// The keys each query may see (a sliding window, a causal mask): the others get the
+    /// masked score.
+    window: Window,
     /// Scores of q and k in polar form: the phases' `(r, 1, t, d_head)` tables, and the keys'
     /// phase offsets `(h, d_head)` (differentiable, in the op-input slot of a score bias, which
     /// such an attention has none of).
@@ -140,7 +145,7 @@ struct Fixed<T> {
     /// Whether the bias is given as running sums.
     sided: bool,
     scale: T,
-    max_offset: Option<usize>,
+    window: Window,
     /// Polar scores' host tables.
     polar: Option<PolarFixed<T>>,
     /// Gate-counted scores' host tables.
@@ -473,14 +478,13 @@ fn add_bias_body<T: Real>(s: &mut [T], bias: &[T]) {
 }
 simd_dispatch!(fn add_bias = add_bias_body(s: &mut [T], bias: &[T]));
 
-/// Adds the masked score to every score of a `(t, t)` block whose key is more than `max_offset`
-/// from its query (row `i`, columns `j` with `|i - j| > max_offset`): a sliding window, with
-/// no `(t, t)` mask kept anywhere. The masked weights are exactly 0 after the softmax, so their
-/// gradients are too.
-fn mask_outside_window<T: Real>(s: &mut [T], t: usize, max_offset: usize) {
+/// Adds the masked score to every score of a `(t, t)` block whose key is outside its query's
+/// `window` (a sliding window, a causal mask), with no `(t, t)` mask kept anywhere. The masked
+/// weights are exactly 0 after the softmax, so their gradients are too.
+fn mask_outside_window<T: Real>(s: &mut [T], t: usize, window: Window) {
     let masked = T::lit(MASKED_SCORE);
     for (i, row) in s.chunks_exact_mut(t).enumerate() {
-        let (lo, hi) = (i.saturating_sub(max_offset), (i + max_offset + 1).min(t));
+        let std::ops::Range { start: lo, end: hi } = window.keys(i, t);
         let (before, rest) = row.split_at_mut(lo);
         let after = &mut rest[hi - lo..];
         for v in before.iter_mut().chain(after) {
@@ -538,6 +542,18 @@ enum Scores {
 }
 
 impl<T: Real> Fixed<T> {
+    /// Whether the head products run in bands ([`banded_scores`], [`banded_sums`]): plain
+    /// `q kᵀ` scores under a causal mask without a window, whose weights are then exactly 0
+    /// after the query (every query sees itself and the real keys before it). Under a window
+    /// a padded query far from the real tokens sees only padding, and its weights then spread
+    /// over every key, as the composition's do: such layers are not banded.
+    fn banded(&self, n: Dims) -> bool {
+        self.scores() == Scores::Products
+            && self.window.causal()
+            && self.window.before.is_none()
+            && n.t > 1
+    }
+
     /// Where the scores come from (one kind at most: [`Attention::dims_of`] checks it).
     fn scores(&self) -> Scores {
         match (&self.polar, &self.counts, &self.transport) {
@@ -650,6 +666,19 @@ impl<T: Real> Scratch<T> {
         match fixed.transport_head((n, bi, hd), (&self.q, &self.k)) {
             // A transport's scores: the keys carried to each query.
             Some(head) => transport::forward(fixed.simd, head, &mut self.s, &mut self.carried),
+            // SAFETY: s is t x t; the heads are valid t x dh operands.
+            None if fixed.banded(n) => unsafe {
+                banded_scores(
+                    (n.t, fixed.qk_width(n)),
+                    scores,
+                    n.t,
+                    heads.q,
+                    heads.k.t(),
+                    fixed.scale,
+                    fixed.window,
+                    (fixed.simd, &mut self.pack),
+                )
+            },
             // SAFETY: s and a are t x t; the heads are valid t x dh operands.
             None => unsafe {
                 product(
@@ -690,16 +719,18 @@ impl<T: Real> Scratch<T> {
             Some(HeadBias::Sided { f, g }) => add_sided(fixed.simd, &mut self.s, f, g),
             None => {}
         }
-        if let Some(m) = fixed.max_offset {
-            mask_outside_window(&mut self.s, n.t, m);
+        let key_bias = &fixed.key_bias[bi * n.t..(bi + 1) * n.t];
+        // SAFETY: the softmax writes values only.
+        let into = into.unwrap_or_else(|| unsafe { uninit(&mut self.p) });
+        if fixed.banded(n) {
+            // Banded: the scores after each query were never computed, and are never read.
+            causal_softmax_rows(fixed.simd, &self.s, key_bias, into);
+            return;
         }
-        softmax_rows(
-            fixed.simd,
-            &self.s,
-            &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
-            // SAFETY: the softmax writes values only.
-            into.unwrap_or_else(|| unsafe { uninit(&mut self.p) }),
-        );
+        if fixed.window.masks_any(n.t) {
+            mask_outside_window(&mut self.s, n.t, fixed.window);
+        }
+        softmax_rows(fixed.simd, &self.s, key_bias, into);
     }
 }
 
@@ -727,6 +758,105 @@ impl<T> View<T> {
             ptr: self.ptr,
             rs: self.cs,
             cs: self.rs,
+        }
+    }
+
+    /// The operand from row `r`, column `c` on.
+    ///
+    /// # Safety
+    /// The element at `(r, c)` must lie within the operand's allocation.
+    unsafe fn from(self, r: usize, c: usize) -> Self {
+        Self {
+            // SAFETY: per the contract.
+            ptr: unsafe { self.ptr.offset(r as isize * self.rs + c as isize * self.cs) },
+            ..self
+        }
+    }
+}
+
+/// Rows of queries a banded product takes at a time: each block multiplies only the keys its
+/// queries see (a causal mask's lower triangle, a window's band).
+const BAND_ROWS: usize = 64;
+
+/// The row blocks of `t` queries, each with the keys (`keys = true`) or, for a transposed
+/// product whose rows are keys, the queries (`false`) that `window` pairs with it.
+fn bands(
+    window: Window,
+    t: usize,
+    keys: bool,
+) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
+    (0..t).step_by(BAND_ROWS).map(move |r0| {
+        let rows = r0..(r0 + BAND_ROWS).min(t);
+        let with = match keys {
+            true => window.keys_of(rows.clone(), t),
+            false => window.queries_of(rows.clone(), t),
+        };
+        (rows, with)
+    })
+}
+
+/// `dst (t x t) = scale · lhs (t x k) · rhs (k x t)` where only the (query, key) pairs `window`
+/// lets through are wanted: each block of rows gets the columns of its keys, and the others
+/// are left as they were (the caller masks them).
+///
+/// # Safety
+/// As [`product`]'s, for the whole `t x t` product.
+#[allow(clippy::too_many_arguments)]
+unsafe fn banded_scores<T: Real>(
+    (t, k): (usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: View<T>,
+    scale: T,
+    window: Window,
+    (simd, pack): (SimdLevel, &mut [T]),
+) {
+    for (rows, keys) in bands(window, t, true) {
+        // SAFETY: per the contract; each block stays within the t x t product.
+        unsafe {
+            product(
+                (rows.len(), keys.len(), k),
+                dst.add(rows.start * dst_rs + keys.start),
+                dst_rs,
+                lhs.from(rows.start, 0),
+                rhs.from(0, keys.start),
+                scale,
+                Some((simd, &mut *pack)),
+            )
+        }
+    }
+}
+
+/// `dst (t x n) = scale · lhs (t x t) · rhs (t x n)`, `lhs` zero outside the pairs `window`
+/// lets through: each block of rows sums over only its band of `lhs`'s columns. `lhs` is
+/// weights by (query, key) when `keys`, or their transpose (rows of keys) when not.
+///
+/// # Safety
+/// As [`product`]'s, for the whole product.
+#[allow(clippy::too_many_arguments)]
+unsafe fn banded_sums<T: Real>(
+    (t, n): (usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: View<T>,
+    rhs: View<T>,
+    scale: T,
+    (window, keys): (Window, bool),
+    (simd, pack): (SimdLevel, &mut [T]),
+) {
+    for (rows, depth) in bands(window, t, keys) {
+        // SAFETY: per the contract; each block stays within the product.
+        unsafe {
+            product(
+                (rows.len(), n, depth.len()),
+                dst.add(rows.start * dst_rs),
+                dst_rs,
+                lhs.from(rows.start, depth.start),
+                rhs.from(depth.start, 0),
+                scale,
+                Some((simd, &mut *pack)),
+            )
         }
     }
 }
@@ -1002,7 +1132,7 @@ impl Attention {
         key_bias: &Tensor,
         rope: Option<RopeTables>,
         score_bias: Option<LayerBias>,
-        max_offset: Option<usize>,
+        window: Window,
         simd: SimdLevel,
     ) -> Self {
         Self {
@@ -1011,7 +1141,7 @@ impl Attention {
             key_bias: key_bias.clone(),
             rope: rope.map(|r| (r.cos, r.sin, r.interleaved)),
             score_bias,
-            max_offset,
+            window,
             polar: None,
             counts: None,
             transport: None,
@@ -1125,9 +1255,9 @@ impl Attention {
 
     /// What the device path needs of this attention besides tensors' memory: the scale, the
     /// window, whether the score bias is given as running sums, and its rows (1 or b).
-    pub(super) fn device_shape(&self) -> (f64, Option<usize>, Option<(bool, usize)>) {
+    pub(super) fn device_shape(&self) -> (f64, Window, Option<(bool, usize)>) {
         let bias = self.bias_tensor().map(|b| (self.sided(), b.dims()[0]));
-        (self.scale, self.max_offset, bias)
+        (self.scale, self.window, bias)
     }
 
     /// The key bias `(b, t)` and the rotary tables `(cos, sin, interleaved)`.
@@ -1341,7 +1471,7 @@ impl Attention {
             bias_rows,
             sided: self.sided(),
             scale: T::lit(self.scale),
-            max_offset: self.max_offset,
+            window: self.window,
             simd: self.simd,
         })
     }
@@ -1461,17 +1591,21 @@ impl Attention {
                 }
                 // SAFETY: out (b, t, d) gets rows t x dh of this (batch, head) block, which no
                 // other task writes; p is t x t, v a t x dh operand.
-                unsafe {
-                    product(
-                        (n.t, n.dh, n.t),
-                        dst.ptr().add(bi * n.t * n.d + hd * n.dh),
-                        n.d,
-                        View::rows(p.as_ptr(), n.t),
-                        heads.v,
-                        T::one(),
-                        Some((fixed.simd, &mut w.pack)),
-                    )
-                };
+                let out = unsafe { dst.ptr().add(bi * n.t * n.d + hd * n.dh) };
+                let p = View::rows(p.as_ptr(), n.t);
+                match fixed.banded(n) {
+                    // SAFETY: as above; p is 0 outside the window's band.
+                    true => unsafe {
+                        let band = (fixed.window, true);
+                        let pack = (fixed.simd, &mut w.pack[..]);
+                        banded_sums((n.t, n.dh), out, n.d, p, heads.v, T::one(), band, pack)
+                    },
+                    // SAFETY: as above.
+                    false => unsafe {
+                        let pack = Some((fixed.simd, &mut w.pack[..]));
+                        product((n.t, n.dh, n.t), out, n.d, p, heads.v, T::one(), pack)
+                    },
+                }
             };
         let run = |dst: *mut T, probs: Option<*mut T>| {
             let (dst, probs) = (Shared(dst), probs.map(Shared));
@@ -1574,33 +1708,57 @@ impl Attention {
                     let one = T::one();
                     // SAFETY (all products): the scratch buffers and views have the shapes named;
                     // the destination blocks of dqkv (b, t, 3d) belong to this (batch, head) alone.
+                    // Under a causal mask or a window, only each band's pairs (P is 0 outside).
+                    let band = fixed.banded(n).then_some(fixed.window);
                     unsafe {
                         // dv = (P ⊙ M)ᵀ dout; dP = dout vᵀ
-                        product(
-                            (n.t, n.dh, n.t),
-                            dst.ptr().add(block + 2 * n.d),
-                            row,
-                            View::rows(pm.as_ptr(), n.t).t(),
-                            dout,
-                            one,
-                            Some((fixed.simd, &mut w.pack)),
-                        );
-                        product(
-                            (n.t, n.t, n.dh),
-                            w.dp.as_mut_ptr(),
-                            n.t,
-                            dout,
-                            heads.v.t(),
-                            one,
-                            Some((fixed.simd, &mut w.pack)),
-                        );
+                        if let Some(window) = band {
+                            let pmt = View::rows(pm.as_ptr(), n.t).t();
+                            let dv = dst.ptr().add(block + 2 * n.d);
+                            let pack = (fixed.simd, &mut w.pack[..]);
+                            banded_sums(
+                                (n.t, n.dh),
+                                dv,
+                                row,
+                                pmt,
+                                dout,
+                                one,
+                                (window, false),
+                                pack,
+                            );
+                            let pack = (fixed.simd, &mut w.pack[..]);
+                            let (dp, v) = (w.dp.as_mut_ptr(), heads.v.t());
+                            banded_scores((n.t, n.dh), dp, n.t, dout, v, one, window, pack);
+                        } else {
+                            product(
+                                (n.t, n.dh, n.t),
+                                dst.ptr().add(block + 2 * n.d),
+                                row,
+                                View::rows(pm.as_ptr(), n.t).t(),
+                                dout,
+                                one,
+                                Some((fixed.simd, &mut w.pack)),
+                            );
+                            product(
+                                (n.t, n.t, n.dh),
+                                w.dp.as_mut_ptr(),
+                                n.t,
+                                dout,
+                                heads.v.t(),
+                                one,
+                                Some((fixed.simd, &mut w.pack)),
+                            );
+                        }
                     }
                     if let Some(m) = m {
                         for (dp, mi) in w.dp.iter_mut().zip(m) {
                             *dp *= *mi;
                         }
                     }
-                    softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds);
+                    match band {
+                        Some(_) => causal_softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds),
+                        None => softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds),
+                    }
                     if let Some(c) = &fixed.counts {
                         // dS of the scores a + z into da, in place, and dR of the rows'
                         // table products.
@@ -1719,10 +1877,22 @@ impl Attention {
                             None => (dst.ptr().add(block), dst.ptr().add(block + n.d), row),
                             Some(_) => (w.dq.as_mut_ptr(), w.dk.as_mut_ptr(), n.dh),
                         };
-                        let pack = Some((simd, &mut w.pack[..]));
-                        product(dims, dq_at, rs, ds, heads.k, fixed.scale, pack);
-                        let pack = Some((simd, &mut w.pack[..]));
-                        product(dims, dk_at, rs, ds.t(), heads.q, fixed.scale, pack);
+                        match band {
+                            Some(window) => {
+                                let (td, c) = ((n.t, n.dh), fixed.scale);
+                                let pack = (simd, &mut w.pack[..]);
+                                banded_sums(td, dq_at, rs, ds, heads.k, c, (window, true), pack);
+                                let (dst, dst_t) = ((window, false), ds.t());
+                                let pack = (simd, &mut w.pack[..]);
+                                banded_sums(td, dk_at, rs, dst_t, heads.q, c, dst, pack);
+                            }
+                            None => {
+                                let pack = Some((simd, &mut w.pack[..]));
+                                product(dims, dq_at, rs, ds, heads.k, fixed.scale, pack);
+                                let pack = Some((simd, &mut w.pack[..]));
+                                product(dims, dk_at, rs, ds.t(), heads.q, fixed.scale, pack);
+                            }
+                        }
                         if let Some(back) = back {
                             scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
                             scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
@@ -2040,7 +2210,7 @@ mod tests {
             let table = super::super::sided_differences(&f, &g, simd).unwrap();
             LayerBias::Table(table.reshape((b, h, t, t)).unwrap())
         };
-        let op = Attention::new(h, 0.5, &key_bias, None, Some(bias), None, simd);
+        let op = Attention::new(h, 0.5, &key_bias, None, Some(bias), Window::ALL, simd);
         let out = attention(qkv.as_tensor(), op, None).unwrap();
         let r = tensor(b * t * d, 13, &[b, t, d]);
         let grads = (&out * &r).unwrap().sum_all().unwrap().backward().unwrap();
@@ -2095,7 +2265,7 @@ mod tests {
                 &key_bias,
                 rotary,
                 Some(LayerBias::Table(bias.as_tensor().clone())),
-                None,
+                Window::ALL,
                 SimdLevel::detected(),
             )
         };
@@ -2110,8 +2280,15 @@ mod tests {
                 let transport = crate::spec::Reflected {
                     reflections: Tensor::cat(&[w.as_tensor(), &beta], 3).unwrap(),
                 };
-                let plain =
-                    Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
+                let plain = Attention::new(
+                    h,
+                    0.35,
+                    &key_bias,
+                    None,
+                    None,
+                    Window::ALL,
+                    SimdLevel::detected(),
+                );
                 Attention {
                     simd: level,
                     ..plain.with_transport(Some(transport))
@@ -2125,8 +2302,15 @@ mod tests {
                     tables: Tensor::cat(&[left.as_tensor(), right.as_tensor()], 0).unwrap(),
                     mask: Some(padding.clone()),
                 };
-                let plain =
-                    Attention::new(h, 0.35, &key_bias, None, None, None, SimdLevel::detected());
+                let plain = Attention::new(
+                    h,
+                    0.35,
+                    &key_bias,
+                    None,
+                    None,
+                    Window::ALL,
+                    SimdLevel::detected(),
+                );
                 Attention {
                     simd: level,
                     ..plain.with_counts(Some(counts))
@@ -2192,7 +2376,15 @@ mod tests {
     fn weights_are_kept_below_the_allocators_mapping_threshold() {
         use candle::{DType, Device};
         let key_bias = Tensor::zeros((64, 128), DType::F32, &Device::Cpu).unwrap();
-        let op = Attention::new(8, 0.35, &key_bias, None, None, None, SimdLevel::detected());
+        let op = Attention::new(
+            8,
+            0.35,
+            &key_bias,
+            None,
+            None,
+            Window::ALL,
+            SimdLevel::detected(),
+        );
         // 64 x 8 x 128 x 128 f32 values are 32 MiB exactly: recomputed. One head fewer is kept.
         let n = op.dims_of(64, 128, 3 * 64).unwrap();
         assert!(!op.keeps_weights::<f32>(n));

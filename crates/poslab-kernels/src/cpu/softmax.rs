@@ -57,6 +57,26 @@ fn softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
 }
 simd_dispatch!(pub(super) fn softmax_rows = softmax_body(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]));
 
+/// [`softmax_rows`] of `(t, t)` blocks of scores under a causal mask: row `i` of a block over
+/// its first `i + 1` keys, exactly 0 after them (the keys the mask hides, whose scores are never
+/// read), so the masked half of the exponentials is skipped.
+#[inline(always)]
+fn causal_softmax_body<T: Real>(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]) {
+    let t = bias.len();
+    if t == 0 {
+        return;
+    }
+    for (i, (xr, yr)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
+        let seen = i % t + 1;
+        let (kept, hidden) = yr.split_at_mut(seen);
+        softmax_block::<T, 1>(&xr[..seen], &bias[..seen], kept);
+        for o in hidden {
+            o.write(T::zero());
+        }
+    }
+}
+simd_dispatch!(pub(super) fn causal_softmax_rows = causal_softmax_body(x: &[T], bias: &[T], y: &mut [MaybeUninit<T>]));
+
 /// `dx = y (g - sum(g y))` for `R` rows of `t`.
 #[inline(always)]
 fn softmax_grad_block<T: Real, const R: usize>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
@@ -98,6 +118,27 @@ fn softmax_grad_body<T: Real>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
     }
 }
 simd_dispatch!(pub(super) fn softmax_grad_rows = softmax_grad_body(y: &[T], g: &[T], t: usize, dx: &mut [T]));
+
+/// [`softmax_grad_rows`] of the weights of [`causal_softmax_rows`]: row `i` of a `(t, t)` block
+/// over its first `i + 1` keys, 0 after them (where the weights are 0).
+#[inline(always)]
+fn causal_softmax_grad_body<T: Real>(y: &[T], g: &[T], t: usize, dx: &mut [T]) {
+    if t == 0 {
+        return;
+    }
+    for (i, ((o, yr), gr)) in dx
+        .chunks_exact_mut(t)
+        .zip(y.chunks_exact(t))
+        .zip(g.chunks_exact(t))
+        .enumerate()
+    {
+        let seen = i % t + 1;
+        let (kept, hidden) = o.split_at_mut(seen);
+        softmax_grad_block::<T, 1>(&yr[..seen], &gr[..seen], seen, kept);
+        hidden.fill(T::zero());
+    }
+}
+simd_dispatch!(pub(super) fn causal_softmax_grad_rows = causal_softmax_grad_body(y: &[T], g: &[T], t: usize, dx: &mut [T]));
 
 /// `softmax(scores + bias)` over the last axis, `scores` `(b, h, t, t)`, `bias` `(b, t)` added
 /// to every row of batch element `b`.

@@ -583,17 +583,21 @@ impl Stream for CudaStream {
             m.holds(n.scores(), dt, "the attention dropout mask")?;
             pm.holds(n.scores(), dt, "the dropped weights")?;
         }
-        let window = match s.window {
-            Some(w) => int(w.min(n.t), "a window")?,
-            None => -1,
+        // Each side's reach, -1 for none.
+        let reach = |side: Option<usize>, what| match side {
+            Some(w) => int(w.min(n.t), what),
+            None => Ok(-1),
         };
+        let before = reach(s.window.before, "a window")?;
+        let after = reach(s.window.after, "a window")?;
         let args = [
             Arg::Ptr(s.sp.addr),
             Arg::Ptr(s.key_bias.addr),
             Arg::I32(kind),
             Arg::Ptr(ptr(bias)),
             Arg::I32(int(rows, "a bias's rows")?),
-            Arg::I32(window),
+            Arg::I32(before),
+            Arg::I32(after),
             Arg::Ptr(ptr(s.dropout.map(|d| d.0))),
             Arg::Ptr(ptr(s.dropout.map(|d| d.1))),
             Arg::I32(int(n.b, "a batch")?),

@@ -351,11 +351,12 @@ template <typename S> __device__ void transpose12(const S* x, S* out, i64 A, i64
         transpose12_at<S, i64>(x, out, A, B, Cn, D);
 }
 
-// The score of key j in row (bi, hd, i): scores plus bias, window and key bias.
+// The score of key j in row (bi, hd, i): scores plus bias, window and key bias. The window
+// hides keys more than `before` tokens before the query or `after` after it (-1: no limit).
 template <typename S>
 __device__ typename E<S>::C biased(const S* row, int j, int i, int bi, int hd, int h, int t,
                                    const typename E<S>::C* key_bias, int bias_kind,
-                                   const typename E<S>::C* bias, int bias_rows, int window,
+                                   const typename E<S>::C* bias, int bias_rows, int before, int after,
                                    i64 half) {
     typedef typename E<S>::C C;
     C v = E<S>::get(row[j]);
@@ -366,7 +367,7 @@ __device__ typename E<S>::C biased(const S* row, int j, int i, int bi, int hd, i
         const i64 at = ((i64)bi * h + hd) * t;
         v += j <= i ? bias[at + i] - bias[at + j] : bias[half + at + j] - bias[half + at + i];
     }
-    if (window >= 0 && (j > i ? j - i : i - j) > window) v += (C)MASKED;
+    if (j > i ? (after >= 0 && j - i > after) : (before >= 0 && i - j > before)) v += (C)MASKED;
     return v + key_bias[(i64)bi * t + j];
 }
 
@@ -374,7 +375,7 @@ __device__ typename E<S>::C biased(const S* row, int j, int i, int bi, int hd, i
 // bias_kind: 0 none, 1 a (bias_rows, h, t, t) table, 2 running sums (2, b, h, t).
 template <typename S>
 __device__ void softmax(S* sp, const typename E<S>::C* key_bias, int bias_kind,
-                        const typename E<S>::C* bias, int bias_rows, int window, const S* mask,
+                        const typename E<S>::C* bias, int bias_rows, int before, int after, const S* mask,
                         S* pm, int b, int h, int t) {
     typedef typename E<S>::C C;
     __shared__ C red[32];
@@ -387,14 +388,14 @@ __device__ void softmax(S* sp, const typename E<S>::C* key_bias, int bias_kind,
     const i64 half = (i64)b * h * t;
     C m = neg_inf<C>();
     for (int j = threadIdx.x; j < t; j += blockDim.x)
-        m = mx(m, biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half));
+        m = mx(m, biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, before, after, half));
     m = block_max(m, red);
     C s = 0;
     for (int j = threadIdx.x; j < t; j += blockDim.x)
-        s += ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half) - m);
+        s += ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, before, after, half) - m);
     s = block_sum(s, red);  // (its barriers order every read of the row before the writes below)
     for (int j = threadIdx.x; j < t; j += blockDim.x) {
-        const C e = ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window, half) - m);
+        const C e = ex(biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, before, after, half) - m);
         const S p = E<S>::put(e / s);
         if (mask) pm[r * t + j] = E<S>::put(E<S>::get(p) * E<S>::get(mask[r * t + j]));
         row[j] = p;
@@ -408,7 +409,7 @@ __device__ void softmax(S* sp, const typename E<S>::C* key_bias, int bias_kind,
 #define ROW_VALUES 32
 template <typename S>
 __device__ void softmax_rows(S* sp, const typename E<S>::C* key_bias, int bias_kind,
-                             const typename E<S>::C* bias, int bias_rows, int window,
+                             const typename E<S>::C* bias, int bias_rows, int before, int after,
                              const S* mask, S* pm, int b, int h, int t) {
     typedef typename E<S>::C C;
     const int lane = threadIdx.x & 31;
@@ -424,7 +425,7 @@ __device__ void softmax_rows(S* sp, const typename E<S>::C* key_bias, int bias_k
 #pragma unroll
     for (int k = 0; k < ROW_VALUES; ++k) {
         const int j = lane + 32 * k;
-        v[k] = j < t ? biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, window,
+        v[k] = j < t ? biased(row, j, i, bi, hd, h, t, key_bias, bias_kind, bias, bias_rows, before, after,
                               half)
                      : neg_inf<C>();
         m = mx(m, v[k]);
@@ -770,14 +771,14 @@ __device__ void xent_back(S* logits, const typename E<S>::C* lse, const unsigned
         transpose12<S>(x, out, a, b, c, d);                                                        \
     }                                                                                              \
     extern "C" __global__ void softmax_##N(S* sp, const E<S>::C* key_bias, int bias_kind,         \
-                                           const E<S>::C* bias, int bias_rows, int window,         \
+                                           const E<S>::C* bias, int bias_rows, int before, int after,         \
                                            const S* mask, S* pm, int b, int h, int t) {            \
-        softmax<S>(sp, key_bias, bias_kind, bias, bias_rows, window, mask, pm, b, h, t);           \
+        softmax<S>(sp, key_bias, bias_kind, bias, bias_rows, before, after, mask, pm, b, h, t);           \
     }                                                                                              \
     extern "C" __global__ void softmax_rows_##N(S* sp, const E<S>::C* key_bias, int bias_kind,    \
-                                                const E<S>::C* bias, int bias_rows, int window,    \
+                                                const E<S>::C* bias, int bias_rows, int before, int after,    \
                                                 const S* mask, S* pm, int b, int h, int t) {       \
-        softmax_rows<S>(sp, key_bias, bias_kind, bias, bias_rows, window, mask, pm, b, h, t);      \
+        softmax_rows<S>(sp, key_bias, bias_kind, bias, bias_rows, before, after, mask, pm, b, h, t);      \
     }                                                                                              \
     extern "C" __global__ void softmax_back_rows_##N(const S* p, S* dp, const S* mask, i64 rows,  \
                                                      int t) {                                      \

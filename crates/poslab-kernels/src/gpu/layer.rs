@@ -75,7 +75,8 @@ pub struct Fixed {
     pub bias: ScoreBias,
     /// Whether the score bias is owed a gradient.
     pub bias_grad: bool,
-    pub window: Option<usize>,
+    /// The keys each query may see.
+    pub window: Window,
     pub masks: Masks,
 }
 

@@ -40,6 +40,8 @@ use std::cell::Cell;
 
 use candle::{CpuStorage, DType, Result};
 
+pub(crate) use crate::spec::Window;
+
 pub use super::spec::Act;
 
 /// A span of device memory: where it starts, how many values of which dtype it holds.
@@ -316,8 +318,8 @@ pub struct Softmax {
     /// `(b, t)` in the compute dtype: 0 for real keys, a large negative score for padding
     pub key_bias: Mem,
     pub bias: ScoreBias,
-    /// Keys further than this from the query get the masked score.
-    pub window: Option<usize>,
+    /// Keys outside each query's window get the masked score.
+    pub window: Window,
     /// The dropout multipliers `(b, h, t, t)` and where `P ⊙ M` goes.
     pub dropout: Option<(Mem, Mem)>,
 }

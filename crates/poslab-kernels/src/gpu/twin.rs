@@ -978,9 +978,9 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
                 }
             }
         }
-        if let Some(w) = s.window {
+        if s.window.masks_any(t) {
             for (j, x) in v.iter_mut().enumerate() {
-                if i.abs_diff(j) > w {
+                if s.window.hides(i, j) {
                     *x += masked;
                 }
             }

@@ -4,7 +4,7 @@ use candle::Tensor;
 
 use crate::kernels::cpu::{attention, Attention};
 use crate::kernels::{Real, SimdLevel};
-use crate::nn::{GateCounts, Polar, Transport};
+use crate::nn::{GateCounts, Polar, Transport, Window};
 
 /// Values in [-1, 1) from a fixed linear congruential sequence.
 fn values<T: Real>(len: usize, seed: u64) -> Vec<T> {
@@ -37,7 +37,7 @@ fn own_scores_attention(
     dtype: candle::DType,
     fused: bool,
     (b, t, h, dh): (usize, usize, usize, usize),
-    (own, window, dropout): (Own, Option<usize>, bool),
+    (own, window, dropout): (Own, Window, bool),
     backend: crate::nn::Backend,
 ) -> [Vec<f64>; 3] {
     use candle::{Var, D};
@@ -134,9 +134,7 @@ fn own_scores_attention(
             (_, _, Some(transport)) => transport.scores(&q, &k, scale).unwrap(),
             _ => unreachable!("a form is drawn"),
         };
-        if let Some(w) =
-            window.and_then(|m| crate::nn::window_bias(t, m, dtype, &candle::Device::Cpu).unwrap())
-        {
+        if let Some(w) = crate::nn::window_bias(t, window, dtype, &candle::Device::Cpu).unwrap() {
             s = s.broadcast_add(&w).unwrap();
         }
         let mut p = crate::nn::masked_softmax(&s, &key_bias, backend).unwrap();
@@ -177,7 +175,7 @@ fn own_scores_attention(
 }
 
 /// A case of [`own_scores_attention`]: `(b, t, h, d_head)`, the scores, a window, dropout.
-type OwnCase = ((usize, usize, usize, usize), Own, Option<usize>, bool);
+type OwnCase = ((usize, usize, usize, usize), Own, Window, bool);
 
 /// Each result of the fused attention within each dtype's `tol` of the composition's,
 /// relative to the largest value of each, and none all zero: every case at every
@@ -219,15 +217,17 @@ fn assert_own_scores_match(
 #[test]
 fn polar_scores_match_their_composition_forward_and_backward() {
     // Softplus magnitudes both sides of 0, keys' phase offsets across [-2 pi, 0], padded
-    // keys, tables shared by the batch or per row, a window, dropout; every instruction set
+    // keys, tables shared by the batch or per row, a window, a causal mask, dropout; every instruction set
     // level, f32 and f64. Relative to the largest value of each result.
     let polar = |rows| Own::Polar { rows };
     assert_own_scores_match(
         [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)],
         &[
-            ((2, 9, 2, 4), polar(1), None, false),
-            ((3, 13, 3, 8), polar(3), Some(4), false),
-            ((2, 33, 2, 16), polar(2), None, true),
+            ((2, 9, 2, 4), polar(1), Window::ALL, false),
+            ((3, 13, 3, 8), polar(3), Window::new(Some(4), false), false),
+            ((2, 33, 2, 16), polar(2), Window::ALL, true),
+            ((2, 17, 2, 8), polar(2), Window::new(None, true), true),
+            ((3, 13, 3, 8), polar(1), Window::new(Some(3), true), false),
         ],
         ["output", "d(qkv)", "d(offsets)"],
     );
@@ -236,7 +236,7 @@ fn polar_scores_match_their_composition_forward_and_backward() {
 #[test]
 fn transported_scores_match_their_composition_forward_and_backward() {
     // Strengths across [0, 2) (reflections, projections at 1) and across [0, 1.2); padded
-    // keys, a window, dropout; lengths that are not powers of two (the composition pads its
+    // keys, a window, a causal mask, dropout; lengths that are not powers of two (the composition pads its
     // inverses); every instruction set level, f32 and f64; heads 4 and 8 wide (the walk both
     // ways), 16 and 20 (the walk forward, blocks backward) and 32 (blocks both ways, over two
     // whole blocks and a short one). Relative to the largest value of each result: the
@@ -245,11 +245,38 @@ fn transported_scores_match_their_composition_forward_and_backward() {
     assert_own_scores_match(
         [(candle::DType::F64, 1e-11), (candle::DType::F32, 5e-5)],
         &[
-            ((2, 9, 2, 4), carried(2.0, 1.0), None, false),
-            ((3, 13, 3, 8), carried(1.2, 0.35), Some(4), false),
-            ((2, 33, 2, 16), carried(2.0, 0.25), None, true),
-            ((1, 40, 2, 20), carried(1.9, 0.2), Some(7), true),
-            ((2, 37, 2, 32), carried(2.0, 0.18), Some(9), true),
+            ((2, 9, 2, 4), carried(2.0, 1.0), Window::ALL, false),
+            (
+                (3, 13, 3, 8),
+                carried(1.2, 0.35),
+                Window::new(Some(4), false),
+                false,
+            ),
+            ((2, 33, 2, 16), carried(2.0, 0.25), Window::ALL, true),
+            (
+                (1, 40, 2, 20),
+                carried(1.9, 0.2),
+                Window::new(Some(7), false),
+                true,
+            ),
+            (
+                (2, 37, 2, 32),
+                carried(2.0, 0.18),
+                Window::new(Some(9), false),
+                true,
+            ),
+            (
+                (2, 13, 2, 8),
+                carried(1.5, 0.35),
+                Window::new(None, true),
+                false,
+            ),
+            (
+                (2, 37, 2, 32),
+                carried(2.0, 0.18),
+                Window::new(None, true),
+                true,
+            ),
         ],
         ["output", "d(qkv)", "d(w; beta)"],
     );
@@ -259,16 +286,38 @@ fn transported_scores_match_their_composition_forward_and_backward() {
 fn gate_counted_scores_match_their_composition_forward_and_backward() {
     // Padded keys; counts past the tables' last row (npos 3 over up to 33 tokens) and below
     // it; scores large enough that some gates round to exactly 1 (integer counts, the
-    // clamp's edge); a window, dropout; every instruction set level, f32 and f64. Relative
+    // clamp's edge); a window, a causal mask, dropout; every instruction set level, f32 and f64. Relative
     // to the largest value of each result.
     let counted = |npos, scale| Own::Counts { npos, scale };
     assert_own_scores_match(
         [(candle::DType::F64, 1e-12), (candle::DType::F32, 2e-5)],
         &[
-            ((2, 9, 2, 4), counted(3, 1.0), None, false),
-            ((3, 13, 3, 8), counted(9, 0.35), Some(4), false),
-            ((2, 33, 2, 16), counted(16, 4.0), None, true),
-            ((2, 33, 2, 16), counted(3, 0.2), Some(7), true),
+            ((2, 9, 2, 4), counted(3, 1.0), Window::ALL, false),
+            (
+                (3, 13, 3, 8),
+                counted(9, 0.35),
+                Window::new(Some(4), false),
+                false,
+            ),
+            ((2, 33, 2, 16), counted(16, 4.0), Window::ALL, true),
+            (
+                (2, 33, 2, 16),
+                counted(3, 0.2),
+                Window::new(Some(7), false),
+                true,
+            ),
+            (
+                (2, 33, 2, 16),
+                counted(5, 0.3),
+                Window::new(None, true),
+                true,
+            ),
+            (
+                (3, 13, 3, 8),
+                counted(9, 0.35),
+                Window::new(Some(4), true),
+                false,
+            ),
         ],
         ["output", "d(qkv)", "d(left; right)"],
     );

@@ -1,7 +1,7 @@
 //! The layer kernels held to their reference compositions.
 use crate::kernels::cpu::{encoder_layer, layer_norm, Attention};
 use crate::kernels::spec::{Act, LayerMasks, LayerShape, TransportShape};
-use crate::nn::{AttentionBias, ForgetGates, SimdLevel};
+use crate::nn::{AttentionBias, ForgetGates, SimdLevel, Window};
 use candle::{DType, Device, Tensor, Var};
 
 fn uniform(len: usize, seed: u64, dims: &[usize]) -> Tensor {
@@ -82,8 +82,15 @@ fn gates_inside_the_layer_match_their_composition() {
             0,
         )
         .unwrap();
-        let attention =
-            Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected());
+        let attention = Attention::new(
+            h,
+            scale,
+            &key_bias,
+            None,
+            None,
+            Window::ALL,
+            SimdLevel::detected(),
+        );
         let inside = encoder_layer(
             &x,
             &packed,
@@ -109,7 +116,7 @@ fn gates_inside_the_layer_match_their_composition() {
             &key_bias,
             None,
             Some(AttentionBias::SidedSums(&sums).owned()),
-            None,
+            Window::ALL,
             SimdLevel::detected(),
         );
         let outside = encoder_layer(
@@ -205,8 +212,15 @@ fn reflections_inside_the_layer_match_their_composition() {
             0,
         )
         .unwrap();
-        let attention =
-            Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected());
+        let attention = Attention::new(
+            h,
+            scale,
+            &key_bias,
+            None,
+            None,
+            Window::ALL,
+            SimdLevel::detected(),
+        );
         let inside = encoder_layer(
             &x,
             &packed,
@@ -239,9 +253,16 @@ fn reflections_inside_the_layer_match_their_composition() {
             crate::nn::Backend::default(),
         )
         .unwrap();
-        let attention =
-            Attention::new(h, scale, &key_bias, None, None, None, SimdLevel::detected())
-                .with_transport(Some(transport.spec()));
+        let attention = Attention::new(
+            h,
+            scale,
+            &key_bias,
+            None,
+            None,
+            Window::ALL,
+            SimdLevel::detected(),
+        )
+        .with_transport(Some(transport.spec()));
         let outside = encoder_layer(
             &x,
             &layer,
