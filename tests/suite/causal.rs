@@ -341,3 +341,74 @@ fn causal_t5_checks_its_options_against_the_decoders_buckets() {
     t5(8, 5).with_causal(true).validate().unwrap();
     t5(2, 3).with_causal(true).validate().unwrap();
 }
+
+/// A train run's options: quiet, on the CPU, into `dir`, no hub.
+fn train_options(dir: &std::path::Path) -> poslab::runs::train_run::TrainOptions {
+    poslab::runs::train_run::TrainOptions {
+        dir: dir.to_path_buf(),
+        device: Device::Cpu,
+        progress: poslab::progress::Progress::Quiet,
+        stop_after: None,
+        hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
+        threads: None,
+        backend: Default::default(),
+        limits: Default::default(),
+    }
+}
+
+#[test]
+fn a_trained_causal_model_is_analysed_saying_what_it_never_reads() {
+    use poslab::runs::train_run::{start, TrainRunConfig};
+    let root = tempfile::tempdir().unwrap();
+    let run = root.path().join("run");
+    let config = TrainRunConfig::from_toml_str(
+        "name = \"c\"\ncheckpoint_every = 0\n\
+         [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\n\
+         attention_dropout = 0.0\npooling = \"last\"\ncausal = true\n\
+         [positional]\nkind = \"cope\"\nnpos = 8\n\
+         [train]\nbudget = { steps = 20 }\nbatch_size = 16\nlr = 3e-3\neval_every = 20\n\
+         [task]\nkind = \"word_order\"\nlengths = [5, 10]\ntrain_examples = 200\neval_examples = 40\n",
+    )
+    .unwrap();
+    start(&config, &train_options(&run)).unwrap();
+    let out = root.path().join("analysis");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
+        .args(["analyze", "--run", run.to_str().unwrap(), "--texts", "8"])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stderr}");
+    for needle in [
+        "causal model: every query reads the keys at or before it only",
+        "no right table: keys after the query are masked (causal)",
+    ] {
+        assert!(stdout.contains(needle), "{needle:?} not in {stdout}");
+    }
+    assert!(out.join("cope_counts.csv").exists());
+}
+
+#[test]
+fn a_pretrained_encoder_refuses_a_causal_mask_naming_why() {
+    // Refused as the config is read, before any run folder exists.
+    let bert = fixture_path("pretrained/tiny-bert");
+    let config = |causal: bool| {
+        poslab::runs::train_run::TrainRunConfig::from_toml_str(&format!(
+            "name = \"ft\"\ninit = {{ model = {:?}, causal = {causal} }}\n\
+             [train]\nbudget = {{ steps = 2 }}\n[task]\nkind = \"classify\"\ntrain = \"d.tsv\"\n",
+            bert.display().to_string(),
+        ))
+    };
+    assert_error_mentions(
+        config(true),
+        &[
+            "causal = true",
+            "seeing both sides",
+            "[model] causal = true",
+        ],
+    );
+    config(false).unwrap();
+}
