@@ -1,10 +1,11 @@
 //! poslab: a lab for transformer positional encodings, built on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of fifteen, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of sixteen, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
 //! and `prope` (a rotation inside attention), `alibi`, `t5`, `kerple`, `fire`, `untied`, `fox`
-//! (a bias on the attention scores, FoX's set by the content), and `pope`, `cope`, `path` (the
-//! scores computed by the scheme itself); randomized positions on the schemes that read
+//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path` (the
+//! scores computed by the scheme itself) and `stick_breaking` (weights in place of the
+//! softmax), each also with a causal mask (`causal`); randomized positions on the schemes that read
 //! positions. See [`positional`] for what each computes and where, and
 //! [`Encoder::seeded`] for an encoder alone.
 //!

@@ -1346,6 +1346,8 @@ mod tests {
                 "path" => {
                     l * (2.0 * t * d * (d + 4.0) + 2.0 * t * d * 3.0 + 4.0 * t * (t - 1.0) * d) * b
                 }
+                // Four products of each head's (t, t) logs with a (t, t) triangle.
+                "stick_breaking" => l * 8.0 * t * t * t * 4.0 * b,
                 _ => 0.0,
             };
             let (forward, train) = shape.flops(&config);

@@ -11,7 +11,7 @@ use anyhow::Result;
 pub struct Args {
     /// Variants: every scheme with its default options (sin_add, sin_concat, sin_concat_proj,
     /// learned, rope, rope_partial, prope, alibi, t5, kerple, fire, untied, untied_sinusoidal,
-    /// fox, pope, cope, path, none), each also with `+causal` (the same model with a causal
+    /// fox, pope, cope, path, stick_breaking, none), each also with `+causal` (the same model with a causal
     /// mask: `sin_add,sin_add+causal`); default all but none (with --torch: those the PyTorch
     /// script runs).
     #[arg(long, value_delimiter = ',')]

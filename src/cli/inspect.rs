@@ -103,13 +103,17 @@ fn describe_experiment(path: &Path) -> Result<()> {
     }
     for v in &config.variants {
         outln!(
-            "variant {}: {} ({}){}",
+            "variant {}: {} ({}){}{}",
             v.name,
             v.positional.name(),
             v.positional.placement(),
             v.random_positions.map_or(String::new(), |n| format!(
                 ", randomized positions from [0, {n})"
-            ))
+            )),
+            match v.causal.unwrap_or(config.model.causal) {
+                true => ", causal",
+                false => "",
+            }
         );
     }
     outln!(

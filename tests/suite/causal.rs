@@ -110,7 +110,7 @@ fn causal_fixtures() -> Vec<String> {
         .into_iter()
         .filter(|n| n.starts_with("encoder_causal_"))
         .collect();
-    assert_eq!(names.len(), 10, "{names:?}");
+    assert_eq!(names.len(), 12, "{names:?}");
     names
 }
 

@@ -133,6 +133,15 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
         "path" => PositionalConfig::Path(poslab::positional::PathOptions {
             conv_size: u("path_conv_size")?,
         }),
+        "stick_breaking" => {
+            PositionalConfig::StickBreaking(poslab::positional::StickBreakingOptions {
+                attend_current: meta["sb_attend_current"]
+                    .as_bool()
+                    .ok_or("no boolean `sb_attend_current`")?,
+                remainder: serde_json::from_value(meta["sb_remainder"].clone())
+                    .map_err(|e| format!("sb_remainder: {e}"))?,
+            })
+        }
         "untied" => PositionalConfig::Untied(match s("untied_source")?.as_str() {
             "learned" => UntiedOptions::default(),
             "sinusoidal" => UntiedOptions {

@@ -259,7 +259,10 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
                         let per_layer = if train { 12 + 24 } else { 2 * 12 + 24 };
                         // A scheme that computes its own scores runs as a composition on
                         // every device: its layers make no device launches.
-                        let composed = positional.placement() == poslab::Placement::Scores;
+                        let composed = matches!(
+                            positional.placement(),
+                            poslab::Placement::Scores | poslab::Placement::Weights
+                        );
                         assert!(
                             composed || ran.launches() >= per_layer * config.n_layers,
                             "{what}: {ran:?} device operations"

@@ -27,6 +27,7 @@ mod rope;
 mod runs;
 mod schemes;
 mod schemes2025;
+mod schemes2026;
 mod training;
 mod userdata;
 mod verdicts;

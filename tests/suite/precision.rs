@@ -24,7 +24,10 @@ fn on_path<R>(
     what: &str,
     f: impl FnOnce(poslab::nn::Backend) -> R,
 ) -> R {
-    let composed = positional.placement() == poslab::Placement::Scores;
+    let composed = matches!(
+        positional.placement(),
+        poslab::Placement::Scores | poslab::Placement::Weights
+    );
     if !device {
         return f(poslab::nn::Backend::default());
     }

@@ -164,8 +164,8 @@ fn every_encoder_fixture_reproduces_expected_hidden_states() {
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
     // randomized positions; 3 of partial and scaled RoPE; 8 of p-RoPE, FIRE and FoX (2 of them
     // with randomized positions); 6 of PoPE, CoPE and PaTH; 10 causal forms of the earlier
-    // schemes.
-    assert_eq!(names.len(), 48, "whole-encoder fixtures: {names:?}");
+    // schemes; 5 of stick-breaking (2 of them causal).
+    assert_eq!(names.len(), 53, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }

@@ -1,10 +1,11 @@
 //! poslab-core: a transformer encoder with swappable positional schemes, on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of fifteen, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of sixteen, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
 //! and `prope` (a rotation inside attention), `alibi`, `t5`, `kerple`, `fire`, `untied`, `fox`
-//! (a bias on the attention scores, FoX's set by the content), and `pope`, `cope`, `path` (the
-//! scores computed by the scheme itself). Each scheme lives in its own file of [`positional`],
+//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path` (the
+//! scores computed by the scheme itself) and `stick_breaking` (weights in place of the
+//! softmax), each also with a causal mask (`causal`). Each scheme lives in its own file of [`positional`],
 //! with its reference composition; [`nn`] holds the layers, each op choosing once where it
 //! computes ([`nn::Backend`]): poslab's fused CPU kernels and the CUDA device path
 //! (`poslab-kernels`, the default feature `kernels`) or compositions of candle ops.

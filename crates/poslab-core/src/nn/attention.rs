@@ -189,6 +189,47 @@ pub trait QkScores: std::fmt::Debug + Send + Sync {
     fn input_reflections(&self) -> Option<super::InputReflections<'_>> {
         None
     }
+
+    /// What turns these scores into attention weights, where it is not the softmax
+    /// (stick-breaking's): the layer then runs as a composition of ops.
+    fn weights(&self) -> Option<&dyn AttentionWeights> {
+        None
+    }
+}
+
+/// Attention weights a scheme makes from the scores in place of the softmax (stick-breaking's),
+/// and what each head then adds to its output beside `weights · v`: `nn` knows no scheme, only
+/// this question.
+pub trait AttentionWeights: std::fmt::Debug + Send + Sync {
+    /// # Shapes
+    /// - `scores`: `(b, h, t, t)`, scaled, with any score bias, before masks; `allowed`:
+    ///   `(b, 1, t, t)`, 1 for the keys a query may see (real, and within its window) and 0
+    ///   for the others, in the scores' dtype
+    /// - returns the weights `(b, h, t, t)`, 0 where not allowed, and what each head adds to
+    ///   its output `(b, h, t, d_head)` (or a shape that broadcasts to it), if anything
+    fn weights(
+        &self,
+        scores: &Tensor,
+        allowed: &Tensor,
+        backend: Backend,
+    ) -> crate::Result<(Tensor, Option<Tensor>)>;
+}
+
+/// `(b, 1, t, t)`: 1 where query `i` may see key `j` (a real key within its window), else 0,
+/// in `dtype`.
+fn allowed_keys(key_padding: &Tensor, window: Window, t: usize, dtype: DType) -> Result<Tensor> {
+    let (b, _) = key_padding.dims2()?;
+    let real = key_padding
+        .ge(MASKED_SCORE / 2.0)?
+        .to_dtype(dtype)?
+        .reshape((b, 1, 1, t))?;
+    let inside: Vec<f64> = (0..t * t)
+        .map(|n| f64::from(u8::from(!window.hides(n / t, n % t))))
+        .collect();
+    let inside = Tensor::from_vec(inside, (1, 1, t, t), &candle::Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(key_padding.device())?;
+    real.broadcast_mul(&inside)
 }
 
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the
@@ -478,6 +519,27 @@ impl SelfAttention {
             Some(own) => own.scores(&q, &k, xs, self.scale, backend)?,
             None => (super::matmul(&q, &k.t()?)? * self.scale)?, // (b, h, t, t)
         };
+        if let Some(own) = inputs.scores.and_then(|s| s.weights()) {
+            // Weights of the scheme's own in place of the softmax, over the keys it may see.
+            let scores = match inputs.score_bias {
+                Some(bias) => {
+                    let bias = bias.table(backend)?;
+                    scores.to_dtype(bias.dtype())?.broadcast_add(&bias)?
+                }
+                None => scores,
+            };
+            let allowed = allowed_keys(inputs.key_padding, inputs.window, t, scores.dtype())?;
+            let (weights, added) = own.weights(&scores, &allowed, backend)?;
+            let weights = self
+                .dropout
+                .forward_t(&weights.to_dtype(v.dtype())?, train)?;
+            let mut out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
+            if let Some(added) = added {
+                out = out.broadcast_add(&added.to_dtype(out.dtype())?)?;
+            }
+            let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
+            return Ok(self.o.forward(&out, backend)?);
+        }
 
         // The window after the score bias, as the fused kernels add them.
         let window = |s: Tensor| -> Result<Tensor> {

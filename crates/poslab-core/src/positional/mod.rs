@@ -46,6 +46,7 @@ mod scores;
 pub mod sinusoidal;
 mod sinusoidal_add;
 mod sinusoidal_concat;
+mod stick_breaking;
 mod t5;
 mod table;
 mod untied;
@@ -73,6 +74,9 @@ pub use scores::{ScoreFunction, ScoreModule};
 pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
 pub use sinusoidal_add::SinusoidalOptions;
 pub use sinusoidal_concat::ConcatOptions;
+pub use stick_breaking::{
+    stick_breaking_weights, Remainder, SbLayer, StickBreaking, StickBreakingOptions,
+};
 pub use t5::{t5_bucket, t5_bucket_causal, T5Bias, T5Options};
 pub use table::{PositionTable, MAX_TABLE_VALUES};
 pub use untied::{Untied, UntiedOptions, UntiedRows, UntiedSource};
@@ -221,6 +225,9 @@ pub enum PositionalConfig {
     /// PaTH: keys carried to the query through the Householder reflections of the tokens
     /// between them (`path.rs`).
     Path(PathOptions),
+    /// Stick-breaking attention: weights from the order in which the keys break a stick, in
+    /// place of the softmax (`stick_breaking.rs`).
+    StickBreaking(StickBreakingOptions),
 }
 
 impl Serialize for PositionalConfig {
@@ -254,6 +261,8 @@ pub enum Placement {
     ScoreBias,
     /// The attention scores themselves, computed from q and k by the scheme in every layer.
     Scores,
+    /// The attention weights, made from the scores by the scheme in place of the softmax.
+    Weights,
 }
 
 impl Placement {
@@ -265,6 +274,7 @@ impl Placement {
             Self::Rotation => "attention",
             Self::ScoreBias => "attention bias",
             Self::Scores => "attention scores",
+            Self::Weights => "attention weights",
         }
     }
 
@@ -272,7 +282,7 @@ impl Placement {
     /// makes a key bias a real parameter: elsewhere it adds `q_i · b_k` to every score of query
     /// `i`, which softmax cancels.
     pub fn reads_keys(self) -> bool {
-        matches!(self, Self::Rotation | Self::Scores)
+        matches!(self, Self::Rotation | Self::Scores | Self::Weights)
     }
 }
 
@@ -302,6 +312,7 @@ impl PositionalConfig {
             Self::Pope(o) => o,
             Self::Cope(o) => o,
             Self::Path(o) => o,
+            Self::StickBreaking(o) => o,
         }
     }
 
@@ -338,6 +349,7 @@ impl PositionalConfig {
             Self::Pope(PopeOptions::default()),
             Self::Cope(CopeOptions::default()),
             Self::Path(PathOptions::default()),
+            Self::StickBreaking(StickBreakingOptions::default()),
         ]
     }
 
