@@ -342,14 +342,17 @@ pub fn stick_breaking_weights(
         false => allowed.broadcast_mul(&(1.0 - &diagonal)?)?,
     };
     let breaks = breaks.broadcast_as(z.shape())?.contiguous()?;
-    let log_kept = crate::nn::log_sigmoid(&z.neg()?, backend)?.mul(&breaks)?; // L = ln(1 - β)
-    let log_taken = crate::nn::log_sigmoid(z, backend)?; // ln β
-    let own = log_kept.broadcast_mul(&diagonal)?.sum_keepdim(3)?; // L_ii, (b, h, t, 1)
-                                                                  // Sums over keys before (`before[k, j] = k < j`) or after (`after[k, j] = k > j`) a key.
+    // L = ln(1 - β) for the keys that break, 0 for the others; and ln β.
+    let log_kept = crate::nn::log_sigmoid(&z.neg()?, backend)?.mul(&breaks)?;
+    let log_taken = crate::nn::log_sigmoid(z, backend)?;
+    // L_ii, (b, h, t, 1)
+    let own = log_kept.broadcast_mul(&diagonal)?.sum_keepdim(3)?;
+    // Sums over keys before (`before[k, j] = k < j`) or after (`after[k, j] = k > j`) a key:
+    // Σ_{k<j} L_ik and Σ_{k>j} L_ik.
     let (before_key, after_key) = (above.clone(), below.clone());
-    let sum_before = log_kept.broadcast_matmul(&before_key)?; // Σ_{k<j} L_ik
-    let sum_after = log_kept.broadcast_matmul(&after_key)?; // Σ_{k>j} L_ik
-                                                            // Σ_{j<k<i} L_ik and Σ_{i<k<j} L_ik: the keys between key and query on each side.
+    let sum_before = log_kept.broadcast_matmul(&before_key)?;
+    let sum_after = log_kept.broadcast_matmul(&after_key)?;
+    // Σ_{j<k<i} L_ik and Σ_{i<k<j} L_ik: the keys between key and query on each side.
     let between_left = log_kept
         .broadcast_mul(&below)?
         .broadcast_matmul(&after_key)?;

@@ -1706,10 +1706,10 @@ impl Attention {
                     let pm = if m.is_some() { &w.pm } else { p };
                     let block = bi * n.t * row + hd * n.dh;
                     let one = T::one();
+                    // Under a causal mask, only each band's pairs (P is 0 after the query).
+                    let band = fixed.banded(n).then_some(fixed.window);
                     // SAFETY (all products): the scratch buffers and views have the shapes named;
                     // the destination blocks of dqkv (b, t, 3d) belong to this (batch, head) alone.
-                    // Under a causal mask or a window, only each band's pairs (P is 0 outside).
-                    let band = fixed.banded(n).then_some(fixed.window);
                     unsafe {
                         // dv = (P ⊙ M)ᵀ dout; dP = dout vᵀ
                         if let Some(window) = band {
