@@ -836,7 +836,12 @@ fn scheme_analysis(
             summary.push_str(&curves.summary());
             files.extend(curves.write(dir)?);
         }
-        (Measure::Gates | Measure::Counts | Measure::Turning, None) => {}
+        (Measure::Weights, Some((ids, mask))) => {
+            let curves = analysis::scores::stick_weights(encoder, &ids, &mask)?;
+            summary.push_str(&curves.summary());
+            files.extend(curves.write(dir)?);
+        }
+        (Measure::Gates | Measure::Counts | Measure::Turning | Measure::Weights, None) => {}
     }
     Ok(())
 }

@@ -4,7 +4,9 @@
 //! - PaTH: how far the transport turns a key, the cosine between `k_j` and its transported form
 //!   `H ⋯ k_j` on real text (1: the key reaches the query as it is);
 //! - PoPE: the score of unit magnitudes in every coordinate (`softplus(q) = softplus(k) = 1`)
-//!   at each offset, which is the position's whole part of the score, and the learned `δ`.
+//!   at each offset, which is the position's whole part of the score, and the learned `δ`;
+//! - stick-breaking: the mean weight on real text (which side a head breaks first, and how far
+//!   its weight reaches).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -12,7 +14,10 @@ use std::path::Path;
 use candle::{DType, Tensor};
 
 use crate::error::{Error, Result};
-use crate::positional::{pope_frequencies, Cope, Path as PathScheme, Pope, PositionalModule};
+use crate::positional::{
+    pope_frequencies, stick_breaking_weights, Cope, Path as PathScheme, Pope, PositionalModule,
+    StickBreaking,
+};
 use crate::render::csv::write_rows;
 use crate::render::png::{line_chart, Line};
 use crate::Encoder;
@@ -188,6 +193,51 @@ pub fn cope_counts(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<Off
         offsets: offsets(t),
         curves,
         notes: crate::positional::ScoreModule::notes(cope)?,
+    })
+}
+
+/// Stick-breaking's mean weight by offset on `ids`, per layer and head, over the keys each
+/// query sees (real, within the layer's window, and at or before it in a causal model).
+pub fn stick_weights(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<OffsetCurves> {
+    let sb: &StickBreaking = scores_module(
+        encoder,
+        "stick-breaking weights exist in stick_breaking models only",
+    )?;
+    let real = real_tokens(mask)?;
+    let (b, t) = ids.dims2()?;
+    let scale = 1.0 / (encoder.config().head_dim() as f64).sqrt();
+    let mut curves = Vec::new();
+    for (layer, (q, k)) in encoder.queries_keys(ids, mask)?.iter().enumerate() {
+        let Some(sticks) = &sb.0[layer] else {
+            continue;
+        };
+        let window = encoder.config().layer_spec(layer).keys();
+        let allowed: Vec<f64> = (0..b * t * t)
+            .map(|n| {
+                let (row, i, j) = (n / (t * t), n / t % t, n % t);
+                f64::from(u8::from(real[row][j] && !window.hides(i, j)))
+            })
+            .collect();
+        let allowed = Tensor::from_vec(allowed, (b, 1, t, t), &candle::Device::Cpu)?
+            .to_dtype(q.dtype())?
+            .to_device(q.device())?;
+        let z = (q.matmul(&k.t()?)? * scale)?;
+        let backend = encoder.backend();
+        let (w, _) = stick_breaking_weights(&z, &allowed, sticks.attend_current, backend)?;
+        let w = per_sequence(&w)?;
+        for (head, c) in by_offset(&w, &real).into_iter().enumerate() {
+            curves.push((layer, head, c));
+        }
+    }
+    Ok(OffsetCurves {
+        stem: "stick_weights",
+        title: "stick-breaking: the mean weight by offset, per layer and head (even heads break \
+                left first, odd heads right first)"
+            .into(),
+        value: "mean weight A_ij",
+        offsets: offsets(t),
+        curves,
+        notes: crate::positional::ScoreModule::notes(sb)?,
     })
 }
 

@@ -356,32 +356,40 @@ fn train_options(dir: &std::path::Path) -> poslab::runs::train_run::TrainOptions
     }
 }
 
-#[test]
-fn a_trained_causal_model_is_analysed_saying_what_it_never_reads() {
+/// A tiny model of `positional` (a TOML table's body) trained 20 steps on word order, then
+/// `analyze --run` of it: its stdout, and the folder the analysis wrote.
+fn trained_and_analysed(
+    positional: &str,
+    causal: bool,
+    root: &std::path::Path,
+) -> (String, std::path::PathBuf) {
     use poslab::runs::train_run::{start, TrainRunConfig};
-    let root = tempfile::tempdir().unwrap();
-    let run = root.path().join("run");
-    let config = TrainRunConfig::from_toml_str(
+    let run = root.join("run");
+    let config = TrainRunConfig::from_toml_str(&format!(
         "name = \"c\"\ncheckpoint_every = 0\n\
          [model]\nd_model = 16\nn_heads = 2\nn_layers = 2\nffn_dim = 32\ndropout = 0.0\n\
-         attention_dropout = 0.0\npooling = \"last\"\ncausal = true\n\
-         [positional]\nkind = \"cope\"\nnpos = 8\n\
-         [train]\nbudget = { steps = 20 }\nbatch_size = 16\nlr = 3e-3\neval_every = 20\n\
+         attention_dropout = 0.0\npooling = \"last\"\ncausal = {causal}\n\
+         [positional]\n{positional}\n\
+         [train]\nbudget = {{ steps = 20 }}\nbatch_size = 16\nlr = 3e-3\neval_every = 20\n\
          [task]\nkind = \"word_order\"\nlengths = [5, 10]\ntrain_examples = 200\neval_examples = 40\n",
-    )
+    ))
     .unwrap();
     start(&config, &train_options(&run)).unwrap();
-    let out = root.path().join("analysis");
+    let out = root.join("analysis");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
         .args(["analyze", "--run", run.to_str().unwrap(), "--texts", "8"])
         .args(["--out", out.to_str().unwrap()])
         .output()
         .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stderr}");
+    (String::from_utf8_lossy(&output.stdout).into_owned(), out)
+}
+
+#[test]
+fn a_trained_causal_model_is_analysed_saying_what_it_never_reads() {
+    let root = tempfile::tempdir().unwrap();
+    let (stdout, out) = trained_and_analysed("kind = \"cope\"\nnpos = 8", true, root.path());
     for needle in [
         "causal model: every query reads the keys at or before it only",
         "no right table: keys after the query are masked (causal)",
@@ -389,6 +397,30 @@ fn a_trained_causal_model_is_analysed_saying_what_it_never_reads() {
         assert!(stdout.contains(needle), "{needle:?} not in {stdout}");
     }
     assert!(out.join("cope_counts.csv").exists());
+}
+
+#[test]
+fn a_trained_stick_breaking_model_shows_each_heads_weight_by_offset() {
+    // Encoder form: even heads break the stick left first, odd heads right first, so at the
+    // nearest offsets the two directions' heads weigh the sides the other way round.
+    let root = tempfile::tempdir().unwrap();
+    let (stdout, out) = trained_and_analysed("kind = \"stick_breaking\"", false, root.path());
+    assert!(
+        stdout.contains("stick-breaking: the mean weight by offset"),
+        "{stdout}"
+    );
+    let csv = std::fs::read_to_string(out.join("stick_weights.csv")).unwrap();
+    assert!(csv.lines().count() > 4, "{csv}");
+    let at = |head: &str, offset: &str| -> f64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(&format!("layer 0 {head}:")))
+            .unwrap_or_else(|| panic!("no line for {head} in {stdout}"));
+        let after = line.split(&format!("{offset} ")).nth(1).unwrap();
+        after.split(',').next().unwrap().trim().parse().unwrap()
+    };
+    assert!(at("head 0", "-1") > at("head 0", "+1"), "{stdout}");
+    assert!(at("head 1", "+1") > at("head 1", "-1"), "{stdout}");
 }
 
 #[test]

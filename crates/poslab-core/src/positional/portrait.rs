@@ -154,11 +154,16 @@ pub enum Measure {
     Counts,
     /// How far its transport turns a key with distance, on the evaluation text (PaTH).
     Turning,
+    /// Its mean attention weight against the offset, on the evaluation text (stick-breaking).
+    Weights,
 }
 
 impl Measure {
     /// Whether it reads the evaluation text.
     pub fn reads_text(self) -> bool {
-        matches!(self, Self::Gates | Self::Counts | Self::Turning)
+        matches!(
+            self,
+            Self::Gates | Self::Counts | Self::Turning | Self::Weights
+        )
     }
 }

@@ -45,8 +45,8 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Bench, BiasBatch, Describe, Knobs, Named, Placement, Portrait, Portray, PositionalModule,
-    Scheme, SchemeShape, ScoreFunction, ScoreMemory, ScoreModule,
+    Bench, BiasBatch, Describe, Knobs, Measure, Named, Placement, Portrait, Portray,
+    PositionalModule, Scheme, SchemeShape, ScoreFunction, ScoreMemory, ScoreModule,
 };
 use crate::error::Result;
 use crate::nn::{AttentionWeights, QkScores};
@@ -161,6 +161,10 @@ impl Describe for StickBreakingOptions {
 }
 
 impl Portray for StickBreakingOptions {
+    fn measure(&self) -> Option<Measure> {
+        Some(Measure::Weights)
+    }
+
     fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
         Err(
             "stick_breaking: its weights come from the scores q . k of a trained model, in the \
