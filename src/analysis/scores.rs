@@ -204,23 +204,16 @@ pub fn stick_weights(encoder: &Encoder, ids: &Tensor, mask: &Tensor) -> Result<O
         "stick-breaking weights exist in stick_breaking models only",
     )?;
     let real = real_tokens(mask)?;
-    let (b, t) = ids.dims2()?;
+    let t = ids.dim(1)?;
     let scale = 1.0 / (encoder.config().head_dim() as f64).sqrt();
+    let padding = crate::nn::key_padding_bias(mask, encoder.dtype())?;
     let mut curves = Vec::new();
     for (layer, (q, k)) in encoder.queries_keys(ids, mask)?.iter().enumerate() {
         let Some(sticks) = &sb.0[layer] else {
             continue;
         };
         let window = encoder.config().layer_spec(layer).keys();
-        let allowed: Vec<f64> = (0..b * t * t)
-            .map(|n| {
-                let (row, i, j) = (n / (t * t), n / t % t, n % t);
-                f64::from(u8::from(real[row][j] && !window.hides(i, j)))
-            })
-            .collect();
-        let allowed = Tensor::from_vec(allowed, (b, 1, t, t), &candle::Device::Cpu)?
-            .to_dtype(q.dtype())?
-            .to_device(q.device())?;
+        let allowed = crate::nn::allowed_keys(&padding, window, t, q.dtype())?;
         let z = (q.matmul(&k.t()?)? * scale)?;
         let backend = encoder.backend();
         let (w, _) = stick_breaking_weights(&z, &allowed, sticks.attend_current, backend)?;

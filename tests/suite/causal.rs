@@ -342,20 +342,6 @@ fn causal_t5_checks_its_options_against_the_decoders_buckets() {
     t5(2, 3).with_causal(true).validate().unwrap();
 }
 
-/// A train run's options: quiet, on the CPU, into `dir`, no hub.
-fn train_options(dir: &std::path::Path) -> poslab::runs::train_run::TrainOptions {
-    poslab::runs::train_run::TrainOptions {
-        dir: dir.to_path_buf(),
-        device: Device::Cpu,
-        progress: poslab::progress::Progress::Quiet,
-        stop_after: None,
-        hub: poslab::text::HubSource::from_vars(None, None, Some("1")),
-        threads: None,
-        backend: Default::default(),
-        limits: Default::default(),
-    }
-}
-
 /// A tiny model of `positional` (a TOML table's body) trained 20 steps on word order, then
 /// `analyze --run` of it: its stdout, and the folder the analysis wrote.
 fn trained_and_analysed(
@@ -374,7 +360,7 @@ fn trained_and_analysed(
          [task]\nkind = \"word_order\"\nlengths = [5, 10]\ntrain_examples = 200\neval_examples = 40\n",
     ))
     .unwrap();
-    start(&config, &train_options(&run)).unwrap();
+    start(&config, &options(&run, None)).unwrap();
     let out = root.join("analysis");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_poslab"))
         .args(["analyze", "--run", run.to_str().unwrap(), "--texts", "8"])

@@ -216,8 +216,13 @@ pub trait AttentionWeights: std::fmt::Debug + Send + Sync {
 }
 
 /// `(b, 1, t, t)`: 1 where query `i` may see key `j` (a real key within its window), else 0,
-/// in `dtype`.
-fn allowed_keys(key_padding: &Tensor, window: Window, t: usize, dtype: DType) -> Result<Tensor> {
+/// in `dtype`, from the key-padding bias `(b, t)` of [`key_padding_bias`].
+pub fn allowed_keys(
+    key_padding: &Tensor,
+    window: Window,
+    t: usize,
+    dtype: DType,
+) -> Result<Tensor> {
     let (b, _) = key_padding.dims2()?;
     let real = key_padding
         .ge(MASKED_SCORE / 2.0)?

@@ -183,15 +183,20 @@ impl ScoreMemory for T5Options {}
 pub fn t5_bucket(rel: i64, buckets: usize, max_distance: usize) -> usize {
     let half = buckets / 2;
     let side = if rel > 0 { half } else { 0 };
-    let n = rel.unsigned_abs() as usize;
-    let max_exact = half / 2;
+    side + side_bucket(rel.unsigned_abs() as usize, half, max_distance)
+}
+
+/// The bucket of distance `n` among the `side` buckets of one side: exact below `side / 2`,
+/// then logarithmic up to `max_distance` (the logarithm in f32), the last one beyond.
+fn side_bucket(n: usize, side: usize, max_distance: usize) -> usize {
+    let max_exact = side / 2;
     if n < max_exact {
-        return side + n;
+        return n;
     }
     let ratio = (n.max(1) as f32 / max_exact as f32).ln();
     let span = (max_distance as f64 / max_exact as f64).ln() as f32;
-    let large = (ratio / span * (half - max_exact) as f32) as usize + max_exact;
-    side + large.min(half - 1)
+    let large = (ratio / span * (side - max_exact) as f32) as usize + max_exact;
+    large.min(side - 1)
 }
 
 /// T5's decoder bucket (`bidirectional=False`) of `rel = key position - query position`.
@@ -207,15 +212,7 @@ pub fn t5_bucket(rel: i64, buckets: usize, max_distance: usize) -> usize {
 /// with `max_exact = buckets / 2`, the logarithm in f32 as transformers compute it. Keys after
 /// the query fall in bucket 0 (a causal mask hides them).
 pub fn t5_bucket_causal(rel: i64, buckets: usize, max_distance: usize) -> usize {
-    let n = (-rel).max(0) as usize;
-    let max_exact = buckets / 2;
-    if n < max_exact {
-        return n;
-    }
-    let ratio = (n.max(1) as f32 / max_exact as f32).ln();
-    let span = (max_distance as f64 / max_exact as f64).ln() as f32;
-    let large = (ratio / span * (buckets - max_exact) as f32) as usize + max_exact;
-    large.min(buckets - 1)
+    side_bucket((-rel).max(0) as usize, buckets, max_distance)
 }
 
 /// The T5 bias: a learned `(buckets, heads)` table, `rel_bias.weight`.

@@ -542,16 +542,17 @@ enum Scores {
 }
 
 impl<T: Real> Fixed<T> {
-    /// Whether the head products run in bands ([`banded_scores`], [`banded_sums`]): plain
-    /// `q kᵀ` scores under a causal mask without a window, whose weights are then exactly 0
-    /// after the query (every query sees itself and the real keys before it). Under a window
-    /// a padded query far from the real tokens sees only padding, and its weights then spread
-    /// over every key, as the composition's do: such layers are not banded.
-    fn banded(&self, n: Dims) -> bool {
-        self.scores() == Scores::Products
+    /// The window the head products run in bands of ([`banded_scores`], [`banded_sums`]), if
+    /// they do: plain `q kᵀ` scores under a causal mask without a window, whose weights are
+    /// then exactly 0 after the query (every query sees itself and the real keys before it).
+    /// Under a window a padded query far from the real tokens sees only padding, and its
+    /// weights then spread over every key, as the composition's do: such layers are not banded.
+    fn band(&self, n: Dims) -> Option<Window> {
+        let banded = self.scores() == Scores::Products
             && self.window.causal()
             && self.window.before.is_none()
-            && n.t > 1
+            && n.t > 1;
+        banded.then_some(self.window)
     }
 
     /// Where the scores come from (one kind at most: [`Attention::dims_of`] checks it).
@@ -666,8 +667,8 @@ impl<T: Real> Scratch<T> {
         match fixed.transport_head((n, bi, hd), (&self.q, &self.k)) {
             // A transport's scores: the keys carried to each query.
             Some(head) => transport::forward(fixed.simd, head, &mut self.s, &mut self.carried),
-            // SAFETY: s is t x t; the heads are valid t x dh operands.
-            None if fixed.banded(n) => unsafe {
+            // SAFETY: s and a are t x t; the heads are valid t x dh operands.
+            None => unsafe {
                 banded_scores(
                     (n.t, fixed.qk_width(n)),
                     scores,
@@ -675,20 +676,8 @@ impl<T: Real> Scratch<T> {
                     heads.q,
                     heads.k.t(),
                     fixed.scale,
-                    fixed.window,
+                    fixed.band(n),
                     (fixed.simd, &mut self.pack),
-                )
-            },
-            // SAFETY: s and a are t x t; the heads are valid t x dh operands.
-            None => unsafe {
-                product(
-                    (n.t, n.t, fixed.qk_width(n)),
-                    scores,
-                    n.t,
-                    heads.q,
-                    heads.k.t(),
-                    fixed.scale,
-                    Some((fixed.simd, &mut self.pack)),
                 )
             },
         }
@@ -722,7 +711,7 @@ impl<T: Real> Scratch<T> {
         let key_bias = &fixed.key_bias[bi * n.t..(bi + 1) * n.t];
         // SAFETY: the softmax writes values only.
         let into = into.unwrap_or_else(|| unsafe { uninit(&mut self.p) });
-        if fixed.banded(n) {
+        if fixed.band(n).is_some() {
             // Banded: the scores after each query were never computed, and are never read.
             causal_softmax_rows(fixed.simd, &self.s, key_bias, into);
             return;
@@ -779,25 +768,28 @@ impl<T> View<T> {
 const BAND_ROWS: usize = 64;
 
 /// The row blocks of `t` queries, each with the keys (`keys = true`) or, for a transposed
-/// product whose rows are keys, the queries (`false`) that `window` pairs with it.
+/// product whose rows are keys, the queries (`false`) that `band` pairs with it; without a
+/// band, one block of every row with every column.
 fn bands(
-    window: Window,
+    band: Option<Window>,
     t: usize,
     keys: bool,
 ) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
-    (0..t).step_by(BAND_ROWS).map(move |r0| {
-        let rows = r0..(r0 + BAND_ROWS).min(t);
-        let with = match keys {
-            true => window.keys_of(rows.clone(), t),
-            false => window.queries_of(rows.clone(), t),
+    let step = if band.is_some() { BAND_ROWS } else { t.max(1) };
+    (0..t).step_by(step).map(move |r0| {
+        let rows = r0..(r0 + step).min(t);
+        let with = match (band, keys) {
+            (None, _) => 0..t,
+            (Some(window), true) => window.keys_of(rows.clone(), t),
+            (Some(window), false) => window.queries_of(rows.clone(), t),
         };
         (rows, with)
     })
 }
 
-/// `dst (t x t) = scale · lhs (t x k) · rhs (k x t)` where only the (query, key) pairs `window`
-/// lets through are wanted: each block of rows gets the columns of its keys, and the others
-/// are left as they were (the caller masks them).
+/// `dst (t x t) = scale · lhs (t x k) · rhs (k x t)`, with a `band` only the (query, key) pairs
+/// its window lets through: each block of rows gets the columns of its keys, and the others
+/// are left as they were (the caller masks them). Without one, the whole [`product`].
 ///
 /// # Safety
 /// As [`product`]'s, for the whole `t x t` product.
@@ -809,10 +801,10 @@ unsafe fn banded_scores<T: Real>(
     lhs: View<T>,
     rhs: View<T>,
     scale: T,
-    window: Window,
+    band: Option<Window>,
     (simd, pack): (SimdLevel, &mut [T]),
 ) {
-    for (rows, keys) in bands(window, t, true) {
+    for (rows, keys) in bands(band, t, true) {
         // SAFETY: per the contract; each block stays within the t x t product.
         unsafe {
             product(
@@ -828,9 +820,10 @@ unsafe fn banded_scores<T: Real>(
     }
 }
 
-/// `dst (t x n) = scale · lhs (t x t) · rhs (t x n)`, `lhs` zero outside the pairs `window`
-/// lets through: each block of rows sums over only its band of `lhs`'s columns. `lhs` is
-/// weights by (query, key) when `keys`, or their transpose (rows of keys) when not.
+/// `dst (t x n) = scale · lhs (t x t) · rhs (t x n)`; with a `band`, `lhs` zero outside the
+/// pairs its window lets through, and each block of rows sums over only its band of `lhs`'s
+/// columns. `lhs` is weights by (query, key) when `keys`, or their transpose (rows of keys)
+/// when not. Without a band, the whole [`product`].
 ///
 /// # Safety
 /// As [`product`]'s, for the whole product.
@@ -842,10 +835,10 @@ unsafe fn banded_sums<T: Real>(
     lhs: View<T>,
     rhs: View<T>,
     scale: T,
-    (window, keys): (Window, bool),
+    (band, keys): (Option<Window>, bool),
     (simd, pack): (SimdLevel, &mut [T]),
 ) {
-    for (rows, depth) in bands(window, t, keys) {
+    for (rows, depth) in bands(band, t, keys) {
         // SAFETY: per the contract; each block stays within the product.
         unsafe {
             product(
@@ -1590,21 +1583,12 @@ impl Attention {
                     }
                 }
                 // SAFETY: out (b, t, d) gets rows t x dh of this (batch, head) block, which no
-                // other task writes; p is t x t, v a t x dh operand.
-                let out = unsafe { dst.ptr().add(bi * n.t * n.d + hd * n.dh) };
-                let p = View::rows(p.as_ptr(), n.t);
-                match fixed.banded(n) {
-                    // SAFETY: as above; p is 0 outside the window's band.
-                    true => unsafe {
-                        let band = (fixed.window, true);
-                        let pack = (fixed.simd, &mut w.pack[..]);
-                        banded_sums((n.t, n.dh), out, n.d, p, heads.v, T::one(), band, pack)
-                    },
-                    // SAFETY: as above.
-                    false => unsafe {
-                        let pack = Some((fixed.simd, &mut w.pack[..]));
-                        product((n.t, n.dh, n.t), out, n.d, p, heads.v, T::one(), pack)
-                    },
+                // other task writes; p is t x t (0 outside a causal band), v a t x dh operand.
+                unsafe {
+                    let out = dst.ptr().add(bi * n.t * n.d + hd * n.dh);
+                    let p = View::rows(p.as_ptr(), n.t);
+                    let (band, pack) = ((fixed.band(n), true), (fixed.simd, &mut w.pack[..]));
+                    banded_sums((n.t, n.dh), out, n.d, p, heads.v, T::one(), band, pack)
                 }
             };
         let run = |dst: *mut T, probs: Option<*mut T>| {
@@ -1707,48 +1691,18 @@ impl Attention {
                     let block = bi * n.t * row + hd * n.dh;
                     let one = T::one();
                     // Under a causal mask, only each band's pairs (P is 0 after the query).
-                    let band = fixed.banded(n).then_some(fixed.window);
+                    let band = fixed.band(n);
                     // SAFETY (all products): the scratch buffers and views have the shapes named;
                     // the destination blocks of dqkv (b, t, 3d) belong to this (batch, head) alone.
                     unsafe {
                         // dv = (P ⊙ M)ᵀ dout; dP = dout vᵀ
-                        if let Some(window) = band {
-                            let pmt = View::rows(pm.as_ptr(), n.t).t();
-                            let dv = dst.ptr().add(block + 2 * n.d);
-                            let pack = (fixed.simd, &mut w.pack[..]);
-                            banded_sums(
-                                (n.t, n.dh),
-                                dv,
-                                row,
-                                pmt,
-                                dout,
-                                one,
-                                (window, false),
-                                pack,
-                            );
-                            let pack = (fixed.simd, &mut w.pack[..]);
-                            let (dp, v) = (w.dp.as_mut_ptr(), heads.v.t());
-                            banded_scores((n.t, n.dh), dp, n.t, dout, v, one, window, pack);
-                        } else {
-                            product(
-                                (n.t, n.dh, n.t),
-                                dst.ptr().add(block + 2 * n.d),
-                                row,
-                                View::rows(pm.as_ptr(), n.t).t(),
-                                dout,
-                                one,
-                                Some((fixed.simd, &mut w.pack)),
-                            );
-                            product(
-                                (n.t, n.t, n.dh),
-                                w.dp.as_mut_ptr(),
-                                n.t,
-                                dout,
-                                heads.v.t(),
-                                one,
-                                Some((fixed.simd, &mut w.pack)),
-                            );
-                        }
+                        let pmt = View::rows(pm.as_ptr(), n.t).t();
+                        let dv = dst.ptr().add(block + 2 * n.d);
+                        let pack = (fixed.simd, &mut w.pack[..]);
+                        banded_sums((n.t, n.dh), dv, row, pmt, dout, one, (band, false), pack);
+                        let pack = (fixed.simd, &mut w.pack[..]);
+                        let (dp, v) = (w.dp.as_mut_ptr(), heads.v.t());
+                        banded_scores((n.t, n.dh), dp, n.t, dout, v, one, band, pack);
                     }
                     if let Some(m) = m {
                         for (dp, mi) in w.dp.iter_mut().zip(m) {
@@ -1869,7 +1823,7 @@ impl Attention {
                     }
                     // dq = c dS k, dk = c dSᵀ q: straight into dqkv, or rotated back first.
                     let back = fixed.rotation(-one, bi, n.t);
-                    let (dims, simd) = ((n.t, n.dh, n.t), fixed.simd);
+                    let simd = fixed.simd;
                     // SAFETY: the blocks of dqkv (b, t, 3d) written belong to this (batch,
                     // head) alone; the scratch buffers are t x dh.
                     unsafe {
@@ -1877,22 +1831,11 @@ impl Attention {
                             None => (dst.ptr().add(block), dst.ptr().add(block + n.d), row),
                             Some(_) => (w.dq.as_mut_ptr(), w.dk.as_mut_ptr(), n.dh),
                         };
-                        match band {
-                            Some(window) => {
-                                let (td, c) = ((n.t, n.dh), fixed.scale);
-                                let pack = (simd, &mut w.pack[..]);
-                                banded_sums(td, dq_at, rs, ds, heads.k, c, (window, true), pack);
-                                let (dst, dst_t) = ((window, false), ds.t());
-                                let pack = (simd, &mut w.pack[..]);
-                                banded_sums(td, dk_at, rs, dst_t, heads.q, c, dst, pack);
-                            }
-                            None => {
-                                let pack = Some((simd, &mut w.pack[..]));
-                                product(dims, dq_at, rs, ds, heads.k, fixed.scale, pack);
-                                let pack = Some((simd, &mut w.pack[..]));
-                                product(dims, dk_at, rs, ds.t(), heads.q, fixed.scale, pack);
-                            }
-                        }
+                        let (td, c) = ((n.t, n.dh), fixed.scale);
+                        let pack = (simd, &mut w.pack[..]);
+                        banded_sums(td, dq_at, rs, ds, heads.k, c, (band, true), pack);
+                        let pack = (simd, &mut w.pack[..]);
+                        banded_sums(td, dk_at, rs, ds.t(), heads.q, c, (band, false), pack);
                         if let Some(back) = back {
                             scatter(&w.dq, n.dh, dst.ptr().add(block), row, Some(back));
                             scatter(&w.dk, n.dh, dst.ptr().add(block + n.d), row, Some(back));
