@@ -1,10 +1,10 @@
 //! poslab: a lab for transformer positional encodings, built on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of sixteen, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of eighteen, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
 //! and `prope` (a rotation inside attention), `alibi`, `t5`, `kerple`, `fire`, `untied`, `fox`
-//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path` (the
-//! scores computed by the scheme itself) and `stick_breaking` (weights in place of the
+//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path`,
+//! `grape_m`, `grape_a` (the scores computed by the scheme itself) and `stick_breaking` (weights in place of the
 //! softmax), each also with a causal mask (`causal`); randomized positions on the schemes that read
 //! positions. See [`positional`] for what each computes and where, and
 //! [`Encoder::seeded`] for an encoder alone.
@@ -20,7 +20,7 @@
 //! let mask = Tensor::new(&[[1u32, 1, 1, 0], [1, 1, 1, 1]], &device)?; // 0: padding
 //! let labels = Tensor::new(&[0u32, 1], &device)?;
 //! let head = HeadConfig::Classify { classes: 2, pooling: Pooling::Mean };
-//! for scheme in [PositionalConfig::Rope(RopeOptions::default()), PositionalConfig::Alibi(NoOptions {})] {
+//! for scheme in [PositionalConfig::Rope(RopeOptions::default()), PositionalConfig::Alibi(Default::default())] {
 //!     let config = ModelConfig::default().with_vocab_size(16).with_positional(scheme);
 //!     let mut learner = Learner::new(&config, &head, 42, &device)?; // seeded weights, AdamW
 //!     let encoder = learner.model().encoder();

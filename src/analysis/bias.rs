@@ -221,11 +221,12 @@ impl BiasAnalysis {
 
 /// The score biases of a trained encoder with an attention-bias scheme over positions
 /// `0..positions` (at most a learned table's rows; every layer's for KERPLE, the shared one
-/// otherwise); `None` for other schemes.
+/// otherwise), under DAPE's MLP the scheme's own bias it reads; `None` for other schemes.
 pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<BiasAnalysis>> {
-    let PositionalModule::ScoreBias(module) = encoder.positional() else {
+    let Some(module) = encoder.positional().score_bias() else {
         return Ok(None);
     };
+    let through_scores = matches!(encoder.positional(), PositionalModule::Scores(_));
     let config = encoder.config();
     // A learned table (TUPE's learned source) holds only its rows.
     let positions = positions.min(encoder.max_positions().unwrap_or(usize::MAX));
@@ -254,7 +255,15 @@ pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<Bias
     if layers > 1 {
         analysis.title = format!("{name}: each layer's score bias");
     }
-    analysis.notes = module.notes()?;
+    if through_scores {
+        analysis.title = format!(
+            "{name}: the score bias, before the MLP that reads it with the logits (adaptive)"
+        );
+    }
+    analysis.notes = match encoder.positional() {
+        PositionalModule::Scores(scores) => scores.notes()?,
+        _ => module.notes()?,
+    };
     Ok(Some(analysis))
 }
 

@@ -8,7 +8,9 @@ use candle::{DType, Tensor};
 
 use crate::analysis::{self, Table};
 use crate::error::{Error, Result};
-use crate::positional::{FixedTable, Knobs, Measure, Portrait, RopePairing, TableLayout};
+use crate::positional::{
+    FixedTable, Knobs, Measure, Portrait, PositionalModule, RopePairing, TableLayout,
+};
 use crate::PositionalConfig;
 
 /// Returns an input error with a formatted message.
@@ -766,6 +768,14 @@ fn scheme_analysis(
     let model = &loaded.config.model;
     let name = model.positional.name();
     let Some(measure) = model.positional.scheme().measure() else {
+        // Scores of the scheme's own with no measure of their own (GRAPE's): what its learned
+        // parameters hold, summarised (a score bias's analysis lists them already).
+        let positional = encoder.positional();
+        if let (PositionalModule::Scores(scores), None) = (positional, positional.score_bias()) {
+            for line in scores.notes()? {
+                summary.push_str(&format!("{name}: {line}\n"));
+            }
+        }
         return Ok(());
     };
     let text = match measure.reads_text() {
@@ -799,9 +809,13 @@ fn scheme_analysis(
                         .ok_or_else(|| Error::Config(format!("{name} has no score bias")))
                 },
             )?;
-            if let crate::positional::PositionalModule::ScoreBias(bias) = encoder.positional() {
-                curves.notes = bias.notes()?;
-            }
+            curves.notes = match encoder.positional() {
+                PositionalModule::Scores(scores) => scores.notes()?,
+                other => match other.score_bias() {
+                    Some(bias) => bias.notes()?,
+                    None => Vec::new(),
+                },
+            };
             summary.push_str(&curves.summary());
             files.extend(curves.write(dir)?);
         }

@@ -10,10 +10,11 @@ use anyhow::Result;
 #[derive(clap::Args)]
 pub struct Args {
     /// Variants: every scheme with its default options (sin_add, sin_concat, sin_concat_proj,
-    /// learned, rope, rope_partial, prope, alibi, t5, kerple, fire, untied, untied_sinusoidal,
-    /// fox, pope, cope, path, stick_breaking, none), each also with `+causal` (the same model with a causal
-    /// mask: `sin_add,sin_add+causal`); default all but none (with --torch: those the PyTorch
-    /// script runs).
+    /// learned, rope, rope_partial, prope, alibi, alibi_adaptive (under DAPE's MLP), t5, kerple,
+    /// fire, untied, untied_sinusoidal, fox, pope, cope, path, stick_breaking, grape_m, grape_a,
+    /// none), each also with `+causal` (the same model with a causal mask:
+    /// `sin_add,sin_add+causal`); default all but none (with --torch: those the PyTorch script
+    /// runs).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     #[arg(long, default_value_t = 8192)]

@@ -80,6 +80,9 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
         serde_json::from_value(meta["layout"].clone()).map_err(|e| e.to_string())?;
     let pairing =
         serde_json::from_value(meta["rope_pairing"].clone()).map_err(|e| e.to_string())?;
+    // DAPE's MLP: null, or {"width": W}.
+    let adaptive: Option<poslab::positional::Adaptive> =
+        serde_json::from_value(meta["adaptive"].clone()).map_err(|e| format!("adaptive: {e}"))?;
     let positional = match s("positional")?.as_str() {
         "none" => PositionalConfig::None(NoOptions {}),
         "sinusoidal_add" => PositionalConfig::SinusoidalAdd(SinusoidalOptions {
@@ -107,21 +110,23 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
                 ),
             },
         }),
-        "alibi" => PositionalConfig::Alibi(NoOptions {}),
+        "alibi" => PositionalConfig::Alibi(poslab::positional::AlibiOptions { adaptive }),
         "t5" => PositionalConfig::T5(T5Options {
             buckets: u("t5_buckets")?,
             max_distance: u("t5_max_distance")?,
+            adaptive,
         }),
-        "kerple" => PositionalConfig::Kerple(NoOptions {}),
+        "kerple" => PositionalConfig::Kerple(poslab::positional::KerpleOptions { adaptive }),
         "prope" => PositionalConfig::Prope(poslab::positional::PropeOptions {
             base: f("base")?,
             pairing,
             keep: f("prope_keep")?,
             ..Default::default()
         }),
-        "fire" => PositionalConfig::Fire(poslab::positional::FireOptions::threshold(f(
-            "fire_threshold",
-        )?)),
+        "fire" => PositionalConfig::Fire(poslab::positional::FireOptions {
+            adaptive,
+            ..poslab::positional::FireOptions::threshold(f("fire_threshold")?)
+        }),
         "fox" => PositionalConfig::Fox(NoOptions {}),
         "pope" => PositionalConfig::Pope(poslab::positional::PopeOptions {
             base: f("base")?,
@@ -142,6 +147,13 @@ pub fn config_from_reference(meta: &serde_json::Value) -> Result<ModelConfig, St
                     .map_err(|e| format!("sb_remainder: {e}"))?,
             })
         }
+        "grape_m" => PositionalConfig::GrapeM(poslab::positional::GrapeMOptions {
+            base: f("base")?,
+            log_freq_scale: f("grape_log_freq_scale")?,
+        }),
+        "grape_a" => PositionalConfig::GrapeA(poslab::positional::GrapeAOptions {
+            p_dim: u("grape_p_dim")?,
+        }),
         "untied" => PositionalConfig::Untied(match s("untied_source")?.as_str() {
             "learned" => UntiedOptions::default(),
             "sinusoidal" => UntiedOptions {
@@ -202,24 +214,39 @@ pub fn load_encoder_fixture_from(path: &Path) -> Result<EncoderFixture, String> 
     };
     let config = config_from_reference(&meta)?;
     let mut dropped_key_biases = Vec::new();
-    if !config.positional.placement().reads_keys() {
+    if !config.positional.reads_keys() {
         for i in 0..config.n_layers {
             let key = format!("layers.{i}.attn.k.bias");
             dropped_key_biases.push(weights.remove(&key).ok_or(format!("no tensor `{key}`"))?);
         }
     }
     // FIRE's output bias adds the same number to every score of a head, which softmax cancels:
-    // poslab's FIRE has none (the reference's is non-zero and its outputs match without it).
-    if config.positional.name() == "fire" {
+    // poslab's FIRE has none (the reference's is non-zero and its outputs match without it),
+    // except under DAPE's MLP, which reads the bias.
+    let adaptive = !meta["adaptive"].is_null();
+    if config.positional.name() == "fire" && !adaptive {
         weights
             .remove("fire.mlp2.bias")
             .ok_or("no tensor `fire.mlp2.bias`")?;
     }
+    // DAPE's output bias, likewise.
+    if adaptive {
+        for i in 0..config.n_layers {
+            let key = format!("layers.{i}.attn.dape.mlp2.bias");
+            weights.remove(&key).ok_or(format!("no tensor `{key}`"))?;
+        }
+    }
     // Under a causal mask CoPE's right table is never read, and poslab makes it no variable
     // (it could never learn); the reference keeps it in the layout.
-    if config.causal && config.positional.name() == "cope" {
+    // So is GRAPE-AP's right projection.
+    let unread = match config.positional.name() {
+        "cope" => Some("cope.right"),
+        "grape_a" => Some("grape.p_right.weight"),
+        _ => None,
+    };
+    if let (true, Some(unread)) = (config.causal, unread) {
         for i in 0..config.n_layers {
-            let key = format!("layers.{i}.attn.cope.right");
+            let key = format!("layers.{i}.attn.{unread}");
             weights.remove(&key).ok_or(format!("no tensor `{key}`"))?;
         }
     }
@@ -373,14 +400,15 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
             }),
             ..Default::default()
         }),
-        PositionalConfig::Alibi(NoOptions {}),
+        PositionalConfig::Alibi(Default::default()),
         PositionalConfig::T5(poslab::positional::T5Options::default()),
         // Few buckets and a short reach: the log buckets and the far bucket both in play.
         PositionalConfig::T5(poslab::positional::T5Options {
             buckets: 8,
             max_distance: 6,
+            adaptive: None,
         }),
-        PositionalConfig::Kerple(NoOptions {}),
+        PositionalConfig::Kerple(Default::default()),
         PositionalConfig::Untied(poslab::positional::UntiedOptions::default()),
         PositionalConfig::Untied(poslab::positional::UntiedOptions {
             source: poslab::positional::UntiedSource::Sinusoidal,
@@ -400,6 +428,7 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
         PositionalConfig::Fire(poslab::positional::FireOptions {
             threshold: 3.0,
             width: 6,
+            adaptive: None,
         }),
         PositionalConfig::Fox(NoOptions {}),
         PositionalConfig::Pope(Default::default()),
@@ -411,6 +440,35 @@ pub fn all_schemes() -> Vec<PositionalConfig> {
         PositionalConfig::Cope(poslab::positional::CopeOptions { npos: 4 }),
         PositionalConfig::Path(Default::default()),
         PositionalConfig::Path(poslab::positional::PathOptions { conv_size: 0 }),
+        PositionalConfig::StickBreaking(Default::default()),
+        PositionalConfig::StickBreaking(poslab::positional::StickBreakingOptions {
+            attend_current: true,
+            remainder: poslab::positional::Remainder::Bias,
+        }),
+        PositionalConfig::GrapeM(Default::default()),
+        PositionalConfig::GrapeM(poslab::positional::GrapeMOptions {
+            base: 100.0,
+            log_freq_scale: 1.0,
+        }),
+        PositionalConfig::GrapeA(Default::default()),
+        PositionalConfig::GrapeA(poslab::positional::GrapeAOptions { p_dim: 2 }),
+        // DAPE's MLP on each bias scheme it applies to, narrow and wide.
+        PositionalConfig::Alibi(poslab::positional::AlibiOptions {
+            adaptive: Some(poslab::positional::Adaptive { width: 4 }),
+        }),
+        PositionalConfig::Kerple(poslab::positional::KerpleOptions {
+            adaptive: Some(Default::default()),
+        }),
+        PositionalConfig::Fire(poslab::positional::FireOptions {
+            threshold: 3.0,
+            width: 6,
+            adaptive: Some(poslab::positional::Adaptive { width: 5 }),
+        }),
+        PositionalConfig::T5(poslab::positional::T5Options {
+            buckets: 8,
+            max_distance: 6,
+            adaptive: Some(poslab::positional::Adaptive { width: 3 }),
+        }),
     ]
 }
 
@@ -617,6 +675,14 @@ pub fn training_gradients_on(
         .backward()
         .unwrap();
     check_all_gradients(&store, &grads, what)
+}
+
+/// Whether variable `name`'s gradient sums `dS` over every pair of tokens, whose rows sum to
+/// zero, so that it is small beside the terms it sums and their rounding shows more: FIRE's
+/// module (its bias is shared by every pair), DAPE's MLPs, and under them (`dape`) the key
+/// bias, which reaches the loss only through the MLP (the softmax cancels its direct part).
+pub fn sums_cancelling_rows(name: &str, dape: bool) -> bool {
+    name.starts_with("fire.") || name.contains(".dape.") || (dape && name.ends_with("attn.k.bias"))
 }
 
 /// Relative L2 error of gradient `g` of `name` against `reference`, asserted below `tol`.

@@ -89,11 +89,13 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
             let config = tiny_dropout_config(positional.clone(), norm);
             let checked = training_gradients(&config, &Device::Cpu, &what);
             // Per layer: q, k, v, o, up, down weights; q, v, o, up, down biases; two norms of
-            // two; a key bias where q and k are read (rope, prope, pope, cope, path) only;
+            // two; a key bias where q and k are read (rope, prope, pope, cope, path,
+            // stick_breaking, grape_m) only;
             // KERPLE's r1 and r2; FoX's gate weight and bias; PoPE's delta; CoPE's two tables;
             // PaTH's w, conv, beta weight and beta bias.
             let name = positional.name();
-            let rotated = positional.placement().reads_keys();
+            let rotated = positional.reads_keys();
+            let adaptive = positional.scheme().label().contains("adaptive");
             let per_layer = 6
                 + 5
                 + 4
@@ -104,8 +106,17 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
                 + 2 * usize::from(name == "cope")
                 + match &positional {
                     poslab::PositionalConfig::Path(o) => 3 + usize::from(o.conv_size > 0),
+                    // The remainder's vector.
+                    poslab::PositionalConfig::StickBreaking(o) => {
+                        usize::from(o.remainder == poslab::positional::Remainder::Bias)
+                    }
+                    // GRAPE-M's log-frequencies; GRAPE-AP's left and right projections.
+                    poslab::PositionalConfig::GrapeM(_) => 1,
+                    poslab::PositionalConfig::GrapeA(_) => 2,
                     _ => 0,
-                };
+                }
+                // DAPE's MLP: two weights and the hidden bias; FIRE's output bias beside it.
+                + 3 * usize::from(adaptive);
             let expected = 1
                 + per_layer * config.n_layers
                 + usize::from(norm == NormPlacement::Pre) * 2
@@ -117,7 +128,8 @@ fn gradients_flow_in_training_mode_with_dropout_for_every_scheme() {
                 + usize::from(name == "t5")
                 + 2 * usize::from(name == "untied")
                 // FIRE's MLP (two weights, the hidden bias), c and l_multiplier.
-                + 5 * usize::from(name == "fire");
+                + 5 * usize::from(name == "fire")
+                + usize::from(name == "fire" && adaptive);
             assert_eq!(checked.len(), expected, "{what}: trainable variables");
         }
     }

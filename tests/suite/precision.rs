@@ -98,10 +98,14 @@ fn half_precision_gradients_reach_every_variable_and_match_f32() {
                     0.02
                 };
                 let half = on_path(device, &positional, &what, |b| gradients(precision, b));
+                let dape = reference.iter().any(|(n, _, _)| n.contains(".dape."));
                 for ((name, _, g), (_, _, g32)) in half.iter().zip(&reference) {
-                    // FIRE's variables sum dS over every pair of tokens, whose rows sum to zero:
-                    // the cancellation shows the half-precision scores' rounding 2.5x more.
-                    let tol = if name.starts_with("fire.") {
+                    // The cancellation shows the half-precision scores' rounding 2.5x more; under
+                    // DAPE's MLP, nearly linear over the pairs at initialisation, 4x (measured at
+                    // most 0.27 in bf16 and 0.076 in f16, FIRE's and DAPE's biases).
+                    let tol = if dape && sums_cancelling_rows(name, dape) {
+                        4.0 * tol
+                    } else if sums_cancelling_rows(name, dape) {
                         2.5 * tol
                     } else {
                         tol

@@ -205,10 +205,10 @@ fn relative_schemes_ignore_a_constant_position_offset_and_absolute_ones_do_not()
             // one batch length.
             "rope" if dynamic => assert!(diff > 1e-6, "dynamic NTK ignored the batch length"),
             // Relative by construction: a rotation by the distance, a bias of it, or PoPE's
-            // phase of it; FoX, CoPE and PaTH read no position at all, only the content and
-            // the order of the tokens.
+            // phase of it, GRAPE-M's learned rotation by it; FoX, CoPE, PaTH and stick-breaking
+            // read no position at all, only the content and the order of the tokens.
             "rope" | "prope" | "alibi" | "t5" | "kerple" | "fire" | "fox" | "pope" | "cope"
-            | "path" => assert!(
+            | "path" | "stick_breaking" | "grape_m" => assert!(
                 diff < 1e-9,
                 "{name} shifted by 17 changed outputs by {diff:e}"
             ),

@@ -164,8 +164,9 @@ fn every_encoder_fixture_reproduces_expected_hidden_states() {
     // 10 of the first five schemes; 7 of the attention biases and untied positions; 4 with
     // randomized positions; 3 of partial and scaled RoPE; 8 of p-RoPE, FIRE and FoX (2 of them
     // with randomized positions); 6 of PoPE, CoPE and PaTH; 10 causal forms of the earlier
-    // schemes; 5 of stick-breaking (2 of them causal).
-    assert_eq!(names.len(), 53, "whole-encoder fixtures: {names:?}");
+    // schemes; 5 of stick-breaking (2 of them causal); 6 of GRAPE-M and GRAPE-AP (2 causal, 2
+    // with randomized positions); 6 with DAPE's MLP on ALiBi, KERPLE, FIRE and T5 (2 causal).
+    assert_eq!(names.len(), 65, "whole-encoder fixtures: {names:?}");
     let n = check_fixture_folder(&fixture_path("")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(n, names.len());
 }
@@ -279,7 +280,7 @@ fn key_bias_is_inert_without_rope_and_kept_with_it() {
     // cancels a per-query constant. Under rope the bias is rotated by position and matters.
     for name in encoder_fixture_names() {
         let fx = load_encoder_fixture(&name);
-        if fx.config.positional.placement().reads_keys() {
+        if fx.config.positional.reads_keys() {
             assert!(fx.dropped_key_biases.is_empty());
             let (encoder, store) = fx.encoder(DType::F64);
             let key_bias = store.get("layers.0.attn.k.bias").unwrap();

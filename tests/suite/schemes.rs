@@ -536,7 +536,11 @@ fn weight_decay_skips_what_the_modules_declare_and_only_that() {
             store.exempt_from_decay(&model.undecayed());
             let mut exempt = 0;
             for (name, _) in store.vars() {
-                let by_role = name.ends_with(".bias") || name.contains("norm.");
+                // GRAPE-M's log-frequencies: a vector, which the original's optimizer never
+                // decays (decay would pull every frequency toward 1 radian per position).
+                let by_role = name.ends_with(".bias")
+                    || name.contains("norm.")
+                    || name.ends_with("grape.log_freq");
                 let bounded = store.bound(&name).is_some();
                 assert_eq!(
                     store.decays(&name),

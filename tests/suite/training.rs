@@ -418,7 +418,7 @@ fn the_learner_trains_any_scheme_with_its_bounds_and_repeats_itself() {
         (losses, learner)
     };
     for (positional, random) in [
-        (PositionalConfig::Kerple(NoOptions {}), None),
+        (PositionalConfig::Kerple(Default::default()), None),
         (PositionalConfig::Rope(RopeOptions::default()), Some(64)),
         (PositionalConfig::Fire(FireOptions::threshold(9.0)), None),
     ] {
@@ -683,7 +683,7 @@ fn packed_and_unpacked_stores_train_save_and_load_to_the_same_bits() {
     };
     for positional in [
         PositionalConfig::SinusoidalAdd(Default::default()),
-        PositionalConfig::Kerple(poslab::positional::NoOptions {}),
+        PositionalConfig::Kerple(Default::default()),
         PositionalConfig::Fox(poslab::positional::NoOptions {}),
     ] {
         for bias in [true, false] {

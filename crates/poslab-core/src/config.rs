@@ -929,7 +929,7 @@ mod tests {
             let store = crate::ParamStore::new(0);
             crate::Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
             // The count includes a key bias, which schemes without a rotation drop (softmax cancels it).
-            let rotated = config.positional.placement().reads_keys();
+            let rotated = config.positional.reads_keys();
             let key_biases = if rotated { 0 } else { 16 * 2 };
             assert_eq!(
                 config.param_count(),

@@ -1,10 +1,10 @@
 //! poslab-core: a transformer encoder with swappable positional schemes, on candle.
 //!
-//! An [`Encoder`] whose positional scheme is one of sixteen, chosen in its [`ModelConfig`]:
+//! An [`Encoder`] whose positional scheme is one of eighteen, chosen in its [`ModelConfig`]:
 //! `none` (the control), `sinusoidal_add`, `sinusoidal_concat`, `learned` (input side), `rope`
 //! and `prope` (a rotation inside attention), `alibi`, `t5`, `kerple`, `fire`, `untied`, `fox`
-//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path` (the
-//! scores computed by the scheme itself) and `stick_breaking` (weights in place of the
+//! (a bias on the attention scores, FoX's set by the content), `pope`, `cope`, `path`,
+//! `grape_m`, `grape_a` (the scores computed by the scheme itself) and `stick_breaking` (weights in place of the
 //! softmax), each also with a causal mask (`causal`). Each scheme lives in its own file of [`positional`],
 //! with its reference composition; [`nn`] holds the layers, each op choosing once where it
 //! computes ([`nn::Backend`]): poslab's fused CPU kernels and the CUDA device path
@@ -17,13 +17,13 @@
 //!
 //! ```
 //! use poslab_core::candle::{Device, Tensor};
-//! use poslab_core::positional::{NoOptions, RopeOptions};
+//! use poslab_core::positional::RopeOptions;
 //! use poslab_core::{Encoder, ModelConfig, PositionalConfig};
 //!
 //! let device = Device::Cpu;
 //! let ids = Tensor::new(&[[5u32, 8, 13, 0], [3, 1, 4, 1]], &device)?;
 //! let mask = Tensor::new(&[[1u32, 1, 1, 0], [1, 1, 1, 1]], &device)?; // 0: padding
-//! for scheme in [PositionalConfig::Rope(RopeOptions::default()), PositionalConfig::Alibi(NoOptions {})] {
+//! for scheme in [PositionalConfig::Rope(RopeOptions::default()), PositionalConfig::Alibi(Default::default())] {
 //!     let config = ModelConfig::default().with_vocab_size(16).with_positional(scheme);
 //!     let (encoder, store) = Encoder::seeded(&config, 42, &device)?; // seeded weights
 //!     let hidden = encoder.forward_t(&ids, &mask, false)?;

@@ -601,6 +601,33 @@ pub fn load_tensors(
     Ok((tensors, file.metadata().clone()))
 }
 
+/// The variable `name` of `vb`, of `shape`, starting at `values` (one per element, row-major)
+/// where candle's [`Init`] has no such form (GRAPE-M's spectrum). A variable that already exists
+/// (loaded weights) is returned as it is; so is a tensor of a builder that makes no variables.
+pub fn get_with_values(
+    vb: &VarBuilder,
+    shape: impl Into<Shape>,
+    name: &str,
+    values: Vec<f64>,
+) -> Result<Tensor> {
+    let shape = shape.into();
+    if values.len() != shape.elem_count() {
+        return Err(Error::Input(format!(
+            "{} starting values for `{name}` of shape {shape:?}",
+            values.len()
+        )));
+    }
+    let fresh = !vb.contains_tensor(name);
+    let tensor = vb.get_with_hints(shape.clone(), name, Init::Const(0.0))?;
+    if fresh && tensor.is_variable() {
+        let start = Tensor::from_vec(values, shape, &Device::Cpu)?
+            .to_dtype(tensor.dtype())?
+            .to_device(tensor.device())?;
+        Var::from_tensor(&tensor)?.set(&start)?;
+    }
+    Ok(tensor)
+}
+
 /// Reads only the metadata of a safetensors file.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<HashMap<String, String>> {
     Ok(crate::weights::WeightsFile::open(path.as_ref())?

@@ -14,7 +14,7 @@ fn main() -> poslab::Result<()> {
     };
     for scheme in [
         PositionalConfig::Rope(RopeOptions::default()),
-        PositionalConfig::Alibi(NoOptions {}),
+        PositionalConfig::Alibi(Default::default()),
     ] {
         let config = ModelConfig::default()
             .with_vocab_size(16)

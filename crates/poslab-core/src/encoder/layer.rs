@@ -62,7 +62,7 @@ impl EncoderLayer {
         let spec = config.layer_spec(i);
         // A key bias only where q and k are read (rotated, or scored by the scheme): elsewhere
         // softmax cancels it.
-        let rotated = config.positional.placement().reads_keys() && spec.positions;
+        let rotated = config.positional.reads_keys() && spec.positions;
         let norm = |name: &str| layer_norm_with_bias(d, eps, config.bias, vb.pp(name));
         Ok(Self {
             attn_norm: match i == 0 && !config.first_attn_norm {

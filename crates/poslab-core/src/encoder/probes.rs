@@ -27,12 +27,11 @@ pub struct ScoreTerms {
 impl Encoder {
     /// Layer `i`'s score bias for `positions` of sequences with no padding (an attention-bias
     /// scheme whose bias does not depend on the content), `(r, h, t, t)`: what `analyze` shows
-    /// of TUPE's position-to-position term and the learned KERPLE, T5 and FIRE biases.
+    /// of TUPE's position-to-position term and the learned KERPLE, T5 and FIRE biases. Under
+    /// DAPE's MLP (`adaptive`), the scheme's own bias, which the MLP reads beside the logits.
     pub fn score_bias(&self, layer: usize, positions: &Positions) -> Result<Option<Tensor>> {
-        match &self.positional {
-            PositionalModule::ScoreBias(bias)
-                if layer < self.layers.len() && self.layers[layer].spec.positions =>
-            {
+        match self.positional.score_bias() {
+            Some(bias) if layer < self.layers.len() && self.layers[layer].spec.positions => {
                 let biases = bias.layer_biases(&BiasBatch {
                     positions,
                     mask: None,

@@ -41,9 +41,9 @@ pub use feed_forward::{Activation, FeedForward};
 pub use gate_counts::{CountParts, GateCounts};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, layer_norm_with_bias, LayerNorm};
 pub use ops::{
-    gelu, gelu_reference, linear, linear_no_bias, linear_with_bias, log_sigmoid,
-    log_sigmoid_reference, log_softmax_last_dim, masked_softmax, rope_rotate,
-    rope_rotate_reference, running_sums, running_sums_reference, sided_differences,
+    channel_mlp, channel_mlp_reference, gelu, gelu_reference, linear, linear_no_bias,
+    linear_with_bias, log_sigmoid, log_sigmoid_reference, log_softmax_last_dim, masked_softmax,
+    rope_rotate, rope_rotate_reference, running_sums, running_sums_reference, sided_differences,
     softmax_last_dim, Linear,
 };
 pub use polar::Polar;

@@ -251,6 +251,47 @@ pub fn rope_rotate_reference(
     }
 }
 
+/// `x + y + W2 leaky_relu(W1 [x; y] + c1)`: two maps of `h` channels summed with an MLP over
+/// their channels at every position, LeakyReLU slope `slope`. One fused node with its backward
+/// where the fused kernels run (neither `[x; y]` nor the hidden layer is stored), else
+/// [`channel_mlp_reference`].
+///
+/// # Shapes
+/// - `x`: `(n, h, p)`; `y`: `(n, h, p)` or `(1, h, p)`, broadcast over `n`
+/// - `w1`: `(w, 2h)`; `c1`: `(w)`; `w2`: `(h, w)`, all of `x`'s dtype
+/// - returns `(n, h, p)`
+pub fn channel_mlp(
+    x: &Tensor,
+    y: &Tensor,
+    (w1, c1, w2): (&Tensor, &Tensor, &Tensor),
+    slope: f64,
+    backend: Backend,
+) -> Result<Tensor> {
+    match backend.path(x) {
+        #[cfg(feature = "kernels")]
+        Path::Fused => {
+            let packed = Tensor::cat(&[&w1.flatten_all()?, c1, &w2.flatten_all()?], 0)?;
+            crate::kernels::cpu::channel_mlp(x, y, &packed, w1.dim(0)?, slope, backend.simd)
+        }
+        _ => channel_mlp_reference(x, y, (w1, c1, w2), slope),
+    }
+}
+
+/// [`channel_mlp`]'s composition.
+pub fn channel_mlp_reference(
+    x: &Tensor,
+    y: &Tensor,
+    (w1, c1, w2): (&Tensor, &Tensor, &Tensor),
+    slope: f64,
+) -> Result<Tensor> {
+    let u = Tensor::cat(&[x, &y.broadcast_as(x.shape())?], 1)?;
+    let z = w1
+        .broadcast_matmul(&u)?
+        .broadcast_add(&c1.reshape((1, c1.dim(0)?, 1))?)?; // (n, w, p)
+    let a = (z.relu()? - (z.neg()?.relu()? * slope)?)?;
+    x.broadcast_add(y)? + w2.broadcast_matmul(&a)?
+}
+
 /// `log σ(z) = -(max(-z, 0) + ln(1 + e^(-|z|)))`, exact for any `z` (never above 0), fused
 /// where the fused kernels run.
 ///

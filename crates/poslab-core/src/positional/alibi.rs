@@ -5,61 +5,105 @@
 //! ```
 //!
 //! to its scaled scores. Nothing is learned; the slopes are a geometric sequence per head.
+//! `adaptive = { width = … }` adds DAPE's MLP over the logits and this bias (`adaptive.rs`).
 
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
 
 use super::{
-    BiasBatch, BiasModule, Knobs, LayerBiases, NoOptions, Placement, Portrait, PositionalConfig,
+    Adaptive, BiasBatch, BiasModule, Knobs, LayerBiases, Placement, Portrait, PositionalConfig,
     PositionalModule, Positions, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 
-/// The `alibi` scheme (its options are [`super::NoOptions`]).
-#[derive(Clone, Copy, Debug)]
-pub struct AlibiScheme;
+/// Options of `alibi`: only DAPE's `adaptive` (none by default).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlibiOptions {
+    /// DAPE's MLP over the logits and the bias (`adaptive = { width = 32 }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<Adaptive>,
+}
 
-impl Named for AlibiScheme {
+impl Named for AlibiOptions {
     fn name(&self) -> &'static str {
         "alibi"
     }
 }
 
-impl Scheme for AlibiScheme {
+impl Scheme for AlibiOptions {
     fn placement(&self) -> Placement {
-        Placement::ScoreBias
+        Adaptive::placement(self.adaptive.as_ref())
     }
 
-    fn build(&self, shape: &SchemeShape, _vb: VarBuilder) -> Result<PositionalModule> {
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(Alibi::new(
-            shape.n_heads,
-        ))))
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        self.adaptive.map_or(Ok(()), |a| a.check("alibi"))
+    }
+
+    fn param_count(&self, shape: &SchemeShape) -> u128 {
+        self.adaptive.map_or(0, |a| a.param_count(shape))
+    }
+
+    fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
+        let bias = ScoreBias::new(Alibi::new(shape.n_heads));
+        Adaptive::wrap(self.adaptive.as_ref(), shape, &vb, bias)
     }
 }
 
-impl Describe for AlibiScheme {
+impl Describe for AlibiOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         let h = shape.n_heads;
         let slopes = alibi_slopes(h);
         format!(
             "attention bias: -slope_h |i - j| on every layer's scores, {h} slopes {:.4}..{:.4} \
-             (Press et al.), no weights",
+             (Press et al.), no weights{}",
             slopes.first().copied().unwrap_or(0.0),
-            slopes.last().copied().unwrap_or(0.0)
+            slopes.last().copied().unwrap_or(0.0),
+            self.adaptive.map_or(String::new(), |a| a.describe(h))
         )
     }
-}
 
-impl Portray for AlibiScheme {
-    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Ok(Portrait::Bias(PositionalConfig::Alibi(NoOptions {})))
+    fn label(&self) -> String {
+        match self.adaptive {
+            Some(_) => "alibi (adaptive)".into(),
+            None => "alibi".into(),
+        }
     }
 }
 
-impl Bench for AlibiScheme {}
+impl Portray for AlibiOptions {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Bias(PositionalConfig::Alibi(
+            AlibiOptions::default(),
+        )))
+    }
+}
 
-impl ScoreMemory for AlibiScheme {}
+impl Bench for AlibiOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        self.adaptive
+            .map_or(0.0, |a| a.forward_flops(shape, batch, seq))
+    }
+
+    fn benchmarked(&self) -> Option<Vec<(String, PositionalConfig)>> {
+        // ALiBi, and ALiBi under DAPE's MLP at its default width: what `adaptive` costs.
+        let adaptive = Self {
+            adaptive: Some(Adaptive::default()),
+        };
+        Some(vec![
+            ("alibi".into(), PositionalConfig::Alibi(self.clone())),
+            ("alibi_adaptive".into(), PositionalConfig::Alibi(adaptive)),
+        ])
+    }
+}
+
+impl ScoreMemory for AlibiOptions {
+    fn score_tensors(&self, training: bool, _fused: bool) -> usize {
+        self.adaptive.map_or(1, |a| a.score_tensors(training))
+    }
+}
 
 /// Press et al.'s slopes for `heads` heads. For a power of two `n`: `2^(-8h/n)`, `h = 1..n`.
 /// Otherwise the slopes of the nearest lower power of two `m`, then every other slope of `2m`

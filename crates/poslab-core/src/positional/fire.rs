@@ -17,7 +17,10 @@
 //!
 //! The papers' output layer has a bias `b2` too; in attention it adds the same number to every
 //! score of a head, which the softmax cancels exactly, so poslab leaves it out (a file holding
-//! `fire.mlp2.bias`, as the reference fixtures do, loads without it: see the tests).
+//! `fire.mlp2.bias`, as the reference fixtures do, loads without it: see the tests). With
+//! `adaptive = { width = … }` (DAPE's MLP over the logits and this bias, `adaptive.rs`) the bias
+//! is an input of that MLP, where a constant per head is no longer cancelled, and the output
+//! layer has its bias.
 //!
 //! The sign keeps left and right apart; the span is the bidirectional counterpart of the causal
 //! query position, so the bias depends on position differences only and a shift of every
@@ -44,8 +47,8 @@ use serde::{Deserialize, Serialize};
 
 use super::score_bias::offset_bias;
 use super::{
-    BiasBatch, BiasModule, Knobs, LayerBiases, Measure, Placement, Portrait, PositionalConfig,
-    PositionalModule, Scheme, SchemeShape, ScoreBias,
+    Adaptive, BiasBatch, BiasModule, Knobs, LayerBiases, Measure, Placement, Portrait,
+    PositionalConfig, PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::{Error, Result};
 use crate::nn::{linear, linear_no_bias, Linear};
@@ -74,6 +77,9 @@ pub struct FireOptions {
     /// The hidden width of the MLP `f_θ` (default 32).
     #[serde(default = "default_width")]
     pub width: usize,
+    /// DAPE's MLP over the logits and the bias (`adaptive = { width = 32 }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<Adaptive>,
 }
 
 impl Default for FireOptions {
@@ -81,6 +87,7 @@ impl Default for FireOptions {
         Self {
             threshold: default_threshold(),
             width: default_width(),
+            adaptive: None,
         }
     }
 }
@@ -103,10 +110,13 @@ impl Named for FireOptions {
 
 impl Scheme for FireOptions {
     fn placement(&self) -> Placement {
-        Placement::ScoreBias
+        Adaptive::placement(self.adaptive.as_ref())
     }
 
     fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        if let Some(a) = self.adaptive {
+            a.check("fire")?;
+        }
         let most = super::MAX_POSITION as f64;
         if !(self.threshold.is_finite() && self.threshold > 0.0 && self.threshold <= most) {
             let t = self.threshold;
@@ -133,12 +143,14 @@ impl Scheme for FireOptions {
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         let (w, h) = (self.width as u128, shape.n_heads as u128);
-        2 * w + w * h + 2
+        // The output bias only under DAPE's MLP (see the module's notes).
+        let output_bias = self.adaptive.map_or(0, |a| h + a.param_count(shape));
+        2 * w + w * h + 2 + output_bias
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
         let fire = Fire::new(self, shape.n_heads, vb.pp("fire"))?.with_causal(shape.causal);
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(fire)))
+        Adaptive::wrap(self.adaptive.as_ref(), shape, &vb, ScoreBias::new(fire))
     }
 }
 
@@ -150,9 +162,20 @@ impl Describe for FireOptions {
         };
         format!(
             "attention bias: an MLP (1 -> {} -> {} heads) of {input}, L = |l_multiplier| x {} \
-             (threshold), shared by all layers",
-            self.width, shape.n_heads, self.threshold
+             (threshold), shared by all layers{}",
+            self.width,
+            shape.n_heads,
+            self.threshold,
+            self.adaptive
+                .map_or(String::new(), |a| a.describe(shape.n_heads))
         )
+    }
+
+    fn label(&self) -> String {
+        match self.adaptive {
+            Some(_) => "fire (adaptive)".into(),
+            None => "fire".into(),
+        }
     }
 }
 
@@ -177,9 +200,18 @@ impl Portray for FireOptions {
     }
 }
 
-impl Bench for FireOptions {}
+impl Bench for FireOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        self.adaptive
+            .map_or(0.0, |a| a.forward_flops(shape, batch, seq))
+    }
+}
 
-impl ScoreMemory for FireOptions {}
+impl ScoreMemory for FireOptions {
+    fn score_tensors(&self, training: bool, _fused: bool) -> usize {
+        self.adaptive.map_or(1, |a| a.score_tensors(training))
+    }
+}
 
 /// FIRE's module: the MLP, `c` and `l_multiplier`.
 #[derive(Debug)]
@@ -197,14 +229,18 @@ pub struct Fire {
 }
 
 impl Fire {
-    /// The module under `vb` (`fire.mlp1.{weight,bias}`, `fire.mlp2.weight`, `fire.c`,
-    /// `fire.l_multiplier`).
+    /// The module under `vb` (`fire.mlp1.{weight,bias}`, `fire.mlp2.weight` and, under DAPE's
+    /// MLP, `fire.mlp2.bias`, `fire.c`, `fire.l_multiplier`).
     pub fn new(options: &FireOptions, heads: usize, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
             mlp1: linear(1, options.width, vb.pp("mlp1"))?,
             // No output bias: a constant per head added to every score of the head is cancelled
-            // by the softmax, so it could never learn (its gradient is exactly zero).
-            mlp2: linear_no_bias(options.width, heads, vb.pp("mlp2"))?,
+            // by the softmax, so it could never learn (its gradient is exactly zero); DAPE's MLP
+            // reads the bias, where it is not.
+            mlp2: match options.adaptive {
+                Some(_) => linear(options.width, heads, vb.pp("mlp2"))?,
+                None => linear_no_bias(options.width, heads, vb.pp("mlp2"))?,
+            },
             c: vb.get_with_hints(1, "c", Init::Const(0.1))?,
             l_multiplier: vb.get_with_hints(1, "l_multiplier", Init::Const(1.0))?,
             threshold: options.threshold,

@@ -12,14 +12,16 @@
 //! (what KERPLE's own code does by clamping the parameters before each forward). They start
 //! uniform in `[KERPLE_MIN, 2]` (`r1`) and `[KERPLE_MIN, 1]` (`r2`), KERPLE's `U(0, 2)` and
 //! `U(0, 1)` above its clamp, drawn from the seeded generator; they are not weight-decayed.
+//! `adaptive = { width = … }` adds DAPE's MLP over the logits and this bias (`adaptive.rs`).
 
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
 
 use super::score_bias::distance_tensor;
 use super::{
-    BiasBatch, BiasModule, Knobs, LayerBiases, NoOptions, Placement, Portrait, PositionalConfig,
+    Adaptive, BiasBatch, BiasModule, Knobs, LayerBiases, Placement, Portrait, PositionalConfig,
     PositionalModule, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
@@ -28,23 +30,33 @@ use crate::params::LowerBound;
 /// The least value of `r1` and `r2` (KERPLE's clamp).
 pub const KERPLE_MIN: f64 = 1e-2;
 
-/// The `kerple` scheme (its options are [`super::NoOptions`]).
-#[derive(Clone, Copy, Debug)]
-pub struct KerpleScheme;
+/// Options of `kerple`: only DAPE's `adaptive` (none by default).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KerpleOptions {
+    /// DAPE's MLP over the logits and the bias (`adaptive = { width = 32 }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<Adaptive>,
+}
 
-impl Named for KerpleScheme {
+impl Named for KerpleOptions {
     fn name(&self) -> &'static str {
         "kerple"
     }
 }
 
-impl Scheme for KerpleScheme {
+impl Scheme for KerpleOptions {
     fn placement(&self) -> Placement {
-        Placement::ScoreBias
+        Adaptive::placement(self.adaptive.as_ref())
+    }
+
+    fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
+        self.adaptive.map_or(Ok(()), |a| a.check("kerple"))
     }
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         2 * shape.n_heads as u128 * shape.layers.count(shape.n_layers) as u128
+            + self.adaptive.map_or(0, |a| a.param_count(shape))
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -58,31 +70,51 @@ impl Scheme for KerpleScheme {
                     .transpose()
             })
             .collect::<Result<_>>()?;
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(KerpleLayers(
-            layers,
-        ))))
+        let bias = ScoreBias::new(KerpleLayers(layers));
+        Adaptive::wrap(self.adaptive.as_ref(), shape, &vb, bias)
     }
 }
 
-impl Describe for KerpleScheme {
+impl Describe for KerpleOptions {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention bias: -r1_h ln(1 + r2_h |i - j|), r1 and r2 learned per head and layer \
-             ({} x {} each, kept >= {KERPLE_MIN})",
-            shape.n_heads, shape.n_layers
+             ({} x {} each, kept >= {KERPLE_MIN}){}",
+            shape.n_heads,
+            shape.n_layers,
+            self.adaptive
+                .map_or(String::new(), |a| a.describe(shape.n_heads))
         )
     }
-}
 
-impl Portray for KerpleScheme {
-    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
-        Ok(Portrait::Bias(PositionalConfig::Kerple(NoOptions {})))
+    fn label(&self) -> String {
+        match self.adaptive {
+            Some(_) => "kerple (adaptive)".into(),
+            None => "kerple".into(),
+        }
     }
 }
 
-impl Bench for KerpleScheme {}
+impl Portray for KerpleOptions {
+    fn without_model(&self, _knobs: &Knobs) -> std::result::Result<Portrait, String> {
+        Ok(Portrait::Bias(PositionalConfig::Kerple(
+            KerpleOptions::default(),
+        )))
+    }
+}
 
-impl ScoreMemory for KerpleScheme {}
+impl Bench for KerpleOptions {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        self.adaptive
+            .map_or(0.0, |a| a.forward_flops(shape, batch, seq))
+    }
+}
+
+impl ScoreMemory for KerpleOptions {
+    fn score_tensors(&self, training: bool, _fused: bool) -> usize {
+        self.adaptive.map_or(1, |a| a.score_tensors(training))
+    }
+}
 
 /// Every layer's KERPLE parameters; `None` for a layer without positions.
 #[derive(Clone, Debug)]

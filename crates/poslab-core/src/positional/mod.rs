@@ -25,10 +25,13 @@
 //! positions draw them, see [`random_positions`]). The layers below (`crate::nn`) know no
 //! scheme: attention takes rotation tables and a score bias as plain tensors, built here.
 
+mod adaptive;
 mod alibi;
 mod cope;
 mod fire;
 mod fox;
+mod grape_a;
+mod grape_m;
 mod input;
 mod kerple;
 mod learned;
@@ -51,12 +54,18 @@ mod t5;
 mod table;
 mod untied;
 
-pub use alibi::{alibi_slopes, Alibi};
+pub use adaptive::{Adaptive, Dape, DapeMlp, DAPE_SLOPE, MAX_DAPE_WIDTH};
+pub use alibi::{alibi_slopes, Alibi, AlibiOptions};
 pub use cope::{Cope, CopeOptions, CopeParts, CopeTables, MAX_COPE_POSITIONS};
 pub use fire::{Fire, FireOptions, MAX_FIRE_WIDTH};
 pub use fox::{Fox, FoxGates, FOX_GATE_BIAS};
+pub use grape_a::{
+    grape_a_bias, grape_a_edges, GrapeA, GrapeAFrame, GrapeALayer, GrapeAOptions, GRAPE_RMS_EPS,
+    MAX_GRAPE_P_DIM,
+};
+pub use grape_m::{grape_rotate, grape_tables, GrapeM, GrapeMOptions};
 pub use input::{InputPositions, LearnedPositions};
-pub use kerple::{Kerple, KerpleLayers, KERPLE_MIN};
+pub use kerple::{Kerple, KerpleLayers, KerpleOptions, KERPLE_MIN};
 pub use learned::LearnedOptions;
 pub use path::{
     transport_inverse, transport_scores, Path, PathLayer, PathOptions, Reflections, MAX_PATH_CONV,
@@ -200,13 +209,13 @@ pub enum PositionalConfig {
     Prope(PropeOptions),
     /// ALiBi: `-slope_h |p_i - p_j|` on the scores (symmetric, for an encoder), Press et al.'s
     /// slopes; no weights (`alibi.rs`).
-    Alibi(NoOptions),
+    Alibi(AlibiOptions),
     /// T5's relative buckets: a learned `(buckets, heads)` table shared by all layers, indexed by
     /// the bucket of `p_j - p_i` (`t5.rs`).
     T5(T5Options),
     /// KERPLE (logarithmic): `-r1_h ln(1 + r2_h |p_i - p_j|)`, `r1, r2 > 0` learned per head and
     /// layer (`kerple.rs`).
-    Kerple(NoOptions),
+    Kerple(KerpleOptions),
     /// FIRE: a learned MLP of the log distance over the sequence's span, shared by all layers
     /// (`fire.rs`).
     Fire(FireOptions),
@@ -228,6 +237,11 @@ pub enum PositionalConfig {
     /// Stick-breaking attention: weights from the order in which the keys break a stick, in
     /// place of the softmax (`stick_breaking.rs`).
     StickBreaking(StickBreakingOptions),
+    /// GRAPE-M: q and k turned in RoPE's planes by learned frequencies (`grape_m.rs`).
+    GrapeM(GrapeMOptions),
+    /// GRAPE-AP: a bias summed over the edges between query and key, each set by the query and
+    /// the edge token's content and position (`grape_a.rs`).
+    GrapeA(GrapeAOptions),
 }
 
 impl Serialize for PositionalConfig {
@@ -303,9 +317,9 @@ impl PositionalConfig {
             Self::Learned(o) => o,
             Self::Rope(o) => o,
             Self::Prope(o) => o,
-            Self::Alibi(_) => &alibi::AlibiScheme,
+            Self::Alibi(o) => o,
             Self::T5(o) => o,
-            Self::Kerple(_) => &kerple::KerpleScheme,
+            Self::Kerple(o) => o,
             Self::Fire(o) => o,
             Self::Untied(o) => o,
             Self::Fox(_) => &fox::FoxScheme,
@@ -313,6 +327,8 @@ impl PositionalConfig {
             Self::Cope(o) => o,
             Self::Path(o) => o,
             Self::StickBreaking(o) => o,
+            Self::GrapeM(o) => o,
+            Self::GrapeA(o) => o,
         }
     }
 
@@ -336,9 +352,9 @@ impl PositionalConfig {
             Self::Learned(LearnedOptions::default()),
             Self::Rope(RopeOptions::default()),
             Self::Prope(PropeOptions::default()),
-            Self::Alibi(NoOptions {}),
+            Self::Alibi(AlibiOptions::default()),
             Self::T5(T5Options::default()),
-            Self::Kerple(NoOptions {}),
+            Self::Kerple(KerpleOptions::default()),
             Self::Fire(FireOptions::default()),
             Self::Untied(UntiedOptions::default()),
             Self::Untied(UntiedOptions {
@@ -350,6 +366,8 @@ impl PositionalConfig {
             Self::Cope(CopeOptions::default()),
             Self::Path(PathOptions::default()),
             Self::StickBreaking(StickBreakingOptions::default()),
+            Self::GrapeM(GrapeMOptions::default()),
+            Self::GrapeA(GrapeAOptions::default()),
         ]
     }
 
@@ -393,6 +411,12 @@ impl PositionalConfig {
     /// Where the scheme acts: the input, a rotation inside attention, or a bias on the scores.
     pub fn placement(&self) -> Placement {
         self.scheme().placement()
+    }
+
+    /// Whether the scores read q and k through more than their dot product, which makes a key
+    /// bias a real parameter (see [`Scheme::reads_keys`]).
+    pub fn reads_keys(&self) -> bool {
+        self.scheme().reads_keys()
     }
 
     /// What attention multiplies `q kᵀ` by, where a scheme changes it: `1/sqrt(2 d_head)` for
@@ -515,7 +539,18 @@ impl PositionalModule {
     pub fn constraints(&self) -> Vec<LowerBound> {
         match self {
             Self::ScoreBias(bias) => bias.constraints(),
-            Self::Input(_) | Self::Rotation(_) | Self::Scores(_) => Vec::new(),
+            Self::Scores(scores) => scores.constraints(),
+            Self::Input(_) | Self::Rotation(_) => Vec::new(),
+        }
+    }
+
+    /// The scheme's score bias: its module, or the one its scores add through more than a sum
+    /// (DAPE's MLP); `None` for a scheme without one.
+    pub fn score_bias(&self) -> Option<&ScoreBias> {
+        match self {
+            Self::ScoreBias(bias) => Some(bias),
+            Self::Scores(scores) => scores.base_bias(),
+            Self::Input(_) | Self::Rotation(_) => None,
         }
     }
 }

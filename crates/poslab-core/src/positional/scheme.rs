@@ -46,6 +46,14 @@ pub trait Scheme: Named + Describe + Portray + Bench + ScoreMemory + Sync {
     /// Where it acts: the input, a rotation of q and k, or a bias on the scores.
     fn placement(&self) -> Placement;
 
+    /// Whether the scores read q and k through more than `q . k` plus terms that do not depend
+    /// on the key's content, which makes a key bias a real parameter: elsewhere it adds
+    /// `q_i . b_k` to every score of query `i`, which the softmax cancels, and the key
+    /// projection has none. By default where the scheme acts says ([`Placement::reads_keys`]).
+    fn reads_keys(&self) -> bool {
+        self.placement().reads_keys()
+    }
+
     /// Checks the options against the model's sizes; the message names the option and a fix.
     fn check(&self, _shape: &SchemeShape) -> std::result::Result<(), String> {
         Ok(())

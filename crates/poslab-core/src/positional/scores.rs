@@ -13,9 +13,10 @@ use std::any::Any;
 
 use candle::Tensor;
 
-use super::BiasBatch;
+use super::{BiasBatch, ScoreBias};
 use crate::error::Result;
 use crate::nn::QkScores;
+use crate::params::LowerBound;
 
 /// A scores scheme's module.
 pub trait ScoreModule: std::fmt::Debug + Send + Sync {
@@ -33,6 +34,17 @@ pub trait ScoreModule: std::fmt::Debug + Send + Sync {
     /// Its variables that weight decay leaves alone (biases, offsets and tables).
     fn undecayed(&self) -> Vec<Tensor> {
         Vec::new()
+    }
+
+    /// Bounds its variables must stay within, applied by the optimizer after every step.
+    fn constraints(&self) -> Vec<LowerBound> {
+        Vec::new()
+    }
+
+    /// The score bias these scores add to `q kᵀ` through more than a sum (DAPE's scheme under
+    /// its MLP), for an analysis of the bias itself.
+    fn base_bias(&self) -> Option<&ScoreBias> {
+        None
     }
 
     /// For an analysis that draws what only this scheme has.

@@ -6,6 +6,7 @@
 //! minus the query's. An encoder splits the buckets between the two sides ([`t5_bucket`]); a
 //! causal model gives them all to the keys before the query ([`t5_bucket_causal`]), as T5's
 //! decoder does: masking the encoder's buckets would leave half of them unused.
+//! `adaptive = { width = … }` adds DAPE's MLP over the logits and this bias (`adaptive.rs`).
 
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{Tensor, D};
@@ -14,8 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use super::score_bias::offset_bias;
 use super::{
-    BiasBatch, BiasModule, Knobs, LayerBiases, OffsetIndex, Placement, Portrait, PositionalConfig,
-    PositionalModule, Positions, Scheme, SchemeShape, ScoreBias,
+    Adaptive, BiasBatch, BiasModule, Knobs, LayerBiases, OffsetIndex, Placement, Portrait,
+    PositionalConfig, PositionalModule, Positions, Scheme, SchemeShape, ScoreBias,
 };
 use crate::error::Result;
 
@@ -37,6 +38,9 @@ pub struct T5Options {
     /// Distances from here on share the last bucket of their side.
     #[serde(default = "default_t5_max_distance")]
     pub max_distance: usize,
+    /// DAPE's MLP over the logits and the bias (`adaptive = { width = 32 }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive: Option<Adaptive>,
 }
 
 impl Default for T5Options {
@@ -44,6 +48,7 @@ impl Default for T5Options {
         Self {
             buckets: default_t5_buckets(),
             max_distance: default_t5_max_distance(),
+            adaptive: None,
         }
     }
 }
@@ -56,10 +61,13 @@ impl Named for T5Options {
 
 impl Scheme for T5Options {
     fn placement(&self) -> Placement {
-        Placement::ScoreBias
+        Adaptive::placement(self.adaptive.as_ref())
     }
 
     fn check(&self, shape: &SchemeShape) -> std::result::Result<(), String> {
+        if let Some(a) = self.adaptive {
+            a.check("t5")?;
+        }
         if shape.causal {
             // The decoder's buckets: all on the left, exact below buckets / 2.
             if self.buckets < 2 {
@@ -99,6 +107,7 @@ impl Scheme for T5Options {
 
     fn param_count(&self, shape: &SchemeShape) -> u128 {
         self.buckets as u128 * shape.n_heads as u128
+            + self.adaptive.map_or(0, |a| a.param_count(shape))
     }
 
     fn build(&self, shape: &SchemeShape, vb: VarBuilder) -> Result<PositionalModule> {
@@ -109,9 +118,8 @@ impl Scheme for T5Options {
             shape.d_model,
             vb.pp("rel_bias"),
         )?;
-        Ok(PositionalModule::ScoreBias(ScoreBias::new(
-            bias.with_causal(shape.causal),
-        )))
+        let bias = ScoreBias::new(bias.with_causal(shape.causal));
+        Adaptive::wrap(self.adaptive.as_ref(), shape, &vb, bias)
     }
 }
 
@@ -119,12 +127,21 @@ impl Describe for T5Options {
     fn describe(&self, shape: &SchemeShape) -> String {
         format!(
             "attention bias: a learned ({} buckets x {} heads) table shared by all layers, by \
-             T5's {}bucket of j - i (max_distance {})",
+             T5's {}bucket of j - i (max_distance {}){}",
             self.buckets,
             shape.n_heads,
             if shape.causal { "decoder " } else { "" },
-            self.max_distance
+            self.max_distance,
+            self.adaptive
+                .map_or(String::new(), |a| a.describe(shape.n_heads))
         )
+    }
+
+    fn label(&self) -> String {
+        match self.adaptive {
+            Some(_) => "t5 (adaptive)".into(),
+            None => "t5".into(),
+        }
     }
 }
 
@@ -134,6 +151,7 @@ impl Portray for T5Options {
         Ok(Portrait::Index(PositionalConfig::T5(Self {
             buckets: knobs.buckets,
             max_distance: knobs.max_distance,
+            adaptive: None,
         })))
     }
 
@@ -162,9 +180,18 @@ impl Portray for T5Options {
     }
 }
 
-impl Bench for T5Options {}
+impl Bench for T5Options {
+    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
+        self.adaptive
+            .map_or(0.0, |a| a.forward_flops(shape, batch, seq))
+    }
+}
 
-impl ScoreMemory for T5Options {}
+impl ScoreMemory for T5Options {
+    fn score_tensors(&self, training: bool, _fused: bool) -> usize {
+        self.adaptive.map_or(1, |a| a.score_tensors(training))
+    }
+}
 
 /// T5's bidirectional bucket of `rel = key position - query position`.
 ///

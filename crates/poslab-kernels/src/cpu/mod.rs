@@ -27,6 +27,7 @@ use rows::{batch_sum, dots, maxes, sums, whole_blocks, FOLD_ROWS};
 
 mod adamw;
 mod attention;
+mod channel_mlp;
 mod differences;
 mod gelu;
 mod layer;
@@ -39,6 +40,7 @@ mod rope;
 mod running_sums;
 mod softmax;
 
+pub use channel_mlp::channel_mlp;
 pub use differences::sided_differences;
 use linear::by_dtype;
 
