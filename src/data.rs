@@ -213,8 +213,9 @@ impl Dataset {
                                 .all(|(i, w)| *w == Some(i as u32));
                         if !one_each || targets.len() > enc.ids.len() || framing != Framing::Plain {
                             return Err(Error::Input(format!(
-                                "{at}: a length-suite tape must be one token per word without \
-                                 [CLS] ({} words made {} tokens): use the word-level tokenizer",
+                                "{at}: a tape (the length suite's, or lm's) must be one token \
+                                 per word without [CLS] ({} words made {} tokens): use the \
+                                 word-level tokenizer",
                                 example.words.len(),
                                 enc.ids.len()
                             )));

@@ -297,7 +297,8 @@ impl<'a> Predictor<'a> {
                         })
                         .collect())
                 }
-                Objective::Tag { labels } => {
+                // A next-token model's tag of a word is the word it predicts after it.
+                Objective::Tag { labels } | Objective::Lm { labels } => {
                     let best = probs.argmax(D::Minus1)?.to_vec2::<u32>()?;
                     Ok(chunk
                         .iter()

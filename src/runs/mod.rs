@@ -461,9 +461,14 @@ impl ExperimentConfig {
                 )));
             }
             // Placeholder vocabulary and length: everything else is as it will run.
-            self.model_config(variant, 8, variant.max_len.unwrap_or(1))
+            let model = self.model_config(variant, 8, variant.max_len.unwrap_or(1));
+            model
                 .validate()
                 .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
+            for task in &self.tasks {
+                task.check_causal(model.causal)
+                    .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
+            }
         }
         let rows = self.variant_rows();
         let mut pairs = HashSet::new();

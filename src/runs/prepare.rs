@@ -55,7 +55,7 @@ pub(crate) fn prepare(
     template: bool,
 ) -> Result<Prepared<'_>> {
     let tok = &data.tokenizer;
-    let head = head_of(&data.objective, pooling);
+    let head = data.objective.head(pooling);
     let framing = crate::data::Framing::of(tok, template, head.reads_first_token())?;
     let masking = match &data.objective {
         Objective::Mlm { mask_prob } => Some(MlmMasking::new(*mask_prob, tok)?),
@@ -133,20 +133,6 @@ pub(crate) fn prepare(
     })
 }
 
-/// The head a task's objective needs.
-fn head_of(objective: &Objective, pooling: Pooling) -> HeadConfig {
-    match objective {
-        Objective::Classify { labels } => HeadConfig::Classify {
-            classes: labels.len(),
-            pooling,
-        },
-        Objective::Tag { labels } => HeadConfig::Tag {
-            classes: labels.len(),
-        },
-        Objective::Mlm { .. } => HeadConfig::Mlm,
-    }
-}
-
 /// What the report says of a task: its lengths, its tests and its notes.
 fn task_info(
     spec: &TaskSpec,
@@ -155,8 +141,12 @@ fn task_info(
     shuffle_test: bool,
     notes: Vec<String>,
 ) -> TaskInfo {
-    // The length suite's outcomes are stratified by length; other tests record each example's.
-    let suite = matches!(spec.kind, crate::tasks::TaskKind::Algorithmic(_));
+    // Tapes (the length suite's, next-token prediction's) are scored by length, their outcomes
+    // stratified by it; other tests record each example's length. The length suite has a
+    // score over the lengths past the training ones.
+    use crate::tasks::TaskKind;
+    let suite = matches!(spec.kind, TaskKind::Algorithmic(_));
+    let tapes = suite || matches!(spec.kind, TaskKind::Lm(_));
     TaskInfo {
         name: spec.name.clone(),
         kind: spec.kind.name().into(),
@@ -170,7 +160,7 @@ fn task_info(
                 factor: t.factor,
                 lengths: t.tested_lengths(),
                 examples: t.examples.len(),
-                example_lengths: (!suite).then(|| {
+                example_lengths: (!tapes).then(|| {
                     TestInfo::pack_lengths(t.examples.iter().map(crate::tasks::Example::length))
                 }),
             })

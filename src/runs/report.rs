@@ -78,6 +78,53 @@ fn timing_stats(timings: &[Timing]) -> BTreeMap<(&str, &str), (Stat, Stat)> {
         .collect()
 }
 
+/// Next-token prediction's perplexity on each test set: `exp` of the mean loss over seeds (the
+/// geometric mean of the seeds' perplexities), with the lowest and highest seed's; `None` for
+/// other tasks.
+fn perplexity_table(task: &TaskInfo, rows: &[&SummaryRow]) -> Option<TextTable> {
+    if task.kind != "lm" {
+        return None;
+    }
+    let mut table = TextTable {
+        header: std::iter::once("variant".to_string())
+            .chain(task.tests.iter().map(|t| match t.factor {
+                Some(_) => format!("{} (len {}-{})", t.name, t.lengths[0], t.lengths[1]),
+                None => format!("len {}-{}", t.lengths[0], t.lengths[1]),
+            }))
+            .collect(),
+        right: std::iter::once(false)
+            .chain(std::iter::repeat_n(true, task.tests.len()))
+            .collect(),
+        ..TextTable::default()
+    };
+    for row in rows {
+        let mut r = vec![row.variant.clone()];
+        for t in &task.tests {
+            let loss = row
+                .columns
+                .iter()
+                .find(|c| c.name == t.name)
+                .and_then(|c| c.loss.as_ref());
+            r.push(match loss {
+                Some(l) if l.n > 1 => format!(
+                    "{:.2} ({:.2}..{:.2})",
+                    l.mean.exp(),
+                    l.min.exp(),
+                    l.max.exp()
+                ),
+                Some(l) => format!("{:.2}", l.mean.exp()),
+                None => "-".into(),
+            });
+        }
+        table.rows.push(r);
+    }
+    Some(table)
+}
+
+/// What the perplexity table is, for its heading.
+const PERPLEXITY: &str =
+    "perplexity (exp of the mean next-token loss over seeds; lowest..highest seed)";
+
 /// The tables of a task (scores by length; order tests and cost; for the length suite,
 /// whole-sequence accuracy) and their notes.
 fn task_tables(
@@ -240,6 +287,7 @@ struct Section<'a> {
     scores: TextTable,
     tests: TextTable,
     sequences: Option<TextTable>,
+    perplexity: Option<TextTable>,
     notes: Vec<String>,
 }
 
@@ -264,6 +312,7 @@ fn sections<'a>(results: &'a Results, timings: &[Timing]) -> Vec<Section<'a>> {
                 scores,
                 tests,
                 sequences,
+                perplexity: perplexity_table(task, &rows),
                 notes,
             })
         })
@@ -795,6 +844,10 @@ pub fn text_report(results: &Results, timings: &[Timing]) -> String {
             out.push_str("\nwhole-sequence accuracy in %:\n");
             out.push_str(&t.text());
         }
+        if let Some(t) = &s.perplexity {
+            let _ = writeln!(out, "\n{PERPLEXITY}:");
+            out.push_str(&t.text());
+        }
         for n in s.notes {
             let _ = writeln!(out, "{n}");
         }
@@ -882,6 +935,10 @@ fn markdown_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -
         md.push_str(&s.tests.markdown());
         if let Some(t) = &s.sequences {
             md.push_str("\nWhole-sequence accuracy in %:\n\n");
+            md.push_str(&t.markdown());
+        }
+        if let Some(t) = &s.perplexity {
+            let _ = writeln!(md, "\nP{}:\n", &PERPLEXITY[1..]);
             md.push_str(&t.markdown());
         }
         for n in s.notes {
@@ -1074,6 +1131,7 @@ fn html_report(results: &Results, timings: &[Timing], sources: &[PathBuf]) -> St
                 ("scores by test set", Some(&s.scores)),
                 ("order tests and cost", Some(&s.tests)),
                 ("whole-sequence accuracy in %", s.sequences.as_ref()),
+                (PERPLEXITY, s.perplexity.as_ref()),
             ]
             .into_iter()
             .filter_map(|(title, t)| Some((title, t?)))

@@ -227,10 +227,13 @@ impl TrainRunConfig {
             )));
         }
         match self.architecture()? {
-            Architecture::Own { shape, positional } => shape
-                .model_config(&self.choices(positional), 8, self.max_len.unwrap_or(1))
-                .validate(),
-            Architecture::Pretrained(_) => Ok(()),
+            Architecture::Own { shape, positional } => {
+                let model =
+                    shape.model_config(&self.choices(positional), 8, self.max_len.unwrap_or(1));
+                model.validate()?;
+                self.task.check_causal(model.causal).map_err(Error::Config)
+            }
+            Architecture::Pretrained(_) => self.task.check_causal(false).map_err(Error::Config),
         }
     }
 

@@ -79,9 +79,18 @@ pub fn vocabulary() -> Vec<String> {
 /// A sentence of exactly `len` words (`len >= SHORTEST`) and the index of its agent in
 /// [`ENTITIES`].
 pub fn sentence(rng: &mut Rng, len: usize) -> (Vec<&'static str>, usize) {
-    debug_assert!(len >= SHORTEST);
-    let agent = rng.random_range(0..ENTITIES.len());
-    let patient = (agent + rng.random_range(1..ENTITIES.len())) % ENTITIES.len();
+    sentence_among(rng, len, &[0, 1, 2, 3, 4, 5, 6, 7])
+}
+
+/// [`sentence`] with its two entities drawn from `cast` (indices into [`ENTITIES`], at least
+/// two, distinct): the same draws as [`sentence`] when `cast` is every entity in order.
+pub fn sentence_among(rng: &mut Rng, len: usize, cast: &[usize]) -> (Vec<&'static str>, usize) {
+    debug_assert!(len >= SHORTEST && cast.len() >= 2);
+    let a = rng.random_range(0..cast.len());
+    let (agent, patient) = (
+        cast[a],
+        cast[(a + rng.random_range(1..cast.len())) % cast.len()],
+    );
     let verb = *VERBS.choose(rng).expect("verbs");
     let passive = len >= SHORTEST_PASSIVE && rng.random_bool(0.5);
 

@@ -21,6 +21,7 @@ pub mod algorithmic;
 pub mod files;
 pub mod grammar;
 mod labelled;
+pub mod lm;
 pub mod mlm;
 pub mod recall;
 pub mod sorted;
@@ -37,6 +38,7 @@ use crate::rng::{self, Rng};
 use crate::text::{HubSource, TextTokenizer, TokenizerSpec};
 use algorithmic::Algorithmic;
 use files::{FileOptions, RecordKind, Source};
+use lm::Lm;
 use mlm::Mlm;
 use recall::{FlipFlop, Mqar};
 use sorted::Sorted;
@@ -64,6 +66,8 @@ pub enum TaskKind {
     FlipFlop(FlipFlop),
     /// Masked language modelling on generated sentences or a text file ([`mlm`]).
     Mlm(Mlm),
+    /// Next-token prediction on a generated corpus, for causal models ([`lm`]).
+    Lm(Lm),
     /// Sentence labels from the user's files: TSV, CSV with a header, or JSONL.
     Classify(FileOptions),
     /// Per-word labels from the user's JSONL files.
@@ -85,6 +89,7 @@ impl TaskKind {
             Self::Mqar(_) => "mqar",
             Self::FlipFlop(_) => "flip_flop",
             Self::Mlm(_) => "mlm",
+            Self::Lm(_) => "lm",
             Self::Classify(_) => "classify",
             Self::Tag(_) => "tag",
             Self::Algorithmic(a) => a.name(),
@@ -106,6 +111,7 @@ impl TaskKind {
             Self::Mqar(g) => Some(g),
             Self::FlipFlop(g) => Some(g),
             Self::Mlm(g) if g.text_file.is_none() => Some(g),
+            Self::Lm(g) => Some(g),
             Self::Algorithmic(g) => Some(g),
             Self::Mlm(_) | Self::Classify(_) | Self::Tag(_) => None,
         }
@@ -175,7 +181,7 @@ const COMMON_FIELDS: [&str; 10] = [
 ///
 /// ```toml
 /// [[tasks]]
-/// kind = "prev_token"        # word_order | sorted | prev_token | position_index | mlm | classify | tag
+/// kind = "prev_token"        # word_order | sorted | prev_token | position_index | mlm | lm | classify | tag
 /// k = 2                      # the kind's own options
 /// lengths = [4, 12]          # generated tasks: training lengths in words, inclusive
 /// train_examples = 4000      # generated: how many; files: at most this many (default all)
@@ -366,15 +372,36 @@ pub enum Objective {
         /// The share of tokens masked.
         mask_prob: f64,
     },
+    /// The next word predicted at every position (a causal model's task).
+    Lm {
+        /// The words predicted, in class-id order.
+        labels: Vec<String>,
+    },
 }
 
 impl Objective {
+    /// The head the objective needs; `pooling` reads a sentence label.
+    pub fn head(&self, pooling: crate::model::Pooling) -> crate::model::HeadConfig {
+        use crate::model::HeadConfig;
+        match self {
+            Self::Classify { labels } => HeadConfig::Classify {
+                classes: labels.len(),
+                pooling,
+            },
+            Self::Tag { labels } | Self::Lm { labels } => HeadConfig::Tag {
+                classes: labels.len(),
+            },
+            Self::Mlm { .. } => HeadConfig::Mlm,
+        }
+    }
+
     /// The name of the score reported for this objective.
     pub fn metric(&self) -> &'static str {
         match self {
             Self::Classify { .. } => "accuracy",
             Self::Tag { .. } => "token accuracy",
             Self::Mlm { .. } => "masked-token accuracy",
+            Self::Lm { .. } => "next-token accuracy",
         }
     }
 }
@@ -734,6 +761,20 @@ impl TaskSpec {
         }
     }
 
+    /// Refuses next-token prediction (`lm`) for a model without a causal mask, which would read
+    /// at each position the token it is asked for.
+    pub fn check_causal(&self, causal: bool) -> std::result::Result<(), String> {
+        if matches!(self.kind, TaskKind::Lm(_)) && !causal {
+            return Err(format!(
+                "task `{}`: kind = \"lm\" predicts each next token, which a model without a \
+                 causal mask reads at the next position: set causal = true in [model] (or on the \
+                 variant), or use kind = \"mlm\", the encoder's counterpart",
+                self.name
+            ));
+        }
+        Ok(())
+    }
+
     /// Generates or reads every split and builds the tokenizer, Hub files through the
     /// environment's cache settings.
     pub fn generate(&self) -> Result<TaskData> {
@@ -1041,6 +1082,7 @@ mod tests {
                 queries: 0.5,
             }),
             TaskKind::FlipFlop(FlipFlop::default()),
+            TaskKind::Lm(Lm::default()),
         ]
         .into_iter()
         .chain(Algorithmic::ALL.map(TaskKind::Algorithmic))
@@ -1051,7 +1093,9 @@ mod tests {
             assert!(!kind.from_files());
             let (objective, vocabulary) = g.objective();
             let classes = match &objective {
-                Objective::Classify { labels } | Objective::Tag { labels } => labels.len(),
+                Objective::Classify { labels }
+                | Objective::Tag { labels }
+                | Objective::Lm { labels } => labels.len(),
                 Objective::Mlm { .. } => usize::MAX,
             };
             for len in [5, 8, 13] {

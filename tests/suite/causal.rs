@@ -436,3 +436,60 @@ fn a_pretrained_encoder_refuses_a_causal_mask_naming_why() {
     );
     config(false).unwrap();
 }
+
+/// An experiment of next-token prediction (`lm`) on the built-in corpus: `causal` or not.
+fn lm_experiment(causal: bool) -> String {
+    format!(
+        "name = \"lm\"\nseeds = 1\n\
+         [model]\nd_model = 32\nn_heads = 2\nn_layers = 2\nffn_dim = 64\ncausal = {causal}\n\
+         [train]\nbudget = {{ steps = 150 }}\nbatch_size = 32\nlr = 3e-3\n\
+         [[tasks]]\nkind = \"lm\"\nlengths = [8, 16]\ntrain_examples = 1000\neval_examples = 60\n\
+         [[variants]]\nname = \"rope\"\npositional = {{ kind = \"rope\" }}\n"
+    )
+}
+
+#[test]
+fn next_token_prediction_is_refused_without_a_causal_mask() {
+    let err = poslab::runs::ExperimentConfig::from_toml_str(&lm_experiment(false))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("causal = true") && err.contains("kind = \"lm\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_causal_model_learns_the_corpus_and_reports_perplexity_by_length() {
+    use poslab::runs::compare::{run, RunOptions};
+    use poslab::runs::results::Outcome;
+    let config = poslab::runs::ExperimentConfig::from_toml_str(&lm_experiment(true)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let results = run(&config, &RunOptions::new(Device::Cpu, dir.path()), &|_| {})
+        .unwrap()
+        .results;
+    let cell = &results.cells[0];
+    // Each test set is scored at its lengths; the corpus's unigram perplexity is about 27 (the
+    // `lm` unit tests), and a model that reads the document so far is far below it at the
+    // training lengths and past them.
+    for (test, lengths) in [("1x", 8..=16), ("2x", 16..=32), ("4x", 32..=64)] {
+        let Outcome::Scored {
+            loss, by_length, ..
+        } = cell.evaluation(test).unwrap()
+        else {
+            panic!("{test} was not scored");
+        };
+        assert!(by_length.iter().all(|s| lengths.contains(&s.length)));
+        assert!(by_length.len() > 4, "{test}: {} lengths", by_length.len());
+        // Below 2 would be a model that reads the tokens it predicts: the corpus's choices
+        // (which adjective, which of the cast, active or passive) are random.
+        let perplexity = loss.exp();
+        assert!(perplexity > 2.0 && perplexity < 9.0, "{test}: {perplexity}");
+    }
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(report.contains("next-token accuracy"), "{report}");
+    assert!(
+        report.contains("Perplexity (exp of the mean next-token loss"),
+        "{report}"
+    );
+}

@@ -60,16 +60,7 @@ pub fn model_config(s: &Setup, positional: PositionalConfig) -> ModelConfig {
 }
 
 fn head(s: &Setup) -> HeadConfig {
-    match &s.data.objective {
-        Objective::Classify { labels } => HeadConfig::Classify {
-            classes: labels.len(),
-            pooling: Pooling::Mean,
-        },
-        Objective::Tag { labels } => HeadConfig::Tag {
-            classes: labels.len(),
-        },
-        Objective::Mlm { .. } => HeadConfig::Mlm,
-    }
+    s.data.objective.head(Pooling::Mean)
 }
 
 fn run(
