@@ -260,10 +260,7 @@ pub fn encoder_biases(encoder: &Encoder, positions: usize) -> Result<Option<Bias
             "{name}: the score bias, before the MLP that reads it with the logits (adaptive)"
         );
     }
-    analysis.notes = match encoder.positional() {
-        PositionalModule::Scores(scores) => scores.notes()?,
-        _ => module.notes()?,
-    };
+    analysis.notes = encoder.positional().notes()?;
     Ok(Some(analysis))
 }
 

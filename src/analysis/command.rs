@@ -8,9 +8,7 @@ use candle::{DType, Tensor};
 
 use crate::analysis::{self, Table};
 use crate::error::{Error, Result};
-use crate::positional::{
-    FixedTable, Knobs, Measure, Portrait, PositionalModule, RopePairing, TableLayout,
-};
+use crate::positional::{FixedTable, Knobs, Measure, Portrait, RopePairing, TableLayout};
 use crate::PositionalConfig;
 
 /// Returns an input error with a formatted message.
@@ -771,8 +769,8 @@ fn scheme_analysis(
         // Scores of the scheme's own with no measure of their own (GRAPE's): what its learned
         // parameters hold, summarised (a score bias's analysis lists them already).
         let positional = encoder.positional();
-        if let (PositionalModule::Scores(scores), None) = (positional, positional.score_bias()) {
-            for line in scores.notes()? {
+        if positional.score_bias().is_none() {
+            for line in positional.notes()? {
                 summary.push_str(&format!("{name}: {line}\n"));
             }
         }
@@ -809,13 +807,7 @@ fn scheme_analysis(
                         .ok_or_else(|| Error::Config(format!("{name} has no score bias")))
                 },
             )?;
-            curves.notes = match encoder.positional() {
-                PositionalModule::Scores(scores) => scores.notes()?,
-                other => match other.score_bias() {
-                    Some(bias) => bias.notes()?,
-                    None => Vec::new(),
-                },
-            };
+            curves.notes = encoder.positional().notes()?;
             summary.push_str(&curves.summary());
             files.extend(curves.write(dir)?);
         }

@@ -1348,10 +1348,10 @@ mod tests {
                 }
                 // Four products of each head's (t, t) logs with a (t, t) triangle.
                 "stick_breaking" => l * 8.0 * t * t * t * 4.0 * b,
-                // Both sides of 4 heads: the projection (p_dim 8), the edges and the sum over
-                // the side.
                 // DAPE's MLP at width 32 over 4 heads: 8 -> 32 -> 4 per pair.
                 "alibi_adaptive" => l * 2.0 * t * t * (8.0 * 32.0 + 32.0 * 4.0) * b,
+                // Both sides of 4 heads: the projection (p_dim 8), the edges and the sum over
+                // the side.
                 "grape_a" => {
                     l * 2.0 * 4.0 * (2.0 * t * d * 8.0 + 2.0 * t * t * 8.0 + 2.0 * t * t * t) * b
                 }

@@ -78,6 +78,15 @@ fn timing_stats(timings: &[Timing]) -> BTreeMap<(&str, &str), (Stat, Stat)> {
         .collect()
 }
 
+/// A test set's column heading: `2x (len 10-24…)` for a factor, `len 41-100…` for a range,
+/// `…` being `extra` (its size).
+fn test_heading(t: &super::results::TestInfo, extra: &str) -> String {
+    match t.factor {
+        Some(_) => format!("{} (len {}-{}{extra})", t.name, t.lengths[0], t.lengths[1]),
+        None => format!("len {}-{}{extra}", t.lengths[0], t.lengths[1]),
+    }
+}
+
 /// Next-token prediction's perplexity on each test set: `exp` of the mean loss over seeds (the
 /// geometric mean of the seeds' perplexities), with the lowest and highest seed's; `None` for
 /// other tasks.
@@ -87,10 +96,7 @@ fn perplexity_table(task: &TaskInfo, rows: &[&SummaryRow]) -> Option<TextTable> 
     }
     let mut table = TextTable {
         header: std::iter::once("variant".to_string())
-            .chain(task.tests.iter().map(|t| match t.factor {
-                Some(_) => format!("{} (len {}-{})", t.name, t.lengths[0], t.lengths[1]),
-                None => format!("len {}-{}", t.lengths[0], t.lengths[1]),
-            }))
+            .chain(task.tests.iter().map(|t| test_heading(t, "")))
             .collect(),
         right: std::iter::once(false)
             .chain(std::iter::repeat_n(true, task.tests.len()))
@@ -149,16 +155,7 @@ fn task_tables(
         n => format!(", n={n}"),
     };
     for t in &task.tests {
-        scores.header.push(match t.factor {
-            Some(_) => format!(
-                "{} (len {}-{}{})",
-                t.name,
-                t.lengths[0],
-                t.lengths[1],
-                size(t.examples)
-            ),
-            None => format!("len {}-{}{}", t.lengths[0], t.lengths[1], size(t.examples)),
-        });
+        scores.header.push(test_heading(t, &size(t.examples)));
         scores.right.push(true);
     }
     // Length-suite tasks: whole-sequence accuracy beside the per-output one.

@@ -138,12 +138,7 @@ fn causal_encoders_match_the_reference_on_every_path() {
         let plain = Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
         let mut weights = fx.weights.clone();
         // The right side's variables the causal fixture has none of: zeros.
-        let right = match config.positional.name() {
-            "cope" => Some(("cope.right", "cope.left")),
-            "grape_a" => Some(("grape.p_right.weight", "grape.p.weight")),
-            _ => None,
-        };
-        if let Some((right, left)) = right {
+        if let Some((right, left)) = right_side(config.positional.name()) {
             for i in 0..config.n_layers {
                 let zeros = weights[&format!("layers.{i}.attn.{left}")]
                     .zeros_like()

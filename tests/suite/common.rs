@@ -236,15 +236,10 @@ pub fn load_encoder_fixture_from(path: &Path) -> Result<EncoderFixture, String> 
             weights.remove(&key).ok_or(format!("no tensor `{key}`"))?;
         }
     }
-    // Under a causal mask CoPE's right table is never read, and poslab makes it no variable
-    // (it could never learn); the reference keeps it in the layout.
-    // So is GRAPE-AP's right projection.
-    let unread = match config.positional.name() {
-        "cope" => Some("cope.right"),
-        "grape_a" => Some("grape.p_right.weight"),
-        _ => None,
-    };
-    if let (true, Some(unread)) = (config.causal, unread) {
+    // Under a causal mask CoPE's right table and GRAPE-AP's right projection are never read,
+    // and poslab makes them no variables (they could never learn); the reference keeps them in
+    // the layout.
+    if let (true, Some((unread, _))) = (config.causal, right_side(config.positional.name())) {
         for i in 0..config.n_layers {
             let key = format!("layers.{i}.attn.{unread}");
             weights.remove(&key).ok_or(format!("no tensor `{key}`"))?;
@@ -675,6 +670,16 @@ pub fn training_gradients_on(
         .backward()
         .unwrap();
     check_all_gradients(&store, &grads, what)
+}
+
+/// A scheme's variable that only keys after the query read, beside its left twin (the names
+/// under `layers.{i}.attn.`): what a causal model has none of.
+pub fn right_side(scheme: &str) -> Option<(&'static str, &'static str)> {
+    match scheme {
+        "cope" => Some(("cope.right", "cope.left")),
+        "grape_a" => Some(("grape.p_right.weight", "grape.p.weight")),
+        _ => None,
+    }
 }
 
 /// Whether variable `name`'s gradient sums `dS` over every pair of tokens, whose rows sum to

@@ -228,13 +228,24 @@ pub fn allowed_keys(
         .ge(MASKED_SCORE / 2.0)?
         .to_dtype(dtype)?
         .reshape((b, 1, 1, t))?;
-    let inside: Vec<f64> = (0..t * t)
-        .map(|n| f64::from(u8::from(!window.hides(n / t, n % t))))
+    let inside = pair_mask(t, |i, j| !window.hides(i, j), dtype, key_padding.device())?;
+    real.broadcast_mul(&inside.reshape((1, 1, t, t))?)
+}
+
+/// `(t, t)`: 1 where `keep(row, column)`, else 0, in `dtype` on `device`: a mask or a triangle
+/// over query-key pairs.
+pub fn pair_mask(
+    t: usize,
+    keep: impl Fn(usize, usize) -> bool,
+    dtype: DType,
+    device: &candle::Device,
+) -> Result<Tensor> {
+    let v: Vec<f64> = (0..t * t)
+        .map(|n| f64::from(u8::from(keep(n / t, n % t))))
         .collect();
-    let inside = Tensor::from_vec(inside, (1, 1, t, t), &candle::Device::Cpu)?
+    Tensor::from_vec(v, (t, t), &candle::Device::Cpu)?
         .to_dtype(dtype)?
-        .to_device(key_padding.device())?;
-    real.broadcast_mul(&inside)
+        .to_device(device)
 }
 
 /// What attention reads besides the hidden states: plain tensors, built by whoever knows the

@@ -33,8 +33,8 @@ pub use crate::kernels::{
     head_product_gflops, linear_pass_gflops, matmul_gflops, HeadProduct, LinearPass,
 };
 pub use attention::{
-    allowed_keys, key_padding_bias, window_bias, AttentionBias, AttentionInputs, AttentionWeights,
-    ForgetGates, LayerBias, QkScores, SelfAttention, Window,
+    allowed_keys, key_padding_bias, pair_mask, window_bias, AttentionBias, AttentionInputs,
+    AttentionWeights, ForgetGates, LayerBias, QkScores, SelfAttention, Window,
 };
 pub use dropout::{Dropout, SharedRng};
 pub use feed_forward::{Activation, FeedForward};

@@ -29,7 +29,7 @@
 //! stores neither `u` nor the hidden layer; elsewhere a composition that keeps `width` tables
 //! of hidden values. Cost: `O(t² H width)` a layer.
 
-use candle::{DType, Tensor};
+use candle::Tensor;
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -95,6 +95,14 @@ impl Adaptive {
         (w * 2 * h + w + h * w) * shape.layers.count(shape.n_layers) as u128
     }
 
+    /// A bias scheme's label: its name, marked `(adaptive)` under DAPE's MLP.
+    pub fn label(adaptive: Option<&Self>, name: &str) -> String {
+        match adaptive {
+            Some(_) => format!("{name} (adaptive)"),
+            None => name.into(),
+        }
+    }
+
     /// What `inspect` adds to the scheme's line.
     pub fn describe(&self, heads: usize) -> String {
         format!(
@@ -112,9 +120,10 @@ impl Adaptive {
         2.0 * t * t * (2.0 * h * w + w * h) * batch as f64 * layers
     }
 
-    /// The attention tables a layer holds at its peak (see [`super::ScoreMemory`]): the
-    /// logits and bias joined, the hidden layer before and after its activation (`width` each)
-    /// and the sums, with their gradients in a step.
+    /// The attention tables a layer holds at its peak (see [`super::ScoreMemory`]), as the
+    /// composition holds them: the logits and bias joined, the hidden layer before and after its
+    /// activation (`width` each) and the sums, with their gradients in a step. The fused CPU
+    /// node stores neither the join nor the hidden layer, so it stays below this.
     pub fn score_tensors(&self, training: bool) -> usize {
         let hidden = 2 * self.width + 8;
         match training {
@@ -183,15 +192,8 @@ impl DapeMlp {
         // The heads are the MLP's channels, each pair a column: (n, h, t t).
         let s = s.to_dtype(dtype)?.reshape((n, h, t * t))?;
         let b = bias.to_dtype(dtype)?.reshape((bias.dim(0)?, h, t * t))?;
-        let zeros;
-        let c1 = match self.mlp1.bias() {
-            Some(c1) => c1,
-            None => {
-                zeros = self.mlp1.bias_or_zeros()?;
-                &zeros
-            }
-        };
-        let weights = (self.mlp1.weight(), c1, self.mlp2.weight());
+        let c1 = self.mlp1.bias_or_zeros()?;
+        let weights = (self.mlp1.weight(), &c1, self.mlp2.weight());
         let out = crate::nn::channel_mlp(&s, &b, weights, DAPE_SLOPE, backend)?;
         Ok(out.reshape((n, h, t, t))?)
     }
@@ -247,17 +249,10 @@ impl ScoreModule for Dape {
         let mut notes = self.inner.notes()?;
         for (l, mlp) in self.layers.iter().enumerate() {
             let Some(mlp) = mlp else { continue };
-            let norm = |t: &Tensor| -> Result<f64> {
-                Ok(t.to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .sqrt()?
-                    .to_scalar::<f64>()?)
-            };
             notes.push(format!(
                 "layer {l}: DAPE MLP weight norms {:.4} (in), {:.4} (out)",
-                norm(mlp.mlp1.weight())?,
-                norm(mlp.mlp2.weight())?
+                super::weight_norm(mlp.mlp1.weight())?,
+                super::weight_norm(mlp.mlp2.weight())?
             ));
         }
         Ok(notes)

@@ -66,10 +66,7 @@ impl Describe for AlibiOptions {
     }
 
     fn label(&self) -> String {
-        match self.adaptive {
-            Some(_) => "alibi (adaptive)".into(),
-            None => "alibi".into(),
-        }
+        Adaptive::label(self.adaptive.as_ref(), self.name())
     }
 }
 

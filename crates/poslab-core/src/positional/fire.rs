@@ -172,10 +172,7 @@ impl Describe for FireOptions {
     }
 
     fn label(&self) -> String {
-        match self.adaptive {
-            Some(_) => "fire (adaptive)".into(),
-            None => "fire".into(),
-        }
+        Adaptive::label(self.adaptive.as_ref(), self.name())
     }
 }
 

@@ -241,14 +241,8 @@ impl GrapeAFrame {
             .to_dtype(dtype)?
             .to_device(device)?;
         let t = positions.len();
-        let triangle = |keep: fn(usize, usize) -> bool| -> Result<Tensor> {
-            let v: Vec<f64> = (0..t * t)
-                .map(|n| f64::from(u8::from(keep(n / t, n % t))))
-                .collect();
-            Ok(Tensor::from_vec(v, (t, t), &Device::Cpu)?
-                .to_dtype(dtype)?
-                .to_device(device)?)
-        };
+        let triangle =
+            |keep: fn(usize, usize) -> bool| crate::nn::pair_mask(t, keep, dtype, device);
         Ok(Self {
             cos,
             neg_sin,
@@ -342,14 +336,7 @@ impl ScoreModule for GrapeA {
                 let Some(layer) = layer else {
                     return Ok(format!("layer {l}: no positions"));
                 };
-                let norm = |p: &Linear| -> Result<f64> {
-                    Ok(p.weight()
-                        .to_dtype(DType::F64)?
-                        .sqr()?
-                        .sum_all()?
-                        .sqrt()?
-                        .to_scalar::<f64>()?)
-                };
+                let norm = |p: &Linear| super::weight_norm(p.weight());
                 Ok(match &layer.right {
                     Some(right) => format!(
                         "layer {l}: edge projection norms {:.4} (left), {:.4} (right)",

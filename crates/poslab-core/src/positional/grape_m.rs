@@ -66,10 +66,12 @@ impl Default for GrapeMOptions {
 }
 
 impl GrapeMOptions {
-    /// The stored values a layer starts at: `s ln(base^(-2c/d_head))` for `c < d_head/2`.
+    /// The stored values a layer starts at: `s ln(base^(-2c/d_head))` for `c < d_head/2`, the
+    /// logarithms of RoPE's frequencies.
     pub fn initial_log_freq(&self, head_dim: usize) -> Vec<f64> {
-        (0..head_dim / 2)
-            .map(|c| self.log_freq_scale * -(2.0 * c as f64 / head_dim as f64) * self.base.ln())
+        super::sinusoidal::inverse_frequencies(head_dim, self.base)
+            .into_iter()
+            .map(|w| self.log_freq_scale * w.ln())
             .collect()
     }
 }
@@ -205,7 +207,11 @@ impl GrapeM {
     /// Layer `layer`'s frequencies `exp(log_freq / s)`, `(d_head/2)`.
     pub fn frequencies(&self, layer: usize) -> Option<Result<Tensor>> {
         let lf = self.log_freqs.get(layer)?.as_ref()?;
-        Some((|| Ok((lf / self.log_freq_scale)?.exp()?))())
+        Some(
+            (lf / self.log_freq_scale)
+                .and_then(|l| l.exp())
+                .map_err(Into::into),
+        )
     }
 }
 

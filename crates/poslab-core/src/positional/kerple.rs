@@ -88,10 +88,7 @@ impl Describe for KerpleOptions {
     }
 
     fn label(&self) -> String {
-        match self.adaptive {
-            Some(_) => "kerple (adaptive)".into(),
-            None => "kerple".into(),
-        }
+        Adaptive::label(self.adaptive.as_ref(), self.name())
     }
 }
 

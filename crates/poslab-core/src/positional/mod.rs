@@ -544,6 +544,16 @@ impl PositionalModule {
         }
     }
 
+    /// What its learned parameters hold, in lines for `analyze`: its bias's or its scores'
+    /// notes (none for a scheme on the input or a rotation).
+    pub fn notes(&self) -> Result<Vec<String>> {
+        match self {
+            Self::ScoreBias(bias) => bias.notes(),
+            Self::Scores(scores) => scores.notes(),
+            Self::Input(_) | Self::Rotation(_) => Ok(Vec::new()),
+        }
+    }
+
     /// The scheme's score bias: its module, or the one its scores add through more than a sum
     /// (DAPE's MLP); `None` for a scheme without one.
     pub fn score_bias(&self) -> Option<&ScoreBias> {
@@ -553,6 +563,15 @@ impl PositionalModule {
             Self::Input(_) | Self::Rotation(_) => None,
         }
     }
+}
+
+/// The Frobenius norm of a weight, in f64, for a line of notes.
+pub(crate) fn weight_norm(w: &Tensor) -> Result<f64> {
+    Ok(w.to_dtype(candle::DType::F64)?
+        .sqr()?
+        .sum_all()?
+        .sqrt()?
+        .to_scalar::<f64>()?)
 }
 
 /// Numbers for a line of notes, 4 decimals each.

@@ -303,21 +303,6 @@ impl AttentionWeights for SbLayer {
     }
 }
 
-/// `(t, t)` ones where `keep(row, column)`, in `dtype`.
-fn triangle(
-    t: usize,
-    keep: impl Fn(usize, usize) -> bool,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let v: Vec<f64> = (0..t * t)
-        .map(|n| f64::from(u8::from(keep(n / t, n % t))))
-        .collect();
-    Ok(Tensor::from_vec(v, (t, t), &Device::Cpu)?
-        .to_dtype(dtype)?
-        .to_device(device)?)
-}
-
 /// Stick-breaking weights and remainders of scaled logits `z`, over the keys `allowed` lets
 /// each query see (real keys, and under a causal mask those at or before the query); even
 /// heads break left first, odd heads right first; the query's own key breaks first when
@@ -336,7 +321,7 @@ pub fn stick_breaking_weights(
 ) -> Result<(Tensor, Tensor)> {
     let (_, h, t, _) = z.dims4()?;
     let (dtype, device) = (z.dtype(), z.device());
-    let tri = |keep: fn(usize, usize) -> bool| triangle(t, keep, dtype, device);
+    let tri = |keep: fn(usize, usize) -> bool| crate::nn::pair_mask(t, keep, dtype, device);
     let diagonal = tri(|i, j| i == j)?;
     let below = tri(|i, j| j < i)?; // (query i, key j): keys before the query
     let above = tri(|i, j| j > i)?;

@@ -138,10 +138,7 @@ impl Describe for T5Options {
     }
 
     fn label(&self) -> String {
-        match self.adaptive {
-            Some(_) => "t5 (adaptive)".into(),
-            None => "t5".into(),
-        }
+        Adaptive::label(self.adaptive.as_ref(), self.name())
     }
 }
 

@@ -436,7 +436,8 @@ impl CustomOp3 for ChannelMlpGrad {
                 l1.shape()
             );
         }
-        let per = l1.shape().dims3()?.1 * l1.shape().dims3()?.2;
+        let (_, h, p) = l1.shape().dims3()?;
+        let per = h * p;
         if per != self.sizes.h * l2.shape().dims3()?.2 {
             candle::bail!("fused {what}: x {:?} and y {:?}", l1.shape(), l2.shape());
         }
