@@ -115,8 +115,11 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// A finished run's record: its training, its test scores, where its model is.
+/// A finished run's record: its training, its test scores (with the perplexity of next-token
+/// prediction), where its model is.
 fn print_finished(m: &runs::train_run::Metrics, dir: &Path) -> Result<()> {
+    let next_token = runs::train_run::TrainRunConfig::load(dir.join(runs::train_run::TRAIN_CONFIG))
+        .is_ok_and(|c| matches!(c.task.kind, poslab::tasks::TaskKind::Lm(_)));
     outln!(
         "{}: {} steps, {} tokens, final train loss {:.4}, {:.0} tokens/s, {} parameters{}",
         m.name,
@@ -134,8 +137,12 @@ fn print_finished(m: &runs::train_run::Metrics, dir: &Path) -> Result<()> {
     for e in &m.summary.evaluations {
         match &e.outcome {
             Outcome::Scored { accuracy, loss, .. } => {
+                let perplexity = match next_token {
+                    true => format!("  perplexity {:.2}", loss.exp()),
+                    false => String::new(),
+                };
                 outln!(
-                    "  test {:<10} accuracy {:5.1}%  loss {loss:.4}",
+                    "  test {:<10} accuracy {:5.1}%  loss {loss:.4}{perplexity}",
                     e.name,
                     100.0 * accuracy
                 )

@@ -465,9 +465,29 @@ impl ExperimentConfig {
             model
                 .validate()
                 .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
-            for task in &self.tasks {
-                task.check_causal(model.causal)
-                    .map_err(|e| Error::Config(format!("variant `{}`: {e}", variant.name)))?;
+        }
+        // A task a variant cannot run (next-token prediction without a causal mask) has no
+        // cell of it; a task no variant runs, or a variant that runs no task, is refused.
+        // Why none of `pairs` runs, if none does.
+        let none_runs = |pairs: &mut dyn Iterator<Item = (&TaskSpec, &VariantSpec)>| {
+            pairs
+                .map(|(t, v)| t.check_causal(self.is_causal(v)))
+                .reduce(|a, b| a.or(b))
+                .and_then(|r| r.err())
+        };
+        for task in &self.tasks {
+            if let Some(e) = none_runs(&mut self.variants.iter().map(|v| (task, v))) {
+                return Err(Error::Config(format!(
+                    "{e} (no variant of this experiment has one)"
+                )));
+            }
+        }
+        for variant in &self.variants {
+            if let Some(e) = none_runs(&mut self.tasks.iter().map(|t| (t, variant))) {
+                return Err(Error::Config(format!(
+                    "variant `{}` runs none of the tasks: {e}",
+                    variant.name
+                )));
             }
         }
         let rows = self.variant_rows();
@@ -552,7 +572,7 @@ impl ExperimentConfig {
         for t in &tasks {
             let ti = index_of(&t.name, &task_names).expect("selected from the config");
             for &seed in &seeds {
-                for v in &variants {
+                for v in variants.iter().filter(|v| self.runs(t, v)) {
                     let vi = index_of(&v.name, &variant_names).expect("selected from the config");
                     cells.push((ti, vi, seed));
                 }
@@ -574,6 +594,18 @@ impl ExperimentConfig {
             }
         }
         Ok(cells)
+    }
+
+    /// Whether `variant` has a causal mask (its own `causal`, or the `[model]` table's).
+    pub fn is_causal(&self, variant: &VariantSpec) -> bool {
+        variant.causal.unwrap_or(self.model.causal)
+    }
+
+    /// Whether `variant` runs `task`: every variant runs every task, but next-token
+    /// prediction, which only a causal variant can learn (an encoder reads the token asked
+    /// for). The experiment has no cell of a pair that does not run.
+    pub fn runs(&self, task: &TaskSpec, variant: &VariantSpec) -> bool {
+        task.check_causal(self.is_causal(variant)).is_ok()
     }
 
     /// The selected tasks, variants and seeds, refusing names that do not exist.

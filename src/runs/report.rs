@@ -91,7 +91,7 @@ fn test_heading(t: &super::results::TestInfo, extra: &str) -> String {
 /// geometric mean of the seeds' perplexities), with the lowest and highest seed's; `None` for
 /// other tasks.
 fn perplexity_table(task: &TaskInfo, rows: &[&SummaryRow]) -> Option<TextTable> {
-    if task.kind != "lm" {
+    if !task.needs_causal() {
         return None;
     }
     let mut table = TextTable {
@@ -241,12 +241,26 @@ fn task_tables(
             table.rows.push(r);
         }
     }
-    let notes = notes
+    let mut notes: Vec<String> = notes
         .0
         .iter()
         .enumerate()
         .map(|(i, n)| format!("[{}] {n}", i + 1))
         .collect();
+    let encoders: Vec<&str> = results
+        .variants
+        .iter()
+        .filter(|v| !results.runs(task, &v.name))
+        .map(|v| v.name.as_str())
+        .collect();
+    if !encoders.is_empty() {
+        notes.push(format!(
+            "Next-token prediction runs on the causal variants only: {} {} no cells here \
+             (without the mask each position reads the token it is asked for).",
+            encoders.join(", "),
+            if encoders.len() == 1 { "has" } else { "have" }
+        ));
+    }
     (scores, tests, sequences, notes)
 }
 

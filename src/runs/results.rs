@@ -100,6 +100,11 @@ pub struct TaskInfo {
 }
 
 impl TaskInfo {
+    /// Whether only a causal variant runs the task: next-token prediction.
+    pub fn needs_causal(&self) -> bool {
+        self.kind == crate::tasks::TaskKind::Lm(Default::default()).name()
+    }
+
     /// The test set the shuffle and shift tests run on: the one at the training lengths (the
     /// first of a range list).
     pub fn base_test(&self) -> Option<&TestInfo> {
@@ -623,6 +628,17 @@ impl ComparisonPlan {
 }
 
 impl Results {
+    /// Whether row `row` runs `task` at all: every row runs every task but next-token
+    /// prediction, which an encoder's rows do not (the experiment has no cell of them).
+    pub fn runs(&self, task: &TaskInfo, row: &str) -> bool {
+        !task.needs_causal()
+            || self
+                .variants
+                .iter()
+                .find(|v| v.name == row)
+                .is_none_or(|v| v.causal)
+    }
+
     /// Whether the results hold a cell of `row` on `task` (a run of some of the variants holds
     /// none of the others).
     pub fn has_cells(&self, task: &str, row: &str) -> bool {
@@ -794,7 +810,11 @@ fn compare(results: &Results, plan: &ComparisonPlan) -> (Vec<Comparison>, Vec<Sk
         let mut estimates = Vec::new();
         for task in &results.tasks {
             for column in task.columns() {
-                for (a, b) in pairs {
+                // A pair one side of which does not run the task is no comparison.
+                for (a, b) in pairs
+                    .iter()
+                    .filter(|(a, b)| results.runs(task, a) && results.runs(task, b))
+                {
                     let skip = |reason: String| Skipped {
                         task: task.name.clone(),
                         evaluation: column.clone(),

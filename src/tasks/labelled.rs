@@ -70,6 +70,7 @@ pub(super) fn splits(
         tests: vec![TestSet::of_file(test)],
         objective,
         vocabulary: None,
+        tokenizer: None,
     })
 }
 

@@ -89,6 +89,7 @@ impl Mlm {
             tests: vec![TestSet::of_file(test)],
             objective: self.objective_only(),
             vocabulary: None,
+            tokenizer: None,
         })
     }
 }

@@ -66,7 +66,7 @@ pub enum TaskKind {
     FlipFlop(FlipFlop),
     /// Masked language modelling on generated sentences or a text file ([`mlm`]).
     Mlm(Mlm),
-    /// Next-token prediction on a generated corpus, for causal models ([`lm`]).
+    /// Next-token prediction on a generated corpus or a text file, for causal models ([`lm`]).
     Lm(Lm),
     /// Sentence labels from the user's files: TSV, CSV with a header, or JSONL.
     Classify(FileOptions),
@@ -96,9 +96,19 @@ impl TaskKind {
         }
     }
 
-    /// Whether the examples come from files (with their own lengths) rather than a generator.
+    /// Whether the examples come from files at their own lengths (without `lengths`), rather
+    /// than a generator or windows of a text file cut to the lengths asked for.
     pub fn from_files(&self) -> bool {
-        self.generator().is_none()
+        self.generator().is_none() && self.text_windows().is_none()
+    }
+
+    /// The text file a task cuts its examples from at the lengths asked for (`lm` with a
+    /// `text_file`).
+    pub fn text_windows(&self) -> Option<(&Lm, &std::path::Path)> {
+        match self {
+            Self::Lm(l) => l.text_file.as_deref().map(|p| (l, p)),
+            _ => None,
+        }
     }
 
     /// The generator of a built-in task (`None` for one read from files).
@@ -111,9 +121,9 @@ impl TaskKind {
             Self::Mqar(g) => Some(g),
             Self::FlipFlop(g) => Some(g),
             Self::Mlm(g) if g.text_file.is_none() => Some(g),
-            Self::Lm(g) => Some(g),
+            Self::Lm(g) if g.text_file.is_none() => Some(g),
             Self::Algorithmic(g) => Some(g),
-            Self::Mlm(_) | Self::Classify(_) | Self::Tag(_) => None,
+            Self::Mlm(_) | Self::Lm(_) | Self::Classify(_) | Self::Tag(_) => None,
         }
     }
 }
@@ -568,13 +578,23 @@ pub(crate) fn check_vocabulary(
 }
 
 /// A task's examples split for training and testing, what they are scored on, and the task's
-/// own vocabulary (for a word-level tokenizer).
+/// own vocabulary (for a word-level tokenizer) or its own tokenizer.
 struct Splits {
     train: Vec<Example>,
     valid: Vec<Example>,
     tests: Vec<TestSet>,
     objective: Objective,
     vocabulary: Option<Vec<String>>,
+    tokenizer: Option<TextTokenizer>,
+}
+
+/// The split an example is drawn for: a generator draws every split alike, a text file's
+/// windows come from its own part for each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Train = 0,
+    Valid = 1,
+    Test = 2,
 }
 
 impl TaskSpec {
@@ -604,6 +624,9 @@ impl TaskSpec {
                 .chain(o.test.clone())
                 .collect(),
             TaskKind::Mlm(Mlm {
+                text_file: Some(f), ..
+            })
+            | TaskKind::Lm(Lm {
                 text_file: Some(f), ..
             }) => vec![f.clone()],
             _ => Vec::new(),
@@ -713,6 +736,10 @@ impl TaskSpec {
         }
         let shortest = self.test_ranges().iter().map(|r| r[0]).min().unwrap_or(lo);
         let lo = lo.min(shortest);
+        if let Some((lm, _)) = self.kind.text_windows() {
+            lm.check_text(&self.tokenizer).or_else(err)?;
+            return lm.check(lo, longest).or_else(err);
+        }
         match self.kind.generator() {
             Some(g) => g.check(lo, longest).or_else(err),
             None => Ok(()),
@@ -805,10 +832,11 @@ impl TaskSpec {
         )
     }
 
-    /// The sizes of a generated task's whole splits: training examples, and the examples of
-    /// the validation set and of each test set; `None` for a task read from files.
+    /// The sizes of a generated task's whole splits (or a text file's windows): training
+    /// examples, and the examples of the validation set and of each test set; `None` for a
+    /// task read from files at their own lengths.
     pub fn generated_sizes(&self) -> Option<(usize, usize)> {
-        self.kind.generator().map(|_| {
+        (!self.kind.from_files()).then(|| {
             (
                 self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES),
                 self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES),
@@ -831,8 +859,16 @@ impl TaskSpec {
             tests,
             objective,
             vocabulary,
+            tokenizer: own_tokenizer,
         } = match (&self.kind, self.kind.generator()) {
             (_, Some(g)) => self.generated(g, caps.unwrap_or([usize::MAX; 2]))?,
+            (TaskKind::Lm(l), None) => {
+                let path = l
+                    .text_file
+                    .as_deref()
+                    .expect("an lm task without a generator reads a file");
+                l.text_splits(path, self, caps.unwrap_or([usize::MAX; 2]))?
+            }
             (TaskKind::Classify(o), _) => {
                 labelled::splits(o, RecordKind::Class, self.data_seed, self.train_examples)?
             }
@@ -858,7 +894,7 @@ impl TaskSpec {
             TokenizerSpec::WordLevel { .. } => vocabulary,
             _ => None,
         };
-        let tokenizer = match tokenizer {
+        let tokenizer = match tokenizer.or(own_tokenizer) {
             Some(t) => t,
             None => self
                 .tokenizer
@@ -913,17 +949,37 @@ impl TaskSpec {
 
     /// The splits of a generated task (cut to their first `train_cap` and `eval_cap` examples),
     /// its objective and its own vocabulary.
-    fn generated(&self, g: &dyn Generator, [train_cap, cap]: [usize; 2]) -> Result<Splits> {
+    fn generated(&self, g: &dyn Generator, caps: [usize; 2]) -> Result<Splits> {
+        let (train, valid, tests) = self.drawn(&|_, rng, len| g.example(rng, len), caps);
+        let (objective, vocabulary) = g.objective();
+        Ok(Splits {
+            train,
+            valid,
+            tests,
+            objective,
+            vocabulary: Some(vocabulary),
+            tokenizer: None,
+        })
+    }
+
+    /// The training examples, the validation examples and the test sets at the lengths the
+    /// spec asks for (cut to their first `train_cap` and `eval_cap` examples), each drawn by
+    /// `draw` for its part.
+    fn drawn(
+        &self,
+        draw: &dyn Fn(Part, &mut Rng, usize) -> Example,
+        [train_cap, cap]: [usize; 2],
+    ) -> (Vec<Example>, Vec<Example>, Vec<TestSet>) {
         let [lo, hi] = self
             .lengths
             .expect("validated: generated tasks have lengths");
         // The first `n` examples of a split, lengths drawn at random.
-        let make = |split: &str, n: usize, lengths: [usize; 2]| -> Vec<Example> {
+        let make = |split: &str, part: Part, n: usize, lengths: [usize; 2]| -> Vec<Example> {
             let mut rng = rng::stream(self.data_seed, &format!("task/{}/{split}", self.name));
             (0..n)
                 .map(|_| {
                     let len = rng.random_range(lengths[0]..=lengths[1]);
-                    g.example(&mut rng, len)
+                    draw(part, &mut rng, len)
                 })
                 .collect()
         };
@@ -937,7 +993,9 @@ impl TaskSpec {
                 true => cap.div_ceil(width).saturating_mul(width).min(n),
                 false => n,
             };
-            (0..n).map(|i| g.example(&mut rng, a + i % width)).collect()
+            (0..n)
+                .map(|i| draw(Part::Test, &mut rng, a + i % width))
+                .collect()
         };
         let n_eval = self.eval_examples.unwrap_or(DEFAULT_EVAL_EXAMPLES);
         let tests = if self.test_lengths.is_empty() {
@@ -949,7 +1007,7 @@ impl TaskSpec {
                         name: format!("{f}x"),
                         factor: Some(f),
                         lengths,
-                        examples: make(&format!("test{f}x"), n_eval.min(cap), lengths),
+                        examples: make(&format!("test{f}x"), Part::Test, n_eval.min(cap), lengths),
                     }
                 })
                 .collect()
@@ -968,16 +1026,9 @@ impl TaskSpec {
                 .collect()
         };
         let n_train = self.train_examples.unwrap_or(DEFAULT_TRAIN_EXAMPLES);
-        let train = make("train", n_train.min(train_cap), [lo, hi]);
-        let valid = make("valid", n_eval.min(cap), [lo, hi]);
-        let (objective, vocabulary) = g.objective();
-        Ok(Splits {
-            train,
-            valid,
-            tests,
-            objective,
-            vocabulary: Some(vocabulary),
-        })
+        let train = make("train", Part::Train, n_train.min(train_cap), [lo, hi]);
+        let valid = make("valid", Part::Valid, n_eval.min(cap), [lo, hi]);
+        (train, valid, tests)
     }
 }
 

@@ -443,6 +443,29 @@ fn lm_experiment(causal: bool) -> String {
     )
 }
 
+/// Each test set of `lm_experiment`'s cell scored at its own lengths (1x 8-16, 2x, 4x), at
+/// more than four of them, with a perplexity between 2 and `most`: below 2 would be a model
+/// that reads the tokens it predicts, since the corpus's choices (which adjective, which of the
+/// cast, active or passive) are random.
+fn assert_perplexity_by_length(cell: &poslab::runs::results::CellResult, most: f64) {
+    use poslab::runs::results::Outcome;
+    for (test, lengths) in [("1x", 8..=16), ("2x", 16..=32), ("4x", 32..=64)] {
+        let Outcome::Scored {
+            loss, by_length, ..
+        } = cell.evaluation(test).unwrap()
+        else {
+            panic!("{test} was not scored");
+        };
+        assert!(by_length.iter().all(|s| lengths.contains(&s.length)));
+        assert!(by_length.len() > 4, "{test}: {} lengths", by_length.len());
+        let perplexity = loss.exp();
+        assert!(
+            perplexity > 2.0 && perplexity < most,
+            "{test}: {perplexity}"
+        );
+    }
+}
+
 #[test]
 fn next_token_prediction_is_refused_without_a_causal_mask() {
     let err = poslab::runs::ExperimentConfig::from_toml_str(&lm_experiment(false))
@@ -457,34 +480,112 @@ fn next_token_prediction_is_refused_without_a_causal_mask() {
 #[test]
 fn a_causal_model_learns_the_corpus_and_reports_perplexity_by_length() {
     use poslab::runs::compare::{run, RunOptions};
-    use poslab::runs::results::Outcome;
     let config = poslab::runs::ExperimentConfig::from_toml_str(&lm_experiment(true)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let results = run(&config, &RunOptions::new(Device::Cpu, dir.path()), &|_| {})
         .unwrap()
         .results;
-    let cell = &results.cells[0];
-    // Each test set is scored at its lengths; the corpus's unigram perplexity is about 27 (the
-    // `lm` unit tests), and a model that reads the document so far is far below it at the
-    // training lengths and past them.
-    for (test, lengths) in [("1x", 8..=16), ("2x", 16..=32), ("4x", 32..=64)] {
-        let Outcome::Scored {
-            loss, by_length, ..
-        } = cell.evaluation(test).unwrap()
-        else {
-            panic!("{test} was not scored");
-        };
-        assert!(by_length.iter().all(|s| lengths.contains(&s.length)));
-        assert!(by_length.len() > 4, "{test}: {} lengths", by_length.len());
-        // Below 2 would be a model that reads the tokens it predicts: the corpus's choices
-        // (which adjective, which of the cast, active or passive) are random.
-        let perplexity = loss.exp();
-        assert!(perplexity > 2.0 && perplexity < 9.0, "{test}: {perplexity}");
-    }
+    // The corpus's unigram perplexity is about 27 (the `lm` unit tests), and a model that reads
+    // the document so far is far below it at the training lengths and past them.
+    assert_perplexity_by_length(&results.cells[0], 9.0);
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(report.contains("next-token accuracy"), "{report}");
     assert!(
         report.contains("Perplexity (exp of the mean next-token loss"),
         "{report}"
+    );
+}
+
+#[test]
+fn a_causal_model_learns_a_users_text_file_and_reports_perplexity_past_its_lengths() {
+    use poslab::runs::compare::{run, RunOptions};
+    // The built-in corpus's documents written as a user's file, one per line: the same
+    // grammar, now read word by word from the file, cut into parts, with its own labels.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("documents.txt");
+    let lm = poslab::tasks::lm::Lm::default();
+    let mut rng = poslab::rng::stream(5, "a user's documents");
+    let text: String = (0..150)
+        .map(|_| lm.document(&mut rng, 90).join(" ") + "\n")
+        .collect();
+    std::fs::write(&path, text).unwrap();
+    let toml = lm_experiment(true).replace(
+        "kind = \"lm\"\n",
+        &format!(
+            "kind = \"lm\"\ntext_file = {:?}\n",
+            path.display().to_string()
+        ),
+    );
+    let config = poslab::runs::ExperimentConfig::from_toml_str(&toml).unwrap();
+    let out = dir.path().join("run");
+    let results = run(&config, &RunOptions::new(Device::Cpu, &out), &|_| {})
+        .unwrap()
+        .results;
+    // The file's last 10% (1,365 words) holds the test tapes at 1x, 2x and 4x the training
+    // lengths; the grammar's perplexity there is the built-in corpus's, far below its unigram
+    // 27 at every length.
+    assert_perplexity_by_length(&results.cells[0], 10.0);
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(report.contains("Perplexity"), "{report}");
+}
+
+#[test]
+fn an_experiment_of_both_modes_runs_next_token_prediction_on_its_causal_variants_only() {
+    use poslab::runs::compare::{run, RunOptions};
+    use poslab::runs::Selection;
+    let toml = "name = \"modes\"\nseeds = 2\n\
+        [model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+        [train]\nbudget = { steps = 20 }\nbatch_size = 16\n\
+        [[tasks]]\nkind = \"prev_token\"\nlengths = [4, 8]\ntrain_examples = 100\neval_examples = 20\n\
+        [[tasks]]\nkind = \"lm\"\nlengths = [4, 8]\ntrain_examples = 100\neval_examples = 20\n\
+        [[variants]]\nname = \"rope\"\npositional = { kind = \"rope\" }\n\
+        [[variants]]\nname = \"rope_causal\"\npositional = { kind = \"rope\" }\ncausal = true\n\
+        [[variants]]\nname = \"none_causal\"\npositional = { kind = \"none\" }\ncausal = true\n";
+    let config = poslab::runs::ExperimentConfig::from_toml_str(toml).unwrap();
+    // prev_token: 3 variants; lm: the 2 causal ones; 2 seeds each.
+    let cells = config.cells(&Selection::default()).unwrap();
+    assert_eq!(cells.len(), (3 + 2) * 2);
+    assert!(!cells.iter().any(|&(t, v, _)| t == 1 && v == 0));
+    let dir = tempfile::tempdir().unwrap();
+    let results = run(&config, &RunOptions::new(Device::Cpu, dir.path()), &|_| {})
+        .unwrap()
+        .results;
+    // Each row against the first: on prev_token both comparisons have estimates; on lm the
+    // encoder's pairs are no comparison at all (neither a verdict nor a skipped one).
+    let on = |task: &str| {
+        results
+            .comparisons
+            .iter()
+            .filter(|c| c.task == task)
+            .map(|c| (c.a.clone(), c.b.clone()))
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(on("prev_token").len(), 2);
+    assert!(on("lm").is_empty());
+    assert!(!results.comparisons_skipped.iter().any(|k| k.task == "lm"));
+    let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
+    assert!(
+        report.contains("causal variants only: rope has no cells here"),
+        "{report}"
+    );
+    assert!(!report.contains("hold no cell of"), "{report}");
+    // A task no variant runs is still refused.
+    let encoders_only = toml.replace("causal = true", "causal = false");
+    let err = poslab::runs::ExperimentConfig::from_toml_str(&encoders_only)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("causal = true"), "{err}");
+    // So is a variant that runs no task: an encoder beside next-token prediction alone.
+    let lm_only = toml.replace(
+        "[[tasks]]\nkind = \"prev_token\"\nlengths = [4, 8]\ntrain_examples = 100\neval_examples = 20\n",
+        "",
+    );
+    assert_ne!(lm_only, toml);
+    let err = poslab::runs::ExperimentConfig::from_toml_str(&lm_only)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("variant `rope` runs none of the tasks"),
+        "{err}"
     );
 }

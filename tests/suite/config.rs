@@ -259,6 +259,7 @@ fn shipped_configs_are_valid() {
         experiments,
         [
             "add_vs_concat.toml",
+            "causal.toml",
             "compare.toml",
             "compare_reviews.toml",
             "layers.toml",
