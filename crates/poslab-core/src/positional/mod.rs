@@ -84,7 +84,8 @@ pub use sinusoidal::{inverse_frequencies, sinusoidal_table};
 pub use sinusoidal_add::SinusoidalOptions;
 pub use sinusoidal_concat::ConcatOptions;
 pub use stick_breaking::{
-    stick_breaking_weights, Remainder, SbLayer, StickBreaking, StickBreakingOptions,
+    stick_breaking_reference, stick_breaking_weights, Remainder, SbLayer, StickBreaking,
+    StickBreakingOptions,
 };
 pub use t5::{t5_bucket, t5_bucket_causal, T5Bias, T5Options};
 pub use table::{PositionTable, MAX_TABLE_VALUES};

@@ -25,8 +25,10 @@
 //! ```
 //!
 //! (`L_ii` only with `attend_current`; `A_ii = β_ii` then, 0 otherwise), each sum taken
-//! directly over its keys by a product with a triangle of ones, never as a difference of two
-//! running sums.
+//! directly over its keys, never as a difference of two running sums: by the fused CPU kernel
+//! (`kernels::cpu::stick_breaking`) as one walk over each row's keys in their order, forward
+//! and backward, and by the composition ([`stick_breaking_reference`], the other paths) as a
+//! product with a triangle of ones.
 //!
 //! The remainder `R_i` is dropped (`remainder = "none"`, the default, fla's layer, no
 //! parameters) or adds `R_i b_h` to each head's output (`remainder = "bias"`, IBM dolomite's
@@ -37,8 +39,8 @@
 //! `encoder_stick_breaking_current_h4_post`, `encoder_stick_breaking_bias_pre`,
 //! `encoder_causal_stick_breaking_pre` and `encoder_causal_stick_breaking_current_post`.
 //!
-//! Cost: each sum over a side of the keys is a product with a `(t, t)` triangle, `O(t³)` a
-//! head, composed of tensor ops on every path (no fused kernel yet).
+//! Cost: `O(t²)` a head on the fused kernel, a few passes over the `(t, t)` logits each way;
+//! the composition's triangle products are `O(t³)` a head.
 
 use candle::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -175,21 +177,23 @@ impl Portray for StickBreakingOptions {
 }
 
 impl Bench for StickBreakingOptions {
-    fn forward_flops(&self, shape: &SchemeShape, batch: usize, seq: usize) -> f64 {
-        // Four products with a (t, t) triangle a head (the sums over each side).
-        let (h, t) = (shape.n_heads as f64, seq as f64);
-        let layers = shape.layers.count(shape.n_layers) as f64;
-        8.0 * t * t * t * h * batch as f64 * layers
+    fn forward_flops(&self, _shape: &SchemeShape, _batch: usize, _seq: usize) -> f64 {
+        // No products of its own: a walk over each row's keys, `O(t²)` a head (the
+        // composition's triangle products stand in for that walk and are not the scheme's).
+        0.0
     }
 }
 
 impl ScoreMemory for StickBreakingOptions {
-    fn score_tensors(&self, training: bool, _fused: bool) -> usize {
-        // Composed on every path: the sigmoids, the sums over each side and the weights, about
-        // 12 attention tables a layer in a forward, and their gradients in a step.
-        match training {
-            false => 12,
-            true => 48,
+    fn score_tensors(&self, training: bool, fused: bool) -> usize {
+        // Fused: the logits, the keys that break and the weights in a forward, with their
+        // gradients and the kernel's recomputation in a step. Composed: the sigmoids, the sums
+        // over each side and the weights, about 12 tables a layer, and their gradients.
+        match (fused, training) {
+            (true, false) => 3,
+            (true, true) => 8,
+            (false, false) => 12,
+            (false, true) => 48,
         }
     }
 }
@@ -288,17 +292,19 @@ impl AttentionWeights for SbLayer {
         allowed: &Tensor,
         backend: crate::nn::Backend,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (weights, remainder) =
-            stick_breaking_weights(scores, allowed, self.attend_current, backend)?;
-        let added = match &self.head_bias {
-            // R_i b_h: (b, h, t, 1) x (1, h, 1, d_head).
-            Some(b) => Some(
-                remainder
-                    .unsqueeze(3)?
-                    .broadcast_mul(&b.to_dtype(remainder.dtype())?.unsqueeze(1)?.unsqueeze(0)?)?,
-            ),
-            None => None,
-        };
+        let breaks = breaking_keys(scores, allowed, self.attend_current)?;
+        let weights = stick_breaking_from(scores, &breaks, backend)?;
+        let added =
+            match &self.head_bias {
+                // R_i b_h: (b, h, t, 1) x (1, h, 1, d_head).
+                Some(b) => {
+                    let remainder = remainders(scores, &breaks, backend)?;
+                    Some(remainder.unsqueeze(3)?.broadcast_mul(
+                        &b.to_dtype(remainder.dtype())?.unsqueeze(1)?.unsqueeze(0)?,
+                    )?)
+                }
+                None => None,
+            };
         Ok((weights, added))
     }
 }
@@ -319,20 +325,65 @@ pub fn stick_breaking_weights(
     attend_current: bool,
     backend: crate::nn::Backend,
 ) -> Result<(Tensor, Tensor)> {
+    let breaks = breaking_keys(z, allowed, attend_current)?;
+    Ok((
+        stick_breaking_from(z, &breaks, backend)?,
+        remainders(z, &breaks, backend)?,
+    ))
+}
+
+/// The keys that break each query's stick, 1 or 0 `(b, h, t, t)`: those `allowed`, less the
+/// query's own without `attend_current`.
+fn breaking_keys(z: &Tensor, allowed: &Tensor, attend_current: bool) -> Result<Tensor> {
+    let t = z.dim(3)?;
+    let breaks = match attend_current {
+        true => allowed.clone(),
+        false => {
+            let diagonal = crate::nn::pair_mask(t, |i, j| i == j, z.dtype(), z.device())?;
+            allowed.broadcast_mul(&(1.0 - &diagonal)?)?
+        }
+    };
+    Ok(breaks.broadcast_as(z.shape())?.contiguous()?)
+}
+
+/// The weights of `z` over the keys `breaks` holds: the fused kernel where the CPU's kernels
+/// run, else [`stick_breaking_reference`].
+fn stick_breaking_from(z: &Tensor, breaks: &Tensor, backend: crate::nn::Backend) -> Result<Tensor> {
+    match backend.path(z) {
+        #[cfg(feature = "kernels")]
+        crate::nn::Path::Fused => Ok(crate::kernels::cpu::stick_breaking(
+            z,
+            breaks,
+            backend.simd,
+        )?),
+        _ => stick_breaking_reference(z, breaks, backend),
+    }
+}
+
+/// `R_i = exp(Σ_k L_ik)`, what each query's keys left of the stick `(b, h, t)`.
+fn remainders(z: &Tensor, breaks: &Tensor, backend: crate::nn::Backend) -> Result<Tensor> {
+    Ok(crate::nn::log_sigmoid(&z.neg()?, backend)?
+        .mul(breaks)?
+        .sum(3)?
+        .exp()?)
+}
+
+/// The weights of `z` over the keys `breaks` holds, as a composition of tensor ops: each sum
+/// over a side of the keys a product with a `(t, t)` triangle. The specification the fused
+/// kernel (`kernels::cpu::stick_breaking`) is checked against.
+pub fn stick_breaking_reference(
+    z: &Tensor,
+    breaks: &Tensor,
+    backend: crate::nn::Backend,
+) -> Result<Tensor> {
     let (_, h, t, _) = z.dims4()?;
     let (dtype, device) = (z.dtype(), z.device());
     let tri = |keep: fn(usize, usize) -> bool| crate::nn::pair_mask(t, keep, dtype, device);
     let diagonal = tri(|i, j| i == j)?;
     let below = tri(|i, j| j < i)?; // (query i, key j): keys before the query
     let above = tri(|i, j| j > i)?;
-    // The keys that break: those allowed, less the query's own without attend_current.
-    let breaks = match attend_current {
-        true => allowed.clone(),
-        false => allowed.broadcast_mul(&(1.0 - &diagonal)?)?,
-    };
-    let breaks = breaks.broadcast_as(z.shape())?.contiguous()?;
     // L = ln(1 - β) for the keys that break, 0 for the others; and ln β.
-    let log_kept = crate::nn::log_sigmoid(&z.neg()?, backend)?.mul(&breaks)?;
+    let log_kept = crate::nn::log_sigmoid(&z.neg()?, backend)?.mul(breaks)?;
     let log_taken = crate::nn::log_sigmoid(z, backend)?;
     // L_ii, (b, h, t, 1)
     let own = log_kept.broadcast_mul(&diagonal)?.sum_keepdim(3)?;
@@ -357,7 +408,5 @@ pub fn stick_breaking_weights(
         .to_dtype(dtype)?
         .to_device(device)?;
     let prefix = (even.broadcast_mul(&even_head)? + odd.broadcast_mul(&(1.0 - &even_head)?)?)?;
-    let weights = (log_taken + prefix)?.exp()?.mul(&breaks)?;
-    let remainder = log_kept.sum(3)?.exp()?;
-    Ok((weights, remainder))
+    Ok((log_taken + prefix)?.exp()?.mul(breaks)?)
 }

@@ -1,0 +1,308 @@
+//! Stick-breaking attention's weights, fused, with their backward: each query's keys break a
+//! stick of length 1 in an order of their own (the scheme is `positional/stick_breaking.rs`).
+//!
+//! For a row (query `i`) with logits `z`, `b_j` 1 for the keys that break (0 for the others),
+//! in the row's order (`i`, then `i-1, ..., 0`, then `i+1, ..., t-1` for an even head; `i`,
+//! then `i+1, ..., t-1`, then `i-1, ..., 0` for an odd one):
+//!
+//! ```text
+//! L_j = b_j ln σ(-z_j)                 P_j = Σ_{k before j} L_k
+//! A_j = b_j exp(ln σ(z_j) + P_j)
+//! dz_j = b_j (dA_j A_j σ(-z_j) - σ(z_j) G_j)        G_j = Σ_{m after j} dA_m A_m
+//! ```
+//!
+//! One pass a row each way: the logs and exponentials over the row (vectorised), and the sums
+//! `P` and `G` as one walk in the row's order, where the composition takes each sum over a side
+//! of the keys as a product with a `(t, t)` triangle, `O(t³)` a head. The backward recomputes
+//! the row's weights rather than keeping them.
+
+use candle::backend::BackendStorage;
+use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::*;
+
+/// Walks the row's keys in their order (the query's own, then one side nearest first, then
+/// the other), `left_first` for an even head; `visit(j)` for each.
+#[inline(always)]
+fn in_order(i: usize, t: usize, left_first: bool, mut visit: impl FnMut(usize)) {
+    visit(i);
+    if left_first {
+        (0..i).rev().for_each(&mut visit);
+        (i + 1..t).for_each(&mut visit);
+    } else {
+        (i + 1..t).for_each(&mut visit);
+        (0..i).rev().for_each(&mut visit);
+    }
+}
+
+/// As [`in_order`], the other way round: the last key to break first.
+#[inline(always)]
+fn in_reverse_order(i: usize, t: usize, left_first: bool, mut visit: impl FnMut(usize)) {
+    if left_first {
+        (i + 1..t).rev().for_each(&mut visit);
+        (0..i).for_each(&mut visit);
+    } else {
+        (0..i).for_each(&mut visit);
+        (i + 1..t).rev().for_each(&mut visit);
+    }
+    visit(i);
+}
+
+/// A row's `ln σ(z_j)` in `taken` and `L_j` in `kept` (0 where the key does not break).
+#[inline(always)]
+fn logs<T: Real>(z: &[T], b: &[T], taken: &mut [T], kept: &mut [T]) {
+    for (((&v, &bj), lt), lk) in z.iter().zip(b).zip(taken.iter_mut()).zip(kept.iter_mut()) {
+        let u = (-v.abs()).exp_();
+        let relu = if v < T::zero() { -v } else { T::zero() };
+        let log_sigmoid = -(relu + u.ln_1p_());
+        *lt = log_sigmoid;
+        // ln σ(-z) = ln σ(z) - z.
+        *lk = if bj != T::zero() {
+            log_sigmoid - v
+        } else {
+            T::zero()
+        };
+    }
+}
+
+/// A row's weights `A` into `a`, with `taken` and `kept` its [`logs`] (`kept` is left holding
+/// each key's `P_j`).
+#[inline(always)]
+fn row_weights<T: Real>(
+    i: usize,
+    left_first: bool,
+    b: &[T],
+    taken: &[T],
+    kept: &mut [T],
+    a: &mut [T],
+) {
+    let t = b.len();
+    let mut sum = T::zero();
+    in_order(i, t, left_first, |j| {
+        let l = kept[j];
+        kept[j] = sum;
+        sum += l;
+    });
+    for (((o, &bj), &lt), &p) in a.iter_mut().zip(b).zip(taken).zip(kept.iter()) {
+        *o = if bj != T::zero() {
+            (lt + p).exp_()
+        } else {
+            T::zero()
+        };
+    }
+}
+
+/// Where a chunk of rows lies in the `(b, h, t, t)` values: its first row, the heads, the keys
+/// of a row.
+#[derive(Clone, Copy)]
+struct Rows {
+    first: usize,
+    heads: usize,
+    t: usize,
+}
+
+impl Rows {
+    /// Row `r` of the chunk's query, and whether its head breaks the left side first (an even
+    /// head).
+    fn row(self, r: usize) -> (usize, bool) {
+        let row = self.first + r;
+        (
+            row % self.t,
+            ((row / self.t) % self.heads).is_multiple_of(2),
+        )
+    }
+}
+
+/// The weights of a chunk of rows.
+#[inline(always)]
+fn weights_body<T: Real>(z: &[T], b: &[T], rows: Rows, out: &mut [T]) {
+    let t = rows.t;
+    let mut taken = vec![T::zero(); t];
+    let mut kept = vec![T::zero(); t];
+    let each = z.chunks_exact(t).zip(b.chunks_exact(t));
+    for (r, ((zr, br), ar)) in each.zip(out.chunks_exact_mut(t)).enumerate() {
+        let (i, left_first) = rows.row(r);
+        logs(zr, br, &mut taken, &mut kept);
+        row_weights(i, left_first, br, &taken, &mut kept, ar);
+    }
+}
+simd_dispatch!(fn weights_rows = weights_body(z: &[T], b: &[T], rows: Rows, out: &mut [T]));
+
+/// The logits' gradient of a chunk of rows from the weights' `g`.
+#[inline(always)]
+fn grad_body<T: Real>(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]) {
+    let t = rows.t;
+    let mut taken = vec![T::zero(); t];
+    let mut kept = vec![T::zero(); t];
+    let mut a = vec![T::zero(); t];
+    let each = z
+        .chunks_exact(t)
+        .zip(b.chunks_exact(t))
+        .zip(g.chunks_exact(t));
+    for (r, (((zr, br), gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
+        let (i, left_first) = rows.row(r);
+        logs(zr, br, &mut taken, &mut kept);
+        row_weights(i, left_first, br, &taken, &mut kept, &mut a);
+        // c_j = dA_j A_j in place of the weights; dz_j's first term, dA_j A_j σ(-z_j).
+        for (c, &gj) in a.iter_mut().zip(gr) {
+            *c *= gj;
+        }
+        for (((o, &zj), &bj), (&lt, &c)) in dr
+            .iter_mut()
+            .zip(zr)
+            .zip(br)
+            .zip(taken.iter().zip(a.iter()))
+        {
+            *o = if bj != T::zero() {
+                c * (lt - zj).exp_()
+            } else {
+                T::zero()
+            };
+        }
+        // Its second, -σ(z_j) G_j, with G_j summed over the keys after j in the row's order.
+        let mut after = T::zero();
+        in_reverse_order(i, t, left_first, |j| {
+            if br[j] != T::zero() {
+                dr[j] -= taken[j].exp_() * after;
+            }
+            after += a[j];
+        });
+    }
+}
+simd_dispatch!(fn grad_rows = grad_body(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]));
+
+/// `body` over the rows of `(b, h, t, t)` values `inputs` (each that long), in parallel tasks
+/// of whole rows, each writing its chunk of the output.
+fn by_rows<T: Real>(
+    inputs: &[&[T]],
+    dims: &[usize],
+    body: impl Fn(&[&[T]], Rows, &mut [T]) + Sync,
+) -> Vec<T> {
+    let (heads, t) = (dims[1], dims[3]);
+    let mut out = zeros(inputs[0].len());
+    if t == 0 {
+        return out;
+    }
+    let chunk = rows_per_task(t).max(1) * t;
+    out.par_chunks_mut(chunk).enumerate().for_each(|(n, o)| {
+        let range = n * chunk..n * chunk + o.len();
+        let parts: Vec<&[T]> = inputs.iter().map(|x| &x[range.clone()]).collect();
+        let first = n * chunk / t;
+        body(&parts, Rows { first, heads, t }, o)
+    });
+    out
+}
+
+/// [`by_rows`] over contiguous CPU storages of one dtype, f32 (`run`) or f64 (`run64`).
+fn on_storages(
+    what: &str,
+    inputs: &[(&CpuStorage, &Layout)],
+    run: impl Fn(&[&[f32]], Rows, &mut [f32]) + Sync,
+    run64: impl Fn(&[&[f64]], Rows, &mut [f64]) + Sync,
+) -> Result<(CpuStorage, Shape)> {
+    let (s1, l1) = inputs[0];
+    let dims = l1.dims();
+    let storage = match s1.dtype() {
+        candle::DType::F32 => {
+            let xs = inputs
+                .iter()
+                .map(|(s, l)| contiguous::<f32>(s, l, what))
+                .collect::<Result<Vec<_>>>()?;
+            CpuStorage::F32(by_rows(&xs, dims, run))
+        }
+        candle::DType::F64 => {
+            let xs = inputs
+                .iter()
+                .map(|(s, l)| contiguous::<f64>(s, l, what))
+                .collect::<Result<Vec<_>>>()?;
+            CpuStorage::F64(by_rows(&xs, dims, run64))
+        }
+        dtype => return Err(unsupported(what, dtype)),
+    };
+    Ok((storage, l1.shape().clone()))
+}
+
+/// The weights of `(b, h, t, t)` logits and their breaking keys.
+struct Weights {
+    simd: SimdLevel,
+}
+
+impl CustomOp2 for Weights {
+    fn name(&self) -> &'static str {
+        "poslab-stick-breaking"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let simd = self.simd;
+        on_storages(
+            "stick-breaking weights",
+            &[(s1, l1), (s2, l2)],
+            |x, rows, o| weights_rows(simd, x[0], x[1], rows, o),
+            |x, rows, o| weights_rows(simd, x[0], x[1], rows, o),
+        )
+    }
+
+    fn bwd(
+        &self,
+        z: &Tensor,
+        breaks: &Tensor,
+        _a: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dz = z.apply_op3_no_bwd(breaks, &g.contiguous()?, &Grad { simd: self.simd })?;
+        Ok((Some(dz), None))
+    }
+}
+
+/// The logits' gradient from the weights'.
+struct Grad {
+    simd: SimdLevel,
+}
+
+impl CustomOp3 for Grad {
+    fn name(&self) -> &'static str {
+        "poslab-stick-breaking-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let simd = self.simd;
+        on_storages(
+            "stick-breaking backward",
+            &[(s1, l1), (s2, l2), (s3, l3)],
+            |x, rows, o| grad_rows(simd, x[0], x[1], x[2], rows, o),
+            |x, rows, o| grad_rows(simd, x[0], x[1], x[2], rows, o),
+        )
+    }
+}
+
+/// Stick-breaking weights of logits `z` `(b, h, t, t)`, over the keys `breaks` (1 or 0, the
+/// same shape) lets break, even heads left first and odd heads right first; the query's own
+/// key breaks first where `breaks` holds it. Differentiable in `z`.
+pub fn stick_breaking(z: &Tensor, breaks: &Tensor, simd: SimdLevel) -> Result<Tensor> {
+    let (_, _, t, keys) = z.dims4()?;
+    if keys != t || breaks.dims() != z.dims() {
+        candle::bail!(
+            "fused stick-breaking: logits {:?} must be (b, h, t, t), and the breaking keys {:?} \
+             the same shape",
+            z.dims(),
+            breaks.dims()
+        );
+    }
+    z.contiguous()?
+        .apply_op2(&breaks.contiguous()?, Weights { simd })
+}
