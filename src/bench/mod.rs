@@ -1346,8 +1346,6 @@ mod tests {
                 "path" => {
                     l * (2.0 * t * d * (d + 4.0) + 2.0 * t * d * 3.0 + 4.0 * t * (t - 1.0) * d) * b
                 }
-                // Four products of each head's (t, t) logs with a (t, t) triangle.
-                "stick_breaking" => l * 8.0 * t * t * t * 4.0 * b,
                 // DAPE's MLP at width 32 over 4 heads: 8 -> 32 -> 4 per pair.
                 "alibi_adaptive" => l * 2.0 * t * t * (8.0 * 32.0 + 32.0 * 4.0) * b,
                 // Both sides of 4 heads: the projection (p_dim 8), the edges and the sum over
@@ -1355,6 +1353,7 @@ mod tests {
                 "grape_a" => {
                     l * 2.0 * 4.0 * (2.0 * t * d * 8.0 + 2.0 * t * t * 8.0 + 2.0 * t * t * t) * b
                 }
+                // No products of their own: stick-breaking's weights are a walk over each row.
                 _ => 0.0,
             };
             let (forward, train) = shape.flops(&config);

@@ -213,6 +213,14 @@ pub trait AttentionWeights: std::fmt::Debug + Send + Sync {
         allowed: &Tensor,
         backend: Backend,
     ) -> crate::Result<(Tensor, Option<Tensor>)>;
+
+    /// Whether the fused CPU kernels compute these weights inside the attention node, in place
+    /// of its softmax: the stick-breaking order's, with the query's own key first (`Some(true)`)
+    /// or never (`Some(false)`), and nothing added to the heads' outputs. `None`: the layer
+    /// runs as ops, through [`AttentionWeights::weights`].
+    fn fused_sticks(&self) -> Option<bool> {
+        None
+    }
 }
 
 /// `(b, 1, t, t)`: 1 where query `i` may see key `j` (a real key within its window), else 0,
@@ -285,16 +293,18 @@ impl<'a> AttentionInputs<'a> {
     }
 
     /// Whether the fused CPU kernels compute these scores: `scale · q kᵀ`, or a scheme's own
-    /// scores that are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts)
-    /// alone (no rotation, no score bias beside).
+    /// scores that are a [`Polar`](super::Polar) form or [`GateCounts`](super::GateCounts), or
+    /// `scale · q kᵀ` under weights the kernels make in place of the softmax
+    /// ([`AttentionWeights::fused_sticks`]), alone (no rotation, no score bias beside).
     #[cfg_attr(not(feature = "kernels"), allow(dead_code))]
     pub(crate) fn fused_scores(&self) -> bool {
         match self.scores {
             None => true,
             Some(s) => {
-                (s.polar().is_some() || s.counts().is_some())
-                    && self.rotary.is_none()
-                    && self.score_bias.is_none()
+                let own = s.polar().is_some()
+                    || s.counts().is_some()
+                    || s.weights().and_then(|w| w.fused_sticks()).is_some();
+                own && self.rotary.is_none() && self.score_bias.is_none()
             }
         }
     }
@@ -608,6 +618,12 @@ impl SelfAttention {
                 .scores
                 .and_then(|s| s.counts())
                 .map(super::GateCounts::spec),
+        )
+        .with_sticks(
+            inputs
+                .scores
+                .and_then(|s| s.weights())
+                .and_then(|w| w.fused_sticks()),
         )
     }
 }

@@ -39,8 +39,9 @@
 //! `encoder_stick_breaking_current_h4_post`, `encoder_stick_breaking_bias_pre`,
 //! `encoder_causal_stick_breaking_pre` and `encoder_causal_stick_breaking_current_post`.
 //!
-//! Cost: `O(t²)` a head on the fused kernel, a few passes over the `(t, t)` logits each way;
-//! the composition's triangle products are `O(t³)` a head.
+//! Cost: `O(t²)` a head on the fused kernel, inside the fused layer in place of its softmax
+//! (with `remainder = "none"`; [`AttentionWeights::fused_sticks`]); the composition's triangle
+//! products are `O(t³)` a head.
 
 use candle::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -186,9 +187,10 @@ impl Bench for StickBreakingOptions {
 
 impl ScoreMemory for StickBreakingOptions {
     fn score_tensors(&self, training: bool, fused: bool) -> usize {
-        // Fused: the logits, the keys that break and the weights in a forward, with their
-        // gradients and the kernel's recomputation in a step. Composed: the sigmoids, the sums
-        // over each side and the weights, about 12 tables a layer, and their gradients.
+        // Fused: the fused layer holds what `sin_add`'s does (with `remainder = "bias"` the
+        // layer runs as ops around the weights' kernel: the logits, the keys that break and
+        // the weights, and their gradients). Composed: the sigmoids, the sums over each side
+        // and the weights, about 12 tables a layer, and their gradients.
         match (fused, training) {
             (true, false) => 3,
             (true, true) => 8,
@@ -306,6 +308,12 @@ impl AttentionWeights for SbLayer {
                 None => None,
             };
         Ok((weights, added))
+    }
+
+    fn fused_sticks(&self) -> Option<bool> {
+        // The remainder's vector is added outside the fused node's heads: that layer runs as
+        // ops.
+        self.head_bias.is_none().then_some(self.attend_current)
     }
 }
 

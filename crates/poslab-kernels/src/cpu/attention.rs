@@ -97,6 +97,9 @@ pub struct Attention {
     /// (differentiable, in the op-input slot of a score bias, which such an attention has none
     /// of).
     transport: Option<Reflected>,
+    /// Stick-breaking's weights in place of the softmax (`kernels::cpu::stick_breaking`),
+    /// with whether the query's own key breaks first.
+    sticks: Option<bool>,
     /// The instruction sets the kernels use (the backend's when the op was made).
     simd: SimdLevel,
 }
@@ -152,6 +155,8 @@ struct Fixed<T> {
     counts: Option<CountsFixed<T>>,
     /// A transport's reflections `[w | β]` `(b, h, t, d_head + 1)`.
     transport: Option<Vec<T>>,
+    /// Stick-breaking's weights in place of the softmax: whether the own key breaks first.
+    sticks: Option<bool>,
     simd: SimdLevel,
 }
 
@@ -711,6 +716,17 @@ impl<T: Real> Scratch<T> {
         let key_bias = &fixed.key_bias[bi * n.t..(bi + 1) * n.t];
         // SAFETY: the softmax writes values only.
         let into = into.unwrap_or_else(|| unsafe { uninit(&mut self.p) });
+        if let Some(own_first) = fixed.sticks {
+            // The scores after each query under a band were never computed: they do not break.
+            let head = super::stick_breaking::Head {
+                parity: hd,
+                own_first,
+                window: fixed.window,
+                key_bias,
+            };
+            head.weights(fixed.simd, &self.s, into);
+            return;
+        }
         if fixed.band(n).is_some() {
             // Banded: the scores after each query were never computed, and are never read.
             causal_softmax_rows(fixed.simd, &self.s, key_bias, into);
@@ -1138,8 +1154,16 @@ impl Attention {
             polar: None,
             counts: None,
             transport: None,
+            sticks: None,
             simd,
         }
+    }
+
+    /// This attention with stick-breaking's weights in place of the softmax, when given
+    /// (whether the query's own key breaks first): each row's keys break a stick in their
+    /// order, even heads left first (see `stick_breaking`).
+    pub fn with_sticks(self, sticks: Option<bool>) -> Self {
+        Self { sticks, ..self }
     }
 
     /// This attention with its scores in polar form ([`PolarTables`]), when given, in place of
@@ -1202,7 +1226,11 @@ impl Attention {
     /// afresh every step, written once and read once (the book's performance page, "Measurements behind the code's choices").
     /// Gate-counted scores keep their content scores and table products beside them, which
     /// their backward reads too ([`Attention::kept_per_head`]).
+    /// Stick-breaking's weights are always recomputed: their backward reads the scores.
     pub(super) fn keeps_weights<T>(&self, n: Dims) -> bool {
+        if self.sticks.is_some() {
+            return false;
+        }
         let values =
             n.b.saturating_mul(n.h)
                 .saturating_mul(self.kept_per_head(n));
@@ -1465,6 +1493,7 @@ impl Attention {
             sided: self.sided(),
             scale: T::lit(self.scale),
             window: self.window,
+            sticks: self.sticks,
             simd: self.simd,
         })
     }
@@ -1709,9 +1738,21 @@ impl Attention {
                             *dp *= *mi;
                         }
                     }
-                    match band {
-                        Some(_) => causal_softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds),
-                        None => softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds),
+                    match (fixed.sticks, band) {
+                        (Some(own_first), _) => {
+                            // Recomputed (never kept): the scores are in `w.s`.
+                            let head = super::stick_breaking::Head {
+                                parity: hd,
+                                own_first,
+                                window: fixed.window,
+                                key_bias: &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
+                            };
+                            head.grad(fixed.simd, &w.s, &w.dp, &mut w.ds);
+                        }
+                        (None, Some(_)) => {
+                            causal_softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds)
+                        }
+                        (None, None) => softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds),
                     }
                     if let Some(c) = &fixed.counts {
                         // dS of the scores a + z into da, in place, and dR of the rows'

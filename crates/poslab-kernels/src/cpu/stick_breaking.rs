@@ -14,11 +14,16 @@
 //! One pass a row each way: the logs and exponentials over the row (vectorised), and the sums
 //! `P` and `G` as one walk in the row's order, where the composition takes each sum over a side
 //! of the keys as a product with a `(t, t)` triangle, `O(t³)` a head. The backward recomputes
-//! the row's weights rather than keeping them.
+//! the row's weights rather than keeping them. The same rows serve the fused attention
+//! ([`Head`]: one head of `attention.rs`, in place of its softmax), and a weight below `e^-60`
+//! is exactly 0 ([`LOG_FLUSH`]).
 
 use candle::backend::BackendStorage;
 use candle::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
+
+use crate::spec::Window;
 
 use super::*;
 
@@ -66,8 +71,14 @@ fn logs<T: Real>(z: &[T], b: &[T], taken: &mut [T], kept: &mut [T]) {
     }
 }
 
+/// The log below which a weight is exactly 0 (`e^-60`, about 1e-26): the weights fall off
+/// geometrically along the stick, and values near the smallest normal number would make the
+/// products after them (`A v`, and in the backward `dA ⊙ A` and the scores' gradient through
+/// `q` and `k`) meet subnormal numbers, which the CPU computes many times slower.
+const LOG_FLUSH: f64 = -60.0;
+
 /// A row's weights `A` into `a`, with `taken` and `kept` its [`logs`] (`kept` is left holding
-/// each key's `P_j`).
+/// each key's `P_j`); those below `e^-60` are 0.
 #[inline(always)]
 fn row_weights<T: Real>(
     i: usize,
@@ -84,9 +95,11 @@ fn row_weights<T: Real>(
         kept[j] = sum;
         sum += l;
     });
+    let flush = T::lit(LOG_FLUSH);
     for (((o, &bj), &lt), &p) in a.iter_mut().zip(b).zip(taken).zip(kept.iter()) {
-        *o = if bj != T::zero() {
-            (lt + p).exp_()
+        let log = lt + p;
+        *o = if bj != T::zero() && log > flush {
+            log.exp_()
         } else {
             T::zero()
         };
@@ -129,48 +142,144 @@ fn weights_body<T: Real>(z: &[T], b: &[T], rows: Rows, out: &mut [T]) {
 }
 simd_dispatch!(fn weights_rows = weights_body(z: &[T], b: &[T], rows: Rows, out: &mut [T]));
 
+/// A row's work space for its gradient: its logs and weights.
+struct RowWork<T> {
+    taken: Vec<T>,
+    kept: Vec<T>,
+    a: Vec<T>,
+}
+
+impl<T: Real> RowWork<T> {
+    fn new(t: usize) -> Self {
+        Self {
+            taken: vec![T::zero(); t],
+            kept: vec![T::zero(); t],
+            a: vec![T::zero(); t],
+        }
+    }
+
+    /// Row `i`'s logits' gradient `dr` from its logits `zr`, breaking keys `br` and the
+    /// weights' gradient `gr` (whose values where a key does not break are never read).
+    #[inline(always)]
+    fn grad(&mut self, i: usize, left_first: bool, zr: &[T], br: &[T], gr: &[T], dr: &mut [T]) {
+        let t = zr.len();
+        let (taken, kept, a) = (&mut self.taken, &mut self.kept, &mut self.a);
+        logs(zr, br, taken, kept);
+        row_weights(i, left_first, br, taken, kept, a);
+        // c_j = dA_j A_j in place of the weights, dz_j's first term dA_j A_j σ(-z_j), and σ(z_j)
+        // in place of its log, all 0 where the key does not break (one exponential each).
+        for ((((c, o), lt), &gj), (&zj, &bj)) in a
+            .iter_mut()
+            .zip(dr.iter_mut())
+            .zip(taken.iter_mut())
+            .zip(gr)
+            .zip(zr.iter().zip(br))
+        {
+            let u = (-zj.abs()).exp_();
+            let inv = (T::one() + u).recip();
+            let (up, down) = if zj >= T::zero() {
+                (inv, u * inv)
+            } else {
+                (u * inv, inv)
+            };
+            let breaks = bj != T::zero();
+            *c = if breaks { *c * gj } else { T::zero() };
+            *o = *c * down;
+            *lt = if breaks { up } else { T::zero() };
+        }
+        // Its second, -σ(z_j) G_j, with G_j summed over the keys after j in the row's order.
+        let sigmoid = &*taken;
+        let mut after = T::zero();
+        in_reverse_order(i, t, left_first, |j| {
+            dr[j] -= sigmoid[j] * after;
+            after += a[j];
+        });
+    }
+}
+
 /// The logits' gradient of a chunk of rows from the weights' `g`.
 #[inline(always)]
 fn grad_body<T: Real>(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]) {
     let t = rows.t;
-    let mut taken = vec![T::zero(); t];
-    let mut kept = vec![T::zero(); t];
-    let mut a = vec![T::zero(); t];
+    let mut work = RowWork::new(t);
     let each = z
         .chunks_exact(t)
         .zip(b.chunks_exact(t))
         .zip(g.chunks_exact(t));
     for (r, (((zr, br), gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
         let (i, left_first) = rows.row(r);
-        logs(zr, br, &mut taken, &mut kept);
-        row_weights(i, left_first, br, &taken, &mut kept, &mut a);
-        // c_j = dA_j A_j in place of the weights; dz_j's first term, dA_j A_j σ(-z_j).
-        for (c, &gj) in a.iter_mut().zip(gr) {
-            *c *= gj;
-        }
-        for (((o, &zj), &bj), (&lt, &c)) in dr
-            .iter_mut()
-            .zip(zr)
-            .zip(br)
-            .zip(taken.iter().zip(a.iter()))
-        {
-            *o = if bj != T::zero() {
-                c * (lt - zj).exp_()
-            } else {
-                T::zero()
-            };
-        }
-        // Its second, -σ(z_j) G_j, with G_j summed over the keys after j in the row's order.
-        let mut after = T::zero();
-        in_reverse_order(i, t, left_first, |j| {
-            if br[j] != T::zero() {
-                dr[j] -= taken[j].exp_() * after;
-            }
-            after += a[j];
-        });
+        work.grad(i, left_first, zr, br, gr, dr);
     }
 }
 simd_dispatch!(fn grad_rows = grad_body(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]));
+
+/// One head of the fused attention (`attention.rs`), whose weights are stick-breaking's in
+/// place of the softmax: the keys that break are the real ones (`key_bias` 0) in the query's
+/// `window`, less the query's own unless `own_first`.
+pub(super) struct Head<'a, T> {
+    /// The head's index: even heads break the left side first.
+    pub parity: usize,
+    /// Whether the query's own key breaks first.
+    pub own_first: bool,
+    /// The keys each query may see besides padding.
+    pub window: Window,
+    /// The batch element's key bias `(t)`: 0 for real keys.
+    pub key_bias: &'a [T],
+}
+
+impl<T: Real> Head<'_, T> {
+    /// Row `i`'s breaking keys into `b`: 1 or 0.
+    fn breaks(&self, i: usize, b: &mut [T]) {
+        let t = b.len();
+        let seen = self.window.keys(i, t);
+        for (j, (o, &kb)) in b.iter_mut().zip(self.key_bias).enumerate() {
+            let breaks = kb == T::zero() && seen.contains(&j) && (self.own_first || j != i);
+            *o = if breaks { T::one() } else { T::zero() };
+        }
+    }
+
+    /// The head's weights `(t, t)` from its scores `z` into `out` (written in full).
+    pub fn weights(&self, simd: SimdLevel, z: &[T], out: &mut [MaybeUninit<T>]) {
+        for o in out.iter_mut() {
+            o.write(T::zero());
+        }
+        // SAFETY: every value was just written.
+        let out = unsafe { assume_written(out) };
+        head_weights_rows(simd, self, z, out);
+    }
+
+    /// The head's scores' gradient `dz` `(t, t)` from its scores `z` and the weights' `g`.
+    pub fn grad(&self, simd: SimdLevel, z: &[T], g: &[T], dz: &mut [T]) {
+        head_grad_rows(simd, self, z, g, dz);
+    }
+}
+
+#[inline(always)]
+fn head_weights_body<T: Real>(head: &Head<'_, T>, z: &[T], out: &mut [T]) {
+    let t = head.key_bias.len();
+    let (mut b, mut taken, mut kept) = (vec![T::zero(); t], vec![T::zero(); t], vec![T::zero(); t]);
+    let left_first = head.parity.is_multiple_of(2);
+    for (i, (zr, ar)) in z.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
+        head.breaks(i, &mut b);
+        logs(zr, &b, &mut taken, &mut kept);
+        row_weights(i, left_first, &b, &taken, &mut kept, ar);
+    }
+}
+simd_dispatch!(fn head_weights_rows = head_weights_body(head: &Head<'_, T>, z: &[T], out: &mut [T]));
+
+#[inline(always)]
+fn head_grad_body<T: Real>(head: &Head<'_, T>, z: &[T], g: &[T], dz: &mut [T]) {
+    let t = head.key_bias.len();
+    let mut b = vec![T::zero(); t];
+    let mut work = RowWork::new(t);
+    let left_first = head.parity.is_multiple_of(2);
+    let each = z.chunks_exact(t).zip(g.chunks_exact(t));
+    for (i, ((zr, gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
+        head.breaks(i, &mut b);
+        work.grad(i, left_first, zr, &b, gr, dr);
+    }
+}
+simd_dispatch!(fn head_grad_rows = head_grad_body(head: &Head<'_, T>, z: &[T], g: &[T], dz: &mut [T]));
 
 /// `body` over the rows of `(b, h, t, t)` values `inputs` (each that long), in parallel tasks
 /// of whole rows, each writing its chunk of the output.
