@@ -184,7 +184,7 @@ fn cell_estimate(
         + (1 + rescorings) as f64 * tests.into_iter().map(cost).sum::<f64>();
     CellEstimate {
         name: config.cell_name((t, v, seed)),
-        params: model.param_count(),
+        params: model.param_count() + task.head.param_count(&model),
         steps,
         tokens_per_step,
         train_flop,

@@ -512,3 +512,49 @@ fn a_models_own_choices_override_the_shape_it_shares() {
     assert_eq!(config, expected);
     assert_ne!(plain, expected);
 }
+
+#[test]
+fn counted_parameters_are_the_built_models_for_every_scheme_and_head() {
+    // What the dry run and the limits count (ModelConfig::param_count and the head's) against
+    // the variables a built TaskModel holds: every scheme, with and without biases, causal,
+    // without positions in layer 1 (a per-layer plan), and each kind of head.
+    use poslab::model::{HeadConfig, TaskModel};
+    use poslab::{LayerKind, LayerPlan, Pooling};
+    let heads = [
+        HeadConfig::Classify {
+            classes: 7,
+            pooling: Pooling::Mean,
+        },
+        HeadConfig::Tag { classes: 11 },
+        HeadConfig::Mlm,
+    ];
+    let mut checked = 0;
+    for positional in all_schemes() {
+        for (bias, causal, plan) in [
+            (true, false, false),
+            (false, true, false),
+            (true, false, true),
+        ] {
+            let mut config = tiny_config(positional.clone(), NormPlacement::Pre);
+            config.bias = bias;
+            config.causal = causal;
+            if plan {
+                config.layers = Some(LayerPlan::new(vec![LayerKind::Global, LayerKind::None]));
+            }
+            if config.validate().is_err() {
+                continue;
+            }
+            for head in &heads {
+                let store = ParamStore::new(0);
+                TaskModel::new(&config, head, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
+                assert_eq!(
+                    config.param_count() + head.param_count(&config),
+                    store.num_params() as u128,
+                    "{positional:?} (bias {bias}, causal {causal}, plan {plan}), {head:?}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 3 * 3 * 20, "{checked} checked");
+}

@@ -671,11 +671,16 @@ impl ModelConfig {
         let b = u128::from(self.bias);
         let up = f * self.activation.up_factor() as u128;
         let norm = d * (1 + b);
-        // q, k, v, o (with biases, when any); two LayerNorms; the feed-forward; a final
-        // LayerNorm; less layer 0's attention norm where it has none.
-        let layer = 4 * d * d + 4 * d * b + 2 * norm + d * up + up * b + f * d + d * b;
+        // q, k, v, o (q's, v's and o's biases, when any); two LayerNorms; the feed-forward; a
+        // final LayerNorm; less layer 0's attention norm where it has none.
+        let layer = 4 * d * d + 3 * d * b + 2 * norm + d * up + up * b + f * d + d * b;
         let first = if self.first_attn_norm { 0 } else { norm };
-        tokens + positions + l * layer - first + norm
+        // The key's bias, in the layers where the scheme reads q and k (elsewhere the softmax
+        // cancels it and the layer has none: `encoder::layer`).
+        let keyed = (0..self.n_layers)
+            .filter(|&i| self.positional.reads_keys() && self.layer_spec(i).positions)
+            .count() as u128;
+        tokens + positions + l * layer - first + norm + keyed * d * b
     }
 
     /// Checks every field; the message names the field, the value and a fix. How large the
@@ -928,12 +933,9 @@ mod tests {
             let config = ModelConfig::from_toml_str(&format!("{text}{positional}")).unwrap();
             let store = crate::ParamStore::new(0);
             crate::Encoder::new(&config, store.var_builder(DType::F32, &Device::Cpu)).unwrap();
-            // The count includes a key bias, which schemes without a rotation drop (softmax cancels it).
-            let rotated = config.positional.reads_keys();
-            let key_biases = if rotated { 0 } else { 16 * 2 };
             assert_eq!(
                 config.param_count(),
-                (store.num_params() + key_biases) as u128,
+                store.num_params() as u128,
                 "{positional}"
             );
         }

@@ -47,6 +47,16 @@ impl HeadConfig {
             }
         )
     }
+
+    /// The head's parameters on top of `model`: a linear layer from the width to each class
+    /// (or each token of the vocabulary, for masked-LM), with its bias.
+    pub fn param_count(&self, model: &ModelConfig) -> u128 {
+        let out = match self {
+            Self::Classify { classes, .. } | Self::Tag { classes } => *classes,
+            Self::Mlm => model.vocab_size,
+        } as u128;
+        (model.d_model as u128 + 1) * out
+    }
 }
 
 /// Encoder and head.
