@@ -26,7 +26,8 @@
 //!     let encoder = learner.model().encoder();
 //!     let hidden = encoder.forward_t(&ids, &mask, false)?;
 //!     assert_eq!(hidden.dims(), [2, 4, 64]); // (batch, tokens, d_model)
-//!     // ALiBi's bias on layer 0's scores, (1, heads, 4, 4); None for RoPE, a rotation.
+//!     // ALiBi's bias on layer 0's scores at positions 0..4 (`range(start, count)`), (1, heads,
+//!     // 4, 4); None for RoPE, a rotation.
 //!     let bias = encoder.score_bias(0, &Positions::range(0, 4)?)?;
 //!     assert_eq!(bias.is_some(), config.positional.name() == "alibi");
 //!     for _ in 0..3 {

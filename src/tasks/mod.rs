@@ -598,6 +598,41 @@ enum Part {
 }
 
 impl TaskSpec {
+    /// A task from one TOML table, as a config's `[[tasks]]` writes it (checked as a run
+    /// checks it): the way to make a built-in task from code.
+    ///
+    /// ```
+    /// use poslab::data::{make_batch, Dataset, Framing};
+    /// use poslab::prelude::*;
+    /// use poslab::tasks::TaskSpec;
+    ///
+    /// // Which entity of a generated sentence did the action: 8 classes, 5 to 12 words.
+    /// let spec = TaskSpec::from_toml_str(
+    ///     "kind = \"word_order\"\nlengths = [5, 12]\ntrain_examples = 64\neval_examples = 16",
+    /// )?;
+    /// let task = spec.generate()?; // every split, the objective and a word-level tokenizer
+    /// assert_eq!((task.train.len(), task.valid.len()), (64, 16));
+    /// assert_eq!(task.tests.len(), 3); // at 1x, 2x and 4x the training lengths
+    ///
+    /// // Token ids, then a padded batch of the first 32 examples, then one training step.
+    /// let train = Dataset::encode(&task.train, &task.tokenizer, Framing::Plain, task.limit)?;
+    /// let samples: Vec<_> = train.samples.iter().take(32).collect();
+    /// let batch = make_batch(&samples, task.tokenizer.pad_id(), None, &Device::Cpu)?;
+    /// let head = task.objective.head(Pooling::Mean);
+    /// let config = ModelConfig::default()
+    ///     .with_vocab_size(task.tokenizer.vocab_size())
+    ///     .with_positional(PositionalConfig::Rope(RopeOptions::default()));
+    /// let mut learner = Learner::new(&config, &head, 0, &Device::Cpu)?;
+    /// let loss = learner.step(&batch.ids, &batch.mask, &batch.targets)?;
+    /// assert!(loss > 1.0); // about ln 8 before any training
+    /// # Ok::<(), poslab::Error>(())
+    /// ```
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let spec: Self = toml::from_str(text).map_err(|e| Error::Config(e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
     /// The length ranges of a generated task's test sets, in order: `lengths` times each
     /// factor, or the training range and then each of `test_lengths`.
     pub fn test_ranges(&self) -> Vec<[usize; 2]> {

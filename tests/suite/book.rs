@@ -453,3 +453,35 @@ fn the_docs_count_and_list_the_schemes_the_catalog_has() {
         scheme_drift(&planted)
     );
 }
+
+#[test]
+fn the_library_pages_task_example_is_the_doc_test_of_task_spec() {
+    // The guide's example of a built-in task from code is `TaskSpec::from_toml_str`'s doc test
+    // (which cargo test compiles and runs), less its hidden lines.
+    let code = |text: &str, fence: &str, start: &str| -> Vec<String> {
+        let lines: Vec<&str> = text.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.trim_start().trim_start_matches(fence).trim() == start)
+            .unwrap_or_else(|| panic!("no `{start}`"));
+        lines[at..]
+            .iter()
+            .map(|l| match fence {
+                "" => l.trim_end(),
+                _ => {
+                    let l = l.trim_start().trim_start_matches(fence).trim_end();
+                    l.strip_prefix(' ').unwrap_or(l)
+                }
+            })
+            .map(String::from)
+            .take_while(|l| l != "```")
+            .filter(|l| !l.starts_with("# "))
+            .collect()
+    };
+    let start = "use poslab::data::{make_batch, Dataset, Framing};";
+    let source = std::fs::read_to_string(root().join("src/tasks/mod.rs")).unwrap();
+    let page = std::fs::read_to_string(src().join("guide/library.md")).unwrap();
+    let doc = code(&source, "///", start);
+    assert!(doc.len() > 15, "{doc:?}");
+    assert_eq!(code(&page, "", start), doc);
+}
