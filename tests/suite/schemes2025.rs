@@ -439,10 +439,11 @@ fn the_2025_schemes_count_their_parameters_and_refuse_bad_options_with_the_fix()
     ] {
         let config = model(positional, "").unwrap();
         let none = model("kind = \"none\"", "").unwrap();
-        // The key bias, dropped without positions in q and k, is counted in both.
+        // Each reads q and k, so each layer's key projection has its bias (16), which `none`'s
+        // drops (the softmax cancels it there).
         assert_eq!(
             config.param_count() - none.param_count(),
-            2 * per_layer,
+            2 * (per_layer + 16),
             "{positional}"
         );
         let store = ParamStore::new(0);
