@@ -789,7 +789,7 @@ impl Analysis {
         let p = &self.probe;
         let _ = writeln!(
             s,
-            "  linear position probe ({}-fold): mean error {:.2} positions, {:.1}% exact (random table: {:.2})",
+            "  linear position probe ({}-fold): mean error {:.2} positions, {:.1}% exact (random table: {:.2} positions)",
             p.folds,
             p.mae,
             100.0 * p.exact,
