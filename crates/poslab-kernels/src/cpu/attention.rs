@@ -329,6 +329,21 @@ simd_dispatch!(
 );
 
 impl<T: Real> Fixed<T> {
+    /// Head `hd` of batch element `bi`, where its weights are stick-breaking's.
+    fn sticks_head(
+        &self,
+        n: Dims,
+        bi: usize,
+        hd: usize,
+    ) -> Option<super::stick_breaking::Head<'_, T>> {
+        self.sticks.map(|own_first| super::stick_breaking::Head {
+            parity: hd,
+            own_first,
+            window: self.window,
+            key_bias: &self.key_bias[bi * n.t..(bi + 1) * n.t],
+        })
+    }
+
     /// The width of the operands of `q kᵀ`: `2 d_head` in polar form, else `d_head`.
     fn qk_width(&self, n: Dims) -> usize {
         match self.polar {
@@ -716,14 +731,8 @@ impl<T: Real> Scratch<T> {
         let key_bias = &fixed.key_bias[bi * n.t..(bi + 1) * n.t];
         // SAFETY: the softmax writes values only.
         let into = into.unwrap_or_else(|| unsafe { uninit(&mut self.p) });
-        if let Some(own_first) = fixed.sticks {
+        if let Some(head) = fixed.sticks_head(n, bi, hd) {
             // The scores after each query under a band were never computed: they do not break.
-            let head = super::stick_breaking::Head {
-                parity: hd,
-                own_first,
-                window: fixed.window,
-                key_bias,
-            };
             head.weights(fixed.simd, &self.s, into);
             return;
         }
@@ -1738,17 +1747,9 @@ impl Attention {
                             *dp *= *mi;
                         }
                     }
-                    match (fixed.sticks, band) {
-                        (Some(own_first), _) => {
-                            // Recomputed (never kept): the scores are in `w.s`.
-                            let head = super::stick_breaking::Head {
-                                parity: hd,
-                                own_first,
-                                window: fixed.window,
-                                key_bias: &fixed.key_bias[bi * n.t..(bi + 1) * n.t],
-                            };
-                            head.grad(fixed.simd, &w.s, &w.dp, &mut w.ds);
-                        }
+                    match (fixed.sticks_head(n, bi, hd), band) {
+                        // Recomputed (never kept): the scores are in `w.s`.
+                        (Some(head), _) => head.grad(fixed.simd, &w.s, &w.dp, &mut w.ds),
                         (None, Some(_)) => {
                             causal_softmax_grad_rows(fixed.simd, p, &w.dp, n.t, &mut w.ds)
                         }

@@ -77,8 +77,8 @@ fn logs<T: Real>(z: &[T], b: &[T], taken: &mut [T], kept: &mut [T]) {
 /// `q` and `k`) meet subnormal numbers, which the CPU computes many times slower.
 const LOG_FLUSH: f64 = -60.0;
 
-/// A row's weights `A` into `a`, with `taken` and `kept` its [`logs`] (`kept` is left holding
-/// each key's `P_j`); those below `e^-60` are 0.
+/// A row's weights `A` into `a` (every value written), with `taken` and `kept` its [`logs`]
+/// (`kept` is left holding each key's `P_j`); those below `e^-60` are 0.
 #[inline(always)]
 fn row_weights<T: Real>(
     i: usize,
@@ -86,7 +86,7 @@ fn row_weights<T: Real>(
     b: &[T],
     taken: &[T],
     kept: &mut [T],
-    a: &mut [T],
+    a: &mut [MaybeUninit<T>],
 ) {
     let t = b.len();
     let mut sum = T::zero();
@@ -98,16 +98,17 @@ fn row_weights<T: Real>(
     let flush = T::lit(LOG_FLUSH);
     for (((o, &bj), &lt), &p) in a.iter_mut().zip(b).zip(taken).zip(kept.iter()) {
         let log = lt + p;
-        *o = if bj != T::zero() && log > flush {
+        o.write(if bj != T::zero() && log > flush {
             log.exp_()
         } else {
             T::zero()
-        };
+        });
     }
 }
 
 /// Where a chunk of rows lies in the `(b, h, t, t)` values: its first row, the heads, the keys
-/// of a row.
+/// of a row. A head of the fused attention alone is its `t` rows: `first` is `t` for an odd
+/// head, 0 for an even one, of 2.
 #[derive(Clone, Copy)]
 struct Rows {
     first: usize,
@@ -127,20 +128,23 @@ impl Rows {
     }
 }
 
-/// The weights of a chunk of rows.
+/// Where a row's breaking keys come from: `breaks(r, b)` writes row `r` of a chunk's into `b`
+/// (1 or 0): read from a tensor of them, or made from a head's key bias and window.
+type Breaks<'a, T> = &'a (dyn Fn(usize, &mut [T]) + Sync);
+
+/// The weights of a chunk of rows (every value written).
 #[inline(always)]
-fn weights_body<T: Real>(z: &[T], b: &[T], rows: Rows, out: &mut [T]) {
+fn weights_body<T: Real>(z: &[T], rows: Rows, breaks: Breaks<'_, T>, out: &mut [MaybeUninit<T>]) {
     let t = rows.t;
-    let mut taken = vec![T::zero(); t];
-    let mut kept = vec![T::zero(); t];
-    let each = z.chunks_exact(t).zip(b.chunks_exact(t));
-    for (r, ((zr, br), ar)) in each.zip(out.chunks_exact_mut(t)).enumerate() {
+    let (mut b, mut taken, mut kept) = (vec![T::zero(); t], vec![T::zero(); t], vec![T::zero(); t]);
+    for (r, (zr, ar)) in z.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
         let (i, left_first) = rows.row(r);
-        logs(zr, br, &mut taken, &mut kept);
-        row_weights(i, left_first, br, &taken, &mut kept, ar);
+        breaks(r, &mut b);
+        logs(zr, &b, &mut taken, &mut kept);
+        row_weights(i, left_first, &b, &taken, &mut kept, ar);
     }
 }
-simd_dispatch!(fn weights_rows = weights_body(z: &[T], b: &[T], rows: Rows, out: &mut [T]));
+simd_dispatch!(fn weights_rows = weights_body(z: &[T], rows: Rows, breaks: Breaks<'_, T>, out: &mut [MaybeUninit<T>]));
 
 /// A row's work space for its gradient: its logs and weights.
 struct RowWork<T> {
@@ -165,7 +169,8 @@ impl<T: Real> RowWork<T> {
         let t = zr.len();
         let (taken, kept, a) = (&mut self.taken, &mut self.kept, &mut self.a);
         logs(zr, br, taken, kept);
-        row_weights(i, left_first, br, taken, kept, a);
+        // SAFETY: row_weights writes values only.
+        row_weights(i, left_first, br, taken, kept, unsafe { uninit(a) });
         // c_j = dA_j A_j in place of the weights, dz_j's first term dA_j A_j σ(-z_j), and σ(z_j)
         // in place of its log, all 0 where the key does not break (one exponential each).
         for ((((c, o), lt), &gj), (&zj, &bj)) in a
@@ -199,19 +204,18 @@ impl<T: Real> RowWork<T> {
 
 /// The logits' gradient of a chunk of rows from the weights' `g`.
 #[inline(always)]
-fn grad_body<T: Real>(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]) {
+fn grad_body<T: Real>(z: &[T], g: &[T], rows: Rows, breaks: Breaks<'_, T>, dz: &mut [T]) {
     let t = rows.t;
+    let mut b = vec![T::zero(); t];
     let mut work = RowWork::new(t);
-    let each = z
-        .chunks_exact(t)
-        .zip(b.chunks_exact(t))
-        .zip(g.chunks_exact(t));
-    for (r, (((zr, br), gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
+    let each = z.chunks_exact(t).zip(g.chunks_exact(t));
+    for (r, ((zr, gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
         let (i, left_first) = rows.row(r);
-        work.grad(i, left_first, zr, br, gr, dr);
+        breaks(r, &mut b);
+        work.grad(i, left_first, zr, &b, gr, dr);
     }
 }
-simd_dispatch!(fn grad_rows = grad_body(z: &[T], b: &[T], g: &[T], rows: Rows, dz: &mut [T]));
+simd_dispatch!(fn grad_rows = grad_body(z: &[T], g: &[T], rows: Rows, breaks: Breaks<'_, T>, dz: &mut [T]));
 
 /// One head of the fused attention (`attention.rs`), whose weights are stick-breaking's in
 /// place of the softmax: the keys that break are the real ones (`key_bias` 0) in the query's
@@ -238,48 +242,31 @@ impl<T: Real> Head<'_, T> {
         }
     }
 
+    /// The head's rows (see [`Rows`]).
+    fn rows(&self) -> Rows {
+        let t = self.key_bias.len();
+        Rows {
+            first: (self.parity % 2) * t,
+            heads: 2,
+            t,
+        }
+    }
+
     /// The head's weights `(t, t)` from its scores `z` into `out` (written in full).
     pub fn weights(&self, simd: SimdLevel, z: &[T], out: &mut [MaybeUninit<T>]) {
-        for o in out.iter_mut() {
-            o.write(T::zero());
-        }
-        // SAFETY: every value was just written.
-        let out = unsafe { assume_written(out) };
-        head_weights_rows(simd, self, z, out);
+        weights_rows(simd, z, self.rows(), &|i, b| self.breaks(i, b), out);
     }
 
     /// The head's scores' gradient `dz` `(t, t)` from its scores `z` and the weights' `g`.
     pub fn grad(&self, simd: SimdLevel, z: &[T], g: &[T], dz: &mut [T]) {
-        head_grad_rows(simd, self, z, g, dz);
+        grad_rows(simd, z, g, self.rows(), &|i, b| self.breaks(i, b), dz);
     }
 }
 
-#[inline(always)]
-fn head_weights_body<T: Real>(head: &Head<'_, T>, z: &[T], out: &mut [T]) {
-    let t = head.key_bias.len();
-    let (mut b, mut taken, mut kept) = (vec![T::zero(); t], vec![T::zero(); t], vec![T::zero(); t]);
-    let left_first = head.parity.is_multiple_of(2);
-    for (i, (zr, ar)) in z.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
-        head.breaks(i, &mut b);
-        logs(zr, &b, &mut taken, &mut kept);
-        row_weights(i, left_first, &b, &taken, &mut kept, ar);
-    }
+/// The breaking keys of a chunk's rows of `t`, read from `b` (their `(rows, t)` values).
+fn given<T: Real>(b: &[T], t: usize) -> impl Fn(usize, &mut [T]) + Sync + '_ {
+    move |r, row| row.copy_from_slice(&b[r * t..(r + 1) * t])
 }
-simd_dispatch!(fn head_weights_rows = head_weights_body(head: &Head<'_, T>, z: &[T], out: &mut [T]));
-
-#[inline(always)]
-fn head_grad_body<T: Real>(head: &Head<'_, T>, z: &[T], g: &[T], dz: &mut [T]) {
-    let t = head.key_bias.len();
-    let mut b = vec![T::zero(); t];
-    let mut work = RowWork::new(t);
-    let left_first = head.parity.is_multiple_of(2);
-    let each = z.chunks_exact(t).zip(g.chunks_exact(t));
-    for (i, ((zr, gr), dr)) in each.zip(dz.chunks_exact_mut(t)).enumerate() {
-        head.breaks(i, &mut b);
-        work.grad(i, left_first, zr, &b, gr, dr);
-    }
-}
-simd_dispatch!(fn head_grad_rows = head_grad_body(head: &Head<'_, T>, z: &[T], g: &[T], dz: &mut [T]));
 
 /// `body` over the rows of `(b, h, t, t)` values `inputs` (each that long), in parallel tasks
 /// of whole rows, each writing its chunk of the output.
@@ -353,8 +340,9 @@ impl CustomOp2 for Weights {
         on_storages(
             "stick-breaking weights",
             &[(s1, l1), (s2, l2)],
-            |x, rows, o| weights_rows(simd, x[0], x[1], rows, o),
-            |x, rows, o| weights_rows(simd, x[0], x[1], rows, o),
+            // SAFETY (both): weights_rows writes values only.
+            |x, rows, o| weights_rows(simd, x[0], rows, &given(x[1], rows.t), unsafe { uninit(o) }),
+            |x, rows, o| weights_rows(simd, x[0], rows, &given(x[1], rows.t), unsafe { uninit(o) }),
         )
     }
 
@@ -393,8 +381,8 @@ impl CustomOp3 for Grad {
         on_storages(
             "stick-breaking backward",
             &[(s1, l1), (s2, l2), (s3, l3)],
-            |x, rows, o| grad_rows(simd, x[0], x[1], x[2], rows, o),
-            |x, rows, o| grad_rows(simd, x[0], x[1], x[2], rows, o),
+            |x, rows, o| grad_rows(simd, x[0], x[2], rows, &given(x[1], rows.t), o),
+            |x, rows, o| grad_rows(simd, x[0], x[2], rows, &given(x[1], rows.t), o),
         )
     }
 }
