@@ -243,6 +243,88 @@ pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
     unreachable!("an unbounded search ends by returning")
 }
 
+/// The folder a config's relative paths resolve against: the folder of the config file they
+/// were read from, or (`None`, for a config made from text) the working directory. A task's
+/// `train`, `valid`, `test`, `text_file` and tokenizer `path`, and `init`'s local folder.
+///
+/// It says where a config was written, not what it is: two configs that differ only here are
+/// equal, and it is never written into a config (a run folder's copy keeps the paths as the
+/// user wrote them, so that its fingerprint is the same from any folder and on any machine).
+#[derive(Clone, Debug, Default)]
+pub struct PathBase(pub Option<std::path::PathBuf>);
+
+impl PartialEq for PathBase {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl PathBase {
+    /// `path` as it is read: joined to the base when relative.
+    pub fn join(&self, path: &Path) -> std::path::PathBuf {
+        match &self.0 {
+            Some(base) if path.is_relative() => base.join(path),
+            _ => path.to_path_buf(),
+        }
+    }
+
+    /// Why a relative path was looked for where it was: for messages.
+    pub fn rule(&self) -> String {
+        match &self.0 {
+            Some(base) => format!(
+                "a relative path in a config is relative to the config file's folder, {}",
+                base.display()
+            ),
+            None => match std::env::current_dir() {
+                Ok(cwd) => format!("relative to the working directory, {}", cwd.display()),
+                Err(_) => "relative to the working directory".into(),
+            },
+        }
+    }
+
+    /// `key = path` checked to exist where it is read from, or an error that says where it
+    /// was looked for, and the path to write when the working directory holds the file.
+    pub fn existing(
+        &self,
+        key: &str,
+        path: &Path,
+    ) -> std::result::Result<std::path::PathBuf, String> {
+        let at = self.join(path);
+        if at.exists() {
+            return Ok(at);
+        }
+        let mut message = format!(
+            "{key} = {:?}: no such file at {}",
+            path.display(),
+            at.display()
+        );
+        if path.is_relative() {
+            message += &format!(" ({})", self.rule());
+            if let (Some(base), true) = (&self.0, path.exists()) {
+                if let Some(fix) = relative_path(path, base) {
+                    message += &format!(
+                        "; the working directory holds {}: from the config's folder that is \
+                         {key} = {:?}",
+                        path.display(),
+                        fix.display()
+                    );
+                }
+            }
+        }
+        Err(message)
+    }
+}
+
+/// The path from the folder `base` to the existing `target`, both made absolute.
+fn relative_path(target: &Path, base: &Path) -> Option<std::path::PathBuf> {
+    let (target, base) = (target.canonicalize().ok()?, base.canonicalize().ok()?);
+    let (t, b): (Vec<_>, Vec<_>) = (target.components().collect(), base.components().collect());
+    let common = t.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let mut path: std::path::PathBuf = b[common..].iter().map(|_| "..").collect();
+    path.extend(&t[common..]);
+    Some(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

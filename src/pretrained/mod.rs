@@ -229,23 +229,40 @@ impl HfConfig {
 /// whose `config.json`, `tokenizer.json` and `model.safetensors` come from the Hugging Face
 /// cache (downloaded into it when missing, unless `HF_HUB_OFFLINE`).
 pub fn resolve(spec: &str, hub: &crate::text::HubSource) -> Result<PathBuf> {
-    let path = Path::new(spec);
+    resolve_in(spec, &crate::io::PathBase::default(), hub)
+        .map_err(|e| Error::Input(format!("--model {spec}: {e}")))
+}
+
+/// As [`resolve`], a relative folder looked for in `base` (a config's folder); the error says
+/// where it was looked for.
+pub fn resolve_in(
+    spec: &str,
+    base: &crate::io::PathBase,
+    hub: &crate::text::HubSource,
+) -> Result<PathBuf> {
+    let path = base.join(Path::new(spec));
     if path.is_dir() {
-        return Ok(path.to_path_buf());
+        return Ok(path);
     }
+    let nowhere = || {
+        let rule = if Path::new(spec).is_relative() {
+            format!(" ({})", base.rule())
+        } else {
+            String::new()
+        };
+        format!("no folder at {}{rule}", path.display())
+    };
     let repo = crate::text::RepoRef::parse(spec).map_err(|_| {
         Error::Input(format!(
-            "--model {spec}: no such folder, and not a Hugging Face Hub id (owner/name or \
-             owner/name@revision)"
+            "{}, and not a Hugging Face Hub id (owner/name or owner/name@revision)",
+            nowhere()
         ))
     })?;
     let mut dir = None;
     for file in ["config.json", "tokenizer.json", "model.safetensors"] {
-        let path = hub.fetch(&repo, file).map_err(|e| {
-            Error::Input(format!(
-                "--model {spec}: there is no folder of that name here, and as a Hub id: {e}"
-            ))
-        })?;
+        let path = hub
+            .fetch(&repo, file)
+            .map_err(|e| Error::Input(format!("{}, and as a Hub id: {e}", nowhere())))?;
         dir = path.parent().map(Path::to_path_buf);
     }
     Ok(dir.expect("three files fetched"))

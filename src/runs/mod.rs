@@ -312,11 +312,12 @@ impl ExperimentConfig {
         Ok(config)
     }
 
-    /// Reads and validates an experiment file.
+    /// Reads and validates an experiment file. Its tasks' relative paths resolve against the
+    /// file's folder.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
-        Self::from_toml_str(&text).map_err(|e| match e {
+        let mut config = Self::from_toml_str(&text).map_err(|e| match e {
             Error::ConfigParse { message, .. } if ModelConfig::from_toml_str(&text).is_ok() => Error::ConfigParse {
                 path: path.into(),
                 message: format!(
@@ -346,7 +347,11 @@ impl ExperimentConfig {
                 }
             }
             other => other.in_file(path),
-        })
+        })?;
+        for task in &mut config.tasks {
+            task.resolve_from(path.parent().unwrap_or(Path::new(".")));
+        }
+        Ok(config)
     }
 
     /// The experiment without its `[[comparisons]]`: what shapes its cells (comparisons are the

@@ -256,11 +256,12 @@ impl TrainRunConfig {
         Ok(config)
     }
 
-    /// Reads and validates a run config file.
+    /// Reads and validates a run config file. Its relative paths (the task's, and `init`'s
+    /// local folder) resolve against the file's folder.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = crate::io::read_text_bounded(path, crate::io::MAX_CONFIG_BYTES, "config")?;
-        Self::from_toml_str(&text).map_err(|e| match e {
+        let mut config = Self::from_toml_str(&text).map_err(|e| match e {
             Error::ConfigParse { message, .. }
                 if ["tasks", "variants"]
                     .iter()
@@ -285,7 +286,11 @@ impl TrainRunConfig {
                 }
             }
             other => other.in_file(path),
-        })
+        })?;
+        config
+            .task
+            .resolve_from(path.parent().unwrap_or(Path::new(".")));
+        Ok(config)
     }
 
     /// The config as TOML, the form the run folder keeps.
@@ -478,6 +483,11 @@ struct Inputs {
     device: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     kernels: Option<String>,
+    /// The folder of the config the run was started from, which its relative paths resolve
+    /// against ([`crate::io::PathBase`]; absent in runs from before, and for a config made
+    /// from text: the working directory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    paths_from: Option<PathBuf>,
 }
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -494,30 +504,52 @@ impl Inputs {
         dir: &Path,
         options: &TrainOptions,
     ) -> Result<Self> {
+        // Files outside the run folder by their absolute paths, and the run folder's own
+        // tokenizer by its name in the folder: the record holds from any working directory,
+        // and when the folder moves.
         let mut paths: Vec<PathBuf> = config.task.input_files();
-        paths.push(dir.join(saved::TOKENIZER));
         if let Some(start) = start {
             let d = &start.folder.dir;
             paths.extend(["config.json", "model.safetensors", "tokenizer.json"].map(|f| d.join(f)));
         }
-        let files = paths
+        let mut files = paths
             .into_iter()
             .map(|path| {
                 Ok(InputFile {
                     sha256: crate::io::sha256_file(&path)?,
-                    path,
+                    path: std::path::absolute(&path).unwrap_or(path),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        files.push(InputFile {
+            sha256: crate::io::sha256_file(&dir.join(saved::TOKENIZER))?,
+            path: saved::TOKENIZER.into(),
+        });
         Ok(Self {
             files,
             device: Some(crate::device::device_kind(&options.device)),
             kernels: Some(options.backend.kernels.name().into()),
+            paths_from: config.task.base.0.clone(),
         })
     }
 
     fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("inputs serialize") + "\n"
+    }
+
+    /// Where the relative paths of the run in `dir` resolve from: the folder of the config it
+    /// was started from, as `inputs.json` recorded it.
+    fn paths_from(dir: &Path) -> Result<crate::io::PathBase> {
+        let path = dir.join(INPUTS);
+        if !path.exists() {
+            return Ok(crate::io::PathBase::default());
+        }
+        let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "inputs")?;
+        let recorded: Inputs = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+            path: path.clone(),
+            message: format!("unreadable ({e}): the file was edited or damaged"),
+        })?;
+        Ok(crate::io::PathBase(recorded.paths_from))
     }
 
     /// Refuses a resume whose inputs differ from those `dir` recorded, naming the file, or that
@@ -534,11 +566,17 @@ impl Inputs {
             message: format!("unreadable ({e}): the file was edited or damaged"),
         })?;
         for f in &recorded.files {
-            let now = crate::io::sha256_file(&f.path).map_err(|e| {
+            // A relative path is the run folder's own file (runs from before recorded every
+            // path as the working directory saw it).
+            let at = match dir.join(&f.path) {
+                inside if f.path.is_relative() && inside.exists() => inside,
+                _ => f.path.clone(),
+            };
+            let now = crate::io::sha256_file(&at).map_err(|e| {
                 Error::Input(format!(
                     "{} was read when the run started, and cannot be read now ({e}): a \
                      resumed run reads the same inputs; restore it, or start a new run",
-                    f.path.display()
+                    at.display()
                 ))
             })?;
             if now != f.sha256 {
@@ -613,7 +651,8 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
             dir.join(STOPPED).display()
         )));
     }
-    let config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
+    let mut config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
+    config.task.base = Inputs::paths_from(dir)?;
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
     Inputs::check(dir, options)?;
@@ -658,7 +697,14 @@ impl Start {
         let Some(init) = &config.init else {
             return Ok(None);
         };
-        let dir = crate::pretrained::resolve(&init.model, hub)?;
+        let dir =
+            crate::pretrained::resolve_in(&init.model, &config.task.base, hub).map_err(|e| {
+                let e = match e {
+                    Error::Input(message) => message,
+                    other => other.to_string(),
+                };
+                Error::Config(format!("init = {{ model = {:?} }}: {e}", init.model))
+            })?;
         let folder = crate::pretrained::Folder::read(&dir)
             .map_err(|e| Error::Config(format!("init = {{ model = {:?} }}: {e}", init.model)))?;
         let config = crate::config::ModelConfig {

@@ -28,7 +28,9 @@ pub mod sorted;
 pub mod symbols;
 pub mod word_order;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+pub use crate::io::PathBase;
 
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
@@ -227,6 +229,8 @@ pub struct TaskSpec {
     pub tokenizer: TokenizerSpec,
     /// What to do with inputs that are too long.
     pub limit: TokenLimit,
+    /// Where the task's relative paths resolve from (not part of the task).
+    pub base: PathBase,
 }
 
 /// What to do with inputs longer than a model should take.
@@ -326,6 +330,7 @@ impl<'de> Deserialize<'de> for TaskSpec {
                 truncate: common.truncate,
             },
             kind,
+            base: PathBase::default(),
         })
     }
 }
@@ -651,21 +656,64 @@ impl TaskSpec {
         }
     }
 
+    /// From now on the task's relative paths resolve against `dir`: the folder of the config
+    /// file it was read from (made absolute, so that a later change of directory keeps it).
+    pub fn resolve_from(&mut self, dir: &Path) {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        self.base = PathBase(Some(
+            dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf()),
+        ));
+    }
+
+    /// The task with each of its paths as it is read ([`PathBase::join`]), each checked to
+    /// exist: a missing one is refused with where it was looked for.
+    pub fn resolved(&self) -> Result<std::borrow::Cow<'_, Self>> {
+        let mut task = self.clone();
+        let paths = task.paths_mut();
+        if paths.is_empty() {
+            return Ok(std::borrow::Cow::Borrowed(self));
+        }
+        for (key, path) in paths {
+            *path = self
+                .base
+                .existing(key, path)
+                .map_err(|e| Error::Config(format!("task `{}`: {e}", self.name)))?;
+        }
+        Ok(std::borrow::Cow::Owned(task))
+    }
+
+    /// The paths the task holds, by their keys.
+    fn paths_mut(&mut self) -> Vec<(&'static str, &mut PathBuf)> {
+        let mut paths = Vec::new();
+        match &mut self.kind {
+            TaskKind::Classify(o) | TaskKind::Tag(o) => {
+                paths.push(("train", &mut o.train));
+                paths.extend(o.valid.as_mut().map(|p| ("valid", p)));
+                paths.extend(o.test.as_mut().map(|p| ("test", p)));
+            }
+            TaskKind::Mlm(Mlm { text_file, .. }) | TaskKind::Lm(Lm { text_file, .. }) => {
+                paths.extend(text_file.as_mut().map(|p| ("text_file", p)));
+            }
+            _ => {}
+        }
+        if let TokenizerSpec::File { path } = &mut self.tokenizer {
+            paths.push(("tokenizer.path", path));
+        }
+        paths
+    }
+
     /// The files the task reads its examples from (none for a generated task).
     pub fn input_files(&self) -> Vec<PathBuf> {
-        match &self.kind {
-            TaskKind::Classify(o) | TaskKind::Tag(o) => std::iter::once(o.train.clone())
-                .chain(o.valid.clone())
-                .chain(o.test.clone())
-                .collect(),
-            TaskKind::Mlm(Mlm {
-                text_file: Some(f), ..
-            })
-            | TaskKind::Lm(Lm {
-                text_file: Some(f), ..
-            }) => vec![f.clone()],
-            _ => Vec::new(),
-        }
+        let mut task = self.clone();
+        task.paths_mut()
+            .into_iter()
+            .filter(|(key, _)| *key != "tokenizer.path")
+            .map(|(_, p)| self.base.join(p))
+            .collect()
     }
 
     /// Words of an example of length `len`: a length-suite tape holds its blanks too.
@@ -886,6 +934,16 @@ impl TaskSpec {
         caps: Option<[usize; 2]>,
     ) -> Result<TaskData> {
         self.validate()?;
+        self.resolved()?.generate_resolved(hub, tokenizer, caps)
+    }
+
+    /// As [`TaskSpec::generate_sampled`], every path the task holds as it is read.
+    fn generate_resolved(
+        &self,
+        hub: &HubSource,
+        tokenizer: Option<TextTokenizer>,
+        caps: Option<[usize; 2]>,
+    ) -> Result<TaskData> {
         // A tokenizer trained on the training texts is that of the whole split: no sample then.
         let caps = caps.filter(|_| !matches!(self.tokenizer, TokenizerSpec::Train { .. }));
         let Splits {

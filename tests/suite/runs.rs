@@ -1460,8 +1460,9 @@ fn a_failed_start_leaves_no_folder_behind() {
     let root = tempfile::tempdir().unwrap();
     let d = root.path();
     let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    std::fs::create_dir_all(d.join("configs")).unwrap();
     for name in ["compare_reviews.toml", "train_reviews.toml"] {
-        std::fs::copy(configs.join(name), d.join(name)).unwrap();
+        std::fs::copy(configs.join(name), d.join("configs").join(name)).unwrap();
     }
     std::fs::create_dir_all(d.join("examples/data")).unwrap();
     let runs =
@@ -1473,10 +1474,13 @@ fn a_failed_start_leaves_no_folder_behind() {
         assert!(stderr(&out).contains(why), "{}", stderr(&out));
         assert_eq!(runs(), 0, "{args:?} left a folder");
     };
-    fails(&["compare", "compare_reviews.toml", "-q"], "reviews.tsv");
+    fails(
+        &["compare", "configs/compare_reviews.toml", "-q"],
+        "reviews.tsv",
+    );
     std::fs::write(d.join("examples/data/reviews.tsv"), "text\tlabel\n").unwrap();
     fails(
-        &["train", "--config", "train_reviews.toml", "-q"],
+        &["train", "--config", "configs/train_reviews.toml", "-q"],
         "no examples",
     );
 }
@@ -1559,4 +1563,94 @@ fn a_run_of_some_variants_names_the_rows_it_lacks_in_one_line() {
     let md = String::from_utf8(read(d.join("t/report.md"))).unwrap();
     assert!(md.contains("**word_order**, `none` − `rope`"), "{md}");
     assert!(!md.contains("- no verdict"), "{md}");
+}
+
+/// A config's relative data paths are relative to its own folder, whatever the working
+/// directory: a compare's dry run and a train run read them from anywhere, a train run resumes
+/// from another folder, and a path written from the working directory is refused with where it
+/// was looked for and the path to write instead.
+#[test]
+fn relative_data_paths_follow_the_config_file() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    for sub in ["configs", "data", "elsewhere"] {
+        std::fs::create_dir_all(d.join(sub)).unwrap();
+    }
+    let mut tsv = String::from("text\tlabel\n");
+    for _ in 0..30 {
+        tsv.push_str("the dog barks\tpositive\nthe cat sleeps\tnegative\n");
+    }
+    std::fs::write(d.join("data/reviews.tsv"), tsv).unwrap();
+    let task = |path: &str| {
+        format!("kind = \"classify\"\nname = \"toy\"\ntrain = \"{path}\"\nvalid_fraction = 0.2\n")
+    };
+    let shape = "d_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n";
+    let experiment = |path: &str| {
+        format!(
+            "name = \"paths\"\nseeds = 1\n[model]\n{shape}[train]\nbudget = {{ steps = 2 }}\n\
+             batch_size = 8\n[[tasks]]\n{}[[variants]]\nname = \"rope\"\n\
+             positional = {{ kind = \"rope\" }}\n",
+            task(path)
+        )
+    };
+    std::fs::write(
+        d.join("configs/good.toml"),
+        experiment("../data/reviews.tsv"),
+    )
+    .unwrap();
+    std::fs::write(d.join("configs/bad.toml"), experiment("data/reviews.tsv")).unwrap();
+    std::fs::write(
+        d.join("configs/train.toml"),
+        format!(
+            "name = \"paths\"\ncheckpoint_every = 2\n[model]\n{shape}[positional]\nkind = \"rope\"\n\
+             [train]\nbudget = {{ steps = 4 }}\nbatch_size = 8\n[task]\n{}",
+            task("../data/reviews.tsv")
+        ),
+    )
+    .unwrap();
+    // From the project's folder and from a folder beside it.
+    for (cwd, config) in [
+        (d.to_path_buf(), "configs/good.toml"),
+        (d.join("elsewhere"), "../configs/good.toml"),
+    ] {
+        let out = poslab(&cwd, &["compare", config, "--dry-run"]);
+        assert_ok(&out, &format!("dry run of {config} from {}", cwd.display()));
+    }
+    // Written from the working directory: refused, naming where it looked and the fix.
+    let out = poslab(d, &["compare", "configs/bad.toml", "--dry-run"]);
+    assert!(!out.status.success());
+    let said = stderr(&out);
+    let looked = d
+        .canonicalize()
+        .unwrap()
+        .join("configs")
+        .join("data/reviews.tsv");
+    for part in [
+        format!("no such file at {}", looked.display()),
+        "relative to the config file's folder".into(),
+        "train = \"../data/reviews.tsv\"".into(),
+    ] {
+        assert!(said.contains(&part), "{part:?} not in: {said}");
+    }
+    // A train run started from one folder and resumed from another reads the same file.
+    let out = poslab(
+        d,
+        &[
+            "train",
+            "--config",
+            "configs/train.toml",
+            "--out",
+            "run",
+            "--stop-after",
+            "2",
+            "-q",
+        ],
+    );
+    assert_ok(&out, "a train run's start");
+    let out = poslab(&d.join("elsewhere"), &["train", "--resume", "../run", "-q"]);
+    assert_ok(&out, "its resume from another folder");
+    assert!(d.join("run/metrics.json").is_file());
+    // The run folder keeps the path as written.
+    let kept = std::fs::read_to_string(d.join("run/train.toml")).unwrap();
+    assert!(kept.contains("train = \"../data/reviews.tsv\""), "{kept}");
 }

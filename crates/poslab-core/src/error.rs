@@ -81,8 +81,9 @@ pub enum Error {
     },
 
     /// Filesystem failures, with the path involved where poslab knows it (the message includes
-    /// the cause). A bare [`std::io::Error`] converts with `?` (an empty path: the error alone).
-    #[error("{}{error}", if path.as_os_str().is_empty() { String::new() } else { format!("{}: ", path.display()) })]
+    /// the cause, and for a relative path not found, the folder it was looked for in). A bare
+    /// [`std::io::Error`] converts with `?` (an empty path: the error alone).
+    #[error("{}", io_message(path, error))]
     Io {
         /// The path involved.
         path: PathBuf,
@@ -93,6 +94,20 @@ pub enum Error {
     /// Errors raised inside candle's tensor operations.
     #[error(transparent)]
     Candle(candle::Error),
+}
+
+/// `path: error`, and where a relative path that is not there was looked for.
+fn io_message(path: &std::path::Path, error: &std::io::Error) -> String {
+    if path.as_os_str().is_empty() {
+        return error.to_string();
+    }
+    let mut message = format!("{}: {error}", path.display());
+    if error.kind() == std::io::ErrorKind::NotFound && path.is_relative() {
+        if let Ok(cwd) = std::env::current_dir() {
+            message += &format!(" (looked for in the working directory, {})", cwd.display());
+        }
+    }
+    message
 }
 
 impl From<std::io::Error> for Error {
