@@ -36,6 +36,7 @@ pub struct Predictor<'a> {
     truncate: bool,
     rope_scaling: Option<RopeScaling>,
     limits: Limits,
+    meter: Option<&'a crate::progress::Meter>,
 }
 
 impl<'a> Predictor<'a> {
@@ -47,7 +48,15 @@ impl<'a> Predictor<'a> {
             truncate,
             rope_scaling: None,
             limits: Limits::default(),
+            meter: None,
         }
+    }
+
+    /// Says on `meter` which batch runs, what it holds, and the time left (see
+    /// [`crate::progress::with_meter`]).
+    pub fn with_meter(mut self, meter: &'a crate::progress::Meter) -> Self {
+        self.meter = Some(meter);
+        self
     }
 
     /// Reads texts within `limits` (by default [`Limits::default`]): a text whose attention
@@ -249,12 +258,35 @@ impl<'a> Predictor<'a> {
             }
         }
         bounds.push(prepared.len());
-        for range in bounds.windows(2).filter(|w| w[0] < w[1]) {
+        let ranges: Vec<&[usize]> = bounds.windows(2).filter(|w| w[0] < w[1]).collect();
+        // A batch's cost: its padded tokens times a layer's products per token, the attention's
+        // growing with the length.
+        let config = encoder.config();
+        let cost = |chunk: &[Prepared]| {
+            let t = chunk.iter().map(|p| p.ids.len()).max().unwrap_or(0) as f64;
+            let d = config.d_model as f64;
+            chunk.len() as f64 * t * (4.0 * d * d + 2.0 * d * config.ffn_dim as f64 + 2.0 * t * d)
+        };
+        if let Some(meter) = self.meter {
+            let all = ranges.iter().map(|r| cost(&prepared[r[0]..r[1]])).sum();
+            meter.plan("batch", ranges.len(), all);
+        }
+        for range in ranges {
             let (chunk, texts) = (&prepared[range[0]..range[1]], &texts[range[0]..range[1]]);
+            if let Some(meter) = self.meter {
+                let longest = chunk.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+                meter.start(match chunk.len() {
+                    1 => format!("1 text of {longest} tokens"),
+                    n => format!("{n} texts of at most {longest} tokens"),
+                });
+            }
             let seqs: Vec<&[u32]> = chunk.iter().map(|p| p.ids.as_slice()).collect();
             let (ids, mask) = pad_batch(&seqs, self.loaded.tokenizer.pad_id(), self.device())?;
             let positions = self.positions(chunk, ids.dim(1)?)?;
             let values = f(model, chunk, &ids, &mask, &positions)?;
+            if let Some(meter) = self.meter {
+                meter.done(cost(chunk));
+            }
             for ((p, text), value) in chunk.iter().zip(texts).zip(values) {
                 out.push(Output {
                     text: text.clone(),

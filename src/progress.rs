@@ -1,7 +1,8 @@
 //! How a long job shows where it is: progress bars on a terminal, or, when standard error is
 //! not a terminal (a Slurm or Kubernetes job's log, `nohup`, a pipe), one plain line at a
 //! steady interval saying which cells run, their step and loss, the time spent and the time
-//! left.
+//! left. Work that is not training (a predict's batches, an analysis's texts) shows the same
+//! way through a [`Meter`].
 
 use std::io::IsTerminal as _;
 use std::sync::Mutex;
@@ -212,6 +213,139 @@ pub fn with_lines<R>(
     })
 }
 
+/// Where work that is not training stands (the batches of a `predict` or an `embed`, the
+/// texts of an analysis): parts planned with their costs, the part running now, the time
+/// spent and the time left.
+#[derive(Debug)]
+pub struct Meter {
+    what: String,
+    started: Instant,
+    state: Mutex<MeterState>,
+}
+
+#[derive(Debug, Default)]
+struct MeterState {
+    unit: String,
+    parts: usize,
+    done: usize,
+    cost: f64,
+    cost_done: f64,
+    now: String,
+}
+
+impl Meter {
+    /// A meter for `what` (the command), with nothing planned yet.
+    pub fn new(what: &str) -> Self {
+        Self {
+            what: what.into(),
+            started: Instant::now(),
+            state: Mutex::new(MeterState::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, MeterState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The work is `parts` parts named `unit` (`batch`), of `cost` in all (any unit: the time
+    /// left is the time spent scaled by the cost left).
+    pub fn plan(&self, unit: &str, parts: usize, cost: f64) {
+        let mut state = self.state();
+        state.unit = unit.into();
+        state.parts = parts;
+        state.cost = cost;
+    }
+
+    /// The next part starts; `now` says what it holds (`1 text of 16000 tokens`).
+    pub fn start(&self, now: String) {
+        self.state().now = now;
+    }
+
+    /// The running part is done; it cost `cost`.
+    pub fn done(&self, cost: f64) {
+        let mut state = self.state();
+        state.done += 1;
+        state.cost_done += cost;
+        state.now.clear();
+    }
+
+    /// One line: the part running and what it holds, the time spent and, once a part is
+    /// done, the time left.
+    pub fn line(&self) -> String {
+        let state = self.state();
+        let elapsed = self.started.elapsed();
+        let mut line = format!("{}: ", self.what);
+        if state.parts > 0 {
+            let at = (state.done + 1).min(state.parts);
+            line += &format!("{} {at} of {}", state.unit, state.parts);
+            if !state.now.is_empty() {
+                line += &format!(" ({})", state.now);
+            }
+            line += "; ";
+        }
+        line += &format!("{} elapsed", human_duration(elapsed));
+        if state.cost_done > 0.0 && state.cost > state.cost_done {
+            let left = elapsed.as_secs_f64() * (state.cost - state.cost_done) / state.cost_done;
+            line += &format!(
+                ", about {} left",
+                human_duration(Duration::from_secs_f64(left))
+            );
+        }
+        line
+    }
+}
+
+/// How long work runs before [`with_meter`] shows a bar: shorter work finishes in silence.
+pub const QUIET_FOR: Duration = Duration::from_secs(1);
+
+/// Runs `work`; meanwhile `meter`'s line shows as a bar on standard error after
+/// [`QUIET_FOR`] ([`Progress::Bars`]), or goes to `sink` every interval ([`Progress::Lines`]).
+pub fn with_meter<R>(
+    progress: Progress,
+    meter: &Meter,
+    sink: &(dyn Fn(&str) + Sync),
+    work: impl FnOnce() -> R,
+) -> R {
+    let (first, every) = match progress {
+        Progress::Quiet => return work(),
+        Progress::Bars => (QUIET_FOR, Duration::from_millis(200)),
+        Progress::Lines { every } => (every, every),
+    };
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let mut wait = first;
+            let mut bar: Option<indicatif::ProgressBar> = None;
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(wait) {
+                wait = every;
+                if !progress.bars() {
+                    sink(&meter.line());
+                    continue;
+                }
+                let bar = bar.get_or_insert_with(|| {
+                    let bar = indicatif::ProgressBar::with_draw_target(
+                        None,
+                        indicatif::ProgressDrawTarget::stderr(),
+                    );
+                    bar.set_style(
+                        indicatif::ProgressStyle::with_template("{spinner} {msg}")
+                            .expect("a valid template"),
+                    );
+                    bar
+                });
+                bar.set_message(meter.line());
+                bar.tick();
+            }
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+        });
+        let result = work();
+        drop(stop);
+        result
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,6 +385,52 @@ mod tests {
             "{}",
             single.line()
         );
+    }
+
+    #[test]
+    fn a_meter_says_which_part_runs_and_the_time_left() {
+        let meter = Meter::new("predict");
+        assert!(
+            meter.line().starts_with("predict: 0s elapsed"),
+            "{}",
+            meter.line()
+        );
+        meter.plan("batch", 3, 10.0);
+        meter.start("1 text of 16000 tokens".into());
+        let line = meter.line();
+        assert!(
+            line.starts_with("predict: batch 1 of 3 (1 text of 16000 tokens); ")
+                && !line.contains("left"),
+            "{line}"
+        );
+        meter.done(5.0);
+        meter.start("32 texts of at most 12 tokens".into());
+        let line = meter.line();
+        assert!(
+            line.starts_with("predict: batch 2 of 3 (32 texts of at most 12 tokens); ")
+                && line.ends_with(" left"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn meter_lines_come_while_the_work_runs_and_never_when_quiet() {
+        let meter = Meter::new("w");
+        let lines = Mutex::new(Vec::new());
+        let sink = |l: &str| lines.lock().unwrap().push(l.to_string());
+        let every = Duration::from_millis(20);
+        let value = with_meter(Progress::Lines { every }, &meter, &sink, || {
+            std::thread::sleep(Duration::from_millis(150));
+            7
+        });
+        assert_eq!(value, 7);
+        let n = lines.lock().unwrap().len();
+        assert!((1..=8).contains(&n), "{n} lines in 150 ms at 20 ms");
+        assert!(lines.lock().unwrap()[0].starts_with("w: "));
+        with_meter(Progress::Quiet, &meter, &sink, || {
+            std::thread::sleep(Duration::from_millis(50))
+        });
+        assert_eq!(lines.lock().unwrap().len(), n, "quiet prints nothing");
     }
 
     #[test]

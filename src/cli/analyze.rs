@@ -119,6 +119,8 @@ pub struct Args {
     /// or reference. Default: POSLAB_KERNELS when set, else layer.
     #[arg(long, value_parser = super::kernels_parser())]
     pub kernels: Option<poslab::nn::Kernels>,
+    #[command(flatten)]
+    pub quiet: super::Quiet,
 }
 
 impl Args {
@@ -157,8 +159,12 @@ impl Args {
 pub fn run(a: Args) -> Result<()> {
     let threads = super::threads(a.threads)?.unwrap_or_else(poslab::nn::cores);
     let backend = poslab::nn::Backend::default().with_kernels(super::kernels(a.kernels)?);
+    let quiet = a.quiet;
     let request = a.request(backend, super::limits()?);
-    let report = poslab::nn::with_threads(threads, move || request.run())?;
+    let meter = poslab::progress::Meter::new("poslab analyze");
+    let report = quiet.metered(&meter, || {
+        poslab::nn::with_threads(threads, move || request.run())
+    })?;
     out!("{}", report.summary);
     outln!(
         "files in {}: {}",

@@ -33,6 +33,8 @@ pub struct Args {
     pub rope_scaling: Option<poslab::positional::RopeScaling>,
     #[command(flatten)]
     pub compute: Compute,
+    #[command(flatten)]
+    pub quiet: super::Quiet,
 }
 
 /// How a pretrained encoder's hidden states become one vector.
@@ -52,6 +54,7 @@ pub fn run(args: Args) -> Result<()> {
         truncate,
         rope_scaling,
         compute,
+        quiet,
     } = args;
     let texts = gather_texts(texts, input)?;
     let Some(run) = run else {
@@ -61,7 +64,12 @@ pub fn run(args: Args) -> Result<()> {
                 "--rope-scaling applies to RoPE models; a BERT-family encoder has a learned table"
             );
         }
-        return embed_pretrained(&spec, &texts, pooling, normalize, truncate, &compute);
+        let meter = poslab::progress::Meter::new("poslab embed");
+        return quiet.metered(&meter, || {
+            embed_pretrained(
+                &spec, &texts, pooling, normalize, truncate, &compute, &meter,
+            )
+        });
     };
     if normalize || pooling != PretrainedPooling::Mean {
         anyhow::bail!(
@@ -71,13 +79,16 @@ pub fn run(args: Args) -> Result<()> {
     }
     let (run, compute) = (&run, &compute);
     let loaded = load_model(run, compute)?;
-    for (i, out) in Predictor::new(&loaded, truncate)
-        .with_limits(super::limits()?)
-        .with_rope_scaling(rope_scaling)?
-        .embed(&texts)?
-        .iter()
-        .enumerate()
-    {
+    let meter = poslab::progress::Meter::new("poslab embed");
+    let limits = super::limits()?;
+    let outputs = quiet.metered(&meter, || {
+        Predictor::new(&loaded, truncate)
+            .with_limits(limits)
+            .with_rope_scaling(rope_scaling)?
+            .with_meter(&meter)
+            .embed(&texts)
+    })?;
+    for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
             errln!("text {}: {note}", i + 1);
         }
@@ -94,11 +105,15 @@ fn embed_pretrained(
     normalize: bool,
     truncate: bool,
     compute: &Compute,
+    meter: &poslab::progress::Meter,
 ) -> Result<()> {
     use candle::IndexOp as _;
     let model = super::load_pretrained(spec, compute)?;
     let unk = model.tokenizer.unk_id();
+    let batches = texts.len().div_ceil(32);
+    meter.plan("batch", batches, batches as f64);
     for chunk in texts.chunks(32) {
+        meter.start(format!("{} texts", chunk.len()));
         let batch = model.batch(chunk, truncate)?;
         let hidden = model.hidden(&batch.ids, &batch.mask)?;
         let vectors = match pooling {
@@ -124,6 +139,7 @@ fn embed_pretrained(
             };
             outln!("{}", serde_json::to_string(&out)?);
         }
+        meter.done(1.0);
     }
     Ok(())
 }

@@ -170,6 +170,26 @@ pub fn kernels(flag: Option<poslab::nn::Kernels>) -> Result<poslab::nn::Kernels>
     }
 }
 
+/// `-q`: no progress on standard error (what a command that can run long shows otherwise: a
+/// bar on a terminal after a second, a line every 30 s in a log).
+#[derive(clap::Args, Clone, Copy)]
+pub struct Quiet {
+    /// Show no progress on standard error.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+impl Quiet {
+    /// Runs `work` with `meter`'s progress shown as this command shows it.
+    pub fn metered<R>(self, meter: &poslab::progress::Meter, work: impl FnOnce() -> R) -> R {
+        let progress = poslab::progress::Progress::for_stderr(
+            self.quiet,
+            poslab::progress::Progress::DEFAULT_EVERY,
+        );
+        poslab::progress::with_meter(progress, meter, &|line| errln!("{line}"), work)
+    }
+}
+
 /// The sizes a command allows: `POSLAB_MAX_PARAMS` and `POSLAB_MAX_MEMORY`, else the defaults.
 pub fn limits() -> Result<poslab::limits::Limits> {
     env::limits().map_err(anyhow::Error::msg)

@@ -32,6 +32,8 @@ pub struct Args {
     pub rope_scaling: Option<poslab::positional::RopeScaling>,
     #[command(flatten)]
     pub compute: Compute,
+    #[command(flatten)]
+    pub quiet: super::Quiet,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -44,6 +46,7 @@ pub fn run(args: Args) -> Result<()> {
         truncate,
         rope_scaling,
         compute,
+        quiet,
     } = args;
     if top_k == 0 {
         anyhow::bail!(
@@ -51,24 +54,29 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let texts = gather_texts(texts, input)?;
-    let outputs = match (run, model) {
-        (_, Some(spec)) => {
-            if rope_scaling.is_some() {
-                anyhow::bail!(
-                    "--rope-scaling applies to RoPE models; a BERT-family encoder has a learned table"
-                );
+    let meter = poslab::progress::Meter::new("poslab predict");
+    let outputs = quiet.metered(&meter, || -> Result<_> {
+        Ok(match (run, model) {
+            (_, Some(spec)) => {
+                if rope_scaling.is_some() {
+                    anyhow::bail!(
+                        "--rope-scaling applies to RoPE models; a BERT-family encoder has a \
+                         learned table"
+                    );
+                }
+                super::load_pretrained(&spec, &compute)?.fill_masks(&texts, top_k, truncate)?
             }
-            super::load_pretrained(&spec, &compute)?.fill_masks(&texts, top_k, truncate)?
-        }
-        (Some(run), None) => {
-            let loaded = load_model(&run, &compute)?;
-            Predictor::new(&loaded, truncate)
-                .with_limits(super::limits()?)
-                .with_rope_scaling(rope_scaling)?
-                .predict(&texts, top_k)?
-        }
-        (None, None) => unreachable!("clap requires --run or --model"),
-    };
+            (Some(run), None) => {
+                let loaded = load_model(&run, &compute)?;
+                Predictor::new(&loaded, truncate)
+                    .with_limits(super::limits()?)
+                    .with_rope_scaling(rope_scaling)?
+                    .with_meter(&meter)
+                    .predict(&texts, top_k)?
+            }
+            (None, None) => unreachable!("clap requires --run or --model"),
+        })
+    })?;
     for (i, out) in outputs.iter().enumerate() {
         if let Some(note) = &out.note {
             errln!("text {}: {note}", i + 1);
