@@ -7,7 +7,7 @@ use super::{distance_matrix, Analysis, Metric, Table};
 use crate::error::Result;
 use crate::io::write_atomic;
 use crate::render::chart::{
-    Axis, Chart, Color, Corner, Grid, Key, Layout, Legend, Mark, Page, Picture, Series, Ticks,
+    Axis, Chart, Color, Grid, Key, Layout, Mark, Page, Picture, Series, Ticks,
 };
 use crate::render::csv::{write_matrix_csv, write_rows};
 use crate::render::png::{draw, heatmap, line_chart};
@@ -36,7 +36,10 @@ fn clock(path: &Path, table: &Table, analysis: &Analysis) -> Result<()> {
             })
             .collect();
         Chart {
-            caption: (format!("pair {i}, wavelength {:.1}", wavelengths[i]), 15),
+            caption: (
+                format!("pair {i}, wavelength {:.1} positions", wavelengths[i]),
+                15,
+            ),
             margin: 8,
             label_areas: (22, 30),
             x: Axis::linear(-1.15, 1.15).count(3),
@@ -406,14 +409,13 @@ pub fn write_terms(
         }),
     )?;
     let n = terms.len() as f64;
-    // The bars fill the height (shares sum to 100%): room on the right for the legend, which
-    // would otherwise cover the last bars.
-    let room = (0.25 * n).max(1.2);
+    // Every head its label under its bar (at most 32: past that every other, or fewer); the
+    // bars fill the height (shares sum to 100%), so the key sits below the chart.
     let labels: Vec<String> = terms
         .iter()
         .map(|t| format!("L{} H{}", t.layer, t.head))
         .collect();
-    let bars = TERMS.iter().enumerate().map(|(i, name)| {
+    let bars = TERMS.iter().enumerate().map(|(i, _)| {
         let color = Color::palette(i);
         let boxes = terms.iter().enumerate().map(|(h, t)| {
             let below: f64 = t.share[..i].iter().sum::<f64>() * 100.0;
@@ -421,14 +423,16 @@ pub fn write_terms(
             let corners = [(x - 0.35, below), (x + 0.35, below + 100.0 * t.share[i])];
             (corners, color)
         });
-        let boxes = boxes.collect();
-        Mark::Boxes { boxes }.keyed(*name, Key::Box { color })
+        Mark::Boxes {
+            boxes: boxes.collect(),
+        }
+        .into()
     });
     let chart = Chart {
-        caption: (title.to_string(), 20),
+        caption: (String::new(), 1),
         margin: 16,
         label_areas: (56, 64),
-        x: Axis::linear(-0.5, n - 0.5 + room)
+        x: Axis::linear(-0.5, n - 0.5)
             .titled("layer and head")
             .ticks(Ticks::Named(labels))
             .count(terms.len().min(32)),
@@ -439,14 +443,31 @@ pub fn write_terms(
         axis_font: Some(17),
         label_font: 13,
         series: bars.collect(),
-        legend: Some(Legend {
-            background: 0.9,
-            ..Legend::at(Some(Corner::UpperRight), 14)
-        }),
+        legend: None,
+    };
+    let page = Page {
+        top: 36,
+        title: Some((title.to_string(), 20)),
+        rows: 1,
+        cols: 1,
+        panels: vec![chart],
+        below: 36,
+        keys: TERMS
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let color = Color::palette(i);
+                (name.to_string(), Key::Box { color })
+            })
+            .collect(),
     };
     draw(
         &dir.join("attention_terms.png"),
-        Picture::chart((1000, 600), chart),
+        Picture {
+            size: (1000, 600),
+            layout: Layout::Page(page),
+            notes: Vec::new(),
+        },
     )?;
     Ok(vec![
         "attention_terms.csv".into(),

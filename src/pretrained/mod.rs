@@ -229,8 +229,10 @@ impl HfConfig {
 /// whose `config.json`, `tokenizer.json` and `model.safetensors` come from the Hugging Face
 /// cache (downloaded into it when missing, unless `HF_HUB_OFFLINE`).
 pub fn resolve(spec: &str, hub: &crate::text::HubSource) -> Result<PathBuf> {
-    resolve_in(spec, &crate::io::PathBase::default(), hub)
-        .map_err(|e| Error::Input(format!("--model {spec}: {e}")))
+    resolve_in(spec, &crate::io::PathBase::default(), hub).map_err(|e| match e {
+        Error::Input(message) => Error::Input(format!("--model {spec}: {message}")),
+        other => other,
+    })
 }
 
 /// As [`resolve`], a relative folder looked for in `base` (a config's folder); the error says

@@ -465,7 +465,7 @@ pub struct Note {
 /// Charts laid out on a page: a strip `top` pixels high (its `title` centred), a grid of
 /// `rows x cols` equal panels filled row by row, and below them a strip `below` pixels high
 /// holding `keys`, a legend shared by the panels in rows of four (a dashed stroke drawn
-/// broken).
+/// broken, a box filled).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Page {
     /// The height of the strip above the panels.
@@ -480,8 +480,8 @@ pub struct Page {
     pub panels: Vec<Chart>,
     /// The height of the strip below the panels.
     pub below: u32,
-    /// The shared legend in it: each name beside its line.
-    pub keys: Vec<(String, Stroke)>,
+    /// The shared legend in it: each name beside its key (a line, a box).
+    pub keys: Vec<(String, Key)>,
 }
 
 impl Note {

@@ -22,6 +22,15 @@ use crate::error::{Error, Result};
 /// The family name the embedded DejaVu Sans is registered under for every plot.
 const FONT: &str = "sans-serif";
 
+/// A font size as drawn: `size` rounded up to an even number of pixels. plotters places each
+/// glyph at half the size plus the glyph's top, truncated toward zero; at an odd size that
+/// half pixel moves glyphs that reach above the middle (digits) down and those below it (a
+/// decimal point, a comma) up, so `6.3` reads as `6·3`. At an even size every glyph sits on
+/// the baseline.
+fn px(size: u32) -> f64 {
+    f64::from(size + size % 2)
+}
+
 static REGISTER: Once = Once::new();
 
 /// Makes the embedded DejaVu Sans the `sans-serif` of every plot.
@@ -103,9 +112,7 @@ pub fn draw(path: &Path, mut picture: Picture) -> Result<()> {
             Layout::Page(page) => draw_page(area, page)?,
         }
         for note in &picture.notes {
-            let style = (FONT, f64::from(note.font))
-                .into_font()
-                .color(&rgba(note.color));
+            let style = (FONT, px(note.font)).into_font().color(&rgba(note.color));
             area.draw(&Text::new(note.text.as_str(), note.at, style))?;
         }
         Ok(())
@@ -331,7 +338,7 @@ fn fill_style(c: Color) -> ShapeStyle {
 fn draw_chart(area: &DrawingArea<BitMapBackend, Shift>, chart: &Chart) -> DrawResult {
     let mut builder = ChartBuilder::on(area);
     builder
-        .caption(&chart.caption.0, (FONT, f64::from(chart.caption.1)))
+        .caption(&chart.caption.0, (FONT, px(chart.caption.1)))
         .margin(chart.margin)
         .x_label_area_size(chart.label_areas.0)
         .y_label_area_size(chart.label_areas.1);
@@ -376,7 +383,7 @@ where
         Grid::Horizontal => mesh.disable_x_mesh(),
         Grid::Off => mesh.disable_mesh(),
     };
-    mesh.label_style((FONT, f64::from(chart.label_font)));
+    mesh.label_style((FONT, px(chart.label_font)));
     if let Some(title) = &chart.x.title {
         mesh.x_desc(title.as_str());
     }
@@ -384,7 +391,7 @@ where
         mesh.y_desc(title.as_str());
     }
     if let Some(size) = chart.axis_font {
-        mesh.axis_desc_style((FONT, f64::from(size)));
+        mesh.axis_desc_style((FONT, px(size)));
     }
     if chart.x.ticks.is_some() {
         mesh.x_label_formatter(&x_ticks);
@@ -407,7 +414,7 @@ where
         labels
             .background_style(WHITE.mix(legend.background))
             .border_style(BLACK.mix(0.4))
-            .label_font((FONT, f64::from(legend.font)));
+            .label_font((FONT, px(legend.font)));
         match legend.corner {
             Some(Corner::UpperRight) => labels.position(SeriesLabelPosition::UpperRight),
             Some(Corner::LowerLeft) => labels.position(SeriesLabelPosition::LowerLeft),
@@ -501,7 +508,7 @@ fn band(points: &[(f64, f64, f64)], color: Color) -> Option<Polygon<(f64, f64)>>
 fn draw_page(area: &DrawingArea<BitMapBackend, Shift>, page: &Page) -> DrawResult {
     let (top, rest) = area.split_vertically(page.top);
     if let Some((title, size)) = &page.title {
-        top.titled(title, (FONT, f64::from(*size)))?;
+        top.titled(title, (FONT, px(*size)))?;
     }
     let (grid, below) = rest.split_vertically(rest.dim_in_pixel().1.saturating_sub(page.below));
     for (chart, panel) in page
@@ -511,26 +518,38 @@ fn draw_page(area: &DrawingArea<BitMapBackend, Shift>, page: &Page) -> DrawResul
     {
         draw_chart(panel, chart)?;
     }
-    for (i, (name, stroke)) in page.keys.iter().enumerate() {
-        let (x, y) = (20 + (i % 4) as i32 * 300, 12 + (i / 4) as i32 * 24);
-        let style = line_style(&Stroke {
-            dash: None,
-            ..*stroke
-        });
-        let spans: &[(i32, i32)] = match stroke.dash {
-            Some(_) => &[(0, 10), (16, 28)],
-            None => &[(0, 28)],
-        };
-        for &(a, b) in spans {
-            below.draw(&PathElement::new(
-                vec![(x + a, y + 8), (x + b, y + 8)],
-                style,
-            ))?;
+    // Four keys a row, 300 pixels apart, or closer on a narrow page.
+    let step = (below.dim_in_pixel().0.saturating_sub(40) / 4).min(300) as i32;
+    for (i, (name, key)) in page.keys.iter().enumerate() {
+        let (x, y) = (20 + (i % 4) as i32 * step, 12 + (i / 4) as i32 * 24);
+        match key {
+            Key::Line { length, stroke } => {
+                let style = line_style(&Stroke {
+                    dash: None,
+                    ..*stroke
+                });
+                let spans: &[(i32, i32)] = match stroke.dash {
+                    Some(_) => &[(0, 10), (16, *length)],
+                    None => &[(0, *length)],
+                };
+                for &(a, b) in spans {
+                    below.draw(&PathElement::new(
+                        vec![(x + a, y + 8), (x + b, y + 8)],
+                        style,
+                    ))?;
+                }
+            }
+            Key::Box { color } => {
+                below.draw(&Rectangle::new(
+                    [(x + 4, y + 2), (x + 24, y + 15)],
+                    fill_style(*color),
+                ))?;
+            }
         }
         below.draw(&Text::new(
             name.as_str(),
             (x + 36, y),
-            (FONT, 15.0).into_font(),
+            (FONT, px(15)).into_font(),
         ))?;
     }
     Ok(())
@@ -574,6 +593,28 @@ mod tests {
     fn fill(x: (f64, f64), color: Color) -> Series {
         let boxes = vec![([(x.0, 0.0), (x.1, 10.0)], color)];
         Mark::Boxes { boxes }.into()
+    }
+
+    /// At an odd size too, a decimal point sits on the digits' baseline (`6.3`, not `6·3`).
+    #[test]
+    fn a_decimal_point_sits_on_the_baseline_at_any_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("text.png");
+        for size in [13, 15, 16, 17] {
+            let picture = Picture::chart((120, 60), bare(Vec::new()))
+                .with(Note::faint("0", (10, 10), size, 1.0))
+                .with(Note::faint(".", (60, 10), size, 1.0));
+            draw(&path, picture).unwrap();
+            let png = pixels(&path);
+            // The lowest row with ink between columns `x0..x1`.
+            let lowest = |x0: usize, x1: usize| {
+                (0..60)
+                    .rev()
+                    .find(|&y| (x0..x1).any(|x| at(&png, x, y).0 < 128))
+                    .unwrap()
+            };
+            assert_eq!(lowest(10, 40), lowest(60, 90), "size {size}");
+        }
     }
 
     #[test]
@@ -656,7 +697,7 @@ mod tests {
     }
 
     #[test]
-    fn a_page_fills_its_panels_row_by_row_and_keys_a_dashed_line_broken() {
+    fn a_page_fills_its_panels_row_by_row_and_keys_a_dashed_line_broken_and_a_box() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("page.png");
         let colors = [
@@ -673,7 +714,16 @@ mod tests {
             cols: 2,
             panels: panels.collect(),
             below: 40,
-            keys: vec![("dashed".into(), dashed)],
+            keys: vec![
+                (
+                    "dashed".into(),
+                    Key::Line {
+                        length: 28,
+                        stroke: dashed,
+                    },
+                ),
+                ("box".into(), Key::Box { color: colors[2] }),
+            ],
         };
         let picture = Picture {
             size: (200, 260),
@@ -693,5 +743,7 @@ mod tests {
         assert_eq!(at(&png, 25, y), (250, 120, 0));
         assert_eq!(at(&png, 33, y), (255, 255, 255));
         assert_eq!(at(&png, 42, y), (250, 120, 0));
+        // The second key a quarter of the narrow page further (40 pixels): a filled box.
+        assert_eq!(at(&png, 60 + 14, 220 + 12 + 8), (0, 0, 200));
     }
 }

@@ -146,7 +146,8 @@ pub fn suite_plot(path: &Path, results: &Results) -> Result<()> {
         .into_iter()
         .map(|(name, colour, dashed)| {
             let stroke = Color::palette(colour).stroke(3);
-            (name, if dashed { stroke.dashed(7, 4) } else { stroke })
+            let stroke = if dashed { stroke.dashed(7, 4) } else { stroke };
+            (name, Key::Line { length: 28, stroke })
         });
     let page = Page {
         top: 40,
