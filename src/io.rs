@@ -225,8 +225,22 @@ pub fn utc_timestamp() -> String {
     )
 }
 
-/// A new folder `root/<name>-<timestamp>` (with `-2`, `-3`, ... if taken), created.
-pub fn new_run_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
+/// What the names of [`new_run_dir`]'s folders for `command` and `name` begin with, up to
+/// their timestamp: `train-reviews-`, `compare-`.
+pub fn run_dir_prefix(command: &str, name: &str) -> String {
+    match name == command {
+        true => format!("{command}-"),
+        false => format!("{command}-{name}-"),
+    }
+}
+
+/// A new folder `root/<command>-<name>-<timestamp>` (with `-2`, `-3`, ... if taken), created:
+/// the folders of different commands differ by their first word (`train-reviews-…`,
+/// `compare-reviews-…`), and a `name` that is the command's own is not repeated
+/// (`compare-…` for the default experiment, named `compare`).
+pub fn new_run_dir(root: &Path, command: &str, name: &str) -> Result<std::path::PathBuf> {
+    let name = run_dir_prefix(command, name);
+    let name = name.trim_end_matches('-');
     let stamp = utc_timestamp();
     for n in 1.. {
         let dir = if n == 1 {

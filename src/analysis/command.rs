@@ -421,7 +421,7 @@ impl Request {
     fn out_dir(&self, label: &str) -> Result<PathBuf> {
         match &self.out {
             Some(dir) => Ok(dir.clone()),
-            None => crate::io::new_run_dir(Path::new("runs"), &format!("analysis-{label}")),
+            None => crate::io::new_run_dir(Path::new("runs"), "analysis", label),
         }
     }
 

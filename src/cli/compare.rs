@@ -42,7 +42,7 @@ pub struct Args {
     /// Where run folders are made.
     #[arg(long, default_value = "runs")]
     pub runs_dir: PathBuf,
-    /// The exact run folder (instead of runs/<name>-<timestamp>). The same command again into
+    /// The exact run folder (instead of runs/compare-<name>-<timestamp>). The same command again into
     /// it continues the run there; a folder of another config or other cells is refused.
     /// Without it, the same command continues this config's newest unfinished run (the same
     /// cells) under --runs-dir, and starts a new folder only when there is none.
@@ -200,7 +200,10 @@ fn run_folder(
             );
             (dir, false)
         }
-        None => (poslab::io::new_run_dir(&a.runs_dir, &config.name)?, true),
+        None => (
+            poslab::io::new_run_dir(&a.runs_dir, "compare", &config.name)?,
+            true,
+        ),
     })
 }
 

@@ -15,7 +15,7 @@ pub struct Args {
     /// Run folders holding results.json.
     #[arg(required = true)]
     pub runs: Vec<PathBuf>,
-    /// Output folder (default: runs/<experiment>-report-<timestamp>); one that already holds a
+    /// Output folder (default: runs/report-<experiment>-<timestamp>); one that already holds a
     /// run or a report of this experiment is refused unless --overwrite, one of another
     /// experiment always, and so is one of the merged folders.
     #[arg(long)]
@@ -108,9 +108,7 @@ pub fn run(args: Args) -> Result<()> {
     let (results, config) = (&merged.results, &merged.config);
     let dir = match out {
         Some(dir) => dir,
-        None => {
-            poslab::io::new_run_dir(Path::new("runs"), &format!("{}-report", results.experiment))?
-        }
+        None => poslab::io::new_run_dir(Path::new("runs"), "report", &results.experiment)?,
     };
     let plan = Plan {
         kind: FolderKind::Report,

@@ -19,7 +19,7 @@ pub struct Args {
     /// Continue the run in this folder from its latest checkpoint.
     #[arg(long, value_name = "RUN_DIR")]
     pub resume: Option<PathBuf>,
-    /// The run folder (default: runs/<name>-<timestamp>).
+    /// The run folder (default: runs/train-<name>-<timestamp>).
     #[arg(long)]
     pub out: Option<PathBuf>,
     #[arg(long, default_value = "runs")]
@@ -90,7 +90,7 @@ pub fn run(args: Args) -> Result<()> {
             let created = out.is_none();
             let dir = match out {
                 Some(dir) => dir,
-                None => poslab::io::new_run_dir(&runs_dir, &config.name)?,
+                None => poslab::io::new_run_dir(&runs_dir, "train", &config.name)?,
             };
             errln!("poslab train: {} -> {}", path.display(), dir.display());
             match runs::train_run::start(&config, &options(dir.clone())) {

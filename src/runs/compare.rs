@@ -358,7 +358,7 @@ pub struct Preview {
     pub notes: Vec<String>,
 }
 
-/// The newest folder under `runs_dir` named `<config's name>-...` that holds this experiment's
+/// The newest folder under `runs_dir` named `compare-<config's name>-...` that holds this experiment's
 /// run (the same config, the same cells of `options`) unfinished: where `poslab compare`
 /// without `--out` continues instead of starting over in a new folder. Folders of another
 /// config or other cells, finished runs and folders a running writer holds are passed over.
@@ -370,7 +370,7 @@ pub fn unfinished_run(
     let Ok(entries) = std::fs::read_dir(runs_dir) else {
         return Ok(None);
     };
-    let prefix = format!("{}-", config.name);
+    let prefix = crate::io::run_dir_prefix("compare", &config.name);
     let mut candidates: Vec<PathBuf> = entries
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))

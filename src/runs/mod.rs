@@ -176,7 +176,8 @@ impl Default for EvalConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExperimentConfig {
-    /// Names the run folder `runs/<name>-<timestamp>`.
+    /// Names the run folder `runs/compare-<name>-<timestamp>` (`runs/compare-<timestamp>` for
+    /// the name `compare`).
     pub name: String,
     /// What the experiment asks, in words (for the report).
     #[serde(default, skip_serializing_if = "String::is_empty")]

@@ -1654,3 +1654,51 @@ fn relative_data_paths_follow_the_config_file() {
     let kept = std::fs::read_to_string(d.join("run/train.toml")).unwrap();
     assert!(kept.contains("train = \"../data/reviews.tsv\""), "{kept}");
 }
+
+/// A `train` and a `compare` of the same name, each into its default folder, are told apart by
+/// the folders' first word; the default experiment, named `compare`, does not repeat it.
+#[test]
+fn run_folders_begin_with_their_command() {
+    let root = tempfile::tempdir().unwrap();
+    let d = root.path();
+    std::fs::write(
+        d.join("one.toml"),
+        "name = \"survive\"\n[model]\nd_model = 16\nn_heads = 2\nn_layers = 1\nffn_dim = 32\n\
+         [positional]\nkind = \"rope\"\n[train]\nbudget = { steps = 2 }\nbatch_size = 8\n\
+         [task]\nkind = \"word_order\"\nlengths = [5, 8]\ntrain_examples = 64\neval_examples = 16\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("run.toml"), RUN.replace("steps = 30", "steps = 2")).unwrap();
+    assert_ok(
+        &poslab(d, &["train", "--config", "one.toml", "-q"]),
+        "train",
+    );
+    assert_ok(
+        &poslab(
+            d,
+            &[
+                "compare",
+                "run.toml",
+                "-q",
+                "--jobs",
+                "1",
+                "--variant",
+                "rope",
+            ],
+        ),
+        "compare",
+    );
+    let name = |prefix: &str| {
+        std::fs::read_dir(d.join("runs"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(prefix))
+            .count()
+    };
+    assert_eq!((name("train-survive-2"), name("compare-survive-2")), (1, 1));
+    assert_eq!(
+        poslab::io::run_dir_prefix("compare", "compare"),
+        "compare-",
+        "the default experiment's folder"
+    );
+}
