@@ -13,6 +13,7 @@ mod cuda;
 mod finetune;
 mod fused;
 mod gradients;
+mod guide_samples;
 mod hostile_inputs;
 mod layers;
 mod layout;
