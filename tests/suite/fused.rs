@@ -260,9 +260,10 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
                             run_encoder(&config, dtype, twin(Kernels::Layer), train)
                         });
                         let ran = device_path::counts() - before;
-                        // forward (12 post-norm, 13 pre-norm), then the backward (at least 24)
-                        // with the forward kept (train) or recomputed
-                        let per_layer = if train { 12 + 24 } else { 2 * 12 + 24 };
+                        // forward (12 post-norm, 13 pre-norm; 10 and 11 where the attention
+                        // is one fused kernel), then the backward (at least 21, fused) with the
+                        // forward kept (train) or recomputed
+                        let per_layer = if train { 10 + 21 } else { 2 * 10 + 21 };
                         // A scheme that computes its own scores runs as a composition on
                         // every device: its layers make no device launches.
                         let composed = matches!(

@@ -107,6 +107,8 @@ pub struct Saved {
     heads: Buf,
     /// the attention weights before dropout, when kept
     probs: Option<Buf>,
+    /// fused: the attention's output by head `(b, h, t, dh)` and its rows' statistics
+    flash: Option<(Buf, Buf)>,
     /// the heads' outputs side by side `(n, d)`
     c: Buf,
     /// pre-norm: `h`; post-norm: `s1`
@@ -143,6 +145,35 @@ fn with_sums(fx: &Fixed, sums: Mem) -> Fixed {
 }
 
 /// `out (n, o) = x (n, i) Wᵀ`, `W` `(o, i)`.
+/// Whether the attention runs fused on `s` ([`flash`]): the stream has the kernel, no dropout
+/// mask is given (it is a `b h t t` tensor), and the bias is one the kernel reads per tile.
+fn fused(s: &dyn Stream, fx: &Fixed) -> bool {
+    s.fuses_attention()
+        && fx.masks.attention.is_none()
+        && matches!(fx.bias, ScoreBias::None | ScoreBias::Sided { .. })
+}
+
+/// The fused attention of the heads `(3, b, h, t, dh)` under `fx` (a bias [`fused`] takes).
+fn flash_of(fx: &Fixed, heads: Mem) -> Result<flash::Flash> {
+    let one = fx.heads.one();
+    Ok(flash::Flash {
+        heads: fx.heads,
+        q: heads.at(0, one)?,
+        k: heads.at(one, one)?,
+        v: heads.at(2 * one, one)?,
+        scale: fx.scale,
+        key_bias: fx.key_bias,
+        bias: match fx.bias {
+            ScoreBias::None => flash::FlashBias::None,
+            ScoreBias::Sided { sums } => flash::FlashBias::Sided { sums },
+            ScoreBias::Table { .. } => {
+                candle::bail!("device path: the fused attention reads no t x t bias table")
+            }
+        },
+        window: fx.window,
+    })
+}
+
 fn project(
     s: &dyn Stream,
     x: Mem,
@@ -283,36 +314,49 @@ pub fn forward(
     )?;
     drop(raw);
 
-    // The weights, their dropout, and the heads' outputs side by side.
-    let dropped = match fx.masks.attention {
-        Some(m) => Some((m, s.alloc(dt, hs.scores())?)),
-        None => None,
+    // The weights, their dropout, and the heads' outputs side by side: fused (no weights
+    // stored), or the scores, their softmax and a product.
+    let (ctx, probs, flash) = if fused(s, fx) {
+        let (ctx, lse) = (s.alloc(dt, n * d)?, s.alloc(cd, 2 * hs.b * hs.h * hs.t)?);
+        s.flash(&flash_of(fx, heads.mem())?, ctx.mem(), lse.mem())?;
+        (ctx, None, Some(lse))
+    } else {
+        let dropped = match fx.masks.attention {
+            Some(m) => Some((m, s.alloc(dt, hs.scores())?)),
+            None => None,
+        };
+        let probs = weights(
+            s,
+            fx,
+            heads.mem(),
+            dropped.as_ref().map(|(m, b)| (*m, b.mem())),
+        )?;
+        let used = dropped.as_ref().map_or(probs.mem(), |(_, b)| b.mem());
+        let (th, tt) = (hs.t * hs.dh, hs.t * hs.t);
+        let ctx = s.alloc(dt, n * d)?;
+        s.gemm(&Gemm {
+            m: hs.t,
+            n: hs.dh,
+            k: hs.t,
+            batch: hs.b * hs.h,
+            a: Mat::rows(used, hs.t).every(tt),
+            b: Mat::rows(heads.at(2 * n * d, n * d)?, hs.dh).every(th),
+            c: Mat::rows(ctx.mem(), hs.dh).every(th),
+            alpha: 1.0,
+            beta: 0.0,
+        })?;
+        drop(dropped);
+        (ctx, (keep && fx.keeps_weights(dt)).then_some(probs), None)
     };
-    let probs = weights(
-        s,
-        fx,
-        heads.mem(),
-        dropped.as_ref().map(|(m, b)| (*m, b.mem())),
-    )?;
-    let used = dropped.as_ref().map_or(probs.mem(), |(_, b)| b.mem());
-    let (th, tt) = (hs.t * hs.dh, hs.t * hs.t);
-    let ctx = s.alloc(dt, n * d)?;
-    s.gemm(&Gemm {
-        m: hs.t,
-        n: hs.dh,
-        k: hs.t,
-        batch: hs.b * hs.h,
-        a: Mat::rows(used, hs.t).every(tt),
-        b: Mat::rows(heads.at(2 * n * d, n * d)?, hs.dh).every(th),
-        c: Mat::rows(ctx.mem(), hs.dh).every(th),
-        alpha: 1.0,
-        beta: 0.0,
-    })?;
-    drop(dropped);
-    let probs = (keep && fx.keeps_weights(dt)).then_some(probs);
     let c = s.alloc(dt, n * d)?;
     s.transpose12(ctx.mem(), [hs.b, hs.h, hs.t, hs.dh], c.mem())?;
-    drop(ctx);
+    let flash = match (keep, flash) {
+        (true, Some(lse)) => Some((ctx, lse)),
+        _ => {
+            drop(ctx);
+            None
+        }
+    };
 
     // The attention's residual (and the LayerNorm after it).
     let proj = s.alloc(dt, n * d)?;
@@ -374,6 +418,7 @@ pub fn forward(
         stats_attn,
         heads,
         probs,
+        flash,
         c,
         h_or_s1,
         ffn_in,
@@ -646,6 +691,34 @@ fn core_back(
     let gctx = s.alloc(dt, n * d)?;
     s.transpose12(gc.mem(), [hs.b, hs.t, hs.h, hs.dh], gctx.mem())?;
     drop(gc);
+    if let Some((out, lse)) = &sv.flash {
+        // Fused: the weights recomputed tile by tile from the rows' statistics.
+        let gheads = s.alloc(dt, 3 * one)?;
+        let sided = matches!(fx.bias, ScoreBias::Sided { .. });
+        let dsums = match (dbias, sided) {
+            (Some(_), true) => Some(s.alloc(compute_dtype(dt), 2 * bh * hs.t)?),
+            _ => None,
+        };
+        s.flash_back(
+            &flash_of(fx, heads)?,
+            out.mem(),
+            lse.mem(),
+            gctx.mem(),
+            &flash::FlashGrads {
+                dq: gheads.at(0, one)?,
+                dk: gheads.at(one, one)?,
+                dv: gheads.at(2 * one, one)?,
+                dbias: dsums.as_ref().map(Buf::mem),
+            },
+        )?;
+        drop(gctx);
+        if let (Some(dsums), Some(dbias)) = (dsums, dbias) {
+            s.convert(dsums.mem(), dbias)?;
+        }
+        let gqkv = s.alloc(dt, 3 * n * d)?;
+        s.heads_back(gheads.mem(), fx.rope.as_ref(), hs, gqkv.mem())?;
+        return Ok(gqkv);
+    }
     let recomputed = match &sv.probs {
         Some(_) => None,
         None => Some(weights(s, fx, heads, None)?),

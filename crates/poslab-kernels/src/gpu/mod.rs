@@ -27,7 +27,9 @@
 
 #![allow(clippy::too_many_arguments)]
 
+pub mod flash;
 pub mod head;
+pub mod host;
 pub mod layer;
 pub mod lookup;
 pub mod norm;
@@ -467,6 +469,29 @@ pub trait Stream {
     fn transpose12(&self, x: Mem, dims: [usize; 4], out: Mem) -> Result<()>;
     /// [`Softmax`].
     fn softmax(&self, s: &Softmax) -> Result<()>;
+    /// Whether this stream has the fused attention ([`Stream::flash`]).
+    fn fuses_attention(&self) -> bool {
+        false
+    }
+    /// The fused attention's forward ([`flash::Flash`]): its output `(b, h, t, dh)` into `out`
+    /// and the rows' statistics `(2, b, h, t)` (compute dtype) into `lse`, without the scores.
+    fn flash(&self, f: &flash::Flash, out: Mem, lse: Mem) -> Result<()> {
+        let _ = (f, out, lse);
+        candle::bail!("device path: this stream has no fused attention")
+    }
+    /// The fused attention's backward from the forward's `out` and statistics and the output's
+    /// gradient `dout`: [`flash::FlashGrads`].
+    fn flash_back(
+        &self,
+        f: &flash::Flash,
+        out: Mem,
+        lse: Mem,
+        dout: Mem,
+        g: &flash::FlashGrads,
+    ) -> Result<()> {
+        let _ = (f, out, lse, dout, g);
+        candle::bail!("device path: this stream has no fused attention")
+    }
     /// `dS = P ⊙ (dP' - rowsum(dP' ⊙ P))` in place of `dp` `(rows, t)`, `dP' = dP ⊙ M` with a
     /// dropout mask.
     fn softmax_back(&self, p: Mem, dp: Mem, mask: Option<Mem>, rows: usize, t: usize)

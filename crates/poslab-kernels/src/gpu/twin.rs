@@ -6,75 +6,13 @@
 //! its outputs after, through the addresses of its [`Mem`]s, so an output may be one of its
 //! inputs where the operation allows it (as on the GPU, where a thread reads before it writes).
 
-use std::ops::Range;
-
 use candle::{CpuStorage, DType, Layout, Result};
 use gemm::Parallelism;
 use half::{bf16, f16};
-use rayon::prelude::*;
 
+use super::host::{holds, holds_c, load, load1, rows_par, store, Store};
 use super::*;
 use crate::Real;
-
-/// A stored value, computed as `C`.
-pub trait Store<C>: Copy + Send + Sync + 'static {
-    const DTYPE: DType;
-    fn get(self) -> C;
-    fn put(c: C) -> Self;
-    fn nan() -> Self;
-}
-
-impl Store<f64> for f64 {
-    const DTYPE: DType = DType::F64;
-    fn get(self) -> f64 {
-        self
-    }
-    fn put(c: f64) -> Self {
-        c
-    }
-    fn nan() -> Self {
-        f64::NAN
-    }
-}
-
-impl Store<f32> for f32 {
-    const DTYPE: DType = DType::F32;
-    fn get(self) -> f32 {
-        self
-    }
-    fn put(c: f32) -> Self {
-        c
-    }
-    fn nan() -> Self {
-        f32::NAN
-    }
-}
-
-impl Store<f32> for bf16 {
-    const DTYPE: DType = DType::BF16;
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(c: f32) -> Self {
-        bf16::from_f32(c)
-    }
-    fn nan() -> Self {
-        bf16::NAN
-    }
-}
-
-impl Store<f32> for f16 {
-    const DTYPE: DType = DType::F16;
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(c: f32) -> Self {
-        f16::from_f32(c)
-    }
-    fn nan() -> Self {
-        f16::NAN
-    }
-}
 
 /// Runs `$body` with `$s` the storage type of `$dtype` and `$c` its compute type.
 macro_rules! typed {
@@ -103,51 +41,6 @@ macro_rules! typed {
             dt => candle::bail!("device path: no {dt:?} activations (f64, f32, bf16 or f16)"),
         }
     };
-}
-
-/// The values `range` of `m`, as `C`.
-fn load<S: Store<C>, C>(m: Mem, range: Range<usize>) -> Vec<C> {
-    debug_assert!(range.end <= m.len && m.dtype == S::DTYPE);
-    let ptr = m.addr as *const S;
-    // SAFETY: a `Mem` spans live memory of its dtype (the caller's buffer or candle storage,
-    // alive for the whole operation), and `range` lies within it (checked by the callers).
-    range.map(|i| unsafe { ptr.add(i).read() }.get()).collect()
-}
-
-/// One value of `m`.
-fn load1<S: Store<C>, C>(m: Mem, i: usize) -> C {
-    debug_assert!(i < m.len && m.dtype == S::DTYPE);
-    // SAFETY: as in `load`.
-    unsafe { (m.addr as *const S).add(i).read() }.get()
-}
-
-/// Writes `values` into `m` from `at`, rounded to `S`.
-fn store<S: Store<C>, C: Copy>(m: Mem, at: usize, values: &[C]) {
-    debug_assert!(at + values.len() <= m.len && m.dtype == S::DTYPE);
-    let ptr = m.addr as *mut S;
-    for (i, v) in values.iter().enumerate() {
-        // SAFETY: as in `load`; operations write disjoint rows from their tasks.
-        unsafe { ptr.add(at + i).write(S::put(*v)) };
-    }
-}
-
-/// Checks that `m` holds `len` values of `S`.
-fn holds<S: Store<C>, C>(m: Mem, len: usize, what: &str) -> Result<()> {
-    m.holds(len, S::DTYPE, what)
-}
-
-/// Checks that `m` holds `len` values of the compute dtype (statistics, tables, key bias).
-fn holds_c<C: Store<C>>(m: Mem, len: usize, what: &str) -> Result<()> {
-    m.holds(len, C::DTYPE, what)
-}
-
-/// Rows of `width`, one task each (in parallel over rows for the larger calls).
-fn rows_par(rows: usize, width: usize, f: impl Fn(usize) + Sync + Send) {
-    if rows * width >= 1 << 15 {
-        (0..rows).into_par_iter().for_each(f);
-    } else {
-        (0..rows).for_each(f);
-    }
 }
 
 /// The CPU twin of a CUDA stream.
@@ -350,6 +243,31 @@ impl Stream for Twin {
     fn softmax(&self, s: &Softmax) -> Result<()> {
         count(Kind::Kernel);
         typed!(s.sp.dtype, |S, C| softmax_twin::<S, C>(s))
+    }
+
+    fn fuses_attention(&self) -> bool {
+        true
+    }
+
+    fn flash(&self, f: &flash::Flash, out: Mem, lse: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        typed!(f.q.dtype, |S, C| flash::flash_twin::<S, C>(f, out, lse))
+    }
+
+    fn flash_back(
+        &self,
+        f: &flash::Flash,
+        out: Mem,
+        lse: Mem,
+        dout: Mem,
+        g: &flash::FlashGrads,
+    ) -> Result<()> {
+        // One launch for dk and dv, one for dq, as the CUDA kernels go.
+        count(Kind::Kernel);
+        count(Kind::Kernel);
+        typed!(f.q.dtype, |S, C| flash::flash_back_twin::<S, C>(
+            f, out, lse, dout, g
+        ))
     }
 
     fn softmax_back(

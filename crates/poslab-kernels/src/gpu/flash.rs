@@ -1,0 +1,767 @@
+//! The fused attention, in the FlashAttention-2 manner: `O = softmax(c q kᵀ + bias + window +
+//! key_bias) v` by tiles of queries and keys with an online softmax, so that no `t × t` tensor
+//! is ever made; the backward recomputes each tile's weights from the rows' statistics (their
+//! largest score `m` and the sum `l` of `e^(s - m)`, kept apart: a padded query whose window
+//! holds only padding has scores near the masked score, -1e9, where f32's unit is 64 and
+//! `m + ln l` would lose `ln l`).
+//!
+//! The scores' additions are read per tile ([`FlashBias`]): a bias given by offsets (one value
+//! per head and offset `j - i`, the `2t - 1` of them: ALiBi's slopes, T5's buckets, KERPLE and
+//! FIRE as tables by offset), FoX's running sums (`f[i] - f[j]` for `j <= i`, `g[j] - g[i]`
+//! after), the key padding and the window. Key tiles a query tile's window cannot reach are
+//! skipped (a causal layer does about half the work).
+//!
+//! ```text
+//! forward, per (batch, head) and query tile Q (rows i):
+//!     m_i = -inf, l_i = 0, acc_i = 0
+//!     for each key tile K (columns j) the window reaches:
+//!         s_ij = c q_i·k_j + bias(i, j) + window(i, j) + key_bias_j
+//!         m'_i = max(m_i, max_j s_ij);  p_ij = e^(s_ij - m'_i)
+//!         l_i = l_i e^(m_i - m'_i) + Σ_j p_ij;  acc_i = acc_i e^(m_i - m'_i) + Σ_j p_ij v_j
+//!         m_i = m'_i
+//!     o_i = acc_i / l_i;  kept: m_i and l_i
+//! backward, from dO:  D_i = dO_i·o_i;  p_ij = e^(s_ij - m_i) / l_i;  dp_ij = dO_i·v_j
+//!     ds_ij = p_ij (dp_ij - D_i)
+//!     dv_j = Σ_i p_ij dO_i;  dk_j = c Σ_i ds_ij q_i;  dq_i = c Σ_j ds_ij k_j
+//!     d(bias by offset o) = Σ_{b, j - i = o} ds_ij;  the running sums' gradient as `sided_back`
+//! ```
+//!
+//! The CUDA kernel and the twin share this tile loop: the twin runs it over (batch, head, key
+//! tile) for `dk`, `dv` and the column parts of the bias's gradient, then over (batch, head,
+//! query tile) for `dq` and the row parts, where the GPU's blocks add `dq` atomically.
+
+use candle::Result;
+
+use super::host::{holds, holds_c, load, rows_par, store, Store};
+use super::*;
+use crate::Real;
+
+/// Queries, and keys, per tile.
+pub const TILE: usize = 64;
+
+/// The score bias the fused attention reads per tile.
+#[derive(Clone, Copy, Debug)]
+pub enum FlashBias {
+    None,
+    /// `(h, 2t - 1)` in the compute dtype: head `hd`'s bias at offset `j - i` is
+    /// `values[hd (2t - 1) + j - i + t - 1]`.
+    Offsets {
+        values: Mem,
+    },
+    /// FoX's running sums `(2, b, h, t)` in the compute dtype, as [`ScoreBias::Sided`].
+    Sided {
+        sums: Mem,
+    },
+}
+
+/// One fused attention: the heads `q`, `k`, `v` `(b, h, t, dh)` each, what is added to the
+/// scores, and the outputs.
+#[derive(Clone, Copy, Debug)]
+pub struct Flash {
+    pub heads: Heads,
+    pub q: Mem,
+    pub k: Mem,
+    pub v: Mem,
+    /// What `q kᵀ` is multiplied by.
+    pub scale: f64,
+    /// `(b, t)`, compute dtype: 0 for real keys, the masked score for padding.
+    pub key_bias: Mem,
+    pub bias: FlashBias,
+    pub window: Window,
+}
+
+impl Flash {
+    /// Checks every span it reads, for heads of `S` computed as `C`.
+    fn check<S: Store<C>, C: Store<C>>(&self) -> Result<()> {
+        let n = self.heads;
+        for (m, what) in [(self.q, "q"), (self.k, "k"), (self.v, "v")] {
+            holds::<S, C>(m, n.one(), what)?;
+        }
+        holds_c::<C>(self.key_bias, n.b * n.t, "the key bias")?;
+        match self.bias {
+            FlashBias::None => Ok(()),
+            FlashBias::Offsets { values } => {
+                holds_c::<C>(values, n.h * (2 * n.t - 1), "the bias by offset")
+            }
+            FlashBias::Sided { sums } => {
+                holds_c::<C>(sums, 2 * n.b * n.h * n.t, "the running sums")
+            }
+        }
+    }
+}
+
+/// The gradients [`flash_back`] writes: `dq`, `dk`, `dv` `(b, h, t, dh)` in the heads' dtype,
+/// and the bias's, `(h, 2t - 1)` by offset or `(2, b, h, t)` for running sums, in the compute
+/// dtype (`None`: owed none).
+#[derive(Clone, Copy, Debug)]
+pub struct FlashGrads {
+    pub dq: Mem,
+    pub dk: Mem,
+    pub dv: Mem,
+    pub dbias: Option<Mem>,
+}
+
+/// One (batch, head)'s view of a [`Flash`], values of the compute dtype.
+struct Block<C> {
+    q: Vec<C>,
+    k: Vec<C>,
+    v: Vec<C>,
+    key_bias: Vec<C>,
+    /// By offset `j - i + t - 1`, or the running sums `f` then `g`.
+    bias: Vec<C>,
+}
+
+impl<C: Real + Store<C>> Block<C> {
+    fn of<S: Store<C>>(f: &Flash, bh: usize) -> Self {
+        let n = f.heads;
+        let (bi, hd, span) = (bh / n.h, bh % n.h, n.t * n.dh);
+        let rows = bh * span..(bh + 1) * span;
+        let bias = match f.bias {
+            FlashBias::None => Vec::new(),
+            FlashBias::Offsets { values } => {
+                let w = 2 * n.t - 1;
+                load::<C, C>(values, hd * w..(hd + 1) * w)
+            }
+            FlashBias::Sided { sums } => {
+                let half = n.b * n.h * n.t;
+                let mut both = load::<C, C>(sums, bh * n.t..(bh + 1) * n.t);
+                both.extend(load::<C, C>(sums, half + bh * n.t..half + (bh + 1) * n.t));
+                both
+            }
+        };
+        Self {
+            q: load::<S, C>(f.q, rows.clone()),
+            k: load::<S, C>(f.k, rows.clone()),
+            v: load::<S, C>(f.v, rows),
+            key_bias: load::<C, C>(f.key_bias, bi * n.t..(bi + 1) * n.t),
+            bias,
+        }
+    }
+
+    /// The score of query `i` and key `j`, everything added.
+    fn score(&self, f: &Flash, i: usize, j: usize) -> C {
+        let (t, dh) = (f.heads.t, f.heads.dh);
+        let (qi, kj) = (&self.q[i * dh..(i + 1) * dh], &self.k[j * dh..(j + 1) * dh]);
+        let dot = qi.iter().zip(kj).fold(C::zero(), |s, (a, b)| s + *a * *b);
+        let mut s = C::lit(f.scale) * dot + self.key_bias[j];
+        s += match f.bias {
+            FlashBias::None => C::zero(),
+            FlashBias::Offsets { .. } => self.bias[j + t - 1 - i],
+            FlashBias::Sided { .. } if j <= i => self.bias[i] - self.bias[j],
+            FlashBias::Sided { .. } => self.bias[t + j] - self.bias[t + i],
+        };
+        if f.window.hides(i, j) {
+            s += C::lit(crate::spec::MASKED_SCORE);
+        }
+        s
+    }
+}
+
+/// The key tiles (as starts) the window lets the queries `rows` reach.
+fn key_tiles(f: &Flash, rows: std::ops::Range<usize>) -> impl Iterator<Item = usize> {
+    let keys = f.window.keys_of(rows, f.heads.t);
+    let first = keys.start / TILE * TILE;
+    (first..keys.end).step_by(TILE)
+}
+
+/// The query tiles (as starts) that may see any key of `keys`.
+fn query_tiles(f: &Flash, keys: std::ops::Range<usize>) -> impl Iterator<Item = usize> {
+    let rows = f.window.queries_of(keys, f.heads.t);
+    let first = rows.start / TILE * TILE;
+    (first..rows.end).step_by(TILE)
+}
+
+/// Whether a row whose largest score is `m` saw only masked keys: a padded
+/// query whose window holds only padding. The composition spreads such a row's weight over
+/// every masked key, inside its window or not, and so does the fused attention: a tile with
+/// such a row visits every key tile.
+fn dead<C: Real>(m: C) -> bool {
+    m < C::lit(crate::spec::MASKED_SCORE / 2.0)
+}
+
+/// The twin of the forward kernel: `out` `(b, h, t, dh)` in the heads' dtype, and the rows'
+/// statistics `stats` `(2, b, h, t)` in the compute dtype: each row's largest score `m`, then
+/// its sum `l` of `e^(s - m)`.
+pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
+    f: &Flash,
+    out: Mem,
+    lse: Mem,
+) -> Result<()> {
+    f.check::<S, C>()?;
+    let n = f.heads;
+    let (t, dh) = (n.t, n.dh);
+    holds::<S, C>(out, n.one(), "the attention's output")?;
+    holds_c::<C>(lse, 2 * n.b * n.h * t, "the rows' statistics")?;
+    let tiles = t.div_ceil(TILE);
+    rows_par(n.b * n.h * tiles, TILE * t * dh, |task| {
+        let (bh, tile) = (task / tiles, task % tiles);
+        let block = Block::<C>::of::<S>(f, bh);
+        let rows = tile * TILE..((tile + 1) * TILE).min(t);
+        let width = rows.len();
+        let mut m = vec![<C as num_traits::Float>::neg_infinity(); width];
+        let mut l = vec![C::zero(); width];
+        let mut acc = vec![C::zero(); width * dh];
+        // The reachable key tiles, then, when a row found only masked keys there, every other
+        // tile (which leaves the other rows as they are: their weights there are exactly 0).
+        let reach = key_tiles(f, rows.clone()).collect::<Vec<_>>();
+        let mut order = reach.clone();
+        let mut k = 0;
+        while k < order.len() {
+            let start = order[k];
+            k += 1;
+            let cols = start..(start + TILE).min(t);
+            for (r, i) in rows.clone().enumerate() {
+                let s: Vec<C> = cols.clone().map(|j| block.score(f, i, j)).collect();
+                let top = s.iter().fold(m[r], |a, b| num_traits::Float::max(a, *b));
+                let rescale = (m[r] - top).exp();
+                let acc_r = &mut acc[r * dh..(r + 1) * dh];
+                for a in acc_r.iter_mut() {
+                    *a *= rescale;
+                }
+                l[r] *= rescale;
+                for (s, j) in s.iter().zip(cols.clone()) {
+                    let p = (*s - top).exp();
+                    l[r] += p;
+                    for (a, v) in acc_r.iter_mut().zip(&block.v[j * dh..(j + 1) * dh]) {
+                        *a += p * *v;
+                    }
+                }
+                m[r] = top;
+            }
+            if k == reach.len() && m.iter().any(|m| dead(*m)) {
+                order.extend((0..t).step_by(TILE).filter(|s| !reach.contains(s)));
+            }
+        }
+        let o: Vec<C> = acc
+            .chunks(dh)
+            .zip(&l)
+            .flat_map(|(a, l)| a.iter().map(move |a| *a / *l))
+            .collect();
+        store::<S, C>(out, (bh * t + rows.start) * dh, &o);
+        store::<C, C>(lse, bh * t + rows.start, &m);
+        store::<C, C>(lse, n.b * n.h * t + bh * t + rows.start, &l);
+    });
+    Ok(())
+}
+
+/// The twin of the backward kernel, from the forward's `out` and statistics `lse` and the
+/// output's gradient `dout` (all as [`flash_twin`] wrote them).
+pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
+    f: &Flash,
+    out: Mem,
+    lse: Mem,
+    dout: Mem,
+    g: &FlashGrads,
+) -> Result<()> {
+    f.check::<S, C>()?;
+    let n = f.heads;
+    let (t, dh, bh_all) = (n.t, n.dh, n.b * n.h);
+    holds::<S, C>(out, n.one(), "the attention's output")?;
+    holds::<S, C>(dout, n.one(), "the output's gradient")?;
+    holds_c::<C>(lse, 2 * bh_all * t, "the rows' statistics")?;
+    for (m, what) in [(g.dq, "dq"), (g.dk, "dk"), (g.dv, "dv")] {
+        holds::<S, C>(m, n.one(), what)?;
+    }
+    let bias_len = match f.bias {
+        FlashBias::None => 0,
+        FlashBias::Offsets { .. } => n.h * (2 * t - 1),
+        FlashBias::Sided { .. } => 2 * bh_all * t,
+    };
+    if let Some(d) = g.dbias {
+        holds_c::<C>(d, bias_len, "the bias's gradient")?;
+    }
+    // Each row's D = dO·O, and what every tile of a (batch, head) reads.
+    let span = t * dh;
+    let prepared = |bh: usize| {
+        let block = Block::<C>::of::<S>(f, bh);
+        let o = load::<S, C>(out, bh * span..(bh + 1) * span);
+        let d_o = load::<S, C>(dout, bh * span..(bh + 1) * span);
+        let m = load::<C, C>(lse, bh * t..(bh + 1) * t);
+        let l = load::<C, C>(lse, (bh_all + bh) * t..(bh_all + bh + 1) * t);
+        let stats: Vec<(C, C)> = m.into_iter().zip(l).collect();
+        let dd: Vec<C> = (0..t)
+            .map(|i| {
+                let (a, b) = (&o[i * dh..(i + 1) * dh], &d_o[i * dh..(i + 1) * dh]);
+                a.iter().zip(b).fold(C::zero(), |s, (x, y)| s + *x * *y)
+            })
+            .collect();
+        (block, d_o, stats, dd)
+    };
+    // `(p_ij, ds_ij)` of query `i` and key `j`.
+    let weights = |block: &Block<C>, d_o: &[C], stats: &[(C, C)], dd: &[C], i: usize, j: usize| {
+        let p = (block.score(f, i, j) - stats[i].0).exp() / stats[i].1;
+        let dp = d_o[i * dh..(i + 1) * dh]
+            .iter()
+            .zip(&block.v[j * dh..(j + 1) * dh])
+            .fold(C::zero(), |s, (a, b)| s + *a * *b);
+        (p, p * (dp - dd[i]))
+    };
+    let scale = C::lit(f.scale);
+    let tiles = t.div_ceil(TILE);
+    // Per key tile: dk, dv, and the columns' part of the bias's gradient.
+    let column_parts: Vec<Vec<C>> = {
+        use rayon::prelude::*;
+        (0..bh_all * tiles)
+            .into_par_iter()
+            .map(|task| {
+                let (bh, tile) = (task / tiles, task % tiles);
+                let (block, d_o, stats, dd) = prepared(bh);
+                let cols = tile * TILE..((tile + 1) * TILE).min(t);
+                let (mut dk, mut dv) = (
+                    vec![C::zero(); cols.len() * dh],
+                    vec![C::zero(); cols.len() * dh],
+                );
+                // Offsets: by offset; sided: the columns' `-Σ_{r >= j}` of df and `Σ_{r < j}` of dg.
+                let mut part = match f.bias {
+                    FlashBias::Offsets { .. } => vec![C::zero(); 2 * t - 1],
+                    _ => vec![C::zero(); 2 * cols.len()],
+                };
+                let mut starts: Vec<usize> = query_tiles(f, cols.clone()).collect();
+                for start in (0..t).step_by(TILE) {
+                    let rows = start..(start + TILE).min(t);
+                    if !starts.contains(&start) && rows.into_iter().any(|i| dead(stats[i].0)) {
+                        starts.push(start);
+                    }
+                }
+                for start in starts {
+                    for i in start..(start + TILE).min(t) {
+                        for (c, j) in cols.clone().enumerate() {
+                            let (p, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                            for d in 0..dh {
+                                dv[c * dh + d] += p * d_o[i * dh + d];
+                                dk[c * dh + d] += scale * ds * block.q[i * dh + d];
+                            }
+                            match f.bias {
+                                FlashBias::None => {}
+                                FlashBias::Offsets { .. } => part[j + t - 1 - i] += ds,
+                                FlashBias::Sided { .. } if i >= j => part[c] -= ds,
+                                FlashBias::Sided { .. } => part[cols.len() + c] += ds,
+                            }
+                        }
+                    }
+                }
+                store::<S, C>(g.dk, (bh * t + cols.start) * dh, &dk);
+                store::<S, C>(g.dv, (bh * t + cols.start) * dh, &dv);
+                part
+            })
+            .collect()
+    };
+    // Per query tile: dq, and the rows' part of the sums' gradient.
+    let row_parts: Vec<Vec<C>> = {
+        use rayon::prelude::*;
+        (0..bh_all * tiles)
+            .into_par_iter()
+            .map(|task| {
+                let (bh, tile) = (task / tiles, task % tiles);
+                let (block, d_o, stats, dd) = prepared(bh);
+                let rows = tile * TILE..((tile + 1) * TILE).min(t);
+                let mut dq = vec![C::zero(); rows.len() * dh];
+                // Sided: the rows' `Σ_{j <= i}` of df and `-Σ_{j > i}` of dg.
+                let mut part = vec![C::zero(); 2 * rows.len()];
+                let starts: Vec<usize> = match rows.clone().any(|i| dead(stats[i].0)) {
+                    true => (0..t).step_by(TILE).collect(),
+                    false => key_tiles(f, rows.clone()).collect(),
+                };
+                for start in starts {
+                    for j in start..(start + TILE).min(t) {
+                        for (r, i) in rows.clone().enumerate() {
+                            let (_, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                            for d in 0..dh {
+                                dq[r * dh + d] += scale * ds * block.k[j * dh + d];
+                            }
+                            match j <= i {
+                                true => part[r] += ds,
+                                false => part[rows.len() + r] -= ds,
+                            }
+                        }
+                    }
+                }
+                store::<S, C>(g.dq, (bh * t + rows.start) * dh, &dq);
+                part
+            })
+            .collect()
+    };
+    let Some(dbias) = g.dbias else {
+        return Ok(());
+    };
+    match f.bias {
+        FlashBias::None => {}
+        FlashBias::Offsets { .. } => {
+            // Summed over the batch and the key tiles, per head.
+            let w = 2 * t - 1;
+            let mut by_head = vec![C::zero(); n.h * w];
+            for (task, part) in column_parts.iter().enumerate() {
+                let hd = task / tiles % n.h;
+                for (acc, v) in by_head[hd * w..(hd + 1) * w].iter_mut().zip(part) {
+                    *acc += *v;
+                }
+            }
+            store::<C, C>(dbias, 0, &by_head);
+        }
+        FlashBias::Sided { .. } => {
+            let half = bh_all * t;
+            let mut sums = vec![C::zero(); 2 * half];
+            for (task, (cols, rows)) in column_parts.iter().zip(&row_parts).enumerate() {
+                let (bh, tile) = (task / tiles, task % tiles);
+                let at = tile * TILE;
+                let width = ((tile + 1) * TILE).min(t) - at;
+                for x in 0..width {
+                    // df = rows' Σ_{j<=i} - columns' Σ_{r>=j}; dg = columns' Σ_{r<j} - rows' Σ_{j>i}
+                    sums[bh * t + at + x] += rows[x] + cols[x];
+                    sums[half + bh * t + at + x] += cols[width + x] + rows[width + x];
+                }
+            }
+            store::<C, C>(dbias, 0, &sums);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::twin::Twin;
+
+    /// A span over `v` (which must outlive its use).
+    fn mem<T: candle::WithDType>(v: &[T]) -> Mem {
+        Mem {
+            addr: v.as_ptr() as u64,
+            len: v.len(),
+            dtype: T::DTYPE,
+        }
+    }
+
+    /// Values in (-1, 1) from a fixed stream.
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The dense reference in f64: every score, softmax, and the gradients by the chain rule:
+    /// `(o, dq, dk, dv, dbias)`.
+    #[allow(clippy::type_complexity)]
+    fn reference(
+        n: Heads,
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        scale: f64,
+        key_bias: &[f64],
+        bias: &Bias,
+        window: Window,
+        dout: &[f64],
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (t, dh) = (n.t, n.dh);
+        let size = n.one();
+        let (mut o, mut dq, mut dk, mut dv) = (
+            vec![0.0; size],
+            vec![0.0; size],
+            vec![0.0; size],
+            vec![0.0; size],
+        );
+        let mut dbias = vec![0.0; bias.len(n)];
+        let half = n.b * n.h * t;
+        for bh in 0..n.b * n.h {
+            let (bi, hd) = (bh / n.h, bh % n.h);
+            let at = |x: &[f64], i: usize, d: usize| x[(bh * t + i) * dh + d];
+            let mut p = vec![vec![0.0; t]; t];
+            for (i, row) in p.iter_mut().enumerate() {
+                for (j, s) in row.iter_mut().enumerate() {
+                    let dot: f64 = (0..dh).map(|d| at(q, i, d) * at(k, j, d)).sum();
+                    *s = scale * dot + key_bias[bi * t + j] + bias.at(n, bh, hd, i, j);
+                    if window.hides(i, j) {
+                        *s += crate::spec::MASKED_SCORE;
+                    }
+                }
+                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = row.iter().map(|s| (s - max).exp()).sum();
+                for s in row.iter_mut() {
+                    *s = (*s - max).exp() / sum;
+                }
+            }
+            for i in 0..t {
+                for d in 0..dh {
+                    o[(bh * t + i) * dh + d] = (0..t).map(|j| p[i][j] * at(v, j, d)).sum();
+                }
+            }
+            for i in 0..t {
+                let dp: Vec<f64> = (0..t)
+                    .map(|j| (0..dh).map(|d| at(dout, i, d) * at(v, j, d)).sum())
+                    .collect();
+                let dot: f64 = (0..t).map(|j| dp[j] * p[i][j]).sum();
+                for j in 0..t {
+                    let ds = p[i][j] * (dp[j] - dot);
+                    for d in 0..dh {
+                        dq[(bh * t + i) * dh + d] += scale * ds * at(k, j, d);
+                        dk[(bh * t + j) * dh + d] += scale * ds * at(q, i, d);
+                        dv[(bh * t + j) * dh + d] += p[i][j] * at(dout, i, d);
+                    }
+                    match bias {
+                        Bias::None => {}
+                        Bias::Offsets(_) => dbias[hd * (2 * t - 1) + j + t - 1 - i] += ds,
+                        Bias::Sided(_) if j <= i => {
+                            dbias[bh * t + i] += ds;
+                            dbias[bh * t + j] -= ds;
+                        }
+                        Bias::Sided(_) => {
+                            dbias[half + bh * t + j] += ds;
+                            dbias[half + bh * t + i] -= ds;
+                        }
+                    }
+                }
+            }
+        }
+        (o, dq, dk, dv, dbias)
+    }
+
+    enum Bias {
+        None,
+        Offsets(Vec<f64>),
+        Sided(Vec<f64>),
+    }
+
+    impl Bias {
+        fn len(&self, n: Heads) -> usize {
+            match self {
+                Bias::None => 0,
+                Bias::Offsets(_) => n.h * (2 * n.t - 1),
+                Bias::Sided(_) => 2 * n.b * n.h * n.t,
+            }
+        }
+        fn at(&self, n: Heads, bh: usize, hd: usize, i: usize, j: usize) -> f64 {
+            let (t, half) = (n.t, n.b * n.h * n.t);
+            match self {
+                Bias::None => 0.0,
+                Bias::Offsets(v) => v[hd * (2 * t - 1) + j + t - 1 - i],
+                Bias::Sided(s) if j <= i => s[bh * t + i] - s[bh * t + j],
+                Bias::Sided(s) => s[half + bh * t + j] - s[half + bh * t + i],
+            }
+        }
+    }
+
+    /// The largest difference between `got` and `want`, relative to `want`'s largest value.
+    fn error(got: &[f64], want: &[f64]) -> f64 {
+        let top = want.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+        got.iter()
+            .zip(want)
+            .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+            / top
+    }
+
+    /// The fused attention's forward and every gradient match the dense reference, in f64 to
+    /// 1e-12 and in f32 to 1e-5 (relative to each output's largest value), with padded keys,
+    /// every kind of window (padded queries whose window holds only padding among them), and
+    /// each bias it takes; over tiles that do not divide the length.
+    #[test]
+    fn the_fused_attention_matches_the_dense_reference_forward_and_backward() {
+        let n = Heads {
+            b: 2,
+            h: 3,
+            t: 150,
+            dh: 8,
+        };
+        let size = n.one();
+        let (q, k, v, dout) = (
+            values(size, 1),
+            values(size, 2),
+            values(size, 3),
+            values(size, 4),
+        );
+        let scale = 1.0 / (n.dh as f64).sqrt();
+        // The second sequence's last 30 keys are padding.
+        let key_bias: Vec<f64> = (0..n.b * n.t)
+            .map(|x| match x >= n.t + n.t - 30 {
+                true => crate::spec::MASKED_SCORE,
+                false => 0.0,
+            })
+            .collect();
+        let windows = [
+            Window::ALL,
+            Window::new(Some(20), false),
+            Window::new(None, true),
+        ];
+        let biases = [
+            Bias::None,
+            Bias::Offsets(values(n.h * (2 * n.t - 1), 5)),
+            Bias::Sided(
+                values(2 * n.b * n.h * n.t, 6)
+                    .iter()
+                    .map(|x| 3.0 * x)
+                    .collect(),
+            ),
+        ];
+        for window in windows {
+            // In f32 the scores of a padded query whose window holds only padding all round to
+            // the masked score (its unit there is 64), so its weights are those of the rounding,
+            // not of the scores: f32 is held to the rows with a real key, whose gradient alone
+            // reaches a loss.
+            let dead = |row: usize| {
+                let (bi, i) = (row / n.t / n.h, row % n.t);
+                (0..n.t).all(|j| window.hides(i, j) || key_bias[bi * n.t + j] != 0.0)
+            };
+            let live = |x: &[f64]| -> Vec<f64> {
+                x.chunks(n.dh)
+                    .enumerate()
+                    .flat_map(|(row, c)| {
+                        let keep = !dead(row);
+                        c.iter().map(move |v| if keep { *v } else { 0.0 })
+                    })
+                    .collect()
+            };
+            let live_dout = live(&dout);
+            for bias in &biases {
+                // With those rows, f64 to 1e-6: their scores sit near the masked score, -1e9,
+                // where f64's unit is 1.2e-7, and their weights come from the log-sum-exp there.
+                let kinds = [
+                    (DType::F64, false, 1e-12),
+                    (DType::F64, true, 1e-6),
+                    (DType::F32, false, 1e-5),
+                ];
+                for (dtype, all, tolerance) in kinds {
+                    let dout = if all { dout.clone() } else { live_dout.clone() };
+                    let mut want =
+                        reference(n, (&q, &k, &v), scale, &key_bias, bias, window, &dout);
+                    let mut got = run(
+                        n,
+                        (&q, &k, &v),
+                        scale,
+                        &key_bias,
+                        bias,
+                        window,
+                        &dout,
+                        dtype,
+                    );
+                    if !all {
+                        (want.0, got[0]) = (live(&want.0), live(&got[0]));
+                    }
+                    let names = ["o", "dq", "dk", "dv", "dbias"];
+                    let wanted = [&want.0, &want.1, &want.2, &want.3, &want.4];
+                    for ((name, got), want) in names.iter().zip(&got).zip(wanted) {
+                        let e = error(got, want);
+                        assert!(
+                            e <= tolerance,
+                            "{name} off by {e:.2e} ({dtype:?}, all rows {all}, {window:?}, bias {})",
+                            bias.len(n)
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the twin's fused forward and backward on the values given, stored as `dtype`:
+    /// `[o, dq, dk, dv, dbias]` as f64.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        n: Heads,
+        (q, k, v): (&[f64], &[f64], &[f64]),
+        scale: f64,
+        key_bias: &[f64],
+        bias: &Bias,
+        window: Window,
+        dout: &[f64],
+        dtype: DType,
+    ) -> [Vec<f64>; 5] {
+        macro_rules! as_type {
+            ($t:ty) => {{
+                let cast = |x: &[f64]| x.iter().map(|v| *v as $t).collect::<Vec<$t>>();
+                let (q, k, v, dout, kb) = (cast(q), cast(k), cast(v), cast(dout), cast(key_bias));
+                let table = match bias {
+                    Bias::None => Vec::new(),
+                    Bias::Offsets(x) | Bias::Sided(x) => cast(x),
+                };
+                let f = Flash {
+                    heads: n,
+                    q: mem(&q),
+                    k: mem(&k),
+                    v: mem(&v),
+                    scale,
+                    key_bias: mem(&kb),
+                    bias: match bias {
+                        Bias::None => FlashBias::None,
+                        Bias::Offsets(_) => FlashBias::Offsets {
+                            values: mem(&table),
+                        },
+                        Bias::Sided(_) => FlashBias::Sided { sums: mem(&table) },
+                    },
+                    window,
+                };
+                let size = n.one();
+                let (o, lse) = (vec![0 as $t; size], vec![0 as $t; 2 * n.b * n.h * n.t]);
+                Twin.flash(&f, mem(&o), mem(&lse)).unwrap();
+                let (dq, dk, dv) = (
+                    vec![0 as $t; size],
+                    vec![0 as $t; size],
+                    vec![0 as $t; size],
+                );
+                let dbias = vec![0 as $t; bias.len(n)];
+                let grads = FlashGrads {
+                    dq: mem(&dq),
+                    dk: mem(&dk),
+                    dv: mem(&dv),
+                    dbias: (!dbias.is_empty()).then(|| mem(&dbias)),
+                };
+                Twin.flash_back(&f, mem(&o), mem(&lse), mem(&dout), &grads)
+                    .unwrap();
+                let back = |x: &[$t]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+                [back(&o), back(&dq), back(&dk), back(&dv), back(&dbias)]
+            }};
+        }
+        match dtype {
+            DType::F64 => as_type!(f64),
+            _ => as_type!(f32),
+        }
+    }
+
+    /// The forward allocates nothing of the scores' size: its peak is the inputs' and outputs',
+    /// where the composition holds `b h t t` weights.
+    #[test]
+    fn the_fused_attention_makes_no_t_by_t_tensor() {
+        let n = Heads {
+            b: 1,
+            h: 2,
+            t: 512,
+            dh: 16,
+        };
+        let s = Twin;
+        let before = crate::gpu::live_bytes();
+        crate::gpu::reset_peak_bytes();
+        let heads: Vec<Buf> = (0..3)
+            .map(|_| s.alloc(DType::F32, n.one()).unwrap())
+            .collect();
+        for (i, h) in heads.iter().enumerate() {
+            s.fill(h.mem(), 0.01 * (i + 1) as f64).unwrap();
+        }
+        let key_bias = s.alloc(DType::F32, n.b * n.t).unwrap();
+        s.fill(key_bias.mem(), 0.0).unwrap();
+        let (out, lse) = (
+            s.alloc(DType::F32, n.one()).unwrap(),
+            s.alloc(DType::F32, 2 * n.b * n.h * n.t).unwrap(),
+        );
+        let f = Flash {
+            heads: n,
+            q: heads[0].mem(),
+            k: heads[1].mem(),
+            v: heads[2].mem(),
+            scale: 0.25,
+            key_bias: key_bias.mem(),
+            bias: FlashBias::None,
+            window: Window::ALL,
+        };
+        s.flash(&f, out.mem(), lse.mem()).unwrap();
+        let peak = crate::gpu::peak_bytes() - before;
+        let scores = n.scores() * 4;
+        assert!(
+            peak < scores / 4,
+            "peak {peak} bytes against {scores} for the scores"
+        );
+        // Equal inputs: each output is the mean of v's rows.
+        let o = super::super::host::load::<f32, f32>(out.mem(), 0..n.one());
+        assert!(o.iter().all(|x| (x - 0.03).abs() < 1e-6), "{:?}", &o[..4]);
+    }
+}
