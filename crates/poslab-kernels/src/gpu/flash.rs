@@ -298,89 +298,84 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
     };
     let scale = C::lit(f.scale);
     let tiles = t.div_ceil(TILE);
+    // `work` of every (batch, head) and tile of positions, in parallel: its results in order.
+    let per_tile = |work: &(dyn Fn(usize, std::ops::Range<usize>) -> Vec<C> + Sync)| {
+        use rayon::prelude::*;
+        (0..bh_all * tiles)
+            .into_par_iter()
+            .map(|task| {
+                let (bh, tile) = (task / tiles, task % tiles);
+                work(bh, tile * TILE..((tile + 1) * TILE).min(t))
+            })
+            .collect::<Vec<Vec<C>>>()
+    };
     // Per key tile: dk, dv, and the columns' part of the bias's gradient.
-    let column_parts: Vec<Vec<C>> = {
-        use rayon::prelude::*;
-        (0..bh_all * tiles)
-            .into_par_iter()
-            .map(|task| {
-                let (bh, tile) = (task / tiles, task % tiles);
-                let (block, d_o, stats, dd) = prepared(bh);
-                let cols = tile * TILE..((tile + 1) * TILE).min(t);
-                let (mut dk, mut dv) = (
-                    vec![C::zero(); cols.len() * dh],
-                    vec![C::zero(); cols.len() * dh],
-                );
-                // Offsets: by offset; sided: the columns' `-Σ_{r >= j}` of df and `Σ_{r < j}` of dg.
-                let mut part = match f.bias {
-                    FlashBias::Offsets { .. } => vec![C::zero(); 2 * t - 1],
-                    _ => vec![C::zero(); 2 * cols.len()],
-                };
-                let mut starts: Vec<usize> = query_tiles(f, cols.clone()).collect();
-                for start in (0..t).step_by(TILE) {
-                    let rows = start..(start + TILE).min(t);
-                    if !starts.contains(&start) && rows.into_iter().any(|i| dead(stats[i].0)) {
-                        starts.push(start);
+    let column_parts = per_tile(&|bh, cols| {
+        let (block, d_o, stats, dd) = prepared(bh);
+        let (mut dk, mut dv) = (
+            vec![C::zero(); cols.len() * dh],
+            vec![C::zero(); cols.len() * dh],
+        );
+        // Offsets: by offset; sided: the columns' `-Σ_{r >= j}` of df and `Σ_{r < j}` of dg.
+        let mut part = match f.bias {
+            FlashBias::Offsets { .. } => vec![C::zero(); 2 * t - 1],
+            _ => vec![C::zero(); 2 * cols.len()],
+        };
+        let mut starts: Vec<usize> = query_tiles(f, cols.clone()).collect();
+        for start in (0..t).step_by(TILE) {
+            let rows = start..(start + TILE).min(t);
+            if !starts.contains(&start) && rows.into_iter().any(|i| dead(stats[i].0)) {
+                starts.push(start);
+            }
+        }
+        for start in starts {
+            for i in start..(start + TILE).min(t) {
+                for (c, j) in cols.clone().enumerate() {
+                    let (p, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                    for d in 0..dh {
+                        dv[c * dh + d] += p * d_o[i * dh + d];
+                        dk[c * dh + d] += scale * ds * block.q[i * dh + d];
+                    }
+                    match f.bias {
+                        FlashBias::None => {}
+                        FlashBias::Offsets { .. } => part[j + t - 1 - i] += ds,
+                        FlashBias::Sided { .. } if i >= j => part[c] -= ds,
+                        FlashBias::Sided { .. } => part[cols.len() + c] += ds,
                     }
                 }
-                for start in starts {
-                    for i in start..(start + TILE).min(t) {
-                        for (c, j) in cols.clone().enumerate() {
-                            let (p, ds) = weights(&block, &d_o, &stats, &dd, i, j);
-                            for d in 0..dh {
-                                dv[c * dh + d] += p * d_o[i * dh + d];
-                                dk[c * dh + d] += scale * ds * block.q[i * dh + d];
-                            }
-                            match f.bias {
-                                FlashBias::None => {}
-                                FlashBias::Offsets { .. } => part[j + t - 1 - i] += ds,
-                                FlashBias::Sided { .. } if i >= j => part[c] -= ds,
-                                FlashBias::Sided { .. } => part[cols.len() + c] += ds,
-                            }
-                        }
-                    }
-                }
-                store::<S, C>(g.dk, (bh * t + cols.start) * dh, &dk);
-                store::<S, C>(g.dv, (bh * t + cols.start) * dh, &dv);
-                part
-            })
-            .collect()
-    };
+            }
+        }
+        store::<S, C>(g.dk, (bh * t + cols.start) * dh, &dk);
+        store::<S, C>(g.dv, (bh * t + cols.start) * dh, &dv);
+        part
+    });
     // Per query tile: dq, and the rows' part of the sums' gradient.
-    let row_parts: Vec<Vec<C>> = {
-        use rayon::prelude::*;
-        (0..bh_all * tiles)
-            .into_par_iter()
-            .map(|task| {
-                let (bh, tile) = (task / tiles, task % tiles);
-                let (block, d_o, stats, dd) = prepared(bh);
-                let rows = tile * TILE..((tile + 1) * TILE).min(t);
-                let mut dq = vec![C::zero(); rows.len() * dh];
-                // Sided: the rows' `Σ_{j <= i}` of df and `-Σ_{j > i}` of dg.
-                let mut part = vec![C::zero(); 2 * rows.len()];
-                let starts: Vec<usize> = match rows.clone().any(|i| dead(stats[i].0)) {
-                    true => (0..t).step_by(TILE).collect(),
-                    false => key_tiles(f, rows.clone()).collect(),
-                };
-                for start in starts {
-                    for j in start..(start + TILE).min(t) {
-                        for (r, i) in rows.clone().enumerate() {
-                            let (_, ds) = weights(&block, &d_o, &stats, &dd, i, j);
-                            for d in 0..dh {
-                                dq[r * dh + d] += scale * ds * block.k[j * dh + d];
-                            }
-                            match j <= i {
-                                true => part[r] += ds,
-                                false => part[rows.len() + r] -= ds,
-                            }
-                        }
+    let row_parts = per_tile(&|bh, rows| {
+        let (block, d_o, stats, dd) = prepared(bh);
+        let mut dq = vec![C::zero(); rows.len() * dh];
+        // Sided: the rows' `Σ_{j <= i}` of df and `-Σ_{j > i}` of dg.
+        let mut part = vec![C::zero(); 2 * rows.len()];
+        let starts: Vec<usize> = match rows.clone().any(|i| dead(stats[i].0)) {
+            true => (0..t).step_by(TILE).collect(),
+            false => key_tiles(f, rows.clone()).collect(),
+        };
+        for start in starts {
+            for j in start..(start + TILE).min(t) {
+                for (r, i) in rows.clone().enumerate() {
+                    let (_, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                    for d in 0..dh {
+                        dq[r * dh + d] += scale * ds * block.k[j * dh + d];
+                    }
+                    match j <= i {
+                        true => part[r] += ds,
+                        false => part[rows.len() + r] -= ds,
                     }
                 }
-                store::<S, C>(g.dq, (bh * t + rows.start) * dh, &dq);
-                part
-            })
-            .collect()
-    };
+            }
+        }
+        store::<S, C>(g.dq, (bh * t + rows.start) * dh, &dq);
+        part
+    });
     let Some(dbias) = g.dbias else {
         return Ok(());
     };
