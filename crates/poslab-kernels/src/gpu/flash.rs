@@ -90,7 +90,7 @@ impl Flash {
     }
 }
 
-/// The gradients [`flash_back`] writes: `dq`, `dk`, `dv` `(b, h, t, dh)` in the heads' dtype,
+/// The gradients [`Stream::flash_back`] writes: `dq`, `dk`, `dv` `(b, h, t, dh)` in the heads' dtype,
 /// and the bias's, `(h, 2t - 1)` by offset or `(2, b, h, t)` for running sums, in the compute
 /// dtype (`None`: owed none).
 #[derive(Clone, Copy, Debug)]
