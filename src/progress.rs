@@ -176,16 +176,44 @@ impl Board {
         }
         line.push_str(&jobs.join(", "));
         line.push_str(&format!("; {} elapsed", human_duration(elapsed)));
-        if state.steps_done > 0 && self.steps > state.steps_done {
-            let left = elapsed.as_secs_f64() * (self.steps - state.steps_done) as f64
-                / state.steps_done as f64;
+        if let Some(left) = time_left(elapsed, state.steps_done as f64, self.steps as f64) {
             line.push_str(&format!(
                 ", about {} of training left",
-                human_duration(Duration::from_secs_f64(left))
+                human_duration(left)
             ));
         }
         line
     }
+}
+
+/// The time left of work of which `done` of `all` (in any unit) took `elapsed`, once some is done
+/// and some is left.
+fn time_left(elapsed: Duration, done: f64, all: f64) -> Option<Duration> {
+    (done > 0.0 && all > done)
+        .then(|| Duration::from_secs_f64(elapsed.as_secs_f64() * (all - done) / done))
+}
+
+/// Runs `work`; meanwhile a thread calls `tick` after `first`, then every `every`, until the
+/// work ends.
+fn ticking<R>(
+    first: Duration,
+    every: Duration,
+    tick: &(dyn Fn() + Sync),
+    work: impl FnOnce() -> R,
+) -> R {
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let mut wait = first;
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(wait) {
+                wait = every;
+                tick();
+            }
+        });
+        let result = work();
+        drop(stop);
+        result
+    })
 }
 
 /// Runs `work`; with [`Progress::Lines`], a thread meanwhile hands `board`'s line to `sink`
@@ -196,21 +224,10 @@ pub fn with_lines<R>(
     sink: &(dyn Fn(&str) + Sync),
     work: impl FnOnce() -> R,
 ) -> R {
-    let Progress::Lines { every } = progress else {
-        return work();
-    };
-    let (stop, stopped) = std::sync::mpsc::channel::<()>();
-    std::thread::scope(|scope| {
-        scope.spawn(move || {
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every)
-            {
-                sink(&board.line());
-            }
-        });
-        let result = work();
-        drop(stop);
-        result
-    })
+    match progress {
+        Progress::Lines { every } => ticking(every, every, &|| sink(&board.line()), work),
+        _ => work(),
+    }
 }
 
 /// Where work that is not training stands (the batches of a `predict` or an `embed`, the
@@ -284,12 +301,8 @@ impl Meter {
             line += "; ";
         }
         line += &format!("{} elapsed", human_duration(elapsed));
-        if state.cost_done > 0.0 && state.cost > state.cost_done {
-            let left = elapsed.as_secs_f64() * (state.cost - state.cost_done) / state.cost_done;
-            line += &format!(
-                ", about {} left",
-                human_duration(Duration::from_secs_f64(left))
-            );
+        if let Some(left) = time_left(elapsed, state.cost_done, state.cost) {
+            line += &format!(", about {} left", human_duration(left));
         }
         line
     }
@@ -306,44 +319,34 @@ pub fn with_meter<R>(
     sink: &(dyn Fn(&str) + Sync),
     work: impl FnOnce() -> R,
 ) -> R {
-    let (first, every) = match progress {
+    let every = match progress {
         Progress::Quiet => return work(),
-        Progress::Bars => (QUIET_FOR, Duration::from_millis(200)),
-        Progress::Lines { every } => (every, every),
+        Progress::Lines { every } => {
+            return ticking(every, every, &|| sink(&meter.line()), work);
+        }
+        Progress::Bars => Duration::from_millis(200),
     };
-    let (stop, stopped) = std::sync::mpsc::channel::<()>();
-    std::thread::scope(|scope| {
-        scope.spawn(move || {
-            let mut wait = first;
-            let mut bar: Option<indicatif::ProgressBar> = None;
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(wait) {
-                wait = every;
-                if !progress.bars() {
-                    sink(&meter.line());
-                    continue;
-                }
-                let bar = bar.get_or_insert_with(|| {
-                    let bar = indicatif::ProgressBar::with_draw_target(
-                        None,
-                        indicatif::ProgressDrawTarget::stderr(),
-                    );
-                    bar.set_style(
-                        indicatif::ProgressStyle::with_template("{spinner} {msg}")
-                            .expect("a valid template"),
-                    );
-                    bar
-                });
-                bar.set_message(meter.line());
-                bar.tick();
-            }
-            if let Some(bar) = bar {
-                bar.finish_and_clear();
-            }
+    let bar = std::sync::OnceLock::<indicatif::ProgressBar>::new();
+    let tick = || {
+        let bar = bar.get_or_init(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(
+                None,
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {msg}")
+                    .expect("a valid template"),
+            );
+            bar
         });
-        let result = work();
-        drop(stop);
-        result
-    })
+        bar.set_message(meter.line());
+        bar.tick();
+    };
+    let result = ticking(QUIET_FOR, every, &tick, work);
+    if let Some(bar) = bar.get() {
+        bar.finish_and_clear();
+    }
+    result
 }
 
 #[cfg(test)]

@@ -537,35 +537,26 @@ impl Inputs {
         serde_json::to_string_pretty(self).expect("inputs serialize") + "\n"
     }
 
-    /// Where the relative paths of the run in `dir` resolve from: the folder of the config it
-    /// was started from, as `inputs.json` recorded it.
-    fn paths_from(dir: &Path) -> Result<crate::io::PathBase> {
+    /// The inputs the run in `dir` recorded (`None` for a run started before poslab recorded
+    /// them).
+    fn recorded(dir: &Path) -> Result<Option<Self>> {
         let path = dir.join(INPUTS);
         if !path.exists() {
-            return Ok(crate::io::PathBase::default());
+            return Ok(None);
         }
         let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "inputs")?;
-        let recorded: Inputs = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
+        let recorded = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
             path: path.clone(),
             message: format!("unreadable ({e}): the file was edited or damaged"),
         })?;
-        Ok(crate::io::PathBase(recorded.paths_from))
+        Ok(Some(recorded))
     }
 
-    /// Refuses a resume whose inputs differ from those `dir` recorded, naming the file, or that
-    /// computes on another kind of device or with other kernels than the run began with.
-    fn check(dir: &Path, options: &TrainOptions) -> Result<()> {
-        let path = dir.join(INPUTS);
-        if !path.exists() {
-            // A run started before poslab recorded its inputs.
-            return Ok(());
-        }
-        let text = crate::io::read_text_bounded(&path, crate::io::MAX_CONFIG_BYTES, "inputs")?;
-        let recorded: Inputs = serde_json::from_str(&text).map_err(|e| Error::Checkpoint {
-            path: path.clone(),
-            message: format!("unreadable ({e}): the file was edited or damaged"),
-        })?;
-        for f in &recorded.files {
+    /// Refuses a resume of the run in `dir`, which recorded these inputs, whose inputs differ
+    /// now, naming the file, or that computes on another kind of device or with other kernels
+    /// than the run began with.
+    fn check(&self, dir: &Path, options: &TrainOptions) -> Result<()> {
+        for f in &self.files {
             // A relative path is the run folder's own file (runs from before recorded every
             // path as the working directory saw it).
             let at = match dir.join(&f.path) {
@@ -592,7 +583,7 @@ impl Inputs {
             crate::device::device_kind(&options.device),
             options.backend.kernels.name(),
         );
-        if let (Some(device), Some(kernels)) = (&recorded.device, &recorded.kernels) {
+        if let (Some(device), Some(kernels)) = (&self.device, &self.kernels) {
             if (device.as_str(), kernels.as_str()) != (now.0.as_str(), now.1) {
                 return Err(Error::Input(format!(
                     "{} began on {device} with the {kernels} kernels, and this resume computes \
@@ -652,10 +643,13 @@ pub fn resume(options: &TrainOptions) -> Result<TrainEnd> {
         )));
     }
     let mut config = TrainRunConfig::load(dir.join(TRAIN_CONFIG))?;
-    config.task.base = Inputs::paths_from(dir)?;
+    let recorded = Inputs::recorded(dir)?;
+    config.task.base = crate::io::PathBase(recorded.as_ref().and_then(|r| r.paths_from.clone()));
     let tokenizer = TextTokenizer::from_file(dir.join(saved::TOKENIZER))?;
     clean_temporaries(dir);
-    Inputs::check(dir, options)?;
+    if let Some(recorded) = &recorded {
+        recorded.check(dir, options)?;
+    }
     config.check_limits(&options.limits)?;
     let data = config.task.generate_with(&options.hub, Some(tokenizer))?;
     let start = Start::of(&config, &options.hub)?;
