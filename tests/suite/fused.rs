@@ -24,9 +24,16 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// `max |a - b| / max |b|` (b the reference), 0 for two zero tensors.
+/// `max |a - b| / max |b|` (b the reference), 0 for two zero tensors; infinite where `a` is not
+/// finite and `b` is (a NaN would pass every `max`).
 fn relative_error(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
+    if a.iter()
+        .zip(b)
+        .any(|(x, y)| !x.is_finite() && y.is_finite())
+    {
+        return f64::INFINITY;
+    }
     let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     let diff = a
         .iter()
@@ -260,10 +267,11 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
                             run_encoder(&config, dtype, twin(Kernels::Layer), train)
                         });
                         let ran = device_path::counts() - before;
-                        // forward (12 post-norm, 13 pre-norm; 10 and 11 where the attention
-                        // is one fused kernel), then the backward (at least 21, fused) with the
-                        // forward kept (train) or recomputed
-                        let per_layer = if train { 10 + 21 } else { 2 * 10 + 21 };
+                        // forward (12 post-norm, 13 pre-norm; 9 and 10 where the attention
+                        // is one fused kernel writing the heads side by side), then the
+                        // backward (at least 19, fused) with the forward kept (train) or
+                        // recomputed
+                        let per_layer = if train { 9 + 19 } else { 2 * 9 + 19 };
                         // A scheme that computes its own scores runs as a composition on
                         // every device: its layers make no device launches.
                         let composed = matches!(
@@ -285,6 +293,52 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
         "device path vs reference, worst relative error: f32 {:.1e}, f64 {:.1e}",
         worst[0], worst[1]
     );
+}
+
+/// Biases of the offset alone (ALiBi, T5, KERPLE, FIRE) over shared positions reach the device
+/// path's fused attention as their `2t - 1` values per head: the forward and every gradient (T5's
+/// table, KERPLE's `r1` and `r2`, FIRE's MLP through the per-offset sums) match the reference at
+/// the fused tolerances, over two tiles of keys (t = 70 > 64), in both directions and causal; and
+/// each step launches exactly what the same model without a bias launches (a bias table takes the
+/// softmax path, with its `t × t` scores: more launches). Causal FIRE normalises by the query's
+/// position, not by offset, and keeps its table.
+#[test]
+fn biases_of_the_offset_reach_the_fused_device_attention_with_their_gradients() {
+    use poslab::nn::device_path;
+    let shape = (1, 70); // one sequence: no padding, so FIRE's bias is one block
+    let launches = |config: &ModelConfig, dtype: DType| {
+        let before = device_path::counts();
+        let run = run_encoder_on(config, dtype, twin(Kernels::Layer), true, shape);
+        (run, (device_path::counts() - before).launches())
+    };
+    for positional in [
+        PositionalConfig::Alibi(Default::default()),
+        PositionalConfig::T5(Default::default()),
+        PositionalConfig::Kerple(Default::default()),
+        PositionalConfig::Fire(Default::default()),
+    ] {
+        for causal in [false, true] {
+            let mut config = tiny_config(positional.clone(), NormPlacement::Pre);
+            config.max_len = 80;
+            config.causal = causal;
+            let plain = ModelConfig {
+                positional: PositionalConfig::None(Default::default()),
+                ..config.clone()
+            };
+            for dtype in [DType::F32, DType::F64] {
+                let what = format!("{} causal {causal} {dtype:?}", positional.name());
+                let reference = run_encoder_on(&config, dtype, on(Kernels::Reference), true, shape);
+                let (device, ran) = launches(&config, dtype);
+                compare(&device, &reference, tolerance(dtype), &what);
+                let (_, unbiased) = launches(&plain, dtype);
+                let by_offset = !(causal && positional.name() == "fire");
+                match by_offset {
+                    true => assert_eq!(ran, unbiased, "{what}: launches against no bias"),
+                    false => assert!(ran > unbiased, "{what}: a table takes the softmax path"),
+                }
+            }
+        }
+    }
 }
 
 /// ReLU in the feed-forward block (the DeepMind length-generalization models): the fused layer

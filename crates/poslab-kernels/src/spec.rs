@@ -231,6 +231,64 @@ pub enum LayerBias {
     /// `(2, b, h, t)`: two running sums `f` and `g` whose two-sided differences are the bias:
     /// `f[h, i] - f[h, j]` for keys `j <= i`, `g[h, j] - g[h, i]` after.
     SidedSums(Tensor),
+    /// `(1, h, 2t - 1)`: a bias of the offset `j - i` alone, one value per head and offset
+    /// `-(t - 1)..=t - 1` in order ([`offset_table`] is its table). The device path's fused
+    /// attention reads it per tile and sums its gradient per offset; every other kernel is
+    /// given its table.
+    Offsets(Tensor),
+}
+
+impl LayerBias {
+    /// The bias's tensor: the table, the running sums or the values by offset.
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            Self::Table(t) | Self::SidedSums(t) | Self::Offsets(t) => t,
+        }
+    }
+
+    /// The same bias with a bias of offsets given as its table, differentiably.
+    pub fn without_offsets(&self) -> Result<Self> {
+        Ok(match self {
+            Self::Offsets(v) => Self::Table(offset_table(v)?),
+            other => other.clone(),
+        })
+    }
+}
+
+/// The table of a bias of offsets: element `(k, head, i, j)` is `v[k, head, j - i + t - 1]`,
+/// from `2t - 1` values per row and head.
+///
+/// Built by a skew (each row of `v` repeated `t` times, then read with a row stride one
+/// shorter, starting `t - 1` in), so that its gradient is a sum along each diagonal made of
+/// candle's parallel reductions. A gather's gradient is an `index_add` into the few values, which
+/// candle's CUDA kernel runs with one thread per output column looping over every index: for
+/// FIRE at width 768 and 512 tokens, one thread over 3.1 million (its cost: the book's
+/// performance page, "Measurements behind the code's choices").
+///
+/// # Shapes
+/// - `v`: `(r, h, 2t - 1)`, offsets `-(t - 1)..=t - 1` in order
+/// - returns `(r, h, t, t)`
+pub fn offset_table(v: &Tensor) -> Result<Tensor> {
+    let (r, h, w) = v.dims3()?;
+    if w % 2 == 0 {
+        candle::bail!("a bias of offsets needs 2t - 1 values per head, not {w}");
+    }
+    let t = w.div_ceil(2);
+    if t == 1 {
+        return v.reshape((r, h, 1, 1));
+    }
+    // (r, h, t, w): every row the same w values, flat with row stride w.
+    let rows = v
+        .unsqueeze(2)?
+        .broadcast_as((r, h, t, w))?
+        .contiguous()?
+        .reshape((r, h, t * w))?;
+    // Read with row stride w - 1 from t - 1 in: element (i, c) is flat t - 1 + i (w - 1) + c,
+    // which is row i, column t - 1 + c - i of `rows`, that is v[t - 1 + (c - i)].
+    let skewed = rows
+        .narrow(2, t - 1, t * (w - 1))?
+        .reshape((r, h, t, w - 1))?;
+    skewed.narrow(3, 0, t)?.contiguous()
 }
 
 /// A rotation of q and k: `(r, t, w)` cos and sin tables, and whether the pairing is

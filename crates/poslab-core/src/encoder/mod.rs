@@ -44,6 +44,9 @@ struct Placed<'a> {
     /// The rotation of local layers, where `[layers] rope_base` gives them their own base.
     local_rotary: Option<Rotary>,
     biases: Option<LayerBiases>,
+    /// Whether `biases` are given by offset, `(1, h, 2t - 1)` each
+    /// ([`crate::positional::BiasModule::offset_biases`]).
+    by_offset: bool,
     /// Each layer's own scores (`None` for a layer without positions).
     scores: Vec<Option<Box<dyn QkScores + 'a>>>,
 }
@@ -410,6 +413,7 @@ impl Encoder {
             rotary: None,
             local_rotary: None,
             biases: None,
+            by_offset: false,
             scores: Vec::new(),
         };
         if let Some(PositionalModule::Rotation(rope)) = &self.local_rotation {
@@ -429,7 +433,16 @@ impl Encoder {
                 x
             }
             PositionalModule::ScoreBias(bias) => {
-                placed.biases = Some(bias.layer_biases(&batch)?);
+                // The device path's layers read a bias of offsets per tile, with no t × t table.
+                let offsets = match self.backend.device_layer(&x) {
+                    true => bias.offset_biases(&batch)?,
+                    false => None,
+                };
+                placed.by_offset = offsets.is_some();
+                placed.biases = Some(match offsets {
+                    Some(offsets) => offsets,
+                    None => bias.layer_biases(&batch)?,
+                });
                 x
             }
             PositionalModule::Scores(scores) => {
@@ -464,11 +477,12 @@ impl Encoder {
         let inputs = AttentionInputs {
             key_padding: padding,
             rotary,
-            score_bias: placed
-                .biases
-                .as_ref()
-                .and_then(|b| b.layer(i))
-                .map(AttentionBias::Table),
+            score_bias: placed.biases.as_ref().and_then(|b| b.layer(i)).map(
+                match placed.by_offset {
+                    true => AttentionBias::Offsets,
+                    false => AttentionBias::Table,
+                },
+            ),
             window,
             scores: placed.scores.get(i).and_then(Option::as_deref),
         };

@@ -55,6 +55,11 @@ pub enum AttentionBias<'a> {
     /// gradient to the sums' there, so no `(b, h, t, t)` bias or gradient is ever stored; the
     /// compositions build the table ([`AttentionBias::table`]).
     SidedSums(&'a Tensor),
+    /// `(1, h, 2t - 1)`: a bias of the offset `j - i` alone, one value per head and offset
+    /// `-(t - 1)..=t - 1` (ALiBi, T5, KERPLE and FIRE over shared positions
+    /// `start..start + t`). The device path's fused attention reads it per tile; everything
+    /// else reads its table ([`crate::kernels::spec::offset_table`]).
+    Offsets(&'a Tensor),
 }
 
 impl AttentionBias<'_> {
@@ -63,6 +68,7 @@ impl AttentionBias<'_> {
         match *self {
             Self::Table(t) => LayerBias::Table(t.clone()),
             Self::SidedSums(s) => LayerBias::SidedSums(s.clone()),
+            Self::Offsets(v) => LayerBias::Offsets(v.clone()),
         }
     }
 
@@ -76,6 +82,7 @@ impl AttentionBias<'_> {
                 let g = sums.get(1)?.reshape((b * h, t))?;
                 super::sided_differences(&f, &g, backend)?.reshape((b, h, t, t))
             }
+            Self::Offsets(v) => crate::kernels::spec::offset_table(v),
         }
     }
 }
@@ -89,6 +96,7 @@ impl<'a> From<&'a LayerBias> for AttentionBias<'a> {
         match bias {
             LayerBias::Table(t) => AttentionBias::Table(t),
             LayerBias::SidedSums(s) => AttentionBias::SidedSums(s),
+            LayerBias::Offsets(v) => AttentionBias::Offsets(v),
         }
     }
 }

@@ -162,6 +162,22 @@ impl Alibi {
             .to_dtype(dtype)?
             .to_device(device)?)
     }
+
+    /// The bias by offset `(1, h, 2t - 1)` for `t` tokens: `-m_h |o|` for offsets
+    /// `o = -(t - 1)..=t - 1`, computed in f64 and rounded once (the values of [`Alibi::bias`]
+    /// over positions `start..start + t`).
+    pub fn offsets(&self, t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        let w = 2 * t - 1;
+        let mut out = Vec::with_capacity(self.slopes.len() * w);
+        for &slope in &self.slopes {
+            out.extend((0..w).map(|o| -slope * (o as f64 - (t as f64 - 1.0)).abs()));
+        }
+        Ok(
+            Tensor::from_vec(out, (1, self.slopes.len(), w), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)?,
+        )
+    }
 }
 
 impl BiasModule for Alibi {
@@ -171,6 +187,15 @@ impl BiasModule for Alibi {
             batch.dtype,
             batch.device,
         )?))
+    }
+
+    fn offset_biases(&self, batch: &BiasBatch) -> Result<Option<LayerBiases>> {
+        let t = batch.positions.len();
+        if batch.positions.as_range().is_none() {
+            return Ok(None);
+        }
+        let v = self.offsets(t, batch.dtype, batch.device)?;
+        Ok(Some(LayerBiases::Shared(v)))
     }
 
     fn notes(&self) -> Result<Vec<String>> {

@@ -270,47 +270,17 @@ impl Fire {
     /// the positions are shared (`r = 1`) and every sequence has the same span (no padding), the
     /// bias is one `(1, h, t, t)` block for the whole batch.
     fn distinct_inputs(&self, batch: &BiasBatch) -> Result<DistinctInputs> {
-        let positions = batch.positions;
-        let (r, t) = (positions.rows(), positions.len());
-        let real: Vec<Vec<bool>> = match batch.mask {
-            Some(mask) => mask
-                .to_dtype(DType::F64)?
-                .to_vec2::<f64>()?
-                .into_iter()
-                .map(|row| row.into_iter().map(|v| v > 0.0).collect())
-                .collect(),
-            None => vec![vec![true; t]; r],
-        };
-        let n = real.len();
-        if r != 1 && r != n {
-            return Err(Error::Input(format!(
-                "fire: positions of {r} rows for a batch of {n} sequences: give one row, or one \
-                 per sequence"
-            )));
-        }
-        let row_of = |k: usize| positions.row(if r == 1 { 0 } else { k });
+        let (r, t) = (batch.positions.rows(), batch.positions.len());
+        let spans = spans(batch)?;
         if self.causal {
             return self.distinct_causal_inputs(batch, r);
         }
-        // Each sequence's span over its real tokens.
-        let spans: Vec<u32> = real
-            .iter()
-            .enumerate()
-            .map(|(k, real)| {
-                let kept = row_of(k)
-                    .iter()
-                    .zip(real)
-                    .filter(|(_, &m)| m)
-                    .map(|(&v, _)| v);
-                let (lo, hi) = kept.fold((u32::MAX, 0), |(lo, hi), v| (lo.min(v), hi.max(v)));
-                hi.saturating_sub(lo)
-            })
-            .collect();
-        let rows = if r == 1 && spans.iter().all(|&s| s == spans[0]) {
+        let rows = if one_block(batch, &spans) {
             1
         } else {
-            n
+            spans.len()
         };
+        let row_of = |k: usize| batch.positions.row(if r == 1 { 0 } else { k });
         let mut distinct: std::collections::HashMap<(u32, i64), u32> = Default::default();
         let (mut sign, mut distance, mut span) = (Vec::new(), Vec::new(), Vec::new());
         let mut index = Vec::with_capacity(rows * t * t);
@@ -415,6 +385,21 @@ impl Fire {
     /// - returns `(n, h, t, t)` (`n` as in [`Fire::inputs`]); differentiable in every FIRE
     ///   variable
     pub fn bias(&self, batch: &BiasBatch) -> Result<Tensor> {
+        match self.bias_or_offsets(batch, false)? {
+            Ok(table) => Ok(table),
+            Err(v) => offset_bias(&v),
+        }
+    }
+
+    /// [`Fire::bias`] as a table (`Ok`), or (`Err`, when `by_offset` asks for it and the
+    /// bias is a function of the offset alone, the same for every sequence: shared positions
+    /// `start..start + t` with one span, in the encoder's form) its values by offset
+    /// `(1, h, 2t - 1)`.
+    fn bias_or_offsets(
+        &self,
+        batch: &BiasBatch,
+        by_offset: bool,
+    ) -> Result<std::result::Result<Tensor, Tensor>> {
         let DistinctInputs { x, index, rows, t } = self.distinct_inputs(batch)?;
         let u = x.dim(0)?;
         let hidden = self.mlp1.forward(&x.reshape((u, 1))?, batch.backend)?; // (u, width)
@@ -437,7 +422,10 @@ impl Fire {
                 .reshape((rows, 2 * t - 1, h))?
                 .transpose(1, 2)?
                 .contiguous()?; // (rows, h, 2t - 1)
-            return offset_bias(&v);
+            return match by_offset && rows == 1 {
+                true => Ok(Err(v)),
+                false => Ok(Ok(offset_bias(&v)?)),
+            };
         }
         // Element (k, head, i, j) of the bias reads out[index[k, i, j], head].
         let mut gather = Vec::with_capacity(rows * h * t * t);
@@ -448,10 +436,10 @@ impl Fire {
             }
         }
         let gather = Tensor::from_vec(gather, rows * h * t * t, batch.device)?;
-        Ok(out
+        Ok(Ok(out
             .flatten_all()?
             .index_select(&gather, 0)?
-            .reshape((rows, h, t, t))?)
+            .reshape((rows, h, t, t))?))
     }
 }
 
@@ -464,9 +452,61 @@ struct DistinctInputs {
     t: usize,
 }
 
+/// Each sequence's span over its real tokens (the largest position less the smallest).
+fn spans(batch: &BiasBatch) -> Result<Vec<u32>> {
+    let positions = batch.positions;
+    let (r, t) = (positions.rows(), positions.len());
+    let real: Vec<Vec<bool>> = match batch.mask {
+        Some(mask) => mask
+            .to_dtype(DType::F64)?
+            .to_vec2::<f64>()?
+            .into_iter()
+            .map(|row| row.into_iter().map(|v| v > 0.0).collect())
+            .collect(),
+        None => vec![vec![true; t]; r],
+    };
+    let n = real.len();
+    if r != 1 && r != n {
+        return Err(Error::Input(format!(
+            "fire: positions of {r} rows for a batch of {n} sequences: give one row, or one \
+             per sequence"
+        )));
+    }
+    let row_of = |k: usize| positions.row(if r == 1 { 0 } else { k });
+    Ok(real
+        .iter()
+        .enumerate()
+        .map(|(k, real)| {
+            let kept = row_of(k)
+                .iter()
+                .zip(real)
+                .filter(|(_, &m)| m)
+                .map(|(&v, _)| v);
+            let (lo, hi) = kept.fold((u32::MAX, 0), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            hi.saturating_sub(lo)
+        })
+        .collect())
+}
+
+/// Whether the encoder's bias is one block for the whole batch: shared positions and one span.
+fn one_block(batch: &BiasBatch, spans: &[u32]) -> bool {
+    batch.positions.rows() == 1 && spans.iter().all(|&s| s == spans[0])
+}
+
 impl BiasModule for Fire {
     fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases> {
         Ok(LayerBiases::Shared(self.bias(batch)?))
+    }
+
+    fn offset_biases(&self, batch: &BiasBatch) -> Result<Option<LayerBiases>> {
+        let shared = batch.positions.as_range().is_some();
+        if !shared || self.causal || !one_block(batch, &spans(batch)?) {
+            return Ok(None);
+        }
+        Ok(match self.bias_or_offsets(batch, true)? {
+            Err(v) => Some(LayerBiases::Shared(v)),
+            Ok(_) => None,
+        })
     }
 
     fn undecayed(&self) -> Vec<Tensor> {

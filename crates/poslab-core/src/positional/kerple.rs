@@ -19,7 +19,7 @@ use candle::{DType, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::score_bias::distance_tensor;
+use super::score_bias::{distance_tensor, offset_distances};
 use super::{
     Adaptive, BiasBatch, BiasModule, Knobs, LayerBiases, Placement, Portrait, PositionalConfig,
     PositionalModule, Scheme, SchemeShape, ScoreBias,
@@ -126,6 +126,25 @@ impl BiasModule for KerpleLayers {
                 .map(|k| k.as_ref().map(|k| k.bias(&distances)).transpose())
                 .collect::<Result<_>>()?,
         ))
+    }
+
+    fn offset_biases(&self, batch: &BiasBatch) -> Result<Option<LayerBiases>> {
+        let t = batch.positions.len();
+        if batch.positions.as_range().is_none() {
+            return Ok(None);
+        }
+        // The same elementwise ops as the table's, on each offset's distance.
+        let distances = offset_distances(t, batch.dtype, batch.device)?; // (1, 1, 1, 2t - 1)
+        let by_offset = |k: &Kerple| -> Result<Tensor> {
+            let h = k.r1.dim(0)?;
+            Ok(k.bias(&distances)?.reshape((1, h, 2 * t - 1))?)
+        };
+        Ok(Some(LayerBiases::PerLayer(
+            self.0
+                .iter()
+                .map(|k| k.as_ref().map(by_offset).transpose())
+                .collect::<Result<_>>()?,
+        )))
     }
 
     fn per_layer(&self) -> bool {

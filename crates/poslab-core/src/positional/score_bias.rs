@@ -34,6 +34,15 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
     /// Every layer's bias for a batch.
     fn layer_biases(&self, batch: &BiasBatch) -> Result<LayerBiases>;
 
+    /// Every layer's bias by offset, where at these positions it is a function of the offset
+    /// `j - i` alone, the same for every sequence: [`BiasModule::layer_biases`]'s values, each
+    /// tensor `(1, h, 2t - 1)` for offsets `-(t - 1)..=t - 1` in order (its table is
+    /// [`crate::kernels::spec::offset_table`]'s). What the device path's fused attention reads in
+    /// place of a `t × t` table. `None` where the bias is not one of offsets at these positions.
+    fn offset_biases(&self, _batch: &BiasBatch) -> Result<Option<LayerBiases>> {
+        Ok(None)
+    }
+
     /// Layer `layer`'s bias computed from its attention input `x` (`(b, t, d_model)`), for a
     /// contextual scheme whose [`BiasModule::layer_biases`] is [`LayerBiases::FromInput`]: a
     /// `(b, h, t, t)` table, or running sums whose two-sided differences are the bias (see
@@ -161,6 +170,18 @@ impl std::ops::DerefMut for ScoreBias {
     }
 }
 
+/// `(1, 1, 1, 2t - 1)` of `|o|` for the offsets `o = -(t - 1)..=t - 1`, in `dtype` on `device`:
+/// the distances of a bias by offset.
+pub(crate) fn offset_distances(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let w = 2 * t - 1;
+    let d: Vec<f64> = (0..w)
+        .map(|o| (o as f64 - (t as f64 - 1.0)).abs())
+        .collect();
+    Ok(Tensor::from_vec(d, (1, 1, 1, w), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?)
+}
+
 /// `(r, 1, t, t)` of `|p_i - p_j|` in `dtype` on `device`.
 pub(crate) fn distance_tensor(
     positions: &Positions,
@@ -177,40 +198,19 @@ pub(crate) fn distance_tensor(
 
 /// The bias of offsets: element `(k, head, i, j)` is `v[k, head, j - i + t - 1]`, for a bias
 /// that depends on the offset `j - i` alone (positions `start..start + t`), from its `2t - 1`
-/// values per row and head.
-///
-/// Built by a skew (each row of `v` repeated `t` times, then read with a row stride one
-/// shorter, starting `t - 1` in), so that its gradient is a sum along each diagonal made of
-/// candle's parallel reductions. A gather's gradient is an `index_add` into the few values, which
-/// candle's CUDA kernel runs with one thread per output column looping over every index: for
-/// FIRE at width 768 and 512 tokens, one thread over 3.1 million (its cost: the book's performance page, "Measurements behind the code's choices").
+/// values per row and head ([`crate::kernels::spec::offset_table`]).
 ///
 /// # Shapes
 /// - `v`: `(r, h, 2t - 1)`, offsets `-(t - 1)..=t - 1` in order
 /// - returns `(r, h, t, t)`
 pub(crate) fn offset_bias(v: &Tensor) -> Result<Tensor> {
-    let (r, h, w) = v.dims3()?;
-    let t = w.div_ceil(2);
+    let w = v.dims3()?.2;
     if w % 2 == 0 {
         return Err(crate::error::Error::Input(format!(
             "a bias of offsets needs 2t - 1 values per head, not {w}"
         )));
     }
-    if t == 1 {
-        return Ok(v.reshape((r, h, 1, 1))?);
-    }
-    // (r, h, t, w): every row the same w values, flat with row stride w.
-    let rows = v
-        .unsqueeze(2)?
-        .broadcast_as((r, h, t, w))?
-        .contiguous()?
-        .reshape((r, h, t * w))?;
-    // Read with row stride w - 1 from t - 1 in: element (i, c) is flat t - 1 + i (w - 1) + c,
-    // which is row i, column t - 1 + c - i of `rows`, that is v[t - 1 + (c - i)].
-    let skewed = rows
-        .narrow(2, t - 1, t * (w - 1))?
-        .reshape((r, h, t, w - 1))?;
-    Ok(skewed.narrow(3, 0, t)?.contiguous()?)
+    Ok(crate::kernels::spec::offset_table(v)?)
 }
 
 #[cfg(test)]

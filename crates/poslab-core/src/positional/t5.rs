@@ -302,20 +302,31 @@ impl T5Bias {
         self.max_distance
     }
 
+    /// The bias by offset `(1, h, 2t - 1)` where the positions are `start..start + t` shared
+    /// by the batch (the bucket is then a function of the offset); `None` otherwise.
+    /// Differentiable in the table.
+    pub fn offsets(&self, positions: &Positions) -> Result<Option<Tensor>> {
+        let t = positions.len();
+        if positions.as_range().is_none() {
+            return Ok(None);
+        }
+        let ids: Vec<u32> = (-(t as i64 - 1)..t as i64)
+            .map(|rel| self.bucket(rel) as u32)
+            .collect();
+        let ids = Tensor::from_vec(ids, 2 * t - 1, self.table.device())?;
+        let v = self.table.index_select(&ids, 0)?.t()?.unsqueeze(0)?; // (1, h, 2t - 1)
+        Ok(Some(v.contiguous()?))
+    }
+
     /// # Shapes
     /// - returns `(r, h, t, t)` for positions `(r, t)`; differentiable in the table
     pub fn bias(&self, positions: &Positions) -> Result<Tensor> {
         let (r, t) = (positions.rows(), positions.len());
         let heads = self.table.dim(D::Minus1)?;
-        if positions.as_range().is_some() {
-            // Shared positions `start..start + t`: the bucket is a function of the offset, and
-            // the bias is built from the 2t - 1 offsets' rows (its gradient a sum per diagonal).
-            let ids: Vec<u32> = (-(t as i64 - 1)..t as i64)
-                .map(|rel| self.bucket(rel) as u32)
-                .collect();
-            let ids = Tensor::from_vec(ids, 2 * t - 1, self.table.device())?;
-            let v = self.table.index_select(&ids, 0)?.t()?.unsqueeze(0)?; // (1, h, 2t - 1)
-            return offset_bias(&v.contiguous()?);
+        if let Some(v) = self.offsets(positions)? {
+            // Shared positions: the bias is built from the 2t - 1 offsets' rows (its gradient a
+            // sum per diagonal).
+            return offset_bias(&v);
         }
         let mut idx = Vec::with_capacity(r * t * t);
         for row in 0..r {
@@ -342,6 +353,13 @@ impl BiasModule for T5Bias {
         Ok(LayerBiases::Shared(
             self.bias(batch.positions)?.to_dtype(batch.dtype)?,
         ))
+    }
+
+    fn offset_biases(&self, batch: &BiasBatch) -> Result<Option<LayerBiases>> {
+        Ok(match self.offsets(batch.positions)? {
+            Some(v) => Some(LayerBiases::Shared(v.to_dtype(batch.dtype)?)),
+            None => None,
+        })
     }
 
     fn notes(&self) -> Result<Vec<String>> {

@@ -1209,8 +1209,19 @@ impl Attention {
 
     /// The score bias's tensor (a table or the running sums), if there is one.
     pub(super) fn bias_tensor(&self) -> Option<&Tensor> {
-        self.score_bias.as_ref().map(|b| match b {
-            LayerBias::Table(t) | LayerBias::SidedSums(t) => t,
+        self.score_bias.as_ref().map(LayerBias::tensor)
+    }
+
+    /// This attention with a bias of offsets given as its table ([`LayerBias::without_offsets`]):
+    /// what every kernel but the device path's fused attention reads.
+    pub fn without_offsets(self) -> Result<Self> {
+        Ok(Self {
+            score_bias: self
+                .score_bias
+                .as_ref()
+                .map(LayerBias::without_offsets)
+                .transpose()?,
+            ..self
         })
     }
 
@@ -1277,6 +1288,7 @@ impl Attention {
             score_bias: match &self.score_bias {
                 Some(LayerBias::Table(t)) => Some(LayerBias::Table(convert(t)?)),
                 Some(LayerBias::SidedSums(t)) => Some(LayerBias::SidedSums(convert(t)?)),
+                Some(LayerBias::Offsets(t)) => Some(LayerBias::Offsets(convert(t)?)),
                 None => None,
             },
             ..self.clone()
@@ -1284,10 +1296,9 @@ impl Attention {
     }
 
     /// What the device path needs of this attention besides tensors' memory: the scale, the
-    /// window, whether the score bias is given as running sums, and its rows (1 or b).
-    pub(super) fn device_shape(&self) -> (f64, Window, Option<(bool, usize)>) {
-        let bias = self.bias_tensor().map(|b| (self.sided(), b.dims()[0]));
-        (self.scale, self.window, bias)
+    /// window and the score bias.
+    pub(super) fn device_shape(&self) -> (f64, Window, Option<&LayerBias>) {
+        (self.scale, self.window, self.score_bias.as_ref())
     }
 
     /// The key bias `(b, t)` and the rotary tables `(cos, sin, interleaved)`.
@@ -1362,7 +1373,13 @@ impl Attention {
                  = (2, {b}, {h}, {t})",
                 sums.dims()
             ),
-            Some(LayerBias::SidedSums(_)) | None => {}
+            Some(LayerBias::Offsets(v)) if v.dims() != [1, h, 2 * t - 1] => candle::bail!(
+                "fused attention: the score bias by offset {:?} does not match (1, h, 2t - 1) \
+                 = (1, {h}, {})",
+                v.dims(),
+                2 * t - 1
+            ),
+            Some(LayerBias::SidedSums(_) | LayerBias::Offsets(_)) | None => {}
         }
         if let Some(polar) = &self.polar {
             let ((cos, sin), offsets, dh) = (polar.tables(), polar.offsets(), d / h);
@@ -2058,6 +2075,7 @@ impl CustomOp3 for AttentionGrad {
 /// - returns `(b, t, d_model)`
 pub fn attention(qkv: &Tensor, op: Attention, dropout_mask: Option<&Tensor>) -> Result<Tensor> {
     let qkv = qkv.contiguous()?;
+    let op = op.without_offsets()?;
     let mask = match dropout_mask {
         Some(m) => m.contiguous()?,
         None => absent(&qkv)?,

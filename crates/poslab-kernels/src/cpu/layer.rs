@@ -63,7 +63,7 @@ use super::{
 };
 use super::{pointwise, running_sums};
 use crate::gpu as device;
-use crate::spec::{LayerMasks, LayerShape, TransportShape};
+use crate::spec::{LayerBias, LayerMasks, LayerShape, TransportShape};
 
 /// The activations the backward needs, kept by the forward.
 struct Saved<T> {
@@ -561,8 +561,12 @@ impl LayerOp {
             _ => None,
         };
         let bias = match (mem(3)?, bias_shape) {
-            (Some(sums), Some((true, _))) => device::ScoreBias::Sided { sums },
-            (Some(bias), Some((false, rows))) => device::ScoreBias::Table { bias, rows },
+            (Some(sums), Some(LayerBias::SidedSums(_))) => device::ScoreBias::Sided { sums },
+            (Some(values), Some(LayerBias::Offsets(_))) => device::ScoreBias::Offsets { values },
+            (Some(bias), Some(LayerBias::Table(table))) => device::ScoreBias::Table {
+                bias,
+                rows: table.dims()[0],
+            },
             _ => device::ScoreBias::None,
         };
         Ok(device::layer::Fixed {

@@ -146,12 +146,20 @@ pub fn encoder_layer(
     if device {
         // The device path: parameters in the activations' dtype (cast once per step, here),
         // the fixed inputs in the dtype values are computed in.
+        // A bias by offset goes to the fused attention as it is, else as its table.
+        let reads_offsets =
+            masks.attention.is_none() && crate::gpu::stream_for(x.device())?.fuses_attention();
+        let attention = match reads_offsets {
+            true => attention,
+            false => attention.without_offsets()?,
+        };
         let attention = attention.in_dtype(crate::gpu::compute_dtype(x.dtype()))?;
         let bias = attention.score_bias_input(x)?;
         let params = params.to_dtype(x.dtype())?.contiguous()?;
         let op = layer::LayerOp::new(shape, attention, masks, keep_activations, true);
         return x.contiguous()?.apply_op3(&params, &bias, op);
     }
+    let attention = attention.without_offsets()?;
     let bias = attention.score_bias_input(x)?;
     let op = layer::LayerOp::new(shape, attention, masks, keep_activations, false)
         .with_reflections(reflections);

@@ -578,6 +578,9 @@ impl Stream for CudaStream {
                 sums.holds(2 * n.b * n.h * n.t, cd, "the running sums")?;
                 (2, Some(sums), 1)
             }
+            ScoreBias::Offsets { .. } => candle::bail!(
+                "device path: a bias by offset is read by the fused attention alone; give the softmax its table (LayerBias::without_offsets)"
+            ),
         };
         if let Some((m, pm)) = s.dropout {
             m.holds(n.scores(), dt, "the attention dropout mask")?;

@@ -39,6 +39,30 @@ use crate::Real;
 /// Queries, and keys, per tile.
 pub const TILE: usize = 64;
 
+impl Heads {
+    /// Where row `i` of (batch, head) `bh` starts in a tensor of the heads side by side
+    /// `(b, t, h dh)`.
+    pub fn token_row(&self, bh: usize, i: usize) -> usize {
+        let (bi, hd) = (bh / self.h, bh % self.h);
+        ((bi * self.t + i) * self.h + hd) * self.dh
+    }
+}
+
+/// Rows `rows` of (batch, head) `bh` from `x` `(b, t, h dh)`, one after another.
+fn load_rows<S: Store<C>, C: Real + Store<C>>(
+    n: Heads,
+    x: Mem,
+    bh: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<C> {
+    let mut out = Vec::with_capacity(rows.len() * n.dh);
+    for i in rows {
+        let at = n.token_row(bh, i);
+        out.extend(load::<S, C>(x, at..at + n.dh));
+    }
+    out
+}
+
 /// The score bias the fused attention reads per tile.
 #[derive(Clone, Copy, Debug)]
 pub enum FlashBias {
@@ -54,8 +78,9 @@ pub enum FlashBias {
     },
 }
 
-/// One fused attention: the heads `q`, `k`, `v` `(b, h, t, dh)` each, what is added to the
-/// scores, and the outputs.
+/// One fused attention: the heads `q`, `k`, `v` `(b, h, t, dh)` each and what is added to the
+/// scores. Its output, and the output's gradient, are the heads side by side `(b, t, h dh)`:
+/// row `i` of head `hd` at [`Heads::token_row`].
 #[derive(Clone, Copy, Debug)]
 pub struct Flash {
     pub heads: Heads,
@@ -179,7 +204,7 @@ fn dead<C: Real>(m: C) -> bool {
     m < C::lit(crate::spec::MASKED_SCORE / 2.0)
 }
 
-/// The twin of the forward kernel: `out` `(b, h, t, dh)` in the heads' dtype, and the rows'
+/// The twin of the forward kernel: `out` `(b, t, h dh)` in the heads' dtype, and the rows'
 /// statistics `stats` `(2, b, h, t)` in the compute dtype: each row's largest score `m`, then
 /// its sum `l` of `e^(s - m)`.
 pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
@@ -237,7 +262,9 @@ pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
             .zip(&l)
             .flat_map(|(a, l)| a.iter().map(move |a| *a / *l))
             .collect();
-        store::<S, C>(out, (bh * t + rows.start) * dh, &o);
+        for (r, i) in rows.clone().enumerate() {
+            store::<S, C>(out, n.token_row(bh, i), &o[r * dh..(r + 1) * dh]);
+        }
         store::<C, C>(lse, bh * t + rows.start, &m);
         store::<C, C>(lse, n.b * n.h * t + bh * t + rows.start, &l);
     });
@@ -271,11 +298,10 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
         holds_c::<C>(d, bias_len, "the bias's gradient")?;
     }
     // Each row's D = dO·O, and what every tile of a (batch, head) reads.
-    let span = t * dh;
     let prepared = |bh: usize| {
         let block = Block::<C>::of::<S>(f, bh);
-        let o = load::<S, C>(out, bh * span..(bh + 1) * span);
-        let d_o = load::<S, C>(dout, bh * span..(bh + 1) * span);
+        let o = load_rows::<S, C>(n, out, bh, 0..t);
+        let d_o = load_rows::<S, C>(n, dout, bh, 0..t);
         let m = load::<C, C>(lse, bh * t..(bh + 1) * t);
         let l = load::<C, C>(lse, (bh_all + bh) * t..(bh_all + bh + 1) * t);
         let stats: Vec<(C, C)> = m.into_iter().zip(l).collect();
@@ -649,8 +675,24 @@ mod tests {
         }
     }
 
-    /// Runs the twin's fused forward and backward on the values given, stored as `dtype`:
-    /// `[o, dq, dk, dv, dbias]` as f64.
+    /// `x` `(b, h, t, dh)` as the heads side by side `(b, t, h dh)`, or back (`back`).
+    fn side_by_side(n: Heads, x: &[f64], back: bool) -> Vec<f64> {
+        let mut out = vec![0.0; x.len()];
+        for bh in 0..n.b * n.h {
+            for i in 0..n.t {
+                let (by_head, by_token) = ((bh * n.t + i) * n.dh, n.token_row(bh, i));
+                let (from, to) = match back {
+                    false => (by_head, by_token),
+                    true => (by_token, by_head),
+                };
+                out[to..to + n.dh].copy_from_slice(&x[from..from + n.dh]);
+            }
+        }
+        out
+    }
+
+    /// Runs the twin's fused forward and backward on the values given (`dout` by head, as the
+    /// reference's), stored as `dtype`: `[o (by head), dq, dk, dv, dbias]` as f64.
     #[allow(clippy::too_many_arguments)]
     fn run(
         n: Heads,
@@ -665,7 +707,8 @@ mod tests {
         macro_rules! as_type {
             ($t:ty) => {{
                 let cast = |x: &[f64]| x.iter().map(|v| *v as $t).collect::<Vec<$t>>();
-                let (q, k, v, dout, kb) = (cast(q), cast(k), cast(v), cast(dout), cast(key_bias));
+                let dout = side_by_side(n, dout, false);
+                let (q, k, v, dout, kb) = (cast(q), cast(k), cast(v), cast(&dout), cast(key_bias));
                 let table = match bias {
                     Bias::None => Vec::new(),
                     Bias::Offsets(x) | Bias::Sided(x) => cast(x),
@@ -704,7 +747,8 @@ mod tests {
                 Twin.flash_back(&f, mem(&o), mem(&lse), mem(&dout), &grads)
                     .unwrap();
                 let back = |x: &[$t]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
-                [back(&o), back(&dq), back(&dk), back(&dv), back(&dbias)]
+                let o = side_by_side(n, &back(&o), true);
+                [o, back(&dq), back(&dk), back(&dv), back(&dbias)]
             }};
         }
         match dtype {

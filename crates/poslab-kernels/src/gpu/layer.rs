@@ -9,6 +9,7 @@
 //!             [q|k|v] = heads(a Wqkvᵀ + b, RoPE)                 gemm, heads_in
 //!             P = softmax(c q kᵀ + bias + window + key_bias)     gemm (batched), softmax
 //!             c = merge(P v)                                     gemm (batched), transpose12
+//!               (fused: c written side by side from tiles of q, k, v)  flash
 //!             h = x + m1 ⊙ (c Woᵀ + bo);  e = LN2(h)             gemm, residual
 //!             u = act(e Wupᵀ + bup)                              gemm, bias_act
 //!             y = h + m2 ⊙ (u Wdownᵀ + bdown)                    gemm, residual
@@ -16,11 +17,12 @@
 //!             y = LN2(h + m2 ⊙ (u Wdownᵀ + bdown))
 //! ```
 //!
-//! 13 operations forward (6 of them products). The backward walks it in reverse: each
-//! product's two gradients are two products with the operands' transposes folded into their
-//! layouts, bias gradients are column sums (a product with a row of ones), and residual
-//! gradients are summed into the products that produce them (`beta` 1) or by the LayerNorm
-//! backward. Parameter gradients are written straight into their place in the packed gradient.
+//! 13 operations forward (6 of them products); 10 where the attention is fused ([`flash`]).
+//! The backward walks it in reverse: each product's two gradients are two products with the
+//! operands' transposes folded into their layouts, bias gradients are column sums (a product
+//! with a row of ones; both LayerNorms' in one batched product), and residual gradients are
+//! summed into the products that produce them (`beta` 1) or by the LayerNorm backward.
+//! Parameter gradients are written straight into their place in the packed gradient.
 //!
 //! Kept for the backward: the activations (`7 n d + 2 n f` values pre-norm, `8 n d + 2 n f`
 //! post-norm, and two statistics per token per LayerNorm), and the attention weights `b h t²`
@@ -88,6 +90,7 @@ impl Fixed {
             (false, _) | (_, ScoreBias::None) => 0,
             (true, ScoreBias::Table { rows, .. }) => rows * n.h * n.t * n.t,
             (true, ScoreBias::Sided { .. }) => 2 * n.b * n.h * n.t,
+            (true, ScoreBias::Offsets { .. }) => n.h * (2 * n.t - 1),
         }
     }
 
@@ -107,8 +110,8 @@ pub struct Saved {
     heads: Buf,
     /// the attention weights before dropout, when kept
     probs: Option<Buf>,
-    /// fused: the attention's output by head `(b, h, t, dh)` and its rows' statistics
-    flash: Option<(Buf, Buf)>,
+    /// fused: the rows' statistics (the output is `c`)
+    flash: Option<Buf>,
     /// the heads' outputs side by side `(n, d)`
     c: Buf,
     /// pre-norm: `h`; post-norm: `s1`
@@ -144,13 +147,12 @@ fn with_sums(fx: &Fixed, sums: Mem) -> Fixed {
     }
 }
 
-/// `out (n, o) = x (n, i) Wᵀ`, `W` `(o, i)`.
 /// Whether the attention runs fused on `s` ([`flash`]): the stream has the kernel, no dropout
 /// mask is given (it is a `b h t t` tensor), and the bias is one the kernel reads per tile.
 fn fused(s: &dyn Stream, fx: &Fixed) -> bool {
     s.fuses_attention()
         && fx.masks.attention.is_none()
-        && matches!(fx.bias, ScoreBias::None | ScoreBias::Sided { .. })
+        && !matches!(fx.bias, ScoreBias::Table { .. })
 }
 
 /// The fused attention of the heads `(3, b, h, t, dh)` under `fx` (a bias [`fused`] takes).
@@ -166,6 +168,7 @@ fn flash_of(fx: &Fixed, heads: Mem) -> Result<flash::Flash> {
         bias: match fx.bias {
             ScoreBias::None => flash::FlashBias::None,
             ScoreBias::Sided { sums } => flash::FlashBias::Sided { sums },
+            ScoreBias::Offsets { values } => flash::FlashBias::Offsets { values },
             ScoreBias::Table { .. } => {
                 candle::bail!("device path: the fused attention reads no t x t bias table")
             }
@@ -174,6 +177,7 @@ fn flash_of(fx: &Fixed, heads: Mem) -> Result<flash::Flash> {
     })
 }
 
+/// `out (n, o) = x (n, i) Wᵀ`, `W` `(o, i)`.
 fn project(
     s: &dyn Stream,
     x: Mem,
@@ -315,11 +319,12 @@ pub fn forward(
     drop(raw);
 
     // The weights, their dropout, and the heads' outputs side by side: fused (no weights
-    // stored), or the scores, their softmax and a product.
-    let (ctx, probs, flash) = if fused(s, fx) {
-        let (ctx, lse) = (s.alloc(dt, n * d)?, s.alloc(cd, 2 * hs.b * hs.h * hs.t)?);
-        s.flash(&flash_of(fx, heads.mem())?, ctx.mem(), lse.mem())?;
-        (ctx, None, Some(lse))
+    // stored, the output written side by side), or the scores, their softmax, a product and a
+    // transpose.
+    let (c, probs, flash) = if fused(s, fx) {
+        let (c, lse) = (s.alloc(dt, n * d)?, s.alloc(cd, 2 * hs.b * hs.h * hs.t)?);
+        s.flash(&flash_of(fx, heads.mem())?, c.mem(), lse.mem())?;
+        (c, None, keep.then_some(lse))
     } else {
         let dropped = match fx.masks.attention {
             Some(m) => Some((m, s.alloc(dt, hs.scores())?)),
@@ -346,16 +351,10 @@ pub fn forward(
             beta: 0.0,
         })?;
         drop(dropped);
-        (ctx, (keep && fx.keeps_weights(dt)).then_some(probs), None)
-    };
-    let c = s.alloc(dt, n * d)?;
-    s.transpose12(ctx.mem(), [hs.b, hs.h, hs.t, hs.dh], c.mem())?;
-    let flash = match (keep, flash) {
-        (true, Some(lse)) => Some((ctx, lse)),
-        _ => {
-            drop(ctx);
-            None
-        }
+        let c = s.alloc(dt, n * d)?;
+        s.transpose12(ctx.mem(), [hs.b, hs.h, hs.t, hs.dh], c.mem())?;
+        drop(ctx);
+        (c, (keep && fx.keeps_weights(dt)).then_some(probs), None)
     };
 
     // The attention's residual (and the LayerNorm after it).
@@ -462,8 +461,26 @@ pub fn backward(
     s.fill(ones.mem(), 1.0)?;
     let ones = ones.mem();
     // `[g ⊙ x̂, g]` rows of a LayerNorm's backward, summed into its packed `[w; b]` gradient.
-    let ln_rows = s.alloc(dt, 2 * n * d)?;
-    let ln_params = |at: usize| colsum(s, ones, ln_rows.mem(), n, 2 * d, g(at, 2 * d)?);
+    // Both LayerNorms' rows, LN1's then LN2's, summed in one batched product at the end.
+    let ln_rows = s.alloc(dt, 4 * n * d)?;
+    let (ln1_rows, ln2_rows) = (ln_rows.at(0, 2 * n * d)?, ln_rows.at(2 * n * d, 2 * n * d)?);
+    let ln_params = || -> Result<()> {
+        if o.ln2 < o.ln1 + 2 * d {
+            candle::bail!("device path: the packed LayerNorms overlap");
+        }
+        let apart = o.ln2 - o.ln1;
+        s.gemm(&Gemm {
+            m: 1,
+            n: 2 * d,
+            k: n,
+            batch: 2,
+            a: Mat::rows(ones, n).every(0),
+            b: Mat::rows(ln_rows.mem(), 2 * d).every(2 * n * d),
+            c: Mat::rows(g(o.ln1, apart + 2 * d)?, 2 * d).every(apart),
+            alpha: 1.0,
+            beta: 0.0,
+        })
+    };
     let masked = |m: Option<Mem>| -> Result<Option<(Mem, Buf)>> {
         m.map(|m| Ok((m, s.alloc(dt, n * d)?))).transpose()
     };
@@ -563,9 +580,8 @@ pub fn backward(
             add: Some(gy),
             out: gh.mem(),
             mask: go.as_ref().map(|(m, b)| (*m, b.mem())),
-            params: ln_rows.mem(),
+            params: ln2_rows,
         })?;
-        ln_params(o.ln2)?;
         drop(ge);
         let (gqkv, gz) = attention_back(go.as_ref().map_or(gh.mem(), |(_, b)| b.mem()))?;
         drop(go);
@@ -598,9 +614,9 @@ pub fn backward(
             add: Some(gh.mem()),
             out: dx,
             mask: None,
-            params: ln_rows.mem(),
+            params: ln1_rows,
         })?;
-        ln_params(o.ln1)
+        ln_params()
     } else {
         let (s2, stats_out) = match (&sv.s2, &sv.stats_out) {
             (Some(s2), Some(st)) => (s2.mem(), st.mem()),
@@ -619,9 +635,8 @@ pub fn backward(
             add: None,
             out: gs2.mem(),
             mask: gz.as_ref().map(|(m, b)| (*m, b.mem())),
-            params: ln_rows.mem(),
+            params: ln2_rows,
         })?;
-        ln_params(o.ln2)?;
         let gu = ffn_back(gz.as_ref().map_or(gs2.mem(), |(_, b)| b.mem()))?;
         drop(gz);
         // g_h = gs2 + gu Wup, summed into gs2
@@ -647,9 +662,8 @@ pub fn backward(
             add: None,
             out: dx,
             mask: go.as_ref().map(|(m, b)| (*m, b.mem())),
-            params: ln_rows.mem(),
+            params: ln1_rows,
         })?;
-        ln_params(o.ln1)?;
         drop(gs2);
         let (gqkv, gz) = attention_back(go.as_ref().map_or(dx, |(_, b)| b.mem()))?;
         drop(go);
@@ -664,7 +678,8 @@ pub fn backward(
             g(o.wqkv, 3 * d * d)?,
             Some((dx, true)),
         )?;
-        gates_back(&gz, x, dx)
+        gates_back(&gz, x, dx)?;
+        ln_params()
     }
 }
 
@@ -688,30 +703,32 @@ fn core_back(
         heads.at(one, one)?,
         heads.at(2 * one, one)?,
     );
-    let gctx = s.alloc(dt, n * d)?;
-    s.transpose12(gc.mem(), [hs.b, hs.t, hs.h, hs.dh], gctx.mem())?;
-    drop(gc);
-    if let Some((out, lse)) = &sv.flash {
+    if let Some(lse) = &sv.flash {
         // Fused: the weights recomputed tile by tile from the rows' statistics.
         let gheads = s.alloc(dt, 3 * one)?;
-        let sided = matches!(fx.bias, ScoreBias::Sided { .. });
-        let dsums = match (dbias, sided) {
-            (Some(_), true) => Some(s.alloc(compute_dtype(dt), 2 * bh * hs.t)?),
+        // The bias's gradient in the compute dtype: into `dbias` itself where that is the
+        // layer's, else converted there.
+        let len = match fx.bias {
+            ScoreBias::Sided { .. } => 2 * bh * hs.t,
+            _ => hs.h * (2 * hs.t - 1),
+        };
+        let dsums = match dbias {
+            Some(_) if compute_dtype(dt) != dt => Some(s.alloc(compute_dtype(dt), len)?),
             _ => None,
         };
         s.flash_back(
             &flash_of(fx, heads)?,
-            out.mem(),
+            sv.c.mem(),
             lse.mem(),
-            gctx.mem(),
+            gc.mem(),
             &flash::FlashGrads {
                 dq: gheads.at(0, one)?,
                 dk: gheads.at(one, one)?,
                 dv: gheads.at(2 * one, one)?,
-                dbias: dsums.as_ref().map(Buf::mem),
+                dbias: dsums.as_ref().map(Buf::mem).or(dbias),
             },
         )?;
-        drop(gctx);
+        drop(gc);
         if let (Some(dsums), Some(dbias)) = (dsums, dbias) {
             s.convert(dsums.mem(), dbias)?;
         }
@@ -719,6 +736,9 @@ fn core_back(
         s.heads_back(gheads.mem(), fx.rope.as_ref(), hs, gqkv.mem())?;
         return Ok(gqkv);
     }
+    let gctx = s.alloc(dt, n * d)?;
+    s.transpose12(gc.mem(), [hs.b, hs.t, hs.h, hs.dh], gctx.mem())?;
+    drop(gc);
     let recomputed = match &sv.probs {
         Some(_) => None,
         None => Some(weights(s, fx, heads, None)?),
@@ -786,6 +806,9 @@ fn core_back(
             }
             ScoreBias::Table { .. } => s.convert(ds.mem(), dbias)?,
             ScoreBias::Sided { .. } => s.sided_back(ds.mem(), hs, dbias)?,
+            ScoreBias::Offsets { .. } => {
+                candle::bail!("device path: a bias by offset is owed its gradient by the fused attention alone")
+            }
         }
     }
     // dq = c dS k, dk = c dSᵀ q

@@ -282,6 +282,11 @@ pub enum ScoreBias {
     Sided {
         sums: Mem,
     },
+    /// `(h, 2t - 1)` in the compute dtype, by offset `j - i + t - 1` (the core's
+    /// `LayerBias::Offsets`): read by the fused attention alone ([`Stream::fuses_attention`]).
+    Offsets {
+        values: Mem,
+    },
 }
 
 /// The shapes of an attention: batch, tokens, heads, head width.
@@ -473,8 +478,8 @@ pub trait Stream {
     fn fuses_attention(&self) -> bool {
         false
     }
-    /// The fused attention's forward ([`flash::Flash`]): its output `(b, h, t, dh)` into `out`
-    /// and the rows' statistics `(2, b, h, t)` (compute dtype) into `lse`, without the scores.
+    /// The fused attention's forward ([`flash::Flash`]): its output into `out`, the heads side
+    /// by side `(b, t, h dh)` (the layer's `c`, with no transpose), and the rows' statistics `(2, b, h, t)` (compute dtype) into `lse`, without the scores.
     fn flash(&self, f: &flash::Flash, out: Mem, lse: Mem) -> Result<()> {
         let _ = (f, out, lse);
         candle::bail!("device path: this stream has no fused attention")

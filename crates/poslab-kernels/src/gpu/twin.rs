@@ -866,6 +866,9 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
             }
         }
         ScoreBias::Sided { sums } => holds_c::<C>(sums, 2 * n.b * n.h * t, "the running sums")?,
+        ScoreBias::Offsets { .. } => candle::bail!(
+            "device path: a bias by offset is read by the fused attention alone; give the softmax its table (LayerBias::without_offsets)"
+        ),
     }
     if let Some((m, pm)) = s.dropout {
         holds::<S, C>(m, n.scores(), "the attention dropout mask")?;
@@ -895,6 +898,7 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
                     *x += if j <= i { f[i] - f[j] } else { g[j] - g[i] };
                 }
             }
+            ScoreBias::Offsets { .. } => unreachable!("refused above"),
         }
         if s.window.masks_any(t) {
             for (j, x) in v.iter_mut().enumerate() {
