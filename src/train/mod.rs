@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::model::{count_correct_by_row, token_nll, TaskModel};
 use crate::params::ParamStore;
 use crate::rng::{self, derive_seed};
-use optim::{grad_norm, AdamW, AdamWConfig};
+use optim::{grad_norm_with, AdamW, AdamWConfig};
 
 /// How long to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -731,10 +731,16 @@ impl<'a> Trainer<'a> {
             .into_iter()
             .map(|(_, g)| g)
             .collect();
-        let norm = grad_norm(&gradients, self.model.encoder().backend())? / loss_scale;
-        // Read after the gradient norm, which waits for the backward: on a GPU the step's one
-        // wait, where reading it first would hold the backward's launches until the forward ran.
-        let loss_value = scalar(&loss)?;
+        // The norm and the loss in one read, which waits for the backward: on a GPU the step's
+        // one wait (reading the loss first would hold the backward's launches until the
+        // forward ran).
+        let (norm, loss_value) =
+            grad_norm_with(&gradients, Some(&loss), self.model.encoder().backend())?;
+        let norm = norm / loss_scale;
+        let loss_value = match loss_value {
+            Some(v) => v,
+            None => scalar(&loss)?,
+        };
         if !loss_value.is_finite() {
             return Err(Error::Training(format!(
                 "the loss became {loss_value} at step {step} (learning rate {lr:.3e}): lower lr, \

@@ -506,20 +506,45 @@ pub fn global_grad_norm(
 /// (`device_sum_squares`) instead of four launches a gradient; their sum is then taken in the
 /// same order.
 pub fn grad_norm(gradients: &[Tensor], backend: crate::nn::Backend) -> Result<f64> {
-    if let Some(sums) = device_sum_squares(gradients, backend)? {
-        return Ok(sums.iter().sum::<f64>().sqrt());
+    Ok(grad_norm_with(gradients, None, backend)?.0)
+}
+
+/// [`grad_norm`], and the value of the one-value tensor `with` (the loss, as f64) read in the
+/// same copy: a training step's one read from a GPU.
+pub fn grad_norm_with(
+    gradients: &[Tensor],
+    with: Option<&Tensor>,
+    backend: crate::nn::Backend,
+) -> Result<(f64, Option<f64>)> {
+    if let Some(with) = with {
+        if with.elem_count() != 1 {
+            return Err(Error::Input(format!(
+                "a value read with the gradient norm must be one value, not {:?}",
+                with.dims()
+            )));
+        }
+    }
+    if let Some((sums, value)) = device_sum_squares(gradients, with, backend)? {
+        return Ok((sums.iter().sum::<f64>().sqrt(), value));
     }
     let squares = gradients
         .iter()
         .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
         .collect::<candle::Result<Vec<_>>>()?;
-    if squares.is_empty() {
-        return Ok(0.0);
-    }
-    Ok(Tensor::stack(&squares, 0)?
-        .sum_all()?
-        .to_scalar::<f64>()?
-        .sqrt())
+    let total = match squares.is_empty() {
+        true => Tensor::zeros(
+            1,
+            DType::F64,
+            with.map_or(&candle::Device::Cpu, |w| w.device()),
+        )?,
+        false => Tensor::stack(&squares, 0)?.sum_all()?.reshape(1)?,
+    };
+    let read = match with {
+        Some(w) => Tensor::cat(&[total, w.to_dtype(DType::F64)?.reshape(1)?], 0)?,
+        None => total,
+    };
+    let values = read.to_vec1::<f64>()?;
+    Ok((values[0].sqrt(), values.get(1).copied()))
 }
 
 /// Each gradient's sum of squares in f64 through the device path's one launch, where the
@@ -527,8 +552,9 @@ pub fn grad_norm(gradients: &[Tensor], backend: crate::nn::Backend) -> Result<f6
 /// `None` elsewhere.
 fn device_sum_squares(
     gradients: &[Tensor],
+    with: Option<&Tensor>,
     backend: crate::nn::Backend,
-) -> Result<Option<Vec<f64>>> {
+) -> Result<Option<(Vec<f64>, Option<f64>)>> {
     use crate::kernels::gpu as device;
     let Some(first) = gradients.first() else {
         return Ok(None);
@@ -539,7 +565,8 @@ fn device_sum_squares(
             && g.device().same_device(first.device())
             && g.is_contiguous()
     });
-    if !on_path {
+    let with_on_path = with.is_none_or(|w| w.device().same_device(first.device()));
+    if !on_path || !with_on_path {
         return Ok(None);
     }
     let held: Vec<device::Held<'_>> = gradients.iter().map(device::Held::of).collect();
@@ -547,8 +574,12 @@ fn device_sum_squares(
         .iter()
         .map(|h| h.mem())
         .collect::<candle::Result<Vec<_>>>()?;
+    let with = with.map(Tensor::contiguous).transpose()?;
+    let with_held = with.as_ref().map(device::Held::of);
+    let with_mem = with_held.as_ref().map(device::Held::mem).transpose()?;
     let stream = device::stream_for(first.device())?;
-    Ok(Some(stream.sum_squares(&mems)?))
+    let read = stream.sum_squares(&mems, with_mem)?;
+    Ok(Some((read.sums, read.with)))
 }
 
 #[cfg(test)]
@@ -899,6 +930,24 @@ mod tests {
                 (device - composed).abs() <= tol * expected,
                 "{dtype:?}: {device} vs {composed}"
             );
+            // The loss read in the same copy: one conversion more, no other read; the same
+            // norm, and the loss's value exactly, on both paths.
+            let loss = Tensor::new(2.75f32 / 3.0, &Device::Cpu).unwrap();
+            let want_loss = f64::from(2.75f32 / 3.0);
+            for (backend, norm) in [(crate::nn::Backend::default(), composed), (twin, device)] {
+                let before = crate::kernels::gpu::counts();
+                let (got, value) = grad_norm_with(&parts, Some(&loss), backend).unwrap();
+                let counts = crate::kernels::gpu::counts() - before;
+                assert_eq!((got, value), (norm, Some(want_loss)), "{dtype:?}");
+                let on_twin = backend.device_optimizer(&parts[0]);
+                let copies = if on_twin { 3 } else { 0 };
+                assert_eq!(
+                    counts.copies, copies,
+                    "{dtype:?}: the loss's one conversion"
+                );
+            }
+            let scalar = Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+            assert!(grad_norm_with(&parts, Some(&scalar), twin).is_err());
         }
     }
 

@@ -710,11 +710,13 @@ impl Stream for CudaStream {
         Ok(())
     }
 
-    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
-        let Some(first) = parts.first() else {
-            return Ok(Vec::new());
-        };
-        let dtype = first.dtype;
+    fn sum_squares(&self, parts: &[Mem], with: Option<Mem>) -> Result<Squares> {
+        if let Some(w) = with {
+            if w.len != 1 {
+                candle::bail!("device path: {} values read with the squares, not 1", w.len)
+            }
+        }
+        let dtype = parts.first().map_or(DType::F32, |p| p.dtype);
         // The table of variables (address, length), then of blocks (variable, first value).
         let mut table: Vec<u64> = Vec::with_capacity(2 * parts.len());
         for p in parts {
@@ -722,19 +724,45 @@ impl Stream for CudaStream {
             table.extend([p.addr, p.len as u64]);
         }
         let mut sums = vec![0.0f64; parts.len()];
-        if parts.iter().all(|p| p.len == 0) {
-            return Ok(sums);
+        let summed = parts.iter().any(|p| p.len != 0);
+        let blocks: usize = parts.iter().map(|p| p.len.div_ceil(ADAMW_CHUNK)).sum();
+        let slots = if summed { blocks } else { 0 } + usize::from(with.is_some());
+        if slots == 0 {
+            return Ok(Squares { sums, with: None });
         }
-        let (_on_device, parts_addr, chunks_addr, blocks) =
-            self.upload_table(table, parts.iter().map(|p| p.len))?;
-        // SAFETY: every value is written by the kernel (one per block) before it is read back.
-        let partial = unsafe { self.dev.alloc::<f64>(blocks)? };
+        // SAFETY: every value is written (one per block by the kernel, the last by the
+        // conversion of `with`) before it is read back.
+        let partial = unsafe { self.dev.alloc::<f64>(slots)? };
         let out = partial.device_ptr(&self.dev.cuda_stream()).0;
-        count(Kind::Kernel);
-        let args = [Arg::Ptr(parts_addr), Arg::Ptr(chunks_addr), Arg::Ptr(out)];
-        self.launch("sum_squares", dtype, rows_of(blocks)?, &args)?;
+        let _on_device = match summed {
+            true => {
+                let (on_device, parts_addr, chunks_addr, uploaded) =
+                    self.upload_table(table, parts.iter().map(|p| p.len))?;
+                if uploaded != blocks {
+                    candle::bail!("device path: {uploaded} blocks of squares, not {blocks}")
+                }
+                count(Kind::Kernel);
+                let args = [Arg::Ptr(parts_addr), Arg::Ptr(chunks_addr), Arg::Ptr(out)];
+                self.launch("sum_squares", dtype, rows_of(blocks)?, &args)?;
+                Some(on_device)
+            }
+            false => None,
+        };
+        if let Some(w) = with {
+            let at = if summed { blocks } else { 0 };
+            let slot = Mem {
+                addr: out + 8 * at as u64,
+                len: 1,
+                dtype: DType::F64,
+            };
+            self.convert(w, slot)?;
+        }
         count(Kind::Copy);
-        let chunk_sums = self.dev.clone_dtoh(&partial)?;
+        let mut chunk_sums = self.dev.clone_dtoh(&partial)?;
+        let with = match with {
+            Some(_) => chunk_sums.pop(),
+            None => None,
+        };
         // Each block's sum to its variable, in order: the blocks run variable after variable.
         let owners = parts
             .iter()
@@ -743,7 +771,7 @@ impl Stream for CudaStream {
         for (i, v) in owners.zip(chunk_sums) {
             sums[i] += v;
         }
-        Ok(sums)
+        Ok(Squares { sums, with })
     }
 
     fn embedding_back(&self, ids: Mem, g: Mem, out: Mem, vocab: usize, d: usize) -> Result<()> {

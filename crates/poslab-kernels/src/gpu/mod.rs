@@ -268,6 +268,15 @@ pub struct Rope {
     pub interleaved: bool,
 }
 
+/// What [`Stream::sum_squares`] reads back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Squares {
+    /// Each part's sum of squares.
+    pub sums: Vec<f64>,
+    /// The value read with them, as f64.
+    pub with: Option<f64>,
+}
+
 /// The score bias a softmax adds.
 #[derive(Clone, Copy, Debug)]
 pub enum ScoreBias {
@@ -519,11 +528,12 @@ pub trait Stream {
     /// `w = w k - lr (m / bias1) / (sqrt(v / bias2) + eps)`, `k` the part's decay factor.
     fn adamw(&self, parts: &[AdamWPart], step: &AdamWStep) -> Result<()>;
     /// The sum of the squares of each of `parts` (of one dtype, f32 or f64), in f64, read back
-    /// to the host: one copy of the parts' addresses to the device, one launch, and one copy
-    /// back (which waits for the work queued before it). Each part is summed by chunks of
-    /// [`ADAMW_CHUNK`] values, each chunk in a fixed order on the device, and the chunks in
-    /// order on the host.
-    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>>;
+    /// to the host with the value `with` holds (one value of any dtype: the loss), in the same
+    /// copy: one copy of the parts' addresses to the device, one launch (and one conversion of
+    /// `with`), and one copy back, which waits for the work queued before it: a training step's
+    /// one read. Each part is summed by chunks of [`ADAMW_CHUNK`] values, each chunk in a fixed
+    /// order on the device, and the chunks in order on the host.
+    fn sum_squares(&self, parts: &[Mem], with: Option<Mem>) -> Result<Squares>;
     /// The mean over each sequence's real tokens: `x` `(b, t, d)` and the mask `(b, t)` (u32, 1
     /// for a real token) to `out` `(b, d)`, each value summed over the tokens in order and
     /// divided by the sequence's count; with `back`, the gradient instead: `x` `(b, d)` to `out`

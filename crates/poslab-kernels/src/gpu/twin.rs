@@ -485,11 +485,30 @@ impl Stream for Twin {
         Ok(())
     }
 
-    fn sum_squares(&self, parts: &[Mem]) -> Result<Vec<f64>> {
+    fn sum_squares(&self, parts: &[Mem], with: Option<Mem>) -> Result<Squares> {
         count(Kind::Copy);
         count(Kind::Kernel);
+        let with = match with {
+            Some(w) => {
+                if w.len != 1 {
+                    candle::bail!("device path: {} values read with the squares, not 1", w.len)
+                }
+                let mut v = [0.0f64];
+                let slot = Mem {
+                    addr: v.as_mut_ptr() as u64,
+                    len: 1,
+                    dtype: DType::F64,
+                };
+                self.convert(w, slot)?;
+                Some(v[0])
+            }
+            None => None,
+        };
         count(Kind::Copy);
-        sum_squares_twin(parts)
+        Ok(Squares {
+            sums: sum_squares_twin(parts)?,
+            with,
+        })
     }
 
     fn adamw(&self, parts: &[AdamWPart], step: &AdamWStep) -> Result<()> {
