@@ -575,17 +575,28 @@ mod tests {
     }
 
     /// The fused attention's forward and every gradient match the dense reference, in f64 to
-    /// 1e-12 and in f32 to 1e-5 (relative to each output's largest value), with padded keys,
-    /// every kind of window (padded queries whose window holds only padding among them), and
-    /// each bias it takes; over tiles that do not divide the length.
+    /// 1e-12, in f32 to 1e-5, in bf16 to 1e-2 and in f16 to 1e-3 (relative to each output's
+    /// largest value; the half types against the reference of their rounded inputs), with padded
+    /// keys, every kind of window (padded queries whose window holds only padding among them),
+    /// and each bias it takes; over tiles that do not divide the length, at head widths 8, 64
+    /// and 128.
     #[test]
     fn the_fused_attention_matches_the_dense_reference_forward_and_backward() {
-        let n = Heads {
-            b: 2,
-            h: 3,
-            t: 150,
-            dh: 8,
-        };
+        let mut worst = std::collections::BTreeMap::new();
+        for dh in [8, 64, 128] {
+            let n = Heads {
+                b: 2,
+                h: 3,
+                t: 150,
+                dh,
+            };
+            matches_the_reference(n, &mut worst);
+        }
+        eprintln!("fused attention against the dense reference, worst relative error: {worst:?}");
+    }
+
+    /// Records the worst error of each dtype (and whether every row was held) in `worst`.
+    fn matches_the_reference(n: Heads, worst: &mut std::collections::BTreeMap<String, f64>) {
         let size = n.one();
         let (q, k, v, dout) = (
             values(size, 1),
@@ -619,8 +630,8 @@ mod tests {
         for window in windows {
             // In f32 the scores of a padded query whose window holds only padding all round to
             // the masked score (its unit there is 64), so its weights are those of the rounding,
-            // not of the scores: f32 is held to the rows with a real key, whose gradient alone
-            // reaches a loss.
+            // not of the scores: f32 and the half types are held to the rows with a real key,
+            // whose gradient alone reaches a loss.
             let dead = |row: usize| {
                 let (bi, i) = (row / n.t / n.h, row % n.t);
                 (0..n.t).all(|j| window.hides(i, j) || key_bias[bi * n.t + j] != 0.0)
@@ -642,9 +653,15 @@ mod tests {
                     (DType::F64, false, 1e-12),
                     (DType::F64, true, 1e-6),
                     (DType::F32, false, 1e-5),
+                    (DType::BF16, false, 1e-2),
+                    (DType::F16, false, 1e-3),
                 ];
                 for (dtype, all, tolerance) in kinds {
                     let dout = if all { dout.clone() } else { live_dout.clone() };
+                    // The values as the kernel reads them: the heads in `dtype`, the rest in f32.
+                    let round =
+                        |x: &[f64]| -> Vec<f64> { x.iter().map(|v| rounded(*v, dtype)).collect() };
+                    let (q, k, v, dout) = (round(&q), round(&k), round(&v), round(&dout));
                     let mut want =
                         reference(n, (&q, &k, &v), scale, &key_bias, bias, window, &dout);
                     let mut got = run(
@@ -664,14 +681,29 @@ mod tests {
                     let wanted = [&want.0, &want.1, &want.2, &want.3, &want.4];
                     for ((name, got), want) in names.iter().zip(&got).zip(wanted) {
                         let e = error(got, want);
+                        let slot = worst
+                            .entry(format!("{dtype:?} all rows {all}"))
+                            .or_default();
+                        *slot = f64::max(*slot, e);
                         assert!(
                             e <= tolerance,
-                            "{name} off by {e:.2e} ({dtype:?}, all rows {all}, {window:?}, bias {})",
+                            "{name} off by {e:.2e} ({dtype:?}, dh {}, all rows {all}, \
+                             {window:?}, bias {})",
+                            n.dh,
                             bias.len(n)
                         );
                     }
                 }
             }
+        }
+    }
+
+    /// `v` as stored in `dtype` (f64 and f32 exactly; the half types rounded), back in f64.
+    fn rounded(v: f64, dtype: DType) -> f64 {
+        match dtype {
+            DType::BF16 => half::bf16::from_f64(v).to_f64(),
+            DType::F16 => half::f16::from_f64(v).to_f64(),
+            _ => v,
         }
     }
 
@@ -692,7 +724,8 @@ mod tests {
     }
 
     /// Runs the twin's fused forward and backward on the values given (`dout` by head, as the
-    /// reference's), stored as `dtype`: `[o (by head), dq, dk, dv, dbias]` as f64.
+    /// reference's), the heads stored as `dtype` and the rest in its compute dtype:
+    /// `[o (by head), dq, dk, dv, dbias]` as f64.
     #[allow(clippy::too_many_arguments)]
     fn run(
         n: Heads,
@@ -704,14 +737,16 @@ mod tests {
         dout: &[f64],
         dtype: DType,
     ) -> [Vec<f64>; 5] {
-        macro_rules! as_type {
-            ($t:ty) => {{
-                let cast = |x: &[f64]| x.iter().map(|v| *v as $t).collect::<Vec<$t>>();
+        macro_rules! as_types {
+            ($s:ty, $c:ty, $to_s:expr, $from_s:expr) => {{
+                let heads = |x: &[f64]| x.iter().map(|v| $to_s(*v)).collect::<Vec<$s>>();
+                let fixed = |x: &[f64]| x.iter().map(|v| *v as $c).collect::<Vec<$c>>();
                 let dout = side_by_side(n, dout, false);
-                let (q, k, v, dout, kb) = (cast(q), cast(k), cast(v), cast(&dout), cast(key_bias));
+                let (q, k, v, dout) = (heads(q), heads(k), heads(v), heads(&dout));
+                let kb = fixed(key_bias);
                 let table = match bias {
                     Bias::None => Vec::new(),
-                    Bias::Offsets(x) | Bias::Sided(x) => cast(x),
+                    Bias::Offsets(x) | Bias::Sided(x) => fixed(x),
                 };
                 let f = Flash {
                     heads: n,
@@ -730,14 +765,15 @@ mod tests {
                     window,
                 };
                 let size = n.one();
-                let (o, lse) = (vec![0 as $t; size], vec![0 as $t; 2 * n.b * n.h * n.t]);
+                let o = heads(&vec![0.0; size]);
+                let lse = vec![0 as $c; 2 * n.b * n.h * n.t];
                 Twin.flash(&f, mem(&o), mem(&lse)).unwrap();
                 let (dq, dk, dv) = (
-                    vec![0 as $t; size],
-                    vec![0 as $t; size],
-                    vec![0 as $t; size],
+                    heads(&vec![0.0; size]),
+                    heads(&vec![0.0; size]),
+                    heads(&vec![0.0; size]),
                 );
-                let dbias = vec![0 as $t; bias.len(n)];
+                let dbias = vec![0 as $c; bias.len(n)];
                 let grads = FlashGrads {
                     dq: mem(&dq),
                     dk: mem(&dk),
@@ -746,14 +782,17 @@ mod tests {
                 };
                 Twin.flash_back(&f, mem(&o), mem(&lse), mem(&dout), &grads)
                     .unwrap();
-                let back = |x: &[$t]| x.iter().map(|v| *v as f64).collect::<Vec<f64>>();
+                let back = |x: &[$s]| x.iter().map(|v| $from_s(*v)).collect::<Vec<f64>>();
                 let o = side_by_side(n, &back(&o), true);
-                [o, back(&dq), back(&dk), back(&dv), back(&dbias)]
+                let dbias = dbias.iter().map(|v| *v as f64).collect();
+                [o, back(&dq), back(&dk), back(&dv), dbias]
             }};
         }
         match dtype {
-            DType::F64 => as_type!(f64),
-            _ => as_type!(f32),
+            DType::F64 => as_types!(f64, f64, |v: f64| v, |v: f64| v),
+            DType::F32 => as_types!(f32, f32, |v: f64| v as f32, |v: f32| v as f64),
+            DType::BF16 => as_types!(half::bf16, f32, half::bf16::from_f64, half::bf16::to_f64),
+            _ => as_types!(half::f16, f32, half::f16::from_f64, half::f16::to_f64),
         }
     }
 
