@@ -341,6 +341,37 @@ fn biases_of_the_offset_reach_the_fused_device_attention_with_their_gradients() 
     }
 }
 
+/// No `t × t` tensor on the device path where the attention is fused: a training step of a
+/// 2,048-token sequence on the twin, for a scheme of each kind the fused attention takes (none,
+/// a rotation, biases by offset, FoX's running sums), allocates at its peak less than half of
+/// one layer's scores (`b h t²` f32 values, 32 MiB here), where the softmax path holds several
+/// of them at once.
+#[test]
+fn fused_device_layers_make_no_t_by_t_tensor() {
+    use poslab::nn::device_path;
+    let (b, t) = (1, 2048);
+    for positional in [
+        PositionalConfig::SinusoidalAdd(Default::default()),
+        PositionalConfig::Rope(Default::default()),
+        PositionalConfig::Alibi(Default::default()),
+        PositionalConfig::T5(Default::default()),
+        PositionalConfig::Fox(Default::default()),
+    ] {
+        let mut config = tiny_config(positional.clone(), NormPlacement::Pre);
+        config.max_len = t;
+        let scores = b * config.n_heads * t * t * 4;
+        device_path::reset_peak_bytes();
+        let before = device_path::live_bytes();
+        run_encoder_on(&config, DType::F32, twin(Kernels::Layer), true, (b, t));
+        let peak = device_path::peak_bytes() - before;
+        assert!(
+            peak < scores / 2,
+            "{}: the device path's peak {peak} bytes, one layer's scores {scores}",
+            positional.name()
+        );
+    }
+}
+
 /// ReLU in the feed-forward block (the DeepMind length-generalization models): the fused layer
 /// and the fused ops match the composition, forward and backward, for a scheme of each place,
 /// both norm placements, with and without dropout.
