@@ -133,18 +133,35 @@ impl BiasModule for KerpleLayers {
         if batch.positions.as_range().is_none() {
             return Ok(None);
         }
-        // The same elementwise ops as the table's, on each offset's distance.
-        let distances = offset_distances(t, batch.dtype, batch.device)?; // (1, 1, 1, 2t - 1)
-        let by_offset = |k: &Kerple| -> Result<Tensor> {
-            let h = k.r1.dim(0)?;
-            Ok(k.bias(&distances)?.reshape((1, h, 2 * t - 1))?)
+        let layers: Vec<&Kerple> = self.0.iter().flatten().collect();
+        if layers.is_empty() {
+            return Ok(Some(LayerBiases::PerLayer(vec![None; self.0.len()])));
+        }
+        // Every layer's at once, with the table's elementwise ops in its order on each offset's
+        // distance: `r1` and `r2` stacked `(L, h, 1)`, one chain over `(L, h, 2t - 1)`, so that a
+        // GPU launches each op once for the model rather than once a layer.
+        let stack = |pick: fn(&Kerple) -> &Tensor| -> Result<Tensor> {
+            let parts: Vec<&Tensor> = layers.iter().map(|k| pick(k)).collect();
+            Ok(Tensor::stack(&parts, 0)?.unsqueeze(2)?)
         };
-        Ok(Some(LayerBiases::PerLayer(
-            self.0
-                .iter()
-                .map(|k| k.as_ref().map(by_offset).transpose())
-                .collect::<Result<_>>()?,
-        )))
+        let (r1, r2) = (stack(|k| &k.r1)?, stack(|k| &k.r2)?);
+        let distances =
+            offset_distances(t, batch.dtype, batch.device)?.reshape((1, 1, 2 * t - 1))?;
+        let log = (distances.broadcast_mul(&r2)? + 1.0)?.log()?;
+        let values = log.broadcast_mul(&r1)?.neg()?; // (L, h, 2t - 1)
+        let mut next = 0;
+        let per_layer = self
+            .0
+            .iter()
+            .map(|k| match k {
+                Some(_) => {
+                    next += 1;
+                    Ok(Some(values.narrow(0, next - 1, 1)?))
+                }
+                None => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(LayerBiases::PerLayer(per_layer)))
     }
 
     fn per_layer(&self) -> bool {
