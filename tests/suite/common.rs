@@ -284,21 +284,22 @@ impl EncoderFixture {
     }
 }
 
-/// Largest absolute difference, over all elements, as f64.
+/// Largest absolute difference, over all elements, as f64; infinite where any difference is
+/// not finite (a NaN would pass a maximum).
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
     let a = a.to_dtype(DType::F64).unwrap();
     let b = b.to_dtype(DType::F64).unwrap();
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
+    largest((a - b).unwrap().abs().unwrap())
+}
+
+/// The largest value of `diff`, infinite where any is not finite.
+fn largest(diff: Tensor) -> f64 {
+    let values = diff.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    match values.iter().all(|v| v.is_finite()) {
+        true => values.into_iter().fold(0.0, f64::max),
+        false => f64::INFINITY,
+    }
 }
 
 /// Largest absolute difference at real (unpadded) positions of `(b, t, d)` tensors.
@@ -307,15 +308,10 @@ pub fn max_abs_diff_real(a: &Tensor, b: &Tensor, mask: &Tensor) -> f64 {
     let diff = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
         .unwrap()
         .abs()
-        .unwrap()
-        .broadcast_mul(&mask)
         .unwrap();
-    diff.flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
+    // Padded positions are chosen out, not multiplied away (0 x NaN is NaN).
+    let real = mask.broadcast_as(diff.shape()).unwrap().ne(0.0).unwrap();
+    largest(real.where_cond(&diff, &diff.zeros_like().unwrap()).unwrap())
 }
 
 /// A tiny config of each of the five schemes (and both norms), for property and gradient tests.
