@@ -7,6 +7,7 @@
 //! to its scaled scores. Nothing is learned; the slopes are a geometric sequence per head.
 //! `adaptive = { width = … }` adds DAPE's MLP over the logits and this bias (`adaptive.rs`).
 
+use super::score_bias::offset_lengths;
 use super::{Bench, Describe, Named, Portray, ScoreMemory};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -170,7 +171,7 @@ impl Alibi {
         let w = 2 * t - 1;
         let mut out = Vec::with_capacity(self.slopes.len() * w);
         for &slope in &self.slopes {
-            out.extend((0..w).map(|o| -slope * (o as f64 - (t as f64 - 1.0)).abs()));
+            out.extend(offset_lengths(t).map(|d| -slope * d));
         }
         Ok(
             Tensor::from_vec(out, (1, self.slopes.len(), w), &Device::Cpu)?

@@ -268,14 +268,14 @@ impl Fire {
     /// The input depends on the offset `p_j - p_i` and the sequence's span only, so the MLP runs
     /// once per distinct (span, offset), at most `2t - 1` per distinct span, not per pair. When
     /// the positions are shared (`r = 1`) and every sequence has the same span (no padding), the
-    /// bias is one `(1, h, t, t)` block for the whole batch.
-    fn distinct_inputs(&self, batch: &BiasBatch) -> Result<DistinctInputs> {
+    /// bias is one `(1, h, t, t)` block for the whole batch. `spans` are the batch's
+    /// ([`spans`]).
+    fn distinct_inputs(&self, batch: &BiasBatch, spans: &[u32]) -> Result<DistinctInputs> {
         let (r, t) = (batch.positions.rows(), batch.positions.len());
-        let spans = spans(batch)?;
         if self.causal {
             return self.distinct_causal_inputs(batch, r);
         }
-        let rows = if one_block(batch, &spans) {
+        let rows = if one_block(batch, spans) {
             1
         } else {
             spans.len()
@@ -376,7 +376,7 @@ impl Fire {
     ///   same span, else the mask's rows (`b`) or, without a mask, the positions' (`r`); values
     ///   in `[-1, 1]`, differentiable in `c` and `l_multiplier`
     pub fn inputs(&self, batch: &BiasBatch) -> Result<Tensor> {
-        let d = self.distinct_inputs(batch)?;
+        let d = self.distinct_inputs(batch, &spans(batch)?)?;
         let index = Tensor::from_vec(d.index, d.rows * d.t * d.t, batch.device)?;
         Ok(d.x.index_select(&index, 0)?.reshape((d.rows, d.t, d.t))?)
     }
@@ -385,7 +385,7 @@ impl Fire {
     /// - returns `(n, h, t, t)` (`n` as in [`Fire::inputs`]); differentiable in every FIRE
     ///   variable
     pub fn bias(&self, batch: &BiasBatch) -> Result<Tensor> {
-        match self.bias_or_offsets(batch, false)? {
+        match self.bias_or_offsets(batch, &spans(batch)?, false)? {
             Ok(table) => Ok(table),
             Err(v) => offset_bias(&v),
         }
@@ -398,9 +398,10 @@ impl Fire {
     fn bias_or_offsets(
         &self,
         batch: &BiasBatch,
+        spans: &[u32],
         by_offset: bool,
     ) -> Result<std::result::Result<Tensor, Tensor>> {
-        let DistinctInputs { x, index, rows, t } = self.distinct_inputs(batch)?;
+        let DistinctInputs { x, index, rows, t } = self.distinct_inputs(batch, spans)?;
         let u = x.dim(0)?;
         let hidden = self.mlp1.forward(&x.reshape((u, 1))?, batch.backend)?; // (u, width)
         let out = self.mlp2.forward(&hidden.relu()?, batch.backend)?; // (u, h)
@@ -499,11 +500,14 @@ impl BiasModule for Fire {
     }
 
     fn offset_biases(&self, batch: &BiasBatch) -> Result<Option<LayerBiases>> {
-        let shared = batch.positions.as_range().is_some();
-        if !shared || self.causal || !one_block(batch, &spans(batch)?) {
+        if batch.positions.as_range().is_none() || self.causal {
             return Ok(None);
         }
-        Ok(match self.bias_or_offsets(batch, true)? {
+        let spans = spans(batch)?;
+        if !one_block(batch, &spans) {
+            return Ok(None);
+        }
+        Ok(match self.bias_or_offsets(batch, &spans, true)? {
             Err(v) => Some(LayerBiases::Shared(v)),
             Ok(_) => None,
         })

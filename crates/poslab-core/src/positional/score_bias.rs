@@ -170,14 +170,15 @@ impl std::ops::DerefMut for ScoreBias {
     }
 }
 
-/// `(1, 1, 1, 2t - 1)` of `|o|` for the offsets `o = -(t - 1)..=t - 1`, in `dtype` on `device`:
-/// the distances of a bias by offset.
+/// `|o|` for the offsets `o = -(t - 1)..=t - 1` in order: the distances of a bias by offset.
+pub(crate) fn offset_lengths(t: usize) -> impl Iterator<Item = f64> {
+    (0..2 * t - 1).map(move |o| (o as f64 - (t as f64 - 1.0)).abs())
+}
+
+/// [`offset_lengths`] as a `(1, 1, 1, 2t - 1)` tensor in `dtype` on `device`.
 pub(crate) fn offset_distances(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let w = 2 * t - 1;
-    let d: Vec<f64> = (0..w)
-        .map(|o| (o as f64 - (t as f64 - 1.0)).abs())
-        .collect();
-    Ok(Tensor::from_vec(d, (1, 1, 1, w), &Device::Cpu)?
+    let d: Vec<f64> = offset_lengths(t).collect();
+    Ok(Tensor::from_vec(d, (1, 1, 1, 2 * t - 1), &Device::Cpu)?
         .to_dtype(dtype)?
         .to_device(device)?)
 }

@@ -147,9 +147,8 @@ pub fn encoder_layer(
         // The device path: parameters in the activations' dtype (cast once per step, here),
         // the fixed inputs in the dtype values are computed in.
         // A bias by offset goes to the fused attention as it is, else as its table.
-        let reads_offsets =
-            masks.attention.is_none() && crate::gpu::stream_for(x.device())?.fuses_attention();
-        let attention = match reads_offsets {
+        let stream = crate::gpu::stream_for(x.device())?;
+        let attention = match crate::gpu::layer::fuses(&*stream, masks.attention.is_some()) {
             true => attention,
             false => attention.without_offsets()?,
         };

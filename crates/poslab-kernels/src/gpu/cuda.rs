@@ -578,9 +578,7 @@ impl Stream for CudaStream {
                 sums.holds(2 * n.b * n.h * n.t, cd, "the running sums")?;
                 (2, Some(sums), 1)
             }
-            ScoreBias::Offsets { .. } => candle::bail!(
-                "device path: a bias by offset is read by the fused attention alone; give the softmax its table (LayerBias::without_offsets)"
-            ),
+            ScoreBias::Offsets { .. } => candle::bail!("{OFFSETS_UNFUSED}"),
         };
         if let Some((m, pm)) = s.dropout {
             m.holds(n.scores(), dt, "the attention dropout mask")?;
@@ -724,9 +722,13 @@ impl Stream for CudaStream {
             table.extend([p.addr, p.len as u64]);
         }
         let mut sums = vec![0.0f64; parts.len()];
-        let summed = parts.iter().any(|p| p.len != 0);
-        let blocks: usize = parts.iter().map(|p| p.len.div_ceil(ADAMW_CHUNK)).sum();
-        let slots = if summed { blocks } else { 0 } + usize::from(with.is_some());
+        // The parts' table on the device where there is anything to sum: its blocks.
+        let uploaded = match parts.iter().any(|p| p.len != 0) {
+            true => Some(self.upload_table(table, parts.iter().map(|p| p.len))?),
+            false => None,
+        };
+        let blocks = uploaded.as_ref().map_or(0, |u| u.3);
+        let slots = blocks + usize::from(with.is_some());
         if slots == 0 {
             return Ok(Squares { sums, with: None });
         }
@@ -734,24 +736,14 @@ impl Stream for CudaStream {
         // conversion of `with`) before it is read back.
         let partial = unsafe { self.dev.alloc::<f64>(slots)? };
         let out = partial.device_ptr(&self.dev.cuda_stream()).0;
-        let _on_device = match summed {
-            true => {
-                let (on_device, parts_addr, chunks_addr, uploaded) =
-                    self.upload_table(table, parts.iter().map(|p| p.len))?;
-                if uploaded != blocks {
-                    candle::bail!("device path: {uploaded} blocks of squares, not {blocks}")
-                }
-                count(Kind::Kernel);
-                let args = [Arg::Ptr(parts_addr), Arg::Ptr(chunks_addr), Arg::Ptr(out)];
-                self.launch("sum_squares", dtype, rows_of(blocks)?, &args)?;
-                Some(on_device)
-            }
-            false => None,
-        };
+        if let Some((_, parts_addr, chunks_addr, _)) = &uploaded {
+            count(Kind::Kernel);
+            let args = [Arg::Ptr(*parts_addr), Arg::Ptr(*chunks_addr), Arg::Ptr(out)];
+            self.launch("sum_squares", dtype, rows_of(blocks)?, &args)?;
+        }
         if let Some(w) = with {
-            let at = if summed { blocks } else { 0 };
             let slot = Mem {
-                addr: out + 8 * at as u64,
+                addr: out + 8 * blocks as u64,
                 len: 1,
                 dtype: DType::F64,
             };

@@ -147,12 +147,17 @@ fn with_sums(fx: &Fixed, sums: Mem) -> Fixed {
     }
 }
 
-/// Whether the attention runs fused on `s` ([`flash`]): the stream has the kernel, no dropout
-/// mask is given (it is a `b h t t` tensor), and the bias is one the kernel reads per tile.
+/// Whether a layer's attention can run fused on `s` ([`flash`]): the stream has the kernel and
+/// no attention dropout mask is given (it is a `b h t t` tensor). Where it can, a bias by offset
+/// is given to the layer as it is; elsewhere as its table.
+pub fn fuses(s: &dyn Stream, dropout_mask: bool) -> bool {
+    s.fuses_attention() && !dropout_mask
+}
+
+/// Whether the attention runs fused: it can ([`fuses`]) and the bias is one the kernel reads per
+/// tile.
 fn fused(s: &dyn Stream, fx: &Fixed) -> bool {
-    s.fuses_attention()
-        && fx.masks.attention.is_none()
-        && !matches!(fx.bias, ScoreBias::Table { .. })
+    fuses(s, fx.masks.attention.is_some()) && !matches!(fx.bias, ScoreBias::Table { .. })
 }
 
 /// The fused attention of the heads `(3, b, h, t, dh)` under `fx` (a bias [`fused`] takes).
@@ -806,9 +811,7 @@ fn core_back(
             }
             ScoreBias::Table { .. } => s.convert(ds.mem(), dbias)?,
             ScoreBias::Sided { .. } => s.sided_back(ds.mem(), hs, dbias)?,
-            ScoreBias::Offsets { .. } => {
-                candle::bail!("device path: a bias by offset is owed its gradient by the fused attention alone")
-            }
+            ScoreBias::Offsets { .. } => candle::bail!("{OFFSETS_UNFUSED}"),
         }
     }
     // dq = c dS k, dk = c dSᵀ q

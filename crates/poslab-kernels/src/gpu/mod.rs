@@ -268,6 +268,10 @@ pub struct Rope {
     pub interleaved: bool,
 }
 
+/// Why a softmax or its backward refuses [`ScoreBias::Offsets`].
+pub(crate) const OFFSETS_UNFUSED: &str = "device path: a bias by offset is read by the fused \
+     attention alone; the softmax path is given its table (LayerBias::without_offsets)";
+
 /// What [`Stream::sum_squares`] reads back.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Squares {
@@ -488,7 +492,8 @@ pub trait Stream {
         false
     }
     /// The fused attention's forward ([`flash::Flash`]): its output into `out`, the heads side
-    /// by side `(b, t, h dh)` (the layer's `c`, with no transpose), and the rows' statistics `(2, b, h, t)` (compute dtype) into `lse`, without the scores.
+    /// by side `(b, t, h dh)` (the layer's `c`, with no transpose), and the rows' statistics
+    /// `(2, b, h, t)` (compute dtype) into `lse`, without the scores.
     fn flash(&self, f: &flash::Flash, out: Mem, lse: Mem) -> Result<()> {
         let _ = (f, out, lse);
         candle::bail!("device path: this stream has no fused attention")

@@ -885,9 +885,7 @@ fn softmax_twin<S: Store<C>, C: Real + Store<C>>(s: &Softmax) -> Result<()> {
             }
         }
         ScoreBias::Sided { sums } => holds_c::<C>(sums, 2 * n.b * n.h * t, "the running sums")?,
-        ScoreBias::Offsets { .. } => candle::bail!(
-            "device path: a bias by offset is read by the fused attention alone; give the softmax its table (LayerBias::without_offsets)"
-        ),
+        ScoreBias::Offsets { .. } => candle::bail!("{OFFSETS_UNFUSED}"),
     }
     if let Some((m, pm)) = s.dropout {
         holds::<S, C>(m, n.scores(), "the attention dropout mask")?;
