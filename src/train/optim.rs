@@ -320,8 +320,8 @@ impl AdamW {
     }
 
     /// The update of `vars` (slot, gradient) on the device path: per device, every named part
-    /// of every variable in one multi-tensor launch, weights and moments in place; then the
-    /// bounded ones projected.
+    /// of every variable in one multi-tensor launch, weights and moments in place, the bounded
+    /// ones held at their bound in the same launch.
     fn device_update(
         &mut self,
         vars: &[(usize, Tensor)],
@@ -360,18 +360,12 @@ impl AdamW {
                             g: g.at(at, n)?,
                             mv: wm[1].at(2 * at, 2 * n)?,
                             decay_factor: part.decay_factor(step.lr, weight_decay),
+                            lower: part.lower_bound,
                         });
                     }
                 }
                 stream.adamw(&parts, step)
             })?;
-            drop(grads);
-            for (i, _) in &here {
-                let slot = &self.slots[*i];
-                for part in &slot.parts {
-                    slot.project(part)?;
-                }
-            }
         }
         Ok(())
     }

@@ -1008,17 +1008,52 @@ fn a_pool_of_its_own_gives_the_same_bits_at_any_width() {
 /// Packing each layer's parameters into one variable (what training does, so that the fused
 /// layer reads them whole and its gradient lands in one place) changes no number: for every
 /// scheme, both norm placements, with and without biases (whose missing parts are packed as
-/// zeros), with dropout, under every kernels and on the device path (its CPU twin), the hidden
-/// states and every named parameter's gradient are the unpacked encoder's, bit for bit.
+/// zeros), with dropout (attention dropout pre-norm), under every kernels and on the device
+/// path (its CPU twin), the hidden states and every named parameter's gradient are the
+/// unpacked encoder's, bit for bit. On the device path every layer then goes into one variable and the layers run as one node
+/// (`encoder_stack`), for every scheme but those that score by their own function (they keep
+/// a variable a layer): the stack gives the separate layers' bits too, over three layers (its
+/// backward passes the input gradient through two buffers in turn) and, where the scheme takes
+/// one, a plan of a global, a local and a position-free layer.
 #[test]
 fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path() {
+    let own_scores = [
+        "pope",
+        "cope",
+        "path",
+        "stick_breaking",
+        "grape_m",
+        "grape_a",
+    ];
+    let (mut stacked, mut plans) = (0, 0);
     for positional in all_schemes() {
         for norm in [NormPlacement::Pre, NormPlacement::Post] {
             for bias in [true, false] {
+                let mut on_cpu = 0;
                 let mut config = tiny_config(positional.clone(), norm);
                 config.bias = bias;
                 config.dropout = 0.1;
-                config.attention_dropout = 0.1;
+                // Post-norm without attention dropout: the device path's fused attention, which
+                // reads a bias by offset as it is.
+                config.attention_dropout = match norm {
+                    NormPlacement::Pre => 0.1,
+                    NormPlacement::Post => 0.0,
+                };
+                config.n_layers = 3;
+                if bias {
+                    use poslab::LayerKind::{Global, Local, None};
+                    let planned = ModelConfig {
+                        layers: Some(poslab::LayerPlan {
+                            local_window: Some(4),
+                            ..poslab::LayerPlan::new(vec![Global, Local, None])
+                        }),
+                        ..config.clone()
+                    };
+                    if planned.validate().is_ok() {
+                        config = planned;
+                        plans += 1;
+                    }
+                }
                 for (kernels, device) in [
                     (Kernels::Reference, false),
                     (Kernels::Ops, false),
@@ -1045,6 +1080,23 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
                         packed_vars + 7 * config.n_layers <= plain_vars,
                         "{what}: {packed_vars} variables packed, {plain_vars} not"
                     );
+                    match (kernels, device) {
+                        (Kernels::Layer, false) => on_cpu = packed_vars,
+                        (Kernels::Layer, true) => {
+                            // DAPE's MLP over a bias scheme's scores makes it a score function.
+                            let dape = format!("{positional:?}").contains("adaptive: Some");
+                            let stacks = !own_scores.contains(&positional.name()) && !dape;
+                            let fewer = (config.n_layers - 1) * usize::from(stacks);
+                            assert_eq!(
+                                packed_vars + fewer,
+                                on_cpu,
+                                "{what}: the layers' variables on the device path (stacked: \
+                                 {stacks})"
+                            );
+                            stacked += usize::from(stacks);
+                        }
+                        _ => {}
+                    }
                     assert_eq!(packed.hidden, plain.hidden, "{what}: hidden states");
                     assert_eq!(packed.grads.len(), plain.grads.len(), "{what}: gradients");
                     for ((name, a), (other, b)) in packed.grads.iter().zip(&plain.grads) {
@@ -1061,6 +1113,8 @@ fn packed_layers_give_the_unpacked_bits_under_every_kernels_and_the_device_path(
             }
         }
     }
+    assert!(stacked >= 40, "{stacked} stacked encoders");
+    assert!(plans >= 40, "{plans} encoders with a plan");
 }
 
 /// How many nodes a training forward's graph has that a variable reaches (what the backward

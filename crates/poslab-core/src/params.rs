@@ -85,6 +85,21 @@ pub enum PackPart<'a> {
     Zeros(usize),
 }
 
+impl PackPart<'_> {
+    /// The values it takes in the packed variable.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Tensor(t) => t.elem_count(),
+            Self::Zeros(n) => *n,
+        }
+    }
+
+    /// Whether it takes none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A variable of the store and the named parameters it holds, for an optimizer.
 #[derive(Clone, Debug)]
 pub struct StoredVar {

@@ -8,7 +8,9 @@ use crate::config::{ModelConfig, NormPlacement};
 use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 #[cfg(feature = "kernels")]
-use crate::nn::{encoder_layer, InputReflections, LayerMasks, LayerShape, Path, TransportShape};
+use crate::nn::{
+    encoder_layer, InputReflections, LayerMasks, LayerShape, Path, StackLayer, TransportShape,
+};
 use crate::nn::{
     layer_norm_with_bias, AttentionBias, AttentionInputs, Backend, Dropout, FeedForward,
     ForgetGates, LayerBias, LayerNorm, SelfAttention, SharedRng,
@@ -109,9 +111,23 @@ impl EncoderLayer {
         store: &crate::ParamStore,
         gates: Option<&mut ForgetGates>,
     ) -> Result<()> {
-        if !self.fusable() || self.packed.is_some() {
-            return Ok(());
+        if let Some(parts) = self.pack_parts(gates)? {
+            let packed = store.pack(parts)?;
+            self.packed = Some(packed);
         }
+        Ok(())
+    }
+
+    /// The parts [`EncoderLayer::pack`] packs, in order (`None` for a layer it leaves as it
+    /// is); the caller sets `packed` to their variable.
+    pub(super) fn pack_parts<'a>(
+        &'a mut self,
+        gates: Option<&'a mut ForgetGates>,
+    ) -> Result<Option<Vec<crate::params::PackPart<'a>>>> {
+        if !self.fusable() || self.packed.is_some() {
+            return Ok(None);
+        }
+        self.packed_gates = gates.is_some();
         use crate::params::PackPart::Tensor as Part;
         let d = self.ffn_norm.weight().dim(0)?;
         let ffn = self.ffn.up().weight().dim(0)?;
@@ -123,7 +139,7 @@ impl EncoderLayer {
             ..
         } = self
         else {
-            return Ok(());
+            return Ok(None);
         };
         fn bias(b: Option<&mut Tensor>, n: usize) -> crate::params::PackPart<'_> {
             match b {
@@ -156,12 +172,10 @@ impl EncoderLayer {
             Part(down_w),
             bias(down_b, d),
         ];
-        self.packed_gates = gates.is_some();
         if let Some(g) = gates {
             parts.extend([Part(&mut g.weight), Part(&mut g.bias)]);
         }
-        self.packed = Some(store.pack(parts)?);
-        Ok(())
+        Ok(Some(parts))
     }
 
     /// What the layer does with positions (from `[layers]`; every layer global without it).
@@ -301,8 +315,7 @@ impl EncoderLayer {
 
     #[cfg(feature = "kernels")]
     /// The layer as one fused node ([`Kernels::Layer`]), computing `gates` or a transport's
-    /// `reflections` inside; dropout masks are drawn in the order the composition draws them,
-    /// so both paths see the same masks.
+    /// `reflections` inside.
     pub(super) fn forward_fused(
         &self,
         xs: &Tensor,
@@ -312,6 +325,49 @@ impl EncoderLayer {
         train: bool,
         backend: Backend,
     ) -> Result<Tensor> {
+        let transport = match &reflections {
+            Some(r) => Some(TransportShape {
+                heads: self.attn.n_heads(),
+                taps: r.taps()?,
+            }),
+            None => None,
+        };
+        let node = self.fused_node(xs, attn_norm, inputs, gates, transport, train, backend)?;
+        let mut params = self.packed_params(attn_norm, gates)?;
+        if let Some(r) = &reflections {
+            // The reflections' weights after the layer's own.
+            params = Tensor::cat(&[vec![params], r.flat()?].concat(), 0)?;
+        }
+        Ok(encoder_layer(
+            xs,
+            &params,
+            node.shape,
+            node.attention,
+            node.masks,
+            train,
+            reflections
+                .as_ref()
+                .map(InputReflections::spec)
+                .transpose()?,
+            backend.path(xs) == Path::Device,
+        )?)
+    }
+
+    /// What the fused node of this layer reads besides its input and parameters; dropout masks
+    /// are drawn here, in the order the composition draws them, so both paths see the same
+    /// masks.
+    #[cfg(feature = "kernels")]
+    #[allow(clippy::too_many_arguments)]
+    fn fused_node(
+        &self,
+        xs: &Tensor,
+        attn_norm: &LayerNorm,
+        inputs: AttentionInputs,
+        gates: Option<&ForgetGates>,
+        transport: Option<TransportShape>,
+        train: bool,
+        backend: Backend,
+    ) -> Result<StackLayer> {
         let (b, t, d) = xs.dims3()?;
         let (dtype, device) = (xs.dtype(), xs.device());
         let heads = self.attn.n_heads();
@@ -342,32 +398,55 @@ impl EncoderLayer {
                 Some(g) => g.weight.dim(0)?,
                 None => 0,
             },
-            transport: match &reflections {
-                Some(r) => Some(TransportShape {
-                    heads,
-                    taps: r.taps()?,
-                }),
-                None => None,
-            },
+            transport,
         };
-        let mut params = self.packed_params(attn_norm, gates)?;
-        if let Some(r) = &reflections {
-            // The reflections' weights after the layer's own.
-            params = Tensor::cat(&[vec![params], r.flat()?].concat(), 0)?;
-        }
-        Ok(encoder_layer(
-            xs,
-            &params,
+        Ok(StackLayer {
             shape,
-            self.attn.fused_core(inputs, backend),
+            attention: self.attn.fused_core(inputs, backend),
             masks,
-            train,
-            reflections
-                .as_ref()
-                .map(InputReflections::spec)
-                .transpose()?,
-            backend.path(xs) == Path::Device,
-        )?)
+        })
+    }
+
+    /// Whether this layer can run as one of a stack of layers on the device path
+    /// ([`EncoderLayer::stack_layer`]): where it would run as one node there, packed with its
+    /// neighbours ([`super::Encoder::pack`]), with no bias of its attention input computed
+    /// outside (FoX's gates are computed inside).
+    #[cfg(feature = "kernels")]
+    pub(super) fn stacks(
+        &self,
+        xs: &Tensor,
+        inputs: &AttentionInputs,
+        own: Option<OwnBias>,
+        backend: Backend,
+    ) -> bool {
+        let gates = own.map(|o| o.module.input_gates(o.layer).is_some());
+        backend.path(xs) == Path::Device
+            && backend.whole_layers(xs)
+            && self.fusable()
+            && self.packed.is_some()
+            && inputs.scores.is_none()
+            && gates.unwrap_or(false) == self.packed_gates
+            && gates != Some(false)
+    }
+
+    /// This layer as one of a stack ([`EncoderLayer::stacks`]): what its node reads besides
+    /// its input and parameters, with its dropout masks drawn.
+    #[cfg(feature = "kernels")]
+    pub(super) fn stack_layer(
+        &self,
+        xs: &Tensor,
+        inputs: AttentionInputs,
+        own: Option<OwnBias>,
+        train: bool,
+        backend: Backend,
+    ) -> Result<StackLayer> {
+        let Some(attn_norm) = &self.attn_norm else {
+            return Err(Error::Config(
+                "a layer without attention norm runs as ops, not in a stack".into(),
+            ));
+        };
+        let gates = own.and_then(|o| o.module.input_gates(o.layer));
+        self.fused_node(xs, attn_norm, inputs, gates.as_ref(), None, train, backend)
     }
 
     /// # Shapes

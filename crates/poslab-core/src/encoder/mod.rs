@@ -73,6 +73,9 @@ pub struct Encoder {
     dropout_rng: SharedRng,
     /// The kernels and instruction sets its passes compute with.
     backend: Backend,
+    /// Every layer's parameters in one variable, one layer after another, where the layers run
+    /// on the device path ([`Encoder::pack`]): there they run as one node.
+    stack: Option<Tensor>,
 }
 
 impl Encoder {
@@ -162,6 +165,7 @@ impl Encoder {
             final_norm,
             dropout_rng,
             backend: Backend::default(),
+            stack: None,
         })
     }
 
@@ -386,16 +390,31 @@ impl Encoder {
         let mut x = self.embed_dropout.forward_t(&x, train)?;
 
         let padding = key_padding_bias(attention_mask, params)?; // (b, t)
-        for (i, layer) in self.layers.iter().enumerate() {
-            let (inputs, own) = self.layer_inputs(&placed, &padding, i);
+        let inputs: Vec<_> = (0..self.layers.len())
+            .map(|i| self.layer_inputs(&placed, &padding, i))
+            .collect();
+        #[cfg(feature = "kernels")]
+        if let Some(stack) = self.stacked(&x, &inputs) {
+            let layers = self.layers.iter().zip(inputs);
+            let layers = layers
+                .map(|(l, (inputs, own))| l.stack_layer(&x, inputs, own, train, self.backend))
+                .collect::<Result<Vec<_>>>()?;
+            x = crate::nn::encoder_stack(&x, stack, layers, train)?;
+            return self.finish(x, params);
+        }
+        for (layer, (inputs, own)) in self.layers.iter().zip(inputs) {
             x = layer.forward_t(&x, inputs, own, train, self.backend)?;
         }
+        self.finish(x, params)
+    }
+
+    /// The final norm, then the parameters' `dtype` (which pooling, heads and losses read).
+    fn finish(&self, x: Tensor, dtype: DType) -> Result<Tensor> {
         let x = match &self.final_norm {
             Some(norm) => norm.forward(&x, self.backend)?,
             None => x,
         };
-        // Pooling, heads and losses read the parameters' dtype.
-        Ok(x.to_dtype(params)?)
+        Ok(x.to_dtype(dtype)?)
     }
 
     /// The scheme, in its one place, for a batch at `positions`: joined with the token
@@ -500,11 +519,63 @@ impl Encoder {
     /// each layer is then one node whose gradient lands in one variable (see
     /// [`crate::ParamStore::pack`]). Names, values, saving, loading and every kernel's results
     /// stay as they are; layers the fused kernel does not compute are left unpacked.
+    ///
+    /// Where the layers run on the device path, every layer's parameters go into one variable,
+    /// one layer after another, and the layers then run as one node (the kernels'
+    /// `encoder_stack`), where the scheme gives their attention its inputs before the first
+    /// layer (not a score function's: those layers keep a variable each).
     pub fn pack(&mut self, store: &crate::ParamStore) -> Result<()> {
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            layer.pack(store, self.positional.input_gates_mut(i))?;
+        let stacks = self.backend.device_layer(self.tok_emb.embeddings())
+            && !matches!(self.positional, PositionalModule::Scores(_))
+            && self.stack.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.fusable() && l.packed.is_none());
+        let mut gates = self.positional.input_gates_mut().into_iter();
+        let mut layers = self.layers.iter_mut().map(|l| (l, gates.next().flatten()));
+        if !stacks {
+            for (layer, gates) in layers {
+                layer.pack(store, gates)?;
+            }
+            return Ok(());
         }
+        let (mut parts, mut lens) = (Vec::new(), Vec::new());
+        for (i, (layer, gates)) in layers.by_ref().enumerate() {
+            let Some(own) = layer.pack_parts(gates)? else {
+                return Err(Error::Config(format!(
+                    "layer {i} cannot be packed with the others"
+                )));
+            };
+            lens.push(own.iter().map(crate::params::PackPart::len).sum::<usize>());
+            parts.extend(own);
+        }
+        let stack = store.pack(parts)?;
+        let mut at = 0;
+        for (layer, len) in self.layers.iter_mut().zip(lens) {
+            layer.packed = Some(stack.narrow(0, at, len)?);
+            at += len;
+        }
+        self.stack = Some(stack);
         Ok(())
+    }
+
+    /// The stack's packed parameters, where every layer runs in it ([`EncoderLayer::stacks`])
+    /// with these `inputs`.
+    #[cfg(feature = "kernels")]
+    fn stacked(
+        &self,
+        x: &Tensor,
+        inputs: &[(AttentionInputs<'_>, Option<OwnBias<'_>>)],
+    ) -> Option<&Tensor> {
+        let all = self.layers.iter().zip(inputs);
+        match all
+            .clone()
+            .all(|(l, (inputs, own))| l.stacks(x, inputs, *own, self.backend))
+        {
+            true => self.stack.as_ref(),
+            false => None,
+        }
     }
 
     /// Bounds the model's variables must stay within, as its modules declare them: an optimizer

@@ -24,7 +24,7 @@ mod rotary;
 mod transport;
 
 #[cfg(feature = "kernels")]
-pub(crate) use crate::kernels::cpu::encoder_layer;
+pub(crate) use crate::kernels::cpu::{encoder_layer, encoder_stack, StackLayer};
 #[cfg(feature = "kernels")]
 pub(crate) use crate::kernels::spec::{LayerMasks, LayerShape, TransportShape};
 pub use crate::kernels::{cores, simd_dispatches, with_threads, SimdLevel};

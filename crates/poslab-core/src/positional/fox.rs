@@ -217,8 +217,11 @@ impl BiasModule for Fox {
         Some(self.0.get(layer)?.as_ref()?.forget_gates().clone())
     }
 
-    fn input_gates_mut(&mut self, layer: usize) -> Option<&mut ForgetGates> {
-        Some(&mut self.0.get_mut(layer)?.as_mut()?.gates)
+    fn input_gates_mut(&mut self) -> Vec<Option<&mut ForgetGates>> {
+        self.0
+            .iter_mut()
+            .map(|g| g.as_mut().map(|g| &mut g.gates))
+            .collect()
     }
 
     fn per_layer(&self) -> bool {

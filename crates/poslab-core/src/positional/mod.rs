@@ -492,12 +492,13 @@ impl PositionalModule {
         }
     }
 
-    /// Layer `layer`'s forget gates, where the scheme computes its bias as gates a fused layer
-    /// runs inside itself (FoX's): to be packed with the layer ([`crate::Encoder::pack`]).
-    pub fn input_gates_mut(&mut self, layer: usize) -> Option<&mut crate::nn::ForgetGates> {
+    /// Every layer's forget gates by layer (`None` for a layer without; empty when the scheme
+    /// has none), where the scheme computes its bias as gates a fused layer runs inside itself
+    /// (FoX's): to be packed with the layers ([`crate::Encoder::pack`]).
+    pub fn input_gates_mut(&mut self) -> Vec<Option<&mut crate::nn::ForgetGates>> {
         match self {
-            Self::ScoreBias(bias) => bias.input_gates_mut(layer),
-            Self::Input(_) | Self::Rotation(_) | Self::Scores(_) => None,
+            Self::ScoreBias(bias) => bias.input_gates_mut(),
+            Self::Input(_) | Self::Rotation(_) | Self::Scores(_) => Vec::new(),
         }
     }
 

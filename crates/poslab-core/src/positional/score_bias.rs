@@ -63,10 +63,11 @@ pub trait BiasModule: std::fmt::Debug + Send + Sync {
         None
     }
 
-    /// Layer `layer`'s [`BiasModule::input_gates`] themselves, to be packed with the layer's
-    /// parameters ([`crate::Encoder::pack`]), which replaces their tensors by views.
-    fn input_gates_mut(&mut self, _layer: usize) -> Option<&mut crate::nn::ForgetGates> {
-        None
+    /// Every layer's [`BiasModule::input_gates`] themselves, by layer (empty when none), to be
+    /// packed with the layers' parameters ([`crate::Encoder::pack`]), which replaces their
+    /// tensors by views.
+    fn input_gates_mut(&mut self) -> Vec<Option<&mut crate::nn::ForgetGates>> {
+        Vec::new()
     }
 
     /// The positions a learned table can read (TUPE's learned source).

@@ -596,16 +596,27 @@ impl LayerOp {
         stream: &dyn device::Stream,
         x: device::Mem,
         p: device::Mem,
-        (b, t, _): (usize, usize, usize),
+        dims: (usize, usize, usize),
     ) -> Result<device::Buf> {
-        let held = self.held();
-        let fixed = self.device_fixed(&held, b, t)?;
-        let (y, saved) =
-            device::layer::forward(stream, &self.device_spec()?, &fixed, x, p, self.keep)?;
+        let (y, saved) = self.device_run(stream, x, p, dims, self.keep)?;
         if let Some(saved) = saved {
             *self.saved.lock().expect("layer activations lock poisoned") = Some(Box::new(saved));
         }
         Ok(y)
+    }
+
+    /// The forward on `stream`: the output, and `keep`ing, what the backward reads.
+    pub(super) fn device_run(
+        &self,
+        stream: &dyn device::Stream,
+        x: device::Mem,
+        p: device::Mem,
+        (b, t, _): (usize, usize, usize),
+        keep: bool,
+    ) -> Result<(device::Buf, Option<device::layer::Saved>)> {
+        let held = self.held();
+        let fixed = self.device_fixed(&held, b, t)?;
+        device::layer::forward(stream, &self.device_spec()?, &fixed, x, p, keep)
     }
 
     /// `[dx | dparams | d(score bias)]` on `stream`, from what the forward kept (else it is
@@ -617,20 +628,51 @@ impl LayerOp {
         (x, p, gy): (device::Mem, device::Mem, device::Mem),
         (b, t, d): (usize, usize, usize),
     ) -> Result<device::Buf> {
+        let saved = saved.and_then(|s| s.downcast::<device::layer::Saved>().ok());
+        let (nx, np, nb) = (b * t * d, self.shape.packed_len(), self.bias_grad_len());
+        let out = stream.alloc(x.dtype, nx + np + nb)?;
+        let ones = device::layer::ones(stream, b, t, x.dtype)?;
+        let into = device::layer::Grads {
+            dx: out.at(0, nx)?,
+            dp: out.at(nx, np)?,
+            dbias: out.at(nx + np, nb)?,
+            ones: ones.mem(),
+        };
+        self.device_backward_into(stream, saved.map(|s| *s), (x, p, gy), (b, t, d), into)?;
+        Ok(out)
+    }
+
+    /// The backward on `stream` into `into`, from what the forward kept (else it is
+    /// recomputed).
+    pub(super) fn device_backward_into(
+        &self,
+        stream: &dyn device::Stream,
+        saved: Option<device::layer::Saved>,
+        (x, p, gy): (device::Mem, device::Mem, device::Mem),
+        (b, t, _): (usize, usize, usize),
+        into: device::layer::Grads,
+    ) -> Result<()> {
         let held = self.held();
         let fixed = self.device_fixed(&held, b, t)?;
         let spec = self.device_spec()?;
-        let saved = match saved.and_then(|s| s.downcast::<device::layer::Saved>().ok()) {
-            Some(s) => *s,
+        let saved = match saved {
+            Some(s) => s,
             None => match device::layer::forward(stream, &spec, &fixed, x, p, true)?.1 {
                 Some(s) => s,
                 None => candle::bail!("device path: a training forward kept nothing"),
             },
         };
-        let len = b * t * d + spec.offsets.len + fixed.bias_grad_len();
-        let out = stream.alloc(x.dtype, len)?;
-        device::layer::backward(stream, &spec, &fixed, x, p, &saved, gy, out.mem())?;
-        Ok(out)
+        device::layer::backward(stream, &spec, &fixed, x, p, &saved, gy, into)
+    }
+
+    /// Values of the score bias's gradient this layer owes (0 when none).
+    pub(super) fn bias_grad_len(&self) -> usize {
+        self.attention.bias_grad_len()
+    }
+
+    /// The packed parameters' length.
+    pub(super) fn packed_len(&self) -> usize {
+        self.shape.packed_len()
     }
 }
 

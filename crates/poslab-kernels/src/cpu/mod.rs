@@ -39,6 +39,7 @@ mod reflections;
 mod rope;
 mod running_sums;
 mod softmax;
+mod stack;
 mod stick_breaking;
 
 pub use channel_mlp::channel_mlp;
@@ -60,6 +61,7 @@ pub use running_sums::{
     group_channels as running_sums_channels, in_order as running_sums_in_order, running_sums,
 };
 pub use softmax::masked_softmax;
+pub use stack::{encoder_stack, StackLayer};
 pub use stick_breaking::stick_breaking;
 
 /// An operand for the timing functions ([`matmul_gflops`] and its kin): `len` small f32 values

@@ -668,7 +668,7 @@ impl Stream for CudaStream {
         };
         let dtype = first.w.dtype;
         // The table of variables, then of blocks (variable, first value), as the kernel reads it.
-        let mut table: Vec<u64> = Vec::with_capacity(6 * parts.len());
+        let mut table: Vec<u64> = Vec::with_capacity(7 * parts.len());
         for p in parts {
             let n = p.w.len;
             p.w.holds(n, dtype, "a variable")?;
@@ -682,6 +682,8 @@ impl Stream for CudaStream {
                 v.addr,
                 n as u64,
                 p.decay_factor.to_bits(),
+                // No bound: NaN, which the kernel reads as none.
+                p.lower.unwrap_or(f64::NAN).to_bits(),
             ]);
         }
         if parts.iter().all(|p| p.w.len == 0) {

@@ -562,22 +562,32 @@ __device__ void gates(const S* z, const S* bias, typename E<S>::C* sums, const S
     }
 }
 
-// AdamW over many variables in one launch. `parts` holds 6 values per variable: the addresses of
-// its weights, gradient, m and v, its length, and the bits of its decay factor (a double);
-// `chunks` 2 per block: the variable, and the first value of the block's ADAMW_CHUNK.
+// f64::MAX in C, as Rust's `as` converts it: f32's is infinite.
+template <typename C> __device__ C f64_max();
+template <> __device__ double f64_max<double>() { return 1.7976931348623157e308; }
+template <> __device__ float f64_max<float>() { return __int_as_float(0x7f800000); }
+
+// AdamW over many variables in one launch. `parts` holds 7 values per variable: the addresses of
+// its weights, gradient, m and v, its length, and the bits of its decay factor and of its lower
+// bound (doubles; the bound NaN where there is none); `chunks` 2 per block: the variable, and
+// the first value of the block's ADAMW_CHUNK.
 #define ADAMW_CHUNK 65536
 template <typename S>
 __device__ void adamw(const unsigned long long* parts, const unsigned long long* chunks, double b1,
                       double b2, double eps, double bias1, double bias2, double lr, double scale) {
     typedef typename E<S>::C C;
     const unsigned long long* ch = chunks + 2 * (i64)blockIdx.x;
-    const unsigned long long* p = parts + 6 * ch[0];
+    const unsigned long long* p = parts + 7 * ch[0];
     S* w = (S*)p[0];
     const S* g = (const S*)p[1];
     S* m = (S*)p[2];
     S* v = (S*)p[3];
     const i64 n = (i64)p[4];
     const double keep_d = __longlong_as_double((long long)p[5]);
+    // The lower bound (NaN: none), applied as candle's clamp(lower, f64::MAX) in C.
+    const double lower_d = __longlong_as_double((long long)p[6]);
+    const bool bounded = lower_d == lower_d;
+    const C lower = (C)lower_d, high = f64_max<C>();
     const i64 start = (i64)ch[1];
     const i64 end = start + ADAMW_CHUNK < n ? start + ADAMW_CHUNK : n;
     const C cb1 = (C)b1, cb2 = (C)b2, c1 = (C)(1.0 - b1), c2 = (C)(1.0 - b2), s = (C)scale;
@@ -589,9 +599,14 @@ __device__ void adamw(const unsigned long long* parts, const unsigned long long*
         const C vi = E<S>::get(v[i]) * cb2 + gi * gi * c2;
         const C update = (mi / cbias1) / (sq(vi / cbias2) + ceps);
         const C wi = keep_d != 1.0 ? E<S>::get(w[i]) * keep : E<S>::get(w[i]);
+        C wn = wi - update * clr;
+        if (bounded) {
+            wn = wn < lower ? lower : wn;
+            wn = wn > high ? high : wn;
+        }
         m[i] = E<S>::put(mi);
         v[i] = E<S>::put(vi);
-        w[i] = E<S>::put(wi - update * clr);
+        w[i] = E<S>::put(wn);
     }
 }
 

@@ -436,8 +436,35 @@ pub fn forward(
     Ok((y, saved))
 }
 
-/// Writes `[dx (n d) | dparams | d(score bias)]` into `out` (the layer's dtype) from the
-/// input, the parameters, what the forward kept and `gy`.
+/// Where [`backward`] writes its gradients (the layer's dtype), and the ones its column sums
+/// read.
+#[derive(Clone, Copy, Debug)]
+pub struct Grads {
+    /// `(n, d)`
+    pub dx: Mem,
+    /// the packed parameters' ([`Offsets::len`] values)
+    pub dp: Mem,
+    /// the score bias's ([`Fixed::bias_grad_len`] values; empty when none is owed)
+    pub dbias: Mem,
+    /// at least [`ones_len`] ones
+    pub ones: Mem,
+}
+
+/// The ones [`Grads::ones`] holds for layers of `b` sequences of `t` tokens: a column sum's
+/// over the tokens or over the sequences.
+pub fn ones_len(b: usize, t: usize) -> usize {
+    (b * t).max(b)
+}
+
+/// [`ones_len`] ones of `dtype`, for any number of layers' backwards.
+pub fn ones(s: &dyn Stream, b: usize, t: usize, dtype: DType) -> Result<Buf> {
+    let ones = s.alloc(dtype, ones_len(b, t))?;
+    s.fill(ones.mem(), 1.0)?;
+    Ok(ones)
+}
+
+/// Writes the gradients of the input, the packed parameters and (when owed) the score bias
+/// into `into` from the input, the parameters, what the forward kept and `gy`.
 pub fn backward(
     s: &dyn Stream,
     spec: &Spec,
@@ -446,7 +473,7 @@ pub fn backward(
     p: Mem,
     sv: &Saved,
     gy: Mem,
-    out: Mem,
+    into: Grads,
 ) -> Result<()> {
     let outside = fx.bias_grad_len();
     let fx = &sv.fixed(fx);
@@ -455,16 +482,21 @@ pub fn backward(
     let dt = x.dtype;
     let o = &spec.offsets;
     gy.holds(n * d, dt, "the layer's output gradient")?;
-    let (np, nb) = (o.len, outside);
-    out.holds(n * d + np + nb, dt, "the layer's gradients")?;
-    let dx = out.at(0, n * d)?;
-    let dp = out.at(n * d, np)?;
-    let dbias = out.at(n * d + np, nb)?;
+    let nb = outside;
+    into.dx.holds(n * d, dt, "the layer's input gradient")?;
+    into.dp.holds(o.len, dt, "the layer's parameter gradient")?;
+    into.dbias
+        .holds(nb, dt, "the layer's score bias gradient")?;
+    into.ones
+        .holds(ones_len(hs.b, hs.t), dt, "the layer's ones")?;
+    let (dx, dp, dbias, ones) = (
+        into.dx.at(0, n * d)?,
+        into.dp,
+        into.dbias.at(0, nb)?,
+        into.ones,
+    );
     let w = |at: usize, len: usize| p.at(at, len);
     let g = |at: usize, len: usize| dp.at(at, len);
-    let ones = s.alloc(dt, n.max(hs.b))?;
-    s.fill(ones.mem(), 1.0)?;
-    let ones = ones.mem();
     // `[g ⊙ x̂, g]` rows of a LayerNorm's backward, summed into its packed `[w; b]` gradient.
     // Both LayerNorms' rows, LN1's then LN2's, summed in one batched product at the end.
     let ln_rows = s.alloc(dt, 4 * n * d)?;

@@ -386,14 +386,29 @@ pub struct NormBack {
 }
 
 /// One variable of [`Stream::adamw`]: its weights, gradient and moments `[m; v]` (each of the
-/// variable's dtype, f32 or f64), and what its weights are multiplied by first (`1 - lr wd`
-/// where decayed, else 1).
+/// variable's dtype, f32 or f64), what its weights are multiplied by first (`1 - lr wd` where
+/// decayed, else 1), and the bound its updated weights are then held above, if any.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWPart {
     pub w: Mem,
     pub g: Mem,
     pub mv: Mem,
     pub decay_factor: f64,
+    /// Applied as candle's `clamp(lower, f64::MAX)` in the weights' dtype: a weight below it
+    /// becomes it, one above `f64::MAX` in that dtype becomes that, and NaN stays NaN.
+    pub lower: Option<f64>,
+}
+
+/// `w` clamped to `[lower, f64::MAX]` as candle's `clamp` does it (its `maximum`, then its
+/// `minimum`), in the weights' dtype: what [`AdamWPart::lower`] applies.
+pub fn clamp_below<C: crate::Real>(w: C, lower: C) -> C {
+    let high = C::lit(f64::MAX);
+    let w = if w < lower { lower } else { w };
+    if w > high {
+        high
+    } else {
+        w
+    }
 }
 
 /// What every variable's update in one AdamW step shares.

@@ -993,6 +993,7 @@ fn adamw_part<C: Real + Store<C>>(p: &AdamWPart, c: &AdamWStep) -> Result<()> {
     let (lr, keep, eps) = (lit(c.lr), lit(p.decay_factor), lit(c.eps));
     let (bias1, bias2) = (lit(c.bias1), lit(c.bias2));
     let (scaled, decays) = (c.grad_scale != 1.0, p.decay_factor != 1.0);
+    let lower = p.lower.map(lit);
     rows_par(n.div_ceil(ADAMW_CHUNK), ADAMW_CHUNK, |chunk| {
         let r = chunk * ADAMW_CHUNK..((chunk + 1) * ADAMW_CHUNK).min(n);
         let g = load::<C, C>(p.g, r.clone());
@@ -1006,6 +1007,9 @@ fn adamw_part<C: Real + Store<C>>(p: &AdamWPart, c: &AdamWStep) -> Result<()> {
             let update = (m[i] / bias1) / ((v[i] / bias2).sqrt() + eps);
             let kept = if decays { w[i] * keep } else { w[i] };
             w[i] = kept - update * lr;
+            if let Some(lower) = lower {
+                w[i] = super::clamp_below(w[i], lower);
+            }
         }
         store::<C, C>(p.mv, r.start, &m);
         store::<C, C>(p.mv, n + r.start, &v);
