@@ -103,9 +103,6 @@ pub struct LayerOp {
     masks: LayerMasks,
     /// Keep activations for the backward (training).
     keep: bool,
-    /// Computed as device operations ([`crate::gpu`]): on CUDA always, on the CPU by
-    /// the twin (the tests' way to run the CUDA path's sequence without a GPU).
-    device: bool,
     saved: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
@@ -167,20 +164,13 @@ fn add_into<T: Real>(acc: &mut [T], x: &[T]) {
 }
 
 impl LayerOp {
-    pub fn new(
-        shape: LayerShape,
-        attention: Attention,
-        masks: LayerMasks,
-        keep: bool,
-        device: bool,
-    ) -> Self {
+    pub fn new(shape: LayerShape, attention: Attention, masks: LayerMasks, keep: bool) -> Self {
         Self {
             shape,
             attention,
             reflections: None,
             masks,
             keep,
-            device,
             saved: Mutex::new(None),
         }
     }
@@ -492,8 +482,9 @@ impl LayerOp {
     }
 }
 
-/// The layer on the device path ([`crate::gpu`]): its description, and its fixed inputs
-/// as device memory (the guards that keep them valid are `held`).
+/// The layer on the device path ([`crate::gpu`]), for a stack of layers (`stack.rs`): its
+/// description, and its fixed inputs as device memory (the guards that keep them valid are
+/// `held`).
 impl LayerOp {
     fn device_spec(&self) -> Result<device::layer::Spec> {
         if self.attention.own_scores() || self.reflections.is_some() {
@@ -590,21 +581,6 @@ impl LayerOp {
         })
     }
 
-    /// The forward on `stream`: the output, and (training) the saved activations kept.
-    fn device_forward(
-        &self,
-        stream: &dyn device::Stream,
-        x: device::Mem,
-        p: device::Mem,
-        dims: (usize, usize, usize),
-    ) -> Result<device::Buf> {
-        let (y, saved) = self.device_run(stream, x, p, dims, self.keep)?;
-        if let Some(saved) = saved {
-            *self.saved.lock().expect("layer activations lock poisoned") = Some(Box::new(saved));
-        }
-        Ok(y)
-    }
-
     /// The forward on `stream`: the output, and `keep`ing, what the backward reads.
     pub(super) fn device_run(
         &self,
@@ -617,29 +593,6 @@ impl LayerOp {
         let held = self.held();
         let fixed = self.device_fixed(&held, b, t)?;
         device::layer::forward(stream, &self.device_spec()?, &fixed, x, p, keep)
-    }
-
-    /// `[dx | dparams | d(score bias)]` on `stream`, from what the forward kept (else it is
-    /// recomputed).
-    fn device_backward(
-        &self,
-        stream: &dyn device::Stream,
-        saved: Option<Box<dyn Any + Send>>,
-        (x, p, gy): (device::Mem, device::Mem, device::Mem),
-        (b, t, d): (usize, usize, usize),
-    ) -> Result<device::Buf> {
-        let saved = saved.and_then(|s| s.downcast::<device::layer::Saved>().ok());
-        let (nx, np, nb) = (b * t * d, self.shape.packed_len(), self.bias_grad_len());
-        let out = stream.alloc(x.dtype, nx + np + nb)?;
-        let ones = device::layer::ones(stream, b, t, x.dtype)?;
-        let into = device::layer::Grads {
-            dx: out.at(0, nx)?,
-            dp: out.at(nx, np)?,
-            dbias: out.at(nx + np, nb)?,
-            ones: ones.mem(),
-        };
-        self.device_backward_into(stream, saved.map(|s| *s), (x, p, gy), (b, t, d), into)?;
-        Ok(out)
     }
 
     /// The backward on `stream` into `into`, from what the forward kept (else it is
@@ -665,11 +618,6 @@ impl LayerOp {
         device::layer::backward(stream, &spec, &fixed, x, p, &saved, gy, into)
     }
 
-    /// Values of the score bias's gradient this layer owes (0 when none).
-    pub(super) fn bias_grad_len(&self) -> usize {
-        self.attention.bias_grad_len()
-    }
-
     /// The packed parameters' length.
     pub(super) fn packed_len(&self) -> usize {
         self.shape.packed_len()
@@ -692,14 +640,6 @@ impl CustomOp3 for LayerOp {
         _l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.rows(l1, l2)?;
-        if self.device {
-            let (x, p) = (
-                device::twin::Twin::mem(s1, l1)?,
-                device::twin::Twin::mem(s2, l2)?,
-            );
-            let y = self.device_forward(&device::twin::Twin, x, p, dims)?;
-            return Ok((y.into_cpu_storage()?, l1.shape().clone()));
-        }
         let what = "encoder layer";
         let storage = by_dtype!(s1.dtype(), what, |T| {
             let (y, saved) = self.forward::<T>(
@@ -715,23 +655,6 @@ impl CustomOp3 for LayerOp {
             y
         });
         Ok((storage, l1.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle::CudaStorage,
-        l1: &Layout,
-        s2: &candle::CudaStorage,
-        l2: &Layout,
-        _s3: &candle::CudaStorage,
-        _l3: &Layout,
-    ) -> Result<(candle::CudaStorage, Shape)> {
-        let dims = self.rows(l1, l2)?;
-        let stream = device::cuda::CudaStream::new(s1.device());
-        let (x, p) = (device::cuda::mem(s1, l1)?, device::cuda::mem(s2, l2)?);
-        let y = self.device_forward(&stream, x, p, dims)?;
-        Ok((y.into_cuda_storage()?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -756,21 +679,31 @@ impl CustomOp3 for LayerOp {
                 saved: Mutex::new(saved),
             },
         )?;
-        // (b t d + packed [+ bias]) values: dx, dparams, then d(score bias) if owed.
-        let (nx, np) = (x.elem_count(), params.elem_count());
-        let dx = grads.narrow(0, 0, nx)?.reshape(x.shape())?;
-        let dp = grads.narrow(0, nx, np)?;
-        let dbias = match self.attention.bias_grad_len() {
-            0 => None,
-            len => Some(
-                grads
-                    .narrow(0, nx + np, len)?
-                    .reshape(bias.shape())?
-                    .to_dtype(bias.dtype())?,
-            ),
-        };
-        Ok((Some(dx), Some(dp), dbias))
+        let owed = self.attention.bias_grad_len() > 0;
+        split_gradients(&grads, (x, params, bias), owed)
     }
+}
+
+/// The gradients of a layer node's (or a stack's) `(x, params, bias)` from the values its
+/// backward wrote one after another: `dx`, `dparams`, then the bias's if `owed` (in its dtype).
+pub(super) fn split_gradients(
+    grads: &Tensor,
+    (x, params, bias): (&Tensor, &Tensor, &Tensor),
+    owed: bool,
+) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (nx, np) = (x.elem_count(), params.elem_count());
+    let dx = grads.narrow(0, 0, nx)?.reshape(x.shape())?;
+    let dp = grads.narrow(0, nx, np)?;
+    let dbias = match owed {
+        false => None,
+        true => Some(
+            grads
+                .narrow(0, nx + np, bias.elem_count())?
+                .reshape(bias.shape())?
+                .to_dtype(bias.dtype())?,
+        ),
+    };
+    Ok((Some(dx), Some(dp), dbias))
 }
 
 /// The backward of [`LayerOp`] as a no-gradient op on `(x, params, dy)`, returning `dx`,
@@ -781,14 +714,6 @@ struct LayerGrad<'a> {
 }
 
 impl LayerGrad<'_> {
-    /// What the forward kept, taken (once).
-    fn take_saved(&self) -> Option<Box<dyn Any + Send>> {
-        self.saved
-            .lock()
-            .expect("layer activations lock poisoned")
-            .take()
-    }
-
     fn run<T: Real>(
         &self,
         x: &[T],
@@ -832,13 +757,6 @@ impl candle::CustomOp3 for LayerGrad<'_> {
         let len = l1.shape().elem_count()
             + l2.shape().elem_count()
             + self.layer.attention.bias_grad_len();
-        if self.layer.device {
-            let twin = device::twin::Twin;
-            let mems = (twin_mem(s1, l1)?, twin_mem(s2, l2)?, twin_mem(s3, l3)?);
-            let saved = self.take_saved();
-            let out = self.layer.device_backward(&twin, saved, mems, dims)?;
-            return Ok((out.into_cpu_storage()?, Shape::from(len)));
-        }
         let what = "encoder layer backward";
         let storage = by_dtype!(s1.dtype(), what, |T| self.run::<T>(
             contiguous(s1, l1, what)?,
@@ -848,31 +766,4 @@ impl candle::CustomOp3 for LayerGrad<'_> {
         )?);
         Ok((storage, Shape::from(len)))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle::CudaStorage,
-        l1: &Layout,
-        s2: &candle::CudaStorage,
-        l2: &Layout,
-        s3: &candle::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle::CudaStorage, Shape)> {
-        use device::cuda::mem;
-        let dims = self.layer.rows(l1, l2)?;
-        let len = l1.shape().elem_count()
-            + l2.shape().elem_count()
-            + self.layer.attention.bias_grad_len();
-        let stream = device::cuda::CudaStream::new(s1.device());
-        let mems = (mem(s1, l1)?, mem(s2, l2)?, mem(s3, l3)?);
-        let out = self
-            .layer
-            .device_backward(&stream, self.take_saved(), mems, dims)?;
-        Ok((out.into_cuda_storage()?, Shape::from(len)))
-    }
-}
-
-fn twin_mem(s: &CpuStorage, l: &Layout) -> Result<device::Mem> {
-    device::twin::Twin::mem(s, l)
 }

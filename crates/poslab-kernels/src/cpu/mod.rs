@@ -103,7 +103,8 @@ fn unsupported(what: &str, dtype: DType) -> candle::Error {
 /// - `x`: `(b, t, d)`; `params`: the packed vector of [`LayerShape`]
 /// - `inputs`: the attention's key bias `(b, t)`, rotary tables `(r, t, w)` and additive score
 ///   bias `(r, h, t, t)` (see [`Attention::new`])
-/// - `device`: on the device path (CUDA, or its CPU twin), else the CPU's kernels
+/// - `device`: on the device path (CUDA, or its CPU twin: a stack of one layer,
+///   [`encoder_stack`]), else the CPU's kernels
 /// - returns `(b, t, d)`
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_layer(
@@ -146,23 +147,17 @@ pub fn encoder_layer(
         ),
     };
     if device {
-        // The device path: parameters in the activations' dtype (cast once per step, here),
-        // the fixed inputs in the dtype values are computed in.
-        // A bias by offset goes to the fused attention as it is, else as its table.
-        let stream = crate::gpu::stream_for(x.device())?;
-        let attention = match crate::gpu::layer::fuses(&*stream, masks.attention.is_some()) {
-            true => attention,
-            false => attention.without_offsets()?,
+        // The device path: the layer as a stack of one.
+        let layer = stack::StackLayer {
+            shape,
+            attention,
+            masks,
         };
-        let attention = attention.in_dtype(crate::gpu::compute_dtype(x.dtype()))?;
-        let bias = attention.score_bias_input(x)?;
-        let params = params.to_dtype(x.dtype())?.contiguous()?;
-        let op = layer::LayerOp::new(shape, attention, masks, keep_activations, true);
-        return x.contiguous()?.apply_op3(&params, &bias, op);
+        return stack::encoder_stack(x, params, vec![layer], keep_activations);
     }
     let attention = attention.without_offsets()?;
     let bias = attention.score_bias_input(x)?;
-    let op = layer::LayerOp::new(shape, attention, masks, keep_activations, false)
+    let op = layer::LayerOp::new(shape, attention, masks, keep_activations)
         .with_reflections(reflections);
     x.contiguous()?.apply_op3(&params.contiguous()?, &bias, op)
 }

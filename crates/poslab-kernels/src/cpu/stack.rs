@@ -84,7 +84,7 @@ pub fn encoder_stack(
             }
             bias_inputs.push(input);
         }
-        let op = LayerOp::new(layer.shape, attention, layer.masks, keep_activations, true);
+        let op = LayerOp::new(layer.shape, attention, layer.masks, keep_activations);
         params_at.push(at);
         biases.push(nb);
         at += op.packed_len();
@@ -188,12 +188,25 @@ impl StackOp {
         Ok((y, keep.then_some(kept)))
     }
 
+    /// The forward on `stream`, keeping what the backward reads when training.
+    fn forward(
+        &self,
+        stream: &dyn device::Stream,
+        x: device::Mem,
+        p: device::Mem,
+        dims: (usize, usize, usize),
+    ) -> Result<device::Buf> {
+        let (y, kept) = self.run(stream, x, p, dims, self.keep)?;
+        *self.kept.lock().expect("stack activations lock poisoned") = kept;
+        Ok(y)
+    }
+
     /// `[dx | dparams | d(score biases)]` on `stream`, from what the forward kept (else it is
     /// recomputed).
     fn backward(
         &self,
         stream: &dyn device::Stream,
-        (x, p, gy): (device::Mem, device::Mem, device::Mem),
+        [x, p, gy]: [device::Mem; 3],
         dims: (usize, usize, usize),
     ) -> Result<device::Buf> {
         let taken = self
@@ -215,7 +228,10 @@ impl StackOp {
         let dt = x.dtype;
         let out = stream.alloc(dt, nx + np + nb)?;
         let ones = device::layer::ones(stream, b, t, dt)?;
-        let turns = [stream.alloc(dt, nx)?, stream.alloc(dt, nx)?];
+        // Layer i > 0 writes its input gradient into turns[(i - 1) % 2], which layer i - 1 reads.
+        let turns = (0..(layers - 1).min(2))
+            .map(|_| stream.alloc(dt, nx))
+            .collect::<Result<Vec<_>>>()?;
         let Kept {
             mut inputs,
             mut saved,
@@ -234,13 +250,13 @@ impl StackOp {
             };
             let gy_i = match i + 1 == layers {
                 true => gy,
-                false => turns[(i + 1) % 2].mem(),
+                false => turns[i % 2].mem(),
             };
             let (bias_at, bias_len) = self.biases[i];
             let into = device::layer::Grads {
                 dx: match i {
                     0 => out.at(0, nx)?,
-                    _ => turns[i % 2].mem(),
+                    _ => turns[(i - 1) % 2].mem(),
                 },
                 dp: out.at(nx + self.params_at[i], self.layers[i].packed_len())?,
                 dbias: out.at(nx + np + bias_at, bias_len)?,
@@ -268,18 +284,13 @@ impl CustomOp3 for StackOp {
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
-        _s3: &CpuStorage,
-        _l3: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.dims(l1, l2)?;
-        let twin = device::twin::Twin;
-        let (x, p) = (
-            device::twin::Twin::mem(s1, l1)?,
-            device::twin::Twin::mem(s2, l2)?,
-        );
-        let (y, kept) = self.run(&twin, x, p, dims, self.keep)?;
-        *self.kept.lock().expect("stack activations lock poisoned") = kept;
-        Ok((y.into_cpu_storage()?, l1.shape().clone()))
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let (y, _) = device::on_twin(inputs, |s, [x, p, _]| self.forward(s, x, p, dims))?;
+        Ok((y, l1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -289,15 +300,13 @@ impl CustomOp3 for StackOp {
         l1: &Layout,
         s2: &candle::CudaStorage,
         l2: &Layout,
-        _s3: &candle::CudaStorage,
-        _l3: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         let dims = self.dims(l1, l2)?;
-        let stream = device::cuda::CudaStream::new(s1.device());
-        let (x, p) = (device::cuda::mem(s1, l1)?, device::cuda::mem(s2, l2)?);
-        let (y, kept) = self.run(&stream, x, p, dims, self.keep)?;
-        *self.kept.lock().expect("stack activations lock poisoned") = kept;
-        Ok((y.into_cuda_storage()?, l1.shape().clone()))
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let (y, _) = device::on_cuda(inputs, |s, [x, p, _]| self.forward(s, x, p, dims))?;
+        Ok((y, l1.shape().clone()))
     }
 
     fn bwd(
@@ -310,33 +319,13 @@ impl CustomOp3 for StackOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let g = g.contiguous()?;
         let grads = x.apply_op3_no_bwd(params, &g, &StackGrad { stack: self })?;
-        // (b t d + packed + bias) values: dx, dparams, then the score biases' gradients.
-        let (nx, np, nb) = (x.elem_count(), params.elem_count(), bias.elem_count());
-        let dx = grads.narrow(0, 0, nx)?.reshape(x.shape())?;
-        let dp = grads.narrow(0, nx, np)?;
-        let dbias = match nb {
-            0 => None,
-            _ => Some(
-                grads
-                    .narrow(0, nx + np, nb)?
-                    .reshape(bias.shape())?
-                    .to_dtype(bias.dtype())?,
-            ),
-        };
-        Ok((Some(dx), Some(dp), dbias))
+        super::layer::split_gradients(&grads, (x, params, bias), bias.elem_count() > 0)
     }
 }
 
 /// The backward of [`StackOp`] as a no-gradient op on `(x, params, dy)`.
 struct StackGrad<'a> {
     stack: &'a StackOp,
-}
-
-impl StackGrad<'_> {
-    fn len(&self, l1: &Layout, l2: &Layout) -> usize {
-        let nb: usize = self.stack.biases.iter().map(|&(_, n)| n).sum();
-        l1.shape().elem_count() + l2.shape().elem_count() + nb
-    }
 }
 
 impl CustomOp3 for StackGrad<'_> {
@@ -353,11 +342,10 @@ impl CustomOp3 for StackGrad<'_> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use device::twin::Twin;
         let dims = self.stack.dims(l1, l2)?;
-        let mems = (Twin::mem(s1, l1)?, Twin::mem(s2, l2)?, Twin::mem(s3, l3)?);
-        let out = self.stack.backward(&Twin, mems, dims)?;
-        Ok((out.into_cpu_storage()?, Shape::from(self.len(l1, l2))))
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let (out, len) = device::on_twin(inputs, |s, m| self.stack.backward(s, m, dims))?;
+        Ok((out, Shape::from(len)))
     }
 
     #[cfg(feature = "cuda")]
@@ -370,11 +358,9 @@ impl CustomOp3 for StackGrad<'_> {
         s3: &candle::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
-        use device::cuda::mem;
         let dims = self.stack.dims(l1, l2)?;
-        let stream = device::cuda::CudaStream::new(s1.device());
-        let mems = (mem(s1, l1)?, mem(s2, l2)?, mem(s3, l3)?);
-        let out = self.stack.backward(&stream, mems, dims)?;
-        Ok((out.into_cuda_storage()?, Shape::from(self.len(l1, l2))))
+        let inputs = [(s1, l1), (s2, l2), (s3, l3)];
+        let (out, len) = device::on_cuda(inputs, |s, m| self.stack.backward(s, m, dims))?;
+        Ok((out, Shape::from(len)))
     }
 }
