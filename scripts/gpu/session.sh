@@ -49,6 +49,13 @@
 #                merged by `poslab report`: wall time, and the results against one process's
 #                                                                               -> shards.txt
 #
+# Built since, not yet run on a GPU (2026-12-07, issue 75): the layers as one node on the device
+# path (a stack of every layer packed in one variable; on the twin sin_add 540 -> 419 launches a
+# step at the large shape, batch 2, and 140 -> 129 at the compare's), AdamW's lower bounds in
+# its launch (KERPLE 1,018 -> 731), the fused attention on the twin only (its CUDA kernel is not
+# written: layers take the softmax path on a GPU). The CUDA kernels changed: adamw's table is 7
+# values a variable (the bound). Next: `info tests launches small compare shards` (the compare
+# against 2 CPU cores, the target half), then `bench-large` with LARGE_ROUNDS=1.
 # Built since, not yet run on a GPU (2026-11-29): the task head and its loss as one node on the
 # device path (99 fewer launches a step at every shape, on the twin; the compare's step predicted
 # 2.5 -> 1.6-1.9 ms), the GPU opened with cudarc's per-tensor events off (four driver calls
