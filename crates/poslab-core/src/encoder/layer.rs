@@ -419,14 +419,17 @@ impl EncoderLayer {
         own: Option<OwnBias>,
         backend: Backend,
     ) -> bool {
-        let gates = own.map(|o| o.module.input_gates(o.layer).is_some());
+        // Its own bias: none (packed without gates), or gates (packed with them).
+        let own_fits = match own {
+            None => !self.packed_gates,
+            Some(o) => self.packed_gates && o.module.input_gates(o.layer).is_some(),
+        };
         backend.path(xs) == Path::Device
             && backend.whole_layers(xs)
             && self.fusable()
             && self.packed.is_some()
             && inputs.scores.is_none()
-            && gates.unwrap_or(false) == self.packed_gates
-            && gates != Some(false)
+            && own_fits
     }
 
     /// This layer as one of a stack ([`EncoderLayer::stacks`]): what its node reads besides

@@ -568,11 +568,8 @@ impl Encoder {
         x: &Tensor,
         inputs: &[(AttentionInputs<'_>, Option<OwnBias<'_>>)],
     ) -> Option<&Tensor> {
-        let all = self.layers.iter().zip(inputs);
-        match all
-            .clone()
-            .all(|(l, (inputs, own))| l.stacks(x, inputs, *own, self.backend))
-        {
+        let mut layers = self.layers.iter().zip(inputs);
+        match layers.all(|(l, (inputs, own))| l.stacks(x, inputs, *own, self.backend)) {
             true => self.stack.as_ref(),
             false => None,
         }

@@ -66,7 +66,7 @@ pub fn encoder_stack(
     let compute = crate::gpu::compute_dtype(x.dtype());
     let (mut ops, mut params_at, mut biases, mut bias_inputs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut at = 0;
+    let (mut at, mut bias_at) = (0, 0);
     for layer in layers {
         let attention = match crate::gpu::layer::fuses(&*stream, layer.masks.attention.is_some()) {
             true => layer.attention,
@@ -86,18 +86,11 @@ pub fn encoder_stack(
         }
         let op = LayerOp::new(layer.shape, attention, layer.masks, keep_activations);
         params_at.push(at);
-        biases.push(nb);
+        biases.push((bias_at, nb));
         at += op.packed_len();
+        bias_at += nb;
         ops.push(op);
     }
-    let mut bias_at = 0;
-    let biases: Vec<(usize, usize)> = biases
-        .into_iter()
-        .map(|n| {
-            bias_at += n;
-            (bias_at - n, n)
-        })
-        .collect();
     // A bias several layers share enters once for each, as a view of its own: candle's backward
     // then reaches the shared tensor from the last layer's view to the first's, and sums its
     // gradient in the order it does over separate layers' nodes, to the same bits.
@@ -109,12 +102,6 @@ pub fn encoder_stack(
             false => Ok(t.clone()),
         })
         .collect::<Result<Vec<_>>>()?;
-    if params.dims() != [at] {
-        candle::bail!(
-            "an encoder stack's packed parameters are {:?}, its layers take ({at})",
-            params.dims()
-        );
-    }
     // The layers' biases one after another: of one shape (every layer's the same kind),
     // stacked as they are; else flattened.
     let same = bias_inputs.windows(2).all(|w| w[0].dims() == w[1].dims());

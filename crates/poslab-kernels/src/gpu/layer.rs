@@ -475,14 +475,14 @@ pub fn backward(
     gy: Mem,
     into: Grads,
 ) -> Result<()> {
-    let outside = fx.bias_grad_len();
+    // Owed outside the layer: gates' running sums are the layer's own.
+    let nb = fx.bias_grad_len();
     let fx = &sv.fixed(fx);
     let hs = fx.heads;
     let (n, d, f) = (hs.n(), spec.d, spec.ffn);
     let dt = x.dtype;
     let o = &spec.offsets;
     gy.holds(n * d, dt, "the layer's output gradient")?;
-    let nb = outside;
     into.dx.holds(n * d, dt, "the layer's input gradient")?;
     into.dp.holds(o.len, dt, "the layer's parameter gradient")?;
     into.dbias

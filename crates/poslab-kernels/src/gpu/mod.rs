@@ -399,18 +399,6 @@ pub struct AdamWPart {
     pub lower: Option<f64>,
 }
 
-/// `w` clamped to `[lower, f64::MAX]` as candle's `clamp` does it (its `maximum`, then its
-/// `minimum`), in the weights' dtype: what [`AdamWPart::lower`] applies.
-pub fn clamp_below<C: crate::Real>(w: C, lower: C) -> C {
-    let high = C::lit(f64::MAX);
-    let w = if w < lower { lower } else { w };
-    if w > high {
-        high
-    } else {
-        w
-    }
-}
-
 /// What every variable's update in one AdamW step shares.
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep {

@@ -982,6 +982,18 @@ fn sum_squares_twin(parts: &[Mem]) -> Result<Vec<f64>> {
         .collect()
 }
 
+/// `w` clamped to `[lower, f64::MAX]` as candle's `clamp` does it (its `maximum`, then its
+/// `minimum`), in the weights' dtype: what [`AdamWPart::lower`] applies.
+fn clamp_below<C: Real>(w: C, lower: C) -> C {
+    let high = C::lit(f64::MAX);
+    let w = if w < lower { lower } else { w };
+    if w > high {
+        high
+    } else {
+        w
+    }
+}
+
 /// One variable's AdamW update, in chunks as the kernel's blocks take them.
 fn adamw_part<C: Real + Store<C>>(p: &AdamWPart, c: &AdamWStep) -> Result<()> {
     let n = p.w.len;
@@ -1008,7 +1020,7 @@ fn adamw_part<C: Real + Store<C>>(p: &AdamWPart, c: &AdamWStep) -> Result<()> {
             let kept = if decays { w[i] * keep } else { w[i] };
             w[i] = kept - update * lr;
             if let Some(lower) = lower {
-                w[i] = super::clamp_below(w[i], lower);
+                w[i] = clamp_below(w[i], lower);
             }
         }
         store::<C, C>(p.mv, r.start, &m);
