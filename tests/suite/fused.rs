@@ -162,6 +162,11 @@ fn compare(fast: &Run, reference: &Run, tol: f64, what: &str) -> f64 {
     worst
 }
 
+/// The compositions with the attention dropout the device path draws (from a seed a layer).
+fn seeded_reference() -> poslab::nn::Backend {
+    on(Kernels::Reference).with_seeded_attention_dropout()
+}
+
 /// A config wider than the tiny one, with widths that are not multiples of the kernels' 16
 /// lanes and a sequence length (13) that is not either.
 fn medium_config(positional: poslab::PositionalConfig, norm: NormPlacement) -> ModelConfig {
@@ -212,6 +217,8 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
                         let (gpu_ops, calls) = with_op_calls(|| {
                             run_encoder(&config, dtype, twin(Kernels::Ops), train)
                         });
+                        // The CUDA path draws its attention dropout from a seed.
+                        let reference = run_encoder(&config, dtype, seeded_reference(), train);
                         // Per layer at least two LayerNorms, a softmax and a GELU (two
                         // rotations more under RoPE; no softmax where the scheme makes the
                         // weights).
@@ -239,9 +246,10 @@ fn fused_kernels_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
 
 /// The device path: each encoder layer as the CUDA path's sequence of device operations
 /// (`poslab-kernels/src/gpu/`), computed by their CPU twin, against the reference compositions, forward and
-/// every gradient, for every scheme, both norm placements, two sizes, with and without dropout,
-/// in f32 and f64, at the fused kernels' tolerances; and that the path ran, by its count of
-/// operations.
+/// every gradient, for every scheme, both norm placements, two sizes, with and without dropout
+/// (the attention's drawn from a seed, in the fused attention's tile loop, and by the
+/// compositions under [`seeded_reference`]), in f32 and f64, at the fused kernels' tolerances;
+/// and that the path ran, by its count of operations.
 #[test]
 fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropout() {
     use poslab::nn::device_path;
@@ -257,7 +265,7 @@ fn device_path_layers_match_the_reference_for_every_scheme_norm_dtype_and_dropou
                     config.attention_dropout = dropout;
                     for (slot, dtype) in [DType::F32, DType::F64].into_iter().enumerate() {
                         let train = dropout > 0.0;
-                        let reference = run_encoder(&config, dtype, on(Kernels::Reference), train);
+                        let reference = run_encoder(&config, dtype, seeded_reference(), train);
                         let what = format!(
                             "{} {norm:?} {size} dropout {dropout} {dtype:?} device path",
                             positional.name()
@@ -345,28 +353,40 @@ fn biases_of_the_offset_reach_the_fused_device_attention_with_their_gradients() 
 /// 2,048-token sequence on the twin, for a scheme of each kind the fused attention takes (none,
 /// a rotation, biases by offset, FoX's running sums), allocates at its peak less than half of
 /// one layer's scores (`b h t²` f32 values, 32 MiB here), where the softmax path holds several
-/// of them at once.
+/// of them at once; with attention dropout too, which the fused attention draws per tile from a
+/// seed (a drawn mask would be a `t × t` tensor, and the softmax path's).
 #[test]
 fn fused_device_layers_make_no_t_by_t_tensor() {
     use poslab::nn::device_path;
     let (b, t) = (1, 2048);
-    for positional in [
+    for (positional, attention_dropout) in [
         PositionalConfig::SinusoidalAdd(Default::default()),
         PositionalConfig::Rope(Default::default()),
         PositionalConfig::Alibi(Default::default()),
         PositionalConfig::T5(Default::default()),
         PositionalConfig::Fox(Default::default()),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|p| [(p.clone(), 0.0), (p, 0.1)])
+    {
         let mut config = tiny_config(positional.clone(), NormPlacement::Pre);
         config.max_len = t;
+        config.attention_dropout = attention_dropout;
         let scores = b * config.n_heads * t * t * 4;
         device_path::reset_peak_bytes();
         let before = device_path::live_bytes();
         run_encoder_on(&config, DType::F32, twin(Kernels::Layer), true, (b, t));
         let peak = device_path::peak_bytes() - before;
+        eprintln!(
+            "{} attention dropout {attention_dropout}: peak {:.1} MiB, one layer's scores {:.1} MiB",
+            positional.name(),
+            peak as f64 / (1 << 20) as f64,
+            scores as f64 / (1 << 20) as f64
+        );
         assert!(
             peak < scores / 2,
-            "{}: the device path's peak {peak} bytes, one layer's scores {scores}",
+            "{} attention dropout {attention_dropout}: the device path's peak {peak} bytes, one \
+             layer's scores {scores}",
             positional.name()
         );
     }
@@ -960,6 +980,7 @@ fn blocks_without_biases_with_geglu_and_no_first_norm_match_the_reference() {
                     // The device path: its layer where it applies, the one-kernel ops elsewhere.
                     let (device, _) =
                         with_op_calls(|| run_encoder(&config, dtype, twin(Kernels::Layer), train));
+                    let reference = run_encoder(&config, dtype, seeded_reference(), train);
                     let what = format!("{name} {activation:?} {first_attn_norm} {dtype:?} device");
                     compare(&device, &reference, tolerance(dtype), &what);
                 }

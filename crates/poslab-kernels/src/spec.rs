@@ -207,12 +207,107 @@ impl LayerShape {
     }
 }
 
+/// Attention dropout given by a seed: the multiplier of entry `index` of the `(b, h, t, t)`
+/// weights (row-major, `((bi h + hd) t + i) t + j`) is `1 / (1 - p)` when
+/// [`dropout_bits`]`(seed, index)` is at or above `p · 2³²`, else 0. Any kernel can make any
+/// tile of the mask on its own, which lets the fused attention drop weights without a `t × t`
+/// tensor (as FlashAttention draws with Philox); the same entries as a tensor are
+/// [`SeededDropout::mask`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SeededDropout {
+    pub seed: u64,
+    /// The probability of dropping a weight, in `(0, 1)`.
+    pub p: f64,
+}
+
+/// 32 random bits for entry `index` of a mask seeded by `seed`: SplitMix64's output at the
+/// state `seed + (index + 1) γ`, its upper half. Stateless, so entries can be drawn in any
+/// order, by any thread; the CUDA kernels compute the same bits (`dropout_bits` in
+/// `kernels.cu`).
+pub fn dropout_bits(seed: u64, index: u64) -> u32 {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(GAMMA));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 32) as u32
+}
+
+impl SeededDropout {
+    /// Entries whose [`dropout_bits`] are below this are dropped: `⌊p · 2³²⌋`, as the host's
+    /// dropout draws.
+    pub fn threshold(&self) -> u64 {
+        (self.p * 4_294_967_296.0) as u64
+    }
+
+    /// Whether entry `index` is kept.
+    pub fn keeps(&self, index: u64) -> bool {
+        u64::from(dropout_bits(self.seed, index)) >= self.threshold()
+    }
+
+    /// What a kept entry is multiplied by, as a mask of `dtype` stores it: `1 / (1 - p)` in
+    /// f64, else rounded to f32 and then to `dtype` (as the host's dropout makes its masks).
+    pub fn scale(&self, dtype: DType) -> Result<f64> {
+        let scale = 1.0 / (1.0 - self.p);
+        if dtype == DType::F64 {
+            return Ok(scale);
+        }
+        Tensor::new(&[scale as f32], &candle::Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()
+            .map(|v| v[0])
+    }
+
+    /// The multipliers of a `(b, h, t, t)` mask of `dtype` on `device`.
+    pub fn mask(
+        &self,
+        shape: &candle::Shape,
+        dtype: DType,
+        device: &candle::Device,
+    ) -> Result<Tensor> {
+        let n = shape.elem_count() as u64;
+        let cpu = &candle::Device::Cpu;
+        let mask = if dtype == DType::F64 {
+            let scale = self.scale(dtype)?;
+            let v: Vec<f64> = (0..n)
+                .map(|i| if self.keeps(i) { scale } else { 0.0 })
+                .collect();
+            Tensor::from_vec(v, shape, cpu)?
+        } else {
+            let scale = (1.0 / (1.0 - self.p)) as f32;
+            let v: Vec<f32> = (0..n)
+                .map(|i| if self.keeps(i) { scale } else { 0.0 })
+                .collect();
+            Tensor::from_vec(v, shape, cpu)?.to_dtype(dtype)?
+        };
+        mask.to_device(device)
+    }
+}
+
+/// A layer's attention dropout: multipliers drawn beforehand, or a seed the kernels draw from.
+#[derive(Clone, Debug)]
+pub enum AttentionDropout {
+    /// `(b, h, t, t)` multipliers.
+    Drawn(Tensor),
+    Seeded(SeededDropout),
+}
+
+impl AttentionDropout {
+    /// The multipliers as a `(b, h, t, t)` tensor like `like` (made from the seed when seeded).
+    pub fn tensor(&self, shape: &candle::Shape, like: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Drawn(m) => Ok(m.clone()),
+            Self::Seeded(s) => s.mask(shape, like.dtype(), like.device()),
+        }
+    }
+}
+
 /// Dropout multipliers of one layer's forward pass, each drawn beforehand in the order the
 /// reference composition draws them.
 #[derive(Clone, Default)]
 pub struct LayerMasks {
-    /// `(b, h, t, t)` on the attention weights
-    pub attention: Option<Tensor>,
+    /// On the attention weights.
+    pub attention: Option<AttentionDropout>,
     /// `(b, t, d)` on the attention branch
     pub attention_out: Option<Tensor>,
     /// `(b, t, d)` on the feed-forward branch
@@ -402,4 +497,77 @@ pub fn group_channels(width: usize, groups: usize) -> Result<usize> {
 /// Whether the device path stores activations of `dtype`.
 pub fn device_path_supports(dtype: DType) -> bool {
     matches!(dtype, DType::F64 | DType::F32 | DType::BF16 | DType::F16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over a million entries at p = 0.1 and 0.5 the dropped share is within five standard
+    /// errors of p, the kept entries' multiplier is `1 / (1 - p)` in the mask's dtype, and
+    /// neighbouring entries (a row's next key, the next seed) are uncorrelated to the same
+    /// bound; the same seed gives the same mask.
+    #[test]
+    fn a_seeded_dropout_drops_each_entry_with_probability_p_independently() {
+        let n = 1usize << 20;
+        for p in [0.1, 0.5] {
+            let d = SeededDropout { seed: 42, p };
+            let next = SeededDropout { seed: 43, p };
+            let kept: Vec<bool> = (0..n as u64).map(|i| d.keeps(i)).collect();
+            let dropped = kept.iter().filter(|k| !**k).count() as f64 / n as f64;
+            let se = (p * (1.0 - p) / n as f64).sqrt();
+            assert!((dropped - p).abs() < 5.0 * se, "p {p}: dropped {dropped}");
+            // Both of two neighbours dropped: p² when independent.
+            let both = kept.windows(2).filter(|w| !w[0] && !w[1]).count() as f64 / n as f64;
+            let se2 = (p * p * (1.0 - p * p) / n as f64).sqrt();
+            assert!((both - p * p).abs() < 5.0 * se2, "p {p}: neighbours {both}");
+            let across = (0..n as u64)
+                .filter(|i| !d.keeps(*i) && !next.keeps(*i))
+                .count() as f64
+                / n as f64;
+            assert!((across - p * p).abs() < 5.0 * se2, "p {p}: seeds {across}");
+            let shape: candle::Shape = (4, 2, 16, 16).into();
+            for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+                let mask = d.mask(&shape, dtype, &candle::Device::Cpu).unwrap();
+                let again = d.mask(&shape, dtype, &candle::Device::Cpu).unwrap();
+                let v = mask.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                let v = v.to_vec1::<f64>().unwrap();
+                let scale = d.scale(dtype).unwrap();
+                assert!((scale - 1.0 / (1.0 - p)).abs() < 1e-2 * scale);
+                for (i, m) in v.iter().enumerate() {
+                    let want = if kept[i] { scale } else { 0.0 };
+                    assert_eq!(*m, want, "entry {i} of {dtype:?}");
+                }
+                let diff = (mask.to_dtype(DType::F64).unwrap()
+                    - again.to_dtype(DType::F64).unwrap())
+                .unwrap();
+                let max = diff.abs().unwrap().max_all().unwrap();
+                assert_eq!(max.to_scalar::<f64>().unwrap(), 0.0);
+            }
+        }
+    }
+
+    /// The device path's mask kernel (its CPU twin) writes [`SeededDropout::mask`]'s values, bit
+    /// for bit, in every dtype.
+    #[cfg(feature = "fused")]
+    #[test]
+    fn the_mask_kernel_writes_the_seeded_masks_values() {
+        use crate::gpu::{twin::Twin, Stream};
+        let d = SeededDropout {
+            seed: 0xDEAD_BEEF,
+            p: 0.3,
+        };
+        let shape: candle::Shape = (3, 2, 33, 33).into();
+        for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+            let want = d.mask(&shape, dtype, &candle::Device::Cpu).unwrap();
+            let s = Twin;
+            let n = shape.elem_count();
+            let (buf, out) = (s.alloc(dtype, n).unwrap(), s.alloc(DType::F64, n).unwrap());
+            s.dropout_mask(d, buf.mem()).unwrap();
+            s.convert(buf.mem(), out.mem()).unwrap();
+            let got = crate::gpu::host::load::<f64, f64>(out.mem(), 0..n);
+            let want = want.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+            assert_eq!(got, want.to_vec1::<f64>().unwrap(), "{dtype:?}");
+        }
+    }
 }

@@ -9,7 +9,8 @@ use crate::error::{Error, Result};
 use crate::layers::LayerSpec;
 #[cfg(feature = "kernels")]
 use crate::nn::{
-    encoder_layer, InputReflections, LayerMasks, LayerShape, Path, StackLayer, TransportShape,
+    encoder_layer, AttentionDropout, InputReflections, LayerMasks, LayerShape, Path, StackLayer,
+    TransportShape,
 };
 use crate::nn::{
     layer_norm_with_bias, AttentionBias, AttentionInputs, Backend, Dropout, FeedForward,
@@ -371,13 +372,21 @@ impl EncoderLayer {
         let (b, t, d) = xs.dims3()?;
         let (dtype, device) = (xs.dtype(), xs.device());
         let heads = self.attn.n_heads();
+        let attention = match backend.path(xs) {
+            // Drawn by the device path's kernels from a seed.
+            Path::Device => self
+                .attn
+                .dropout()
+                .seeded(train)
+                .map(AttentionDropout::Seeded),
+            _ => self
+                .attn
+                .dropout()
+                .attention_multipliers(xs, &(b, heads, t, t).into(), train, backend)?
+                .map(AttentionDropout::Drawn),
+        };
         let masks = LayerMasks {
-            attention: self.attn.dropout().multipliers(
-                &(b, heads, t, t).into(),
-                dtype,
-                device,
-                train,
-            )?,
+            attention,
             attention_out: self
                 .dropout
                 .multipliers(&(b, t, d).into(), dtype, device, train)?,

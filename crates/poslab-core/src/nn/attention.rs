@@ -2,7 +2,7 @@
 //! reach inside it, given as plain inputs ([`AttentionInputs`]): a rotation of q and k, and an
 //! additive bias on the scores.
 
-use candle::{DType, ModuleT, Result, Tensor};
+use candle::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 
 #[cfg(feature = "kernels")]
@@ -509,11 +509,11 @@ impl SelfAttention {
             // One projection for q, k and v, then the whole attention core as one node.
             let (weight, bias_qkv) = self.packed_qkv()?; // (3d, d), (3d)
             let qkv = crate::kernels::cpu::linear(xs, &weight, Some(&bias_qkv))?; // (b, t, 3d)
-            let mask = self.dropout.multipliers(
+            let mask = self.dropout.attention_multipliers(
+                xs,
                 &(b, self.n_heads, t, t).into(),
-                xs.dtype(),
-                xs.device(),
                 train,
+                backend,
             )?;
             let core = self
                 .fused_core(inputs, backend)
@@ -564,9 +564,9 @@ impl SelfAttention {
             };
             let allowed = allowed_keys(inputs.key_padding, inputs.window, t, scores.dtype())?;
             let (weights, added) = own.weights(&scores, &allowed, backend)?;
-            let weights = self
-                .dropout
-                .forward_t(&weights.to_dtype(v.dtype())?, train)?;
+            let weights =
+                self.dropout
+                    .forward_attention(&weights.to_dtype(v.dtype())?, train, backend)?;
             let mut out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
             if let Some(added) = added {
                 out = out.broadcast_add(&added.to_dtype(out.dtype())?)?;
@@ -593,7 +593,7 @@ impl SelfAttention {
                 masked_softmax(&biased, inputs.key_padding, backend)?.to_dtype(v.dtype())?
             }
         };
-        let weights = self.dropout.forward_t(&weights, train)?;
+        let weights = self.dropout.forward_attention(&weights, train, backend)?;
         let out = super::matmul(&weights, &v)?; // (b, h, t, d_head)
         let out = out.transpose(1, 2)?.reshape((b, t, d))?; // (b, t, d_model)
         Ok(self.o.forward(&out, backend)?)

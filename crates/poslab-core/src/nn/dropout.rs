@@ -5,6 +5,8 @@ use std::sync::{Arc, Mutex};
 use candle::{DType, Device, ModuleT, Result, Tensor};
 use rand::RngCore;
 
+use super::Backend;
+use crate::kernels::spec::SeededDropout;
 use crate::rng::Rng;
 
 /// One generator shared by every dropout site of a model: masks are drawn in forward order, so
@@ -62,6 +64,58 @@ impl Dropout {
             return Ok(None);
         }
         self.mask(shape, dtype, device).map(Some)
+    }
+}
+
+impl Dropout {
+    /// The probability of dropping a unit.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+
+    /// A seeded dropout (one `u64` drawn from the shared generator) for a mask the kernels
+    /// draw themselves, or none when it is inactive.
+    pub(crate) fn seeded(&self, train: bool) -> Option<SeededDropout> {
+        if !train || self.p == 0.0 {
+            return None;
+        }
+        let mut rng = self.rng.lock().expect("dropout generator lock poisoned");
+        Some(SeededDropout {
+            seed: rng.next_u64(),
+            p: self.p,
+        })
+    }
+
+    /// The attention weights' multipliers for a `(b, h, t, t)` tensor like `like`, drawn as
+    /// `backend` draws them ([`Backend::seeds_attention_dropout`]), or none when inactive.
+    pub(crate) fn attention_multipliers(
+        &self,
+        like: &Tensor,
+        shape: &candle::Shape,
+        train: bool,
+        backend: Backend,
+    ) -> Result<Option<Tensor>> {
+        match backend.seeds_attention_dropout(like) {
+            true => self
+                .seeded(train)
+                .map(|d| d.mask(shape, like.dtype(), like.device()))
+                .transpose(),
+            false => self.multipliers(shape, like.dtype(), like.device(), train),
+        }
+    }
+
+    /// [`ModuleT::forward_t`] on attention weights `(b, h, t, t)`, their multipliers drawn as
+    /// `backend` draws them.
+    pub(crate) fn forward_attention(
+        &self,
+        weights: &Tensor,
+        train: bool,
+        backend: Backend,
+    ) -> Result<Tensor> {
+        match self.attention_multipliers(weights, weights.shape(), train, backend)? {
+            Some(mask) => weights.mul(&mask),
+            None => Ok(weights.clone()),
+        }
     }
 }
 

@@ -26,7 +26,7 @@ mod transport;
 #[cfg(feature = "kernels")]
 pub(crate) use crate::kernels::cpu::{encoder_layer, encoder_stack, StackLayer};
 #[cfg(feature = "kernels")]
-pub(crate) use crate::kernels::spec::{LayerMasks, LayerShape, TransportShape};
+pub(crate) use crate::kernels::spec::{AttentionDropout, LayerMasks, LayerShape, TransportShape};
 pub use crate::kernels::{cores, simd_dispatches, with_threads, SimdLevel};
 #[cfg(feature = "kernels")]
 pub use crate::kernels::{
@@ -117,6 +117,9 @@ pub struct Backend {
     /// The CPU computes as CUDA does ([`Backend::as_on_cuda`]): how the tests check the CUDA
     /// path's wiring without a GPU.
     pub cuda_twin: bool,
+    /// Attention dropout from a seed everywhere ([`Backend::seeds_attention_dropout`]), as the
+    /// device path draws it: how the tests give the compositions the device path's masks.
+    pub seeded_attention_dropout: bool,
 }
 
 impl Default for Backend {
@@ -126,6 +129,7 @@ impl Default for Backend {
             kernels: Kernels::Layer,
             simd: SimdLevel::detected(),
             cuda_twin: false,
+            seeded_attention_dropout: false,
         }
     }
 }
@@ -175,6 +179,27 @@ impl Backend {
             cuda_twin: true,
             ..self
         }
+    }
+
+    /// For tests: this backend with the attention weights' dropout drawn from a seed on every
+    /// path, as on the device path ([`Backend::seeds_attention_dropout`]).
+    #[doc(hidden)]
+    pub fn with_seeded_attention_dropout(self) -> Self {
+        Self {
+            seeded_attention_dropout: true,
+            ..self
+        }
+    }
+
+    /// Whether the attention weights of `x`'s layers are dropped by a seeded mask
+    /// ([`crate::kernels::spec::SeededDropout`]: one seed drawn from the model's generator a
+    /// layer, each weight's multiplier a hash of the seed and its index), rather than by
+    /// multipliers drawn one by one from the generator. On the device path: its kernels draw
+    /// each tile's multipliers where they are used, so the fused attention makes no `t × t` mask
+    /// (a device-path run's masks are therefore not the CPU path's, though they are drawn with
+    /// the same probability). Elsewhere only under [`Backend::with_seeded_attention_dropout`].
+    pub fn seeds_attention_dropout(&self, x: &Tensor) -> bool {
+        self.seeded_attention_dropout || self.path(x) == Path::Device
     }
 
     /// The kernels activations of `dtype` on `device` are computed with: [`Backend::kernels`]

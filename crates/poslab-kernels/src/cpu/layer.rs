@@ -63,7 +63,7 @@ use super::{
 };
 use super::{pointwise, running_sums};
 use crate::gpu as device;
-use crate::spec::{LayerBias, LayerMasks, LayerShape, TransportShape};
+use crate::spec::{AttentionDropout, LayerBias, LayerMasks, LayerShape, TransportShape};
 
 /// The activations the backward needs, kept by the forward.
 struct Saved<T> {
@@ -218,9 +218,18 @@ impl LayerOp {
         Ok((b, t, d))
     }
 
-    fn host_masks<T: Real>(&self) -> Result<HostMasks<T>> {
+    /// The masks on the host; a seeded attention dropout's made for `b` sequences of `t`.
+    fn host_masks<T: Real>(&self, b: usize, t: usize) -> Result<HostMasks<T>> {
+        let h = self.attention.head_count();
+        let attention = match &self.masks.attention {
+            None => None,
+            Some(AttentionDropout::Drawn(m)) => Some(m.clone()),
+            Some(AttentionDropout::Seeded(d)) => {
+                Some(d.mask(&(b, h, t, t).into(), T::DTYPE, &candle::Device::Cpu)?)
+            }
+        };
         Ok(HostMasks {
-            attention: host(&self.masks.attention)?,
+            attention: host(&attention)?,
             attention_out: host(&self.masks.attention_out)?,
             ffn_out: host(&self.masks.ffn_out)?,
         })
@@ -238,7 +247,7 @@ impl LayerOp {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
         let o = self.shape.offsets();
-        let masks = self.host_masks::<T>()?;
+        let masks = self.host_masks::<T>(b, t)?;
         let ln = |x: &[T], at: usize| {
             LayerNormOp { eps, simd }.forward(x, &p[at..at + d], &p[at + d..at + 2 * d])
         };
@@ -368,7 +377,7 @@ impl LayerOp {
         let (n, f, eps) = (b * t, self.shape.ffn, self.shape.eps);
         let simd = self.attention.simd();
         let o = self.shape.offsets();
-        let masks = self.host_masks::<T>()?;
+        let masks = self.host_masks::<T>(b, t)?;
         let dims = self.attention.dims_of(b, t, 3 * d)?;
         let mut dp = zeros(o.len);
         // LayerNorm backward: returns dx, writes [dw; db] at `at`.
@@ -519,7 +528,10 @@ impl LayerOp {
             rope.map(|r| r.0),
             rope.map(|r| r.1),
             bias,
-            m.attention.as_ref(),
+            match &m.attention {
+                Some(AttentionDropout::Drawn(t)) => Some(t),
+                _ => None,
+            },
             m.attention_out.as_ref(),
             m.ffn_out.as_ref(),
         ]
@@ -574,7 +586,12 @@ impl LayerOp {
             bias_grad: self.attention.bias_needs_grad(),
             window,
             masks: device::layer::Masks {
-                attention: mem(4)?,
+                attention: match (&self.masks.attention, mem(4)?) {
+                    (Some(AttentionDropout::Seeded(d)), _) => {
+                        Some(device::layer::AttentionMask::Seeded(*d))
+                    }
+                    (_, m) => m.map(device::layer::AttentionMask::Drawn),
+                },
                 attention_out: mem(5)?,
                 ffn_out: mem(6)?,
             },

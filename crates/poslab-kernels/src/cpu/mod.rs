@@ -46,7 +46,7 @@ pub use channel_mlp::channel_mlp;
 pub use differences::sided_differences;
 use linear::by_dtype;
 
-pub use super::spec::{LayerMasks, LayerShape, TransportShape};
+pub use super::spec::{AttentionDropout, LayerMasks, LayerShape, SeededDropout, TransportShape};
 pub use adamw::adamw_step;
 pub use attention::{attention, Attention};
 pub use attention::{head_product_gflops, HeadProduct};

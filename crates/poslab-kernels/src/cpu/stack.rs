@@ -20,7 +20,7 @@ use candle::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use super::layer::LayerOp;
 use super::Attention;
 use crate::gpu as device;
-use crate::spec::{LayerMasks, LayerShape};
+use crate::spec::{AttentionDropout, LayerMasks, LayerShape};
 
 /// One layer of a stack: what [`super::encoder_layer`] takes besides its input and parameters.
 pub struct StackLayer {
@@ -68,7 +68,8 @@ pub fn encoder_stack(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut at, mut bias_at) = (0, 0);
     for layer in layers {
-        let attention = match crate::gpu::layer::fuses(&*stream, layer.masks.attention.is_some()) {
+        let drawn = matches!(layer.masks.attention, Some(AttentionDropout::Drawn(_)));
+        let attention = match crate::gpu::layer::fuses(&*stream, drawn) {
             true => layer.attention,
             false => layer.attention.without_offsets()?,
         };

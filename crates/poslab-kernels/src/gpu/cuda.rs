@@ -46,10 +46,11 @@ fn ptx() -> Result<&'static str> {
 }
 
 /// The kernels every storage dtype has, as [`CudaStream`] launches them.
-const KERNELS: [&str; 21] = [
+const KERNELS: [&str; 22] = [
     "gates",
     "fill",
     "mul",
+    "dropout_mask",
     "layer_norm",
     "residual",
     "norm_back",
@@ -399,6 +400,18 @@ impl Stream for CudaStream {
             i64_arg(x.len),
         ];
         self.launch("mul", x.dtype, grid_of(x.len), &args)
+    }
+
+    fn dropout_mask(&self, d: crate::spec::SeededDropout, out: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        let args = [
+            Arg::Ptr(out.addr),
+            Arg::I64(d.seed),
+            Arg::I64(d.threshold()),
+            Arg::F64(d.scale(out.dtype)?),
+            i64_arg(out.len),
+        ];
+        self.launch("dropout_mask", out.dtype, grid_of(out.len), &args)
     }
 
     fn convert(&self, x: Mem, out: Mem) -> Result<()> {

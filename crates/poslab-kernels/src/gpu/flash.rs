@@ -5,6 +5,11 @@
 //! holds only padding has scores near the masked score, -1e9, where f32's unit is 64 and
 //! `m + ln l` would lose `ln l`).
 //!
+//! With attention dropout ([`SeededDropout`]) each weight's multiplier is drawn where the
+//! weight is, from its index in the `(b, h, t, t)` weights: the sum `l` is of the weights
+//! before dropout, `acc` of the dropped ones, and the backward draws the same multipliers
+//! (`dp_ij = (dO_i·v_j) m_ij`; `D_i = dO_i·o_i` still, as `o` is the dropped output).
+//!
 //! The scores' additions are read per tile ([`FlashBias`]): a bias given by offsets (one value
 //! per head and offset `j - i`, the `2t - 1` of them: ALiBi's slopes, T5's buckets, KERPLE and
 //! FIRE as tables by offset), FoX's running sums (`f[i] - f[j]` for `j <= i`, `g[j] - g[i]`
@@ -34,6 +39,7 @@ use candle::Result;
 
 use super::host::{holds, holds_c, load, rows_par, store, Store};
 use super::*;
+use crate::spec::SeededDropout;
 use crate::Real;
 
 /// Queries, and keys, per tile.
@@ -93,9 +99,33 @@ pub struct Flash {
     pub key_bias: Mem,
     pub bias: FlashBias,
     pub window: Window,
+    /// Attention dropout, drawn in the tile loop.
+    pub dropout: Option<SeededDropout>,
 }
 
 impl Flash {
+    /// The dropout multiplier of query `i` and key `j` of (batch, head) `bh` in the compute
+    /// dtype, from `drop` (the dropout and its scale in the heads' dtype); 1 without dropout.
+    fn kept<C: Real>(&self, drop: Option<(SeededDropout, C)>, bh: usize, i: usize, j: usize) -> C {
+        match drop {
+            None => C::one(),
+            Some((d, scale)) => {
+                let t = self.heads.t as u64;
+                match d.keeps((bh as u64 * t + i as u64) * t + j as u64) {
+                    true => scale,
+                    false => C::zero(),
+                }
+            }
+        }
+    }
+
+    /// The dropout and its kept entries' multiplier, as [`Flash::kept`] takes them.
+    fn drop<C: Real>(&self) -> Result<Option<(SeededDropout, C)>> {
+        self.dropout
+            .map(|d| Ok((d, C::lit(d.scale(self.q.dtype)?))))
+            .transpose()
+    }
+
     /// Checks every span it reads, for heads of `S` computed as `C`.
     fn check<S: Store<C>, C: Store<C>>(&self) -> Result<()> {
         let n = self.heads;
@@ -218,6 +248,7 @@ pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
     holds::<S, C>(out, n.one(), "the attention's output")?;
     holds_c::<C>(lse, 2 * n.b * n.h * t, "the rows' statistics")?;
     let tiles = t.div_ceil(TILE);
+    let drop = f.drop::<C>()?;
     rows_par(n.b * n.h * tiles, TILE * t * dh, |task| {
         let (bh, tile) = (task / tiles, task % tiles);
         let block = Block::<C>::of::<S>(f, bh);
@@ -247,6 +278,7 @@ pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
                 for (s, j) in s.iter().zip(cols.clone()) {
                     let p = (*s - top).exp();
                     l[r] += p;
+                    let p = p * f.kept(drop, bh, i, j);
                     for (a, v) in acc_r.iter_mut().zip(&block.v[j * dh..(j + 1) * dh]) {
                         *a += p * *v;
                     }
@@ -270,6 +302,10 @@ pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
     });
     Ok(())
 }
+
+/// What every tile of a (batch, head) reads in the backward: its [`Block`], `dO` by row, the
+/// rows' statistics `(m, l)` and `D = dO·o`.
+type Prepared<C> = (Block<C>, Vec<C>, Vec<(C, C)>, Vec<C>);
 
 /// The twin of the backward kernel, from the forward's `out` and statistics `lse` and the
 /// output's gradient `dout` (all as [`flash_twin`] wrote them).
@@ -298,7 +334,7 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
         holds_c::<C>(d, bias_len, "the bias's gradient")?;
     }
     // Each row's D = dO·O, and what every tile of a (batch, head) reads.
-    let prepared = |bh: usize| {
+    let prepared = |bh: usize| -> Prepared<C> {
         let block = Block::<C>::of::<S>(f, bh);
         let o = load_rows::<S, C>(n, out, bh, 0..t);
         let d_o = load_rows::<S, C>(n, dout, bh, 0..t);
@@ -313,14 +349,17 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
             .collect();
         (block, d_o, stats, dd)
     };
-    // `(p_ij, ds_ij)` of query `i` and key `j`.
-    let weights = |block: &Block<C>, d_o: &[C], stats: &[(C, C)], dd: &[C], i: usize, j: usize| {
+    let drop = f.drop::<C>()?;
+    // `(p_ij m_ij, ds_ij)` of query `i` and key `j` of (batch, head) `bh`, `m` the dropout's
+    // multiplier.
+    let weights = |(block, d_o, stats, dd): &Prepared<C>, bh: usize, i: usize, j: usize| {
         let p = (block.score(f, i, j) - stats[i].0).exp() / stats[i].1;
+        let m = f.kept(drop, bh, i, j);
         let dp = d_o[i * dh..(i + 1) * dh]
             .iter()
             .zip(&block.v[j * dh..(j + 1) * dh])
             .fold(C::zero(), |s, (a, b)| s + *a * *b);
-        (p, p * (dp - dd[i]))
+        (p * m, p * (dp * m - dd[i]))
     };
     let scale = C::lit(f.scale);
     let tiles = t.div_ceil(TILE);
@@ -337,7 +376,8 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
     };
     // Per key tile: dk, dv, and the columns' part of the bias's gradient.
     let column_parts = per_tile(&|bh, cols| {
-        let (block, d_o, stats, dd) = prepared(bh);
+        let ready = prepared(bh);
+        let (block, stats) = (&ready.0, &ready.2);
         let (mut dk, mut dv) = (
             vec![C::zero(); cols.len() * dh],
             vec![C::zero(); cols.len() * dh],
@@ -357,9 +397,9 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
         for start in starts {
             for i in start..(start + TILE).min(t) {
                 for (c, j) in cols.clone().enumerate() {
-                    let (p, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                    let (p, ds) = weights(&ready, bh, i, j);
                     for d in 0..dh {
-                        dv[c * dh + d] += p * d_o[i * dh + d];
+                        dv[c * dh + d] += p * ready.1[i * dh + d];
                         dk[c * dh + d] += scale * ds * block.q[i * dh + d];
                     }
                     match f.bias {
@@ -377,7 +417,8 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
     });
     // Per query tile: dq, and the rows' part of the sums' gradient.
     let row_parts = per_tile(&|bh, rows| {
-        let (block, d_o, stats, dd) = prepared(bh);
+        let ready = prepared(bh);
+        let (block, stats) = (&ready.0, &ready.2);
         let mut dq = vec![C::zero(); rows.len() * dh];
         // Sided: the rows' `Σ_{j <= i}` of df and `-Σ_{j > i}` of dg.
         let mut part = vec![C::zero(); 2 * rows.len()];
@@ -388,7 +429,7 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
         for start in starts {
             for j in start..(start + TILE).min(t) {
                 for (r, i) in rows.clone().enumerate() {
-                    let (_, ds) = weights(&block, &d_o, &stats, &dd, i, j);
+                    let (_, ds) = weights(&ready, bh, i, j);
                     for d in 0..dh {
                         dq[r * dh + d] += scale * ds * block.k[j * dh + d];
                     }
@@ -476,8 +517,17 @@ mod tests {
         bias: &Bias,
         window: Window,
         dout: &[f64],
+        dropout: Option<(SeededDropout, f64)>,
     ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
         let (t, dh) = (n.t, n.dh);
+        // The multiplier of query `i` and key `j` of (batch, head) `bh`.
+        let kept = |bh: usize, i: usize, j: usize| match dropout {
+            None => 1.0,
+            Some((d, scale)) => match d.keeps(((bh * t + i) * t + j) as u64) {
+                true => scale,
+                false => 0.0,
+            },
+        };
         let size = n.one();
         let (mut o, mut dq, mut dk, mut dv) = (
             vec![0.0; size],
@@ -507,12 +557,15 @@ mod tests {
             }
             for i in 0..t {
                 for d in 0..dh {
-                    o[(bh * t + i) * dh + d] = (0..t).map(|j| p[i][j] * at(v, j, d)).sum();
+                    o[(bh * t + i) * dh + d] =
+                        (0..t).map(|j| p[i][j] * kept(bh, i, j) * at(v, j, d)).sum();
                 }
             }
             for i in 0..t {
                 let dp: Vec<f64> = (0..t)
-                    .map(|j| (0..dh).map(|d| at(dout, i, d) * at(v, j, d)).sum())
+                    .map(|j| {
+                        kept(bh, i, j) * (0..dh).map(|d| at(dout, i, d) * at(v, j, d)).sum::<f64>()
+                    })
                     .collect();
                 let dot: f64 = (0..t).map(|j| dp[j] * p[i][j]).sum();
                 for j in 0..t {
@@ -520,7 +573,7 @@ mod tests {
                     for d in 0..dh {
                         dq[(bh * t + i) * dh + d] += scale * ds * at(k, j, d);
                         dk[(bh * t + j) * dh + d] += scale * ds * at(q, i, d);
-                        dv[(bh * t + j) * dh + d] += p[i][j] * at(dout, i, d);
+                        dv[(bh * t + j) * dh + d] += p[i][j] * kept(bh, i, j) * at(dout, i, d);
                     }
                     match bias {
                         Bias::None => {}
@@ -579,7 +632,8 @@ mod tests {
     /// largest value; the half types against the reference of their rounded inputs), with padded
     /// keys, every kind of window (padded queries whose window holds only padding among them),
     /// and each bias it takes; over tiles that do not divide the length, at head widths 8, 64
-    /// and 128.
+    /// and 128; with and without attention dropout (the reference's multipliers those of
+    /// [`SeededDropout::keeps`] at each weight's index).
     #[test]
     fn the_fused_attention_matches_the_dense_reference_forward_and_backward() {
         let mut worst = std::collections::BTreeMap::new();
@@ -646,7 +700,16 @@ mod tests {
                     .collect()
             };
             let live_dout = live(&dout);
-            for bias in &biases {
+            for (bias, dropout) in biases.iter().flat_map(|b| {
+                [
+                    None,
+                    Some(SeededDropout {
+                        seed: 0x5EED,
+                        p: 0.25,
+                    }),
+                ]
+                .map(|d| (b, d))
+            }) {
                 // With those rows, f64 to 1e-6: their scores sit near the masked score, -1e9,
                 // where f64's unit is 1.2e-7, and their weights come from the log-sum-exp there.
                 let kinds = [
@@ -662,14 +725,23 @@ mod tests {
                     let round =
                         |x: &[f64]| -> Vec<f64> { x.iter().map(|v| rounded(*v, dtype)).collect() };
                     let (q, k, v, dout) = (round(&q), round(&k), round(&v), round(&dout));
-                    let mut want =
-                        reference(n, (&q, &k, &v), scale, &key_bias, bias, window, &dout);
-                    let mut got = run(
+                    let multiplier = dropout.map(|d| (d, d.scale(dtype).unwrap()));
+                    let mut want = reference(
                         n,
                         (&q, &k, &v),
                         scale,
                         &key_bias,
                         bias,
+                        window,
+                        &dout,
+                        multiplier,
+                    );
+                    let mut got = run(
+                        n,
+                        (&q, &k, &v),
+                        scale,
+                        &key_bias,
+                        (bias, dropout),
                         window,
                         &dout,
                         dtype,
@@ -688,7 +760,7 @@ mod tests {
                         assert!(
                             e <= tolerance,
                             "{name} off by {e:.2e} ({dtype:?}, dh {}, all rows {all}, \
-                             {window:?}, bias {})",
+                             {window:?}, bias {}, {dropout:?})",
                             n.dh,
                             bias.len(n)
                         );
@@ -732,7 +804,7 @@ mod tests {
         (q, k, v): (&[f64], &[f64], &[f64]),
         scale: f64,
         key_bias: &[f64],
-        bias: &Bias,
+        (bias, dropout): (&Bias, Option<SeededDropout>),
         window: Window,
         dout: &[f64],
         dtype: DType,
@@ -763,6 +835,7 @@ mod tests {
                         Bias::Sided(_) => FlashBias::Sided { sums: mem(&table) },
                     },
                     window,
+                    dropout,
                 };
                 let size = n.one();
                 let o = heads(&vec![0.0; size]);
@@ -830,6 +903,7 @@ mod tests {
             key_bias: key_bias.mem(),
             bias: FlashBias::None,
             window: Window::ALL,
+            dropout: None,
         };
         s.flash(&f, out.mem(), lse.mem()).unwrap();
         let peak = crate::gpu::peak_bytes() - before;

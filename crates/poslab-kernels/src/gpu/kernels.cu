@@ -144,6 +144,27 @@ template <typename S> __device__ void mul(const S* x, const S* m, S* out, i64 n)
     GRID_STRIDE(i, n) out[i] = E<S>::put(E<S>::get(x[i]) * E<S>::get(m[i]));
 }
 
+// 32 random bits for entry `index` of a dropout mask seeded by `seed`: SplitMix64's output at
+// the state seed + (index + 1) gamma, its upper half (spec.rs's dropout_bits).
+__device__ unsigned int dropout_bits(unsigned long long seed, unsigned long long index) {
+    unsigned long long z = seed + (index + 1ULL) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return (unsigned int)((z ^ (z >> 31)) >> 32);
+}
+
+// A seeded dropout's multipliers: `scale` (already rounded to S) where the entry's bits are at
+// or above `threshold`, else 0.
+template <typename S>
+__device__ void dropout_mask(S* out, unsigned long long seed, unsigned long long threshold,
+                             double scale, i64 n) {
+    typedef typename E<S>::C C;
+    GRID_STRIDE(i, n) {
+        const bool keep = (unsigned long long)dropout_bits(seed, (unsigned long long)i) >= threshold;
+        out[i] = E<S>::put(keep ? (C)scale : (C)0);
+    }
+}
+
 template <typename S, typename D> __device__ void convert(const S* x, D* out, i64 n) {
     typedef typename E<D>::C C;
     GRID_STRIDE(i, n) out[i] = E<D>::put((C)E<S>::get(x[i]));
@@ -755,6 +776,11 @@ __device__ void xent_back(S* logits, const typename E<S>::C* lse, const unsigned
     extern "C" __global__ void fill_##N(S* out, double value, i64 n) { fill<S>(out, value, n); } \
     extern "C" __global__ void mul_##N(const S* x, const S* m, S* out, i64 n) {                    \
         mul<S>(x, m, out, n);                                                                      \
+    }                                                                                              \
+    extern "C" __global__ void dropout_mask_##N(S* out, unsigned long long seed,                  \
+                                                unsigned long long threshold, double scale,        \
+                                                i64 n) {                                           \
+        dropout_mask<S>(out, seed, threshold, scale, n);                                           \
     }                                                                                              \
     extern "C" __global__ void layer_norm_##N(const S* x, const S* w, const S* b, double eps,     \
                                               S* y, E<S>::C* stats, i64 rows, int width) {         \

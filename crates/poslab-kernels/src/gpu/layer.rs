@@ -31,7 +31,7 @@
 use candle::{DType, Result};
 
 use super::*;
-use crate::spec::Offsets;
+use crate::spec::{Offsets, SeededDropout};
 
 /// The attention weights of one layer are kept for the backward while they take at most this
 /// much; larger ones are recomputed there (one batched product and one softmax: about 2% of a
@@ -54,11 +54,19 @@ pub struct Spec {
     pub offsets: Offsets,
 }
 
+/// The attention weights' dropout: multipliers `(b, h, t, t)` in the activations' dtype, or a
+/// seed the kernels draw them from (the fused attention per tile, elsewhere into a mask made
+/// where it is used).
+#[derive(Clone, Copy, Debug)]
+pub enum AttentionMask {
+    Drawn(Mem),
+    Seeded(SeededDropout),
+}
+
 /// The dropout multipliers of one forward, each in the activations' dtype.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Masks {
-    /// `(b, h, t, t)`
-    pub attention: Option<Mem>,
+    pub attention: Option<AttentionMask>,
     /// `(b, t, d)`
     pub attention_out: Option<Mem>,
     /// `(b, t, d)`
@@ -148,16 +156,32 @@ fn with_sums(fx: &Fixed, sums: Mem) -> Fixed {
 }
 
 /// Whether a layer's attention can run fused on `s` ([`flash`]): the stream has the kernel and
-/// no attention dropout mask is given (it is a `b h t t` tensor). Where it can, a bias by offset
-/// is given to the layer as it is; elsewhere as its table.
-pub fn fuses(s: &dyn Stream, dropout_mask: bool) -> bool {
-    s.fuses_attention() && !dropout_mask
+/// no drawn attention dropout mask is given (it is a `b h t t` tensor; a seeded dropout is
+/// drawn in the tile loop). Where it can, a bias by offset is given to the layer as it is;
+/// elsewhere as its table.
+pub fn fuses(s: &dyn Stream, drawn_mask: bool) -> bool {
+    s.fuses_attention() && !drawn_mask
 }
 
 /// Whether the attention runs fused: it can ([`fuses`]) and the bias is one the kernel reads per
 /// tile.
 fn fused(s: &dyn Stream, fx: &Fixed) -> bool {
-    fuses(s, fx.masks.attention.is_some()) && !matches!(fx.bias, ScoreBias::Table { .. })
+    let drawn = matches!(fx.masks.attention, Some(AttentionMask::Drawn(_)));
+    fuses(s, drawn) && !matches!(fx.bias, ScoreBias::Table { .. })
+}
+
+/// The attention dropout's multipliers `(b, h, t, t)`, when there is a dropout: the drawn mask,
+/// or a buffer made from the seed (which the caller holds while the mask is read).
+fn attention_mask(s: &dyn Stream, fx: &Fixed, dt: DType) -> Result<Option<(Mem, Option<Buf>)>> {
+    Ok(match fx.masks.attention {
+        None => None,
+        Some(AttentionMask::Drawn(m)) => Some((m, None)),
+        Some(AttentionMask::Seeded(d)) => {
+            let m = s.alloc(dt, fx.heads.scores())?;
+            s.dropout_mask(d, m.mem())?;
+            Some((m.mem(), Some(m)))
+        }
+    })
 }
 
 /// The fused attention of the heads `(3, b, h, t, dh)` under `fx` (a bias [`fused`] takes).
@@ -179,6 +203,13 @@ fn flash_of(fx: &Fixed, heads: Mem) -> Result<flash::Flash> {
             }
         },
         window: fx.window,
+        dropout: match fx.masks.attention {
+            None => None,
+            Some(AttentionMask::Seeded(d)) => Some(d),
+            Some(AttentionMask::Drawn(_)) => {
+                candle::bail!("device path: the fused attention reads no drawn dropout mask")
+            }
+        },
     })
 }
 
@@ -331,8 +362,9 @@ pub fn forward(
         s.flash(&flash_of(fx, heads.mem())?, c.mem(), lse.mem())?;
         (c, None, keep.then_some(lse))
     } else {
-        let dropped = match fx.masks.attention {
-            Some(m) => Some((m, s.alloc(dt, hs.scores())?)),
+        let mask = attention_mask(s, fx, dt)?;
+        let dropped = match &mask {
+            Some((m, _)) => Some((*m, s.alloc(dt, hs.scores())?)),
             None => None,
         };
         let probs = weights(
@@ -355,7 +387,7 @@ pub fn forward(
             alpha: 1.0,
             beta: 0.0,
         })?;
-        drop(dropped);
+        drop((dropped, mask));
         let c = s.alloc(dt, n * d)?;
         s.transpose12(ctx.mem(), [hs.b, hs.h, hs.t, hs.dh], c.mem())?;
         drop(ctx);
@@ -801,8 +833,10 @@ fn core_back(
         gheads.at(2 * one, one)?,
     );
     // dv = (P ⊙ M)ᵀ gctx
-    let dropped = match fx.masks.attention {
-        Some(m) => {
+    let mask = attention_mask(s, fx, dt)?;
+    let dropped = match &mask {
+        Some((m, _)) => {
+            let m = *m;
             let pm = s.alloc(dt, hs.scores())?;
             s.mul(probs, m, pm.mem())?;
             Some(pm)
@@ -832,7 +866,8 @@ fn core_back(
         1.0,
     ))?;
     drop(gctx);
-    s.softmax_back(probs, ds.mem(), fx.masks.attention, bh * hs.t, hs.t)?;
+    s.softmax_back(probs, ds.mem(), mask.as_ref().map(|m| m.0), bh * hs.t, hs.t)?;
+    drop(mask);
     drop(recomputed);
     if let Some(dbias) = dbias {
         match fx.bias {

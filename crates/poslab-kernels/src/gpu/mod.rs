@@ -455,6 +455,9 @@ pub trait Stream {
     fn fill(&self, out: Mem, value: f64) -> Result<()>;
     /// `out = x ⊙ m`, elementwise (`out` may be `x`).
     fn mul(&self, x: Mem, m: Mem, out: Mem) -> Result<()>;
+    /// The multipliers of a seeded dropout's entries `0..out.len` ([`crate::spec::SeededDropout::mask`]'s
+    /// values) into `out`.
+    fn dropout_mask(&self, d: crate::spec::SeededDropout, out: Mem) -> Result<()>;
     /// `out = x`, converted to `out`'s dtype.
     fn convert(&self, x: Mem, out: Mem) -> Result<()>;
     /// LayerNorm's forward over `rows` rows of `width` ([`Norm`]).

@@ -133,6 +133,27 @@ impl Stream for Twin {
         Ok(())
     }
 
+    fn dropout_mask(&self, d: crate::spec::SeededDropout, out: Mem) -> Result<()> {
+        count(Kind::Kernel);
+        let scale = d.scale(out.dtype)?;
+        typed!(out.dtype, |S, C| {
+            let n = out.len;
+            let chunk = 1 << 14;
+            rows_par(n.div_ceil(chunk), chunk, |c| {
+                let r = c * chunk..((c + 1) * chunk).min(n);
+                let v: Vec<C> = r
+                    .clone()
+                    .map(|i| match d.keeps(i as u64) {
+                        true => <C as Real>::lit(scale),
+                        false => <C as Real>::lit(0.0),
+                    })
+                    .collect();
+                store::<S, C>(out, r.start, &v);
+            });
+        });
+        Ok(())
+    }
+
     fn convert(&self, x: Mem, out: Mem) -> Result<()> {
         count(Kind::Copy);
         if out.len < x.len {
