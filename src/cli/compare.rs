@@ -358,8 +358,8 @@ fn print_costs(
     }
     outln!(
         "estimated cost at {gflops} GFLOP/s per job (the default is what the small length suite \
-         and the default compare reach on one core of this project's AMD EPYC machine, 13-18; \
-         --gflops sets it):\n"
+         and the default compare reach on one core of a 2-core cloud VM, 13-18, as the book's \
+         performance page records; --gflops sets it):\n"
     );
     let mut table = TextTable::new(
         [

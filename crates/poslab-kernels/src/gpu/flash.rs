@@ -31,9 +31,11 @@
 //!     d(bias by offset o) = Σ_{b, j - i = o} ds_ij;  the running sums' gradient as `sided_back`
 //! ```
 //!
-//! The CUDA kernel and the twin share this tile loop: the twin runs it over (batch, head, key
-//! tile) for `dk`, `dv` and the column parts of the bias's gradient, then over (batch, head,
-//! query tile) for `dq` and the row parts, where the GPU's blocks add `dq` atomically.
+//! The twin runs this tile loop as a GPU's blocks would: over (batch, head, key tile) for `dk`,
+//! `dv` and the column parts of the bias's gradient, then over (batch, head, query tile) for
+//! `dq` and the row parts, each part summed in a fixed order. Its CUDA kernel is not written
+//! yet: a CUDA stream answers `fuses_attention` with false, and its layers take the softmax
+//! path.
 
 use candle::Result;
 
