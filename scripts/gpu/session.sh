@@ -49,7 +49,14 @@
 #                merged by `poslab report`: wall time, and the results against one process's
 #                                                                               -> shards.txt
 #
-# Built since, not yet run on a GPU (2026-12-07, issue 75): the layers as one node on the device
+# Built since, not yet run on a GPU (2026-12-08, issue 75): the fused attention's CUDA kernels
+# (gpu/flash/flash.cu, a second NVRTC program) and their test, `tests` runs
+# cuda::gpu_fused_attention_matches_its_twin; a CUDA stream does not fuse until it passes (then
+# answer true in CudaStream's `fuses_attention`, gpu/mod.rs's default, rebuild with prepare.sh,
+# and run `launches bench-large`). Attention dropout on the device path is drawn from a seed
+# (one `dropout_mask` kernel a layer on CUDA, where the host drew b h t^2 values and copied
+# them): cuda::gpu_gradients_... compares it with the CPU drawing the same.
+# Built before, not yet run on a GPU (2026-12-07, issue 75): the layers as one node on the device
 # path (a stack of every layer packed in one variable; on the twin sin_add 540 -> 419 launches a
 # step at the large shape, batch 2, and 140 -> 129 at the compare's), AdamW's lower bounds in
 # its launch (KERPLE 1,018 -> 731), the fused attention on the twin only (its CUDA kernel is not

@@ -58,6 +58,7 @@ pub use transport::{
 pub mod device_path {
     #[cfg(feature = "cuda")]
     pub use crate::kernels::gpu::cuda::compile_check as compile_kernels;
+    pub use crate::kernels::gpu::flash::against_twin as fused_attention_against_twin;
     pub use crate::kernels::gpu::{counts, live_bytes, peak_bytes, reset_peak_bytes, Counts};
 }
 

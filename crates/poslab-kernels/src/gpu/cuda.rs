@@ -22,28 +22,56 @@ use super::*;
 /// The kernels' source.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// The kernels compiled to PTX, once per process (or NVRTC's error).
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        cudarc::nvrtc::compile_ptx_with_opts(
-            SOURCE,
-            cudarc::nvrtc::CompileOptions {
-                name: Some("poslab_device_kernels.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map(|p| p.to_src())
-        .map_err(|e| format!("{e:?}"))
-    })
-    .as_ref()
-    .map(String::as_str)
-    .map_err(|e| {
-        candle::Error::Msg(format!(
-            "NVRTC could not compile crates/poslab-kernels/src/gpu/kernels.cu: {e}"
-        ))
-    })
+/// A program of kernels NVRTC compiles the first time a process launches one of them.
+pub(super) struct Program {
+    /// candle's name for the loaded module.
+    module: &'static str,
+    /// The source files, compiled one after another as one program.
+    files: &'static [(&'static str, &'static str)],
+    ptx: OnceLock<std::result::Result<String, String>>,
 }
+
+impl Program {
+    pub(super) const fn new(
+        module: &'static str,
+        files: &'static [(&'static str, &'static str)],
+    ) -> Self {
+        Self {
+            module,
+            files,
+            ptx: OnceLock::new(),
+        }
+    }
+
+    /// The program compiled to PTX, once per process (or NVRTC's error, naming the files).
+    fn ptx(&self) -> Result<&str> {
+        self.ptx
+            .get_or_init(|| {
+                let source: String = self.files.iter().map(|f| f.1).collect();
+                cudarc::nvrtc::compile_ptx_with_opts(
+                    source,
+                    cudarc::nvrtc::CompileOptions {
+                        name: Some(format!("{}.cu", self.module)),
+                        ..Default::default()
+                    },
+                )
+                .map(|p| p.to_src())
+                .map_err(|e| format!("{e:?}"))
+            })
+            .as_ref()
+            .map(String::as_str)
+            .map_err(|e| {
+                let names: Vec<&str> = self.files.iter().map(|f| f.0).collect();
+                candle::Error::Msg(format!(
+                    "NVRTC could not compile crates/poslab-kernels/src/gpu/{}: {e}",
+                    names.join(" + ")
+                ))
+            })
+    }
+}
+
+/// The device path's kernels (`kernels.cu`).
+static KERNELS_PROGRAM: Program = Program::new("poslab_device", &[("kernels.cu", SOURCE)]);
 
 /// The kernels every storage dtype has, as [`CudaStream`] launches them.
 const KERNELS: [&str; 22] = [
@@ -75,22 +103,32 @@ const KERNELS: [&str; 22] = [
 /// the stream launches, for every dtype: how a build machine checks them. Returns the number
 /// of kernels.
 pub fn compile_check() -> Result<usize> {
-    let ptx = ptx()?;
     let dtypes = [DType::F64, DType::F32, DType::BF16, DType::F16];
-    let mut names: Vec<String> = Vec::new();
+    let (mut names, mut flash): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     for dt in dtypes {
         let s = suffix(dt)?;
         names.extend(KERNELS.iter().map(|k| format!("{k}_{s}")));
         for to in dtypes {
             names.push(format!("convert_{s}_{}", suffix(to)?));
         }
+        flash.extend(
+            super::flash::cuda::KERNELS
+                .iter()
+                .map(|k| format!("{k}_{s}")),
+        );
     }
-    for name in &names {
-        if !ptx.contains(&format!(".entry {name}(")) {
-            candle::bail!("the compiled kernels lack `{name}`");
+    for (program, names) in [
+        (&KERNELS_PROGRAM, &names),
+        (&super::flash::cuda::PROGRAM, &flash),
+    ] {
+        let ptx = program.ptx()?;
+        for name in names {
+            if !ptx.contains(&format!(".entry {name}(")) {
+                candle::bail!("the compiled kernels lack `{name}`");
+            }
         }
     }
-    Ok(names.len())
+    Ok(names.len() + flash.len())
 }
 
 /// The name suffix of a storage dtype's kernels.
@@ -136,7 +174,7 @@ pub struct CudaStream {
 }
 
 /// Threads per block of the row kernels and of the element-wise ones.
-const BLOCK: u32 = 256;
+pub(super) const BLOCK: u32 = 256;
 
 /// Rows of a warp-per-row kernel in one block of [`BLOCK`] threads.
 const WARPS: usize = BLOCK as usize / 32;
@@ -148,22 +186,30 @@ const WARPS: usize = BLOCK as usize / 32;
 /// takes the warp kernel in bf16 and f16, the backward in f32 and f64.
 const ROW_KEYS: usize = 32 * 32;
 
-fn grid_of(n: usize) -> u32 {
+pub(super) fn grid_of(n: usize) -> u32 {
     n.div_ceil(BLOCK as usize).clamp(1, 1 << 30) as u32
 }
 
-fn rows_of(rows: usize) -> Result<u32> {
+pub(super) fn rows_of(rows: usize) -> Result<u32> {
     u32::try_from(rows.max(1))
         .map_err(|_| candle::Error::Msg(format!("device path: {rows} rows in one launch")))
 }
 
-fn int(v: usize, what: &str) -> Result<i32> {
+pub(super) fn int(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v)
         .map_err(|_| candle::Error::Msg(format!("device path: {what} {v} is too large")))
 }
 
+/// A window side's reach as the kernels take it: at most `t`, and -1 for none.
+pub(super) fn reach(side: Option<usize>, t: usize) -> Result<i32> {
+    match side {
+        Some(w) => int(w.min(t), "a window"),
+        None => Ok(-1),
+    }
+}
+
 /// A device address, or null for an absent input.
-fn ptr(m: Option<Mem>) -> u64 {
+pub(super) fn ptr(m: Option<Mem>) -> u64 {
     m.map_or(0, |m| m.addr)
 }
 
@@ -208,10 +254,23 @@ impl CudaStream {
 
     /// [`CudaStream::launch`] over a grid of `(x, y)` blocks.
     fn launch_grid(&self, name: &str, dtype: DType, grid: (u32, u32), args: &[Arg]) -> Result<()> {
+        self.launch_in(&KERNELS_PROGRAM, name, dtype, (grid, BLOCK), args)
+    }
+
+    /// Launches `name` of `program` for `dtype` with `args` over a grid of `(x, y)` blocks of
+    /// `threads`.
+    pub(super) fn launch_in(
+        &self,
+        program: &Program,
+        name: &str,
+        dtype: DType,
+        (grid, threads): ((u32, u32), u32),
+        args: &[Arg],
+    ) -> Result<()> {
         let func = self.dev.get_or_load_custom_func(
             &format!("{name}_{}", suffix(dtype)?),
-            "poslab_device",
-            ptx()?,
+            program.module,
+            program.ptx()?,
         )?;
         let mut b = func.builder();
         for a in args {
@@ -223,7 +282,7 @@ impl CudaStream {
         }
         let cfg = LaunchConfig {
             grid_dim: (grid.0, grid.1, 1),
-            block_dim: (BLOCK, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: every kernel's arguments are given in its signature's order and types
@@ -235,14 +294,15 @@ impl CudaStream {
 }
 
 /// A kernel argument.
-enum Arg {
+#[derive(Clone, Copy)]
+pub(super) enum Arg {
     Ptr(u64),
     I64(u64),
     I32(i32),
     F64(f64),
 }
 
-fn i64_arg(v: usize) -> Arg {
+pub(super) fn i64_arg(v: usize) -> Arg {
     Arg::I64(v as u64)
 }
 
@@ -597,13 +657,8 @@ impl Stream for CudaStream {
             m.holds(n.scores(), dt, "the attention dropout mask")?;
             pm.holds(n.scores(), dt, "the dropped weights")?;
         }
-        // Each side's reach, -1 for none.
-        let reach = |side: Option<usize>, what| match side {
-            Some(w) => int(w.min(n.t), what),
-            None => Ok(-1),
-        };
-        let before = reach(s.window.before, "a window")?;
-        let after = reach(s.window.after, "a window")?;
+        let before = reach(s.window.before, n.t)?;
+        let after = reach(s.window.after, n.t)?;
         let args = [
             Arg::Ptr(s.sp.addr),
             Arg::Ptr(s.key_bias.addr),
@@ -624,6 +679,21 @@ impl Stream for CudaStream {
         } else {
             self.launch("softmax", dt, rows_of(rows)?, &args)
         }
+    }
+
+    fn flash(&self, f: &flash::Flash, out: Mem, lse: Mem) -> Result<()> {
+        flash::cuda::forward(self, f, out, lse)
+    }
+
+    fn flash_back(
+        &self,
+        f: &flash::Flash,
+        out: Mem,
+        lse: Mem,
+        dout: Mem,
+        g: &flash::FlashGrads,
+    ) -> Result<()> {
+        flash::cuda::backward(self, f, out, lse, dout, g)
     }
 
     fn softmax_back(

@@ -283,9 +283,9 @@ impl Stream for Twin {
         dout: Mem,
         g: &flash::FlashGrads,
     ) -> Result<()> {
-        // One launch for dk and dv, one for dq, as the CUDA kernels go.
-        count(Kind::Kernel);
-        count(Kind::Kernel);
+        for _ in 0..flash::back_launches(f, g.dbias.is_some()) {
+            count(Kind::Kernel);
+        }
         typed!(f.q.dtype, |S, C| flash::flash_back_twin::<S, C>(
             f, out, lse, dout, g
         ))

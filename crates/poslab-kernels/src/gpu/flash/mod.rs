@@ -33,9 +33,10 @@
 //!
 //! The twin runs this tile loop as a GPU's blocks would: over (batch, head, key tile) for `dk`,
 //! `dv` and the column parts of the bias's gradient, then over (batch, head, query tile) for
-//! `dq` and the row parts, each part summed in a fixed order. Its CUDA kernel is not written
-//! yet: a CUDA stream answers `fuses_attention` with false, and its layers take the softmax
-//! path.
+//! `dq` and the row parts, each part summed in a fixed order. Its CUDA kernels (`flash.cu`,
+//! launched by `flash/cuda.rs`) take the same loop a thread a row; until [`against_twin`] has held
+//! them to the twin on a GPU, a CUDA stream answers `fuses_attention` with false and its layers
+//! take the softmax path.
 
 use candle::Result;
 
@@ -44,8 +45,26 @@ use super::*;
 use crate::spec::SeededDropout;
 use crate::Real;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 /// Queries, and keys, per tile.
 pub const TILE: usize = 64;
+
+/// The CUDA kernels' rows a block, one a thread (`FQ` in `flash.cu`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const FQ: usize = 64;
+
+/// The widest head the CUDA kernels take (`FDH` in `flash.cu`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const FDH: usize = 128;
+
+/// The launches of one backward: `D = dO·o`, the key blocks, the query blocks, and for a bias
+/// by offset owed a gradient its sum by offset (as the CUDA kernels go; the twin counts the
+/// same).
+pub fn back_launches(f: &Flash, bias_grad: bool) -> usize {
+    3 + usize::from(bias_grad && matches!(f.bias, FlashBias::Offsets { .. }))
+}
 
 impl Heads {
     /// Where row `i` of (batch, head) `bh` starts in a tensor of the heads side by side
@@ -481,6 +500,184 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
     Ok(())
 }
 
+/// For a GPU's tests: the fused attention's forward and every gradient on `device`'s stream
+/// against its CPU twin on the same values, for every dtype, bias, window (padded queries whose
+/// window holds only padding among them) and with and without dropout, at head widths 8, 64 and
+/// 128, over a length the tiles do not divide. Returns the worst error of each dtype, relative
+/// to each output's largest value, over the rows with a real key (a row with none has the
+/// weights of the rounding, as in the twin's own test). On the CPU it runs the twin twice.
+pub fn against_twin(device: &candle::Device) -> Result<Vec<(DType, f64)>> {
+    use candle::Tensor;
+
+    let stream = stream_for(device)?;
+    let twin = twin::Twin;
+    let mut worst: Vec<(DType, f64)> = Vec::new();
+    for dh in [8, 64, 128] {
+        let n = Heads {
+            b: 2,
+            h: 3,
+            t: 150,
+            dh,
+        };
+        // The second sequence's last 30 keys are padding.
+        let key_bias: Vec<f64> = (0..n.b * n.t)
+            .map(|x| match x >= 2 * n.t - 30 {
+                true => crate::spec::MASKED_SCORE,
+                false => 0.0,
+            })
+            .collect();
+        let qkv = [values(n.one(), 1), values(n.one(), 2), values(n.one(), 3)];
+        let biases = [
+            vec![0.0],
+            values(n.h * (2 * n.t - 1), 5),
+            values(2 * n.b * n.h * n.t, 6)
+                .iter()
+                .map(|x| 3.0 * x)
+                .collect(),
+        ];
+        let windows = [
+            Window::ALL,
+            Window::new(Some(20), false),
+            Window::new(None, true),
+        ];
+        for (dtype, window, kind, dropout) in [DType::F64, DType::F32, DType::BF16, DType::F16]
+            .into_iter()
+            .flat_map(|d| windows.map(|w| (d, w)))
+            .flat_map(|(d, w)| (0..3).map(move |k| (d, w, k)))
+            .flat_map(|(d, w, k)| {
+                [None, Some(SeededDropout { seed: 9, p: 0.25 })].map(|p| (d, w, k, p))
+            })
+        {
+            let cd = compute_dtype(dtype);
+            // Rows whose window holds only padding: zero in dO and left out of the output.
+            let dead = |bh: usize, i: usize| {
+                let bi = bh / n.h;
+                (0..n.t).all(|j| window.hides(i, j) || key_bias[bi * n.t + j] != 0.0)
+            };
+            let live = |x: &mut [f64]| {
+                for bh in 0..n.b * n.h {
+                    for i in (0..n.t).filter(|i| dead(bh, *i)) {
+                        let at = n.token_row(bh, i);
+                        x[at..at + dh].iter_mut().for_each(|v| *v = 0.0);
+                    }
+                }
+            };
+            let mut dout = values(n.one(), 4);
+            live(&mut dout);
+            let bias_len = match kind {
+                1 => n.h * (2 * n.t - 1),
+                2 => 2 * n.b * n.h * n.t,
+                _ => 0,
+            };
+            let mut results: Vec<Vec<Vec<f64>>> = Vec::new();
+            for (d, s) in [
+                (device, &*stream),
+                (&candle::Device::Cpu, &twin as &dyn Stream),
+            ] {
+                let on = |v: &[f64], dt: DType| -> Result<Tensor> {
+                    Tensor::new(v, &candle::Device::Cpu)?
+                        .to_dtype(dt)?
+                        .to_device(d)
+                };
+                let inputs = [
+                    on(&qkv[0], dtype)?,
+                    on(&qkv[1], dtype)?,
+                    on(&qkv[2], dtype)?,
+                    on(&dout, dtype)?,
+                    on(&key_bias, cd)?,
+                    on(&biases[kind], cd)?,
+                ];
+                let held: Vec<Held> = inputs.iter().map(Held::of).collect();
+                let m = |x: usize| held[x].mem();
+                let f = Flash {
+                    heads: n,
+                    q: m(0)?,
+                    k: m(1)?,
+                    v: m(2)?,
+                    scale: 1.0 / (dh as f64).sqrt(),
+                    key_bias: m(4)?,
+                    bias: match kind {
+                        1 => FlashBias::Offsets { values: m(5)? },
+                        2 => FlashBias::Sided { sums: m(5)? },
+                        _ => FlashBias::None,
+                    },
+                    window,
+                    dropout,
+                };
+                let (o, lse) = (s.alloc(dtype, n.one())?, s.alloc(cd, 2 * n.b * n.h * n.t)?);
+                s.flash(&f, o.mem(), lse.mem())?;
+                let (dq, dk, dv) = (
+                    s.alloc(dtype, n.one())?,
+                    s.alloc(dtype, n.one())?,
+                    s.alloc(dtype, n.one())?,
+                );
+                let db = (bias_len > 0).then(|| s.alloc(cd, bias_len)).transpose()?;
+                let grads = FlashGrads {
+                    dq: dq.mem(),
+                    dk: dk.mem(),
+                    dv: dv.mem(),
+                    dbias: db.as_ref().map(Buf::mem),
+                };
+                s.flash_back(&f, o.mem(), lse.mem(), m(3)?, &grads)?;
+                drop(held);
+                let mut o = read(o)?;
+                live(&mut o);
+                let db = db.map(read).transpose()?.unwrap_or_default();
+                results.push(vec![o, read(dq)?, read(dk)?, read(dv)?, db]);
+            }
+            let e = results[0]
+                .iter()
+                .zip(&results[1])
+                .map(|(got, want)| {
+                    let top = want.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+                    got.iter()
+                        .zip(want)
+                        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+                        / top
+                })
+                .fold(0.0f64, f64::max);
+            match worst.iter_mut().find(|w| w.0 == dtype) {
+                Some(w) => w.1 = w.1.max(e),
+                None => worst.push((dtype, e)),
+            }
+        }
+    }
+    Ok(worst)
+}
+
+/// Values in (-1, 1) from a fixed stream (xorshift), for the checks.
+fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// A stream's buffer's values, as f64.
+fn read(b: Buf) -> Result<Vec<f64>> {
+    #[allow(clippy::infallible_destructuring_match)] // not so with the `cuda` feature
+    let storage = match b.into_owner() {
+        Owner::Cpu(s) => s,
+        #[cfg(feature = "cuda")]
+        Owner::Cuda(s) => {
+            use candle::backend::BackendStorage;
+            s.to_cpu_storage()?
+        }
+    };
+    Ok(match storage {
+        CpuStorage::F64(v) => v,
+        CpuStorage::F32(v) => v.into_iter().map(f64::from).collect(),
+        CpuStorage::BF16(v) => v.into_iter().map(half::bf16::to_f64).collect(),
+        CpuStorage::F16(v) => v.into_iter().map(half::f16::to_f64).collect(),
+        _ => candle::bail!("device path: a buffer of no float dtype"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -493,19 +690,6 @@ mod tests {
             len: v.len(),
             dtype: T::DTYPE,
         }
-    }
-
-    /// Values in (-1, 1) from a fixed stream.
-    fn values(n: usize, seed: u64) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
     }
 
     /// The dense reference in f64: every score, softmax, and the gradients by the chain rule:
@@ -869,6 +1053,15 @@ mod tests {
             DType::BF16 => as_types!(half::bf16, f32, half::bf16::from_f64, half::bf16::to_f64),
             _ => as_types!(half::f16, f32, half::f16::from_f64, half::f16::to_f64),
         }
+    }
+
+    /// The GPU's check of its kernels against the twin ([`against_twin`]) runs every case here,
+    /// twin against twin, and finds them equal to the bit.
+    #[test]
+    fn the_check_against_the_twin_runs_and_finds_the_twin_equal_to_itself() {
+        let worst = against_twin(&candle::Device::Cpu).unwrap();
+        assert_eq!(worst.len(), 4, "{worst:?}");
+        assert!(worst.iter().all(|(_, e)| *e == 0.0), "{worst:?}");
     }
 
     /// The forward allocates nothing of the scores' size: its peak is the inputs' and outputs',
