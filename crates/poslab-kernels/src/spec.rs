@@ -293,11 +293,17 @@ pub enum AttentionDropout {
 }
 
 impl AttentionDropout {
-    /// The multipliers as a `(b, h, t, t)` tensor like `like` (made from the seed when seeded).
-    pub fn tensor(&self, shape: &candle::Shape, like: &Tensor) -> Result<Tensor> {
+    /// The multipliers as a tensor of `shape` `(b, h, t, t)`, `dtype` and `device` when made
+    /// from the seed (a drawn mask is returned as it is).
+    pub fn tensor(
+        &self,
+        shape: &candle::Shape,
+        dtype: DType,
+        device: &candle::Device,
+    ) -> Result<Tensor> {
         match self {
             Self::Drawn(m) => Ok(m.clone()),
-            Self::Seeded(s) => s.mask(shape, like.dtype(), like.device()),
+            Self::Seeded(s) => s.mask(shape, dtype, device),
         }
     }
 }

@@ -68,11 +68,6 @@ impl Dropout {
 }
 
 impl Dropout {
-    /// The probability of dropping a unit.
-    pub fn p(&self) -> f64 {
-        self.p
-    }
-
     /// A seeded dropout (one `u64` drawn from the shared generator) for a mask the kernels
     /// draw themselves, or none when it is inactive.
     pub(crate) fn seeded(&self, train: bool) -> Option<SeededDropout> {

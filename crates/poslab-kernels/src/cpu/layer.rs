@@ -220,13 +220,10 @@ impl LayerOp {
 
     /// The masks on the host; a seeded attention dropout's made for `b` sequences of `t`.
     fn host_masks<T: Real>(&self, b: usize, t: usize) -> Result<HostMasks<T>> {
-        let h = self.attention.head_count();
+        let shape = (b, self.attention.head_count(), t, t).into();
         let attention = match &self.masks.attention {
+            Some(m) => Some(m.tensor(&shape, T::DTYPE, &candle::Device::Cpu)?),
             None => None,
-            Some(AttentionDropout::Drawn(m)) => Some(m.clone()),
-            Some(AttentionDropout::Seeded(d)) => {
-                Some(d.mask(&(b, h, t, t).into(), T::DTYPE, &candle::Device::Cpu)?)
-            }
         };
         Ok(HostMasks {
             attention: host(&attention)?,

@@ -32,31 +32,21 @@ pub(in crate::gpu) static PROGRAM: Program = Program::new(
     ],
 );
 
-/// The arguments every kernel but `flash_dd` begins with (`FLASH_PARAMS` in `flash.cu`), after
-/// checking every span they read.
+/// The arguments every kernel but `flash_dd` begins with (`FLASH_PARAMS` in `flash.cu`), of a
+/// checked `f`.
 fn common(f: &Flash) -> Result<Vec<Arg>> {
     let n = f.heads;
-    let (dt, cd) = (f.q.dtype, compute_dtype(f.q.dtype));
+    let dt = f.q.dtype;
     if n.dh > FDH {
         candle::bail!(
             "device path: the fused attention takes heads up to {FDH} wide, not {}",
             n.dh
         );
     }
-    for (m, what) in [(f.q, "q"), (f.k, "k"), (f.v, "v")] {
-        m.holds(n.one(), dt, what)?;
-    }
-    f.key_bias.holds(n.b * n.t, cd, "the key bias")?;
     let (kind, bias) = match f.bias {
         FlashBias::None => (0, None),
-        FlashBias::Offsets { values } => {
-            values.holds(n.h * (2 * n.t - 1), cd, "the bias by offset")?;
-            (1, Some(values))
-        }
-        FlashBias::Sided { sums } => {
-            sums.holds(2 * n.b * n.h * n.t, cd, "the running sums")?;
-            (2, Some(sums))
-        }
+        FlashBias::Offsets { values } => (1, Some(values)),
+        FlashBias::Sided { sums } => (2, Some(sums)),
     };
     let (dropout, seed, threshold, keep) = match f.dropout {
         None => (0, 0, 0, 1.0),
@@ -99,10 +89,8 @@ fn by_rows(f: &Flash) -> Result<(u32, u32)> {
 
 /// [`Stream::flash`] on CUDA.
 pub(in crate::gpu) fn forward(s: &CudaStream, f: &Flash, out: Mem, lse: Mem) -> Result<()> {
-    let n = f.heads;
-    let (dt, cd) = (f.q.dtype, compute_dtype(f.q.dtype));
-    out.holds(n.one(), dt, "the attention's output")?;
-    lse.holds(2 * n.b * n.h * n.t, cd, "the rows' statistics")?;
+    f.check_forward(out, lse)?;
+    let dt = f.q.dtype;
     let mut args = common(f)?;
     args.extend([Arg::Ptr(out.addr), Arg::Ptr(lse.addr)]);
     count(Kind::Kernel);
@@ -121,12 +109,7 @@ pub(in crate::gpu) fn backward(
     let n = f.heads;
     let (dt, cd) = (f.q.dtype, compute_dtype(f.q.dtype));
     let rows = n.b * n.h * n.t;
-    out.holds(n.one(), dt, "the attention's output")?;
-    dout.holds(n.one(), dt, "the output's gradient")?;
-    lse.holds(2 * rows, cd, "the rows' statistics")?;
-    for (m, what) in [(g.dq, "dq"), (g.dk, "dk"), (g.dv, "dv")] {
-        m.holds(n.one(), dt, what)?;
-    }
+    f.check_backward(out, lse, dout, g)?;
     let common = common(f)?;
     // D = dO·o of every row.
     let dd = s.alloc(cd, rows)?;
@@ -148,10 +131,7 @@ pub(in crate::gpu) fn backward(
     )?;
     // The running sums' gradient: the columns' parts, then the rows' added to them.
     let (cols, dsums) = match (f.bias, g.dbias) {
-        (FlashBias::Sided { .. }, Some(d)) => {
-            d.holds(2 * rows, cd, "the running sums' gradient")?;
-            (Some(s.alloc(cd, 2 * rows)?), Some(d))
-        }
+        (FlashBias::Sided { .. }, Some(d)) => (Some(s.alloc(cd, 2 * rows)?), Some(d)),
         _ => (None, None),
     };
     let cols_mem = cols.as_ref().map(|c| c.mem());
@@ -178,7 +158,6 @@ pub(in crate::gpu) fn backward(
     count(Kind::Kernel);
     s.launch_in(&PROGRAM, "flash_rows", dt, (by_rows(f)?, FQ as u32), &args)?;
     if let (FlashBias::Offsets { .. }, Some(dbias)) = (f.bias, g.dbias) {
-        dbias.holds(n.h * (2 * n.t - 1), cd, "the bias's gradient")?;
         let mut args = common;
         args.extend([
             Arg::Ptr(dout.addr),

@@ -40,7 +40,7 @@
 
 use candle::Result;
 
-use super::host::{holds, holds_c, load, rows_par, store, Store};
+use super::host::{load, rows_par, store, Store};
 use super::*;
 use crate::spec::SeededDropout;
 use crate::Real;
@@ -147,21 +147,62 @@ impl Flash {
             .transpose()
     }
 
-    /// Checks every span it reads, for heads of `S` computed as `C`.
-    fn check<S: Store<C>, C: Store<C>>(&self) -> Result<()> {
+    /// The bias's values (and its gradient's): `(h, 2t - 1)` by offset, `(2, b, h, t)` for
+    /// running sums.
+    fn bias_len(&self) -> usize {
         let n = self.heads;
-        for (m, what) in [(self.q, "q"), (self.k, "k"), (self.v, "v")] {
-            holds::<S, C>(m, n.one(), what)?;
+        match self.bias {
+            FlashBias::None => 0,
+            FlashBias::Offsets { .. } => n.h * (2 * n.t - 1),
+            FlashBias::Sided { .. } => 2 * n.b * n.h * n.t,
         }
-        holds_c::<C>(self.key_bias, n.b * n.t, "the key bias")?;
+    }
+
+    /// Checks every span the forward reads and writes (the output `out` and the rows'
+    /// statistics `lse`): the heads and the output in the heads' dtype, the rest in its compute
+    /// dtype. The twin and the CUDA launches both check here.
+    fn check_forward(&self, out: Mem, lse: Mem) -> Result<()> {
+        let n = self.heads;
+        let (dt, cd) = (self.q.dtype, compute_dtype(self.q.dtype));
+        for (m, what) in [
+            (self.q, "q"),
+            (self.k, "k"),
+            (self.v, "v"),
+            (out, "the attention's output"),
+        ] {
+            m.holds(n.one(), dt, what)?;
+        }
+        self.key_bias.holds(n.b * n.t, cd, "the key bias")?;
+        lse.holds(2 * n.b * n.h * n.t, cd, "the rows' statistics")?;
         match self.bias {
             FlashBias::None => Ok(()),
             FlashBias::Offsets { values } => {
-                holds_c::<C>(values, n.h * (2 * n.t - 1), "the bias by offset")
+                values.holds(self.bias_len(), cd, "the bias by offset")
             }
-            FlashBias::Sided { sums } => {
-                holds_c::<C>(sums, 2 * n.b * n.h * n.t, "the running sums")
-            }
+            FlashBias::Sided { sums } => sums.holds(self.bias_len(), cd, "the running sums"),
+        }
+    }
+
+    /// [`Flash::check_forward`], and the spans the backward reads and writes besides: the
+    /// output's gradient `dout` and the gradients `g`.
+    fn check_backward(&self, out: Mem, lse: Mem, dout: Mem, g: &FlashGrads) -> Result<()> {
+        self.check_forward(out, lse)?;
+        let n = self.heads;
+        for (m, what) in [
+            (dout, "the output's gradient"),
+            (g.dq, "dq"),
+            (g.dk, "dk"),
+            (g.dv, "dv"),
+        ] {
+            m.holds(n.one(), self.q.dtype, what)?;
+        }
+        match g.dbias {
+            Some(d) => d.holds(
+                self.bias_len(),
+                compute_dtype(self.q.dtype),
+                "the bias's gradient",
+            ),
+            None => Ok(()),
         }
     }
 }
@@ -263,11 +304,9 @@ pub(super) fn flash_twin<S: Store<C>, C: Real + Store<C>>(
     out: Mem,
     lse: Mem,
 ) -> Result<()> {
-    f.check::<S, C>()?;
+    f.check_forward(out, lse)?;
     let n = f.heads;
     let (t, dh) = (n.t, n.dh);
-    holds::<S, C>(out, n.one(), "the attention's output")?;
-    holds_c::<C>(lse, 2 * n.b * n.h * t, "the rows' statistics")?;
     let tiles = t.div_ceil(TILE);
     let drop = f.drop::<C>()?;
     rows_par(n.b * n.h * tiles, TILE * t * dh, |task| {
@@ -337,23 +376,9 @@ pub(super) fn flash_back_twin<S: Store<C>, C: Real + Store<C>>(
     dout: Mem,
     g: &FlashGrads,
 ) -> Result<()> {
-    f.check::<S, C>()?;
+    f.check_backward(out, lse, dout, g)?;
     let n = f.heads;
     let (t, dh, bh_all) = (n.t, n.dh, n.b * n.h);
-    holds::<S, C>(out, n.one(), "the attention's output")?;
-    holds::<S, C>(dout, n.one(), "the output's gradient")?;
-    holds_c::<C>(lse, 2 * bh_all * t, "the rows' statistics")?;
-    for (m, what) in [(g.dq, "dq"), (g.dk, "dk"), (g.dv, "dv")] {
-        holds::<S, C>(m, n.one(), what)?;
-    }
-    let bias_len = match f.bias {
-        FlashBias::None => 0,
-        FlashBias::Offsets { .. } => n.h * (2 * t - 1),
-        FlashBias::Sided { .. } => 2 * bh_all * t,
-    };
-    if let Some(d) = g.dbias {
-        holds_c::<C>(d, bias_len, "the bias's gradient")?;
-    }
     // Each row's D = dO·O, and what every tile of a (batch, head) reads.
     let prepared = |bh: usize| -> Prepared<C> {
         let block = Block::<C>::of::<S>(f, bh);
@@ -519,13 +544,7 @@ pub fn against_twin(device: &candle::Device) -> Result<Vec<(DType, f64)>> {
             t: 150,
             dh,
         };
-        // The second sequence's last 30 keys are padding.
-        let key_bias: Vec<f64> = (0..n.b * n.t)
-            .map(|x| match x >= 2 * n.t - 30 {
-                true => crate::spec::MASKED_SCORE,
-                false => 0.0,
-            })
-            .collect();
+        let key_bias = padded_key_bias(n);
         let qkv = [values(n.one(), 1), values(n.one(), 2), values(n.one(), 3)];
         let biases = [
             vec![0.0],
@@ -654,6 +673,16 @@ fn values(n: usize, seed: u64) -> Vec<f64> {
             x ^= x >> 7;
             x ^= x << 17;
             (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// The key bias `(b, t)` of the checks: the last sequence's last 30 keys are padding.
+fn padded_key_bias(n: Heads) -> Vec<f64> {
+    (0..n.b * n.t)
+        .map(|x| match x >= n.b * n.t - 30 {
+            true => crate::spec::MASKED_SCORE,
+            false => 0.0,
         })
         .collect()
 }
@@ -845,13 +874,7 @@ mod tests {
             values(size, 4),
         );
         let scale = 1.0 / (n.dh as f64).sqrt();
-        // The second sequence's last 30 keys are padding.
-        let key_bias: Vec<f64> = (0..n.b * n.t)
-            .map(|x| match x >= n.t + n.t - 30 {
-                true => crate::spec::MASKED_SCORE,
-                false => 0.0,
-            })
-            .collect();
+        let key_bias = padded_key_bias(n);
         let windows = [
             Window::ALL,
             Window::new(Some(20), false),
